@@ -1,0 +1,450 @@
+//! The LoRA delta kernel: `Δ = scale · (x · Aᵀ) · Bᵀ` for one worker's slice of rows.
+//!
+//! `x` is f32 `[rows, d_in]`; `A` is `[rank, d_in]` and `B` is `[d_out, rank]`, both row-major
+//! in their *stored* dtype (f32, f16 or bf16, little-endian bytes), read in place from the host
+//! store; `Δ` is f32 `[rows, d_out]`, written or accumulated.
+//!
+//! How it is blocked (the same driver runs every ISA; only the inner ops differ):
+//!
+//! * **shrink** `t = x · Aᵀ` (`[rows, rank]`, kept in [`Scratch`]; 256 KiB at rows 512 ×
+//!   rank 128, so it lives in L1/L2): `d_in` is cut into chunks of `kc` columns such that the
+//!   `[rank, kc]` slice of `A` stays in L2 while every row block streams past it; f32 weights
+//!   are used in place, f16/bf16 chunks are widened once into scratch. The micro-kernel is a
+//!   3-row × 4-rank tile of dot products with 12 independent SIMD accumulators.
+//! * **expand** `Δ = (scale · t) · Bᵀ`: `d_out` is cut into chunks of `nc` columns; each chunk
+//!   of `B` is transposed (and widened) once into panels of [`PANEL`] columns, then every 4-row
+//!   block of `t` sweeps the panels: a 4 × 24 register tile, one broadcast of `t` per row and
+//!   rank step. Every element of `A` and `B` is read from memory once per call.
+//!
+//! Dispatch: [`Isa::best`] picks AVX2+FMA+F16C at run time when the CPU has it, else the
+//! portable scalar path (which is also what aarch64 and other targets compile).
+
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod avx512;
+mod scalar;
+
+#[cfg(test)]
+mod tests;
+
+use std::ops::Range;
+
+use thiserror::Error;
+
+/// Storage format of an adapter matrix in the host store.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+pub enum WeightDtype {
+    /// IEEE binary32.
+    F32,
+    /// IEEE binary16.
+    F16,
+    /// bfloat16 (the top half of a binary32).
+    Bf16,
+}
+
+impl WeightDtype {
+    /// Bytes per element.
+    pub const fn size(self) -> usize {
+        match self {
+            Self::F32 => 4,
+            Self::F16 | Self::Bf16 => 2,
+        }
+    }
+
+    /// Lower-case name, as in safetensors headers.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Self::F32 => "f32",
+            Self::F16 => "f16",
+            Self::Bf16 => "bf16",
+        }
+    }
+}
+
+/// A row-major weight matrix borrowed in place: little-endian elements of `dtype`, any
+/// alignment. Its shape comes from the [`LoraProblem`] it is used with.
+#[derive(Copy, Clone, Debug)]
+pub struct LoraMat<'a> {
+    /// Element format of `bytes`.
+    pub dtype: WeightDtype,
+    /// The raw elements, row-major.
+    pub bytes: &'a [u8],
+}
+
+#[cfg(target_endian = "little")]
+impl<'a> LoraMat<'a> {
+    /// Views typed f32 weights.
+    pub fn from_f32(w: &'a [f32]) -> Self {
+        Self { dtype: WeightDtype::F32, bytes: bytemuck::cast_slice(w) }
+    }
+
+    /// Views typed f16 weights.
+    pub fn from_f16(w: &'a [half::f16]) -> Self {
+        Self { dtype: WeightDtype::F16, bytes: bytemuck::cast_slice(w) }
+    }
+
+    /// Views typed bf16 weights.
+    pub fn from_bf16(w: &'a [half::bf16]) -> Self {
+        Self { dtype: WeightDtype::Bf16, bytes: bytemuck::cast_slice(w) }
+    }
+}
+
+/// The shape of one delta computation.
+#[derive(Copy, Clone, Debug, PartialEq)]
+pub struct LoraProblem {
+    /// Rows of `x` and `Δ` (tokens in this worker's slice).
+    pub rows: usize,
+    /// Input features: columns of `x` and `A`.
+    pub d_in: usize,
+    /// Output features: columns of `Δ`, rows of `B`.
+    pub d_out: usize,
+    /// Adapter rank: rows of `A`, columns of `B`.
+    pub rank: usize,
+    /// LoRA scale (`alpha / rank`), applied to the whole product.
+    pub scale: f32,
+}
+
+/// Multiply-adds counted as two flops: `2 · rows · rank · (d_in + d_out)`.
+pub fn flops(p: &LoraProblem) -> f64 {
+    2.0 * p.rows as f64 * p.rank as f64 * (p.d_in + p.d_out) as f64
+}
+
+/// Bytes the kernel must move at least once: `x`, `A`, `B` in their stored dtype, `Δ` written
+/// (and read too when accumulating). Divide by the run time for the achieved bandwidth.
+pub fn min_bytes(p: &LoraProblem, dtype: WeightDtype, accumulate: bool) -> f64 {
+    let out_passes = if accumulate { 2.0 } else { 1.0 };
+    let w = (p.rank * (p.d_in + p.d_out) * dtype.size()) as f64;
+    4.0 * (p.rows * p.d_in) as f64 + w + out_passes * 4.0 * (p.rows * p.d_out) as f64
+}
+
+/// A buffer whose length disagrees with the [`LoraProblem`]; the job is skipped, nothing is
+/// written. Usually a stale job-table entry or an adapter whose shape changed under its handle.
+#[derive(Debug, Clone, PartialEq, Error)]
+pub enum LoraError {
+    /// `x` or `out` has the wrong number of f32s.
+    #[error("LoRA `{which}` has {got} f32s but the problem needs {expected}; check rows and hidden sizes")]
+    Activation {
+        /// `"x"` or `"out"`.
+        which: &'static str,
+        /// `rows · d_in` or `rows · d_out`.
+        expected: usize,
+        /// Length given.
+        got: usize,
+    },
+    /// A weight buffer has the wrong number of bytes for its dtype and shape.
+    #[error("LoRA `{which}` ({dtype}) has {got} bytes but {expected} were expected; check the adapter's rank, dtype and target module")]
+    Weight {
+        /// `"A"` or `"B"`.
+        which: &'static str,
+        /// Its declared dtype name.
+        dtype: &'static str,
+        /// `rank · d · dtype size`.
+        expected: usize,
+        /// Bytes given.
+        got: usize,
+    },
+    /// The shape's element counts overflow `usize`.
+    #[error("LoRA problem {0:?} is too large to address")]
+    Overflow(LoraProblem),
+    /// [`lora_delta_on`] was asked for an instruction set this CPU lacks.
+    #[error("instruction set {0:?} is not available on this CPU; use Isa::best()")]
+    IsaUnavailable(Isa),
+}
+
+/// The instruction set a kernel call runs with.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+pub enum Isa {
+    /// Portable Rust, any target.
+    Scalar,
+    /// x86-64 AVX2 + FMA + F16C.
+    Avx2,
+    /// x86-64 AVX-512F (plus AVX2 + FMA + F16C).
+    Avx512,
+}
+
+impl Isa {
+    /// Every variant, slowest first.
+    pub const ALL: [Self; 3] = [Self::Scalar, Self::Avx2, Self::Avx512];
+
+    /// The fastest instruction set this CPU supports (detected once, then cached by std).
+    pub fn best() -> Self {
+        Self::ALL.into_iter().rev().find(|isa| isa.available()).unwrap_or(Self::Scalar)
+    }
+
+    /// Whether this CPU can run `self`.
+    pub fn available(self) -> bool {
+        match self {
+            Self::Scalar => true,
+            #[cfg(target_arch = "x86_64")]
+            Self::Avx2 => avx2::Avx2::detect().is_some(),
+            #[cfg(target_arch = "x86_64")]
+            Self::Avx512 => avx512::Avx512::detect().is_some(),
+            #[cfg(not(target_arch = "x86_64"))]
+            Self::Avx2 | Self::Avx512 => false,
+        }
+    }
+}
+
+/// Reusable working memory. Grows to the largest problem seen and is never shrunk, so a warm
+/// worker does not allocate per call.
+#[derive(Debug, Default)]
+pub struct Scratch {
+    /// `t = x · Aᵀ`, `[rows, rank]`.
+    t: Vec<f32>,
+    /// One widened `[rank, kc]` chunk of `A` (f16/bf16 or unaligned f32 only).
+    a_chunk: Vec<f32>,
+    /// Transposed, widened `B` chunk: `⌈nc / panel⌉` panels of `[rank, panel]`.
+    panels: Vec<f32>,
+}
+
+impl Scratch {
+    /// Empty scratch; grows on first use.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Scratch already sized for `p`, so that even the first call does not allocate.
+    pub fn for_problem(p: &LoraProblem) -> Self {
+        let mut s = Self::new();
+        let b = Blocking::for_problem(p, MAX_PANEL);
+        grow(&mut s.t, p.rows * p.rank);
+        grow(&mut s.a_chunk, p.rank * b.kc);
+        grow(&mut s.panels, b.nc.div_ceil(MAX_PANEL) * MAX_PANEL * p.rank);
+        s
+    }
+}
+
+fn grow(v: &mut Vec<f32>, n: usize) -> &mut [f32] {
+    if v.len() < n {
+        v.resize(n, 0.0);
+    }
+    &mut v[..n]
+}
+
+/// Computes `Δ = scale · (x · Aᵀ) · Bᵀ` into `out` (or adds it, with `accumulate`) using the
+/// best instruction set of this CPU.
+pub fn lora_delta(
+    p: &LoraProblem,
+    x: &[f32],
+    a: LoraMat<'_>,
+    b: LoraMat<'_>,
+    out: &mut [f32],
+    accumulate: bool,
+    scratch: &mut Scratch,
+) -> Result<(), LoraError> {
+    lora_delta_on(Isa::best(), p, x, a, b, out, accumulate, scratch)
+}
+
+/// [`lora_delta`] on a chosen instruction set (tests and benchmarks compare them).
+#[allow(clippy::too_many_arguments)]
+pub fn lora_delta_on(
+    isa: Isa,
+    p: &LoraProblem,
+    x: &[f32],
+    a: LoraMat<'_>,
+    b: LoraMat<'_>,
+    out: &mut [f32],
+    accumulate: bool,
+    scratch: &mut Scratch,
+) -> Result<(), LoraError> {
+    check(p, x, a, b, out)?;
+    let job = Job { p, x, a, b, accumulate };
+    let unavailable = Err(LoraError::IsaUnavailable(isa));
+    match isa {
+        Isa::Scalar => job.run(scalar::Scalar, out, scratch),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => match avx2::Avx2::detect() {
+            Some(ops) => job.run(ops, out, scratch),
+            None => return unavailable,
+        },
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => match avx512::Avx512::detect() {
+            Some(ops) => job.run(ops, out, scratch),
+            None => return unavailable,
+        },
+        #[cfg(not(target_arch = "x86_64"))]
+        Isa::Avx2 | Isa::Avx512 => return unavailable,
+    }
+    Ok(())
+}
+
+fn check(
+    p: &LoraProblem,
+    x: &[f32],
+    a: LoraMat<'_>,
+    b: LoraMat<'_>,
+    out: &[f32],
+) -> Result<(), LoraError> {
+    let mul = |u: usize, v: usize| u.checked_mul(v).ok_or(LoraError::Overflow(*p));
+    let act = |which, expected: usize, got: usize| {
+        (expected == got).then_some(()).ok_or(LoraError::Activation { which, expected, got })
+    };
+    let weight = |which, m: LoraMat<'_>, d: usize| -> Result<(), LoraError> {
+        let expected = mul(mul(p.rank, d)?, m.dtype.size())?;
+        let got = m.bytes.len();
+        let dtype = m.dtype.name();
+        (expected == got).then_some(()).ok_or(LoraError::Weight { which, dtype, expected, got })
+    };
+    act("x", mul(p.rows, p.d_in)?, x.len())?;
+    act("out", mul(p.rows, p.d_out)?, out.len())?;
+    weight("A", a, p.d_in)?;
+    weight("B", b, p.d_out)
+}
+
+/// The widest [`Ops::PANEL`] of any backend (sizes [`Scratch::for_problem`]).
+const MAX_PANEL: usize = 48;
+
+/// Cache blocking for one problem.
+#[derive(Copy, Clone, Debug)]
+struct Blocking {
+    /// `d_in` chunk: `[rank, kc]` of `A` is at most 512 KiB of f32, half of a typical L2.
+    kc: usize,
+    /// `d_out` chunk, a multiple of the panel width: its `[rank, nc]` panels are about
+    /// 96 KiB of f32.
+    nc: usize,
+}
+
+impl Blocking {
+    fn for_problem(p: &LoraProblem, panel: usize) -> Self {
+        let rank = p.rank.max(1);
+        let kc = ((128 * 1024 / rank) & !15).clamp(256, 4096).min(p.d_in.max(1));
+        let nc = ((24 * 1024 / rank) / panel * panel).clamp(panel, 2048 / panel * panel);
+        Self { kc, nc: nc.min(p.d_out.max(1)) }
+    }
+}
+
+/// A row-major f32 matrix view: row `i` starts at `data[i * ld]`.
+#[derive(Copy, Clone, Debug)]
+pub(crate) struct Rows<'a> {
+    pub data: &'a [f32],
+    pub ld: usize,
+}
+
+/// A mutable [`Rows`].
+#[derive(Debug)]
+pub(crate) struct RowsMut<'a> {
+    pub data: &'a mut [f32],
+    pub ld: usize,
+}
+
+/// Sizes of one inner product: `[m, k] · [k, n]`.
+#[derive(Copy, Clone, Debug)]
+pub(crate) struct Dims {
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+}
+
+/// Panics unless an `m × cols` block with leading dimension `ld` fits in `len`.
+pub(crate) fn check_block(what: &str, len: usize, ld: usize, m: usize, cols: usize) {
+    assert!(cols <= ld || m <= 1, "{what}: {cols} columns exceed leading dimension {ld}");
+    let need = if m == 0 || cols == 0 { 0 } else { (m - 1) * ld + cols };
+    assert!(need <= len, "{what}: block {m}x{cols} (ld {ld}) needs {need} elements, has {len}");
+}
+
+/// The per-ISA building blocks the blocked driver is made of. Each checks its own bounds.
+pub(crate) trait Ops: Copy {
+    /// Columns of one transposed `B` panel: the expand micro-kernel's width.
+    const PANEL: usize;
+
+    /// `dst[i] = src[i]` widened to f32, `dst.len()` elements.
+    fn widen(self, dtype: WeightDtype, src: &[u8], dst: &mut [f32]);
+    /// `t[m, n] (=|+=) x[m, k] · a[n, k]ᵀ` (`=` when `first`).
+    fn shrink(self, x: Rows<'_>, a: Rows<'_>, t: RowsMut<'_>, d: Dims, first: bool);
+    /// Transposes rows `cols` of `b` (`[_, rank]`) into panels: element `(o, j)` goes to
+    /// `dst[(c / P) * rank * P + j * P + c % P]` (`P = PANEL`) with `c = o - cols.start`.
+    /// Panel columns past `cols.end` are zeroed.
+    fn pack_bt(self, b: LoraMat<'_>, rank: usize, cols: Range<usize>, dst: &mut [f32]);
+    /// `out[m, n] (=|+=) t[m, k] · panels` where `panels` is [`Ops::pack_bt`]'s layout with
+    /// `rank = k` and `n` columns.
+    fn expand(self, t: Rows<'_>, panels: &[f32], out: RowsMut<'_>, d: Dims, accumulate: bool);
+}
+
+/// One validated call.
+struct Job<'a, 'p> {
+    p: &'p LoraProblem,
+    x: &'a [f32],
+    a: LoraMat<'a>,
+    b: LoraMat<'a>,
+    accumulate: bool,
+}
+
+impl Job<'_, '_> {
+    fn run<O: Ops>(&self, ops: O, out: &mut [f32], scratch: &mut Scratch) {
+        let p = self.p;
+        if p.rows == 0 || p.d_out == 0 {
+            return;
+        }
+        if p.rank == 0 || p.d_in == 0 {
+            if !self.accumulate {
+                out.fill(0.0);
+            }
+            return;
+        }
+        let blk = Blocking::for_problem(p, O::PANEL);
+        let t = grow(&mut scratch.t, p.rows * p.rank);
+        self.shrink(ops, blk, t, &mut scratch.a_chunk);
+        for v in t.iter_mut() {
+            *v *= p.scale;
+        }
+        let t = Rows { data: t, ld: p.rank };
+        let panels = grow(&mut scratch.panels, blk.nc.div_ceil(O::PANEL) * O::PANEL * p.rank);
+        for o0 in (0..p.d_out).step_by(blk.nc) {
+            let n = blk.nc.min(p.d_out - o0);
+            ops.pack_bt(self.b, p.rank, o0..o0 + n, panels);
+            let out = RowsMut { data: &mut out[o0..], ld: p.d_out };
+            let d = Dims { m: p.rows, n, k: p.rank };
+            ops.expand(t, panels, out, d, self.accumulate);
+        }
+    }
+
+    fn shrink(&self, ops: impl Ops, blk: Blocking, t: &mut [f32], a_chunk: &mut Vec<f32>) {
+        let p = self.p;
+        let a_in_place = in_place_f32(self.a);
+        for k0 in (0..p.d_in).step_by(blk.kc) {
+            let k = blk.kc.min(p.d_in - k0);
+            let a = match a_in_place {
+                Some(a) => Rows { data: &a[k0..], ld: p.d_in },
+                None => {
+                    let chunk = grow(a_chunk, p.rank * k);
+                    let es = self.a.dtype.size();
+                    for (j, dst) in chunk.chunks_exact_mut(k).enumerate() {
+                        let start = (j * p.d_in + k0) * es;
+                        ops.widen(self.a.dtype, &self.a.bytes[start..start + k * es], dst);
+                    }
+                    Rows { data: chunk, ld: k }
+                }
+            };
+            let x = Rows { data: &self.x[k0..], ld: p.d_in };
+            let d = Dims { m: p.rows, n: p.rank, k };
+            ops.shrink(x, a, RowsMut { data: t, ld: p.rank }, d, k0 == 0);
+        }
+    }
+}
+
+/// f32 weights that can be read as `&[f32]` without a copy (aligned, little-endian host).
+fn in_place_f32(m: LoraMat<'_>) -> Option<&[f32]> {
+    if m.dtype != WeightDtype::F32 || cfg!(target_endian = "big") {
+        return None;
+    }
+    bytemuck::try_cast_slice(m.bytes).ok()
+}
+
+/// Element `i` of `bytes` (little-endian `dtype`), widened.
+#[inline(always)]
+pub(crate) fn read_elem(dtype: WeightDtype, bytes: &[u8], i: usize) -> f32 {
+    match dtype {
+        WeightDtype::F32 => {
+            let b = &bytes[4 * i..4 * i + 4];
+            f32::from_le_bytes([b[0], b[1], b[2], b[3]])
+        }
+        WeightDtype::F16 => half::f16::from_bits(u16_at(bytes, i)).to_f32(),
+        WeightDtype::Bf16 => f32::from_bits(u32::from(u16_at(bytes, i)) << 16),
+    }
+}
+
+#[inline(always)]
+fn u16_at(bytes: &[u8], i: usize) -> u16 {
+    u16::from_le_bytes([bytes[2 * i], bytes[2 * i + 1]])
+}

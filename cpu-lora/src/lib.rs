@@ -1,0 +1,27 @@
+//! Pinned CPU worker processes computing LoRA deltas from shared memory.
+//!
+//! This crate owns the CPU side of CPU-assisted LoRA (DESIGN.md §4, CaraServe §4): worker
+//! processes pinned one per core wait on a step's doorbell, read activations and adapter
+//! weights in place from shared memory, compute `Δ = scale · (x · Aᵀ) · Bᵀ` for their slice of
+//! rows and publish it. It does not own the exchange segment's layout (`thaw-ipc`), the host
+//! adapter store, or the decision of when to assist (the runtime's cost model).
+//!
+//! Today it holds the compute kernel, [`kernel`]: a fused shrink + expand blocked for cache,
+//! AVX2/FMA/F16C with run-time dispatch and a portable fallback, reading f32, f16 or bf16
+//! weights in their stored format.
+//!
+//! ```
+//! use thaw_cpu_lora::kernel::{lora_delta, LoraMat, LoraProblem, Scratch};
+//!
+//! let p = LoraProblem { rows: 2, d_in: 3, d_out: 2, rank: 1, scale: 0.5 };
+//! let x = [1.0, 2.0, 3.0, -1.0, 0.0, 1.0];
+//! let a = [1.0f32, 1.0, 1.0]; // [rank, d_in]
+//! let b = [2.0f32, -2.0]; //     [d_out, rank]
+//! let mut out = [0.0; 4];
+//! let mut scratch = Scratch::new();
+//! lora_delta(&p, &x, LoraMat::from_f32(&a), LoraMat::from_f32(&b), &mut out, false, &mut scratch)?;
+//! assert_eq!(out, [6.0, -6.0, 0.0, 0.0]);
+//! # Ok::<(), thaw_cpu_lora::kernel::LoraError>(())
+//! ```
+
+pub mod kernel;

@@ -1,0 +1,23 @@
+//! The CPU reference ops: plain f32 functions over row-major slices.
+
+mod activation;
+mod attention;
+mod convert;
+mod gemm;
+mod lora;
+mod norm;
+mod rope;
+mod sys;
+#[cfg(test)]
+mod testutil;
+
+pub use activation::{add_in_place, log_softmax_in_place, softmax_in_place, swiglu};
+pub use attention::{paged_attention, write_kv, KvLayout};
+pub use convert::{bf16_bytes_to_f32, bytes_to_f32, f16_bytes_to_f32, FloatFormat};
+pub use gemm::{add_bias, linear, linear_scaled, matmul, matmul_scaled, GemmShape};
+pub use lora::{
+    bgmv, bgmv_expand, bgmv_shrink, merge_lora_into, sgmv, sgmv_expand, sgmv_scratch_len,
+    sgmv_shrink, LoraRef, LoraSegment,
+};
+pub use norm::rms_norm;
+pub use rope::{RopeScaling, RopeTable};

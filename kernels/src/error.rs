@@ -1,0 +1,29 @@
+//! The errors the kernels can report. Shape mismatches inside the engine are bugs and panic with a
+//! clear message; these are the failures that come from data (weights, configs) a caller loaded.
+
+use thiserror::Error;
+
+/// A failure of a fallible kernel helper.
+#[derive(Debug, Clone, PartialEq, Error)]
+pub enum KernelError {
+    /// A byte buffer does not hold exactly the number of elements the destination expects.
+    #[error(
+        "{format} buffer has {got} bytes but {expected} were expected \
+         ({elements} elements of {elem_bytes} bytes); check the tensor's dtype and shape"
+    )]
+    ByteLength {
+        /// Name of the element format, e.g. `bf16`.
+        format: &'static str,
+        /// Number of destination elements.
+        elements: usize,
+        /// Bytes per source element.
+        elem_bytes: usize,
+        /// `elements * elem_bytes`.
+        expected: usize,
+        /// Bytes actually given.
+        got: usize,
+    },
+    /// RoPE parameters that cannot produce a frequency table.
+    #[error("invalid RoPE configuration: {0}")]
+    InvalidRope(String),
+}

@@ -1,0 +1,264 @@
+//! `adapter_model.safetensors` as PEFT `save_pretrained` writes it, validated against the base
+//! model: tensor `base_model.model.model.layers.{i}.{self_attn|mlp}.{x}_proj.lora_{A|B}.weight`,
+//! A `[r, d_in]`, B `[d_out, r]`, in F32/F16/BF16.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use safetensors::tensor::TensorView;
+use safetensors::SafeTensors;
+
+use super::config::AdapterConfig;
+use super::error::AdapterError;
+use super::module::LoraModule;
+use crate::model::{view_to_f32, FileBytes, ModelConfig};
+
+/// The LoRA factors of one projection of one layer: delta(x) = scale * B (A x).
+#[derive(Clone, Debug, PartialEq)]
+pub struct LoraWeights {
+    pub rank: usize,
+    pub scale: f32,
+    /// `[rank, d_in]`, row-major.
+    pub a: Vec<f32>,
+    /// `[d_out, rank]`, row-major.
+    pub b: Vec<f32>,
+}
+
+/// A validated LoRA adapter in host memory, f32.
+#[derive(Clone, Debug)]
+pub struct LoraAdapter {
+    pub config: AdapterConfig,
+    layers: Vec<[Option<LoraWeights>; 7]>,
+    targets: Vec<LoraModule>,
+}
+
+/// Which factor a tensor holds.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum Factor {
+    A,
+    B,
+}
+
+/// Parses a PEFT LoRA tensor name into (layer, module, factor). Accepts the names with and
+/// without the `base_model.model.` prefix and with a `.default` adapter-name infix.
+fn parse_name(name: &str) -> Option<(usize, LoraModule, Factor)> {
+    let rest = name.strip_prefix("base_model.model.").unwrap_or(name);
+    let rest = rest.strip_prefix("model.layers.")?;
+    let (layer, rest) = rest.split_once('.')?;
+    let layer: usize = layer.parse().ok()?;
+    let mut parts = rest.split('.');
+    let parent = parts.next()?;
+    let module = LoraModule::from_hf_name(parts.next()?)?;
+    let factor = match parts.next()? {
+        "lora_A" => Factor::A,
+        "lora_B" => Factor::B,
+        _ => return None,
+    };
+    let tail: Vec<&str> = parts.collect();
+    if parent != module.parent() || !(tail == ["weight"] || tail == ["default", "weight"]) {
+        return None;
+    }
+    Some((layer, module, factor))
+}
+
+fn unexpected(tensor: &str, reason: impl Into<String>) -> AdapterError {
+    AdapterError::UnexpectedTensor {
+        tensor: tensor.to_string(),
+        reason: reason.into(),
+    }
+}
+
+/// The tensor name PEFT writes for (layer, module, factor), for error messages.
+fn canonical_name(layer: usize, m: LoraModule, f: Factor) -> String {
+    let f = if f == Factor::A { "lora_A" } else { "lora_B" };
+    format!("base_model.model.{}.{f}.weight", m.module_path(layer))
+}
+
+impl LoraAdapter {
+    /// Loads a PEFT adapter directory (`adapter_config.json` + `adapter_model.safetensors`) and
+    /// validates it against the base model.
+    pub fn load(dir: &Path, model: &ModelConfig) -> Result<Self, AdapterError> {
+        if !dir.is_dir() {
+            return Err(AdapterError::NotFound {
+                path: dir.to_path_buf(),
+            });
+        }
+        let config = AdapterConfig::from_file(&dir.join("adapter_config.json"))?;
+        let path = dir.join("adapter_model.safetensors");
+        if !path.is_file() {
+            let bin = dir.join("adapter_model.bin");
+            return Err(if bin.is_file() {
+                AdapterError::PickleWeights { path: bin }
+            } else {
+                AdapterError::MissingFile { path }
+            });
+        }
+        let bytes = FileBytes::open(&path).map_err(|e| AdapterError::Io {
+            path: path.clone(),
+            reason: e.to_string(),
+        })?;
+        let tensors = SafeTensors::deserialize(&bytes).map_err(|e| AdapterError::Corrupt {
+            path: path.clone(),
+            reason: e.to_string(),
+        })?;
+        Self::from_parts(config, &tensors, model)
+    }
+
+    /// Builds an adapter from a parsed config and safetensors file, validating every tensor
+    /// name, shape, rank and dtype against the config and the base model.
+    pub fn from_parts(
+        config: AdapterConfig,
+        tensors: &SafeTensors<'_>,
+        model: &ModelConfig,
+    ) -> Result<Self, AdapterError> {
+        let mut found: BTreeMap<(usize, LoraModule, Factor), (String, TensorView<'_>)> =
+            BTreeMap::new();
+        for (name, view) in tensors.iter() {
+            let Some((layer, m, f)) = parse_name(name) else {
+                return Err(unexpected(
+                    name,
+                    "only lora_A/lora_B weights of q/k/v/o/gate/up/down_proj are supported \
+                     (no embedding LoRA, DoRA magnitudes, biases or saved modules)",
+                ));
+            };
+            if layer >= model.num_layers {
+                return Err(AdapterError::LayerOutOfRange {
+                    tensor: name.to_string(),
+                    layer,
+                    num_layers: model.num_layers,
+                });
+            }
+            if !config.targets(layer, m) {
+                return Err(unexpected(
+                    name,
+                    "adapter_config.json (target_modules / layers_to_transform / exclude_modules) \
+                     does not target this module; the config and weights do not belong together",
+                ));
+            }
+            if found
+                .insert((layer, m, f), (name.to_string(), view))
+                .is_some()
+            {
+                return Err(unexpected(
+                    name,
+                    "it appears twice (with and without the `.default` infix)",
+                ));
+            }
+        }
+
+        let mut layers: Vec<[Option<LoraWeights>; 7]> =
+            (0..model.num_layers).map(|_| Default::default()).collect();
+        for (layer, slots) in layers.iter_mut().enumerate() {
+            for m in LoraModule::ALL {
+                if !config.targets(layer, m) {
+                    continue;
+                }
+                let (rank, scale) = config.rank_and_scale(layer, m);
+                let (d_in, d_out) = model.module_shape(m);
+                let get = |f: Factor| {
+                    found
+                        .get(&(layer, m, f))
+                        .ok_or_else(|| AdapterError::MissingTensor {
+                            tensor: canonical_name(layer, m, f),
+                        })
+                };
+                let (a_name, a) = get(Factor::A)?;
+                let (b_name, b) = get(Factor::B)?;
+                check_shape(a_name, a.shape(), [rank, d_in], 0, rank)?;
+                check_shape(b_name, b.shape(), [d_out, rank], 1, rank)?;
+                slots[m.index()] = Some(LoraWeights {
+                    rank,
+                    scale,
+                    a: to_f32(a_name, a)?,
+                    b: to_f32(b_name, b)?,
+                });
+            }
+        }
+        let targets = LoraModule::ALL
+            .into_iter()
+            .filter(|m| layers.iter().any(|l| l[m.index()].is_some()))
+            .collect();
+        Ok(Self {
+            config,
+            layers,
+            targets,
+        })
+    }
+
+    /// The factors for (layer, module), or `None` where the adapter does not touch it.
+    pub fn get(&self, layer: usize, m: LoraModule) -> Option<&LoraWeights> {
+        self.layers.get(layer)?[m.index()].as_ref()
+    }
+
+    /// Largest rank over all layers and modules (0 for an empty adapter).
+    pub fn max_rank(&self) -> usize {
+        self.iter().map(|(_, _, w)| w.rank).max().unwrap_or(0)
+    }
+
+    /// Number of base-model layers (including ones the adapter does not touch).
+    pub fn num_layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    /// Projections the adapter has weights for in at least one layer, in `LoraModule::ALL` order.
+    pub fn targets(&self) -> &[LoraModule] {
+        &self.targets
+    }
+
+    /// Bytes the A and B factors take as f32.
+    pub fn size_bytes_f32(&self) -> usize {
+        self.iter()
+            .map(|(_, _, w)| (w.a.len() + w.b.len()) * std::mem::size_of::<f32>())
+            .sum()
+    }
+
+    /// Every (layer, module, weights) present, layer-major.
+    pub fn iter(&self) -> impl Iterator<Item = (usize, LoraModule, &LoraWeights)> {
+        self.layers.iter().enumerate().flat_map(|(l, slots)| {
+            LoraModule::ALL
+                .into_iter()
+                .filter_map(move |m| slots[m.index()].as_ref().map(|w| (l, m, w)))
+        })
+    }
+}
+
+/// Checks a 2-D factor's shape; `rank_axis` is where the rank sits (0 for A, 1 for B).
+fn check_shape(
+    tensor: &str,
+    got: &[usize],
+    expected: [usize; 2],
+    rank_axis: usize,
+    rank: usize,
+) -> Result<(), AdapterError> {
+    let mismatch = || AdapterError::ShapeMismatch {
+        tensor: tensor.to_string(),
+        expected: expected.to_vec(),
+        got: got.to_vec(),
+    };
+    if got.len() != 2 {
+        return Err(mismatch());
+    }
+    let model_axis = 1 - rank_axis;
+    if got[model_axis] != expected[model_axis] {
+        return Err(mismatch());
+    }
+    if got[rank_axis] != rank {
+        return Err(AdapterError::RankMismatch {
+            tensor: tensor.to_string(),
+            config_rank: rank,
+            file_rank: got[rank_axis],
+        });
+    }
+    Ok(())
+}
+
+fn to_f32(name: &str, view: &TensorView<'_>) -> Result<Vec<f32>, AdapterError> {
+    view_to_f32(view).map_err(|dtype| AdapterError::UnsupportedDtype {
+        tensor: name.to_string(),
+        dtype: format!("{dtype:?}"),
+    })
+}
+
+#[cfg(test)]
+#[path = "format_tests.rs"]
+mod tests;

@@ -1,0 +1,15 @@
+//! PEFT LoRA adapters on disk: `adapter_config.json` and `adapter_model.safetensors` exactly as
+//! PEFT `save_pretrained` writes them, validated against the base model and widened to f32.
+//! Owns parsing and validation; residency (host store, device slots) lives elsewhere.
+
+mod config;
+mod error;
+mod format;
+mod module;
+mod targets;
+
+pub use config::AdapterConfig;
+pub use error::AdapterError;
+pub use format::{LoraAdapter, LoraWeights};
+pub use module::LoraModule;
+pub use targets::{FullMatch, TargetSpec};

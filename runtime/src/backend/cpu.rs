@@ -1,0 +1,279 @@
+//! The CPU backend: `thaw_kernels::cpu` ops over ordinary memory.
+//!
+//! Single-threaded by design: the engine thread runs the base model while the remaining cores
+//! belong to the CPU LoRA workers.
+use std::sync::Arc;
+
+use thaw_kernels::cpu::{self as k, GemmShape, KvLayout, LoraRef, LoraSegment, RopeTable};
+
+use super::{Backend, LinearDims, LoraBatch, LoraKernel, StepLayout};
+use crate::adapter::{LoraAdapter, LoraModule};
+use crate::error::Result;
+use crate::ids::LayerIdx;
+use crate::model::ModelConfig;
+
+/// A weight matrix in host memory.
+#[derive(Clone, Debug)]
+pub struct CpuLinear {
+    pub w: Vec<f32>,
+    pub bias: Option<Vec<f32>>,
+    pub d_out: usize,
+    pub d_in: usize,
+}
+
+/// One layer's paged K and V.
+#[derive(Clone, Debug)]
+pub struct CpuKvLayer {
+    pub k: Vec<f32>,
+    pub v: Vec<f32>,
+    pub layout: KvLayout,
+}
+
+/// The CPU backend for one model shape.
+#[derive(Debug)]
+pub struct CpuBackend {
+    rope: RopeTable,
+    n_heads: usize,
+    n_kv_heads: usize,
+    head_dim: usize,
+    sliding_window: Option<usize>,
+    attn_scratch: Vec<f32>,
+    lora_scratch: Vec<f32>,
+    bgmv_rows: Vec<Option<u32>>,
+}
+
+impl CpuBackend {
+    pub fn new(cfg: &ModelConfig) -> Self {
+        Self {
+            rope: RopeTable::new(cfg.head_dim, cfg.rope_theta, &cfg.rope_scaling),
+            n_heads: cfg.num_heads,
+            n_kv_heads: cfg.num_kv_heads,
+            head_dim: cfg.head_dim,
+            sliding_window: cfg.sliding_window,
+            attn_scratch: Vec::new(),
+            lora_scratch: Vec::new(),
+            bgmv_rows: Vec::new(),
+        }
+    }
+}
+
+fn lora_ref(a: &LoraAdapter, at: (LayerIdx, LoraModule)) -> Option<LoraRef<'_>> {
+    a.get(at.0 .0, at.1).map(|w| LoraRef {
+        a: &w.a,
+        b: &w.b,
+        rank: w.rank,
+        scale: w.scale,
+    })
+}
+
+impl Backend for CpuBackend {
+    type Buf = Vec<f32>;
+    type Linear = CpuLinear;
+    type Vector = Vec<f32>;
+    type Lora = Arc<LoraAdapter>;
+    type KvLayer = CpuKvLayer;
+
+    fn name(&self) -> &'static str {
+        "cpu"
+    }
+
+    fn alloc(&self, len: usize) -> Result<Vec<f32>> {
+        Ok(vec![0.0; len])
+    }
+
+    fn upload_linear(
+        &self,
+        w: Vec<f32>,
+        d_out: usize,
+        d_in: usize,
+        bias: Option<Vec<f32>>,
+    ) -> Result<CpuLinear> {
+        assert_eq!(w.len(), d_out * d_in, "linear weight is not [d_out, d_in]");
+        Ok(CpuLinear {
+            w,
+            bias,
+            d_out,
+            d_in,
+        })
+    }
+
+    fn upload_vector(&self, v: Vec<f32>) -> Result<Vec<f32>> {
+        Ok(v)
+    }
+
+    fn upload_lora(&self, adapter: Arc<LoraAdapter>) -> Result<Arc<LoraAdapter>> {
+        Ok(adapter)
+    }
+
+    fn alloc_kv_layer(&self, layout: KvLayout, num_blocks: usize) -> Result<CpuKvLayer> {
+        let len = layout.block_len() * num_blocks;
+        Ok(CpuKvLayer {
+            k: vec![0.0; len],
+            v: vec![0.0; len],
+            layout,
+        })
+    }
+
+    fn embed(&mut self, table: &CpuLinear, ids: &[u32], out: &mut Vec<f32>) {
+        let h = table.d_in;
+        for (r, &id) in ids.iter().enumerate() {
+            let src = &table.w[id as usize * h..(id as usize + 1) * h];
+            out[r * h..(r + 1) * h].copy_from_slice(src);
+        }
+    }
+
+    fn rms_norm(&mut self, x: &Vec<f32>, w: &Vec<f32>, eps: f32, rows: usize, out: &mut Vec<f32>) {
+        let n = rows * w.len();
+        k::rms_norm(&x[..n], w, eps, &mut out[..n]);
+    }
+
+    fn linear(&mut self, x: &Vec<f32>, w: &CpuLinear, rows: usize, out: &mut Vec<f32>) {
+        let shape = GemmShape {
+            m: rows,
+            k: w.d_in,
+            n: w.d_out,
+        };
+        let y = &mut out[..rows * w.d_out];
+        k::linear(&x[..rows * w.d_in], &w.w, y, shape, false);
+        if let Some(b) = &w.bias {
+            k::add_bias(y, b);
+        }
+    }
+
+    fn lora(
+        &mut self,
+        x: &Vec<f32>,
+        y: &mut Vec<f32>,
+        dims: LinearDims,
+        at: (LayerIdx, LoraModule),
+        batch: &LoraBatch<'_, Arc<LoraAdapter>>,
+    ) {
+        let rows = batch.layout.row_adapter.len();
+        let x = &x[..rows * dims.d_in];
+        let y = &mut y[..rows * dims.d_out];
+        match batch.kernel {
+            LoraKernel::Sgmv => {
+                for (range, idx) in &batch.layout.segments {
+                    let Some(lora) = lora_ref(batch.adapters[*idx as usize], at) else {
+                        continue;
+                    };
+                    let seg = LoraSegment {
+                        rows: range.clone(),
+                        lora,
+                    };
+                    k::sgmv(
+                        x,
+                        dims.d_in,
+                        std::slice::from_ref(&seg),
+                        y,
+                        dims.d_out,
+                        &mut self.lora_scratch,
+                    );
+                }
+            }
+            LoraKernel::Bgmv => {
+                // A handful of entries per (layer, module): the adapters of this step.
+                let mut refs: Vec<LoraRef<'_>> = Vec::with_capacity(batch.adapters.len());
+                let mut rows_idx = std::mem::take(&mut self.bgmv_rows);
+                rows_idx.clear();
+                // Map step-adapter index -> index among the adapters that target this module.
+                let mut local: Vec<Option<u32>> = Vec::with_capacity(batch.adapters.len());
+                let mut max_rank = 0;
+                for a in batch.adapters {
+                    match lora_ref(a, at) {
+                        Some(r) => {
+                            max_rank = max_rank.max(r.rank);
+                            local.push(Some(refs.len() as u32));
+                            refs.push(r);
+                        }
+                        None => local.push(None),
+                    }
+                }
+                if max_rank > 0 {
+                    rows_idx.extend(
+                        batch
+                            .layout
+                            .row_adapter
+                            .iter()
+                            .map(|i| i.and_then(|i| local[i as usize])),
+                    );
+                    k::bgmv(
+                        x,
+                        dims.d_in,
+                        &rows_idx,
+                        &refs,
+                        max_rank,
+                        y,
+                        dims.d_out,
+                        &mut self.lora_scratch,
+                    );
+                }
+                self.bgmv_rows = rows_idx;
+            }
+        }
+    }
+
+    fn rope(&mut self, x: &mut Vec<f32>, positions: &[usize], n_heads: usize) {
+        let n = positions.len() * n_heads * self.head_dim;
+        self.rope.apply(&mut x[..n], positions, n_heads);
+    }
+
+    fn attention(
+        &mut self,
+        q: &Vec<f32>,
+        k_new: &Vec<f32>,
+        v_new: &Vec<f32>,
+        kv: &mut CpuKvLayer,
+        step: &StepLayout,
+        out: &mut Vec<f32>,
+    ) {
+        let qw = self.n_heads * self.head_dim;
+        let kw = self.n_kv_heads * self.head_dim;
+        let scale = 1.0 / (self.head_dim as f32).sqrt();
+        for s in &step.seqs {
+            let table = &step.block_tables[s.blocks.clone()];
+            let (r0, r1) = (s.rows.start, s.rows.end);
+            k::write_kv(
+                &mut kv.k,
+                &mut kv.v,
+                kv.layout,
+                table,
+                s.start_pos,
+                &k_new[r0 * kw..r1 * kw],
+                &v_new[r0 * kw..r1 * kw],
+            );
+            k::paged_attention(
+                &q[r0 * qw..r1 * qw],
+                &kv.k,
+                &kv.v,
+                kv.layout,
+                table,
+                s.start_pos,
+                self.n_heads,
+                scale,
+                self.sliding_window,
+                &mut out[r0 * qw..r1 * qw],
+                &mut self.attn_scratch,
+            );
+        }
+    }
+
+    fn swiglu(&mut self, gate: &Vec<f32>, up: &Vec<f32>, len: usize, out: &mut Vec<f32>) {
+        k::swiglu(&gate[..len], &up[..len], &mut out[..len]);
+    }
+
+    fn add(&mut self, y: &mut Vec<f32>, x: &Vec<f32>, len: usize) {
+        k::add_in_place(&mut y[..len], &x[..len]);
+    }
+
+    fn gather_rows(&mut self, x: &Vec<f32>, width: usize, rows: &[usize], out: &mut Vec<f32>) {
+        for (i, &r) in rows.iter().enumerate() {
+            out[i * width..(i + 1) * width].copy_from_slice(&x[r * width..(r + 1) * width]);
+        }
+    }
+
+    fn logits(&mut self, x: &Vec<f32>, lm_head: &CpuLinear, rows: usize, out: &mut Vec<f32>) {
+        out.resize(rows * lm_head.d_out, 0.0);
+        self.linear(x, lm_head, rows, out);
+    }
+}

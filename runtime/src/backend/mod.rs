@@ -1,0 +1,168 @@
+//! The ops a Llama-family forward needs, behind one trait, and its implementations.
+//!
+//! The engine drives a step through [`Backend`] and never touches device memory itself:
+//! buffers, weights, adapter copies and KV storage are the backend's associated types. The
+//! CPU backend ([`cpu::CpuBackend`]) is always built; it is the oracle GPU kernels are tested
+//! against and what the demo and the tests run on.
+use std::ops::Range;
+
+use thaw_kernels::cpu::KvLayout;
+
+use crate::adapter::{LoraAdapter, LoraModule};
+use crate::error::Result;
+use crate::ids::LayerIdx;
+
+pub mod cpu;
+
+/// Which batched-LoRA formulation a step uses (Punica's SGMV or S-LoRA/CaraServe's BGMV).
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub enum LoraKernel {
+    /// Segments of contiguous rows per adapter, no padding: cost ∝ Σ rank.
+    #[default]
+    Sgmv,
+    /// Per-row adapter index, padded to the largest rank in the step: cost ∝ rows · max rank.
+    Bgmv,
+}
+
+/// One sequence's share of a step: its rows in the batch and where they sit in its context.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SeqSlice {
+    /// Rows of the step's activations that belong to this sequence.
+    pub rows: Range<usize>,
+    /// Position of the first of those rows in the sequence.
+    pub start_pos: usize,
+    /// Range of this sequence's block table in [`StepLayout::block_tables`].
+    pub blocks: Range<usize>,
+}
+
+/// Host-side description of one step, built once per step and shared by every layer.
+#[derive(Clone, Debug, Default)]
+pub struct StepLayout {
+    /// Token ids fed this step, one per row.
+    pub token_ids: Vec<u32>,
+    /// Position of each row within its sequence.
+    pub positions: Vec<usize>,
+    pub seqs: Vec<SeqSlice>,
+    /// All block tables of the step, concatenated.
+    pub block_tables: Vec<u32>,
+    /// Rows whose logits are wanted (the last row of each sampling sequence).
+    pub logit_rows: Vec<usize>,
+}
+
+impl StepLayout {
+    pub fn rows(&self) -> usize {
+        self.token_ids.len()
+    }
+
+    pub fn clear(&mut self) {
+        self.token_ids.clear();
+        self.positions.clear();
+        self.seqs.clear();
+        self.block_tables.clear();
+        self.logit_rows.clear();
+    }
+}
+
+/// The adapters of one step: Punica's segments (rows of one adapter are contiguous) and the
+/// equivalent per-row index for BGMV. Built once per step.
+#[derive(Clone, Debug, Default)]
+pub struct LoraLayout {
+    /// (rows, index into the step's adapter list).
+    pub segments: Vec<(Range<usize>, u32)>,
+    /// Per row: index into the step's adapter list, or None for base-only rows.
+    pub row_adapter: Vec<Option<u32>>,
+}
+
+impl LoraLayout {
+    pub fn clear(&mut self) {
+        self.segments.clear();
+        self.row_adapter.clear();
+    }
+}
+
+/// Input and output widths of a projection.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct LinearDims {
+    pub d_in: usize,
+    pub d_out: usize,
+}
+
+/// The adapters referenced by a step, in the order [`LoraLayout`] indexes them.
+pub struct LoraBatch<'a, L> {
+    pub kernel: LoraKernel,
+    pub layout: &'a LoraLayout,
+    pub adapters: &'a [&'a L],
+}
+
+/// The ops of a Llama-family forward. Buffers hold f32 activations laid out row-major;
+/// every op reads and writes the first `rows * width` elements of its buffers.
+pub trait Backend {
+    /// An activation buffer.
+    type Buf;
+    /// A `[d_out, d_in]` weight matrix with an optional bias (also used for the embedding table).
+    type Linear;
+    /// A vector of weights (norms).
+    type Vector;
+    /// One adapter's weights as the backend holds them.
+    type Lora;
+    /// One layer's K and V storage.
+    type KvLayer;
+
+    fn name(&self) -> &'static str;
+    fn alloc(&self, len: usize) -> Result<Self::Buf>;
+    /// `w` is `[d_out, d_in]` row-major.
+    fn upload_linear(
+        &self,
+        w: Vec<f32>,
+        d_out: usize,
+        d_in: usize,
+        bias: Option<Vec<f32>>,
+    ) -> Result<Self::Linear>;
+    fn upload_vector(&self, v: Vec<f32>) -> Result<Self::Vector>;
+    fn upload_lora(&self, adapter: std::sync::Arc<LoraAdapter>) -> Result<Self::Lora>;
+    fn alloc_kv_layer(&self, layout: KvLayout, num_blocks: usize) -> Result<Self::KvLayer>;
+
+    /// out[r] = table[ids[r]].
+    fn embed(&mut self, table: &Self::Linear, ids: &[u32], out: &mut Self::Buf);
+    fn rms_norm(
+        &mut self,
+        x: &Self::Buf,
+        w: &Self::Vector,
+        eps: f32,
+        rows: usize,
+        out: &mut Self::Buf,
+    );
+    /// out = x · Wᵀ + bias.
+    fn linear(&mut self, x: &Self::Buf, w: &Self::Linear, rows: usize, out: &mut Self::Buf);
+    /// y += LoRA(x) for every row whose adapter targets (layer, module).
+    fn lora(
+        &mut self,
+        x: &Self::Buf,
+        y: &mut Self::Buf,
+        dims: LinearDims,
+        at: (LayerIdx, LoraModule),
+        batch: &LoraBatch<'_, Self::Lora>,
+    );
+    /// Rotary embedding in place on `[rows, n_heads, head_dim]`.
+    fn rope(&mut self, x: &mut Self::Buf, positions: &[usize], n_heads: usize);
+    /// Writes this step's K/V into the paged cache, then causal (GQA) attention for every
+    /// sequence. Head counts, head size and sliding window come from the model the backend
+    /// was built for.
+    fn attention(
+        &mut self,
+        q: &Self::Buf,
+        k: &Self::Buf,
+        v: &Self::Buf,
+        kv: &mut Self::KvLayer,
+        step: &StepLayout,
+        out: &mut Self::Buf,
+    );
+    /// out = silu(gate) * up over `len` elements.
+    fn swiglu(&mut self, gate: &Self::Buf, up: &Self::Buf, len: usize, out: &mut Self::Buf);
+    /// y += x over `len` elements.
+    fn add(&mut self, y: &mut Self::Buf, x: &Self::Buf, len: usize);
+    /// out[i] = x[rows[i]] for rows of `width` elements.
+    fn gather_rows(&mut self, x: &Self::Buf, width: usize, rows: &[usize], out: &mut Self::Buf);
+    /// Host copy of logits = x · lm_headᵀ for `rows` rows: `[rows, vocab]`.
+    fn logits(&mut self, x: &Self::Buf, lm_head: &Self::Linear, rows: usize, out: &mut Vec<f32>);
+}

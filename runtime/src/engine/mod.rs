@@ -1,0 +1,435 @@
+//! The engine: owns the backend, the model's weights, the paged KV cache, the registered
+//! adapters and the live sequences, and runs one [`StepPlan`] at a time.
+//!
+//! It decides nothing about *what* runs: the scheduler (in the server) builds the plan. A plan
+//! may mix prefill chunks of any size with decode tokens of many sequences, each with its own
+//! adapter or none; rows of one adapter are made contiguous once per step (Punica's segments).
+//!
+//! ```no_run
+//! # use thaw_runtime::{engine::*, backend::cpu::CpuBackend, ids::SeqId};
+//! # fn main() -> thaw_runtime::error::Result<()> {
+//! let model = HostModel::load(std::path::Path::new("demo-model"))?;
+//! let backend = CpuBackend::new(&model.config);
+//! let mut engine = Engine::new(backend, model, EngineConfig::default())?;
+//! engine.add_sequence(SeqId(1), SequenceParams { prompt: vec![1, 2, 3], ..Default::default() })?;
+//! let plan = StepPlan { items: vec![PlanItem { seq: SeqId(1), num_tokens: 3 }], return_logits: false };
+//! let out = engine.step(&plan)?;
+//! # Ok(()) }
+//! ```
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use thaw_kernels::cpu::KvLayout;
+
+use crate::adapter::LoraAdapter;
+use crate::backend::{Backend, LoraKernel, LoraLayout, StepLayout};
+use crate::error::{Result, RuntimeError};
+use crate::ids::{AdapterId, SeqId};
+use crate::kv::{BlockAllocator, KvUsage};
+use crate::model::ModelConfig;
+use crate::sampling::{Sampler, SamplerScratch};
+
+mod forward;
+mod sequence;
+mod weights;
+
+pub use sequence::{FinishReason, PlanItem, SeqOutput, SequenceParams, StepPlan};
+pub use weights::{HostLayer, HostModel};
+
+use forward::Workspace;
+use sequence::Sequence;
+use weights::DeviceModel;
+
+/// Engine sizing and kernel choices.
+#[derive(Clone, Debug, PartialEq)]
+pub struct EngineConfig {
+    /// Token slots per KV block.
+    pub kv_block_size: usize,
+    /// Physical KV blocks (per layer).
+    pub num_kv_blocks: usize,
+    /// Most rows (tokens) one step may carry; activation buffers are sized for it once.
+    pub max_batch_tokens: usize,
+    /// Most sequences one step may carry.
+    pub max_batch_seqs: usize,
+    /// Context limit; None = the model's `max_position_embeddings`.
+    pub max_context: Option<usize>,
+    pub lora_kernel: LoraKernel,
+    /// Seed for requests that bring none.
+    pub seed: u64,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            kv_block_size: 16,
+            num_kv_blocks: 1024,
+            max_batch_tokens: 2048,
+            max_batch_seqs: 256,
+            max_context: None,
+            lora_kernel: LoraKernel::Sgmv,
+            seed: 0,
+        }
+    }
+}
+
+/// The engine for one model on one backend.
+pub struct Engine<B: Backend> {
+    backend: B,
+    config: ModelConfig,
+    cfg: EngineConfig,
+    model: DeviceModel<B>,
+    kv: Vec<B::KvLayer>,
+    blocks: BlockAllocator,
+    adapters: HashMap<AdapterId, (Arc<LoraAdapter>, B::Lora)>,
+    seqs: HashMap<SeqId, Sequence>,
+    ws: Workspace<B>,
+    layout: StepLayout,
+    lora_layout: LoraLayout,
+    sampler_scratch: SamplerScratch,
+    logits: Vec<f32>,
+    next_seed: u64,
+    /// Per step: the adapters in `lora_layout` index order, and the sequence of each
+    /// `layout.seqs` entry and of each `layout.logit_rows` entry.
+    step_adapter_ids: Vec<AdapterId>,
+    seq_order: Vec<SeqId>,
+    sample_order: Vec<SeqId>,
+}
+
+impl<B: Backend> Engine<B> {
+    pub fn new(backend: B, model: HostModel, cfg: EngineConfig) -> Result<Self> {
+        let config = model.config.clone();
+        if cfg.max_batch_tokens == 0 || cfg.max_batch_seqs == 0 || cfg.kv_block_size == 0 {
+            return Err(RuntimeError::InvalidRequest(
+                "max_batch_tokens, max_batch_seqs and kv_block_size must be positive".into(),
+            ));
+        }
+        let kv_layout = KvLayout {
+            block_size: cfg.kv_block_size,
+            num_kv_heads: config.num_kv_heads,
+            head_dim: config.head_dim,
+        };
+        let kv = (0..config.num_layers)
+            .map(|_| backend.alloc_kv_layer(kv_layout, cfg.num_kv_blocks))
+            .collect::<Result<Vec<_>>>()?;
+        let ws = Workspace::new(&backend, &config, &cfg)?;
+        let model = DeviceModel::upload(&backend, model)?;
+        Ok(Self {
+            blocks: BlockAllocator::new(cfg.num_kv_blocks, cfg.kv_block_size),
+            next_seed: cfg.seed,
+            backend,
+            config,
+            cfg,
+            model,
+            kv,
+            adapters: HashMap::new(),
+            seqs: HashMap::new(),
+            ws,
+            layout: StepLayout::default(),
+            lora_layout: LoraLayout::default(),
+            sampler_scratch: SamplerScratch::default(),
+            logits: Vec::new(),
+            step_adapter_ids: Vec::new(),
+            seq_order: Vec::new(),
+            sample_order: Vec::new(),
+        })
+    }
+
+    pub fn model_config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    pub fn engine_config(&self) -> &EngineConfig {
+        &self.cfg
+    }
+
+    pub fn backend_name(&self) -> &'static str {
+        self.backend.name()
+    }
+
+    /// Largest total length (prompt + generated) a sequence may reach.
+    pub fn max_context(&self) -> usize {
+        self.cfg
+            .max_context
+            .unwrap_or(self.config.max_position_embeddings)
+            .min(self.config.max_position_embeddings)
+    }
+
+    pub fn kv_usage(&self) -> KvUsage {
+        self.blocks.usage()
+    }
+
+    /// Additional KV blocks `seq` needs to compute `num_tokens` more tokens.
+    pub fn blocks_needed(&self, seq: SeqId, num_tokens: usize) -> Result<usize> {
+        let s = self.seqs.get(&seq).ok_or(RuntimeError::UnknownSequence(seq))?;
+        Ok(self
+            .blocks
+            .blocks_for(s.computed + num_tokens)
+            .saturating_sub(s.kv.len()))
+    }
+
+    /// Makes an adapter available to sequences (the CPU backend keeps it in host memory).
+    pub fn register_adapter(&mut self, id: AdapterId, adapter: Arc<LoraAdapter>) -> Result<()> {
+        let dev = self.backend.upload_lora(adapter.clone())?;
+        self.adapters.insert(id, (adapter, dev));
+        Ok(())
+    }
+
+    /// Removes an adapter no live sequence uses.
+    pub fn unregister_adapter(&mut self, id: AdapterId) -> Result<()> {
+        let users = self
+            .seqs
+            .values()
+            .filter(|s| s.adapter == Some(id))
+            .count();
+        if users > 0 {
+            return Err(RuntimeError::AdapterInUse(id, users));
+        }
+        self.adapters
+            .remove(&id)
+            .map(|_| ())
+            .ok_or(RuntimeError::UnknownAdapter(id))
+    }
+
+    pub fn has_adapter(&self, id: AdapterId) -> bool {
+        self.adapters.contains_key(&id)
+    }
+
+    /// Admits a sequence. KV blocks are taken lazily, step by step.
+    pub fn add_sequence(&mut self, id: SeqId, p: SequenceParams) -> Result<()> {
+        if self.seqs.contains_key(&id) {
+            return Err(RuntimeError::DuplicateSequence(id));
+        }
+        if p.prompt.is_empty() {
+            return Err(RuntimeError::InvalidRequest(
+                "the prompt is empty; send at least one token".into(),
+            ));
+        }
+        if let Some(&bad) = p.prompt.iter().find(|&&t| t as usize >= self.config.vocab_size) {
+            return Err(RuntimeError::TokenOutOfRange {
+                id: bad,
+                vocab: self.config.vocab_size,
+            });
+        }
+        if p.max_new_tokens == 0 {
+            return Err(RuntimeError::InvalidRequest(
+                "max_new_tokens must be at least 1".into(),
+            ));
+        }
+        let len = p.prompt.len() + p.max_new_tokens;
+        if len > self.max_context() {
+            return Err(RuntimeError::ContextOverflow {
+                seq: id,
+                len,
+                max: self.max_context(),
+            });
+        }
+        if let Some(a) = p.adapter {
+            if !self.adapters.contains_key(&a) {
+                return Err(RuntimeError::UnknownAdapter(a));
+            }
+        }
+        p.sampling.validate()?;
+        self.next_seed = self.next_seed.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let seq = Sequence {
+            prompt_len: p.prompt.len(),
+            tokens: p.prompt,
+            computed: 0,
+            adapter: p.adapter,
+            sampler: Sampler::new(p.sampling, self.next_seed),
+            max_new_tokens: p.max_new_tokens,
+            stop_token_ids: p.stop_token_ids,
+            ignore_eos: p.ignore_eos,
+            kv: self.blocks.empty(),
+        };
+        self.seqs.insert(id, seq);
+        Ok(())
+    }
+
+    /// Drops a sequence (finished elsewhere, or cancelled), freeing its KV blocks.
+    pub fn remove_sequence(&mut self, id: SeqId) -> Result<()> {
+        self.seqs
+            .remove(&id)
+            .map(|_| ())
+            .ok_or(RuntimeError::UnknownSequence(id))
+    }
+
+    pub fn num_sequences(&self) -> usize {
+        self.seqs.len()
+    }
+
+    /// Tokens not yet computed for `seq` (its remaining prompt in prefill, 1 in decode).
+    pub fn pending_tokens(&self, seq: SeqId) -> Result<usize> {
+        Ok(self
+            .seqs
+            .get(&seq)
+            .ok_or(RuntimeError::UnknownSequence(seq))?
+            .pending())
+    }
+
+    /// Runs one step. Sequences that sample get a token; a finished one is removed and its KV
+    /// freed. On error nothing has advanced (a sequence may keep blocks it grew into).
+    pub fn step(&mut self, plan: &StepPlan) -> Result<Vec<SeqOutput>> {
+        self.build_layout(plan)?;
+        if self.layout.rows() == 0 {
+            return Ok(Vec::new());
+        }
+        let adapters: Vec<&B::Lora> = self
+            .step_adapter_ids
+            .iter()
+            .map(|id| &self.adapters[id].1)
+            .collect();
+        forward::run(
+            &mut self.backend,
+            &self.config,
+            &self.model,
+            &mut self.kv,
+            &mut self.ws,
+            &self.layout,
+            &self.lora_layout,
+            self.cfg.lora_kernel,
+            &adapters,
+            &mut self.logits,
+        );
+        drop(adapters);
+        Ok(self.advance(plan.return_logits))
+    }
+
+    /// After the forward: advance every sequence, sample where the plan reached the end of
+    /// the known tokens, and retire finished sequences.
+    fn advance(&mut self, return_logits: bool) -> Vec<SeqOutput> {
+        for (seq, slice) in self.seq_order.iter().zip(&self.layout.seqs) {
+            let s = self.seqs.get_mut(seq).expect("planned sequences are live");
+            s.computed += slice.rows.len();
+        }
+        let vocab = self.config.vocab_size;
+        let eos = &self.config.eos_token_ids;
+        let max_context = self.max_context();
+        let mut out = Vec::with_capacity(self.sample_order.len());
+        for (i, seq) in self.sample_order.iter().enumerate() {
+            let row = &self.logits[i * vocab..(i + 1) * vocab];
+            let s = self.seqs.get_mut(seq).expect("planned sequences are live");
+            let token = s.sampler.sample(row, &mut self.sampler_scratch);
+            s.tokens.push(token.id);
+            let stop = s.stop_token_ids.contains(&token.id)
+                || (!s.ignore_eos && eos.contains(&token.id));
+            let finish = if stop {
+                Some(FinishReason::Stop(token.id))
+            } else if s.generated() >= s.max_new_tokens || s.tokens.len() >= max_context {
+                Some(FinishReason::Length)
+            } else {
+                None
+            };
+            out.push(SeqOutput {
+                seq: *seq,
+                token,
+                finish,
+                logits: return_logits.then(|| row.to_vec()),
+            });
+            if finish.is_some() {
+                self.seqs.remove(seq);
+            }
+        }
+        out
+    }
+
+    /// Validates the plan, orders its rows by adapter and grows KV, filling `self.layout`.
+    fn build_layout(&mut self, plan: &StepPlan) -> Result<()> {
+        self.layout.clear();
+        self.lora_layout.clear();
+        self.seq_order.clear();
+        self.sample_order.clear();
+        let mut total = 0usize;
+        for (i, it) in plan.items.iter().enumerate() {
+            let s = self
+                .seqs
+                .get(&it.seq)
+                .ok_or(RuntimeError::UnknownSequence(it.seq))?;
+            if it.num_tokens == 0 || it.num_tokens > s.pending() {
+                return Err(RuntimeError::InvalidPlan(format!(
+                    "sequence {} has {} pending token(s), plan asks for {}",
+                    it.seq,
+                    s.pending(),
+                    it.num_tokens
+                )));
+            }
+            if plan.items[..i].iter().any(|o| o.seq == it.seq) {
+                return Err(RuntimeError::InvalidPlan(format!(
+                    "sequence {} appears twice",
+                    it.seq
+                )));
+            }
+            total += it.num_tokens;
+        }
+        if total > self.cfg.max_batch_tokens || plan.items.len() > self.cfg.max_batch_seqs {
+            return Err(RuntimeError::InvalidPlan(format!(
+                "{} tokens in {} sequences exceed the step limits ({} tokens, {} sequences)",
+                total,
+                plan.items.len(),
+                self.cfg.max_batch_tokens,
+                self.cfg.max_batch_seqs
+            )));
+        }
+        let needed: usize = plan
+            .items
+            .iter()
+            .map(|it| self.blocks_needed(it.seq, it.num_tokens).unwrap_or(0))
+            .sum();
+        let usage = self.blocks.usage();
+        if needed > usage.free_blocks() {
+            return Err(RuntimeError::KvExhausted {
+                needed,
+                free: usage.free_blocks(),
+                total: usage.total_blocks,
+            });
+        }
+        // Rows of one adapter contiguous, in first-appearance order (stable within a group).
+        let mut order: Vec<(Option<u32>, usize)> = Vec::with_capacity(plan.items.len());
+        let mut step_adapters: Vec<AdapterId> = Vec::new();
+        for (i, it) in plan.items.iter().enumerate() {
+            let a = self.seqs[&it.seq].adapter;
+            let idx = a.map(|a| match step_adapters.iter().position(|&x| x == a) {
+                Some(p) => p as u32,
+                None => {
+                    step_adapters.push(a);
+                    (step_adapters.len() - 1) as u32
+                }
+            });
+            order.push((idx, i));
+        }
+        order.sort_by_key(|&(a, i)| (a.map_or(u32::MAX, |a| a), i));
+        for (a, i) in order {
+            let it = plan.items[i];
+            let s = self.seqs.get_mut(&it.seq).expect("validated above");
+            self.blocks.grow_to(&mut s.kv, s.computed + it.num_tokens)?;
+            let r0 = self.layout.rows();
+            let b0 = self.layout.block_tables.len();
+            self.layout.block_tables.extend(s.kv.table());
+            self.layout
+                .token_ids
+                .extend_from_slice(&s.tokens[s.computed..s.computed + it.num_tokens]);
+            self.layout
+                .positions
+                .extend(s.computed..s.computed + it.num_tokens);
+            let r1 = self.layout.rows();
+            self.layout.seqs.push(crate::backend::SeqSlice {
+                rows: r0..r1,
+                start_pos: s.computed,
+                blocks: b0..self.layout.block_tables.len(),
+            });
+            self.seq_order.push(it.seq);
+            if s.computed + it.num_tokens == s.tokens.len() {
+                self.layout.logit_rows.push(r1 - 1);
+                self.sample_order.push(it.seq);
+            }
+            self.lora_layout.row_adapter.extend((r0..r1).map(|_| a));
+            if let Some(a) = a {
+                match self.lora_layout.segments.last_mut() {
+                    Some((range, last)) if *last == a => range.end = r1,
+                    _ => self.lora_layout.segments.push((r0..r1, a)),
+                }
+            }
+        }
+        self.step_adapter_ids = step_adapters;
+        Ok(())
+    }
+}

@@ -1,0 +1,91 @@
+//! What the engine knows about one sequence, and what a step plan and a step's output say.
+use crate::ids::{AdapterId, SeqId};
+use crate::kv::KvBlocks;
+use crate::sampling::{SampledToken, Sampler, SamplingParams};
+
+/// Everything a request asks of the engine.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SequenceParams {
+    pub prompt: Vec<u32>,
+    pub adapter: Option<AdapterId>,
+    pub sampling: SamplingParams,
+    /// Upper bound on generated tokens.
+    pub max_new_tokens: usize,
+    /// Extra token ids that end the sequence (besides the model's EOS ids).
+    pub stop_token_ids: Vec<u32>,
+    /// Keep generating through EOS (vLLM's `ignore_eos`, used by benchmarks).
+    pub ignore_eos: bool,
+}
+
+impl Default for SequenceParams {
+    fn default() -> Self {
+        Self {
+            prompt: Vec::new(),
+            adapter: None,
+            sampling: SamplingParams::default(),
+            max_new_tokens: 16,
+            stop_token_ids: Vec::new(),
+            ignore_eos: false,
+        }
+    }
+}
+
+/// Why a sequence ended.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum FinishReason {
+    /// An EOS or stop token was generated (the token is included in the output).
+    Stop(u32),
+    /// `max_new_tokens` reached, or the context is full.
+    Length,
+}
+
+/// One entry of a step plan: feed the next `num_tokens` not-yet-computed tokens of `seq`.
+/// For a sequence in prefill that is a chunk of its prompt; in decode it is 1.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct PlanItem {
+    pub seq: SeqId,
+    pub num_tokens: usize,
+}
+
+/// What the scheduler asks one step to do.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct StepPlan {
+    pub items: Vec<PlanItem>,
+    /// Return each sampled row's full logits (oracle tests, prompt logprobs).
+    pub return_logits: bool,
+}
+
+/// A sequence that produced a token this step.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SeqOutput {
+    pub seq: SeqId,
+    pub token: SampledToken,
+    /// Set when this token ended the sequence; the engine has already freed its KV.
+    pub finish: Option<FinishReason>,
+    pub logits: Option<Vec<f32>>,
+}
+
+/// The engine's record of a live sequence.
+#[derive(Debug)]
+pub(crate) struct Sequence {
+    pub tokens: Vec<u32>,
+    pub prompt_len: usize,
+    /// Tokens whose K/V are in the cache.
+    pub computed: usize,
+    pub adapter: Option<AdapterId>,
+    pub sampler: Sampler,
+    pub max_new_tokens: usize,
+    pub stop_token_ids: Vec<u32>,
+    pub ignore_eos: bool,
+    pub kv: KvBlocks,
+}
+
+impl Sequence {
+    pub fn generated(&self) -> usize {
+        self.tokens.len() - self.prompt_len
+    }
+
+    pub fn pending(&self) -> usize {
+        self.tokens.len() - self.computed
+    }
+}

@@ -1,0 +1,19 @@
+//! The base model on disk: HF `config.json` (+ `generation_config.json`), safetensors weights
+//! (single file or sharded) and the fast tokenizer, exactly as transformers `save_pretrained`
+//! writes them. Owns parsing and validation only; the forward pass lives in the backends.
+
+mod config;
+mod error;
+#[cfg(test)]
+pub(crate) mod fixtures;
+pub(crate) mod json;
+mod mmap;
+mod tokenizer;
+mod weights;
+
+pub use config::{Architecture, ModelConfig};
+pub use error::ModelError;
+pub(crate) use mmap::FileBytes;
+pub use tokenizer::{IncrementalDecoder, Tokenizer};
+pub(crate) use weights::view_to_f32;
+pub use weights::{TensorF32, Weights};

@@ -1,0 +1,211 @@
+//! The base model's weights: `model.safetensors`, or `model.safetensors.index.json` and its
+//! shards, as written by transformers `save_pretrained`. Every tensor is widened to f32.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::path::Path;
+
+use safetensors::tensor::TensorView;
+use safetensors::{Dtype, SafeTensors};
+
+use super::config::read_json;
+use super::error::ModelError;
+use super::mmap::FileBytes;
+
+/// A dense row-major f32 tensor.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TensorF32 {
+    pub shape: Vec<usize>,
+    pub data: Vec<f32>,
+}
+
+/// All tensors of a checkpoint by HF name; the model builder [`take`](Weights::take)s them out.
+#[derive(Debug, Default)]
+pub struct Weights {
+    tensors: HashMap<String, TensorF32>,
+}
+
+/// Widens F32/F16/BF16 tensor bytes (little-endian, as safetensors stores them) to f32.
+/// Returns the dtype back when it is not one of those.
+pub(crate) fn view_to_f32(view: &TensorView<'_>) -> Result<Vec<f32>, Dtype> {
+    let bytes = view.data();
+    let little = cfg!(target_endian = "little");
+    match view.dtype() {
+        Dtype::F32 => match bytemuck::try_cast_slice::<u8, f32>(bytes) {
+            Ok(s) if little => Ok(s.to_vec()),
+            _ => Ok(bytes
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect()),
+        },
+        Dtype::F16 => match bytemuck::try_cast_slice::<u8, half::f16>(bytes) {
+            Ok(s) if little => Ok(s.iter().map(|x| x.to_f32()).collect()),
+            _ => Ok(bytes
+                .chunks_exact(2)
+                .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
+                .collect()),
+        },
+        Dtype::BF16 => match bytemuck::try_cast_slice::<u8, half::bf16>(bytes) {
+            Ok(s) if little => Ok(s.iter().map(|x| x.to_f32()).collect()),
+            _ => Ok(bytes
+                .chunks_exact(2)
+                .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
+                .collect()),
+        },
+        other => Err(other),
+    }
+}
+
+impl Weights {
+    /// Loads `model.safetensors`, or `model.safetensors.index.json` plus the shards it names.
+    /// F32/F16/BF16 tensors are converted to f32; any other dtype is
+    /// [`ModelError::UnsupportedDtype`].
+    pub fn load_dir(dir: &Path) -> Result<Self, ModelError> {
+        let index = dir.join("model.safetensors.index.json");
+        let single = dir.join("model.safetensors");
+        let mut weights = Self::default();
+        if index.is_file() {
+            for (shard, names) in shard_map(&index)? {
+                let path = dir.join(&shard);
+                if !path.is_file() {
+                    return Err(ModelError::MissingFile {
+                        path,
+                        hint: format!(
+                            "{} names this shard; download the complete checkpoint",
+                            index.display()
+                        ),
+                    });
+                }
+                weights.load_file(&path)?;
+                if let Some(missing) = names.iter().find(|n| !weights.contains(n)) {
+                    return Err(ModelError::Safetensors {
+                        path,
+                        reason: format!(
+                            "the index places `{missing}` in this shard but it is not there"
+                        ),
+                    });
+                }
+            }
+        } else if single.is_file() {
+            weights.load_file(&single)?;
+        } else {
+            let hint = if dir.join("pytorch_model.bin").is_file()
+                || dir.join("pytorch_model.bin.index.json").is_file()
+            {
+                "only pytorch_model.bin was found; Thaw reads safetensors only — re-save with \
+                 `model.save_pretrained(dir, safe_serialization=True)`"
+            } else {
+                "expected model.safetensors or model.safetensors.index.json as written by \
+                 transformers `save_pretrained`"
+            };
+            return Err(ModelError::MissingFile {
+                path: single,
+                hint: hint.to_string(),
+            });
+        }
+        Ok(weights)
+    }
+
+    /// Adds every tensor of one safetensors file.
+    fn load_file(&mut self, path: &Path) -> Result<(), ModelError> {
+        let bytes = FileBytes::open(path).map_err(|e| ModelError::Io {
+            path: path.to_path_buf(),
+            reason: e.to_string(),
+        })?;
+        let st = SafeTensors::deserialize(&bytes).map_err(|e| ModelError::Safetensors {
+            path: path.to_path_buf(),
+            reason: e.to_string(),
+        })?;
+        for (name, view) in st.iter() {
+            let data = view_to_f32(&view).map_err(|dtype| ModelError::UnsupportedDtype {
+                tensor: name.to_string(),
+                dtype: format!("{dtype:?}"),
+            })?;
+            let tensor = TensorF32 {
+                shape: view.shape().to_vec(),
+                data,
+            };
+            if self.tensors.insert(name.to_string(), tensor).is_some() {
+                return Err(ModelError::DuplicateTensor {
+                    tensor: name.to_string(),
+                    path: path.to_path_buf(),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Builds a set of weights from tensors already in memory (tests, synthetic models).
+    pub fn from_tensors(tensors: HashMap<String, TensorF32>) -> Self {
+        Self { tensors }
+    }
+
+    /// Removes and returns tensor `name`, checking its shape.
+    pub fn take(&mut self, name: &str, expected_shape: &[usize]) -> Result<TensorF32, ModelError> {
+        let got = match self.tensors.get(name) {
+            None => {
+                return Err(ModelError::MissingTensor {
+                    tensor: name.to_string(),
+                })
+            }
+            Some(t) => &t.shape,
+        };
+        if got != expected_shape {
+            return Err(ModelError::ShapeMismatch {
+                tensor: name.to_string(),
+                expected: expected_shape.to_vec(),
+                got: got.clone(),
+            });
+        }
+        Ok(self.tensors.remove(name).expect("checked present above"))
+    }
+
+    pub fn contains(&self, name: &str) -> bool {
+        self.tensors.contains_key(name)
+    }
+
+    /// Names of the tensors not yet taken, in no particular order.
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.tensors.keys().map(String::as_str)
+    }
+
+    pub fn len(&self) -> usize {
+        self.tensors.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.tensors.is_empty()
+    }
+}
+
+/// `weight_map` of a sharded index, grouped by shard file.
+fn shard_map(index: &Path) -> Result<BTreeMap<String, BTreeSet<String>>, ModelError> {
+    let bad = |reason: &str| ModelError::Json {
+        path: index.to_path_buf(),
+        reason: reason.to_string(),
+    };
+    let value = read_json(index, "")?;
+    let map = value
+        .get("weight_map")
+        .and_then(|m| m.as_object())
+        .ok_or_else(|| bad("missing the `weight_map` object"))?;
+    let mut shards: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    for (name, file) in map {
+        let file = file
+            .as_str()
+            .ok_or_else(|| bad("`weight_map` values must be file names"))?;
+        if Path::new(file).components().count() != 1 || file == ".." {
+            return Err(bad(&format!(
+                "shard `{file}` must be a plain file name in the model directory"
+            )));
+        }
+        shards
+            .entry(file.to_string())
+            .or_default()
+            .insert(name.clone());
+    }
+    Ok(shards)
+}
+
+#[cfg(test)]
+#[path = "weights_tests.rs"]
+mod tests;

@@ -1,0 +1,92 @@
+//! The embedded default: a generated demo model and demo adapters of mixed ranks, written once
+//! into a cache directory, so `thaw generate` (and later `thaw serve`) run with no downloads.
+use std::path::{Path, PathBuf};
+
+use anyhow::Context;
+
+use crate::gen::{self, GenAdaptersOptions, GenModelOptions};
+
+/// Bump when the demo's contents change, so stale caches are regenerated.
+const DEMO_VERSION: &str = "demo-v1";
+/// The demo's model preset.
+pub const DEMO_PRESET: &str = "small";
+/// The demo adapters' ranks, one adapter each, cycling over target sets.
+pub const DEMO_RANKS: [usize; 8] = [8, 16, 32, 64, 128, 8, 16, 64];
+
+/// Where the demo lives: `$THAW_CACHE_DIR`, else `$XDG_CACHE_HOME/thaw`, else `~/.cache/thaw`,
+/// else `./.thaw-cache`.
+pub fn cache_dir() -> PathBuf {
+    if let Some(d) = std::env::var_os("THAW_CACHE_DIR") {
+        return PathBuf::from(d);
+    }
+    if let Some(d) = std::env::var_os("XDG_CACHE_HOME") {
+        return PathBuf::from(d).join("thaw");
+    }
+    if let Some(h) = std::env::var_os("HOME") {
+        return PathBuf::from(h).join(".cache/thaw");
+    }
+    PathBuf::from(".thaw-cache")
+}
+
+/// Paths of the generated demo.
+#[derive(Clone, Debug)]
+pub struct Demo {
+    pub model: PathBuf,
+    pub adapters: Vec<PathBuf>,
+}
+
+/// Generates the demo under `cache` unless a complete one is already there.
+pub fn ensure_demo(cache: &Path) -> anyhow::Result<Demo> {
+    let root = cache.join(DEMO_VERSION);
+    let done = root.join("COMPLETE");
+    if !done.exists() {
+        let tmp = cache.join(format!("{DEMO_VERSION}.tmp-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&tmp);
+        eprintln!(
+            "thaw: generating the demo model ({DEMO_PRESET}) and {} adapters into {} (once)…",
+            DEMO_RANKS.len(),
+            root.display()
+        );
+        write_demo(&tmp).with_context(|| format!("writing the demo into {}", tmp.display()))?;
+        std::fs::write(tmp.join("COMPLETE"), DEMO_VERSION)?;
+        let _ = std::fs::remove_dir_all(&root);
+        std::fs::rename(&tmp, &root)
+            .with_context(|| format!("moving the demo into {}", root.display()))?;
+    }
+    let mut adapters: Vec<PathBuf> = std::fs::read_dir(root.join("adapters"))
+        .with_context(|| format!("reading {}", root.join("adapters").display()))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.join("adapter_config.json").exists())
+        .collect();
+    adapters.sort();
+    Ok(Demo {
+        model: root.join("model"),
+        adapters,
+    })
+}
+
+fn write_demo(dir: &Path) -> anyhow::Result<()> {
+    let preset = gen::preset(DEMO_PRESET).context("demo preset missing")?;
+    let model = dir.join("model");
+    gen::write_model(&preset, &model, &GenModelOptions::default())?;
+    let targets = [
+        &["q", "k", "v", "o"][..],
+        &["q", "k", "v", "o", "gate", "up", "down"],
+        &["q", "v"],
+    ];
+    for (i, rank) in DEMO_RANKS.iter().enumerate() {
+        gen::write_adapters(&GenAdaptersOptions {
+            model: model.clone(),
+            count: 1,
+            ranks: vec![*rank],
+            targets: targets[i % targets.len()]
+                .iter()
+                .map(|s| s.to_string())
+                .collect(),
+            out: dir.join("adapters").join(format!("{i:02}")),
+            seed: 1000 + i as u64,
+            ..Default::default()
+        })?;
+    }
+    Ok(())
+}

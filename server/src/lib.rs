@@ -1,0 +1,7 @@
+//! `thaw-server`: the `thaw` binary's library — HTTP API, scheduler, cache policy, router,
+//! and the generators that make a model and adapters to serve without any download.
+//!
+//! Owns policy (what to run, cache, evict, where to route); it never touches a device
+//! pointer — that is `thaw-runtime`'s job.
+
+pub mod gen;

@@ -1,0 +1,97 @@
+//! Shared helpers for Thaw's cross-crate tests (`tests/tests/*.rs`): generated models and
+//! adapters written to a temporary directory by the real generators and loaded back through
+//! the real loaders, so every test also exercises the on-disk formats.
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use thaw_runtime::adapter::LoraAdapter;
+use thaw_runtime::backend::cpu::CpuBackend;
+use thaw_runtime::engine::{Engine, EngineConfig, HostModel};
+use thaw_server::gen::{self, GenAdaptersOptions, GenModelOptions, ModelPreset};
+
+/// The engine type the tests drive.
+pub type CpuEngine = Engine<CpuBackend>;
+
+/// Path of the HF/PEFT-written fixtures copied from `shared/fixtures`.
+pub fn fixture_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/hf-tiny-llama")
+}
+
+/// A model small enough for many solo runs, big enough that rank-128 adapters are not
+/// larger than the layers they adapt.
+pub fn test_preset() -> ModelPreset {
+    ModelPreset {
+        name: "test",
+        hidden_size: 128,
+        intermediate_size: 256,
+        num_hidden_layers: 2,
+        num_attention_heads: 4,
+        num_key_value_heads: 2,
+        head_dim: 32,
+        vocab_size: 384,
+        tokenizer_vocab_size: 384,
+        max_position_embeddings: 256,
+        ..gen::preset("tiny").expect("tiny preset exists")
+    }
+}
+
+/// A generated model directory, loaded.
+pub struct TestModel {
+    pub dir: tempfile::TempDir,
+    pub model: HostModel,
+}
+
+impl TestModel {
+    /// A Llama model from [`test_preset`] with weights from `seed`.
+    pub fn llama(seed: u64) -> Self {
+        Self::from_preset(&test_preset(), seed)
+    }
+
+    pub fn from_preset(preset: &ModelPreset, seed: u64) -> Self {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let opts = GenModelOptions {
+            seed,
+            ..Default::default()
+        };
+        gen::write_model(preset, &dir.path().join("model"), &opts).expect("gen-model");
+        let model = HostModel::load(&dir.path().join("model")).expect("generated model loads");
+        Self { dir, model }
+    }
+
+    pub fn model_dir(&self) -> PathBuf {
+        self.dir.path().join("model")
+    }
+
+    /// Writes one PEFT adapter with `rank` on `targets` (short names: q, k, …) and loads it.
+    pub fn adapter(&self, rank: usize, targets: &[&str], seed: u64) -> Arc<LoraAdapter> {
+        let out = self.dir.path().join(format!("adapters-{seed}"));
+        let opts = GenAdaptersOptions {
+            model: self.model_dir(),
+            count: 1,
+            ranks: vec![rank],
+            targets: targets.iter().map(|s| s.to_string()).collect(),
+            out,
+            seed,
+            ..Default::default()
+        };
+        let dirs = gen::write_adapters(&opts).expect("gen-adapters");
+        Arc::new(LoraAdapter::load(&dirs[0], &self.model.config).expect("generated adapter loads"))
+    }
+}
+
+/// A CPU engine over `model`.
+pub fn cpu_engine(model: HostModel, cfg: EngineConfig) -> CpuEngine {
+    let backend = CpuBackend::new(&model.config);
+    Engine::new(backend, model, cfg).expect("engine")
+}
+
+/// Normwise relative error ‖a − b‖ / ‖b‖ in f64.
+pub fn rel_err(a: &[f32], b: &[f32]) -> f64 {
+    assert_eq!(a.len(), b.len(), "compared vectors differ in length");
+    let (mut num, mut den) = (0.0f64, 0.0f64);
+    for (x, y) in a.iter().zip(b) {
+        num += (*x as f64 - *y as f64).powi(2);
+        den += (*y as f64).powi(2);
+    }
+    (num / den.max(f64::MIN_POSITIVE)).sqrt()
+}
