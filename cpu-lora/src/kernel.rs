@@ -76,17 +76,26 @@ pub struct LoraMat<'a> {
 impl<'a> LoraMat<'a> {
     /// Views typed f32 weights.
     pub fn from_f32(w: &'a [f32]) -> Self {
-        Self { dtype: WeightDtype::F32, bytes: bytemuck::cast_slice(w) }
+        Self {
+            dtype: WeightDtype::F32,
+            bytes: bytemuck::cast_slice(w),
+        }
     }
 
     /// Views typed f16 weights.
     pub fn from_f16(w: &'a [half::f16]) -> Self {
-        Self { dtype: WeightDtype::F16, bytes: bytemuck::cast_slice(w) }
+        Self {
+            dtype: WeightDtype::F16,
+            bytes: bytemuck::cast_slice(w),
+        }
     }
 
     /// Views typed bf16 weights.
     pub fn from_bf16(w: &'a [half::bf16]) -> Self {
-        Self { dtype: WeightDtype::Bf16, bytes: bytemuck::cast_slice(w) }
+        Self {
+            dtype: WeightDtype::Bf16,
+            bytes: bytemuck::cast_slice(w),
+        }
     }
 }
 
@@ -169,7 +178,11 @@ impl Isa {
 
     /// The fastest instruction set this CPU supports (detected once, then cached by std).
     pub fn best() -> Self {
-        Self::ALL.into_iter().rev().find(|isa| isa.available()).unwrap_or(Self::Scalar)
+        Self::ALL
+            .into_iter()
+            .rev()
+            .find(|isa| isa.available())
+            .unwrap_or(Self::Scalar)
     }
 
     /// Whether this CPU can run `self`.
@@ -249,7 +262,13 @@ pub fn lora_delta_on(
     scratch: &mut Scratch,
 ) -> Result<(), LoraError> {
     check(p, x, a, b, out)?;
-    let job = Job { p, x, a, b, accumulate };
+    let job = Job {
+        p,
+        x,
+        a,
+        b,
+        accumulate,
+    };
     let unavailable = Err(LoraError::IsaUnavailable(isa));
     match isa {
         Isa::Scalar => job.run(scalar::Scalar, out, scratch),
@@ -278,13 +297,24 @@ fn check(
 ) -> Result<(), LoraError> {
     let mul = |u: usize, v: usize| u.checked_mul(v).ok_or(LoraError::Overflow(*p));
     let act = |which, expected: usize, got: usize| {
-        (expected == got).then_some(()).ok_or(LoraError::Activation { which, expected, got })
+        (expected == got)
+            .then_some(())
+            .ok_or(LoraError::Activation {
+                which,
+                expected,
+                got,
+            })
     };
     let weight = |which, m: LoraMat<'_>, d: usize| -> Result<(), LoraError> {
         let expected = mul(mul(p.rank, d)?, m.dtype.size())?;
         let got = m.bytes.len();
         let dtype = m.dtype.name();
-        (expected == got).then_some(()).ok_or(LoraError::Weight { which, dtype, expected, got })
+        (expected == got).then_some(()).ok_or(LoraError::Weight {
+            which,
+            dtype,
+            expected,
+            got,
+        })
     };
     act("x", mul(p.rows, p.d_in)?, x.len())?;
     act("out", mul(p.rows, p.d_out)?, out.len())?;
@@ -308,9 +338,14 @@ struct Blocking {
 impl Blocking {
     fn for_problem(p: &LoraProblem, panel: usize) -> Self {
         let rank = p.rank.max(1);
-        let kc = ((128 * 1024 / rank) & !15).clamp(256, 4096).min(p.d_in.max(1));
+        let kc = ((128 * 1024 / rank) & !15)
+            .clamp(256, 4096)
+            .min(p.d_in.max(1));
         let nc = ((24 * 1024 / rank) / panel * panel).clamp(panel, 2048 / panel * panel);
-        Self { kc, nc: nc.min(p.d_out.max(1)) }
+        Self {
+            kc,
+            nc: nc.min(p.d_out.max(1)),
+        }
     }
 }
 
@@ -338,9 +373,19 @@ pub(crate) struct Dims {
 
 /// Panics unless an `m × cols` block with leading dimension `ld` fits in `len`.
 pub(crate) fn check_block(what: &str, len: usize, ld: usize, m: usize, cols: usize) {
-    assert!(cols <= ld || m <= 1, "{what}: {cols} columns exceed leading dimension {ld}");
-    let need = if m == 0 || cols == 0 { 0 } else { (m - 1) * ld + cols };
-    assert!(need <= len, "{what}: block {m}x{cols} (ld {ld}) needs {need} elements, has {len}");
+    assert!(
+        cols <= ld || m <= 1,
+        "{what}: {cols} columns exceed leading dimension {ld}"
+    );
+    let need = if m == 0 || cols == 0 {
+        0
+    } else {
+        (m - 1) * ld + cols
+    };
+    assert!(
+        need <= len,
+        "{what}: block {m}x{cols} (ld {ld}) needs {need} elements, has {len}"
+    );
 }
 
 /// The per-ISA building blocks the blocked driver is made of. Each checks its own bounds.
@@ -388,13 +433,26 @@ impl Job<'_, '_> {
         for v in t.iter_mut() {
             *v *= p.scale;
         }
-        let t = Rows { data: t, ld: p.rank };
-        let panels = grow(&mut scratch.panels, blk.nc.div_ceil(O::PANEL) * O::PANEL * p.rank);
+        let t = Rows {
+            data: t,
+            ld: p.rank,
+        };
+        let panels = grow(
+            &mut scratch.panels,
+            blk.nc.div_ceil(O::PANEL) * O::PANEL * p.rank,
+        );
         for o0 in (0..p.d_out).step_by(blk.nc) {
             let n = blk.nc.min(p.d_out - o0);
             ops.pack_bt(self.b, p.rank, o0..o0 + n, panels);
-            let out = RowsMut { data: &mut out[o0..], ld: p.d_out };
-            let d = Dims { m: p.rows, n, k: p.rank };
+            let out = RowsMut {
+                data: &mut out[o0..],
+                ld: p.d_out,
+            };
+            let d = Dims {
+                m: p.rows,
+                n,
+                k: p.rank,
+            };
             ops.expand(t, panels, out, d, self.accumulate);
         }
     }
@@ -405,7 +463,10 @@ impl Job<'_, '_> {
         for k0 in (0..p.d_in).step_by(blk.kc) {
             let k = blk.kc.min(p.d_in - k0);
             let a = match a_in_place {
-                Some(a) => Rows { data: &a[k0..], ld: p.d_in },
+                Some(a) => Rows {
+                    data: &a[k0..],
+                    ld: p.d_in,
+                },
                 None => {
                     let chunk = grow(a_chunk, p.rank * k);
                     let es = self.a.dtype.size();
@@ -416,9 +477,25 @@ impl Job<'_, '_> {
                     Rows { data: chunk, ld: k }
                 }
             };
-            let x = Rows { data: &self.x[k0..], ld: p.d_in };
-            let d = Dims { m: p.rows, n: p.rank, k };
-            ops.shrink(x, a, RowsMut { data: t, ld: p.rank }, d, k0 == 0);
+            let x = Rows {
+                data: &self.x[k0..],
+                ld: p.d_in,
+            };
+            let d = Dims {
+                m: p.rows,
+                n: p.rank,
+                k,
+            };
+            ops.shrink(
+                x,
+                a,
+                RowsMut {
+                    data: t,
+                    ld: p.rank,
+                },
+                d,
+                k0 == 0,
+            );
         }
     }
 }

@@ -44,7 +44,10 @@ impl WaitStrategy {
 
     /// Spin ~20 µs worth of polls, then futex (100 ms sleep cap).
     pub const fn spin_then_futex() -> Self {
-        WaitStrategy::SpinThenFutex { spins: 2000, sleep_cap: Duration::from_millis(100) }
+        WaitStrategy::SpinThenFutex {
+            spins: 2000,
+            sleep_cap: Duration::from_millis(100),
+        }
     }
 
     /// Whether an unarmed waiter with this strategy sleeps instead of burning its core.

@@ -35,8 +35,8 @@ use bytemuck::{Pod, Zeroable};
 use crate::doorbell::{self, Park, WaitStrategy};
 use crate::error::{IpcError, Result};
 use crate::segment::{Segment, SegmentKind, HEADER_LEN};
-use crate::types::{AdapterHandle, LayerIdx, Module, ModuleMask, StepSeq, WorkerId, WorkerMask};
 use crate::types::NUM_MODULES;
+use crate::types::{AdapterHandle, LayerIdx, Module, ModuleMask, StepSeq, WorkerId, WorkerMask};
 
 /// Capacities of an exchange segment. Stored in the segment header, so a worker reads them
 /// back instead of being told.
@@ -290,7 +290,8 @@ impl Exchange {
             });
         }
         let cfg = ExchangeConfig::from_words(seg.config_words())?;
-        cfg.validate().map_err(|e| IpcError::CorruptHeader(e.to_string()))?;
+        cfg.validate()
+            .map_err(|e| IpcError::CorruptHeader(e.to_string()))?;
         let layout = ExchangeLayout::new(&cfg)?;
         if layout.total > seg.len() {
             return Err(IpcError::CorruptHeader(format!(
@@ -299,7 +300,12 @@ impl Exchange {
                 seg.len()
             )));
         }
-        Ok(Self { seg, cfg, layout, in_flight: None })
+        Ok(Self {
+            seg,
+            cfg,
+            layout,
+            in_flight: None,
+        })
     }
 
     /// The underlying segment (for `inherit_into`, `base_addr`, cloning the fd).
@@ -326,12 +332,16 @@ impl Exchange {
     }
 
     pub(crate) fn heartbeat_word(&self, w: WorkerId) -> &std::sync::atomic::AtomicU64 {
-        self.seg.atomic_u64(self.layout.workers + w.0 as usize * SLOT + WORKER_HEARTBEAT)
+        self.seg
+            .atomic_u64(self.layout.workers + w.0 as usize * SLOT + WORKER_HEARTBEAT)
     }
 
     pub(crate) fn check_worker(&self, w: WorkerId) -> Result<()> {
         if w.0 >= self.cfg.max_workers {
-            return Err(IpcError::NoSuchWorker { worker: w.0, max: self.cfg.max_workers });
+            return Err(IpcError::NoSuchWorker {
+                worker: w.0,
+                max: self.cfg.max_workers,
+            });
         }
         Ok(())
     }
@@ -399,9 +409,14 @@ impl Exchange {
         }
         // SAFETY: no step is in flight (`idle` checked), so no worker reads the job table
         // until the next `post_step`, whose SeqCst store publishes these bytes.
-        let table = unsafe { self.seg.mapping().slice_mut::<Job>(self.layout.jobs, jobs.len()) };
+        let table = unsafe {
+            self.seg
+                .mapping()
+                .slice_mut::<Job>(self.layout.jobs, jobs.len())
+        };
         table.copy_from_slice(jobs);
-        self.word(self.layout.n_jobs).store(jobs.len() as u32, Ordering::Relaxed);
+        self.word(self.layout.n_jobs)
+            .store(jobs.len() as u32, Ordering::Relaxed);
         Ok(())
     }
 
@@ -429,7 +444,9 @@ impl Exchange {
     pub(crate) fn input_range(&self, input: u32, rows: Range<u32>) -> Result<(usize, usize)> {
         let d = self.cfg.max_d_in as usize;
         if input >= self.cfg.max_inputs {
-            return Err(IpcError::InvalidConfig(format!("input {input} >= max_inputs")));
+            return Err(IpcError::InvalidConfig(format!(
+                "input {input} >= max_inputs"
+            )));
         }
         let base = self.layout.inputs + input as usize * self.layout.input_stride;
         self.rows_range(base, d, rows)
@@ -498,9 +515,15 @@ impl Exchange {
         let waiters = self.word(self.layout.result_waiters);
         while let Some(w) = pending.iter().next() {
             let word = self.slot_word(w, WORKER_RESULT);
-            let park = Park { word, sleepers: waiters, armed: None };
+            let park = Park {
+                word,
+                sleepers: waiters,
+                armed: None,
+            };
             let done = doorbell::wait_until(strategy, &park, Some(deadline), || {
-                StepSeq(word.load(Ordering::Acquire)).reached(seq).then_some(())
+                StepSeq(word.load(Ordering::Acquire))
+                    .reached(seq)
+                    .then_some(())
             });
             if done.is_none() {
                 // Deadline passed: collect every worker still short of `seq`.
@@ -546,7 +569,8 @@ impl Exchange {
     pub fn reset_worker(&self, w: WorkerId, completed: StepSeq) -> Result<()> {
         self.check_worker(w)?;
         self.slot_word(w, WORKER_PID).store(0, Ordering::Release);
-        self.slot_word(w, WORKER_RESULT).store(completed.0, Ordering::Release);
+        self.slot_word(w, WORKER_RESULT)
+            .store(completed.0, Ordering::Release);
         Ok(())
     }
 }

@@ -65,7 +65,7 @@ pub use store::{AdapterLease, LoraView, LoraWeights, StoreConfig, StoreReader};
 pub use store_writer::{HostStore, LayerModuleWeights};
 pub use sys::thread_cpu_time;
 pub use types::{
-    AdapterHandle, AdapterId, DType, Generation, LayerIdx, Module, ModuleMask, ReaderSlot,
-    StepSeq, WorkerId, WorkerMask, NUM_MODULES,
+    AdapterHandle, AdapterId, DType, Generation, LayerIdx, Module, ModuleMask, ReaderSlot, StepSeq,
+    WorkerId, WorkerMask, NUM_MODULES,
 };
 pub use worker::{WaitOutcome, WorkerPort};

@@ -84,14 +84,18 @@ impl std::fmt::Debug for Segment {
 }
 
 fn file_of(fd: BorrowedFd<'_>) -> Result<File> {
-    let dup = fd
-        .try_clone_to_owned()
-        .map_err(|e| IpcError::Sys { op: "dup", source: nix::Error::from_raw(e.raw_os_error().unwrap_or(0)) })?;
+    let dup = fd.try_clone_to_owned().map_err(|e| IpcError::Sys {
+        op: "dup",
+        source: nix::Error::from_raw(e.raw_os_error().unwrap_or(0)),
+    })?;
     Ok(File::from(dup))
 }
 
 fn io_err(op: &'static str) -> impl FnOnce(std::io::Error) -> IpcError {
-    move |e| IpcError::Sys { op, source: nix::Error::from_raw(e.raw_os_error().unwrap_or(0)) }
+    move |e| IpcError::Sys {
+        op,
+        source: nix::Error::from_raw(e.raw_os_error().unwrap_or(0)),
+    }
 }
 
 impl Segment {
@@ -144,7 +148,10 @@ impl Segment {
         let len = sys::fd_len(fd.as_fd())?;
         let hsize = std::mem::size_of::<SegmentHeader>();
         if len < HEADER_LEN {
-            return Err(IpcError::TooSmall { len, needed: HEADER_LEN });
+            return Err(IpcError::TooSmall {
+                len,
+                needed: HEADER_LEN,
+            });
         }
         if !sys::fd_seals(fd.as_fd())?.contains(sys::REQUIRED_SEALS) {
             return Err(IpcError::NotSealed);
@@ -154,7 +161,10 @@ impl Segment {
             .read_exact_at(&mut bytemuck::bytes_of_mut(&mut header)[..hsize], 0)
             .map_err(io_err("pread header"))?;
         if header.magic != MAGIC {
-            return Err(IpcError::BadMagic { found: header.magic, expected: MAGIC });
+            return Err(IpcError::BadMagic {
+                found: header.magic,
+                expected: MAGIC,
+            });
         }
         if header.version != LAYOUT_VERSION {
             return Err(IpcError::VersionMismatch {
@@ -163,10 +173,16 @@ impl Segment {
             });
         }
         if header.kind != expected.code() {
-            return Err(IpcError::KindMismatch { found: header.kind, expected });
+            return Err(IpcError::KindMismatch {
+                found: header.kind,
+                expected,
+            });
         }
         if header.total_len != len as u64 {
-            return Err(IpcError::SizeMismatch { header: header.total_len, actual: len as u64 });
+            return Err(IpcError::SizeMismatch {
+                header: header.total_len,
+                actual: len as u64,
+            });
         }
         if header.payload_off != HEADER_LEN as u64 {
             return Err(IpcError::CorruptHeader(format!(
@@ -202,9 +218,7 @@ impl Segment {
     /// A new fd for the same memory (e.g. to open a second mapping, or to send over a
     /// socket with `SCM_RIGHTS`).
     pub fn try_clone_fd(&self) -> Result<OwnedFd> {
-        self.fd
-            .try_clone()
-            .map_err(io_err("dup segment fd"))
+        self.fd.try_clone().map_err(io_err("dup segment fd"))
     }
 
     /// Which layout this segment holds.
@@ -228,7 +242,12 @@ impl Segment {
 
     /// The debug name given at creation.
     pub fn debug_name(&self) -> &str {
-        let n = self.header.debug_name.iter().position(|&b| b == 0).unwrap_or(32);
+        let n = self
+            .header
+            .debug_name
+            .iter()
+            .position(|&b| b == 0)
+            .unwrap_or(32);
         std::str::from_utf8(&self.header.debug_name[..n]).unwrap_or("?")
     }
 
@@ -261,14 +280,20 @@ impl Segment {
     /// The `AtomicU32` at `off` bytes from the segment start. Panics if `off` is in the
     /// header, out of range or not 4-aligned.
     pub fn atomic_u32(&self, off: usize) -> &AtomicU32 {
-        assert!(off >= HEADER_LEN, "offset {off} is inside the immutable header");
+        assert!(
+            off >= HEADER_LEN,
+            "offset {off} is inside the immutable header"
+        );
         self.map.atomic_u32(off)
     }
 
     /// The `AtomicU64` at `off` bytes from the segment start. Panics if `off` is in the
     /// header, out of range or not 8-aligned.
     pub fn atomic_u64(&self, off: usize) -> &AtomicU64 {
-        assert!(off >= HEADER_LEN, "offset {off} is inside the immutable header");
+        assert!(
+            off >= HEADER_LEN,
+            "offset {off} is inside the immutable header"
+        );
         self.map.atomic_u64(off)
     }
 
@@ -318,15 +343,30 @@ mod tests {
     #[test]
     fn wrong_magic_is_refused() {
         let len = 2 * HEADER_LEN;
-        let h = SegmentHeader { magic: 0xdead_beef, ..good_header(len) };
+        let h = SegmentHeader {
+            magic: 0xdead_beef,
+            ..good_header(len)
+        };
         let err = Segment::open_fd(crafted(&h, len), SegmentKind::Scratch).unwrap_err();
-        assert!(matches!(err, IpcError::BadMagic { found: 0xdead_beef, .. }), "{err}");
+        assert!(
+            matches!(
+                err,
+                IpcError::BadMagic {
+                    found: 0xdead_beef,
+                    ..
+                }
+            ),
+            "{err}"
+        );
     }
 
     #[test]
     fn wrong_version_is_refused() {
         let len = 2 * HEADER_LEN;
-        let h = SegmentHeader { version: LAYOUT_VERSION + 1, ..good_header(len) };
+        let h = SegmentHeader {
+            version: LAYOUT_VERSION + 1,
+            ..good_header(len)
+        };
         let err = Segment::open_fd(crafted(&h, len), SegmentKind::Scratch).unwrap_err();
         assert!(matches!(err, IpcError::VersionMismatch { .. }), "{err}");
     }
@@ -336,7 +376,13 @@ mod tests {
         let seg = Segment::create(SegmentKind::Scratch, "kind", 100).unwrap();
         let err = Segment::open_fd(seg.try_clone_fd().unwrap(), SegmentKind::Exchange).unwrap_err();
         assert!(
-            matches!(err, IpcError::KindMismatch { found: 3, expected: SegmentKind::Exchange }),
+            matches!(
+                err,
+                IpcError::KindMismatch {
+                    found: 3,
+                    expected: SegmentKind::Exchange
+                }
+            ),
             "{err}"
         );
     }
@@ -344,7 +390,10 @@ mod tests {
     #[test]
     fn wrong_size_is_refused() {
         let len = 2 * HEADER_LEN;
-        let h = SegmentHeader { total_len: 3 * HEADER_LEN as u64, ..good_header(len) };
+        let h = SegmentHeader {
+            total_len: 3 * HEADER_LEN as u64,
+            ..good_header(len)
+        };
         let err = Segment::open_fd(crafted(&h, len), SegmentKind::Scratch).unwrap_err();
         assert!(
             matches!(err, IpcError::SizeMismatch { header, actual } if header == 3 * 4096 && actual == 2 * 4096),
@@ -359,11 +408,15 @@ mod tests {
         assert!(matches!(err, IpcError::TooSmall { len: 64, .. }), "{err}");
 
         let name = std::ffi::CString::new("unsealed").unwrap();
-        let fd = nix::sys::memfd::memfd_create(&name, nix::sys::memfd::MemFdCreateFlag::MFD_CLOEXEC)
-            .unwrap();
+        let fd =
+            nix::sys::memfd::memfd_create(&name, nix::sys::memfd::MemFdCreateFlag::MFD_CLOEXEC)
+                .unwrap();
         nix::unistd::ftruncate(&fd, 2 * HEADER_LEN as i64).unwrap();
         let err = Segment::open_fd(fd, SegmentKind::Scratch).unwrap_err();
-        assert!(matches!(err, IpcError::Sys { .. } | IpcError::NotSealed), "{err}");
+        assert!(
+            matches!(err, IpcError::Sys { .. } | IpcError::NotSealed),
+            "{err}"
+        );
     }
 
     #[test]
@@ -371,8 +424,13 @@ mod tests {
         let a = Segment::create(SegmentKind::Scratch, "share", 4096).unwrap();
         let b = Segment::open_fd(a.try_clone_fd().unwrap(), SegmentKind::Scratch).unwrap();
         assert_ne!(a.base_addr(), b.base_addr());
-        a.atomic_u64(HEADER_LEN + 8).store(42, std::sync::atomic::Ordering::Release);
-        assert_eq!(b.atomic_u64(HEADER_LEN + 8).load(std::sync::atomic::Ordering::Acquire), 42);
+        a.atomic_u64(HEADER_LEN + 8)
+            .store(42, std::sync::atomic::Ordering::Release);
+        assert_eq!(
+            b.atomic_u64(HEADER_LEN + 8)
+                .load(std::sync::atomic::Ordering::Acquire),
+            42
+        );
         assert_eq!(b.debug_name(), "share");
     }
 }

@@ -30,8 +30,8 @@ use half::{bf16, f16};
 
 use crate::error::{IpcError, Result};
 use crate::segment::{Segment, SegmentKind, HEADER_LEN};
-use crate::types::{AdapterHandle, AdapterId, DType, Generation, LayerIdx, Module, ReaderSlot};
 use crate::types::NUM_MODULES;
+use crate::types::{AdapterHandle, AdapterId, DType, Generation, LayerIdx, Module, ReaderSlot};
 
 pub(crate) const FREE: u32 = 0;
 pub(crate) const WRITING: u32 = 1;
@@ -59,7 +59,11 @@ pub struct StoreConfig {
 
 impl Default for StoreConfig {
     fn default() -> Self {
-        Self { capacity_bytes: 1 << 30, max_adapters: 256, max_readers: 65 }
+        Self {
+            capacity_bytes: 1 << 30,
+            max_adapters: 256,
+            max_readers: 65,
+        }
     }
 }
 
@@ -94,10 +98,15 @@ impl StoreLayout {
     pub(crate) fn new(cfg: &StoreConfig) -> Result<Self> {
         let too_big = || IpcError::InvalidConfig(format!("{cfg:?} does not fit in memory"));
         if cfg.max_adapters == 0 || cfg.max_readers == 0 {
-            return Err(IpcError::InvalidConfig("max_adapters and max_readers must be >= 1".into()));
+            return Err(IpcError::InvalidConfig(
+                "max_adapters and max_readers must be >= 1".into(),
+            ));
         }
         let index = HEADER_LEN;
-        let leases = index + (cfg.max_adapters as usize).checked_mul(ENTRY).ok_or_else(too_big)?;
+        let leases = index
+            + (cfg.max_adapters as usize)
+                .checked_mul(ENTRY)
+                .ok_or_else(too_big)?;
         let n_leases = (cfg.max_adapters as usize)
             .checked_mul(cfg.max_readers as usize)
             .and_then(|n| n.checked_mul(4))
@@ -105,7 +114,12 @@ impl StoreLayout {
         let arena = (leases + n_leases).div_ceil(4096) * 4096;
         let cap = usize::try_from(cfg.capacity_bytes).map_err(|_| too_big())?;
         let total = arena.checked_add(cap).ok_or_else(too_big)?;
-        Ok(Self { index, leases, arena, total })
+        Ok(Self {
+            index,
+            leases,
+            arena,
+            total,
+        })
     }
 }
 
@@ -131,17 +145,20 @@ pub struct LoraWeights<'a> {
 impl<'a> LoraWeights<'a> {
     /// A and B as f32, if that is the stored dtype.
     pub fn f32(&self) -> Option<(&'a [f32], &'a [f32])> {
-        (self.dtype == DType::F32).then(|| (bytemuck::cast_slice(self.a), bytemuck::cast_slice(self.b)))
+        (self.dtype == DType::F32)
+            .then(|| (bytemuck::cast_slice(self.a), bytemuck::cast_slice(self.b)))
     }
 
     /// A and B as f16, if that is the stored dtype.
     pub fn f16(&self) -> Option<(&'a [f16], &'a [f16])> {
-        (self.dtype == DType::F16).then(|| (bytemuck::cast_slice(self.a), bytemuck::cast_slice(self.b)))
+        (self.dtype == DType::F16)
+            .then(|| (bytemuck::cast_slice(self.a), bytemuck::cast_slice(self.b)))
     }
 
     /// A and B as bf16, if that is the stored dtype.
     pub fn bf16(&self) -> Option<(&'a [bf16], &'a [bf16])> {
-        (self.dtype == DType::BF16).then(|| (bytemuck::cast_slice(self.a), bytemuck::cast_slice(self.b)))
+        (self.dtype == DType::BF16)
+            .then(|| (bytemuck::cast_slice(self.a), bytemuck::cast_slice(self.b)))
     }
 }
 
@@ -192,14 +209,34 @@ impl<'a> AdapterLease<'a> {
         let a_len = d.rank as usize * d.d_in as usize * dtype.size();
         let b_len = d.rank as usize * d.d_out as usize * dtype.size();
         let inside = |off: u64, n: usize| {
-            (off as usize) >= start && (off as usize).checked_add(n).is_some_and(|e| e <= start + len)
+            (off as usize) >= start
+                && (off as usize)
+                    .checked_add(n)
+                    .is_some_and(|e| e <= start + len)
         };
-        if !inside(d.a_off, a_len) || !inside(d.b_off, b_len) || d.a_off % 64 != 0 || d.b_off % 64 != 0 {
+        if !inside(d.a_off, a_len)
+            || !inside(d.b_off, b_len)
+            || d.a_off % 64 != 0
+            || d.b_off % 64 != 0
+        {
             return None;
         }
         // SAFETY: as above — both ranges are inside the leased, immutable block.
-        let (a, b) = unsafe { (map.slice::<u8>(d.a_off as usize, a_len), map.slice::<u8>(d.b_off as usize, b_len)) };
-        Some(LoraWeights { rank: d.rank, scale: d.scale, dtype, d_in: d.d_in, d_out: d.d_out, a, b })
+        let (a, b) = unsafe {
+            (
+                map.slice::<u8>(d.a_off as usize, a_len),
+                map.slice::<u8>(d.b_off as usize, b_len),
+            )
+        };
+        Some(LoraWeights {
+            rank: d.rank,
+            scale: d.scale,
+            dtype,
+            d_in: d.d_in,
+            d_out: d.d_out,
+            a,
+            b,
+        })
     }
 }
 
@@ -238,26 +275,47 @@ impl StoreReader {
     /// must use its own slot (the engine assigns them; slot 0 is the writer's).
     pub fn open(seg: Segment, reader: ReaderSlot) -> Result<Self> {
         if seg.kind() != SegmentKind::HostStore {
-            return Err(IpcError::KindMismatch { found: seg.header().kind, expected: SegmentKind::HostStore });
+            return Err(IpcError::KindMismatch {
+                found: seg.header().kind,
+                expected: SegmentKind::HostStore,
+            });
         }
         let w = seg.config_words();
         let cfg = StoreConfig {
             capacity_bytes: w[0],
-            max_adapters: u32::try_from(w[1]).map_err(|_| IpcError::CorruptHeader("max_adapters".into()))?,
-            max_readers: u32::try_from(w[2]).map_err(|_| IpcError::CorruptHeader("max_readers".into()))?,
+            max_adapters: u32::try_from(w[1])
+                .map_err(|_| IpcError::CorruptHeader("max_adapters".into()))?,
+            max_readers: u32::try_from(w[2])
+                .map_err(|_| IpcError::CorruptHeader("max_readers".into()))?,
         };
         let layout = StoreLayout::new(&cfg).map_err(|e| IpcError::CorruptHeader(e.to_string()))?;
         if layout.total > seg.len() {
-            return Err(IpcError::CorruptHeader(format!("store needs {} bytes, segment has {}", layout.total, seg.len())));
+            return Err(IpcError::CorruptHeader(format!(
+                "store needs {} bytes, segment has {}",
+                layout.total,
+                seg.len()
+            )));
         }
         if reader.0 >= cfg.max_readers {
-            return Err(IpcError::NoSuchReader { slot: reader.0, max: cfg.max_readers });
+            return Err(IpcError::NoSuchReader {
+                slot: reader.0,
+                max: cfg.max_readers,
+            });
         }
-        Ok(Self { seg, cfg, layout, reader })
+        Ok(Self {
+            seg,
+            cfg,
+            layout,
+            reader,
+        })
     }
 
     pub(crate) fn config_words(cfg: &StoreConfig) -> [u64; 3] {
-        [cfg.capacity_bytes, u64::from(cfg.max_adapters), u64::from(cfg.max_readers)]
+        [
+            cfg.capacity_bytes,
+            u64::from(cfg.max_adapters),
+            u64::from(cfg.max_readers),
+        ]
     }
 
     /// The segment (to hand its fd to workers).
@@ -271,11 +329,13 @@ impl StoreReader {
     }
 
     pub(crate) fn entry_u32(&self, slot: u32, field: usize) -> &AtomicU32 {
-        self.seg.atomic_u32(self.layout.index + slot as usize * ENTRY + field)
+        self.seg
+            .atomic_u32(self.layout.index + slot as usize * ENTRY + field)
     }
 
     pub(crate) fn entry_u64(&self, slot: u32, field: usize) -> &AtomicU64 {
-        self.seg.atomic_u64(self.layout.index + slot as usize * ENTRY + field)
+        self.seg
+            .atomic_u64(self.layout.index + slot as usize * ENTRY + field)
     }
 
     pub(crate) fn lease_word_of(&self, slot: u32, reader: u32) -> &AtomicU32 {
@@ -291,7 +351,12 @@ impl StoreReader {
         self.entry_u32(slot, E_STATE).load(SeqCst)
     }
 
-    pub(crate) fn set_entry(&self, slot: u32, state: u32, fields: Option<(AdapterHandle, u32, u64, u64)>) {
+    pub(crate) fn set_entry(
+        &self,
+        slot: u32,
+        state: u32,
+        fields: Option<(AdapterHandle, u32, u64, u64)>,
+    ) {
         if let Some((h, n_layers, off, len)) = fields {
             self.entry_u32(slot, E_LAYERS).store(n_layers, SeqCst);
             self.entry_u64(slot, E_ID).store(h.id.0, SeqCst);
@@ -308,7 +373,12 @@ impl StoreReader {
             let live = self.state(slot) == LIVE
                 && self.entry_u64(slot, E_ID).load(SeqCst) == id.0
                 && self.entry_u64(slot, E_GEN).load(SeqCst) == generation.0;
-            live.then_some(AdapterHandle { id, generation, slot, _pad: 0 })
+            live.then_some(AdapterHandle {
+                id,
+                generation,
+                slot,
+                _pad: 0,
+            })
         })
     }
 
@@ -319,7 +389,12 @@ impl StoreReader {
         }
         let s = handle.slot;
         self.lease_word(s).fetch_add(1, SeqCst);
-        let mut lease = AdapterLease { store: self, handle, n_layers: 0, block: (0, 0) };
+        let mut lease = AdapterLease {
+            store: self,
+            handle,
+            n_layers: 0,
+            block: (0, 0),
+        };
         if self.state(s) != LIVE
             || self.entry_u64(s, E_ID).load(SeqCst) != handle.id.0
             || self.entry_u64(s, E_GEN).load(SeqCst) != handle.generation.0
@@ -341,9 +416,17 @@ impl StoreReader {
     }
 
     /// A leased view of (layer, module) of `handle`'s adapter.
-    pub fn view(&self, handle: AdapterHandle, layer: LayerIdx, module: Module) -> Option<LoraView<'_>> {
+    pub fn view(
+        &self,
+        handle: AdapterHandle,
+        layer: LayerIdx,
+        module: Module,
+    ) -> Option<LoraView<'_>> {
         let lease = self.lease(handle)?;
         let weights = lease.weights(layer, module)?;
-        Some(LoraView { weights, _lease: lease })
+        Some(LoraView {
+            weights,
+            _lease: lease,
+        })
     }
 }

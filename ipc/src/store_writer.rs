@@ -9,8 +9,12 @@ use std::ops::{Deref, Range};
 use crate::alloc::{round_up, FreeList};
 use crate::error::{IpcError, Result};
 use crate::segment::{Segment, SegmentKind, HEADER_LEN};
-use crate::store::{ModuleDesc, StoreConfig, StoreLayout, StoreReader, DESC, FREE, LIVE, RETIRED, WRITING};
-use crate::types::{AdapterHandle, AdapterId, DType, Generation, LayerIdx, Module, ReaderSlot, NUM_MODULES};
+use crate::store::{
+    ModuleDesc, StoreConfig, StoreLayout, StoreReader, DESC, FREE, LIVE, RETIRED, WRITING,
+};
+use crate::types::{
+    AdapterHandle, AdapterId, DType, Generation, LayerIdx, Module, ReaderSlot, NUM_MODULES,
+};
 
 /// One (layer, module) of an adapter to insert: A `[rank, d_in]` and B `[d_out, rank]` as
 /// raw bytes in `dtype` (little-endian, row-major); `d_in`/`d_out` follow from the lengths.
@@ -54,7 +58,11 @@ impl HostStore {
     /// Creates a store with `capacity_bytes` of arena and `max_adapters` index slots, and the
     /// default number of reader slots.
     pub fn create(capacity_bytes: u64, max_adapters: u32) -> Result<Self> {
-        Self::create_with(StoreConfig { capacity_bytes, max_adapters, ..StoreConfig::default() })
+        Self::create_with(StoreConfig {
+            capacity_bytes,
+            max_adapters,
+            ..StoreConfig::default()
+        })
     }
 
     /// Creates a store for `cfg`.
@@ -85,7 +93,10 @@ impl HostStore {
         weights: &[LayerModuleWeights<'_>],
     ) -> Result<AdapterHandle> {
         if self.live.contains_key(&(id, generation)) {
-            return Err(IpcError::AlreadyPresent { id: id.0, generation: generation.0 });
+            return Err(IpcError::AlreadyPresent {
+                id: id.0,
+                generation: generation.0,
+            });
         }
         let shapes = check_weights(weights)?;
         let n_layers = weights.iter().map(|w| w.layer.0 + 1).max().unwrap_or(0);
@@ -96,7 +107,9 @@ impl HostStore {
                 .map(|w| round_up(w.a_bytes.len() as u64) + round_up(w.b_bytes.len() as u64))
                 .sum::<u64>();
         self.reclaim();
-        let slot = self.free_slots.pop().ok_or(IpcError::IndexFull { max: self.cfg.max_adapters })?;
+        let slot = self.free_slots.pop().ok_or(IpcError::IndexFull {
+            max: self.cfg.max_adapters,
+        })?;
         let Some(off) = self.free.alloc(size) else {
             self.free_slots.push(slot);
             return Err(IpcError::StoreFull {
@@ -113,7 +126,12 @@ impl HostStore {
         // which no reader can acquire it (they see a non-LIVE state first); and the entry now
         // being filled is WRITING, so no reader touches the bytes until we store LIVE below.
         // Nothing else in this process holds a slice of the block.
-        let block = unsafe { self.reader.seg.mapping().slice_mut::<u8>(base, len as usize) };
+        let block = unsafe {
+            self.reader
+                .seg
+                .mapping()
+                .slice_mut::<u8>(base, len as usize)
+        };
         block.fill(0);
         let mut cursor = desc_bytes as usize;
         for (w, &(d_in, d_out)) in weights.iter().zip(&shapes) {
@@ -137,8 +155,14 @@ impl HostStore {
             let at = (w.layer.0 as usize * NUM_MODULES + w.module.index()) * DESC;
             block[at..at + DESC].copy_from_slice(bytemuck::bytes_of(&desc));
         }
-        let handle = AdapterHandle { id, generation, slot, _pad: 0 };
-        self.reader.set_entry(slot, LIVE, Some((handle, n_layers, off, len)));
+        let handle = AdapterHandle {
+            id,
+            generation,
+            slot,
+            _pad: 0,
+        };
+        self.reader
+            .set_entry(slot, LIVE, Some((handle, n_layers, off, len)));
         self.live.insert((id, generation), (slot, off, len));
         self.blocks.insert(slot, (off, len));
         Ok(handle)
@@ -166,7 +190,12 @@ impl HostStore {
         let mut i = 0;
         while i < self.retired.len() {
             let slot = self.retired[i];
-            let leased = (0..readers).any(|r| self.reader.lease_word_of(slot, r).load(std::sync::atomic::Ordering::SeqCst) != 0);
+            let leased = (0..readers).any(|r| {
+                self.reader
+                    .lease_word_of(slot, r)
+                    .load(std::sync::atomic::Ordering::SeqCst)
+                    != 0
+            });
             if leased {
                 i += 1;
                 continue;
@@ -184,10 +213,15 @@ impl HostStore {
     /// (it can no longer read), so adapters it had leased can be reclaimed.
     pub fn release_reader(&mut self, reader: ReaderSlot) -> Result<()> {
         if reader.0 >= self.cfg.max_readers || reader.0 == 0 {
-            return Err(IpcError::NoSuchReader { slot: reader.0, max: self.cfg.max_readers });
+            return Err(IpcError::NoSuchReader {
+                slot: reader.0,
+                max: self.cfg.max_readers,
+            });
         }
         for slot in 0..self.cfg.max_adapters {
-            self.reader.lease_word_of(slot, reader.0).store(0, std::sync::atomic::Ordering::SeqCst);
+            self.reader
+                .lease_word_of(slot, reader.0)
+                .store(0, std::sync::atomic::Ordering::SeqCst);
         }
         self.reclaim();
         Ok(())
@@ -203,7 +237,15 @@ impl HostStore {
         self.live
             .iter()
             .map(|(&(id, generation), &(slot, off, len))| {
-                (AdapterHandle { id, generation, slot, _pad: 0 }, off..off + len)
+                (
+                    AdapterHandle {
+                        id,
+                        generation,
+                        slot,
+                        _pad: 0,
+                    },
+                    off..off + len,
+                )
             })
             .collect()
     }
@@ -225,7 +267,11 @@ fn check_weights(weights: &[LayerModuleWeights<'_>]) -> Result<Vec<(u32, u32)>> 
     weights
         .iter()
         .map(|w| {
-            let bad = |reason: String| IpcError::BadWeights { layer: w.layer.0, module: w.module.index() as u32, reason };
+            let bad = |reason: String| IpcError::BadWeights {
+                layer: w.layer.0,
+                module: w.module.index() as u32,
+                reason,
+            };
             if w.rank == 0 {
                 return Err(bad("rank is 0".into()));
             }
@@ -253,5 +299,15 @@ fn check_weights(weights: &[LayerModuleWeights<'_>]) -> Result<Vec<(u32, u32)>> 
             Ok((dim(w.a_bytes, "A")?, dim(w.b_bytes, "B")?))
         })
         .collect::<Result<Vec<_>>>()
-        .and_then(|v| if v.is_empty() { Err(IpcError::BadWeights { layer: 0, module: 0, reason: "no weights".into() }) } else { Ok(v) })
+        .and_then(|v| {
+            if v.is_empty() {
+                Err(IpcError::BadWeights {
+                    layer: 0,
+                    module: 0,
+                    reason: "no weights".into(),
+                })
+            } else {
+                Ok(v)
+            }
+        })
 }

@@ -75,10 +75,13 @@ pub(crate) fn adopt_inherited_fd(raw: RawFd) -> Result<OwnedFd> {
     let mut adopted = ADOPTED.lock().unwrap_or_else(|p| p.into_inner());
     let set = adopted.get_or_insert_with(HashSet::new);
     if raw < 0 || set.contains(&raw) {
-        return Err(IpcError::NoInheritedFd(format!("fd {raw} is invalid or already adopted")));
+        return Err(IpcError::NoInheritedFd(format!(
+            "fd {raw} is invalid or already adopted"
+        )));
     }
     fcntl(raw, FcntlArg::F_GETFD).map_err(sys_err("F_GETFD on inherited fd"))?;
-    let seals = fcntl(raw, FcntlArg::F_GET_SEALS).map_err(sys_err("F_GET_SEALS on inherited fd"))?;
+    let seals =
+        fcntl(raw, FcntlArg::F_GET_SEALS).map_err(sys_err("F_GET_SEALS on inherited fd"))?;
     if !SealFlag::from_bits_truncate(seals).contains(REQUIRED_SEALS) {
         return Err(IpcError::NotSealed);
     }
@@ -153,13 +156,19 @@ impl Mapping {
     }
 
     fn check<T>(&self, off: usize, count: usize) -> *mut T {
-        let bytes = count.checked_mul(std::mem::size_of::<T>()).expect("size overflow");
+        let bytes = count
+            .checked_mul(std::mem::size_of::<T>())
+            .expect("size overflow");
         assert!(
             off.checked_add(bytes).is_some_and(|end| end <= self.len),
             "range {off}+{bytes} outside mapping of {}",
             self.len
         );
-        assert_eq!(off % std::mem::align_of::<T>(), 0, "misaligned offset {off}");
+        assert_eq!(
+            off % std::mem::align_of::<T>(),
+            0,
+            "misaligned offset {off}"
+        );
         // SAFETY: `off + bytes <= len` was just checked, so the result stays inside (or one
         // past the end of) the mapping's single allocation.
         unsafe { self.ptr.as_ptr().add(off).cast() }

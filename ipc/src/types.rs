@@ -212,7 +212,9 @@ impl WorkerMask {
 
     /// The workers in the set, ascending.
     pub fn iter(self) -> impl Iterator<Item = WorkerId> {
-        (0..64u32).filter(move |i| self.0 & (1 << i) != 0).map(WorkerId)
+        (0..64u32)
+            .filter(move |i| self.0 & (1 << i) != 0)
+            .map(WorkerId)
     }
 }
 

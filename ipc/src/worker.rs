@@ -36,8 +36,14 @@ impl WorkerPort {
     pub fn attach(ex: Exchange, id: WorkerId) -> Result<Self> {
         ex.check_worker(id)?;
         let last = StepSeq(ex.slot_word(id, WORKER_RESULT).load(Ordering::Acquire));
-        ex.slot_word(id, WORKER_PID).store(std::process::id(), Ordering::Release);
-        let port = Self { ex, id, last, current: None };
+        ex.slot_word(id, WORKER_PID)
+            .store(std::process::id(), Ordering::Release);
+        let port = Self {
+            ex,
+            id,
+            last,
+            current: None,
+        };
         port.beat();
         Ok(port)
     }
@@ -54,7 +60,9 @@ impl WorkerPort {
 
     /// Bumps the heartbeat counter.
     pub fn beat(&self) {
-        self.ex.heartbeat_word(self.id).fetch_add(1, Ordering::Release);
+        self.ex
+            .heartbeat_word(self.id)
+            .fetch_add(1, Ordering::Release);
     }
 
     /// Waits for a step after the last one this worker completed, for shutdown, or for
@@ -99,7 +107,10 @@ impl WorkerPort {
         if self.current.is_none() {
             return 0;
         }
-        let n = self.ex.word(self.ex.layout().n_jobs).load(Ordering::Acquire) as usize;
+        let n = self
+            .ex
+            .word(self.ex.layout().n_jobs)
+            .load(Ordering::Acquire) as usize;
         n.min(self.ex.config().max_jobs as usize)
     }
 
@@ -111,13 +122,20 @@ impl WorkerPort {
         // SAFETY: we are inside step `current`, whose sequence number we loaded with
         // Acquire after the engine wrote the table and stored it (SeqCst); the engine does
         // not write the table again until our result word says we completed the step.
-        let table = unsafe { self.ex.segment().mapping().slice::<Job>(self.ex.layout().jobs, i + 1) };
+        let table = unsafe {
+            self.ex
+                .segment()
+                .mapping()
+                .slice::<Job>(self.ex.layout().jobs, i + 1)
+        };
         Some(table[i])
     }
 
     /// The jobs of the current step assigned to this worker.
     pub fn my_jobs(&self) -> impl Iterator<Item = Job> + '_ {
-        (0..self.n_jobs()).filter_map(|i| self.job(i)).filter(|j| j.worker == self.id)
+        (0..self.n_jobs())
+            .filter_map(|i| self.job(i))
+            .filter(|j| j.worker == self.id)
     }
 
     /// For `job` (one of this worker's jobs in the current step) and one of its modules:

@@ -15,7 +15,14 @@ const FD_VAR: &str = "THAW_EXCHANGE_FD";
 const SLOW_RANK: u32 = 999;
 
 fn cfg() -> ExchangeConfig {
-    ExchangeConfig { max_workers: 3, max_jobs: 8, max_inputs: 2, max_rows: 16, max_d_in: 8, max_d_out: 12 }
+    ExchangeConfig {
+        max_workers: 3,
+        max_jobs: 8,
+        max_inputs: 2,
+        max_rows: 16,
+        max_d_in: 8,
+        max_d_out: 12,
+    }
 }
 
 fn strategy_named(name: &str) -> WaitStrategy {
@@ -36,9 +43,10 @@ fn name_of(s: WaitStrategy) -> &'static str {
 /// Same strategy, but a parked waiter is never woken by the safety-net timeout within a test.
 fn long_cap(s: WaitStrategy) -> WaitStrategy {
     match s {
-        WaitStrategy::SpinThenFutex { spins, .. } => {
-            WaitStrategy::SpinThenFutex { spins, sleep_cap: Duration::from_secs(30) }
-        }
+        WaitStrategy::SpinThenFutex { spins, .. } => WaitStrategy::SpinThenFutex {
+            spins,
+            sleep_cap: Duration::from_secs(30),
+        },
         s => s,
     }
 }
@@ -90,7 +98,10 @@ fn run_worker(strategy: WaitStrategy, id: u32) {
             WaitOutcome::Shutdown => return,
             WaitOutcome::TimedOut => {
                 port.beat();
-                assert!(idle_since.elapsed() < Duration::from_secs(30), "orphaned worker");
+                assert!(
+                    idle_since.elapsed() < Duration::from_secs(30),
+                    "orphaned worker"
+                );
             }
         }
     }
@@ -104,7 +115,10 @@ fn child_entry() {
         ["worker", s, id] => run_worker(strategy_named(s), id.parse().unwrap()),
         ["expect-no-fd"] => {
             let err = Segment::from_inherited_env(FD_VAR, SegmentKind::Exchange).unwrap_err();
-            assert!(matches!(err, IpcError::Sys { .. } | IpcError::NoInheritedFd(_)), "{err}");
+            assert!(
+                matches!(err, IpcError::Sys { .. } | IpcError::NoInheritedFd(_)),
+                "{err}"
+            );
         }
         other => panic!("unknown role {other:?}"),
     }
@@ -134,8 +148,16 @@ fn plan(ex: &mut Exchange, seq: StepSeq, workers: u32, slow: Option<u32>) -> Vec
             scale: 1.0,
             ..bytemuck::Zeroable::zeroed()
         };
-        jobs.push(Job { modules: [Module::Q, Module::K].into_iter().collect(), input: 0, ..base });
-        jobs.push(Job { modules: ModuleMask::EMPTY.with(Module::O), input: 1, ..base });
+        jobs.push(Job {
+            modules: [Module::Q, Module::K].into_iter().collect(),
+            input: 0,
+            ..base
+        });
+        jobs.push(Job {
+            modules: ModuleMask::EMPTY.with(Module::O),
+            input: 1,
+            ..base
+        });
     }
     ex.set_jobs(&jobs).unwrap();
     jobs
@@ -150,7 +172,11 @@ fn verify(ex: &Exchange, seq: StepSeq, jobs: &[Job]) {
                 let row = job.row_start as usize + r;
                 for k in 0..c.max_d_out as usize {
                     let x = input_value(seq, job.input, row, k % c.max_d_in as usize);
-                    assert_eq!(y[r * c.max_d_out as usize + k], delta(x, m, seq), "step {seq:?} {m:?} row {row}");
+                    assert_eq!(
+                        y[r * c.max_d_out as usize + k],
+                        delta(x, m, seq),
+                        "step {seq:?} {m:?} row {row}"
+                    );
                 }
             }
         }
@@ -183,7 +209,8 @@ fn in_process_round_trips(s: WaitStrategy) {
         }
         ex.post_step(seq).unwrap();
         let deadline = Instant::now() + Duration::from_secs(10);
-        ex.wait_results(seq, WorkerMask::first(2), s, deadline).unwrap();
+        ex.wait_results(seq, WorkerMask::first(2), s, deadline)
+            .unwrap();
         ex.disarm();
         verify(&ex, seq, &jobs);
     }
@@ -196,7 +223,13 @@ fn in_process_round_trips(s: WaitStrategy) {
 fn cross_process_round_trips(s: WaitStrategy) {
     let mut ex = Exchange::create(cfg()).unwrap();
     let children: Vec<_> = (0..2)
-        .map(|w| common::spawn_child(&format!("worker:{}:{w}", name_of(s)), &[(ex.segment(), FD_VAR)], &[]))
+        .map(|w| {
+            common::spawn_child(
+                &format!("worker:{}:{w}", name_of(s)),
+                &[(ex.segment(), FD_VAR)],
+                &[],
+            )
+        })
         .collect();
     let pids: Vec<u32> = children.iter().map(|c| c.id()).collect();
     let mut seq = StepSeq(0);
@@ -246,9 +279,15 @@ fn parked_waiter_is_woken(s: WaitStrategy) {
         (out, Instant::now())
     });
     thread::sleep(Duration::from_millis(150));
-    let sleepers = ex.segment().atomic_u32(ex.layout().sleepers).load(Ordering::SeqCst);
+    let sleepers = ex
+        .segment()
+        .atomic_u32(ex.layout().sleepers)
+        .load(Ordering::SeqCst);
     if s.parks() {
-        assert_eq!(sleepers, 1, "an idle, unarmed waiter should be parked in the futex");
+        assert_eq!(
+            sleepers, 1,
+            "an idle, unarmed waiter should be parked in the futex"
+        );
     } else {
         assert_eq!(sleepers, 0, "a spinning waiter never parks");
     }
@@ -263,8 +302,9 @@ fn parked_waiter_is_woken(s: WaitStrategy) {
 
 fn deadline_returns_laggards(s: WaitStrategy) {
     let mut ex = Exchange::create(cfg()).unwrap();
-    let mut ports: Vec<_> =
-        (0..3).map(|w| WorkerPort::attach(peer(&ex), WorkerId(w)).unwrap()).collect();
+    let mut ports: Vec<_> = (0..3)
+        .map(|w| WorkerPort::attach(peer(&ex), WorkerId(w)).unwrap())
+        .collect();
     ex.set_jobs(&[]).unwrap();
     ex.post_step(StepSeq(1)).unwrap();
     for p in &mut ports {
@@ -274,16 +314,29 @@ fn deadline_returns_laggards(s: WaitStrategy) {
     ports[2].complete();
     let start = Instant::now();
     let late = ex
-        .wait_results(StepSeq(1), WorkerMask::first(3), s, start + Duration::from_millis(100))
+        .wait_results(
+            StepSeq(1),
+            WorkerMask::first(3),
+            s,
+            start + Duration::from_millis(100),
+        )
         .unwrap_err();
     let took = start.elapsed();
     assert_eq!(late, WorkerMask::default().with(WorkerId(1)));
-    assert!(took >= Duration::from_millis(100) && took < Duration::from_secs(5), "{took:?}");
+    assert!(
+        took >= Duration::from_millis(100) && took < Duration::from_secs(5),
+        "{took:?}"
+    );
     // Still in flight: the engine may not touch the rows until it abandons the step.
     assert!(ex.set_jobs(&[]).is_err());
     ports[1].complete();
-    ex.wait_results(StepSeq(1), WorkerMask::first(3), s, Instant::now() + Duration::from_secs(5))
-        .unwrap();
+    ex.wait_results(
+        StepSeq(1),
+        WorkerMask::first(3),
+        s,
+        Instant::now() + Duration::from_secs(5),
+    )
+    .unwrap();
     ex.set_jobs(&[]).unwrap();
 }
 
@@ -294,14 +347,18 @@ fn armed_waiter_sees_device_store(s: WaitStrategy) {
     ex.set_jobs(&[]).unwrap();
     ex.arm();
     ex.device_step_pending(StepSeq(1)).unwrap();
-    let waiter = thread::spawn(move || port.wait_step(s, Some(Instant::now() + Duration::from_secs(20))));
+    let waiter =
+        thread::spawn(move || port.wait_step(s, Some(Instant::now() + Duration::from_secs(20))));
     thread::sleep(Duration::from_millis(50));
     // What the GPU's copy-and-signal kernel does: a plain store, no futex wake.
     let stored = Instant::now();
     ex.seq_word().store(1, Ordering::Release);
     assert_eq!(waiter.join().unwrap(), WaitOutcome::Step(StepSeq(1)));
     let latency = stored.elapsed();
-    assert!(latency < Duration::from_secs(10), "armed waiter noticed a device store after {latency:?}");
+    assert!(
+        latency < Duration::from_secs(10),
+        "armed waiter noticed a device store after {latency:?}"
+    );
     ex.disarm();
 }
 
@@ -327,14 +384,23 @@ fn idle_waiter_cpu(s: WaitStrategy) {
     let wait = Duration::from_millis(400);
     let cpu = thread::spawn(move || {
         let t0 = thread_cpu_time();
-        assert_eq!(port.wait_step(s, Some(Instant::now() + wait)), WaitOutcome::TimedOut);
+        assert_eq!(
+            port.wait_step(s, Some(Instant::now() + wait)),
+            WaitOutcome::TimedOut
+        );
         thread_cpu_time() - t0
     })
     .join()
     .unwrap();
-    println!("{}: idle unarmed wait of {wait:?} used {cpu:?} of CPU", name_of(s));
+    println!(
+        "{}: idle unarmed wait of {wait:?} used {cpu:?} of CPU",
+        name_of(s)
+    );
     if s.parks() {
-        assert!(cpu < Duration::from_millis(40), "unarmed futex waiter burned {cpu:?}");
+        assert!(
+            cpu < Duration::from_millis(40),
+            "unarmed futex waiter burned {cpu:?}"
+        );
     }
     drop(ex);
 }

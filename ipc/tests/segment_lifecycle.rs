@@ -14,7 +14,11 @@ const FD_VAR: &str = "THAW_SCRATCH_FD";
 
 fn dev_shm() -> BTreeSet<String> {
     std::fs::read_dir("/dev/shm")
-        .map(|d| d.filter_map(|e| e.ok()).map(|e| e.file_name().to_string_lossy().into_owned()).collect())
+        .map(|d| {
+            d.filter_map(|e| e.ok())
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect()
+        })
         .unwrap_or_default()
 }
 
@@ -42,15 +46,28 @@ fn memfd_segments_leave_no_trace_in_dev_shm() {
     let before = dev_shm();
     {
         let seg = Segment::create(SegmentKind::Scratch, "lifecycle", 4096).unwrap();
-        let ex = Exchange::create(ExchangeConfig { max_d_in: 64, max_d_out: 64, ..Default::default() }).unwrap();
+        let ex = Exchange::create(ExchangeConfig {
+            max_d_in: 64,
+            max_d_out: 64,
+            ..Default::default()
+        })
+        .unwrap();
         let store = HostStore::create(1 << 16, 4).unwrap();
         for s in [&seg, ex.segment(), store.segment()] {
-            let link = std::fs::read_link(format!("/proc/self/fd/{}", s.as_fd().as_raw_fd())).unwrap();
+            let link =
+                std::fs::read_link(format!("/proc/self/fd/{}", s.as_fd().as_raw_fd())).unwrap();
             let link = link.to_string_lossy().into_owned();
-            assert!(link.starts_with("/memfd:thaw-"), "segment fd is {link}, not an anonymous memfd");
+            assert!(
+                link.starts_with("/memfd:thaw-"),
+                "segment fd is {link}, not an anonymous memfd"
+            );
             assert!(!link.contains("/dev/shm"));
         }
-        assert_eq!(dev_shm(), before, "a live segment must not show up in /dev/shm");
+        assert_eq!(
+            dev_shm(),
+            before,
+            "a live segment must not show up in /dev/shm"
+        );
 
         // A child that exits normally.
         seg.atomic_u64(HEADER_LEN).store(0xfeed, Ordering::Release);
@@ -63,14 +80,21 @@ fn memfd_segments_leave_no_trace_in_dev_shm() {
         let mut child = common::spawn_child("hang", &[(&seg, FD_VAR)], &[]);
         let t = std::time::Instant::now();
         while seg.atomic_u64(HEADER_LEN).load(Ordering::Acquire) != 1 {
-            assert!(t.elapsed() < Duration::from_secs(20), "child never mapped the segment");
+            assert!(
+                t.elapsed() < Duration::from_secs(20),
+                "child never mapped the segment"
+            );
             std::thread::sleep(Duration::from_millis(5));
         }
         child.kill().unwrap();
         child.wait().unwrap();
         assert_eq!(dev_shm(), before);
     }
-    assert_eq!(dev_shm(), before, "/dev/shm changed after dropping every segment");
+    assert_eq!(
+        dev_shm(),
+        before,
+        "/dev/shm changed after dropping every segment"
+    );
 }
 
 #[test]
@@ -82,27 +106,59 @@ fn parent_fd_stays_close_on_exec() {
     seg.inherit_into(&mut cmd, FD_VAR);
     assert!(cmd.status().unwrap().success());
     let flags = nix::fcntl::fcntl(seg.as_fd().as_raw_fd(), nix::fcntl::FcntlArg::F_GETFD).unwrap();
-    assert_ne!(flags & libc::FD_CLOEXEC, 0, "inherit_into must only clear CLOEXEC in the child");
+    assert_ne!(
+        flags & libc::FD_CLOEXEC,
+        0,
+        "inherit_into must only clear CLOEXEC in the child"
+    );
 }
 
 #[test]
 fn segment_is_sealed_against_resizing() {
     let seg = Segment::create(SegmentKind::Scratch, "sealed", 4096).unwrap();
-    assert!(nix::unistd::ftruncate(seg.as_fd(), 1).is_err(), "shrink must be refused");
-    assert!(nix::unistd::ftruncate(seg.as_fd(), 1 << 20).is_err(), "grow must be refused");
+    assert!(
+        nix::unistd::ftruncate(seg.as_fd(), 1).is_err(),
+        "shrink must be refused"
+    );
+    assert!(
+        nix::unistd::ftruncate(seg.as_fd(), 1 << 20).is_err(),
+        "grow must be refused"
+    );
 }
 
 #[test]
 fn exchange_config_round_trips_through_the_header() {
-    let cfg = ExchangeConfig { max_workers: 5, max_jobs: 9, max_inputs: 3, max_rows: 7, max_d_in: 33, max_d_out: 65 };
+    let cfg = ExchangeConfig {
+        max_workers: 5,
+        max_jobs: 9,
+        max_inputs: 3,
+        max_rows: 7,
+        max_d_in: 33,
+        max_d_out: 65,
+    };
     let ex = Exchange::create(cfg).unwrap();
-    let seg = Segment::open_fd(ex.segment().try_clone_fd().unwrap(), SegmentKind::Exchange).unwrap();
+    let seg =
+        Segment::open_fd(ex.segment().try_clone_fd().unwrap(), SegmentKind::Exchange).unwrap();
     let theirs = Exchange::open(seg).unwrap();
     assert_eq!(*theirs.config(), cfg);
     assert_eq!(theirs.layout(), ex.layout());
     // The wrong layout on a valid segment is refused.
-    let seg = Segment::open_fd(ex.segment().try_clone_fd().unwrap(), SegmentKind::Exchange).unwrap();
-    assert!(matches!(StoreReader::open(seg, ReaderSlot(0)), Err(IpcError::KindMismatch { .. })));
-    let err = Segment::open_fd(ex.segment().try_clone_fd().unwrap(), SegmentKind::HostStore).unwrap_err();
-    assert!(matches!(err, IpcError::KindMismatch { found: 1, expected: SegmentKind::HostStore }), "{err}");
+    let seg =
+        Segment::open_fd(ex.segment().try_clone_fd().unwrap(), SegmentKind::Exchange).unwrap();
+    assert!(matches!(
+        StoreReader::open(seg, ReaderSlot(0)),
+        Err(IpcError::KindMismatch { .. })
+    ));
+    let err =
+        Segment::open_fd(ex.segment().try_clone_fd().unwrap(), SegmentKind::HostStore).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            IpcError::KindMismatch {
+                found: 1,
+                expected: SegmentKind::HostStore
+            }
+        ),
+        "{err}"
+    );
 }

@@ -22,7 +22,11 @@ pub enum RuntimeError {
         "KV cache exhausted: step needs {needed} more block(s), {free} free of {total}; \
          schedule fewer tokens or start with more KV blocks"
     )]
-    KvExhausted { needed: usize, free: usize, total: usize },
+    KvExhausted {
+        needed: usize,
+        free: usize,
+        total: usize,
+    },
     #[error(
         "sequence {seq} would reach {len} tokens, over the model's context of {max}; \
          shorten the prompt or lower max_tokens"

@@ -155,7 +155,14 @@ mod tests {
         a.grow_to(&mut s, 32).unwrap();
         assert_eq!(s.len(), 2, "32 tokens fit in two 16-slot blocks");
         let err = a.grow_to(&mut s, 16 * 9).unwrap_err();
-        assert!(matches!(err, RuntimeError::KvExhausted { needed: 7, free: 6, total: 8 }));
+        assert!(matches!(
+            err,
+            RuntimeError::KvExhausted {
+                needed: 7,
+                free: 6,
+                total: 8
+            }
+        ));
         assert_eq!(s.len(), 2, "a failed grow allocates nothing");
         drop(s);
         assert_eq!(a.usage().used_blocks, 0);

@@ -240,7 +240,9 @@ mod tests {
         let draw = |p: &SamplingParams| {
             let mut s = Sampler::new(p.clone(), 0);
             let mut sc = SamplerScratch::default();
-            (0..50).map(|_| s.sample(&logits(), &mut sc).id).collect::<Vec<_>>()
+            (0..50)
+                .map(|_| s.sample(&logits(), &mut sc).id)
+                .collect::<Vec<_>>()
         };
         assert_eq!(draw(&p), draw(&p));
         let other = SamplingParams {
@@ -286,6 +288,10 @@ mod tests {
             temperature: -1.0,
             ..Default::default()
         };
-        assert!(bad.validate().unwrap_err().to_string().contains("temperature"));
+        assert!(bad
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("temperature"));
     }
 }

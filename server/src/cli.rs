@@ -55,7 +55,8 @@ pub struct GenModelArgs {
 
 impl GenModelArgs {
     fn run(self) -> anyhow::Result<()> {
-        let preset = gen::preset(&self.preset).with_context(|| format!("unknown preset `{}`", self.preset))?;
+        let preset = gen::preset(&self.preset)
+            .with_context(|| format!("unknown preset `{}`", self.preset))?;
         anyhow::ensure!(
             self.max_shard_size_gb > 0.0,
             "--max-shard-size-gb must be positive, got {}",
@@ -150,7 +151,11 @@ mod tests {
             for arg in sub.get_arguments() {
                 let id = arg.get_id().as_str();
                 if id != "help" {
-                    assert!(arg.get_help().is_some(), "{} --{id} has no help", sub.get_name());
+                    assert!(
+                        arg.get_help().is_some(),
+                        "{} --{id} has no help",
+                        sub.get_name()
+                    );
                 }
             }
         }
@@ -159,22 +164,48 @@ mod tests {
     #[test]
     fn parses_gen_adapters_lists() {
         let cli = Cli::try_parse_from([
-            "thaw", "gen-adapters", "--model", "m", "--count", "3", "--ranks", "8,16", "--targets", "q,v_proj,down",
-            "--out", "o", "--rslora",
+            "thaw",
+            "gen-adapters",
+            "--model",
+            "m",
+            "--count",
+            "3",
+            "--ranks",
+            "8,16",
+            "--targets",
+            "q,v_proj,down",
+            "--out",
+            "o",
+            "--rslora",
         ])
         .unwrap();
         let Command::GenAdapters(args) = cli.command else {
             panic!("parsed {:?}", cli.command)
         };
         assert_eq!(args.ranks, [8, 16]);
-        assert_eq!(args.targets, [Projection::Q, Projection::V, Projection::Down]);
+        assert_eq!(
+            args.targets,
+            [Projection::Q, Projection::V, Projection::Down]
+        );
         assert!(args.rslora);
     }
 
     #[test]
     fn rejects_unknown_preset() {
-        assert!(Cli::try_parse_from(["thaw", "gen-model", "--preset", "huge", "--out", "x"]).is_err());
-        let ok = Cli::try_parse_from(["thaw", "gen-model", "--preset", "tiny", "--out", "x", "--dtype", "bf16"]).unwrap();
+        assert!(
+            Cli::try_parse_from(["thaw", "gen-model", "--preset", "huge", "--out", "x"]).is_err()
+        );
+        let ok = Cli::try_parse_from([
+            "thaw",
+            "gen-model",
+            "--preset",
+            "tiny",
+            "--out",
+            "x",
+            "--dtype",
+            "bf16",
+        ])
+        .unwrap();
         let Command::GenModel(args) = ok.command else {
             panic!("parsed {:?}", ok.command)
         };

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use thaw_runtime::adapter::LoraAdapter;
 use thaw_runtime::backend::cpu::CpuBackend;
 use thaw_runtime::engine::{Engine, EngineConfig, HostModel};
-use thaw_server::gen::{self, GenAdaptersOptions, GenModelOptions, ModelPreset};
+use thaw_server::gen::{self, GenAdaptersOptions, GenModelOptions, ModelPreset, Projection};
 
 /// The engine type the tests drive.
 pub type CpuEngine = Engine<CpuBackend>;
@@ -66,11 +66,11 @@ impl TestModel {
     pub fn adapter(&self, rank: usize, targets: &[&str], seed: u64) -> Arc<LoraAdapter> {
         let out = self.dir.path().join(format!("adapters-{seed}"));
         let opts = GenAdaptersOptions {
-            model: self.model_dir(),
+            model_dir: self.model_dir(),
             count: 1,
             ranks: vec![rank],
-            targets: targets.iter().map(|s| s.to_string()).collect(),
-            out,
+            targets: targets.iter().map(|s| projection(s)).collect(),
+            out_dir: out,
             seed,
             ..Default::default()
         };
@@ -94,4 +94,12 @@ pub fn rel_err(a: &[f32], b: &[f32]) -> f64 {
         den += (*y as f64).powi(2);
     }
     (num / den.max(f64::MIN_POSITIVE)).sqrt()
+}
+
+/// A projection by its short name (`q`, `gate`, …).
+pub fn projection(short: &str) -> Projection {
+    Projection::ALL
+        .into_iter()
+        .find(|p| p.hf_name() == format!("{short}_proj"))
+        .unwrap_or_else(|| panic!("no projection named {short}"))
 }

@@ -17,7 +17,9 @@ use thaw_tests::{cpu_engine, rel_err, TestModel};
 const TOL: f64 = 1e-4;
 
 fn prompt(rng: &mut ChaCha8Rng, len: usize, vocab: usize) -> Vec<u32> {
-    (0..len).map(|_| rng.random_range(3..vocab as u32)).collect()
+    (0..len)
+        .map(|_| rng.random_range(3..vocab as u32))
+        .collect()
 }
 
 /// Logits of `prompt` run alone (one prefill) on `model`, then of one decode token.
@@ -43,7 +45,10 @@ fn solo_logits(model: HostModel, prompt: &[u32], next: u32) -> (Vec<f32>, Vec<f3
         e.step(&plan).unwrap().remove(0)
     };
     let first = step(&mut e, prompt.len());
-    assert_eq!(first.token.id, next, "solo greedy token differs from batched");
+    assert_eq!(
+        first.token.id, next,
+        "solo greedy token differs from batched"
+    );
     let second = step(&mut e, 1);
     (first.logits.unwrap(), second.logits.unwrap())
 }
@@ -70,7 +75,9 @@ fn merged_weight_oracle(kernel: LoraKernel) {
         },
     );
     for (i, a) in adapters.iter().enumerate() {
-        engine.register_adapter(AdapterId(i as u32), a.clone()).unwrap();
+        engine
+            .register_adapter(AdapterId(i as u32), a.clone())
+            .unwrap();
     }
     // 10 sequences: two per adapter, interleaved so the engine must regroup them, plus two
     // base-only sequences.
@@ -203,7 +210,8 @@ fn kv_cache_matches_full_recompute() {
         let mut e = cpu_engine(tm.model.clone(), cfg.clone());
         e.register_adapter(AdapterId(0), adapter.clone()).unwrap();
         let mut full = cpu_engine(tm.model.clone(), cfg.clone());
-        full.register_adapter(AdapterId(0), adapter.clone()).unwrap();
+        full.register_adapter(AdapterId(0), adapter.clone())
+            .unwrap();
         let params = |prompt: Vec<u32>, n| SequenceParams {
             prompt,
             adapter: Some(AdapterId(0)),
@@ -246,16 +254,33 @@ fn kv_cache_matches_full_recompute() {
                 .unwrap()
                 .remove(0);
             recompute_id += 1;
-            assert_eq!(o.token.id, f.token.id, "chunk {chunk}: token {} differs", generated.len());
+            assert_eq!(
+                o.token.id,
+                f.token.id,
+                "chunk {chunk}: token {} differs",
+                generated.len()
+            );
             let err = rel_err(o.logits.as_ref().unwrap(), f.logits.as_ref().unwrap());
-            assert!(err <= TOL, "chunk {chunk} step {}: rel err {err:e}", generated.len());
+            assert!(
+                err <= TOL,
+                "chunk {chunk} step {}: rel err {err:e}",
+                generated.len()
+            );
             tokens.push(o.token.id);
             generated.push(o.token.id);
         }
         assert_eq!(e.num_sequences(), 0, "a finished sequence is retired");
-        assert_eq!(e.kv_usage().used_blocks, 0, "a finished sequence frees its KV");
+        assert_eq!(
+            e.kv_usage().used_blocks,
+            0,
+            "a finished sequence frees its KV"
+        );
         assert!(
-            generated.iter().collect::<std::collections::HashSet<_>>().len() > 4,
+            generated
+                .iter()
+                .collect::<std::collections::HashSet<_>>()
+                .len()
+                > 4,
             "degenerate generation: {generated:?}"
         );
         match &reference {
@@ -267,7 +292,11 @@ fn kv_cache_matches_full_recompute() {
 
 /// Runs sequences through a tiny continuous-batching loop: sequence i joins at step 2i, prefill
 /// in chunks of 5 next to everyone else's decode; returns each sequence's tokens.
-fn run_batched(tm: &TestModel, reqs: &[SequenceParams], adapters: &[Arc<LoraAdapter>]) -> Vec<Vec<u32>> {
+fn run_batched(
+    tm: &TestModel,
+    reqs: &[SequenceParams],
+    adapters: &[Arc<LoraAdapter>],
+) -> Vec<Vec<u32>> {
     let mut e = cpu_engine(tm.model.clone(), EngineConfig::default());
     for (i, a) in adapters.iter().enumerate() {
         e.register_adapter(AdapterId(i as u32), a.clone()).unwrap();
@@ -288,7 +317,13 @@ fn run_batched(tm: &TestModel, reqs: &[SequenceParams], adapters: &[Arc<LoraAdap
                 num_tokens: e.pending_tokens(SeqId(i as u64)).unwrap().min(5),
             })
             .collect();
-        for o in e.step(&StepPlan { items, return_logits: false }).unwrap() {
+        for o in e
+            .step(&StepPlan {
+                items,
+                return_logits: false,
+            })
+            .unwrap()
+        {
             let i = o.seq.0 as usize;
             out[i].push(o.token.id);
             if o.finish.is_some() {

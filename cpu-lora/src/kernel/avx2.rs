@@ -75,7 +75,10 @@ impl Ops for Avx2 {
     fn expand(self, t: Rows<'_>, panels: &[f32], out: RowsMut<'_>, d: Dims, accumulate: bool) {
         check_block("expand t", t.data.len(), t.ld, d.m, d.k);
         check_block("expand out", out.data.len(), out.ld, d.m, d.n);
-        assert!(panels.len() >= d.n.div_ceil(PANEL) * d.k * PANEL, "expand: panels too small");
+        assert!(
+            panels.len() >= d.n.div_ceil(PANEL) * d.k * PANEL,
+            "expand: panels too small"
+        );
         let e = Expand {
             t: t.data.as_ptr(),
             ldt: t.ld,
@@ -115,11 +118,23 @@ pub(super) unsafe fn widen(dtype: WeightDtype, src: &[u8], dst: &mut [f32]) {
 ///
 /// # Safety
 /// AVX2, FMA and F16C must be available.
-pub(super) unsafe fn pack_bt(b: LoraMat<'_>, rank: usize, cols: Range<usize>, dst: &mut [f32], panel: usize) {
-    assert!(panel % 8 == 0, "pack_bt: panel width {panel} is not a multiple of 8");
+pub(super) unsafe fn pack_bt(
+    b: LoraMat<'_>,
+    rank: usize,
+    cols: Range<usize>,
+    dst: &mut [f32],
+    panel: usize,
+) {
+    assert!(
+        panel % 8 == 0,
+        "pack_bt: panel width {panel} is not a multiple of 8"
+    );
     let panels = cols.len().div_ceil(panel);
     assert!(dst.len() >= panels * rank * panel, "pack_bt: dst too small");
-    assert!(b.bytes.len() >= cols.end * rank * b.dtype.size(), "pack_bt: b too small");
+    assert!(
+        b.bytes.len() >= cols.end * rank * b.dtype.size(),
+        "pack_bt: b too small"
+    );
     let (s, o0, n, d) = (b.bytes.as_ptr(), cols.start, cols.len(), dst.as_mut_ptr());
     let geo = PackGeometry { rank, o0, n, panel };
     // SAFETY: the caller vouches for the features; `pack_impl` reads rows `cols` of `b` and
@@ -208,15 +223,15 @@ unsafe fn widen_impl<const DT: u8>(src: *const u8, dst: *mut f32, n: usize) {
 
 /// Raw operands of one shrink block (`t[m, n] (=|+=) x[m, k] · a[n, k]ᵀ`).
 #[derive(Copy, Clone)]
-struct Shrink {
-    x: *const f32,
-    ldx: usize,
-    a: *const f32,
-    lda: usize,
-    t: *mut f32,
-    ldt: usize,
-    k: usize,
-    first: bool,
+pub(super) struct Shrink {
+    pub x: *const f32,
+    pub ldx: usize,
+    pub a: *const f32,
+    pub lda: usize,
+    pub t: *mut f32,
+    pub ldt: usize,
+    pub k: usize,
+    pub first: bool,
 }
 
 /// # Safety
@@ -232,7 +247,12 @@ unsafe fn shrink_impl(s: Shrink, m: usize, n: usize) {
             let nr = (n - j).min(SHRINK_NR);
             // SAFETY: the tile `[i..i+mr, j..j+nr]` lies inside the caller's `m × n` block.
             let tile = unsafe {
-                Shrink { x: s.x.add(i * s.ldx), a: s.a.add(j * s.lda), t: s.t.add(i * s.ldt + j), ..s }
+                Shrink {
+                    x: s.x.add(i * s.ldx),
+                    a: s.a.add(j * s.lda),
+                    t: s.t.add(i * s.ldt + j),
+                    ..s
+                }
             };
             // SAFETY: as above; the tile's row and rank counts match the const parameters.
             unsafe {
@@ -308,13 +328,16 @@ unsafe fn shrink_tile<const MR: usize, const NR: usize>(s: Shrink) {
 /// AVX available; `dst` writable for 4 f32s.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn hsum4_store(v: [__m256; 4], dst: *mut f32) {
+pub(super) unsafe fn hsum4_store(v: [__m256; 4], dst: *mut f32) {
     // SAFETY: the caller guarantees `dst[..4]`.
     unsafe {
         let s01 = _mm256_hadd_ps(v[0], v[1]);
         let s23 = _mm256_hadd_ps(v[2], v[3]);
         let s = _mm256_hadd_ps(s01, s23);
-        _mm_storeu_ps(dst, _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1)));
+        _mm_storeu_ps(
+            dst,
+            _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1)),
+        );
     }
 }
 
@@ -323,7 +346,12 @@ unsafe fn hsum4_store(v: [__m256; 4], dst: *mut f32) {
 /// for `⌈n / panel⌉` panels of `rank × panel` f32s; `panel` is a multiple of 8.
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn pack_impl<const DT: u8>(b: *const u8, g: PackGeometry, dst: *mut f32) {
-    let PackGeometry { rank, o0, n, panel: pw } = g;
+    let PackGeometry {
+        rank,
+        o0,
+        n,
+        panel: pw,
+    } = g;
     let es = elem_size(DT);
     let (r8, n8) = (rank & !7, n & !7);
     let panel_of = |c: usize| (c / pw) * rank * pw + c % pw;
@@ -357,8 +385,11 @@ unsafe fn pack_impl<const DT: u8>(b: *const u8, g: PackGeometry, dst: *mut f32) 
         while c < n.div_ceil(pw) * pw {
             let out = dst.add(panel_of(c));
             for j in 0..rank {
-                *out.add(j * pw) =
-                    if c < n { load1::<DT>(b.add(((o0 + c) * rank + j) * es)) } else { 0.0 };
+                *out.add(j * pw) = if c < n {
+                    load1::<DT>(b.add(((o0 + c) * rank + j) * es))
+                } else {
+                    0.0
+                };
             }
             c += 1;
         }
@@ -408,15 +439,15 @@ unsafe fn transpose8_store(r: [__m256; 8], out: *mut f32, ld: usize) {
 
 /// Raw operands of one expand block (`out[m, cols] (=|+=) t[m, k] · panels`).
 #[derive(Copy, Clone)]
-struct Expand {
-    t: *const f32,
-    ldt: usize,
-    panel: *const f32,
-    k: usize,
-    out: *mut f32,
-    ldo: usize,
-    cols: usize,
-    accumulate: bool,
+pub(super) struct Expand {
+    pub t: *const f32,
+    pub ldt: usize,
+    pub panel: *const f32,
+    pub k: usize,
+    pub out: *mut f32,
+    pub ldo: usize,
+    pub cols: usize,
+    pub accumulate: bool,
 }
 
 /// # Safety
@@ -489,7 +520,11 @@ unsafe fn expand_tile<const MR: usize, const NV: usize>(e: Expand) {
             for v in 0..NV {
                 let (c, o) = (8 * v, e.out.add(i * e.ldo + 8 * v));
                 if c + 8 <= e.cols {
-                    let r = if e.accumulate { _mm256_add_ps(_mm256_loadu_ps(o), acc[i][v]) } else { acc[i][v] };
+                    let r = if e.accumulate {
+                        _mm256_add_ps(_mm256_loadu_ps(o), acc[i][v])
+                    } else {
+                        acc[i][v]
+                    };
                     _mm256_storeu_ps(o, r);
                 } else {
                     let lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);

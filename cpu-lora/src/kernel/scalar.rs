@@ -43,12 +43,18 @@ impl Ops for Scalar {
         let n = cols.len();
         let panels = n.div_ceil(PANEL);
         assert!(dst.len() >= panels * rank * PANEL, "pack_bt: dst too small");
-        assert!(b.bytes.len() >= cols.end * rank * b.dtype.size(), "pack_bt: b too small");
+        assert!(
+            b.bytes.len() >= cols.end * rank * b.dtype.size(),
+            "pack_bt: b too small"
+        );
         for c in 0..panels * PANEL {
             let base = (c / PANEL) * rank * PANEL + c % PANEL;
             for j in 0..rank {
-                dst[base + j * PANEL] =
-                    if c < n { read_elem(b.dtype, b.bytes, (cols.start + c) * rank + j) } else { 0.0 };
+                dst[base + j * PANEL] = if c < n {
+                    read_elem(b.dtype, b.bytes, (cols.start + c) * rank + j)
+                } else {
+                    0.0
+                };
             }
         }
     }
@@ -56,7 +62,10 @@ impl Ops for Scalar {
     fn expand(self, t: Rows<'_>, panels: &[f32], out: RowsMut<'_>, d: Dims, accumulate: bool) {
         check_block("expand t", t.data.len(), t.ld, d.m, d.k);
         check_block("expand out", out.data.len(), out.ld, d.m, d.n);
-        assert!(panels.len() >= d.n.div_ceil(PANEL) * d.k * PANEL, "expand: panels too small");
+        assert!(
+            panels.len() >= d.n.div_ceil(PANEL) * d.k * PANEL,
+            "expand: panels too small"
+        );
         for i in 0..d.m {
             let tr = &t.data[i * t.ld..][..d.k];
             for (pi, c0) in (0..d.n).step_by(PANEL).enumerate() {

@@ -44,11 +44,18 @@ impl Weights {
             };
             values.push(f64::from(stored));
         }
-        Self { dtype, bytes, values }
+        Self {
+            dtype,
+            bytes,
+            values,
+        }
     }
 
     fn mat(&self) -> LoraMat<'_> {
-        LoraMat { dtype: self.dtype, bytes: &self.bytes }
+        LoraMat {
+            dtype: self.dtype,
+            bytes: &self.bytes,
+        }
     }
 }
 
@@ -65,12 +72,28 @@ impl Case {
     fn new(seed: u64, dtype: WeightDtype, [rows, d_in, d_out, rank]: [usize; 4]) -> Self {
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
         let scale = rng.random_range(0.25..2.0);
-        let p = LoraProblem { rows, d_in, d_out, rank, scale };
-        let x = (0..rows * d_in).map(|_| rng.random_range(-1.0..1.0)).collect();
+        let p = LoraProblem {
+            rows,
+            d_in,
+            d_out,
+            rank,
+            scale,
+        };
+        let x = (0..rows * d_in)
+            .map(|_| rng.random_range(-1.0..1.0))
+            .collect();
         let a = Weights::random(&mut rng, dtype, rank * d_in);
         let b = Weights::random(&mut rng, dtype, d_out * rank);
-        let prefill = (0..rows * d_out).map(|_| rng.random_range(-1.0..1.0)).collect();
-        Self { p, x, a, b, prefill }
+        let prefill = (0..rows * d_out)
+            .map(|_| rng.random_range(-1.0..1.0))
+            .collect();
+        Self {
+            p,
+            x,
+            a,
+            b,
+            prefill,
+        }
     }
 
     /// `Δ` (plus `prefill` when accumulating), in f64 from the stored weights.
@@ -87,8 +110,14 @@ impl Case {
         let mut out = vec![0.0f64; p.rows * p.d_out];
         for i in 0..p.rows {
             for o in 0..p.d_out {
-                let s: f64 = (0..p.rank).map(|j| t[i * p.rank + j] * self.b.values[o * p.rank + j]).sum();
-                let base = if accumulate { f64::from(self.prefill[i * p.d_out + o]) } else { 0.0 };
+                let s: f64 = (0..p.rank)
+                    .map(|j| t[i * p.rank + j] * self.b.values[o * p.rank + j])
+                    .sum();
+                let base = if accumulate {
+                    f64::from(self.prefill[i * p.d_out + o])
+                } else {
+                    0.0
+                };
                 out[i * p.d_out + o] = base + f64::from(p.scale) * s;
             }
         }
@@ -97,9 +126,22 @@ impl Case {
 
     fn run(&self, isa: Isa, accumulate: bool, scratch: &mut Scratch) -> Vec<f32> {
         // Not-a-number where the kernel must overwrite: a missed element cannot pass.
-        let mut out = if accumulate { self.prefill.clone() } else { vec![f32::NAN; self.prefill.len()] };
-        lora_delta_on(isa, &self.p, &self.x, self.a.mat(), self.b.mat(), &mut out, accumulate, scratch)
-            .expect("valid problem");
+        let mut out = if accumulate {
+            self.prefill.clone()
+        } else {
+            vec![f32::NAN; self.prefill.len()]
+        };
+        lora_delta_on(
+            isa,
+            &self.p,
+            &self.x,
+            self.a.mat(),
+            self.b.mat(),
+            &mut out,
+            accumulate,
+            scratch,
+        )
+        .expect("valid problem");
         out
     }
 }
@@ -107,7 +149,11 @@ impl Case {
 /// `‖got − want‖ / ‖want‖`, or the absolute norm when `want` is all zeros.
 fn rel_err(got: &[f32], want: &[f64]) -> f64 {
     assert_eq!(got.len(), want.len());
-    let diff: f64 = got.iter().zip(want).map(|(&g, &w)| (f64::from(g) - w).powi(2)).sum();
+    let diff: f64 = got
+        .iter()
+        .zip(want)
+        .map(|(&g, &w)| (f64::from(g) - w).powi(2))
+        .sum();
     let norm: f64 = want.iter().map(|w| w * w).sum();
     if norm == 0.0 {
         diff.sqrt()
@@ -116,14 +162,13 @@ fn rel_err(got: &[f32], want: &[f64]) -> f64 {
     }
 }
 
+/// Every instruction set this CPU can run (the scalar one always).
 fn isas() -> Vec<Isa> {
-    let mut v = vec![Isa::Scalar];
-    if Isa::Avx2.available() {
-        v.push(Isa::Avx2);
-    } else {
-        eprintln!("note: AVX2/FMA/F16C not available; SIMD path not exercised");
+    let (yes, no): (Vec<Isa>, Vec<Isa>) = Isa::ALL.into_iter().partition(|i| i.available());
+    if !no.is_empty() {
+        eprintln!("note: {no:?} not available on this CPU; not exercised");
     }
-    v
+    yes
 }
 
 const DTYPES: [WeightDtype; 3] = [WeightDtype::F32, WeightDtype::F16, WeightDtype::Bf16];
@@ -164,19 +209,20 @@ fn matches_reference_all_dtypes_shapes_isas() {
 
 #[test]
 fn simd_agrees_with_scalar() {
-    if !Isa::Avx2.available() {
-        eprintln!("note: AVX2/FMA/F16C not available; nothing to compare");
-        return;
-    }
     let mut scratch = Scratch::new();
     for (s, &shape) in SHAPES.iter().enumerate() {
         for dtype in DTYPES {
             let case = Case::new(100 + s as u64, dtype, shape);
             let scalar = case.run(Isa::Scalar, true, &mut scratch);
-            let simd = case.run(Isa::Avx2, true, &mut scratch);
             let scalar64: Vec<f64> = scalar.iter().map(|&v| f64::from(v)).collect();
-            let err = rel_err(&simd, &scalar64);
-            assert!(err <= TOL, "{dtype:?} {shape:?}: SIMD vs scalar rel err {err:.2e}");
+            for isa in isas().into_iter().filter(|&i| i != Isa::Scalar) {
+                let simd = case.run(isa, true, &mut scratch);
+                let err = rel_err(&simd, &scalar64);
+                assert!(
+                    err <= TOL,
+                    "{isa:?} {dtype:?} {shape:?}: vs scalar rel err {err:.2e}"
+                );
+            }
         }
     }
 }
@@ -196,9 +242,25 @@ fn unaligned_weights_are_read_in_place() {
         let (a1, b1) = (shifted(&case.a), shifted(&case.b));
         for isa in isas() {
             let mut out = vec![f32::NAN; case.prefill.len()];
-            let a = LoraMat { dtype, bytes: &a1[1..] };
-            let b = LoraMat { dtype, bytes: &b1[1..] };
-            lora_delta_on(isa, &case.p, &case.x, a, b, &mut out, false, &mut Scratch::new()).unwrap();
+            let a = LoraMat {
+                dtype,
+                bytes: &a1[1..],
+            };
+            let b = LoraMat {
+                dtype,
+                bytes: &b1[1..],
+            };
+            lora_delta_on(
+                isa,
+                &case.p,
+                &case.x,
+                a,
+                b,
+                &mut out,
+                false,
+                &mut Scratch::new(),
+            )
+            .unwrap();
             assert!(rel_err(&out, &want_d) <= TOL, "{isa:?} {dtype:?} unaligned");
         }
     }
@@ -221,14 +283,51 @@ fn wrong_lengths_are_errors_and_write_nothing() {
     let mut out = vec![7.0f32; 16];
     let mut s = Scratch::new();
     let a = case.a.mat();
-    let short_b = LoraMat { dtype: WeightDtype::Bf16, bytes: &case.b.bytes[1..] };
+    let short_b = LoraMat {
+        dtype: WeightDtype::Bf16,
+        bytes: &case.b.bytes[1..],
+    };
     let err = lora_delta(&case.p, &case.x, a, short_b, &mut out, false, &mut s).unwrap_err();
     assert!(matches!(err, LoraError::Weight { which: "B", .. }), "{err}");
-    let err = lora_delta(&case.p, &case.x[1..], a, case.b.mat(), &mut out, false, &mut s).unwrap_err();
-    assert!(matches!(err, LoraError::Activation { which: "x", .. }), "{err}");
-    let as_f32 = LoraMat { dtype: WeightDtype::F32, bytes: &case.a.bytes };
-    let err = lora_delta(&case.p, &case.x, as_f32, case.b.mat(), &mut out, false, &mut s).unwrap_err();
-    assert!(matches!(err, LoraError::Weight { which: "A", dtype: "f32", .. }), "{err}");
+    let err = lora_delta(
+        &case.p,
+        &case.x[1..],
+        a,
+        case.b.mat(),
+        &mut out,
+        false,
+        &mut s,
+    )
+    .unwrap_err();
+    assert!(
+        matches!(err, LoraError::Activation { which: "x", .. }),
+        "{err}"
+    );
+    let as_f32 = LoraMat {
+        dtype: WeightDtype::F32,
+        bytes: &case.a.bytes,
+    };
+    let err = lora_delta(
+        &case.p,
+        &case.x,
+        as_f32,
+        case.b.mat(),
+        &mut out,
+        false,
+        &mut s,
+    )
+    .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            LoraError::Weight {
+                which: "A",
+                dtype: "f32",
+                ..
+            }
+        ),
+        "{err}"
+    );
     assert!(out.iter().all(|&v| v == 7.0));
 }
 
@@ -238,13 +337,23 @@ fn typed_constructors_match_bytes() {
     assert_eq!(LoraMat::from_f32(&w).bytes.len(), 8);
     let h = [half::bf16::from_f32(1.5)];
     let m = LoraMat::from_bf16(&h);
-    assert_eq!((m.dtype, read_elem(m.dtype, m.bytes, 0)), (WeightDtype::Bf16, 1.5));
+    assert_eq!(
+        (m.dtype, read_elem(m.dtype, m.bytes, 0)),
+        (WeightDtype::Bf16, 1.5)
+    );
     let h = [half::f16::from_f32(-0.25)];
-    assert_eq!(read_elem(WeightDtype::F16, LoraMat::from_f16(&h).bytes, 0), -0.25);
+    assert_eq!(
+        read_elem(WeightDtype::F16, LoraMat::from_f16(&h).bytes, 0),
+        -0.25
+    );
 }
 
 fn dtype_strategy() -> impl Strategy<Value = WeightDtype> {
-    prop_oneof![Just(WeightDtype::F32), Just(WeightDtype::F16), Just(WeightDtype::Bf16)]
+    prop_oneof![
+        Just(WeightDtype::F32),
+        Just(WeightDtype::F16),
+        Just(WeightDtype::Bf16)
+    ]
 }
 
 proptest! {

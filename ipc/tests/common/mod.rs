@@ -17,9 +17,15 @@ pub const ROLE_VAR: &str = "THAW_IPC_TEST_ROLE";
 pub fn spawn_child(role: &str, segments: &[(&Segment, &str)], env: &[(&str, String)]) -> Child {
     let exe = std::env::current_exe().expect("current_exe");
     let mut cmd = Command::new(exe);
-    cmd.args(["child_entry", "--exact", "--nocapture", "--test-threads=1", "-q"])
-        .env(ROLE_VAR, role)
-        .stdin(Stdio::null());
+    cmd.args([
+        "child_entry",
+        "--exact",
+        "--nocapture",
+        "--test-threads=1",
+        "-q",
+    ])
+    .env(ROLE_VAR, role)
+    .stdin(Stdio::null());
     for (seg, var) in segments {
         seg.inherit_into(&mut cmd, var);
     }

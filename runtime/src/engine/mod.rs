@@ -160,7 +160,10 @@ impl<B: Backend> Engine<B> {
 
     /// Additional KV blocks `seq` needs to compute `num_tokens` more tokens.
     pub fn blocks_needed(&self, seq: SeqId, num_tokens: usize) -> Result<usize> {
-        let s = self.seqs.get(&seq).ok_or(RuntimeError::UnknownSequence(seq))?;
+        let s = self
+            .seqs
+            .get(&seq)
+            .ok_or(RuntimeError::UnknownSequence(seq))?;
         Ok(self
             .blocks
             .blocks_for(s.computed + num_tokens)
@@ -176,11 +179,7 @@ impl<B: Backend> Engine<B> {
 
     /// Removes an adapter no live sequence uses.
     pub fn unregister_adapter(&mut self, id: AdapterId) -> Result<()> {
-        let users = self
-            .seqs
-            .values()
-            .filter(|s| s.adapter == Some(id))
-            .count();
+        let users = self.seqs.values().filter(|s| s.adapter == Some(id)).count();
         if users > 0 {
             return Err(RuntimeError::AdapterInUse(id, users));
         }
@@ -204,7 +203,11 @@ impl<B: Backend> Engine<B> {
                 "the prompt is empty; send at least one token".into(),
             ));
         }
-        if let Some(&bad) = p.prompt.iter().find(|&&t| t as usize >= self.config.vocab_size) {
+        if let Some(&bad) = p
+            .prompt
+            .iter()
+            .find(|&&t| t as usize >= self.config.vocab_size)
+        {
             return Err(RuntimeError::TokenOutOfRange {
                 id: bad,
                 vocab: self.config.vocab_size,
@@ -310,8 +313,8 @@ impl<B: Backend> Engine<B> {
             let s = self.seqs.get_mut(seq).expect("planned sequences are live");
             let token = s.sampler.sample(row, &mut self.sampler_scratch);
             s.tokens.push(token.id);
-            let stop = s.stop_token_ids.contains(&token.id)
-                || (!s.ignore_eos && eos.contains(&token.id));
+            let stop =
+                s.stop_token_ids.contains(&token.id) || (!s.ignore_eos && eos.contains(&token.id));
             let finish = if stop {
                 Some(FinishReason::Stop(token.id))
             } else if s.generated() >= s.max_new_tokens || s.tokens.len() >= max_context {

@@ -83,9 +83,14 @@ impl GenAdaptersOptions {
 /// `config.json`.
 pub fn read_model_dims(model_dir: &Path) -> anyhow::Result<(ModelDims, Option<WeightDtype>)> {
     let path = model_dir.join("config.json");
-    let text = std::fs::read_to_string(&path)
-        .with_context(|| format!("reading {}; is --model a HF model directory?", path.display()))?;
-    let cfg: Value = serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
+    let text = std::fs::read_to_string(&path).with_context(|| {
+        format!(
+            "reading {}; is --model a HF model directory?",
+            path.display()
+        )
+    })?;
+    let cfg: Value =
+        serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
     let field = |name: &str| -> anyhow::Result<usize> {
         cfg[name]
             .as_u64()
@@ -94,7 +99,11 @@ pub fn read_model_dims(model_dir: &Path) -> anyhow::Result<(ModelDims, Option<We
     };
     let hidden_size = field("hidden_size")?;
     let num_attention_heads = field("num_attention_heads")?;
-    anyhow::ensure!(num_attention_heads > 0, "{}: num_attention_heads is 0", path.display());
+    anyhow::ensure!(
+        num_attention_heads > 0,
+        "{}: num_attention_heads is 0",
+        path.display()
+    );
     let dims = ModelDims {
         hidden_size,
         intermediate_size: field("intermediate_size")?,
@@ -133,7 +142,11 @@ pub fn adapter_tensors(
     for layer in 0..dims.num_hidden_layers {
         for &proj in &targets {
             let (d_in, d_out) = proj.dims(dims);
-            let prefix = format!("base_model.model.model.layers.{layer}.{}.{}", proj.parent(), proj.hf_name());
+            let prefix = format!(
+                "base_model.model.model.layers.{layer}.{}.{}",
+                proj.parent(),
+                proj.hf_name()
+            );
             // ‖W·x‖ ≈ g·√(d_out/d_in)·‖x‖ and ‖s·B·A·x‖ ≈ s·σ_B·√(r·d_out/d_in)·‖x‖, so
             // σ_B = rel·g / (s·√r) gives the ratio `rel` independent of the shapes.
             let gain = projection_gain(proj, dims.num_hidden_layers);
@@ -214,12 +227,18 @@ pub fn adapter_config(base_model: &str, r: usize, opts: &GenAdaptersOptions) -> 
 
 /// Writes `opts.count` adapter directories under `opts.out_dir` and returns their paths.
 pub fn write_adapters(opts: &GenAdaptersOptions) -> anyhow::Result<Vec<PathBuf>> {
-    anyhow::ensure!(!opts.ranks.is_empty(), "--ranks is empty; give at least one rank, e.g. --ranks 8,16");
+    anyhow::ensure!(
+        !opts.ranks.is_empty(),
+        "--ranks is empty; give at least one rank, e.g. --ranks 8,16"
+    );
     anyhow::ensure!(
         opts.ranks.iter().all(|&r| r > 0),
         "--ranks contains 0; LoRA ranks must be at least 1"
     );
-    anyhow::ensure!(!opts.targets.is_empty(), "--targets is empty; give e.g. --targets q,v");
+    anyhow::ensure!(
+        !opts.targets.is_empty(),
+        "--targets is empty; give e.g. --targets q,v"
+    );
     anyhow::ensure!(
         opts.alpha_ratio > 0.0 && opts.alpha_ratio.is_finite(),
         "--alpha-ratio must be positive, got {}",
@@ -228,7 +247,8 @@ pub fn write_adapters(opts: &GenAdaptersOptions) -> anyhow::Result<Vec<PathBuf>>
     let (dims, model_dtype) = read_model_dims(&opts.model_dir)?;
     let dtype = opts.dtype.or(model_dtype).unwrap_or(WeightDtype::F32);
     let base_model = opts.model_dir.to_string_lossy();
-    std::fs::create_dir_all(&opts.out_dir).with_context(|| format!("creating {}", opts.out_dir.display()))?;
+    std::fs::create_dir_all(&opts.out_dir)
+        .with_context(|| format!("creating {}", opts.out_dir.display()))?;
 
     let mut dirs = Vec::with_capacity(opts.count);
     for index in 0..opts.count {
@@ -239,7 +259,10 @@ pub fn write_adapters(opts: &GenAdaptersOptions) -> anyhow::Result<Vec<PathBuf>>
         let tensors = adapter_tensors(&dims, &name, r, dtype, opts);
         let refs: Vec<&TensorSpec> = tensors.iter().collect();
         write_safetensors(&dir.join("adapter_model.safetensors"), &refs, opts.seed)?;
-        write_json(&dir.join("adapter_config.json"), &adapter_config(&base_model, r, opts))?;
+        write_json(
+            &dir.join("adapter_config.json"),
+            &adapter_config(&base_model, r, opts),
+        )?;
         tracing::info!(adapter = %name, rank = r, tensors = tensors.len(), "wrote adapter");
         dirs.push(dir);
     }

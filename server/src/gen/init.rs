@@ -43,7 +43,9 @@ pub fn projection_gain(proj: Projection, num_layers: usize) -> f32 {
         Projection::Q | Projection::K => QK_GAIN,
         Projection::V => V_GAIN,
         Projection::Gate | Projection::Up => MLP_IN_GAIN,
-        Projection::O | Projection::Down => RESIDUAL_OUT_GAIN / ((2 * num_layers.max(1)) as f32).sqrt(),
+        Projection::O | Projection::Down => {
+            RESIDUAL_OUT_GAIN / ((2 * num_layers.max(1)) as f32).sqrt()
+        }
     }
 }
 
@@ -113,7 +115,8 @@ impl TensorSpec {
     pub fn generate(&self, seed: u64) -> Vec<u8> {
         let esz = self.dtype.size_bytes();
         let mut out = vec![0u8; self.size_bytes()];
-        let chunks: Vec<(usize, &mut [u8])> = out.chunks_mut(CHUNK_ELEMS * esz).enumerate().collect();
+        let chunks: Vec<(usize, &mut [u8])> =
+            out.chunks_mut(CHUNK_ELEMS * esz).enumerate().collect();
         let threads = std::thread::available_parallelism()
             .map_or(1, |n| n.get())
             .min(chunks.len());
@@ -150,7 +153,10 @@ impl TensorSpec {
         let n = out.len() / self.dtype.size_bytes();
         let start = chunk_idx * CHUNK_ELEMS;
         let row_len: usize = self.shape.iter().skip(1).product::<usize>().max(1);
-        let live_end = self.init.live_rows.map_or(usize::MAX, |rows| rows * row_len);
+        let live_end = self
+            .init
+            .live_rows
+            .map_or(usize::MAX, |rows| rows * row_len);
         let values: Vec<f32> = (start..start + n)
             .map(|i| {
                 if i >= live_end {
@@ -185,14 +191,23 @@ mod tests {
 
     #[test]
     fn generation_is_deterministic_and_has_the_requested_moments() {
-        let spec = TensorSpec::new("w".into(), vec![300, 700], WeightDtype::F32, Init::normal(0.5));
+        let spec = TensorSpec::new(
+            "w".into(),
+            vec![300, 700],
+            WeightDtype::F32,
+            Init::normal(0.5),
+        );
         let a = spec.generate(7);
         assert_eq!(a, spec.generate(7));
         assert_ne!(a, spec.generate(8));
         let v = decode_f32(&a);
         let n = v.len() as f64;
         let mean = v.iter().map(|&x| f64::from(x)).sum::<f64>() / n;
-        let var = v.iter().map(|&x| (f64::from(x) - mean).powi(2)).sum::<f64>() / n;
+        let var = v
+            .iter()
+            .map(|&x| (f64::from(x) - mean).powi(2))
+            .sum::<f64>()
+            / n;
         // 210k samples: the sample mean is within ~4.4 standard errors (0.5/√n ≈ 0.001).
         assert!(mean.abs() < 0.005, "mean {mean}");
         assert!((var.sqrt() - 0.5).abs() < 0.01, "std {}", var.sqrt());
@@ -212,7 +227,12 @@ mod tests {
 
     #[test]
     fn dtypes_hold_the_same_values_rounded() {
-        let f32_spec = TensorSpec::new("n".into(), vec![100_000], WeightDtype::F32, Init::normal(1.0));
+        let f32_spec = TensorSpec::new(
+            "n".into(),
+            vec![100_000],
+            WeightDtype::F32,
+            Init::normal(1.0),
+        );
         let bf16_spec = TensorSpec {
             dtype: WeightDtype::Bf16,
             ..f32_spec.clone()

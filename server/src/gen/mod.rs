@@ -24,17 +24,20 @@ mod tokenizer;
 mod writer;
 
 pub use adapters::{
-    adapter_config, adapter_name, adapter_tensors, read_model_dims, write_adapters, GenAdaptersOptions,
-    DEFAULT_DELTA_REL, PEFT_VERSION,
+    adapter_config, adapter_name, adapter_tensors, read_model_dims, write_adapters,
+    GenAdaptersOptions, DEFAULT_DELTA_REL, PEFT_VERSION,
 };
 pub use init::{
-    linear_std, projection_gain, stream_id, Init, TensorSpec, EMBED_STD, LOGIT_STD, MLP_IN_GAIN, NORM_NOISE_STD,
-    QK_GAIN, RESIDUAL_OUT_GAIN, V_GAIN,
+    linear_std, projection_gain, stream_id, Init, TensorSpec, EMBED_STD, LOGIT_STD, MLP_IN_GAIN,
+    NORM_NOISE_STD, QK_GAIN, RESIDUAL_OUT_GAIN, V_GAIN,
 };
-pub use model::{generation_config, model_config, write_model, GenModelOptions, ModelPlan, TRANSFORMERS_VERSION};
+pub use model::{
+    generation_config, model_config, write_model, GenModelOptions, ModelPlan, TRANSFORMERS_VERSION,
+};
 pub use presets::{preset, ModelDims, ModelPreset, Projection, WeightDtype, PRESET_NAMES};
 pub use tokenizer::{
-    trained_tokenizer, write_tokenizer_files, TrainedTokenizer, BOS_TOKEN, BOS_TOKEN_ID, CHAT_TEMPLATE, EOS_TOKEN,
-    EOS_TOKEN_ID, IM_END_TOKEN, IM_END_TOKEN_ID, IM_START_TOKEN, SPECIAL_TOKENS,
+    trained_tokenizer, write_tokenizer_files, TrainedTokenizer, BOS_TOKEN, BOS_TOKEN_ID,
+    CHAT_TEMPLATE, EOS_TOKEN, EOS_TOKEN_ID, IM_END_TOKEN, IM_END_TOKEN_ID, IM_START_TOKEN,
+    SPECIAL_TOKENS,
 };
 pub use writer::{write_json, LazyTensor, Shard, ShardPlan, DEFAULT_MAX_SHARD_BYTES};

@@ -51,11 +51,17 @@ impl ModelPlan {
     /// Plans `preset` in `dtype`. Rows of `embed_tokens` and `lm_head` at or past
     /// `live_vocab` (the tokenizer's size) are zero padding, so the model never prefers a
     /// token id the tokenizer cannot decode.
-    pub fn new(preset: &ModelPreset, dtype: WeightDtype, live_vocab: usize, max_shard_bytes: u64) -> Self {
+    pub fn new(
+        preset: &ModelPreset,
+        dtype: WeightDtype,
+        live_vocab: usize,
+        max_shard_bytes: u64,
+    ) -> Self {
         let dims = preset.dims();
         let h = preset.hidden_size;
         let live_rows = (live_vocab < preset.vocab_size).then_some(live_vocab);
-        let spec = |name: String, shape: Vec<usize>, init: Init| TensorSpec::new(name, shape, dtype, init);
+        let spec =
+            |name: String, shape: Vec<usize>, init: Init| TensorSpec::new(name, shape, dtype, init);
         let norm = Init {
             mean: 1.0,
             std: NORM_NOISE_STD,
@@ -74,13 +80,21 @@ impl ModelPlan {
             for proj in Projection::ALL {
                 let (d_in, d_out) = proj.dims(&dims);
                 tensors.push(spec(
-                    format!("model.layers.{layer}.{}.{}.weight", proj.parent(), proj.hf_name()),
+                    format!(
+                        "model.layers.{layer}.{}.{}.weight",
+                        proj.parent(),
+                        proj.hf_name()
+                    ),
                     vec![d_out, d_in],
                     Init::normal(linear_std(proj, d_in, preset.num_hidden_layers)),
                 ));
             }
             for name in ["input_layernorm", "post_attention_layernorm"] {
-                tensors.push(spec(format!("model.layers.{layer}.{name}.weight"), vec![h], norm));
+                tensors.push(spec(
+                    format!("model.layers.{layer}.{name}.weight"),
+                    vec![h],
+                    norm,
+                ));
             }
         }
         tensors.push(spec("model.norm.weight".into(), vec![h], norm));
@@ -150,7 +164,11 @@ pub fn write_model(preset: &ModelPreset, out: &Path, opts: &GenModelOptions) -> 
     std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
     remove_stale_weights(out)?;
 
-    let live_vocab = write_tokenizer_files(out, preset.tokenizer_vocab_size, preset.max_position_embeddings)?;
+    let live_vocab = write_tokenizer_files(
+        out,
+        preset.tokenizer_vocab_size,
+        preset.max_position_embeddings,
+    )?;
     anyhow::ensure!(
         live_vocab <= preset.vocab_size,
         "tokenizer has {live_vocab} tokens but preset `{}` has vocab_size {}",
@@ -183,7 +201,8 @@ fn remove_stale_weights(dir: &Path) -> anyhow::Result<()> {
             || name == "model.safetensors.index.json"
             || (name.starts_with("model-") && name.ends_with(".safetensors"));
         if stale {
-            std::fs::remove_file(entry.path()).with_context(|| format!("removing stale {}", entry.path().display()))?;
+            std::fs::remove_file(entry.path())
+                .with_context(|| format!("removing stale {}", entry.path().display()))?;
         }
     }
     Ok(())

@@ -14,7 +14,12 @@ fn read_json(path: &Path) -> Value {
 }
 
 /// name → (dtype, shape) of a safetensors file, plus its `__metadata__`.
-fn read_header(path: &Path) -> (BTreeMap<String, (safetensors::Dtype, Vec<usize>)>, Option<String>) {
+fn read_header(
+    path: &Path,
+) -> (
+    BTreeMap<String, (safetensors::Dtype, Vec<usize>)>,
+    Option<String>,
+) {
     let bytes = std::fs::read(path).unwrap();
     let st = SafeTensors::deserialize(&bytes).unwrap();
     let tensors = st
@@ -23,12 +28,21 @@ fn read_header(path: &Path) -> (BTreeMap<String, (safetensors::Dtype, Vec<usize>
         .map(|(name, view)| (name, (view.dtype(), view.shape().to_vec())))
         .collect();
     let (_, meta) = SafeTensors::read_metadata(&bytes).unwrap();
-    let format = meta.metadata().as_ref().and_then(|m| m.get("format").cloned());
+    let format = meta
+        .metadata()
+        .as_ref()
+        .and_then(|m| m.get("format").cloned());
     (tensors, format)
 }
 
 fn expected_tensors(p: &ModelPreset) -> BTreeMap<String, Vec<usize>> {
-    let (h, i, q, kv, v) = (p.hidden_size, p.intermediate_size, p.q_dim(), p.kv_dim(), p.vocab_size);
+    let (h, i, q, kv, v) = (
+        p.hidden_size,
+        p.intermediate_size,
+        p.q_dim(),
+        p.kv_dim(),
+        p.vocab_size,
+    );
     let mut out = BTreeMap::from([
         ("model.embed_tokens.weight".to_string(), vec![v, h]),
         ("lm_head.weight".to_string(), vec![v, h]),
@@ -89,7 +103,10 @@ fn check_tiny_dir(dtype: WeightDtype) {
     assert_eq!(format.as_deref(), Some("pt"));
     assert!(!dir.path().join("model.safetensors.index.json").exists());
     let expected = expected_tensors(&p);
-    assert_eq!(tensors.keys().collect::<Vec<_>>(), expected.keys().collect::<Vec<_>>());
+    assert_eq!(
+        tensors.keys().collect::<Vec<_>>(),
+        expected.keys().collect::<Vec<_>>()
+    );
     for (name, (dt, shape)) in &tensors {
         assert_eq!(*dt, dtype.safetensors(), "{name}");
         assert_eq!(shape, &expected[name], "{name}");
@@ -106,7 +123,10 @@ fn check_tiny_dir(dtype: WeightDtype) {
         assert_eq!(tok.decode(&ids, false).unwrap(), s);
     }
     let tok_cfg = read_json(&dir.path().join("tokenizer_config.json"));
-    assert!(tok_cfg["chat_template"].as_str().unwrap().contains("<|im_start|>"));
+    assert!(tok_cfg["chat_template"]
+        .as_str()
+        .unwrap()
+        .contains("<|im_start|>"));
     assert_eq!(tok_cfg["bos_token"], "<s>");
     assert_eq!(tok_cfg["eos_token"], "</s>");
     assert_eq!(tok_cfg["model_max_length"], 512);
@@ -146,7 +166,8 @@ fn same_seed_same_bytes_other_seed_other_weights() {
         let read = |d: &tempfile::TempDir| std::fs::read(d.path().join(file)).unwrap();
         assert_eq!(read(&a), read(&b), "{file} differs for the same seed");
     }
-    let weights = |d: &tempfile::TempDir| std::fs::read(d.path().join("model.safetensors")).unwrap();
+    let weights =
+        |d: &tempfile::TempDir| std::fs::read(d.path().join("model.safetensors")).unwrap();
     assert_ne!(weights(&a), weights(&c));
 }
 
@@ -180,7 +201,11 @@ fn llama_7b_shape_plan() {
 
     let plan = ModelPlan::new(&p, p.default_dtype, 4096, DEFAULT_MAX_SHARD_BYTES);
     assert_eq!(plan.tensors.len(), 2 + 32 * 9 + 1);
-    let names: BTreeMap<String, Vec<usize>> = plan.tensors.iter().map(|t| (t.name.clone(), t.shape.clone())).collect();
+    let names: BTreeMap<String, Vec<usize>> = plan
+        .tensors
+        .iter()
+        .map(|t| (t.name.clone(), t.shape.clone()))
+        .collect();
     assert_eq!(names, expected_tensors(&p));
     // Llama-2-7B: 6,738,415,616 parameters, 13.48 GB in bf16.
     assert_eq!(plan.num_params(), 6_738_415_616);
@@ -190,21 +215,39 @@ fn llama_7b_shape_plan() {
     assert_eq!(shards.len(), 3);
     let mut seen = vec![0usize; plan.tensors.len()];
     for (i, s) in shards.iter().enumerate() {
-        assert_eq!(s.file_name, format!("model-{:05}-of-00003.safetensors", i + 1));
-        assert!(s.bytes <= DEFAULT_MAX_SHARD_BYTES, "{} is {} bytes", s.file_name, s.bytes);
-        let sum: u64 = s.tensors.iter().map(|&t| plan.tensors[t].size_bytes() as u64).sum();
+        assert_eq!(
+            s.file_name,
+            format!("model-{:05}-of-00003.safetensors", i + 1)
+        );
+        assert!(
+            s.bytes <= DEFAULT_MAX_SHARD_BYTES,
+            "{} is {} bytes",
+            s.file_name,
+            s.bytes
+        );
+        let sum: u64 = s
+            .tensors
+            .iter()
+            .map(|&t| plan.tensors[t].size_bytes() as u64)
+            .sum();
         assert_eq!(sum, s.bytes);
         for &t in &s.tensors {
             seen[t] += 1;
         }
     }
-    assert!(seen.iter().all(|&n| n == 1), "every tensor in exactly one shard");
+    assert!(
+        seen.iter().all(|&n| n == 1),
+        "every tensor in exactly one shard"
+    );
 
     let index = plan.shards.index(&plan.tensors).unwrap();
     assert_eq!(index["metadata"]["total_size"], 13_476_831_232u64);
     let map = index["weight_map"].as_object().unwrap();
     assert_eq!(map.len(), plan.tensors.len());
-    assert_eq!(map["model.embed_tokens.weight"], "model-00001-of-00003.safetensors");
+    assert_eq!(
+        map["model.embed_tokens.weight"],
+        "model-00001-of-00003.safetensors"
+    );
     assert_eq!(map["lm_head.weight"], "model-00003-of-00003.safetensors");
     // Padding rows past the tokenizer's vocabulary are zero in both vocab matrices.
     assert_eq!(plan.tensors[0].init.live_rows, Some(4096));

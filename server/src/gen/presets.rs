@@ -276,7 +276,11 @@ mod tests {
             let p = preset(name).expect(name);
             assert_eq!(p.name, name);
             assert_eq!(p.q_dim(), p.hidden_size, "{name}: heads * head_dim");
-            assert_eq!(p.num_attention_heads % p.num_key_value_heads, 0, "{name}: GQA");
+            assert_eq!(
+                p.num_attention_heads % p.num_key_value_heads,
+                0,
+                "{name}: GQA"
+            );
             assert!(p.tokenizer_vocab_size <= p.vocab_size, "{name}");
         }
         assert!(preset("llama-70b").is_none());

@@ -63,7 +63,9 @@ pub fn trained_tokenizer(vocab_size: usize) -> anyhow::Result<Arc<TrainedTokeniz
     let cache = CACHE.get_or_init(Default::default);
     // Holding the lock while training makes concurrent callers wait for one training run
     // instead of each doing their own.
-    let mut cache = cache.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    let mut cache = cache
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
     if let Some(t) = cache.get(&vocab_size) {
         return Ok(Arc::clone(t));
     }
@@ -89,14 +91,20 @@ fn train(vocab_size: usize) -> anyhow::Result<TrainedTokenizer> {
         .and_then(|b| b.try_pair("$A $B:1"))
         .map_err(|e| anyhow::anyhow!("template processing: {e}"))?
         .build()?;
-    let mut tokenizer = TokenizerBuilder::<BPE, NormalizerWrapper, ByteLevel, PostProcessorWrapper, ByteLevel>::new()
-        .with_model(BPE::default())
-        .with_normalizer(None)
-        .with_pre_tokenizer(Some(ByteLevel::new(false, true, true)))
-        .with_post_processor(Some(post.into()))
-        .with_decoder(Some(ByteLevel::default()))
-        .build()
-        .map_err(|e| anyhow::anyhow!("building tokenizer: {e}"))?;
+    let mut tokenizer = TokenizerBuilder::<
+        BPE,
+        NormalizerWrapper,
+        ByteLevel,
+        PostProcessorWrapper,
+        ByteLevel,
+    >::new()
+    .with_model(BPE::default())
+    .with_normalizer(None)
+    .with_pre_tokenizer(Some(ByteLevel::new(false, true, true)))
+    .with_post_processor(Some(post.into()))
+    .with_decoder(Some(ByteLevel::default()))
+    .build()
+    .map_err(|e| anyhow::anyhow!("building tokenizer: {e}"))?;
     tokenizer
         .train(&mut trainer, CORPUS.lines().filter(|l| !l.is_empty()))
         .map_err(|e| anyhow::anyhow!("training BPE on the embedded corpus: {e}"))?;
@@ -111,11 +119,18 @@ fn train(vocab_size: usize) -> anyhow::Result<TrainedTokenizer> {
 
 /// Writes `tokenizer.json`, `tokenizer_config.json` and `special_tokens_map.json` into
 /// `dir` and returns the tokenizer's vocabulary size.
-pub fn write_tokenizer_files(dir: &Path, vocab_size: usize, model_max_length: usize) -> anyhow::Result<usize> {
+pub fn write_tokenizer_files(
+    dir: &Path,
+    vocab_size: usize,
+    model_max_length: usize,
+) -> anyhow::Result<usize> {
     let trained = trained_tokenizer(vocab_size)?;
     let path = dir.join("tokenizer.json");
     std::fs::write(&path, &trained.json).with_context(|| format!("writing {}", path.display()))?;
-    write_json(&dir.join("tokenizer_config.json"), &tokenizer_config(model_max_length))?;
+    write_json(
+        &dir.join("tokenizer_config.json"),
+        &tokenizer_config(model_max_length),
+    )?;
     write_json(&dir.join("special_tokens_map.json"), &special_tokens_map())?;
     Ok(trained.vocab_size)
 }

@@ -117,7 +117,11 @@ impl ShardPlan {
         let weight_map: BTreeMap<&str, &str> = self
             .shards
             .iter()
-            .flat_map(|s| s.tensors.iter().map(move |&i| (tensors[i].name.as_str(), s.file_name.as_str())))
+            .flat_map(|s| {
+                s.tensors
+                    .iter()
+                    .map(move |&i| (tensors[i].name.as_str(), s.file_name.as_str()))
+            })
             .collect();
         Some(serde_json::json!({
             "metadata": { "total_size": self.total_bytes },
@@ -129,7 +133,9 @@ impl ShardPlan {
 /// Writes one safetensors file holding `tensors`, generating each as it is written.
 /// The header carries `{"format": "pt"}`, as PyTorch-saved checkpoints do.
 pub fn write_safetensors(path: &Path, tensors: &[&TensorSpec], seed: u64) -> anyhow::Result<()> {
-    let views = tensors.iter().map(|t| (t.name.as_str(), LazyTensor::new(t, seed)));
+    let views = tensors
+        .iter()
+        .map(|t| (t.name.as_str(), LazyTensor::new(t, seed)));
     let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
     safetensors::serialize_to_file(views, Some(metadata), path)
         .with_context(|| format!("writing {}", path.display()))
@@ -149,7 +155,10 @@ pub fn write_checkpoint(
         write_safetensors(&dir.join(&shard.file_name), &specs, seed)?;
     }
     if let Some(index) = plan.index(tensors) {
-        write_json(&dir.join(format!("{prefix}.safetensors.index.json")), &index)?;
+        write_json(
+            &dir.join(format!("{prefix}.safetensors.index.json")),
+            &index,
+        )?;
     }
     Ok(())
 }
@@ -169,7 +178,8 @@ impl Serialize for Sorted<'_> {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         match self.0 {
             Value::Object(map) => {
-                let sorted: BTreeMap<&String, Sorted<'_>> = map.iter().map(|(k, v)| (k, Sorted(v))).collect();
+                let sorted: BTreeMap<&String, Sorted<'_>> =
+                    map.iter().map(|(k, v)| (k, Sorted(v))).collect();
                 sorted.serialize(s)
             }
             Value::Array(items) => s.collect_seq(items.iter().map(Sorted)),
@@ -188,7 +198,14 @@ mod tests {
         sizes
             .iter()
             .enumerate()
-            .map(|(i, &n)| TensorSpec::new(format!("t{i}"), vec![n], WeightDtype::F32, Init::normal(1.0)))
+            .map(|(i, &n)| {
+                TensorSpec::new(
+                    format!("t{i}"),
+                    vec![n],
+                    WeightDtype::F32,
+                    Init::normal(1.0),
+                )
+            })
             .collect()
     }
 
@@ -211,7 +228,10 @@ mod tests {
         assert_eq!(plan.shards[2].file_name, "model-00003-of-00003.safetensors");
         let index = plan.index(&t).unwrap();
         assert_eq!(index["metadata"]["total_size"], 520);
-        assert_eq!(index["weight_map"]["t3"], "model-00002-of-00003.safetensors");
+        assert_eq!(
+            index["weight_map"]["t3"],
+            "model-00002-of-00003.safetensors"
+        );
     }
 
     #[test]
