@@ -4,33 +4,44 @@
 //! in their *stored* dtype (f32, f16 or bf16, little-endian bytes), read in place from the host
 //! store; `Δ` is f32 `[rows, d_out]`, written or accumulated.
 //!
-//! How it is blocked (the same driver runs every ISA; only the inner ops differ):
+//! How it is blocked (one driver for every ISA; only the inner ops differ):
 //!
-//! * **shrink** `t = x · Aᵀ` (`[rows, rank]`, kept in [`Scratch`]; 256 KiB at rows 512 ×
-//!   rank 128, so it lives in L1/L2): `d_in` is cut into chunks of `kc` columns such that the
-//!   `[rank, kc]` slice of `A` stays in L2 while every row block streams past it; f32 weights
-//!   are used in place, f16/bf16 chunks are widened once into scratch. The micro-kernel is a
-//!   3-row × 4-rank tile of dot products with 12 independent SIMD accumulators.
+//! * **shrink** `t = x · Aᵀ` into [`Scratch`] (`[rows, rank]`: 1 KiB at 16 × 16, 256 KiB at
+//!   512 × 128, so it stays in L1/L2). `d_in` is cut into chunks of `kc` columns so that the
+//!   `[rank, kc]` slice of `A` (≤ 512 KiB of f32) stays in L2 while every row block streams
+//!   past it; f32 weights are read in place, f16/bf16 chunks are widened once per call into
+//!   scratch. Micro-kernel: a rows × ranks tile of dot products along `d_in`, one SIMD
+//!   accumulator each (AVX-512: 6 × 4 = 24 accumulators, 10 loads per 24 FMAs; the ragged end
+//!   of `d_in` is a masked step), reduced horizontally once per chunk.
 //! * **expand** `Δ = (scale · t) · Bᵀ`: `d_out` is cut into chunks of `nc` columns; each chunk
-//!   of `B` is transposed (and widened) once into panels of [`PANEL`] columns, then every 4-row
-//!   block of `t` sweeps the panels: a 4 × 24 register tile, one broadcast of `t` per row and
-//!   rank step. Every element of `A` and `B` is read from memory once per call.
+//!   of `B` is transposed (and widened) once into panels of a few vectors' width (8 × 8
+//!   register transposes), then every row block of `t` sweeps the panels with a rows ×
+//!   panel register tile (AVX-512: 8 × 48 = 24 accumulators; one broadcast of `t` per row and
+//!   rank step, folded into the FMA). Ragged output columns use masked stores.
 //!
-//! Dispatch: [`Isa::best`] picks AVX2+FMA+F16C at run time when the CPU has it, else the
-//! portable scalar path (which is also what aarch64 and other targets compile).
+//! Every element of `x`, `A` and `B` is read from memory once per call; the only copies are
+//! the per-chunk widen/transpose buffers, sized by the cache, not by the matrix.
+//!
+//! Dispatch: [`Isa::best`] picks AVX-512F, else AVX2+FMA+F16C, at run time, else the portable
+//! scalar path (also what aarch64 and other targets compile). Any ISA can be forced with
+//! [`lora_delta_on`] (tests compare them).
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
+mod driver;
 mod scalar;
+#[cfg(target_arch = "x86_64")]
+mod x86;
 
 #[cfg(test)]
 mod tests;
 
-use std::ops::Range;
-
 use thiserror::Error;
+
+pub(crate) use driver::{check_block, read_elem, Dims, Ops, Rows, RowsMut, BCAST_LANES};
+use driver::{Blocking, Job, MAX_PANEL};
 
 /// Storage format of an adapter matrix in the host store.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
@@ -209,6 +220,8 @@ pub struct Scratch {
     a_chunk: Vec<f32>,
     /// Transposed, widened `B` chunk: `⌈nc / panel⌉` panels of `[rank, panel]`.
     panels: Vec<f32>,
+    /// `tᵀ`, `[rank, BCAST_LANES]`, rows past `rows` zero (few-rows path only).
+    tt: Vec<f32>,
 }
 
 impl Scratch {
@@ -320,208 +333,4 @@ fn check(
     act("out", mul(p.rows, p.d_out)?, out.len())?;
     weight("A", a, p.d_in)?;
     weight("B", b, p.d_out)
-}
-
-/// The widest [`Ops::PANEL`] of any backend (sizes [`Scratch::for_problem`]).
-const MAX_PANEL: usize = 48;
-
-/// Cache blocking for one problem.
-#[derive(Copy, Clone, Debug)]
-struct Blocking {
-    /// `d_in` chunk: `[rank, kc]` of `A` is at most 512 KiB of f32, half of a typical L2.
-    kc: usize,
-    /// `d_out` chunk, a multiple of the panel width: its `[rank, nc]` panels are about
-    /// 96 KiB of f32.
-    nc: usize,
-}
-
-impl Blocking {
-    fn for_problem(p: &LoraProblem, panel: usize) -> Self {
-        let rank = p.rank.max(1);
-        let kc = ((128 * 1024 / rank) & !15)
-            .clamp(256, 4096)
-            .min(p.d_in.max(1));
-        let nc = ((24 * 1024 / rank) / panel * panel).clamp(panel, 2048 / panel * panel);
-        Self {
-            kc,
-            nc: nc.min(p.d_out.max(1)),
-        }
-    }
-}
-
-/// A row-major f32 matrix view: row `i` starts at `data[i * ld]`.
-#[derive(Copy, Clone, Debug)]
-pub(crate) struct Rows<'a> {
-    pub data: &'a [f32],
-    pub ld: usize,
-}
-
-/// A mutable [`Rows`].
-#[derive(Debug)]
-pub(crate) struct RowsMut<'a> {
-    pub data: &'a mut [f32],
-    pub ld: usize,
-}
-
-/// Sizes of one inner product: `[m, k] · [k, n]`.
-#[derive(Copy, Clone, Debug)]
-pub(crate) struct Dims {
-    pub m: usize,
-    pub n: usize,
-    pub k: usize,
-}
-
-/// Panics unless an `m × cols` block with leading dimension `ld` fits in `len`.
-pub(crate) fn check_block(what: &str, len: usize, ld: usize, m: usize, cols: usize) {
-    assert!(
-        cols <= ld || m <= 1,
-        "{what}: {cols} columns exceed leading dimension {ld}"
-    );
-    let need = if m == 0 || cols == 0 {
-        0
-    } else {
-        (m - 1) * ld + cols
-    };
-    assert!(
-        need <= len,
-        "{what}: block {m}x{cols} (ld {ld}) needs {need} elements, has {len}"
-    );
-}
-
-/// The per-ISA building blocks the blocked driver is made of. Each checks its own bounds.
-pub(crate) trait Ops: Copy {
-    /// Columns of one transposed `B` panel: the expand micro-kernel's width.
-    const PANEL: usize;
-
-    /// `dst[i] = src[i]` widened to f32, `dst.len()` elements.
-    fn widen(self, dtype: WeightDtype, src: &[u8], dst: &mut [f32]);
-    /// `t[m, n] (=|+=) x[m, k] · a[n, k]ᵀ` (`=` when `first`).
-    fn shrink(self, x: Rows<'_>, a: Rows<'_>, t: RowsMut<'_>, d: Dims, first: bool);
-    /// Transposes rows `cols` of `b` (`[_, rank]`) into panels: element `(o, j)` goes to
-    /// `dst[(c / P) * rank * P + j * P + c % P]` (`P = PANEL`) with `c = o - cols.start`.
-    /// Panel columns past `cols.end` are zeroed.
-    fn pack_bt(self, b: LoraMat<'_>, rank: usize, cols: Range<usize>, dst: &mut [f32]);
-    /// `out[m, n] (=|+=) t[m, k] · panels` where `panels` is [`Ops::pack_bt`]'s layout with
-    /// `rank = k` and `n` columns.
-    fn expand(self, t: Rows<'_>, panels: &[f32], out: RowsMut<'_>, d: Dims, accumulate: bool);
-}
-
-/// One validated call.
-struct Job<'a, 'p> {
-    p: &'p LoraProblem,
-    x: &'a [f32],
-    a: LoraMat<'a>,
-    b: LoraMat<'a>,
-    accumulate: bool,
-}
-
-impl Job<'_, '_> {
-    fn run<O: Ops>(&self, ops: O, out: &mut [f32], scratch: &mut Scratch) {
-        let p = self.p;
-        if p.rows == 0 || p.d_out == 0 {
-            return;
-        }
-        if p.rank == 0 || p.d_in == 0 {
-            if !self.accumulate {
-                out.fill(0.0);
-            }
-            return;
-        }
-        let blk = Blocking::for_problem(p, O::PANEL);
-        let t = grow(&mut scratch.t, p.rows * p.rank);
-        self.shrink(ops, blk, t, &mut scratch.a_chunk);
-        for v in t.iter_mut() {
-            *v *= p.scale;
-        }
-        let t = Rows {
-            data: t,
-            ld: p.rank,
-        };
-        let panels = grow(
-            &mut scratch.panels,
-            blk.nc.div_ceil(O::PANEL) * O::PANEL * p.rank,
-        );
-        for o0 in (0..p.d_out).step_by(blk.nc) {
-            let n = blk.nc.min(p.d_out - o0);
-            ops.pack_bt(self.b, p.rank, o0..o0 + n, panels);
-            let out = RowsMut {
-                data: &mut out[o0..],
-                ld: p.d_out,
-            };
-            let d = Dims {
-                m: p.rows,
-                n,
-                k: p.rank,
-            };
-            ops.expand(t, panels, out, d, self.accumulate);
-        }
-    }
-
-    fn shrink(&self, ops: impl Ops, blk: Blocking, t: &mut [f32], a_chunk: &mut Vec<f32>) {
-        let p = self.p;
-        let a_in_place = in_place_f32(self.a);
-        for k0 in (0..p.d_in).step_by(blk.kc) {
-            let k = blk.kc.min(p.d_in - k0);
-            let a = match a_in_place {
-                Some(a) => Rows {
-                    data: &a[k0..],
-                    ld: p.d_in,
-                },
-                None => {
-                    let chunk = grow(a_chunk, p.rank * k);
-                    let es = self.a.dtype.size();
-                    for (j, dst) in chunk.chunks_exact_mut(k).enumerate() {
-                        let start = (j * p.d_in + k0) * es;
-                        ops.widen(self.a.dtype, &self.a.bytes[start..start + k * es], dst);
-                    }
-                    Rows { data: chunk, ld: k }
-                }
-            };
-            let x = Rows {
-                data: &self.x[k0..],
-                ld: p.d_in,
-            };
-            let d = Dims {
-                m: p.rows,
-                n: p.rank,
-                k,
-            };
-            ops.shrink(
-                x,
-                a,
-                RowsMut {
-                    data: t,
-                    ld: p.rank,
-                },
-                d,
-                k0 == 0,
-            );
-        }
-    }
-}
-
-/// f32 weights that can be read as `&[f32]` without a copy (aligned, little-endian host).
-fn in_place_f32(m: LoraMat<'_>) -> Option<&[f32]> {
-    if m.dtype != WeightDtype::F32 || cfg!(target_endian = "big") {
-        return None;
-    }
-    bytemuck::try_cast_slice(m.bytes).ok()
-}
-
-/// Element `i` of `bytes` (little-endian `dtype`), widened.
-#[inline(always)]
-pub(crate) fn read_elem(dtype: WeightDtype, bytes: &[u8], i: usize) -> f32 {
-    match dtype {
-        WeightDtype::F32 => {
-            let b = &bytes[4 * i..4 * i + 4];
-            f32::from_le_bytes([b[0], b[1], b[2], b[3]])
-        }
-        WeightDtype::F16 => half::f16::from_bits(u16_at(bytes, i)).to_f32(),
-        WeightDtype::Bf16 => f32::from_bits(u32::from(u16_at(bytes, i)) << 16),
-    }
-}
-
-#[inline(always)]
-fn u16_at(bytes: &[u8], i: usize) -> u16 {
-    u16::from_le_bytes([bytes[2 * i], bytes[2 * i + 1]])
 }

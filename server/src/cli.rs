@@ -22,6 +22,9 @@ pub enum Command {
     GenModel(GenModelArgs),
     /// Write seeded random PEFT LoRA adapters for a model directory.
     GenAdapters(GenAdaptersArgs),
+    /// Run one request end to end on the CPU engine and stream its text (no --model: the
+    /// embedded demo model and its first adapter, generated once into the cache directory).
+    Generate(GenerateArgs),
 }
 
 impl Command {
@@ -29,6 +32,7 @@ impl Command {
         match self {
             Command::GenModel(args) => args.run(),
             Command::GenAdapters(args) => args.run(),
+            Command::Generate(args) => args.run(),
         }
     }
 }
@@ -210,5 +214,82 @@ mod tests {
             panic!("parsed {:?}", ok.command)
         };
         assert_eq!(args.dtype, Some(WeightDtype::Bf16));
+    }
+}
+
+#[derive(Debug, Args)]
+pub struct GenerateArgs {
+    /// HF model directory (config.json, safetensors, tokenizer.json) [default: the demo model].
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// PEFT LoRA adapter directory [default with the demo model: its first adapter].
+    #[arg(long)]
+    pub adapter: Option<PathBuf>,
+    /// Run the base model only, even on the demo.
+    #[arg(long)]
+    pub no_adapter: bool,
+    /// Prompt text (encoded with the model's tokenizer, BOS added as the tokenizer says).
+    #[arg(long, default_value = "The quick brown fox")]
+    pub prompt: String,
+    /// Most tokens to generate.
+    #[arg(long, default_value_t = 32)]
+    pub max_tokens: usize,
+    /// Sampling temperature; 0 is greedy.
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    /// Keep only the k most likely tokens (0 = off).
+    #[arg(long, default_value_t = 0)]
+    pub top_k: usize,
+    /// Nucleus sampling mass (1 = off).
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    /// Seed of this request's sampling stream.
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Keep generating through end-of-sequence tokens.
+    #[arg(long)]
+    pub ignore_eos: bool,
+    /// Prefill chunk size in tokens.
+    #[arg(long, default_value_t = 512)]
+    pub chunk: usize,
+    /// Batched LoRA kernel: sgmv (segments) or bgmv (per-row index, padded rank).
+    #[arg(long, default_value = "sgmv", value_parser = ["sgmv", "bgmv"])]
+    pub lora_kernel: String,
+}
+
+impl GenerateArgs {
+    fn run(self) -> anyhow::Result<()> {
+        use thaw_runtime::backend::LoraKernel;
+        let opts = thaw_server::generate::GenerateOptions {
+            model: self.model,
+            adapter: self.adapter,
+            no_adapter: self.no_adapter,
+            prompt: self.prompt,
+            max_tokens: self.max_tokens,
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            seed: self.seed,
+            ignore_eos: self.ignore_eos,
+            chunk: self.chunk,
+            lora_kernel: if self.lora_kernel == "bgmv" {
+                LoraKernel::Bgmv
+            } else {
+                LoraKernel::Sgmv
+            },
+        };
+        let mut stdout = std::io::stdout();
+        let r = thaw_server::generate::run(&opts, &mut stdout)?;
+        println!();
+        eprintln!(
+            "[{} prompt tokens, {} generated, finish {:?}; prefill {:.1} ms ({:.0} tok/s), decode {:.1} tok/s, CPU backend]",
+            r.prompt_tokens,
+            r.tokens.len(),
+            r.finish,
+            r.prefill_secs * 1e3,
+            r.prompt_tokens as f64 / r.prefill_secs.max(1e-9),
+            (r.tokens.len().saturating_sub(1)) as f64 / r.decode_secs.max(1e-9),
+        );
+        Ok(())
     }
 }

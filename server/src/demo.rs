@@ -4,7 +4,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 
-use crate::gen::{self, GenAdaptersOptions, GenModelOptions};
+use crate::gen::{self, GenAdaptersOptions, GenModelOptions, Projection};
 
 /// Bump when the demo's contents change, so stale caches are regenerated.
 const DEMO_VERSION: &str = "demo-v1";
@@ -69,24 +69,28 @@ fn write_demo(dir: &Path) -> anyhow::Result<()> {
     let preset = gen::preset(DEMO_PRESET).context("demo preset missing")?;
     let model = dir.join("model");
     gen::write_model(&preset, &model, &GenModelOptions::default())?;
-    let targets = [
-        &["q", "k", "v", "o"][..],
-        &["q", "k", "v", "o", "gate", "up", "down"],
-        &["q", "v"],
+    use Projection::*;
+    let target_sets: [(&str, &[Projection]); 3] = [
+        ("attn", &[Q, K, V, O]),
+        ("all", &Projection::ALL),
+        ("qv", &[Q, V]),
     ];
+    std::fs::create_dir_all(dir.join("adapters"))?;
     for (i, rank) in DEMO_RANKS.iter().enumerate() {
-        gen::write_adapters(&GenAdaptersOptions {
-            model: model.clone(),
+        let (label, targets) = target_sets[i % target_sets.len()];
+        let staging = dir.join(format!("staging-{i}"));
+        let written = gen::write_adapters(&GenAdaptersOptions {
+            model_dir: model.clone(),
+            out_dir: staging.clone(),
             count: 1,
             ranks: vec![*rank],
-            targets: targets[i % targets.len()]
-                .iter()
-                .map(|s| s.to_string())
-                .collect(),
-            out: dir.join("adapters").join(format!("{i:02}")),
+            targets: targets.to_vec(),
             seed: 1000 + i as u64,
             ..Default::default()
         })?;
+        let name = format!("demo-{i}-r{rank}-{label}");
+        std::fs::rename(&written[0], dir.join("adapters").join(name))?;
+        std::fs::remove_dir_all(&staging)?;
     }
     Ok(())
 }

@@ -11,7 +11,9 @@ use anyhow::{bail, Context};
 use thaw_runtime::adapter::LoraAdapter;
 use thaw_runtime::backend::cpu::CpuBackend;
 use thaw_runtime::backend::LoraKernel;
-use thaw_runtime::engine::{Engine, EngineConfig, FinishReason, HostModel, PlanItem, SequenceParams, StepPlan};
+use thaw_runtime::engine::{
+    Engine, EngineConfig, FinishReason, HostModel, PlanItem, SequenceParams, StepPlan,
+};
 use thaw_runtime::ids::{AdapterId, SeqId};
 use thaw_runtime::model::{IncrementalDecoder, Tokenizer};
 use thaw_runtime::sampling::SamplingParams;

@@ -4,4 +4,6 @@
 //! Owns policy (what to run, cache, evict, where to route); it never touches a device
 //! pointer — that is `thaw-runtime`'s job.
 
+pub mod demo;
 pub mod gen;
+pub mod generate;

@@ -1,4 +1,5 @@
-//! AVX2 + FMA (+ F16C) ops for x86-64: the crate's only `unsafe`.
+//! AVX2 + FMA (+ F16C) ops for x86-64: 8-lane shrink and expand micro-kernels with 12
+//! accumulators (16 registers). Widening and the `B` transpose live in [`super::x86`].
 //!
 //! Soundness rests on two things: an [`Avx2`] value exists only after run-time detection of
 //! all three features (so calling the `#[target_feature]` functions is sound), and every safe
@@ -9,21 +10,18 @@
 use std::arch::x86_64::*;
 use std::ops::Range;
 
+use super::x86::{pack_bt, widen, Expand, Prefetch, Shrink};
 use super::{check_block, Dims, LoraMat, Ops, Rows, RowsMut, WeightDtype};
 
-/// Dtype codes for const generics (one instantiation per stored format).
-pub(super) const F32: u8 = 0;
-pub(super) const F16: u8 = 1;
-pub(super) const BF16: u8 = 2;
-
-/// Expand panel width: 3 AVX vectors.
-const PANEL: usize = 24;
+/// Expand panel width: 2 AVX vectors.
+const PANEL: usize = 16;
 
 /// Shrink register tile: rows × ranks (12 accumulators, 7 loads per 12 FMAs).
 const SHRINK_MR: usize = 3;
 const SHRINK_NR: usize = 4;
-/// Expand register tile: rows × `PANEL` columns (4 × 3 vectors = 12 accumulators).
-const EXPAND_MR: usize = 4;
+/// Expand register tile: rows × `PANEL` columns (6 × 2 vectors = 12 accumulators; with the
+/// 2 panel vectors and a broadcast that is 15 of the 16 registers; 4 × 3 spilled).
+const EXPAND_MR: usize = 6;
 
 /// Proof that this CPU has AVX2, FMA and F16C.
 #[derive(Copy, Clone, Debug)]
@@ -43,9 +41,9 @@ impl Avx2 {
 impl Ops for Avx2 {
     const PANEL: usize = PANEL;
 
-    fn widen(self, dtype: WeightDtype, src: &[u8], dst: &mut [f32]) {
+    fn widen(self, dtype: WeightDtype, src: &[u8], dst: &mut [f32], next: &[u8]) {
         // SAFETY: `self` proves AVX2/FMA/F16C.
-        unsafe { widen(dtype, src, dst) }
+        unsafe { widen(dtype, src, dst, next) }
     }
 
     fn shrink(self, x: Rows<'_>, a: Rows<'_>, t: RowsMut<'_>, d: Dims, first: bool) {
@@ -61,6 +59,8 @@ impl Ops for Avx2 {
             ldt: t.ld,
             k: d.k,
             first,
+            pf_a: Prefetch::NONE,
+            pf_rows: 0,
         };
         // SAFETY: `self` proves the features; the three blocks were bounds-checked above and
         // `shrink_impl` only touches `x[..m, ..k]`, `a[..n, ..k]` and `t[..m, ..n]`.
@@ -96,144 +96,6 @@ impl Ops for Avx2 {
     }
 }
 
-/// [`Ops::widen`] for any x86 backend.
-///
-/// # Safety
-/// AVX2, FMA and F16C must be available.
-pub(super) unsafe fn widen(dtype: WeightDtype, src: &[u8], dst: &mut [f32]) {
-    assert_eq!(src.len(), dst.len() * dtype.size(), "widen: length");
-    let (s, d, n) = (src.as_ptr(), dst.as_mut_ptr(), dst.len());
-    // SAFETY: the caller vouches for the features; `src` holds exactly `n` elements of
-    // `dtype` and `dst` has room for `n` f32s, which is all `widen_impl` touches.
-    unsafe {
-        match dtype {
-            WeightDtype::F32 => widen_impl::<F32>(s, d, n),
-            WeightDtype::F16 => widen_impl::<F16>(s, d, n),
-            WeightDtype::Bf16 => widen_impl::<BF16>(s, d, n),
-        }
-    }
-}
-
-/// [`Ops::pack_bt`] for any x86 backend, with panels `panel` (a multiple of 8) wide.
-///
-/// # Safety
-/// AVX2, FMA and F16C must be available.
-pub(super) unsafe fn pack_bt(
-    b: LoraMat<'_>,
-    rank: usize,
-    cols: Range<usize>,
-    dst: &mut [f32],
-    panel: usize,
-) {
-    assert!(
-        panel % 8 == 0,
-        "pack_bt: panel width {panel} is not a multiple of 8"
-    );
-    let panels = cols.len().div_ceil(panel);
-    assert!(dst.len() >= panels * rank * panel, "pack_bt: dst too small");
-    assert!(
-        b.bytes.len() >= cols.end * rank * b.dtype.size(),
-        "pack_bt: b too small"
-    );
-    let (s, o0, n, d) = (b.bytes.as_ptr(), cols.start, cols.len(), dst.as_mut_ptr());
-    let geo = PackGeometry { rank, o0, n, panel };
-    // SAFETY: the caller vouches for the features; `pack_impl` reads rows `cols` of `b` and
-    // writes `panels` whole panels of `dst`, both checked above.
-    unsafe {
-        match b.dtype {
-            WeightDtype::F32 => pack_impl::<F32>(s, geo, d),
-            WeightDtype::F16 => pack_impl::<F16>(s, geo, d),
-            WeightDtype::Bf16 => pack_impl::<BF16>(s, geo, d),
-        }
-    }
-}
-
-/// Which rows of `B` a pack reads and how wide its panels are.
-#[derive(Copy, Clone)]
-struct PackGeometry {
-    rank: usize,
-    o0: usize,
-    n: usize,
-    panel: usize,
-}
-
-const fn elem_size(dt: u8) -> usize {
-    if dt == F32 {
-        4
-    } else {
-        2
-    }
-}
-
-/// Eight elements at `p`, widened.
-///
-/// # Safety
-/// AVX2 and F16C must be available and `p` must point to 8 readable elements of `DT`.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn load8<const DT: u8>(p: *const u8) -> __m256 {
-    // SAFETY: the caller guarantees 8 readable elements; all loads are unaligned.
-    unsafe {
-        match DT {
-            F32 => _mm256_loadu_ps(p.cast()),
-            F16 => _mm256_cvtph_ps(_mm_loadu_si128(p.cast())),
-            // bf16 → f32 is the 16 bits moved to the top of a 32-bit lane.
-            _ => _mm256_castsi256_ps(_mm256_slli_epi32(
-                _mm256_cvtepu16_epi32(_mm_loadu_si128(p.cast())),
-                16,
-            )),
-        }
-    }
-}
-
-/// One element at `p`, widened.
-///
-/// # Safety
-/// `p` must point to one readable element of `DT`.
-#[inline(always)]
-unsafe fn load1<const DT: u8>(p: *const u8) -> f32 {
-    // SAFETY: the caller guarantees one readable element; reads are unaligned.
-    unsafe {
-        match DT {
-            F32 => p.cast::<f32>().read_unaligned(),
-            F16 => half::f16::from_bits(p.cast::<u16>().read_unaligned()).to_f32(),
-            _ => f32::from_bits(u32::from(p.cast::<u16>().read_unaligned()) << 16),
-        }
-    }
-}
-
-/// # Safety
-/// AVX2/F16C available; `src` holds `n` elements of `DT`, `dst` has room for `n` f32s.
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn widen_impl<const DT: u8>(src: *const u8, dst: *mut f32, n: usize) {
-    let es = elem_size(DT);
-    // SAFETY: every offset below is `< n` elements, within the caller's guarantee.
-    unsafe {
-        let mut i = 0;
-        while i + 8 <= n {
-            _mm256_storeu_ps(dst.add(i), load8::<DT>(src.add(i * es)));
-            i += 8;
-        }
-        while i < n {
-            *dst.add(i) = load1::<DT>(src.add(i * es));
-            i += 1;
-        }
-    }
-}
-
-/// Raw operands of one shrink block (`t[m, n] (=|+=) x[m, k] · a[n, k]ᵀ`).
-#[derive(Copy, Clone)]
-pub(super) struct Shrink {
-    pub x: *const f32,
-    pub ldx: usize,
-    pub a: *const f32,
-    pub lda: usize,
-    pub t: *mut f32,
-    pub ldt: usize,
-    pub k: usize,
-    pub first: bool,
-}
-
 /// # Safety
 /// AVX2/FMA available; `x[..m, ..k]`, `a[..n, ..k]` readable and `t[..m, ..n]` writable at
 /// their leading dimensions.
@@ -245,12 +107,27 @@ unsafe fn shrink_impl(s: Shrink, m: usize, n: usize) {
         let mut j = 0;
         while j < n {
             let nr = (n - j).min(SHRINK_NR);
-            // SAFETY: the tile `[i..i+mr, j..j+nr]` lies inside the caller's `m × n` block.
+            // The first row block streams `a` from memory: prefetch the next tile's rows.
+            let pf_rows = if i == 0 {
+                (n - j - nr).min(SHRINK_NR)
+            } else {
+                0
+            };
+            // SAFETY: the tile `[i..i+mr, j..j+nr]` lies inside the caller's `m × n` block,
+            // and so do the `pf_rows` rows of `a` after it (`j + nr + pf_rows ≤ n`).
             let tile = unsafe {
                 Shrink {
                     x: s.x.add(i * s.ldx),
                     a: s.a.add(j * s.lda),
                     t: s.t.add(i * s.ldt + j),
+                    pf_a: match pf_rows {
+                        0 => Prefetch::NONE,
+                        r => Prefetch {
+                            base: s.a.add((j + nr) * s.lda).cast(),
+                            len: ((r - 1) * s.lda + s.k) * 4,
+                        },
+                    },
+                    pf_rows,
                     ..s
                 }
             };
@@ -281,7 +158,9 @@ unsafe fn shrink_impl(s: Shrink, m: usize, n: usize) {
 ///
 /// # Safety
 /// As [`shrink_impl`] with `m = MR`, `n = NR`.
-#[inline]
+// Never inlined: register allocation of the 12 accumulators is only reliable when each
+// tile is its own function (inlined into the dispatcher, LLVM spilled them to the stack).
+#[inline(never)]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn shrink_tile<const MR: usize, const NR: usize>(s: Shrink) {
     // SAFETY: all offsets are `< k` along rows `< MR` of x and `< NR` of a, and the stores hit
@@ -291,6 +170,11 @@ unsafe fn shrink_tile<const MR: usize, const NR: usize>(s: Shrink) {
         let k8 = s.k & !7;
         let mut p = 0;
         while p < k8 {
+            if p.is_multiple_of(16) {
+                for r in 0..s.pf_rows {
+                    s.pf_a.line((r * s.lda + p) * 4);
+                }
+            }
             let mut av = [_mm256_setzero_ps(); NR];
             for j in 0..NR {
                 av[j] = _mm256_loadu_ps(s.a.add(j * s.lda + p));
@@ -328,7 +212,7 @@ unsafe fn shrink_tile<const MR: usize, const NR: usize>(s: Shrink) {
 /// AVX available; `dst` writable for 4 f32s.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn hsum4_store(v: [__m256; 4], dst: *mut f32) {
+unsafe fn hsum4_store(v: [__m256; 4], dst: *mut f32) {
     // SAFETY: the caller guarantees `dst[..4]`.
     unsafe {
         let s01 = _mm256_hadd_ps(v[0], v[1]);
@@ -339,115 +223,6 @@ pub(super) unsafe fn hsum4_store(v: [__m256; 4], dst: *mut f32) {
             _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1)),
         );
     }
-}
-
-/// # Safety
-/// AVX2/F16C available; `b` holds rows `o0..o0 + n` of `rank` elements of `DT`; `dst` has room
-/// for `⌈n / panel⌉` panels of `rank × panel` f32s; `panel` is a multiple of 8.
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn pack_impl<const DT: u8>(b: *const u8, g: PackGeometry, dst: *mut f32) {
-    let PackGeometry {
-        rank,
-        o0,
-        n,
-        panel: pw,
-    } = g;
-    let es = elem_size(DT);
-    let (r8, n8) = (rank & !7, n & !7);
-    let panel_of = |c: usize| (c / pw) * rank * pw + c % pw;
-    // SAFETY: reads stay in rows `o0 + c < o0 + n`, columns `j < rank`; writes stay in panel
-    // `c / pw < ⌈n / pw⌉`, row `j < rank`, column `c % pw < pw`.
-    unsafe {
-        let mut c = 0;
-        // Eight whole columns (eight rows of `b`) at a time: 8 × 8 blocks, transposed in
-        // registers. `pw` is a multiple of 8, so a block never straddles two panels.
-        while c < n8 {
-            let src = b.add((o0 + c) * rank * es);
-            let out = dst.add(panel_of(c));
-            let mut j = 0;
-            while j < r8 {
-                let mut r = [_mm256_setzero_ps(); 8];
-                for ii in 0..8 {
-                    r[ii] = load8::<DT>(src.add((ii * rank + j) * es));
-                }
-                transpose8_store(r, out.add(j * pw), pw);
-                j += 8;
-            }
-            while j < rank {
-                for ii in 0..8 {
-                    *out.add(j * pw + ii) = load1::<DT>(src.add((ii * rank + j) * es));
-                }
-                j += 1;
-            }
-            c += 8;
-        }
-        // Ragged last columns, then zeros up to the panel edge.
-        while c < n.div_ceil(pw) * pw {
-            let out = dst.add(panel_of(c));
-            for j in 0..rank {
-                *out.add(j * pw) = if c < n {
-                    load1::<DT>(b.add(((o0 + c) * rank + j) * es))
-                } else {
-                    0.0
-                };
-            }
-            c += 1;
-        }
-    }
-}
-
-/// 8 × 8 transpose: stores `r[i][k]` to `out[k * ld + i]`.
-///
-/// # Safety
-/// AVX available; `out[k * ld..][..8]` writable for `k < 8`.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn transpose8_store(r: [__m256; 8], out: *mut f32, ld: usize) {
-    // SAFETY: the caller guarantees rows `k < 8` of `out`.
-    unsafe {
-        let t0 = _mm256_unpacklo_ps(r[0], r[1]);
-        let t1 = _mm256_unpackhi_ps(r[0], r[1]);
-        let t2 = _mm256_unpacklo_ps(r[2], r[3]);
-        let t3 = _mm256_unpackhi_ps(r[2], r[3]);
-        let t4 = _mm256_unpacklo_ps(r[4], r[5]);
-        let t5 = _mm256_unpackhi_ps(r[4], r[5]);
-        let t6 = _mm256_unpacklo_ps(r[6], r[7]);
-        let t7 = _mm256_unpackhi_ps(r[6], r[7]);
-        let u0 = _mm256_shuffle_ps(t0, t2, 0x44);
-        let u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
-        let u2 = _mm256_shuffle_ps(t1, t3, 0x44);
-        let u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
-        let u4 = _mm256_shuffle_ps(t4, t6, 0x44);
-        let u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
-        let u6 = _mm256_shuffle_ps(t5, t7, 0x44);
-        let u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
-        let cols = [
-            _mm256_permute2f128_ps(u0, u4, 0x20),
-            _mm256_permute2f128_ps(u1, u5, 0x20),
-            _mm256_permute2f128_ps(u2, u6, 0x20),
-            _mm256_permute2f128_ps(u3, u7, 0x20),
-            _mm256_permute2f128_ps(u0, u4, 0x31),
-            _mm256_permute2f128_ps(u1, u5, 0x31),
-            _mm256_permute2f128_ps(u2, u6, 0x31),
-            _mm256_permute2f128_ps(u3, u7, 0x31),
-        ];
-        for (k, col) in cols.into_iter().enumerate() {
-            _mm256_storeu_ps(out.add(k * ld), col);
-        }
-    }
-}
-
-/// Raw operands of one expand block (`out[m, cols] (=|+=) t[m, k] · panels`).
-#[derive(Copy, Clone)]
-pub(super) struct Expand {
-    pub t: *const f32,
-    pub ldt: usize,
-    pub panel: *const f32,
-    pub k: usize,
-    pub out: *mut f32,
-    pub ldo: usize,
-    pub cols: usize,
-    pub accumulate: bool,
 }
 
 /// # Safety
@@ -469,26 +244,34 @@ unsafe fn expand_impl(e: Expand, m: usize) {
                     ..e
                 }
             };
-            // SAFETY: as above; the tile's row count matches the const parameter and its
-            // vector count covers `cols ≤ PANEL` columns.
+            // SAFETY: as above; `expand_rows` gets the tile's true row count.
             unsafe {
-                match (mr, tile.cols.div_ceil(8)) {
-                    (4, 3) => expand_tile::<4, 3>(tile),
-                    (4, 2) => expand_tile::<4, 2>(tile),
-                    (4, _) => expand_tile::<4, 1>(tile),
-                    (3, 3) => expand_tile::<3, 3>(tile),
-                    (3, 2) => expand_tile::<3, 2>(tile),
-                    (3, _) => expand_tile::<3, 1>(tile),
-                    (2, 3) => expand_tile::<2, 3>(tile),
-                    (2, 2) => expand_tile::<2, 2>(tile),
-                    (2, _) => expand_tile::<2, 1>(tile),
-                    (_, 3) => expand_tile::<1, 3>(tile),
-                    (_, 2) => expand_tile::<1, 2>(tile),
-                    (_, _) => expand_tile::<1, 1>(tile),
+                match mr {
+                    6 => expand_rows::<6>(tile),
+                    5 => expand_rows::<5>(tile),
+                    4 => expand_rows::<4>(tile),
+                    3 => expand_rows::<3>(tile),
+                    2 => expand_rows::<2>(tile),
+                    _ => expand_rows::<1>(tile),
                 }
             }
         }
         i += mr;
+    }
+}
+
+/// # Safety
+/// As [`expand_tile`]; picks `NV = ⌈cols / 8⌉`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn expand_rows<const MR: usize>(e: Expand) {
+    // SAFETY: forwarded; `NV` vectors cover `cols ≤ 8 · NV` columns.
+    unsafe {
+        if e.cols > 8 {
+            expand_tile::<MR, 2>(e)
+        } else {
+            expand_tile::<MR, 1>(e)
+        }
     }
 }
 
@@ -497,7 +280,9 @@ unsafe fn expand_impl(e: Expand, m: usize) {
 ///
 /// # Safety
 /// As [`expand_impl`] with `m = MR` and one panel, `cols ≤ 8 · NV`.
-#[inline]
+// Never inlined: register allocation of the 12 accumulators is only reliable when each
+// tile is its own function (inlined into the dispatcher, LLVM spilled them to the stack).
+#[inline(never)]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn expand_tile<const MR: usize, const NV: usize>(e: Expand) {
     // SAFETY: loads read `t[..MR, ..k]` and panel rows `..k`, columns `< 8 · NV ≤ PANEL`; the

@@ -17,8 +17,10 @@ pub(crate) struct Scalar;
 
 impl Ops for Scalar {
     const PANEL: usize = PANEL;
+    // The trait's portable few-rows expand (no transpose of `B`).
+    const BCAST_ROWS: usize = super::BCAST_LANES;
 
-    fn widen(self, dtype: WeightDtype, src: &[u8], dst: &mut [f32]) {
+    fn widen(self, dtype: WeightDtype, src: &[u8], dst: &mut [f32], _next: &[u8]) {
         assert_eq!(src.len(), dst.len() * dtype.size(), "widen: length");
         for (i, d) in dst.iter_mut().enumerate() {
             *d = read_elem(dtype, src, i);

@@ -13,13 +13,11 @@ fn read_json(path: &Path) -> Value {
     serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
 }
 
-/// name → (dtype, shape) of a safetensors file, plus its `__metadata__`.
-fn read_header(
-    path: &Path,
-) -> (
-    BTreeMap<String, (safetensors::Dtype, Vec<usize>)>,
-    Option<String>,
-) {
+/// name → (dtype, shape) of the tensors in a safetensors file.
+type Header = BTreeMap<String, (safetensors::Dtype, Vec<usize>)>;
+
+/// The tensors of a safetensors file, plus its `__metadata__.format`.
+fn read_header(path: &Path) -> (Header, Option<String>) {
     let bytes = std::fs::read(path).unwrap();
     let st = SafeTensors::deserialize(&bytes).unwrap();
     let tensors = st
@@ -199,7 +197,7 @@ fn llama_7b_shape_plan() {
     assert_eq!(cfg["vocab_size"], 32000);
     assert_eq!(cfg["num_key_value_heads"], 32);
 
-    let plan = ModelPlan::new(&p, p.default_dtype, 4096, DEFAULT_MAX_SHARD_BYTES);
+    let plan = ModelPlan::new(&p, p.default_dtype, 2048, DEFAULT_MAX_SHARD_BYTES);
     assert_eq!(plan.tensors.len(), 2 + 32 * 9 + 1);
     let names: BTreeMap<String, Vec<usize>> = plan
         .tensors
@@ -250,8 +248,8 @@ fn llama_7b_shape_plan() {
     );
     assert_eq!(map["lm_head.weight"], "model-00003-of-00003.safetensors");
     // Padding rows past the tokenizer's vocabulary are zero in both vocab matrices.
-    assert_eq!(plan.tensors[0].init.live_rows, Some(4096));
-    assert_eq!(plan.tensors.last().unwrap().init.live_rows, Some(4096));
+    assert_eq!(plan.tensors[0].init.live_rows, Some(2048));
+    assert_eq!(plan.tensors.last().unwrap().init.live_rows, Some(2048));
 }
 
 #[test]

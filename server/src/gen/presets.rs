@@ -256,7 +256,7 @@ pub fn preset(name: &str) -> Option<ModelPreset> {
             num_key_value_heads: 32,
             head_dim: 128,
             vocab_size: 32000,
-            tokenizer_vocab_size: 4096,
+            tokenizer_vocab_size: 2048,
             max_position_embeddings: 4096,
             rms_norm_eps: 1e-5,
             rope_theta: 10000.0,

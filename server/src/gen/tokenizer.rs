@@ -221,9 +221,14 @@ mod tests {
             assert!(ids.iter().all(|&id| (id as usize) < 512));
             assert_eq!(tok.decode(ids, false).unwrap(), s, "ids {ids:?}");
         }
-        // Merges were learned: common English compresses well below one token per byte.
+        // Merges were learned: common English takes well under one token per byte.
         let english = SAMPLES[0];
-        assert!(tok.encode(english, false).unwrap().len() * 2 < english.len());
+        let n = tok.encode(english, false).unwrap().len();
+        assert!(
+            n * 3 < english.len() * 2,
+            "{n} tokens for {} bytes",
+            english.len()
+        );
     }
 
     #[test]

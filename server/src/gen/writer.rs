@@ -227,7 +227,7 @@ mod tests {
         assert_eq!(groups, vec![vec![0, 1], vec![3], vec![2, 4]]);
         assert_eq!(plan.shards[2].file_name, "model-00003-of-00003.safetensors");
         let index = plan.index(&t).unwrap();
-        assert_eq!(index["metadata"]["total_size"], 520);
+        assert_eq!(index["metadata"]["total_size"], 560);
         assert_eq!(
             index["weight_map"]["t3"],
             "model-00002-of-00003.safetensors"
