@@ -25,3 +25,23 @@
 //! ```
 
 pub mod kernel;
+
+mod calibrate;
+mod compute;
+mod error;
+mod procs;
+mod sys;
+
+pub mod pool;
+pub mod profile;
+pub mod stats;
+pub mod worker;
+
+pub use calibrate::CalibrationShape;
+pub use compute::{weight_dtype, ComputeState};
+pub use error::CpuLoraError;
+pub use pool::{Assignment, DeviceStep, LoraJob, LoraPool, PoolConfig, StepReport, Ticket};
+pub use procs::{SlotState, WorkerInfo};
+pub use profile::{split_rows, Profile, ShapeKey};
+pub use stats::WorkerStepStat;
+pub use worker::{worker_main, WaitMode, WorkerArgs};

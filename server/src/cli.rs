@@ -55,6 +55,15 @@ pub struct GenModelArgs {
     /// Split the weights into shards of at most this many GB (10^9 bytes), as transformers does.
     #[arg(long, default_value_t = 5.0)]
     pub max_shard_size_gb: f64,
+    /// HF architecture the files describe: llama, mistral (sliding window) or qwen2 (q/k/v biases).
+    #[arg(long, value_enum, default_value = "llama")]
+    pub arch: gen::GenArch,
+    /// Attention window in tokens (mistral; qwen2 with use_sliding_window).
+    #[arg(long)]
+    pub sliding_window: Option<usize>,
+    /// Tie the output head to the token embedding (no lm_head.weight), as small Qwen2 models do.
+    #[arg(long)]
+    pub tie_word_embeddings: bool,
 }
 
 impl GenModelArgs {
@@ -70,6 +79,11 @@ impl GenModelArgs {
             seed: self.seed,
             dtype: self.dtype,
             max_shard_bytes: (self.max_shard_size_gb * 1e9) as u64,
+            arch: gen::ArchOptions {
+                arch: self.arch,
+                sliding_window: self.sliding_window,
+                tie_word_embeddings: self.tie_word_embeddings,
+            },
         };
         let start = Instant::now();
         gen::write_model(&preset, &self.out, &opts)?;

@@ -48,9 +48,15 @@ impl TestModel {
     }
 
     pub fn from_preset(preset: &ModelPreset, seed: u64) -> Self {
+        Self::with_arch(preset, seed, gen::ArchOptions::default())
+    }
+
+    /// A model of another architecture (Mistral's window, Qwen2's biases, tied embeddings).
+    pub fn with_arch(preset: &ModelPreset, seed: u64, arch: gen::ArchOptions) -> Self {
         let dir = tempfile::tempdir().expect("tempdir");
         let opts = GenModelOptions {
             seed,
+            arch,
             ..Default::default()
         };
         gen::write_model(preset, &dir.path().join("model"), &opts).expect("gen-model");

@@ -32,7 +32,8 @@ pub use init::{
     NORM_NOISE_STD, QK_GAIN, RESIDUAL_OUT_GAIN, V_GAIN,
 };
 pub use model::{
-    generation_config, model_config, write_model, GenModelOptions, ModelPlan, TRANSFORMERS_VERSION,
+    generation_config, model_config, model_config_for, write_model, ArchOptions, GenArch,
+    GenModelOptions, ModelPlan, TRANSFORMERS_VERSION,
 };
 pub use presets::{preset, ModelDims, ModelPreset, Projection, WeightDtype, PRESET_NAMES};
 pub use tokenizer::{

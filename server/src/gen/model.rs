@@ -12,6 +12,9 @@ use anyhow::Context;
 use serde_json::{json, Value};
 
 use super::init::{linear_std, Init, TensorSpec, EMBED_STD, LOGIT_STD, NORM_NOISE_STD};
+
+/// Standard deviation of Qwen2's q/k/v biases: small next to the projections' unit-scale output.
+const BIAS_STD: f32 = 0.1;
 use super::presets::{ModelPreset, Projection, WeightDtype};
 use super::tokenizer::{write_tokenizer_files, BOS_TOKEN_ID, EOS_TOKEN_ID, IM_END_TOKEN_ID};
 use super::writer::{write_checkpoint, write_json, ShardPlan, DEFAULT_MAX_SHARD_BYTES};
@@ -28,6 +31,30 @@ pub struct GenModelOptions {
     pub dtype: Option<WeightDtype>,
     /// Largest shard in bytes before the checkpoint is split (transformers' default 5 GB).
     pub max_shard_bytes: u64,
+    /// Which HF architecture the files describe.
+    pub arch: ArchOptions,
+}
+
+/// The HF architectures `gen-model` can write (same decoder, different config and tensors).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum GenArch {
+    /// `LlamaForCausalLM`.
+    #[default]
+    Llama,
+    /// `MistralForCausalLM`: adds a sliding attention window.
+    Mistral,
+    /// `Qwen2ForCausalLM`: q/k/v projections carry biases.
+    Qwen2,
+}
+
+/// Architecture choices of a generated model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ArchOptions {
+    pub arch: GenArch,
+    /// Mistral's (or Qwen2's, with `use_sliding_window`) attention window in tokens.
+    pub sliding_window: Option<usize>,
+    /// Share `embed_tokens` with the output head (no `lm_head.weight` tensor).
+    pub tie_word_embeddings: bool,
 }
 
 impl Default for GenModelOptions {
@@ -36,6 +63,7 @@ impl Default for GenModelOptions {
             seed: 0,
             dtype: None,
             max_shard_bytes: DEFAULT_MAX_SHARD_BYTES,
+            arch: ArchOptions::default(),
         }
     }
 }
@@ -56,6 +84,24 @@ impl ModelPlan {
         dtype: WeightDtype,
         live_vocab: usize,
         max_shard_bytes: u64,
+    ) -> Self {
+        Self::for_arch(
+            preset,
+            dtype,
+            live_vocab,
+            max_shard_bytes,
+            &ArchOptions::default(),
+        )
+    }
+
+    /// [`ModelPlan::new`] for another architecture: Qwen2 adds q/k/v biases, a tied model
+    /// has no `lm_head.weight`.
+    pub fn for_arch(
+        preset: &ModelPreset,
+        dtype: WeightDtype,
+        live_vocab: usize,
+        max_shard_bytes: u64,
+        arch: &ArchOptions,
     ) -> Self {
         let dims = preset.dims();
         let h = preset.hidden_size;
@@ -88,6 +134,15 @@ impl ModelPlan {
                     vec![d_out, d_in],
                     Init::normal(linear_std(proj, d_in, preset.num_hidden_layers)),
                 ));
+                if arch.arch == GenArch::Qwen2
+                    && matches!(proj, Projection::Q | Projection::K | Projection::V)
+                {
+                    tensors.push(spec(
+                        format!("model.layers.{layer}.self_attn.{}.bias", proj.hf_name()),
+                        vec![d_out],
+                        Init::normal(BIAS_STD),
+                    ));
+                }
             }
             for name in ["input_layernorm", "post_attention_layernorm"] {
                 tensors.push(spec(
@@ -98,14 +153,16 @@ impl ModelPlan {
             }
         }
         tensors.push(spec("model.norm.weight".into(), vec![h], norm));
-        tensors.push(spec(
-            "lm_head.weight".into(),
-            vec![preset.vocab_size, h],
-            Init {
-                live_rows,
-                ..Init::normal(LOGIT_STD / (h as f32).sqrt())
-            },
-        ));
+        if !arch.tie_word_embeddings {
+            tensors.push(spec(
+                "lm_head.weight".into(),
+                vec![preset.vocab_size, h],
+                Init {
+                    live_rows,
+                    ..Init::normal(LOGIT_STD / (h as f32).sqrt())
+                },
+            ));
+        }
         let shards = ShardPlan::new("model", &tensors, max_shard_bytes);
         ModelPlan { tensors, shards }
     }
@@ -118,6 +175,50 @@ impl ModelPlan {
 
 /// `config.json` as transformers 4.x writes it for `LlamaForCausalLM`.
 pub fn model_config(preset: &ModelPreset, dtype: WeightDtype) -> Value {
+    model_config_for(preset, dtype, &ArchOptions::default())
+}
+
+/// `config.json` for the architecture in `arch`.
+pub fn model_config_for(preset: &ModelPreset, dtype: WeightDtype, arch: &ArchOptions) -> Value {
+    let mut cfg = llama_config(preset, dtype);
+    let obj = cfg.as_object_mut().expect("config is an object");
+    obj.insert(
+        "tie_word_embeddings".into(),
+        json!(arch.tie_word_embeddings),
+    );
+    match arch.arch {
+        GenArch::Llama => {}
+        GenArch::Mistral => {
+            for k in [
+                "attention_bias",
+                "mlp_bias",
+                "pretraining_tp",
+                "rope_scaling",
+            ] {
+                obj.remove(k);
+            }
+            obj.insert("architectures".into(), json!(["MistralForCausalLM"]));
+            obj.insert("model_type".into(), json!("mistral"));
+            obj.insert("sliding_window".into(), json!(arch.sliding_window));
+        }
+        GenArch::Qwen2 => {
+            for k in ["attention_bias", "mlp_bias", "pretraining_tp", "head_dim"] {
+                obj.remove(k);
+            }
+            obj.insert("architectures".into(), json!(["Qwen2ForCausalLM"]));
+            obj.insert("model_type".into(), json!("qwen2"));
+            obj.insert(
+                "use_sliding_window".into(),
+                json!(arch.sliding_window.is_some()),
+            );
+            obj.insert("sliding_window".into(), json!(arch.sliding_window));
+            obj.insert("max_window_layers".into(), json!(0));
+        }
+    }
+    cfg
+}
+
+fn llama_config(preset: &ModelPreset, dtype: WeightDtype) -> Value {
     json!({
         "architectures": ["LlamaForCausalLM"],
         "attention_bias": false,
@@ -175,7 +276,14 @@ pub fn write_model(preset: &ModelPreset, out: &Path, opts: &GenModelOptions) -> 
         preset.name,
         preset.vocab_size
     );
-    let plan = ModelPlan::new(preset, dtype, live_vocab, opts.max_shard_bytes);
+    if opts.arch.arch == GenArch::Qwen2 {
+        anyhow::ensure!(
+            preset.head_dim * preset.num_attention_heads == preset.hidden_size,
+            "Qwen2 derives head_dim from hidden_size / num_attention_heads; preset `{}` does not satisfy it",
+            preset.name
+        );
+    }
+    let plan = ModelPlan::for_arch(preset, dtype, live_vocab, opts.max_shard_bytes, &opts.arch);
     tracing::info!(
         preset = preset.name,
         %dtype,
@@ -188,7 +296,10 @@ pub fn write_model(preset: &ModelPreset, out: &Path, opts: &GenModelOptions) -> 
     write_checkpoint(out, "model", &plan.tensors, &plan.shards, opts.seed)?;
     write_json(&out.join("generation_config.json"), &generation_config())?;
     // Last, so a directory with a config.json is a complete one.
-    write_json(&out.join("config.json"), &model_config(preset, dtype))?;
+    write_json(
+        &out.join("config.json"),
+        &model_config_for(preset, dtype, &opts.arch),
+    )?;
     Ok(())
 }
 

@@ -1,0 +1,865 @@
+//! The engine's handle on its CPU LoRA workers: spawns them pinned one per core, measures
+//! them, splits each step's rows across them in proportion to their measured speed, waits
+//! for their Δ, and survives their death.
+//!
+//! **A step.** Write input rows ([`LoraPool::input_mut`] / [`LoraPool::write_input`]), then
+//! [`LoraPool::submit`] the step's [`LoraJob`]s: each job's rows are split across the ready
+//! workers ([`crate::profile::split_rows`]: equal predicted finish times from the profile),
+//! the job table is written and the step is posted (CPU backend). On the CUDA backend,
+//! [`LoraPool::arm`] the doorbell, [`LoraPool::submit_device`] the jobs and let the device's
+//! copy-and-signal kernel store the returned sequence number. Either way
+//! [`LoraPool::wait`] returns a [`StepReport`] once every row has its Δ, readable with
+//! [`LoraPool::output`] until the next submit.
+//!
+//! **Faults.** While waiting the pool checks, every `liveness_poll`, whether a worker that
+//! still owes rows has exited (`waitpid`), stopped heartbeating for `heartbeat_timeout`, or
+//! missed the step's deadline; such a worker is SIGKILLed and reaped (so it can no longer
+//! write), then **the engine computes the dead worker's rows itself**: it attaches a
+//! [`thaw_ipc::WorkerPort`] to the dead worker's exchange slot and runs the very same
+//! [`crate::compute`] code on that slot's jobs, writing Δ in place and completing the slot.
+//! Re-posting the rows to the surviving workers was rejected: the exchange carries one step
+//! at a time, so it would cost a second round trip after the survivors finished, add a
+//! failure mode (a survivor dying during the re-post) and make the step's outcome depend on
+//! other processes; the stand-in is bounded, local and needs no new protocol. The slot is
+//! then reset, the dead process's host-store leases released, and a new process spawned
+//! (up to `max_restarts` times, after which the slot stays disabled and its share goes to
+//! the others).
+//!
+//! **Processes.** Children get `PR_SET_PDEATHSIG(SIGKILL)`; [`LoraPool::shutdown`] (and
+//! drop) tells them to exit, waits briefly, SIGKILLs stragglers and reaps every one. Create
+//! and drive the pool from one long-lived thread: the death signal follows the thread that
+//! spawned a worker.
+
+use std::ffi::OsString;
+use std::ops::Range;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use thaw_ipc::{
+    AdapterHandle, Exchange, ExchangeConfig, ExchangeLayout, HostStore, Job, LayerIdx, Module,
+    ModuleMask, ReaderSlot, Segment, SegmentKind, StepSeq, WaitOutcome, WaitStrategy, WorkerId,
+    WorkerMask, WorkerPort,
+};
+
+use crate::calibrate::{self, CalibrationShape};
+use crate::compute::ComputeState;
+use crate::procs::{reap_all, Launch, Slot, SlotState, WorkerInfo};
+use crate::profile::{split_rows, Profile, ShapeKey};
+use crate::stats::{StatsSegment, WorkerStepStat};
+use crate::worker::WaitMode;
+use crate::CpuLoraError;
+
+/// Pool configuration; [`Default`] fits a server: one worker per core but the engine's,
+/// started from this executable's `lora-worker` subcommand.
+#[derive(Debug, Clone)]
+pub struct PoolConfig {
+    /// Cores to run workers on, one worker each. `None`: every core of this process's CPU
+    /// set except `engine_core`.
+    pub cores: Option<Vec<usize>>,
+    /// The engine thread's core, left free by the default core list (default: the first
+    /// core of the CPU set).
+    pub engine_core: Option<usize>,
+    /// Pin each worker to its core.
+    pub pin: bool,
+    /// Worker executable (default: `std::env::current_exe()`).
+    pub program: Option<PathBuf>,
+    /// Arguments before the worker's own (default: `["lora-worker"]`, the hidden subcommand).
+    pub leading_args: Vec<OsString>,
+    /// Extra environment for workers.
+    pub env: Vec<(OsString, OsString)>,
+    /// Exchange capacities (`max_workers` is set to the number of workers).
+    pub exchange: ExchangeConfig,
+    /// How the engine and the workers wait.
+    pub wait: WaitStrategy,
+    /// Worker heartbeat period while idle.
+    pub heartbeat_interval: Duration,
+    /// A worker owing rows whose heartbeat has not moved for this long is killed.
+    pub heartbeat_timeout: Duration,
+    /// How often a waiting engine checks the liveness of workers that still owe rows.
+    pub liveness_poll: Duration,
+    /// Time for a worker to attach after spawn.
+    pub startup_timeout: Duration,
+    /// Shapes measured at start-up (empty: no calibration; the profile starts from a flop
+    /// rate guess and learns online).
+    pub calibration: Vec<CalibrationShape>,
+    /// EWMA weight of each step's measurement in the profile.
+    pub ewma_alpha: f64,
+    /// Smallest slice of a job's rows worth giving to a worker.
+    pub min_chunk_rows: u32,
+    /// Respawns per worker slot before it is left disabled.
+    pub max_restarts: u32,
+}
+
+impl Default for PoolConfig {
+    fn default() -> Self {
+        Self {
+            cores: None,
+            engine_core: None,
+            pin: true,
+            program: None,
+            leading_args: vec!["lora-worker".into()],
+            env: Vec::new(),
+            exchange: ExchangeConfig::default(),
+            wait: WaitStrategy::spin_then_futex(),
+            heartbeat_interval: Duration::from_millis(50),
+            heartbeat_timeout: Duration::from_secs(1),
+            liveness_poll: Duration::from_millis(5),
+            startup_timeout: Duration::from_secs(10),
+            calibration: CalibrationShape::defaults(),
+            ewma_alpha: 0.2,
+            min_chunk_rows: 4,
+            max_restarts: 16,
+        }
+    }
+}
+
+/// One unit of CPU LoRA work: rows `rows` of input buffer `input`, through adapter
+/// `adapter`'s `layer` weights, for every module in `modules` (each writes its own Δ buffer).
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoraJob {
+    /// The adapter in the host store.
+    pub adapter: AdapterHandle,
+    /// Layer.
+    pub layer: LayerIdx,
+    /// Modules sharing this input (e.g. q, k, v).
+    pub modules: ModuleMask,
+    /// Input buffer index.
+    pub input: u32,
+    /// Rows of the input (and of each module's Δ buffer).
+    pub rows: Range<u32>,
+}
+
+/// Proof of a submitted step; redeem with [`LoraPool::wait`].
+#[derive(Debug, PartialEq, Eq)]
+#[must_use = "a submitted step must be waited for before the next one"]
+pub struct Ticket {
+    seq: StepSeq,
+}
+
+impl Ticket {
+    /// The step's sequence number.
+    pub fn seq(&self) -> StepSeq {
+        self.seq
+    }
+}
+
+/// A step prepared for a device trigger: the device stores `seq` (u32) at byte `seq_offset`
+/// of the exchange segment (mapped pinned memory) after copying the input rows.
+#[derive(Debug)]
+pub struct DeviceStep {
+    /// Redeem with [`LoraPool::wait`].
+    pub ticket: Ticket,
+    /// Value the device writes.
+    pub seq: StepSeq,
+    /// Offset of the sequence word in the exchange segment.
+    pub seq_offset: usize,
+}
+
+/// Which rows went where in the last step (one entry per exchange job).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Assignment {
+    /// Index of the [`LoraJob`] in the submitted slice.
+    pub job: u32,
+    /// Worker slot it was posted to.
+    pub worker: WorkerId,
+    /// Its rows.
+    pub rows: Range<u32>,
+    /// Whether the engine computed it because the worker died or stalled.
+    pub recovered: bool,
+}
+
+/// What happened in a step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StepReport {
+    /// The step.
+    pub seq: StepSeq,
+    /// Submit (or device prepare) to the last Δ.
+    pub elapsed: Duration,
+    /// Longest compute time measured inside a worker.
+    pub worker_compute_max: Duration,
+    /// Workers that took part.
+    pub workers: WorkerMask,
+    /// Row·modules computed by workers.
+    pub rows_by_workers: u32,
+    /// Row·modules the engine computed for dead or stuck workers.
+    pub rows_recovered: u32,
+    /// Workers found dead or stuck (and killed) during the step.
+    pub lost: WorkerMask,
+    /// Workers respawned after the step.
+    pub respawned: WorkerMask,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct JobInfo {
+    keys: [Option<ShapeKey>; 7],
+    n_modules: u32,
+}
+
+#[derive(Debug)]
+struct InFlight {
+    seq: StepSeq,
+    posted: Instant,
+    workers: WorkerMask,
+}
+
+/// The engine-side pool of CPU LoRA worker processes. See the module docs.
+#[derive(Debug)]
+pub struct LoraPool {
+    slots: Vec<Slot>,
+    launch: Launch,
+    cfg: PoolConfig,
+    ex: Exchange,
+    stats: StatsSegment,
+    store: HostStore,
+    profile: Profile,
+    seq: StepSeq,
+    in_flight: Option<InFlight>,
+    // Per-step buffers, sized once.
+    jobs: Vec<Job>,
+    infos: Vec<JobInfo>,
+    assignments: Vec<Assignment>,
+    usage: Vec<Vec<(ShapeKey, u32)>>,
+    loads: Vec<f64>,
+    costs: Vec<f64>,
+    cands: Vec<usize>,
+    step_stats: Vec<WorkerStepStat>,
+    standin: ComputeState,
+    shut: bool,
+}
+
+fn default_cores(engine_core: Option<usize>) -> Vec<usize> {
+    let all: Vec<usize> = core_affinity::get_core_ids()
+        .unwrap_or_default()
+        .into_iter()
+        .map(|c| c.id)
+        .collect();
+    let engine = engine_core.or_else(|| all.first().copied());
+    let rest: Vec<usize> = all.iter().copied().filter(|&c| Some(c) != engine).collect();
+    if rest.is_empty() {
+        all.into_iter().take(1).collect()
+    } else {
+        rest
+    }
+}
+
+impl LoraPool {
+    /// Spawns the workers, waits for them to attach and calibrates them. The pool owns the
+    /// host store (insert and remove adapters through [`LoraPool::store_mut`]); it needs one
+    /// reader slot per worker plus the engine's.
+    pub fn new(cfg: PoolConfig, store: HostStore) -> Result<Self, CpuLoraError> {
+        let cores = match &cfg.cores {
+            Some(c) => c.clone(),
+            None => default_cores(cfg.engine_core),
+        };
+        let n = cores.len();
+        if n == 0 || n > 64 {
+            return Err(CpuLoraError::Config(format!(
+                "{n} worker cores; give 1..=64 (PoolConfig::cores)"
+            )));
+        }
+        if (store.config().max_readers as usize) < n + 1 {
+            return Err(CpuLoraError::Config(format!(
+                "the host store has {} reader slots, {n} workers need {}; raise \
+                 StoreConfig::max_readers",
+                store.config().max_readers,
+                n + 1
+            )));
+        }
+        let program = match &cfg.program {
+            Some(p) => p.clone(),
+            None => std::env::current_exe().map_err(CpuLoraError::Process)?,
+        };
+        let ex_cfg = ExchangeConfig {
+            max_workers: n as u32,
+            ..cfg.exchange
+        };
+        let ex = Exchange::create(ex_cfg)?;
+        let stats = StatsSegment::create(n as u32)?;
+        let max_jobs = ex_cfg.max_jobs as usize;
+        let mut pool = Self {
+            slots: cores
+                .iter()
+                .enumerate()
+                .map(|(i, &c)| Slot::new(WorkerId(i as u32), cfg.pin.then_some(c)))
+                .collect(),
+            launch: Launch {
+                program,
+                leading_args: cfg.leading_args.clone(),
+                env: cfg.env.clone(),
+                wait: WaitMode::of(cfg.wait),
+                heartbeat: cfg.heartbeat_interval,
+            },
+            profile: Profile::new(n, cfg.ewma_alpha),
+            ex,
+            stats,
+            store,
+            seq: StepSeq(0),
+            in_flight: None,
+            jobs: Vec::with_capacity(max_jobs),
+            infos: Vec::with_capacity(max_jobs),
+            assignments: Vec::with_capacity(max_jobs),
+            usage: (0..n).map(|_| Vec::with_capacity(max_jobs)).collect(),
+            loads: vec![0.0; n],
+            costs: vec![0.0; n],
+            cands: Vec::with_capacity(n),
+            step_stats: vec![WorkerStepStat::default(); n],
+            standin: ComputeState::new(max_jobs),
+            shut: false,
+            cfg,
+        };
+        // From here on, an error drops `pool`, which reaps whatever was spawned.
+        for w in 0..n {
+            pool.ex.reset_worker(WorkerId(w as u32), pool.seq)?;
+            pool.slots[w].spawn(&pool.launch, &pool.ex, &pool.store, &pool.stats)?;
+        }
+        pool.wait_ready(pool.cfg.startup_timeout)?;
+        let shapes = pool.cfg.calibration.clone();
+        calibrate::run(&mut pool, &shapes)?;
+        Ok(pool)
+    }
+
+    /// Waits until every live slot's process has attached. A worker that exits first, or
+    /// does not attach in time, is an error.
+    pub fn wait_ready(&mut self, timeout: Duration) -> Result<(), CpuLoraError> {
+        let until = Instant::now() + timeout;
+        loop {
+            let mut starting = false;
+            for s in &mut self.slots {
+                if let Some(status) = s.exited() {
+                    return Err(CpuLoraError::WorkerStartup {
+                        worker: s.id,
+                        status,
+                    });
+                }
+                s.check_attached(&self.ex);
+                starting |= s.state == SlotState::Starting;
+            }
+            if !starting {
+                return Ok(());
+            }
+            if Instant::now() >= until {
+                let s = self.slots.iter().find(|s| s.state == SlotState::Starting);
+                return Err(CpuLoraError::WorkerStartup {
+                    worker: s.map_or(WorkerId(0), |s| s.id),
+                    status: format!("no attach within {timeout:?}"),
+                });
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
+    }
+
+    /// Number of worker slots.
+    pub fn n_workers(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// Each worker slot's state.
+    pub fn workers(&self) -> impl Iterator<Item = WorkerInfo> + '_ {
+        self.slots.iter().map(Slot::info)
+    }
+
+    /// The speed model (rows/ms per worker and shape).
+    pub fn profile(&self) -> &Profile {
+        &self.profile
+    }
+
+    pub(crate) fn profile_mut(&mut self) -> &mut Profile {
+        &mut self.profile
+    }
+
+    /// The host store.
+    pub fn store(&self) -> &HostStore {
+        &self.store
+    }
+
+    /// The host store, to insert or remove adapters (safe while a step runs: readers hold
+    /// leases).
+    pub fn store_mut(&mut self) -> &mut HostStore {
+        &mut self.store
+    }
+
+    /// The exchange (capacities, layout and base address for registering it with CUDA; the
+    /// sequence word for a test posing as the device).
+    pub fn exchange(&self) -> &Exchange {
+        &self.ex
+    }
+
+    pub(crate) fn exchange_mut(&mut self) -> &mut Exchange {
+        &mut self.ex
+    }
+
+    pub(crate) fn wait_strategy(&self) -> WaitStrategy {
+        self.cfg.wait
+    }
+
+    pub(crate) fn stats(&self) -> &StatsSegment {
+        &self.stats
+    }
+
+    pub(crate) fn next_seq(&mut self) -> StepSeq {
+        self.seq = self.seq.next();
+        self.seq
+    }
+
+    /// The exchange's offsets (for the CUDA side).
+    pub fn layout(&self) -> &ExchangeLayout {
+        self.ex.layout()
+    }
+
+    /// Row stride (f32s) of input buffers.
+    pub fn input_stride(&self) -> usize {
+        self.ex.config().max_d_in as usize
+    }
+
+    /// Row stride (f32s) of Δ buffers.
+    pub fn output_stride(&self) -> usize {
+        self.ex.config().max_d_out as usize
+    }
+
+    /// Rows `rows` of input buffer `input` (`[rows, input_stride]`), to fill before submit.
+    pub fn input_mut(&mut self, input: u32, rows: Range<u32>) -> Result<&mut [f32], CpuLoraError> {
+        Ok(self.ex.input_mut(input, rows)?)
+    }
+
+    /// Copies `x` (`[n, d_in]`, packed) into rows `first_row..first_row + n` of `input`.
+    pub fn write_input(
+        &mut self,
+        input: u32,
+        first_row: u32,
+        x: &[f32],
+        d_in: usize,
+    ) -> Result<(), CpuLoraError> {
+        let stride = self.input_stride();
+        if d_in == 0 || d_in > stride || x.len() % d_in != 0 {
+            return Err(CpuLoraError::Config(format!(
+                "write_input: {} values are not rows of d_in {d_in} (stride {stride})",
+                x.len()
+            )));
+        }
+        let n = (x.len() / d_in) as u32;
+        let dst = self.ex.input_mut(input, first_row..first_row + n)?;
+        for (d, s) in dst.chunks_exact_mut(stride).zip(x.chunks_exact(d_in)) {
+            d[..d_in].copy_from_slice(s);
+        }
+        Ok(())
+    }
+
+    /// Δ rows `rows` of `module` (`[rows, output_stride]`, already scaled), after
+    /// [`LoraPool::wait`] and until the next submit.
+    pub fn output(&self, module: Module, rows: Range<u32>) -> Result<&[f32], CpuLoraError> {
+        Ok(self.ex.output(module, rows)?)
+    }
+
+    /// Where each job's rows went in the last step.
+    pub fn last_assignments(&self) -> &[Assignment] {
+        &self.assignments
+    }
+
+    /// What each worker recorded for the last step (indexed by worker slot; stale for
+    /// workers that did not take part).
+    pub fn worker_step_stats(&self) -> &[WorkerStepStat] {
+        &self.step_stats
+    }
+
+    /// Arms the doorbell: workers spin on the sequence word instead of sleeping, as a device
+    /// cannot wake them. Costs their cores' idle time; disarm when no cold adapter is left.
+    pub fn arm(&self) {
+        self.ex.arm();
+    }
+
+    /// Disarms the doorbell.
+    pub fn disarm(&self) {
+        self.ex.disarm();
+    }
+
+    /// Splits and posts a step (host trigger: the CPU backend).
+    pub fn submit(&mut self, jobs: &[LoraJob]) -> Result<Ticket, CpuLoraError> {
+        let seq = self.prepare(jobs)?;
+        let posted = Instant::now();
+        if let Err(e) = self.ex.post_step(seq) {
+            self.in_flight = None;
+            return Err(e.into());
+        }
+        if let Some(f) = self.in_flight.as_mut() {
+            f.posted = posted;
+        }
+        Ok(Ticket { seq })
+    }
+
+    /// Splits a step whose sequence word the device will write (CUDA backend). Requires
+    /// [`LoraPool::arm`].
+    pub fn submit_device(&mut self, jobs: &[LoraJob]) -> Result<DeviceStep, CpuLoraError> {
+        if !self.ex.is_armed() {
+            return Err(CpuLoraError::NotArmed);
+        }
+        let seq = self.prepare(jobs)?;
+        if let Err(e) = self.ex.device_step_pending(seq) {
+            self.in_flight = None;
+            return Err(e.into());
+        }
+        Ok(DeviceStep {
+            ticket: Ticket { seq },
+            seq,
+            seq_offset: self.ex.layout().seq,
+        })
+    }
+
+    /// Resolves shapes, splits rows and writes the job table; returns the new step number.
+    fn prepare(&mut self, jobs: &[LoraJob]) -> Result<StepSeq, CpuLoraError> {
+        if self.in_flight.is_some() {
+            return Err(CpuLoraError::StepInFlight);
+        }
+        self.health_check()?;
+        self.resolve(jobs)?;
+        self.split(jobs)?;
+        self.ex.set_jobs(&self.jobs)?;
+        let mut workers = WorkerMask::default();
+        for j in &self.jobs {
+            workers = workers.with(j.worker);
+        }
+        for w in workers.iter() {
+            self.slots[w.0 as usize].rebase_heartbeat(&self.ex);
+        }
+        let seq = self.next_seq();
+        self.in_flight = Some(InFlight {
+            seq,
+            posted: Instant::now(),
+            workers,
+        });
+        Ok(seq)
+    }
+
+    /// Checks every job against the exchange and the store; fills `infos`.
+    fn resolve(&mut self, jobs: &[LoraJob]) -> Result<(), CpuLoraError> {
+        let c = *self.ex.config();
+        self.infos.clear();
+        for (index, j) in jobs.iter().enumerate() {
+            let bad = |reason: String| CpuLoraError::InvalidJob { index, reason };
+            if j.rows.start > j.rows.end || j.rows.end > c.max_rows {
+                return Err(bad(format!("rows {:?} outside 0..{}", j.rows, c.max_rows)));
+            }
+            if j.input >= c.max_inputs {
+                return Err(bad(format!("input {} >= max_inputs {}", j.input, c.max_inputs)));
+            }
+            if j.modules.0 == 0 || j.modules.0 >> 7 != 0 {
+                return Err(bad(format!("module mask {:#b} is empty or invalid", j.modules.0)));
+            }
+            let mut info = JobInfo {
+                keys: [None; 7],
+                n_modules: 0,
+            };
+            for m in j.modules.iter() {
+                let v = self.store.view(j.adapter, j.layer, m).ok_or_else(|| {
+                    bad(format!(
+                        "adapter {} gen {} has no weights for layer {} {m:?} in the host store",
+                        j.adapter.id.0, j.adapter.generation.0, j.layer.0
+                    ))
+                })?;
+                if v.d_in > c.max_d_in || v.d_out > c.max_d_out {
+                    return Err(bad(format!(
+                        "{m:?} is {}→{}, above the exchange's {}→{}",
+                        v.d_in, v.d_out, c.max_d_in, c.max_d_out
+                    )));
+                }
+                info.keys[m.index()] = Some(ShapeKey {
+                    rank: v.rank,
+                    d_in: v.d_in,
+                    d_out: v.d_out,
+                    dtype: v.dtype,
+                });
+                info.n_modules += 1;
+            }
+            self.infos.push(info);
+        }
+        Ok(())
+    }
+
+    /// Splits each job's rows over the ready workers (equal predicted finish times).
+    fn split(&mut self, jobs: &[LoraJob]) -> Result<(), CpuLoraError> {
+        self.jobs.clear();
+        self.assignments.clear();
+        self.usage.iter_mut().for_each(Vec::clear);
+        self.cands.clear();
+        let ready = |s: &Slot| s.state == SlotState::Ready;
+        let starting = |s: &Slot| s.state == SlotState::Starting;
+        if self.slots.iter().any(ready) {
+            self.cands
+                .extend((0..self.slots.len()).filter(|&w| ready(&self.slots[w])));
+        } else if self.slots.iter().any(starting) {
+            self.cands
+                .extend((0..self.slots.len()).filter(|&w| starting(&self.slots[w])));
+        } else {
+            // Nobody alive: post to slot 0 anyway; wait() computes it in the engine.
+            self.cands.push(0);
+        }
+        self.loads.iter_mut().for_each(|l| *l = 0.0);
+        let max_jobs = self.ex.config().max_jobs as usize;
+        let nonempty = jobs.iter().filter(|j| !j.rows.is_empty()).count();
+        if nonempty > max_jobs {
+            return Err(CpuLoraError::InvalidJob {
+                index: max_jobs,
+                reason: format!("{nonempty} jobs, the exchange holds {max_jobs}"),
+            });
+        }
+        let mut left = nonempty;
+        let n = self.cands.len();
+        for (ji, j) in jobs.iter().enumerate() {
+            if j.rows.is_empty() {
+                continue;
+            }
+            left -= 1;
+            let info = self.infos[ji];
+            for (k, &w) in self.cands.iter().enumerate() {
+                self.costs[k] = info
+                    .keys
+                    .iter()
+                    .flatten()
+                    .map(|&key| self.profile.ns_per_row(w, key))
+                    .sum();
+            }
+            let mut loads = [0.0f64; 64];
+            for (k, &w) in self.cands.iter().enumerate() {
+                loads[k] = self.loads[w];
+            }
+            let room = max_jobs - self.jobs.len() - left;
+            let (first_key, cands) = (info.keys.iter().flatten().next().copied(), &self.cands);
+            let (out_jobs, out_asg, usage) = (&mut self.jobs, &mut self.assignments, &mut self.usage);
+            let v = first_key.expect("resolve checked at least one module");
+            let scale = self
+                .store
+                .view(j.adapter, j.layer, j.modules.iter().next().expect("non-empty"))
+                .map_or(1.0, |v| v.scale);
+            split_rows(
+                j.rows.clone(),
+                &self.costs[..n],
+                &mut loads[..n],
+                self.cfg.min_chunk_rows,
+                room,
+                |k, rows| {
+                    let w = cands[k];
+                    out_jobs.push(Job {
+                        adapter: j.adapter,
+                        layer: j.layer,
+                        modules: j.modules,
+                        worker: WorkerId(w as u32),
+                        input: j.input,
+                        row_start: rows.start,
+                        row_count: rows.len() as u32,
+                        rank: v.rank,
+                        scale,
+                        dtype: v.dtype.code(),
+                        _pad: 0,
+                    });
+                    out_asg.push(Assignment {
+                        job: ji as u32,
+                        worker: WorkerId(w as u32),
+                        rows: rows.clone(),
+                        recovered: false,
+                    });
+                    for key in info.keys.iter().flatten() {
+                        usage[w].push((*key, rows.len() as u32));
+                    }
+                },
+            );
+            for (k, &w) in self.cands.iter().enumerate() {
+                self.loads[w] = loads[k];
+            }
+        }
+        Ok(())
+    }
+
+    /// Waits for the step of `ticket`: every row's Δ is in the exchange when this returns
+    /// `Ok`, even if workers died or stalled (their rows are computed by the engine; they are
+    /// respawned). Workers still owing rows at `deadline` are treated as stuck.
+    pub fn wait(&mut self, ticket: Ticket, deadline: Instant) -> Result<StepReport, CpuLoraError> {
+        let Some(flight) = self.in_flight.as_ref() else {
+            return Err(CpuLoraError::StaleTicket(ticket.seq.0));
+        };
+        if flight.seq != ticket.seq {
+            return Err(CpuLoraError::StaleTicket(ticket.seq.0));
+        }
+        let (seq, posted, workers) = (flight.seq, flight.posted, flight.workers);
+        let mut pending = workers;
+        let mut lost = WorkerMask::default();
+        let mut rows_recovered = 0;
+        let strategy = self.cfg.wait;
+        loop {
+            // Workers with no process (dead before the step, or failed respawn) first.
+            for w in pending.iter() {
+                let slot = &mut self.slots[w.0 as usize];
+                slot.exited();
+                if slot.child.is_none() {
+                    rows_recovered += self.stand_in(w, seq, deadline)?;
+                    lost = lost.with(w);
+                    pending = pending.without(w);
+                }
+            }
+            if pending.is_empty() {
+                break;
+            }
+            let slice = deadline.min(Instant::now() + self.cfg.liveness_poll);
+            let late = match self.ex.wait_results(seq, pending, strategy, slice) {
+                Ok(()) => break,
+                Err(late) => late,
+            };
+            pending = late;
+            let now = Instant::now();
+            for w in late.iter() {
+                let slot = &mut self.slots[w.0 as usize];
+                let stuck = now >= deadline
+                    || slot.heartbeat_age(&self.ex, now) > self.cfg.heartbeat_timeout;
+                if slot.exited().is_some() || stuck {
+                    slot.kill();
+                    tracing::warn!(worker = w.0, stuck, "CPU LoRA worker lost mid-step");
+                    rows_recovered += self.stand_in(w, seq, deadline)?;
+                    lost = lost.with(w);
+                    pending = pending.without(w);
+                }
+            }
+        }
+        // Every result word has reached `seq`: this returns at once and ends the step.
+        if let Err(late) = self.ex.wait_results(seq, workers, strategy, Instant::now()) {
+            self.ex.abandon_step();
+            tracing::error!(?late, "result words short after recovery");
+        }
+        self.in_flight = None;
+        let elapsed = posted.elapsed();
+        let mut report = StepReport {
+            seq,
+            elapsed,
+            worker_compute_max: Duration::ZERO,
+            workers,
+            rows_by_workers: 0,
+            rows_recovered,
+            lost,
+            respawned: WorkerMask::default(),
+        };
+        let mut failed = None;
+        for w in workers.iter() {
+            if lost.contains(w) {
+                continue;
+            }
+            let st = self.stats.read(w);
+            if st.seq != seq {
+                continue;
+            }
+            self.step_stats[w.0 as usize] = st;
+            report.rows_by_workers += st.rows;
+            report.worker_compute_max = report
+                .worker_compute_max
+                .max(Duration::from_nanos(st.compute_ns));
+            if st.failed > 0 {
+                failed = Some(CpuLoraError::JobsFailed {
+                    worker: w,
+                    failed: st.failed,
+                });
+            }
+            self.profile
+                .observe(w.0 as usize, &self.usage[w.0 as usize], st.compute_ns);
+        }
+        for a in &mut self.assignments {
+            a.recovered = lost.contains(a.worker);
+        }
+        for w in lost.iter() {
+            if self.respawn(w)? {
+                report.respawned = report.respawned.with(w);
+            }
+        }
+        match failed {
+            Some(e) => Err(e),
+            None => Ok(report),
+        }
+    }
+
+    /// Computes dead worker `w`'s jobs of step `seq` in this process, through its exchange
+    /// slot, with the workers' own code. The process must be dead and reaped. Returns the
+    /// row·modules computed.
+    fn stand_in(&mut self, w: WorkerId, seq: StepSeq, deadline: Instant) -> Result<u32, CpuLoraError> {
+        if self.ex.worker_status(w)?.result.reached(seq) {
+            return Ok(0); // it finished the step before dying
+        }
+        let fd = self.ex.segment().try_clone_fd()?;
+        let ex = Exchange::open(Segment::open_fd(fd, SegmentKind::Exchange)?)?;
+        let mut port = WorkerPort::attach(ex, w)?;
+        // A device-triggered step may not be signalled yet: wait for the word like a worker.
+        let far = deadline.max(Instant::now()) + Duration::from_secs(10);
+        match port.wait_step(WaitStrategy::spin(), Some(far)) {
+            WaitOutcome::Step(s) if s == seq => {}
+            other => {
+                return Err(CpuLoraError::Config(format!(
+                    "standing in for worker {} expected step {}, saw {other:?}",
+                    w.0, seq.0
+                )))
+            }
+        }
+        let stat = self.standin.run_step(&mut port, self.store.reader(), seq, None);
+        port.complete();
+        self.ex.reset_worker(w, seq)?;
+        if stat.failed > 0 {
+            return Err(CpuLoraError::JobsFailed {
+                worker: w,
+                failed: stat.failed,
+            });
+        }
+        Ok(stat.rows)
+    }
+
+    /// Releases a dead slot's store leases and starts a new process, unless the slot has
+    /// restarted too often. The exchange slot continues after the last posted step.
+    fn respawn(&mut self, w: WorkerId) -> Result<bool, CpuLoraError> {
+        let slot = &mut self.slots[w.0 as usize];
+        slot.kill();
+        self.store.release_reader(ReaderSlot(w.0 + 1))?;
+        if slot.state == SlotState::Disabled || slot.restarts >= self.cfg.max_restarts {
+            slot.state = SlotState::Disabled;
+            tracing::error!(worker = w.0, "CPU LoRA worker restarted too often; disabled");
+            return Ok(false);
+        }
+        self.ex.reset_worker(w, self.seq)?;
+        slot.restarts += 1;
+        match slot.spawn(&self.launch, &self.ex, &self.store, &self.stats) {
+            Ok(()) => Ok(true),
+            Err(e) => {
+                tracing::error!(worker = w.0, error = %e, "CPU LoRA worker respawn failed");
+                Ok(false)
+            }
+        }
+    }
+
+    /// Between steps: reaps workers that exited, respawns them, promotes attached ones, and
+    /// replaces workers that never attached. Called by every submit; call it when idle too.
+    pub fn health_check(&mut self) -> Result<(), CpuLoraError> {
+        if self.in_flight.is_some() {
+            return Ok(());
+        }
+        for w in 0..self.slots.len() {
+            let id = WorkerId(w as u32);
+            let slot = &mut self.slots[w];
+            let exited = slot.exited().is_some();
+            let never_attached = slot.state == SlotState::Starting
+                && slot.started.elapsed() > self.cfg.startup_timeout;
+            slot.check_attached(&self.ex);
+            if exited || never_attached || slot.state == SlotState::Dead {
+                self.respawn(id)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Tells every worker to exit, then SIGKILLs and reaps any still running after a short
+    /// grace period. Idempotent; drop calls it.
+    pub fn shutdown(&mut self) {
+        if self.shut {
+            return;
+        }
+        self.shut = true;
+        self.ex.shutdown();
+        reap_all(&mut self.slots, Duration::from_millis(500));
+    }
+}
+
+impl Drop for LoraPool {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
