@@ -10,6 +10,7 @@ pub mod error;
 pub mod ids;
 pub mod kv;
 pub mod model;
+pub mod residency;
 pub mod sampling;
 
 pub use error::{Result, RuntimeError};

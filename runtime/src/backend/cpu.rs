@@ -2,6 +2,7 @@
 //!
 //! Single-threaded by design: the engine thread runs the base model while the remaining cores
 //! belong to the CPU LoRA workers.
+use std::ops::Range;
 use std::sync::Arc;
 
 use thaw_kernels::cpu::{self as k, GemmShape, KvLayout, LoraRef, LoraSegment, RopeTable};
@@ -11,6 +12,7 @@ use crate::adapter::{LoraAdapter, LoraModule};
 use crate::error::Result;
 use crate::ids::LayerIdx;
 use crate::model::ModelConfig;
+use crate::residency::{CopyEngine, LinkModel, LoraSlot};
 
 /// A weight matrix in host memory.
 #[derive(Clone, Debug)]
@@ -40,6 +42,8 @@ pub struct CpuBackend {
     attn_scratch: Vec<f32>,
     lora_scratch: Vec<f32>,
     bgmv_rows: Vec<Option<u32>>,
+    link: LinkModel,
+    copy: Option<CopyEngine>,
 }
 
 impl CpuBackend {
@@ -53,11 +57,28 @@ impl CpuBackend {
             attn_scratch: Vec::new(),
             lora_scratch: Vec::new(),
             bgmv_rows: Vec::new(),
+            link: LinkModel::default(),
+            copy: None,
         }
+    }
+
+    /// Sets the emulated host → device link adapters stream over (before the first stream).
+    pub fn with_link(mut self, link: LinkModel) -> Self {
+        self.link = link;
+        self
+    }
+
+    /// Bytes queued on the emulated link.
+    pub fn link_backlog(&self) -> u64 {
+        self.copy.as_ref().map_or(0, CopyEngine::queued_bytes)
+    }
+
+    pub fn link(&self) -> LinkModel {
+        self.link
     }
 }
 
-fn lora_ref(a: &LoraAdapter, at: (LayerIdx, LoraModule)) -> Option<LoraRef<'_>> {
+fn lora_ref(a: &LoraSlot, at: (LayerIdx, LoraModule)) -> Option<LoraRef<'_>> {
     a.get(at.0 .0, at.1).map(|w| LoraRef {
         a: &w.a,
         b: &w.b,
@@ -70,7 +91,7 @@ impl Backend for CpuBackend {
     type Buf = Vec<f32>;
     type Linear = CpuLinear;
     type Vector = Vec<f32>;
-    type Lora = Arc<LoraAdapter>;
+    type Lora = Arc<LoraSlot>;
     type KvLayer = CpuKvLayer;
 
     fn name(&self) -> &'static str {
@@ -101,8 +122,24 @@ impl Backend for CpuBackend {
         Ok(v)
     }
 
-    fn upload_lora(&self, adapter: Arc<LoraAdapter>) -> Result<Arc<LoraAdapter>> {
-        Ok(adapter)
+    fn upload_lora(&self, adapter: Arc<LoraAdapter>) -> Result<Arc<LoraSlot>> {
+        Ok(Arc::new(LoraSlot::resident(&adapter)))
+    }
+
+    fn stream_lora(&mut self, adapter: Arc<LoraAdapter>) -> Result<Arc<LoraSlot>> {
+        let slot = Arc::new(LoraSlot::empty(
+            adapter.num_layers(),
+            adapter.size_bytes_f32(),
+        ));
+        let link = self.link;
+        self.copy
+            .get_or_insert_with(|| CopyEngine::emulated(link))
+            .enqueue(adapter, slot.clone());
+        Ok(slot)
+    }
+
+    fn landed_layers(&self, lora: &Arc<LoraSlot>) -> usize {
+        lora.landed()
     }
 
     fn alloc_kv_layer(&self, layout: KvLayout, num_blocks: usize) -> Result<CpuKvLayer> {
@@ -146,7 +183,7 @@ impl Backend for CpuBackend {
         y: &mut Vec<f32>,
         dims: LinearDims,
         at: (LayerIdx, LoraModule),
-        batch: &LoraBatch<'_, Arc<LoraAdapter>>,
+        batch: &LoraBatch<'_, Arc<LoraSlot>>,
     ) {
         let rows = batch.layout.row_adapter.len();
         let x = &x[..rows * dims.d_in];
@@ -154,6 +191,9 @@ impl Backend for CpuBackend {
         match batch.kernel {
             LoraKernel::Sgmv => {
                 for (range, idx) in &batch.layout.segments {
+                    if !batch.on_device(*idx, at.0) {
+                        continue;
+                    }
                     let Some(lora) = lora_ref(batch.adapters[*idx as usize], at) else {
                         continue;
                     };
@@ -179,8 +219,9 @@ impl Backend for CpuBackend {
                 // Map step-adapter index -> index among the adapters that target this module.
                 let mut local: Vec<Option<u32>> = Vec::with_capacity(batch.adapters.len());
                 let mut max_rank = 0;
-                for a in batch.adapters {
-                    match lora_ref(a, at) {
+                for (i, a) in batch.adapters.iter().enumerate() {
+                    let on_device = batch.on_device(i as u32, at.0);
+                    match lora_ref(a, at).filter(|_| on_device) {
                         Some(r) => {
                             max_rank = max_rank.max(r.rank);
                             local.push(Some(refs.len() as u32));
@@ -269,6 +310,24 @@ impl Backend for CpuBackend {
     fn gather_rows(&mut self, x: &Vec<f32>, width: usize, rows: &[usize], out: &mut Vec<f32>) {
         for (i, &r) in rows.iter().enumerate() {
             out[i * width..(i + 1) * width].copy_from_slice(&x[r * width..(r + 1) * width]);
+        }
+    }
+
+    fn export_rows(&mut self, x: &Vec<f32>, width: usize, rows: &[Range<usize>], dst: &mut [f32]) {
+        let mut at = 0;
+        for r in rows {
+            let n = r.len() * width;
+            dst[at..at + n].copy_from_slice(&x[r.start * width..r.end * width]);
+            at += n;
+        }
+    }
+
+    fn merge_rows(&mut self, y: &mut Vec<f32>, width: usize, rows: &[Range<usize>], src: &[f32]) {
+        let mut at = 0;
+        for r in rows {
+            let n = r.len() * width;
+            k::add_in_place(&mut y[r.start * width..r.end * width], &src[at..at + n]);
+            at += n;
         }
     }
 

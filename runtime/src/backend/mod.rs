@@ -92,6 +92,17 @@ pub struct LoraBatch<'a, L> {
     pub kernel: LoraKernel,
     pub layout: &'a LoraLayout,
     pub adapters: &'a [&'a L],
+    /// Per adapter: layers landed on the device when the step started. Layers at or past it
+    /// are computed elsewhere (CPU assist) and must be skipped here, even if they land
+    /// mid-step, so every row's delta is added exactly once.
+    pub landed: &'a [usize],
+}
+
+impl<L> LoraBatch<'_, L> {
+    /// Whether adapter `idx` is applied by the backend at `layer` in this step.
+    pub fn on_device(&self, idx: u32, layer: LayerIdx) -> bool {
+        layer.0 < self.landed[idx as usize]
+    }
 }
 
 /// The ops of a Llama-family forward. Buffers hold f32 activations laid out row-major;
@@ -119,7 +130,12 @@ pub trait Backend {
         bias: Option<Vec<f32>>,
     ) -> Result<Self::Linear>;
     fn upload_vector(&self, v: Vec<f32>) -> Result<Self::Vector>;
+    /// A device copy of `adapter` with every layer resident.
     fn upload_lora(&self, adapter: std::sync::Arc<LoraAdapter>) -> Result<Self::Lora>;
+    /// A device slot for `adapter` that its copy engine fills layer by layer, layer 0 first.
+    fn stream_lora(&mut self, adapter: std::sync::Arc<LoraAdapter>) -> Result<Self::Lora>;
+    /// Layers of `lora` on the device now (`0..n` are usable).
+    fn landed_layers(&self, lora: &Self::Lora) -> usize;
     fn alloc_kv_layer(&self, layout: KvLayout, num_blocks: usize) -> Result<Self::KvLayer>;
 
     /// out[r] = table[ids[r]].
@@ -163,6 +179,11 @@ pub trait Backend {
     fn add(&mut self, y: &mut Self::Buf, x: &Self::Buf, len: usize);
     /// out[i] = x[rows[i]] for rows of `width` elements.
     fn gather_rows(&mut self, x: &Self::Buf, width: usize, rows: &[usize], out: &mut Self::Buf);
+    /// Copies rows `rows` (each of `width` elements) of `x`, in order, into the host exchange
+    /// buffer `dst` — the CPU-assist export (on CUDA: the fused copy-and-signal kernel).
+    fn export_rows(&mut self, x: &Self::Buf, width: usize, rows: &[Range<usize>], dst: &mut [f32]);
+    /// Adds host deltas `src` (rows packed in the order of `rows`) into rows `rows` of `y`.
+    fn merge_rows(&mut self, y: &mut Self::Buf, width: usize, rows: &[Range<usize>], src: &[f32]);
     /// Host copy of logits = x · lm_headᵀ for `rows` rows: `[rows, vocab]`.
     fn logits(&mut self, x: &Self::Buf, lm_head: &Self::Linear, rows: usize, out: &mut Vec<f32>);
 }

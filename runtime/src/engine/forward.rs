@@ -1,8 +1,9 @@
 //! One forward pass of a Llama-family decoder over a step's rows, through the backend.
+use super::assist::{Assist, ColdSeg};
 use super::weights::DeviceModel;
 use super::EngineConfig;
 use crate::adapter::LoraModule;
-use crate::backend::{Backend, LinearDims, LoraBatch, LoraKernel, LoraLayout, StepLayout};
+use crate::backend::{Backend, LinearDims, LoraBatch, StepLayout};
 use crate::error::Result;
 use crate::ids::LayerIdx;
 use crate::model::ModelConfig;
@@ -63,7 +64,93 @@ fn project<B: Backend>(
     }
 }
 
+/// Cold segments of `layer` whose adapter targets a module of `group`, packed in order.
+fn cold_segments<L>(
+    lora: &LoraBatch<'_, L>,
+    assist: &Assist<'_>,
+    layer: usize,
+    group: &[LoraModule],
+    out: &mut Vec<ColdSeg>,
+) {
+    out.clear();
+    let mut packed = 0;
+    for (rows, idx) in &lora.layout.segments {
+        if lora.on_device(*idx, LayerIdx(layer)) {
+            continue;
+        }
+        let host = assist.host[*idx as usize];
+        if !group.iter().any(|&m| host.get(layer, m).is_some()) {
+            continue;
+        }
+        out.push(ColdSeg {
+            rows: rows.clone(),
+            packed: packed..packed + rows.len(),
+            adapter: *idx,
+        });
+        packed += rows.len();
+    }
+}
+
+/// Exports the cold rows of `x` and starts their deltas on the CPU. Returns false when no
+/// row of this layer needs the CPU for `group`.
+#[allow(clippy::too_many_arguments)]
+fn begin_assist<B: Backend>(
+    b: &mut B,
+    c: &ModelConfig,
+    x: &B::Buf,
+    layer: usize,
+    group: &[LoraModule],
+    lora: &LoraBatch<'_, B::Lora>,
+    assist: &mut Option<&mut Assist<'_>>,
+    cold: &mut Vec<ColdSeg>,
+) -> Result<bool> {
+    let Some(a) = assist.as_deref_mut() else {
+        return Ok(false);
+    };
+    cold_segments(lora, a, layer, group, cold);
+    if cold.is_empty() {
+        return Ok(false);
+    }
+    let d_in = c.module_shape(group[0]).0;
+    let n: usize = cold.iter().map(|s| s.packed.len()).sum();
+    a.buf.input.resize(n * d_in, 0.0);
+    let ranges: Vec<std::ops::Range<usize>> = cold.iter().map(|s| s.rows.clone()).collect();
+    b.export_rows(x, d_in, &ranges, &mut a.buf.input);
+    a.start(layer, group, cold, d_in, |m| c.module_shape(m).1)?;
+    Ok(true)
+}
+
+/// Waits for the CPU deltas of `group` and adds them into the module outputs.
+#[allow(clippy::too_many_arguments)]
+fn end_assist<B: Backend>(
+    b: &mut B,
+    c: &ModelConfig,
+    layer: usize,
+    group: &[LoraModule],
+    outs: &mut [&mut B::Buf],
+    assist: &mut Option<&mut Assist<'_>>,
+    cold: &[ColdSeg],
+) -> Result<()> {
+    let Some(a) = assist.as_deref_mut() else {
+        return Ok(());
+    };
+    let n: usize = cold.iter().map(|s| s.packed.len()).sum();
+    a.finish(group, n, |m| c.module_shape(m).1)?;
+    for (&m, y) in group.iter().zip(outs.iter_mut()) {
+        let d_out = c.module_shape(m).1;
+        for s in cold {
+            if a.host[s.adapter as usize].get(layer, m).is_none() {
+                continue;
+            }
+            let src = &a.buf.out[m.index()][s.packed.start * d_out..s.packed.end * d_out];
+            b.merge_rows(y, d_out, std::slice::from_ref(&s.rows), src);
+        }
+    }
+    Ok(())
+}
+
 /// Runs every layer over the step's rows and leaves `[logit_rows, vocab]` logits in `logits`.
+/// Rows whose adapter layer has not landed get their deltas from `assist`.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn run<B: Backend>(
     b: &mut B,
@@ -72,48 +159,78 @@ pub(crate) fn run<B: Backend>(
     kv: &mut [B::KvLayer],
     ws: &mut Workspace<B>,
     step: &StepLayout,
-    lora_layout: &LoraLayout,
-    kernel: LoraKernel,
-    adapters: &[&B::Lora],
+    lora: &LoraBatch<'_, B::Lora>,
+    mut assist: Option<&mut Assist<'_>>,
     logits: &mut Vec<f32>,
-) {
+) -> Result<()> {
     let rows = step.rows();
     let hidden = c.hidden_size;
-    let lora = LoraBatch {
-        kernel,
-        layout: lora_layout,
-        adapters,
-    };
+    let mut cold = Vec::new();
     b.embed(&m.embed, &step.token_ids, &mut ws.h);
     for (i, (layer, kv)) in m.layers.iter().zip(kv.iter_mut()).enumerate() {
         let l = LayerIdx(i);
         let p = &layer.proj;
         use LoraModule::*;
-        // Attention block. One normed input feeds q, k and v (one export on the CPU-assist path).
+        // Attention block. One normed input feeds q, k and v: one export on the assist path.
         b.rms_norm(&ws.h, &layer.input_norm, c.rms_norm_eps, rows, &mut ws.x);
-        project(b, c, &p[0], &ws.x, &mut ws.q, rows, (l, Q), &lora);
-        project(b, c, &p[1], &ws.x, &mut ws.k, rows, (l, K), &lora);
-        project(b, c, &p[2], &ws.x, &mut ws.v, rows, (l, V), &lora);
+        let g = [Q, K, V];
+        let cpu = begin_assist(b, c, &ws.x, i, &g, lora, &mut assist, &mut cold)?;
+        project(b, c, &p[0], &ws.x, &mut ws.q, rows, (l, Q), lora);
+        project(b, c, &p[1], &ws.x, &mut ws.k, rows, (l, K), lora);
+        project(b, c, &p[2], &ws.x, &mut ws.v, rows, (l, V), lora);
+        if cpu {
+            end_assist(
+                b,
+                c,
+                i,
+                &g,
+                &mut [&mut ws.q, &mut ws.k, &mut ws.v],
+                &mut assist,
+                &cold,
+            )?;
+        }
         b.rope(&mut ws.q, &step.positions, c.num_heads);
         b.rope(&mut ws.k, &step.positions, c.num_kv_heads);
         b.attention(&ws.q, &ws.k, &ws.v, kv, step, &mut ws.attn);
-        project(b, c, &p[3], &ws.attn, &mut ws.o, rows, (l, O), &lora);
+        let cpu = begin_assist(b, c, &ws.attn, i, &[O], lora, &mut assist, &mut cold)?;
+        project(b, c, &p[3], &ws.attn, &mut ws.o, rows, (l, O), lora);
+        if cpu {
+            end_assist(b, c, i, &[O], &mut [&mut ws.o], &mut assist, &cold)?;
+        }
         b.add(&mut ws.h, &ws.o, rows * hidden);
         // MLP block (SwiGLU).
         b.rms_norm(&ws.h, &layer.post_norm, c.rms_norm_eps, rows, &mut ws.x);
-        project(b, c, &p[4], &ws.x, &mut ws.gate, rows, (l, Gate), &lora);
-        project(b, c, &p[5], &ws.x, &mut ws.up, rows, (l, Up), &lora);
+        let g = [Gate, Up];
+        let cpu = begin_assist(b, c, &ws.x, i, &g, lora, &mut assist, &mut cold)?;
+        project(b, c, &p[4], &ws.x, &mut ws.gate, rows, (l, Gate), lora);
+        project(b, c, &p[5], &ws.x, &mut ws.up, rows, (l, Up), lora);
+        if cpu {
+            end_assist(
+                b,
+                c,
+                i,
+                &g,
+                &mut [&mut ws.gate, &mut ws.up],
+                &mut assist,
+                &cold,
+            )?;
+        }
         b.swiglu(&ws.gate, &ws.up, rows * c.intermediate_size, &mut ws.act);
-        project(b, c, &p[6], &ws.act, &mut ws.o, rows, (l, Down), &lora);
+        let cpu = begin_assist(b, c, &ws.act, i, &[Down], lora, &mut assist, &mut cold)?;
+        project(b, c, &p[6], &ws.act, &mut ws.o, rows, (l, Down), lora);
+        if cpu {
+            end_assist(b, c, i, &[Down], &mut [&mut ws.o], &mut assist, &cold)?;
+        }
         b.add(&mut ws.h, &ws.o, rows * hidden);
     }
     let n = step.logit_rows.len();
     if n == 0 {
         logits.clear();
-        return;
+        return Ok(());
     }
     b.gather_rows(&ws.h, hidden, &step.logit_rows, &mut ws.last);
     b.rms_norm(&ws.last, &m.norm, c.rms_norm_eps, n, &mut ws.last_norm);
     let head = m.lm_head.as_ref().unwrap_or(&m.embed);
     b.logits(&ws.last_norm, head, n, logits);
+    Ok(())
 }

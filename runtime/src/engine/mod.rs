@@ -19,16 +19,19 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use thaw_cpu_lora::LoraPool;
+use thaw_ipc::AdapterHandle;
 use thaw_kernels::cpu::KvLayout;
 
 use crate::adapter::LoraAdapter;
-use crate::backend::{Backend, LoraKernel, LoraLayout, StepLayout};
+use crate::backend::{Backend, LoraBatch, LoraKernel, LoraLayout, StepLayout};
 use crate::error::{Result, RuntimeError};
 use crate::ids::{AdapterId, SeqId};
 use crate::kv::{BlockAllocator, KvUsage};
 use crate::model::ModelConfig;
 use crate::sampling::{Sampler, SamplerScratch};
 
+mod assist;
 mod forward;
 mod sequence;
 mod weights;
@@ -36,6 +39,7 @@ mod weights;
 pub use sequence::{FinishReason, PlanItem, SeqOutput, SequenceParams, StepPlan};
 pub use weights::{HostLayer, HostModel};
 
+use assist::{Assist, AssistBuffers, AssistPath};
 use forward::Workspace;
 use sequence::Sequence;
 use weights::DeviceModel;
@@ -80,7 +84,10 @@ pub struct Engine<B: Backend> {
     model: DeviceModel<B>,
     kv: Vec<B::KvLayer>,
     blocks: BlockAllocator,
-    adapters: HashMap<AdapterId, (Arc<LoraAdapter>, B::Lora)>,
+    adapters: HashMap<AdapterId, EngineAdapter<B>>,
+    pool: Option<LoraPool>,
+    assist_buf: AssistBuffers,
+    generations: u32,
     seqs: HashMap<SeqId, Sequence>,
     ws: Workspace<B>,
     layout: StepLayout,
@@ -93,6 +100,15 @@ pub struct Engine<B: Backend> {
     step_adapter_ids: Vec<AdapterId>,
     seq_order: Vec<SeqId>,
     sample_order: Vec<SeqId>,
+    landed: Vec<usize>,
+    rows_assisted: u64,
+}
+
+/// A registered adapter: its host copy, its device slot, and its place in the host store.
+struct EngineAdapter<B: Backend> {
+    host: Arc<LoraAdapter>,
+    dev: B::Lora,
+    store: Option<AdapterHandle>,
 }
 
 impl<B: Backend> Engine<B> {
@@ -122,6 +138,9 @@ impl<B: Backend> Engine<B> {
             model,
             kv,
             adapters: HashMap::new(),
+            pool: None,
+            assist_buf: AssistBuffers::default(),
+            generations: 0,
             seqs: HashMap::new(),
             ws,
             layout: StepLayout::default(),
@@ -131,6 +150,8 @@ impl<B: Backend> Engine<B> {
             step_adapter_ids: Vec::new(),
             seq_order: Vec::new(),
             sample_order: Vec::new(),
+            landed: Vec::new(),
+            rows_assisted: 0,
         })
     }
 
@@ -170,11 +191,106 @@ impl<B: Backend> Engine<B> {
             .saturating_sub(s.kv.len()))
     }
 
-    /// Makes an adapter available to sequences (the CPU backend keeps it in host memory).
+    /// Makes an adapter available to sequences with every layer already on the device
+    /// (the `cached` oracle, and the plain CPU backend).
     pub fn register_adapter(&mut self, id: AdapterId, adapter: Arc<LoraAdapter>) -> Result<()> {
         let dev = self.backend.upload_lora(adapter.clone())?;
-        self.adapters.insert(id, (adapter, dev));
+        self.insert_adapter(id, adapter, dev)
+    }
+
+    /// Makes an adapter available at once while its copy engine streams it to the device,
+    /// layer 0 first; until a layer lands, that layer's deltas are computed on the CPU.
+    pub fn register_adapter_streaming(
+        &mut self,
+        id: AdapterId,
+        adapter: Arc<LoraAdapter>,
+    ) -> Result<()> {
+        let dev = self.backend.stream_lora(adapter.clone())?;
+        self.insert_adapter(id, adapter, dev)
+    }
+
+    fn insert_adapter(
+        &mut self,
+        id: AdapterId,
+        host: Arc<LoraAdapter>,
+        dev: B::Lora,
+    ) -> Result<()> {
+        if self.seqs.values().any(|s| s.adapter == Some(id)) {
+            return Err(RuntimeError::AdapterInUse(
+                id,
+                self.seqs.values().filter(|s| s.adapter == Some(id)).count(),
+            ));
+        }
+        self.drop_from_store(id);
+        self.generations += 1;
+        let store = match &mut self.pool {
+            Some(pool) => Some(host_store_insert(pool, id, self.generations, &host)?),
+            None => None,
+        };
+        self.adapters.insert(id, EngineAdapter { host, dev, store });
         Ok(())
+    }
+
+    fn drop_from_store(&mut self, id: AdapterId) {
+        if let (Some(pool), Some(a)) = (&mut self.pool, self.adapters.get(&id)) {
+            if let Some(h) = a.store {
+                pool.store_mut().remove(h);
+            }
+        }
+    }
+
+    /// Hands the engine a pool of CPU LoRA workers: from now on cold layers are computed by
+    /// the workers from the shared host store instead of on the engine thread.
+    pub fn attach_pool(&mut self, mut pool: LoraPool) -> Result<()> {
+        for (id, a) in self.adapters.iter_mut() {
+            self.generations += 1;
+            a.store = Some(host_store_insert(
+                &mut pool,
+                *id,
+                self.generations,
+                &a.host,
+            )?);
+        }
+        self.pool = Some(pool);
+        Ok(())
+    }
+
+    /// The attached worker pool, if any.
+    pub fn pool(&self) -> Option<&LoraPool> {
+        self.pool.as_ref()
+    }
+
+    /// Takes the worker pool back (e.g. to shut it down).
+    pub fn detach_pool(&mut self) -> Option<LoraPool> {
+        let mut pool = self.pool.take()?;
+        for a in self.adapters.values_mut() {
+            if let Some(h) = a.store.take() {
+                pool.store_mut().remove(h);
+            }
+        }
+        Some(pool)
+    }
+
+    /// Layers of adapter `id` on the device, and its layer count.
+    pub fn adapter_landed(&self, id: AdapterId) -> Option<(usize, usize)> {
+        self.adapters
+            .get(&id)
+            .map(|a| (self.backend.landed_layers(&a.dev), a.host.num_layers()))
+    }
+
+    /// Whether every layer of adapter `id` is on the device.
+    pub fn adapter_resident(&self, id: AdapterId) -> bool {
+        self.adapter_landed(id).is_some_and(|(l, n)| l >= n)
+    }
+
+    /// Row·modules whose LoRA delta the CPU computed since the engine started.
+    pub fn rows_assisted(&self) -> u64 {
+        self.rows_assisted
+    }
+
+    /// The backend (e.g. to read the emulated link's backlog).
+    pub fn backend(&self) -> &B {
+        &self.backend
     }
 
     /// Removes an adapter no live sequence uses.
@@ -183,6 +299,7 @@ impl<B: Backend> Engine<B> {
         if users > 0 {
             return Err(RuntimeError::AdapterInUse(id, users));
         }
+        self.drop_from_store(id);
         self.adapters
             .remove(&id)
             .map(|_| ())
@@ -279,8 +396,42 @@ impl<B: Backend> Engine<B> {
         let adapters: Vec<&B::Lora> = self
             .step_adapter_ids
             .iter()
-            .map(|id| &self.adapters[id].1)
+            .map(|id| &self.adapters[id].dev)
             .collect();
+        let host: Vec<&Arc<LoraAdapter>> = self
+            .step_adapter_ids
+            .iter()
+            .map(|id| &self.adapters[id].host)
+            .collect();
+        let handles: Vec<Option<AdapterHandle>> = self
+            .step_adapter_ids
+            .iter()
+            .map(|id| self.adapters[id].store)
+            .collect();
+        // Which layers are on the device is decided once, at the start of the step.
+        self.landed.clear();
+        self.landed
+            .extend(adapters.iter().map(|a| self.backend.landed_layers(a)));
+        let cold = self.landed.iter().any(|&l| l < self.config.num_layers);
+        let lora = LoraBatch {
+            kernel: self.cfg.lora_kernel,
+            layout: &self.lora_layout,
+            adapters: &adapters,
+            landed: &self.landed,
+        };
+        let mut assist = cold.then(|| Assist {
+            path: match &mut self.pool {
+                Some(pool) => AssistPath::Pool {
+                    pool,
+                    handles: &handles,
+                    ticket: None,
+                },
+                None => AssistPath::Inline,
+            },
+            host: &host,
+            buf: &mut self.assist_buf,
+            rows_assisted: 0,
+        });
         forward::run(
             &mut self.backend,
             &self.config,
@@ -288,12 +439,11 @@ impl<B: Backend> Engine<B> {
             &mut self.kv,
             &mut self.ws,
             &self.layout,
-            &self.lora_layout,
-            self.cfg.lora_kernel,
-            &adapters,
+            &lora,
+            assist.as_mut(),
             &mut self.logits,
-        );
-        drop(adapters);
+        )?;
+        self.rows_assisted += assist.map_or(0, |a| a.rows_assisted as u64);
         Ok(self.advance(plan.return_logits))
     }
 
@@ -435,4 +585,32 @@ impl<B: Backend> Engine<B> {
         self.step_adapter_ids = step_adapters;
         Ok(())
     }
+}
+
+/// Copies an adapter's factors into the shared host store (f32, the host copy's dtype).
+fn host_store_insert(
+    pool: &mut LoraPool,
+    id: AdapterId,
+    generation: u32,
+    a: &LoraAdapter,
+) -> Result<AdapterHandle> {
+    let parts: Vec<thaw_ipc::LayerModuleWeights<'_>> = a
+        .iter()
+        .map(|(layer, m, w)| thaw_ipc::LayerModuleWeights {
+            layer: thaw_ipc::LayerIdx(layer as u32),
+            module: thaw_ipc::Module::ALL[m.index()],
+            rank: w.rank as u32,
+            scale: w.scale,
+            dtype: thaw_ipc::DType::F32,
+            a_bytes: bytemuck::cast_slice(&w.a),
+            b_bytes: bytemuck::cast_slice(&w.b),
+        })
+        .collect();
+    pool.store_mut()
+        .insert(
+            thaw_ipc::AdapterId(id.0 as u64),
+            thaw_ipc::Generation(generation as u64),
+            &parts,
+        )
+        .map_err(|e| RuntimeError::Backend(format!("host adapter store: {e}")))
 }
