@@ -4,6 +4,15 @@
 //! Owns policy (what to run, cache, evict, where to route); it never touches a device
 //! pointer — that is `thaw-runtime`'s job.
 
+pub mod chat;
+pub mod coldstart;
 pub mod demo;
+pub mod engine_loop;
+pub mod error;
 pub mod gen;
 pub mod generate;
+pub mod http;
+pub mod metrics;
+pub mod registry;
+pub mod scheduler;
+pub mod serve;

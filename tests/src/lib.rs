@@ -70,6 +70,12 @@ impl TestModel {
 
     /// Writes one PEFT adapter with `rank` on `targets` (short names: q, k, …) and loads it.
     pub fn adapter(&self, rank: usize, targets: &[&str], seed: u64) -> Arc<LoraAdapter> {
+        let dir = self.adapter_dir(rank, targets, seed);
+        Arc::new(LoraAdapter::load(&dir, &self.model.config).expect("generated adapter loads"))
+    }
+
+    /// Writes one PEFT adapter with `rank` on `targets` and returns its directory.
+    pub fn adapter_dir(&self, rank: usize, targets: &[&str], seed: u64) -> PathBuf {
         let out = self.dir.path().join(format!("adapters-{seed}"));
         let opts = GenAdaptersOptions {
             model_dir: self.model_dir(),
@@ -80,8 +86,8 @@ impl TestModel {
             seed,
             ..Default::default()
         };
-        let dirs = gen::write_adapters(&opts).expect("gen-adapters");
-        Arc::new(LoraAdapter::load(&dirs[0], &self.model.config).expect("generated adapter loads"))
+        let mut dirs = gen::write_adapters(&opts).expect("gen-adapters");
+        dirs.remove(0)
     }
 }
 

@@ -13,6 +13,8 @@ use crate::error::Result;
 use crate::ids::LayerIdx;
 
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 
 /// Which batched-LoRA formulation a step uses (Punica's SGMV or S-LoRA/CaraServe's BGMV).
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
@@ -186,4 +188,95 @@ pub trait Backend {
     fn merge_rows(&mut self, y: &mut Self::Buf, width: usize, rows: &[Range<usize>], src: &[f32]);
     /// Host copy of logits = x · lm_headᵀ for `rows` rows: `[rows, vocab]`.
     fn logits(&mut self, x: &Self::Buf, lm_head: &Self::Linear, rows: usize, out: &mut Vec<f32>);
+}
+
+/// Which device `--device` asks for.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub enum DeviceKind {
+    /// CUDA when built with the `cuda` feature and a GPU is present, else CPU.
+    #[default]
+    Auto,
+    Cpu,
+    Cuda,
+}
+
+impl std::str::FromStr for DeviceKind {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "auto" => Ok(Self::Auto),
+            "cpu" => Ok(Self::Cpu),
+            "cuda" => Ok(Self::Cuda),
+            _ => Err(format!("unknown device `{s}`; expected auto, cpu or cuda")),
+        }
+    }
+}
+
+impl std::fmt::Display for DeviceKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Auto => "auto",
+            Self::Cpu => "cpu",
+            Self::Cuda => "cuda",
+        })
+    }
+}
+
+/// Stands in for [`cuda::CudaDevice`] when the `cuda` feature is off: it has no values, so
+/// [`Device::Cuda`] cannot be constructed and matching it is statically unreachable.
+#[cfg(not(feature = "cuda"))]
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum NoCuda {}
+
+#[cfg(feature = "cuda")]
+pub use cuda::CudaDevice;
+/// The CUDA device type of this build ([`NoCuda`] without the `cuda` feature).
+#[cfg(not(feature = "cuda"))]
+pub type CudaDevice = NoCuda;
+
+/// The device a [`DeviceKind`] resolved to; the caller builds the matching backend
+/// (`CpuBackend`, or `cuda::CudaBackend` for the device's ordinal).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Device {
+    Cpu,
+    Cuda(CudaDevice),
+}
+
+/// Whether the CUDA backend can run here: built with `cuda` and libcuda loads and reports a
+/// device. Checks for the library before any CUDA call, so it never panics.
+pub fn cuda_available() -> bool {
+    #[cfg(feature = "cuda")]
+    {
+        cuda::cuda_available()
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        false
+    }
+}
+
+impl DeviceKind {
+    /// Picks the device: `Cuda` fails with a message saying what to do when it cannot be used;
+    /// `Auto` falls back to the CPU.
+    pub fn resolve(self) -> Result<Device> {
+        match self {
+            Self::Cpu => Ok(Device::Cpu),
+            Self::Auto if !cuda_available() => Ok(Device::Cpu),
+            Self::Auto | Self::Cuda => {
+                #[cfg(feature = "cuda")]
+                {
+                    Ok(Device::Cuda(cuda::probe(0)?))
+                }
+                #[cfg(not(feature = "cuda"))]
+                {
+                    Err(crate::error::RuntimeError::Backend(
+                        "--device cuda, but this thaw was built without the `cuda` feature; \
+                         rebuild with `cargo build --release --features cuda` or use --device cpu"
+                            .into(),
+                    ))
+                }
+            }
+        }
+    }
 }

@@ -1,0 +1,665 @@
+//! [`CudaBackend`]: the [`Backend`] ops on one GPU.
+//!
+//! The trait's ops return `()`, so a failing launch cannot be reported where it happens: the
+//! first error is kept (later ops of the step are skipped) and [`CudaBackend::check`] returns
+//! it; `logits`, the one op whose output the host reads, panics with it rather than hand back
+//! logits that were never computed.
+use std::sync::Arc;
+
+use std::ops::Range;
+
+use cudarc::driver::{CudaSlice, CudaStream};
+use thaw_kernels::cpu::{KvLayout, RopeTable};
+
+use super::launch::copy_htod_async;
+use super::launch::{AttnShape, Gpu};
+use super::step::{AttnMeta, DevVec, LoraMeta};
+use super::weights::{
+    encode, pack_lora, plan_lora, upload_bytes, upload_lora, CudaLinear, CudaLora, CudaVector,
+};
+use super::{CudaError, DType};
+use crate::adapter::{LoraAdapter, LoraModule};
+use crate::backend::{Backend, LinearDims, LoraBatch, LoraKernel, StepLayout};
+use crate::error::Result;
+use crate::ids::LayerIdx;
+use crate::model::ModelConfig;
+
+/// Device, dtypes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CudaConfig {
+    /// CUDA device ordinal.
+    pub ordinal: usize,
+    /// Dtype weights, norms and adapters are stored in (converted from f32 on upload).
+    pub weight_dtype: DType,
+    /// Dtype of the paged KV cache.
+    pub kv_dtype: DType,
+}
+
+impl Default for CudaConfig {
+    fn default() -> Self {
+        Self {
+            ordinal: 0,
+            weight_dtype: DType::Bf16,
+            kv_dtype: DType::Bf16,
+        }
+    }
+}
+
+/// One layer's paged K and V in the KV dtype.
+pub struct CudaKvLayer {
+    pub(super) k: CudaSlice<u8>,
+    pub(super) v: CudaSlice<u8>,
+    pub layout: KvLayout,
+    pub num_blocks: usize,
+}
+
+/// Which per-step metadata is current (reset by `embed`, the first op of every forward).
+#[derive(Default)]
+struct Fresh {
+    positions: bool,
+    attn: bool,
+    lora: bool,
+}
+
+/// The CUDA backend for one model shape on one device.
+pub struct CudaBackend {
+    pub(super) gpu: Gpu,
+    inv_freq: CudaSlice<f32>,
+    n_heads: usize,
+    n_kv_heads: usize,
+    head_dim: usize,
+    window: usize,
+    fresh: Fresh,
+    ids: DevVec<u32>,
+    positions: DevVec<u32>,
+    gather: DevVec<u32>,
+    attn: AttnMeta,
+    lora_meta: LoraMeta,
+    x16: Option<CudaSlice<u16>>,
+    lora_v: Option<CudaSlice<f32>>,
+    logits_dev: Option<CudaSlice<f32>>,
+    pub(super) export_idx: DevVec<u32>,
+    pub(super) merge_idx: DevVec<u32>,
+    /// Host rows staged for the trait's synchronous export / merge.
+    host_rows: DevVec<f32>,
+    /// Which step adapters the current LoRA metadata treats as on the device.
+    lora_on_device: Vec<bool>,
+    on_device_scratch: Vec<bool>,
+    copy: Option<Arc<CudaStream>>,
+    pub(super) export_counter: CudaSlice<u32>,
+    error: Option<CudaError>,
+}
+
+impl CudaBackend {
+    /// Creates the context, compiles (or reuses) every kernel and uploads the RoPE table.
+    pub fn new(model: &ModelConfig, cfg: &CudaConfig) -> Result<Self> {
+        Ok(Self::try_new(model, cfg)?)
+    }
+
+    fn try_new(c: &ModelConfig, cfg: &CudaConfig) -> Result<Self, CudaError> {
+        if c.head_dim > thaw_kernels::cuda::registry::shape::MAX_HEAD_DIM {
+            return Err(CudaError::Unsupported(format!(
+                "head_dim {} is above the CUDA attention kernels' limit of {}",
+                c.head_dim,
+                thaw_kernels::cuda::registry::shape::MAX_HEAD_DIM
+            )));
+        }
+        let gpu = Gpu::new(cfg.ordinal, cfg.weight_dtype, cfg.kv_dtype)?;
+        let rope = RopeTable::new(c.head_dim, c.rope_theta, &c.rope_scaling);
+        let inv_freq = gpu.stream.clone_htod(rope.inv_freq())?;
+        let export_counter = gpu.stream.alloc_zeros::<u32>(1)?;
+        Ok(Self {
+            inv_freq,
+            n_heads: c.num_heads,
+            n_kv_heads: c.num_kv_heads,
+            head_dim: c.head_dim,
+            window: c.sliding_window.unwrap_or(0),
+            fresh: Fresh::default(),
+            ids: DevVec::new(),
+            positions: DevVec::new(),
+            gather: DevVec::new(),
+            attn: AttnMeta::new(),
+            lora_meta: LoraMeta::new(),
+            x16: None,
+            lora_v: None,
+            logits_dev: None,
+            export_idx: DevVec::new(),
+            merge_idx: DevVec::new(),
+            host_rows: DevVec::new(),
+            lora_on_device: Vec::new(),
+            on_device_scratch: Vec::new(),
+            copy: None,
+            export_counter,
+            error: None,
+            gpu,
+        })
+    }
+
+    /// The device's name, e.g. "NVIDIA H100 80GB HBM3".
+    pub fn device_name(&self) -> String {
+        self.gpu
+            .ctx
+            .name()
+            .unwrap_or_else(|e| format!("<unknown: {e}>"))
+    }
+
+    /// The first error since the last check, if any (ops after it were skipped).
+    pub fn check(&mut self) -> Result<()> {
+        match self.error.take() {
+            Some(e) => Err(e.into()),
+            None => Ok(()),
+        }
+    }
+
+    /// Waits for all queued work.
+    pub fn synchronize(&mut self) -> Result<()> {
+        let r = self.gpu.stream.synchronize().map_err(CudaError::from);
+        self.record(r);
+        self.check()
+    }
+
+    /// Keeps the first error.
+    pub(super) fn record(&mut self, r: Result<(), CudaError>) {
+        if let Err(e) = r {
+            tracing::error!("CUDA backend: {e}");
+            self.error.get_or_insert(e);
+        }
+    }
+
+    pub(super) fn failed(&self) -> bool {
+        self.error.is_some()
+    }
+
+    fn ensure_positions(&mut self, positions: &[usize]) -> Result<(), CudaError> {
+        if !self.fresh.positions {
+            self.positions.host.clear();
+            self.positions
+                .host
+                .extend(positions.iter().map(|&p| p as u32));
+            self.positions.upload(&self.gpu.stream)?;
+            self.fresh.positions = true;
+        }
+        Ok(())
+    }
+
+    fn lora_scratch(&mut self, n: usize) -> Result<(), CudaError> {
+        if self.lora_v.as_ref().is_none_or(|v| v.len() < n) {
+            self.lora_v = Some(self.gpu.stream.alloc_zeros::<f32>(n.next_power_of_two())?);
+        }
+        Ok(())
+    }
+
+    fn try_lora(
+        &mut self,
+        x: &CudaSlice<f32>,
+        y: &mut CudaSlice<f32>,
+        dims: LinearDims,
+        at: (LayerIdx, LoraModule),
+        batch: &LoraBatch<'_, CudaLora>,
+    ) -> Result<(), CudaError> {
+        if !self.fresh.lora {
+            self.lora_meta
+                .build(&self.gpu.stream, batch.layout, batch.adapters)?;
+            self.fresh.lora = true;
+        }
+        let rows = batch.layout.row_adapter.len();
+        let max_rank = batch
+            .adapters
+            .iter()
+            .map(|a| a.rank(at.0 .0, at.1))
+            .max()
+            .unwrap_or(0);
+        if max_rank == 0 {
+            return Ok(());
+        }
+        let slot = at.0 .0 * 7 + at.1.index();
+        self.lora_scratch(rows * max_rank)?;
+        let v = self.lora_v.as_mut().expect("sized above");
+        let m = &self.lora_meta;
+        match batch.kernel {
+            LoraKernel::Sgmv => self.gpu.sgmv(
+                x,
+                y,
+                v,
+                m.seg_tables.get(),
+                m.seg_rows.get(),
+                m.n_segs(),
+                slot,
+                (dims.d_in, dims.d_out, max_rank),
+            ),
+            LoraKernel::Bgmv => self.gpu.bgmv(
+                x,
+                y,
+                v,
+                m.row_tables.get(),
+                rows,
+                slot,
+                (dims.d_in, dims.d_out, max_rank),
+            ),
+        }
+    }
+
+    fn try_attention(
+        &mut self,
+        q: &CudaSlice<f32>,
+        k: &CudaSlice<f32>,
+        v: &CudaSlice<f32>,
+        kv: &mut CudaKvLayer,
+        step: &StepLayout,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        if !self.fresh.attn {
+            self.attn
+                .build(&self.gpu.stream, step, kv.layout.block_size, kv.num_blocks)?;
+            self.fresh.attn = true;
+        }
+        let rows = step.rows();
+        let tl = kv.layout.token_len();
+        self.gpu
+            .write_kv(k, v, &mut kv.k, &mut kv.v, self.attn.slots.get(), rows, tl)?;
+        let s = AttnShape {
+            n_heads: self.n_heads,
+            n_kv_heads: self.n_kv_heads,
+            head_dim: self.head_dim,
+            block_size: kv.layout.block_size,
+            window: self.window,
+            scale: 1.0 / (self.head_dim as f32).sqrt(),
+        };
+        let a = &self.attn;
+        self.gpu.attn_decode(
+            q,
+            &kv.k,
+            &kv.v,
+            out,
+            a.tables.get(),
+            a.decode.get(),
+            a.n_decode(),
+            s,
+        )?;
+        self.gpu.attn_prefill(
+            q,
+            &kv.k,
+            &kv.v,
+            out,
+            a.tables.get(),
+            a.tiles.get(),
+            a.n_tiles(),
+            s,
+        )
+    }
+
+    fn try_linear(
+        &mut self,
+        x: &CudaSlice<f32>,
+        w: &CudaLinear,
+        rows: usize,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        self.gpu
+            .linear(x, &w.w, rows, w.d_in, w.d_out, out, &mut self.x16)?;
+        if let Some(b) = &w.bias {
+            self.gpu.add_bias(out, b, rows, w.d_out)?;
+        }
+        Ok(())
+    }
+
+    fn try_logits(
+        &mut self,
+        x: &CudaSlice<f32>,
+        head: &CudaLinear,
+        rows: usize,
+        out: &mut Vec<f32>,
+    ) -> Result<(), CudaError> {
+        let n = rows * head.d_out;
+        out.resize(n, 0.0);
+        if n == 0 {
+            return Ok(());
+        }
+        if self.logits_dev.as_ref().is_none_or(|l| l.len() < n) {
+            self.logits_dev = Some(self.gpu.stream.alloc_zeros::<f32>(n)?);
+        }
+        let mut dev = self.logits_dev.take().expect("sized above");
+        let r = self.try_linear(x, head, rows, &mut dev).and_then(|()| {
+            self.gpu.stream.memcpy_dtoh(&dev.slice(..n), &mut out[..])?;
+            self.gpu.stream.synchronize()?;
+            Ok(())
+        });
+        self.logits_dev = Some(dev);
+        r
+    }
+}
+
+impl CudaBackend {
+    /// Row indices of `rows` into `idx` (staged on the device).
+    fn stage_rows(
+        stream: &Arc<CudaStream>,
+        idx: &mut DevVec<u32>,
+        rows: &[Range<usize>],
+    ) -> Result<usize, CudaError> {
+        idx.host.clear();
+        idx.host
+            .extend(rows.iter().flat_map(|r| r.clone().map(|i| i as u32)));
+        idx.upload(stream)?;
+        Ok(idx.host.len())
+    }
+
+    fn try_export_host(
+        &mut self,
+        x: &CudaSlice<f32>,
+        width: usize,
+        rows: &[Range<usize>],
+        dst: &mut [f32],
+    ) -> Result<(), CudaError> {
+        let n = Self::stage_rows(&self.gpu.stream, &mut self.export_idx, rows)?;
+        assert!(
+            dst.len() >= n * width,
+            "export_rows: dst holds {} < {n} rows",
+            dst.len()
+        );
+        if n == 0 {
+            return Ok(());
+        }
+        if self
+            .host_rows
+            .dev
+            .as_ref()
+            .is_none_or(|d| d.len() < n * width)
+        {
+            self.host_rows.dev = Some(
+                self.gpu
+                    .stream
+                    .alloc_zeros::<f32>((n * width).next_power_of_two())?,
+            );
+        }
+        let mut staged = self.host_rows.dev.take().expect("sized above");
+        let r = self
+            .gpu
+            .gather_rows(x, self.export_idx.get(), n, width, &mut staged)
+            .and_then(|()| {
+                self.gpu
+                    .stream
+                    .memcpy_dtoh(&staged.slice(..n * width), &mut dst[..n * width])?;
+                Ok(self.gpu.stream.synchronize()?)
+            });
+        self.host_rows.dev = Some(staged);
+        r
+    }
+
+    fn try_merge_host(
+        &mut self,
+        y: &mut CudaSlice<f32>,
+        width: usize,
+        rows: &[Range<usize>],
+        src: &[f32],
+    ) -> Result<(), CudaError> {
+        let n = Self::stage_rows(&self.gpu.stream, &mut self.merge_idx, rows)?;
+        assert!(
+            src.len() >= n * width,
+            "merge_rows: src holds {} < {n} rows",
+            src.len()
+        );
+        if n == 0 {
+            return Ok(());
+        }
+        self.host_rows.host.clear();
+        self.host_rows.host.extend_from_slice(&src[..n * width]);
+        self.host_rows.upload(&self.gpu.stream)?;
+        let delta = self.gpu.p(self.host_rows.get());
+        // SAFETY: `delta` is device memory holding n × width f32 (just uploaded on this
+        // stream, so complete before the kernel runs) that stays allocated: `host_rows` is only
+        // reallocated by a later call, after this launch is queued on the same stream.
+        unsafe {
+            self.gpu
+                .merge_deltas(y, width, self.merge_idx.get(), n, (delta, width))
+        }
+    }
+
+    fn try_stream_lora(&mut self, adapter: &LoraAdapter) -> Result<CudaLora, CudaError> {
+        let dt = self.gpu.weight_dtype;
+        let plan = plan_lora(adapter, dt);
+        // Page-locked, portable, not write-combined staging: the DMA source.
+        // SAFETY: the allocation is fully written by pack_lora before any copy reads it.
+        let mut staging = unsafe {
+            self.gpu.ctx.alloc_pinned_with_flags::<u8>(
+                plan.total,
+                cudarc::driver::sys::CU_MEMHOSTALLOC_PORTABLE,
+            )
+        }?;
+        pack_lora(adapter, dt, &plan, staging.as_mut_slice()?);
+        let copy = match &self.copy {
+            Some(c) => c.clone(),
+            None => {
+                let c = self.gpu.ctx.new_stream()?;
+                self.copy = Some(c.clone());
+                c
+            }
+        };
+        let mut weights = copy.alloc_zeros::<u8>(plan.total)?;
+        let src = staging.as_ptr()?;
+        let mut events = Vec::with_capacity(plan.n_layers);
+        for l in 0..plan.n_layers {
+            let (start, end) = plan.layer_range(l);
+            if end > start {
+                // SAFETY: `staging` is page-locked, holds plan.total bytes and moves into the
+                // returned CudaLora, whose Drop waits for the last event before freeing it;
+                // `weights` holds plan.total bytes.
+                unsafe {
+                    copy_htod_async(&copy, &mut weights, start, src.add(start), end - start)
+                }?;
+            }
+            events.push(copy.record_event(None)?);
+        }
+        plan.finish(&self.gpu.stream, weights, events, Some(staging))
+    }
+}
+
+/// Runs `$body` (a `Result<(), CudaError>`) unless an earlier op failed; keeps its error.
+macro_rules! op {
+    ($self:ident, $body:expr) => {{
+        if !$self.failed() {
+            let r = $body;
+            $self.record(r);
+        }
+    }};
+}
+
+impl Backend for CudaBackend {
+    type Buf = CudaSlice<f32>;
+    type Linear = CudaLinear;
+    type Vector = CudaVector;
+    type Lora = CudaLora;
+    type KvLayer = CudaKvLayer;
+
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn alloc(&self, len: usize) -> Result<CudaSlice<f32>> {
+        Ok(self
+            .gpu
+            .stream
+            .alloc_zeros::<f32>(len.max(1))
+            .map_err(CudaError::from)?)
+    }
+
+    fn upload_linear(
+        &self,
+        w: Vec<f32>,
+        d_out: usize,
+        d_in: usize,
+        bias: Option<Vec<f32>>,
+    ) -> Result<CudaLinear> {
+        assert_eq!(w.len(), d_out * d_in, "linear weight is not [d_out, d_in]");
+        let dt = self.gpu.weight_dtype;
+        let s = &self.gpu.stream;
+        Ok(CudaLinear {
+            w: upload_bytes(s, &encode(&w, dt))?,
+            bias: bias.map(|b| upload_bytes(s, &encode(&b, dt))).transpose()?,
+            d_out,
+            d_in,
+        })
+    }
+
+    fn upload_vector(&self, v: Vec<f32>) -> Result<CudaVector> {
+        Ok(CudaVector {
+            len: v.len(),
+            v: upload_bytes(&self.gpu.stream, &encode(&v, self.gpu.weight_dtype))?,
+        })
+    }
+
+    fn upload_lora(&self, adapter: Arc<LoraAdapter>) -> Result<CudaLora> {
+        let max = thaw_kernels::cuda::registry::shape::MAX_LORA_RANK;
+        if adapter.max_rank() > max {
+            return Err(CudaError::Unsupported(format!(
+                "adapter rank {} is above the CUDA LoRA kernels' limit of {max}",
+                adapter.max_rank()
+            ))
+            .into());
+        }
+        Ok(upload_lora(
+            &self.gpu.stream,
+            &adapter,
+            self.gpu.weight_dtype,
+        )?)
+    }
+
+    fn stream_lora(&mut self, adapter: Arc<LoraAdapter>) -> Result<CudaLora> {
+        Ok(self.try_stream_lora(&adapter)?)
+    }
+
+    fn landed_layers(&self, lora: &CudaLora) -> usize {
+        lora.landed_layers()
+    }
+
+    fn alloc_kv_layer(&self, layout: KvLayout, num_blocks: usize) -> Result<CudaKvLayer> {
+        let bytes = (layout.block_len() * num_blocks * self.gpu.kv_dtype.size()).max(1);
+        let s = &self.gpu.stream;
+        Ok(CudaKvLayer {
+            k: s.alloc_zeros::<u8>(bytes).map_err(CudaError::from)?,
+            v: s.alloc_zeros::<u8>(bytes).map_err(CudaError::from)?,
+            layout,
+            num_blocks,
+        })
+    }
+
+    fn embed(&mut self, table: &CudaLinear, ids: &[u32], out: &mut CudaSlice<f32>) {
+        // The first op of every forward: the step's metadata is stale from here on.
+        self.fresh = Fresh::default();
+        op!(self, {
+            self.ids.host.clear();
+            self.ids.host.extend_from_slice(ids);
+            self.ids.upload(&self.gpu.stream).and_then(|()| {
+                self.gpu
+                    .embed(&table.w, self.ids.get(), out, ids.len(), table.d_in)
+            })
+        });
+    }
+
+    fn rms_norm(
+        &mut self,
+        x: &CudaSlice<f32>,
+        w: &CudaVector,
+        eps: f32,
+        rows: usize,
+        out: &mut CudaSlice<f32>,
+    ) {
+        op!(self, self.gpu.rms_norm(x, &w.v, out, rows, w.len, eps));
+    }
+
+    fn linear(
+        &mut self,
+        x: &CudaSlice<f32>,
+        w: &CudaLinear,
+        rows: usize,
+        out: &mut CudaSlice<f32>,
+    ) {
+        op!(self, self.try_linear(x, w, rows, out));
+    }
+
+    fn lora(
+        &mut self,
+        x: &CudaSlice<f32>,
+        y: &mut CudaSlice<f32>,
+        dims: LinearDims,
+        at: (LayerIdx, LoraModule),
+        batch: &LoraBatch<'_, CudaLora>,
+    ) {
+        op!(self, self.try_lora(x, y, dims, at, batch));
+    }
+
+    fn rope(&mut self, x: &mut CudaSlice<f32>, positions: &[usize], n_heads: usize) {
+        op!(self, {
+            self.ensure_positions(positions).and_then(|()| {
+                self.gpu.rope(
+                    x,
+                    self.positions.get(),
+                    &self.inv_freq,
+                    positions.len(),
+                    n_heads,
+                    self.head_dim,
+                )
+            })
+        });
+    }
+
+    fn attention(
+        &mut self,
+        q: &CudaSlice<f32>,
+        k: &CudaSlice<f32>,
+        v: &CudaSlice<f32>,
+        kv: &mut CudaKvLayer,
+        step: &StepLayout,
+        out: &mut CudaSlice<f32>,
+    ) {
+        op!(self, self.try_attention(q, k, v, kv, step, out));
+    }
+
+    fn swiglu(
+        &mut self,
+        gate: &CudaSlice<f32>,
+        up: &CudaSlice<f32>,
+        len: usize,
+        out: &mut CudaSlice<f32>,
+    ) {
+        op!(self, self.gpu.swiglu(gate, up, out, len));
+    }
+
+    fn add(&mut self, y: &mut CudaSlice<f32>, x: &CudaSlice<f32>, len: usize) {
+        op!(self, self.gpu.residual_add(y, x, len));
+    }
+
+    fn gather_rows(
+        &mut self,
+        x: &CudaSlice<f32>,
+        width: usize,
+        rows: &[usize],
+        out: &mut CudaSlice<f32>,
+    ) {
+        assert!(
+            rows.iter().all(|&r| (r + 1) * width <= x.len()),
+            "gather_rows: a row lies outside x"
+        );
+        op!(self, {
+            self.gather.host.clear();
+            self.gather.host.extend(rows.iter().map(|&r| r as u32));
+            self.gather.upload(&self.gpu.stream).and_then(|()| {
+                self.gpu
+                    .gather_rows(x, self.gather.get(), rows.len(), width, out)
+            })
+        });
+    }
+
+    fn logits(
+        &mut self,
+        x: &CudaSlice<f32>,
+        lm_head: &CudaLinear,
+        rows: usize,
+        out: &mut Vec<f32>,
+    ) {
+        op!(self, self.try_logits(x, lm_head, rows, out));
+        if let Some(e) = &self.error {
+            // The trait cannot return this; logits never computed must not be sampled from.
+            panic!("CUDA backend failed during this step: {e}");
+        }
+    }
+}

@@ -1,0 +1,221 @@
+//! Weights on the device: matrices and norms in the backend's weight dtype, and LoRA adapters
+//! as one allocation of factors plus a descriptor table (`LoraSlot` per (layer, module)) that
+//! the SGMV / BGMV kernels index, so per-step metadata only names adapters, never factors.
+use std::sync::Arc;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use bytemuck::{Pod, Zeroable};
+use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DeviceRepr, PinnedHostSlice};
+use half::{bf16, f16};
+
+use super::launch::dptr;
+use super::{CudaError, DType};
+use crate::adapter::{LoraAdapter, LoraModule};
+
+/// A `[d_out, d_in]` matrix (or the embedding table) with an optional bias.
+pub struct CudaLinear {
+    pub(super) w: CudaSlice<u8>,
+    pub(super) bias: Option<CudaSlice<u8>>,
+    pub d_out: usize,
+    pub d_in: usize,
+}
+
+/// A norm weight vector.
+pub struct CudaVector {
+    pub(super) v: CudaSlice<u8>,
+    pub len: usize,
+}
+
+/// Mirrors `struct LoraSlot` in thaw-kernels' `common.cuh` (32 bytes).
+#[repr(C)]
+#[derive(Copy, Clone, Debug, Default, Pod, Zeroable)]
+pub(super) struct LoraSlot {
+    pub a: u64,
+    pub b: u64,
+    pub rank: u32,
+    pub scale: f32,
+    pub reserved: u64,
+}
+
+const _: () = assert!(std::mem::size_of::<LoraSlot>() == 32);
+
+// SAFETY: LoraSlot is #[repr(C)] plain data (u64, u64, u32, f32, u64) with the layout of the
+// device struct; any bit pattern is valid.
+unsafe impl DeviceRepr for LoraSlot {}
+
+/// One adapter on the device.
+pub struct CudaLora {
+    /// All factors, each 256-byte aligned.
+    pub(super) _weights: CudaSlice<u8>,
+    /// `[n_layers * 7]` LoraSlot.
+    pub(super) table: CudaSlice<LoraSlot>,
+    /// Host copy of the ranks, `[layer][module]` (0 = not targeted).
+    pub(super) ranks: Vec<[u32; 7]>,
+    pub(super) table_addr: u64,
+    /// Streamed adapters: one event per layer on the copy stream (empty = all resident).
+    pub(super) events: Vec<CudaEvent>,
+    /// Layers seen landed so far (a cache of the event polls).
+    pub(super) landed: AtomicUsize,
+    /// Page-locked source of a streamed adapter's copies, kept until they complete.
+    pub(super) staging: Option<PinnedHostSlice<u8>>,
+}
+
+impl Drop for CudaLora {
+    fn drop(&mut self) {
+        // In-flight copies read `staging` and write `weights`: let them finish first.
+        if let Some(last) = self.events.last() {
+            let _ = last.synchronize();
+        }
+    }
+}
+
+impl CudaLora {
+    /// Rank at (layer, module), 0 when the adapter does not target it.
+    pub fn rank(&self, layer: usize, m: LoraModule) -> usize {
+        self.ranks.get(layer).map_or(0, |r| r[m.index()] as usize)
+    }
+
+    pub fn num_layers(&self) -> usize {
+        self.ranks.len()
+    }
+
+    /// Layers `0..n` are on the device (polls the per-layer copy events; never blocks).
+    pub fn landed_layers(&self) -> usize {
+        if self.events.is_empty() {
+            return self.ranks.len();
+        }
+        let mut n = self.landed.load(Ordering::Acquire);
+        while n < self.events.len() && self.events[n].is_complete() {
+            n += 1;
+        }
+        self.landed.store(n, Ordering::Release);
+        n
+    }
+}
+
+/// f32 values in `dt`'s little-endian bytes.
+pub(super) fn encode(v: &[f32], dt: DType) -> Vec<u8> {
+    match dt {
+        DType::F32 => bytemuck::cast_slice(v).to_vec(),
+        DType::Bf16 => v
+            .iter()
+            .flat_map(|&x| bf16::from_f32(x).to_le_bytes())
+            .collect(),
+        DType::F16 => v
+            .iter()
+            .flat_map(|&x| f16::from_f32(x).to_le_bytes())
+            .collect(),
+    }
+}
+
+pub(super) fn upload_bytes(
+    stream: &Arc<CudaStream>,
+    bytes: &[u8],
+) -> Result<CudaSlice<u8>, CudaError> {
+    if bytes.is_empty() {
+        return Ok(stream.alloc_zeros::<u8>(1)?);
+    }
+    Ok(stream.clone_htod(bytes)?)
+}
+
+fn align(x: usize) -> usize {
+    x.next_multiple_of(256)
+}
+
+/// Where each factor of an adapter goes in its single device allocation.
+pub(super) struct LoraPlan {
+    /// (layer, module, a_off, b_off, rank, scale, a_len, b_len)
+    pub entries: Vec<(usize, LoraModule, usize, usize, u32, f32, usize, usize)>,
+    pub total: usize,
+    pub n_layers: usize,
+}
+
+impl LoraPlan {
+    pub fn new(
+        n_layers: usize,
+        factors: impl Iterator<Item = (usize, LoraModule, u32, f32, usize, usize)>,
+    ) -> Self {
+        let mut entries = Vec::new();
+        let mut off = 0;
+        for (layer, m, rank, scale, a_len, b_len) in factors {
+            let a_off = off;
+            let b_off = align(a_off + a_len);
+            off = align(b_off + b_len);
+            entries.push((layer, m, a_off, b_off, rank, scale, a_len, b_len));
+        }
+        Self {
+            entries,
+            total: off.max(256),
+            n_layers,
+        }
+    }
+
+    /// Bytes of layer `l`'s factors: `[start, end)` in the allocation (empty if none).
+    pub fn layer_range(&self, l: usize) -> (usize, usize) {
+        let mut it = self.entries.iter().filter(|e| e.0 == l);
+        let Some(first) = it.next() else {
+            return (0, 0);
+        };
+        let last = it.last().unwrap_or(first);
+        (first.2, last.3 + last.7)
+    }
+
+    /// Uploads the descriptor table for factors placed in `weights` as planned.
+    pub fn finish(
+        &self,
+        stream: &Arc<CudaStream>,
+        weights: CudaSlice<u8>,
+        events: Vec<CudaEvent>,
+        staging: Option<PinnedHostSlice<u8>>,
+    ) -> Result<CudaLora, CudaError> {
+        let base = dptr(&weights, stream);
+        let mut slots = vec![LoraSlot::default(); self.n_layers.max(1) * 7];
+        let mut ranks = vec![[0u32; 7]; self.n_layers];
+        for &(layer, m, a_off, b_off, rank, scale, _, _) in &self.entries {
+            slots[layer * 7 + m.index()] = LoraSlot {
+                a: base + a_off as u64,
+                b: base + b_off as u64,
+                rank,
+                scale,
+                reserved: 0,
+            };
+            ranks[layer][m.index()] = rank;
+        }
+        let table = stream.clone_htod(&slots)?;
+        let table_addr = dptr(&table, stream);
+        Ok(CudaLora {
+            _weights: weights,
+            table,
+            ranks,
+            table_addr,
+            events,
+            landed: AtomicUsize::new(0),
+            staging,
+        })
+    }
+}
+
+/// Converts a host adapter to `dt` and uploads it (synchronously on `stream`).
+pub(super) fn upload_lora(
+    stream: &Arc<CudaStream>,
+    adapter: &LoraAdapter,
+    dt: DType,
+) -> Result<CudaLora, CudaError> {
+    let es = dt.size();
+    let plan = LoraPlan::new(
+        adapter.num_layers(),
+        adapter
+            .iter()
+            .map(|(l, m, w)| (l, m, w.rank as u32, w.scale, w.a.len() * es, w.b.len() * es)),
+    );
+    let mut host = vec![0u8; plan.total];
+    for ((_, _, w), &(_, _, a_off, b_off, ..)) in adapter.iter().zip(&plan.entries) {
+        let a = encode(&w.a, dt);
+        let b = encode(&w.b, dt);
+        host[a_off..a_off + a.len()].copy_from_slice(&a);
+        host[b_off..b_off + b.len()].copy_from_slice(&b);
+    }
+    let weights = upload_bytes(stream, &host)?;
+    plan.finish(stream, weights)
+}

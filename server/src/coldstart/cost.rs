@@ -1,0 +1,348 @@
+//! The cold-start cost model (DESIGN §4): device time per layer for a step's token count,
+//! CPU LoRA throughput, link bandwidth and backlog — measured at start-up, refreshed online —
+//! and the decision it drives for a cold request: wait for the load, or assist with a prefill
+//! chunk sized so the CPU work per layer fits under the device's time per layer.
+use std::time::Duration;
+
+use thaw_runtime::adapter::LoraAdapter;
+use thaw_runtime::residency::LinkModel;
+
+/// Largest predicted slowdown of co-batched decode that CPU assist may cause.
+pub const MAX_DECODE_SLOWDOWN: f64 = 0.05;
+
+/// Measured inputs of the model. Times in seconds.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CostModel {
+    /// Device (engine) time of one layer: `base + per_token · tokens`.
+    pub layer_base_s: f64,
+    pub layer_per_token_s: f64,
+    pub num_layers: usize,
+    /// CPU LoRA throughput over all workers, FLOP/s.
+    pub cpu_flops: f64,
+    /// Whether the CPU work overlaps the device's (worker processes) or runs on the engine
+    /// thread itself (no workers: it adds to the step).
+    pub cpu_overlaps: bool,
+    pub link: LinkModel,
+    /// EWMA weight of each new observation.
+    pub alpha: f64,
+}
+
+/// What the policy does with a cold request this step.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum ColdDecision {
+    /// Hold the request until its adapter is resident.
+    Wait,
+    /// Run a prefill chunk of at most this many tokens with CPU assist for unlanded layers.
+    Assist { max_chunk: usize },
+}
+
+/// One prediction next to what happened, for reading the model's error.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Prediction {
+    pub predicted_s: f64,
+    pub actual_s: f64,
+}
+
+impl CostModel {
+    /// Device time of one layer for a step of `tokens` rows.
+    pub fn layer_time(&self, tokens: usize) -> f64 {
+        self.layer_base_s + self.layer_per_token_s * tokens as f64
+    }
+
+    /// Device time of a whole step of `tokens` rows.
+    pub fn step_time(&self, tokens: usize) -> f64 {
+        self.layer_time(tokens) * self.num_layers as f64
+    }
+
+    /// CPU time of one layer's LoRA deltas for `rows` rows of `adapter`.
+    pub fn cpu_layer_time(&self, adapter: &LoraAdapter, rows: usize) -> f64 {
+        let layer = adapter
+            .num_layers()
+            .saturating_sub(1)
+            .min(adapter.num_layers() / 2);
+        let flops: f64 = thaw_runtime::adapter::LoraModule::ALL
+            .iter()
+            .filter_map(|&m| adapter.get(layer, m))
+            .map(|w| {
+                2.0 * rows as f64 * w.rank as f64 * ((w.a.len() + w.b.len()) / w.rank.max(1)) as f64
+            })
+            .sum();
+        flops / self.cpu_flops.max(1.0)
+    }
+
+    /// Time until the last layer of an adapter of `bytes` lands behind `backlog` queued bytes.
+    pub fn load_time(&self, bytes: u64, backlog: u64) -> f64 {
+        self.link
+            .transfer_time((bytes + backlog) as usize)
+            .as_secs_f64()
+            + self.link.latency_us * 1e-6 * self.num_layers.saturating_sub(1) as f64
+    }
+
+    /// Largest chunk whose CPU work per layer fits under the device's time per layer for a
+    /// step that also carries `other_tokens` rows of other requests.
+    pub fn max_assist_chunk(
+        &self,
+        adapter: &LoraAdapter,
+        other_tokens: usize,
+        cap: usize,
+    ) -> usize {
+        if cap == 0 {
+            return 0;
+        }
+        let fits = |c: usize| {
+            let cpu = self.cpu_layer_time(adapter, c);
+            let dev = self.layer_time(other_tokens + c);
+            if self.cpu_overlaps {
+                cpu <= dev * (1.0 + MAX_DECODE_SLOWDOWN)
+            } else {
+                // On the engine thread the CPU work is pure added time for everyone.
+                other_tokens == 0 || cpu <= dev * MAX_DECODE_SLOWDOWN
+            }
+        };
+        if fits(cap) {
+            return cap;
+        }
+        // Bisection over the chunk size: cpu time grows linearly in c, device time too.
+        let (mut lo, mut hi) = (0usize, cap);
+        while lo + 1 < hi {
+            let mid = (lo + hi) / 2;
+            if fits(mid) {
+                lo = mid;
+            } else {
+                hi = mid;
+            }
+        }
+        lo
+    }
+
+    /// Predicted TTFT of a cold request that waits for its load, then prefills in chunks of
+    /// `cap` next to `other_tokens` rows per step.
+    pub fn ttft_wait(&self, prompt: usize, cap: usize, other_tokens: usize, load_s: f64) -> f64 {
+        load_s + self.prefill_time(prompt, cap.max(1), other_tokens)
+    }
+
+    /// Predicted TTFT when it starts now with CPU assist in chunks of `chunk`.
+    pub fn ttft_assist(
+        &self,
+        adapter: &LoraAdapter,
+        prompt: usize,
+        chunk: usize,
+        other_tokens: usize,
+    ) -> f64 {
+        let steps = prompt.div_ceil(chunk.max(1));
+        let mut t = 0.0;
+        let mut left = prompt;
+        for _ in 0..steps {
+            let c = left.min(chunk);
+            let dev = self.layer_time(other_tokens + c);
+            let cpu = self.cpu_layer_time(adapter, c);
+            let per_layer = if self.cpu_overlaps {
+                dev.max(cpu)
+            } else {
+                dev + cpu
+            };
+            t += per_layer * self.num_layers as f64;
+            left -= c;
+        }
+        t
+    }
+
+    fn prefill_time(&self, prompt: usize, cap: usize, other_tokens: usize) -> f64 {
+        let mut t = 0.0;
+        let mut left = prompt;
+        while left > 0 {
+            let c = left.min(cap);
+            t += self.step_time(other_tokens + c);
+            left -= c;
+        }
+        t
+    }
+
+    /// The `auto` policy: assist when its predicted TTFT beats waiting and its chunk keeps
+    /// co-batched decode within [`MAX_DECODE_SLOWDOWN`]; otherwise wait.
+    pub fn decide(
+        &self,
+        adapter: &LoraAdapter,
+        prompt_left: usize,
+        cap: usize,
+        other_tokens: usize,
+        load_left_s: f64,
+    ) -> ColdDecision {
+        let chunk = self.max_assist_chunk(adapter, other_tokens, cap.min(prompt_left));
+        if chunk == 0 {
+            return ColdDecision::Wait;
+        }
+        let assist = self.ttft_assist(adapter, prompt_left, chunk, other_tokens);
+        let wait = self.ttft_wait(prompt_left, cap, other_tokens, load_left_s);
+        if assist <= wait {
+            ColdDecision::Assist { max_chunk: chunk }
+        } else {
+            ColdDecision::Wait
+        }
+    }
+
+    /// Folds one measured step (`tokens` rows, no CPU stall) into the device time model.
+    pub fn observe_step(&mut self, tokens: usize, elapsed: Duration) {
+        if tokens == 0 || self.num_layers == 0 {
+            return;
+        }
+        let per_layer = elapsed.as_secs_f64() / self.num_layers as f64;
+        let predicted = self.layer_time(tokens);
+        // Attribute the error to the per-token slope for big steps, to the base for small.
+        let err = per_layer - predicted;
+        let w = (tokens as f64 / 64.0).min(1.0);
+        self.layer_per_token_s =
+            (self.layer_per_token_s + self.alpha * err * w / tokens as f64).max(1e-9);
+        self.layer_base_s = (self.layer_base_s + self.alpha * err * (1.0 - w)).max(0.0);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn model(overlaps: bool) -> CostModel {
+        CostModel {
+            layer_base_s: 1e-4,
+            layer_per_token_s: 1e-5,
+            num_layers: 8,
+            cpu_flops: 1e9,
+            cpu_overlaps: overlaps,
+            link: LinkModel {
+                gbps: 0.05,
+                latency_us: 10.0,
+            },
+            alpha: 0.2,
+        }
+    }
+
+    #[test]
+    fn step_time_is_linear_in_tokens() {
+        let m = model(true);
+        assert!((m.layer_time(10) - 2e-4).abs() < 1e-12);
+        assert!((m.step_time(10) - 1.6e-3).abs() < 1e-12);
+    }
+
+    #[test]
+    fn observing_steps_converges_to_the_measured_rate() {
+        let mut m = model(true);
+        for _ in 0..200 {
+            m.observe_step(128, Duration::from_secs_f64(8.0 * (2e-4 + 2e-5 * 128.0)));
+            m.observe_step(1, Duration::from_secs_f64(8.0 * (2e-4 + 2e-5)));
+        }
+        let big = m.layer_time(128);
+        let want = 2e-4 + 2e-5 * 128.0;
+        assert!((big - want).abs() / want < 0.05, "{big} vs {want}");
+    }
+}
+
+/// Measures the cost model's inputs on `engine`: device time per layer from a throwaway
+/// sequence's prefill and decode steps, CPU LoRA throughput from the worker pool's profile
+/// (or, with no pool, from timing the kernel on the engine thread), the link from the backend.
+pub fn calibrate(
+    engine: &mut thaw_runtime::engine::Engine<thaw_runtime::backend::cpu::CpuBackend>,
+) -> thaw_runtime::Result<CostModel> {
+    use std::time::Instant;
+    use thaw_runtime::engine::{PlanItem, SequenceParams, StepPlan};
+    use thaw_runtime::ids::SeqId;
+
+    let c = engine.model_config().clone();
+    let big = 64
+        .min(engine.engine_config().max_batch_tokens)
+        .min(engine.max_context() / 2);
+    let seq = SeqId(u64::MAX);
+    let time_step =
+        |n: usize, e: &mut thaw_runtime::engine::Engine<_>| -> thaw_runtime::Result<f64> {
+            let t = Instant::now();
+            e.step(&StepPlan {
+                items: vec![PlanItem { seq, num_tokens: n }],
+                return_logits: false,
+            })?;
+            Ok(t.elapsed().as_secs_f64())
+        };
+    let mut samples = Vec::new();
+    for _ in 0..3 {
+        engine.add_sequence(
+            seq,
+            SequenceParams {
+                prompt: (0..big as u32)
+                    .map(|i| 3 + i % (c.vocab_size as u32 - 3))
+                    .collect(),
+                max_new_tokens: 2,
+                ignore_eos: true,
+                ..Default::default()
+            },
+        )?;
+        let prefill = time_step(big, engine)?;
+        let decode = time_step(1, engine)?;
+        let _ = engine.remove_sequence(seq);
+        samples.push((prefill, decode));
+    }
+    // Median of each, then a line through (1, decode) and (big, prefill).
+    let mut p: Vec<f64> = samples.iter().map(|s| s.0).collect();
+    let mut d: Vec<f64> = samples.iter().map(|s| s.1).collect();
+    p.sort_by(f64::total_cmp);
+    d.sort_by(f64::total_cmp);
+    let layers = c.num_layers.max(1) as f64;
+    let (p, d) = (p[1] / layers, d[1] / layers);
+    let per_token = ((p - d) / (big as f64 - 1.0)).max(1e-9);
+    let base = (d - per_token).max(0.0);
+    let (cpu_flops, cpu_overlaps) = match engine.pool() {
+        Some(pool) => (
+            (0..pool.n_workers())
+                .map(|w| pool.profile().gflops(w))
+                .sum::<f64>()
+                * 1e9,
+            true,
+        ),
+        None => (inline_lora_flops(c.hidden_size), false),
+    };
+    Ok(CostModel {
+        layer_base_s: base,
+        layer_per_token_s: per_token,
+        num_layers: c.num_layers,
+        cpu_flops,
+        cpu_overlaps,
+        link: engine.backend().link(),
+        alpha: 0.1,
+    })
+}
+
+/// FLOP/s of the LoRA kernel on this thread for a rank-16, 32-row problem of `hidden` width.
+fn inline_lora_flops(hidden: usize) -> f64 {
+    use std::time::Instant;
+    use thaw_kernels::cpu::{sgmv, LoraRef, LoraSegment};
+    let (rows, rank) = (32usize, 16usize);
+    let x: Vec<f32> = (0..rows * hidden)
+        .map(|i| ((i * 7919) % 101) as f32 / 101.0 - 0.5)
+        .collect();
+    let a: Vec<f32> = (0..rank * hidden)
+        .map(|i| ((i * 104729) % 97) as f32 / 97.0 - 0.5)
+        .collect();
+    let b = a.clone();
+    let mut y = vec![0.0f32; rows * hidden];
+    let mut scratch = Vec::new();
+    let seg = LoraSegment {
+        rows: 0..rows,
+        lora: LoraRef {
+            a: &a,
+            b: &b,
+            rank,
+            scale: 1.0,
+        },
+    };
+    let reps = 20;
+    let t = Instant::now();
+    for _ in 0..reps {
+        sgmv(
+            &x,
+            hidden,
+            std::slice::from_ref(&seg),
+            &mut y,
+            hidden,
+            &mut scratch,
+        );
+    }
+    let flops = 2.0 * rows as f64 * rank as f64 * 2.0 * hidden as f64 * reps as f64;
+    flops / t.elapsed().as_secs_f64().max(1e-9)
+}

@@ -1,0 +1,367 @@
+//! An engine-level driver for cold-start experiments: requests arrive on a clock, adapters
+//! move disk → host (loader thread) → device (copy engine), and a FIFO continuous-batching
+//! loop applies a [`ColdStartPolicy`] to requests whose adapter is not resident.
+//!
+//! The HTTP server's scheduler applies the same policy decisions; this driver exists so the
+//! policies can be compared and tested on the engine alone, with real wall-clock timing.
+use std::collections::VecDeque;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use thaw_runtime::adapter::LoraAdapter;
+use thaw_runtime::backend::cpu::CpuBackend;
+use thaw_runtime::engine::{Engine, FinishReason, PlanItem, SequenceParams, StepPlan};
+use thaw_runtime::ids::{AdapterId, SeqId};
+use thaw_runtime::sampling::SamplingParams;
+
+use super::cost::{ColdDecision, CostModel, Prediction};
+use super::loader::Loader;
+use super::policy::ColdStartPolicy;
+
+/// Where an adapter starts a run.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum StartTier {
+    /// Resident on the device.
+    Device,
+    /// In host memory, streaming to the device from the start of the run.
+    Streaming,
+    /// On disk: loaded when its first request arrives.
+    Disk,
+}
+
+/// One request of a run.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Request {
+    /// Arrival, from the start of the run.
+    pub arrival: Duration,
+    pub prompt: Vec<u32>,
+    pub max_tokens: usize,
+    /// Index into the run's adapters, or None for the base model.
+    pub adapter: Option<usize>,
+    pub sampling: SamplingParams,
+}
+
+/// What happened to one request.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Outcome {
+    pub tokens: Vec<u32>,
+    pub ttft: Option<Duration>,
+    pub e2e: Option<Duration>,
+    pub finish: Option<FinishReason>,
+    /// Why the request failed (its adapter could not be loaded), if it did.
+    pub error: Option<String>,
+}
+
+impl Outcome {
+    /// Time per output token after the first.
+    pub fn tpot(&self) -> Option<Duration> {
+        let (t, e) = (self.ttft?, self.e2e?);
+        (self.tokens.len() > 1).then(|| (e - t) / (self.tokens.len() as u32 - 1))
+    }
+}
+
+/// Driver knobs.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DriverConfig {
+    pub policy: ColdStartPolicy,
+    /// Largest prefill chunk per request per step.
+    pub max_chunk: usize,
+    /// Token budget of a step.
+    pub max_batch_tokens: usize,
+}
+
+/// Everything a run produced.
+#[derive(Clone, Debug, Default)]
+pub struct RunReport {
+    pub outcomes: Vec<Outcome>,
+    /// `auto`'s TTFT predictions next to what happened.
+    pub predictions: Vec<Prediction>,
+    /// Row·modules the CPU computed.
+    pub rows_assisted: u64,
+    pub wall: Duration,
+}
+
+#[derive(Clone, Debug)]
+enum AdapterState {
+    Disk,
+    Loading,
+    Ready,
+    Failed(String),
+}
+
+struct Live {
+    req: usize,
+    admitted: bool,
+}
+
+/// Runs `requests` (sorted by arrival) to completion on `engine`.
+pub fn run(
+    engine: &mut Engine<CpuBackend>,
+    adapters: &[(PathBuf, StartTier)],
+    requests: &[Request],
+    cfg: &DriverConfig,
+    cost: &mut CostModel,
+) -> RunReport {
+    let loader = Loader::spawn(engine.model_config().clone());
+    let mut state: Vec<AdapterState> = vec![AdapterState::Disk; adapters.len()];
+    let mut host: Vec<Option<Arc<LoraAdapter>>> = vec![None; adapters.len()];
+    // Initial tiers (the cached oracle makes everything resident up front).
+    for (i, (dir, tier)) in adapters.iter().enumerate() {
+        let tier = if cfg.policy == ColdStartPolicy::Cached {
+            StartTier::Device
+        } else {
+            *tier
+        };
+        if tier == StartTier::Disk {
+            continue;
+        }
+        match LoraAdapter::load(dir, engine.model_config()) {
+            Ok(a) => {
+                let a = Arc::new(a);
+                let id = AdapterId(i as u32);
+                let r = if tier == StartTier::Device {
+                    engine.register_adapter(id, a.clone())
+                } else {
+                    engine.register_adapter_streaming(id, a.clone())
+                };
+                state[i] = match r {
+                    Ok(()) => AdapterState::Ready,
+                    Err(e) => AdapterState::Failed(e.to_string()),
+                };
+                host[i] = Some(a);
+            }
+            Err(e) => state[i] = AdapterState::Failed(e.to_string()),
+        }
+    }
+    let rows_before = engine.rows_assisted();
+    let mut out = vec![Outcome::default(); requests.len()];
+    let mut predicted: Vec<Option<f64>> = vec![None; requests.len()];
+    let mut queue: VecDeque<Live> = VecDeque::new();
+    let mut next = 0;
+    let start = Instant::now();
+    let mut done = 0;
+    while done < requests.len() {
+        let now = start.elapsed();
+        // Arrivals; a cold adapter's first request sends it to the loader.
+        while next < requests.len() && requests[next].arrival <= now {
+            if let Some(a) = requests[next].adapter {
+                if matches!(state[a], AdapterState::Disk) {
+                    loader.request(a, adapters[a].0.clone());
+                    state[a] = AdapterState::Loading;
+                }
+            }
+            queue.push_back(Live {
+                req: next,
+                admitted: false,
+            });
+            next += 1;
+        }
+        for (a, r) in loader.finished() {
+            state[a] = match r.map_err(|e| e.to_string()).and_then(|ad| {
+                engine
+                    .register_adapter_streaming(AdapterId(a as u32), ad.clone())
+                    .map_err(|e| e.to_string())?;
+                host[a] = Some(ad);
+                Ok(())
+            }) {
+                Ok(()) => AdapterState::Ready,
+                Err(e) => AdapterState::Failed(e),
+            };
+        }
+        // Requests of a failed adapter fail alone.
+        queue.retain(|l| {
+            let r = &requests[l.req];
+            match r.adapter.map(|a| &state[a]) {
+                Some(AdapterState::Failed(e)) => {
+                    if l.admitted {
+                        let _ = engine.remove_sequence(SeqId(l.req as u64));
+                    }
+                    out[l.req].error = Some(e.clone());
+                    done += 1;
+                    false
+                }
+                _ => true,
+            }
+        });
+        let mut failed = Vec::new();
+        let plan = build_plan(
+            engine,
+            requests,
+            &mut queue,
+            &state,
+            &host,
+            cfg,
+            cost,
+            &mut predicted,
+            &mut failed,
+        );
+        for (i, e) in failed {
+            out[i].error = Some(e);
+            queue.retain(|l| l.req != i);
+            done += 1;
+        }
+        if plan.items.is_empty() {
+            std::thread::sleep(Duration::from_micros(200));
+            continue;
+        }
+        let tokens: usize = plan.items.iter().map(|i| i.num_tokens).sum();
+        let cold = plan.items.iter().any(|i| {
+            requests[i.seq.0 as usize]
+                .adapter
+                .is_some_and(|a| !engine.adapter_resident(AdapterId(a as u32)))
+        });
+        let t = Instant::now();
+        let outputs = match engine.step(&plan) {
+            Ok(o) => o,
+            Err(e) => {
+                // A failed step fails the requests in it, not the run.
+                for it in &plan.items {
+                    let i = it.seq.0 as usize;
+                    let _ = engine.remove_sequence(it.seq);
+                    out[i].error = Some(e.to_string());
+                    queue.retain(|l| l.req != i);
+                    done += 1;
+                }
+                continue;
+            }
+        };
+        if !cold {
+            cost.observe_step(tokens, t.elapsed());
+        }
+        let now = start.elapsed();
+        for o in outputs {
+            let i = o.seq.0 as usize;
+            let r = &requests[i];
+            let oc = &mut out[i];
+            if oc.ttft.is_none() {
+                oc.ttft = Some(now.saturating_sub(r.arrival));
+            }
+            oc.tokens.push(o.token.id);
+            if let Some(f) = o.finish {
+                oc.finish = Some(f);
+                oc.e2e = Some(now.saturating_sub(r.arrival));
+                queue.retain(|l| l.req != i);
+                done += 1;
+            }
+        }
+    }
+    let predictions = predicted
+        .iter()
+        .zip(&out)
+        .filter_map(|(p, o)| {
+            Some(Prediction {
+                predicted_s: (*p)?,
+                actual_s: o.ttft?.as_secs_f64(),
+            })
+        })
+        .collect();
+    RunReport {
+        outcomes: out,
+        predictions,
+        rows_assisted: engine.rows_assisted() - rows_before,
+        wall: start.elapsed(),
+    }
+}
+
+/// FIFO with a token budget: every decode first, then prefill chunks in arrival order; a
+/// request whose adapter is not resident waits or runs per the policy.
+#[allow(clippy::too_many_arguments)]
+fn build_plan(
+    engine: &mut Engine<CpuBackend>,
+    requests: &[Request],
+    queue: &mut VecDeque<Live>,
+    state: &[AdapterState],
+    host: &[Option<Arc<LoraAdapter>>],
+    cfg: &DriverConfig,
+    cost: &CostModel,
+    predicted: &mut [Option<f64>],
+    failed: &mut Vec<(usize, String)>,
+) -> StepPlan {
+    let mut items = Vec::new();
+    let mut budget = cfg.max_batch_tokens;
+    // Decodes (admitted, one pending token).
+    for l in queue.iter() {
+        let seq = SeqId(l.req as u64);
+        if l.admitted && engine.pending_tokens(seq).ok() == Some(1) && budget > 0 {
+            items.push(PlanItem { seq, num_tokens: 1 });
+            budget -= 1;
+        }
+    }
+    let decode_tokens = items.len();
+    for l in queue.iter_mut() {
+        if budget == 0 {
+            break;
+        }
+        let r = &requests[l.req];
+        let seq = SeqId(l.req as u64);
+        let pending = if l.admitted {
+            engine.pending_tokens(seq).unwrap_or(0)
+        } else {
+            r.prompt.len()
+        };
+        if pending <= 1 && l.admitted {
+            continue; // decoding, already planned
+        }
+        let mut cap = cfg.max_chunk.min(budget);
+        if let Some(a) = r.adapter {
+            if !matches!(state[a], AdapterState::Ready) {
+                continue; // still on disk or loading: the host tier is needed first
+            }
+            let id = AdapterId(a as u32);
+            if !engine.adapter_resident(id) {
+                match cfg.policy {
+                    ColdStartPolicy::Cached | ColdStartPolicy::OnDemand => continue,
+                    ColdStartPolicy::CpuAssist => {}
+                    ColdStartPolicy::Auto => {
+                        let adapter = host[a].as_ref().expect("ready adapters have a host copy");
+                        let (landed, layers) = engine.adapter_landed(id).unwrap_or((0, 1));
+                        let left = 1.0 - landed as f64 / layers.max(1) as f64;
+                        let backlog = engine.backend().link_backlog();
+                        let load_left = cost
+                            .load_time((adapter.size_bytes_f32() as f64 * left) as u64, backlog);
+                        match cost.decide(adapter, pending, cap, decode_tokens, load_left) {
+                            ColdDecision::Wait => continue,
+                            ColdDecision::Assist { max_chunk } => {
+                                if predicted[l.req].is_none() {
+                                    predicted[l.req] = Some(cost.ttft_assist(
+                                        adapter,
+                                        pending,
+                                        max_chunk,
+                                        decode_tokens,
+                                    ));
+                                }
+                                cap = max_chunk;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        if !l.admitted {
+            let params = SequenceParams {
+                prompt: r.prompt.clone(),
+                adapter: r.adapter.map(|a| AdapterId(a as u32)),
+                sampling: r.sampling.clone(),
+                max_new_tokens: r.max_tokens,
+                ignore_eos: true,
+                ..Default::default()
+            };
+            if let Err(e) = engine.add_sequence(seq, params) {
+                failed.push((l.req, e.to_string()));
+                continue;
+            }
+            l.admitted = true;
+        }
+        let n = pending.min(cap);
+        if n == 0 {
+            continue;
+        }
+        items.push(PlanItem { seq, num_tokens: n });
+        budget -= n;
+    }
+    StepPlan {
+        items,
+        return_logits: false,
+    }
+}
