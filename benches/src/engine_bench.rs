@@ -41,6 +41,9 @@ pub struct EngineBenchArgs {
     /// Where to generate the model (a temporary directory when absent).
     #[arg(long)]
     pub workdir: Option<PathBuf>,
+    /// A seconds-long version (tiny model) for smoke runs.
+    #[arg(long)]
+    pub quick: bool,
 }
 
 impl EngineBenchArgs {
@@ -55,6 +58,7 @@ impl EngineBenchArgs {
             adapters: vec![0, 1, 4],
             reps: 1,
             workdir: None,
+            quick: true,
         }
     }
 }
@@ -70,6 +74,13 @@ pub struct EngineBenchRow {
 
 /// Runs the benchmark and returns its rows (the first is the base model).
 pub fn run(args: &EngineBenchArgs) -> anyhow::Result<Vec<EngineBenchRow>> {
+    let quick;
+    let args = if args.quick {
+        quick = EngineBenchArgs::quick();
+        &quick
+    } else {
+        args
+    };
     let tmp = tempfile::tempdir()?;
     let root = args
         .workdir

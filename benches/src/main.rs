@@ -1,7 +1,10 @@
 //! `thaw-bench`: Thaw's benchmarks. Each subcommand prints a table; none asserts a time.
 use clap::{Parser, Subcommand};
 
+mod coldstart_bench;
 mod engine_bench;
+mod lora_bench;
+mod lora_socket;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -17,6 +20,19 @@ struct Cli {
 enum Cmd {
     /// CPU engine prefill/decode throughput with 0, 1 and N distinct adapters in the batch.
     Engine(engine_bench::EngineBenchArgs),
+    /// CPU LoRA invocation round trip: shared memory (spin, futex) vs a UNIX socket, 1…N workers.
+    LoraIpc(lora_bench::LoraIpcArgs),
+    /// CPU LoRA prefill on 1…N worker processes vs one process with N threads.
+    LoraScaling(lora_bench::LoraScalingArgs),
+    /// The four --cold-start policies on the engine (CPU backend, emulated link): TTFT/TPOT/E2E
+    /// with overheads relative to `cached`.
+    ColdStartEngine(coldstart_bench::ColdStartArgs),
+    /// A CPU LoRA worker process (spawned by the benchmarks' pool).
+    #[command(hide = true)]
+    LoraWorker(thaw_cpu_lora::WorkerArgs),
+    /// The socket-baseline worker of `lora-ipc`.
+    #[command(hide = true)]
+    LoraSocketWorker(lora_socket::SocketWorkerArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -25,6 +41,20 @@ fn main() -> anyhow::Result<()> {
             let rows = engine_bench::run(&args)?;
             println!("{}", engine_bench::table(&args, &rows));
         }
+        Cmd::LoraIpc(args) => {
+            let rows = lora_bench::run_ipc(&args)?;
+            println!("{}", lora_bench::ipc_table(&args, &rows));
+        }
+        Cmd::LoraScaling(args) => {
+            let report = lora_bench::run_scaling(&args)?;
+            println!("{}", lora_bench::scaling_table(&args, &report));
+        }
+        Cmd::ColdStartEngine(args) => {
+            let ex = coldstart_bench::run(&args)?;
+            println!("{}", coldstart_bench::table(&ex));
+        }
+        Cmd::LoraWorker(args) => thaw_cpu_lora::worker_main(args)?,
+        Cmd::LoraSocketWorker(args) => lora_socket::run_worker(&args)?,
     }
     Ok(())
 }

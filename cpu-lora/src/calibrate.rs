@@ -5,8 +5,8 @@
 use std::time::{Duration, Instant};
 
 use thaw_ipc::{
-    AdapterId, DType, Generation, Job, LayerIdx, LayerModuleWeights, Module, ModuleMask,
-    WorkerId, WorkerMask,
+    AdapterId, DType, Generation, Job, LayerIdx, LayerModuleWeights, Module, ModuleMask, WorkerId,
+    WorkerMask,
 };
 
 use crate::pool::LoraPool;
@@ -80,7 +80,11 @@ pub(crate) fn run(pool: &mut LoraPool, shapes: &[CalibrationShape]) -> Result<()
         };
         let total = rows * workers.len() as u32;
         let stride = c.max_d_in as usize;
-        for (r, row) in pool.input_mut(0, 0..total)?.chunks_exact_mut(stride).enumerate() {
+        for (r, row) in pool
+            .input_mut(0, 0..total)?
+            .chunks_exact_mut(stride)
+            .enumerate()
+        {
             for (k, v) in row.iter_mut().enumerate() {
                 *v = ((r * 31 + k * 7) % 97) as f32 / 97.0 - 0.5;
             }
@@ -102,7 +106,9 @@ pub(crate) fn run(pool: &mut LoraPool, shapes: &[CalibrationShape]) -> Result<()
                 _pad: 0,
             })
             .collect();
-        let mask = workers.iter().fold(WorkerMask::default(), |m, &w| m.with(w));
+        let mask = workers
+            .iter()
+            .fold(WorkerMask::default(), |m, &w| m.with(w));
         let key = ShapeKey {
             rank: s.rank,
             d_in: d,

@@ -227,12 +227,17 @@ pub struct LoraPool {
     shut: bool,
 }
 
-fn default_cores(engine_core: Option<usize>) -> Vec<usize> {
-    let all: Vec<usize> = core_affinity::get_core_ids()
+/// Cores this process may run on.
+fn cpu_set() -> Vec<usize> {
+    core_affinity::get_core_ids()
         .unwrap_or_default()
         .into_iter()
         .map(|c| c.id)
-        .collect();
+        .collect()
+}
+
+fn default_cores(engine_core: Option<usize>) -> Vec<usize> {
+    let all = cpu_set();
     let engine = engine_core.or_else(|| all.first().copied());
     let rest: Vec<usize> = all.iter().copied().filter(|&c| Some(c) != engine).collect();
     if rest.is_empty() {
@@ -256,6 +261,14 @@ impl LoraPool {
             return Err(CpuLoraError::Config(format!(
                 "{n} worker cores; give 1..=64 (PoolConfig::cores)"
             )));
+        }
+        if cfg.pin {
+            let allowed = cpu_set();
+            if let Some(c) = cores.iter().find(|c| !allowed.contains(c)) {
+                return Err(CpuLoraError::Config(format!(
+                    "core {c} is not in this process's CPU set {allowed:?}"
+                )));
+            }
         }
         if (store.config().max_readers as usize) < n + 1 {
             return Err(CpuLoraError::Config(format!(
@@ -430,7 +443,7 @@ impl LoraPool {
         d_in: usize,
     ) -> Result<(), CpuLoraError> {
         let stride = self.input_stride();
-        if d_in == 0 || d_in > stride || x.len() % d_in != 0 {
+        if d_in > stride || x.len().checked_rem(d_in) != Some(0) {
             return Err(CpuLoraError::Config(format!(
                 "write_input: {} values are not rows of d_in {d_in} (stride {stride})",
                 x.len()
@@ -539,10 +552,16 @@ impl LoraPool {
                 return Err(bad(format!("rows {:?} outside 0..{}", j.rows, c.max_rows)));
             }
             if j.input >= c.max_inputs {
-                return Err(bad(format!("input {} >= max_inputs {}", j.input, c.max_inputs)));
+                return Err(bad(format!(
+                    "input {} >= max_inputs {}",
+                    j.input, c.max_inputs
+                )));
             }
             if j.modules.0 == 0 || j.modules.0 >> 7 != 0 {
-                return Err(bad(format!("module mask {:#b} is empty or invalid", j.modules.0)));
+                return Err(bad(format!(
+                    "module mask {:#b} is empty or invalid",
+                    j.modules.0
+                )));
             }
             let mut info = JobInfo {
                 keys: [None; 7],
@@ -623,11 +642,16 @@ impl LoraPool {
             }
             let room = max_jobs - self.jobs.len() - left;
             let (first_key, cands) = (info.keys.iter().flatten().next().copied(), &self.cands);
-            let (out_jobs, out_asg, usage) = (&mut self.jobs, &mut self.assignments, &mut self.usage);
+            let (out_jobs, out_asg, usage) =
+                (&mut self.jobs, &mut self.assignments, &mut self.usage);
             let v = first_key.expect("resolve checked at least one module");
             let scale = self
                 .store
-                .view(j.adapter, j.layer, j.modules.iter().next().expect("non-empty"))
+                .view(
+                    j.adapter,
+                    j.layer,
+                    j.modules.iter().next().expect("non-empty"),
+                )
                 .map_or(1.0, |v| v.scale);
             split_rows(
                 j.rows.clone(),
@@ -774,7 +798,12 @@ impl LoraPool {
     /// Computes dead worker `w`'s jobs of step `seq` in this process, through its exchange
     /// slot, with the workers' own code. The process must be dead and reaped. Returns the
     /// row·modules computed.
-    fn stand_in(&mut self, w: WorkerId, seq: StepSeq, deadline: Instant) -> Result<u32, CpuLoraError> {
+    fn stand_in(
+        &mut self,
+        w: WorkerId,
+        seq: StepSeq,
+        deadline: Instant,
+    ) -> Result<u32, CpuLoraError> {
         if self.ex.worker_status(w)?.result.reached(seq) {
             return Ok(0); // it finished the step before dying
         }
@@ -792,7 +821,9 @@ impl LoraPool {
                 )))
             }
         }
-        let stat = self.standin.run_step(&mut port, self.store.reader(), seq, None);
+        let stat = self
+            .standin
+            .run_step(&mut port, self.store.reader(), seq, None);
         port.complete();
         self.ex.reset_worker(w, seq)?;
         if stat.failed > 0 {
@@ -812,7 +843,10 @@ impl LoraPool {
         self.store.release_reader(ReaderSlot(w.0 + 1))?;
         if slot.state == SlotState::Disabled || slot.restarts >= self.cfg.max_restarts {
             slot.state = SlotState::Disabled;
-            tracing::error!(worker = w.0, "CPU LoRA worker restarted too often; disabled");
+            tracing::error!(
+                worker = w.0,
+                "CPU LoRA worker restarted too often; disabled"
+            );
             return Ok(false);
         }
         self.ex.reset_worker(w, self.seq)?;

@@ -233,7 +233,11 @@ fn water_fill(total: u32, cost: &[f64], loads: &[f64], active: &[bool], shares: 
     while given < total {
         let c = *order
             .iter()
-            .max_by(|&&a, &&b| frac[a].total_cmp(&frac[b]).then(loads[b].total_cmp(&loads[a])))
+            .max_by(|&&a, &&b| {
+                frac[a]
+                    .total_cmp(&frac[b])
+                    .then(loads[b].total_cmp(&loads[a]))
+            })
             .expect("at least one active candidate");
         shares[c] += 1;
         frac[c] = f64::NEG_INFINITY;
@@ -262,7 +266,9 @@ mod tests {
     fn faster_worker_gets_more_rows() {
         let mut loads = [0.0, 0.0];
         let mut got = vec![];
-        split_rows(0..30, &[1.0, 2.0], &mut loads, 1, 8, |c, r| got.push((c, r)));
+        split_rows(0..30, &[1.0, 2.0], &mut loads, 1, 8, |c, r| {
+            got.push((c, r))
+        });
         assert_eq!(got, vec![(0, 0..20), (1, 20..30)]);
         assert_eq!(loads, [20.0, 20.0]);
     }
@@ -272,7 +278,9 @@ mod tests {
         let mut loads = [0.0, 0.0];
         let mut got = vec![];
         for j in 0..4 {
-            split_rows(j..j + 1, &[1.0, 1.0], &mut loads, 4, 8, |c, r| got.push((c, r)));
+            split_rows(j..j + 1, &[1.0, 1.0], &mut loads, 4, 8, |c, r| {
+                got.push((c, r))
+            });
         }
         let per: Vec<usize> = got.iter().map(|g| g.0).collect();
         assert_eq!(per, vec![0, 1, 0, 1]);

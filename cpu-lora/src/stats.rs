@@ -95,8 +95,12 @@ impl StatsSegment {
     pub fn record(&self, w: WorkerId, stat: WorkerStepStat) {
         let Some(base) = self.off(w, 0) else { return };
         self.seg.atomic_u32(base + ROWS).store(stat.rows, Relaxed);
-        self.seg.atomic_u64(base + NS).store(stat.compute_ns, Relaxed);
-        self.seg.atomic_u32(base + FAILED).store(stat.failed, Relaxed);
+        self.seg
+            .atomic_u64(base + NS)
+            .store(stat.compute_ns, Relaxed);
+        self.seg
+            .atomic_u32(base + FAILED)
+            .store(stat.failed, Relaxed);
         self.seg.atomic_u32(base + SEQ).store(stat.seq.0, Release);
     }
 

@@ -15,7 +15,13 @@ pub(crate) fn die_with_parent(cmd: &mut Command) {
     // io::Error from a raw errno (no allocation, no lock). It captures only a pid_t.
     unsafe {
         cmd.pre_exec(move || {
-            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0) != 0
+            if libc::prctl(
+                libc::PR_SET_PDEATHSIG,
+                libc::SIGKILL as libc::c_ulong,
+                0,
+                0,
+                0,
+            ) != 0
             {
                 return Err(std::io::Error::last_os_error());
             }

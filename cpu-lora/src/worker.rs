@@ -196,7 +196,10 @@ impl Worker {
 /// Entry point of a worker process: pin, open the inherited segments, serve until shutdown.
 pub fn worker_main(args: WorkerArgs) -> Result<(), CpuLoraError> {
     if let Some(core) = args.core {
-        if !core_affinity::set_for_current(core_affinity::CoreId { id: core }) {
+        let allowed = core_affinity::get_core_ids().unwrap_or_default();
+        if !allowed.iter().any(|c| c.id == core)
+            || !core_affinity::set_for_current(core_affinity::CoreId { id: core })
+        {
             return Err(CpuLoraError::Pin { core });
         }
     }

@@ -16,6 +16,10 @@
 //! | `cpu::attention` | paged KV writes and causal GQA [`cpu::paged_attention`] (sliding window) |
 //! | `cpu::lora` | Punica SGMV / BGMV shrink and expand, merged-weight oracle |
 //! | `cpu::convert` | f16 / bf16 little-endian bytes to f32 |
+//! | `cuda::registry` | every CUDA kernel source (NVRTC), its entry points, compile options |
+//!
+//! With the `cuda` feature, `cuda::KernelCache` compiles the registry's sources with NVRTC on
+//! first use and keeps one module per (device ordinal, arch); see `kernels/README.md` for CUDA 12.
 //!
 //! ```
 //! use thaw_kernels::cpu::{linear, sgmv, GemmShape, LoraRef, LoraSegment};
@@ -35,6 +39,7 @@
 //! ```
 
 pub mod cpu;
+pub mod cuda;
 mod error;
 
 pub use error::KernelError;

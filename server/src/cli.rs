@@ -25,6 +25,9 @@ pub enum Command {
     /// Run one request end to end on the CPU engine and stream its text (no --model: the
     /// embedded demo model and its first adapter, generated once into the cache directory).
     Generate(GenerateArgs),
+    /// Serve the OpenAI-compatible HTTP API (completions, chat, models, adapter load/unload,
+    /// metrics); with no --model, the embedded demo model and adapters on 127.0.0.1:8000.
+    Serve(thaw_server::serve::ServeArgs),
 }
 
 impl Command {
@@ -33,6 +36,7 @@ impl Command {
             Command::GenModel(args) => args.run(),
             Command::GenAdapters(args) => args.run(),
             Command::Generate(args) => args.run(),
+            Command::Serve(args) => thaw_server::serve::run(args.resolve()?),
         }
     }
 }

@@ -115,3 +115,5 @@ pub fn projection(short: &str) -> Projection {
         .find(|p| p.hf_name() == format!("{short}_proj"))
         .unwrap_or_else(|| panic!("no projection named {short}"))
 }
+
+pub mod http;

@@ -5,7 +5,10 @@ use clap::Parser;
 use thaw_cpu_lora::{worker_main, WorkerArgs};
 
 #[derive(Parser, Debug)]
-#[command(name = "thaw-lora-worker", about = "CPU LoRA worker (spawned by the pool)")]
+#[command(
+    name = "thaw-lora-worker",
+    about = "CPU LoRA worker (spawned by the pool)"
+)]
 struct Cli {
     #[command(flatten)]
     args: WorkerArgs,

@@ -143,6 +143,31 @@ impl CudaBackend {
             .unwrap_or_else(|e| format!("<unknown: {e}>"))
     }
 
+    /// Copies host f32 values to a new device buffer (tests, benchmarks).
+    pub fn upload_f32(&self, v: &[f32]) -> Result<CudaSlice<f32>> {
+        let s = &self.gpu.stream;
+        let r = if v.is_empty() { s.alloc_zeros::<f32>(1) } else { s.clone_htod(v) };
+        Ok(r.map_err(CudaError::from)?)
+    }
+
+    /// The first `n` values of a device buffer (synchronises the compute stream).
+    pub fn download_f32(&self, b: &CudaSlice<f32>, n: usize) -> Result<Vec<f32>> {
+        let mut out = vec![0.0; n];
+        if n > 0 {
+            self.gpu
+                .stream
+                .memcpy_dtoh(&b.slice(..n), &mut out[..])
+                .map_err(CudaError::from)?;
+        }
+        self.gpu.stream.synchronize().map_err(CudaError::from)?;
+        Ok(out)
+    }
+
+    /// The compute stream (benchmarks time work on it with events).
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.gpu.stream
+    }
+
     /// The first error since the last check, if any (ops after it were skipped).
     pub fn check(&mut self) -> Result<()> {
         match self.error.take() {
@@ -197,16 +222,25 @@ impl CudaBackend {
         at: (LayerIdx, LoraModule),
         batch: &LoraBatch<'_, CudaLora>,
     ) -> Result<(), CudaError> {
-        if !self.fresh.lora {
+        // Adapters whose layer has not landed are computed elsewhere (CPU assist) this step.
+        // The set only changes at layer boundaries, so metadata is rebuilt at most per layer.
+        let mut on = std::mem::take(&mut self.on_device_scratch);
+        on.clear();
+        on.extend((0..batch.adapters.len()).map(|i| batch.on_device(i as u32, at.0)));
+        if !self.fresh.lora || on != self.lora_on_device {
             self.lora_meta
-                .build(&self.gpu.stream, batch.layout, batch.adapters)?;
+                .build(&self.gpu.stream, batch.layout, batch.adapters, &on)?;
             self.fresh.lora = true;
+            std::mem::swap(&mut self.lora_on_device, &mut on);
         }
+        self.on_device_scratch = on;
         let rows = batch.layout.row_adapter.len();
         let max_rank = batch
             .adapters
             .iter()
-            .map(|a| a.rank(at.0 .0, at.1))
+            .zip(&self.lora_on_device)
+            .filter(|(_, &on)| on)
+            .map(|(a, _)| a.rank(at.0 .0, at.1))
             .max()
             .unwrap_or(0);
         if max_rank == 0 {
@@ -647,6 +681,26 @@ impl Backend for CudaBackend {
                     .gather_rows(x, self.gather.get(), rows.len(), width, out)
             })
         });
+    }
+
+    fn export_rows(
+        &mut self,
+        x: &CudaSlice<f32>,
+        width: usize,
+        rows: &[Range<usize>],
+        dst: &mut [f32],
+    ) {
+        op!(self, self.try_export_host(x, width, rows, dst));
+    }
+
+    fn merge_rows(
+        &mut self,
+        y: &mut CudaSlice<f32>,
+        width: usize,
+        rows: &[Range<usize>],
+        src: &[f32],
+    ) {
+        op!(self, self.try_merge_host(y, width, rows, src));
     }
 
     fn logits(

@@ -174,7 +174,7 @@ impl LoraMeta {
         self.row_tables
             .host
             .extend(layout.row_adapter.iter().map(|i| match i {
-                Some(i) if on_device[i as usize] => adapters[i as usize].table_addr,
+                Some(i) if on_device[*i as usize] => adapters[*i as usize].table_addr,
                 _ => 0,
             }));
         self.seg_tables.upload(stream)?;

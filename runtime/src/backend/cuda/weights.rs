@@ -49,7 +49,7 @@ pub struct CudaLora {
     /// All factors, each 256-byte aligned.
     pub(super) _weights: CudaSlice<u8>,
     /// `[n_layers * 7]` LoraSlot.
-    pub(super) table: CudaSlice<LoraSlot>,
+    pub(super) _table: CudaSlice<LoraSlot>,
     /// Host copy of the ranks, `[layer][module]` (0 = not targeted).
     pub(super) ranks: Vec<[u32; 7]>,
     pub(super) table_addr: u64,
@@ -58,7 +58,7 @@ pub struct CudaLora {
     /// Layers seen landed so far (a cache of the event polls).
     pub(super) landed: AtomicUsize,
     /// Page-locked source of a streamed adapter's copies, kept until they complete.
-    pub(super) staging: Option<PinnedHostSlice<u8>>,
+    pub(super) _staging: Option<PinnedHostSlice<u8>>,
 }
 
 impl Drop for CudaLora {
@@ -186,13 +186,34 @@ impl LoraPlan {
         let table_addr = dptr(&table, stream);
         Ok(CudaLora {
             _weights: weights,
-            table,
+            _table: table,
             ranks,
             table_addr,
             events,
             landed: AtomicUsize::new(0),
-            staging,
+            _staging: staging,
         })
+    }
+}
+
+/// The plan for a host adapter in `dt`: factors layer by layer, layer 0 first.
+pub(super) fn plan_lora(adapter: &LoraAdapter, dt: DType) -> LoraPlan {
+    let es = dt.size();
+    LoraPlan::new(
+        adapter.num_layers(),
+        adapter
+            .iter()
+            .map(|(l, m, w)| (l, m, w.rank as u32, w.scale, w.a.len() * es, w.b.len() * es)),
+    )
+}
+
+/// Writes `adapter`'s factors in `dt` into `host` (`plan.total` bytes) as `plan` places them.
+pub(super) fn pack_lora(adapter: &LoraAdapter, dt: DType, plan: &LoraPlan, host: &mut [u8]) {
+    for ((_, _, w), &(_, _, a_off, b_off, ..)) in adapter.iter().zip(&plan.entries) {
+        let a = encode(&w.a, dt);
+        let b = encode(&w.b, dt);
+        host[a_off..a_off + a.len()].copy_from_slice(&a);
+        host[b_off..b_off + b.len()].copy_from_slice(&b);
     }
 }
 
@@ -202,20 +223,9 @@ pub(super) fn upload_lora(
     adapter: &LoraAdapter,
     dt: DType,
 ) -> Result<CudaLora, CudaError> {
-    let es = dt.size();
-    let plan = LoraPlan::new(
-        adapter.num_layers(),
-        adapter
-            .iter()
-            .map(|(l, m, w)| (l, m, w.rank as u32, w.scale, w.a.len() * es, w.b.len() * es)),
-    );
+    let plan = plan_lora(adapter, dt);
     let mut host = vec![0u8; plan.total];
-    for ((_, _, w), &(_, _, a_off, b_off, ..)) in adapter.iter().zip(&plan.entries) {
-        let a = encode(&w.a, dt);
-        let b = encode(&w.b, dt);
-        host[a_off..a_off + a.len()].copy_from_slice(&a);
-        host[b_off..b_off + b.len()].copy_from_slice(&b);
-    }
+    pack_lora(adapter, dt, &plan, &mut host);
     let weights = upload_bytes(stream, &host)?;
-    plan.finish(stream, weights)
+    plan.finish(stream, weights, Vec::new(), None)
 }

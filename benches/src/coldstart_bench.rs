@@ -1,0 +1,501 @@
+//! `thaw-bench cold-start-engine`: the four `--cold-start` policies on the engine alone
+//! (CaraServe Fig. 10 on the CPU backend with an emulated link). Prints TTFT / TPOT / E2E per
+//! policy with overheads relative to `cached`. CPU-backend figures with an emulated link.
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::Context;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use rand_distr::{Distribution, Exp, Zipf};
+use thaw_cpu_lora::{LoraPool, PoolConfig};
+use thaw_ipc::HostStore;
+use thaw_runtime::backend::cpu::CpuBackend;
+use thaw_runtime::engine::{Engine, EngineConfig, HostModel};
+use thaw_runtime::residency::LinkModel;
+use thaw_runtime::sampling::SamplingParams;
+use thaw_server::coldstart::{
+    self, calibrate, ColdStartPolicy, DriverConfig, Request, RunReport, StartTier,
+};
+use thaw_server::gen::{self, GenAdaptersOptions, GenModelOptions, Projection};
+
+/// Options of `thaw-bench cold-start-engine`.
+#[derive(clap::Args, Clone, Debug)]
+pub struct ColdStartArgs {
+    /// Model preset.
+    #[arg(long, default_value = "small")]
+    pub preset: String,
+    /// Requests per run.
+    #[arg(long, default_value_t = 48)]
+    pub requests: usize,
+    /// LoRA rank (targets q, k, v, o).
+    #[arg(long, default_value_t = 64)]
+    pub rank: usize,
+    /// Median prompt tokens of the synthetic run (uniform in [median/2, 3·median/2]).
+    #[arg(long, default_value_t = 128)]
+    pub prompt_median: usize,
+    /// Output tokens per request of the synthetic run.
+    #[arg(long, default_value_t = 32)]
+    pub output_tokens: usize,
+    /// Offered load as a fraction of the measured sustainable rate.
+    #[arg(long, default_value_t = 0.7)]
+    pub load: f64,
+    /// Adapters of the Zipf run (popularity Zipf(1.0)).
+    #[arg(long, default_value_t = 256)]
+    pub zipf_adapters: usize,
+    /// Trace for the second run's prompt/output lengths.
+    #[arg(
+        long,
+        default_value = "../shared/traces/AzureLLMInferenceTrace_conv.csv"
+    )]
+    pub trace: PathBuf,
+    /// CPU LoRA worker processes (0 = assist on the engine thread).
+    #[arg(long, default_value_t = 1)]
+    pub workers: usize,
+    /// Largest prefill chunk per request per step.
+    #[arg(long, default_value_t = 256)]
+    pub max_chunk: usize,
+    /// Skip the trace/Zipf run.
+    #[arg(long)]
+    pub no_trace_run: bool,
+    /// A seconds-long version (tiny model, few requests) for the test suite.
+    #[arg(long)]
+    pub quick: bool,
+    /// Where to generate the model and adapters (reused when present).
+    #[arg(long)]
+    pub workdir: Option<PathBuf>,
+}
+
+/// Summary of one policy's run.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PolicyRow {
+    pub policy: ColdStartPolicy,
+    pub ttft_mean: f64,
+    pub ttft_p50: f64,
+    pub ttft_p99: f64,
+    pub tpot_mean: f64,
+    pub e2e_mean: f64,
+    pub completed: usize,
+    pub failed: usize,
+    pub rows_assisted: u64,
+}
+
+/// One experiment: its setup line and its four rows.
+#[derive(Clone, Debug)]
+pub struct Experiment {
+    pub title: String,
+    pub rows: Vec<PolicyRow>,
+}
+
+fn percentile(v: &mut [f64], p: f64) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(f64::total_cmp);
+    let i = ((v.len() - 1) as f64 * p).round() as usize;
+    v[i]
+}
+
+fn summarize(policy: ColdStartPolicy, r: &RunReport) -> PolicyRow {
+    let mut ttft: Vec<f64> = r
+        .outcomes
+        .iter()
+        .filter_map(|o| o.ttft)
+        .map(|d| d.as_secs_f64())
+        .collect();
+    let tpot: Vec<f64> = r
+        .outcomes
+        .iter()
+        .filter_map(|o| o.tpot())
+        .map(|d| d.as_secs_f64())
+        .collect();
+    let e2e: Vec<f64> = r
+        .outcomes
+        .iter()
+        .filter_map(|o| o.e2e)
+        .map(|d| d.as_secs_f64())
+        .collect();
+    let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
+    PolicyRow {
+        policy,
+        ttft_mean: mean(&ttft),
+        ttft_p50: percentile(&mut ttft.clone(), 0.5),
+        ttft_p99: percentile(&mut ttft, 0.99),
+        tpot_mean: mean(&tpot),
+        e2e_mean: mean(&e2e),
+        completed: r.outcomes.iter().filter(|o| o.error.is_none()).count(),
+        failed: r.outcomes.iter().filter(|o| o.error.is_some()).count(),
+        rows_assisted: r.rows_assisted,
+    }
+}
+
+/// The model, adapters and the worker executable for a run.
+pub struct Bench {
+    pub model: HostModel,
+    pub adapter_dirs: Vec<PathBuf>,
+    pub worker_program: PathBuf,
+}
+
+fn prepare(args: &ColdStartArgs, root: &Path, count: usize) -> anyhow::Result<Bench> {
+    let preset =
+        gen::preset(&args.preset).with_context(|| format!("unknown preset {}", args.preset))?;
+    let model_dir = root.join(format!("model-{}", args.preset));
+    if !model_dir.join("config.json").exists() {
+        gen::write_model(&preset, &model_dir, &GenModelOptions::default())?;
+    }
+    let adapters_dir = root.join(format!("adapters-{}-r{}-{count}", args.preset, args.rank));
+    let mut adapter_dirs: Vec<PathBuf> = if adapters_dir.exists() {
+        std::fs::read_dir(&adapters_dir)?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .collect()
+    } else {
+        Vec::new()
+    };
+    if adapter_dirs.len() != count {
+        let _ = std::fs::remove_dir_all(&adapters_dir);
+        adapter_dirs = gen::write_adapters(&GenAdaptersOptions {
+            model_dir: model_dir.clone(),
+            out_dir: adapters_dir,
+            count,
+            ranks: vec![args.rank],
+            targets: vec![Projection::Q, Projection::K, Projection::V, Projection::O],
+            ..Default::default()
+        })?;
+    }
+    adapter_dirs.sort();
+    Ok(Bench {
+        model: HostModel::load(&model_dir)?,
+        adapter_dirs,
+        worker_program: std::env::current_exe()?,
+    })
+}
+
+fn engine(b: &Bench, args: &ColdStartArgs, link: LinkModel) -> anyhow::Result<Engine<CpuBackend>> {
+    let cfg = EngineConfig {
+        max_batch_tokens: args.max_chunk.max(512),
+        num_kv_blocks: 4096,
+        ..Default::default()
+    };
+    let backend = CpuBackend::new(&b.model.config).with_link(link);
+    let mut e = Engine::new(backend, b.model.clone(), cfg)?;
+    if args.workers > 0 {
+        let n = b.adapter_dirs.len() as u64;
+        let per = b.adapter_dirs.first().map_or(0, |d| dir_size(d));
+        let store = HostStore::create((n + 4) * per * 2 + (64 << 20), n as u32 + 8)?;
+        let cores: Vec<usize> = (1..=args.workers).collect();
+        let pool = LoraPool::new(
+            PoolConfig {
+                cores: Some(cores),
+                program: Some(b.worker_program.clone()),
+                leading_args: vec!["lora-worker".into()],
+                ..Default::default()
+            },
+            store,
+        )?;
+        e.attach_pool(pool)?;
+    }
+    Ok(e)
+}
+
+fn dir_size(d: &Path) -> u64 {
+    std::fs::read_dir(d)
+        .map(|it| {
+            it.filter_map(|e| e.ok()?.metadata().ok())
+                .map(|m| m.len())
+                .sum()
+        })
+        .unwrap_or(0)
+}
+
+fn run_all(
+    b: &Bench,
+    args: &ColdStartArgs,
+    link: LinkModel,
+    reqs: &[Request],
+) -> anyhow::Result<Vec<PolicyRow>> {
+    let adapters: Vec<(PathBuf, StartTier)> = b
+        .adapter_dirs
+        .iter()
+        .map(|d| (d.clone(), StartTier::Disk))
+        .collect();
+    let mut rows = Vec::new();
+    for policy in ColdStartPolicy::ALL {
+        let mut e = engine(b, args, link)?;
+        let mut cost = calibrate(&mut e)?;
+        let cfg = DriverConfig {
+            policy,
+            max_chunk: args.max_chunk,
+            max_batch_tokens: args.max_chunk.max(512),
+        };
+        let r = coldstart::run(&mut e, &adapters, reqs, &cfg, &mut cost);
+        if let Some(mut pool) = e.detach_pool() {
+            pool.shutdown();
+        }
+        eprintln!("  {policy}: {} requests in {:.1?}", reqs.len(), r.wall);
+        if policy == ColdStartPolicy::Auto && !r.predictions.is_empty() {
+            let err: f64 = r
+                .predictions
+                .iter()
+                .map(|p| (p.predicted_s - p.actual_s).abs() / p.actual_s.max(1e-9))
+                .sum::<f64>()
+                / r.predictions.len() as f64;
+            eprintln!(
+                "  auto: {} TTFT predictions, mean relative error {:.0}%",
+                r.predictions.len(),
+                err * 100.0
+            );
+        }
+        rows.push(summarize(policy, &r));
+    }
+    Ok(rows)
+}
+
+/// Measures prefill of `prompt` tokens and the load of one adapter, on the engine alone.
+fn measure_prefill_s(b: &Bench, args: &ColdStartArgs, prompt: usize) -> anyhow::Result<(f64, f64)> {
+    let mut e = engine(
+        b,
+        &ColdStartArgs {
+            workers: 0,
+            ..args.clone()
+        },
+        LinkModel::default(),
+    )?;
+    let cost = calibrate(&mut e)?;
+    Ok((
+        cost.step_time(prompt),
+        cost.layer_per_token_s * cost.num_layers as f64,
+    ))
+}
+
+fn poisson_arrivals(n: usize, rate: f64, rng: &mut ChaCha8Rng) -> Vec<Duration> {
+    let exp = Exp::new(rate).expect("positive rate");
+    let mut t = 0.0;
+    (0..n)
+        .map(|_| {
+            t += exp.sample(rng);
+            Duration::from_secs_f64(t)
+        })
+        .collect()
+}
+
+/// Reads (prompt, output) lengths from an Azure trace CSV (`TIMESTAMP,ContextTokens,GeneratedTokens`).
+pub fn trace_lengths(path: &Path) -> anyhow::Result<Vec<(usize, usize)>> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("reading trace {}", path.display()))?;
+    let mut out = Vec::new();
+    for (i, line) in text.lines().enumerate().skip(1) {
+        let f: Vec<&str> = line.split(',').collect();
+        anyhow::ensure!(
+            f.len() == 3,
+            "{}:{}: expected 3 fields",
+            path.display(),
+            i + 1
+        );
+        out.push((f[1].trim().parse()?, f[2].trim().parse()?));
+    }
+    Ok(out)
+}
+
+/// Runs both experiments and returns their tables.
+pub fn run(args: &ColdStartArgs) -> anyhow::Result<Vec<Experiment>> {
+    let args = if args.quick {
+        ColdStartArgs {
+            preset: "tiny".into(),
+            requests: 8,
+            rank: 16,
+            prompt_median: 24,
+            output_tokens: 4,
+            zipf_adapters: 8,
+            max_chunk: 32,
+            ..args.clone()
+        }
+    } else {
+        args.clone()
+    };
+    let tmp = tempfile::tempdir()?;
+    let root = args
+        .workdir
+        .clone()
+        .unwrap_or_else(|| tmp.path().to_path_buf());
+    let mut rng = ChaCha8Rng::seed_from_u64(2023);
+    let mut experiments = Vec::new();
+
+    // Run 1: distinct adapter per request, link time = prefill time of the median prompt.
+    let b = prepare(&args, &root, args.requests)?;
+    let (prefill_s, per_token_s) = measure_prefill_s(&b, &args, args.prompt_median)?;
+    let adapter_bytes =
+        thaw_runtime::adapter::LoraAdapter::load(&b.adapter_dirs[0], &b.model.config)?
+            .size_bytes_f32();
+    let gbps = adapter_bytes as f64 / prefill_s / 1e9;
+    let link = LinkModel {
+        gbps,
+        latency_us: 10.0,
+    };
+    let service_s = prefill_s + args.output_tokens as f64 * per_token_s;
+    let rate = args.load / service_s;
+    let arrivals = poisson_arrivals(args.requests, rate, &mut rng);
+    let vocab = b.model.config.vocab_size as u32;
+    let reqs: Vec<Request> = arrivals
+        .iter()
+        .enumerate()
+        .map(|(i, &arrival)| {
+            let len = rng
+                .random_range(args.prompt_median / 2..=args.prompt_median * 3 / 2)
+                .max(1);
+            Request {
+                arrival,
+                prompt: (0..len).map(|_| rng.random_range(3..vocab)).collect(),
+                max_tokens: args.output_tokens,
+                adapter: Some(i),
+                sampling: SamplingParams::greedy(),
+            }
+        })
+        .collect();
+    eprintln!(
+        "run 1: median prompt {} tokens prefills in {:.1} ms; adapter {:.1} MB → emulated link {:.3} GB/s; {:.2} req/s offered",
+        args.prompt_median,
+        prefill_s * 1e3,
+        adapter_bytes as f64 / 1e6,
+        gbps,
+        rate
+    );
+    let rows = run_all(&b, &args, link, &reqs)?;
+    experiments.push(Experiment {
+        title: format!(
+            "preset {}, rank {} on q,k,v,o, distinct adapter per request, {} requests, prompt {}±{}, {} output tokens, Poisson {:.2} req/s ({:.0}% of sustainable), link {:.3} GB/s + 10 µs/layer (adapter load = median prefill = {:.1} ms), {} CPU worker(s)",
+            args.preset, args.rank, args.requests, args.prompt_median, args.prompt_median / 2,
+            args.output_tokens, rate, args.load * 100.0, gbps, prefill_s * 1e3, args.workers
+        ),
+        rows,
+    });
+
+    if !args.no_trace_run {
+        // Run 2: trace lengths (scaled into the context), Zipf(1.0) over many adapters.
+        let b2 = prepare(&args, &root, args.zipf_adapters)?;
+        let lengths = trace_lengths(&args.trace)?;
+        let ctx = b2.model.config.max_position_embeddings;
+        let max_prompt = lengths.iter().map(|l| l.0).max().unwrap_or(1).max(1);
+        let scale = ((ctx / 2) as f64 / max_prompt as f64).min(1.0);
+        let zipf = Zipf::new(args.zipf_adapters as f64, 1.0).expect("valid zipf");
+        let picks: Vec<(usize, usize)> = (0..args.requests)
+            .map(|_| {
+                let (p, o) = lengths[rng.random_range(0..lengths.len())];
+                (((p as f64 * scale) as usize).max(1), o.clamp(1, ctx / 4))
+            })
+            .collect();
+        let mean_prompt = picks.iter().map(|p| p.0).sum::<usize>() / picks.len().max(1);
+        let mean_out = picks.iter().map(|p| p.1).sum::<usize>() / picks.len().max(1);
+        let (prefill2, per_token2) = measure_prefill_s(&b2, &args, mean_prompt)?;
+        let rate2 = args.load / (prefill2 + mean_out as f64 * per_token2);
+        let arrivals = poisson_arrivals(args.requests, rate2, &mut rng);
+        let reqs2: Vec<Request> = picks
+            .iter()
+            .zip(arrivals)
+            .map(|(&(p, o), arrival)| Request {
+                arrival,
+                prompt: (0..p).map(|_| rng.random_range(3..vocab)).collect(),
+                max_tokens: o,
+                adapter: Some(zipf.sample(&mut rng) as usize - 1),
+                sampling: SamplingParams::greedy(),
+            })
+            .collect();
+        eprintln!("run 2: trace lengths ×{scale:.3}, mean prompt {mean_prompt}, mean output {mean_out}, {rate2:.2} req/s");
+        let rows = run_all(&b2, &args, link, &reqs2)?;
+        experiments.push(Experiment {
+            title: format!(
+                "preset {}, rank {} on q,k,v,o, Zipf(1.0) over {} adapters, {} requests with Azure conv trace lengths ×{:.3} (mean prompt {}, mean output {}), Poisson {:.2} req/s, same link",
+                args.preset, args.rank, args.zipf_adapters, args.requests, scale, mean_prompt, mean_out, rate2
+            ),
+            rows,
+        });
+    }
+    Ok(experiments)
+}
+
+/// The experiments as Markdown tables with overheads relative to `cached`.
+pub fn table(experiments: &[Experiment]) -> String {
+    let mut s = String::from(
+        "CPU backend (no GPU), emulated host→device link; times in ms; overhead vs cached in parentheses\n",
+    );
+    for e in experiments {
+        let _ = writeln!(s, "\n{}\n", e.title);
+        let _ = writeln!(s, "| policy | TTFT mean | TTFT P50 | TTFT P99 | TPOT mean | E2E mean | done/failed | CPU-assisted rows |");
+        let _ = writeln!(s, "|---|---|---|---|---|---|---|---|");
+        let base = e
+            .rows
+            .iter()
+            .find(|r| r.policy == ColdStartPolicy::Cached)
+            .cloned();
+        for r in &e.rows {
+            let cell = |v: f64, b: Option<f64>| match b {
+                Some(b) if r.policy != ColdStartPolicy::Cached => {
+                    format!("{:.1} ({:+.0}%)", v * 1e3, (v / b - 1.0) * 100.0)
+                }
+                _ => format!("{:.1}", v * 1e3),
+            };
+            let b = base.as_ref();
+            let _ = writeln!(
+                s,
+                "| {} | {} | {} | {} | {} | {} | {}/{} | {} |",
+                r.policy,
+                cell(r.ttft_mean, b.map(|b| b.ttft_mean)),
+                cell(r.ttft_p50, b.map(|b| b.ttft_p50)),
+                cell(r.ttft_p99, b.map(|b| b.ttft_p99)),
+                cell(r.tpot_mean, b.map(|b| b.tpot_mean)),
+                cell(r.e2e_mean, b.map(|b| b.e2e_mean)),
+                r.completed,
+                r.failed,
+                r.rows_assisted
+            );
+        }
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn trace_lengths_parse_the_shared_trace() {
+        let p = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../shared/traces/AzureLLMInferenceTrace_conv.csv");
+        if !p.exists() {
+            // shared/ sits beside the repository; a checkout without it has no trace to read.
+            eprintln!("skipped: {} not found", p.display());
+            return;
+        }
+        let l = trace_lengths(&p).unwrap();
+        assert_eq!(l.len(), 19_366);
+        assert_eq!(l[0], (374, 44));
+    }
+
+    #[test]
+    fn quick_cold_start_reports_every_policy_inline() {
+        let args = ColdStartArgs {
+            preset: "tiny".into(),
+            requests: 8,
+            rank: 16,
+            prompt_median: 24,
+            output_tokens: 4,
+            load: 0.7,
+            zipf_adapters: 8,
+            trace: PathBuf::new(),
+            workers: 0,
+            max_chunk: 32,
+            no_trace_run: true,
+            quick: true,
+            workdir: None,
+        };
+        let ex = run(&args).unwrap();
+        assert_eq!(ex.len(), 1);
+        assert_eq!(ex[0].rows.len(), 4);
+        for r in &ex[0].rows {
+            assert_eq!(r.completed, 8, "{}: every request completes", r.policy);
+            assert_eq!(r.failed, 0);
+        }
+        let t = table(&ex);
+        assert!(t.contains("| cached |") && t.contains("| auto |"));
+    }
+}

@@ -1,0 +1,21 @@
+//! Thaw's CUDA kernels: CUDA C sources embedded with `include_str!` and listed once in
+//! [`registry`], compiled by NVRTC on first use. The registry is always built (the NVRTC CI test
+//! reads it without the `cuda` feature); the compile cache ([`KernelCache`]) needs the `cuda`
+//! feature (cudarc, dynamically loaded: it builds with no CUDA installed).
+//!
+//! | source | kernels | CPU twin |
+//! | --- | --- | --- |
+//! | `elementwise.cu` | embedding gather, bias, residual add, SwiGLU, row gather, f32→16-bit cast | `cpu::{swiglu, add_in_place, add_bias}` |
+//! | `norm.cu` | RMSNorm | `cpu::rms_norm` |
+//! | `rope.cu` | RoPE (rotate-half, host `inv_freq` table) | `cpu::RopeTable::apply` |
+//! | `attention.cu` | paged KV write, decode and tiled prefill attention (GQA, sliding window) | `cpu::{write_kv, paged_attention}` |
+//! | `lora.cu` | SGMV / BGMV shrink and expand | `cpu::{sgmv_*, bgmv_*}` |
+//! | `exchange.cu` | fused export (copy + fence + sequence word), merge of CPU deltas | CPU backend copy + `Exchange::post_step` |
+
+pub mod registry;
+
+#[cfg(feature = "cuda")]
+mod cache;
+
+#[cfg(feature = "cuda")]
+pub use cache::{CompileError, KernelCache};

@@ -1,0 +1,219 @@
+//! The one list of Thaw's CUDA kernels: each source file, embedded with `include_str!`, and the
+//! `extern "C"` entry points it defines. The CUDA backend compiles from here (through
+//! [`super::KernelCache`] with the `cuda` feature) and the NVRTC CI test
+//! (`kernels/tests/nvrtc_compile.rs`) compiles every entry of [`KERNELS`] for sm_80 and sm_90 and
+//! checks that each listed entry point exists — a name here that a source does not define, or a
+//! source that does not compile, fails CI.
+
+/// Prepended to every source: 16-bit float storage types and conversions, warp/block
+/// reductions, the device `LoraSlot` descriptor. Keeps sources free of `#include`.
+pub const PRELUDE: &str = include_str!("common.cuh");
+
+/// Weight / cache element types a kernel family is instantiated for; the entry point name
+/// carries it as a suffix (`rms_norm_bf16`).
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+pub enum DType {
+    F32,
+    Bf16,
+    F16,
+}
+
+impl DType {
+    pub const ALL: [DType; 3] = [DType::F32, DType::Bf16, DType::F16];
+
+    /// The entry point suffix.
+    pub fn suffix(self) -> &'static str {
+        match self {
+            DType::F32 => "f32",
+            DType::Bf16 => "bf16",
+            DType::F16 => "f16",
+        }
+    }
+
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            DType::F32 => 4,
+            DType::Bf16 | DType::F16 => 2,
+        }
+    }
+}
+
+/// One CUDA C source and the entry points it defines.
+#[derive(Copy, Clone, Debug)]
+pub struct KernelSource {
+    /// Short name, also the NVRTC program name (`<name>.cu`).
+    pub name: &'static str,
+    /// The source without the prelude.
+    pub source: &'static str,
+    /// `extern "C"` kernels it defines, by their full (suffixed) names.
+    pub entry_points: &'static [&'static str],
+}
+
+impl KernelSource {
+    /// Prelude + source: what NVRTC compiles.
+    pub fn full_source(&self) -> String {
+        format!("{PRELUDE}\n#line 1 \"{}.cu\"\n{}", self.name, self.source)
+    }
+}
+
+macro_rules! dtypes {
+    ($($base:literal),* $(,)?) => {
+        &[$(concat!($base, "_f32"), concat!($base, "_bf16"), concat!($base, "_f16")),*]
+    };
+}
+
+/// Elementwise kernels and row copies.
+pub const ELEMENTWISE: KernelSource = KernelSource {
+    name: "elementwise",
+    source: include_str!("elementwise.cu"),
+    entry_points: &[
+        "embed_gather_f32",
+        "embed_gather_bf16",
+        "embed_gather_f16",
+        "add_bias_f32",
+        "add_bias_bf16",
+        "add_bias_f16",
+        "cast_f32_to_bf16",
+        "cast_f32_to_f16",
+        "residual_add_f32",
+        "swiglu_f32",
+        "gather_rows_f32",
+    ],
+};
+
+/// RMSNorm.
+pub const NORM: KernelSource = KernelSource {
+    name: "norm",
+    source: include_str!("norm.cu"),
+    entry_points: dtypes!("rms_norm"),
+};
+
+/// Rotary embedding.
+pub const ROPE: KernelSource = KernelSource {
+    name: "rope",
+    source: include_str!("rope.cu"),
+    entry_points: &["rope_f32"],
+};
+
+/// Paged KV writes, decode and prefill attention.
+pub const ATTENTION: KernelSource = KernelSource {
+    name: "attention",
+    source: include_str!("attention.cu"),
+    entry_points: dtypes!("write_kv", "attn_decode", "attn_prefill"),
+};
+
+/// SGMV / BGMV shrink and expand.
+pub const LORA: KernelSource = KernelSource {
+    name: "lora",
+    source: include_str!("lora.cu"),
+    entry_points: dtypes!("sgmv_shrink", "sgmv_expand", "bgmv_shrink", "bgmv_expand"),
+};
+
+/// Fused export (copy + signal) and merge of CPU deltas.
+pub const EXCHANGE: KernelSource = KernelSource {
+    name: "exchange",
+    source: include_str!("exchange.cu"),
+    entry_points: &["export_rows", "merge_deltas"],
+};
+
+/// Every kernel source Thaw compiles.
+pub const KERNELS: &[KernelSource] = &[ELEMENTWISE, NORM, ROPE, ATTENTION, LORA, EXCHANGE];
+
+/// Launch-shape constants the sources `#define`; the host launches with these.
+pub mod shape {
+    /// `THAW_ATTN_WARPS`: warps per attention block.
+    pub const ATTN_WARPS: u32 = 4;
+    /// `THAW_PREFILL_Q`: query rows per prefill tile.
+    pub const PREFILL_Q: usize = 16;
+    /// `THAW_MAX_HEAD_DIM`.
+    pub const MAX_HEAD_DIM: usize = 256;
+    /// `THAW_LORA_WARPS`: ranks per shrink block.
+    pub const LORA_WARPS: u32 = 8;
+    /// `THAW_LORA_EXPAND_THREADS`: output columns per expand block.
+    pub const LORA_EXPAND_THREADS: u32 = 256;
+    /// `THAW_MAX_LORA_RANK`.
+    pub const MAX_LORA_RANK: usize = 256;
+}
+
+/// Finds the source that defines `entry`.
+pub fn source_of(entry: &str) -> Option<&'static KernelSource> {
+    KERNELS.iter().find(|k| k.entry_points.contains(&entry))
+}
+
+/// A compute capability, e.g. 9.0 for H100/H200.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct GpuArch {
+    pub major: u32,
+    pub minor: u32,
+}
+
+impl GpuArch {
+    /// A100.
+    pub const SM80: GpuArch = GpuArch { major: 8, minor: 0 };
+    /// H100 / H200.
+    pub const SM90: GpuArch = GpuArch { major: 9, minor: 0 };
+
+    /// `80`, `90`.
+    pub fn number(self) -> u32 {
+        self.major * 10 + self.minor
+    }
+}
+
+/// What NVRTC emits: PTX for the virtual architecture (`compute_XX`, JIT-compiled by the
+/// driver) or a CUBIN for the real one (`sm_XX`, runs through ptxas, loads without JIT).
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+pub enum Target {
+    Ptx,
+    Cubin,
+}
+
+/// The NVRTC options every Thaw kernel is compiled with — shared by the runtime cache and the
+/// CI test so CI checks exactly what runs. `--fmad=true` and no fast-math: `expf`, `rsqrtf` and
+/// `sincos` stay IEEE-accurate, which the parity tolerances assume.
+pub fn nvrtc_options(arch: GpuArch, target: Target) -> Vec<String> {
+    let arch = match target {
+        Target::Ptx => format!("--gpu-architecture=compute_{}", arch.number()),
+        Target::Cubin => format!("--gpu-architecture=sm_{}", arch.number()),
+    };
+    vec![
+        arch,
+        "--std=c++17".into(),
+        "--device-as-default-execution-space".into(),
+        "--fmad=true".into(),
+    ]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn entry_points_are_unique_and_defined_in_their_source() {
+        let mut seen = std::collections::HashSet::new();
+        for k in KERNELS {
+            for e in k.entry_points {
+                assert!(seen.insert(*e), "entry point {e} listed twice");
+                let (base, _) = e.rsplit_once('_').unwrap_or((e, ""));
+                assert!(
+                    k.source.contains(e) || k.source.contains(base),
+                    "{e} not found in {}.cu",
+                    k.name
+                );
+            }
+        }
+        assert_eq!(source_of("sgmv_shrink_bf16").map(|k| k.name), Some("lora"));
+    }
+
+    #[test]
+    fn sources_need_no_headers() {
+        for k in KERNELS {
+            assert!(
+                !k.source.contains("#include"),
+                "{}.cu includes a header",
+                k.name
+            );
+        }
+        assert!(!PRELUDE.contains("#include"));
+    }
+}

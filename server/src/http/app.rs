@@ -1,0 +1,92 @@
+//! The HTTP application: shared state, the router and the request-counting / shutdown
+//! middleware.
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use axum::extract::{DefaultBodyLimit, MatchedPath, Request, State};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use thaw_runtime::model::Tokenizer;
+
+use super::error::BodyLimit;
+use super::{routes_admin, routes_chat, routes_completions};
+use crate::chat::ChatTemplate;
+use crate::engine_loop::EngineHandle;
+use crate::error::ServerError;
+use crate::metrics::Metrics;
+use crate::registry::Registry;
+use crate::scheduler::SchedConfig;
+
+/// Everything a handler needs.
+pub struct AppState {
+    pub engine: EngineHandle,
+    pub registry: Arc<Registry>,
+    pub tokenizer: Arc<Tokenizer>,
+    pub chat: Option<ChatTemplate>,
+    pub metrics: Arc<Metrics>,
+    /// Set on SIGTERM/SIGINT: new requests get 503.
+    pub shutting_down: AtomicBool,
+    /// Names the base model answers to (`--served-model-name`, else the model path).
+    pub served_names: Vec<String>,
+    /// The model directory, shown as `root` in /v1/models.
+    pub model_root: String,
+    pub max_model_len: usize,
+    /// The model's vocabulary (token ids must be below it).
+    pub vocab_size: usize,
+    pub sched: SchedConfig,
+    pub max_body_bytes: usize,
+    /// Unix seconds of start-up.
+    pub created: u64,
+}
+
+impl AppState {
+    pub fn base_name(&self) -> &str {
+        &self.served_names[0]
+    }
+}
+
+/// The router with every endpoint.
+pub fn router(state: Arc<AppState>) -> Router {
+    let limit = state.max_body_bytes;
+    Router::new()
+        .route("/v1/completions", post(routes_completions::completions))
+        .route("/v1/chat/completions", post(routes_chat::chat_completions))
+        .route("/v1/models", get(routes_admin::models))
+        .route("/v1/load_lora_adapter", post(routes_admin::load_lora))
+        .route("/v1/unload_lora_adapter", post(routes_admin::unload_lora))
+        .route("/health", get(routes_admin::health))
+        .route("/metrics", get(routes_admin::metrics))
+        .fallback(fallback)
+        .layer(middleware::from_fn_with_state(state.clone(), track))
+        .layer(DefaultBodyLimit::max(limit))
+        .with_state(state)
+}
+
+async fn fallback(req: Request) -> ServerError {
+    ServerError::NotFound(format!(
+        "no route for {} {}; see /v1/models, /v1/completions, /v1/chat/completions",
+        req.method(),
+        req.uri().path()
+    ))
+}
+
+/// Counts requests by endpoint and status, and turns new work away while shutting down.
+async fn track(State(state): State<Arc<AppState>>, mut req: Request, next: Next) -> Response {
+    let endpoint = req
+        .extensions()
+        .get::<MatchedPath>()
+        .map(|p| p.as_str().to_string())
+        .unwrap_or_else(|| "unmatched".into());
+    req.extensions_mut().insert(BodyLimit(state.max_body_bytes));
+    let resp = if state.shutting_down.load(Ordering::SeqCst) && endpoint != "/metrics" {
+        ServerError::ShuttingDown.into_response()
+    } else {
+        next.run(req).await
+    };
+    state
+        .metrics
+        .count_request(&endpoint, resp.status().as_u16());
+    resp
+}

@@ -1,0 +1,19 @@
+//! The OpenAI-compatible HTTP API (axum): completions, chat, models, vLLM's adapter
+//! load/unload, health and Prometheus metrics.
+
+mod app;
+mod error;
+mod generation;
+mod openai_types;
+mod params;
+mod routes_admin;
+mod routes_chat;
+mod routes_completions;
+mod sse;
+
+pub use app::{router, AppState};
+pub use error::{error_body, OpenAiJson};
+pub use generation::{ChoiceStream, Delta, Finish};
+pub use openai_types::{CompletionRequest, Prompt, Stop, Usage};
+pub use params::{GenParams, MAX_LOGPROBS, MAX_N};
+pub use routes_completions::unix_now;

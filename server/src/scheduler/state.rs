@@ -1,0 +1,137 @@
+//! What the scheduler knows about each request: lengths, progress and KV reservation.
+use std::collections::VecDeque;
+
+use thaw_runtime::ids::SeqId;
+
+/// Limits the policy plans within.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SchedConfig {
+    /// Most sequences in one step (`--max-num-seqs`).
+    pub max_num_seqs: usize,
+    /// Most tokens in one step (`--max-num-batched-tokens`); prefill is chunked to fit.
+    pub max_num_batched_tokens: usize,
+    /// Token slots per KV block.
+    pub block_size: usize,
+    /// KV blocks in the engine.
+    pub total_blocks: usize,
+}
+
+impl SchedConfig {
+    /// Blocks holding `tokens` token slots.
+    pub fn blocks_for(&self, tokens: usize) -> usize {
+        tokens.div_ceil(self.block_size)
+    }
+}
+
+/// One request (one engine sequence) as the scheduler sees it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SeqState {
+    pub id: SeqId,
+    pub prompt_len: usize,
+    pub max_new_tokens: usize,
+    /// Tokens known so far: prompt plus generated.
+    pub total_tokens: usize,
+    /// Tokens whose KV is computed.
+    pub computed: usize,
+}
+
+impl SeqState {
+    pub fn new(id: SeqId, prompt_len: usize, max_new_tokens: usize) -> Self {
+        Self {
+            id,
+            prompt_len,
+            max_new_tokens,
+            total_tokens: prompt_len,
+            computed: 0,
+        }
+    }
+
+    /// Tokens the engine has not computed yet (rest of the prompt in prefill, 1 in decode).
+    pub fn pending(&self) -> usize {
+        self.total_tokens - self.computed
+    }
+
+    pub fn in_prefill(&self) -> bool {
+        self.computed < self.prompt_len
+    }
+
+    /// The most KV blocks this sequence can ever hold: admission reserves them all, so a
+    /// running sequence never waits for KV and the cache is never over-committed.
+    pub fn reservation(&self, cfg: &SchedConfig) -> usize {
+        cfg.blocks_for(self.prompt_len + self.max_new_tokens)
+    }
+
+    /// Extra blocks the engine allocates to compute `n` more tokens (mirrors
+    /// `Engine::blocks_needed`).
+    pub fn blocks_needed(&self, cfg: &SchedConfig, n: usize) -> usize {
+        cfg.blocks_for(self.computed + n) - cfg.blocks_for(self.computed)
+    }
+}
+
+/// The waiting queue (FIFO) and the running set, in admission order.
+#[derive(Clone, Debug, Default)]
+pub struct SchedState {
+    pub waiting: VecDeque<SeqState>,
+    pub running: Vec<SeqState>,
+    /// Sum of the running sequences' reservations.
+    pub reserved_blocks: usize,
+}
+
+impl SchedState {
+    pub fn enqueue(&mut self, s: SeqState) {
+        self.waiting.push_back(s);
+    }
+
+    /// Moves the first `n` waiting requests to running (as a [`Decision`] said).
+    pub fn admit(&mut self, n: usize, cfg: &SchedConfig) -> Vec<SeqId> {
+        let mut ids = Vec::with_capacity(n);
+        for s in self.waiting.drain(..n.min(self.waiting.len())) {
+            self.reserved_blocks += s.reservation(cfg);
+            ids.push(s.id);
+            self.running.push(s);
+        }
+        ids
+    }
+
+    /// Records a computed step: `planned` tokens per sequence, then one sampled token per
+    /// output; `finished` sequences leave the running set.
+    pub fn on_step(
+        &mut self,
+        planned: &[(SeqId, usize)],
+        sampled: &[SeqId],
+        finished: &[SeqId],
+        cfg: &SchedConfig,
+    ) {
+        for &(id, n) in planned {
+            if let Some(s) = self.running.iter_mut().find(|s| s.id == id) {
+                s.computed += n;
+            }
+        }
+        for id in sampled {
+            if let Some(s) = self.running.iter_mut().find(|s| s.id == *id) {
+                s.total_tokens += 1;
+            }
+        }
+        for id in finished {
+            self.remove(*id, cfg);
+        }
+    }
+
+    /// Drops a sequence wherever it is (finished, cancelled, failed); true if it was known.
+    pub fn remove(&mut self, id: SeqId, cfg: &SchedConfig) -> bool {
+        if let Some(i) = self.running.iter().position(|s| s.id == id) {
+            let s = self.running.remove(i);
+            self.reserved_blocks -= s.reservation(cfg);
+            return true;
+        }
+        if let Some(i) = self.waiting.iter().position(|s| s.id == id) {
+            self.waiting.remove(i);
+            return true;
+        }
+        false
+    }
+
+    pub fn is_idle(&self) -> bool {
+        self.waiting.is_empty() && self.running.is_empty()
+    }
+}

@@ -1,0 +1,187 @@
+//! `thaw serve` flags (vLLM's names where vLLM has one). Every flag is optional here so that
+//! `--config FILE` can fill what the command line leaves out.
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::Args;
+
+use super::config::{parse_lora_module, scan_lora_dir, FileConfig, ServeConfig};
+
+#[derive(Debug, Clone, Default, Args)]
+pub struct ServeArgs {
+    /// HF model directory (config.json, safetensors, tokenizer.json) [default: the embedded demo model and its adapters].
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// Address to listen on [default: 127.0.0.1].
+    #[arg(long)]
+    pub host: Option<String>,
+    /// Port to listen on [default: 8000; 0 picks a free port].
+    #[arg(long)]
+    pub port: Option<u16>,
+    /// Adapters to load at start-up, as name=path (PEFT directories); repeat or list several.
+    #[arg(long, num_args = 1.., value_name = "NAME=PATH")]
+    pub lora_modules: Vec<String>,
+    /// Load every subdirectory of DIR that holds an adapter_config.json, named after it.
+    #[arg(long, value_name = "DIR")]
+    pub lora_dir: Option<PathBuf>,
+    /// Largest LoRA rank accepted; larger adapters are refused with 400 [default: 256].
+    #[arg(long)]
+    pub max_lora_rank: Option<usize>,
+    /// Adapters resident on the device at once; others are loaded on demand, evicting the least recently used idle one [default: 16].
+    #[arg(long)]
+    pub max_loras: Option<usize>,
+    /// Adapters kept in the host tier (used by the cold-start tiers) [default: 64].
+    #[arg(long)]
+    pub max_cpu_loras: Option<usize>,
+    /// Most sequences in one engine step [default: 64].
+    #[arg(long)]
+    pub max_num_seqs: Option<usize>,
+    /// Most tokens in one engine step; longer prompts are prefilled in chunks [default: 2048].
+    #[arg(long)]
+    pub max_num_batched_tokens: Option<usize>,
+    /// Context limit (prompt + completion) [default: the model's max_position_embeddings].
+    #[arg(long)]
+    pub max_model_len: Option<usize>,
+    /// Requests allowed to wait for admission; more get 429 [default: 1024].
+    #[arg(long)]
+    pub max_queued_requests: Option<usize>,
+    /// Seconds to let in-flight requests finish after SIGTERM/SIGINT before aborting them [default: 30].
+    #[arg(long, value_name = "SECS")]
+    pub shutdown_timeout: Option<f64>,
+    /// Names the base model answers to in `model` [default: the --model path, or `thaw-demo`].
+    #[arg(long, num_args = 1..)]
+    pub served_model_name: Vec<String>,
+    /// Token slots per KV block [default: 16].
+    #[arg(long)]
+    pub block_size: Option<usize>,
+    /// Number of KV blocks [default: enough for --max-num-seqs full-length sequences, within 512 MiB].
+    #[arg(long)]
+    pub num_gpu_blocks_override: Option<usize>,
+    /// Largest request body accepted; larger ones get 413 [default: 16 MiB].
+    #[arg(long)]
+    pub max_request_body_bytes: Option<usize>,
+    /// Seconds an adapter unload waits for requests still using it before answering 409 [default: 10].
+    #[arg(long, value_name = "SECS")]
+    pub unload_timeout: Option<f64>,
+    /// Seed for requests that bring none [default: 0].
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Batched LoRA kernel: sgmv or bgmv [default: sgmv].
+    #[arg(long, value_parser = ["sgmv", "bgmv"])]
+    pub lora_kernel: Option<String>,
+    /// TOML file with the same settings (keys are flag names with `_`); flags override it.
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+}
+
+fn secs(name: &str, v: f64) -> anyhow::Result<Duration> {
+    anyhow::ensure!(v.is_finite() && v >= 0.0, "--{name} must be a non-negative number of seconds, got {v}");
+    Ok(Duration::from_secs_f64(v))
+}
+
+impl ServeArgs {
+    /// Flags over the config file over defaults.
+    pub fn resolve(self) -> anyhow::Result<ServeConfig> {
+        let f = match &self.config {
+            Some(p) => FileConfig::from_file(p)?,
+            None => FileConfig::default(),
+        };
+        let d = ServeConfig::default();
+        let mut lora_modules = match f.lora_modules {
+            Some(m) if self.lora_modules.is_empty() => m.into_pairs()?,
+            _ => Vec::new(),
+        };
+        for s in &self.lora_modules {
+            lora_modules.push(parse_lora_module(s)?);
+        }
+        let lora_dir = self.lora_dir.or(f.lora_dir);
+        if let Some(dir) = &lora_dir {
+            lora_modules.extend(scan_lora_dir(dir)?);
+        }
+        let max_loras = self.max_loras.or(f.max_loras).unwrap_or(d.max_loras);
+        let cfg = ServeConfig {
+            model: self.model.or(f.model),
+            host: self.host.or(f.host).unwrap_or(d.host),
+            port: self.port.or(f.port).unwrap_or(d.port),
+            lora_modules,
+            lora_dir,
+            max_lora_rank: self.max_lora_rank.or(f.max_lora_rank).unwrap_or(d.max_lora_rank),
+            max_loras,
+            max_cpu_loras: self.max_cpu_loras.or(f.max_cpu_loras).unwrap_or(d.max_cpu_loras.max(max_loras)),
+            max_num_seqs: self.max_num_seqs.or(f.max_num_seqs).unwrap_or(d.max_num_seqs),
+            max_num_batched_tokens: self
+                .max_num_batched_tokens
+                .or(f.max_num_batched_tokens)
+                .unwrap_or(d.max_num_batched_tokens),
+            max_model_len: self.max_model_len.or(f.max_model_len),
+            max_queued_requests: self
+                .max_queued_requests
+                .or(f.max_queued_requests)
+                .unwrap_or(d.max_queued_requests),
+            shutdown_timeout: match self.shutdown_timeout.or(f.shutdown_timeout) {
+                Some(v) => secs("shutdown-timeout", v)?,
+                None => d.shutdown_timeout,
+            },
+            served_model_name: if self.served_model_name.is_empty() {
+                f.served_model_name.unwrap_or_default()
+            } else {
+                self.served_model_name
+            },
+            block_size: self.block_size.or(f.block_size).unwrap_or(d.block_size),
+            num_gpu_blocks_override: self.num_gpu_blocks_override.or(f.num_gpu_blocks_override),
+            max_request_body_bytes: self
+                .max_request_body_bytes
+                .or(f.max_request_body_bytes)
+                .unwrap_or(d.max_request_body_bytes),
+            unload_timeout: match self.unload_timeout.or(f.unload_timeout) {
+                Some(v) => secs("unload-timeout", v)?,
+                None => d.unload_timeout,
+            },
+            seed: self.seed.or(f.seed).unwrap_or(d.seed),
+            lora_kernel: self.lora_kernel.or(f.lora_kernel).unwrap_or(d.lora_kernel),
+        };
+        for (name, v) in [
+            ("max-loras", cfg.max_loras),
+            ("max-num-seqs", cfg.max_num_seqs),
+            ("max-num-batched-tokens", cfg.max_num_batched_tokens),
+            ("block-size", cfg.block_size),
+            ("max-lora-rank", cfg.max_lora_rank),
+        ] {
+            anyhow::ensure!(v > 0, "--{name} must be at least 1");
+        }
+        anyhow::ensure!(
+            cfg.lora_kernel == "sgmv" || cfg.lora_kernel == "bgmv",
+            "lora_kernel must be sgmv or bgmv, got `{}`",
+            cfg.lora_kernel
+        );
+        Ok(cfg)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn flags_override_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("thaw.toml");
+        std::fs::write(&f, "port = 9001\nmax_loras = 3\nmax_num_seqs = 7\n").unwrap();
+        let cfg = ServeArgs {
+            config: Some(f),
+            port: Some(9002),
+            ..Default::default()
+        }
+        .resolve()
+        .unwrap();
+        assert_eq!(cfg.port, 9002);
+        assert_eq!(cfg.max_loras, 3);
+        assert_eq!(cfg.max_num_seqs, 7);
+        assert_eq!(cfg.host, "127.0.0.1");
+        let bad = ServeArgs {
+            max_num_seqs: Some(0),
+            ..Default::default()
+        };
+        assert!(bad.resolve().is_err());
+    }
+}

@@ -1,0 +1,286 @@
+//! Starting `thaw serve`: load the model and tokenizer, start the engine thread, load the
+//! start-up adapters, then serve HTTP until SIGTERM/SIGINT and drain.
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use thaw_runtime::backend::cpu::CpuBackend;
+use thaw_runtime::backend::LoraKernel;
+use thaw_runtime::engine::{Engine, EngineConfig, HostModel};
+use thaw_runtime::model::Tokenizer;
+
+use super::config::ServeConfig;
+use crate::chat::ChatTemplate;
+use crate::engine_loop;
+use crate::http::{router, AppState};
+use crate::metrics::Metrics;
+use crate::registry::{AdapterLimits, Registry};
+use crate::scheduler::SchedConfig;
+
+/// KV memory the default block count may use.
+const KV_BUDGET_BYTES: usize = 512 << 20;
+
+/// A started server: state shared with the handlers, and the engine thread.
+pub struct Server {
+    pub state: Arc<AppState>,
+    pub config: ServeConfig,
+    engine_thread: Option<JoinHandle<()>>,
+}
+
+/// The demo's base model name.
+pub const DEMO_MODEL_NAME: &str = "thaw-demo";
+
+impl Server {
+    /// Loads everything; call inside a tokio runtime. Adapter failures at start-up are fatal.
+    pub async fn start(mut config: ServeConfig) -> anyhow::Result<Self> {
+        let (model_dir, default_name) = match &config.model {
+            Some(m) => (m.clone(), m.display().to_string()),
+            None => {
+                let cache = crate::demo::cache_dir();
+                let demo = tokio::task::spawn_blocking(move || crate::demo::ensure_demo(&cache))
+                    .await??;
+                for p in &demo.adapters {
+                    if let Some(name) = p.file_name().and_then(|n| n.to_str()) {
+                        config.lora_modules.push((name.to_string(), p.clone()));
+                    }
+                }
+                (demo.model, DEMO_MODEL_NAME.to_string())
+            }
+        };
+        let served_names = if config.served_model_name.is_empty() {
+            vec![default_name]
+        } else {
+            config.served_model_name.clone()
+        };
+        let dir = model_dir.clone();
+        let (model, tokenizer) = tokio::task::spawn_blocking(move || -> anyhow::Result<_> {
+            let model = HostModel::load(&dir)
+                .with_context(|| format!("loading the model from {}", dir.display()))?;
+            let tok = Tokenizer::from_dir(&dir, &model.config)?;
+            Ok((model, tok))
+        })
+        .await??;
+        let mc = model.config.clone();
+        let max_model_len = match config.max_model_len {
+            Some(l) => {
+                anyhow::ensure!(
+                    l > 0 && l <= mc.max_position_embeddings,
+                    "--max-model-len {l} must be between 1 and the model's context of {}",
+                    mc.max_position_embeddings
+                );
+                l
+            }
+            None => mc.max_position_embeddings,
+        };
+        let bs = config.block_size;
+        let per_seq = max_model_len.div_ceil(bs);
+        let num_blocks = config.num_gpu_blocks_override.unwrap_or_else(|| {
+            let block_bytes = mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * bs * 4;
+            (config.max_num_seqs * per_seq)
+                .min(KV_BUDGET_BYTES / block_bytes.max(1))
+                .max(per_seq)
+        });
+        let sched = SchedConfig {
+            max_num_seqs: config.max_num_seqs,
+            max_num_batched_tokens: config.max_num_batched_tokens,
+            block_size: bs,
+            total_blocks: num_blocks,
+        };
+        let ecfg = EngineConfig {
+            kv_block_size: bs,
+            num_kv_blocks: num_blocks,
+            max_batch_tokens: config.max_num_batched_tokens,
+            max_batch_seqs: config.max_num_seqs,
+            max_context: Some(max_model_len),
+            lora_kernel: if config.lora_kernel == "bgmv" {
+                LoraKernel::Bgmv
+            } else {
+                LoraKernel::Sgmv
+            },
+            seed: config.seed,
+        };
+        let metrics = Arc::new(Metrics::default());
+        let (engine, thread) = engine_loop::start(
+            move || {
+                let backend = CpuBackend::new(&model.config);
+                Ok((Engine::new(backend, model, ecfg)?, sched))
+            },
+            config.max_queued_requests,
+            metrics.clone(),
+        )?;
+        let registry = Arc::new(Registry::new(
+            engine.clone(),
+            mc.clone(),
+            AdapterLimits {
+                max_lora_rank: config.max_lora_rank,
+                max_loras: config.max_loras,
+                max_cpu_loras: config.max_cpu_loras,
+                unload_wait: config.unload_timeout,
+            },
+            metrics.clone(),
+        ));
+        for (name, path) in &config.lora_modules {
+            registry
+                .load(name, path)
+                .await
+                .map_err(|e| anyhow::anyhow!("loading adapter `{name}` from {}: {e}", path.display()))?;
+        }
+        let chat = match tokenizer.chat_template() {
+            Some(src) => Some(
+                ChatTemplate::new(src, tokenizer.bos_token(), tokenizer.eos_token())
+                    .context("compiling the model's chat template")?,
+            ),
+            None => None,
+        };
+        let state = Arc::new(AppState {
+            engine,
+            registry,
+            tokenizer: Arc::new(tokenizer),
+            chat,
+            metrics,
+            shutting_down: AtomicBool::new(false),
+            served_names,
+            model_root: model_dir.display().to_string(),
+            max_model_len,
+            vocab_size: mc.vocab_size,
+            sched,
+            max_body_bytes: config.max_request_body_bytes,
+            created: crate::http::unix_now(),
+        });
+        Ok(Self {
+            state,
+            config,
+            engine_thread: Some(thread),
+        })
+    }
+
+    pub fn router(&self) -> axum::Router {
+        router(self.state.clone())
+    }
+
+    /// Serves on `listener` until `signal` resolves, then stops accepting, lets in-flight
+    /// requests finish for up to `--shutdown-timeout` (aborting the rest) and stops the engine.
+    pub async fn serve(
+        mut self,
+        listener: tokio::net::TcpListener,
+        signal: impl Future<Output = ()> + Send + 'static,
+    ) -> anyhow::Result<()> {
+        let state = self.state.clone();
+        let timeout = self.config.shutdown_timeout;
+        let (stop_tx, mut stop_rx) = tokio::sync::watch::channel(false);
+        let graceful = async move {
+            let _ = stop_rx.wait_for(|v| *v).await;
+        };
+        let app = self.router();
+        let mut task = tokio::spawn(async move {
+            axum::serve(listener, app)
+                .with_graceful_shutdown(graceful)
+                .await
+        });
+        tokio::select! {
+            r = &mut task => {
+                r.context("the HTTP server task failed")??;
+            }
+            _ = signal => {
+                tracing::info!(
+                    "shutting down: no new requests; draining in-flight ones for up to {:.1} s",
+                    timeout.as_secs_f64()
+                );
+                state.shutting_down.store(true, Ordering::SeqCst);
+                state.engine.drain(Instant::now() + timeout);
+                let _ = stop_tx.send(true);
+                match tokio::time::timeout(timeout + Duration::from_secs(2), &mut task).await {
+                    Ok(r) => r.context("the HTTP server task failed")??,
+                    Err(_) => {
+                        tracing::warn!("connections still open after the drain; closing them");
+                        task.abort();
+                    }
+                }
+            }
+        }
+        self.stop().await;
+        Ok(())
+    }
+
+    /// Stops the engine thread (aborting whatever is left) and waits for it briefly.
+    pub async fn stop(&mut self) {
+        self.state.shutting_down.store(true, Ordering::SeqCst);
+        self.state.engine.shutdown();
+        if let Some(t) = self.engine_thread.take() {
+            let joined = tokio::task::spawn_blocking(move || t.join());
+            if tokio::time::timeout(Duration::from_secs(5), joined).await.is_err() {
+                tracing::warn!("the engine thread did not stop within 5 s");
+            }
+        }
+    }
+}
+
+/// Resolves on SIGTERM or SIGINT.
+pub async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(e) => {
+                tracing::warn!("cannot listen for SIGTERM: {e}");
+                std::future::pending::<()>().await
+            }
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {}
+        _ = term => {}
+    }
+}
+
+/// `thaw serve`: blocks until shut down.
+pub fn run(config: ServeConfig) -> anyhow::Result<()> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name("thaw-http")
+        .build()?;
+    rt.block_on(async move {
+        let demo = config.model.is_none();
+        let addr = format!("{}:{}", config.host, config.port);
+        let server = Server::start(config).await?;
+        let listener = tokio::net::TcpListener::bind(&addr)
+            .await
+            .with_context(|| format!("binding {addr}; is another server using that port? pass --port"))?;
+        let local: SocketAddr = listener.local_addr()?;
+        print_banner(&server, local, demo);
+        server.serve(listener, shutdown_signal()).await
+    })
+}
+
+fn print_banner(server: &Server, addr: SocketAddr, demo: bool) {
+    let s = &server.state;
+    let adapters = s.registry.views();
+    println!(
+        "thaw: serving `{}` with {} adapter(s) on http://{addr} (CPU backend{})",
+        s.base_name(),
+        adapters.len(),
+        if demo { ", embedded demo" } else { "" }
+    );
+    let model = adapters
+        .first()
+        .map(|a| a.name.clone())
+        .unwrap_or_else(|| s.base_name().to_string());
+    println!("try:");
+    println!(
+        "  curl http://{addr}/v1/completions -H 'Content-Type: application/json' \\\n    -d '{{\"model\": \"{model}\", \"prompt\": \"The quick brown fox\", \"max_tokens\": 16}}'"
+    );
+    println!("  curl http://{addr}/v1/models");
+    use std::io::Write;
+    let _ = std::io::stdout().flush();
+}

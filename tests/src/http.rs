@@ -1,0 +1,252 @@
+//! Helpers for the HTTP tests: a generated model with adapters to serve, servers started
+//! in-process (on a real loopback socket, in a background runtime), and a minimal blocking
+//! HTTP/1.1 client (Content-Length and chunked bodies, SSE parsing) so tests need no HTTP
+//! client crate.
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde_json::Value;
+use thaw_server::gen::{self, GenAdaptersOptions, GenModelOptions, Projection};
+use thaw_server::serve::{ServeConfig, Server};
+
+use crate::test_preset;
+
+/// A generated model directory plus adapters (`adapters/` holds one per rank).
+pub struct ServeFixture {
+    pub dir: tempfile::TempDir,
+    pub adapters: Vec<(String, PathBuf)>,
+}
+
+impl ServeFixture {
+    /// The test preset (small, fast) with adapters of `ranks` on all projections.
+    pub fn new(ranks: &[usize]) -> Self {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let model = dir.path().join("model");
+        gen::write_model(&test_preset(), &model, &GenModelOptions::default()).expect("gen-model");
+        let mut adapters = Vec::new();
+        for (i, r) in ranks.iter().enumerate() {
+            let out = dir.path().join(format!("staging-{i}"));
+            let written = gen::write_adapters(&GenAdaptersOptions {
+                model_dir: model.clone(),
+                out_dir: out,
+                count: 1,
+                ranks: vec![*r],
+                targets: Projection::ALL.to_vec(),
+                seed: 50 + i as u64,
+                ..Default::default()
+            })
+            .expect("gen-adapters");
+            let name = format!("lora-{i}-r{r}");
+            let dst = dir.path().join("adapters").join(&name);
+            std::fs::create_dir_all(dst.parent().unwrap()).unwrap();
+            std::fs::rename(&written[0], &dst).unwrap();
+            adapters.push((name, dst));
+        }
+        Self { dir, adapters }
+    }
+
+    pub fn model_dir(&self) -> PathBuf {
+        self.dir.path().join("model")
+    }
+
+    /// A config serving this model and its adapters, on port 0.
+    pub fn config(&self) -> ServeConfig {
+        ServeConfig {
+            model: Some(self.model_dir()),
+            port: 0,
+            lora_modules: self.adapters.clone(),
+            served_model_name: vec!["base".into()],
+            max_num_seqs: 16,
+            max_num_batched_tokens: 256,
+            shutdown_timeout: Duration::from_secs(5),
+            ..Default::default()
+        }
+    }
+
+    /// A copy of adapter `i` under a new directory, for tests that damage it.
+    pub fn copy_adapter(&self, i: usize, name: &str) -> PathBuf {
+        let src = &self.adapters[i].1;
+        let dst = self.dir.path().join("copies").join(name);
+        std::fs::create_dir_all(&dst).unwrap();
+        for f in ["adapter_config.json", "adapter_model.safetensors"] {
+            std::fs::copy(src.join(f), dst.join(f)).unwrap();
+        }
+        dst
+    }
+}
+
+/// Edits `adapter_config.json` of an adapter directory.
+pub fn edit_adapter_config(dir: &std::path::Path, f: impl FnOnce(&mut Value)) {
+    let p = dir.join("adapter_config.json");
+    let mut v: Value = serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
+    f(&mut v);
+    std::fs::write(&p, serde_json::to_string_pretty(&v).unwrap()).unwrap();
+}
+
+/// A server on a real loopback socket, running in its own tokio runtime thread.
+pub struct SocketServer {
+    pub addr: SocketAddr,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl SocketServer {
+    pub fn start(cfg: ServeConfig) -> Self {
+        let (addr_tx, addr_rx) = std::sync::mpsc::channel();
+        let (stop, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let thread = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()
+                .expect("runtime");
+            rt.block_on(async move {
+                let server = Server::start(cfg).await.expect("server starts");
+                let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+                addr_tx.send(listener.local_addr().unwrap()).unwrap();
+                server
+                    .serve(listener, async move {
+                        let _ = stop_rx.await;
+                    })
+                    .await
+                    .expect("serve");
+            });
+        });
+        let addr = addr_rx
+            .recv_timeout(Duration::from_secs(60))
+            .expect("server started");
+        Self {
+            addr,
+            stop: Some(stop),
+            thread: Some(thread),
+        }
+    }
+}
+
+impl Drop for SocketServer {
+    fn drop(&mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// A parsed HTTP response.
+#[derive(Debug, Clone)]
+pub struct HttpResponse {
+    pub status: u16,
+    pub headers: Vec<(String, String)>,
+    pub body: Vec<u8>,
+}
+
+impl HttpResponse {
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+
+    pub fn json(&self) -> Value {
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {}", self.text()))
+    }
+
+    /// The `data:` payloads of an SSE body.
+    pub fn sse_data(&self) -> Vec<String> {
+        sse_data(&self.text())
+    }
+}
+
+/// The `data:` payloads of SSE text.
+pub fn sse_data(text: &str) -> Vec<String> {
+    text.lines()
+        .filter_map(|l| l.strip_prefix("data:"))
+        .map(|d| d.trim_start().to_string())
+        .collect()
+}
+
+/// Opens a connection and writes one request (Connection: close).
+pub fn send_request(addr: SocketAddr, method: &str, path: &str, body: Option<&str>) -> TcpStream {
+    let mut s = TcpStream::connect(addr).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
+    let body = body.unwrap_or("");
+    let req = format!(
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes()).expect("write request");
+    s
+}
+
+/// Reads the status line and headers.
+pub fn read_head(r: &mut impl BufRead) -> (u16, Vec<(String, String)>) {
+    let mut line = String::new();
+    r.read_line(&mut line).expect("status line");
+    let status = line
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("bad status line {line:?}"));
+    let mut headers = Vec::new();
+    loop {
+        line.clear();
+        r.read_line(&mut line).expect("header");
+        let l = line.trim_end();
+        if l.is_empty() {
+            break;
+        }
+        if let Some((k, v)) = l.split_once(':') {
+            headers.push((k.trim().to_ascii_lowercase(), v.trim().to_string()));
+        }
+    }
+    (status, headers)
+}
+
+/// One request, the whole response.
+pub fn request(addr: SocketAddr, method: &str, path: &str, body: Option<&str>) -> HttpResponse {
+    let s = send_request(addr, method, path, body);
+    let mut r = BufReader::new(s);
+    let (status, headers) = read_head(&mut r);
+    let chunked = headers
+        .iter()
+        .any(|(k, v)| k == "transfer-encoding" && v.contains("chunked"));
+    let mut body = Vec::new();
+    if chunked {
+        loop {
+            let mut size = String::new();
+            r.read_line(&mut size).expect("chunk size");
+            let n = usize::from_str_radix(size.trim(), 16).expect("chunk size hex");
+            if n == 0 {
+                break;
+            }
+            let mut buf = vec![0; n + 2];
+            r.read_exact(&mut buf).expect("chunk");
+            body.extend_from_slice(&buf[..n]);
+        }
+    } else {
+        r.read_to_end(&mut body).expect("body");
+    }
+    HttpResponse {
+        status,
+        headers,
+        body,
+    }
+}
+
+pub fn get(addr: SocketAddr, path: &str) -> HttpResponse {
+    request(addr, "GET", path, None)
+}
+
+pub fn post(addr: SocketAddr, path: &str, body: &Value) -> HttpResponse {
+    request(addr, "POST", path, Some(&body.to_string()))
+}
+
+/// The value of an unlabelled sample in Prometheus text.
+pub fn metric(text: &str, name: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+}

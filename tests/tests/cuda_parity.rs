@@ -1,0 +1,525 @@
+//! The CUDA backend against the CPU backend, op by op on fresh seeded inputs, and end to end
+//! (DESIGN §9). Build with `--features cuda`; without a usable GPU every test prints a skip and
+//! passes, unless `THAW_REQUIRE_GPU=1`, which turns a missing GPU into a failure.
+//!
+//! Tolerances (normwise relative error, `rel_err`): f32 weights and KV ≤ 1e-4 (same math,
+//! different summation order and FMA contraction); bf16 weights and KV ≤ 1e-2 (bf16 keeps 8
+//! bits of mantissa: ~4e-3 relative per rounding, a few roundings per output).
+#![cfg(feature = "cuda")]
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use thaw_kernels::cpu::KvLayout;
+use thaw_runtime::adapter::{LoraAdapter, LoraModule};
+use thaw_runtime::backend::cpu::CpuBackend;
+use thaw_runtime::backend::cuda::{cuda_available, CudaBackend, CudaConfig, DType};
+use thaw_runtime::backend::{
+    Backend, LinearDims, LoraBatch, LoraKernel, LoraLayout, SeqSlice, StepLayout,
+};
+use thaw_runtime::engine::{Engine, EngineConfig, HostModel, PlanItem, SequenceParams, StepPlan};
+use thaw_runtime::ids::{AdapterId, LayerIdx, SeqId};
+use thaw_tests::{cpu_engine, rel_err, TestModel};
+
+fn gpu() -> bool {
+    if cuda_available() {
+        return true;
+    }
+    let require = std::env::var("THAW_REQUIRE_GPU").is_ok_and(|v| v == "1");
+    assert!(
+        !require,
+        "THAW_REQUIRE_GPU=1 but no usable NVIDIA GPU / libcuda was found"
+    );
+    println!("skipped: no NVIDIA GPU (set THAW_REQUIRE_GPU=1 to fail instead)");
+    false
+}
+
+const CONFIGS: [(DType, f64); 2] = [(DType::F32, 1e-4), (DType::Bf16, 1e-2)];
+
+fn cfg(dt: DType) -> CudaConfig {
+    CudaConfig {
+        weight_dtype: dt,
+        kv_dtype: dt,
+        ..Default::default()
+    }
+}
+
+fn rand_vec(rng: &mut ChaCha8Rng, n: usize, scale: f32) -> Vec<f32> {
+    (0..n).map(|_| rng.random_range(-scale..scale)).collect()
+}
+
+fn check(what: &str, dt: DType, tol: f64, got: &[f32], want: &[f32]) {
+    let e = rel_err(got, want);
+    println!("{what:<28} {dt:?}: rel err {e:.2e} (tol {tol:.0e})");
+    assert!(e <= tol, "{what} ({dt:?}): rel err {e:e} > {tol:e}");
+}
+
+/// One model shape for the op tests: GQA 8/2 heads of 64, a sliding window.
+fn shape() -> HostModel {
+    TestModel::llama(3).model
+}
+
+#[test]
+fn elementwise_norm_linear_rope_match_cpu() {
+    if !gpu() {
+        return;
+    }
+    let m = shape();
+    let c = &m.config;
+    let mut rng = ChaCha8Rng::seed_from_u64(1);
+    for (dt, tol) in CONFIGS {
+        let mut cpu = CpuBackend::new(c);
+        let mut g = CudaBackend::new(c, &cfg(dt)).expect("CUDA backend");
+        let rows = 37;
+        let (d_in, d_out) = (c.hidden_size, c.intermediate_size);
+        let x = rand_vec(&mut rng, rows * d_in, 2.0);
+        let xg = g.upload_f32(&x).unwrap();
+        // RMSNorm
+        let w = rand_vec(&mut rng, d_in, 1.5);
+        let mut out_c = vec![0.0; rows * d_in];
+        cpu.rms_norm(&x, &w, 1e-5, rows, &mut out_c);
+        let wg = g.upload_vector(w.clone()).unwrap();
+        let mut out_g = g.alloc(rows * d_in).unwrap();
+        g.rms_norm(&xg, &wg, 1e-5, rows, &mut out_g);
+        check(
+            "rms_norm",
+            dt,
+            tol,
+            &g.download_f32(&out_g, rows * d_in).unwrap(),
+            &out_c,
+        );
+        // Linear with bias (cuBLAS)
+        let wl = rand_vec(&mut rng, d_out * d_in, 0.1);
+        let bias = rand_vec(&mut rng, d_out, 0.5);
+        let lc = cpu
+            .upload_linear(wl.clone(), d_out, d_in, Some(bias.clone()))
+            .unwrap();
+        let lg = g.upload_linear(wl, d_out, d_in, Some(bias)).unwrap();
+        let mut yc = vec![0.0; rows * d_out];
+        cpu.linear(&x, &lc, rows, &mut yc);
+        let mut yg = g.alloc(rows * d_out).unwrap();
+        g.linear(&xg, &lg, rows, &mut yg);
+        check(
+            "linear+bias",
+            dt,
+            tol,
+            &g.download_f32(&yg, rows * d_out).unwrap(),
+            &yc,
+        );
+        // Embedding gather
+        let ids: Vec<u32> = (0..rows)
+            .map(|_| rng.random_range(0..d_out as u32))
+            .collect();
+        let table = rand_vec(&mut rng, d_out * d_in, 1.0);
+        let tc = cpu.upload_linear(table.clone(), d_out, d_in, None).unwrap();
+        let tg = g.upload_linear(table, d_out, d_in, None).unwrap();
+        let mut ec = vec![0.0; rows * d_in];
+        cpu.embed(&tc, &ids, &mut ec);
+        let mut eg = g.alloc(rows * d_in).unwrap();
+        g.embed(&tg, &ids, &mut eg);
+        check(
+            "embed",
+            dt,
+            tol,
+            &g.download_f32(&eg, rows * d_in).unwrap(),
+            &ec,
+        );
+        // SwiGLU, residual add, row gather (activations are f32 in both configs)
+        let n = rows * d_in;
+        let up = rand_vec(&mut rng, n, 2.0);
+        let upg = g.upload_f32(&up).unwrap();
+        let mut sc = vec![0.0; n];
+        cpu.swiglu(&x, &up, n, &mut sc);
+        let mut sg = g.alloc(n).unwrap();
+        g.swiglu(&xg, &upg, n, &mut sg);
+        check("swiglu", dt, 1e-5, &g.download_f32(&sg, n).unwrap(), &sc);
+        let mut ac = x.clone();
+        cpu.add(&mut ac, &up, n);
+        let mut ag = g.upload_f32(&x).unwrap();
+        g.add(&mut ag, &upg, n);
+        check(
+            "residual add",
+            dt,
+            1e-6,
+            &g.download_f32(&ag, n).unwrap(),
+            &ac,
+        );
+        let pick = [5usize, 0, 36, 17];
+        let mut gc = vec![0.0; pick.len() * d_in];
+        cpu.gather_rows(&x, d_in, &pick, &mut gc);
+        let mut gg = g.alloc(pick.len() * d_in).unwrap();
+        g.gather_rows(&xg, d_in, &pick, &mut gg);
+        check(
+            "gather_rows",
+            dt,
+            0.0,
+            &g.download_f32(&gg, pick.len() * d_in).unwrap(),
+            &gc,
+        );
+        // RoPE at large positions (Llama-3 scaling comes with the model config, if any)
+        let qn = rows * c.num_heads * c.head_dim;
+        let q = rand_vec(&mut rng, qn, 1.0);
+        let pos: Vec<usize> = (0..rows).map(|i| i * 997 + 3).collect();
+        let mut rc = q.clone();
+        cpu.rope(&mut rc, &pos, c.num_heads);
+        let mut rg = g.upload_f32(&q).unwrap();
+        g.rope(&mut rg, &pos, c.num_heads);
+        check("rope", dt, 1e-5, &g.download_f32(&rg, qn).unwrap(), &rc);
+        g.check().unwrap();
+    }
+}
+
+/// A mixed step: two prefill chunks (one continuing at position 21) and three decodes.
+fn mixed_step(block_size: usize) -> (StepLayout, usize) {
+    let lens = [(0usize, 19usize), (21, 40), (30, 1), (5, 1), (0, 1)];
+    let mut step = StepLayout::default();
+    let mut next_block = 0u32;
+    let mut row = 0;
+    for (start, n) in lens {
+        let blocks = (start + n).div_ceil(block_size);
+        let b0 = step.block_tables.len();
+        // Scattered physical blocks: reversed and offset, so a table bug shows.
+        for i in 0..blocks {
+            step.block_tables.push(next_block + (blocks - 1 - i) as u32);
+        }
+        next_block += blocks as u32 + 1;
+        step.seqs.push(SeqSlice {
+            rows: row..row + n,
+            start_pos: start,
+            blocks: b0..b0 + blocks,
+        });
+        for i in 0..n {
+            step.token_ids.push(1);
+            step.positions.push(start + i);
+        }
+        row += n;
+    }
+    (step, next_block as usize)
+}
+
+#[test]
+fn paged_attention_prefill_and_decode_match_cpu() {
+    if !gpu() {
+        return;
+    }
+    let m = shape();
+    let mut c = m.config.clone();
+    for window in [None, Some(7)] {
+        c.sliding_window = window;
+        let mut rng = ChaCha8Rng::seed_from_u64(2);
+        for (dt, tol) in CONFIGS {
+            let mut cpu = CpuBackend::new(&c);
+            let mut g = CudaBackend::new(&c, &cfg(dt)).unwrap();
+            let layout = KvLayout {
+                block_size: 8,
+                num_kv_heads: c.num_kv_heads,
+                head_dim: c.head_dim,
+            };
+            let (step, nb) = mixed_step(layout.block_size);
+            let rows = step.rows();
+            let (qw, kw) = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim);
+            // Earlier context: fill the cache through a first "step" of the prefixes.
+            let mut kvc = cpu.alloc_kv_layer(layout, nb).unwrap();
+            let mut kvg = g.alloc_kv_layer(layout, nb).unwrap();
+            let mut pre = StepLayout::default();
+            for s in &step.seqs {
+                if s.start_pos == 0 {
+                    continue;
+                }
+                let r0 = pre.token_ids.len();
+                pre.seqs.push(SeqSlice {
+                    rows: r0..r0 + s.start_pos,
+                    start_pos: 0,
+                    blocks: s.blocks.clone(),
+                });
+                pre.token_ids.extend(std::iter::repeat_n(1, s.start_pos));
+                pre.positions.extend(0..s.start_pos);
+            }
+            pre.block_tables = step.block_tables.clone();
+            for st in [&pre, &step] {
+                let n = st.rows();
+                let q = rand_vec(&mut rng, n * qw, 1.0);
+                let k = rand_vec(&mut rng, n * kw, 1.0);
+                let v = rand_vec(&mut rng, n * kw, 1.0);
+                let mut oc = vec![0.0; n * qw];
+                cpu.attention(&q, &k, &v, &mut kvc, st, &mut oc);
+                let (qg, kg, vg) = (
+                    g.upload_f32(&q).unwrap(),
+                    g.upload_f32(&k).unwrap(),
+                    g.upload_f32(&v).unwrap(),
+                );
+                let mut og = g.alloc(n * qw).unwrap();
+                // embed marks a new step for the backend's per-step metadata.
+                let table = g.upload_linear(vec![0.0; 4], 2, 2, None).unwrap();
+                let mut scratch = g.alloc(n * 2).unwrap();
+                g.embed(&table, &vec![0; n], &mut scratch);
+                g.attention(&qg, &kg, &vg, &mut kvg, st, &mut og);
+                if std::ptr::eq(st, &step) {
+                    let what = format!("attention window={window:?}");
+                    check(
+                        &what,
+                        dt,
+                        tol,
+                        &g.download_f32(&og, rows * qw).unwrap(),
+                        &oc,
+                    );
+                }
+            }
+            g.check().unwrap();
+        }
+    }
+}
+
+/// Adapters of ranks 8..128 on a step of mixed segments, SGMV and BGMV, with one adapter's
+/// layer not landed (it must be skipped).
+#[test]
+fn sgmv_and_bgmv_match_cpu() {
+    if !gpu() {
+        return;
+    }
+    let tm = TestModel::llama(4);
+    let c = &tm.model.config;
+    let adapters: Vec<Arc<LoraAdapter>> = [
+        (8, &["q", "v"][..]),
+        (16, &["q", "k", "v", "o", "gate", "up", "down"]),
+        (64, &["q", "down"]),
+        (128, &["q", "gate"]),
+    ]
+    .iter()
+    .enumerate()
+    .map(|(i, (r, t))| tm.adapter(*r, t, 40 + i as u64))
+    .collect();
+    let mut rng = ChaCha8Rng::seed_from_u64(3);
+    // Segments: rows 0..5 → a0, 5..6 → a1, 6..9 base, 9..30 → a2, 30..31 → a3, 31..33 → a1.
+    let segs: Vec<(Range<usize>, u32)> =
+        vec![(0..5, 0), (5..6, 1), (9..30, 2), (30..31, 3), (31..33, 1)];
+    let rows = 33;
+    let mut layout = LoraLayout::default();
+    layout.row_adapter = vec![None; rows];
+    for (r, i) in &segs {
+        for row in r.clone() {
+            layout.row_adapter[row] = Some(*i);
+        }
+    }
+    layout.segments = segs;
+    for (dt, tol) in CONFIGS {
+        let mut cpu = CpuBackend::new(c);
+        let mut g = CudaBackend::new(c, &cfg(dt)).unwrap();
+        let lc: Vec<_> = adapters
+            .iter()
+            .map(|a| cpu.upload_lora(a.clone()).unwrap())
+            .collect();
+        let lg: Vec<_> = adapters
+            .iter()
+            .map(|a| g.upload_lora(a.clone()).unwrap())
+            .collect();
+        let (rc, rg): (Vec<_>, Vec<_>) = (lc.iter().collect(), lg.iter().collect());
+        for kernel in [LoraKernel::Sgmv, LoraKernel::Bgmv] {
+            for (landed, layer) in [(vec![99, 99, 99, 99], 0), (vec![99, 0, 99, 99], 0)] {
+                for m in [LoraModule::Q, LoraModule::Down] {
+                    let (d_in, d_out) = c.module_shape(m);
+                    let x = rand_vec(&mut rng, rows * d_in, 1.0);
+                    let y0 = rand_vec(&mut rng, rows * d_out, 1.0);
+                    let at = (LayerIdx(layer), m);
+                    let dims = LinearDims { d_in, d_out };
+                    let mut yc = y0.clone();
+                    let bc = LoraBatch {
+                        kernel,
+                        layout: &layout,
+                        adapters: &rc,
+                        landed: &landed,
+                    };
+                    cpu.lora(&x, &mut yc, dims, at, &bc);
+                    let xg = g.upload_f32(&x).unwrap();
+                    let mut yg = g.upload_f32(&y0).unwrap();
+                    let bg = LoraBatch {
+                        kernel,
+                        layout: &layout,
+                        adapters: &rg,
+                        landed: &landed,
+                    };
+                    let table = g.upload_linear(vec![0.0; 4], 2, 2, None).unwrap();
+                    let mut scratch = g.alloc(2).unwrap();
+                    g.embed(&table, &[0], &mut scratch);
+                    g.lora(&xg, &mut yg, dims, at, &bg);
+                    let got = g.download_f32(&yg, rows * d_out).unwrap();
+                    // Compare the deltas, not y (y0 would hide a small delta error).
+                    let dc: Vec<f32> = yc.iter().zip(&y0).map(|(a, b)| a - b).collect();
+                    let dg: Vec<f32> = got.iter().zip(&y0).map(|(a, b)| a - b).collect();
+                    check(
+                        &format!("{kernel:?} {m:?} landed={landed:?}"),
+                        dt,
+                        tol,
+                        &dg,
+                        &dc,
+                    );
+                }
+            }
+        }
+        g.check().unwrap();
+    }
+}
+
+#[test]
+fn export_and_merge_rows_match_cpu() {
+    if !gpu() {
+        return;
+    }
+    let m = shape();
+    let c = &m.config;
+    let mut rng = ChaCha8Rng::seed_from_u64(5);
+    let mut cpu = CpuBackend::new(c);
+    let mut g = CudaBackend::new(c, &cfg(DType::F32)).unwrap();
+    let (rows, w) = (20, c.hidden_size);
+    let x = rand_vec(&mut rng, rows * w, 1.0);
+    let sel = [2..5, 9..10, 15..20];
+    let n: usize = sel.iter().map(|r| r.len()).sum();
+    let (mut ec, mut eg) = (vec![0.0; n * w], vec![0.0; n * w]);
+    cpu.export_rows(&x, w, &sel, &mut ec);
+    let xg = g.upload_f32(&x).unwrap();
+    g.export_rows(&xg, w, &sel, &mut eg);
+    check("export_rows", DType::F32, 0.0, &eg, &ec);
+    let delta = rand_vec(&mut rng, n * w, 1.0);
+    let mut yc = x.clone();
+    cpu.merge_rows(&mut yc, w, &sel, &delta);
+    let mut yg = g.upload_f32(&x).unwrap();
+    g.merge_rows(&mut yg, w, &sel, &delta);
+    check(
+        "merge_rows",
+        DType::F32,
+        1e-7,
+        &g.download_f32(&yg, rows * w).unwrap(),
+        &yc,
+    );
+    g.check().unwrap();
+}
+
+fn cuda_engine(model: HostModel, dt: DType) -> Engine<CudaBackend> {
+    let b = CudaBackend::new(&model.config, &cfg(dt)).unwrap();
+    Engine::new(b, model, EngineConfig::default()).unwrap()
+}
+
+/// Prefill then one decode of `prompts` (one sequence per adapter choice); logits and tokens.
+fn run<B: Backend>(
+    e: &mut Engine<B>,
+    who: &[Option<u32>],
+    prompts: &[Vec<u32>],
+) -> Vec<(Vec<f32>, Vec<f32>, Vec<u32>)> {
+    for (i, (a, p)) in who.iter().zip(prompts).enumerate() {
+        e.add_sequence(
+            SeqId(i as u64),
+            SequenceParams {
+                prompt: p.clone(),
+                adapter: a.map(AdapterId),
+                max_new_tokens: 8,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+    }
+    let mut out: Vec<(Vec<f32>, Vec<f32>, Vec<u32>)> = vec![Default::default(); who.len()];
+    for s in 0..4 {
+        let plan = StepPlan {
+            items: (0..who.len())
+                .map(|i| PlanItem {
+                    seq: SeqId(i as u64),
+                    num_tokens: if s == 0 { prompts[i].len() } else { 1 },
+                })
+                .collect(),
+            return_logits: true,
+        };
+        for o in e.step(&plan).unwrap() {
+            let i = o.seq.0 as usize;
+            match s {
+                0 => out[i].0 = o.logits.unwrap(),
+                1 => out[i].1 = o.logits.unwrap(),
+                _ => {}
+            }
+            out[i].2.push(o.token.id);
+        }
+    }
+    out
+}
+
+/// The merged-weight oracle on the GPU: the CUDA engine's unmerged multi-LoRA logits equal the
+/// CPU engine's logits of each sequence's merged model; and CPU-assisted (streamed) adapters
+/// give the same greedy tokens as resident ones.
+#[test]
+fn engine_merged_oracle_and_assisted_tokens_on_gpu() {
+    if !gpu() {
+        return;
+    }
+    let tm = TestModel::llama(6);
+    let adapters: Vec<Arc<LoraAdapter>> = [
+        (8, &["q", "v"][..]),
+        (32, &["q", "k", "v", "o", "gate", "up", "down"]),
+    ]
+    .iter()
+    .enumerate()
+    .map(|(i, (r, t))| tm.adapter(*r, t, 60 + i as u64))
+    .collect();
+    let who = [Some(0u32), None, Some(1), Some(0)];
+    let mut rng = ChaCha8Rng::seed_from_u64(9);
+    let vocab = tm.model.config.vocab_size;
+    let prompts: Vec<Vec<u32>> = (0..who.len())
+        .map(|i| {
+            (0..5 + 7 * i)
+                .map(|_| rng.random_range(3..vocab as u32))
+                .collect()
+        })
+        .collect();
+    for (dt, tol) in CONFIGS {
+        let mut e = cuda_engine(tm.model.clone(), dt);
+        for (i, a) in adapters.iter().enumerate() {
+            e.register_adapter(AdapterId(i as u32), a.clone()).unwrap();
+        }
+        let got = run(&mut e, &who, &prompts);
+        for (i, a) in who.iter().enumerate() {
+            let mut merged = tm.model.clone();
+            if let Some(a) = a {
+                merged.merge_adapter(&adapters[*a as usize]);
+            }
+            let mut solo = cpu_engine(merged, EngineConfig::default());
+            let want = run(&mut solo, &[None], &prompts[i..=i]);
+            check(
+                &format!("engine seq {i} prefill"),
+                dt,
+                tol,
+                &got[i].0,
+                &want[0].0,
+            );
+            check(
+                &format!("engine seq {i} decode"),
+                dt,
+                tol,
+                &got[i].1,
+                &want[0].1,
+            );
+            if dt == DType::F32 {
+                assert_eq!(
+                    got[i].2, want[0].2,
+                    "seq {i}: greedy tokens differ from the merged oracle"
+                );
+            }
+        }
+        // Streamed registration: layers not landed at a step's start are CPU-assisted.
+        let mut s = cuda_engine(tm.model.clone(), dt);
+        for (i, a) in adapters.iter().enumerate() {
+            s.register_adapter_streaming(AdapterId(i as u32), a.clone())
+                .unwrap();
+        }
+        let streamed = run(&mut s, &who, &prompts);
+        println!(
+            "{dt:?}: rows CPU-assisted while streaming: {}",
+            s.rows_assisted()
+        );
+        for i in 0..who.len() {
+            assert_eq!(
+                streamed[i].2, got[i].2,
+                "seq {i}: assisted and resident greedy tokens differ"
+            );
+        }
+    }
+}
