@@ -71,7 +71,7 @@ pub enum CpuLoraError {
         status: String,
     },
     /// The worker could not pin itself to its core.
-    #[error("cannot pin CPU LoRA worker to core {core}: not in this process's CPU set")]
+    #[error("cannot pin CPU LoRA worker to core {core}: no such core in this cgroup's cpuset")]
     Pin {
         /// Requested core.
         core: usize,

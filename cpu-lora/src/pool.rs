@@ -53,8 +53,9 @@ use crate::CpuLoraError;
 /// started from this executable's `lora-worker` subcommand.
 #[derive(Debug, Clone)]
 pub struct PoolConfig {
-    /// Cores to run workers on, one worker each. `None`: every core of this process's CPU
-    /// set except `engine_core`.
+    /// Cores to run workers on, one worker each. `None`: every core of the calling thread's
+    /// CPU set except `engine_core` (so create the pool before pinning the engine thread, or
+    /// list the cores).
     pub cores: Option<Vec<usize>>,
     /// The engine thread's core, left free by the default core list (default: the first
     /// core of the CPU set).
@@ -261,14 +262,6 @@ impl LoraPool {
             return Err(CpuLoraError::Config(format!(
                 "{n} worker cores; give 1..=64 (PoolConfig::cores)"
             )));
-        }
-        if cfg.pin {
-            let allowed = cpu_set();
-            if let Some(c) = cores.iter().find(|c| !allowed.contains(c)) {
-                return Err(CpuLoraError::Config(format!(
-                    "core {c} is not in this process's CPU set {allowed:?}"
-                )));
-            }
         }
         if (store.config().max_readers as usize) < n + 1 {
             return Err(CpuLoraError::Config(format!(

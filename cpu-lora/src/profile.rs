@@ -162,7 +162,7 @@ pub fn split_rows(
     if n == 0 || total == 0 {
         return;
     }
-    // Active set, by ascending finish time if given everything... start from all.
+    // Candidates still allowed a chunk; the smallest chunk is dropped until the limits hold.
     let mut active = [false; 64];
     active[..n].iter_mut().for_each(|a| *a = true);
     let mut shares = [0u32; 64];
@@ -177,11 +177,6 @@ pub fn split_rows(
         if used > 1 && (shares[smallest] < min_chunk || used > max_chunks) {
             active[smallest] = false;
             continue;
-        }
-        for c in 0..n {
-            if shares[c] == 0 {
-                active[c] = false;
-            }
         }
         break;
     }
@@ -206,7 +201,7 @@ fn water_fill(total: u32, cost: &[f64], loads: &[f64], active: &[bool], shares: 
         m += 1;
     }
     let order = &mut order[..m];
-    order.sort_unstable_by(|&a, &b| loads[a].total_cmp(&loads[b]));
+    order.sort_by(|&a, &b| loads[a].total_cmp(&loads[b]));
     let inv = |c: usize| 1.0 / cost[c].max(1e-9);
     // Level T with the first k candidates filled: Σ (T − L)/cost = total.
     let (mut num, mut den, mut level) = (f64::from(total), 0.0, 0.0);
@@ -229,16 +224,15 @@ fn water_fill(total: u32, cost: &[f64], loads: &[f64], active: &[bool], shares: 
         frac[c] = s - f64::from(whole);
         given += whole;
     }
-    // Hand out the rounding remainder by largest fraction (ties: least loaded first).
+    // Hand out the rounding remainder by largest fraction (ties: least loaded, then lowest
+    // index — `order` is a stable sort by load).
     while given < total {
-        let c = *order
-            .iter()
-            .max_by(|&&a, &&b| {
-                frac[a]
-                    .total_cmp(&frac[b])
-                    .then(loads[b].total_cmp(&loads[a]))
-            })
-            .expect("at least one active candidate");
+        let mut c = order[0];
+        for &d in order.iter().skip(1) {
+            if frac[d] > frac[c] {
+                c = d;
+            }
+        }
         shares[c] += 1;
         frac[c] = f64::NEG_INFINITY;
         given += 1;

@@ -193,15 +193,19 @@ impl Worker {
     }
 }
 
+/// Pins the calling thread to `core`. Any core of the cgroup's cpuset is accepted, even
+/// outside the affinity mask inherited from a pinned engine thread.
+fn pin_to(core: usize) -> Result<(), CpuLoraError> {
+    let mut set = nix::sched::CpuSet::new();
+    set.set(core).map_err(|_| CpuLoraError::Pin { core })?;
+    nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &set)
+        .map_err(|_| CpuLoraError::Pin { core })
+}
+
 /// Entry point of a worker process: pin, open the inherited segments, serve until shutdown.
 pub fn worker_main(args: WorkerArgs) -> Result<(), CpuLoraError> {
     if let Some(core) = args.core {
-        let allowed = core_affinity::get_core_ids().unwrap_or_default();
-        if !allowed.iter().any(|c| c.id == core)
-            || !core_affinity::set_for_current(core_affinity::CoreId { id: core })
-        {
-            return Err(CpuLoraError::Pin { core });
-        }
+        pin_to(core)?;
     }
     let exchange = Segment::from_inherited_env(&args.exchange_fd_env, SegmentKind::Exchange)?;
     let store = Segment::from_inherited_env(&args.store_fd_env, SegmentKind::HostStore)?;

@@ -131,7 +131,7 @@ fn pool_reports_workers_that_cannot_start() {
         ..config(1, WaitStrategy::spin_then_futex())
     };
     let err = LoraPool::new(cfg, store).unwrap_err();
-    assert!(matches!(err, CpuLoraError::Config(_)), "{err}");
+    assert!(matches!(err, CpuLoraError::WorkerStartup { .. }), "{err}");
 }
 
 #[test]

@@ -342,11 +342,13 @@ impl Loop {
     fn abort_all(&mut self, msg: &str) {
         let ids: Vec<SeqId> = self.live.keys().copied().collect();
         for id in ids {
-            if let Some(l) = self.live.get(&id) {
-                let _ = l.events.send(EngineEvent::Aborted(msg.to_string()));
-            }
+            let tx = self.live.get(&id).map(|l| l.events.clone());
             self.forget(id, "abort");
+            if let Some(tx) = tx {
+                let _ = tx.send(EngineEvent::Aborted(msg.to_string()));
+            }
         }
+        self.publish();
     }
 
     /// Plans and runs one step; false if there was nothing to run.
@@ -403,6 +405,7 @@ impl Loop {
             d.plan.items.iter().map(|i| (i.seq, i.num_tokens)).collect();
         let mut sampled = Vec::with_capacity(outputs.len());
         let mut finished = Vec::new();
+        let mut to_send = Vec::with_capacity(outputs.len());
         for o in outputs {
             sampled.push(o.seq);
             let Some(l) = self.live.get_mut(&o.seq) else {
@@ -417,10 +420,6 @@ impl Loop {
             }
             l.last_token = Some(now);
             l.generated += 1;
-            let _ = l.events.send(EngineEvent::Token {
-                token: o.token,
-                finish: o.finish,
-            });
             if let Some(f) = o.finish {
                 finished.push(o.seq);
                 self.metrics
@@ -432,11 +431,24 @@ impl Loop {
                     FinishReason::Length => "length",
                 });
             }
+            to_send.push((
+                l.events.clone(),
+                EngineEvent::Token {
+                    token: o.token,
+                    finish: o.finish,
+                },
+            ));
         }
         self.state.on_step(&planned, &sampled, &finished, &self.cfg);
         for id in finished {
             // The engine already dropped the sequence; dropping `Live` releases the lease.
             self.live.remove(&id);
+        }
+        // Book-keeping first, then the tokens: a client that saw its last token finds the
+        // server's numbers (KV, leases, running) already updated.
+        self.publish();
+        for (tx, ev) in to_send {
+            let _ = tx.send(ev);
         }
         true
     }
