@@ -184,11 +184,19 @@ fn engine(b: &Bench, args: &ColdStartArgs, link: LinkModel) -> anyhow::Result<En
         let per = b.adapter_dirs.first().map_or(0, |d| dir_size(d));
         let store = HostStore::create((n + 4) * per * 2 + (64 << 20), n as u32 + 8)?;
         let cores: Vec<usize> = (1..=args.workers).collect();
+        let c = &b.model.config;
+        let widest = c.hidden_size.max(c.intermediate_size).max(c.q_dim()) as u32;
         let pool = LoraPool::new(
             PoolConfig {
                 cores: Some(cores),
                 program: Some(b.worker_program.clone()),
                 leading_args: vec!["lora-worker".into()],
+                exchange: thaw_ipc::ExchangeConfig {
+                    max_rows: args.max_chunk.max(512) as u32,
+                    max_d_in: widest,
+                    max_d_out: widest,
+                    ..Default::default()
+                },
                 ..Default::default()
             },
             store,
@@ -233,6 +241,9 @@ fn run_all(
             pool.shutdown();
         }
         eprintln!("  {policy}: {} requests in {:.1?}", reqs.len(), r.wall);
+        if let Some(e) = r.outcomes.iter().find_map(|o| o.error.as_ref()) {
+            eprintln!("  {policy}: first failure: {e}");
+        }
         if policy == ColdStartPolicy::Auto && !r.predictions.is_empty() {
             let err: f64 = r
                 .predictions

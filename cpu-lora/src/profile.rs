@@ -143,6 +143,20 @@ impl Profile {
     }
 }
 
+impl Profile {
+    /// Makes worker `w` look `factor` (< 1) times cheaper: called for a worker that got no
+    /// rows although the step had enough for everyone, so a pessimistic estimate (a noisy
+    /// calibration, a since-finished neighbour) cannot starve it of the measurements that
+    /// would correct it.
+    pub fn forgive(&mut self, w: usize, factor: f64) {
+        let p = &mut self.workers[w];
+        for k in &mut p.keys {
+            k.1 *= factor;
+        }
+        p.gflops /= factor;
+    }
+}
+
 /// Splits `rows` of one job across candidate workers so that their predicted finish times
 /// (current `loads` in ns plus rows × `cost` ns/row) are as equal as possible, with no chunk
 /// below `min_chunk` rows (unless the whole job is smaller) and at most `max_chunks` chunks.
@@ -278,6 +292,29 @@ mod tests {
         }
         let per: Vec<usize> = got.iter().map(|g| g.0).collect();
         assert_eq!(per, vec![0, 1, 0, 1]);
+    }
+
+    #[test]
+    fn forgiven_worker_gets_rows_again() {
+        let mut p = Profile::new(2, 0.2);
+        let k = key(16);
+        p.observe(0, &[(k, 100)], 100_000);
+        p.observe(1, &[(k, 100)], 10_000_000); // a bad calibration: 100× slower
+        let mut rounds = 0;
+        loop {
+            let cost = [p.ns_per_row(0, k), p.ns_per_row(1, k)];
+            let mut loads = [0.0, 0.0];
+            let mut got = [0u32; 2];
+            split_rows(0..64, &cost, &mut loads, 4, 8, |c, r| {
+                got[c] += r.len() as u32
+            });
+            if got[1] > 0 {
+                break;
+            }
+            p.forgive(1, 0.7);
+            rounds += 1;
+            assert!(rounds < 20);
+        }
     }
 
     #[test]

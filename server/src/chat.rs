@@ -26,7 +26,11 @@ fn raise_exception(msg: String) -> Result<String, Error> {
 
 impl ChatTemplate {
     /// Compiles `source`; an invalid template is an error at start-up, not per request.
-    pub fn new(source: &str, bos_token: Option<&str>, eos_token: Option<&str>) -> Result<Self, Error> {
+    pub fn new(
+        source: &str,
+        bos_token: Option<&str>,
+        eos_token: Option<&str>,
+    ) -> Result<Self, Error> {
         let mut env = Environment::new();
         minijinja_contrib::add_to_environment(&mut env);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);

@@ -119,7 +119,11 @@ impl EngineHandle {
     }
 
     /// Makes an adapter available to the engine (device tier).
-    pub async fn register(&self, id: AdapterId, adapter: Arc<LoraAdapter>) -> Result<(), ServerError> {
+    pub async fn register(
+        &self,
+        id: AdapterId,
+        adapter: Arc<LoraAdapter>,
+    ) -> Result<(), ServerError> {
         let (reply, rx) = oneshot::channel();
         self.send(Command::Register { id, adapter, reply })?;
         rx.await
@@ -215,7 +219,12 @@ const SHUTDOWN_MSG: &str =
     "the server shut down before this request finished (--shutdown-timeout elapsed)";
 
 impl Loop {
-    fn new(engine: ServeEngine, cfg: SchedConfig, stats: Arc<LoopStats>, metrics: Arc<Metrics>) -> Self {
+    fn new(
+        engine: ServeEngine,
+        cfg: SchedConfig,
+        stats: Arc<LoopStats>,
+        metrics: Arc<Metrics>,
+    ) -> Self {
         Self {
             engine,
             cfg,
@@ -366,7 +375,9 @@ impl Loop {
                 // Requests are validated before submission; this is a bug or a race with an
                 // adapter unload, so the client gets the reason and the log the details.
                 tracing::warn!(seq = %id, "engine refused a request: {e}");
-                let _ = l.events.send(EngineEvent::Aborted(format!("the engine refused the request: {e}")));
+                let _ = l.events.send(EngineEvent::Aborted(format!(
+                    "the engine refused the request: {e}"
+                )));
                 l.running = false;
                 self.state.remove(id, &self.cfg);
                 self.live.remove(&id);
@@ -416,7 +427,10 @@ impl Loop {
                     .metrics
                     .ttft
                     .observe(now.duration_since(l.arrived).as_secs_f64()),
-                Some(t) => self.metrics.tpot.observe(now.duration_since(t).as_secs_f64()),
+                Some(t) => self
+                    .metrics
+                    .tpot
+                    .observe(now.duration_since(t).as_secs_f64()),
             }
             l.last_token = Some(now);
             l.generated += 1;

@@ -41,7 +41,11 @@ pub enum ServerError {
     #[error(
         "adapter `{name}` has rank {rank}, above --max-lora-rank {max}; restart with a larger limit"
     )]
-    RankTooLarge { name: String, rank: usize, max: usize },
+    RankTooLarge {
+        name: String,
+        rank: usize,
+        max: usize,
+    },
     #[error("no adapter named `{0}` is loaded")]
     AdapterNotLoaded(String),
     #[error(
@@ -172,7 +176,10 @@ mod tests {
         };
         assert_eq!(a(AdapterError::Dora).status(), 422);
         assert_eq!(a(AdapterError::Bias("all".into())).status(), 422);
-        assert_eq!(a(AdapterError::NotFound { path: "/x".into() }).status(), 404);
+        assert_eq!(
+            a(AdapterError::NotFound { path: "/x".into() }).status(),
+            404
+        );
         let nj = AdapterError::ConfigNotJson {
             path: "/x".into(),
             reason: "eof".into(),

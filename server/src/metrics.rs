@@ -53,11 +53,7 @@ impl Histogram {
     }
 
     fn render(&self, out: &mut String, name: &str, help: &str) {
-        let h = self
-            .inner
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone();
+        let h = self.inner.lock().unwrap_or_else(|e| e.into_inner()).clone();
         header(out, name, help, "histogram");
         let mut acc = 0;
         for (b, c) in self.bounds.iter().zip(&h.counts) {

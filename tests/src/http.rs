@@ -250,3 +250,30 @@ pub fn metric(text: &str, name: &str) -> Option<f64> {
     text.lines()
         .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
 }
+
+/// The `thaw` binary next to this test executable (`target/<profile>/thaw`), built with
+/// `cargo build -p thaw-server --bin thaw` first if it is not there yet. `.ci/run` builds it
+/// before the tests, and `cargo test --workspace` builds it as part of thaw-server.
+pub fn thaw_binary() -> PathBuf {
+    let exe = std::env::current_exe().expect("current_exe");
+    let profile_dir = exe
+        .parent()
+        .and_then(|deps| deps.parent())
+        .expect("test executable lives in target/<profile>/deps");
+    let bin = profile_dir.join(format!("thaw{}", std::env::consts::EXE_SUFFIX));
+    if !bin.exists() {
+        let mut cmd = std::process::Command::new(env!("CARGO"));
+        cmd.args(["build", "-p", "thaw-server", "--bin", "thaw"]);
+        if profile_dir.ends_with("release") {
+            cmd.arg("--release");
+        }
+        let status = cmd.status().expect("run cargo build");
+        assert!(status.success(), "building the thaw binary failed");
+    }
+    assert!(
+        bin.exists(),
+        "{} not found after building it",
+        bin.display()
+    );
+    bin
+}

@@ -5,7 +5,8 @@
 use std::ops::Range;
 use std::sync::Arc;
 
-use thaw_kernels::cpu::{self as k, GemmShape, KvLayout, LoraRef, LoraSegment, RopeTable};
+use thaw_cpu_lora::kernel::{lora_delta, LoraMat, LoraProblem, Scratch};
+use thaw_kernels::cpu::{self as k, GemmShape, KvLayout, LoraRef, RopeTable};
 
 use super::{Backend, LinearDims, LoraBatch, LoraKernel, StepLayout};
 use crate::adapter::{LoraAdapter, LoraModule};
@@ -42,6 +43,7 @@ pub struct CpuBackend {
     attn_scratch: Vec<f32>,
     lora_scratch: Vec<f32>,
     bgmv_rows: Vec<Option<u32>>,
+    fused: Scratch,
     link: LinkModel,
     copy: Option<CopyEngine>,
 }
@@ -57,6 +59,7 @@ impl CpuBackend {
             attn_scratch: Vec::new(),
             lora_scratch: Vec::new(),
             bgmv_rows: Vec::new(),
+            fused: Scratch::new(),
             link: LinkModel::default(),
             copy: None,
         }
@@ -190,25 +193,33 @@ impl Backend for CpuBackend {
         let y = &mut y[..rows * dims.d_out];
         match batch.kernel {
             LoraKernel::Sgmv => {
+                // One fused shrink+expand per segment (thaw-cpu-lora's kernel streams A and B
+                // once without packing them, so a one-row decode segment costs what its
+                // weights cost to read).
                 for (range, idx) in &batch.layout.segments {
                     if !batch.on_device(*idx, at.0) {
                         continue;
                     }
-                    let Some(lora) = lora_ref(batch.adapters[*idx as usize], at) else {
+                    let Some(w) = batch.adapters[*idx as usize].get(at.0 .0, at.1) else {
                         continue;
                     };
-                    let seg = LoraSegment {
-                        rows: range.clone(),
-                        lora,
+                    let p = LoraProblem {
+                        rows: range.len(),
+                        d_in: dims.d_in,
+                        d_out: dims.d_out,
+                        rank: w.rank,
+                        scale: w.scale,
                     };
-                    k::sgmv(
-                        x,
-                        dims.d_in,
-                        std::slice::from_ref(&seg),
-                        y,
-                        dims.d_out,
-                        &mut self.lora_scratch,
-                    );
+                    lora_delta(
+                        &p,
+                        &x[range.start * dims.d_in..range.end * dims.d_in],
+                        LoraMat::from_f32(&w.a),
+                        LoraMat::from_f32(&w.b),
+                        &mut y[range.start * dims.d_out..range.end * dims.d_out],
+                        true,
+                        &mut self.fused,
+                    )
+                    .expect("LoRA shapes were validated when the adapter was loaded");
                 }
             }
             LoraKernel::Bgmv => {

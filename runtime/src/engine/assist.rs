@@ -9,9 +9,9 @@ use std::ops::Range;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use thaw_cpu_lora::kernel::{lora_delta, LoraMat, LoraProblem, Scratch};
 use thaw_cpu_lora::{LoraJob, LoraPool, Ticket};
 use thaw_ipc::{AdapterHandle, LayerIdx as IpcLayer, Module, ModuleMask};
-use thaw_kernels::cpu::{self as k, LoraRef, LoraSegment};
 
 use crate::adapter::{LoraAdapter, LoraModule};
 use crate::error::{Result, RuntimeError};
@@ -37,7 +37,7 @@ fn ipc_module(m: LoraModule) -> Module {
 pub(crate) struct AssistBuffers {
     pub input: Vec<f32>,
     pub out: [Vec<f32>; 7],
-    scratch: Vec<f32>,
+    scratch: Scratch,
     jobs: Vec<LoraJob>,
 }
 
@@ -74,42 +74,24 @@ impl Assist<'_> {
     ) -> Result<()> {
         let n: usize = segs.iter().map(|s| s.packed.len()).sum();
         match &mut self.path {
-            AssistPath::Inline => {
-                for &m in group {
-                    let out = &mut self.buf.out[m.index()];
-                    out.clear();
-                    out.resize(n * d_out(m), 0.0);
-                }
-                for s in segs {
-                    let a = self.host[s.adapter as usize];
-                    for &m in group {
-                        let Some(w) = a.get(layer, m) else { continue };
-                        let seg = LoraSegment {
-                            rows: s.packed.clone(),
-                            lora: LoraRef {
-                                a: &w.a,
-                                b: &w.b,
-                                rank: w.rank,
-                                scale: w.scale,
-                            },
-                        };
-                        k::sgmv(
-                            &self.buf.input[..n * d_in],
-                            d_in,
-                            std::slice::from_ref(&seg),
-                            &mut self.buf.out[m.index()],
-                            d_out(m),
-                            &mut self.buf.scratch,
-                        );
-                        self.rows_assisted += s.packed.len();
-                    }
-                }
-            }
+            AssistPath::Inline => self.compute_inline(layer, group, segs, d_in, &d_out),
             AssistPath::Pool {
                 pool,
                 handles,
                 ticket,
             } => {
+                let cap = pool.exchange().config();
+                if n > cap.max_rows as usize || d_in > cap.max_d_in as usize {
+                    // More cold rows than the exchange holds: this group runs on the engine
+                    // thread (correct, just not overlapped). Size the exchange's max_rows to
+                    // the step's token budget to avoid it.
+                    tracing::debug!(
+                        n,
+                        cap = cap.max_rows,
+                        "cold rows exceed the exchange; assisting inline"
+                    );
+                    return self.compute_inline(layer, group, segs, d_in, &d_out);
+                }
                 let pool_err = |e: thaw_cpu_lora::CpuLoraError| {
                     RuntimeError::Backend(format!("CPU LoRA workers: {e}"))
                 };
@@ -138,6 +120,49 @@ impl Assist<'_> {
                     });
                 }
                 *ticket = Some(pool.submit(&self.buf.jobs).map_err(pool_err)?);
+                Ok(())
+            }
+        }
+    }
+
+    /// Δ for `group` computed on the engine thread from the adapters' host copies.
+    fn compute_inline(
+        &mut self,
+        layer: usize,
+        group: &[LoraModule],
+        segs: &[ColdSeg],
+        d_in: usize,
+        d_out: &impl Fn(LoraModule) -> usize,
+    ) -> Result<()> {
+        let n: usize = segs.iter().map(|s| s.packed.len()).sum();
+        for &m in group {
+            let out = &mut self.buf.out[m.index()];
+            out.clear();
+            out.resize(n * d_out(m), 0.0);
+        }
+        for s in segs {
+            let a = self.host[s.adapter as usize];
+            for &m in group {
+                let Some(w) = a.get(layer, m) else { continue };
+                let d = d_out(m);
+                let p = LoraProblem {
+                    rows: s.packed.len(),
+                    d_in,
+                    d_out: d,
+                    rank: w.rank,
+                    scale: w.scale,
+                };
+                lora_delta(
+                    &p,
+                    &self.buf.input[s.packed.start * d_in..s.packed.end * d_in],
+                    LoraMat::from_f32(&w.a),
+                    LoraMat::from_f32(&w.b),
+                    &mut self.buf.out[m.index()][s.packed.start * d..s.packed.end * d],
+                    false,
+                    &mut self.buf.scratch,
+                )
+                .expect("LoRA shapes were validated when the adapter was loaded");
+                self.rows_assisted += s.packed.len();
             }
         }
         Ok(())

@@ -138,9 +138,15 @@ mod tests {
     fn prompt_forms_parse() {
         let p = |s: &str| serde_json::from_str::<Prompt>(s).unwrap();
         assert_eq!(p("\"hi\""), Prompt::Text("hi".into()));
-        assert_eq!(p("[\"a\",\"b\"]"), Prompt::Texts(vec!["a".into(), "b".into()]));
+        assert_eq!(
+            p("[\"a\",\"b\"]"),
+            Prompt::Texts(vec!["a".into(), "b".into()])
+        );
         assert_eq!(p("[1,2]"), Prompt::Tokens(vec![1, 2]));
-        assert_eq!(p("[[1],[2,3]]"), Prompt::TokenLists(vec![vec![1], vec![2, 3]]));
+        assert_eq!(
+            p("[[1],[2,3]]"),
+            Prompt::TokenLists(vec![vec![1], vec![2, 3]])
+        );
         assert!(serde_json::from_str::<Prompt>("[1.5]").is_err());
     }
 }

@@ -90,7 +90,9 @@ pub async fn load_lora(
         req.lora_path
     );
     let mut body = adapter_json(&state, &view);
-    body["message"] = json!(format!("Success: LoRA adapter '{name}' added successfully."));
+    body["message"] = json!(format!(
+        "Success: LoRA adapter '{name}' added successfully."
+    ));
     Ok(Json(body))
 }
 
@@ -122,26 +124,73 @@ pub async fn metrics(State(state): State<Arc<AppState>>) -> Response {
         .filter(|a| a.tier == crate::registry::Tier::Device)
         .collect();
     let gauges: [(&str, &str, f64); 9] = [
-        ("thaw_num_requests_waiting", "Requests queued, not yet admitted.", s.waiting.load(Ordering::Relaxed) as f64),
-        ("thaw_num_requests_running", "Requests in the running batch.", s.running.load(Ordering::Relaxed) as f64),
-        ("thaw_kv_cache_used_blocks", "KV cache blocks in use.", s.kv_used_blocks.load(Ordering::Relaxed) as f64),
-        ("thaw_kv_cache_total_blocks", "KV cache blocks in total.", s.kv_total_blocks.load(Ordering::Relaxed) as f64),
-        ("thaw_kv_cache_usage_ratio", "Fraction of KV cache blocks in use.", {
-            let t = s.kv_total_blocks.load(Ordering::Relaxed).max(1) as f64;
-            s.kv_used_blocks.load(Ordering::Relaxed) as f64 / t
-        }),
-        ("thaw_engine_steps_total", "Engine steps run.", s.steps.load(Ordering::Relaxed) as f64),
-        ("thaw_adapter_leases", "Live adapter leases (requests pinning an adapter).", state.registry.total_leases() as f64),
-        ("thaw_adapters_device", "Adapters resident in device memory.", device.len() as f64),
-        ("thaw_adapter_device_memory_bytes", "Device memory held by resident adapters.", device.iter().map(|a| a.size_bytes).sum::<usize>() as f64),
+        (
+            "thaw_num_requests_waiting",
+            "Requests queued, not yet admitted.",
+            s.waiting.load(Ordering::Relaxed) as f64,
+        ),
+        (
+            "thaw_num_requests_running",
+            "Requests in the running batch.",
+            s.running.load(Ordering::Relaxed) as f64,
+        ),
+        (
+            "thaw_kv_cache_used_blocks",
+            "KV cache blocks in use.",
+            s.kv_used_blocks.load(Ordering::Relaxed) as f64,
+        ),
+        (
+            "thaw_kv_cache_total_blocks",
+            "KV cache blocks in total.",
+            s.kv_total_blocks.load(Ordering::Relaxed) as f64,
+        ),
+        (
+            "thaw_kv_cache_usage_ratio",
+            "Fraction of KV cache blocks in use.",
+            {
+                let t = s.kv_total_blocks.load(Ordering::Relaxed).max(1) as f64;
+                s.kv_used_blocks.load(Ordering::Relaxed) as f64 / t
+            },
+        ),
+        (
+            "thaw_engine_steps_total",
+            "Engine steps run.",
+            s.steps.load(Ordering::Relaxed) as f64,
+        ),
+        (
+            "thaw_adapter_leases",
+            "Live adapter leases (requests pinning an adapter).",
+            state.registry.total_leases() as f64,
+        ),
+        (
+            "thaw_adapters_device",
+            "Adapters resident in device memory.",
+            device.len() as f64,
+        ),
+        (
+            "thaw_adapter_device_memory_bytes",
+            "Device memory held by resident adapters.",
+            device.iter().map(|a| a.size_bytes).sum::<usize>() as f64,
+        ),
     ];
     for (name, help, v) in gauges {
-        let kind = if name.ends_with("_total") { "counter" } else { "gauge" };
+        let kind = if name.ends_with("_total") {
+            "counter"
+        } else {
+            "gauge"
+        };
         metric_header(&mut out, name, help, kind);
         sample(&mut out, name, &[], v);
     }
     render_adapters(&mut out, &views);
-    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], out).into_response()
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        out,
+    )
+        .into_response()
 }
 
 /// Per-adapter series, bounded: the TOP_ADAPTER_LABELS adapters with most requests get their
@@ -152,12 +201,42 @@ fn render_adapters(out: &mut String, views: &[AdapterView]) {
     let (top, rest) = sorted.split_at(sorted.len().min(TOP_ADAPTER_LABELS));
     type Get = fn(&AdapterView) -> f64;
     let series: [(&str, &str, &str, Get); 6] = [
-        ("thaw_adapter_requests_total", "Requests per adapter.", "counter", |a| a.requests as f64),
-        ("thaw_adapter_cache_hits_total", "Requests that found the adapter device-resident.", "counter", |a| a.hits as f64),
-        ("thaw_adapter_cache_misses_total", "Requests that had to load the adapter.", "counter", |a| a.misses as f64),
-        ("thaw_adapter_cpu_assisted_rows_total", "Rows computed by CPU workers while the adapter loaded.", "counter", |a| a.cpu_assisted_rows as f64),
-        ("thaw_adapter_tier", "Where the adapter lives: 0 disk, 1 host, 2 device.", "gauge", |a| a.tier.code() as f64),
-        ("thaw_adapter_load_latency_seconds", "Duration of the adapter's last load.", "gauge", |a| a.load_secs.unwrap_or(0.0)),
+        (
+            "thaw_adapter_requests_total",
+            "Requests per adapter.",
+            "counter",
+            |a| a.requests as f64,
+        ),
+        (
+            "thaw_adapter_cache_hits_total",
+            "Requests that found the adapter device-resident.",
+            "counter",
+            |a| a.hits as f64,
+        ),
+        (
+            "thaw_adapter_cache_misses_total",
+            "Requests that had to load the adapter.",
+            "counter",
+            |a| a.misses as f64,
+        ),
+        (
+            "thaw_adapter_cpu_assisted_rows_total",
+            "Rows computed by CPU workers while the adapter loaded.",
+            "counter",
+            |a| a.cpu_assisted_rows as f64,
+        ),
+        (
+            "thaw_adapter_tier",
+            "Where the adapter lives: 0 disk, 1 host, 2 device.",
+            "gauge",
+            |a| a.tier.code() as f64,
+        ),
+        (
+            "thaw_adapter_load_latency_seconds",
+            "Duration of the adapter's last load.",
+            "gauge",
+            |a| a.load_secs.unwrap_or(0.0),
+        ),
     ];
     for (name, help, kind, get) in series {
         metric_header(out, name, help, kind);
@@ -165,11 +244,26 @@ fn render_adapters(out: &mut String, views: &[AdapterView]) {
             sample(out, name, &[("adapter", &a.name)], get(a));
         }
         if !rest.is_empty() && kind == "counter" {
-            sample(out, name, &[("adapter", "other")], rest.iter().map(|a| get(a)).sum());
+            sample(
+                out,
+                name,
+                &[("adapter", "other")],
+                rest.iter().map(|a| get(a)).sum(),
+            );
         }
     }
-    metric_header(out, "thaw_adapter_landed_layers", "Layers of the adapter resident on the device.", "gauge");
+    metric_header(
+        out,
+        "thaw_adapter_landed_layers",
+        "Layers of the adapter resident on the device.",
+        "gauge",
+    );
     for a in top {
-        sample(out, "thaw_adapter_landed_layers", &[("adapter", &a.name)], a.landed_layers as f64);
+        sample(
+            out,
+            "thaw_adapter_landed_layers",
+            &[("adapter", &a.name)],
+            a.landed_layers as f64,
+        );
     }
 }

@@ -44,12 +44,12 @@ fn messages(req: &ChatRequest) -> Result<Vec<TemplateMessage>, ServerError> {
                     for p in parts {
                         match (p.kind.as_str(), &p.text) {
                             ("text", Some(t)) => s.push_str(t),
-                            (kind, _) => {
-                                return Err(ServerError::invalid(
-                                    &format!("messages[{i}].content"),
-                                    format!("content parts of type `{kind}` are not supported; send text"),
-                                ))
-                            }
+                            (kind, _) => return Err(ServerError::invalid(
+                                &format!("messages[{i}].content"),
+                                format!(
+                                    "content parts of type `{kind}` are not supported; send text"
+                                ),
+                            )),
                         }
                     }
                     s
@@ -81,7 +81,10 @@ pub async fn chat_completions(
     }
     let p = validate(&fields, want_logprobs.then_some(top.unwrap_or(0)))?;
     if req.tools.as_ref().is_some_and(|t| !t.is_null()) {
-        return Err(ServerError::invalid("tools", "tool calling is not supported by this server"));
+        return Err(ServerError::invalid(
+            "tools",
+            "tool calling is not supported by this server",
+        ));
     }
     let template = state.chat.as_ref().ok_or_else(|| {
         ServerError::BadRequest(

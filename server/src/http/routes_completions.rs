@@ -24,7 +24,11 @@ pub fn response_id(prefix: &str) -> String {
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_nanos())
         .unwrap_or(0);
-    format!("{prefix}-{:x}{:06x}", (t as u64) & 0xffff_ffff_ffff, n & 0xff_ffff)
+    format!(
+        "{prefix}-{:x}{:06x}",
+        (t as u64) & 0xffff_ffff_ffff,
+        n & 0xff_ffff
+    )
 }
 
 pub fn unix_now() -> u64 {
@@ -56,7 +60,10 @@ fn logprobs_json(tokens: &[TokenInfo], mut offset: usize) -> Value {
 }
 
 /// Prompt logprobs are not computed: echoed prompt tokens carry `null`.
-fn echo_logprobs(state: &AppState, prompt: &[u32]) -> (Vec<Value>, Vec<Value>, Vec<Value>, Vec<usize>) {
+fn echo_logprobs(
+    state: &AppState,
+    prompt: &[u32],
+) -> (Vec<Value>, Vec<Value>, Vec<Value>, Vec<usize>) {
     let mut off = 0;
     let (mut toks, mut lps, mut tops, mut offs) = (vec![], vec![], vec![], vec![]);
     for &id in prompt {
@@ -77,7 +84,10 @@ pub async fn completions(
     let logprobs = logprobs_count("logprobs", req.logprobs)?;
     let p = validate(&req.sampling, logprobs)?;
     if req.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
-        return Err(ServerError::invalid("suffix", "`suffix` is not supported by this server"));
+        return Err(ServerError::invalid(
+            "suffix",
+            "`suffix` is not supported by this server",
+        ));
     }
     if req.best_of.is_some_and(|b| b as usize != p.n) {
         return Err(ServerError::invalid(
@@ -94,7 +104,9 @@ pub async fn completions(
         }
         Prompt::Texts(v) => {
             texts = v.iter().cloned().map(Some).collect();
-            v.iter().map(|s| encode(&state, s)).collect::<Result<_, _>>()?
+            v.iter()
+                .map(|s| encode(&state, s))
+                .collect::<Result<_, _>>()?
         }
         Prompt::Tokens(t) => {
             texts = vec![None];
@@ -184,12 +196,18 @@ pub async fn completions(
     let out: Vec<Value> = done
         .iter()
         .map(|c| {
-            let prefix = if echo { echo_text(&state, c.index, &c.prompt) } else { String::new() };
+            let prefix = if echo {
+                echo_text(&state, c.index, &c.prompt)
+            } else {
+                String::new()
+            };
             let lp = p.logprobs.then(|| {
                 let mut v = logprobs_json(&c.tokens, prefix.len());
                 if echo {
                     let (t, l, tp, o) = echo_logprobs(&state, &c.prompt);
-                    for (key, mut pre) in [("tokens", t), ("token_logprobs", l), ("top_logprobs", tp)] {
+                    for (key, mut pre) in
+                        [("tokens", t), ("token_logprobs", l), ("top_logprobs", tp)]
+                    {
                         if let Some(arr) = v[key].as_array() {
                             pre.extend(arr.iter().cloned());
                         }

@@ -38,7 +38,8 @@ where
     let body = merged.map(move |(index, d)| {
         counted.fetch_add(d.num_tokens, Ordering::Relaxed);
         if let Some(Finish::Abort(msg)) = &d.finish {
-            return Event::default().data(error_body(&ServerError::Aborted(msg.clone())).to_string());
+            return Event::default()
+                .data(error_body(&ServerError::Aborted(msg.clone())).to_string());
         }
         Event::default().data(chunk(index, &d).to_string())
     });

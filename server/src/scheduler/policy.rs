@@ -99,7 +99,10 @@ mod tests {
         st.enqueue(SeqState::new(SeqId(1), 50, 4));
         let d = plan_step(&st, &cfg, cfg.total_blocks);
         assert_eq!(d.admit, 1);
-        assert_eq!(d.plan.items[0].num_tokens, 32, "prefill chunked to the budget");
+        assert_eq!(
+            d.plan.items[0].num_tokens, 32,
+            "prefill chunked to the budget"
+        );
         st.admit(1, &cfg);
         st.on_step(&[(SeqId(1), 32)], &[], &[], &cfg);
         st.enqueue(SeqState::new(SeqId(2), 3, 4));
@@ -107,7 +110,12 @@ mod tests {
         assert_eq!(d.plan.items[0].num_tokens, 18);
         assert_eq!(d.plan.items[1].num_tokens, 3);
         st.admit(d.admit, &cfg);
-        st.on_step(&[(SeqId(1), 18), (SeqId(2), 3)], &[SeqId(1), SeqId(2)], &[], &cfg);
+        st.on_step(
+            &[(SeqId(1), 18), (SeqId(2), 3)],
+            &[SeqId(1), SeqId(2)],
+            &[],
+            &cfg,
+        );
         let d = plan_step(&st, &cfg, 20);
         assert_eq!(d.plan.items.len(), 2);
         assert!(d.plan.items.iter().all(|i| i.num_tokens == 1));
@@ -150,7 +158,10 @@ mod tests {
             let total: usize = d.plan.items.iter().map(|i| i.num_tokens).sum();
             prop_assert!(total <= cfg.max_num_batched_tokens, "token budget exceeded");
             prop_assert!(d.plan.items.len() <= cfg.max_num_seqs);
-            prop_assert!(!d.plan.items.is_empty(), "a non-idle state must make progress");
+            prop_assert!(
+                !d.plan.items.is_empty(),
+                "a non-idle state must make progress"
+            );
             st.admit(d.admit, &cfg);
             prop_assert!(st.reserved_blocks <= cfg.total_blocks, "KV over-committed");
             let planned: Vec<_> = d.plan.items.iter().map(|i| (i.seq, i.num_tokens)).collect();

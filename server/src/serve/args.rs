@@ -75,7 +75,10 @@ pub struct ServeArgs {
 }
 
 fn secs(name: &str, v: f64) -> anyhow::Result<Duration> {
-    anyhow::ensure!(v.is_finite() && v >= 0.0, "--{name} must be a non-negative number of seconds, got {v}");
+    anyhow::ensure!(
+        v.is_finite() && v >= 0.0,
+        "--{name} must be a non-negative number of seconds, got {v}"
+    );
     Ok(Duration::from_secs_f64(v))
 }
 
@@ -105,10 +108,19 @@ impl ServeArgs {
             port: self.port.or(f.port).unwrap_or(d.port),
             lora_modules,
             lora_dir,
-            max_lora_rank: self.max_lora_rank.or(f.max_lora_rank).unwrap_or(d.max_lora_rank),
+            max_lora_rank: self
+                .max_lora_rank
+                .or(f.max_lora_rank)
+                .unwrap_or(d.max_lora_rank),
             max_loras,
-            max_cpu_loras: self.max_cpu_loras.or(f.max_cpu_loras).unwrap_or(d.max_cpu_loras.max(max_loras)),
-            max_num_seqs: self.max_num_seqs.or(f.max_num_seqs).unwrap_or(d.max_num_seqs),
+            max_cpu_loras: self
+                .max_cpu_loras
+                .or(f.max_cpu_loras)
+                .unwrap_or(d.max_cpu_loras.max(max_loras)),
+            max_num_seqs: self
+                .max_num_seqs
+                .or(f.max_num_seqs)
+                .unwrap_or(d.max_num_seqs),
             max_num_batched_tokens: self
                 .max_num_batched_tokens
                 .or(f.max_num_batched_tokens)

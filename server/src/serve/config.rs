@@ -131,7 +131,9 @@ impl LoraModules {
 /// Subdirectories of `dir` holding an `adapter_config.json`, named after themselves, sorted.
 pub fn scan_lora_dir(dir: &Path) -> anyhow::Result<Vec<(String, PathBuf)>> {
     let mut out = Vec::new();
-    for e in std::fs::read_dir(dir).with_context(|| format!("reading --lora-dir {}", dir.display()))? {
+    for e in
+        std::fs::read_dir(dir).with_context(|| format!("reading --lora-dir {}", dir.display()))?
+    {
         let p = e?.path();
         if p.join("adapter_config.json").is_file() {
             if let Some(name) = p.file_name().and_then(|n| n.to_str()) {
@@ -163,11 +165,17 @@ mod tests {
         assert_eq!(f.port, Some(9000));
         assert_eq!(
             f.lora_modules.unwrap().into_pairs().unwrap(),
-            vec![("a".to_string(), PathBuf::from("/a")), ("b".to_string(), PathBuf::from("/b"))]
+            vec![
+                ("a".to_string(), PathBuf::from("/a")),
+                ("b".to_string(), PathBuf::from("/b"))
+            ]
         );
         let l: FileConfig = toml::from_str("lora_modules = [\"x=/x\"]").unwrap();
         assert_eq!(l.lora_modules.unwrap().into_pairs().unwrap()[0].0, "x");
-        assert!(toml::from_str::<FileConfig>("max_lorass = 3").is_err(), "typos are errors");
+        assert!(
+            toml::from_str::<FileConfig>("max_lorass = 3").is_err(),
+            "typos are errors"
+        );
         assert!(parse_lora_module("noequals").is_err());
     }
 }

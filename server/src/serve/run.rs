@@ -41,8 +41,8 @@ impl Server {
             Some(m) => (m.clone(), m.display().to_string()),
             None => {
                 let cache = crate::demo::cache_dir();
-                let demo = tokio::task::spawn_blocking(move || crate::demo::ensure_demo(&cache))
-                    .await??;
+                let demo =
+                    tokio::task::spawn_blocking(move || crate::demo::ensure_demo(&cache)).await??;
                 for p in &demo.adapters {
                     if let Some(name) = p.file_name().and_then(|n| n.to_str()) {
                         config.lora_modules.push((name.to_string(), p.clone()));
@@ -124,10 +124,9 @@ impl Server {
             metrics.clone(),
         ));
         for (name, path) in &config.lora_modules {
-            registry
-                .load(name, path)
-                .await
-                .map_err(|e| anyhow::anyhow!("loading adapter `{name}` from {}: {e}", path.display()))?;
+            registry.load(name, path).await.map_err(|e| {
+                anyhow::anyhow!("loading adapter `{name}` from {}: {e}", path.display())
+            })?;
         }
         let chat = match tokenizer.chat_template() {
             Some(src) => Some(
@@ -212,7 +211,10 @@ impl Server {
         self.state.engine.shutdown();
         if let Some(t) = self.engine_thread.take() {
             let joined = tokio::task::spawn_blocking(move || t.join());
-            if tokio::time::timeout(Duration::from_secs(5), joined).await.is_err() {
+            if tokio::time::timeout(Duration::from_secs(5), joined)
+                .await
+                .is_err()
+            {
                 tracing::warn!("the engine thread did not stop within 5 s");
             }
         }
@@ -256,7 +258,9 @@ pub fn run(config: ServeConfig) -> anyhow::Result<()> {
         let server = Server::start(config).await?;
         let listener = tokio::net::TcpListener::bind(&addr)
             .await
-            .with_context(|| format!("binding {addr}; is another server using that port? pass --port"))?;
+            .with_context(|| {
+                format!("binding {addr}; is another server using that port? pass --port")
+            })?;
         let local: SocketAddr = listener.local_addr()?;
         print_banner(&server, local, demo);
         server.serve(listener, shutdown_signal()).await

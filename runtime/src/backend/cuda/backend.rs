@@ -146,7 +146,11 @@ impl CudaBackend {
     /// Copies host f32 values to a new device buffer (tests, benchmarks).
     pub fn upload_f32(&self, v: &[f32]) -> Result<CudaSlice<f32>> {
         let s = &self.gpu.stream;
-        let r = if v.is_empty() { s.alloc_zeros::<f32>(1) } else { s.clone_htod(v) };
+        let r = if v.is_empty() {
+            s.alloc_zeros::<f32>(1)
+        } else {
+            s.clone_htod(v)
+        };
         Ok(r.map_err(CudaError::from)?)
     }
 

@@ -155,7 +155,7 @@ impl CudaBackend {
         for layer in 0..n_layers {
             while fi < factors.len() && factors[fi].0 == layer {
                 let (_, _, _, _, a, b) = factors[fi];
-                let (_, _, a_off, b_off, ..) = plan.entries[fi];
+                let (a_off, b_off) = (plan.entries[fi].a_off, plan.entries[fi].b_off);
                 // SAFETY: `a` / `b` lie in the pinned store (checked), stay unchanged while the
                 // lease — moved into the returned StreamingLora, which waits for the last event
                 // before dropping it — is held; the plan sized `weights` for every factor.

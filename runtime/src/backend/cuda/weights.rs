@@ -123,10 +123,22 @@ fn align(x: usize) -> usize {
     x.next_multiple_of(256)
 }
 
+/// One (layer, module) pair of factors in an adapter's device allocation.
+#[derive(Copy, Clone, Debug)]
+pub(super) struct Placed {
+    pub layer: usize,
+    pub module: LoraModule,
+    pub rank: u32,
+    pub scale: f32,
+    /// Byte offsets of A and B.
+    pub a_off: usize,
+    pub b_off: usize,
+    pub b_len: usize,
+}
+
 /// Where each factor of an adapter goes in its single device allocation.
 pub(super) struct LoraPlan {
-    /// (layer, module, a_off, b_off, rank, scale, a_len, b_len)
-    pub entries: Vec<(usize, LoraModule, usize, usize, u32, f32, usize, usize)>,
+    pub entries: Vec<Placed>,
     pub total: usize,
     pub n_layers: usize,
 }
@@ -142,7 +154,15 @@ impl LoraPlan {
             let a_off = off;
             let b_off = align(a_off + a_len);
             off = align(b_off + b_len);
-            entries.push((layer, m, a_off, b_off, rank, scale, a_len, b_len));
+            entries.push(Placed {
+                layer,
+                module: m,
+                rank,
+                scale,
+                a_off,
+                b_off,
+                b_len,
+            });
         }
         Self {
             entries,
@@ -153,12 +173,12 @@ impl LoraPlan {
 
     /// Bytes of layer `l`'s factors: `[start, end)` in the allocation (empty if none).
     pub fn layer_range(&self, l: usize) -> (usize, usize) {
-        let mut it = self.entries.iter().filter(|e| e.0 == l);
+        let mut it = self.entries.iter().filter(|e| e.layer == l);
         let Some(first) = it.next() else {
             return (0, 0);
         };
-        let last = it.last().unwrap_or(first);
-        (first.2, last.3 + last.7)
+        let last = it.next_back().unwrap_or(first);
+        (first.a_off, last.b_off + last.b_len)
     }
 
     /// Uploads the descriptor table for factors placed in `weights` as planned.
@@ -172,7 +192,16 @@ impl LoraPlan {
         let base = dptr(&weights, stream);
         let mut slots = vec![LoraSlot::default(); self.n_layers.max(1) * 7];
         let mut ranks = vec![[0u32; 7]; self.n_layers];
-        for &(layer, m, a_off, b_off, rank, scale, _, _) in &self.entries {
+        for &Placed {
+            layer,
+            module: m,
+            rank,
+            scale,
+            a_off,
+            b_off,
+            ..
+        } in &self.entries
+        {
             slots[layer * 7 + m.index()] = LoraSlot {
                 a: base + a_off as u64,
                 b: base + b_off as u64,
@@ -209,7 +238,8 @@ pub(super) fn plan_lora(adapter: &LoraAdapter, dt: DType) -> LoraPlan {
 
 /// Writes `adapter`'s factors in `dt` into `host` (`plan.total` bytes) as `plan` places them.
 pub(super) fn pack_lora(adapter: &LoraAdapter, dt: DType, plan: &LoraPlan, host: &mut [u8]) {
-    for ((_, _, w), &(_, _, a_off, b_off, ..)) in adapter.iter().zip(&plan.entries) {
+    for ((_, _, w), p) in adapter.iter().zip(&plan.entries) {
+        let (a_off, b_off) = (p.a_off, p.b_off);
         let a = encode(&w.a, dt);
         let b = encode(&w.b, dt);
         host[a_off..a_off + a.len()].copy_from_slice(&a);

@@ -1,0 +1,312 @@
+//! CUDA microbenchmarks (issue 6): SGMV / BGMV latency and achieved bandwidth, export + merge
+//! overhead per layer, fused export vs synchronous copy-then-signal, H2D adapter streaming vs
+//! the pinned-copy peak. Prints tables; asserts no timing.
+//!
+//! ```text
+//! cargo run --release -p thaw-runtime --features cuda --example cuda_bench          # full
+//! cargo run --release -p thaw-runtime --features cuda --example cuda_bench -- --smoke
+//! ```
+use std::sync::Arc;
+use std::time::Instant;
+
+use safetensors::tensor::{Dtype, TensorView};
+use thaw_ipc::{Exchange, ExchangeConfig, StepSeq, WorkerId, WORKER_RESULT};
+use thaw_runtime::adapter::{AdapterConfig, LoraAdapter, LoraModule};
+use thaw_runtime::backend::cuda::{cuda_available, CudaBackend, CudaConfig, CudaLora, DType};
+use thaw_runtime::backend::{Backend, LinearDims, LoraBatch, LoraKernel, LoraLayout};
+use thaw_runtime::ids::LayerIdx;
+use thaw_runtime::model::ModelConfig;
+
+type Res<T> = Result<T, Box<dyn std::error::Error>>;
+
+fn model_config(layers: usize) -> Res<ModelConfig> {
+    Ok(ModelConfig::from_json(&format!(
+        r#"{{"architectures":["LlamaForCausalLM"],"model_type":"llama","hidden_size":4096,
+        "intermediate_size":14336,"num_attention_heads":32,"num_key_value_heads":8,
+        "num_hidden_layers":{layers},"vocab_size":32000,"rms_norm_eps":1e-5,"rope_theta":500000.0,
+        "max_position_embeddings":8192}}"#
+    ))?)
+}
+
+/// Cheap deterministic values (an LCG): generating hundreds of MB with `rand` is slower than
+/// the benchmark.
+fn fill(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    (0..n)
+        .map(|_| {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.02
+        })
+        .collect()
+}
+
+/// A PEFT adapter of `rank` on `targets` for every layer of `c`, built in memory.
+fn adapter(
+    c: &ModelConfig,
+    rank: usize,
+    targets: &[LoraModule],
+    seed: u64,
+) -> Res<Arc<LoraAdapter>> {
+    let names: Vec<String> = targets
+        .iter()
+        .map(|m| format!("\"{}\"", m.hf_name()))
+        .collect();
+    let cfg = AdapterConfig::from_json(&format!(
+        r#"{{"r":{rank},"lora_alpha":{},"target_modules":[{}]}}"#,
+        2 * rank,
+        names.join(",")
+    ))?;
+    let mut bufs = Vec::new();
+    for l in 0..c.num_layers {
+        for &m in targets {
+            let (d_in, d_out) = c.module_shape(m);
+            let p = format!("base_model.model.{}", m.module_path(l));
+            let a: Vec<u8> =
+                bytemuck_bytes(&fill(rank * d_in, seed + l as u64 * 7 + m.index() as u64));
+            let b: Vec<u8> = bytemuck_bytes(&fill(d_out * rank, seed + 1000 + l as u64));
+            bufs.push((format!("{p}.lora_A.weight"), vec![rank, d_in], a));
+            bufs.push((format!("{p}.lora_B.weight"), vec![d_out, rank], b));
+        }
+    }
+    let views: Vec<(String, TensorView<'_>)> = bufs
+        .iter()
+        .map(|(n, s, d)| Ok((n.clone(), TensorView::new(Dtype::F32, s.clone(), d)?)))
+        .collect::<Res<_>>()?;
+    let bytes = safetensors::serialize(views, None)?;
+    let st = safetensors::SafeTensors::deserialize(&bytes)?;
+    Ok(Arc::new(LoraAdapter::from_parts(cfg, &st, c)?))
+}
+
+fn bytemuck_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+/// Median of `iters` timed runs of `f` on the backend's stream, in µs (events around each).
+fn time_us(g: &mut CudaBackend, iters: usize, mut f: impl FnMut(&mut CudaBackend)) -> Res<f64> {
+    f(g);
+    g.synchronize()?;
+    let mut t = Vec::with_capacity(iters);
+    for _ in 0..iters {
+        let s = g.stream().record_event(Some(cudarc_flags()))?;
+        f(g);
+        let e = g.stream().record_event(Some(cudarc_flags()))?;
+        e.synchronize()?;
+        t.push(s.elapsed_ms(&e)? as f64 * 1e3);
+    }
+    g.check()?;
+    t.sort_by(|a, b| a.total_cmp(b));
+    Ok(t[t.len() / 2])
+}
+
+fn cudarc_flags() -> cudarc::driver::sys::CUevent_flags {
+    cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT
+}
+
+/// Row → adapter index for a popularity pattern over `pool` adapters, rows grouped.
+fn assign(pattern: &str, batch: usize, pool: usize, seed: u64) -> Vec<u32> {
+    let r = fill(batch, seed);
+    let mut v: Vec<u32> = (0..batch)
+        .map(|i| match pattern {
+            "distinct" => (i % pool) as u32,
+            "identical" => 0,
+            "uniform" => {
+                (((r[i] + 0.01) / 0.02) * pool as f32).clamp(0.0, pool as f32 - 1.0) as u32
+            }
+            // Zipf-like, α≈1.5: inverse-CDF of a power law on (0,1].
+            _ => {
+                let u = ((r[i] + 0.01) / 0.02).clamp(1e-6, 1.0);
+                ((u.powf(-2.0) - 1.0) as usize).min(pool - 1) as u32
+            }
+        })
+        .collect();
+    v.sort_unstable();
+    v
+}
+
+fn lora_tables(smoke: bool) -> Res<()> {
+    let c = model_config(1)?;
+    let mut g = CudaBackend::new(&c, &CudaConfig::default())?;
+    println!(
+        "device: {} (weights bf16, activations f32)",
+        g.device_name()
+    );
+    println!("\n## SGMV / BGMV, q_proj 4096→4096, one layer (median of 20; GB/s = distinct adapter bytes + x/y over time)");
+    println!("| kernel | rank | batch | popularity | µs | GB/s |\n|---|---|---|---|---|---|");
+    let ranks: &[usize] = if smoke { &[16] } else { &[8, 16, 32, 64, 128] };
+    let batches: &[usize] = if smoke {
+        &[1, 8]
+    } else {
+        &[1, 2, 4, 8, 16, 32, 64]
+    };
+    let pool = if smoke { 8 } else { 64 };
+    let (d_in, d_out) = (4096usize, 4096usize);
+    let x = g.upload_f32(&fill(64 * d_in, 1))?;
+    let mut y = g.upload_f32(&fill(64 * d_out, 2))?;
+    for &rank in ranks {
+        let adapters: Vec<CudaLora> = (0..pool)
+            .map(|i| {
+                g.upload_lora(adapter(&c, rank, &[LoraModule::Q], 10 + i as u64)?)
+                    .map_err(Into::into)
+            })
+            .collect::<Res<_>>()?;
+        for kernel in [LoraKernel::Sgmv, LoraKernel::Bgmv] {
+            for &batch in batches {
+                for pattern in ["distinct", "uniform", "skewed", "identical"] {
+                    let rows = assign(pattern, batch, pool, batch as u64 * 31 + rank as u64);
+                    let mut used: Vec<u32> = rows.clone();
+                    used.dedup();
+                    let refs: Vec<&CudaLora> =
+                        used.iter().map(|&i| &adapters[i as usize]).collect();
+                    let mut layout = LoraLayout::default();
+                    for (k, &a) in used.iter().enumerate() {
+                        let s = rows.iter().position(|&r| r == a).unwrap_or(0);
+                        let e = rows.iter().rposition(|&r| r == a).map_or(0, |p| p + 1);
+                        layout.segments.push((s..e, k as u32));
+                    }
+                    layout.row_adapter = rows
+                        .iter()
+                        .map(|&a| used.iter().position(|&u| u == a).map(|k| k as u32))
+                        .collect();
+                    let landed = vec![usize::MAX; refs.len()];
+                    let dims = LinearDims { d_in, d_out };
+                    let us = time_us(&mut g, 20, |g| {
+                        let batch_ref = LoraBatch {
+                            kernel,
+                            layout: &layout,
+                            adapters: &refs,
+                            landed: &landed,
+                        };
+                        // A new "step" each time so per-step metadata upload is included once.
+                        g.lora(&x, &mut y, dims, (LayerIdx(0), LoraModule::Q), &batch_ref);
+                    })?;
+                    let bytes =
+                        used.len() * rank * (d_in + d_out) * 2 + batch * (d_in + 2 * d_out) * 4;
+                    println!(
+                        "| {kernel:?} | {rank} | {batch} | {pattern} | {us:.1} | {:.0} |",
+                        bytes as f64 / us / 1e3
+                    );
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+fn exchange_tables(smoke: bool) -> Res<()> {
+    let c = model_config(1)?;
+    let mut g = CudaBackend::new(
+        &c,
+        &CudaConfig {
+            weight_dtype: DType::Bf16,
+            ..Default::default()
+        },
+    )?;
+    let ex = Exchange::create(ExchangeConfig {
+        max_workers: 4,
+        max_rows: 128,
+        max_d_in: 14336,
+        max_d_out: 14336,
+        ..Default::default()
+    })?;
+    let mapped = g.map_exchange(&ex)?;
+    let l = *ex.layout();
+    println!("\n## CPU-assist exchange per layer (hidden 4096; q,k,v deltas merged; workers pre-completed so only GPU-side cost shows)");
+    println!("| rows | fused export µs | sync copy-then-signal µs | export+3 merges µs |\n|---|---|---|---|");
+    let x = g.upload_f32(&fill(128 * 4096, 3))?;
+    let mut y = g.upload_f32(&fill(128 * 4096, 4))?;
+    let mut seq = 1u32;
+    for &rows in if smoke {
+        &[16usize][..]
+    } else {
+        &[1, 16, 64, 128][..]
+    } {
+        let sel: Vec<usize> = (0..rows).collect();
+        for w in 0..4u32 {
+            ex.segment()
+                .atomic_u32(l.workers + w as usize * 64 + WORKER_RESULT)
+                .store(u32::MAX, std::sync::atomic::Ordering::SeqCst);
+        }
+        let fused = time_us(&mut g, 50, |g| {
+            seq += 1;
+            let _ = g.export_rows_fused(&mapped, &x, 4096, &sel, 0, StepSeq(seq));
+        })?;
+        let mut host = vec![0.0f32; rows * 4096];
+        let t0 = Instant::now();
+        let iters = 50;
+        for _ in 0..iters {
+            g.export_rows(&x, 4096, &[0..rows], &mut host);
+            seq += 1;
+            ex.seq_word()
+                .store(seq, std::sync::atomic::Ordering::SeqCst);
+        }
+        g.check()?;
+        let sync_us = t0.elapsed().as_secs_f64() * 1e6 / iters as f64;
+        let both = time_us(&mut g, 50, |g| {
+            seq += 1;
+            let _ = g.export_rows_fused(&mapped, &x, 4096, &sel, 0, StepSeq(seq));
+            for m in [LoraModule::Q, LoraModule::K, LoraModule::V] {
+                let _ = g.merge_deltas_waited(
+                    &mapped,
+                    &mut y,
+                    4096,
+                    m,
+                    &sel,
+                    StepSeq(seq),
+                    &[WorkerId(0), WorkerId(1)],
+                );
+            }
+        })?;
+        println!("| {rows} | {fused:.1} | {sync_us:.1} (host wall) | {both:.1} |");
+    }
+    drop(mapped);
+    Ok(())
+}
+
+fn streaming_table(smoke: bool) -> Res<()> {
+    let layers = if smoke { 2 } else { 8 };
+    let c = model_config(layers)?;
+    let mut g = CudaBackend::new(&c, &CudaConfig::default())?;
+    println!("\n## H2D adapter streaming, rank 64, all 7 modules, {layers} layers, bf16");
+    let a = adapter(&c, 64, &LoraModule::ALL, 77)?;
+    let bytes: usize = a.iter().map(|(_, _, w)| (w.a.len() + w.b.len()) * 2).sum();
+    let lora = g.stream_lora(a.clone())?;
+    let t0 = Instant::now();
+    while g.landed_layers(&lora) < layers {
+        std::hint::spin_loop();
+    }
+    let stream_s = t0.elapsed().as_secs_f64();
+    // Pinned peak: one pinned → device copy of the same size.
+    let ctx = g.stream().context().clone();
+    // SAFETY: the pinned buffer's contents are irrelevant to a bandwidth measurement.
+    let pinned = unsafe { ctx.alloc_pinned::<u8>(bytes) }?;
+    let mut dst = g.stream().alloc_zeros::<u8>(bytes)?;
+    g.stream().memcpy_htod(&pinned, &mut dst)?;
+    g.stream().synchronize()?;
+    let t1 = Instant::now();
+    g.stream().memcpy_htod(&pinned, &mut dst)?;
+    g.stream().synchronize()?;
+    let peak_s = t1.elapsed().as_secs_f64();
+    println!("| bytes | streamed GB/s (first call, after host packing) | pinned peak GB/s |\n|---|---|---|");
+    println!(
+        "| {bytes} | {:.1} | {:.1} |",
+        bytes as f64 / stream_s / 1e9,
+        bytes as f64 / peak_s / 1e9
+    );
+    Ok(())
+}
+
+fn main() -> Res<()> {
+    let smoke = std::env::args().any(|a| a == "--smoke");
+    if !cuda_available() {
+        println!("skipped: no NVIDIA GPU / libcuda on this machine");
+        return Ok(());
+    }
+    lora_tables(smoke)?;
+    exchange_tables(smoke)?;
+    streaming_table(smoke)?;
+    Ok(())
+}

@@ -1,0 +1,137 @@
+"""The official `openai` Python client, unmodified, against a `thaw serve` this test starts.
+
+Run by .ci/run: THAW_BIN points at the release binary. Uses the tiny preset so the whole
+file runs in a few seconds.
+"""
+import json
+import os
+import pathlib
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import openai
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+THAW = os.environ.get("THAW_BIN", str(ROOT / "target" / "release" / "thaw"))
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("thaw")
+    model, adapters = tmp / "model", tmp / "adapters"
+    subprocess.run([THAW, "gen-model", "--preset", "tiny", "--out", model], check=True)
+    subprocess.run([THAW, "gen-adapters", "--model", model, "--count", "2", "--ranks", "8,16",
+                    "--out", adapters], check=True)
+    port = free_port()
+    proc = subprocess.Popen([THAW, "serve", "--model", model, "--lora-dir", adapters,
+                             "--served-model-name", "tiny", "--port", str(port),
+                             "--shutdown-timeout", "5"], stdout=subprocess.PIPE, stderr=sys.stderr)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+    deadline = time.time() + 60
+    while True:
+        try:
+            client.models.list()
+            break
+        except openai.APIConnectionError:
+            assert proc.poll() is None, "thaw serve exited during start-up"
+            assert time.time() < deadline, "thaw serve did not start within 60 s"
+            time.sleep(0.1)
+    names = sorted(p.name for p in adapters.iterdir())
+    yield client, names, tmp, adapters
+    proc.terminate()
+    proc.wait(timeout=15)
+
+
+def test_models_list(server):
+    client, names, _, _ = server
+    models = client.models.list()
+    ids = [m.id for m in models.data]
+    assert ids[0] == "tiny"
+    assert sorted(ids[1:]) == names
+    extra = models.data[1].model_extra
+    assert extra["tier"] == "device" and extra["rank"] in (8, 16)
+    assert extra["landed_layers"] == extra["num_layers"]
+
+
+def test_completions(server):
+    client, names, _, _ = server
+    r = client.completions.create(model=names[0], prompt="The quick brown fox", max_tokens=5,
+                                  temperature=0.7, seed=3, extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 5
+    again = client.completions.create(model=names[0], prompt="The quick brown fox", max_tokens=5,
+                                      temperature=0.7, seed=3, extra_body={"ignore_eos": True})
+    assert again.choices[0].text == r.choices[0].text, "same seed, same text"
+    r = client.completions.create(model="tiny", prompt=["a", "b"], max_tokens=2, logprobs=2,
+                                  extra_body={"ignore_eos": True})
+    assert len(r.choices) == 2
+    assert len(r.choices[0].logprobs.tokens) == 2
+
+
+def test_chat_and_streaming_with_usage(server):
+    client, names, _, _ = server
+    msgs = [{"role": "user", "content": "Say hi"}]
+    r = client.chat.completions.create(model=names[1], messages=msgs, max_tokens=4,
+                                       logprobs=True, top_logprobs=2)
+    assert r.choices[0].message.role == "assistant"
+    assert len(r.choices[0].logprobs.content) == r.usage.completion_tokens
+    chunks = list(client.chat.completions.create(model="tiny", messages=msgs, max_tokens=4,
+                                                 stream=True, stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].usage.completion_tokens == 4
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert isinstance(text, str)
+    chunks = list(client.completions.create(model=names[0], prompt="x", max_tokens=3, stream=True,
+                                            stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True}))
+    assert chunks[-1].usage.completion_tokens == 3
+
+
+def test_adapter_load_unload(server):
+    client, names, tmp, adapters = server
+    r = client.post("/load_lora_adapter", cast_to=object,
+                    body={"lora_name": "fresh", "lora_path": str(adapters / names[0])})
+    assert r["generation"] == 1
+    assert "fresh" in [m.id for m in client.models.list().data]
+    out = client.completions.create(model="fresh", prompt="hi", max_tokens=2)
+    assert out.usage.completion_tokens >= 1
+    client.post("/unload_lora_adapter", cast_to=object, body={"lora_name": "fresh"})
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="fresh", prompt="hi", max_tokens=2)
+
+
+def test_errors(server):
+    client, names, tmp, adapters = server
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="nope", prompt="hi")
+    assert "The model `nope` does not exist." in str(e.value)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt="hi", temperature=-1)
+    assert e.value.body["param"] == "temperature"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt="hi", max_tokens=100000)
+    assert e.value.body["code"] == "context_length_exceeded"
+    dora = tmp / "dora"
+    shutil.copytree(adapters / names[0], dora)
+    cfg = json.loads((dora / "adapter_config.json").read_text())
+    cfg["use_dora"] = True
+    (dora / "adapter_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(openai.UnprocessableEntityError) as e:
+        client.post("/load_lora_adapter", cast_to=object, body={"lora_name": "d", "lora_path": str(dora)})
+    assert "DoRA" in str(e.value)
+    with pytest.raises(openai.NotFoundError):
+        client.post("/load_lora_adapter", cast_to=object,
+                    body={"lora_name": "m", "lora_path": str(tmp / "missing")})
+    with pytest.raises(openai.NotFoundError):
+        client.post("/unload_lora_adapter", cast_to=object, body={"lora_name": "never-loaded"})
