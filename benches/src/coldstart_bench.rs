@@ -262,6 +262,26 @@ fn run_all(
     Ok(rows)
 }
 
+/// Requests per second the engine sustains on `reqs` under `cached`: all of them arrive at
+/// once and the rate is count / makespan.
+fn sustainable_rate(b: &Bench, args: &ColdStartArgs, link: LinkModel, reqs: &[Request]) -> anyhow::Result<f64> {
+    let burst: Vec<Request> = reqs.iter().map(|r| Request { arrival: Duration::ZERO, ..r.clone() }).collect();
+    let adapters: Vec<(PathBuf, StartTier)> =
+        b.adapter_dirs.iter().map(|d| (d.clone(), StartTier::Device)).collect();
+    let mut e = engine(b, args, link)?;
+    let mut cost = calibrate(&mut e)?;
+    let cfg = DriverConfig {
+        policy: ColdStartPolicy::Cached,
+        max_chunk: args.max_chunk,
+        max_batch_tokens: args.max_chunk.max(512),
+    };
+    let r = coldstart::run(&mut e, &adapters, &burst, &cfg, &mut cost);
+    if let Some(mut pool) = e.detach_pool() {
+        pool.shutdown();
+    }
+    Ok(reqs.len() as f64 / r.wall.as_secs_f64().max(1e-9))
+}
+
 /// Measures prefill of `prompt` tokens and the load of one adapter, on the engine alone.
 fn measure_prefill_s(b: &Bench, args: &ColdStartArgs, prompt: usize) -> anyhow::Result<(f64, f64)> {
     let mut e = engine(
@@ -343,14 +363,11 @@ pub fn run(args: &ColdStartArgs) -> anyhow::Result<Vec<Experiment>> {
         gbps,
         latency_us: 10.0,
     };
-    let service_s = prefill_s + args.output_tokens as f64 * per_token_s;
-    let rate = args.load / service_s;
-    let arrivals = poisson_arrivals(args.requests, rate, &mut rng);
+    let _ = per_token_s;
     let vocab = b.model.config.vocab_size as u32;
-    let reqs: Vec<Request> = arrivals
-        .iter()
-        .enumerate()
-        .map(|(i, &arrival)| {
+    let mut reqs: Vec<Request> = (0..args.requests)
+        .map(|i| {
+            let arrival = Duration::ZERO;
             let len = rng
                 .random_range(args.prompt_median / 2..=args.prompt_median * 3 / 2)
                 .max(1);
@@ -363,6 +380,10 @@ pub fn run(args: &ColdStartArgs) -> anyhow::Result<Vec<Experiment>> {
             }
         })
         .collect();
+    let rate = args.load * sustainable_rate(&b, &args, link, &reqs)?;
+    for (r, a) in reqs.iter_mut().zip(poisson_arrivals(args.requests, rate, &mut rng)) {
+        r.arrival = a;
+    }
     eprintln!(
         "run 1: median prompt {} tokens prefills in {:.1} ms; adapter {:.1} MB → emulated link {:.3} GB/s; {:.2} req/s offered",
         args.prompt_median,
@@ -397,20 +418,20 @@ pub fn run(args: &ColdStartArgs) -> anyhow::Result<Vec<Experiment>> {
             .collect();
         let mean_prompt = picks.iter().map(|p| p.0).sum::<usize>() / picks.len().max(1);
         let mean_out = picks.iter().map(|p| p.1).sum::<usize>() / picks.len().max(1);
-        let (prefill2, per_token2) = measure_prefill_s(&b2, &args, mean_prompt)?;
-        let rate2 = args.load / (prefill2 + mean_out as f64 * per_token2);
-        let arrivals = poisson_arrivals(args.requests, rate2, &mut rng);
-        let reqs2: Vec<Request> = picks
+        let mut reqs2: Vec<Request> = picks
             .iter()
-            .zip(arrivals)
-            .map(|(&(p, o), arrival)| Request {
-                arrival,
+            .map(|&(p, o)| Request {
+                arrival: Duration::ZERO,
                 prompt: (0..p).map(|_| rng.random_range(3..vocab)).collect(),
                 max_tokens: o,
                 adapter: Some(zipf.sample(&mut rng) as usize - 1),
                 sampling: SamplingParams::greedy(),
             })
             .collect();
+        let rate2 = args.load * sustainable_rate(&b2, &args, link, &reqs2)?;
+        for (r, a) in reqs2.iter_mut().zip(poisson_arrivals(args.requests, rate2, &mut rng)) {
+            r.arrival = a;
+        }
         eprintln!("run 2: trace lengths ×{scale:.3}, mean prompt {mean_prompt}, mean output {mean_out}, {rate2:.2} req/s");
         let rows = run_all(&b2, &args, link, &reqs2)?;
         experiments.push(Experiment {

@@ -4,7 +4,7 @@
 //! It pins itself to one core, adopts the three segments its parent passed by fd
 //! inheritance (exchange, host store, step statistics — each validated: magic, version,
 //! kind, size), claims its exchange slot and loops: wait for a step (spin or spin-then-futex),
-//! compute its rows from the host store ([`crate::compute`]), record its compute time, bump
+//! compute its rows from the host store (the `compute` module), record its compute time, bump
 //! its result word; heartbeat while idle and between jobs. Single-threaded; after the first
 //! steps of the largest shapes, a step allocates nothing.
 

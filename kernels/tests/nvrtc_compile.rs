@@ -160,10 +160,12 @@ impl Nvrtc {
 }
 
 fn find_libnvrtc() -> Option<PathBuf> {
-    if let Some(p) = std::env::var_os("THAW_NVRTC_LIB") {
-        return Some(PathBuf::from(p));
-    }
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    if let Some(p) = std::env::var_os("THAW_NVRTC_LIB") {
+        // cargo runs tests in the crate directory; a relative path is meant from the root.
+        let p = PathBuf::from(p);
+        return Some(if p.is_relative() { root.join(p) } else { p });
+    }
     for venv in ["target/nvrtc-venv", ".venv-nvrtc", ".venv"] {
         let lib = root.join(venv).join("lib");
         let Ok(pys) = std::fs::read_dir(&lib) else {

@@ -27,7 +27,10 @@ pub enum Command {
     Generate(GenerateArgs),
     /// Serve the OpenAI-compatible HTTP API (completions, chat, models, adapter load/unload,
     /// metrics); with no --model, the embedded demo model and adapters on 127.0.0.1:8000.
-    Serve(thaw_server::serve::ServeArgs),
+    Serve(Box<thaw_server::serve::ServeArgs>),
+    /// A CPU LoRA worker process; spawned by the server's worker pool, not typed by hand.
+    #[command(hide = true)]
+    LoraWorker(thaw_cpu_lora::WorkerArgs),
 }
 
 impl Command {
@@ -36,7 +39,8 @@ impl Command {
             Command::GenModel(args) => args.run(),
             Command::GenAdapters(args) => args.run(),
             Command::Generate(args) => args.run(),
-            Command::Serve(args) => thaw_server::serve::run(args.resolve()?),
+            Command::Serve(args) => thaw_server::serve::run((*args).resolve()?),
+            Command::LoraWorker(args) => Ok(thaw_cpu_lora::worker_main(args)?),
         }
     }
 }

@@ -296,14 +296,16 @@ fn sgmv_and_bgmv_match_cpu() {
     let segs: Vec<(Range<usize>, u32)> =
         vec![(0..5, 0), (5..6, 1), (9..30, 2), (30..31, 3), (31..33, 1)];
     let rows = 33;
-    let mut layout = LoraLayout::default();
-    layout.row_adapter = vec![None; rows];
+    let mut row_adapter = vec![None; rows];
     for (r, i) in &segs {
         for row in r.clone() {
-            layout.row_adapter[row] = Some(*i);
+            row_adapter[row] = Some(*i);
         }
     }
-    layout.segments = segs;
+    let layout = LoraLayout {
+        segments: segs,
+        row_adapter,
+    };
     for (dt, tol) in CONFIGS {
         let mut cpu = CpuBackend::new(c);
         let mut g = CudaBackend::new(c, &cfg(dt)).unwrap();

@@ -48,26 +48,34 @@ fn sigterm_drains_in_flight_requests_and_exits() {
             break rest.split_whitespace().next().unwrap().parse().unwrap();
         }
     };
-    // Four long streams (two run, two wait: --max-num-seqs 2).
-    let body = json!({"model": "base", "prompt": "drain me", "max_tokens": 150, "ignore_eos": true, "stream": true}).to_string();
-    let streams: Vec<_> = (0..4)
+    // Eight long streams (two run, six wait: --max-num-seqs 2); SIGTERM once all are in.
+    let body = json!({"model": "base", "prompt": "drain me", "max_tokens": 250,
+                      "ignore_eos": true, "stream": true})
+    .to_string();
+    let (head_tx, head_rx) = std::sync::mpsc::channel();
+    let streams: Vec<_> = (0..8)
         .map(|_| {
-            let body = body.clone();
+            let (body, head_tx) = (body.clone(), head_tx.clone());
             std::thread::spawn(move || {
                 let mut r =
                     BufReader::new(send_request(addr, "POST", "/v1/completions", Some(&body)));
                 let (status, _) = read_head(&mut r);
+                head_tx.send(()).unwrap();
                 let mut text = String::new();
                 let mut l = String::new();
                 while r.read_line(&mut l).unwrap_or(0) > 0 {
                     text.push_str(&l);
                     l.clear();
                 }
-                (status, text)
+                (status, text, Instant::now())
             })
         })
         .collect();
-    std::thread::sleep(Duration::from_millis(100));
+    for _ in 0..8 {
+        head_rx
+            .recv_timeout(Duration::from_secs(30))
+            .expect("stream started");
+    }
     let t0 = Instant::now();
     let ok = Command::new("kill")
         .args(["-TERM", &child.id().to_string()])
@@ -85,8 +93,12 @@ fn sigterm_drains_in_flight_requests_and_exits() {
         std::thread::sleep(Duration::from_millis(20));
     };
     assert!(status.success(), "thaw serve exited with {status}");
+    let mut ended_after_sigterm = 0;
     for s in streams {
-        let (code, text) = s.join().unwrap();
+        let (code, text, ended) = s.join().unwrap();
+        if ended > t0 {
+            ended_after_sigterm += 1;
+        }
         assert_eq!(code, 200);
         let data = sse_data(&text);
         assert_eq!(data.last().map(String::as_str), Some("[DONE]"), "{text}");
@@ -96,6 +108,10 @@ fn sigterm_drains_in_flight_requests_and_exits() {
             "in-flight requests finish: {text}"
         );
     }
+    assert!(
+        ended_after_sigterm > 0,
+        "no request was in flight at SIGTERM"
+    );
     // Gone: nothing listens any more.
     assert!(std::net::TcpStream::connect(addr).is_err());
 }

@@ -168,5 +168,4 @@ impl LoraPool {
         }
         Ok(())
     }
-
 }

@@ -97,5 +97,4 @@ impl LoraPool {
         }
         Ok(())
     }
-
 }

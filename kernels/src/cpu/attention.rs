@@ -169,7 +169,7 @@ pub fn paged_attention(
 ) {
     let (d, nkv) = (layout.head_dim, layout.num_kv_heads);
     assert!(
-        nkv > 0 && n_heads % nkv == 0,
+        nkv > 0 && n_heads.is_multiple_of(nkv),
         "attention: {n_heads} heads over {nkv} kv heads"
     );
     assert_eq!(

@@ -51,6 +51,9 @@ pub fn linear_scaled(
 ) {
     check("linear", x, w, y, shape);
     let GemmShape { m, k, n } = shape;
+    if m <= SMALL_M {
+        return linear_small_m(x, w, y, shape, alpha, accumulate);
+    }
     sgemm(
         m,
         k,
@@ -74,6 +77,55 @@ pub fn linear_scaled(
             cs: 1,
         },
     );
+}
+
+/// Up to this many rows, [`linear`] streams `w` once with dot products instead of packing it
+/// for a GEMM: decode steps are bound by reading the weights, and packing them costs a copy.
+const SMALL_M: usize = 16;
+
+/// `linear` for few rows: every row of `w` is read once and dotted with each row of `x`
+/// (which stays in L1).
+fn linear_small_m(x: &[f32], w: &[f32], y: &mut [f32], s: GemmShape, alpha: f32, accumulate: bool) {
+    let GemmShape { m, k, n } = s;
+    for j in 0..n {
+        let wr = &w[j * k..(j + 1) * k];
+        for i in 0..m {
+            let d = dot(&x[i * k..(i + 1) * k], wr);
+            let o = &mut y[i * n + j];
+            *o = if accumulate {
+                *o + alpha * d
+            } else {
+                alpha * d
+            };
+        }
+    }
+}
+
+/// Dot product with 16 independent partial sums (vectorisable, and fixed in summation order
+/// for a given length).
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    const L: usize = 16;
+    let mut acc = [0.0f32; L];
+    let (ac, at) = a.split_at(a.len() - a.len() % L);
+    let (bc, bt) = b.split_at(ac.len());
+    for (x, y) in ac.chunks_exact(L).zip(bc.chunks_exact(L)) {
+        for l in 0..L {
+            acc[l] += x[l] * y[l];
+        }
+    }
+    let mut tail = 0.0f32;
+    for (x, y) in at.iter().zip(bt) {
+        tail += x * y;
+    }
+    // Pairwise reduction of the partial sums.
+    let mut w = L;
+    while w > 1 {
+        w /= 2;
+        for l in 0..w {
+            acc[l] += acc[l + w];
+        }
+    }
+    acc[0] + tail
 }
 
 /// `y[m,n] = x[m,k] · w[k,n]` (or `+=` when `accumulate`), all row-major.

@@ -53,7 +53,7 @@ impl RopeTable {
         scaling: &RopeScaling,
     ) -> Result<Self, KernelError> {
         let bad = |m: String| Err(KernelError::InvalidRope(m));
-        if head_dim == 0 || head_dim % 2 != 0 {
+        if head_dim == 0 || !head_dim.is_multiple_of(2) {
             return bad(format!("head_dim {head_dim} must be even and non-zero"));
         }
         if !(theta.is_finite() && theta > 1.0) {

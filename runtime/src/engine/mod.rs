@@ -419,6 +419,11 @@ impl<B: Backend> Engine<B> {
             adapters: &adapters,
             landed: &self.landed,
         };
+        // Workers spin instead of sleeping while a step has CPU work: a futex wake per layer
+        // and input would cost more than the work itself.
+        if let (true, Some(pool)) = (cold, &self.pool) {
+            pool.arm();
+        }
         let mut assist = cold.then(|| Assist {
             path: match &mut self.pool {
                 Some(pool) => AssistPath::Pool {
@@ -432,7 +437,7 @@ impl<B: Backend> Engine<B> {
             buf: &mut self.assist_buf,
             rows_assisted: 0,
         });
-        forward::run(
+        let ran = forward::run(
             &mut self.backend,
             &self.config,
             &self.model,
@@ -442,8 +447,12 @@ impl<B: Backend> Engine<B> {
             &lora,
             assist.as_mut(),
             &mut self.logits,
-        )?;
+        );
         self.rows_assisted += assist.map_or(0, |a| a.rows_assisted as u64);
+        if let (true, Some(pool)) = (cold, &self.pool) {
+            pool.disarm();
+        }
+        ran?;
         Ok(self.advance(plan.return_logits))
     }
 

@@ -44,12 +44,14 @@ fn messages(req: &ChatRequest) -> Result<Vec<TemplateMessage>, ServerError> {
                     for p in parts {
                         match (p.kind.as_str(), &p.text) {
                             ("text", Some(t)) => s.push_str(t),
-                            (kind, _) => return Err(ServerError::invalid(
-                                &format!("messages[{i}].content"),
-                                format!(
+                            (kind, _) => {
+                                return Err(ServerError::invalid(
+                                    &format!("messages[{i}].content"),
+                                    format!(
                                     "content parts of type `{kind}` are not supported; send text"
                                 ),
-                            )),
+                                ))
+                            }
                         }
                     }
                     s
@@ -130,13 +132,11 @@ pub async fn chat_completions(
                              "finish_reason": d.finish.as_ref().map(Finish::as_str)}],
             })
         };
-        let usage = p.include_usage.then(|| {
-            move |completion: usize| {
-                json!({
-                    "id": id, "object": "chat.completion.chunk", "created": created, "model": model,
-                    "choices": [], "usage": Usage::new(prompt_tokens, completion),
-                })
-            }
+        let usage = p.include_usage.then_some(move |completion: usize| {
+            json!({
+                "id": id, "object": "chat.completion.chunk", "created": created, "model": model,
+                "choices": [], "usage": Usage::new(prompt_tokens, completion),
+            })
         });
         return Ok(stream_choices(choices, first, chunk, usage).into_response());
     }

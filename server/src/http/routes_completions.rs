@@ -173,13 +173,11 @@ pub async fn completions(
                              "finish_reason": d.finish.as_ref().map(Finish::as_str)}],
             })
         };
-        let usage = p.include_usage.then(|| {
-            move |completion: usize| {
-                json!({
-                    "id": id, "object": "text_completion", "created": created, "model": model,
-                    "choices": [], "usage": Usage::new(prompt_tokens, completion),
-                })
-            }
+        let usage = p.include_usage.then_some(move |completion: usize| {
+            json!({
+                "id": id, "object": "text_completion", "created": created, "model": model,
+                "choices": [], "usage": Usage::new(prompt_tokens, completion),
+            })
         });
         return Ok(stream_choices(choices, first, chunk, usage).into_response());
     }
