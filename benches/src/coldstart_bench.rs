@@ -264,10 +264,24 @@ fn run_all(
 
 /// Requests per second the engine sustains on `reqs` under `cached`: all of them arrive at
 /// once and the rate is count / makespan.
-fn sustainable_rate(b: &Bench, args: &ColdStartArgs, link: LinkModel, reqs: &[Request]) -> anyhow::Result<f64> {
-    let burst: Vec<Request> = reqs.iter().map(|r| Request { arrival: Duration::ZERO, ..r.clone() }).collect();
-    let adapters: Vec<(PathBuf, StartTier)> =
-        b.adapter_dirs.iter().map(|d| (d.clone(), StartTier::Device)).collect();
+fn sustainable_rate(
+    b: &Bench,
+    args: &ColdStartArgs,
+    link: LinkModel,
+    reqs: &[Request],
+) -> anyhow::Result<f64> {
+    let burst: Vec<Request> = reqs
+        .iter()
+        .map(|r| Request {
+            arrival: Duration::ZERO,
+            ..r.clone()
+        })
+        .collect();
+    let adapters: Vec<(PathBuf, StartTier)> = b
+        .adapter_dirs
+        .iter()
+        .map(|d| (d.clone(), StartTier::Device))
+        .collect();
     let mut e = engine(b, args, link)?;
     let mut cost = calibrate(&mut e)?;
     let cfg = DriverConfig {
@@ -381,7 +395,10 @@ pub fn run(args: &ColdStartArgs) -> anyhow::Result<Vec<Experiment>> {
         })
         .collect();
     let rate = args.load * sustainable_rate(&b, &args, link, &reqs)?;
-    for (r, a) in reqs.iter_mut().zip(poisson_arrivals(args.requests, rate, &mut rng)) {
+    for (r, a) in reqs
+        .iter_mut()
+        .zip(poisson_arrivals(args.requests, rate, &mut rng))
+    {
         r.arrival = a;
     }
     eprintln!(
@@ -429,7 +446,10 @@ pub fn run(args: &ColdStartArgs) -> anyhow::Result<Vec<Experiment>> {
             })
             .collect();
         let rate2 = args.load * sustainable_rate(&b2, &args, link, &reqs2)?;
-        for (r, a) in reqs2.iter_mut().zip(poisson_arrivals(args.requests, rate2, &mut rng)) {
+        for (r, a) in reqs2
+            .iter_mut()
+            .zip(poisson_arrivals(args.requests, rate2, &mut rng))
+        {
             r.arrival = a;
         }
         eprintln!("run 2: trace lengths ×{scale:.3}, mean prompt {mean_prompt}, mean output {mean_out}, {rate2:.2} req/s");

@@ -89,12 +89,12 @@ pub(crate) fn wait_until<T>(
             return Some(t);
         }
         polls = polls.wrapping_add(1);
-        if polls % 64 == 0 && deadline.is_some_and(|d| Instant::now() >= d) {
+        if polls.is_multiple_of(64) && deadline.is_some_and(|d| Instant::now() >= d) {
             return None;
         }
         match strategy {
             WaitStrategy::Spin { yield_every } => {
-                if yield_every != 0 && polls % yield_every == 0 {
+                if yield_every != 0 && polls.is_multiple_of(yield_every) {
                     std::thread::yield_now();
                 } else {
                     std::hint::spin_loop();

@@ -286,7 +286,7 @@ fn check_weights(weights: &[LayerModuleWeights<'_>]) -> Result<Vec<(u32, u32)>> 
             }
             let row = w.rank as usize * w.dtype.size();
             let dim = |bytes: &[u8], what: &str| {
-                if bytes.is_empty() || bytes.len() % row != 0 {
+                if bytes.is_empty() || !bytes.len().is_multiple_of(row) {
                     return Err(bad(format!(
                         "{what} has {} bytes, not a positive multiple of rank {} × {} bytes",
                         bytes.len(),

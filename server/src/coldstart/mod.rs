@@ -1,12 +1,14 @@
 //! Cold-start hiding policy (DESIGN §4): the `--cold-start` policies, the cost model that
 //! drives `auto`, the loader thread (disk → host), and an engine-level driver that runs a
 //! timed request trace under a policy.
+mod calibrate;
 mod cost;
 mod driver;
 mod loader;
 mod policy;
 
-pub use cost::{calibrate, ColdDecision, CostModel, Prediction, MAX_DECODE_SLOWDOWN};
+pub use calibrate::calibrate;
+pub use cost::{ColdDecision, CostModel, Prediction, MAX_DECODE_SLOWDOWN};
 pub use driver::{run, DriverConfig, Outcome, Request, RunReport, StartTier};
 pub use loader::{Loaded, Loader};
 pub use policy::ColdStartPolicy;

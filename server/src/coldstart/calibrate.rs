@@ -1,0 +1,113 @@
+//! Start-up measurement of the cold-start cost model's inputs.
+use super::cost::CostModel;
+
+/// Measures the cost model's inputs on `engine`: device time per layer from a throwaway
+/// sequence's prefill and decode steps, CPU LoRA throughput from the worker pool's profile
+/// (or, with no pool, from timing the kernel on the engine thread), the link from the backend.
+pub fn calibrate(
+    engine: &mut thaw_runtime::engine::Engine<thaw_runtime::backend::cpu::CpuBackend>,
+) -> thaw_runtime::Result<CostModel> {
+    use std::time::Instant;
+    use thaw_runtime::engine::{PlanItem, SequenceParams, StepPlan};
+    use thaw_runtime::ids::SeqId;
+
+    let c = engine.model_config().clone();
+    let big = 64
+        .min(engine.engine_config().max_batch_tokens)
+        .min(engine.max_context() / 2);
+    let seq = SeqId(u64::MAX);
+    let time_step =
+        |n: usize, e: &mut thaw_runtime::engine::Engine<_>| -> thaw_runtime::Result<f64> {
+            let t = Instant::now();
+            e.step(&StepPlan {
+                items: vec![PlanItem { seq, num_tokens: n }],
+                return_logits: false,
+            })?;
+            Ok(t.elapsed().as_secs_f64())
+        };
+    let mut samples = Vec::new();
+    for _ in 0..3 {
+        engine.add_sequence(
+            seq,
+            SequenceParams {
+                prompt: (0..big as u32)
+                    .map(|i| 3 + i % (c.vocab_size as u32 - 3))
+                    .collect(),
+                max_new_tokens: 2,
+                ignore_eos: true,
+                ..Default::default()
+            },
+        )?;
+        let prefill = time_step(big, engine)?;
+        let decode = time_step(1, engine)?;
+        let _ = engine.remove_sequence(seq);
+        samples.push((prefill, decode));
+    }
+    // Median of each, then a line through (1, decode) and (big, prefill).
+    let mut p: Vec<f64> = samples.iter().map(|s| s.0).collect();
+    let mut d: Vec<f64> = samples.iter().map(|s| s.1).collect();
+    p.sort_by(f64::total_cmp);
+    d.sort_by(f64::total_cmp);
+    let layers = c.num_layers.max(1) as f64;
+    let (p, d) = (p[1] / layers, d[1] / layers);
+    let per_token = ((p - d) / (big as f64 - 1.0)).max(1e-9);
+    let base = (d - per_token).max(0.0);
+    let (cpu_flops, cpu_overlaps) = match engine.pool() {
+        Some(pool) => (
+            (0..pool.n_workers())
+                .map(|w| pool.profile().gflops(w))
+                .sum::<f64>()
+                * 1e9,
+            true,
+        ),
+        None => (inline_lora_flops(c.hidden_size), false),
+    };
+    Ok(CostModel {
+        layer_base_s: base,
+        layer_per_token_s: per_token,
+        num_layers: c.num_layers,
+        cpu_flops,
+        cpu_overlaps,
+        link: engine.backend().link(),
+        alpha: 0.1,
+    })
+}
+
+/// FLOP/s of the LoRA kernel on this thread for a rank-16, 32-row problem of `hidden` width.
+fn inline_lora_flops(hidden: usize) -> f64 {
+    use std::time::Instant;
+    use thaw_kernels::cpu::{sgmv, LoraRef, LoraSegment};
+    let (rows, rank) = (32usize, 16usize);
+    let x: Vec<f32> = (0..rows * hidden)
+        .map(|i| ((i * 7919) % 101) as f32 / 101.0 - 0.5)
+        .collect();
+    let a: Vec<f32> = (0..rank * hidden)
+        .map(|i| ((i * 104729) % 97) as f32 / 97.0 - 0.5)
+        .collect();
+    let b = a.clone();
+    let mut y = vec![0.0f32; rows * hidden];
+    let mut scratch = Vec::new();
+    let seg = LoraSegment {
+        rows: 0..rows,
+        lora: LoraRef {
+            a: &a,
+            b: &b,
+            rank,
+            scale: 1.0,
+        },
+    };
+    let reps = 20;
+    let t = Instant::now();
+    for _ in 0..reps {
+        sgmv(
+            &x,
+            hidden,
+            std::slice::from_ref(&seg),
+            &mut y,
+            hidden,
+            &mut scratch,
+        );
+    }
+    let flops = 2.0 * rows as f64 * rank as f64 * 2.0 * hidden as f64 * reps as f64;
+    flops / t.elapsed().as_secs_f64().max(1e-9)
+}
