@@ -20,6 +20,8 @@ use thaw_server::coldstart::{
 };
 use thaw_server::gen::{self, GenAdaptersOptions, GenModelOptions, Projection};
 
+use crate::trace::trace_lengths;
+
 /// Options of `thaw-bench cold-start-engine`.
 #[derive(clap::Args, Clone, Debug)]
 pub struct ColdStartArgs {
@@ -322,24 +324,6 @@ fn poisson_arrivals(n: usize, rate: f64, rng: &mut ChaCha8Rng) -> Vec<Duration> 
             Duration::from_secs_f64(t)
         })
         .collect()
-}
-
-/// Reads (prompt, output) lengths from an Azure trace CSV (`TIMESTAMP,ContextTokens,GeneratedTokens`).
-pub fn trace_lengths(path: &Path) -> anyhow::Result<Vec<(usize, usize)>> {
-    let text = std::fs::read_to_string(path)
-        .with_context(|| format!("reading trace {}", path.display()))?;
-    let mut out = Vec::new();
-    for (i, line) in text.lines().enumerate().skip(1) {
-        let f: Vec<&str> = line.split(',').collect();
-        anyhow::ensure!(
-            f.len() == 3,
-            "{}:{}: expected 3 fields",
-            path.display(),
-            i + 1
-        );
-        out.push((f[1].trim().parse()?, f[2].trim().parse()?));
-    }
-    Ok(out)
 }
 
 /// Runs both experiments and returns their tables.

@@ -111,21 +111,34 @@ pub fn machine() -> String {
     let l: Vec<&str> = load.split_whitespace().take(3).collect();
     format!(
         "{} CPUs, load average {} (1/5/15 min)",
-        std::thread::available_parallelism().map_or(0, |n| n.get()),
+        cpu_set().len(),
         l.join(" ")
     )
 }
 
-fn cpu_set() -> Vec<usize> {
-    core_affinity::get_core_ids()
-        .unwrap_or_default()
-        .into_iter()
-        .map(|c| c.id)
-        .collect()
+/// This process's cores, read once before the engine thread pins itself (workers and bench
+/// threads are pinned explicitly, so they need not inherit a wide mask).
+fn cpu_set() -> &'static [usize] {
+    static SET: std::sync::OnceLock<Vec<usize>> = std::sync::OnceLock::new();
+    SET.get_or_init(|| {
+        let ids = core_affinity::get_core_ids().unwrap_or_default();
+        let ids: Vec<usize> = ids.into_iter().map(|c| c.id).collect();
+        if ids.is_empty() {
+            vec![0]
+        } else {
+            ids
+        }
+    })
 }
 
-/// Cores for `n` workers: every core but the first (left to the engine) first, then the
-/// engine's own if `n` exceeds them.
+/// Pins the calling (engine) thread to the first core, so the scheduler does not put it
+/// on a worker's core.
+fn pin_engine() {
+    core_affinity::set_for_current(core_affinity::CoreId { id: cpu_set()[0] });
+}
+
+/// Cores for `n` workers: every core but the first (the engine's) first, then the engine's
+/// own if `n` exceeds them.
 fn worker_cores(n: usize) -> Vec<usize> {
     let set = cpu_set();
     (0..n).map(|i| set[(1 + i) % set.len()]).collect()
@@ -424,6 +437,7 @@ fn memcpy_gbs() -> f64 {
 /// Runs `lora-ipc` and returns the rows of its table.
 pub fn run_ipc(args: &LoraIpcArgs) -> anyhow::Result<Vec<IpcRow>> {
     let a = args.effective();
+    pin_engine();
     let mut rows = vec![];
     for n in 1..=a.workers.max(1) {
         rows.extend(shm_round_trips(&a, n, WaitStrategy::spin(), "shm spin")?);
@@ -482,7 +496,8 @@ const QKVO: [Module; 4] = [Module::Q, Module::K, Module::V, Module::O];
 fn procs_step_ms(a: &LoraScalingArgs, n: usize, tokens: u32) -> anyhow::Result<f64> {
     let h = a.hidden as usize;
     let (store, main, _) = store_for(h, a.rank as usize, &QKVO)?;
-    let mut pool = pool_for(n, WaitStrategy::spin(), tokens, a.hidden, store)?;
+    // The engine parks while the workers compute (ms), leaving its core to a worker there.
+    let mut pool = pool_for(n, WaitStrategy::spin_then_futex(), tokens, a.hidden, store)?;
     let x: Vec<f32> = (0..tokens as usize * h)
         .map(|i| ((i * 37) % 101) as f32 / 101.0 - 0.5)
         .collect();
@@ -526,10 +541,13 @@ fn threads_step_ms(a: &LoraScalingArgs, n: usize) -> f64 {
     let done = Barrier::new(n + 1);
     let iters = a.iters + 2;
     let mut t = vec![];
+    let cores = worker_cores(n);
     std::thread::scope(|s| {
         for (k, out) in outs.iter_mut().enumerate() {
-            let (w, x, start, done) = (&w, &x, &start, &done);
+            let (w, x, start, done, core) = (&w, &x, &start, &done, cores[k]);
             s.spawn(move || {
+                // Same placement as the worker processes.
+                core_affinity::set_for_current(core_affinity::CoreId { id: core });
                 let rows = (k * tokens / n)..((k + 1) * tokens / n);
                 let p = LoraProblem {
                     rows: rows.len(),
@@ -583,6 +601,7 @@ pub struct ScalingReport {
 /// Runs `lora-scaling`.
 pub fn run_scaling(args: &LoraScalingArgs) -> anyhow::Result<ScalingReport> {
     let a = args.effective();
+    pin_engine();
     let mut rows = vec![];
     for n in 1..=a.workers.max(1) {
         rows.push(ScalingRow {

@@ -3,8 +3,10 @@ use clap::{Parser, Subcommand};
 
 mod coldstart_bench;
 mod engine_bench;
+mod load;
 mod lora_bench;
 mod lora_socket;
+mod trace;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -27,6 +29,12 @@ enum Cmd {
     /// The four --cold-start policies on the engine (CPU backend, emulated link): TTFT/TPOT/E2E
     /// with overheads relative to `cached`.
     ColdStartEngine(coldstart_bench::ColdStartArgs),
+    /// Open-loop load against an OpenAI-compatible server: Poisson / gamma / trace arrivals,
+    /// adapter popularity, TTFT / TPOT / E2E at the client; table, JSON and CDF plots.
+    Load(load::LoadArgs),
+    /// `thaw serve` once per --cold-start policy on the same model, adapters and workload;
+    /// TTFT / TPOT / E2E side by side with overheads relative to `cached`.
+    ColdStart(Box<load::ColdStartHttpArgs>),
     /// A CPU LoRA worker process (spawned by the benchmarks' pool).
     #[command(hide = true)]
     LoraWorker(thaw_cpu_lora::WorkerArgs),
@@ -53,6 +61,8 @@ fn main() -> anyhow::Result<()> {
             let ex = coldstart_bench::run(&args)?;
             println!("{}", coldstart_bench::table(&ex));
         }
+        Cmd::Load(args) => print!("{}", load::run_load(&args)?),
+        Cmd::ColdStart(args) => print!("{}", load::run_cold_start(&args)?),
         Cmd::LoraWorker(args) => thaw_cpu_lora::worker_main(args)?,
         Cmd::LoraSocketWorker(args) => lora_socket::run_worker(&args)?,
     }

@@ -18,10 +18,11 @@ use thaw_runtime::sampling::SampledToken;
 use thaw_runtime::RuntimeError;
 use tokio::sync::{mpsc as tmpsc, oneshot};
 
+use crate::coldstart::{ColdDecision, ColdStartPolicy, CostModel};
 use crate::error::ServerError;
 use crate::metrics::Metrics;
 use crate::registry::AdapterLease;
-use crate::scheduler::{plan_step, SchedConfig, SchedState, SeqState};
+use crate::scheduler::{plan_step_gated, Gate, SchedConfig, SchedState, SeqState};
 
 /// The engine the server runs (the CPU backend until the CUDA backend lands).
 pub type ServeEngine = Engine<CpuBackend>;
@@ -78,6 +79,29 @@ pub struct LoopStats {
     pub kv_total_blocks: AtomicUsize,
     pub steps: AtomicU64,
     pub alive: AtomicBool,
+    /// Row·modules whose LoRA delta CPU assist computed.
+    pub cpu_assisted_rows: AtomicU64,
+    /// Per adapter still streaming: (landed layers, layers). Resident adapters are absent.
+    pub landing: std::sync::Mutex<HashMap<AdapterId, (usize, usize)>>,
+}
+
+impl LoopStats {
+    /// Landed layers of a registered adapter, if it is still streaming.
+    pub fn landing(&self, id: AdapterId) -> Option<(usize, usize)> {
+        self.landing
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&id)
+            .copied()
+    }
+}
+
+/// How the engine thread treats adapters that are not on the device.
+#[derive(Clone, Debug)]
+pub struct ColdStart {
+    pub policy: ColdStartPolicy,
+    /// The cost model `auto` decides with (measured at start-up, refreshed online).
+    pub cost: CostModel,
 }
 
 /// The HTTP side's handle on the engine thread. Cheap to clone.
@@ -158,7 +182,7 @@ impl EngineHandle {
 
 /// Starts the engine thread; `build` runs on it (the engine never crosses threads).
 pub fn start(
-    build: impl FnOnce() -> anyhow::Result<(ServeEngine, SchedConfig)> + Send + 'static,
+    build: impl FnOnce() -> anyhow::Result<(ServeEngine, SchedConfig, ColdStart)> + Send + 'static,
     max_queued: usize,
     metrics: Arc<Metrics>,
 ) -> anyhow::Result<(EngineHandle, JoinHandle<()>)> {
@@ -169,10 +193,10 @@ pub fn start(
     let thread = std::thread::Builder::new()
         .name("thaw-engine".into())
         .spawn(move || match build() {
-            Ok((engine, cfg)) => {
+            Ok((engine, cfg, cold)) => {
                 let _ = ready_tx.send(Ok(()));
                 st.alive.store(true, Ordering::SeqCst);
-                Loop::new(engine, cfg, st.clone(), metrics).run(rx);
+                Loop::new(engine, cfg, cold, st.clone(), metrics).run(rx);
                 st.alive.store(false, Ordering::SeqCst);
             }
             Err(e) => {
@@ -208,6 +232,7 @@ struct Live {
 struct Loop {
     engine: ServeEngine,
     cfg: SchedConfig,
+    cold: ColdStart,
     state: SchedState,
     live: HashMap<SeqId, Live>,
     stats: Arc<LoopStats>,
@@ -222,12 +247,14 @@ impl Loop {
     fn new(
         engine: ServeEngine,
         cfg: SchedConfig,
+        cold: ColdStart,
         stats: Arc<LoopStats>,
         metrics: Arc<Metrics>,
     ) -> Self {
         Self {
             engine,
             cfg,
+            cold,
             state: SchedState::default(),
             live: HashMap::new(),
             stats,
@@ -240,13 +267,30 @@ impl Loop {
         loop {
             self.publish();
             if self.state.is_idle() {
-                match rx.recv() {
-                    Ok(c) => {
-                        if !self.handle(c) {
-                            break;
-                        }
+                // While adapters stream in, wake up now and then to publish their landed
+                // layers; otherwise sleep until a command arrives.
+                let streaming = !self
+                    .stats
+                    .landing
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .is_empty();
+                let c = if streaming {
+                    match rx.recv_timeout(Duration::from_millis(20)) {
+                        Ok(c) => Some(c),
+                        Err(mpsc::RecvTimeoutError::Timeout) => None,
+                        Err(mpsc::RecvTimeoutError::Disconnected) => break,
                     }
-                    Err(_) => break,
+                } else {
+                    match rx.recv() {
+                        Ok(c) => Some(c),
+                        Err(_) => break,
+                    }
+                };
+                if let Some(c) = c {
+                    if !self.handle(c) {
+                        break;
+                    }
                 }
             }
             let mut stop = false;
@@ -295,8 +339,9 @@ impl Loop {
         match c {
             Command::Submit { id, sub, events } => {
                 let prompt_len = sub.params.prompt.len();
-                self.state
-                    .enqueue(SeqState::new(id, prompt_len, sub.params.max_new_tokens));
+                let mut seq = SeqState::new(id, prompt_len, sub.params.max_new_tokens);
+                seq.adapter = sub.params.adapter;
+                self.state.enqueue(seq);
                 self.live.insert(
                     id,
                     Live {
@@ -312,7 +357,22 @@ impl Loop {
                 );
             }
             Command::Register { id, adapter, reply } => {
-                let _ = reply.send(self.engine.register_adapter(id, adapter));
+                // `cached` makes an adapter resident at once; every other policy streams it
+                // layer by layer and serves it in the meantime as the policy says.
+                let layers = adapter.num_layers();
+                let r = if self.cold.policy == ColdStartPolicy::Cached {
+                    self.engine.register_adapter(id, adapter)
+                } else {
+                    self.engine.register_adapter_streaming(id, adapter)
+                };
+                if r.is_ok() && self.cold.policy != ColdStartPolicy::Cached {
+                    self.stats
+                        .landing
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .insert(id, (0, layers));
+                }
+                let _ = reply.send(r);
             }
             Command::Unregister { id, reply } => {
                 let _ = reply.send(self.engine.unregister_adapter(id));
@@ -363,7 +423,10 @@ impl Loop {
     /// Plans and runs one step; false if there was nothing to run.
     fn step(&mut self) -> bool {
         let free = self.engine.kv_usage().free_blocks();
-        let mut d = plan_step(&self.state, &self.cfg, free);
+        let engine = &self.engine;
+        let cold = &self.cold;
+        let gate = |s: &SeqState, planned: usize| cold_gate(engine, cold, s, planned);
+        let mut d = plan_step_gated(&self.state, &self.cfg, free, &gate);
         for id in self.state.admit(d.admit, &self.cfg) {
             self.stats.waiting.fetch_sub(1, Ordering::SeqCst);
             let Some(l) = self.live.get_mut(&id) else {
@@ -395,6 +458,9 @@ impl Loop {
                     == Some(s.blocks_needed(&self.cfg, it.num_tokens))
             })
         }));
+        let tokens: usize = d.plan.items.iter().map(|i| i.num_tokens).sum();
+        let assisted_before = self.engine.rows_assisted();
+        let started = Instant::now();
         let outputs = match self.engine.step(&d.plan) {
             Ok(o) => o,
             Err(e) => {
@@ -411,6 +477,15 @@ impl Loop {
             }
         };
         self.stats.steps.fetch_add(1, Ordering::Relaxed);
+        let assisted = self.engine.rows_assisted() - assisted_before;
+        if assisted == 0 {
+            // Only steps the CPU did not stretch teach the model the device's speed.
+            self.cold.cost.observe_step(tokens, started.elapsed());
+        } else {
+            self.stats
+                .cpu_assisted_rows
+                .fetch_add(assisted, Ordering::Relaxed);
+        }
         let now = Instant::now();
         let planned: Vec<(SeqId, usize)> =
             d.plan.items.iter().map(|i| (i.seq, i.num_tokens)).collect();
@@ -468,6 +543,16 @@ impl Loop {
     }
 
     fn publish(&self) {
+        {
+            let mut landing = self.stats.landing.lock().unwrap_or_else(|e| e.into_inner());
+            landing.retain(|id, v| match self.engine.adapter_landed(*id) {
+                Some((l, n)) if l < n => {
+                    *v = (l, n);
+                    true
+                }
+                _ => false,
+            });
+        }
         let kv = self.engine.kv_usage();
         self.stats
             .running
@@ -478,5 +563,41 @@ impl Loop {
         self.stats
             .kv_total_blocks
             .store(kv.total_blocks, Ordering::Relaxed);
+    }
+}
+
+/// The cold-start gate of one prefilling request: go when its adapter is resident (or it has
+/// none); otherwise as the policy says.
+fn cold_gate(engine: &ServeEngine, cold: &ColdStart, s: &SeqState, planned: usize) -> Gate {
+    let Some(id) = s.adapter else {
+        return Gate::Go;
+    };
+    let Some((landed, layers)) = engine.adapter_landed(id) else {
+        return Gate::Go; // not registered: admission fails with a clear error
+    };
+    if landed >= layers {
+        return Gate::Go;
+    }
+    match cold.policy {
+        ColdStartPolicy::Cached | ColdStartPolicy::CpuAssist => Gate::Go,
+        ColdStartPolicy::OnDemand => Gate::Hold,
+        ColdStartPolicy::Auto => {
+            let Some(adapter) = engine.adapter_host(id) else {
+                return Gate::Go;
+            };
+            let left = 1.0 - landed as f64 / layers.max(1) as f64;
+            let load_left = cold.cost.load_time(
+                (adapter.size_bytes_f32() as f64 * left) as u64,
+                engine.backend().link_backlog(),
+            );
+            let pending = s.pending();
+            match cold
+                .cost
+                .decide(adapter, pending, pending, planned, load_left)
+            {
+                ColdDecision::Wait => Gate::Hold,
+                ColdDecision::Assist { max_chunk } => Gate::Cap(max_chunk),
+            }
+        }
     }
 }

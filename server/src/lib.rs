@@ -7,6 +7,7 @@
 pub mod chat;
 pub mod coldstart;
 pub mod demo;
+pub mod deploy;
 pub mod engine_loop;
 pub mod error;
 pub mod gen;

@@ -457,12 +457,21 @@ impl Registry {
     pub fn views(&self) -> Vec<AdapterView> {
         self.prune();
         let inner = self.lock();
-        inner
+        let mut views: Vec<AdapterView> = inner
             .by_name
             .values()
             .map(|s| s.view(false))
             .chain(inner.retiring.iter().map(|s| s.view(true)))
-            .collect()
+            .collect();
+        // A device-tier adapter may still be streaming in, layer by layer.
+        for v in &mut views {
+            if v.tier == Tier::Device {
+                if let Some((landed, _)) = self.engine.stats.landing(v.id) {
+                    v.landed_layers = landed;
+                }
+            }
+        }
+        views
     }
 
     /// Live leases over all adapters (0 when idle).

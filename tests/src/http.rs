@@ -61,6 +61,9 @@ impl ServeFixture {
             max_num_seqs: 16,
             max_num_batched_tokens: 256,
             shutdown_timeout: Duration::from_secs(5),
+            // In-process servers cannot spawn `thaw lora-worker` from the test executable:
+            // cold layers are assisted on the engine thread.
+            lora_workers: 0,
             ..Default::default()
         }
     }

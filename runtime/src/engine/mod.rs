@@ -278,6 +278,11 @@ impl<B: Backend> Engine<B> {
             .map(|a| (self.backend.landed_layers(&a.dev), a.host.num_layers()))
     }
 
+    /// The host copy of adapter `id` (what the CPU assists from and the cost model sizes).
+    pub fn adapter_host(&self, id: AdapterId) -> Option<&Arc<LoraAdapter>> {
+        self.adapters.get(&id).map(|a| &a.host)
+    }
+
     /// Whether every layer of adapter `id` is on the device.
     pub fn adapter_resident(&self, id: AdapterId) -> bool {
         self.adapter_landed(id).is_some_and(|(l, n)| l >= n)

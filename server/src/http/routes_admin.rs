@@ -123,7 +123,7 @@ pub async fn metrics(State(state): State<Arc<AppState>>) -> Response {
         .iter()
         .filter(|a| a.tier == crate::registry::Tier::Device)
         .collect();
-    let gauges: [(&str, &str, f64); 9] = [
+    let gauges: [(&str, &str, f64); 10] = [
         (
             "thaw_num_requests_waiting",
             "Requests queued, not yet admitted.",
@@ -156,6 +156,11 @@ pub async fn metrics(State(state): State<Arc<AppState>>) -> Response {
             "thaw_engine_steps_total",
             "Engine steps run.",
             s.steps.load(Ordering::Relaxed) as f64,
+        ),
+        (
+            "thaw_cpu_assisted_rows_total",
+            "Row·modules whose LoRA delta was computed on the CPU while the adapter streamed in.",
+            s.cpu_assisted_rows.load(Ordering::Relaxed) as f64,
         ),
         (
             "thaw_adapter_leases",

@@ -10,5 +10,5 @@
 mod policy;
 mod state;
 
-pub use policy::{plan_step, Decision};
+pub use policy::{plan_step, plan_step_gated, Decision, Gate};
 pub use state::{SchedConfig, SchedState, SeqState};

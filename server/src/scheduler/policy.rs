@@ -2,7 +2,19 @@
 //! function of the scheduler state.
 use thaw_runtime::engine::{PlanItem, StepPlan};
 
-use super::state::{SchedConfig, SchedState};
+use super::state::{SchedConfig, SchedState, SeqState};
+
+/// What the cold-start policy says about a request's prefill this step.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum Gate {
+    /// Schedule it as usual.
+    Go,
+    /// Its adapter is not resident and the policy waits for it: admit (reserve KV) but
+    /// schedule no tokens.
+    Hold,
+    /// Schedule at most this many prefill tokens (CPU assist sized to the device's time).
+    Cap(usize),
+}
 
 /// What the next step does: admit the first `admit` waiting requests, then run `plan`.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -19,6 +31,19 @@ pub struct Decision {
 /// `free_blocks` is the engine's current free KV; every item's block growth must fit in it
 /// (it always does while reservations hold, so this is a second line of defence).
 pub fn plan_step(state: &SchedState, cfg: &SchedConfig, free_blocks: usize) -> Decision {
+    plan_step_gated(state, cfg, free_blocks, &|_, _| Gate::Go)
+}
+
+/// [`plan_step`] with a cold-start gate per prefill: `gate(seq, tokens already planned)`.
+/// Decode tokens are never gated (a decoding sequence's adapter is usable: every layer is
+/// either landed or assisted). A held waiting request is still admitted, so the queue stays
+/// FIFO and its KV is reserved, but runs no tokens until its gate opens.
+pub fn plan_step_gated(
+    state: &SchedState,
+    cfg: &SchedConfig,
+    free_blocks: usize,
+    gate: &dyn Fn(&SeqState, usize) -> Gate,
+) -> Decision {
     let mut budget = cfg.max_num_batched_tokens;
     let mut free = free_blocks;
     let mut items = Vec::new();
@@ -28,7 +53,14 @@ pub fn plan_step(state: &SchedState, cfg: &SchedConfig, free_blocks: usize) -> D
         if budget == 0 || items.len() >= cfg.max_num_seqs {
             break;
         }
-        let n = s.pending().min(budget);
+        let mut n = s.pending().min(budget);
+        if s.in_prefill() {
+            match gate(s, cfg.max_num_batched_tokens - budget) {
+                Gate::Go => {}
+                Gate::Hold => continue,
+                Gate::Cap(c) => n = n.min(c),
+            }
+        }
         if n == 0 {
             continue;
         }
@@ -53,7 +85,12 @@ pub fn plan_step(state: &SchedState, cfg: &SchedConfig, free_blocks: usize) -> D
         if reserved + r > cfg.total_blocks {
             break;
         }
-        let n = s.pending().min(budget);
+        let mut n = s.pending().min(budget);
+        match gate(s, cfg.max_num_batched_tokens - budget) {
+            Gate::Go => {}
+            Gate::Hold => n = 0,
+            Gate::Cap(c) => n = n.min(c),
+        }
         let blocks = s.blocks_needed(cfg, n);
         if blocks > free {
             break;
@@ -62,10 +99,12 @@ pub fn plan_step(state: &SchedState, cfg: &SchedConfig, free_blocks: usize) -> D
         free -= blocks;
         budget -= n;
         admit += 1;
-        items.push(PlanItem {
-            seq: s.id,
-            num_tokens: n,
-        });
+        if n > 0 {
+            items.push(PlanItem {
+                seq: s.id,
+                num_tokens: n,
+            });
+        }
     }
     Decision {
         admit,

@@ -1,7 +1,7 @@
 //! What the scheduler knows about each request: lengths, progress and KV reservation.
 use std::collections::VecDeque;
 
-use thaw_runtime::ids::SeqId;
+use thaw_runtime::ids::{AdapterId, SeqId};
 
 /// Limits the policy plans within.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -33,6 +33,8 @@ pub struct SeqState {
     pub total_tokens: usize,
     /// Tokens whose KV is computed.
     pub computed: usize,
+    /// The request's adapter (the cold-start gate looks at its residency).
+    pub adapter: Option<AdapterId>,
 }
 
 impl SeqState {
@@ -43,6 +45,7 @@ impl SeqState {
             max_new_tokens,
             total_tokens: prompt_len,
             computed: 0,
+            adapter: None,
         }
     }
 

@@ -69,6 +69,21 @@ pub struct ServeArgs {
     /// Batched LoRA kernel: sgmv or bgmv [default: sgmv].
     #[arg(long, value_parser = ["sgmv", "bgmv"])]
     pub lora_kernel: Option<String>,
+    /// What a request whose adapter is not on the device does: cached (every adapter made
+    /// resident at start-up), on-demand (wait for the load), cpu-assist (CPU workers compute
+    /// its LoRA while it streams), auto (the cost model picks per step) [default: auto].
+    #[arg(long, value_enum)]
+    pub cold_start: Option<crate::coldstart::ColdStartPolicy>,
+    /// Bandwidth of the emulated host→device link the CPU backend streams adapters over, GB/s [default: 25].
+    #[arg(long, value_name = "GBPS")]
+    pub emulated_link_gbps: Option<f64>,
+    /// Latency of each transfer (one per layer) on the emulated link, microseconds [default: 10].
+    #[arg(long, value_name = "US")]
+    pub emulated_link_latency_us: Option<f64>,
+    /// CPU LoRA worker processes for cold adapters, each pinned to its own core (0 = compute on
+    /// the engine thread) [default: min(4, cores − 1)].
+    #[arg(long)]
+    pub lora_workers: Option<usize>,
     /// TOML file with the same settings (keys are flag names with `_`); flags override it.
     #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
@@ -151,7 +166,30 @@ impl ServeArgs {
             },
             seed: self.seed.or(f.seed).unwrap_or(d.seed),
             lora_kernel: self.lora_kernel.or(f.lora_kernel).unwrap_or(d.lora_kernel),
+            cold_start: self.cold_start.or(f.cold_start).unwrap_or(d.cold_start),
+            emulated_link_gbps: self
+                .emulated_link_gbps
+                .or(f.emulated_link_gbps)
+                .unwrap_or(d.emulated_link_gbps),
+            emulated_link_latency_us: self
+                .emulated_link_latency_us
+                .or(f.emulated_link_latency_us)
+                .unwrap_or(d.emulated_link_latency_us),
+            lora_workers: self
+                .lora_workers
+                .or(f.lora_workers)
+                .unwrap_or(d.lora_workers),
         };
+        anyhow::ensure!(
+            cfg.emulated_link_gbps.is_finite() && cfg.emulated_link_gbps > 0.0,
+            "--emulated-link-gbps must be a positive number, got {}",
+            cfg.emulated_link_gbps
+        );
+        anyhow::ensure!(
+            cfg.emulated_link_latency_us.is_finite() && cfg.emulated_link_latency_us >= 0.0,
+            "--emulated-link-latency-us must be a non-negative number, got {}",
+            cfg.emulated_link_latency_us
+        );
         for (name, v) in [
             ("max-loras", cfg.max_loras),
             ("max-num-seqs", cfg.max_num_seqs),

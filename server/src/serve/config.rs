@@ -36,6 +36,10 @@ pub struct ServeConfig {
     pub unload_timeout: Duration,
     pub seed: u64,
     pub lora_kernel: String,
+    pub cold_start: crate::coldstart::ColdStartPolicy,
+    pub emulated_link_gbps: f64,
+    pub emulated_link_latency_us: f64,
+    pub lora_workers: usize,
 }
 
 impl Default for ServeConfig {
@@ -61,6 +65,10 @@ impl Default for ServeConfig {
             unload_timeout: Duration::from_secs(10),
             seed: 0,
             lora_kernel: "sgmv".into(),
+            cold_start: crate::coldstart::ColdStartPolicy::Auto,
+            emulated_link_gbps: 25.0,
+            emulated_link_latency_us: 10.0,
+            lora_workers: default_lora_workers(),
         }
     }
 }
@@ -99,6 +107,18 @@ pub struct FileConfig {
     pub unload_timeout: Option<f64>,
     pub seed: Option<u64>,
     pub lora_kernel: Option<String>,
+    pub cold_start: Option<crate::coldstart::ColdStartPolicy>,
+    pub emulated_link_gbps: Option<f64>,
+    pub emulated_link_latency_us: Option<f64>,
+    pub lora_workers: Option<usize>,
+}
+
+/// One worker per core but the engine's, at most four.
+pub fn default_lora_workers() -> usize {
+    std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .saturating_sub(1)
+        .min(4)
 }
 
 impl FileConfig {

@@ -9,6 +9,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use thaw_runtime::backend::cpu::CpuBackend;
+use thaw_runtime::residency::LinkModel;
+
+use crate::coldstart::ColdStartPolicy;
+use crate::engine_loop::ColdStart;
 use thaw_runtime::backend::LoraKernel;
 use thaw_runtime::engine::{Engine, EngineConfig, HostModel};
 use thaw_runtime::model::Tokenizer;
@@ -104,10 +108,30 @@ impl Server {
             seed: config.seed,
         };
         let metrics = Arc::new(Metrics::default());
+        let cold_cfg = config.clone();
         let (engine, thread) = engine_loop::start(
             move || {
-                let backend = CpuBackend::new(&model.config);
-                Ok((Engine::new(backend, model, ecfg)?, sched))
+                let link = LinkModel {
+                    gbps: cold_cfg.emulated_link_gbps,
+                    latency_us: cold_cfg.emulated_link_latency_us,
+                };
+                let backend = CpuBackend::new(&model.config).with_link(link);
+                let mut engine = Engine::new(backend, model, ecfg)?;
+                if cold_cfg.cold_start != ColdStartPolicy::Cached && cold_cfg.lora_workers > 0 {
+                    engine.attach_pool(start_workers(&engine, &cold_cfg)?)?;
+                }
+                let cost = crate::coldstart::calibrate(&mut engine)?;
+                tracing::info!(
+                    policy = %cold_cfg.cold_start,
+                    workers = cold_cfg.lora_workers,
+                    link_gbps = link.gbps,
+                    "cold start"
+                );
+                let cold = ColdStart {
+                    policy: cold_cfg.cold_start,
+                    cost,
+                };
+                Ok((engine, sched, cold))
             },
             config.max_queued_requests,
             metrics.clone(),
@@ -287,4 +311,42 @@ fn print_banner(server: &Server, addr: SocketAddr, demo: bool) {
     println!("  curl http://{addr}/v1/models");
     use std::io::Write;
     let _ = std::io::stdout().flush();
+}
+
+/// Spawns the CPU LoRA workers from this executable's hidden `lora-worker` subcommand, one per
+/// core after the engine's, with an exchange sized for a full step of this model.
+fn start_workers(
+    engine: &crate::engine_loop::ServeEngine,
+    cfg: &ServeConfig,
+) -> anyhow::Result<thaw_cpu_lora::LoraPool> {
+    let c = engine.model_config();
+    let widest = c.hidden_size.max(c.intermediate_size).max(c.q_dim()) as u32;
+    let per_adapter_guess = 64u64 << 20;
+    let store = thaw_ipc::HostStore::create(
+        per_adapter_guess * cfg.max_cpu_loras.max(1) as u64,
+        cfg.max_cpu_loras.max(1) as u32 + 8,
+    )
+    .context("creating the shared host adapter store")?;
+    let cores = core_affinity::get_core_ids().unwrap_or_default();
+    let worker_cores: Vec<usize> = cores
+        .iter()
+        .skip(1)
+        .take(cfg.lora_workers)
+        .map(|c| c.id)
+        .collect();
+    let pool = thaw_cpu_lora::LoraPool::new(
+        thaw_cpu_lora::PoolConfig {
+            cores: (!worker_cores.is_empty()).then_some(worker_cores),
+            exchange: thaw_ipc::ExchangeConfig {
+                max_rows: cfg.max_num_batched_tokens as u32,
+                max_d_in: widest,
+                max_d_out: widest,
+                ..Default::default()
+            },
+            ..Default::default()
+        },
+        store,
+    )
+    .context("starting the CPU LoRA workers (thaw lora-worker)")?;
+    Ok(pool)
 }

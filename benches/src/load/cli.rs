@@ -1,0 +1,183 @@
+//! `thaw-bench load`: the open-loop load generator against any OpenAI-compatible endpoint.
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::Context;
+use serde::Serialize;
+
+use super::client::OpenAiClient;
+use super::plot::write_cdfs;
+use super::prompts::PromptSource;
+use super::report::{table, Summary};
+use super::runner::{self, RequestRecord, RunOptions};
+use super::workload::{self, ArrivalKind, LengthKind, ServerInfo, WorkloadArgs};
+
+/// Options of `thaw-bench load`.
+#[derive(clap::Args, Clone, Debug)]
+pub struct LoadArgs {
+    /// Base URL of the server (plain http).
+    #[arg(long, default_value = "http://127.0.0.1:8000")]
+    pub url: String,
+    /// Bearer token, if the server wants one.
+    #[arg(long, env = "OPENAI_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
+    #[command(flatten)]
+    pub workload: WorkloadArgs,
+    /// tokenizer.json (or its directory) to build prompts from [default: the one in the base
+    /// model's `root` directory when the server is local, else random byte-token ids].
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
+    /// Directory for the JSON report and the CDF plots.
+    #[arg(long, default_value = "thaw-bench-results")]
+    pub out: PathBuf,
+    /// Seconds before a request counts as failed.
+    #[arg(long, default_value_t = 600.0)]
+    pub request_timeout: f64,
+    /// No progress bar.
+    #[arg(long)]
+    pub no_progress: bool,
+    /// A seconds-long run (12 requests at 20 req/s, 16-token prompts, 4 output tokens) for
+    /// the test suite.
+    #[arg(long)]
+    pub quick: bool,
+}
+
+/// The quick version of a workload: few short requests at a high rate.
+pub fn quick_workload(w: &WorkloadArgs) -> WorkloadArgs {
+    WorkloadArgs {
+        requests: 12,
+        arrivals: if w.arrivals == ArrivalKind::Trace {
+            ArrivalKind::Poisson
+        } else {
+            w.arrivals
+        },
+        rate: Some(20.0),
+        lengths: LengthKind::Fixed,
+        prompt_len: 16,
+        output_len: 4,
+        ..w.clone()
+    }
+}
+
+/// The JSON report: the setup, the summary and every request.
+#[derive(Serialize)]
+pub struct LoadReport<'a> {
+    pub bench: &'static str,
+    pub url: &'a str,
+    pub workload: &'a WorkloadArgs,
+    pub prompts: String,
+    pub server: &'a ServerInfo,
+    pub summary: &'a Summary,
+    pub requests: &'a [RequestRecord],
+}
+
+/// Prompt ids: the given tokenizer, else the server's own when it is a local directory.
+pub fn prompt_source(
+    tokenizer: Option<&Path>,
+    server: &ServerInfo,
+) -> anyhow::Result<PromptSource> {
+    if let Some(t) = tokenizer {
+        return PromptSource::from_tokenizer(t);
+    }
+    if let Some(root) = &server.base_root {
+        let p = Path::new(root).join("tokenizer.json");
+        if p.is_file() {
+            if let Ok(s) = PromptSource::from_tokenizer(&p) {
+                return Ok(s);
+            }
+        }
+    }
+    Ok(PromptSource::random())
+}
+
+/// Plans and runs `workload` against a server already up.
+pub async fn measure(
+    client: &OpenAiClient,
+    server: &ServerInfo,
+    workload: &WorkloadArgs,
+    prompts: &PromptSource,
+    opts: &RunOptions,
+) -> anyhow::Result<(Vec<RequestRecord>, Summary)> {
+    let plan = workload::plan(workload, server)?;
+    let lengths: Vec<usize> = plan.iter().map(|p| p.prompt_len).collect();
+    let ids = prompts.prompts(&lengths, workload.seed);
+    let (records, wall) = runner::run(client, server, &plan, ids, opts).await;
+    let summary = Summary::of(&records, wall.as_secs_f64());
+    Ok((records, summary))
+}
+
+pub fn write_json(path: &Path, value: &impl Serialize) -> anyhow::Result<()> {
+    if let Some(d) = path.parent() {
+        std::fs::create_dir_all(d).with_context(|| format!("creating {}", d.display()))?;
+    }
+    let f = std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?;
+    serde_json::to_writer_pretty(std::io::BufWriter::new(f), value)?;
+    Ok(())
+}
+
+/// Runs `thaw-bench load` and returns the text to print.
+pub fn run(args: &LoadArgs) -> anyhow::Result<String> {
+    let workload = if args.quick {
+        quick_workload(&args.workload)
+    } else {
+        args.workload.clone()
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    rt.block_on(async {
+        let client = OpenAiClient::new(&args.url, args.api_key.clone())?;
+        let server = client
+            .server_info()
+            .await
+            .with_context(|| format!("is a server running at {}?", args.url))?;
+        let prompts = prompt_source(args.tokenizer.as_deref(), &server)?;
+        let opts = RunOptions {
+            request_timeout: Duration::from_secs_f64(args.request_timeout),
+            progress: !args.no_progress,
+            label: "load".into(),
+        };
+        let (records, summary) = measure(&client, &server, &workload, &prompts, &opts).await?;
+        std::fs::create_dir_all(&args.out)
+            .with_context(|| format!("creating {}", args.out.display()))?;
+        let json = args.out.join("load.json");
+        write_json(
+            &json,
+            &LoadReport {
+                bench: "load",
+                url: client.base_url(),
+                workload: &workload,
+                prompts: prompts.describe(),
+                server: &server,
+                summary: &summary,
+                requests: &records,
+            },
+        )?;
+        let title = format!("{} at {}", server.base_model, client.base_url());
+        let plots = write_cdfs(
+            &args.out.join("load-cdf"),
+            &title,
+            &[("load".to_string(), records.as_slice())],
+        )?;
+        let mut s = format!(
+            "{} requests to {} ({} adapters), {:?} arrivals at {:.2} req/s, {:?} popularity, {:?} lengths; prompts: {}\n\n",
+            workload.requests,
+            client.base_url(),
+            server.adapters.len(),
+            workload.arrivals,
+            workload.rate.unwrap_or(workload::DEFAULT_RATE),
+            workload.popularity,
+            workload.lengths,
+            prompts.describe()
+        );
+        s.push_str(&table(&[("load".to_string(), &summary)]));
+        for e in &summary.errors {
+            s.push_str(&format!("error: {e}\n"));
+        }
+        s.push_str(&format!("\nreport: {}\n", json.display()));
+        for p in plots {
+            s.push_str(&format!("plot: {}\n", p.display()));
+        }
+        Ok(s)
+    })
+}

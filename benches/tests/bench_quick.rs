@@ -1,0 +1,231 @@
+//! Smoke runs of the HTTP benchmarks (`thaw-bench load --quick`, `thaw-bench cold-start
+//! --quick`) against real `thaw serve` processes on loopback with a generated tiny model, so
+//! they do not rot: the report has its structure and every request is accounted for.
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+
+use serde_json::Value;
+
+fn thaw_bench() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_thaw-bench"))
+}
+
+/// `thaw` next to `thaw-bench` (cargo test --workspace builds it; build it here otherwise).
+fn thaw() -> PathBuf {
+    let bin = thaw_bench().with_file_name("thaw");
+    if !bin.exists() {
+        let mut cmd = Command::new(env!("CARGO"));
+        cmd.args(["build", "-p", "thaw-server", "--bin", "thaw"]);
+        if bin.parent().is_some_and(|d| d.ends_with("release")) {
+            cmd.arg("--release");
+        }
+        assert!(cmd.status().expect("cargo build").success());
+    }
+    bin
+}
+
+fn run_ok(bin: &Path, args: &[&str]) -> String {
+    let out = Command::new(bin).args(args).output().expect("spawn");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{} {args:?} failed:\n{stdout}\n{}",
+        bin.display(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+}
+
+/// A tiny model and six adapters (ranks 8…128) made by `thaw gen-model` / `gen-adapters`.
+fn demo(dir: &Path) -> (PathBuf, PathBuf) {
+    let (model, adapters) = (dir.join("model"), dir.join("adapters"));
+    let p = |p: &Path| p.to_str().unwrap().to_string();
+    run_ok(
+        &thaw(),
+        &["gen-model", "--preset", "tiny", "--out", &p(&model)],
+    );
+    run_ok(
+        &thaw(),
+        &[
+            "gen-adapters",
+            "--model",
+            &p(&model),
+            "--count",
+            "6",
+            "--out",
+            &p(&adapters),
+        ],
+    );
+    (model, adapters)
+}
+
+struct Serve(Child);
+
+impl Drop for Serve {
+    fn drop(&mut self) {
+        let pid = nix::unistd::Pid::from_raw(self.0.id() as i32);
+        let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
+        let _ = self.0.wait();
+    }
+}
+
+/// Starts `thaw serve` on a free port and returns it with its base URL.
+fn serve(model: &Path, adapters: &Path) -> (Serve, String) {
+    let mut child = Command::new(thaw())
+        .args(["serve", "--port", "0", "--model"])
+        .arg(model)
+        .arg("--lora-dir")
+        .arg(adapters)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn thaw serve");
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    let server = Serve(child);
+    let mut line = String::new();
+    loop {
+        line.clear();
+        assert!(out.read_line(&mut line).unwrap() > 0, "server exited early");
+        if let Some(rest) = line.split("http://").nth(1) {
+            let addr = rest.split_whitespace().next().unwrap().to_string();
+            std::thread::spawn(move || std::io::copy(&mut out, &mut std::io::sink()));
+            return (server, format!("http://{addr}"));
+        }
+    }
+}
+
+fn check_requests(run: &Value, sent: u64) {
+    let s = &run["summary"];
+    let (n, done, failed) = (
+        s["sent"].as_u64().unwrap(),
+        s["completed"].as_u64().unwrap(),
+        s["failed"].as_u64().unwrap(),
+    );
+    assert_eq!(n, sent, "{s}");
+    assert_eq!(
+        n,
+        done + failed,
+        "every request is completed or failed: {s}"
+    );
+    assert_eq!(
+        failed, 0,
+        "loopback demo server fails nothing: {}",
+        s["errors"]
+    );
+    let reqs = run["requests"].as_array().unwrap();
+    assert_eq!(reqs.len() as u64, n);
+    for r in reqs {
+        assert!(r["error"].is_null(), "{r}");
+        let (ttft, e2e) = (r["ttft_s"].as_f64().unwrap(), r["e2e_s"].as_f64().unwrap());
+        assert!(ttft > 0.0 && ttft <= e2e, "{r}");
+        assert_eq!(
+            r["output_tokens"], r["max_tokens"],
+            "ignore_eos forces the length: {r}"
+        );
+        assert_eq!(r["prompt_tokens"].as_u64(), Some(16), "{r}");
+    }
+    for key in ["ttft", "tpot", "e2e"] {
+        for stat in ["mean", "p50", "p90", "p99", "max"] {
+            assert!(s[key][stat].is_number(), "{key}.{stat} in {s}");
+        }
+    }
+}
+
+fn check_plots(dir: &Path, stem: &str) {
+    let png = std::fs::read(dir.join(format!("{stem}.png"))).unwrap();
+    assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n");
+    let svg = std::fs::read_to_string(dir.join(format!("{stem}.svg"))).unwrap();
+    assert!(
+        svg.contains("<svg") && svg.contains("TTFT CDF"),
+        "SVG has its text"
+    );
+}
+
+#[test]
+fn load_quick_accounts_for_every_request() {
+    let dir = tempfile::tempdir().unwrap();
+    let (model, adapters) = demo(dir.path());
+    let (_server, url) = serve(&model, &adapters);
+    let out = dir.path().join("out");
+    let table = run_ok(
+        &thaw_bench(),
+        &[
+            "load",
+            "--quick",
+            "--no-progress",
+            "--url",
+            &url,
+            "--out",
+            out.to_str().unwrap(),
+        ],
+    );
+    assert!(table.contains("| run | sent | done | failed |"), "{table}");
+    assert!(table.contains("| load | 12 | 12 | 0 |"), "{table}");
+    let report: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("load.json")).unwrap()).unwrap();
+    assert_eq!(report["bench"], "load");
+    assert_eq!(report["server"]["adapters"].as_array().unwrap().len(), 6);
+    assert!(report["prompts"]
+        .as_str()
+        .unwrap()
+        .contains("tokenizer.json"));
+    check_requests(&report, 12);
+    // Rank power law: every request named one of the server's adapters.
+    for r in report["requests"].as_array().unwrap() {
+        assert!(r["model"].as_str().unwrap().starts_with("adapter-"), "{r}");
+    }
+    check_plots(&out, "load-cdf");
+}
+
+#[test]
+fn cold_start_quick_compares_the_four_policies() {
+    let help = run_ok(&thaw(), &["serve", "--help"]);
+    if !help.contains("--cold-start") {
+        eprintln!("skipped: this thaw serve has no --cold-start flag yet");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let table = run_ok(
+        &thaw_bench(),
+        &[
+            "cold-start",
+            "--quick",
+            "--no-progress",
+            "--thaw-bin",
+            thaw().to_str().unwrap(),
+            "--workdir",
+            dir.path().to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+        ],
+    );
+    for p in ["cached", "on-demand", "cpu-assist", "auto"] {
+        assert!(table.contains(&format!("| {p} |")), "{table}");
+    }
+    assert!(
+        table.contains("(+") || table.contains("(-"),
+        "overheads: {table}"
+    );
+    let report: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("cold-start.json")).unwrap())
+            .unwrap();
+    let runs = report["runs"].as_array().unwrap();
+    assert_eq!(runs.len(), 4);
+    for run in runs {
+        check_requests(run, 12);
+    }
+    // The same plan for every policy: same adapters in the same order.
+    let models = |r: &Value| -> Vec<Value> {
+        r["requests"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|q| q["model"].clone())
+            .collect()
+    };
+    assert!(runs.iter().all(|r| models(r) == models(&runs[0])));
+    check_plots(&out, "cold-start-cdf");
+    assert!(out.join("serve-auto.log").exists());
+}
