@@ -6,9 +6,15 @@
 //! rows and publish it. It does not own the exchange segment's layout (`thaw-ipc`), the host
 //! adapter store, or the decision of when to assist (the runtime's cost model).
 //!
-//! Today it holds the compute kernel, [`kernel`]: a fused shrink + expand blocked for cache,
-//! AVX2/FMA/F16C with run-time dispatch and a portable fallback, reading f32, f16 or bf16
-//! weights in their stored format.
+//! - [`kernel`]: the compute kernel, a fused shrink + expand blocked for cache, AVX-512 /
+//!   AVX2+FMA+F16C with run-time dispatch and a portable fallback, reading f32, f16 or bf16
+//!   weights in their stored format (the CPU backend uses it for its own LoRA too).
+//! - [`worker`]: the `thaw lora-worker` process — pinned to one core, it maps the exchange and
+//!   the host store from inherited memfds, waits on its doorbell, computes its rows, publishes
+//!   Δ and heartbeats.
+//! - [`pool`]: the engine side — spawns the workers, profiles them (rows/ms per shape, refreshed
+//!   online), splits each step's rows in proportion, detects dead or stuck workers, recomputes
+//!   their rows so the step still completes correctly, and respawns them.
 //!
 //! ```
 //! use thaw_cpu_lora::kernel::{lora_delta, LoraMat, LoraProblem, Scratch};
