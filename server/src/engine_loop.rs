@@ -482,6 +482,9 @@ impl Loop {
             // Only steps the CPU did not stretch teach the model the device's speed.
             self.cold.cost.observe_step(tokens, started.elapsed());
         } else {
+            self.cold
+                .cost
+                .observe_assisted_step(tokens, started.elapsed());
             self.stats
                 .cpu_assisted_rows
                 .fetch_add(assisted, Ordering::Relaxed);

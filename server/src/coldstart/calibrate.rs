@@ -69,6 +69,8 @@ pub fn calibrate(
         cpu_flops,
         cpu_overlaps,
         link: engine.backend().link(),
+        // A few doorbell round trips per layer until assisted steps are measured.
+        assist_layer_overhead_s: if cpu_overlaps { 100e-6 } else { 0.0 },
         alpha: 0.1,
     })
 }

@@ -23,6 +23,9 @@ pub struct CostModel {
     /// thread itself (no workers: it adds to the step).
     pub cpu_overlaps: bool,
     pub link: LinkModel,
+    /// Fixed cost CPU assist adds per layer of a step (exports, doorbells, waits, merges),
+    /// learned from assisted steps.
+    pub assist_layer_overhead_s: f64,
     /// EWMA weight of each new observation.
     pub alpha: f64,
 }
@@ -92,12 +95,14 @@ impl CostModel {
         let fits = |c: usize| {
             let cpu = self.cpu_layer_time(adapter, c);
             let dev = self.layer_time(other_tokens + c);
-            if self.cpu_overlaps {
-                cpu <= dev * (1.0 + MAX_DECODE_SLOWDOWN)
+            // What co-batched requests see: the step's layer time with assist against
+            // without it (their decode would run alongside this chunk either way).
+            let with = if self.cpu_overlaps {
+                dev.max(cpu)
             } else {
-                // On the engine thread the CPU work is pure added time for everyone.
-                other_tokens == 0 || cpu <= dev * MAX_DECODE_SLOWDOWN
-            }
+                dev + cpu
+            } + self.assist_layer_overhead_s;
+            other_tokens == 0 || with <= dev * (1.0 + MAX_DECODE_SLOWDOWN)
         };
         if fits(cap) {
             return cap;
@@ -137,9 +142,9 @@ impl CostModel {
             let dev = self.layer_time(other_tokens + c);
             let cpu = self.cpu_layer_time(adapter, c);
             let per_layer = if self.cpu_overlaps {
-                dev.max(cpu)
+                dev.max(cpu) + self.assist_layer_overhead_s
             } else {
-                dev + cpu
+                dev + cpu + self.assist_layer_overhead_s
             };
             t += per_layer * self.num_layers as f64;
             left -= c;
@@ -181,6 +186,18 @@ impl CostModel {
         }
     }
 
+    /// Folds one measured CPU-assisted step into the assist overhead: what it took beyond
+    /// the device time predicted for its `tokens` rows.
+    pub fn observe_assisted_step(&mut self, tokens: usize, elapsed: Duration) {
+        if self.num_layers == 0 {
+            return;
+        }
+        let extra = elapsed.as_secs_f64() / self.num_layers as f64 - self.layer_time(tokens);
+        self.assist_layer_overhead_s = (self.assist_layer_overhead_s
+            + self.alpha * (extra.max(0.0) - self.assist_layer_overhead_s))
+            .max(0.0);
+    }
+
     /// Folds one measured step (`tokens` rows, no CPU stall) into the device time model.
     pub fn observe_step(&mut self, tokens: usize, elapsed: Duration) {
         if tokens == 0 || self.num_layers == 0 {
@@ -212,6 +229,7 @@ mod tests {
                 gbps: 0.05,
                 latency_us: 10.0,
             },
+            assist_layer_overhead_s: 0.0,
             alpha: 0.2,
         }
     }

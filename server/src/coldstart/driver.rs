@@ -226,7 +226,9 @@ pub fn run(
                 continue;
             }
         };
-        if !cold {
+        if cold {
+            cost.observe_assisted_step(tokens, t.elapsed());
+        } else {
             cost.observe_step(tokens, t.elapsed());
         }
         let now = start.elapsed();

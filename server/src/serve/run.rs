@@ -118,6 +118,13 @@ impl Server {
                 let backend = CpuBackend::new(&model.config).with_link(link);
                 let mut engine = Engine::new(backend, model, ecfg)?;
                 if cold_cfg.cold_start != ColdStartPolicy::Cached && cold_cfg.lora_workers > 0 {
+                    // The engine thread keeps the first core; the workers take the next ones,
+                    // so a spinning worker never shares a core with the engine.
+                    if let Some(first) =
+                        core_affinity::get_core_ids().and_then(|c| c.first().copied())
+                    {
+                        core_affinity::set_for_current(first);
+                    }
                     engine.attach_pool(start_workers(&engine, &cold_cfg)?)?;
                 }
                 let cost = crate::coldstart::calibrate(&mut engine)?;
@@ -200,6 +207,13 @@ impl Server {
         };
         let app = self.router();
         let mut task = tokio::spawn(async move {
+            // Tokens are small writes: without TCP_NODELAY, Nagle + delayed ACK add ~40 ms.
+            use axum::serve::ListenerExt;
+            let listener = listener.tap_io(|tcp| {
+                if let Err(e) = tcp.set_nodelay(true) {
+                    tracing::warn!("could not set TCP_NODELAY: {e}");
+                }
+            });
             axum::serve(listener, app)
                 .with_graceful_shutdown(graceful)
                 .await
