@@ -242,7 +242,15 @@ fn run_all(
         if let Some(mut pool) = e.detach_pool() {
             pool.shutdown();
         }
-        eprintln!("  {policy}: {} requests in {:.1?}", reqs.len(), r.wall);
+        eprintln!(
+            "  {policy}: {} requests in {:.1?}; device {:.1} µs/layer + {:.2} µs/layer/token, assist overhead {:.0} µs/layer, CPU {:.1} GFLOP/s",
+            reqs.len(),
+            r.wall,
+            cost.layer_base_s * 1e6,
+            cost.layer_per_token_s * 1e6,
+            cost.assist_layer_overhead_s * 1e6,
+            cost.cpu_flops / 1e9
+        );
         if let Some(e) = r.outcomes.iter().find_map(|o| o.error.as_ref()) {
             eprintln!("  {policy}: first failure: {e}");
         }

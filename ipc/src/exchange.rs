@@ -515,10 +515,12 @@ impl Exchange {
         let waiters = self.word(self.layout.result_waiters);
         while let Some(w) = pending.iter().next() {
             let word = self.slot_word(w, WORKER_RESULT);
+            // While armed (a step with CPU work in flight) the engine spins too: a futex
+            // wake-up per layer would cost more than the workers' compute.
             let park = Park {
                 word,
                 sleepers: waiters,
-                armed: None,
+                armed: Some(self.word(self.layout.armed)),
             };
             let done = doorbell::wait_until(strategy, &park, Some(deadline), || {
                 StepSeq(word.load(Ordering::Acquire))
