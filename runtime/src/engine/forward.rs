@@ -114,8 +114,10 @@ fn begin_assist<B: Backend>(
     let d_in = c.module_shape(group[0]).0;
     let n: usize = cold.iter().map(|s| s.packed.len()).sum();
     a.buf.input.resize(n * d_in, 0.0);
-    let ranges: Vec<std::ops::Range<usize>> = cold.iter().map(|s| s.rows.clone()).collect();
-    b.export_rows(x, d_in, &ranges, &mut a.buf.input);
+    for s in cold.iter() {
+        let dst = &mut a.buf.input[s.packed.start * d_in..s.packed.end * d_in];
+        b.export_rows(x, d_in, std::slice::from_ref(&s.rows), dst);
+    }
     a.start(layer, group, cold, d_in, |m| c.module_shape(m).1)?;
     Ok(true)
 }
