@@ -67,6 +67,12 @@ pub struct ColdStartArgs {
     /// Where to generate the model and adapters (reused when present).
     #[arg(long)]
     pub workdir: Option<PathBuf>,
+    /// Print each request's timeline (adapter in host tier, first chunk planned, first token).
+    #[arg(long)]
+    pub timeline: bool,
+    /// Policies to run (comma-separated); `cached` always runs, as the reference.
+    #[arg(long, value_delimiter = ',', default_values_t = ColdStartPolicy::ALL)]
+    pub policies: Vec<ColdStartPolicy>,
 }
 
 /// Summary of one policy's run.
@@ -185,7 +191,14 @@ fn engine(b: &Bench, args: &ColdStartArgs, link: LinkModel) -> anyhow::Result<En
         let n = b.adapter_dirs.len() as u64;
         let per = b.adapter_dirs.first().map_or(0, |d| dir_size(d));
         let store = HostStore::create((n + 4) * per * 2 + (64 << 20), n as u32 + 8)?;
+        // A warm host cache: its pages are committed, as after the first adapters passed
+        // through a long-running server.
+        store.populate();
         let cores: Vec<usize> = (1..=args.workers).collect();
+        // The engine thread keeps core 0 to itself, as `thaw serve` does.
+        if let Some(c) = core_affinity::get_core_ids().and_then(|c| c.into_iter().next()) {
+            core_affinity::set_for_current(c);
+        }
         let c = &b.model.config;
         let widest = c.hidden_size.max(c.intermediate_size).max(c.q_dim()) as u32;
         let pool = LoraPool::new(
@@ -231,6 +244,9 @@ fn run_all(
         .collect();
     let mut rows = Vec::new();
     for policy in ColdStartPolicy::ALL {
+        if policy != ColdStartPolicy::Cached && !args.policies.contains(&policy) {
+            continue;
+        }
         let mut e = engine(b, args, link)?;
         let mut cost = calibrate(&mut e)?;
         let cfg = DriverConfig {
@@ -251,6 +267,7 @@ fn run_all(
             cost.assist_layer_overhead_s * 1e6,
             cost.cpu_flops / 1e9
         );
+        eprintln!("{}", step_profile(policy, &r, args.timeline));
         if let Some(e) = r.outcomes.iter().find_map(|o| o.error.as_ref()) {
             eprintln!("  {policy}: first failure: {e}");
         }
@@ -270,6 +287,73 @@ fn run_all(
         rows.push(summarize(policy, &r));
     }
     Ok(rows)
+}
+
+/// How the run's steps went: decode-only vs with prefill, warm vs cold, and where the
+/// assisted steps spent the engine thread's time per (layer, input group).
+fn step_profile(policy: ColdStartPolicy, r: &RunReport, timeline: bool) -> String {
+    let mut out = String::new();
+    type Pick = fn(&coldstart::StepRecord) -> bool;
+    let kinds: [(&str, Pick); 3] = [
+        ("decode-only", |s| s.tokens == s.decodes),
+        ("prefill, warm", |s| s.tokens > s.decodes && !s.cold),
+        ("prefill, cold", |s| s.tokens > s.decodes && s.cold),
+    ];
+    for (name, pick) in kinds {
+        let v: Vec<_> = r.steps.iter().filter(|s| pick(s)).collect();
+        if v.is_empty() {
+            continue;
+        }
+        let ms: f64 = v.iter().map(|s| s.elapsed.as_secs_f64()).sum::<f64>() * 1e3;
+        let tokens: usize = v.iter().map(|s| s.tokens).sum();
+        out += &format!(
+            "    {policy} {name}: {} steps, {:.2} ms/step, {:.1} tokens/step, {:.1} µs/token\n",
+            v.len(),
+            ms / v.len() as f64,
+            tokens as f64 / v.len() as f64,
+            ms * 1e3 / tokens.max(1) as f64
+        );
+    }
+    let mean_ms = |f: fn(&coldstart::Outcome) -> Option<Duration>| {
+        let v: Vec<f64> = r
+            .outcomes
+            .iter()
+            .filter_map(f)
+            .map(|d| d.as_secs_f64())
+            .collect();
+        v.iter().sum::<f64>() * 1e3 / v.len().max(1) as f64
+    };
+    out += &format!(
+        "    {policy} TTFT parts (means): adapter in host tier {:.1} ms, first chunk planned {:.1} ms, first token {:.1} ms after arrival\n",
+        mean_ms(|o| o.host_ready),
+        mean_ms(|o| o.started),
+        mean_ms(|o| o.ttft)
+    );
+    if timeline {
+        for (i, o) in r.outcomes.iter().enumerate() {
+            let ms = |d: Option<Duration>| d.map_or(f64::NAN, |d| d.as_secs_f64() * 1e3);
+            out += &format!(
+                "      req {i}: host {:.1} planned {:.1} first {:.1}\n",
+                ms(o.host_ready),
+                ms(o.started),
+                ms(o.ttft)
+            );
+        }
+    }
+    let p = &r.assist;
+    if p.groups > 0 {
+        let us = |d: Duration| d.as_secs_f64() * 1e6 / p.groups as f64;
+        out += &format!(
+            "    {policy} assist per (layer, group), {} groups: export {:.1} µs, submit {:.1}, base {:.1}, wait {:.1}, merge {:.1}\n",
+            p.groups,
+            us(p.export),
+            us(p.submit),
+            us(p.base),
+            us(p.wait),
+            us(p.merge)
+        );
+    }
+    out.trim_end().to_string()
 }
 
 /// Requests per second the engine sustains on `reqs` under `cached`: all of them arrive at
@@ -531,6 +615,8 @@ mod tests {
             no_trace_run: true,
             quick: true,
             workdir: None,
+            policies: ColdStartPolicy::ALL.to_vec(),
+            timeline: false,
         };
         let ex = run(&args).unwrap();
         assert_eq!(ex.len(), 1);

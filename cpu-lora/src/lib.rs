@@ -50,4 +50,4 @@ pub use pool::{Assignment, DeviceStep, LoraJob, LoraPool, PoolConfig, StepReport
 pub use procs::{SlotState, WorkerInfo};
 pub use profile::{split_rows, Profile, ShapeKey};
 pub use stats::WorkerStepStat;
-pub use worker::{worker_main, WaitMode, WorkerArgs};
+pub use worker::{float_current_thread, worker_main, WaitMode, WorkerArgs};

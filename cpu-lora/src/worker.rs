@@ -202,6 +202,18 @@ fn pin_to(core: usize) -> Result<(), CpuLoraError> {
         .map_err(|_| CpuLoraError::Pin { core })
 }
 
+/// Lets the calling thread run on any core again. Threads spawned by a pinned engine thread
+/// inherit its single-core mask; background threads (the loader, the copy engine) call this
+/// so they do not queue behind the engine on its core. Best effort: a failure leaves the
+/// inherited mask, which is only slower.
+pub fn float_current_thread() {
+    let mut set = nix::sched::CpuSet::new();
+    for cpu in 0..nix::sched::CpuSet::count() {
+        let _ = set.set(cpu);
+    }
+    let _ = nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &set);
+}
+
 /// Entry point of a worker process: pin, open the inherited segments, serve until shutdown.
 pub fn worker_main(args: WorkerArgs) -> Result<(), CpuLoraError> {
     if let Some(core) = args.core {

@@ -76,6 +76,9 @@ impl Park<'_> {
     }
 }
 
+/// Polls between `sched_yield`s of an armed spin (a few microseconds of spinning).
+const ARMED_YIELD_EVERY: u32 = 128;
+
 /// Waits until `ready` returns `Some`, or `deadline` passes (`None`).
 pub(crate) fn wait_until<T>(
     strategy: WaitStrategy,
@@ -101,8 +104,18 @@ pub(crate) fn wait_until<T>(
                 }
             }
             WaitStrategy::SpinThenFutex { spins, sleep_cap } => {
-                if polls < spins || park.armed() {
+                if polls < spins {
                     std::hint::spin_loop();
+                    continue;
+                }
+                if park.armed() {
+                    // Armed: keep spinning (no futex round trip per job), but let a thread
+                    // that shares this core (a loader, the copy engine) run now and then.
+                    if polls.is_multiple_of(ARMED_YIELD_EVERY) {
+                        std::thread::yield_now();
+                    } else {
+                        std::hint::spin_loop();
+                    }
                     continue;
                 }
                 let timeout = match deadline {

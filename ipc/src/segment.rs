@@ -300,6 +300,12 @@ impl Segment {
     pub(crate) fn mapping(&self) -> &Mapping {
         &self.map
     }
+
+    /// Commits every page of the segment now (see `Mapping::populate_write`); false where
+    /// the kernel cannot, in which case pages fault in on first use.
+    pub fn populate(&self) -> bool {
+        self.map.populate_write()
+    }
 }
 
 impl AsFd for Segment {

@@ -58,7 +58,8 @@ impl SamplingParams {
     }
 }
 
-/// A sampled token with its log-probability and the top alternatives.
+/// A token with its log-probability and the top alternatives: a sampled token, or a scored
+/// prompt token (see [`score_token`]).
 #[derive(Clone, Debug, PartialEq)]
 pub struct SampledToken {
     pub id: u32,
@@ -97,21 +98,12 @@ impl Sampler {
 
     /// Picks the next token from one row of logits.
     pub fn sample(&mut self, logits: &[f32], s: &mut SamplerScratch) -> SampledToken {
-        s.logprobs.clear();
-        s.logprobs.extend_from_slice(logits);
-        thaw_kernels::cpu::log_softmax_in_place(&mut s.logprobs);
-
         let id = if self.params.temperature == 0.0 {
             argmax(logits)
         } else {
             self.draw(logits, s)
         };
-        let top = top_n(&s.logprobs, self.params.top_logprobs, &mut s.order);
-        SampledToken {
-            id,
-            logprob: s.logprobs[id as usize],
-            top,
-        }
+        score_token(logits, id, self.params.top_logprobs, s)
     }
 
     fn draw(&mut self, logits: &[f32], s: &mut SamplerScratch) -> u32 {
@@ -168,6 +160,20 @@ impl Sampler {
     }
 }
 
+/// Log-probability of token `id` under one row of logits, with the `top` most likely
+/// alternatives: the raw distribution (temperature 1, no truncation), the same numbers a
+/// sampled token reports. Also how prompt tokens are scored.
+pub fn score_token(logits: &[f32], id: u32, top: usize, s: &mut SamplerScratch) -> SampledToken {
+    s.logprobs.clear();
+    s.logprobs.extend_from_slice(logits);
+    thaw_kernels::cpu::log_softmax_in_place(&mut s.logprobs);
+    SampledToken {
+        id,
+        logprob: s.logprobs[id as usize],
+        top: top_n(&s.logprobs, top, &mut s.order),
+    }
+}
+
 /// Index of the largest value; the lowest index wins ties.
 pub fn argmax(x: &[f32]) -> u32 {
     let mut best = 0;
@@ -219,6 +225,28 @@ mod tests {
         let lse = logits().iter().map(|&x| (x as f64).exp()).sum::<f64>().ln();
         assert!((t.logprob as f64 - (2.0 - lse)).abs() < 1e-6);
         assert_eq!(t.top.iter().map(|x| x.0).collect::<Vec<_>>(), vec![1, 4, 3]);
+    }
+
+    #[test]
+    fn score_token_is_the_raw_logprob_of_any_token() {
+        let lse = logits().iter().map(|&x| (x as f64).exp()).sum::<f64>().ln();
+        let mut sc = SamplerScratch::default();
+        let t = score_token(&logits(), 2, 2, &mut sc);
+        assert_eq!(t.id, 2);
+        assert!((t.logprob as f64 - (-1.0 - lse)).abs() < 1e-6);
+        assert_eq!(t.top.iter().map(|x| x.0).collect::<Vec<_>>(), vec![1, 4]);
+        // A sampled token reports the same numbers, whatever its temperature.
+        let mut s = Sampler::new(
+            SamplingParams {
+                temperature: 0.5,
+                top_logprobs: 2,
+                seed: Some(3),
+                ..Default::default()
+            },
+            0,
+        );
+        let drawn = s.sample(&logits(), &mut sc);
+        assert_eq!(drawn, score_token(&logits(), drawn.id, 2, &mut sc));
     }
 
     #[test]

@@ -34,6 +34,9 @@ pub enum EngineEvent {
     Token {
         token: SampledToken,
         finish: Option<FinishReason>,
+        /// With the first token of a request that asked for prompt logprobs: the scores of
+        /// its prompt tokens after the first. Empty otherwise.
+        prompt_logprobs: Vec<SampledToken>,
     },
     /// The request ended without finishing (shutdown timeout, engine failure); the message
     /// is safe to show to the client.
@@ -528,6 +531,7 @@ impl Loop {
                 EngineEvent::Token {
                     token: o.token,
                     finish: o.finish,
+                    prompt_logprobs: o.prompt_logprobs,
                 },
             ));
         }

@@ -76,6 +76,17 @@ def test_completions(server):
                                   extra_body={"ignore_eos": True})
     assert len(r.choices) == 2
     assert len(r.choices[0].logprobs.tokens) == 2
+    # Echo with logprobs scores the prompt: every token but the first has a logprob.
+    r = client.completions.create(model=names[1], prompt="The quick brown fox", max_tokens=3,
+                                  echo=True, logprobs=2, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text.startswith("The quick brown fox")
+    assert len(lp.tokens) == r.usage.prompt_tokens + 3 == len(lp.token_logprobs)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(x is not None and x <= 0 for x in lp.token_logprobs[1:])
+    assert all(1 <= len(t) <= 2 for t in lp.top_logprobs[1:])
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
 
 
 def test_chat_and_streaming_with_usage(server):

@@ -126,18 +126,15 @@ impl Backend for CpuBackend {
     }
 
     fn upload_lora(&self, adapter: Arc<LoraAdapter>) -> Result<Arc<LoraSlot>> {
-        Ok(Arc::new(LoraSlot::resident(&adapter)))
+        Ok(Arc::new(LoraSlot::resident(adapter)))
     }
 
     fn stream_lora(&mut self, adapter: Arc<LoraAdapter>) -> Result<Arc<LoraSlot>> {
-        let slot = Arc::new(LoraSlot::empty(
-            adapter.num_layers(),
-            adapter.size_bytes_f32(),
-        ));
+        let slot = Arc::new(LoraSlot::empty(adapter));
         let link = self.link;
         self.copy
             .get_or_insert_with(|| CopyEngine::emulated(link))
-            .enqueue(adapter, slot.clone());
+            .enqueue(slot.clone());
         Ok(slot)
     }
 
@@ -339,6 +336,39 @@ impl Backend for CpuBackend {
             let n = r.len() * width;
             k::add_in_place(&mut y[r.start * width..r.end * width], &src[at..at + n]);
             at += n;
+        }
+    }
+
+    fn export_rows_strided(
+        &mut self,
+        x: &Vec<f32>,
+        width: usize,
+        rows: &[Range<usize>],
+        dst: &mut [f32],
+        stride: usize,
+    ) {
+        let src = rows
+            .iter()
+            .flat_map(|r| x[r.start * width..r.end * width].chunks_exact(width));
+        for (d, s) in dst.chunks_mut(stride).zip(src) {
+            d[..width].copy_from_slice(s);
+        }
+    }
+
+    fn merge_rows_strided(
+        &mut self,
+        y: &mut Vec<f32>,
+        width: usize,
+        rows: &[Range<usize>],
+        src: &[f32],
+        stride: usize,
+    ) {
+        let mut at = 0;
+        for r in rows {
+            for row in y[r.start * width..r.end * width].chunks_exact_mut(width) {
+                k::add_in_place(row, &src[at..at + width]);
+                at += stride;
+            }
         }
     }
 

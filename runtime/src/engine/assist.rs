@@ -32,6 +32,31 @@ fn ipc_module(m: LoraModule) -> Module {
     Module::ALL[m.index()]
 }
 
+/// Where an engine's CPU-assisted steps spent their time, summed since the engine started.
+/// Each stage runs on the engine thread; `base` is the device work the CPU overlaps with.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct AssistProfile {
+    /// (layer, input group) pairs that needed the CPU.
+    pub groups: u64,
+    /// Cold rows copied out of the activations (straight into the exchange).
+    pub export: Duration,
+    /// Input written to the exchange and jobs submitted (or, inline, the deltas computed).
+    pub submit: Duration,
+    /// Base projections of the group, run while the CPU works.
+    pub base: Duration,
+    /// Waiting for the workers after the base projections.
+    pub wait: Duration,
+    /// Deltas added into the module outputs (straight from the exchange).
+    pub merge: Duration,
+}
+
+impl AssistProfile {
+    /// Engine-thread time the assist path added on top of the base projections.
+    pub fn overhead(&self) -> Duration {
+        self.export + self.submit + self.wait + self.merge
+    }
+}
+
 /// Reusable buffers of the assist path (sized on first use, then reused).
 #[derive(Default)]
 pub(crate) struct AssistBuffers {
@@ -39,6 +64,9 @@ pub(crate) struct AssistBuffers {
     pub out: [Vec<f32>; 7],
     scratch: Scratch,
     jobs: Vec<LoraJob>,
+    pub profile: AssistProfile,
+    /// When the base projections of the current group started.
+    pub base_started: Option<Instant>,
 }
 
 /// Where the deltas are computed.
@@ -60,10 +88,43 @@ pub(crate) struct Assist<'a> {
     pub buf: &'a mut AssistBuffers,
     /// Rows the CPU computed this step (row × module), for metrics.
     pub rows_assisted: usize,
+    /// Whether the current group's input and deltas live in the workers' exchange.
+    pub on_pool: bool,
+}
+
+fn pool_err(e: impl std::fmt::Display) -> RuntimeError {
+    RuntimeError::Backend(format!("CPU LoRA workers: {e}"))
 }
 
 impl Assist<'_> {
-    /// Starts Δ for `group` of `layer` over the packed input in `buf.input` (`[n, d_in]`).
+    /// Where to export the `n` cold rows (`d_in` wide) of the next group: the workers'
+    /// exchange when they can take it, else the engine's own buffer. Returns the buffer and
+    /// its row stride.
+    pub fn input(&mut self, n: usize, d_in: usize) -> Result<(&mut [f32], usize)> {
+        self.on_pool = false;
+        if let AssistPath::Pool { pool, .. } = &mut self.path {
+            let cap = pool.exchange().config();
+            if n <= cap.max_rows as usize && d_in <= cap.max_d_in as usize {
+                self.on_pool = true;
+                let stride = pool.input_stride();
+                let dst = pool.input_mut(0, 0..n as u32).map_err(pool_err)?;
+                return Ok((dst, stride));
+            }
+            // More cold rows than the exchange holds: this group runs on the engine thread
+            // (correct, just not overlapped). Size the exchange's max_rows to the step's
+            // token budget to avoid it.
+            tracing::debug!(
+                n,
+                cap = cap.max_rows,
+                "cold rows exceed the exchange; assisting inline"
+            );
+        }
+        self.buf.input.clear();
+        self.buf.input.resize(n * d_in, 0.0);
+        Ok((&mut self.buf.input, d_in))
+    }
+
+    /// Starts Δ for `group` of `layer` over the input filled through [`Assist::input`].
     pub fn start(
         &mut self,
         layer: usize,
@@ -72,57 +133,52 @@ impl Assist<'_> {
         d_in: usize,
         d_out: impl Fn(LoraModule) -> usize,
     ) -> Result<()> {
-        let n: usize = segs.iter().map(|s| s.packed.len()).sum();
-        match &mut self.path {
-            AssistPath::Inline => self.compute_inline(layer, group, segs, d_in, &d_out),
-            AssistPath::Pool {
-                pool,
-                handles,
-                ticket,
-            } => {
-                let cap = pool.exchange().config();
-                if n > cap.max_rows as usize || d_in > cap.max_d_in as usize {
-                    // More cold rows than the exchange holds: this group runs on the engine
-                    // thread (correct, just not overlapped). Size the exchange's max_rows to
-                    // the step's token budget to avoid it.
-                    tracing::debug!(
-                        n,
-                        cap = cap.max_rows,
-                        "cold rows exceed the exchange; assisting inline"
-                    );
-                    return self.compute_inline(layer, group, segs, d_in, &d_out);
-                }
-                let pool_err = |e: thaw_cpu_lora::CpuLoraError| {
-                    RuntimeError::Backend(format!("CPU LoRA workers: {e}"))
-                };
-                pool.write_input(0, 0, &self.buf.input[..n * d_in], d_in)
-                    .map_err(pool_err)?;
-                self.buf.jobs.clear();
-                for s in segs {
-                    let modules: ModuleMask = group
-                        .iter()
-                        .filter(|&&m| self.host[s.adapter as usize].get(layer, m).is_some())
-                        .map(|&m| ipc_module(m))
-                        .collect();
-                    if modules == ModuleMask::EMPTY {
-                        continue;
-                    }
-                    let handle = handles[s.adapter as usize].ok_or_else(|| {
-                        RuntimeError::Backend("cold adapter is not in the host store".into())
-                    })?;
-                    self.rows_assisted += s.packed.len() * modules.iter().count();
-                    self.buf.jobs.push(LoraJob {
-                        adapter: handle,
-                        layer: IpcLayer(layer as u32),
-                        modules,
-                        input: 0,
-                        rows: s.packed.start as u32..s.packed.end as u32,
-                    });
-                }
-                *ticket = Some(pool.submit(&self.buf.jobs).map_err(pool_err)?);
-                Ok(())
+        let t0 = Instant::now();
+        let r = if self.on_pool {
+            self.submit(layer, group, segs)
+        } else {
+            self.compute_inline(layer, group, segs, d_in, &d_out);
+            Ok(())
+        };
+        self.buf.profile.groups += 1;
+        self.buf.profile.submit += t0.elapsed();
+        r
+    }
+
+    /// Posts one job per cold segment to the workers.
+    fn submit(&mut self, layer: usize, group: &[LoraModule], segs: &[ColdSeg]) -> Result<()> {
+        let AssistPath::Pool {
+            pool,
+            handles,
+            ticket,
+        } = &mut self.path
+        else {
+            unreachable!("on_pool is only set with a pool");
+        };
+        self.buf.jobs.clear();
+        for s in segs {
+            let modules: ModuleMask = group
+                .iter()
+                .filter(|&&m| self.host[s.adapter as usize].get(layer, m).is_some())
+                .map(|&m| ipc_module(m))
+                .collect();
+            if modules == ModuleMask::EMPTY {
+                continue;
             }
+            let handle = handles[s.adapter as usize].ok_or_else(|| {
+                RuntimeError::Backend("cold adapter is not in the host store".into())
+            })?;
+            self.rows_assisted += s.packed.len() * modules.iter().count();
+            self.buf.jobs.push(LoraJob {
+                adapter: handle,
+                layer: IpcLayer(layer as u32),
+                modules,
+                input: 0,
+                rows: s.packed.start as u32..s.packed.end as u32,
+            });
         }
+        *ticket = Some(pool.submit(&self.buf.jobs).map_err(pool_err)?);
+        Ok(())
     }
 
     /// Δ for `group` computed on the engine thread from the adapters' host copies.
@@ -133,7 +189,7 @@ impl Assist<'_> {
         segs: &[ColdSeg],
         d_in: usize,
         d_out: &impl Fn(LoraModule) -> usize,
-    ) -> Result<()> {
+    ) {
         let n: usize = segs.iter().map(|s| s.packed.len()).sum();
         for &m in group {
             let out = &mut self.buf.out[m.index()];
@@ -165,37 +221,30 @@ impl Assist<'_> {
                 self.rows_assisted += s.packed.len();
             }
         }
-        Ok(())
     }
 
-    /// Waits for the deltas of the last [`Assist::start`] and leaves them packed in
-    /// `buf.out[module]` (`[n, d_out]`).
-    pub fn finish(
-        &mut self,
-        group: &[LoraModule],
-        n: usize,
-        d_out: impl Fn(LoraModule) -> usize,
-    ) -> Result<()> {
+    /// Waits for the deltas of the last [`Assist::start`].
+    pub fn finish(&mut self) -> Result<()> {
         let AssistPath::Pool { pool, ticket, .. } = &mut self.path else {
             return Ok(());
         };
         let Some(t) = ticket.take() else {
             return Ok(());
         };
-        pool.wait(t, Instant::now() + ASSIST_DEADLINE)
-            .map_err(|e| RuntimeError::Backend(format!("CPU LoRA workers: {e}")))?;
-        let stride = pool.output_stride();
-        for &m in group {
-            let d = d_out(m);
-            let src = pool
-                .output(ipc_module(m), 0..n as u32)
-                .map_err(|e| RuntimeError::Backend(format!("CPU LoRA workers: {e}")))?;
-            let out = &mut self.buf.out[m.index()];
-            out.clear();
-            for r in 0..n {
-                out.extend_from_slice(&src[r * stride..r * stride + d]);
-            }
-        }
+        let t0 = Instant::now();
+        pool.wait(t, t0 + ASSIST_DEADLINE).map_err(pool_err)?;
+        self.buf.profile.wait += t0.elapsed();
         Ok(())
+    }
+
+    /// The `[n, d_out]` deltas of `m` from the last finished group, and their row stride.
+    pub fn deltas(&self, m: LoraModule, n: usize, d_out: usize) -> Result<(&[f32], usize)> {
+        match &self.path {
+            AssistPath::Pool { pool, .. } if self.on_pool => {
+                let src = pool.output(ipc_module(m), 0..n as u32).map_err(pool_err)?;
+                Ok((src, pool.output_stride()))
+            }
+            _ => Ok((&self.buf.out[m.index()][..n * d_out], d_out)),
+        }
     }
 }

@@ -22,12 +22,21 @@ pub(crate) struct Workspace<B: Backend> {
     act: B::Buf,
     last: B::Buf,
     last_norm: B::Buf,
+    /// Rows `last` holds: every sample row of a step (one per sequence) in one pass, and
+    /// scored prompt rows in passes of this many.
+    logit_cap: usize,
 }
+
+/// Fewest rows one logits pass takes, so prompt scoring with few sequences per step still
+/// runs the LM head as a GEMM rather than row by row; a step's prompt rows (up to
+/// `max_batch_tokens`) go through in passes of [`Workspace::logit_cap`] rows, which bounds the
+/// `[rows, vocab]` logits buffers on the device and the host.
+const MIN_LOGIT_ROWS: usize = 64;
 
 impl<B: Backend> Workspace<B> {
     pub fn new(b: &B, c: &ModelConfig, cfg: &EngineConfig) -> Result<Self> {
         let t = cfg.max_batch_tokens;
-        let s = cfg.max_batch_seqs;
+        let s = cfg.max_batch_seqs.max(t.min(MIN_LOGIT_ROWS));
         Ok(Self {
             h: b.alloc(t * c.hidden_size)?,
             x: b.alloc(t * c.hidden_size)?,
@@ -41,7 +50,13 @@ impl<B: Backend> Workspace<B> {
             act: b.alloc(t * c.intermediate_size)?,
             last: b.alloc(s * c.hidden_size)?,
             last_norm: b.alloc(s * c.hidden_size)?,
+            logit_cap: s,
         })
+    }
+
+    /// Most rows one [`logits`] call takes.
+    pub fn logit_cap(&self) -> usize {
+        self.logit_cap
     }
 }
 
@@ -113,12 +128,15 @@ fn begin_assist<B: Backend>(
     }
     let d_in = c.module_shape(group[0]).0;
     let n: usize = cold.iter().map(|s| s.packed.len()).sum();
-    a.buf.input.resize(n * d_in, 0.0);
+    let t0 = std::time::Instant::now();
+    let (dst, stride) = a.input(n, d_in)?;
     for s in cold.iter() {
-        let dst = &mut a.buf.input[s.packed.start * d_in..s.packed.end * d_in];
-        b.export_rows(x, d_in, std::slice::from_ref(&s.rows), dst);
+        let rows = std::slice::from_ref(&s.rows);
+        b.export_rows_strided(x, d_in, rows, &mut dst[s.packed.start * stride..], stride);
     }
+    a.buf.profile.export += t0.elapsed();
     a.start(layer, group, cold, d_in, |m| c.module_shape(m).1)?;
+    a.buf.base_started = Some(std::time::Instant::now());
     Ok(true)
 }
 
@@ -136,18 +154,25 @@ fn end_assist<B: Backend>(
     let Some(a) = assist.as_deref_mut() else {
         return Ok(());
     };
+    if let Some(t) = a.buf.base_started.take() {
+        a.buf.profile.base += t.elapsed();
+    }
     let n: usize = cold.iter().map(|s| s.packed.len()).sum();
-    a.finish(group, n, |m| c.module_shape(m).1)?;
+    a.finish()?;
+    let t0 = std::time::Instant::now();
     for (&m, y) in group.iter().zip(outs.iter_mut()) {
         let d_out = c.module_shape(m).1;
+        let (src, stride) = a.deltas(m, n, d_out)?;
         for s in cold {
             if a.host[s.adapter as usize].get(layer, m).is_none() {
                 continue;
             }
-            let src = &a.buf.out[m.index()][s.packed.start * d_out..s.packed.end * d_out];
-            b.merge_rows(y, d_out, std::slice::from_ref(&s.rows), src);
+            let rows = std::slice::from_ref(&s.rows);
+            let src = &src[s.packed.start * stride..];
+            b.merge_rows_strided(y, d_out, rows, src, stride);
         }
     }
+    a.buf.profile.merge += t0.elapsed();
     Ok(())
 }
 
@@ -225,14 +250,32 @@ pub(crate) fn run<B: Backend>(
         }
         b.add(&mut ws.h, &ws.o, rows * hidden);
     }
-    let n = step.logit_rows.len();
+    self::logits(b, c, m, ws, &step.logit_rows, logits);
+    Ok(())
+}
+
+/// `[rows.len(), vocab]` logits of rows `rows` of the last [`run`]'s final hidden states;
+/// at most [`Workspace::logit_cap`] rows.
+pub(crate) fn logits<B: Backend>(
+    b: &mut B,
+    c: &ModelConfig,
+    m: &DeviceModel<B>,
+    ws: &mut Workspace<B>,
+    rows: &[usize],
+    out: &mut Vec<f32>,
+) {
+    let n = rows.len();
+    assert!(
+        n <= ws.logit_cap,
+        "{n} logit rows exceed the workspace's {}",
+        ws.logit_cap
+    );
     if n == 0 {
-        logits.clear();
-        return Ok(());
+        out.clear();
+        return;
     }
-    b.gather_rows(&ws.h, hidden, &step.logit_rows, &mut ws.last);
+    b.gather_rows(&ws.h, c.hidden_size, rows, &mut ws.last);
     b.rms_norm(&ws.last, &m.norm, c.rms_norm_eps, n, &mut ws.last_norm);
     let head = m.lm_head.as_ref().unwrap_or(&m.embed);
-    b.logits(&ws.last_norm, head, n, logits);
-    Ok(())
+    b.logits(&ws.last_norm, head, n, out);
 }

@@ -33,9 +33,11 @@ use crate::sampling::{Sampler, SamplerScratch};
 
 mod assist;
 mod forward;
+mod prompt;
 mod sequence;
 mod weights;
 
+pub use assist::AssistProfile;
 pub use sequence::{FinishReason, PlanItem, SeqOutput, SequenceParams, StepPlan};
 pub use weights::{HostLayer, HostModel};
 
@@ -102,6 +104,10 @@ pub struct Engine<B: Backend> {
     sample_order: Vec<SeqId>,
     landed: Vec<usize>,
     rows_assisted: u64,
+    /// Per step: rows whose logits score the next prompt token, and (sequence, that token).
+    prompt_rows: Vec<usize>,
+    prompt_targets: Vec<(SeqId, u32)>,
+    prompt_logits: Vec<f32>,
 }
 
 /// A registered adapter: its host copy, its device slot, and its place in the host store.
@@ -152,6 +158,9 @@ impl<B: Backend> Engine<B> {
             sample_order: Vec::new(),
             landed: Vec::new(),
             rows_assisted: 0,
+            prompt_rows: Vec::new(),
+            prompt_targets: Vec::new(),
+            prompt_logits: Vec::new(),
         })
     }
 
@@ -293,6 +302,11 @@ impl<B: Backend> Engine<B> {
         self.rows_assisted
     }
 
+    /// Where CPU-assisted steps spent the engine thread's time so far.
+    pub fn assist_profile(&self) -> AssistProfile {
+        self.assist_buf.profile
+    }
+
     /// The backend (e.g. to read the emulated link's backlog).
     pub fn backend(&self) -> &B {
         &self.backend
@@ -365,6 +379,8 @@ impl<B: Backend> Engine<B> {
             stop_token_ids: p.stop_token_ids,
             ignore_eos: p.ignore_eos,
             kv: self.blocks.empty(),
+            prompt_logprobs: p.prompt_logprobs,
+            prompt_scored: Vec::new(),
         };
         self.seqs.insert(id, seq);
         Ok(())
@@ -441,6 +457,7 @@ impl<B: Backend> Engine<B> {
             host: &host,
             buf: &mut self.assist_buf,
             rows_assisted: 0,
+            on_pool: false,
         });
         let ran = forward::run(
             &mut self.backend,
@@ -458,6 +475,7 @@ impl<B: Backend> Engine<B> {
             pool.disarm();
         }
         ran?;
+        self.score_prompt();
         Ok(self.advance(plan.return_logits))
     }
 
@@ -475,6 +493,12 @@ impl<B: Backend> Engine<B> {
         for (i, seq) in self.sample_order.iter().enumerate() {
             let row = &self.logits[i * vocab..(i + 1) * vocab];
             let s = self.seqs.get_mut(seq).expect("planned sequences are live");
+            debug_assert!(
+                s.prompt_logprobs.is_none()
+                    || s.generated() > 0
+                    || s.prompt_scored.len() == s.prompt_len - 1,
+                "every prompt token after the first is scored before the first output"
+            );
             let token = s.sampler.sample(row, &mut self.sampler_scratch);
             s.tokens.push(token.id);
             let stop =
@@ -491,6 +515,7 @@ impl<B: Backend> Engine<B> {
                 token,
                 finish,
                 logits: return_logits.then(|| row.to_vec()),
+                prompt_logprobs: std::mem::take(&mut s.prompt_scored),
             });
             if finish.is_some() {
                 self.seqs.remove(seq);
@@ -505,6 +530,8 @@ impl<B: Backend> Engine<B> {
         self.lora_layout.clear();
         self.seq_order.clear();
         self.sample_order.clear();
+        self.prompt_rows.clear();
+        self.prompt_targets.clear();
         let mut total = 0usize;
         for (i, it) in plan.items.iter().enumerate() {
             let s = self
@@ -587,6 +614,17 @@ impl<B: Backend> Engine<B> {
             if s.computed + it.num_tokens == s.tokens.len() {
                 self.layout.logit_rows.push(r1 - 1);
                 self.sample_order.push(it.seq);
+            }
+            if s.prompt_logprobs.is_some() {
+                // The row at position q scores prompt token q + 1, which may open the next
+                // chunk: chunked and whole prefills score the same rows.
+                let scored = (s.computed..s.computed + it.num_tokens)
+                    .zip(r0..r1)
+                    .take_while(|&(q, _)| q + 1 < s.prompt_len);
+                for (q, r) in scored {
+                    self.prompt_rows.push(r);
+                    self.prompt_targets.push((it.seq, s.tokens[q + 1]));
+                }
             }
             self.lora_layout.row_adapter.extend((r0..r1).map(|_| a));
             if let Some(a) = a {

@@ -15,6 +15,10 @@ pub struct SequenceParams {
     pub stop_token_ids: Vec<u32>,
     /// Keep generating through EOS (vLLM's `ignore_eos`, used by benchmarks).
     pub ignore_eos: bool,
+    /// Score the prompt too (vLLM's `prompt_logprobs`): the log-probability of every prompt
+    /// token after the first given the tokens before it, with this many top alternatives
+    /// (`Some(0)`: the prompt token's own logprob only). None costs nothing.
+    pub prompt_logprobs: Option<usize>,
 }
 
 impl Default for SequenceParams {
@@ -26,6 +30,7 @@ impl Default for SequenceParams {
             max_new_tokens: 16,
             stop_token_ids: Vec::new(),
             ignore_eos: false,
+            prompt_logprobs: None,
         }
     }
 }
@@ -51,7 +56,7 @@ pub struct PlanItem {
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct StepPlan {
     pub items: Vec<PlanItem>,
-    /// Return each sampled row's full logits (oracle tests, prompt logprobs).
+    /// Return each sampled row's full logits (oracle tests).
     pub return_logits: bool,
 }
 
@@ -63,6 +68,10 @@ pub struct SeqOutput {
     /// Set when this token ended the sequence; the engine has already freed its KV.
     pub finish: Option<FinishReason>,
     pub logits: Option<Vec<f32>>,
+    /// With [`SequenceParams::prompt_logprobs`], on the sequence's first output: one entry per
+    /// prompt token after the first, in order (`id` is the prompt token). The first prompt
+    /// token has none, as OpenAI reports `null` for it. Empty on every other output.
+    pub prompt_logprobs: Vec<SampledToken>,
 }
 
 /// The engine's record of a live sequence.
@@ -78,6 +87,10 @@ pub(crate) struct Sequence {
     pub stop_token_ids: Vec<u32>,
     pub ignore_eos: bool,
     pub kv: KvBlocks,
+    /// Top alternatives per scored prompt token; None = the prompt is not scored.
+    pub prompt_logprobs: Option<usize>,
+    /// Prompt tokens scored so far (chunk by chunk), handed out with the first output.
+    pub prompt_scored: Vec<SampledToken>,
 }
 
 impl Sequence {

@@ -12,8 +12,7 @@ use std::time::{Duration, Instant};
 
 use crossbeam::channel::{unbounded, Receiver, Sender};
 
-use super::slot::{layer_bytes, layer_of, LoraSlot};
-use crate::adapter::LoraAdapter;
+use super::slot::{layer_bytes, LoraSlot};
 
 /// A host → device link: bandwidth and per-transfer latency.
 #[derive(Copy, Clone, Debug, PartialEq)]
@@ -43,7 +42,6 @@ impl LinkModel {
 }
 
 struct CopyJob {
-    adapter: Arc<LoraAdapter>,
     slot: Arc<LoraSlot>,
     bytes: u64,
 }
@@ -73,7 +71,10 @@ impl CopyEngine {
         let q = queued_bytes.clone();
         let thread = std::thread::Builder::new()
             .name("thaw-copy".into())
-            .spawn(move || run(rx, link, q))
+            .spawn(move || {
+                thaw_cpu_lora::float_current_thread();
+                run(rx, link, q)
+            })
             .expect("spawning the copy thread");
         Self {
             tx: Some(tx),
@@ -92,15 +93,11 @@ impl CopyEngine {
         self.queued_bytes.load(Ordering::Acquire)
     }
 
-    /// Queues `adapter` to stream into `slot`, layer 0 first.
-    pub fn enqueue(&self, adapter: Arc<LoraAdapter>, slot: Arc<LoraSlot>) {
-        let bytes = adapter.size_bytes_f32() as u64;
+    /// Queues `slot`'s adapter to stream in, layer 0 first.
+    pub fn enqueue(&self, slot: Arc<LoraSlot>) {
+        let bytes = slot.bytes() as u64;
         self.queued_bytes.fetch_add(bytes, Ordering::AcqRel);
-        let job = CopyJob {
-            adapter,
-            slot,
-            bytes,
-        };
+        let job = CopyJob { slot, bytes };
         if let Some(tx) = &self.tx {
             // The receiver lives until `drop` joins the thread, so this cannot fail.
             let _ = tx.send(job);
@@ -115,18 +112,18 @@ fn run(rx: Receiver<CopyJob>, link: LinkModel, queued: Arc<AtomicU64>) {
     for job in rx {
         clock = clock.max(Instant::now());
         for layer in 0..job.slot.num_layers() {
-            let bytes = layer_bytes(&job.adapter, layer);
+            let bytes = layer_bytes(job.slot.adapter(), layer);
             clock += link.transfer_time(bytes);
             let now = Instant::now();
             if clock > now {
                 std::thread::sleep(clock - now);
             }
-            job.slot.land(layer, layer_of(&job.adapter, layer));
+            job.slot.land(layer);
             queued.fetch_sub(bytes as u64, Ordering::AcqRel);
         }
         // Layers the adapter does not touch moved no bytes; settle the remainder.
         let moved: u64 = (0..job.slot.num_layers())
-            .map(|l| layer_bytes(&job.adapter, l) as u64)
+            .map(|l| layer_bytes(job.slot.adapter(), l) as u64)
             .sum();
         queued.fetch_sub(job.bytes - moved, Ordering::AcqRel);
     }

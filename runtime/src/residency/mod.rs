@@ -4,4 +4,4 @@ mod link;
 mod slot;
 
 pub use link::{CopyEngine, LinkModel};
-pub use slot::{layer_bytes, layer_of, DeviceResidency, LayerLora, LoraSlot};
+pub use slot::{layer_bytes, DeviceResidency, LoraSlot};

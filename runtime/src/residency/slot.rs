@@ -1,16 +1,14 @@
 //! An adapter's device slot on the CPU backend, filled layer by layer.
 //!
 //! Device residency is tracked per layer (DESIGN §3): `Absent → Streaming{landed} → Resident`.
-//! The copy engine lands layer 0 first and each layer exactly once; a layer's weights are
-//! immutable once landed, so readers need no lock (a `OnceLock` per layer publishes them with
-//! release/acquire ordering).
+//! The copy engine lands layer 0 first and each layer exactly once. On the CPU backend the
+//! device memory *is* host memory, so the slot shares the adapter's host copy and landing a
+//! layer only publishes it (release/acquire on the landed count): the emulated link spends
+//! wall-clock time, not a core copying bytes a GPU's copy engine would move.
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::OnceLock;
+use std::sync::Arc;
 
 use crate::adapter::{LoraAdapter, LoraModule, LoraWeights};
-
-/// One layer's factors, in [`LoraModule::ALL`] order.
-pub type LayerLora = [Option<LoraWeights>; 7];
 
 /// Where an adapter's weights are on the device.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -28,43 +26,42 @@ pub enum DeviceResidency {
 /// The device copy of one adapter.
 #[derive(Debug)]
 pub struct LoraSlot {
-    layers: Vec<OnceLock<LayerLora>>,
+    adapter: Arc<LoraAdapter>,
     landed: AtomicUsize,
     failed: AtomicBool,
-    bytes: usize,
 }
 
 impl LoraSlot {
-    /// An empty slot for `num_layers` layers that will take `bytes` when full.
-    pub fn empty(num_layers: usize, bytes: usize) -> Self {
+    /// A slot of `adapter` with no layer landed yet.
+    pub fn empty(adapter: Arc<LoraAdapter>) -> Self {
         Self {
-            layers: (0..num_layers).map(|_| OnceLock::new()).collect(),
+            adapter,
             landed: AtomicUsize::new(0),
             failed: AtomicBool::new(false),
-            bytes,
         }
     }
 
     /// A slot with every layer of `adapter` landed.
-    pub fn resident(adapter: &LoraAdapter) -> Self {
-        let slot = Self::empty(adapter.num_layers(), adapter.size_bytes_f32());
-        for l in 0..adapter.num_layers() {
-            slot.land(l, layer_of(adapter, l));
-        }
+    pub fn resident(adapter: Arc<LoraAdapter>) -> Self {
+        let slot = Self::empty(adapter);
+        slot.landed
+            .store(slot.adapter.num_layers(), Ordering::Release);
         slot
     }
 
+    /// The adapter this slot holds.
+    pub fn adapter(&self) -> &Arc<LoraAdapter> {
+        &self.adapter
+    }
+
     /// Publishes layer `layer`. Layers must land in order, each once.
-    pub fn land(&self, layer: usize, weights: LayerLora) {
+    pub fn land(&self, layer: usize) {
         assert_eq!(
             layer,
             self.landed.load(Ordering::Acquire),
-            "layers land in order, layer 0 first"
+            "layers land in order, layer 0 first (or layer {layer} landed twice)"
         );
-        assert!(
-            self.layers[layer].set(weights).is_ok(),
-            "layer {layer} landed twice"
-        );
+        assert!(layer < self.num_layers(), "layer {layer} is past the last");
         self.landed.store(layer + 1, Ordering::Release);
     }
 
@@ -79,12 +76,12 @@ impl LoraSlot {
     }
 
     pub fn num_layers(&self) -> usize {
-        self.layers.len()
+        self.adapter.num_layers()
     }
 
     /// Bytes the full slot occupies.
     pub fn bytes(&self) -> usize {
-        self.bytes
+        self.adapter.size_bytes_f32()
     }
 
     pub fn residency(&self) -> DeviceResidency {
@@ -92,24 +89,22 @@ impl LoraSlot {
             return DeviceResidency::Failed;
         }
         match self.landed() {
-            0 if !self.layers.is_empty() => DeviceResidency::Absent,
-            n if n == self.layers.len() => DeviceResidency::Resident,
+            0 if self.num_layers() > 0 => DeviceResidency::Absent,
+            n if n == self.num_layers() => DeviceResidency::Resident,
             n => DeviceResidency::Streaming {
                 landed: n,
-                layers: self.layers.len(),
+                layers: self.num_layers(),
             },
         }
     }
 
     /// The factors of (layer, module) if that layer has landed and the adapter targets it.
     pub fn get(&self, layer: usize, m: LoraModule) -> Option<&LoraWeights> {
-        self.layers.get(layer)?.get()?[m.index()].as_ref()
+        if layer >= self.landed() {
+            return None;
+        }
+        self.adapter.get(layer, m)
     }
-}
-
-/// A copy of one layer's factors of `adapter`, as the copy engine moves it.
-pub fn layer_of(adapter: &LoraAdapter, layer: usize) -> LayerLora {
-    LoraModule::ALL.map(|m| adapter.get(layer, m).cloned())
 }
 
 /// Bytes of one layer's factors (what crosses the link for that layer), as f32.

@@ -11,7 +11,9 @@ use std::time::{Duration, Instant};
 
 use thaw_runtime::adapter::LoraAdapter;
 use thaw_runtime::backend::cpu::CpuBackend;
-use thaw_runtime::engine::{Engine, FinishReason, PlanItem, SequenceParams, StepPlan};
+use thaw_runtime::engine::{
+    AssistProfile, Engine, FinishReason, PlanItem, SequenceParams, StepPlan,
+};
 use thaw_runtime::ids::{AdapterId, SeqId};
 use thaw_runtime::sampling::SamplingParams;
 
@@ -51,6 +53,10 @@ pub struct Outcome {
     pub finish: Option<FinishReason>,
     /// Why the request failed (its adapter could not be loaded), if it did.
     pub error: Option<String>,
+    /// From arrival until the adapter was in the host tier (registered with the engine).
+    pub host_ready: Option<Duration>,
+    /// From arrival until its first prefill chunk was planned.
+    pub started: Option<Duration>,
 }
 
 impl Outcome {
@@ -80,6 +86,21 @@ pub struct RunReport {
     /// Row·modules the CPU computed.
     pub rows_assisted: u64,
     pub wall: Duration,
+    /// Every engine step of the run, in order.
+    pub steps: Vec<StepRecord>,
+    /// Where the run's CPU-assisted steps spent the engine thread's time.
+    pub assist: AssistProfile,
+}
+
+/// One engine step: what it carried and how long it took.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StepRecord {
+    pub tokens: usize,
+    /// Sequences in decode (one token each).
+    pub decodes: usize,
+    /// Whether a row's adapter had layers not yet on the device.
+    pub cold: bool,
+    pub elapsed: Duration,
 }
 
 #[derive(Clone, Debug)]
@@ -135,119 +156,167 @@ pub fn run(
         }
     }
     let rows_before = engine.rows_assisted();
+    let assist_before = engine.assist_profile();
+    let mut steps = Vec::new();
     let mut out = vec![Outcome::default(); requests.len()];
     let mut predicted: Vec<Option<f64>> = vec![None; requests.len()];
-    let mut queue: VecDeque<Live> = VecDeque::new();
-    let mut next = 0;
+    // A disk adapter's load starts when its first request arrives, not when the engine
+    // next looks between steps (the HTTP server loads on its own threads too).
+    let first_loads: Vec<(Duration, usize)> = {
+        let mut seen = vec![false; adapters.len()];
+        requests
+            .iter()
+            .filter_map(|r| {
+                let a = r.adapter?;
+                let disk = matches!(state[a], AdapterState::Disk);
+                (disk && !std::mem::replace(&mut seen[a], true)).then_some((r.arrival, a))
+            })
+            .collect()
+    };
+    let requester = loader.requester();
     let start = Instant::now();
-    let mut done = 0;
-    while done < requests.len() {
-        let now = start.elapsed();
-        // Arrivals; a cold adapter's first request sends it to the loader.
-        while next < requests.len() && requests[next].arrival <= now {
-            if let Some(a) = requests[next].adapter {
-                if matches!(state[a], AdapterState::Disk) {
-                    loader.request(a, adapters[a].0.clone());
-                    state[a] = AdapterState::Loading;
+    std::thread::scope(|scope| {
+        scope.spawn(move || {
+            for (at, a) in first_loads {
+                if let Some(wait) = at.checked_sub(start.elapsed()) {
+                    std::thread::sleep(wait);
                 }
+                requester.request(a, adapters[a].0.clone());
             }
-            queue.push_back(Live {
-                req: next,
-                admitted: false,
-            });
-            next += 1;
-        }
-        for (a, r) in loader.finished() {
-            state[a] = match r.map_err(|e| e.to_string()).and_then(|ad| {
-                engine
-                    .register_adapter_streaming(AdapterId(a as u32), ad.clone())
-                    .map_err(|e| e.to_string())?;
-                host[a] = Some(ad);
-                Ok(())
-            }) {
-                Ok(()) => AdapterState::Ready,
-                Err(e) => AdapterState::Failed(e),
-            };
-        }
-        // Requests of a failed adapter fail alone.
-        queue.retain(|l| {
-            let r = &requests[l.req];
-            match r.adapter.map(|a| &state[a]) {
-                Some(AdapterState::Failed(e)) => {
-                    if l.admitted {
-                        let _ = engine.remove_sequence(SeqId(l.req as u64));
+        });
+        let mut queue: VecDeque<Live> = VecDeque::new();
+        let mut next = 0;
+        let mut done = 0;
+        while done < requests.len() {
+            let now = start.elapsed();
+            // Arrivals; a cold adapter's first request sends it to the loader.
+            while next < requests.len() && requests[next].arrival <= now {
+                if let Some(a) = requests[next].adapter {
+                    if matches!(state[a], AdapterState::Disk) {
+                        state[a] = AdapterState::Loading; // queued by the arrivals thread
                     }
-                    out[l.req].error = Some(e.clone());
-                    done += 1;
-                    false
                 }
-                _ => true,
+                queue.push_back(Live {
+                    req: next,
+                    admitted: false,
+                });
+                next += 1;
             }
-        });
-        let mut failed = Vec::new();
-        let plan = build_plan(
-            engine,
-            requests,
-            &mut queue,
-            &state,
-            &host,
-            cfg,
-            cost,
-            &mut predicted,
-            &mut failed,
-        );
-        for (i, e) in failed {
-            out[i].error = Some(e);
-            queue.retain(|l| l.req != i);
-            done += 1;
-        }
-        if plan.items.is_empty() {
-            std::thread::sleep(Duration::from_micros(200));
-            continue;
-        }
-        let tokens: usize = plan.items.iter().map(|i| i.num_tokens).sum();
-        let cold = plan.items.iter().any(|i| {
-            requests[i.seq.0 as usize]
-                .adapter
-                .is_some_and(|a| !engine.adapter_resident(AdapterId(a as u32)))
-        });
-        let t = Instant::now();
-        let outputs = match engine.step(&plan) {
-            Ok(o) => o,
-            Err(e) => {
-                // A failed step fails the requests in it, not the run.
-                for it in &plan.items {
-                    let i = it.seq.0 as usize;
-                    let _ = engine.remove_sequence(it.seq);
-                    out[i].error = Some(e.to_string());
-                    queue.retain(|l| l.req != i);
-                    done += 1;
+            for (a, r) in loader.finished() {
+                state[a] = match r.map_err(|e| e.to_string()).and_then(|ad| {
+                    engine
+                        .register_adapter_streaming(AdapterId(a as u32), ad.clone())
+                        .map_err(|e| e.to_string())?;
+                    host[a] = Some(ad);
+                    Ok(())
+                }) {
+                    Ok(()) => AdapterState::Ready,
+                    Err(e) => AdapterState::Failed(e),
+                };
+            }
+            for l in queue.iter() {
+                let r = &requests[l.req];
+                let ready = r
+                    .adapter
+                    .is_none_or(|a| matches!(state[a], AdapterState::Ready));
+                if ready && out[l.req].host_ready.is_none() {
+                    out[l.req].host_ready = Some(now.max(r.arrival) - r.arrival);
                 }
-                continue;
             }
-        };
-        if cold {
-            cost.observe_assisted_step(tokens, t.elapsed());
-        } else {
-            cost.observe_step(tokens, t.elapsed());
-        }
-        let now = start.elapsed();
-        for o in outputs {
-            let i = o.seq.0 as usize;
-            let r = &requests[i];
-            let oc = &mut out[i];
-            if oc.ttft.is_none() {
-                oc.ttft = Some(now.saturating_sub(r.arrival));
-            }
-            oc.tokens.push(o.token.id);
-            if let Some(f) = o.finish {
-                oc.finish = Some(f);
-                oc.e2e = Some(now.saturating_sub(r.arrival));
+            // Requests of a failed adapter fail alone.
+            queue.retain(|l| {
+                let r = &requests[l.req];
+                match r.adapter.map(|a| &state[a]) {
+                    Some(AdapterState::Failed(e)) => {
+                        if l.admitted {
+                            let _ = engine.remove_sequence(SeqId(l.req as u64));
+                        }
+                        out[l.req].error = Some(e.clone());
+                        done += 1;
+                        false
+                    }
+                    _ => true,
+                }
+            });
+            let mut failed = Vec::new();
+            let plan = build_plan(
+                engine,
+                requests,
+                &mut queue,
+                &state,
+                &host,
+                cfg,
+                cost,
+                &mut predicted,
+                &mut failed,
+            );
+            for (i, e) in failed {
+                out[i].error = Some(e);
                 queue.retain(|l| l.req != i);
                 done += 1;
             }
+            if plan.items.is_empty() {
+                std::thread::sleep(Duration::from_micros(200));
+                continue;
+            }
+            let tokens: usize = plan.items.iter().map(|i| i.num_tokens).sum();
+            let planned_at = start.elapsed();
+            for it in &plan.items {
+                let i = it.seq.0 as usize;
+                if out[i].started.is_none() {
+                    out[i].started = Some(planned_at.saturating_sub(requests[i].arrival));
+                }
+            }
+            let cold = plan.items.iter().any(|i| {
+                requests[i.seq.0 as usize]
+                    .adapter
+                    .is_some_and(|a| !engine.adapter_resident(AdapterId(a as u32)))
+            });
+            let t = Instant::now();
+            let outputs = match engine.step(&plan) {
+                Ok(o) => o,
+                Err(e) => {
+                    // A failed step fails the requests in it, not the run.
+                    for it in &plan.items {
+                        let i = it.seq.0 as usize;
+                        let _ = engine.remove_sequence(it.seq);
+                        out[i].error = Some(e.to_string());
+                        queue.retain(|l| l.req != i);
+                        done += 1;
+                    }
+                    continue;
+                }
+            };
+            let elapsed = t.elapsed();
+            if cold {
+                cost.observe_assisted_step(tokens, elapsed);
+            } else {
+                cost.observe_step(tokens, elapsed);
+            }
+            steps.push(StepRecord {
+                tokens,
+                decodes: plan.items.iter().filter(|i| i.num_tokens == 1).count(),
+                cold,
+                elapsed,
+            });
+            let now = start.elapsed();
+            for o in outputs {
+                let i = o.seq.0 as usize;
+                let r = &requests[i];
+                let oc = &mut out[i];
+                if oc.ttft.is_none() {
+                    oc.ttft = Some(now.saturating_sub(r.arrival));
+                }
+                oc.tokens.push(o.token.id);
+                if let Some(f) = o.finish {
+                    oc.finish = Some(f);
+                    oc.e2e = Some(now.saturating_sub(r.arrival));
+                    queue.retain(|l| l.req != i);
+                    done += 1;
+                }
+            }
         }
-    }
+    });
     let predictions = predicted
         .iter()
         .zip(&out)
@@ -263,6 +332,19 @@ pub fn run(
         predictions,
         rows_assisted: engine.rows_assisted() - rows_before,
         wall: start.elapsed(),
+        steps,
+        assist: profile_since(engine.assist_profile(), assist_before),
+    }
+}
+
+fn profile_since(now: AssistProfile, before: AssistProfile) -> AssistProfile {
+    AssistProfile {
+        groups: now.groups - before.groups,
+        export: now.export - before.export,
+        submit: now.submit - before.submit,
+        base: now.base - before.base,
+        wait: now.wait - before.wait,
+        merge: now.merge - before.merge,
     }
 }
 

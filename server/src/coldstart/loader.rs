@@ -25,6 +25,7 @@ impl Loader {
         let thread = std::thread::Builder::new()
             .name("thaw-loader".into())
             .spawn(move || {
+                thaw_cpu_lora::float_current_thread();
                 for (key, dir) in jobs {
                     let r = LoraAdapter::load(&dir, &model).map(Arc::new);
                     if done_tx.send((key, r)).is_err() {
@@ -48,9 +49,27 @@ impl Loader {
         }
     }
 
+    /// A handle other threads can queue loads with (the key and order are the same).
+    pub fn requester(&self) -> LoadRequester {
+        LoadRequester(self.tx.clone())
+    }
+
     /// Loads finished since the last call.
     pub fn finished(&self) -> impl Iterator<Item = Loaded> + '_ {
         self.rx.try_iter()
+    }
+}
+
+/// Queues loads on a [`Loader`] from another thread.
+#[derive(Clone)]
+pub struct LoadRequester(Option<Sender<(usize, PathBuf)>>);
+
+impl LoadRequester {
+    /// Queues the adapter in `dir` under `key`; a no-op once the loader is gone.
+    pub fn request(&self, key: usize, dir: PathBuf) {
+        if let Some(tx) = &self.0 {
+            let _ = tx.send((key, dir));
+        }
     }
 }
 

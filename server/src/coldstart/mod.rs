@@ -9,6 +9,6 @@ mod policy;
 
 pub use calibrate::calibrate;
 pub use cost::{ColdDecision, CostModel, Prediction, MAX_DECODE_SLOWDOWN};
-pub use driver::{run, DriverConfig, Outcome, Request, RunReport, StartTier};
+pub use driver::{run, DriverConfig, Outcome, Request, RunReport, StartTier, StepRecord};
 pub use loader::{Loaded, Loader};
 pub use policy::ColdStartPolicy;

@@ -34,7 +34,7 @@ impl Finish {
     }
 }
 
-/// One generated token with its logprobs, decoded for display.
+/// One generated (or scored prompt) token with its logprobs, decoded for display.
 #[derive(Clone, Debug, PartialEq)]
 pub struct TokenInfo {
     pub id: u32,
@@ -49,6 +49,9 @@ pub struct Delta {
     pub text: String,
     /// Tokens received in this delta (with logprobs when asked for).
     pub tokens: Vec<TokenInfo>,
+    /// With the first token of a choice whose prompt was scored: its prompt tokens after
+    /// the first ([`GenParams::prompt_logprobs`]).
+    pub prompt: Vec<TokenInfo>,
     pub num_tokens: usize,
     pub finish: Option<Finish>,
 }
@@ -116,9 +119,14 @@ impl ChoiceStream {
         });
         let mut d = Delta::default();
         match ev {
-            EngineEvent::Token { token, finish } => {
+            EngineEvent::Token {
+                token,
+                finish,
+                prompt_logprobs,
+            } => {
                 self.completion_tokens += 1;
                 d.num_tokens = 1;
+                d.prompt = prompt_logprobs.iter().map(|t| self.token_info(t)).collect();
                 if self.logprobs {
                     d.tokens.push(self.token_info(&token));
                 }
@@ -171,6 +179,7 @@ impl ChoiceStream {
         while let Some(d) = self.next().await {
             c.text.push_str(&d.text);
             c.tokens.extend(d.tokens);
+            c.prompt_logprobs.extend(d.prompt);
             if let Some(f) = d.finish {
                 c.finish = Some(f);
             }
@@ -187,6 +196,8 @@ pub struct Collected {
     pub prompt: Arc<Vec<u32>>,
     pub text: String,
     pub tokens: Vec<TokenInfo>,
+    /// Scored prompt tokens after the first, when the request asked for them.
+    pub prompt_logprobs: Vec<TokenInfo>,
     pub completion_tokens: usize,
     pub finish: Option<Finish>,
 }
@@ -272,6 +283,7 @@ pub fn submit(
                     max_new_tokens,
                     stop_token_ids: p.stop_token_ids.clone(),
                     ignore_eos: p.ignore_eos,
+                    prompt_logprobs: p.prompt_logprobs,
                 },
                 lease: lease.clone(),
                 arrived,

@@ -23,6 +23,9 @@ pub struct GenParams {
     pub include_usage: bool,
     /// Return per-token logprobs (with `sampling.top_logprobs` alternatives).
     pub logprobs: bool,
+    /// Score the prompt too, with this many alternatives per token (completions with `echo`
+    /// and `logprobs`); None costs the engine nothing.
+    pub prompt_logprobs: Option<usize>,
 }
 
 fn positive(param: &str, v: Option<i64>, max: usize) -> Result<Option<usize>, ServerError> {
@@ -121,6 +124,7 @@ pub fn validate(f: &SamplingFields, logprobs: Option<usize>) -> Result<GenParams
         stream,
         include_usage,
         logprobs: logprobs.is_some(),
+        prompt_logprobs: None,
     })
 }
 

@@ -38,6 +38,19 @@ pub fn unix_now() -> u64 {
         .unwrap_or(0)
 }
 
+/// The keys of a completions-format logprobs object; each holds one entry per token.
+const LOGPROBS_KEYS: [&str; 4] = ["tokens", "token_logprobs", "top_logprobs", "text_offset"];
+
+/// A token's alternatives as OpenAI's `{text: logprob}` map (the likelier of two tokens that
+/// decode to the same text wins).
+fn top_json(t: &TokenInfo) -> Value {
+    let mut m = Map::new();
+    for (s, lp) in &t.top {
+        m.entry(s.clone()).or_insert(json!(lp));
+    }
+    Value::Object(m)
+}
+
 /// OpenAI completions-format logprobs for `tokens`, offsets starting at `offset`.
 fn logprobs_json(tokens: &[TokenInfo], mut offset: usize) -> Value {
     let mut text_offset = Vec::with_capacity(tokens.len());
@@ -48,33 +61,37 @@ fn logprobs_json(tokens: &[TokenInfo], mut offset: usize) -> Value {
     json!({
         "tokens": tokens.iter().map(|t| t.text.clone()).collect::<Vec<_>>(),
         "token_logprobs": tokens.iter().map(|t| t.logprob).collect::<Vec<_>>(),
-        "top_logprobs": tokens.iter().map(|t| {
-            let mut m = Map::new();
-            for (s, lp) in &t.top {
-                m.entry(s.clone()).or_insert(json!(lp));
-            }
-            Value::Object(m)
-        }).collect::<Vec<_>>(),
+        "top_logprobs": tokens.iter().map(top_json).collect::<Vec<_>>(),
         "text_offset": text_offset,
     })
 }
 
-/// Prompt logprobs are not computed: echoed prompt tokens carry `null`.
-fn echo_logprobs(
-    state: &AppState,
-    prompt: &[u32],
-) -> (Vec<Value>, Vec<Value>, Vec<Value>, Vec<usize>) {
+/// Logprobs of the echoed prompt, offsets from 0: `null` for the first token (nothing
+/// predicts it), the engine's scores of the others (`scored`, one per prompt token after
+/// the first).
+fn echo_logprobs(state: &AppState, prompt: &[u32], scored: &[TokenInfo]) -> Value {
     let mut off = 0;
     let (mut toks, mut lps, mut tops, mut offs) = (vec![], vec![], vec![], vec![]);
-    for &id in prompt {
+    for (i, &id) in prompt.iter().enumerate() {
         let s = super::generation::token_text(&state.tokenizer, id);
         offs.push(off);
         off += s.len();
         toks.push(json!(s));
-        lps.push(Value::Null);
-        tops.push(Value::Null);
+        let score = i.checked_sub(1).and_then(|j| scored.get(j));
+        lps.push(score.map_or(Value::Null, |t| json!(t.logprob)));
+        tops.push(score.map_or(Value::Null, top_json));
     }
-    (toks, lps, tops, offs)
+    json!({"tokens": toks, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offs})
+}
+
+/// `head` followed by `tail`, key by key.
+fn concat_logprobs(mut head: Value, tail: Value) -> Value {
+    for key in LOGPROBS_KEYS {
+        if let (Some(h), Some(t)) = (head[key].as_array_mut(), tail[key].as_array()) {
+            h.extend(t.iter().cloned());
+        }
+    }
+    head
 }
 
 pub async fn completions(
@@ -82,7 +99,7 @@ pub async fn completions(
     OpenAiJson(req): OpenAiJson<CompletionRequest>,
 ) -> Result<Response, ServerError> {
     let logprobs = logprobs_count("logprobs", req.logprobs)?;
-    let p = validate(&req.sampling, logprobs)?;
+    let mut p = validate(&req.sampling, logprobs)?;
     if req.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
         return Err(ServerError::invalid(
             "suffix",
@@ -96,6 +113,8 @@ pub async fn completions(
         ));
     }
     let echo = req.echo.unwrap_or(false);
+    // Echoed logprobs score the prompt; nothing else pays for it.
+    p.prompt_logprobs = if echo { logprobs } else { None };
     let texts: Vec<Option<String>>;
     let prompts: Vec<Vec<u32>> = match &req.prompt {
         Prompt::Text(s) => {
@@ -150,7 +169,14 @@ pub async fn completions(
 
     if p.stream {
         let mut first = Vec::new();
-        if echo {
+        // With logprobs the echo waits for the prompt's scores and rides on the choice's first
+        // chunk (as vLLM streams it); without, it goes out at once.
+        let mut echoes: Vec<Option<(String, Arc<Vec<u32>>)>> = vec![None; choices.len()];
+        if echo && p.logprobs {
+            for c in &choices {
+                echoes[c.index] = Some((echo_text(&state, c.index, &c.prompt), c.prompt.clone()));
+            }
+        } else if echo {
             for c in &choices {
                 first.push(json!({
                     "id": id, "object": "text_completion", "created": created, "model": model,
@@ -159,17 +185,30 @@ pub async fn completions(
                 }));
             }
         }
-        let (id2, model2) = (id.clone(), model.clone());
+        let (id2, model2, state2) = (id.clone(), model.clone(), state.clone());
         let mut offsets = vec![0usize; choices.len()];
         let chunk = move |index: usize, d: &Delta| {
+            let echoed = echoes[index].take();
+            if let Some((text, _)) = &echoed {
+                offsets[index] = text.len();
+            }
             let lp = p.logprobs.then(|| {
                 let v = logprobs_json(&d.tokens, offsets[index]);
                 offsets[index] += d.tokens.iter().map(|t| t.text.len()).sum::<usize>();
-                v
+                match &echoed {
+                    Some((_, prompt)) => {
+                        concat_logprobs(echo_logprobs(&state2, prompt, &d.prompt), v)
+                    }
+                    None => v,
+                }
             });
+            let text = match echoed {
+                Some((prefix, _)) => format!("{prefix}{}", d.text),
+                None => d.text.clone(),
+            };
             json!({
                 "id": id2, "object": "text_completion", "created": created, "model": model2,
-                "choices": [{"index": index, "text": d.text, "logprobs": lp,
+                "choices": [{"index": index, "text": text, "logprobs": lp,
                              "finish_reason": d.finish.as_ref().map(Finish::as_str)}],
             })
         };
@@ -200,24 +239,12 @@ pub async fn completions(
                 String::new()
             };
             let lp = p.logprobs.then(|| {
-                let mut v = logprobs_json(&c.tokens, prefix.len());
+                let v = logprobs_json(&c.tokens, prefix.len());
                 if echo {
-                    let (t, l, tp, o) = echo_logprobs(&state, &c.prompt);
-                    for (key, mut pre) in
-                        [("tokens", t), ("token_logprobs", l), ("top_logprobs", tp)]
-                    {
-                        if let Some(arr) = v[key].as_array() {
-                            pre.extend(arr.iter().cloned());
-                        }
-                        v[key] = Value::Array(pre);
-                    }
-                    let mut offs: Vec<Value> = o.into_iter().map(|x| json!(x)).collect();
-                    if let Some(arr) = v["text_offset"].as_array() {
-                        offs.extend(arr.iter().cloned());
-                    }
-                    v["text_offset"] = Value::Array(offs);
+                    concat_logprobs(echo_logprobs(&state, &c.prompt, &c.prompt_logprobs), v)
+                } else {
+                    v
                 }
-                v
             });
             json!({
                 "index": c.index,
