@@ -463,6 +463,7 @@ impl Loop {
         }));
         let tokens: usize = d.plan.items.iter().map(|i| i.num_tokens).sum();
         let assisted_before = self.engine.rows_assisted();
+        let profile_before = self.engine.assist_profile();
         let started = Instant::now();
         let outputs = match self.engine.step(&d.plan) {
             Ok(o) => o,
@@ -485,9 +486,14 @@ impl Loop {
             // Only steps the CPU did not stretch teach the model the device's speed.
             self.cold.cost.observe_step(tokens, started.elapsed());
         } else {
+            let overhead = self
+                .engine
+                .assist_profile()
+                .since(&profile_before)
+                .overhead();
             self.cold
                 .cost
-                .observe_assisted_step(tokens, started.elapsed());
+                .observe_assisted_step(tokens, started.elapsed(), overhead);
             self.stats
                 .cpu_assisted_rows
                 .fetch_add(assisted, Ordering::Relaxed);

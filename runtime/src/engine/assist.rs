@@ -55,6 +55,18 @@ impl AssistProfile {
     pub fn overhead(&self) -> Duration {
         self.export + self.submit + self.wait + self.merge
     }
+
+    /// What was spent between `before` (an earlier reading) and this one.
+    pub fn since(&self, before: &AssistProfile) -> AssistProfile {
+        AssistProfile {
+            groups: self.groups - before.groups,
+            export: self.export - before.export,
+            submit: self.submit - before.submit,
+            base: self.base - before.base,
+            wait: self.wait - before.wait,
+            merge: self.merge - before.merge,
+        }
+    }
 }
 
 /// Reusable buffers of the assist path (sized on first use, then reused).

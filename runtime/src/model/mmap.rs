@@ -26,7 +26,9 @@ impl FileBytes {
         // files are immutable once written (HF/PEFT write a new file; Thaw's docs tell users
         // not to overwrite a file that is being loaded), and we copy the tensors out into
         // owned buffers right after parsing, so the window is the duration of one load.
-        let map = unsafe { Mmap::map(&file)? };
+        // MAP_POPULATE: the file's pages are mapped in one call instead of one fault per
+        // 4 KiB while the tensors are copied out (most of an adapter load's time otherwise).
+        let map = unsafe { memmap2::MmapOptions::new().populate().map(&file)? };
         Ok(Self::Mapped(map))
     }
 }
@@ -40,4 +42,26 @@ impl Deref for FileBytes {
             Self::Empty => &[],
         }
     }
+}
+
+/// An empty `Vec<f32>` with room for `n` values whose pages are already committed: one
+/// `MADV_POPULATE_WRITE` call instead of a page fault per 4 KiB as the values are written
+/// (a fault costs microseconds under virtualisation; a 7 MB adapter takes ~1800 of them).
+/// Best effort: where the kernel refuses (Linux < 5.14) pages fault in as usual.
+pub(crate) fn committed_vec(n: usize) -> Vec<f32> {
+    let mut v: Vec<f32> = Vec::with_capacity(n);
+    let spare = v.spare_capacity_mut();
+    let start = spare.as_mut_ptr() as usize;
+    let end = start + std::mem::size_of_val(spare);
+    let first = start.next_multiple_of(4096);
+    let len = end.saturating_sub(first) & !4095;
+    if len > 0 {
+        // SAFETY: [first, first + len) lies inside `v`'s allocation (page-aligned inward), which
+        // this function owns exclusively; MADV_POPULATE_WRITE only faults the pages in (zeroed
+        // anonymous memory) and does not change what the allocator or any reference sees.
+        unsafe {
+            libc::madvise(first as *mut libc::c_void, len, libc::MADV_POPULATE_WRITE);
+        }
+    }
+    v
 }

@@ -31,21 +31,33 @@ pub(crate) fn view_to_f32(view: &TensorView<'_>) -> Result<Vec<f32>, Dtype> {
     let little = cfg!(target_endian = "little");
     match view.dtype() {
         Dtype::F32 => match bytemuck::try_cast_slice::<u8, f32>(bytes) {
-            Ok(s) if little => Ok(s.to_vec()),
+            Ok(s) if little => {
+                let mut v = super::mmap::committed_vec(s.len());
+                v.extend_from_slice(s);
+                Ok(v)
+            }
             _ => Ok(bytes
                 .chunks_exact(4)
                 .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
                 .collect()),
         },
         Dtype::F16 => match bytemuck::try_cast_slice::<u8, half::f16>(bytes) {
-            Ok(s) if little => Ok(s.iter().map(|x| x.to_f32()).collect()),
+            Ok(s) if little => {
+                let mut v = super::mmap::committed_vec(s.len());
+                v.extend(s.iter().map(|x| x.to_f32()));
+                Ok(v)
+            }
             _ => Ok(bytes
                 .chunks_exact(2)
                 .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
                 .collect()),
         },
         Dtype::BF16 => match bytemuck::try_cast_slice::<u8, half::bf16>(bytes) {
-            Ok(s) if little => Ok(s.iter().map(|x| x.to_f32()).collect()),
+            Ok(s) if little => {
+                let mut v = super::mmap::committed_vec(s.len());
+                v.extend(s.iter().map(|x| x.to_f32()));
+                Ok(v)
+            }
             _ => Ok(bytes
                 .chunks_exact(2)
                 .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())

@@ -186,16 +186,16 @@ impl CostModel {
         }
     }
 
-    /// Folds one measured CPU-assisted step into the assist overhead: what it took beyond
-    /// the device time predicted for its `tokens` rows.
-    pub fn observe_assisted_step(&mut self, tokens: usize, elapsed: Duration) {
+    /// Folds one CPU-assisted step into the model: `overhead` is what the engine thread
+    /// spent on the assist path itself (exports, submits, waits for the workers, merges — as
+    /// the engine measured it), the rest of `elapsed` was device work for `tokens` rows.
+    pub fn observe_assisted_step(&mut self, tokens: usize, elapsed: Duration, overhead: Duration) {
         if self.num_layers == 0 {
             return;
         }
-        let extra = elapsed.as_secs_f64() / self.num_layers as f64 - self.layer_time(tokens);
-        self.assist_layer_overhead_s = (self.assist_layer_overhead_s
-            + self.alpha * (extra.max(0.0) - self.assist_layer_overhead_s))
-            .max(0.0);
+        let per_layer = overhead.as_secs_f64() / self.num_layers as f64;
+        self.assist_layer_overhead_s += self.alpha * (per_layer - self.assist_layer_overhead_s);
+        self.observe_step(tokens, elapsed.saturating_sub(overhead));
     }
 
     /// Folds one measured step (`tokens` rows, no CPU stall) into the device time model.
@@ -239,6 +239,25 @@ mod tests {
         let m = model(true);
         assert!((m.layer_time(10) - 2e-4).abs() < 1e-12);
         assert!((m.step_time(10) - 1.6e-3).abs() < 1e-12);
+    }
+
+    #[test]
+    fn assisted_steps_teach_the_overhead_and_the_device_time_apart() {
+        let mut m = model(true);
+        let device = 8.0 * (2e-4 + 2e-5 * 128.0);
+        let overhead = 8.0 * 3e-4;
+        for _ in 0..200 {
+            m.observe_assisted_step(
+                128,
+                Duration::from_secs_f64(device + overhead),
+                Duration::from_secs_f64(overhead),
+            );
+            m.observe_step(1, Duration::from_secs_f64(8.0 * (2e-4 + 2e-5)));
+        }
+        assert!((m.assist_layer_overhead_s - 3e-4).abs() < 3e-6, "{m:?}");
+        let want = 2e-4 + 2e-5 * 128.0;
+        let got = m.layer_time(128);
+        assert!((got - want).abs() / want < 0.05, "{got} vs {want}");
     }
 
     #[test]

@@ -272,6 +272,7 @@ pub fn run(
                     .adapter
                     .is_some_and(|a| !engine.adapter_resident(AdapterId(a as u32)))
             });
+            let profile_before = engine.assist_profile();
             let t = Instant::now();
             let outputs = match engine.step(&plan) {
                 Ok(o) => o,
@@ -289,7 +290,8 @@ pub fn run(
             };
             let elapsed = t.elapsed();
             if cold {
-                cost.observe_assisted_step(tokens, elapsed);
+                let overhead = engine.assist_profile().since(&profile_before).overhead();
+                cost.observe_assisted_step(tokens, elapsed, overhead);
             } else {
                 cost.observe_step(tokens, elapsed);
             }
@@ -333,18 +335,7 @@ pub fn run(
         rows_assisted: engine.rows_assisted() - rows_before,
         wall: start.elapsed(),
         steps,
-        assist: profile_since(engine.assist_profile(), assist_before),
-    }
-}
-
-fn profile_since(now: AssistProfile, before: AssistProfile) -> AssistProfile {
-    AssistProfile {
-        groups: now.groups - before.groups,
-        export: now.export - before.export,
-        submit: now.submit - before.submit,
-        base: now.base - before.base,
-        wait: now.wait - before.wait,
-        merge: now.merge - before.merge,
+        assist: engine.assist_profile().since(&assist_before),
     }
 }
 
