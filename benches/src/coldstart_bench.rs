@@ -67,12 +67,39 @@ pub struct ColdStartArgs {
     /// Where to generate the model and adapters (reused when present).
     #[arg(long)]
     pub workdir: Option<PathBuf>,
+    /// Where adapters start: `host` (in host memory, so a cold start is the host → device
+    /// copy, as in CaraServe) or `disk` (the load from disk is part of the cold start too).
+    #[arg(long, value_enum, default_value_t = StartFrom::Host)]
+    pub start_tier: StartFrom,
     /// Print each request's timeline (adapter in host tier, first chunk planned, first token).
     #[arg(long)]
     pub timeline: bool,
     /// Policies to run (comma-separated); `cached` always runs, as the reference.
     #[arg(long, value_delimiter = ',', default_values_t = ColdStartPolicy::ALL)]
     pub policies: Vec<ColdStartPolicy>,
+}
+
+/// Where the benchmark's adapters start (`--start-tier`).
+#[derive(clap::ValueEnum, Copy, Clone, Debug, PartialEq, Eq)]
+pub enum StartFrom {
+    Host,
+    Disk,
+}
+
+impl StartFrom {
+    fn name(self) -> &'static str {
+        match self {
+            StartFrom::Host => "the host (cold start = host → device copy)",
+            StartFrom::Disk => "disk (cold start = disk load + host → device copy)",
+        }
+    }
+
+    fn tier(self) -> StartTier {
+        match self {
+            StartFrom::Host => StartTier::Host,
+            StartFrom::Disk => StartTier::Disk,
+        }
+    }
 }
 
 /// Summary of one policy's run.
@@ -240,7 +267,7 @@ fn run_all(
     let adapters: Vec<(PathBuf, StartTier)> = b
         .adapter_dirs
         .iter()
-        .map(|d| (d.clone(), StartTier::Disk))
+        .map(|d| (d.clone(), args.start_tier.tier()))
         .collect();
     let mut rows = Vec::new();
     for policy in ColdStartPolicy::ALL {
@@ -488,9 +515,10 @@ pub fn run(args: &ColdStartArgs) -> anyhow::Result<Vec<Experiment>> {
     let rows = run_all(&b, &args, link, &reqs)?;
     experiments.push(Experiment {
         title: format!(
-            "preset {}, rank {} on q,k,v,o, distinct adapter per request, {} requests, prompt {}±{}, {} output tokens, Poisson {:.2} req/s ({:.0}% of sustainable), link {:.3} GB/s + 10 µs/layer (adapter load = median prefill = {:.1} ms), {} CPU worker(s)",
+            "preset {}, rank {} on q,k,v,o, distinct adapter per request, {} requests, prompt {}±{}, {} output tokens, Poisson {:.2} req/s ({:.0}% of sustainable), link {:.3} GB/s + 10 µs/layer (adapter load = median prefill = {:.1} ms), {} CPU worker(s), adapters start on {}",
             args.preset, args.rank, args.requests, args.prompt_median, args.prompt_median / 2,
-            args.output_tokens, rate, args.load * 100.0, gbps, prefill_s * 1e3, args.workers
+            args.output_tokens, rate, args.load * 100.0, gbps, prefill_s * 1e3, args.workers,
+            args.start_tier.name()
         ),
         rows,
     });
@@ -532,8 +560,9 @@ pub fn run(args: &ColdStartArgs) -> anyhow::Result<Vec<Experiment>> {
         let rows = run_all(&b2, &args, link, &reqs2)?;
         experiments.push(Experiment {
             title: format!(
-                "preset {}, rank {} on q,k,v,o, Zipf(1.0) over {} adapters, {} requests with Azure conv trace lengths ×{:.3} (mean prompt {}, mean output {}), Poisson {:.2} req/s, same link",
-                args.preset, args.rank, args.zipf_adapters, args.requests, scale, mean_prompt, mean_out, rate2
+                "preset {}, rank {} on q,k,v,o, Zipf(1.0) over {} adapters, {} requests with Azure conv trace lengths ×{:.3} (mean prompt {}, mean output {}), Poisson {:.2} req/s, same link, adapters start on {}",
+                args.preset, args.rank, args.zipf_adapters, args.requests, scale, mean_prompt, mean_out, rate2,
+                args.start_tier.name()
             ),
             rows,
         });
@@ -617,6 +646,7 @@ mod tests {
             workdir: None,
             policies: ColdStartPolicy::ALL.to_vec(),
             timeline: false,
+            start_tier: StartFrom::Disk,
         };
         let ex = run(&args).unwrap();
         assert_eq!(ex.len(), 1);

@@ -33,7 +33,7 @@ fn setup(seed: u64) -> Setup {
     ];
     let tiers = [
         StartTier::Device,
-        StartTier::Device,
+        StartTier::Host,
         StartTier::Streaming,
         StartTier::Streaming,
         StartTier::Disk,

@@ -28,6 +28,9 @@ pub enum StartTier {
     Device,
     /// In host memory, streaming to the device from the start of the run.
     Streaming,
+    /// In host memory (and the workers' host store); streamed to the device when its first
+    /// request arrives — CaraServe's setting, where a cold start is the host → device copy.
+    Host,
     /// On disk: loaded when its first request arrives.
     Disk,
 }
@@ -107,6 +110,8 @@ pub struct StepRecord {
 enum AdapterState {
     Disk,
     Loading,
+    /// Loaded into host memory; registered (and streamed) on its first request.
+    Host,
     Ready,
     Failed(String),
 }
@@ -141,12 +146,13 @@ pub fn run(
             Ok(a) => {
                 let a = Arc::new(a);
                 let id = AdapterId(i as u32);
-                let r = if tier == StartTier::Device {
-                    engine.register_adapter(id, a.clone())
-                } else {
-                    engine.register_adapter_streaming(id, a.clone())
+                let r = match tier {
+                    StartTier::Device => engine.register_adapter(id, a.clone()),
+                    StartTier::Streaming => engine.register_adapter_streaming(id, a.clone()),
+                    _ => Ok(()),
                 };
                 state[i] = match r {
+                    Ok(()) if tier == StartTier::Host => AdapterState::Host,
                     Ok(()) => AdapterState::Ready,
                     Err(e) => AdapterState::Failed(e.to_string()),
                 };
@@ -189,11 +195,20 @@ pub fn run(
         let mut done = 0;
         while done < requests.len() {
             let now = start.elapsed();
-            // Arrivals; a cold adapter's first request sends it to the loader.
+            // Arrivals; a host-tier adapter's first request starts its copy to the device.
             while next < requests.len() && requests[next].arrival <= now {
                 if let Some(a) = requests[next].adapter {
-                    if matches!(state[a], AdapterState::Disk) {
-                        state[a] = AdapterState::Loading; // queued by the arrivals thread
+                    match state[a] {
+                        AdapterState::Disk => state[a] = AdapterState::Loading, // queued already
+                        AdapterState::Host => {
+                            let ad = host[a].clone().expect("host-tier adapters are loaded");
+                            state[a] =
+                                match engine.register_adapter_streaming(AdapterId(a as u32), ad) {
+                                    Ok(()) => AdapterState::Ready,
+                                    Err(e) => AdapterState::Failed(e.to_string()),
+                                };
+                        }
+                        _ => {}
                     }
                 }
                 queue.push_back(Live {
