@@ -5,9 +5,13 @@
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use serde_json::Value;
+use thaw_runtime::adapter::LoraAdapter;
+use thaw_runtime::engine::{EngineConfig, HostModel};
+use thaw_runtime::ids::AdapterId;
 use thaw_server::gen::{self, GenAdaptersOptions, GenModelOptions, Projection};
 use thaw_server::serve::{ServeConfig, Server};
 
@@ -49,6 +53,20 @@ impl ServeFixture {
 
     pub fn model_dir(&self) -> PathBuf {
         self.dir.path().join("model")
+    }
+
+    /// A CPU engine over this model with adapter `i` (if any) registered as `AdapterId(0)`:
+    /// the reference HTTP results are compared with.
+    pub fn engine(&self, adapter: Option<usize>) -> crate::CpuEngine {
+        let model = HostModel::load(&self.model_dir()).expect("fixture model");
+        let cfg = model.config.clone();
+        let mut e = crate::cpu_engine(model, EngineConfig::default());
+        if let Some(i) = adapter {
+            let a = LoraAdapter::load(&self.adapters[i].1, &cfg).expect("fixture adapter");
+            e.register_adapter(AdapterId(0), Arc::new(a))
+                .expect("registering the fixture adapter");
+        }
+        e
     }
 
     /// A config serving this model and its adapters, on port 0.

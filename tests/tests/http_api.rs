@@ -1,19 +1,16 @@
 //! The HTTP API in-process (tower `oneshot`, no socket): every endpoint and every error the
 //! issue lists, and tokens through HTTP against the engine driven directly.
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
 
 use axum::body::Body;
 use axum::http::Request;
 use axum::Router;
 use serde_json::{json, Value};
-use thaw_runtime::adapter::LoraAdapter;
-use thaw_runtime::engine::{EngineConfig, HostModel, PlanItem, SequenceParams, StepPlan};
+use thaw_runtime::engine::{HostModel, PlanItem, SequenceParams, StepPlan};
 use thaw_runtime::ids::{AdapterId, SeqId};
 use thaw_runtime::model::Tokenizer;
 use thaw_runtime::sampling::SamplingParams;
 use thaw_server::serve::Server;
-use thaw_tests::cpu_engine;
 use thaw_tests::http::{edit_adapter_config, sse_data, ServeFixture};
 use tower::ServiceExt;
 
@@ -68,13 +65,7 @@ fn engine_tokens(
     sampling: SamplingParams,
     max_new: usize,
 ) -> Vec<(u32, f32)> {
-    let model = HostModel::load(&fx.model_dir()).unwrap();
-    let cfg = model.config.clone();
-    let mut e = cpu_engine(model, EngineConfig::default());
-    if let Some(i) = adapter {
-        let a = LoraAdapter::load(&fx.adapters[i].1, &cfg).unwrap();
-        e.register_adapter(AdapterId(0), Arc::new(a)).unwrap();
-    }
+    let mut e = fx.engine(adapter);
     e.add_sequence(
         SeqId(0),
         SequenceParams {

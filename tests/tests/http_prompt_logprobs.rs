@@ -1,14 +1,11 @@
 //! `/v1/completions` with `echo` and `logprobs` over a real socket: the echoed prompt tokens
 //! carry the engine's prompt logprobs (`null` for the first token only), streamed and not,
 //! through a server whose small token budget chunks every prefill.
-use std::sync::Arc;
 
 use serde_json::{json, Value};
-use thaw_runtime::adapter::LoraAdapter;
-use thaw_runtime::engine::{EngineConfig, HostModel, PlanItem, SequenceParams, StepPlan};
+use thaw_runtime::engine::{HostModel, PlanItem, SequenceParams, StepPlan};
 use thaw_runtime::ids::{AdapterId, SeqId};
 use thaw_runtime::model::Tokenizer;
-use thaw_tests::cpu_engine;
 use thaw_tests::http::{post, ServeFixture, SocketServer};
 
 /// Absolute error allowed between the server's logprobs and the engine's own (whole prefill,
@@ -21,13 +18,7 @@ const MAX_TOKENS: usize = 4;
 
 /// The engine's prompt logprobs for `prompt`, unchunked.
 fn engine_prompt_logprobs(fx: &ServeFixture, prompt: &[u32], adapter: Option<usize>) -> Vec<f32> {
-    let model = HostModel::load(&fx.model_dir()).unwrap();
-    let cfg = model.config.clone();
-    let mut e = cpu_engine(model, EngineConfig::default());
-    if let Some(i) = adapter {
-        let a = LoraAdapter::load(&fx.adapters[i].1, &cfg).unwrap();
-        e.register_adapter(AdapterId(0), Arc::new(a)).unwrap();
-    }
+    let mut e = fx.engine(adapter);
     e.add_sequence(
         SeqId(0),
         SequenceParams {
