@@ -321,8 +321,9 @@ fn run_all(
 fn step_profile(policy: ColdStartPolicy, r: &RunReport, timeline: bool) -> String {
     let mut out = String::new();
     type Pick = fn(&coldstart::StepRecord) -> bool;
-    let kinds: [(&str, Pick); 3] = [
-        ("decode-only", |s| s.tokens == s.decodes),
+    let kinds: [(&str, Pick); 4] = [
+        ("decode-only, warm", |s| s.tokens == s.decodes && !s.cold),
+        ("decode-only, cold", |s| s.tokens == s.decodes && s.cold),
         ("prefill, warm", |s| s.tokens > s.decodes && !s.cold),
         ("prefill, cold", |s| s.tokens > s.decodes && s.cold),
     ];
@@ -332,11 +333,17 @@ fn step_profile(policy: ColdStartPolicy, r: &RunReport, timeline: bool) -> Strin
             continue;
         }
         let ms: f64 = v.iter().map(|s| s.elapsed.as_secs_f64()).sum::<f64>() * 1e3;
+        let assist_ms: f64 = v
+            .iter()
+            .map(|s| s.assist_overhead.as_secs_f64())
+            .sum::<f64>()
+            * 1e3;
         let tokens: usize = v.iter().map(|s| s.tokens).sum();
         out += &format!(
-            "    {policy} {name}: {} steps, {:.2} ms/step, {:.1} tokens/step, {:.1} µs/token\n",
+            "    {policy} {name}: {} steps, {:.2} ms/step ({:.2} of it assist overhead), {:.1} tokens/step, {:.1} µs/token\n",
             v.len(),
             ms / v.len() as f64,
+            assist_ms / v.len() as f64,
             tokens as f64 / v.len() as f64,
             ms * 1e3 / tokens.max(1) as f64
         );

@@ -104,6 +104,8 @@ pub struct StepRecord {
     /// Whether a row's adapter had layers not yet on the device.
     pub cold: bool,
     pub elapsed: Duration,
+    /// Engine-thread time the step spent on the assist path (see [`AssistProfile::overhead`]).
+    pub assist_overhead: Duration,
 }
 
 #[derive(Clone, Debug)]
@@ -304,8 +306,8 @@ pub fn run(
                 }
             };
             let elapsed = t.elapsed();
+            let overhead = engine.assist_profile().since(&profile_before).overhead();
             if cold {
-                let overhead = engine.assist_profile().since(&profile_before).overhead();
                 cost.observe_assisted_step(tokens, elapsed, overhead);
             } else {
                 cost.observe_step(tokens, elapsed);
@@ -315,6 +317,7 @@ pub fn run(
                 decodes: plan.items.iter().filter(|i| i.num_tokens == 1).count(),
                 cold,
                 elapsed,
+                assist_overhead: overhead,
             });
             let now = start.elapsed();
             for o in outputs {
