@@ -27,44 +27,20 @@ pub struct Weights {
 /// Widens F32/F16/BF16 tensor bytes (little-endian, as safetensors stores them) to f32.
 /// Returns the dtype back when it is not one of those.
 pub(crate) fn view_to_f32(view: &TensorView<'_>) -> Result<Vec<f32>, Dtype> {
+    use thaw_kernels::cpu::{bytes_to_f32, FloatFormat};
+    let format = match view.dtype() {
+        Dtype::F32 => FloatFormat::F32,
+        Dtype::F16 => FloatFormat::F16,
+        Dtype::BF16 => FloatFormat::BF16,
+        other => return Err(other),
+    };
     let bytes = view.data();
-    let little = cfg!(target_endian = "little");
-    match view.dtype() {
-        Dtype::F32 => match bytemuck::try_cast_slice::<u8, f32>(bytes) {
-            Ok(s) if little => {
-                let mut v = super::mmap::committed_vec(s.len());
-                v.extend_from_slice(s);
-                Ok(v)
-            }
-            _ => Ok(bytes
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                .collect()),
-        },
-        Dtype::F16 => match bytemuck::try_cast_slice::<u8, half::f16>(bytes) {
-            Ok(s) if little => {
-                let mut v = super::mmap::committed_vec(s.len());
-                v.extend(s.iter().map(|x| x.to_f32()));
-                Ok(v)
-            }
-            _ => Ok(bytes
-                .chunks_exact(2)
-                .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
-                .collect()),
-        },
-        Dtype::BF16 => match bytemuck::try_cast_slice::<u8, half::bf16>(bytes) {
-            Ok(s) if little => {
-                let mut v = super::mmap::committed_vec(s.len());
-                v.extend(s.iter().map(|x| x.to_f32()));
-                Ok(v)
-            }
-            _ => Ok(bytes
-                .chunks_exact(2)
-                .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
-                .collect()),
-        },
-        other => Err(other),
-    }
+    let n = bytes.len() / format.size();
+    let mut v = super::mmap::committed_vec(n);
+    v.resize(n, 0.0);
+    bytes_to_f32(format, &bytes[..n * format.size()], &mut v)
+        .expect("the length is a whole number of elements");
+    Ok(v)
 }
 
 impl Weights {
