@@ -72,6 +72,7 @@ pub fn calibrate(
         // A few doorbell round trips per layer until assisted steps are measured.
         assist_layer_overhead_s: if cpu_overlaps { 100e-6 } else { 0.0 },
         alpha: 0.1,
+        recent: Default::default(),
     })
 }
 

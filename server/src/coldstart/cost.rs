@@ -28,6 +28,53 @@ pub struct CostModel {
     pub assist_layer_overhead_s: f64,
     /// EWMA weight of each new observation.
     pub alpha: f64,
+    /// Recent steps, `(tokens, device seconds per layer)`, that the device-time line is
+    /// refitted to by least squares.
+    pub recent: StepWindow,
+}
+
+/// The last [`StepWindow::CAPACITY`] observed steps.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct StepWindow(std::collections::VecDeque<(f64, f64)>);
+
+impl StepWindow {
+    /// Steps kept: a few seconds of serving.
+    pub const CAPACITY: usize = 512;
+    /// Fewest steps, and smallest spread of their token counts, a refit needs.
+    const MIN_STEPS: usize = 16;
+    const MIN_TOKEN_SPREAD: f64 = 16.0;
+
+    fn push(&mut self, tokens: usize, per_layer_s: f64) {
+        if self.0.len() == Self::CAPACITY {
+            self.0.pop_front();
+        }
+        self.0.push_back((tokens as f64, per_layer_s));
+    }
+
+    /// Least-squares `(base, per_token)` over the window, when its token counts spread
+    /// enough to tell a slope from noise.
+    fn fit(&self) -> Option<(f64, f64)> {
+        let n = self.0.len();
+        if n < Self::MIN_STEPS {
+            return None;
+        }
+        let (lo, hi) = self
+            .0
+            .iter()
+            .fold((f64::MAX, f64::MIN), |(lo, hi), &(x, _)| {
+                (lo.min(x), hi.max(x))
+            });
+        if hi - lo < Self::MIN_TOKEN_SPREAD {
+            return None;
+        }
+        let nf = n as f64;
+        let mx = self.0.iter().map(|p| p.0).sum::<f64>() / nf;
+        let my = self.0.iter().map(|p| p.1).sum::<f64>() / nf;
+        let sxx: f64 = self.0.iter().map(|p| (p.0 - mx) * (p.0 - mx)).sum();
+        let sxy: f64 = self.0.iter().map(|p| (p.0 - mx) * (p.1 - my)).sum();
+        let slope = (sxy / sxx).max(1e-9);
+        Some(((my - slope * mx).max(0.0), slope))
+    }
 }
 
 /// What the policy does with a cold request this step.
@@ -198,12 +245,20 @@ impl CostModel {
         self.observe_step(tokens, elapsed.saturating_sub(overhead));
     }
 
-    /// Folds one measured step (`tokens` rows, no CPU stall) into the device time model.
+    /// Folds one measured step (`tokens` rows of device work) into the device time model:
+    /// a least-squares line over the recent steps once their sizes spread, an EWMA nudge
+    /// of the start-up calibration before that.
     pub fn observe_step(&mut self, tokens: usize, elapsed: Duration) {
         if tokens == 0 || self.num_layers == 0 {
             return;
         }
         let per_layer = elapsed.as_secs_f64() / self.num_layers as f64;
+        self.recent.push(tokens, per_layer);
+        if let Some((base, per_token)) = self.recent.fit() {
+            self.layer_base_s = base;
+            self.layer_per_token_s = per_token;
+            return;
+        }
         let predicted = self.layer_time(tokens);
         // Attribute the error to the per-token slope for big steps, to the base for small.
         let err = per_layer - predicted;
@@ -231,6 +286,7 @@ mod tests {
             },
             assist_layer_overhead_s: 0.0,
             alpha: 0.2,
+            recent: StepWindow::default(),
         }
     }
 
@@ -258,6 +314,26 @@ mod tests {
         let want = 2e-4 + 2e-5 * 128.0;
         let got = m.layer_time(128);
         assert!((got - want).abs() / want < 0.05, "{got} vs {want}");
+    }
+
+    #[test]
+    fn many_small_steps_do_not_flatten_the_slope() {
+        // Decode steps whose time also depends on context length (noise the line cannot
+        // explain), with a prefill now and then: the fitted slope stays near the truth.
+        let mut m = model(true);
+        let truth = |t: usize| 2e-4 + 2e-5 * t as f64;
+        for i in 0..600 {
+            let (t, extra) = if i % 20 == 0 {
+                (96 + i % 64, 0.0)
+            } else {
+                (1 + i % 6, 6e-4 * ((i % 7) as f64 / 7.0))
+            };
+            m.observe_step(t, Duration::from_secs_f64(8.0 * (truth(t) + extra)));
+        }
+        let rel = (m.layer_per_token_s - 2e-5).abs() / 2e-5;
+        assert!(rel < 0.2, "slope {} vs 2e-5", m.layer_per_token_s);
+        let want = truth(128);
+        assert!((m.layer_time(128) - want).abs() / want < 0.2);
     }
 
     #[test]
