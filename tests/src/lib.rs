@@ -6,7 +6,8 @@ use std::sync::Arc;
 
 use thaw_runtime::adapter::LoraAdapter;
 use thaw_runtime::backend::cpu::CpuBackend;
-use thaw_runtime::engine::{Engine, EngineConfig, HostModel};
+use thaw_runtime::engine::{Engine, EngineConfig, HostModel, PlanItem, SeqOutput, StepPlan};
+use thaw_runtime::ids::SeqId;
 use thaw_server::gen::{self, GenAdaptersOptions, GenModelOptions, ModelPreset, Projection};
 
 /// The engine type the tests drive.
@@ -95,6 +96,17 @@ impl TestModel {
 pub fn cpu_engine(model: HostModel, cfg: EngineConfig) -> CpuEngine {
     let backend = CpuBackend::new(&model.config);
     Engine::new(backend, model, cfg).expect("engine")
+}
+
+/// Runs one step that computes every pending token of `seq` (its whole remaining prompt, or
+/// its one decode token) and returns the step's outputs.
+pub fn step_all_pending(e: &mut CpuEngine, seq: SeqId, return_logits: bool) -> Vec<SeqOutput> {
+    let num_tokens = e.pending_tokens(seq).expect("a live sequence");
+    e.step(&StepPlan {
+        items: vec![PlanItem { seq, num_tokens }],
+        return_logits,
+    })
+    .expect("a single-sequence step")
 }
 
 /// Normwise relative error ‖a − b‖ / ‖b‖ in f64.

@@ -6,12 +6,13 @@ use axum::body::Body;
 use axum::http::Request;
 use axum::Router;
 use serde_json::{json, Value};
-use thaw_runtime::engine::{HostModel, PlanItem, SequenceParams, StepPlan};
+use thaw_runtime::engine::{HostModel, SequenceParams};
 use thaw_runtime::ids::{AdapterId, SeqId};
 use thaw_runtime::model::Tokenizer;
 use thaw_runtime::sampling::SamplingParams;
 use thaw_server::serve::Server;
 use thaw_tests::http::{edit_adapter_config, sse_data, ServeFixture};
+use thaw_tests::step_all_pending;
 use tower::ServiceExt;
 
 struct Resp {
@@ -80,16 +81,7 @@ fn engine_tokens(
     .unwrap();
     let mut out = Vec::new();
     loop {
-        let n = e.pending_tokens(SeqId(0)).unwrap();
-        let o = e
-            .step(&StepPlan {
-                items: vec![PlanItem {
-                    seq: SeqId(0),
-                    num_tokens: n,
-                }],
-                return_logits: false,
-            })
-            .unwrap();
+        let o = step_all_pending(&mut e, SeqId(0), false);
         if let Some(o) = o.into_iter().next() {
             out.push((o.token.id, o.token.logprob));
             if o.finish.is_some() {

@@ -3,10 +3,11 @@
 //! through a server whose small token budget chunks every prefill.
 
 use serde_json::{json, Value};
-use thaw_runtime::engine::{HostModel, PlanItem, SequenceParams, StepPlan};
+use thaw_runtime::engine::{HostModel, SequenceParams};
 use thaw_runtime::ids::{AdapterId, SeqId};
 use thaw_runtime::model::Tokenizer;
 use thaw_tests::http::{post, ServeFixture, SocketServer};
+use thaw_tests::step_all_pending;
 
 /// Absolute error allowed between the server's logprobs and the engine's own (whole prefill,
 /// no CPU assist) or between two runs of the server: the same logits up to summation order,
@@ -29,16 +30,7 @@ fn engine_prompt_logprobs(fx: &ServeFixture, prompt: &[u32], adapter: Option<usi
         },
     )
     .unwrap();
-    let o = e
-        .step(&StepPlan {
-            items: vec![PlanItem {
-                seq: SeqId(0),
-                num_tokens: prompt.len(),
-            }],
-            return_logits: false,
-        })
-        .unwrap()
-        .remove(0);
+    let o = step_all_pending(&mut e, SeqId(0), false).remove(0);
     o.prompt_logprobs.iter().map(|t| t.logprob).collect()
 }
 

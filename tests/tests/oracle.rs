@@ -8,7 +8,7 @@ use thaw_runtime::backend::LoraKernel;
 use thaw_runtime::engine::{EngineConfig, HostModel, PlanItem, SequenceParams, StepPlan};
 use thaw_runtime::ids::{AdapterId, SeqId};
 use thaw_runtime::sampling::SamplingParams;
-use thaw_tests::{cpu_engine, rel_err, TestModel};
+use thaw_tests::{cpu_engine, rel_err, step_all_pending, TestModel};
 
 /// Relative error allowed between two f32 computations of the same logits by different
 /// summation orders (batched vs solo GEMMs, LoRA unmerged vs merged): f32 has ~6e-8 unit
@@ -168,16 +168,7 @@ fn solo_logits_free(model: HostModel, prompt: &[u32]) -> (Vec<f32>, u32) {
         },
     )
     .unwrap();
-    let o = e
-        .step(&StepPlan {
-            items: vec![PlanItem {
-                seq: SeqId(0),
-                num_tokens: prompt.len(),
-            }],
-            return_logits: true,
-        })
-        .unwrap()
-        .remove(0);
+    let o = step_all_pending(&mut e, SeqId(0), true).remove(0);
     (o.logits.unwrap(), o.token.id)
 }
 
