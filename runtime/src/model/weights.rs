@@ -27,20 +27,40 @@ pub struct Weights {
 /// Widens F32/F16/BF16 tensor bytes (little-endian, as safetensors stores them) to f32.
 /// Returns the dtype back when it is not one of those.
 pub(crate) fn view_to_f32(view: &TensorView<'_>) -> Result<Vec<f32>, Dtype> {
-    use thaw_kernels::cpu::{bytes_to_f32, FloatFormat};
-    let format = match view.dtype() {
-        Dtype::F32 => FloatFormat::F32,
-        Dtype::F16 => FloatFormat::F16,
-        Dtype::BF16 => FloatFormat::BF16,
+    let bytes = view.data();
+    let fast = match view.dtype() {
+        Dtype::F32 => widen(bytes, |x: f32| x),
+        Dtype::F16 => widen(bytes, half::f16::to_f32),
+        Dtype::BF16 => widen(bytes, half::bf16::to_f32),
         other => return Err(other),
     };
-    let bytes = view.data();
-    let n = bytes.len() / format.size();
-    let mut v = super::mmap::committed_vec(n);
-    v.resize(n, 0.0);
-    bytes_to_f32(format, &bytes[..n * format.size()], &mut v)
-        .expect("the length is a whole number of elements");
-    Ok(v)
+    Ok(fast.unwrap_or_else(|| {
+        // Unaligned payload (or a big-endian host): decode byte by byte.
+        use thaw_kernels::cpu::{bytes_to_f32, FloatFormat};
+        let format = match view.dtype() {
+            Dtype::F16 => FloatFormat::F16,
+            Dtype::BF16 => FloatFormat::BF16,
+            _ => FloatFormat::F32,
+        };
+        let n = bytes.len() / format.size();
+        let mut v = super::mmap::committed_vec(n);
+        v.resize(n, 0.0);
+        bytes_to_f32(format, &bytes[..n * format.size()], &mut v)
+            .expect("the length is a whole number of elements");
+        v
+    }))
+}
+
+/// Widens an aligned little-endian payload of `T` in one pass into committed memory (a plain
+/// copy for f32); `None` when the bytes cannot be viewed as `T` in place.
+fn widen<T: bytemuck::Pod>(bytes: &[u8], f: impl Fn(T) -> f32) -> Option<Vec<f32>> {
+    if cfg!(target_endian = "big") {
+        return None;
+    }
+    let s = bytemuck::try_cast_slice::<u8, T>(bytes).ok()?;
+    let mut v = super::mmap::committed_vec(s.len());
+    v.extend(s.iter().map(|&x| f(x)));
+    Some(v)
 }
 
 impl Weights {

@@ -158,3 +158,36 @@ fn truncated_and_missing_weights_are_errors() {
         Err(ModelError::MissingFile { .. })
     ));
 }
+
+/// A payload that starts at an odd offset cannot be viewed as f32/f16/bf16 in place: the
+/// byte-by-byte path decodes it to the same values as the aligned one.
+#[test]
+fn unaligned_payloads_widen_like_aligned_ones() {
+    let want = ramp(37, 0.5);
+    let f16: Vec<u8> = want
+        .iter()
+        .flat_map(|&x| half::f16::from_f32(x).to_le_bytes())
+        .collect();
+    let bf16: Vec<u8> = want
+        .iter()
+        .flat_map(|&x| half::bf16::from_f32(x).to_le_bytes())
+        .collect();
+    for (dtype, bytes, tol) in [
+        (Dtype::F32, f32_bytes(&want), 0.0),
+        (Dtype::F16, f16, 1e-3),
+        (Dtype::BF16, bf16, 1e-2),
+    ] {
+        let aligned = {
+            let v = TensorView::new(dtype, vec![37], &bytes).unwrap();
+            view_to_f32(&v).unwrap()
+        };
+        let mut shifted = vec![0u8; bytes.len() + 1];
+        shifted[1..].copy_from_slice(&bytes);
+        let v = TensorView::new(dtype, vec![37], &shifted[1..]).unwrap();
+        let unaligned = view_to_f32(&v).unwrap();
+        assert_eq!(unaligned, aligned, "{dtype:?}");
+        for (a, b) in aligned.iter().zip(&want) {
+            assert!((a - b).abs() <= tol, "{dtype:?}: {a} vs {b}");
+        }
+    }
+}
