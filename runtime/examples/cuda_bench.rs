@@ -238,7 +238,7 @@ fn exchange_tables(smoke: bool) -> Res<()> {
         let t0 = Instant::now();
         let iters = 50;
         for _ in 0..iters {
-            g.export_rows(&x, 4096, std::slice::from_ref(&(0..rows)), &mut host);
+            g.export_rows(&x, 4096, std::slice::from_ref(&(0..rows)), &mut host, 4096);
             seq += 1;
             ex.seq_word()
                 .store(seq, std::sync::atomic::Ordering::SeqCst);

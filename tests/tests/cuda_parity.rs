@@ -379,15 +379,15 @@ fn export_and_merge_rows_match_cpu() {
     let sel = [2..5, 9..10, 15..20];
     let n: usize = sel.iter().map(|r| r.len()).sum();
     let (mut ec, mut eg) = (vec![0.0; n * w], vec![0.0; n * w]);
-    cpu.export_rows(&x, w, &sel, &mut ec);
+    cpu.export_rows(&x, w, &sel, &mut ec, w);
     let xg = g.upload_f32(&x).unwrap();
-    g.export_rows(&xg, w, &sel, &mut eg);
+    g.export_rows(&xg, w, &sel, &mut eg, w);
     check("export_rows", DType::F32, 0.0, &eg, &ec);
     let delta = rand_vec(&mut rng, n * w, 1.0);
     let mut yc = x.clone();
-    cpu.merge_rows(&mut yc, w, &sel, &delta);
+    cpu.merge_rows(&mut yc, w, &sel, &delta, w);
     let mut yg = g.upload_f32(&x).unwrap();
-    g.merge_rows(&mut yg, w, &sel, &delta);
+    g.merge_rows(&mut yg, w, &sel, &delta, w);
     check(
         "merge_rows",
         DType::F32,

@@ -321,25 +321,7 @@ impl Backend for CpuBackend {
         }
     }
 
-    fn export_rows(&mut self, x: &Vec<f32>, width: usize, rows: &[Range<usize>], dst: &mut [f32]) {
-        let mut at = 0;
-        for r in rows {
-            let n = r.len() * width;
-            dst[at..at + n].copy_from_slice(&x[r.start * width..r.end * width]);
-            at += n;
-        }
-    }
-
-    fn merge_rows(&mut self, y: &mut Vec<f32>, width: usize, rows: &[Range<usize>], src: &[f32]) {
-        let mut at = 0;
-        for r in rows {
-            let n = r.len() * width;
-            k::add_in_place(&mut y[r.start * width..r.end * width], &src[at..at + n]);
-            at += n;
-        }
-    }
-
-    fn export_rows_strided(
+    fn export_rows(
         &mut self,
         x: &Vec<f32>,
         width: usize,
@@ -355,7 +337,7 @@ impl Backend for CpuBackend {
         }
     }
 
-    fn merge_rows_strided(
+    fn merge_rows(
         &mut self,
         y: &mut Vec<f32>,
         width: usize,
@@ -375,5 +357,37 @@ impl Backend for CpuBackend {
     fn logits(&mut self, x: &Vec<f32>, lm_head: &CpuLinear, rows: usize, out: &mut Vec<f32>) {
         out.resize(rows * lm_head.d_out, 0.0);
         self.linear(x, lm_head, rows, out);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::fixtures;
+
+    /// Rows exported into (and merged from) a buffer with a wider stride land exactly where
+    /// the packed layout would put them, and the padding is left alone.
+    #[test]
+    fn strided_export_and_merge_match_packed() {
+        let cfg = ModelConfig::from_dir(&fixtures::tiny_llama()).unwrap();
+        let mut b = CpuBackend::new(&cfg);
+        let (w, stride) = (3, 5);
+        let x: Vec<f32> = (0..8 * w).map(|i| i as f32).collect();
+        let rows = [1..3, 5..6];
+        let mut packed = vec![0.0; 3 * w];
+        b.export_rows(&x, w, &rows, &mut packed, w);
+        let mut wide = vec![-1.0; 2 * stride + w];
+        b.export_rows(&x, w, &rows, &mut wide, stride);
+        for r in 0..3 {
+            assert_eq!(wide[r * stride..r * stride + w], packed[r * w..(r + 1) * w]);
+        }
+        assert_eq!(wide[w..stride], [-1.0, -1.0]);
+        let mut y_packed = vec![0.5; 8 * w];
+        let mut y_wide = y_packed.clone();
+        b.merge_rows(&mut y_packed, w, &rows, &packed, w);
+        b.merge_rows(&mut y_wide, w, &rows, &wide, stride);
+        assert_eq!(y_wide, y_packed);
+        assert_eq!(y_packed[w], x[w] + 0.5);
+        assert_eq!(y_packed[0], 0.5);
     }
 }

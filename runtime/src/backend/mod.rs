@@ -182,45 +182,26 @@ pub trait Backend {
     /// out[i] = x[rows[i]] for rows of `width` elements.
     fn gather_rows(&mut self, x: &Self::Buf, width: usize, rows: &[usize], out: &mut Self::Buf);
     /// Copies rows `rows` (each of `width` elements) of `x`, in order, into the host exchange
-    /// buffer `dst` — the CPU-assist export (on CUDA: the fused copy-and-signal kernel).
-    fn export_rows(&mut self, x: &Self::Buf, width: usize, rows: &[Range<usize>], dst: &mut [f32]);
-    /// Adds host deltas `src` (rows packed in the order of `rows`) into rows `rows` of `y`.
-    fn merge_rows(&mut self, y: &mut Self::Buf, width: usize, rows: &[Range<usize>], src: &[f32]);
-    /// [`Backend::export_rows`] into a buffer whose rows are `stride ≥ width` apart (the
-    /// workers' exchange: no intermediate packed copy).
-    fn export_rows_strided(
+    /// buffer `dst`, whose rows are `stride ≥ width` apart — the CPU-assist export (on CUDA:
+    /// the fused copy-and-signal kernel).
+    fn export_rows(
         &mut self,
         x: &Self::Buf,
         width: usize,
         rows: &[Range<usize>],
         dst: &mut [f32],
         stride: usize,
-    ) {
-        if stride == width {
-            return self.export_rows(x, width, rows, dst);
-        }
-        for (i, r) in rows.iter().flat_map(|r| r.clone()).enumerate() {
-            let d = &mut dst[i * stride..i * stride + width];
-            self.export_rows(x, width, std::slice::from_ref(&(r..r + 1)), d);
-        }
-    }
-    /// [`Backend::merge_rows`] from a buffer whose rows are `stride ≥ width` apart.
-    fn merge_rows_strided(
+    );
+    /// Adds host deltas `src` (rows in the order of `rows`, `stride ≥ width` apart) into rows
+    /// `rows` of `y`.
+    fn merge_rows(
         &mut self,
         y: &mut Self::Buf,
         width: usize,
         rows: &[Range<usize>],
         src: &[f32],
         stride: usize,
-    ) {
-        if stride == width {
-            return self.merge_rows(y, width, rows, src);
-        }
-        for (i, r) in rows.iter().flat_map(|r| r.clone()).enumerate() {
-            let s = &src[i * stride..i * stride + width];
-            self.merge_rows(y, width, std::slice::from_ref(&(r..r + 1)), s);
-        }
-    }
+    );
     /// Host copy of logits = x · lm_headᵀ for `rows` rows: `[rows, vocab]`.
     fn logits(&mut self, x: &Self::Buf, lm_head: &Self::Linear, rows: usize, out: &mut Vec<f32>);
 }

@@ -77,8 +77,6 @@ pub(crate) struct AssistBuffers {
     scratch: Scratch,
     jobs: Vec<LoraJob>,
     pub profile: AssistProfile,
-    /// When the base projections of the current group started.
-    pub base_started: Option<Instant>,
 }
 
 /// Where the deltas are computed.

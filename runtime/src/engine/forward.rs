@@ -1,4 +1,6 @@
 //! One forward pass of a Llama-family decoder over a step's rows, through the backend.
+use std::time::Instant;
+
 use super::assist::{Assist, ColdSeg};
 use super::weights::DeviceModel;
 use super::EngineConfig;
@@ -106,8 +108,9 @@ fn cold_segments<L>(
     }
 }
 
-/// Exports the cold rows of `x` and starts their deltas on the CPU. Returns false when no
-/// row of this layer needs the CPU for `group`.
+/// Exports the cold rows of `x` and starts their deltas on the CPU. Returns when the base
+/// projections that overlap the CPU work begin, or `None` when no row of this layer needs
+/// the CPU for `group`.
 #[allow(clippy::too_many_arguments)]
 fn begin_assist<B: Backend>(
     b: &mut B,
@@ -118,29 +121,29 @@ fn begin_assist<B: Backend>(
     lora: &LoraBatch<'_, B::Lora>,
     assist: &mut Option<&mut Assist<'_>>,
     cold: &mut Vec<ColdSeg>,
-) -> Result<bool> {
+) -> Result<Option<Instant>> {
     let Some(a) = assist.as_deref_mut() else {
-        return Ok(false);
+        return Ok(None);
     };
     cold_segments(lora, a, layer, group, cold);
     if cold.is_empty() {
-        return Ok(false);
+        return Ok(None);
     }
     let d_in = c.module_shape(group[0]).0;
     let n: usize = cold.iter().map(|s| s.packed.len()).sum();
-    let t0 = std::time::Instant::now();
+    let t0 = Instant::now();
     let (dst, stride) = a.input(n, d_in)?;
     for s in cold.iter() {
         let rows = std::slice::from_ref(&s.rows);
-        b.export_rows_strided(x, d_in, rows, &mut dst[s.packed.start * stride..], stride);
+        b.export_rows(x, d_in, rows, &mut dst[s.packed.start * stride..], stride);
     }
     a.buf.profile.export += t0.elapsed();
     a.start(layer, group, cold, d_in, |m| c.module_shape(m).1)?;
-    a.buf.base_started = Some(std::time::Instant::now());
-    Ok(true)
+    Ok(Some(Instant::now()))
 }
 
-/// Waits for the CPU deltas of `group` and adds them into the module outputs.
+/// Waits for the CPU deltas of `group` and adds them into the module outputs; the base
+/// projections began at `base_started`.
 #[allow(clippy::too_many_arguments)]
 fn end_assist<B: Backend>(
     b: &mut B,
@@ -150,16 +153,15 @@ fn end_assist<B: Backend>(
     outs: &mut [&mut B::Buf],
     assist: &mut Option<&mut Assist<'_>>,
     cold: &[ColdSeg],
+    base_started: Instant,
 ) -> Result<()> {
     let Some(a) = assist.as_deref_mut() else {
         return Ok(());
     };
-    if let Some(t) = a.buf.base_started.take() {
-        a.buf.profile.base += t.elapsed();
-    }
+    a.buf.profile.base += base_started.elapsed();
     let n: usize = cold.iter().map(|s| s.packed.len()).sum();
     a.finish()?;
-    let t0 = std::time::Instant::now();
+    let t0 = Instant::now();
     for (&m, y) in group.iter().zip(outs.iter_mut()) {
         let d_out = c.module_shape(m).1;
         let (src, stride) = a.deltas(m, n, d_out)?;
@@ -169,7 +171,7 @@ fn end_assist<B: Backend>(
             }
             let rows = std::slice::from_ref(&s.rows);
             let src = &src[s.packed.start * stride..];
-            b.merge_rows_strided(y, d_out, rows, src, stride);
+            b.merge_rows(y, d_out, rows, src, stride);
         }
     }
     a.buf.profile.merge += t0.elapsed();
@@ -205,24 +207,17 @@ pub(crate) fn run<B: Backend>(
         project(b, c, &p[0], &ws.x, &mut ws.q, rows, (l, Q), lora);
         project(b, c, &p[1], &ws.x, &mut ws.k, rows, (l, K), lora);
         project(b, c, &p[2], &ws.x, &mut ws.v, rows, (l, V), lora);
-        if cpu {
-            end_assist(
-                b,
-                c,
-                i,
-                &g,
-                &mut [&mut ws.q, &mut ws.k, &mut ws.v],
-                &mut assist,
-                &cold,
-            )?;
+        if let Some(t) = cpu {
+            let outs = &mut [&mut ws.q, &mut ws.k, &mut ws.v];
+            end_assist(b, c, i, &g, outs, &mut assist, &cold, t)?;
         }
         b.rope(&mut ws.q, &step.positions, c.num_heads);
         b.rope(&mut ws.k, &step.positions, c.num_kv_heads);
         b.attention(&ws.q, &ws.k, &ws.v, kv, step, &mut ws.attn);
         let cpu = begin_assist(b, c, &ws.attn, i, &[O], lora, &mut assist, &mut cold)?;
         project(b, c, &p[3], &ws.attn, &mut ws.o, rows, (l, O), lora);
-        if cpu {
-            end_assist(b, c, i, &[O], &mut [&mut ws.o], &mut assist, &cold)?;
+        if let Some(t) = cpu {
+            end_assist(b, c, i, &[O], &mut [&mut ws.o], &mut assist, &cold, t)?;
         }
         b.add(&mut ws.h, &ws.o, rows * hidden);
         // MLP block (SwiGLU).
@@ -231,22 +226,15 @@ pub(crate) fn run<B: Backend>(
         let cpu = begin_assist(b, c, &ws.x, i, &g, lora, &mut assist, &mut cold)?;
         project(b, c, &p[4], &ws.x, &mut ws.gate, rows, (l, Gate), lora);
         project(b, c, &p[5], &ws.x, &mut ws.up, rows, (l, Up), lora);
-        if cpu {
-            end_assist(
-                b,
-                c,
-                i,
-                &g,
-                &mut [&mut ws.gate, &mut ws.up],
-                &mut assist,
-                &cold,
-            )?;
+        if let Some(t) = cpu {
+            let outs = &mut [&mut ws.gate, &mut ws.up];
+            end_assist(b, c, i, &g, outs, &mut assist, &cold, t)?;
         }
         b.swiglu(&ws.gate, &ws.up, rows * c.intermediate_size, &mut ws.act);
         let cpu = begin_assist(b, c, &ws.act, i, &[Down], lora, &mut assist, &mut cold)?;
         project(b, c, &p[6], &ws.act, &mut ws.o, rows, (l, Down), lora);
-        if cpu {
-            end_assist(b, c, i, &[Down], &mut [&mut ws.o], &mut assist, &cold)?;
+        if let Some(t) = cpu {
+            end_assist(b, c, i, &[Down], &mut [&mut ws.o], &mut assist, &cold, t)?;
         }
         b.add(&mut ws.h, &ws.o, rows * hidden);
     }

@@ -21,13 +21,13 @@ impl FileBytes {
             // Mapping zero bytes fails on some platforms; the parser reports an empty file.
             return Ok(Self::Empty);
         }
+        // MAP_POPULATE: the file's pages are mapped in one call instead of one fault per
+        // 4 KiB while the tensors are copied out (most of an adapter load's time otherwise).
         // SAFETY: the map is read-only and private to this process; the only hazard is another
         // process truncating or rewriting the file while it is mapped. Weights and adapter
         // files are immutable once written (HF/PEFT write a new file; Thaw's docs tell users
         // not to overwrite a file that is being loaded), and we copy the tensors out into
         // owned buffers right after parsing, so the window is the duration of one load.
-        // MAP_POPULATE: the file's pages are mapped in one call instead of one fault per
-        // 4 KiB while the tensors are copied out (most of an adapter load's time otherwise).
         let map = unsafe { memmap2::MmapOptions::new().populate().map(&file)? };
         Ok(Self::Mapped(map))
     }

@@ -41,15 +41,8 @@ impl Loader {
         }
     }
 
-    /// Queues the adapter in `dir` under `key`.
-    pub fn request(&self, key: usize, dir: PathBuf) {
-        if let Some(tx) = &self.tx {
-            // The thread only exits when this sender is dropped, so the send succeeds.
-            let _ = tx.send((key, dir));
-        }
-    }
-
-    /// A handle other threads can queue loads with (the key and order are the same).
+    /// A handle that queues loads, from any thread. Drop every requester before the
+    /// [`Loader`]: dropping the loader waits for its thread, which runs while one is alive.
     pub fn requester(&self) -> LoadRequester {
         LoadRequester(self.tx.clone())
     }

@@ -387,11 +387,12 @@ impl CudaBackend {
         width: usize,
         rows: &[Range<usize>],
         dst: &mut [f32],
+        stride: usize,
     ) -> Result<(), CudaError> {
         let n = Self::stage_rows(&self.gpu.stream, &mut self.export_idx, rows)?;
         assert!(
-            dst.len() >= n * width,
-            "export_rows: dst holds {} < {n} rows",
+            stride >= width && dst.len() >= n.saturating_sub(1) * stride + width,
+            "export_rows: dst holds {} < {n} rows of stride {stride}",
             dst.len()
         );
         if n == 0 {
@@ -414,12 +415,26 @@ impl CudaBackend {
             .gpu
             .gather_rows(x, self.export_idx.get(), n, width, &mut staged)
             .and_then(|()| {
-                self.gpu
-                    .stream
-                    .memcpy_dtoh(&staged.slice(..n * width), &mut dst[..n * width])?;
+                let packed = &staged.slice(..n * width);
+                if stride == width {
+                    self.gpu.stream.memcpy_dtoh(packed, &mut dst[..n * width])?;
+                } else {
+                    // One copy into the host staging vector, then rows spread to the stride.
+                    let host = &mut self.host_rows.host;
+                    host.resize(n * width, 0.0);
+                    self.gpu.stream.memcpy_dtoh(packed, &mut host[..])?;
+                }
                 Ok(self.gpu.stream.synchronize()?)
             });
         self.host_rows.dev = Some(staged);
+        if stride != width && r.is_ok() {
+            for (d, s) in dst
+                .chunks_mut(stride)
+                .zip(self.host_rows.host.chunks_exact(width))
+            {
+                d[..width].copy_from_slice(s);
+            }
+        }
         r
     }
 
@@ -429,18 +444,21 @@ impl CudaBackend {
         width: usize,
         rows: &[Range<usize>],
         src: &[f32],
+        stride: usize,
     ) -> Result<(), CudaError> {
         let n = Self::stage_rows(&self.gpu.stream, &mut self.merge_idx, rows)?;
         assert!(
-            src.len() >= n * width,
-            "merge_rows: src holds {} < {n} rows",
+            stride >= width && src.len() >= n.saturating_sub(1) * stride + width,
+            "merge_rows: src holds {} < {n} rows of stride {stride}",
             src.len()
         );
         if n == 0 {
             return Ok(());
         }
         self.host_rows.host.clear();
-        self.host_rows.host.extend_from_slice(&src[..n * width]);
+        self.host_rows
+            .host
+            .extend(src.chunks(stride).take(n).flat_map(|row| &row[..width]));
         self.host_rows.upload(&self.gpu.stream)?;
         let delta = self.gpu.p(self.host_rows.get());
         // SAFETY: `delta` is device memory holding n × width f32 (just uploaded on this
@@ -693,8 +711,9 @@ impl Backend for CudaBackend {
         width: usize,
         rows: &[Range<usize>],
         dst: &mut [f32],
+        stride: usize,
     ) {
-        op!(self, self.try_export_host(x, width, rows, dst));
+        op!(self, self.try_export_host(x, width, rows, dst, stride));
     }
 
     fn merge_rows(
@@ -703,8 +722,9 @@ impl Backend for CudaBackend {
         width: usize,
         rows: &[Range<usize>],
         src: &[f32],
+        stride: usize,
     ) {
-        op!(self, self.try_merge_host(y, width, rows, src));
+        op!(self, self.try_merge_host(y, width, rows, src, stride));
     }
 
     fn logits(
