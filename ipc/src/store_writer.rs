@@ -93,6 +93,16 @@ impl HostStore {
         self.reader.seg.populate()
     }
 
+    /// Arena bytes an adapter of `n_layers` layers takes, given each (layer, module)'s A and
+    /// B sizes in bytes: what [`insert`](Self::insert) allocates, for sizing a store.
+    pub fn footprint(n_layers: u32, tensors: impl IntoIterator<Item = (u64, u64)>) -> u64 {
+        round_up((n_layers as usize * NUM_MODULES * DESC) as u64)
+            + tensors
+                .into_iter()
+                .map(|(a, b)| round_up(a) + round_up(b))
+                .sum::<u64>()
+    }
+
     /// Copies an adapter into the arena and publishes it. Reclaims retired adapters first.
     pub fn insert(
         &mut self,
@@ -109,11 +119,12 @@ impl HostStore {
         let shapes = check_weights(weights)?;
         let n_layers = weights.iter().map(|w| w.layer.0 + 1).max().unwrap_or(0);
         let desc_bytes = round_up((n_layers as usize * NUM_MODULES * DESC) as u64);
-        let size = desc_bytes
-            + weights
+        let size = Self::footprint(
+            n_layers,
+            weights
                 .iter()
-                .map(|w| round_up(w.a_bytes.len() as u64) + round_up(w.b_bytes.len() as u64))
-                .sum::<u64>();
+                .map(|w| (w.a_bytes.len() as u64, w.b_bytes.len() as u64)),
+        );
         self.reclaim();
         let slot = self.free_slots.pop().ok_or(IpcError::IndexFull {
             max: self.cfg.max_adapters,

@@ -102,31 +102,19 @@ fn bad_input_is_refused_with_what_to_do() {
     assert!(err.contains("no-such-model"), "error names no path:\n{err}");
 
     let (model, adapters) = tiny(tmp.path());
-    let err = failed(&[
-        "serve",
-        "--model",
-        s(&model),
-        "--port",
-        "0",
-        "--lora-modules",
-        "missing-equals-sign",
-    ]);
+    let serve = |extra: &[&str]| {
+        let mut args = vec!["serve", "--model", s(&model), "--port", "0"];
+        args.extend_from_slice(extra);
+        failed(&args)
+    };
+    let err = serve(&["--lora-modules", "missing-equals-sign"]);
     assert!(
         err.contains("name=path"),
         "error does not show the form:\n{err}"
     );
 
-    let err = failed(&[
-        "serve",
-        "--model",
-        s(&model),
-        "--port",
-        "0",
-        "--max-lora-rank",
-        "8",
-        "--lora-modules",
-        &format!("big={}", s(&adapters[1])),
-    ]);
+    let big = format!("big={}", s(&adapters[1]));
+    let err = serve(&["--max-lora-rank", "8", "--lora-modules", &big]);
     assert!(
         err.contains("rank") && err.contains("--max-lora-rank"),
         "error does not point at --max-lora-rank:\n{err}"

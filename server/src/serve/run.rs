@@ -335,9 +335,8 @@ fn start_workers(
 ) -> anyhow::Result<thaw_cpu_lora::LoraPool> {
     let c = engine.model_config();
     let widest = c.hidden_size.max(c.intermediate_size).max(c.q_dim()) as u32;
-    let per_adapter_guess = 64u64 << 20;
     let store = thaw_ipc::HostStore::create(
-        per_adapter_guess * cfg.max_cpu_loras.max(1) as u64,
+        host_store_bytes(c, cfg.max_lora_rank, cfg.max_cpu_loras),
         cfg.max_cpu_loras.max(1) as u32 + 8,
     )
     .context("creating the shared host adapter store")?;
@@ -363,4 +362,73 @@ fn start_workers(
     )
     .context("starting the CPU LoRA workers (thaw lora-worker)")?;
     Ok(pool)
+}
+
+/// Arena bytes of the workers' host store: room for `adapters` of the largest adapter the
+/// server accepts (`max_rank` on every projection of every layer, f32 like the host copy), so
+/// no accepted adapter can be refused for size. The store is a sparse memfd: only the pages
+/// adapters fill are committed.
+fn host_store_bytes(c: &thaw_runtime::model::ModelConfig, max_rank: usize, adapters: usize) -> u64 {
+    let f32_bytes = |n: usize| (n * std::mem::size_of::<f32>()) as u64;
+    let layer = thaw_runtime::adapter::LoraModule::ALL.map(|m| {
+        let (d_in, d_out) = c.module_shape(m);
+        (f32_bytes(max_rank * d_in), f32_bytes(d_out * max_rank))
+    });
+    let largest =
+        thaw_ipc::HostStore::footprint(c.num_layers as u32, (0..c.num_layers).flat_map(|_| layer));
+    largest * adapters.max(1) as u64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::host_store_bytes;
+    use crate::gen::{model_config, preset, write_adapters, write_model, GenAdaptersOptions};
+    use thaw_runtime::adapter::LoraAdapter;
+    use thaw_runtime::model::ModelConfig;
+
+    fn config(name: &str) -> ModelConfig {
+        let p = preset(name).unwrap();
+        ModelConfig::from_json(&model_config(&p, p.default_dtype).to_string()).unwrap()
+    }
+
+    /// The bound is exactly the store footprint of a max-rank adapter on every projection.
+    #[test]
+    fn host_store_fits_the_largest_accepted_adapter() {
+        let dir = tempfile::tempdir().unwrap();
+        let model = dir.path().join("model");
+        write_model(&preset("tiny").unwrap(), &model, &Default::default()).unwrap();
+        let written = write_adapters(&GenAdaptersOptions {
+            model_dir: model.clone(),
+            out_dir: dir.path().join("adapters"),
+            count: 1,
+            ranks: vec![16],
+            ..Default::default()
+        })
+        .unwrap();
+        let config = ModelConfig::from_dir(&model).unwrap();
+        let a = LoraAdapter::load(&written[0], &config).unwrap();
+        assert_eq!(
+            a.iter().count(),
+            7 * config.num_layers,
+            "not every projection"
+        );
+        let footprint = thaw_ipc::HostStore::footprint(
+            config.num_layers as u32,
+            a.iter()
+                .map(|(_, _, w)| ((w.a.len() * 4) as u64, (w.b.len() * 4) as u64)),
+        );
+        assert_eq!(host_store_bytes(&config, 16, 1), footprint);
+        assert_eq!(host_store_bytes(&config, 16, 3), 3 * footprint);
+        assert!(host_store_bytes(&config, 8, 1) < footprint);
+    }
+
+    /// Llama-2-7B shapes at rank 256 on every projection: about 2.5 GB per adapter. (A fixed
+    /// 64 MB per adapter refused even rank-16 all-projection adapters of a 7B model.)
+    #[test]
+    fn llama_7b_adapter_bound() {
+        let c = config("llama-7b-shape");
+        let per = host_store_bytes(&c, 256, 1);
+        assert!((2_500_000_000..2_600_000_000).contains(&per), "{per}");
+        assert!(host_store_bytes(&c, 16, 1) > 64 << 20);
+    }
 }
