@@ -16,7 +16,7 @@ use thaw_runtime::engine::{Engine, EngineConfig, HostModel};
 use thaw_runtime::residency::LinkModel;
 use thaw_runtime::sampling::SamplingParams;
 use thaw_server::coldstart::{
-    self, calibrate, ColdStartPolicy, DriverConfig, Request, RunReport, StartTier,
+    self, calibrate, ColdStartPolicy, CostModel, DriverConfig, Request, RunReport, StartTier,
 };
 use thaw_server::gen::{self, GenAdaptersOptions, GenModelOptions, Projection};
 
@@ -77,6 +77,10 @@ pub struct ColdStartArgs {
     /// Policies to run (comma-separated); `cached` always runs, as the reference.
     #[arg(long, value_delimiter = ',', default_values_t = ColdStartPolicy::ALL)]
     pub policies: Vec<ColdStartPolicy>,
+    /// Runs of every policy, interleaved (cached, on-demand, …, cached, on-demand, …), so a
+    /// drift in the machine's speed hits every policy alike; the table pools all rounds.
+    #[arg(long, default_value_t = 1)]
+    pub rounds: usize,
 }
 
 /// Where the benchmark's adapters start (`--start-tier`).
@@ -120,6 +124,8 @@ pub struct PolicyRow {
 #[derive(Clone, Debug)]
 pub struct Experiment {
     pub title: String,
+    /// Interleaved runs of every policy pooled into each row (`--rounds`).
+    pub rounds: usize,
     pub rows: Vec<PolicyRow>,
 }
 
@@ -269,51 +275,75 @@ fn run_all(
         .iter()
         .map(|d| (d.clone(), args.start_tier.tier()))
         .collect();
-    let mut rows = Vec::new();
-    for policy in ColdStartPolicy::ALL {
-        if policy != ColdStartPolicy::Cached && !args.policies.contains(&policy) {
-            continue;
+    let policies: Vec<ColdStartPolicy> = ColdStartPolicy::ALL
+        .into_iter()
+        .filter(|p| *p == ColdStartPolicy::Cached || args.policies.contains(p))
+        .collect();
+    let rounds = args.rounds.max(1);
+    let mut pooled: Vec<RunReport> = vec![RunReport::default(); policies.len()];
+    for round in 1..=rounds {
+        for (&policy, pool) in policies.iter().zip(&mut pooled) {
+            let mut e = engine(b, args, link)?;
+            let mut cost = calibrate(&mut e)?;
+            let cfg = DriverConfig {
+                policy,
+                max_chunk: args.max_chunk,
+                max_batch_tokens: args.max_chunk.max(512),
+            };
+            let r = coldstart::run(&mut e, &adapters, reqs, &cfg, &mut cost);
+            if let Some(mut pool) = e.detach_pool() {
+                pool.shutdown();
+            }
+            report_run(policy, &r, &cost, args);
+            if rounds > 1 {
+                let row = summarize(policy, &r);
+                eprintln!(
+                    "  {policy}, round {round}/{rounds}: TTFT mean {:.1} ms, P99 {:.1} ms, TPOT {:.1} ms",
+                    row.ttft_mean * 1e3,
+                    row.ttft_p99 * 1e3,
+                    row.tpot_mean * 1e3
+                );
+            }
+            pool.outcomes.extend(r.outcomes);
+            pool.rows_assisted += r.rows_assisted;
         }
-        let mut e = engine(b, args, link)?;
-        let mut cost = calibrate(&mut e)?;
-        let cfg = DriverConfig {
-            policy,
-            max_chunk: args.max_chunk,
-            max_batch_tokens: args.max_chunk.max(512),
-        };
-        let r = coldstart::run(&mut e, &adapters, reqs, &cfg, &mut cost);
-        if let Some(mut pool) = e.detach_pool() {
-            pool.shutdown();
-        }
-        eprintln!(
-            "  {policy}: {} requests in {:.1?}; device {:.1} µs/layer + {:.2} µs/layer/token, assist overhead {:.0} µs/layer, CPU {:.1} GFLOP/s",
-            reqs.len(),
-            r.wall,
-            cost.layer_base_s * 1e6,
-            cost.layer_per_token_s * 1e6,
-            cost.assist_layer_overhead_s * 1e6,
-            cost.cpu_flops / 1e9
-        );
-        eprintln!("{}", step_profile(policy, &r, args.timeline));
-        if let Some(e) = r.outcomes.iter().find_map(|o| o.error.as_ref()) {
-            eprintln!("  {policy}: first failure: {e}");
-        }
-        if policy == ColdStartPolicy::Auto && !r.predictions.is_empty() {
-            let err: f64 = r
-                .predictions
-                .iter()
-                .map(|p| (p.predicted_s - p.actual_s).abs() / p.actual_s.max(1e-9))
-                .sum::<f64>()
-                / r.predictions.len() as f64;
-            eprintln!(
-                "  auto: {} TTFT predictions, mean relative error {:.0}%",
-                r.predictions.len(),
-                err * 100.0
-            );
-        }
-        rows.push(summarize(policy, &r));
     }
-    Ok(rows)
+    Ok(policies
+        .iter()
+        .zip(&pooled)
+        .map(|(&p, r)| summarize(p, r))
+        .collect())
+}
+
+/// What one policy's run did: the cost model it ended with, its steps, its first failure
+/// and `auto`'s prediction error.
+fn report_run(policy: ColdStartPolicy, r: &RunReport, cost: &CostModel, args: &ColdStartArgs) {
+    eprintln!(
+        "  {policy}: {} requests in {:.1?}; device {:.1} µs/layer + {:.2} µs/layer/token, assist overhead {:.0} µs/layer, CPU {:.1} GFLOP/s",
+        r.outcomes.len(),
+        r.wall,
+        cost.layer_base_s * 1e6,
+        cost.layer_per_token_s * 1e6,
+        cost.assist_layer_overhead_s * 1e6,
+        cost.cpu_flops / 1e9
+    );
+    eprintln!("{}", step_profile(policy, r, args.timeline));
+    if let Some(e) = r.outcomes.iter().find_map(|o| o.error.as_ref()) {
+        eprintln!("  {policy}: first failure: {e}");
+    }
+    if policy == ColdStartPolicy::Auto && !r.predictions.is_empty() {
+        let err: f64 = r
+            .predictions
+            .iter()
+            .map(|p| (p.predicted_s - p.actual_s).abs() / p.actual_s.max(1e-9))
+            .sum::<f64>()
+            / r.predictions.len() as f64;
+        eprintln!(
+            "  auto: {} TTFT predictions, mean relative error {:.0}%",
+            r.predictions.len(),
+            err * 100.0
+        );
+    }
 }
 
 /// How the run's steps went: decode-only vs with prefill, warm vs cold, and where the
@@ -527,6 +557,7 @@ pub fn run(args: &ColdStartArgs) -> anyhow::Result<Vec<Experiment>> {
             args.output_tokens, rate, args.load * 100.0, gbps, prefill_s * 1e3, args.workers,
             args.start_tier.name()
         ),
+        rounds: args.rounds.max(1),
         rows,
     });
 
@@ -571,6 +602,7 @@ pub fn run(args: &ColdStartArgs) -> anyhow::Result<Vec<Experiment>> {
                 args.preset, args.rank, args.zipf_adapters, args.requests, scale, mean_prompt, mean_out, rate2,
                 args.start_tier.name()
             ),
+            rounds: args.rounds.max(1),
             rows,
         });
     }
@@ -584,6 +616,14 @@ pub fn table(experiments: &[Experiment]) -> String {
     );
     for e in experiments {
         let _ = writeln!(s, "\n{}\n", e.title);
+        if let Some(r) = e.rows.first().filter(|_| e.rounds > 1) {
+            let _ = writeln!(
+                s,
+                "{} interleaved rounds of every policy, pooled: {} requests per policy\n",
+                e.rounds,
+                r.completed + r.failed
+            );
+        }
         let _ = writeln!(s, "| policy | TTFT mean | TTFT P50 | TTFT P99 | TPOT mean | E2E mean | done/failed | CPU-assisted rows |");
         let _ = writeln!(s, "|---|---|---|---|---|---|---|---|");
         let base = e
@@ -654,12 +694,17 @@ mod tests {
             policies: ColdStartPolicy::ALL.to_vec(),
             timeline: false,
             start_tier: StartFrom::Disk,
+            rounds: 2,
         };
         let ex = run(&args).unwrap();
         assert_eq!(ex.len(), 1);
         assert_eq!(ex[0].rows.len(), 4);
         for r in &ex[0].rows {
-            assert_eq!(r.completed, 8, "{}: every request completes", r.policy);
+            assert_eq!(
+                r.completed, 16,
+                "{}: every request of both rounds",
+                r.policy
+            );
             assert_eq!(r.failed, 0);
         }
         let t = table(&ex);
