@@ -220,9 +220,7 @@ impl Mapping {
         // access to the range for the slice's lifetime.
         unsafe { std::slice::from_raw_parts_mut(p, count) }
     }
-}
 
-impl Mapping {
     /// Backs the whole mapping with pages now and maps them writable (`MADV_POPULATE_WRITE`,
     /// Linux ≥ 5.14), so later first writes take no page fault. Returns false where the
     /// kernel refuses (older kernels): the pages then fault in on first use, as before.

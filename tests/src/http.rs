@@ -10,8 +10,8 @@ use std::time::Duration;
 
 use serde_json::Value;
 use thaw_runtime::adapter::LoraAdapter;
-use thaw_runtime::engine::{EngineConfig, HostModel};
-use thaw_runtime::ids::AdapterId;
+use thaw_runtime::engine::{EngineConfig, HostModel, SequenceParams};
+use thaw_runtime::ids::{AdapterId, SeqId};
 use thaw_server::gen::{self, GenAdaptersOptions, GenModelOptions, Projection};
 use thaw_server::serve::{ServeConfig, Server};
 
@@ -55,9 +55,10 @@ impl ServeFixture {
         self.dir.path().join("model")
     }
 
-    /// A CPU engine over this model with adapter `i` (if any) registered as `AdapterId(0)`:
-    /// the reference HTTP results are compared with.
-    pub fn engine(&self, adapter: Option<usize>) -> crate::CpuEngine {
+    /// A CPU engine over this model with adapter `i` (if any) registered as `AdapterId(0)`
+    /// and one sequence, `SeqId(0)`: `params` run on that adapter. The reference HTTP results
+    /// are compared with.
+    pub fn engine(&self, adapter: Option<usize>, params: SequenceParams) -> crate::CpuEngine {
         let model = HostModel::load(&self.model_dir()).expect("fixture model");
         let cfg = model.config.clone();
         let mut e = crate::cpu_engine(model, EngineConfig::default());
@@ -66,6 +67,12 @@ impl ServeFixture {
             e.register_adapter(AdapterId(0), Arc::new(a))
                 .expect("registering the fixture adapter");
         }
+        let params = SequenceParams {
+            adapter: adapter.map(|_| AdapterId(0)),
+            ..params
+        };
+        e.add_sequence(SeqId(0), params)
+            .expect("adding the reference sequence");
         e
     }
 

@@ -7,7 +7,7 @@ use axum::http::Request;
 use axum::Router;
 use serde_json::{json, Value};
 use thaw_runtime::engine::{HostModel, SequenceParams};
-use thaw_runtime::ids::{AdapterId, SeqId};
+use thaw_runtime::ids::SeqId;
 use thaw_runtime::model::Tokenizer;
 use thaw_runtime::sampling::SamplingParams;
 use thaw_server::serve::Server;
@@ -66,19 +66,14 @@ fn engine_tokens(
     sampling: SamplingParams,
     max_new: usize,
 ) -> Vec<(u32, f32)> {
-    let mut e = fx.engine(adapter);
-    e.add_sequence(
-        SeqId(0),
-        SequenceParams {
-            prompt: prompt.to_vec(),
-            adapter: adapter.map(|_| AdapterId(0)),
-            sampling,
-            max_new_tokens: max_new,
-            ignore_eos: true,
-            ..Default::default()
-        },
-    )
-    .unwrap();
+    let params = SequenceParams {
+        prompt: prompt.to_vec(),
+        sampling,
+        max_new_tokens: max_new,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let mut e = fx.engine(adapter, params);
     let mut out = Vec::new();
     loop {
         let o = step_all_pending(&mut e, SeqId(0), false);

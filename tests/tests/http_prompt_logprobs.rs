@@ -4,7 +4,7 @@
 
 use serde_json::{json, Value};
 use thaw_runtime::engine::{HostModel, SequenceParams};
-use thaw_runtime::ids::{AdapterId, SeqId};
+use thaw_runtime::ids::SeqId;
 use thaw_runtime::model::Tokenizer;
 use thaw_tests::http::{post, ServeFixture, SocketServer};
 use thaw_tests::step_all_pending;
@@ -19,17 +19,12 @@ const MAX_TOKENS: usize = 4;
 
 /// The engine's prompt logprobs for `prompt`, unchunked.
 fn engine_prompt_logprobs(fx: &ServeFixture, prompt: &[u32], adapter: Option<usize>) -> Vec<f32> {
-    let mut e = fx.engine(adapter);
-    e.add_sequence(
-        SeqId(0),
-        SequenceParams {
-            prompt: prompt.to_vec(),
-            adapter: adapter.map(|_| AdapterId(0)),
-            prompt_logprobs: Some(N),
-            ..Default::default()
-        },
-    )
-    .unwrap();
+    let params = SequenceParams {
+        prompt: prompt.to_vec(),
+        prompt_logprobs: Some(N),
+        ..Default::default()
+    };
+    let mut e = fx.engine(adapter, params);
     let o = step_all_pending(&mut e, SeqId(0), false).remove(0);
     o.prompt_logprobs.iter().map(|t| t.logprob).collect()
 }

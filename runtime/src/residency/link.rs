@@ -41,14 +41,9 @@ impl LinkModel {
     }
 }
 
-struct CopyJob {
-    slot: Arc<LoraSlot>,
-    bytes: u64,
-}
-
 /// The copy engine thread and its queue.
 pub struct CopyEngine {
-    tx: Option<Sender<CopyJob>>,
+    tx: Option<Sender<Arc<LoraSlot>>>,
     queued_bytes: Arc<AtomicU64>,
     link: LinkModel,
     thread: Option<JoinHandle<()>>,
@@ -95,37 +90,35 @@ impl CopyEngine {
 
     /// Queues `slot`'s adapter to stream in, layer 0 first.
     pub fn enqueue(&self, slot: Arc<LoraSlot>) {
-        let bytes = slot.bytes() as u64;
-        self.queued_bytes.fetch_add(bytes, Ordering::AcqRel);
-        let job = CopyJob { slot, bytes };
+        self.queued_bytes
+            .fetch_add(slot.bytes() as u64, Ordering::AcqRel);
         if let Some(tx) = &self.tx {
             // The receiver lives until `drop` joins the thread, so this cannot fail.
-            let _ = tx.send(job);
+            let _ = tx.send(slot);
         }
     }
 }
 
-fn run(rx: Receiver<CopyJob>, link: LinkModel, queued: Arc<AtomicU64>) {
+fn run(rx: Receiver<Arc<LoraSlot>>, link: LinkModel, queued: Arc<AtomicU64>) {
     // Transfers are back to back on one link: each starts when the previous ends, so a
     // late wake-up of this thread does not slow the emulated link down.
     let mut clock = Instant::now();
-    for job in rx {
+    for slot in rx {
         clock = clock.max(Instant::now());
-        for layer in 0..job.slot.num_layers() {
-            let bytes = layer_bytes(job.slot.adapter(), layer);
+        let mut moved = 0u64;
+        for layer in 0..slot.num_layers() {
+            let bytes = layer_bytes(slot.adapter(), layer);
             clock += link.transfer_time(bytes);
             let now = Instant::now();
             if clock > now {
                 std::thread::sleep(clock - now);
             }
-            job.slot.land(layer);
+            slot.land(layer);
             queued.fetch_sub(bytes as u64, Ordering::AcqRel);
+            moved += bytes as u64;
         }
-        // Layers the adapter does not touch moved no bytes; settle the remainder.
-        let moved: u64 = (0..job.slot.num_layers())
-            .map(|l| layer_bytes(job.slot.adapter(), l) as u64)
-            .sum();
-        queued.fetch_sub(job.bytes - moved, Ordering::AcqRel);
+        // Whatever `bytes()` counts beyond the layers' factors moved with the last layer.
+        queued.fetch_sub(slot.bytes() as u64 - moved, Ordering::AcqRel);
     }
 }
 
