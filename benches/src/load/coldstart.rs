@@ -162,13 +162,23 @@ fn prepare(args: &ColdStartHttpArgs, root: &Path) -> anyhow::Result<(PathBuf, Pa
 }
 
 /// A running `thaw serve`; SIGTERM on drop if still running.
-struct ServeProcess {
+pub(super) struct ServeProcess {
     child: Child,
-    url: String,
+    pub(super) url: String,
 }
 
 impl ServeProcess {
-    fn start(bin: &Path, args: &[String], log: &Path, timeout: Duration) -> anyhow::Result<Self> {
+    /// The server's process id (to read its memory).
+    pub(super) fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    pub(super) fn start(
+        bin: &Path,
+        args: &[String],
+        log: &Path,
+        timeout: Duration,
+    ) -> anyhow::Result<Self> {
         let log_file =
             std::fs::File::create(log).with_context(|| format!("creating {}", log.display()))?;
         let mut child = Command::new(bin)
@@ -223,7 +233,7 @@ impl ServeProcess {
     }
 
     /// SIGTERM, then wait up to `grace` before SIGKILL.
-    fn stop(&mut self, grace: Duration) -> anyhow::Result<()> {
+    pub(super) fn stop(&mut self, grace: Duration) -> anyhow::Result<()> {
         if self.child.try_wait()?.is_some() {
             return Ok(());
         }
@@ -249,7 +259,7 @@ impl Drop for ServeProcess {
     }
 }
 
-fn log_tail(log: &Path) -> String {
+pub(super) fn log_tail(log: &Path) -> String {
     let text = std::fs::read_to_string(log).unwrap_or_default();
     let lines: Vec<&str> = text.lines().collect();
     lines[lines.len().saturating_sub(15)..].join("\n")

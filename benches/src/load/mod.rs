@@ -1,6 +1,7 @@
 //! The HTTP benchmark suite: an open-loop load generator for any OpenAI-compatible endpoint
 //! (`thaw-bench load`) and the cold-start policy comparison over `thaw serve`
 //! (`thaw-bench cold-start`). Measures TTFT, TPOT and end-to-end latency at the client.
+mod cache;
 mod cli;
 mod client;
 mod coldstart;
@@ -10,5 +11,6 @@ mod report;
 mod runner;
 mod workload;
 
+pub use cache::{run_cache, run_cache_scale, CacheArgs, CacheScaleArgs};
 pub use cli::{run as run_load, LoadArgs};
 pub use coldstart::{run as run_cold_start, ColdStartHttpArgs};

@@ -10,5 +10,5 @@
 mod policy;
 mod state;
 
-pub use policy::{plan_step, plan_step_gated, Decision, Gate};
+pub use policy::{plan_step, plan_step_admitting, plan_step_gated, AdmitDecision, Decision, Gate};
 pub use state::{SchedConfig, SchedState, SeqState};
