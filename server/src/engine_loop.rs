@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crossbeam::channel::{self as cb, Receiver, RecvTimeoutError, Sender};
+use crossbeam::channel::{self as cb, Receiver, Sender};
 use thaw_runtime::backend::cpu::CpuBackend;
 use thaw_runtime::engine::{Engine, FinishReason, SequenceParams};
 use thaw_runtime::ids::{AdapterId, SeqId};

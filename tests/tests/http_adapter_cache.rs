@@ -137,9 +137,19 @@ fn check(got: &[(u16, String, Vec<f64>)], want: &[(u16, String, Vec<f64>)], what
         assert_eq!(g.0, 200, "{what}: request {i} failed: {}", g.1);
         assert_eq!(g.2.len(), 6, "{what}: request {i} got {} tokens", g.2.len());
         assert_eq!(
-            g, w,
-            "{what}: request {i} differs from the all-cached server"
+            g.1, w.1,
+            "{what}: request {i}'s tokens differ from the all-cached server"
         );
+        // Layers computed on the CPU while an adapter streams in sum in another order than
+        // resident ones (f32): the same tokens, logprobs equal to about 1e-6.
+        for (a, b) in g.2.iter().zip(&w.2) {
+            assert!(
+                (a - b).abs() <= 1e-4 * b.abs().max(1.0),
+                "{what}: request {i} logprobs {:?} vs {:?}",
+                g.2,
+                w.2
+            );
+        }
     }
 }
 
