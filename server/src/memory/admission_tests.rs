@@ -12,6 +12,9 @@ use crate::scheduler::{plan_step_admitting, Gate, SchedConfig, SchedState, SeqSt
 /// One request: (arrival step, prompt, max new tokens, adapter index or none).
 type Req = (usize, usize, usize, Option<u32>);
 
+/// Admitted ids and the blocked head with its predicted wait.
+type Stepped = (Vec<SeqId>, Option<(SeqId, usize)>);
+
 struct Sim {
     cfg: SchedConfig,
     pool: PagePool,
@@ -53,7 +56,7 @@ impl Sim {
     }
 
     /// One planning round plus one engine step; returns the admitted ids and the plan's head.
-    fn step(&mut self, t: usize) -> Result<(Vec<SeqId>, Option<(SeqId, usize)>), TestCaseError> {
+    fn step(&mut self, t: usize) -> Result<Stepped, TestCaseError> {
         let mut order: Vec<AdapterId> = self
             .adapters
             .iter()

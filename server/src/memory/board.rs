@@ -122,12 +122,20 @@ impl Board {
     }
 }
 
+/// A Prometheus series: name, help (empty after its first sample), labels, value.
+type Series<V> = (
+    &'static str,
+    &'static str,
+    &'static [(&'static str, &'static str)],
+    V,
+);
+
 impl MemorySnapshot {
     /// The device budget's split and the tiers' counters in Prometheus text.
     pub fn render(&self, out: &mut String) {
         use crate::metrics::{header, sample};
         let pb = self.page_bytes as f64;
-        let gauges: [(&str, &str, &[(&str, &str)], f64); 9] = [
+        let gauges: [Series<f64>; 9] = [
             (
                 "thaw_device_memory_bytes",
                 "Device memory KV blocks and adapters share.",
@@ -158,7 +166,7 @@ impl MemorySnapshot {
             ),
             ("thaw_adapter_tier_bytes", "", &[("tier", "host")], self.host_bytes as f64),
         ];
-        let counters: [(&str, &str, &[(&str, &str)], u64); 8] = [
+        let counters: [Series<u64>; 8] = [
             (
                 "thaw_adapter_cache_lookups_total",
                 "Requests by whether their adapter was on the device when they arrived.",
