@@ -1,5 +1,4 @@
 //! `GET /v1/models`, vLLM's adapter load/unload, `GET /health` and `GET /metrics`.
-use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
@@ -80,10 +79,12 @@ pub async fn load_lora(
     if req.lora_path.is_empty() {
         return Err(ServerError::invalid("lora_path", "`lora_path` is empty"));
     }
+    let path = state.lora_access.resolve(name, &req.lora_path)?;
     let view = state
         .registry
-        .load(name, &PathBuf::from(&req.lora_path))
-        .await?;
+        .load(name, &path)
+        .await
+        .map_err(|e| state.lora_access.relative_error(e))?;
     tracing::info!(
         "loaded adapter `{name}` generation {} (rank {}, {} tier) from {}",
         view.generation,

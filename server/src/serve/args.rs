@@ -96,6 +96,23 @@ pub struct ServeArgs {
     /// the engine thread) [default: min(4, cores − 1)].
     #[arg(long)]
     pub lora_workers: Option<usize>,
+    /// API key clients must send as `Authorization: Bearer KEY` on every /v1 route (401
+    /// otherwise; /health and /metrics stay open); repeat or comma-separate for several.
+    #[arg(
+        long,
+        env = "THAW_API_KEY",
+        hide_env_values = true,
+        value_delimiter = ',',
+        value_name = "KEY"
+    )]
+    pub api_key: Vec<String>,
+    /// Serve /v1/load_lora_adapter and /v1/unload_lora_adapter (404 otherwise, as in vLLM);
+    /// also VLLM_ALLOW_RUNTIME_LORA_UPDATING=true.
+    #[arg(long, env = "VLLM_ALLOW_RUNTIME_LORA_UPDATING")]
+    pub allow_runtime_lora_updating: bool,
+    /// Runtime adapter loads must resolve (symlinks, `..`) inside DIR; others get 403.
+    #[arg(long, value_name = "DIR")]
+    pub lora_root: Option<PathBuf>,
     /// TOML file with the same settings (keys are flag names with `_`); flags override it.
     #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
@@ -207,7 +224,26 @@ impl ServeArgs {
                 .lora_workers
                 .or(f.lora_workers)
                 .unwrap_or(d.lora_workers),
+            api_keys: if self.api_key.is_empty() {
+                f.api_key.map(|k| k.into_vec()).unwrap_or_default()
+            } else {
+                self.api_key
+            },
+            allow_runtime_lora_updating: self.allow_runtime_lora_updating
+                || f.allow_runtime_lora_updating.unwrap_or(false),
+            lora_root: self.lora_root.or(f.lora_root),
         };
+        anyhow::ensure!(
+            cfg.api_keys.iter().all(|k| !k.trim().is_empty()),
+            "--api-key must not be empty (check THAW_API_KEY and the config file's api_key)"
+        );
+        if let Some(root) = &cfg.lora_root {
+            anyhow::ensure!(
+                root.is_dir(),
+                "--lora-root {} is not a directory",
+                root.display()
+            );
+        }
         anyhow::ensure!(
             cfg.emulated_link_gbps.is_finite() && cfg.emulated_link_gbps > 0.0,
             "--emulated-link-gbps must be a positive number, got {}",

@@ -46,6 +46,12 @@ pub struct ServeConfig {
     pub emulated_link_gbps: f64,
     pub emulated_link_latency_us: f64,
     pub lora_workers: usize,
+    /// API keys every `/v1/*` request must present as a bearer token; empty: no auth.
+    pub api_keys: Vec<String>,
+    /// Whether `/v1/load_lora_adapter` and `/v1/unload_lora_adapter` are served.
+    pub allow_runtime_lora_updating: bool,
+    /// Runtime adapter loads must resolve inside this directory.
+    pub lora_root: Option<PathBuf>,
 }
 
 impl Default for ServeConfig {
@@ -79,6 +85,9 @@ impl Default for ServeConfig {
             emulated_link_gbps: 25.0,
             emulated_link_latency_us: 10.0,
             lora_workers: default_lora_workers(),
+            api_keys: Vec::new(),
+            allow_runtime_lora_updating: false,
+            lora_root: None,
         }
     }
 }
@@ -125,6 +134,27 @@ pub struct FileConfig {
     pub emulated_link_gbps: Option<f64>,
     pub emulated_link_latency_us: Option<f64>,
     pub lora_workers: Option<usize>,
+    /// One key or a list.
+    pub api_key: Option<OneOrMany>,
+    pub allow_runtime_lora_updating: Option<bool>,
+    pub lora_root: Option<PathBuf>,
+}
+
+/// A TOML value that is one string or a list of strings.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(untagged)]
+pub enum OneOrMany {
+    One(String),
+    Many(Vec<String>),
+}
+
+impl OneOrMany {
+    pub fn into_vec(self) -> Vec<String> {
+        match self {
+            OneOrMany::One(s) => vec![s],
+            OneOrMany::Many(v) => v,
+        }
+    }
 }
 
 /// One worker per core but the engine's, at most four.

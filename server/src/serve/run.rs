@@ -215,6 +215,15 @@ impl Server {
             sched,
             max_body_bytes: config.max_request_body_bytes,
             created: crate::http::unix_now(),
+            api_keys: crate::http::ApiKeys::new(config.api_keys.iter().map(|k| k.trim())),
+            lora_access: crate::http::LoraAccess::new(
+                config.allow_runtime_lora_updating,
+                config.lora_root.as_deref(),
+            )
+            .with_context(|| match &config.lora_root {
+                Some(r) => format!("resolving --lora-root {}", r.display()),
+                None => String::new(),
+            })?,
         });
         Ok(Self {
             state,
