@@ -35,6 +35,9 @@ enum Cmd {
     /// `thaw serve` once per --cold-start policy on the same model, adapters and workload;
     /// TTFT / TPOT / E2E side by side with overheads relative to `cached`.
     ColdStart(Box<load::ColdStartHttpArgs>),
+    /// `thaw serve` once per --scheduling-policy, the same workload at rising rates (Chameleon
+    /// Fig. 10): P50/P99 TTFT, P99 TPOT, throughput at SLO.
+    Scheduling(Box<load::SchedulingArgs>),
     /// A CPU LoRA worker process (spawned by the benchmarks' pool).
     #[command(hide = true)]
     LoraWorker(thaw_cpu_lora::WorkerArgs),
@@ -63,6 +66,7 @@ fn main() -> anyhow::Result<()> {
         }
         Cmd::Load(args) => print!("{}", load::run_load(&args)?),
         Cmd::ColdStart(args) => print!("{}", load::run_cold_start(&args)?),
+        Cmd::Scheduling(args) => print!("{}", load::run_scheduling(&args)?),
         Cmd::LoraWorker(args) => thaw_cpu_lora::worker_main(args)?,
         Cmd::LoraSocketWorker(args) => lora_socket::run_worker(&args)?,
     }
