@@ -21,8 +21,11 @@ use tokio::sync::{mpsc as tmpsc, oneshot};
 use crate::coldstart::{ColdDecision, ColdStartPolicy, CostModel};
 use crate::error::ServerError;
 use crate::metrics::Metrics;
+use crate::perf::{StepShape, Tier};
 use crate::registry::AdapterLease;
-use crate::scheduler::{plan_step_gated, Gate, SchedConfig, SchedState, SeqState};
+use crate::scheduler::{
+    Arrival, Gate, MlqConfig, SchedConfig, SchedState, Scheduler, SchedulingPolicy, SeqState,
+};
 
 /// The engine the server runs (the CPU backend until the CUDA backend lands).
 pub type ServeEngine = Engine<CpuBackend>;
@@ -49,6 +52,8 @@ pub struct Submission {
     /// Pins the adapter while the request lives; dropped when the engine drops the request.
     pub lease: Option<AdapterLease>,
     pub arrived: Instant,
+    /// Admission order under `--scheduling-policy priority` (lower first).
+    pub priority: i64,
 }
 
 enum Command {
@@ -105,6 +110,17 @@ pub struct ColdStart {
     pub policy: ColdStartPolicy,
     /// The cost model `auto` decides with (measured at start-up, refreshed online).
     pub cost: CostModel,
+}
+
+/// How the loop orders and batches requests.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Scheduling {
+    pub policy: SchedulingPolicy,
+    pub mlq: MlqConfig,
+    /// `--tpot-slo-ms` in seconds.
+    pub tpot_slo_s: Option<f64>,
+    /// `--lora-kernel auto`: the performance model picks SGMV or BGMV per step.
+    pub auto_kernel: bool,
 }
 
 /// The HTTP side's handle on the engine thread. Cheap to clone.
@@ -188,6 +204,7 @@ pub fn start(
     build: impl FnOnce() -> anyhow::Result<(ServeEngine, SchedConfig, ColdStart)> + Send + 'static,
     max_queued: usize,
     metrics: Arc<Metrics>,
+    scheduling: Scheduling,
 ) -> anyhow::Result<(EngineHandle, JoinHandle<()>)> {
     let (tx, rx) = mpsc::channel();
     let stats = Arc::new(LoopStats::default());
@@ -199,7 +216,7 @@ pub fn start(
             Ok((engine, cfg, cold)) => {
                 let _ = ready_tx.send(Ok(()));
                 st.alive.store(true, Ordering::SeqCst);
-                Loop::new(engine, cfg, cold, st.clone(), metrics).run(rx);
+                Loop::new(engine, cfg, cold, st.clone(), metrics, scheduling).run(rx);
                 st.alive.store(false, Ordering::SeqCst);
             }
             Err(e) => {
@@ -241,6 +258,8 @@ struct Loop {
     stats: Arc<LoopStats>,
     metrics: Arc<Metrics>,
     deadline: Option<Instant>,
+    sched: Scheduler,
+    auto_kernel: bool,
 }
 
 const SHUTDOWN_MSG: &str =
@@ -253,11 +272,20 @@ impl Loop {
         cold: ColdStart,
         stats: Arc<LoopStats>,
         metrics: Arc<Metrics>,
+        scheduling: Scheduling,
     ) -> Self {
+        let sched = Scheduler::new(
+            scheduling.policy,
+            scheduling.mlq,
+            scheduling.tpot_slo_s,
+            &cfg,
+        );
         Self {
             engine,
             cfg,
             cold,
+            sched,
+            auto_kernel: scheduling.auto_kernel,
             state: SchedState::default(),
             live: HashMap::new(),
             stats,
@@ -344,7 +372,9 @@ impl Loop {
                 let prompt_len = sub.params.prompt.len();
                 let mut seq = SeqState::new(id, prompt_len, sub.params.max_new_tokens);
                 seq.adapter = sub.params.adapter;
-                self.state.enqueue(seq);
+                let arrival = self.arrival(seq.adapter, sub.priority);
+                self.sched
+                    .enqueue(&mut self.state, &self.cfg, seq, arrival, &self.cold.cost);
                 self.live.insert(
                     id,
                     Live {
@@ -389,6 +419,7 @@ impl Loop {
     /// Forgets a request: out of the scheduler, out of the engine (frees KV), lease dropped.
     fn forget(&mut self, id: SeqId, reason: &'static str) {
         self.state.remove(id, &self.cfg);
+        self.sched.remove(id);
         if let Some(l) = self.live.remove(&id) {
             if l.running {
                 let _ = self.engine.remove_sequence(id);
@@ -429,7 +460,9 @@ impl Loop {
         let engine = &self.engine;
         let cold = &self.cold;
         let gate = |s: &SeqState, planned: usize| cold_gate(engine, cold, s, planned);
-        let mut d = plan_step_gated(&self.state, &self.cfg, free, &gate);
+        let mut d = self
+            .sched
+            .plan(&mut self.state, &self.cfg, free, &gate, &self.cold.cost);
         for id in self.state.admit(d.admit, &self.cfg) {
             self.stats.waiting.fetch_sub(1, Ordering::SeqCst);
             let Some(l) = self.live.get_mut(&id) else {
@@ -446,6 +479,7 @@ impl Loop {
                 )));
                 l.running = false;
                 self.state.remove(id, &self.cfg);
+                self.sched.remove(id);
                 self.live.remove(&id);
                 self.metrics.count_finished("abort");
                 d.plan.items.retain(|it| it.seq != id);
@@ -462,6 +496,15 @@ impl Loop {
             })
         }));
         let tokens: usize = d.plan.items.iter().map(|i| i.num_tokens).sum();
+        let shape = self.step_shape(&d.plan);
+        let kernel = if self.auto_kernel {
+            let step = self.stats.steps.load(Ordering::Relaxed);
+            let k = self.cold.cost.kernel_for_step(&shape, step);
+            self.engine.set_lora_kernel(k);
+            k
+        } else {
+            self.engine.engine_config().lora_kernel
+        };
         let assisted_before = self.engine.rows_assisted();
         let profile_before = self.engine.assist_profile();
         let started = Instant::now();
@@ -484,7 +527,9 @@ impl Loop {
         let assisted = self.engine.rows_assisted() - assisted_before;
         if assisted == 0 {
             // Only steps the CPU did not stretch teach the model the device's speed.
-            self.cold.cost.observe_step(tokens, started.elapsed());
+            self.cold
+                .cost
+                .observe_shape(&shape, kernel, started.elapsed());
         } else {
             let overhead = self
                 .engine
@@ -542,6 +587,11 @@ impl Loop {
             ));
         }
         self.state.on_step(&planned, &sampled, &finished, &self.cfg);
+        for id in &finished {
+            if let Some(l) = self.live.get(id) {
+                self.sched.finished(*id, l.generated);
+            }
+        }
         for id in finished {
             // The engine already dropped the sequence; dropping `Live` releases the lease.
             self.live.remove(&id);
@@ -555,7 +605,53 @@ impl Loop {
         true
     }
 
+    /// What the scheduler is told of a new request: its priority, its adapter's rank and how
+    /// long its adapter still needs to land.
+    fn arrival(&self, adapter: Option<AdapterId>, priority: i64) -> Arrival {
+        let Some(id) = adapter else {
+            return Arrival {
+                priority,
+                ..Default::default()
+            };
+        };
+        let host = self.engine.adapter_host(id);
+        let load_s = match (self.engine.adapter_landed(id), host) {
+            (Some((landed, layers)), Some(a)) if landed < layers => {
+                let left = 1.0 - landed as f64 / layers.max(1) as f64;
+                self.cold.cost.load_time_from(
+                    Tier::Host,
+                    (a.size_bytes_f32() as f64 * left) as u64,
+                    self.engine.backend().link_backlog(),
+                )
+            }
+            _ => 0.0,
+        };
+        Arrival {
+            priority,
+            rank: host.map_or(0, |a| a.max_rank()),
+            load_s,
+        }
+    }
+
+    /// The shape of a planned step for the performance model: decode and prefill rows and
+    /// the ranks they carry.
+    fn step_shape(&self, plan: &thaw_runtime::engine::StepPlan) -> StepShape {
+        let mut shape = StepShape::default();
+        for it in &plan.items {
+            let Some(s) = self.state.running.iter().find(|s| s.id == it.seq) else {
+                continue;
+            };
+            shape.add(it.num_tokens, !s.in_prefill(), self.sched.rank(it.seq));
+        }
+        shape
+    }
+
     fn publish(&self) {
+        if self.stats.steps.load(Ordering::Relaxed) % 32 == 0 {
+            self.metrics
+                .sched
+                .publish(self.sched.snapshot(&self.state), self.cold.cost.snapshot());
+        }
         {
             let mut landing = self.stats.landing.lock().unwrap_or_else(|e| e.into_inner());
             landing.retain(|id, v| match self.engine.adapter_landed(*id) {

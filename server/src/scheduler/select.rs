@@ -169,6 +169,11 @@ impl Scheduler {
         self.remove(id);
     }
 
+    /// The adapter rank a queued or running request was filed with (None: base model).
+    pub fn rank(&self, id: SeqId) -> Option<usize> {
+        self.known.get(&id).map(|k| k.rank).filter(|&r| r > 0)
+    }
+
     /// Forgets a request that left without finishing.
     pub fn remove(&mut self, id: SeqId) {
         self.known.remove(&id);

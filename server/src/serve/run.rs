@@ -142,6 +142,20 @@ impl Server {
             },
             config.max_queued_requests,
             metrics.clone(),
+            engine_loop::Scheduling {
+                policy: config.scheduling_policy,
+                mlq: crate::scheduler::MlqConfig {
+                    weights: crate::scheduler::WrsWeights {
+                        max_input: max_model_len,
+                        max_output: max_model_len,
+                        max_rank: config.max_lora_rank,
+                        ..Default::default()
+                    },
+                    ..Default::default()
+                },
+                tpot_slo_s: config.tpot_slo_ms.map(|ms| ms / 1e3),
+                auto_kernel: config.lora_kernel == "auto",
+            },
         )?;
         let registry = Arc::new(Registry::new(
             engine.clone(),
