@@ -34,8 +34,9 @@ pub struct QueueLoad {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Quota {
     pub tokens: usize,
-    /// `Q_min` (scaled down with the rest when the minima do not fit): an idle queue lends
-    /// only what is above it, so a lane is never lent away below what its SLO needs.
+    /// `Q_min`: an idle queue lends only what is above it, so a lane is never lent away below
+    /// what its SLO needs. 0 when the minima do not fit the total (the cache is too small for
+    /// every SLO; every queue lends all it does not use).
     pub min: usize,
 }
 
@@ -68,7 +69,8 @@ pub fn quotas(load: &[QueueLoad], total: usize, slo_s: f64) -> Vec<Quota> {
         .zip(&min)
         .map(|(x, m)| Quota {
             tokens: x.floor() as usize,
-            min: if sum >= t { x.floor() } else { m.floor() } as usize,
+            // Minima that do not all fit cannot all be protected: lend freely then.
+            min: if sum >= t { 0 } else { m.floor() as usize },
         })
         .collect();
     let rest = total - q.iter().map(|q| q.tokens).sum::<usize>().min(total);
@@ -134,7 +136,7 @@ mod tests {
             let q = quotas(&load, total, slo);
             prop_assert_eq!(q.len(), load.len());
             prop_assert_eq!(q.iter().map(|q| q.tokens).sum::<usize>(), total);
-            prop_assert!(q.iter().all(|q| q.min <= q.tokens + 1));
+            prop_assert!(q.iter().all(|q| q.min <= q.tokens));
         }
     }
 }
