@@ -59,7 +59,7 @@ pub enum ServerError {
     },
     #[error(
         "all {max} device adapter slots (--max-loras) are in use by running requests; retry \
-         shortly or restart with a larger --max-loras"
+         shortly, or drop --adapter-eviction fixed-slots so such requests wait in the queue"
     )]
     NoAdapterSlot { max: usize },
     #[error("{0}")]

@@ -28,14 +28,18 @@ async fn call(app: &Router, method: &str, path: &str, body: Option<String>) -> (
 
 /// A mixed burst: short and long outputs, base and three ranks, assorted priorities.
 fn requests(fx: &ServeFixture) -> Vec<Value> {
-    let words = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog"];
+    let words = [
+        "the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog",
+    ];
     (0..40usize)
         .map(|i| {
             let model = match i % 4 {
                 0 => "base".to_string(),
                 k => fx.adapters[k - 1].0.clone(),
             };
-            let prompt: Vec<&str> = (0..1 + i % 7).map(|j| words[(i + j) % words.len()]).collect();
+            let prompt: Vec<&str> = (0..1 + i % 7)
+                .map(|j| words[(i + j) % words.len()])
+                .collect();
             let max_tokens = if i % 5 == 0 { 48 } else { 2 + i % 4 };
             json!({"model": model, "prompt": prompt.join(" "), "max_tokens": max_tokens,
                    "temperature": 0.0, "ignore_eos": true, "priority": (i * 7) % 5})

@@ -179,6 +179,11 @@ pub(super) struct ServeProcess {
 }
 
 impl ServeProcess {
+    /// The server's process id (to read its memory).
+    pub(super) fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     pub(super) fn start(
         bin: &Path,
         args: &[String],

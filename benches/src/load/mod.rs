@@ -2,6 +2,7 @@
 //! (`thaw-bench load`), the cold-start policy comparison over `thaw serve`
 //! (`thaw-bench cold-start`) and the scheduling-policy comparison across rates
 //! (`thaw-bench scheduling`). Measures TTFT, TPOT and end-to-end latency at the client.
+mod cache;
 mod cli;
 mod client;
 mod coldstart;
@@ -12,6 +13,7 @@ mod runner;
 mod scheduling;
 mod workload;
 
+pub use cache::{run_cache, run_cache_scale, CacheArgs, CacheScaleArgs};
 pub use cli::{run as run_load, LoadArgs};
 pub use coldstart::{run as run_cold_start, ColdStartHttpArgs};
 pub use scheduling::{run as run_scheduling, SchedulingArgs};

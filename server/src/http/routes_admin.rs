@@ -58,7 +58,9 @@ pub async fn models(State(state): State<Arc<AppState>>) -> Json<Value> {
             .filter(|a| !a.retiring)
             .map(|a| adapter_json(&state, a)),
     );
-    Json(json!({"object": "list", "data": data}))
+    // How the device budget is split now, and the tiers' sizes (Thaw's addition).
+    let memory = state.registry.board().stats.snapshot();
+    Json(json!({"object": "list", "data": data, "memory": memory}))
 }
 
 pub async fn load_lora(
@@ -188,6 +190,7 @@ pub async fn metrics(State(state): State<Arc<AppState>>) -> Response {
         sample(&mut out, name, &[], v);
     }
     render_adapters(&mut out, &views);
+    state.registry.board().stats.snapshot().render(&mut out);
     (
         [(
             header::CONTENT_TYPE,

@@ -1,10 +1,8 @@
 //! Chameleon's non-preemptive multi-level queue (§4.2) as a pure policy beside
 //! [`super::plan_step_gated`]: requests sit in queues by weighted request size; every step
 //! each queue admits from its head within its token quota ("Initial Request Admission"),
-//! then the quota left unused by queues with nothing more to admit — above each one's
-//! queueing-model minimum, which Thaw keeps back so a borrowed lane is never closed to its own
-//! requests (borrowers are not preempted) — is offered to the others from the smallest
-//! requests' queue down ("Redistribution of Spare Resources"; "if requests
+//! then the quota left unused by queues with nothing more to admit is offered to the others
+//! from the smallest requests' queue down ("Redistribution of Spare Resources"; "if requests
 //! from a given queue still cannot be admitted due to insufficient tokens available, no
 //! additional resources are allocated to that queue"). All queues get into every step, so the
 //! short requests' lane is never blocked behind a long head and long requests do not starve.
@@ -20,6 +18,11 @@
 //! can be placed) is admitted before anything else and nothing else is admitted until it is,
 //! so it waits at most that, plus its adapter's wait, plus the time the running set needs to
 //! make room for it.
+//!
+//! Borrowed quota comes back only when the borrower finishes (non-preemptive), so a lane lent
+//! away can be closed to its own requests for that long. [`MlqConfig::keep_min`] keeps each
+//! idle queue's queueing-model minimum back; it is off by default (the paper lends all), since
+//! with a KV cache of only a few large requests the kept minima serialise the large ones.
 //!
 //! Rank-aware cap (CaraServe §5): with a TPOT SLO, a new request is admitted only if the
 //! predicted decode step with it stays within the SLO, and prefill chunks are cut so the
@@ -57,8 +60,8 @@ pub struct MlqInputs<'a> {
 /// A step's plan and how the queues got there.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct MlqDecision {
-    /// `decision.admit` requests to admit: promote `admit_ids` to the head of the waiting
-    /// queue (in this order) before [`SchedState::admit`].
+    /// The step's plan; `decision.admit` is `admit_ids.len()`: apply with
+    /// [`SchedState::admit_ids`].
     pub decision: Decision,
     pub admit_ids: Vec<SeqId>,
     /// Per queue: admitted in phase 1, admitted in phase 2.
@@ -280,13 +283,14 @@ pub fn plan_mlq(
         held[q] = h;
         full = r.1;
     }
-    // Phase 2: quota unused by queues with nothing left to admit, offered top down. An idle
-    // queue keeps its minimum (what its SLO needs), so lending never closes a lane.
+    // Phase 2: quota unused by queues with nothing left to admit, offered top down (with
+    // `keep_min`, an idle queue keeps its minimum, so lending never closes its lane).
     let mut spare: usize = (0..k)
         .filter(|&q| taken[q] == queues[q].len())
         .map(|q| {
             let quota = mlq.quotas()[q];
-            quota.tokens.saturating_sub(held[q].max(quota.min))
+            let kept = if mlq.cfg.keep_min { quota.min } else { 0 };
+            quota.tokens.saturating_sub(held[q].max(kept))
         })
         .sum();
     out.spare = spare;
@@ -391,18 +395,4 @@ fn finish(mut out: MlqDecision, room: Room<'_>) -> MlqDecision {
     };
     out.admit_ids = room.admit_ids;
     out
-}
-
-impl SchedState {
-    /// Moves `ids` (waiting requests) to the head of the waiting queue in this order, so the
-    /// next [`SchedState::admit`] of `ids.len()` admits exactly them.
-    pub fn promote(&mut self, ids: &[SeqId]) {
-        for (at, id) in ids.iter().enumerate() {
-            if let Some(i) = self.waiting.iter().position(|s| s.id == *id) {
-                if let Some(s) = self.waiting.remove(i) {
-                    self.waiting.insert(at, s);
-                }
-            }
-        }
-    }
 }

@@ -29,6 +29,9 @@ pub struct MlqConfig {
     pub max_wait_s: f64,
     /// Most younger requests that may bypass one adapter-blocked head.
     pub max_bypass: usize,
+    /// An idle queue lends only its quota above its queueing-model minimum (see
+    /// [`super::mlq`]).
+    pub keep_min: bool,
 }
 
 impl Default for MlqConfig {
@@ -43,6 +46,7 @@ impl Default for MlqConfig {
             slo_s: 5.0,
             max_wait_s: 30.0,
             max_bypass: 8,
+            keep_min: false,
         }
     }
 }

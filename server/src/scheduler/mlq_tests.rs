@@ -46,9 +46,8 @@ fn plain<'a>(free: usize, now: f64, wait: &'a dyn Fn(&SeqState) -> Option<f64>) 
 }
 
 fn apply(st: &mut SchedState, mlq: &mut Mlq, cfg: &SchedConfig, d: &MlqDecision) {
-    st.promote(&d.admit_ids);
-    let ids = st.admit(d.decision.admit, cfg);
-    assert_eq!(ids, d.admit_ids);
+    assert_eq!(d.decision.admit, d.admit_ids.len());
+    st.admit_ids(&d.admit_ids, cfg);
     for &(h, n) in &d.bypassed {
         mlq.note_bypass(h, n);
     }
@@ -58,6 +57,7 @@ fn apply(st: &mut SchedState, mlq: &mut Mlq, cfg: &SchedConfig, d: &MlqDecision)
 fn two_queues(cfg: &SchedConfig) -> (SchedState, Mlq) {
     let mc = MlqConfig {
         warmup: 20,
+        keep_min: true,
         weights: super::WrsWeights {
             max_input: 128,
             max_output: 128,

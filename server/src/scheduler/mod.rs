@@ -24,7 +24,7 @@ pub use mlq_predict::{OutputPredictor, PredictorStats};
 pub use mlq_state::{Entry, Mlq, MlqConfig};
 pub use mlq_wrs::{RequestSize, WrsWeights};
 pub use ordering::{OrderKeys, SchedulingPolicy};
-pub use policy::{plan_step, plan_step_gated, Decision, Gate};
+pub use policy::{plan_step, plan_step_admitting, plan_step_gated, AdmitDecision, Decision, Gate};
 pub use report::SchedBoard;
 pub use select::{Arrival, QueueInfo, SchedSnapshot, Scheduler};
 pub use state::{SchedConfig, SchedState, SeqState};

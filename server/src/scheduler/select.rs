@@ -2,7 +2,7 @@
 //! policy keeps beside [`SchedState`] (order keys, the multi-level queue, the output-length
 //! predictor) and what it publishes for /metrics. The decisions themselves stay the pure
 //! functions [`plan_step_gated`] and [`plan_mlq`].
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::time::Instant;
 
 use thaw_runtime::ids::{AdapterId, SeqId};
@@ -12,7 +12,7 @@ use super::mlq_predict::{OutputPredictor, PredictorStats};
 use super::mlq_state::{Mlq, MlqConfig};
 use super::mlq_wrs::RequestSize;
 use super::ordering::{OrderKeys, SchedulingPolicy};
-use super::policy::{plan_step_gated, Decision, Gate};
+use super::policy::{plan_step_admitting, AdmitDecision, Gate};
 use super::state::{SchedConfig, SchedState, SeqState};
 use crate::perf::PerfModel;
 
@@ -121,31 +121,50 @@ impl Scheduler {
         }
     }
 
-    /// Plans the next step; under `mlq` the admitted requests are moved to the head of the
-    /// waiting queue first, so [`SchedState::admit`] of the decision's `admit` takes them.
+    /// The waiting requests in the order adapter-aware admission should consider them:
+    /// the queue's own order, or under `mlq` the smallest requests' queue first (so memory is
+    /// arranged for the fast lane before a long head can block it).
+    pub fn candidate_order<'a>(&self, state: &'a SchedState) -> Vec<&'a SeqState> {
+        let mut v: Vec<&SeqState> = state.waiting.iter().collect();
+        if self.policy == SchedulingPolicy::Mlq {
+            v.sort_by_key(|s| self.mlq.queue(s.id));
+        }
+        v
+    }
+
+    /// Plans the next step over the requests adapter-aware admission found `admissible`,
+    /// reserving at most `kv_capacity` KV blocks in all. Apply it with
+    /// [`SchedState::admit_ids`].
+    #[allow(clippy::too_many_arguments)]
     pub fn plan(
         &mut self,
-        state: &mut SchedState,
+        state: &SchedState,
         cfg: &SchedConfig,
         free_blocks: usize,
         gate: &dyn Fn(&SeqState, usize) -> Gate,
         perf: &PerfModel,
-    ) -> Decision {
+        admissible: &[SeqId],
+        kv_capacity: usize,
+    ) -> AdmitDecision {
         if self.policy != SchedulingPolicy::Mlq {
-            return plan_step_gated(state, cfg, free_blocks, gate);
+            return plan_step_admitting(state, cfg, free_blocks, gate, admissible, kv_capacity);
         }
+        let ok: HashSet<SeqId> = admissible.iter().copied().collect();
         let known = &self.known;
         let rank = |s: &SeqState| known.get(&s.id).map(|k| k.rank).filter(|&r| r > 0);
+        // Admission found no room for its adapter (or its KV) now: the bypass rule applies,
+        // bounded per head; how long it waits is memory's to bound, not a time we know here.
+        let wait = |s: &SeqState| (!ok.contains(&s.id)).then_some(f64::INFINITY);
         let d = plan_mlq(
             state,
             cfg,
             &self.mlq,
             &MlqInputs {
                 free_blocks,
-                kv_capacity: cfg.total_blocks,
+                kv_capacity,
                 now_s: self.now_s(),
                 gate,
-                adapter_wait: &|_| None,
+                adapter_wait: &wait,
                 tpot: self.tpot_slo_s.map(|slo_s| TpotCap {
                     model: perf,
                     slo_s,
@@ -153,11 +172,13 @@ impl Scheduler {
                 }),
             },
         );
-        state.promote(&d.admit_ids);
         for &(head, n) in &d.bypassed {
             self.mlq.note_bypass(head, n);
         }
-        d.decision
+        AdmitDecision {
+            admit: d.admit_ids,
+            plan: d.decision.plan,
+        }
     }
 
     /// Records a finished request's output length (the predictor learns from it) and forgets

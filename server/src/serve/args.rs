@@ -27,12 +27,24 @@ pub struct ServeArgs {
     /// Largest LoRA rank accepted; larger adapters are refused with 400 [default: 256].
     #[arg(long)]
     pub max_lora_rank: Option<usize>,
-    /// Adapters resident on the device at once; others are loaded on demand, evicting the least recently used idle one [default: 16].
+    /// Most distinct adapters in one batch (vLLM's meaning); requests for others wait in the queue [default: 16].
     #[arg(long)]
     pub max_loras: Option<usize>,
-    /// Adapters kept in the host tier (used by the cold-start tiers) [default: 64].
+    /// Adapters kept in host memory off the device; the rest keep only metadata [default: 64].
     #[arg(long)]
     pub max_cpu_loras: Option<usize>,
+    /// Bytes of adapter weights kept in host memory off the device [default: 4 GiB].
+    #[arg(long, value_name = "BYTES")]
+    pub max_cpu_lora_bytes: Option<u64>,
+    /// Device memory the CPU backend's emulated device gives KV blocks and adapters together [default: 512 MiB].
+    #[arg(long, value_name = "BYTES")]
+    pub device_memory_bytes: Option<u64>,
+    /// Fraction of GPU memory for weights, KV and adapters (vLLM's meaning; CUDA backend) [default: 0.9].
+    #[arg(long, value_name = "FRACTION")]
+    pub gpu_memory_utilization: Option<f64>,
+    /// Which idle adapter leaves the device first: cost (Chameleon's frequency/recency/size score) or lru [default: cost].
+    #[arg(long, value_enum)]
+    pub adapter_eviction: Option<crate::memory::EvictionPolicy>,
     /// Most sequences in one engine step [default: 64].
     #[arg(long)]
     pub max_num_seqs: Option<usize>,
@@ -54,7 +66,7 @@ pub struct ServeArgs {
     /// Token slots per KV block [default: 16].
     #[arg(long)]
     pub block_size: Option<usize>,
-    /// Number of KV blocks [default: enough for --max-num-seqs full-length sequences, within 512 MiB].
+    /// Pages (KV blocks) of device memory KV and adapters share [default: --device-memory-bytes / block bytes].
     #[arg(long)]
     pub num_gpu_blocks_override: Option<usize>,
     /// Largest request body accepted; larger ones get 413 [default: 16 MiB].
@@ -139,6 +151,22 @@ impl ServeArgs {
                 .max_cpu_loras
                 .or(f.max_cpu_loras)
                 .unwrap_or(d.max_cpu_loras.max(max_loras)),
+            max_cpu_lora_bytes: self
+                .max_cpu_lora_bytes
+                .or(f.max_cpu_lora_bytes)
+                .unwrap_or(d.max_cpu_lora_bytes),
+            device_memory_bytes: self
+                .device_memory_bytes
+                .or(f.device_memory_bytes)
+                .unwrap_or(d.device_memory_bytes),
+            gpu_memory_utilization: self
+                .gpu_memory_utilization
+                .or(f.gpu_memory_utilization)
+                .unwrap_or(d.gpu_memory_utilization),
+            adapter_eviction: self
+                .adapter_eviction
+                .or(f.adapter_eviction)
+                .unwrap_or(d.adapter_eviction),
             max_num_seqs: self
                 .max_num_seqs
                 .or(f.max_num_seqs)
@@ -217,6 +245,11 @@ impl ServeArgs {
         ] {
             anyhow::ensure!(v > 0, "--{name} must be at least 1");
         }
+        anyhow::ensure!(
+            cfg.gpu_memory_utilization > 0.0 && cfg.gpu_memory_utilization <= 1.0,
+            "--gpu-memory-utilization must be in (0, 1], got {}",
+            cfg.gpu_memory_utilization
+        );
         anyhow::ensure!(
             ["sgmv", "bgmv", "auto"].contains(&cfg.lora_kernel.as_str()),
             "lora_kernel must be sgmv, bgmv or auto, got `{}`",

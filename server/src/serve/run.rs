@@ -12,7 +12,8 @@ use thaw_runtime::backend::cpu::CpuBackend;
 use thaw_runtime::residency::LinkModel;
 
 use crate::coldstart::ColdStartPolicy;
-use crate::engine_loop::ColdStart;
+use crate::engine_loop::{ColdStart, LoopConfig};
+use crate::memory::{Board, EvictionPolicy, Limits, MemoryConfig};
 use thaw_runtime::backend::LoraKernel;
 use thaw_runtime::engine::{Engine, EngineConfig, HostModel};
 use thaw_runtime::model::Tokenizer;
@@ -24,9 +25,6 @@ use crate::http::{router, AppState};
 use crate::metrics::Metrics;
 use crate::registry::{AdapterLimits, Registry};
 use crate::scheduler::SchedConfig;
-
-/// KV memory the default block count may use.
-const KV_BUDGET_BYTES: usize = 512 << 20;
 
 /// A started server: state shared with the handlers, and the engine thread.
 pub struct Server {
@@ -81,13 +79,18 @@ impl Server {
             None => mc.max_position_embeddings,
         };
         let bs = config.block_size;
-        let per_seq = max_model_len.div_ceil(bs);
-        let num_blocks = config.num_gpu_blocks_override.unwrap_or_else(|| {
-            let block_bytes = mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * bs * 4;
-            (config.max_num_seqs * per_seq)
-                .min(KV_BUDGET_BYTES / block_bytes.max(1))
-                .max(per_seq)
-        });
+        let block_bytes = (mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * bs * 4).max(1);
+        // One pool of pages (a KV block each) for KV and adapters: --num-gpu-blocks-override
+        // pages, or the device budget in pages.
+        let num_blocks = config
+            .num_gpu_blocks_override
+            .unwrap_or_else(|| (config.device_memory_bytes / block_bytes as u64) as usize);
+        anyhow::ensure!(
+            num_blocks >= max_model_len.div_ceil(bs),
+            "the device budget ({num_blocks} KV blocks of {block_bytes} bytes) cannot hold one \
+             sequence of --max-model-len {max_model_len}; raise --device-memory-bytes or lower \
+             --max-model-len"
+        );
         let sched = SchedConfig {
             max_num_seqs: config.max_num_seqs,
             max_num_batched_tokens: config.max_num_batched_tokens,
@@ -109,6 +112,8 @@ impl Server {
         };
         let metrics = Arc::new(Metrics::default());
         let cold_cfg = config.clone();
+        let mc2 = mc.clone();
+        let board = Arc::new(Board::default());
         let (engine, thread) = engine_loop::start(
             move || {
                 let link = LinkModel {
@@ -138,33 +143,63 @@ impl Server {
                     policy: cold_cfg.cold_start,
                     cost,
                 };
-                Ok((engine, sched, cold))
+                let memory = MemoryConfig {
+                    page_bytes: block_bytes as u64,
+                    total_pages: num_blocks,
+                    policy: cold_cfg.adapter_eviction,
+                    max_loras: cold_cfg.max_loras,
+                    // The workers' host store has an entry per registered adapter.
+                    max_device_adapters: engine.pool().map(|_| cold_cfg.max_cpu_loras),
+                    max_adapter_bytes: max_adapter_bytes(&mc2, cold_cfg.max_lora_rank),
+                    host_max_adapters: cold_cfg.max_cpu_loras,
+                    host_max_bytes: cold_cfg.max_cpu_lora_bytes,
+                    link_bytes_per_sec: link.gbps * 1e9,
+                };
+                let limits = Limits {
+                    max_loras: cold_cfg.max_loras,
+                    max_num_seqs: cold_cfg.max_num_seqs,
+                    bypass: true,
+                    prefetch: true,
+                };
+                Ok((
+                    engine,
+                    LoopConfig {
+                        sched,
+                        cold,
+                        memory,
+                        limits,
+                        scheduling: engine_loop::Scheduling {
+                            policy: cold_cfg.scheduling_policy,
+                            mlq: crate::scheduler::MlqConfig {
+                                weights: crate::scheduler::WrsWeights {
+                                    max_input: max_model_len,
+                                    max_output: max_model_len,
+                                    max_rank: cold_cfg.max_lora_rank,
+                                    ..Default::default()
+                                },
+                                ..Default::default()
+                            },
+                            tpot_slo_s: cold_cfg.tpot_slo_ms.map(|ms| ms / 1e3),
+                            auto_kernel: cold_cfg.lora_kernel == "auto",
+                        },
+                    },
+                ))
             },
             config.max_queued_requests,
             metrics.clone(),
-            engine_loop::Scheduling {
-                policy: config.scheduling_policy,
-                mlq: crate::scheduler::MlqConfig {
-                    weights: crate::scheduler::WrsWeights {
-                        max_input: max_model_len,
-                        max_output: max_model_len,
-                        max_rank: config.max_lora_rank,
-                        ..Default::default()
-                    },
-                    ..Default::default()
-                },
-                tpot_slo_s: config.tpot_slo_ms.map(|ms| ms / 1e3),
-                auto_kernel: config.lora_kernel == "auto",
-            },
+            board.clone(),
         )?;
         let registry = Arc::new(Registry::new(
-            engine.clone(),
+            Arc::new(engine.clone()),
+            board,
             mc.clone(),
             AdapterLimits {
                 max_lora_rank: config.max_lora_rank,
                 max_loras: config.max_loras,
                 max_cpu_loras: config.max_cpu_loras,
                 unload_wait: config.unload_timeout,
+                device_budget_bytes: (num_blocks * block_bytes) as u64,
+                fixed_slots: config.adapter_eviction == EvictionPolicy::FixedSlots,
             },
             metrics.clone(),
         ));
@@ -376,6 +411,18 @@ fn start_workers(
     )
     .context("starting the CPU LoRA workers (thaw lora-worker)")?;
     Ok(pool)
+}
+
+/// Bytes of the largest adapter accepted: `max_rank` on every projection of every layer, f32.
+fn max_adapter_bytes(c: &thaw_runtime::model::ModelConfig, max_rank: usize) -> u64 {
+    let per_layer: usize = thaw_runtime::adapter::LoraModule::ALL
+        .iter()
+        .map(|m| {
+            let (d_in, d_out) = c.module_shape(*m);
+            max_rank * (d_in + d_out) * std::mem::size_of::<f32>()
+        })
+        .sum();
+    (per_layer * c.num_layers) as u64
 }
 
 /// Arena bytes of the workers' host store: room for `adapters` of the largest adapter the
