@@ -52,8 +52,8 @@ async fn run(fx: &ServeFixture, policy: SchedulingPolicy) -> (Vec<String>, Strin
     cfg.scheduling_policy = policy;
     cfg.max_num_seqs = 4;
     cfg.max_num_batched_tokens = 32;
-    cfg.num_gpu_blocks_override = Some(24);
-    cfg.block_size = 8;
+    // Room for a few sequences beside the adapters: admission has to choose.
+    cfg.num_gpu_blocks_override = Some(160);
     let server = Server::start(cfg).await.unwrap();
     let app = server.router();
     let handles: Vec<_> = requests(fx)

@@ -256,11 +256,12 @@ mod tests {
         }
         let ids: Vec<u64> = st.waiting.iter().map(|s| s.id.0).collect();
         assert_eq!(ids, vec![2, 4, 1, 3]);
-        let d = s.plan(&mut st, &cfg, 64, &|_, _| Gate::Go, &perf);
-        assert_eq!(
-            st.admit(d.admit, &cfg),
-            vec![SeqId(2), SeqId(4), SeqId(1), SeqId(3)]
-        );
+        let all: Vec<SeqId> = st.waiting.iter().map(|s| s.id).collect();
+        let d = s.plan(&st, &cfg, 64, &|_, _| Gate::Go, &perf, &all, 64);
+        assert_eq!(d.admit, vec![SeqId(2), SeqId(4), SeqId(1), SeqId(3)]);
+        // Only what adapter-aware admission allowed is admitted.
+        let d = s.plan(&st, &cfg, 64, &|_, _| Gate::Go, &perf, &all[1..], 64);
+        assert!(!d.admit.contains(&SeqId(2)));
     }
 
     #[test]
