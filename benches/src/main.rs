@@ -35,6 +35,9 @@ enum Cmd {
     /// `thaw serve` once per --cold-start policy on the same model, adapters and workload;
     /// TTFT / TPOT / E2E side by side with overheads relative to `cached`.
     ColdStart(Box<load::ColdStartHttpArgs>),
+    /// `thaw serve` once per --scheduling-policy, the same workload at rising rates (Chameleon
+    /// Fig. 10): P50/P99 TTFT, P99 TPOT, throughput at SLO.
+    Scheduling(Box<load::SchedulingArgs>),
     /// Adapter cache (issue 11): `thaw serve` per --adapter-eviction policy (lru, cost,
     /// fixed-slots) at loads up to the sustainable rate; hit rate, TTFT P50/P99, done/failed.
     Cache(Box<load::CacheArgs>),
@@ -68,6 +71,7 @@ fn main() -> anyhow::Result<()> {
         }
         Cmd::Load(args) => print!("{}", load::run_load(&args)?),
         Cmd::ColdStart(args) => print!("{}", load::run_cold_start(&args)?),
+        Cmd::Scheduling(args) => print!("{}", load::run_scheduling(&args)?),
         Cmd::Cache(args) => print!("{}", load::run_cache(&args)?),
         Cmd::CacheScale(args) => print!("{}", load::run_cache_scale(&args)?),
         Cmd::LoraWorker(args) => thaw_cpu_lora::worker_main(args)?,

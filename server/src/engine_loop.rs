@@ -24,10 +24,15 @@ use crate::coldstart::{ColdDecision, ColdStartPolicy, CostModel};
 use crate::error::ServerError;
 use crate::memory::apply::{apply, Upload};
 use crate::memory::loader::{FetchResult, Loader};
-use crate::memory::{admit, Board, Limits, MemoryConfig, MemoryManager, Notice, NoticeSink};
+use crate::memory::{
+    admit, Board, Device, Limits, MemoryConfig, MemoryManager, Notice, NoticeSink,
+};
 use crate::metrics::Metrics;
+use crate::perf::{StepShape, Tier};
 use crate::registry::AdapterLease;
-use crate::scheduler::{plan_step_admitting, Gate, SchedConfig, SchedState, SeqState};
+use crate::scheduler::{
+    Arrival, Gate, MlqConfig, SchedConfig, SchedState, Scheduler, SchedulingPolicy, SeqState,
+};
 
 /// The engine the server runs (the CPU backend until the CUDA backend lands).
 pub type ServeEngine = Engine<CpuBackend>;
@@ -54,6 +59,8 @@ pub struct Submission {
     /// Pins the adapter while the request lives; dropped when the engine drops the request.
     pub lease: Option<AdapterLease>,
     pub arrived: Instant,
+    /// Admission order under `--scheduling-policy priority` (lower first).
+    pub priority: i64,
 }
 
 enum Command {
@@ -112,6 +119,18 @@ pub struct LoopConfig {
     pub cold: ColdStart,
     pub memory: MemoryConfig,
     pub limits: Limits,
+    pub scheduling: Scheduling,
+}
+
+/// How the loop orders and batches requests.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Scheduling {
+    pub policy: SchedulingPolicy,
+    pub mlq: MlqConfig,
+    /// `--tpot-slo-ms` in seconds.
+    pub tpot_slo_s: Option<f64>,
+    /// `--lora-kernel auto`: the performance model picks SGMV or BGMV per step.
+    pub auto_kernel: bool,
 }
 
 /// The HTTP side's handle on the engine thread. Cheap to clone.
@@ -248,6 +267,8 @@ struct Loop {
     stats: Arc<LoopStats>,
     metrics: Arc<Metrics>,
     deadline: Option<Instant>,
+    sched: Scheduler,
+    auto_kernel: bool,
 }
 
 const SHUTDOWN_MSG: &str =
@@ -270,8 +291,16 @@ impl Loop {
         stats: Arc<LoopStats>,
         metrics: Arc<Metrics>,
     ) -> Self {
+        let sched = Scheduler::new(
+            cfg.scheduling.policy,
+            cfg.scheduling.mlq,
+            cfg.scheduling.tpot_slo_s,
+            &cfg.sched,
+        );
         Self {
             engine,
+            sched,
+            auto_kernel: cfg.scheduling.auto_kernel,
             cfg: cfg.sched,
             cold: cfg.cold,
             limits: cfg.limits,
@@ -436,7 +465,9 @@ impl Loop {
                 return;
             }
         }
-        self.state.enqueue(seq);
+        let arrival = self.arrival(seq.adapter, &sub);
+        self.sched
+            .enqueue(&mut self.state, &self.cfg, seq, arrival, &self.cold.cost);
         self.live.insert(
             id,
             Live {
@@ -521,6 +552,7 @@ impl Loop {
     /// Forgets a request: out of the scheduler, out of the engine (frees KV), lease dropped.
     fn forget(&mut self, id: SeqId, reason: &'static str) {
         self.state.remove(id, &self.cfg);
+        self.sched.remove(id);
         if let Some(l) = self.live.remove(&id) {
             if l.running {
                 let _ = self.engine.remove_sequence(id);
@@ -563,7 +595,7 @@ impl Loop {
         let plan = {
             let view = self.mem.view(&wanted);
             admit(
-                &self.state.waiting,
+                self.sched.candidate_order(&self.state),
                 &self.state.running,
                 self.state.reserved_blocks,
                 &self.cfg,
@@ -577,11 +609,12 @@ impl Loop {
         let cold = &self.cold;
         let gate = |s: &SeqState, planned: usize| cold_gate(engine, cold, s, planned);
         let kv_capacity = self.mem.pool().kv_capacity();
-        let mut d = plan_step_admitting(
+        let mut d = self.sched.plan(
             &self.state,
             &self.cfg,
             free,
             &gate,
+            &self.cold.cost,
             &plan.admit,
             kv_capacity,
         );
@@ -605,6 +638,7 @@ impl Loop {
                 )));
                 l.running = false;
                 self.state.remove(id, &self.cfg);
+                self.sched.remove(id);
                 self.live.remove(&id);
                 self.metrics.count_finished("abort");
                 d.plan.items.retain(|it| it.seq != id);
@@ -621,6 +655,15 @@ impl Loop {
             })
         }));
         let tokens: usize = d.plan.items.iter().map(|i| i.num_tokens).sum();
+        let shape = self.step_shape(&d.plan);
+        let kernel = if self.auto_kernel {
+            let step = self.stats.steps.load(Ordering::Relaxed);
+            let k = self.cold.cost.kernel_for_step(&shape, step);
+            self.engine.set_lora_kernel(k);
+            k
+        } else {
+            self.engine.engine_config().lora_kernel
+        };
         let assisted_before = self.engine.rows_assisted();
         let profile_before = self.engine.assist_profile();
         let started = Instant::now();
@@ -643,7 +686,9 @@ impl Loop {
         let assisted = self.engine.rows_assisted() - assisted_before;
         if assisted == 0 {
             // Only steps the CPU did not stretch teach the model the device's speed.
-            self.cold.cost.observe_step(tokens, started.elapsed());
+            self.cold
+                .cost
+                .observe_shape(&shape, kernel, started.elapsed());
         } else {
             let overhead = self
                 .engine
@@ -701,6 +746,11 @@ impl Loop {
             ));
         }
         self.state.on_step(&planned, &sampled, &finished, &self.cfg);
+        for id in &finished {
+            if let Some(l) = self.live.get(id) {
+                self.sched.finished(*id, l.generated);
+            }
+        }
         for id in finished {
             // The engine already dropped the sequence; dropping `Live` releases the lease.
             self.live.remove(&id);
@@ -714,7 +764,53 @@ impl Loop {
         true
     }
 
+    /// What the scheduler is told of a new request: its priority, its adapter's rank and how
+    /// long its adapter needs to reach the device from the tier it is in.
+    fn arrival(&self, adapter: Option<AdapterId>, sub: &Submission) -> Arrival {
+        let mut a = Arrival {
+            priority: sub.priority,
+            ..Default::default()
+        };
+        let Some(id) = adapter else {
+            return a;
+        };
+        a.rank = sub.lease.as_ref().map_or(0, |l| l.slot().rank);
+        let bytes = self.mem.bytes(id).unwrap_or(0);
+        let backlog = self.engine.backend().link_backlog();
+        a.load_s = match self.mem.state(id) {
+            Some(s) if s.device == Device::Resident => 0.0,
+            Some(s) if s.device == Device::Loading => match self.engine.adapter_landed(id) {
+                Some((landed, layers)) if landed < layers => {
+                    let left = 1.0 - landed as f64 / layers.max(1) as f64;
+                    let b = (bytes as f64 * left) as u64;
+                    self.cold.cost.load_time_from(Tier::Host, b, backlog)
+                }
+                _ => 0.0,
+            },
+            Some(s) if s.in_host => self.cold.cost.load_time_from(Tier::Host, bytes, backlog),
+            _ => self.cold.cost.load_time_from(Tier::Disk, bytes, backlog),
+        };
+        a
+    }
+
+    /// The shape of a planned step for the performance model: decode and prefill rows and
+    /// the ranks they carry.
+    fn step_shape(&self, plan: &thaw_runtime::engine::StepPlan) -> StepShape {
+        let mut shape = StepShape::default();
+        for it in &plan.items {
+            if let Some(s) = self.state.running.iter().find(|s| s.id == it.seq) {
+                shape.add(it.num_tokens, !s.in_prefill(), self.sched.rank(it.seq));
+            }
+        }
+        shape
+    }
+
     fn publish(&self) {
+        if self.stats.steps.load(Ordering::Relaxed) % 32 == 0 {
+            self.metrics
+                .sched
+                .publish(self.sched.snapshot(&self.state), self.cold.cost.snapshot());
+        }
         {
             let mut landing = self.stats.landing.lock().unwrap_or_else(|e| e.into_inner());
             landing.retain(|id, v| match self.engine.adapter_landed(*id) {

@@ -108,49 +108,60 @@ pub fn default_thaw_bin() -> anyhow::Result<PathBuf> {
 }
 
 fn prepare(args: &ColdStartHttpArgs, root: &Path) -> anyhow::Result<(PathBuf, PathBuf)> {
-    let model = match &args.model {
-        Some(m) => m.clone(),
+    prepare_files(
+        args.model.as_deref(),
+        &args.preset,
+        args.lora_dir.as_deref(),
+        args.adapters,
+        &args.ranks,
+        root,
+    )
+}
+
+/// The model and adapter directories to serve: the given ones, else generated into `root`
+/// (reused when already there).
+pub(super) fn prepare_files(
+    model: Option<&Path>,
+    preset: &str,
+    lora_dir: Option<&Path>,
+    adapters: usize,
+    ranks: &[usize],
+    root: &Path,
+) -> anyhow::Result<(PathBuf, PathBuf)> {
+    let model = match model {
+        Some(m) => m.to_path_buf(),
         None => {
-            let preset = gen::preset(&args.preset)
-                .with_context(|| format!("unknown --preset {}", args.preset))?;
-            let dir = root.join(format!("model-{}", args.preset));
+            let spec = gen::preset(preset).with_context(|| format!("unknown --preset {preset}"))?;
+            let dir = root.join(format!("model-{preset}"));
             if !dir.join("config.json").exists() {
-                eprintln!(
-                    "generating the {} model into {}",
-                    args.preset,
-                    dir.display()
-                );
-                gen::write_model(&preset, &dir, &GenModelOptions::default())?;
+                eprintln!("generating the {preset} model into {}", dir.display());
+                gen::write_model(&spec, &dir, &GenModelOptions::default())?;
             }
             dir
         }
     };
-    let lora_dir = match &args.lora_dir {
-        Some(d) => d.clone(),
+    let lora_dir = match lora_dir {
+        Some(d) => d.to_path_buf(),
         None => {
-            let ranks: Vec<String> = args.ranks.iter().map(|r| r.to_string()).collect();
+            let rank_names: Vec<String> = ranks.iter().map(|r| r.to_string()).collect();
             let dir = root.join(format!(
                 "adapters-{}-{}-r{}",
                 model
                     .file_name()
                     .and_then(|n| n.to_str())
                     .unwrap_or("model"),
-                args.adapters,
-                ranks.join("_")
+                adapters,
+                rank_names.join("_")
             ));
             let present = std::fs::read_dir(&dir).map_or(0, |it| it.count());
-            if present != args.adapters {
+            if present != adapters {
                 let _ = std::fs::remove_dir_all(&dir);
-                eprintln!(
-                    "generating {} adapters into {}",
-                    args.adapters,
-                    dir.display()
-                );
+                eprintln!("generating {adapters} adapters into {}", dir.display());
                 gen::write_adapters(&GenAdaptersOptions {
                     model_dir: model.clone(),
                     out_dir: dir.clone(),
-                    count: args.adapters,
-                    ranks: args.ranks.clone(),
+                    count: adapters,
+                    ranks: ranks.to_vec(),
                     targets: vec![Projection::Q, Projection::K, Projection::V, Projection::O],
                     ..Default::default()
                 })?;

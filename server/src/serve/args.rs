@@ -78,14 +78,21 @@ pub struct ServeArgs {
     /// Seed for requests that bring none [default: 0].
     #[arg(long)]
     pub seed: Option<u64>,
-    /// Batched LoRA kernel: sgmv or bgmv [default: sgmv].
-    #[arg(long, value_parser = ["sgmv", "bgmv"])]
+    /// Batched LoRA kernel: sgmv, bgmv, or auto (the performance model picks per step) [default: sgmv].
+    #[arg(long, value_parser = ["sgmv", "bgmv", "auto"])]
     pub lora_kernel: Option<String>,
     /// What a request whose adapter is not on the device does: cached (every adapter made
     /// resident at start-up), on-demand (wait for the load), cpu-assist (CPU workers compute
     /// its LoRA while it streams), auto (the cost model picks per step) [default: auto].
     #[arg(long, value_enum)]
     pub cold_start: Option<crate::coldstart::ColdStartPolicy>,
+    /// Order of admission: fcfs, priority (the request's `priority`, lower first, as vLLM),
+    /// sjf (shortest predicted output first), mlq (Chameleon's multi-level queues) [default: fcfs].
+    #[arg(long, value_enum)]
+    pub scheduling_policy: Option<crate::scheduler::SchedulingPolicy>,
+    /// Keep the predicted time between tokens under this (rank-aware batching, with mlq) [default: off].
+    #[arg(long, value_name = "MS")]
+    pub tpot_slo_ms: Option<f64>,
     /// Bandwidth of the emulated host→device link the CPU backend streams adapters over, GB/s [default: 25].
     #[arg(long, value_name = "GBPS")]
     pub emulated_link_gbps: Option<f64>,
@@ -212,6 +219,11 @@ impl ServeArgs {
             seed: self.seed.or(f.seed).unwrap_or(d.seed),
             lora_kernel: self.lora_kernel.or(f.lora_kernel).unwrap_or(d.lora_kernel),
             cold_start: self.cold_start.or(f.cold_start).unwrap_or(d.cold_start),
+            scheduling_policy: self
+                .scheduling_policy
+                .or(f.scheduling_policy)
+                .unwrap_or(d.scheduling_policy),
+            tpot_slo_ms: self.tpot_slo_ms.or(f.tpot_slo_ms),
             emulated_link_gbps: self
                 .emulated_link_gbps
                 .or(f.emulated_link_gbps)
@@ -254,6 +266,12 @@ impl ServeArgs {
             "--emulated-link-latency-us must be a non-negative number, got {}",
             cfg.emulated_link_latency_us
         );
+        if let Some(t) = cfg.tpot_slo_ms {
+            anyhow::ensure!(
+                t.is_finite() && t > 0.0,
+                "--tpot-slo-ms must be a positive number of milliseconds, got {t}"
+            );
+        }
         for (name, v) in [
             ("max-loras", cfg.max_loras),
             ("max-num-seqs", cfg.max_num_seqs),
@@ -269,8 +287,8 @@ impl ServeArgs {
             cfg.gpu_memory_utilization
         );
         anyhow::ensure!(
-            cfg.lora_kernel == "sgmv" || cfg.lora_kernel == "bgmv",
-            "lora_kernel must be sgmv or bgmv, got `{}`",
+            ["sgmv", "bgmv", "auto"].contains(&cfg.lora_kernel.as_str()),
+            "lora_kernel must be sgmv, bgmv or auto, got `{}`",
             cfg.lora_kernel
         );
         Ok(cfg)

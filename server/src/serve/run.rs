@@ -168,6 +168,20 @@ impl Server {
                         cold,
                         memory,
                         limits,
+                        scheduling: engine_loop::Scheduling {
+                            policy: cold_cfg.scheduling_policy,
+                            mlq: crate::scheduler::MlqConfig {
+                                weights: crate::scheduler::WrsWeights {
+                                    max_input: max_model_len,
+                                    max_output: max_model_len,
+                                    max_rank: cold_cfg.max_lora_rank,
+                                    ..Default::default()
+                                },
+                                ..Default::default()
+                            },
+                            tpot_slo_s: cold_cfg.tpot_slo_ms.map(|ms| ms / 1e3),
+                            auto_kernel: cold_cfg.lora_kernel == "auto",
+                        },
                     },
                 ))
             },
