@@ -11,7 +11,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use thaw_runtime::adapter::LoraAdapter;
-use thaw_runtime::backend::cpu::CpuBackend;
+use thaw_runtime::backend::any::AnyBackend;
 use thaw_runtime::engine::{Engine, FinishReason, SequenceParams};
 use thaw_runtime::ids::{AdapterId, SeqId};
 use thaw_runtime::sampling::SampledToken;
@@ -24,8 +24,8 @@ use crate::metrics::Metrics;
 use crate::registry::AdapterLease;
 use crate::scheduler::{plan_step_gated, Gate, SchedConfig, SchedState, SeqState};
 
-/// The engine the server runs (the CPU backend until the CUDA backend lands).
-pub type ServeEngine = Engine<CpuBackend>;
+/// The engine the server runs: the CPU or the CUDA backend, as `--device` chose.
+pub type ServeEngine = Engine<AnyBackend>;
 
 /// What a request hears from the engine.
 #[derive(Clone, Debug, PartialEq)]

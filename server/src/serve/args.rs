@@ -84,6 +84,10 @@ pub struct ServeArgs {
     /// the engine thread) [default: min(4, cores − 1)].
     #[arg(long)]
     pub lora_workers: Option<usize>,
+    /// Where the model runs: cuda (fails without a usable NVIDIA GPU and a `cuda` build),
+    /// cpu, or auto (cuda when available, else cpu) [default: auto].
+    #[arg(long, value_name = "auto|cpu|cuda")]
+    pub device: Option<thaw_runtime::backend::DeviceKind>,
     /// TOML file with the same settings (keys are flag names with `_`); flags override it.
     #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
@@ -179,6 +183,15 @@ impl ServeArgs {
                 .lora_workers
                 .or(f.lora_workers)
                 .unwrap_or(d.lora_workers),
+            device: match self.device {
+                Some(k) => k,
+                None => match f.device {
+                    Some(s) => s
+                        .parse()
+                        .map_err(|e: String| anyhow::anyhow!("device: {e}"))?,
+                    None => d.device,
+                },
+            },
         };
         anyhow::ensure!(
             cfg.emulated_link_gbps.is_finite() && cfg.emulated_link_gbps > 0.0,

@@ -40,6 +40,7 @@ pub struct ServeConfig {
     pub emulated_link_gbps: f64,
     pub emulated_link_latency_us: f64,
     pub lora_workers: usize,
+    pub device: thaw_runtime::backend::DeviceKind,
 }
 
 impl Default for ServeConfig {
@@ -69,6 +70,7 @@ impl Default for ServeConfig {
             emulated_link_gbps: 25.0,
             emulated_link_latency_us: 10.0,
             lora_workers: default_lora_workers(),
+            device: thaw_runtime::backend::DeviceKind::Auto,
         }
     }
 }
@@ -111,6 +113,8 @@ pub struct FileConfig {
     pub emulated_link_gbps: Option<f64>,
     pub emulated_link_latency_us: Option<f64>,
     pub lora_workers: Option<usize>,
+    /// auto, cpu or cuda.
+    pub device: Option<String>,
 }
 
 /// One worker per core but the engine's, at most four.

@@ -18,6 +18,7 @@
 mod backend;
 mod exchange;
 mod launch;
+mod link;
 mod step;
 mod stream;
 mod weights;
