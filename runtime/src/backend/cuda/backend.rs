@@ -11,11 +11,12 @@ use std::ops::Range;
 use cudarc::driver::{CudaSlice, CudaStream};
 use thaw_kernels::cpu::{KvLayout, RopeTable};
 
+use super::encode::encode;
 use super::launch::copy_htod_async;
 use super::launch::{AttnShape, Gpu};
 use super::step::{AttnMeta, DevVec, LoraMeta};
 use super::weights::{
-    encode, pack_lora, plan_lora, upload_bytes, upload_lora, CudaLinear, CudaLora, CudaVector,
+    pack_lora, plan_lora, upload_bytes, upload_lora, CudaLinear, CudaLora, CudaVector,
 };
 use super::{CudaError, DType};
 use crate::adapter::{LoraAdapter, LoraModule};

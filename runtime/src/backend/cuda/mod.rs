@@ -16,6 +16,7 @@
 //! | `exchange.rs` | fused export and stream-waited merge (CPU assist) |
 //! | `stream.rs` | pinned host store, layer-wise adapter streaming with per-layer events |
 mod backend;
+mod encode;
 mod exchange;
 mod launch;
 mod link;
