@@ -141,6 +141,8 @@ either!(
 );
 
 /// The CPU or the CUDA backend.
+// One per engine, built once and never moved on a hot path: the size difference is harmless.
+#[allow(clippy::large_enum_variant)]
 pub enum AnyBackend {
     Cpu(CpuBackend),
     Cuda(Box<Gpu>),
