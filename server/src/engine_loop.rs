@@ -14,7 +14,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crossbeam::channel::{self as cb, Receiver, Sender};
-use thaw_runtime::backend::cpu::CpuBackend;
+use thaw_runtime::backend::any::AnyBackend;
 use thaw_runtime::engine::{Engine, FinishReason, SequenceParams};
 use thaw_runtime::ids::{AdapterId, SeqId};
 use thaw_runtime::sampling::SampledToken;
@@ -34,8 +34,8 @@ use crate::scheduler::{
     Arrival, Gate, MlqConfig, SchedConfig, SchedState, Scheduler, SchedulingPolicy, SeqState,
 };
 
-/// The engine the server runs (the CPU backend until the CUDA backend lands).
-pub type ServeEngine = Engine<CpuBackend>;
+/// The engine the server runs: the CPU or the CUDA backend, as `--device` chose.
+pub type ServeEngine = Engine<AnyBackend>;
 
 /// What a request hears from the engine.
 #[derive(Clone, Debug, PartialEq)]
@@ -806,7 +806,7 @@ impl Loop {
     }
 
     fn publish(&self) {
-        if self.stats.steps.load(Ordering::Relaxed) % 32 == 0 {
+        if self.stats.steps.load(Ordering::Relaxed).is_multiple_of(32) {
             self.metrics
                 .sched
                 .publish(self.sched.snapshot(&self.state), self.cold.cost.snapshot());

@@ -40,6 +40,9 @@ pub struct ColdStartHttpArgs {
     /// Policies to compare, in order; `cached` is the baseline of the overheads.
     #[arg(long, value_enum, value_delimiter = ',', default_values = ["cached", "on-demand", "cpu-assist", "auto"])]
     pub policies: Vec<ColdStartPolicy>,
+    /// Passed to `thaw serve --device` (auto, cpu or cuda); on cuda the link is the real one.
+    #[arg(long)]
+    pub device: Option<String>,
     /// Passed to `thaw serve --emulated-link-gbps`.
     #[arg(long)]
     pub emulated_link_gbps: Option<f64>,
@@ -343,6 +346,7 @@ pub fn run(args: &ColdStartHttpArgs) -> anyhow::Result<String> {
             "emulated-link-latency-us",
             args.emulated_link_latency_us.map(|v| v.to_string()),
         ),
+        opt("device", args.device.clone()),
         opt("lora-workers", args.lora_workers.map(|v| v.to_string())),
         opt("max-loras", args.max_loras.map(|v| v.to_string())),
     ]
@@ -414,8 +418,10 @@ pub fn run(args: &ColdStartHttpArgs) -> anyhow::Result<String> {
 
     let w = &args.workload;
     let setup = format!(
-        "thaw serve (CPU backend, emulated host→device link{}{}), model {}, {} adapters from {}; \
-         {} requests, {:?} arrivals at {:.2} req/s, {:?} popularity, {:?} lengths (prompt {}, output {})",
+        "thaw serve (--device {}; on the CPU an emulated host→device link{}{}), model {}, {} adapters \
+         from {}; {} requests, {:?} arrivals at {:.2} req/s, {:?} popularity, {:?} lengths (prompt {}, \
+         output {})",
+        args.device.as_deref().unwrap_or("auto"),
         args.emulated_link_gbps
             .map(|g| format!(" {g} GB/s"))
             .unwrap_or_default(),
@@ -436,7 +442,7 @@ pub fn run(args: &ColdStartHttpArgs) -> anyhow::Result<String> {
     let json = args.out.join("cold-start.json");
     let plots = write_cdfs(
         &args.out.join("cold-start-cdf"),
-        "thaw serve --cold-start policies (CPU backend, emulated link)",
+        "thaw serve --cold-start policies",
         &runs
             .iter()
             .map(|r| (r.policy.to_string(), r.requests.as_slice()))

@@ -5,9 +5,10 @@ use crate::perf::PerfModel;
 /// Measures the cost model's inputs on `engine`: device time per layer from a throwaway
 /// sequence's prefill and decode steps, CPU LoRA throughput from the worker pool's profile
 /// (or, with no pool, from timing the kernel on the engine thread), the link from the backend.
-pub fn calibrate(
-    engine: &mut thaw_runtime::engine::Engine<thaw_runtime::backend::cpu::CpuBackend>,
-) -> thaw_runtime::Result<PerfModel> {
+pub fn calibrate<B>(engine: &mut thaw_runtime::engine::Engine<B>) -> thaw_runtime::Result<PerfModel>
+where
+    B: thaw_runtime::backend::Backend + thaw_runtime::backend::any::HostLink,
+{
     use std::time::Instant;
     use thaw_runtime::engine::{PlanItem, SequenceParams, StepPlan};
     use thaw_runtime::ids::SeqId;

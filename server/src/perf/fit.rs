@@ -143,8 +143,9 @@ fn gauss(mut m: Vec<Vec<f64>>) -> Option<Vec<f64>> {
         for r in 0..k {
             if r != c {
                 let f = m[r][c] / m[c][c];
-                for q in c..=k {
-                    m[r][q] -= f * m[c][q];
+                let pivot = m[c].clone();
+                for (x, p) in m[r][c..=k].iter_mut().zip(&pivot[c..=k]) {
+                    *x -= f * p;
                 }
             }
         }

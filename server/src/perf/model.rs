@@ -189,7 +189,7 @@ impl PerfModel {
     /// keep being measured (a kernel never run would never be fitted, and never chosen).
     pub fn kernel_for_step(&self, shape: &StepShape, step: u64) -> LoraKernel {
         let k = self.choose_kernel(shape);
-        if shape.lora_rows == 0 || step % Self::EXPLORE_EVERY != 0 {
+        if shape.lora_rows == 0 || !step.is_multiple_of(Self::EXPLORE_EVERY) {
             return k;
         }
         match k {

@@ -36,8 +36,8 @@ pub fn kmeans_1d(xs: &[f64], k: usize) -> (Vec<f64>, f64) {
     // d[c][j]: best WCSS of v[..j] in c + 1 clusters; from[c][j]: where the last one starts.
     let mut d = vec![vec![f64::INFINITY; n + 1]; k];
     let mut from = vec![vec![0usize; n + 1]; k];
-    for j in 1..=n {
-        d[0][j] = cost(0, j);
+    for (j, d0) in d[0].iter_mut().enumerate().skip(1) {
+        *d0 = cost(0, j);
     }
     for c in 1..k {
         for j in c + 1..=n {

@@ -120,6 +120,10 @@ pub struct ServeArgs {
     /// Runtime adapter loads must resolve (symlinks, `..`) inside DIR; others get 403.
     #[arg(long, value_name = "DIR")]
     pub lora_root: Option<PathBuf>,
+    /// Where the model runs: cuda (fails without a usable NVIDIA GPU and a `cuda` build),
+    /// cpu, or auto (cuda when available, else cpu) [default: auto].
+    #[arg(long, value_name = "auto|cpu|cuda")]
+    pub device: Option<thaw_runtime::backend::DeviceKind>,
     /// TOML file with the same settings (keys are flag names with `_`); flags override it.
     #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
@@ -244,6 +248,15 @@ impl ServeArgs {
             allow_runtime_lora_updating: self.allow_runtime_lora_updating
                 || f.allow_runtime_lora_updating.unwrap_or(false),
             lora_root: self.lora_root.or(f.lora_root),
+            device: match self.device {
+                Some(k) => k,
+                None => match f.device {
+                    Some(s) => s
+                        .parse()
+                        .map_err(|e: String| anyhow::anyhow!("device: {e}"))?,
+                    None => d.device,
+                },
+            },
         };
         anyhow::ensure!(
             cfg.api_keys.iter().all(|k| !k.trim().is_empty()),

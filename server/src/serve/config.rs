@@ -55,6 +55,7 @@ pub struct ServeConfig {
     pub allow_runtime_lora_updating: bool,
     /// Runtime adapter loads must resolve inside this directory.
     pub lora_root: Option<PathBuf>,
+    pub device: thaw_runtime::backend::DeviceKind,
 }
 
 impl Default for ServeConfig {
@@ -93,6 +94,7 @@ impl Default for ServeConfig {
             api_keys: Vec::new(),
             allow_runtime_lora_updating: false,
             lora_root: None,
+            device: thaw_runtime::backend::DeviceKind::Auto,
         }
     }
 }
@@ -145,6 +147,8 @@ pub struct FileConfig {
     pub api_key: Option<OneOrMany>,
     pub allow_runtime_lora_updating: Option<bool>,
     pub lora_root: Option<PathBuf>,
+    /// auto, cpu or cuda.
+    pub device: Option<String>,
 }
 
 /// A TOML value that is one string or a list of strings.

@@ -8,7 +8,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use thaw_runtime::backend::cpu::CpuBackend;
+use thaw_runtime::backend::any::AnyBackend;
 use thaw_runtime::residency::LinkModel;
 
 use crate::coldstart::ColdStartPolicy;
@@ -120,7 +120,8 @@ impl Server {
                     gbps: cold_cfg.emulated_link_gbps,
                     latency_us: cold_cfg.emulated_link_latency_us,
                 };
-                let backend = CpuBackend::new(&model.config).with_link(link);
+                let device = cold_cfg.device.resolve()?;
+                let backend = AnyBackend::new(&device, &model.config, link)?;
                 let mut engine = Engine::new(backend, model, ecfg)?;
                 if cold_cfg.cold_start != ColdStartPolicy::Cached && cold_cfg.lora_workers > 0 {
                     // The engine thread keeps the first core; the workers take the next ones,
@@ -136,7 +137,9 @@ impl Server {
                 tracing::info!(
                     policy = %cold_cfg.cold_start,
                     workers = cold_cfg.lora_workers,
-                    link_gbps = link.gbps,
+                    device = engine.backend_name(),
+                    link_gbps = cost.link.gbps,
+                    link_latency_us = cost.link.latency_us,
                     "cold start"
                 );
                 let cold = ColdStart {
