@@ -175,3 +175,23 @@ fn missing_config_file_is_reported() {
         Err(ModelError::MissingFile { .. })
     ));
 }
+
+/// Fuzzing found (issue 13): `rms_norm_eps: 1e308` became an infinite f32 (and would have
+/// made every norm's output NaN); rope numbers beyond f32 likewise. Both are refused.
+#[test]
+fn numbers_beyond_f32_are_refused() {
+    for (extra, field) in [
+        (r#", "rms_norm_eps": 1e308"#, "rms_norm_eps"),
+        (r#", "rms_norm_eps": -1e-5"#, "rms_norm_eps"),
+        (r#", "rope_theta": 1e39"#, "rope_theta"),
+        (
+            r#", "rope_scaling": {"rope_type": "linear", "factor": 1e300}"#,
+            "factor",
+        ),
+    ] {
+        match ModelConfig::from_json(&base("llama", extra)) {
+            Err(ModelError::InvalidConfig { field: f, .. }) => assert_eq!(f, field, "{extra}"),
+            other => panic!("{extra}: expected InvalidConfig, got {other:?}"),
+        }
+    }
+}
