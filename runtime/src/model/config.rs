@@ -194,6 +194,30 @@ impl ModelConfig {
             None => hidden_size / num_heads,
         };
 
+        // Every weight's element count must be a number: sizes whose products overflow come
+        // from a corrupt or hostile config, and would overflow the shape arithmetic later.
+        for (key, product) in [
+            ("num_attention_heads", num_heads.checked_mul(head_dim)),
+            ("num_key_value_heads", num_kv_heads.checked_mul(head_dim)),
+            ("vocab_size", vocab_size.checked_mul(hidden_size)),
+            (
+                "intermediate_size",
+                intermediate_size.checked_mul(hidden_size),
+            ),
+            (
+                "hidden_size",
+                num_heads
+                    .checked_mul(head_dim)
+                    .and_then(|q| q.checked_mul(hidden_size)),
+            ),
+        ] {
+            if product.is_none_or(|p| p > isize::MAX as usize / 8) {
+                return Err(invalid(
+                    key,
+                    "makes a weight matrix too large to address; the config is corrupt",
+                ));
+            }
+        }
         if let Some(act) = field("hidden_act", json::get_str(obj, "hidden_act"))? {
             if act != "silu" {
                 return Err(invalid(
