@@ -6,6 +6,7 @@ mod engine_bench;
 mod load;
 mod lora_bench;
 mod lora_socket;
+mod soak;
 mod trace;
 
 #[derive(Parser, Debug)]
@@ -35,6 +36,10 @@ enum Cmd {
     /// `thaw serve` once per --cold-start policy on the same model, adapters and workload;
     /// TTFT / TPOT / E2E side by side with overheads relative to `cached`.
     ColdStart(Box<load::ColdStartHttpArgs>),
+    /// Endurance: `thaw serve` under 70% load over many adapters with faults (runtime
+    /// loads/unloads, dropped streams, malformed requests, killed CPU workers); per-minute
+    /// requests, RSS, fds, shared-memory segments, KV blocks and leases.
+    Soak(soak::SoakArgs),
     /// A CPU LoRA worker process (spawned by the benchmarks' pool).
     #[command(hide = true)]
     LoraWorker(thaw_cpu_lora::WorkerArgs),
@@ -63,6 +68,7 @@ fn main() -> anyhow::Result<()> {
         }
         Cmd::Load(args) => print!("{}", load::run_load(&args)?),
         Cmd::ColdStart(args) => print!("{}", load::run_cold_start(&args)?),
+        Cmd::Soak(args) => print!("{}", soak::run(&args)?),
         Cmd::LoraWorker(args) => thaw_cpu_lora::worker_main(args)?,
         Cmd::LoraSocketWorker(args) => lora_socket::run_worker(&args)?,
     }

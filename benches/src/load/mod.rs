@@ -11,4 +11,4 @@ mod runner;
 mod workload;
 
 pub use cli::{run as run_load, LoadArgs};
-pub use coldstart::{run as run_cold_start, ColdStartHttpArgs};
+pub use coldstart::{default_thaw_bin, run as run_cold_start, ColdStartHttpArgs};
