@@ -6,6 +6,7 @@ mod engine_bench;
 mod load;
 mod lora_bench;
 mod lora_socket;
+mod soak;
 mod trace;
 
 #[derive(Parser, Debug)]
@@ -43,6 +44,10 @@ enum Cmd {
     Cache(Box<load::CacheArgs>),
     /// Throughput and server memory with 1 … 10,000 registered adapters (uniform popularity).
     CacheScale(Box<load::CacheScaleArgs>),
+    /// Endurance: `thaw serve` under 70% load over many adapters with faults (runtime
+    /// loads/unloads, dropped streams, malformed requests, killed CPU workers); per-minute
+    /// requests, RSS, fds, shared-memory segments, KV blocks and leases.
+    Soak(soak::SoakArgs),
     /// A CPU LoRA worker process (spawned by the benchmarks' pool).
     #[command(hide = true)]
     LoraWorker(thaw_cpu_lora::WorkerArgs),
@@ -74,6 +79,7 @@ fn main() -> anyhow::Result<()> {
         Cmd::Scheduling(args) => print!("{}", load::run_scheduling(&args)?),
         Cmd::Cache(args) => print!("{}", load::run_cache(&args)?),
         Cmd::CacheScale(args) => print!("{}", load::run_cache_scale(&args)?),
+        Cmd::Soak(args) => print!("{}", soak::run(&args)?),
         Cmd::LoraWorker(args) => thaw_cpu_lora::worker_main(args)?,
         Cmd::LoraSocketWorker(args) => lora_socket::run_worker(&args)?,
     }

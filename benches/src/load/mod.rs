@@ -15,5 +15,5 @@ mod workload;
 
 pub use cache::{run_cache, run_cache_scale, CacheArgs, CacheScaleArgs};
 pub use cli::{run as run_load, LoadArgs};
-pub use coldstart::{run as run_cold_start, ColdStartHttpArgs};
+pub use coldstart::{default_thaw_bin, run as run_cold_start, ColdStartHttpArgs};
 pub use scheduling::{run as run_scheduling, SchedulingArgs};

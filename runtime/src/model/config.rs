@@ -194,6 +194,30 @@ impl ModelConfig {
             None => hidden_size / num_heads,
         };
 
+        // Every weight's element count must be a number: sizes whose products overflow come
+        // from a corrupt or hostile config, and would overflow the shape arithmetic later.
+        for (key, product) in [
+            ("num_attention_heads", num_heads.checked_mul(head_dim)),
+            ("num_key_value_heads", num_kv_heads.checked_mul(head_dim)),
+            ("vocab_size", vocab_size.checked_mul(hidden_size)),
+            (
+                "intermediate_size",
+                intermediate_size.checked_mul(hidden_size),
+            ),
+            (
+                "hidden_size",
+                num_heads
+                    .checked_mul(head_dim)
+                    .and_then(|q| q.checked_mul(hidden_size)),
+            ),
+        ] {
+            if product.is_none_or(|p| p > isize::MAX as usize / 8) {
+                return Err(invalid(
+                    key,
+                    "makes a weight matrix too large to address; the config is corrupt",
+                ));
+            }
+        }
         if let Some(act) = field("hidden_act", json::get_str(obj, "hidden_act"))? {
             if act != "silu" {
                 return Err(invalid(
@@ -213,8 +237,13 @@ impl ModelConfig {
         }
 
         let (rope_theta, rope_scaling) = rope(obj)?;
-        let rms_norm_eps =
-            field("rms_norm_eps", json::get_f64(obj, "rms_norm_eps"))?.unwrap_or(1e-6) as f32;
+        let rms_norm_eps = finite_f32(
+            "rms_norm_eps",
+            field("rms_norm_eps", json::get_f64(obj, "rms_norm_eps"))?.unwrap_or(1e-6),
+        )?;
+        if rms_norm_eps < 0.0 {
+            return Err(invalid("rms_norm_eps", "must not be negative"));
+        }
         let default_max_pos = match architecture {
             Architecture::Llama => 2048,
             Architecture::Mistral => 4096 * 32,
@@ -328,6 +357,20 @@ fn architecture(obj: &Obj) -> Result<Architecture, ModelError> {
 
 /// `rope_theta` and scaling: transformers 5 writes `rope_parameters {rope_theta, rope_type, ..}`,
 /// transformers 4 a top-level `rope_theta` plus an optional `rope_scaling {type|rope_type, ..}`.
+/// `v` as the f32 the model computes with; a value beyond f32's range would be infinite and
+/// turn the model's outputs into NaN.
+fn finite_f32(key: &str, v: f64) -> Result<f32, ModelError> {
+    let f = v as f32;
+    if f.is_finite() {
+        Ok(f)
+    } else {
+        Err(invalid(
+            key,
+            format!("is {v}, beyond the range of f32 (about ±3.4e38)"),
+        ))
+    }
+}
+
 fn rope(obj: &Obj) -> Result<(f32, RopeScaling), ModelError> {
     let params = json::opt(obj, "rope_parameters")
         .map(|v| {
@@ -348,10 +391,10 @@ fn rope(obj: &Obj) -> Result<(f32, RopeScaling), ModelError> {
             Some(Err(e)) => return Err(e),
             _ => field("rope_theta", json::get_f64(obj, "rope_theta"))?.unwrap_or(10_000.0),
         };
-    if theta.is_nan() || theta <= 0.0 {
+    if theta.is_nan() || theta <= 0.0 || !(theta as f32).is_finite() {
         return Err(invalid(
             "rope_theta",
-            format!("must be positive, got {theta}"),
+            format!("must be a positive number within f32's range, got {theta}"),
         ));
     }
 
@@ -371,9 +414,9 @@ fn rope(obj: &Obj) -> Result<(f32, RopeScaling), ModelError> {
         return Ok((theta as f32, RopeScaling::None));
     };
     let num = |key: &str| -> Result<f32, ModelError> {
-        field(key, json::get_f64(o, key))?
-            .map(|v| v as f32)
-            .ok_or_else(|| invalid(key, format!("is required for rope_type `{kind}`")))
+        let v = field(key, json::get_f64(o, key))?
+            .ok_or_else(|| invalid(key, format!("is required for rope_type `{kind}`")))?;
+        finite_f32(key, v)
     };
     let scaling = match kind.as_str() {
         "default" => RopeScaling::None,

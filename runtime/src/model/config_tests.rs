@@ -175,3 +175,49 @@ fn missing_config_file_is_reported() {
         Err(ModelError::MissingFile { .. })
     ));
 }
+
+/// Fuzzing found (issue 13): `rms_norm_eps: 1e308` became an infinite f32 (and would have
+/// made every norm's output NaN); rope numbers beyond f32 likewise. Both are refused.
+#[test]
+fn numbers_beyond_f32_are_refused() {
+    for (extra, field) in [
+        (r#", "rms_norm_eps": 1e308"#, "rms_norm_eps"),
+        (r#", "rms_norm_eps": -1e-5"#, "rms_norm_eps"),
+        (r#", "rope_theta": 1e39"#, "rope_theta"),
+        (
+            r#", "rope_scaling": {"rope_type": "linear", "factor": 1e300}"#,
+            "factor",
+        ),
+    ] {
+        match ModelConfig::from_json(&base("llama", extra)) {
+            Err(ModelError::InvalidConfig { field: f, .. }) => assert_eq!(f, field, "{extra}"),
+            other => panic!("{extra}: expected InvalidConfig, got {other:?}"),
+        }
+    }
+}
+
+/// Fuzzing found (issue 13): `num_attention_heads: 18446744073709551615` was accepted and
+/// `q_dim()` overflowed (a panic in debug builds, a wrapped size in release).
+#[test]
+fn sizes_whose_products_overflow_are_refused() {
+    let huge = u64::MAX.to_string();
+    for (from, field) in [
+        (r#""num_attention_heads": 8"#, "num_attention_heads"),
+        (r#""hidden_size": 128"#, "hidden_size"),
+        (r#""vocab_size": 1000"#, "vocab_size"),
+        (r#""intermediate_size": 344"#, "intermediate_size"),
+    ] {
+        let key = from.split(':').next().unwrap();
+        let json = base("llama", r#", "num_key_value_heads": 1, "head_dim": 16"#)
+            .replace(r#""num_key_value_heads": 2, "#, "")
+            .replace(from, &format!("{key}: {huge}"));
+        match ModelConfig::from_json(&json) {
+            Err(ModelError::InvalidConfig { .. }) => {}
+            Ok(c) => panic!(
+                "{field}: accepted with q_dim {:?}",
+                c.num_heads.checked_mul(c.head_dim)
+            ),
+            Err(e) => panic!("{field}: {e}"),
+        }
+    }
+}

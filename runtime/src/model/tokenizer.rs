@@ -94,9 +94,28 @@ impl Tokenizer {
                     .into(),
             });
         }
-        let inner = tokenizers::Tokenizer::from_file(&path).map_err(|e| ModelError::Tokenizer {
-            reason: format!("{}: {e}", path.display()),
-        })?;
+        // The tokenizers crate panics on some malformed files (an `unwrap` in its decoder
+        // deserialiser); a bad file is an error, not a crash.
+        let loaded = std::panic::catch_unwind(|| tokenizers::Tokenizer::from_file(&path));
+        let inner = match loaded {
+            Ok(r) => r.map_err(|e| ModelError::Tokenizer {
+                reason: format!("{}: {e}", path.display()),
+            })?,
+            Err(panic) => {
+                let what = panic
+                    .downcast_ref::<String>()
+                    .map(String::as_str)
+                    .or_else(|| panic.downcast_ref::<&str>().copied())
+                    .unwrap_or("a panic");
+                return Err(ModelError::Tokenizer {
+                    reason: format!(
+                        "{} is malformed (the tokenizers library failed: {what}); re-save it with \
+                         `AutoTokenizer.from_pretrained(..).save_pretrained(dir)`",
+                        path.display()
+                    ),
+                });
+            }
+        };
         let tcfg = read_object(&dir.join("tokenizer_config.json"))?.unwrap_or_default();
         let special = read_object(&dir.join("special_tokens_map.json"))?.unwrap_or_default();
 

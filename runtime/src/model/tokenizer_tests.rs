@@ -105,3 +105,24 @@ fn missing_tokenizer_json_is_reported() {
         Err(ModelError::MissingFile { .. })
     ));
 }
+
+/// Fuzzing found (issue 13): one flipped byte (`"decoder"::{`) made the tokenizers library
+/// panic inside its deserialiser, taking start-up down with a backtrace. It is an error now.
+#[test]
+fn malformed_tokenizer_json_is_an_error_not_a_panic() {
+    let dir = fixtures::scratch_copy(&fixtures::tiny_llama());
+    let path = dir.path().join("tokenizer.json");
+    let text = std::fs::read_to_string(&path).unwrap();
+    let at = text
+        .find("\"decoder\": {")
+        .expect("the fixture has a decoder");
+    let bad = format!("{}\"decoder\"::{{{}", &text[..at], &text[at + 12..]);
+    std::fs::write(&path, bad).unwrap();
+    let cfg = ModelConfig::from_dir(dir.path()).unwrap();
+    match Tokenizer::from_dir(dir.path(), &cfg) {
+        Err(ModelError::Tokenizer { reason }) => {
+            assert!(reason.contains("tokenizer.json"), "{reason}")
+        }
+        other => panic!("expected a tokenizer error, got {:?}", other.map(|_| ())),
+    }
+}

@@ -1,0 +1,387 @@
+//! `thaw-bench soak`: endurance under load with faults (issue 13). Starts `thaw serve` on a
+//! generated tiny model with N adapters, measures its sustainable rate, then for --minutes
+//! sends Zipf-popular Poisson traffic at 70% of it while: an adapter is loaded and unloaded at
+//! run time every few seconds, 5% of streams are dropped after their first chunk, a malformed
+//! request goes out every second, and a CPU LoRA worker is SIGKILLed every 2 minutes. Prints,
+//! per minute, good requests completed and failed, and the server's RSS, open fds, /dev/shm
+//! entries, memfd segments, KV blocks and leases; then the same at idle after the load stops,
+//! against the values before it. A table, never an assertion.
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use rand::{Rng, SeedableRng};
+use rand_distr::{Distribution, Exp, Zipf};
+use serde_json::json;
+
+/// Options of `thaw-bench soak`.
+#[derive(clap::Args, Clone, Debug)]
+pub struct SoakArgs {
+    /// Minutes of load.
+    #[arg(long, default_value_t = 30.0)]
+    pub minutes: f64,
+    /// Adapters generated and served (Zipf popularity, exponent 1).
+    #[arg(long, default_value_t = 1000)]
+    pub adapters: usize,
+    /// Requests per second [default: 70% of the rate measured at start].
+    #[arg(long)]
+    pub rate: Option<f64>,
+    /// Tokens per request.
+    #[arg(long, default_value_t = 16)]
+    pub max_tokens: usize,
+    /// CPU LoRA workers of the server.
+    #[arg(long, default_value_t = 2)]
+    pub lora_workers: usize,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+}
+
+/// Counters of one minute.
+#[derive(Default)]
+struct Counts {
+    ok: AtomicU64,
+    failed: AtomicU64,
+    refused: AtomicU64,
+    dropped: AtomicU64,
+    malformed_ok: AtomicU64,
+}
+
+impl Counts {
+    fn take(&self) -> [u64; 5] {
+        [
+            &self.ok,
+            &self.failed,
+            &self.refused,
+            &self.dropped,
+            &self.malformed_ok,
+        ]
+        .map(|c| c.swap(0, Ordering::Relaxed))
+    }
+}
+
+/// One HTTP/1.1 request (Connection: close); (status, body).
+fn http(addr: SocketAddr, method: &str, path: &str, body: &str) -> std::io::Result<(u16, String)> {
+    let mut s = TcpStream::connect(addr)?;
+    s.set_read_timeout(Some(Duration::from_secs(120)))?;
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )?;
+    let mut out = String::new();
+    s.read_to_string(&mut out)?;
+    let status = out
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    Ok((status, out))
+}
+
+/// A streamed request read only up to its first chunk, then dropped.
+fn drop_stream(addr: SocketAddr, body: &str) -> std::io::Result<()> {
+    let mut s = TcpStream::connect(addr)?;
+    s.set_read_timeout(Some(Duration::from_secs(120)))?;
+    write!(
+        s,
+        "POST /v1/completions HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )?;
+    let mut r = BufReader::new(s);
+    let mut line = String::new();
+    while r.read_line(&mut line)? > 0 && !line.contains("data:") {
+        line.clear();
+    }
+    Ok(())
+}
+
+fn metric(text: &str, name: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+        .unwrap_or(f64::NAN)
+}
+
+/// The server's resources: [RSS MiB, fds, /dev/shm entries, memfds, KV blocks, leases].
+fn snapshot(addr: SocketAddr, pid: u32) -> [f64; 6] {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let rss_kb: f64 = status
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("VmRSS:")?
+                .split_whitespace()
+                .next()?
+                .parse()
+                .ok()
+        })
+        .unwrap_or(f64::NAN);
+    let fds: Vec<_> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .map(|d| d.flatten().collect())
+        .unwrap_or_default();
+    let memfds = fds
+        .iter()
+        .filter(|e| {
+            std::fs::read_link(e.path()).is_ok_and(|l| l.to_string_lossy().contains("memfd:"))
+        })
+        .count();
+    let shm = std::fs::read_dir("/dev/shm").map_or(0, |d| d.count());
+    let m = http(addr, "GET", "/metrics", "")
+        .map(|(_, t)| t)
+        .unwrap_or_default();
+    [
+        rss_kb / 1024.0,
+        fds.len() as f64,
+        shm as f64,
+        memfds as f64,
+        metric(&m, "thaw_kv_cache_used_blocks"),
+        metric(&m, "thaw_adapter_leases"),
+    ]
+}
+
+/// Worker processes: children of `pid`.
+fn children(pid: u32) -> Vec<i32> {
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    dir.flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|p| {
+            std::fs::read_to_string(format!("/proc/{p}/stat")).is_ok_and(|s| {
+                s.rsplit(')')
+                    .next()
+                    .and_then(|r| r.split_whitespace().nth(1))
+                    == Some(&pid.to_string())
+            })
+        })
+        .collect()
+}
+
+struct Serve(Child);
+
+impl Drop for Serve {
+    fn drop(&mut self) {
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(self.0.id() as i32),
+            nix::sys::signal::Signal::SIGTERM,
+        );
+        let _ = self.0.wait();
+    }
+}
+
+fn start_server(args: &SoakArgs, root: &Path) -> anyhow::Result<(Serve, SocketAddr)> {
+    let bin = crate::load::default_thaw_bin()?;
+    anyhow::ensure!(
+        bin.exists(),
+        "{} not found; build it with `cargo build -p thaw-server --bin thaw`",
+        bin.display()
+    );
+    let run = |a: &[&str]| -> anyhow::Result<()> {
+        let st = Command::new(&bin).args(a).stdout(Stdio::null()).status()?;
+        anyhow::ensure!(st.success(), "thaw {a:?} failed");
+        Ok(())
+    };
+    let model = root.join("model");
+    let adapters = root.join("adapters");
+    let (m, a) = (model.to_str().unwrap(), adapters.to_str().unwrap());
+    run(&["gen-model", "--preset", "tiny", "--out", m])?;
+    let count = args.adapters.to_string();
+    run(&[
+        "gen-adapters",
+        "--model",
+        m,
+        "--count",
+        &count,
+        "--ranks",
+        "8,16",
+        "--out",
+        a,
+    ])?;
+    let mut child = Command::new(&bin)
+        .args(["serve", "--model", m, "--lora-dir", a, "--port", "0"])
+        .args([
+            "--served-model-name",
+            "base",
+            "--allow-runtime-lora-updating",
+        ])
+        .args(["--lora-root", root.to_str().unwrap()])
+        .args(["--lora-workers", &args.lora_workers.to_string()])
+        .args(["--cold-start", "cpu-assist"])
+        .stdout(Stdio::piped())
+        .stderr(std::fs::File::create(root.join("serve.log"))?)
+        .spawn()?;
+    let stdout = child.stdout.take().context("server stdout")?;
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if let Some(rest) = line.split("http://").nth(1) {
+                let _ = tx.send(rest.split_whitespace().next().unwrap_or("").to_string());
+            }
+        }
+    });
+    let serve = Serve(child);
+    let addr: SocketAddr = rx
+        .recv_timeout(Duration::from_secs(600))
+        .context("thaw serve did not start; see serve.log")?
+        .parse()?;
+    Ok((serve, addr))
+}
+
+/// Runs the soak and returns the table.
+pub fn run(args: &SoakArgs) -> anyhow::Result<String> {
+    let dir = tempfile::tempdir()?;
+    let (serve, addr) = start_server(args, dir.path())?;
+    let pid = serve.0.id();
+    let names: Arc<Vec<String>> = Arc::new(
+        (0..args.adapters)
+            .filter_map(|i| {
+                std::fs::read_dir(dir.path().join("adapters"))
+                    .ok()?
+                    .flatten()
+                    .nth(i)
+                    .and_then(|e| e.file_name().into_string().ok())
+            })
+            .collect(),
+    );
+    let body = |model: &str, stream: bool, n: usize| {
+        json!({"model": model, "prompt": "the quick brown fox", "max_tokens": n,
+               "ignore_eos": true, "stream": stream})
+        .to_string()
+    };
+    // Sustainable rate: 8 closed-loop clients on the base model for 5 s.
+    let t = Instant::now();
+    let done = AtomicU64::new(0);
+    std::thread::scope(|s| {
+        for _ in 0..8 {
+            s.spawn(|| {
+                while t.elapsed() < Duration::from_secs(5) {
+                    if matches!(
+                        http(
+                            addr,
+                            "POST",
+                            "/v1/completions",
+                            &body("base", false, args.max_tokens)
+                        ),
+                        Ok((200, _))
+                    ) {
+                        done.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            });
+        }
+    });
+    let sustainable = done.load(Ordering::Relaxed) as f64 / t.elapsed().as_secs_f64();
+    let rate = args.rate.unwrap_or(0.7 * sustainable).max(0.1);
+    let before = snapshot(addr, pid);
+
+    let counts = Arc::new(Counts::default());
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(args.seed);
+    let zipf = Zipf::new(names.len().max(1) as f64, 1.0)?;
+    let gap = Exp::new(rate)?;
+    let chaos = {
+        let (stop, counts, names) = (stop.clone(), counts.clone(), names.clone());
+        let adapters = dir.path().join("adapters");
+        std::thread::spawn(move || {
+            let start = Instant::now();
+            let mut tick = 0u64;
+            let mut kills = 0;
+            while !stop.load(Ordering::Relaxed) {
+                std::thread::sleep(Duration::from_secs(1));
+                tick += 1;
+                if let Ok((400, _)) = http(addr, "POST", "/v1/completions", "{\"model\": [1, 2") {
+                    counts.malformed_ok.fetch_add(1, Ordering::Relaxed);
+                }
+                if tick.is_multiple_of(4) {
+                    let src = adapters.join(&names[(tick as usize / 4) % names.len()]);
+                    let b = json!({"lora_name": "soak-extra", "lora_path": src}).to_string();
+                    let _ = http(addr, "POST", "/v1/load_lora_adapter", &b);
+                } else if tick % 4 == 2 {
+                    let b = json!({"lora_name": "soak-extra"}).to_string();
+                    let _ = http(addr, "POST", "/v1/unload_lora_adapter", &b);
+                }
+                if start.elapsed().as_secs() / 120 > kills {
+                    kills += 1;
+                    if let Some(w) = children(pid).first() {
+                        let _ = nix::sys::signal::kill(
+                            nix::unistd::Pid::from_raw(*w),
+                            nix::sys::signal::Signal::SIGKILL,
+                        );
+                    }
+                }
+            }
+        })
+    };
+    let mut out = format!(
+        "soak: {} adapters, sustainable ≈ {sustainable:.1} req/s, sending {rate:.1} req/s of {} tokens (Zipf, Poisson) for {} min; CPU backend, tiny model\n\n\
+         | minute | good ok | good failed | 429 | streams dropped | malformed→400 | RSS MiB | fds | /dev/shm | memfds | KV blocks | leases |\n\
+         |---|---|---|---|---|---|---|---|---|---|---|---|\n",
+        names.len(), args.max_tokens, args.minutes
+    );
+    let row = |label: &str, c: [u64; 5], s: [f64; 6]| {
+        format!(
+            "| {label} | {} | {} | {} | {} | {} | {:.0} | {} | {} | {} | {} | {} |\n",
+            c[0], c[1], c[2], c[3], c[4], s[0], s[1], s[2], s[3], s[4], s[5]
+        )
+    };
+    out.push_str(&row("before", [0; 5], before));
+    let start = Instant::now();
+    let total = Duration::from_secs_f64(args.minutes * 60.0);
+    let mut next = start;
+    let mut minute = 1;
+    let mut handles = Vec::new();
+    while start.elapsed() < total {
+        next += Duration::from_secs_f64(gap.sample(&mut rng));
+        if let Some(d) = next.checked_duration_since(Instant::now()) {
+            std::thread::sleep(d);
+        }
+        let name = names[(zipf.sample(&mut rng) as usize).saturating_sub(1)].clone();
+        let drop_it = rng.random_bool(0.05);
+        let c = counts.clone();
+        let b = body(&name, drop_it, args.max_tokens);
+        handles.push(std::thread::spawn(move || {
+            if drop_it {
+                let _ = drop_stream(addr, &b);
+                c.dropped.fetch_add(1, Ordering::Relaxed);
+                return;
+            }
+            match http(addr, "POST", "/v1/completions", &b) {
+                Ok((200, _)) => c.ok.fetch_add(1, Ordering::Relaxed),
+                Ok((429, _)) => c.refused.fetch_add(1, Ordering::Relaxed),
+                _ => c.failed.fetch_add(1, Ordering::Relaxed),
+            };
+        }));
+        handles.retain(|h| !h.is_finished());
+        if start.elapsed() >= Duration::from_secs(60 * minute) {
+            out.push_str(&row(
+                &minute.to_string(),
+                counts.take(),
+                snapshot(addr, pid),
+            ));
+            eprint!("{}", out.lines().last().unwrap_or_default());
+            eprintln!();
+            minute += 1;
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    for h in handles {
+        let _ = h.join();
+    }
+    let _ = chaos.join();
+    out.push_str(&row("end", counts.take(), snapshot(addr, pid)));
+    // Idle: give the server time to free what the last requests held.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut after = snapshot(addr, pid);
+    while (after[4] != before[4] || after[5] != before[5]) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(200));
+        after = snapshot(addr, pid);
+    }
+    out.push_str(&row("idle after", [0; 5], after));
+    drop(serve);
+    Ok(out)
+}
