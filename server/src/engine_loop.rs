@@ -452,8 +452,10 @@ impl Loop {
             }
             // A request that could never fit beside its adapter is refused, not queued forever.
             let pages = self.mem.state(a).map_or(0, |s| s.pages);
-            let need = seq.reservation(&self.cfg) + pages;
-            if need > self.mem.pool().total() {
+            let pool = self.mem.pool();
+            let r = seq.reservation(&self.cfg);
+            let need = r + pages;
+            if need > pool.total() || r > pool.kv_capacity_with(0) {
                 self.stats.waiting.fetch_sub(1, Ordering::SeqCst);
                 self.metrics.count_finished("abort");
                 let _ = events.send(EngineEvent::Aborted(format!(

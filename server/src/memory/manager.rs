@@ -27,8 +27,6 @@ pub struct MemoryConfig {
     pub max_loras: usize,
     /// Most adapters registered with the engine at once, if bounded (the workers' host store).
     pub max_device_adapters: Option<usize>,
-    /// Bytes of the largest adapter accepted (a `fixed-slots` slot).
-    pub max_adapter_bytes: u64,
     /// `--max-cpu-loras` and `--max-cpu-lora-bytes`: the host tier (adapters not on device).
     pub host_max_adapters: usize,
     pub host_max_bytes: u64,
@@ -74,7 +72,7 @@ impl MemoryManager {
         let layout = match cfg.policy {
             EvictionPolicy::FixedSlots => Layout::FixedSlots {
                 slots: cfg.max_loras,
-                slot_pages: (cfg.max_adapter_bytes.div_ceil(cfg.page_bytes.max(1)) as usize).max(1),
+                slot_pages: 1,
             },
             _ => Layout::Unified {
                 max_adapters: cfg.max_device_adapters,
@@ -129,6 +127,7 @@ impl MemoryManager {
     /// has room, so a first request need not read the disk again).
     pub fn register(&mut self, meta: AdapterMeta, host: Option<Arc<LoraAdapter>>) {
         let id = meta.id;
+        self.pool.note_adapter(meta.bytes);
         let state = AdapterState {
             pages: self.pool.pages_for(meta.bytes),
             device: Device::Absent,

@@ -3,8 +3,9 @@
 //! and an adapter takes `ceil(bytes / page)` pages — its own size, never padded to the largest
 //! rank. KV reservations (the scheduler's) and adapter pages together never exceed the pool.
 //!
-//! The `fixed-slots` layout (a bench-only baseline, today's behaviour before this pool) carves
-//! `slots` adapter slots padded to the largest rank out of the budget and leaves KV the rest.
+//! The `fixed-slots` layout (a bench-only baseline, the server before this pool) carves
+//! `slots` adapter slots, each padded to the largest registered adapter, out of the budget and
+//! leaves KV the rest.
 use std::collections::BTreeMap;
 
 use thaw_runtime::ids::AdapterId;
@@ -71,6 +72,14 @@ impl PagePool {
         match self.layout {
             Layout::Unified { .. } => (bytes.div_ceil(self.page_bytes) as usize).max(1),
             Layout::FixedSlots { slot_pages, .. } => slot_pages,
+        }
+    }
+
+    /// A registered adapter of `bytes`: `fixed-slots` pads every slot to the largest one.
+    pub fn note_adapter(&mut self, bytes: u64) {
+        let own = (bytes.div_ceil(self.page_bytes) as usize).max(1);
+        if let Layout::FixedSlots { slot_pages, .. } = &mut self.layout {
+            *slot_pages = (*slot_pages).max(own);
         }
     }
 
@@ -189,6 +198,13 @@ mod tests {
         f.insert(AdapterId(1), 3, 4).unwrap();
         f.insert(AdapterId(2), 3, 4).unwrap();
         assert_eq!(f.insert(AdapterId(3), 3, 0), Err(PoolError::NoSlot(2)));
+        f.note_adapter(4500);
+        assert_eq!(
+            f.pages_for(10),
+            5,
+            "slots grow to the largest adapter registered"
+        );
+        assert_eq!(f.kv_capacity(), 0);
     }
 
     proptest! {

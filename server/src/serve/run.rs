@@ -112,7 +112,6 @@ impl Server {
         };
         let metrics = Arc::new(Metrics::default());
         let cold_cfg = config.clone();
-        let mc2 = mc.clone();
         let board = Arc::new(Board::default());
         let (engine, thread) = engine_loop::start(
             move || {
@@ -153,7 +152,6 @@ impl Server {
                     max_loras: cold_cfg.max_loras,
                     // The workers' host store has an entry per registered adapter.
                     max_device_adapters: engine.pool().map(|_| cold_cfg.max_cpu_loras),
-                    max_adapter_bytes: max_adapter_bytes(&mc2, cold_cfg.max_lora_rank),
                     host_max_adapters: cold_cfg.max_cpu_loras,
                     host_max_bytes: cold_cfg.max_cpu_lora_bytes,
                     link_bytes_per_sec: link.gbps * 1e9,
@@ -423,18 +421,6 @@ fn start_workers(
     )
     .context("starting the CPU LoRA workers (thaw lora-worker)")?;
     Ok(pool)
-}
-
-/// Bytes of the largest adapter accepted: `max_rank` on every projection of every layer, f32.
-fn max_adapter_bytes(c: &thaw_runtime::model::ModelConfig, max_rank: usize) -> u64 {
-    let per_layer: usize = thaw_runtime::adapter::LoraModule::ALL
-        .iter()
-        .map(|m| {
-            let (d_in, d_out) = c.module_shape(*m);
-            max_rank * (d_in + d_out) * std::mem::size_of::<f32>()
-        })
-        .sum();
-    (per_layer * c.num_layers) as u64
 }
 
 /// Arena bytes of the workers' host store: room for `adapters` of the largest adapter the
