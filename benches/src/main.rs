@@ -6,6 +6,7 @@ mod engine_bench;
 mod load;
 mod lora_bench;
 mod lora_socket;
+mod simulate;
 mod trace;
 
 #[derive(Parser, Debug)]
@@ -35,6 +36,10 @@ enum Cmd {
     /// `thaw serve` once per --cold-start policy on the same model, adapters and workload;
     /// TTFT / TPOT / E2E side by side with overheads relative to `cached`.
     ColdStart(Box<load::ColdStartHttpArgs>),
+    /// N Thaw instances behind a router, simulated with the cost model `thaw serve
+    /// --dump-cost-model` wrote: P50/P99 TTFT, SLO attainment, goodput and adapter loads/s per
+    /// router (random, least-queue, the EPP's LoRA affinity, rank+residency) and cluster size.
+    Simulate(Box<simulate::SimulateArgs>),
     /// A CPU LoRA worker process (spawned by the benchmarks' pool).
     #[command(hide = true)]
     LoraWorker(thaw_cpu_lora::WorkerArgs),
@@ -63,6 +68,7 @@ fn main() -> anyhow::Result<()> {
         }
         Cmd::Load(args) => print!("{}", load::run_load(&args)?),
         Cmd::ColdStart(args) => print!("{}", load::run_cold_start(&args)?),
+        Cmd::Simulate(args) => print!("{}", simulate::run(&args)?.1),
         Cmd::LoraWorker(args) => thaw_cpu_lora::worker_main(args)?,
         Cmd::LoraSocketWorker(args) => lora_socket::run_worker(&args)?,
     }

@@ -14,6 +14,7 @@ pub mod gen;
 pub mod generate;
 pub mod http;
 pub mod metrics;
+pub mod metrics_protocol;
 pub mod registry;
 pub mod scheduler;
 pub mod serve;

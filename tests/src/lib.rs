@@ -129,3 +129,4 @@ pub fn projection(short: &str) -> Projection {
 }
 
 pub mod http;
+pub mod prom;

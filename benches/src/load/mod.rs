@@ -4,11 +4,11 @@
 mod cli;
 mod client;
 mod coldstart;
-mod plot;
+pub(crate) mod plot;
 mod prompts;
 mod report;
 mod runner;
-mod workload;
+pub(crate) mod workload;
 
 pub use cli::{run as run_load, LoadArgs};
 pub use coldstart::{run as run_cold_start, ColdStartHttpArgs};

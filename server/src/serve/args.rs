@@ -84,6 +84,10 @@ pub struct ServeArgs {
     /// the engine thread) [default: min(4, cores − 1)].
     #[arg(long)]
     pub lora_workers: Option<usize>,
+    /// Write the cost model the engine fits online (step time, CPU assist, link, adapter load
+    /// rates, cache sizes) to this JSON file every 10 s and at shutdown, for `thaw-bench simulate`.
+    #[arg(long, value_name = "PATH")]
+    pub dump_cost_model: Option<PathBuf>,
     /// TOML file with the same settings (keys are flag names with `_`); flags override it.
     #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
@@ -179,6 +183,7 @@ impl ServeArgs {
                 .lora_workers
                 .or(f.lora_workers)
                 .unwrap_or(d.lora_workers),
+            dump_cost_model: self.dump_cost_model.or(f.dump_cost_model),
         };
         anyhow::ensure!(
             cfg.emulated_link_gbps.is_finite() && cfg.emulated_link_gbps > 0.0,

@@ -40,6 +40,8 @@ pub struct ServeConfig {
     pub emulated_link_gbps: f64,
     pub emulated_link_latency_us: f64,
     pub lora_workers: usize,
+    /// Where to write the fitted cost model (JSON) every few seconds and at shutdown.
+    pub dump_cost_model: Option<PathBuf>,
 }
 
 impl Default for ServeConfig {
@@ -69,6 +71,7 @@ impl Default for ServeConfig {
             emulated_link_gbps: 25.0,
             emulated_link_latency_us: 10.0,
             lora_workers: default_lora_workers(),
+            dump_cost_model: None,
         }
     }
 }
@@ -111,6 +114,7 @@ pub struct FileConfig {
     pub emulated_link_gbps: Option<f64>,
     pub emulated_link_latency_us: Option<f64>,
     pub lora_workers: Option<usize>,
+    pub dump_cost_model: Option<PathBuf>,
 }
 
 /// One worker per core but the engine's, at most four.
