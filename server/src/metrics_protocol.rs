@@ -269,8 +269,10 @@ mod tests {
             )
         ) {
             let a = LoraActivity::default();
+            // After the start-up series' time, as the engine loop publishes.
+            let t0 = unix_now() + 1.0;
             for (t, (r, w)) in steps.iter().enumerate() {
-                a.publish_at(ids(r), ids(w), 100.0 + t as f64);
+                a.publish_at(ids(r), ids(w), t0 + t as f64);
             }
             let s = a.series();
             prop_assert!(s.len() <= LORA_INFO_HISTORY + 1);
