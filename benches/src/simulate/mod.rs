@@ -8,6 +8,7 @@ mod cluster;
 mod instance;
 mod model;
 mod plot;
+mod replay;
 mod report;
 mod router;
 mod workload;
@@ -79,6 +80,11 @@ pub struct SimulateArgs {
     pub out: Option<PathBuf>,
     #[arg(long, default_value_t = 2023)]
     pub seed: u64,
+    /// Validate instead: replay the requests of a `thaw-bench load` report (load.json) against
+    /// the server the cost model came from on one simulated instance; print measured vs
+    /// simulated TTFT.
+    #[arg(long, value_name = "LOAD_JSON")]
+    pub replay: Option<PathBuf>,
 }
 
 impl SimulateArgs {
@@ -134,6 +140,9 @@ pub fn run(args: &SimulateArgs) -> anyhow::Result<(Vec<Row>, String)> {
     );
     let snap = CostSnapshot::read(&args.cost_model)?;
     let model = InstanceModel::new(snap)?;
+    if let Some(p) = &args.replay {
+        return Ok((Vec::new(), replay::compare(&model, p)?));
+    }
     let trace = crate::trace::read_trace(&args.trace)
         .map_err(|e| anyhow::anyhow!("{e:#}; pass --trace with an Azure trace CSV"))?;
     let mut rows = Vec::new();
@@ -166,8 +175,8 @@ mod tests {
     use super::*;
 
     /// `--quick` on the cost model a real `thaw serve` dumped (benches/fixtures): every router
-    /// and size gets a row, percentiles are ordered, and routing by adapter residency loads
-    /// fewer adapters than routing at random.
+    /// and size gets a row, percentiles are ordered, and routing by LoRA affinity loads fewer
+    /// adapters than routing at random.
     #[test]
     fn quick_mode_compares_every_router() {
         let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
@@ -190,6 +199,7 @@ mod tests {
             quick: true,
             out: Some(out.path().to_path_buf()),
             seed: 7,
+            replay: None,
         };
         let (rows, text) = run(&args).unwrap();
         assert_eq!(rows.len(), 2 * RouterKind::ALL.len(), "{text}");
@@ -206,7 +216,7 @@ mod tests {
                     .loads
             };
             assert!(
-                loads(RouterKind::RankResidency) < loads(RouterKind::Random),
+                loads(RouterKind::EppLora) < loads(RouterKind::Random),
                 "{text}"
             );
         }
