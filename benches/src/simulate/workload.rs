@@ -25,7 +25,7 @@ pub struct Workload {
 
 /// A rank per adapter, uniformly from `ranks` (seeded).
 pub fn adapter_ranks(n: usize, ranks: &[u32], seed: u64) -> Vec<u32> {
-    let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x5eed_0f_4a4b);
+    let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x5EED_0F4A);
     (0..n)
         .map(|_| ranks[rng.random_range(0..ranks.len())])
         .collect()
