@@ -6,6 +6,7 @@ use plotters::coord::Shift;
 use plotters::prelude::*;
 
 use super::report::Row;
+use super::router::RouterKind;
 use crate::load::plot::{err, register_font, COLORS};
 
 type Get = fn(&Row) -> f64;
@@ -65,8 +66,11 @@ fn draw<DB: DrawingBackend>(
     let root = root
         .titled(title, ("sans-serif", 20).into_font())
         .map_err(err)?;
-    let mut routers: Vec<_> = rows.iter().map(|r| r.router).collect();
-    routers.dedup();
+    // Each router once, in the table's order (so colours match across plots).
+    let routers: Vec<RouterKind> = RouterKind::ALL
+        .into_iter()
+        .filter(|k| rows.iter().any(|r| r.router == *k))
+        .collect();
     let (xmin, xmax) = rows.iter().fold((f64::MAX, 1.0f64), |(lo, hi), r| {
         (lo.min(r.instances as f64), hi.max(r.instances as f64))
     });
