@@ -40,6 +40,14 @@ enum Cmd {
     /// --dump-cost-model` wrote: P50/P99 TTFT, SLO attainment, goodput and adapter loads/s per
     /// router (random, least-queue, the EPP's LoRA affinity, rank+residency) and cluster size.
     Simulate(Box<simulate::SimulateArgs>),
+    /// `thaw serve` once per --scheduling-policy, the same workload at rising rates (Chameleon
+    /// Fig. 10): P50/P99 TTFT, P99 TPOT, throughput at SLO.
+    Scheduling(Box<load::SchedulingArgs>),
+    /// Adapter cache (issue 11): `thaw serve` per --adapter-eviction policy (lru, cost,
+    /// fixed-slots) at loads up to the sustainable rate; hit rate, TTFT P50/P99, done/failed.
+    Cache(Box<load::CacheArgs>),
+    /// Throughput and server memory with 1 … 10,000 registered adapters (uniform popularity).
+    CacheScale(Box<load::CacheScaleArgs>),
     /// A CPU LoRA worker process (spawned by the benchmarks' pool).
     #[command(hide = true)]
     LoraWorker(thaw_cpu_lora::WorkerArgs),
@@ -69,6 +77,9 @@ fn main() -> anyhow::Result<()> {
         Cmd::Load(args) => print!("{}", load::run_load(&args)?),
         Cmd::ColdStart(args) => print!("{}", load::run_cold_start(&args)?),
         Cmd::Simulate(args) => print!("{}", simulate::run(&args)?.1),
+        Cmd::Scheduling(args) => print!("{}", load::run_scheduling(&args)?),
+        Cmd::Cache(args) => print!("{}", load::run_cache(&args)?),
+        Cmd::CacheScale(args) => print!("{}", load::run_cache_scale(&args)?),
         Cmd::LoraWorker(args) => thaw_cpu_lora::worker_main(args)?,
         Cmd::LoraSocketWorker(args) => lora_socket::run_worker(&args)?,
     }

@@ -229,3 +229,75 @@ fn cold_start_quick_compares_the_four_policies() {
     check_plots(&out, "cold-start-cdf");
     assert!(out.join("serve-auto.log").exists());
 }
+
+#[test]
+fn cache_quick_compares_the_eviction_policies() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let table = run_ok(
+        &thaw_bench(),
+        &[
+            "cache",
+            "--quick",
+            "--no-progress",
+            "--thaw-bin",
+            thaw().to_str().unwrap(),
+            "--workdir",
+            dir.path().to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+        ],
+    );
+    for p in ["lru", "cost", "fixed-slots"] {
+        assert!(table.contains(&format!("| {p} |")), "{table}");
+    }
+    let runs: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("cache.json")).unwrap()).unwrap();
+    let runs = runs.as_array().unwrap();
+    assert_eq!(runs.len(), 3);
+    for r in runs {
+        let s = &r["summary"];
+        assert_eq!(s["sent"], 12);
+        assert_eq!(
+            s["completed"].as_u64().unwrap() + s["failed"].as_u64().unwrap(),
+            12
+        );
+        let lookups = r["hits"].as_f64().unwrap() + r["misses"].as_f64().unwrap();
+        assert_eq!(
+            lookups, 12.0,
+            "every request looked its adapter up once: {r}"
+        );
+    }
+    // The pool never refuses; only the fixed-slots baseline may.
+    for r in &runs[..2] {
+        assert_eq!(r["summary"]["failed"], 0, "{r}");
+    }
+}
+
+#[test]
+fn cache_scale_quick_reports_throughput_and_memory() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let table = run_ok(
+        &thaw_bench(),
+        &[
+            "cache-scale",
+            "--quick",
+            "--no-progress",
+            "--thaw-bin",
+            thaw().to_str().unwrap(),
+            "--workdir",
+            dir.path().to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+        ],
+    );
+    assert!(table.contains("| 1 | 12/0 |"), "{table}");
+    assert!(table.contains("| 20 | 12/0 |"), "{table}");
+    let runs: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("cache-scale.json")).unwrap())
+            .unwrap();
+    for r in runs.as_array().unwrap() {
+        assert!(r["rss_end_kib"].as_u64().unwrap() > 0, "{r}");
+    }
+}

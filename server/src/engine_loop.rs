@@ -1,31 +1,41 @@
-//! The engine thread: owns the [`Engine`] and the scheduler state, takes commands from the
-//! HTTP side over a channel and streams each request's tokens back over its own channel.
+//! The engine thread: owns the [`Engine`], the scheduler state and the memory manager, takes
+//! commands from the HTTP side over a channel and streams each request's tokens back over its
+//! own channel.
 //!
 //! Each turn it applies commands, drops requests whose receiver is gone (client
 //! disconnected: the sequence and its KV are freed and its adapter lease released), asks the
-//! pure policy ([`crate::scheduler::plan_step`]) for the next step, runs it and sends tokens.
-use std::collections::HashMap;
+//! adapter-aware admission ([`crate::memory::admit`]) whom to admit and what memory must do,
+//! carries that out, plans the step's tokens ([`crate::scheduler::plan_step_admitting`]), runs
+//! it and sends tokens.
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{mpsc, Arc};
+use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use thaw_runtime::adapter::LoraAdapter;
-use thaw_runtime::backend::cpu::CpuBackend;
+use crossbeam::channel::{self as cb, Receiver, Sender};
+use thaw_runtime::backend::any::AnyBackend;
 use thaw_runtime::engine::{Engine, FinishReason, SequenceParams};
 use thaw_runtime::ids::{AdapterId, SeqId};
 use thaw_runtime::sampling::SampledToken;
-use thaw_runtime::RuntimeError;
-use tokio::sync::{mpsc as tmpsc, oneshot};
+use tokio::sync::mpsc as tmpsc;
 
 use crate::coldstart::{ColdDecision, ColdStartPolicy, CostModel};
 use crate::error::ServerError;
+use crate::memory::apply::{apply, Upload};
+use crate::memory::loader::{FetchResult, Loader};
+use crate::memory::{
+    admit, Board, Device, Limits, MemoryConfig, MemoryManager, Notice, NoticeSink,
+};
 use crate::metrics::Metrics;
+use crate::perf::{StepShape, Tier};
 use crate::registry::AdapterLease;
-use crate::scheduler::{plan_step_gated, Gate, SchedConfig, SchedState, SeqState};
+use crate::scheduler::{
+    Arrival, Gate, MlqConfig, SchedConfig, SchedState, Scheduler, SchedulingPolicy, SeqState,
+};
 
-/// The engine the server runs (the CPU backend until the CUDA backend lands).
-pub type ServeEngine = Engine<CpuBackend>;
+/// The engine the server runs: the CPU or the CUDA backend, as `--device` chose.
+pub type ServeEngine = Engine<AnyBackend>;
 
 /// What a request hears from the engine.
 #[derive(Clone, Debug, PartialEq)]
@@ -49,6 +59,8 @@ pub struct Submission {
     /// Pins the adapter while the request lives; dropped when the engine drops the request.
     pub lease: Option<AdapterLease>,
     pub arrived: Instant,
+    /// Admission order under `--scheduling-policy priority` (lower first).
+    pub priority: i64,
 }
 
 enum Command {
@@ -57,17 +69,11 @@ enum Command {
         sub: Box<Submission>,
         events: tmpsc::UnboundedSender<EngineEvent>,
     },
-    Register {
-        id: AdapterId,
-        adapter: Arc<LoraAdapter>,
-        reply: oneshot::Sender<Result<(), RuntimeError>>,
-    },
-    Unregister {
-        id: AdapterId,
-        reply: oneshot::Sender<Result<(), RuntimeError>>,
-    },
+    Memory(Notice),
     /// Stop taking work; abort whatever is left at `deadline`.
-    Drain { deadline: Instant },
+    Drain {
+        deadline: Instant,
+    },
     /// Abort everything and exit the thread.
     Shutdown,
 }
@@ -88,8 +94,8 @@ pub struct LoopStats {
     pub landing: std::sync::Mutex<HashMap<AdapterId, (usize, usize)>>,
     /// Adapters of the running and the waiting requests (`vllm:lora_requests_info`).
     pub lora: crate::metrics_protocol::LoraActivity,
-    /// The cost model's fitted parameters as of the last step (`--dump-cost-model`).
-    pub cost: std::sync::Mutex<Option<crate::coldstart::FittedCost>>,
+    /// The performance model's fitted parameters as of the last step (`--dump-cost-model`).
+    pub cost: std::sync::Mutex<Option<crate::perf::PerfSnapshot>>,
 }
 
 impl LoopStats {
@@ -111,10 +117,30 @@ pub struct ColdStart {
     pub cost: CostModel,
 }
 
+/// Everything the loop plans with, made on the engine thread next to the engine.
+pub struct LoopConfig {
+    pub sched: SchedConfig,
+    pub cold: ColdStart,
+    pub memory: MemoryConfig,
+    pub limits: Limits,
+    pub scheduling: Scheduling,
+}
+
+/// How the loop orders and batches requests.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Scheduling {
+    pub policy: SchedulingPolicy,
+    pub mlq: MlqConfig,
+    /// `--tpot-slo-ms` in seconds.
+    pub tpot_slo_s: Option<f64>,
+    /// `--lora-kernel auto`: the performance model picks SGMV or BGMV per step.
+    pub auto_kernel: bool,
+}
+
 /// The HTTP side's handle on the engine thread. Cheap to clone.
 #[derive(Clone)]
 pub struct EngineHandle {
-    tx: mpsc::Sender<Command>,
+    tx: Sender<Command>,
     pub stats: Arc<LoopStats>,
     next_seq: Arc<AtomicU64>,
     max_queued: usize,
@@ -149,30 +175,6 @@ impl EngineHandle {
         Ok(rx)
     }
 
-    /// Makes an adapter available to the engine (device tier).
-    pub async fn register(
-        &self,
-        id: AdapterId,
-        adapter: Arc<LoraAdapter>,
-    ) -> Result<(), ServerError> {
-        let (reply, rx) = oneshot::channel();
-        self.send(Command::Register { id, adapter, reply })?;
-        rx.await
-            .map_err(|_| ServerError::SchedulerGone)?
-            .map_err(|e| ServerError::Internal(format!("registering adapter {id}: {e}")))
-    }
-
-    /// Sends an unregister; the returned receiver says how it went. Sending (not awaiting) keeps
-    /// the order of commands, which the registry relies on.
-    pub fn unregister(
-        &self,
-        id: AdapterId,
-    ) -> Result<oneshot::Receiver<Result<(), RuntimeError>>, ServerError> {
-        let (reply, rx) = oneshot::channel();
-        self.send(Command::Unregister { id, reply })?;
-        Ok(rx)
-    }
-
     /// Starts draining: requests still running at `deadline` are aborted.
     pub fn drain(&self, deadline: Instant) {
         let _ = self.tx.send(Command::Drain { deadline });
@@ -181,29 +183,48 @@ impl EngineHandle {
     pub fn shutdown(&self) {
         let _ = self.tx.send(Command::Shutdown);
     }
+}
 
-    fn send(&self, c: Command) -> Result<(), ServerError> {
-        self.tx.send(c).map_err(|_| ServerError::SchedulerGone)
+impl NoticeSink for EngineHandle {
+    fn notify(&self, n: Notice) -> Result<(), ServerError> {
+        self.tx
+            .send(Command::Memory(n))
+            .map_err(|_| ServerError::SchedulerGone)
     }
 }
 
 /// Starts the engine thread; `build` runs on it (the engine never crosses threads).
 pub fn start(
-    build: impl FnOnce() -> anyhow::Result<(ServeEngine, SchedConfig, ColdStart)> + Send + 'static,
+    build: impl FnOnce() -> anyhow::Result<(ServeEngine, LoopConfig)> + Send + 'static,
     max_queued: usize,
     metrics: Arc<Metrics>,
+    board: Arc<Board>,
 ) -> anyhow::Result<(EngineHandle, JoinHandle<()>)> {
-    let (tx, rx) = mpsc::channel();
+    let (tx, rx) = cb::unbounded();
     let stats = Arc::new(LoopStats::default());
-    let (ready_tx, ready_rx) = mpsc::channel();
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel();
     let st = stats.clone();
     let thread = std::thread::Builder::new()
         .name("thaw-engine".into())
         .spawn(move || match build() {
-            Ok((engine, cfg, cold)) => {
+            Ok((engine, cfg)) => {
+                let (fetch_tx, fetch_rx) = cb::unbounded();
+                let loader = Loader::start(engine.model_config().clone(), move |id, r| {
+                    let _ = fetch_tx.send((id, r));
+                });
+                let loader = match loader {
+                    Ok(l) => l,
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(anyhow::anyhow!(
+                            "starting the adapter loader thread: {e}"
+                        )));
+                        return;
+                    }
+                };
                 let _ = ready_tx.send(Ok(()));
                 st.alive.store(true, Ordering::SeqCst);
-                Loop::new(engine, cfg, cold, st.clone(), metrics).run(rx);
+                let mem = MemoryManager::new(cfg.memory.clone(), board);
+                Loop::new(engine, cfg, mem, loader, st.clone(), metrics).run(rx, fetch_rx);
                 st.alive.store(false, Ordering::SeqCst);
             }
             Err(e) => {
@@ -228,40 +249,67 @@ pub fn start(
 struct Live {
     params: Option<SequenceParams>,
     events: tmpsc::UnboundedSender<EngineEvent>,
-    _lease: Option<AdapterLease>,
+    lease: Option<AdapterLease>,
     arrived: Instant,
     last_token: Option<Instant>,
     prompt_len: usize,
     generated: usize,
     running: bool,
+    /// Its adapter was not on the device when it arrived.
+    missed: bool,
 }
 
 struct Loop {
     engine: ServeEngine,
     cfg: SchedConfig,
     cold: ColdStart,
+    limits: Limits,
+    mem: MemoryManager,
+    loader: Loader,
     state: SchedState,
     live: HashMap<SeqId, Live>,
     stats: Arc<LoopStats>,
     metrics: Arc<Metrics>,
     deadline: Option<Instant>,
+    sched: Scheduler,
+    auto_kernel: bool,
 }
 
 const SHUTDOWN_MSG: &str =
     "the server shut down before this request finished (--shutdown-timeout elapsed)";
 
+/// What woke the loop up.
+enum Wake {
+    Command(Command),
+    Fetched(AdapterId, FetchResult),
+    Timeout,
+    Closed,
+}
+
 impl Loop {
     fn new(
         engine: ServeEngine,
-        cfg: SchedConfig,
-        cold: ColdStart,
+        cfg: LoopConfig,
+        mem: MemoryManager,
+        loader: Loader,
         stats: Arc<LoopStats>,
         metrics: Arc<Metrics>,
     ) -> Self {
+        let sched = Scheduler::new(
+            cfg.scheduling.policy,
+            cfg.scheduling.mlq,
+            cfg.scheduling.tpot_slo_s,
+            &cfg.sched,
+        );
         Self {
             engine,
-            cfg,
-            cold,
+            sched,
+            auto_kernel: cfg.scheduling.auto_kernel,
+            cfg: cfg.sched,
+            cold: cfg.cold,
+            limits: cfg.limits,
+            mem,
+            loader,
             state: SchedState::default(),
             live: HashMap::new(),
             stats,
@@ -270,7 +318,34 @@ impl Loop {
         }
     }
 
-    fn run(mut self, rx: mpsc::Receiver<Command>) {
+    /// Waits for a command or a finished disk read, up to `timeout` (None: no limit).
+    fn wait(
+        rx: &Receiver<Command>,
+        fetched: &Receiver<(AdapterId, FetchResult)>,
+        timeout: Option<Duration>,
+    ) -> Wake {
+        let timeout = timeout.unwrap_or(Duration::from_secs(3600));
+        cb::select! {
+            recv(rx) -> c => c.map_or(Wake::Closed, Wake::Command),
+            recv(fetched) -> f => f.map_or(Wake::Timeout, |(id, r)| Wake::Fetched(id, r)),
+            default(timeout) => Wake::Timeout,
+        }
+    }
+
+    /// Handles a wake-up; false means exit.
+    fn on_wake(&mut self, w: Wake) -> bool {
+        match w {
+            Wake::Command(c) => self.handle(c),
+            Wake::Fetched(id, r) => {
+                self.on_fetched(id, r);
+                true
+            }
+            Wake::Timeout => true,
+            Wake::Closed => !self.state.is_idle(),
+        }
+    }
+
+    fn run(mut self, rx: Receiver<Command>, fetched: Receiver<(AdapterId, FetchResult)>) {
         loop {
             self.publish();
             if self.state.is_idle() {
@@ -282,25 +357,15 @@ impl Loop {
                     .lock()
                     .unwrap_or_else(|e| e.into_inner())
                     .is_empty();
-                let c = if streaming {
-                    match rx.recv_timeout(Duration::from_millis(20)) {
-                        Ok(c) => Some(c),
-                        Err(mpsc::RecvTimeoutError::Timeout) => None,
-                        Err(mpsc::RecvTimeoutError::Disconnected) => break,
-                    }
-                } else {
-                    match rx.recv() {
-                        Ok(c) => Some(c),
-                        Err(_) => break,
-                    }
-                };
-                if let Some(c) = c {
-                    if !self.handle(c) {
-                        break;
-                    }
+                let w = Self::wait(&rx, &fetched, streaming.then(|| Duration::from_millis(20)));
+                if matches!(w, Wake::Closed) || !self.on_wake(w) {
+                    break;
                 }
             }
             let mut stop = false;
+            while let Ok((id, r)) = fetched.try_recv() {
+                self.on_fetched(id, r);
+            }
             loop {
                 match rx.try_recv() {
                     Ok(c) => {
@@ -309,8 +374,8 @@ impl Loop {
                             break;
                         }
                     }
-                    Err(mpsc::TryRecvError::Empty) => break,
-                    Err(mpsc::TryRecvError::Disconnected) => {
+                    Err(cb::TryRecvError::Empty) => break,
+                    Err(cb::TryRecvError::Disconnected) => {
                         if self.state.is_idle() {
                             stop = true;
                         }
@@ -328,13 +393,12 @@ impl Loop {
                 continue;
             }
             if !self.step() && !self.state.is_idle() {
-                // Nothing could be planned (should not happen while reservations hold):
-                // wait for a command rather than spin.
-                if let Ok(c) = rx.recv_timeout(Duration::from_millis(5)) {
-                    if !self.handle(c) {
-                        self.abort_all(SHUTDOWN_MSG);
-                        break;
-                    }
+                // Nothing could be planned (requests wait for adapters to be read or to land):
+                // wait for a command or a read rather than spin.
+                let w = Self::wait(&rx, &fetched, Some(Duration::from_millis(2)));
+                if !self.on_wake(w) {
+                    self.abort_all(SHUTDOWN_MSG);
+                    break;
                 }
             }
         }
@@ -344,45 +408,32 @@ impl Loop {
     /// Applies one command; false means exit.
     fn handle(&mut self, c: Command) -> bool {
         match c {
-            Command::Submit { id, sub, events } => {
-                let prompt_len = sub.params.prompt.len();
-                let mut seq = SeqState::new(id, prompt_len, sub.params.max_new_tokens);
-                seq.adapter = sub.params.adapter;
-                self.state.enqueue(seq);
-                self.live.insert(
-                    id,
-                    Live {
-                        params: Some(sub.params),
-                        events,
-                        _lease: sub.lease,
-                        arrived: sub.arrived,
-                        last_token: None,
-                        prompt_len,
-                        generated: 0,
-                        running: false,
-                    },
-                );
-            }
-            Command::Register { id, adapter, reply } => {
-                // `cached` makes an adapter resident at once; every other policy streams it
-                // layer by layer and serves it in the meantime as the policy says.
-                let layers = adapter.num_layers();
-                let r = if self.cold.policy == ColdStartPolicy::Cached {
-                    self.engine.register_adapter(id, adapter)
-                } else {
-                    self.engine.register_adapter_streaming(id, adapter)
-                };
-                if r.is_ok() && self.cold.policy != ColdStartPolicy::Cached {
-                    self.stats
-                        .landing
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .insert(id, (0, layers));
+            Command::Submit { id, sub, events } => self.submit(id, *sub, events),
+            Command::Memory(Notice::Register {
+                meta,
+                host,
+                warm,
+                done,
+            }) => {
+                let id = meta.id;
+                self.mem.register(meta, host);
+                if warm {
+                    let plan = crate::memory::AdmitPlan {
+                        load: vec![id],
+                        ..Default::default()
+                    };
+                    self.apply_memory(&plan, &HashSet::new());
                 }
-                let _ = reply.send(r);
+                if let Some(done) = done {
+                    let _ = done.send(());
+                }
             }
-            Command::Unregister { id, reply } => {
-                let _ = reply.send(self.engine.unregister_adapter(id));
+            Command::Memory(Notice::Retire(id)) => {
+                if self.mem.forget(id) || self.engine.has_adapter(id) {
+                    if let Err(e) = self.engine.unregister_adapter(id) {
+                        tracing::warn!("unregistering adapter {id}: {e}");
+                    }
+                }
             }
             Command::Drain { deadline } => self.deadline = Some(deadline),
             Command::Shutdown => return false,
@@ -390,9 +441,122 @@ impl Loop {
         true
     }
 
+    fn submit(&mut self, id: SeqId, sub: Submission, events: tmpsc::UnboundedSender<EngineEvent>) {
+        let prompt_len = sub.params.prompt.len();
+        let mut seq = SeqState::new(id, prompt_len, sub.params.max_new_tokens);
+        seq.adapter = sub.params.adapter;
+        let mut missed = false;
+        if let Some(a) = seq.adapter {
+            let hit = self.mem.on_arrival(a);
+            missed = !hit;
+            if let Some(l) = &sub.lease {
+                let c = &l.slot().counters;
+                let n = if hit { &c.hits } else { &c.misses };
+                n.fetch_add(1, Ordering::Relaxed);
+            }
+            // A request that could never fit beside its adapter is refused, not queued forever.
+            let pages = self.mem.state(a).map_or(0, |s| s.pages);
+            let need = seq.reservation(&self.cfg) + pages;
+            if need > self.mem.pool().total() {
+                self.stats.waiting.fetch_sub(1, Ordering::SeqCst);
+                self.metrics.count_finished("abort");
+                let _ = events.send(EngineEvent::Aborted(format!(
+                    "the request's KV and its adapter need {need} pages of device memory but \
+                     the budget has {}; lower max_tokens or restart with a larger \
+                     --device-memory-bytes",
+                    self.mem.pool().total()
+                )));
+                return;
+            }
+        }
+        let arrival = self.arrival(seq.adapter, &sub);
+        self.sched
+            .enqueue(&mut self.state, &self.cfg, seq, arrival, &self.cold.cost);
+        self.live.insert(
+            id,
+            Live {
+                params: Some(sub.params),
+                events,
+                lease: sub.lease,
+                arrived: sub.arrived,
+                last_token: None,
+                prompt_len,
+                generated: 0,
+                running: false,
+                missed,
+            },
+        );
+    }
+
+    /// A disk read finished: into the host tier, or every waiting request for it fails with
+    /// the reason.
+    fn on_fetched(&mut self, id: AdapterId, r: FetchResult) {
+        let wanted = self.wanted();
+        match r {
+            Ok((adapter, secs)) => {
+                self.metrics.adapter_load.observe(secs);
+                self.mem.on_fetched(id, Some(adapter), &wanted);
+            }
+            Err(msg) => {
+                tracing::warn!("adapter {id}: {msg}");
+                self.mem.on_fetched(id, None, &wanted);
+                let victims: Vec<SeqId> = self
+                    .state
+                    .waiting
+                    .iter()
+                    .filter(|s| s.adapter == Some(id))
+                    .map(|s| s.id)
+                    .collect();
+                for v in victims {
+                    let tx = self.live.get(&v).map(|l| l.events.clone());
+                    self.forget(v, "abort");
+                    if let Some(tx) = tx {
+                        let _ = tx.send(EngineEvent::Aborted(msg.clone()));
+                    }
+                }
+            }
+        }
+    }
+
+    /// Adapters of waiting requests.
+    fn wanted(&self) -> HashSet<AdapterId> {
+        self.state
+            .waiting
+            .iter()
+            .filter_map(|s| s.adapter)
+            .collect()
+    }
+
+    /// Carries out a memory plan and watches the new adapters land.
+    fn apply_memory(&mut self, plan: &crate::memory::AdmitPlan, wanted: &HashSet<AdapterId>) {
+        let upload = if self.cold.policy == ColdStartPolicy::Cached {
+            Upload::Whole
+        } else {
+            Upload::Stream
+        };
+        let registered = apply(
+            &mut self.mem,
+            &mut self.engine,
+            plan,
+            self.state.reserved_blocks,
+            upload,
+            wanted,
+            Some(&self.loader),
+        );
+        if upload == Upload::Stream {
+            let mut landing = self.stats.landing.lock().unwrap_or_else(|e| e.into_inner());
+            for id in registered {
+                if let Some(l) = self.engine.adapter_landed(id) {
+                    landing.insert(id, l);
+                }
+            }
+        }
+    }
+
     /// Forgets a request: out of the scheduler, out of the engine (frees KV), lease dropped.
     fn forget(&mut self, id: SeqId, reason: &'static str) {
         self.state.remove(id, &self.cfg);
+        self.sched.remove(id);
         if let Some(l) = self.live.remove(&id) {
             if l.running {
                 let _ = self.engine.remove_sequence(id);
@@ -429,17 +593,45 @@ impl Loop {
 
     /// Plans and runs one step; false if there was nothing to run.
     fn step(&mut self) -> bool {
+        let engine = &self.engine;
+        self.mem.refresh_landed(|id| engine.adapter_landed(id));
+        let wanted = self.wanted();
+        let plan = {
+            let view = self.mem.view(&wanted);
+            admit(
+                self.sched.candidate_order(&self.state),
+                &self.state.running,
+                self.state.reserved_blocks,
+                &self.cfg,
+                view,
+                &self.limits,
+            )
+        };
+        self.apply_memory(&plan, &wanted);
         let free = self.engine.kv_usage().free_blocks();
         let engine = &self.engine;
         let cold = &self.cold;
         let gate = |s: &SeqState, planned: usize| cold_gate(engine, cold, s, planned);
-        let mut d = plan_step_gated(&self.state, &self.cfg, free, &gate);
-        for id in self.state.admit(d.admit, &self.cfg) {
+        let kv_capacity = self.mem.pool().kv_capacity();
+        let mut d = self.sched.plan(
+            &self.state,
+            &self.cfg,
+            free,
+            &gate,
+            &self.cold.cost,
+            &plan.admit,
+            kv_capacity,
+        );
+        self.state.admit_ids(&d.admit, &self.cfg);
+        for id in d.admit {
             self.stats.waiting.fetch_sub(1, Ordering::SeqCst);
             let Some(l) = self.live.get_mut(&id) else {
                 continue;
             };
             l.running = true;
+            if let Some(lease) = &l.lease {
+                self.mem.on_admit(lease.id(), l.missed);
+            }
             let params = l.params.take().unwrap_or_default();
             if let Err(e) = self.engine.add_sequence(id, params) {
                 // Requests are validated before submission; this is a bug or a race with an
@@ -450,6 +642,7 @@ impl Loop {
                 )));
                 l.running = false;
                 self.state.remove(id, &self.cfg);
+                self.sched.remove(id);
                 self.live.remove(&id);
                 self.metrics.count_finished("abort");
                 d.plan.items.retain(|it| it.seq != id);
@@ -466,6 +659,15 @@ impl Loop {
             })
         }));
         let tokens: usize = d.plan.items.iter().map(|i| i.num_tokens).sum();
+        let shape = self.step_shape(&d.plan);
+        let kernel = if self.auto_kernel {
+            let step = self.stats.steps.load(Ordering::Relaxed);
+            let k = self.cold.cost.kernel_for_step(&shape, step);
+            self.engine.set_lora_kernel(k);
+            k
+        } else {
+            self.engine.engine_config().lora_kernel
+        };
         let assisted_before = self.engine.rows_assisted();
         let profile_before = self.engine.assist_profile();
         let started = Instant::now();
@@ -488,7 +690,9 @@ impl Loop {
         let assisted = self.engine.rows_assisted() - assisted_before;
         if assisted == 0 {
             // Only steps the CPU did not stretch teach the model the device's speed.
-            self.cold.cost.observe_step(tokens, started.elapsed());
+            self.cold
+                .cost
+                .observe_shape(&shape, kernel, started.elapsed());
         } else {
             let overhead = self
                 .engine
@@ -546,6 +750,11 @@ impl Loop {
             ));
         }
         self.state.on_step(&planned, &sampled, &finished, &self.cfg);
+        for id in &finished {
+            if let Some(l) = self.live.get(id) {
+                self.sched.finished(*id, l.generated);
+            }
+        }
         for id in finished {
             // The engine already dropped the sequence; dropping `Live` releases the lease.
             self.live.remove(&id);
@@ -559,7 +768,53 @@ impl Loop {
         true
     }
 
+    /// What the scheduler is told of a new request: its priority, its adapter's rank and how
+    /// long its adapter needs to reach the device from the tier it is in.
+    fn arrival(&self, adapter: Option<AdapterId>, sub: &Submission) -> Arrival {
+        let mut a = Arrival {
+            priority: sub.priority,
+            ..Default::default()
+        };
+        let Some(id) = adapter else {
+            return a;
+        };
+        a.rank = sub.lease.as_ref().map_or(0, |l| l.slot().rank);
+        let bytes = self.mem.bytes(id).unwrap_or(0);
+        let backlog = self.engine.backend().link_backlog();
+        a.load_s = match self.mem.state(id) {
+            Some(s) if s.device == Device::Resident => 0.0,
+            Some(s) if s.device == Device::Loading => match self.engine.adapter_landed(id) {
+                Some((landed, layers)) if landed < layers => {
+                    let left = 1.0 - landed as f64 / layers.max(1) as f64;
+                    let b = (bytes as f64 * left) as u64;
+                    self.cold.cost.load_time_from(Tier::Host, b, backlog)
+                }
+                _ => 0.0,
+            },
+            Some(s) if s.in_host => self.cold.cost.load_time_from(Tier::Host, bytes, backlog),
+            _ => self.cold.cost.load_time_from(Tier::Disk, bytes, backlog),
+        };
+        a
+    }
+
+    /// The shape of a planned step for the performance model: decode and prefill rows and
+    /// the ranks they carry.
+    fn step_shape(&self, plan: &thaw_runtime::engine::StepPlan) -> StepShape {
+        let mut shape = StepShape::default();
+        for it in &plan.items {
+            if let Some(s) = self.state.running.iter().find(|s| s.id == it.seq) {
+                shape.add(it.num_tokens, !s.in_prefill(), self.sched.rank(it.seq));
+            }
+        }
+        shape
+    }
+
     fn publish(&self) {
+        if self.stats.steps.load(Ordering::Relaxed).is_multiple_of(32) {
+            self.metrics
+                .sched
+                .publish(self.sched.snapshot(&self.state), self.cold.cost.snapshot());
+        }
         {
             let mut landing = self.stats.landing.lock().unwrap_or_else(|e| e.into_inner());
             landing.retain(|id, v| match self.engine.adapter_landed(*id) {
@@ -575,8 +830,9 @@ impl Loop {
             self.state.waiting.iter().map(|s| s.adapter),
         );
         *self.stats.cost.lock().unwrap_or_else(|e| e.into_inner()) =
-            Some(crate::coldstart::FittedCost::from(&self.cold.cost));
+            Some(self.cold.cost.snapshot());
         let kv = self.engine.kv_usage();
+        self.mem.publish(self.state.reserved_blocks, kv.used_blocks);
         self.stats
             .running
             .store(self.state.running.len(), Ordering::Relaxed);

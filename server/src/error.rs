@@ -59,13 +59,20 @@ pub enum ServerError {
     },
     #[error(
         "all {max} device adapter slots (--max-loras) are in use by running requests; retry \
-         shortly or restart with a larger --max-loras"
+         shortly, or drop --adapter-eviction fixed-slots so such requests wait in the queue"
     )]
     NoAdapterSlot { max: usize },
     #[error("{0}")]
     NotFound(String),
     #[error("{0}")]
     Aborted(String),
+    #[error(
+        "missing or invalid API key; send `Authorization: Bearer KEY` with a key the server \
+         was started with (--api-key / THAW_API_KEY)"
+    )]
+    Unauthorized,
+    #[error("{0}")]
+    Forbidden(String),
     #[error("the scheduler thread has stopped")]
     SchedulerGone,
     #[error("internal error: {0}")]
@@ -89,6 +96,8 @@ impl ServerError {
                 400
             }
             BodyTooLarge { .. } => 413,
+            Unauthorized => 401,
+            Forbidden(_) => 403,
             QueueFull { .. } | NoAdapterSlot { .. } => 429,
             ShuttingDown | Aborted(_) => 503,
             AdapterBusy { .. } => 409,
@@ -134,6 +143,8 @@ impl ServerError {
             ContextTooLong { .. } => "context_length_exceeded",
             BodyTooLarge { .. } => "request_too_large",
             QueueFull { .. } => "queue_full",
+            Unauthorized => "invalid_api_key",
+            Forbidden(_) => "forbidden",
             ShuttingDown => "shutting_down",
             Aborted(_) => "aborted",
             Adapter { source, .. } => match source {

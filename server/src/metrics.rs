@@ -105,6 +105,8 @@ pub struct Metrics {
     pub generation_tokens: AtomicU64,
     /// Requests the engine loop finished, by reason ("stop", "length", "abort", "cancelled").
     finished: Mutex<BTreeMap<&'static str, u64>>,
+    /// The scheduler's queues and the models' errors, as the engine loop last published them.
+    pub sched: crate::scheduler::SchedBoard,
 }
 
 impl Default for Metrics {
@@ -118,6 +120,7 @@ impl Default for Metrics {
             prompt_tokens: AtomicU64::new(0),
             generation_tokens: AtomicU64::new(0),
             finished: Mutex::default(),
+            sched: Default::default(),
         }
     }
 }
@@ -216,6 +219,7 @@ impl Metrics {
             "thaw_adapter_load_seconds",
             "Time to read, validate and register an adapter.",
         );
+        self.sched.render(out);
     }
 }
 

@@ -1,69 +1,42 @@
-//! The adapter registry: adapter names → slots with their tier, generation and counters, and
-//! the RAII [`AdapterLease`] that pins an adapter while requests use it.
+//! The adapter registry: adapter names → slots with their generation, metadata and counters,
+//! and the RAII [`AdapterLease`] that pins an adapter while requests use it.
 //!
-//! Tiers: `disk` (known, not in memory), `host` (in the host store — the cold-start issue
-//! fills it), `device` (registered with the engine; on the CPU backend, with every layer
-//! landed). At most `--max-loras` adapters are device-resident: a request for a disk-tier
-//! adapter (a cache miss) loads it off the engine thread and evicts the least recently used
-//! unleased one. Parsing and validation always run on a blocking task; the engine thread
-//! only receives the finished `Arc<LoraAdapter>`.
+//! Where an adapter lives (disk, host, device) is the memory manager's business
+//! ([`crate::memory`]): the registry tells it about new and retired adapters through a
+//! [`NoticeSink`] and reads tiers from its [`Board`]. A request takes a lease and is queued;
+//! the scheduler admits it once its adapter can be on the device, so no request is refused
+//! for lack of adapter memory. Parsing and validation run on a blocking task.
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use serde::Serialize;
 use thaw_runtime::adapter::{AdapterError, LoraAdapter};
 use thaw_runtime::ids::{AdapterId, Generation};
 use thaw_runtime::model::ModelConfig;
 
-use crate::engine_loop::EngineHandle;
 use crate::error::ServerError;
+pub use crate::memory::Tier;
+use crate::memory::{AdapterMeta, Board, Notice, NoticeSink};
 use crate::metrics::Metrics;
-
-/// Where an adapter currently lives.
-#[derive(Copy, Clone, Debug, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Tier {
-    Disk,
-    Host,
-    Device,
-}
-
-impl Tier {
-    /// Gauge value in /metrics.
-    pub fn code(self) -> u8 {
-        match self {
-            Tier::Disk => 0,
-            Tier::Host => 1,
-            Tier::Device => 2,
-        }
-    }
-}
 
 /// Adapter limits from the command line.
 #[derive(Clone, Debug)]
 pub struct AdapterLimits {
     /// `--max-lora-rank`.
     pub max_lora_rank: usize,
-    /// `--max-loras`: device-resident adapters.
+    /// `--max-loras`: distinct adapters in one batch (and the adapters warmed at start-up).
     pub max_loras: usize,
-    /// `--max-cpu-loras`: host-tier adapters (used by the cold-start tiers).
+    /// `--max-cpu-loras`: host-tier adapters.
     pub max_cpu_loras: usize,
     /// How long an unload waits for requests still using the adapter.
     pub unload_wait: Duration,
-}
-
-/// Mutable residency of a slot.
-#[derive(Clone, Debug)]
-struct Residency {
-    tier: Tier,
-    /// A disk → device load is in flight (counts toward `--max-loras`).
-    loading: bool,
-    landed_layers: usize,
-    last_used: Instant,
-    load_secs: Option<f64>,
+    /// Device memory adapters and KV share; an adapter larger than it is refused.
+    pub device_budget_bytes: u64,
+    /// The `fixed-slots` baseline: refuse (429) a request whose adapter is not resident while
+    /// every one of `--max-loras` slots is leased, as the server did before the pool.
+    pub fixed_slots: bool,
 }
 
 /// Per-adapter counters.
@@ -89,9 +62,9 @@ pub struct AdapterSlot {
     pub size_bytes: usize,
     /// Unix seconds of the load.
     pub created: u64,
-    residency: Mutex<Residency>,
+    /// Seconds the registration's disk read and validation took.
+    pub load_secs: f64,
     leases: AtomicUsize,
-    load_lock: tokio::sync::Mutex<()>,
     pub counters: AdapterCounters,
 }
 
@@ -120,20 +93,12 @@ pub struct AdapterView {
 }
 
 impl AdapterSlot {
-    fn residency(&self) -> MutexGuard<'_, Residency> {
-        self.residency.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
     pub fn leases(&self) -> usize {
         self.leases.load(Ordering::SeqCst)
     }
 
-    pub fn tier(&self) -> Tier {
-        self.residency().tier
-    }
-
-    fn view(&self, retiring: bool) -> AdapterView {
-        let r = self.residency().clone();
+    fn view(&self, board: &Board, retiring: bool) -> AdapterView {
+        let r = board.residence(self.id);
         AdapterView {
             name: self.name.clone(),
             id: self.id,
@@ -144,9 +109,9 @@ impl AdapterSlot {
             num_layers: self.num_layers,
             size_bytes: self.size_bytes,
             created: self.created,
-            tier: r.tier,
-            landed_layers: r.landed_layers,
-            load_secs: r.load_secs,
+            tier: r.map_or(Tier::Disk, |r| r.tier),
+            landed_layers: r.map_or(0, |r| r.landed_layers),
+            load_secs: Some(self.load_secs),
             leases: self.leases(),
             requests: self.counters.requests.load(Ordering::Relaxed),
             hits: self.counters.hits.load(Ordering::Relaxed),
@@ -194,7 +159,7 @@ impl Drop for AdapterLease {
 #[derive(Default)]
 struct Inner {
     by_name: BTreeMap<String, Arc<AdapterSlot>>,
-    /// Unloaded or replaced generations still leased or registered.
+    /// Unloaded or replaced generations still leased.
     retiring: Vec<Arc<AdapterSlot>>,
     generations: BTreeMap<String, u32>,
     next_id: u32,
@@ -203,7 +168,8 @@ struct Inner {
 /// All adapters the server knows.
 pub struct Registry {
     inner: Mutex<Inner>,
-    engine: EngineHandle,
+    sink: Arc<dyn NoticeSink>,
+    board: Arc<Board>,
     model: ModelConfig,
     pub limits: AdapterLimits,
     metrics: Arc<Metrics>,
@@ -218,14 +184,16 @@ fn unix_now() -> u64 {
 
 impl Registry {
     pub fn new(
-        engine: EngineHandle,
+        sink: Arc<dyn NoticeSink>,
+        board: Arc<Board>,
         model: ModelConfig,
         limits: AdapterLimits,
         metrics: Arc<Metrics>,
     ) -> Self {
         Self {
             inner: Mutex::default(),
-            engine,
+            sink,
+            board,
             model,
             limits,
             metrics,
@@ -256,12 +224,23 @@ impl Registry {
                 max: self.limits.max_lora_rank,
             });
         }
+        let bytes = adapter.size_bytes_f32() as u64;
+        if bytes >= self.limits.device_budget_bytes {
+            return Err(ServerError::invalid(
+                "lora_path",
+                format!(
+                    "adapter `{name}` needs {bytes} bytes of device memory but the whole budget \
+                     is {}; restart with a larger --device-memory-bytes",
+                    self.limits.device_budget_bytes
+                ),
+            ));
+        }
         Ok((Arc::new(adapter), start.elapsed().as_secs_f64()))
     }
 
-    /// Loads `path` under `name` (a new generation if the name exists) and makes it
-    /// device-resident if a slot is free or can be freed; otherwise it stays on disk and is
-    /// loaded by its first request.
+    /// Loads `path` under `name` (a new generation if the name exists). The memory manager
+    /// keeps the parsed copy in the host tier if it has room and, while fewer than
+    /// `--max-loras` adapters are on the device, makes it resident in idle memory.
     pub async fn load(&self, name: &str, path: &Path) -> Result<AdapterView, ServerError> {
         if !path.exists() {
             return Err(ServerError::Adapter {
@@ -289,122 +268,68 @@ impl Registry {
                 num_layers: adapter.num_layers(),
                 size_bytes: adapter.size_bytes_f32(),
                 created: unix_now(),
-                residency: Mutex::new(Residency {
-                    tier: Tier::Disk,
-                    loading: false,
-                    landed_layers: 0,
-                    last_used: Instant::now(),
-                    load_secs: Some(secs),
-                }),
+                load_secs: secs,
                 leases: AtomicUsize::new(0),
-                load_lock: tokio::sync::Mutex::new(()),
                 counters: AdapterCounters::default(),
             })
         };
         self.metrics.adapter_load.observe(secs);
-        let guard = slot.load_lock.lock().await;
-        let registered = self.make_resident(&slot, adapter, secs).await;
-        drop(guard);
+        let (done, rx) = tokio::sync::oneshot::channel();
+        self.sink.notify(Notice::Register {
+            meta: AdapterMeta {
+                id: slot.id,
+                path: slot.path.clone(),
+                bytes: slot.size_bytes as u64,
+                num_layers: slot.num_layers,
+                disk_secs: secs,
+            },
+            host: Some(adapter),
+            warm: self.board.device_ids().len() < self.limits.max_loras,
+            done: Some(done),
+        })?;
+        rx.await.map_err(|_| ServerError::SchedulerGone)?;
         let old = self.lock().by_name.insert(name.to_string(), slot.clone());
         if let Some(old) = old {
             self.retire(old);
         }
-        if let Err(e) = registered {
-            // No free device slot right now: the adapter stays on disk.
-            tracing::info!("adapter `{name}` loaded to the disk tier: {e}");
-        }
-        Ok(slot.view(false))
+        Ok(slot.view(&self.board, false))
     }
 
-    /// Registers `adapter` for `slot` with the engine, evicting an unleased device adapter if
-    /// `--max-loras` are resident. Call with `slot.load_lock` held.
-    async fn make_resident(
-        &self,
-        slot: &Arc<AdapterSlot>,
-        adapter: Arc<LoraAdapter>,
-        secs: f64,
-    ) -> Result<(), ServerError> {
-        let victim_reply = {
-            let inner = self.lock();
-            let resident = |s: &&Arc<AdapterSlot>| {
-                let r = s.residency();
-                r.tier == Tier::Device || r.loading
-            };
-            let count = inner
+    /// Leases the adapter `name` for a request; None if there is no such adapter. The request
+    /// then waits in the scheduler's queue until its adapter can be on the device.
+    pub async fn acquire(&self, name: &str) -> Result<Option<AdapterLease>, ServerError> {
+        let inner = self.lock();
+        let Some(slot) = inner.by_name.get(name) else {
+            return Ok(None);
+        };
+        if self.limits.fixed_slots {
+            self.check_fixed_slot(&inner, slot)?;
+        }
+        let lease = AdapterLease::new(slot.clone());
+        slot.counters.requests.fetch_add(1, Ordering::Relaxed);
+        Ok(Some(lease))
+    }
+
+    /// The `fixed-slots` baseline's refusal: not resident and every slot leased.
+    fn check_fixed_slot(&self, inner: &Inner, slot: &AdapterSlot) -> Result<(), ServerError> {
+        let device = self.board.device_ids();
+        if device.contains(&slot.id) || device.len() < self.limits.max_loras {
+            return Ok(());
+        }
+        let leased = |id: &AdapterId| {
+            inner
                 .by_name
                 .values()
                 .chain(&inner.retiring)
-                .filter(resident)
-                .count();
-            let mut reply = None;
-            if count >= self.limits.max_loras {
-                let victim = inner
-                    .by_name
-                    .values()
-                    .filter(|s| !Arc::ptr_eq(s, slot) && s.leases() == 0)
-                    .filter(|s| s.residency().tier == Tier::Device)
-                    .min_by_key(|s| s.residency().last_used)
-                    .cloned();
-                let Some(v) = victim else {
-                    return Err(ServerError::NoAdapterSlot {
-                        max: self.limits.max_loras,
-                    });
-                };
-                {
-                    let mut r = v.residency();
-                    r.tier = Tier::Disk;
-                    r.landed_layers = 0;
-                }
-                // Sent under the lock so the engine sees it before any later re-register.
-                reply = Some((v.id, self.engine.unregister(v.id)?));
-            }
-            slot.residency().loading = true;
-            reply
+                .find(|s| s.id == *id)
+                .is_none_or(|s| s.leases() > 0)
         };
-        if let Some((id, rx)) = victim_reply {
-            if let Ok(Err(e)) = rx.await {
-                tracing::warn!("evicting adapter {id}: {e}");
-            }
+        if device.iter().all(leased) {
+            return Err(ServerError::NoAdapterSlot {
+                max: self.limits.max_loras,
+            });
         }
-        let res = self.engine.register(slot.id, adapter).await;
-        let mut r = slot.residency();
-        r.loading = false;
-        if res.is_ok() {
-            r.tier = Tier::Device;
-            r.landed_layers = slot.num_layers;
-            r.load_secs = Some(secs);
-            r.last_used = Instant::now();
-        }
-        res
-    }
-
-    /// Leases the adapter `name` for a request, loading it to the device on a miss.
-    pub async fn acquire(&self, name: &str) -> Result<Option<AdapterLease>, ServerError> {
-        let lease = {
-            let inner = self.lock();
-            let Some(slot) = inner.by_name.get(name) else {
-                return Ok(None);
-            };
-            AdapterLease::new(slot.clone())
-        };
-        let slot = lease.slot().clone();
-        slot.counters.requests.fetch_add(1, Ordering::Relaxed);
-        {
-            let mut r = slot.residency();
-            if r.tier == Tier::Device {
-                r.last_used = Instant::now();
-                slot.counters.hits.fetch_add(1, Ordering::Relaxed);
-                return Ok(Some(lease));
-            }
-        }
-        slot.counters.misses.fetch_add(1, Ordering::Relaxed);
-        let _guard = slot.load_lock.lock().await;
-        if slot.tier() != Tier::Device {
-            let (adapter, secs) = self.read(name, &slot.path).await?;
-            self.metrics.adapter_load.observe(secs);
-            self.make_resident(&slot, adapter, secs).await?;
-        }
-        Ok(Some(lease))
+        Ok(())
     }
 
     /// Unloads `name`: new requests get 404 at once; the engine drops the adapter when its
@@ -429,49 +354,37 @@ impl Registry {
                 waited_secs: self.limits.unload_wait.as_secs_f64(),
             });
         }
-        drop_from_engine(&self.engine, &slot).await;
-        Ok(())
+        self.sink.notify(Notice::Retire(slot.id))
     }
 
-    /// Keeps a replaced or unloaded generation until its last lease is gone, then drops it
-    /// from the engine.
+    /// Keeps a replaced or unloaded generation until its last lease is gone, then has the
+    /// memory manager drop it.
     fn retire(&self, slot: Arc<AdapterSlot>) {
         self.lock().retiring.push(slot.clone());
-        let engine = self.engine.clone();
+        let sink = self.sink.clone();
         tokio::spawn(async move {
             while slot.leases() > 0 {
                 tokio::time::sleep(Duration::from_millis(10)).await;
             }
-            drop_from_engine(&engine, &slot).await;
+            let _ = sink.notify(Notice::Retire(slot.id));
         });
     }
 
     /// Drops finished retirees from the list (called at scrape time).
     fn prune(&self) {
-        self.lock()
-            .retiring
-            .retain(|s| s.leases() > 0 || s.tier() == Tier::Device);
+        self.lock().retiring.retain(|s| s.leases() > 0);
     }
 
     /// Every known adapter, including generations still draining.
     pub fn views(&self) -> Vec<AdapterView> {
         self.prune();
         let inner = self.lock();
-        let mut views: Vec<AdapterView> = inner
+        inner
             .by_name
             .values()
-            .map(|s| s.view(false))
-            .chain(inner.retiring.iter().map(|s| s.view(true)))
-            .collect();
-        // A device-tier adapter may still be streaming in, layer by layer.
-        for v in &mut views {
-            if v.tier == Tier::Device {
-                if let Some((landed, _)) = self.engine.stats.landing(v.id) {
-                    v.landed_layers = landed;
-                }
-            }
-        }
-        views
+            .map(|s| s.view(&self.board, false))
+            .chain(inner.retiring.iter().map(|s| s.view(&self.board, true)))
+            .collect()
     }
 
     /// Live leases over all adapters (0 when idle).
@@ -488,22 +401,9 @@ impl Registry {
     pub fn contains(&self, name: &str) -> bool {
         self.lock().by_name.contains_key(name)
     }
-}
 
-/// Moves a slot to the disk tier and unregisters it from the engine if it was resident.
-async fn drop_from_engine(engine: &EngineHandle, slot: &Arc<AdapterSlot>) {
-    let was_device = {
-        let mut r = slot.residency();
-        let d = r.tier == Tier::Device;
-        r.tier = Tier::Disk;
-        r.landed_layers = 0;
-        d
-    };
-    if was_device {
-        if let Ok(rx) = engine.unregister(slot.id) {
-            if let Ok(Err(e)) = rx.await {
-                tracing::warn!("unregistering adapter {}: {e}", slot.id);
-            }
-        }
+    /// The memory manager's published state.
+    pub fn board(&self) -> &Arc<Board> {
+        &self.board
     }
 }

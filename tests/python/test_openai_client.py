@@ -17,6 +17,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 THAW = os.environ.get("THAW_BIN", str(ROOT / "target" / "release" / "thaw"))
+API_KEY = "sk-thaw-test"
 
 
 def free_port():
@@ -33,10 +34,14 @@ def server(tmp_path_factory):
     subprocess.run([THAW, "gen-adapters", "--model", model, "--count", "2", "--ranks", "8,16",
                     "--out", adapters], check=True)
     port = free_port()
+    # Runtime adapter loading is off by default and confined to --lora-root when on; every
+    # /v1 route needs the key (the client sends it as a bearer token).
     proc = subprocess.Popen([THAW, "serve", "--model", model, "--lora-dir", adapters,
                              "--served-model-name", "tiny", "--port", str(port),
-                             "--shutdown-timeout", "5"], stdout=subprocess.PIPE, stderr=sys.stderr)
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+                             "--shutdown-timeout", "5", "--api-key", API_KEY,
+                             "--allow-runtime-lora-updating", "--lora-root", tmp],
+                            stdout=subprocess.PIPE, stderr=sys.stderr)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=API_KEY, max_retries=0)
     deadline = time.time() + 60
     while True:
         try:
@@ -146,3 +151,18 @@ def test_errors(server):
                     body={"lora_name": "m", "lora_path": str(tmp / "missing")})
     with pytest.raises(openai.NotFoundError):
         client.post("/unload_lora_adapter", cast_to=object, body={"lora_name": "never-loaded"})
+
+
+def test_api_key_and_lora_root(server):
+    client, names, tmp, adapters = server
+    wrong = client.with_options(api_key="sk-wrong")
+    with pytest.raises(openai.AuthenticationError) as e:
+        wrong.models.list()
+    assert e.value.body["code"] == "invalid_api_key"
+    messages = set()
+    for path in ["/etc/passwd", "/etc", "/root", "/proc/self", str(tmp / ".." / "elsewhere")]:
+        with pytest.raises(openai.PermissionDeniedError) as e:
+            client.post("/load_lora_adapter", cast_to=object,
+                        body={"lora_name": "x", "lora_path": path})
+        messages.add(e.value.body["message"])
+    assert len(messages) == 1, "the refusal must not depend on what exists"

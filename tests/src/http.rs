@@ -89,6 +89,8 @@ impl ServeFixture {
             // In-process servers cannot spawn `thaw lora-worker` from the test executable:
             // cold layers are assisted on the engine thread.
             lora_workers: 0,
+            // The HTTP tests exercise /v1/load_lora_adapter; servers default to it off.
+            allow_runtime_lora_updating: true,
             ..Default::default()
         }
     }

@@ -130,3 +130,18 @@ pub fn projection(short: &str) -> Projection {
 
 pub mod http;
 pub mod prom;
+
+/// Whether the GPU tests can run here: true with a usable NVIDIA GPU; otherwise prints a skip
+/// and returns false, unless `THAW_REQUIRE_GPU=1`, which turns a missing GPU into a failure.
+pub fn gpu_or_skip() -> bool {
+    if thaw_runtime::backend::cuda_available() {
+        return true;
+    }
+    let require = std::env::var("THAW_REQUIRE_GPU").is_ok_and(|v| v == "1");
+    assert!(
+        !require,
+        "THAW_REQUIRE_GPU=1 but no usable NVIDIA GPU / libcuda was found"
+    );
+    println!("skipped: no NVIDIA GPU (set THAW_REQUIRE_GPU=1 to fail instead)");
+    false
+}

@@ -1,5 +1,6 @@
-//! `thaw serve --dump-cost-model PATH` writes the cost model the engine fitted, the adapter
-//! load rates the registry measured and the server's limits, at shutdown (and every 10 s),
+//! `thaw serve --dump-cost-model PATH` writes the performance model the engine fitted (its
+//! `PerfSnapshot`), the adapter sizes and load rates the registry measured and the server's
+//! limits, at shutdown (and every 10 s),
 //! in the format `thaw-bench simulate` reads.
 use serde_json::json;
 use thaw_server::coldstart::CostSnapshot;
@@ -27,11 +28,11 @@ fn serve_dumps_its_cost_model_at_shutdown() {
     let s = CostSnapshot::read(&path).expect("the dump reads back");
     assert!(s.steps_observed >= 16, "{s:?}");
     assert_eq!(
-        s.fitted.num_layers,
+        s.perf.num_layers,
         thaw_tests::test_preset().num_hidden_layers
     );
-    assert!(s.fitted.layer_per_token_s > 0.0 && s.fitted.cpu_flops > 0.0);
-    assert_eq!(s.fitted.link_gbps, cfg.emulated_link_gbps);
+    assert!(s.perf.layer_per_token_s > 0.0 && s.perf.cpu_flops > 0.0);
+    assert_eq!(s.perf.link_gbps, cfg.emulated_link_gbps);
     assert_eq!(s.limits.max_loras, 2);
     assert_eq!(s.limits.max_cpu_loras, 5);
     assert_eq!(s.limits.max_num_seqs, cfg.max_num_seqs);
@@ -40,5 +41,8 @@ fn serve_dumps_its_cost_model_at_shutdown() {
     let per_rank = s.adapters.bytes_per_rank.expect("adapters were loaded");
     let preset = thaw_tests::test_preset();
     assert!(per_rank > (preset.hidden_size * preset.num_hidden_layers) as f64);
-    assert!(s.adapters.disk_bytes_per_s.is_some_and(|b| b > 0.0));
+    assert!(s.adapters.disk_rate_measured && s.perf.disk_bytes_per_s > 0.0);
+    // The snapshot rebuilds the engine's model.
+    let m = thaw_server::perf::PerfModel::from_snapshot(&s.perf);
+    assert_eq!(m.snapshot(), s.perf);
 }

@@ -15,7 +15,7 @@ use rand_chacha::ChaCha8Rng;
 use thaw_kernels::cpu::KvLayout;
 use thaw_runtime::adapter::{LoraAdapter, LoraModule};
 use thaw_runtime::backend::cpu::CpuBackend;
-use thaw_runtime::backend::cuda::{cuda_available, CudaBackend, CudaConfig, DType};
+use thaw_runtime::backend::cuda::{CudaBackend, CudaConfig, DType};
 use thaw_runtime::backend::{
     Backend, LinearDims, LoraBatch, LoraKernel, LoraLayout, SeqSlice, StepLayout,
 };
@@ -24,16 +24,7 @@ use thaw_runtime::ids::{AdapterId, LayerIdx, SeqId};
 use thaw_tests::{cpu_engine, rel_err, TestModel};
 
 fn gpu() -> bool {
-    if cuda_available() {
-        return true;
-    }
-    let require = std::env::var("THAW_REQUIRE_GPU").is_ok_and(|v| v == "1");
-    assert!(
-        !require,
-        "THAW_REQUIRE_GPU=1 but no usable NVIDIA GPU / libcuda was found"
-    );
-    println!("skipped: no NVIDIA GPU (set THAW_REQUIRE_GPU=1 to fail instead)");
-    false
+    thaw_tests::gpu_or_skip()
 }
 
 const CONFIGS: [(DType, f64); 2] = [(DType::F32, 1e-4), (DType::Bf16, 1e-2)];

@@ -89,6 +89,13 @@ impl OpenAiClient {
         Ok((status, body))
     }
 
+    /// The body of `GET path` as text (e.g. `/metrics`).
+    pub async fn get_text(&self, path: &str) -> anyhow::Result<String> {
+        let (status, body) = self.get(path).await?;
+        anyhow::ensure!(status.is_success(), "GET {path} answered {status}");
+        Ok(String::from_utf8_lossy(&body).into_owned())
+    }
+
     /// True when `GET /health` answers 200.
     pub async fn healthy(&self) -> bool {
         matches!(self.get("/health").await, Ok((s, _)) if s.is_success())

@@ -40,6 +40,9 @@ pub struct ColdStartHttpArgs {
     /// Policies to compare, in order; `cached` is the baseline of the overheads.
     #[arg(long, value_enum, value_delimiter = ',', default_values = ["cached", "on-demand", "cpu-assist", "auto"])]
     pub policies: Vec<ColdStartPolicy>,
+    /// Passed to `thaw serve --device` (auto, cpu or cuda); on cuda the link is the real one.
+    #[arg(long)]
+    pub device: Option<String>,
     /// Passed to `thaw serve --emulated-link-gbps`.
     #[arg(long)]
     pub emulated_link_gbps: Option<f64>,
@@ -108,49 +111,60 @@ pub fn default_thaw_bin() -> anyhow::Result<PathBuf> {
 }
 
 fn prepare(args: &ColdStartHttpArgs, root: &Path) -> anyhow::Result<(PathBuf, PathBuf)> {
-    let model = match &args.model {
-        Some(m) => m.clone(),
+    prepare_files(
+        args.model.as_deref(),
+        &args.preset,
+        args.lora_dir.as_deref(),
+        args.adapters,
+        &args.ranks,
+        root,
+    )
+}
+
+/// The model and adapter directories to serve: the given ones, else generated into `root`
+/// (reused when already there).
+pub(super) fn prepare_files(
+    model: Option<&Path>,
+    preset: &str,
+    lora_dir: Option<&Path>,
+    adapters: usize,
+    ranks: &[usize],
+    root: &Path,
+) -> anyhow::Result<(PathBuf, PathBuf)> {
+    let model = match model {
+        Some(m) => m.to_path_buf(),
         None => {
-            let preset = gen::preset(&args.preset)
-                .with_context(|| format!("unknown --preset {}", args.preset))?;
-            let dir = root.join(format!("model-{}", args.preset));
+            let spec = gen::preset(preset).with_context(|| format!("unknown --preset {preset}"))?;
+            let dir = root.join(format!("model-{preset}"));
             if !dir.join("config.json").exists() {
-                eprintln!(
-                    "generating the {} model into {}",
-                    args.preset,
-                    dir.display()
-                );
-                gen::write_model(&preset, &dir, &GenModelOptions::default())?;
+                eprintln!("generating the {preset} model into {}", dir.display());
+                gen::write_model(&spec, &dir, &GenModelOptions::default())?;
             }
             dir
         }
     };
-    let lora_dir = match &args.lora_dir {
-        Some(d) => d.clone(),
+    let lora_dir = match lora_dir {
+        Some(d) => d.to_path_buf(),
         None => {
-            let ranks: Vec<String> = args.ranks.iter().map(|r| r.to_string()).collect();
+            let rank_names: Vec<String> = ranks.iter().map(|r| r.to_string()).collect();
             let dir = root.join(format!(
                 "adapters-{}-{}-r{}",
                 model
                     .file_name()
                     .and_then(|n| n.to_str())
                     .unwrap_or("model"),
-                args.adapters,
-                ranks.join("_")
+                adapters,
+                rank_names.join("_")
             ));
             let present = std::fs::read_dir(&dir).map_or(0, |it| it.count());
-            if present != args.adapters {
+            if present != adapters {
                 let _ = std::fs::remove_dir_all(&dir);
-                eprintln!(
-                    "generating {} adapters into {}",
-                    args.adapters,
-                    dir.display()
-                );
+                eprintln!("generating {adapters} adapters into {}", dir.display());
                 gen::write_adapters(&GenAdaptersOptions {
                     model_dir: model.clone(),
                     out_dir: dir.clone(),
-                    count: args.adapters,
-                    ranks: args.ranks.clone(),
+                    count: adapters,
+                    ranks: ranks.to_vec(),
                     targets: vec![Projection::Q, Projection::K, Projection::V, Projection::O],
                     ..Default::default()
                 })?;
@@ -162,13 +176,23 @@ fn prepare(args: &ColdStartHttpArgs, root: &Path) -> anyhow::Result<(PathBuf, Pa
 }
 
 /// A running `thaw serve`; SIGTERM on drop if still running.
-struct ServeProcess {
+pub(super) struct ServeProcess {
     child: Child,
-    url: String,
+    pub(super) url: String,
 }
 
 impl ServeProcess {
-    fn start(bin: &Path, args: &[String], log: &Path, timeout: Duration) -> anyhow::Result<Self> {
+    /// The server's process id (to read its memory).
+    pub(super) fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    pub(super) fn start(
+        bin: &Path,
+        args: &[String],
+        log: &Path,
+        timeout: Duration,
+    ) -> anyhow::Result<Self> {
         let log_file =
             std::fs::File::create(log).with_context(|| format!("creating {}", log.display()))?;
         let mut child = Command::new(bin)
@@ -223,7 +247,7 @@ impl ServeProcess {
     }
 
     /// SIGTERM, then wait up to `grace` before SIGKILL.
-    fn stop(&mut self, grace: Duration) -> anyhow::Result<()> {
+    pub(super) fn stop(&mut self, grace: Duration) -> anyhow::Result<()> {
         if self.child.try_wait()?.is_some() {
             return Ok(());
         }
@@ -249,7 +273,7 @@ impl Drop for ServeProcess {
     }
 }
 
-fn log_tail(log: &Path) -> String {
+pub(super) fn log_tail(log: &Path) -> String {
     let text = std::fs::read_to_string(log).unwrap_or_default();
     let lines: Vec<&str> = text.lines().collect();
     lines[lines.len().saturating_sub(15)..].join("\n")
@@ -322,6 +346,7 @@ pub fn run(args: &ColdStartHttpArgs) -> anyhow::Result<String> {
             "emulated-link-latency-us",
             args.emulated_link_latency_us.map(|v| v.to_string()),
         ),
+        opt("device", args.device.clone()),
         opt("lora-workers", args.lora_workers.map(|v| v.to_string())),
         opt("max-loras", args.max_loras.map(|v| v.to_string())),
     ]
@@ -393,8 +418,10 @@ pub fn run(args: &ColdStartHttpArgs) -> anyhow::Result<String> {
 
     let w = &args.workload;
     let setup = format!(
-        "thaw serve (CPU backend, emulated host→device link{}{}), model {}, {} adapters from {}; \
-         {} requests, {:?} arrivals at {:.2} req/s, {:?} popularity, {:?} lengths (prompt {}, output {})",
+        "thaw serve (--device {}; on the CPU an emulated host→device link{}{}), model {}, {} adapters \
+         from {}; {} requests, {:?} arrivals at {:.2} req/s, {:?} popularity, {:?} lengths (prompt {}, \
+         output {})",
+        args.device.as_deref().unwrap_or("auto"),
         args.emulated_link_gbps
             .map(|g| format!(" {g} GB/s"))
             .unwrap_or_default(),
@@ -415,7 +442,7 @@ pub fn run(args: &ColdStartHttpArgs) -> anyhow::Result<String> {
     let json = args.out.join("cold-start.json");
     let plots = write_cdfs(
         &args.out.join("cold-start-cdf"),
-        "thaw serve --cold-start policies (CPU backend, emulated link)",
+        "thaw serve --cold-start policies",
         &runs
             .iter()
             .map(|r| (r.policy.to_string(), r.requests.as_slice()))

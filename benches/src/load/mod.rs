@@ -1,6 +1,8 @@
 //! The HTTP benchmark suite: an open-loop load generator for any OpenAI-compatible endpoint
-//! (`thaw-bench load`) and the cold-start policy comparison over `thaw serve`
-//! (`thaw-bench cold-start`). Measures TTFT, TPOT and end-to-end latency at the client.
+//! (`thaw-bench load`), the cold-start policy comparison over `thaw serve`
+//! (`thaw-bench cold-start`) and the scheduling-policy comparison across rates
+//! (`thaw-bench scheduling`). Measures TTFT, TPOT and end-to-end latency at the client.
+mod cache;
 mod cli;
 mod client;
 mod coldstart;
@@ -8,7 +10,10 @@ pub(crate) mod plot;
 mod prompts;
 mod report;
 mod runner;
+mod scheduling;
 pub(crate) mod workload;
 
+pub use cache::{run_cache, run_cache_scale, CacheArgs, CacheScaleArgs};
 pub use cli::{run as run_load, LoadArgs};
 pub use coldstart::{run as run_cold_start, ColdStartHttpArgs};
+pub use scheduling::{run as run_scheduling, SchedulingArgs};

@@ -55,6 +55,10 @@ pub enum LengthKind {
     Uniform,
     /// Log-normal with median L and σ = --length-spread (heavy tail, like the traces).
     LogNormal,
+    /// Two classes of output: long (--long-output-len ± --long-spread) with probability
+    /// --long-fraction, else short (--output-len ± --length-spread); prompts --prompt-len.
+    /// Head-of-line blocking's workload (issue 12: 85 % of 8–24 tokens, 15 % of 256–400).
+    Bimodal,
 }
 
 /// Workload options shared by `thaw-bench load` and `thaw-bench cold-start`.
@@ -93,6 +97,15 @@ pub struct WorkloadArgs {
     /// Spread of --lengths uniform (fraction) and log-normal (σ).
     #[arg(long, default_value_t = 0.5)]
     pub length_spread: f64,
+    /// Share of long requests for --lengths bimodal.
+    #[arg(long, default_value_t = 0.15)]
+    pub long_fraction: f64,
+    /// Median output of the long requests of --lengths bimodal.
+    #[arg(long, default_value_t = 328)]
+    pub long_output_len: usize,
+    /// Spread (fraction) of the long outputs of --lengths bimodal.
+    #[arg(long, default_value_t = 0.22)]
+    pub long_spread: f64,
     /// Azure trace CSV for --arrivals trace and --lengths trace.
     #[arg(
         long,
@@ -121,6 +134,9 @@ impl Default for WorkloadArgs {
             prompt_len: 128,
             output_len: 32,
             length_spread: 0.5,
+            long_fraction: 0.15,
+            long_output_len: 328,
+            long_spread: 0.22,
             trace: PathBuf::from("../shared/traces/AzureLLMInferenceTrace_conv.csv"),
             length_scale: None,
             seed: 2023,
@@ -366,6 +382,25 @@ fn lengths(
                 .map(|_| (draw(args.prompt_len), draw(args.output_len)))
                 .collect()
         }
+        LengthKind::Bimodal => {
+            anyhow::ensure!(
+                (0.0..=1.0).contains(&args.long_fraction),
+                "--long-fraction must be within [0, 1]"
+            );
+            (0..n)
+                .map(|_| {
+                    let (l, s) = if rng.random::<f64>() < args.long_fraction {
+                        (args.long_output_len, args.long_spread)
+                    } else {
+                        (args.output_len, args.length_spread)
+                    };
+                    let s = s.clamp(0.0, 1.0);
+                    let lo = ((1.0 - s) * l as f64).round() as usize;
+                    let hi = ((1.0 + s) * l as f64).round() as usize;
+                    (args.prompt_len, rng.random_range(lo..=hi.max(lo)))
+                })
+                .collect()
+        }
         LengthKind::LogNormal => {
             let ln = LogNormal::new(0.0, args.length_spread).context("--length-spread")?;
             (0..n)
@@ -511,6 +546,28 @@ mod tests {
         assert!(b.iter().all(|r| r.adapter.is_none()));
         let e = plan(&args(3), &server(&[])).unwrap_err().to_string();
         assert!(e.contains("no adapters"), "{e}");
+    }
+
+    #[test]
+    fn bimodal_lengths_mix_two_classes_at_the_fraction() {
+        let plan = plan(
+            &WorkloadArgs {
+                lengths: LengthKind::Bimodal,
+                prompt_len: 64,
+                output_len: 16,
+                ..args(2000)
+            },
+            &server(&[8]),
+        )
+        .unwrap();
+        let long = plan.iter().filter(|p| p.output_len >= 256).count();
+        assert!(plan
+            .iter()
+            .all(|p| (8..=24).contains(&p.output_len) || (256..=400).contains(&p.output_len)));
+        assert!(
+            (240..=360).contains(&long),
+            "{long} of 2000 long, want ~300"
+        );
     }
 
     #[test]

@@ -170,7 +170,7 @@ mod tests {
             let r = simulate(&m, &rs, 4, router, &ctx, 3);
             assert_eq!(r.finished, rs.len(), "{router:?}");
             assert_eq!(r.ttft.len(), rs.len(), "{router:?}");
-            let min_prefill = m.step_time(32, 0.0);
+            let min_prefill = m.base_step_time(32);
             assert!(
                 r.ttft.iter().all(|t| *t >= min_prefill * 0.999),
                 "{router:?}"

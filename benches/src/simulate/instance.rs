@@ -5,7 +5,9 @@
 //! loads serialized on the host→device link, and the `auto` cold-start gate per prefill.
 use std::collections::{HashMap, VecDeque};
 
-use super::model::InstanceModel;
+use thaw_server::perf::StepShape;
+
+use super::model::{rank_of, InstanceModel};
 
 /// One request of the workload.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -64,8 +66,6 @@ pub struct Instance {
     pub busy: bool,
     /// Adapter loads started (disk or host → device).
     pub loads: u64,
-    /// Σ rank of the running requests.
-    running_rank_sum: u64,
 }
 
 impl Instance {
@@ -82,8 +82,13 @@ impl Instance {
         self.reserved as f64 / model.snap.limits.kv_total_blocks.max(1) as f64
     }
 
-    pub fn running_rank_sum(&self) -> u64 {
-        self.running_rank_sum
+    /// One decode row of every running request, with its adapter's rank.
+    pub fn decode_shape(&self) -> StepShape {
+        let mut shape = StepShape::default();
+        for s in &self.running {
+            shape.add(1, true, rank_of(s.req.rank));
+        }
+        shape
     }
 
     /// (running, waiting) requests of `adapter` here.
@@ -234,7 +239,6 @@ impl Instance {
             }
             let s = self.waiting.pop_front().expect("front exists");
             self.reserved += s.reserve;
-            self.running_rank_sum += s.req.rank as u64;
             self.count(s.req.adapter, |c| {
                 c.1 -= 1;
                 c.0 += 1;
@@ -251,18 +255,17 @@ impl Instance {
         if self.plan.is_empty() {
             return (None, loads);
         }
-        let (mut tokens, mut token_ranks, mut cpu) = (0usize, 0.0, 0.0);
+        let (mut shape, mut cpu) = (StepShape::default(), 0.0);
         let mut assisted_any = false;
         for &(i, n, assisted) in &self.plan {
-            let rank = self.running[i].req.rank;
-            tokens += n;
-            token_ranks += (n as u64 * rank as u64) as f64;
+            let (rank, decode) = (self.running[i].req.rank, !self.running[i].in_prefill());
+            shape.add(n, decode, rank_of(rank));
             if assisted {
                 assisted_any = true;
                 cpu += model.cpu_layer_time(n, rank);
             }
         }
-        let dev = model.layer_time(tokens, token_ranks);
+        let dev = model.layer_time(&shape);
         let layer = if assisted_any {
             model.assisted_layer(dev, cpu)
         } else {
@@ -321,7 +324,6 @@ impl Instance {
             if !s.in_prefill() && s.generated >= s.req.output.max(1) {
                 let s = self.running.swap_remove(i);
                 self.reserved -= s.reserve;
-                self.running_rank_sum -= s.req.rank as u64;
                 self.count(s.req.adapter, |c| c.0 -= 1);
                 out.finished.push(s.req.id);
             } else {

@@ -98,7 +98,7 @@ fn pop_name(p: PopularityKind) -> &'static str {
 
 /// The printed table.
 pub fn table(args: &SimulateArgs, model: &InstanceModel, rows: &[Row]) -> String {
-    let f = &model.snap.fitted;
+    let f = &model.snap.perf;
     let l = &model.snap.limits;
     let mut s = format!(
         "simulated instances from {} ({} layers, step = {:.3} ms + {:.4} ms/token, link {:.1} GB/s, \

@@ -5,7 +5,7 @@ use rand_chacha::ChaCha8Rng;
 use serde::Serialize;
 
 use super::instance::{Instance, SimRequest};
-use super::model::InstanceModel;
+use super::model::{rank_of, InstanceModel};
 
 /// A routing rule.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, clap::ValueEnum, Serialize)]
@@ -78,20 +78,17 @@ pub fn rank_residency_cost(
     ctx: &RouteCtx,
     now: f64,
 ) -> f64 {
-    let f = &model.snap.fitted;
-    let l = model.layers();
     // The linear step model makes the added prefill the request's own tokens' share.
-    let mut d_prefill = l
-        * (f.layer_per_token_s * req.prompt as f64
-            + f.layer_per_token_rank_s * (req.prompt as u64 * req.rank as u64) as f64);
+    let mut d_prefill = model.added_time(req.prompt, false, req.rank);
     d_prefill += match inst.device_eta(req.adapter, now) {
         Some(t) => t,
         None if inst.in_host(req.adapter) => model.link_time(req.rank),
         None => model.disk_time(req.rank) + model.link_time(req.rank),
     };
-    let d_decode = l * (f.layer_per_token_s + f.layer_per_token_rank_s * req.rank as f64);
-    let batch = inst.running_len() + 1;
-    let decode_after = model.step_time(batch, (inst.running_rank_sum() + req.rank as u64) as f64);
+    let d_decode = model.added_time(1, true, req.rank);
+    let mut after = inst.decode_shape();
+    after.add(1, true, rank_of(req.rank));
+    let decode_after = model.step_time(&after);
     let mut cost = d_prefill / ctx.avg_resp_len.max(1.0) + d_decode;
     if decode_after > ctx.tpot_slo {
         cost += SLO_PENALTY;

@@ -110,8 +110,8 @@ pub fn build(
     // Capacity: prefill at the per-token rate, decode in full batches.
     let l = model.snap.limits;
     let full = l.max_num_seqs as f64;
-    let service = model.step_time(mean_prompt.round() as usize, 0.0)
-        + mean_output * model.step_time(l.max_num_seqs, 0.0) / full;
+    let service = model.base_step_time(mean_prompt.round() as usize)
+        + mean_output * model.base_step_time(l.max_num_seqs) / full;
     let rate = args.load * instances as f64 / service;
     let mut rng = ChaCha8Rng::seed_from_u64(wargs.seed);
     let at = arrivals(trace, n, rate, &mut rng);
@@ -136,10 +136,10 @@ pub fn build(
     let median = prompts[prompts.len() / 2];
     let ttft_slo = args
         .ttft_slo
-        .unwrap_or_else(|| 5.0 * model.step_time(median, 0.0));
+        .unwrap_or_else(|| 5.0 * model.base_step_time(median));
     let tpot_slo = args
         .tpot_slo
-        .unwrap_or_else(|| 1.5 * model.step_time(l.max_num_seqs, 0.0));
+        .unwrap_or_else(|| 1.5 * model.base_step_time(l.max_num_seqs));
     Ok(Workload {
         reqs,
         rate,

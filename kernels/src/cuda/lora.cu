@@ -19,35 +19,56 @@ __device__ __forceinline__ const LoraSlot* lora_slot(u64 table, int slot) {
     return reinterpret_cast<const LoraSlot*>(table) + slot;
 }
 
-// v[row, r] = x[row, :] . A[r, :], one warp per rank r, lanes split d_in.
-template <typename W>
-__device__ __forceinline__ float row_dot(const float* __restrict__ xr, const W* __restrict__ ar,
-                                         int d_in, int lane) {
-    float s = 0.0f;
-    for (int j = lane; j < d_in; j += 32) s += xr[j] * to_f32(ar[j]);
-    return warp_sum(s);
+// Rows of one segment a block handles: A / B are read once per block and reused for them.
+#define THAW_LORA_ROWS 4
+
+// The block's n (≤ THAW_LORA_ROWS) partial sums, reduced over the block; thread k < n gets
+// row k's total. Every thread of the block must call it.
+__device__ __forceinline__ float block_sum_rows(float (&acc)[THAW_LORA_ROWS]) {
+    __shared__ float part[THAW_LORA_ROWS][32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+#pragma unroll
+    for (int k = 0; k < THAW_LORA_ROWS; ++k) {
+        const float t = warp_sum(acc[k]);
+        if (lane == 0) part[k][warp] = t;
+    }
+    __syncthreads();
+    float t = 0.0f;
+    if (threadIdx.x < THAW_LORA_ROWS)
+        for (int w = 0; w < warps; ++w) t += part[threadIdx.x][w];
+    return t;
 }
 
-// grid (n_segs, ceil(v_stride / THAW_LORA_WARPS)), THAW_LORA_WARPS warps.
+// SGMV shrink, grid (n_segs, v_stride, ceil(longest segment / THAW_LORA_ROWS)),
+// THAW_LORA_WARPS warps: one block per (segment, rank r, chunk of ≤ THAW_LORA_ROWS rows); its
+// threads split d_in, so a decode step's few rows still spread over rank × segments blocks
+// (a warp per rank looping over the segment's rows serially ran 90 µs for 8 rows on an H100).
 template <typename W>
 __device__ void sgmv_shrink(const float* __restrict__ x, float* __restrict__ v,
                             const u64* __restrict__ seg_tables, const u32* __restrict__ seg_rows,
                             int n_segs, int slot, int d_in, int v_stride) {
-    const int s = blockIdx.x;
+    const int s = blockIdx.x, r = blockIdx.y;
     if (s >= n_segs) return;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int r = blockIdx.y * THAW_LORA_WARPS + warp;
     const LoraSlot* ls = lora_slot(seg_tables[s], slot);
     if (r >= (int)ls->rank) return;
+    const u32 start = seg_rows[2 * s] + blockIdx.z * THAW_LORA_ROWS, end = seg_rows[2 * s + 1];
+    if (start >= end) return;
+    const int n = min((int)(end - start), THAW_LORA_ROWS);
     const W* ar = reinterpret_cast<const W*>(ls->a) + (long)r * d_in;
-    for (u32 row = seg_rows[2 * s]; row < seg_rows[2 * s + 1]; ++row) {
-        const float d = row_dot(x + (long)row * d_in, ar, d_in, lane);
-        if (lane == 0) v[(long)row * v_stride + r] = d;
+    const float* xr = x + (long)start * d_in;
+    float acc[THAW_LORA_ROWS] = {};
+    for (int j = threadIdx.x; j < d_in; j += blockDim.x) {
+        const float a = to_f32(ar[j]);
+#pragma unroll
+        for (int k = 0; k < THAW_LORA_ROWS; ++k)
+            if (k < n) acc[k] += xr[(long)k * d_in + j] * a;
     }
+    const float t = block_sum_rows(acc);
+    if (threadIdx.x < n) v[(long)(start + threadIdx.x) * v_stride + r] = t;
 }
 
-// y[row, j] += scale * v[row, :rank] . B[j, :]; grid (n_segs, ceil(d_out / 256)), 256 threads,
-// one output column per thread; the v row is staged in shared memory.
+// SGMV expand, grid (n_segs, ceil(d_out / 256), ceil(longest segment / THAW_LORA_ROWS)), 256
+// threads, one output column per thread for ≤ THAW_LORA_ROWS rows; B's row is read once.
 template <typename W>
 __device__ void sgmv_expand(const float* __restrict__ v, float* __restrict__ y,
                             const u64* __restrict__ seg_tables, const u32* __restrict__ seg_rows,
@@ -57,40 +78,46 @@ __device__ void sgmv_expand(const float* __restrict__ v, float* __restrict__ y,
     const LoraSlot* ls = lora_slot(seg_tables[s], slot);
     const int rank = (int)ls->rank;
     if (rank == 0) return;
-    const float scale = ls->scale;
+    const u32 start = seg_rows[2 * s] + blockIdx.z * THAW_LORA_ROWS, end = seg_rows[2 * s + 1];
+    if (start >= end) return;
+    const int n = min((int)(end - start), THAW_LORA_ROWS);
+    __shared__ float vs[THAW_LORA_ROWS][THAW_MAX_LORA_RANK];
+    for (int i = threadIdx.x; i < n * rank; i += blockDim.x)
+        vs[i / rank][i % rank] = v[(long)(start + i / rank) * v_stride + i % rank];
+    __syncthreads();
     const int j = blockIdx.y * blockDim.x + threadIdx.x;
+    if (j >= d_out) return;
     const W* br = reinterpret_cast<const W*>(ls->b) + (long)j * rank;
-    __shared__ float vs[THAW_MAX_LORA_RANK];
-    for (u32 row = seg_rows[2 * s]; row < seg_rows[2 * s + 1]; ++row) {
-        __syncthreads();
-        for (int k = threadIdx.x; k < rank; k += blockDim.x) vs[k] = v[(long)row * v_stride + k];
-        __syncthreads();
-        if (j < d_out) {
-            float acc = 0.0f;
-            for (int k = 0; k < rank; ++k) acc += vs[k] * to_f32(br[k]);
-            y[(long)row * d_out + j] += scale * acc;
-        }
+    float acc[THAW_LORA_ROWS] = {};
+    for (int c = 0; c < rank; ++c) {
+        const float b = to_f32(br[c]);
+#pragma unroll
+        for (int k = 0; k < THAW_LORA_ROWS; ++k) acc[k] += vs[k][c] * b;
     }
+    const float scale = ls->scale;
+    for (int k = 0; k < n; ++k) y[(long)(start + k) * d_out + j] += scale * acc[k];
 }
 
-// grid (rows, ceil(max_rank / THAW_LORA_WARPS)), THAW_LORA_WARPS warps; v is [rows, max_rank].
+// BGMV shrink, grid (rows, max_rank), THAW_LORA_WARPS warps: one block per (row, rank r), its
+// threads split d_in; v is [rows, max_rank], padded with 0.
 template <typename W>
 __device__ void bgmv_shrink(const float* __restrict__ x, float* __restrict__ v,
                             const u64* __restrict__ row_tables, int rows, int slot, int d_in,
                             int max_rank) {
-    const int row = blockIdx.x;
-    if (row >= rows) return;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int r = blockIdx.y * THAW_LORA_WARPS + warp;
-    if (r >= max_rank) return;
+    const int row = blockIdx.x, r = blockIdx.y;
+    if (row >= rows || r >= max_rank) return;
     const u64 table = row_tables[row];
     const LoraSlot* ls = table ? lora_slot(table, slot) : nullptr;
-    float d = 0.0f;
-    if (ls && r < (int)ls->rank) {
-        const W* ar = reinterpret_cast<const W*>(ls->a) + (long)r * d_in;
-        d = row_dot(x + (long)row * d_in, ar, d_in, lane);
+    if (!ls || r >= (int)ls->rank) {
+        if (threadIdx.x == 0) v[(long)row * max_rank + r] = 0.0f;
+        return;
     }
-    if (lane == 0) v[(long)row * max_rank + r] = d;
+    const W* ar = reinterpret_cast<const W*>(ls->a) + (long)r * d_in;
+    const float* xr = x + (long)row * d_in;
+    float d = 0.0f;
+    for (int j = threadIdx.x; j < d_in; j += blockDim.x) d += xr[j] * to_f32(ar[j]);
+    d = block_sum(d);
+    if (threadIdx.x == 0) v[(long)row * max_rank + r] = d;
 }
 
 // grid (rows, ceil(d_out / 256)), 256 threads.

@@ -128,8 +128,10 @@ pub mod shape {
     pub const PREFILL_Q: usize = 16;
     /// `THAW_MAX_HEAD_DIM`.
     pub const MAX_HEAD_DIM: usize = 256;
-    /// `THAW_LORA_WARPS`: ranks per shrink block.
+    /// `THAW_LORA_WARPS`: warps per shrink block (they split d_in for one rank).
     pub const LORA_WARPS: u32 = 8;
+    /// `THAW_LORA_ROWS`: rows of one SGMV segment per block.
+    pub const LORA_ROWS: u32 = 4;
     /// `THAW_LORA_EXPAND_THREADS`: output columns per expand block.
     pub const LORA_EXPAND_THREADS: u32 = 256;
     /// `THAW_MAX_LORA_RANK`.

@@ -150,8 +150,10 @@ impl AdapterConfig {
         if r == 0 {
             return Err(invalid("r", "must be positive"));
         }
-        let lora_alpha =
-            field("lora_alpha", json::get_f64(obj, "lora_alpha"))?.unwrap_or(8.0) as f32;
+        let lora_alpha = finite_alpha(
+            "lora_alpha",
+            field("lora_alpha", json::get_f64(obj, "lora_alpha"))?.unwrap_or(8.0),
+        )?;
         let target_spec = parse_target_spec("target_modules", json::opt(obj, "target_modules"))?.ok_or_else(|| {
             invalid(
                 "target_modules",
@@ -191,9 +193,10 @@ impl AdapterConfig {
             .into_iter()
             .flatten()
         {
+            let key = format!("alpha_pattern.{k}");
             alpha_pattern.insert(
                 k.clone(),
-                field(&format!("alpha_pattern.{k}"), json::f64_of(v))? as f32,
+                finite_alpha(&key, field(&key, json::f64_of(v))?)?,
             );
         }
 
@@ -262,6 +265,20 @@ impl AdapterConfig {
             r as f32
         };
         (r, alpha / denom)
+    }
+}
+
+/// An alpha as the f32 the kernels scale by; one beyond f32's range would make the scale
+/// infinite and every output of the adapter NaN.
+fn finite_alpha(key: &str, alpha: f64) -> Result<f32, AdapterError> {
+    let a = alpha as f32;
+    if a.is_finite() {
+        Ok(a)
+    } else {
+        Err(invalid(
+            key,
+            format!("is {alpha}, beyond the range of f32 (about ±3.4e38); re-save the adapter"),
+        ))
     }
 }
 

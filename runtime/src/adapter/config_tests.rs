@@ -119,3 +119,26 @@ fn unsupported_features_are_rejected() {
         Err(AdapterError::Bias(_))
     ));
 }
+
+/// Fuzzing found (issue 13): `lora_alpha: 1e308` parsed to an infinite f32 scale, which turns
+/// every output of the adapter into NaN. Alphas beyond f32 are refused, in both places.
+#[test]
+fn alphas_beyond_f32_are_refused() {
+    let targets = r#", "target_modules": ["q_proj"]"#;
+    for (extra, field) in [
+        (r#", "lora_alpha": 1e308"#, "lora_alpha"),
+        (r#", "lora_alpha": -1e39"#, "lora_alpha"),
+        (
+            r#", "alpha_pattern": {"q_proj": 1e300}"#,
+            "alpha_pattern.q_proj",
+        ),
+    ] {
+        let text = format!(r#"{{"peft_type": "LORA", "r": 8, "bias": "none" {targets} {extra}}}"#);
+        match AdapterConfig::from_json(&text) {
+            Err(AdapterError::InvalidConfig { field: f, .. }) => assert_eq!(f, field),
+            other => panic!("{extra}: expected InvalidConfig, got {other:?}"),
+        }
+    }
+    let ok = cfg(r#", "target_modules": ["q_proj"], "alpha_pattern": {"q_proj": 3e38}"#).unwrap();
+    assert!(ok.rank_and_scale(0, LoraModule::Q).1.is_finite());
+}

@@ -70,6 +70,9 @@ pub enum AdapterError {
     #[error("{} is not a valid safetensors file ({reason}); it may be truncated or corrupt — copy or save it again", path.display())]
     Corrupt { path: PathBuf, reason: String },
 
+    #[error("tensor `{tensor}` holds NaN or infinite values (element {index}); the file is corrupt or the training diverged — re-save or retrain the adapter")]
+    NonFinite { tensor: String, index: usize },
+
     #[error("tensor `{tensor}` has dtype {dtype}; Thaw loads F32, F16 and BF16 adapter weights")]
     UnsupportedDtype { tensor: String, dtype: String },
 }

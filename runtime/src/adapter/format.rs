@@ -252,11 +252,20 @@ fn check_shape(
     Ok(())
 }
 
+/// The tensor widened to f32; NaN or infinite weights are refused, since one would turn every
+/// logit of every request on the adapter into NaN.
 fn to_f32(name: &str, view: &TensorView<'_>) -> Result<Vec<f32>, AdapterError> {
-    view_to_f32(view).map_err(|dtype| AdapterError::UnsupportedDtype {
+    let v = view_to_f32(view).map_err(|dtype| AdapterError::UnsupportedDtype {
         tensor: name.to_string(),
         dtype: format!("{dtype:?}"),
-    })
+    })?;
+    match v.iter().position(|x| !x.is_finite()) {
+        Some(index) => Err(AdapterError::NonFinite {
+            tensor: name.to_string(),
+            index,
+        }),
+        None => Ok(v),
+    }
 }
 
 #[cfg(test)]

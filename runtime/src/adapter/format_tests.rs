@@ -411,3 +411,39 @@ fn names_parse_with_and_without_prefixes() {
     );
     assert_eq!(parse_name("base_model.model.lm_head.lora_A.weight"), None);
 }
+
+/// Fuzzing found (issue 13): NaN and infinite weights loaded, and would have made every logit
+/// of the adapter's requests NaN. Each non-finite pattern, in each float dtype, is refused.
+#[test]
+fn non_finite_weights_are_refused() {
+    let dir = fixtures::scratch_copy(&fixtures::adapter("r4_qv"));
+    let original = read_tensors(&weights_path(&dir));
+    for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+        for dtype in [Dtype::F32, Dtype::BF16, Dtype::F16] {
+            let mut tensors = original.clone();
+            let (name, d, _, bytes) = &mut tensors[1];
+            let mut values = f32s(bytes);
+            values[3] = bad;
+            *d = dtype;
+            *bytes = match dtype {
+                Dtype::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+                Dtype::BF16 => values
+                    .iter()
+                    .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
+                    .collect(),
+                _ => values
+                    .iter()
+                    .flat_map(|v| half::f16::from_f32(*v).to_le_bytes())
+                    .collect(),
+            };
+            let name = name.clone();
+            write_tensors(&weights_path(&dir), &tensors);
+            match load(dir.path()) {
+                Err(AdapterError::NonFinite { tensor, index }) => {
+                    assert_eq!((tensor.as_str(), index), (name.as_str(), 3))
+                }
+                other => panic!("{bad} as {dtype:?}: expected NonFinite, got {other:?}"),
+            }
+        }
+    }
+}

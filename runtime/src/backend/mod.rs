@@ -12,9 +12,12 @@ use crate::adapter::{LoraAdapter, LoraModule};
 use crate::error::Result;
 use crate::ids::LayerIdx;
 
+pub mod any;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+#[cfg(not(feature = "cuda"))]
+mod nocuda;
 
 /// Which batched-LoRA formulation a step uses (Punica's SGMV or S-LoRA/CaraServe's BGMV).
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]

@@ -172,6 +172,12 @@ impl<B: Backend> Engine<B> {
         &self.cfg
     }
 
+    /// The batched-LoRA kernel the next steps use (the scheduler picks it per step from its
+    /// performance model; both compute the same deltas).
+    pub fn set_lora_kernel(&mut self, kernel: LoraKernel) {
+        self.cfg.lora_kernel = kernel;
+    }
+
     pub fn backend_name(&self) -> &'static str {
         self.backend.name()
     }

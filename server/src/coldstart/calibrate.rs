@@ -1,12 +1,14 @@
-//! Start-up measurement of the cold-start cost model's inputs.
-use super::cost::CostModel;
+//! Start-up measurement of the performance model's inputs (the LoRA kernels' terms start at
+//! the model's priors and are learned from served steps).
+use crate::perf::PerfModel;
 
 /// Measures the cost model's inputs on `engine`: device time per layer from a throwaway
 /// sequence's prefill and decode steps, CPU LoRA throughput from the worker pool's profile
 /// (or, with no pool, from timing the kernel on the engine thread), the link from the backend.
-pub fn calibrate(
-    engine: &mut thaw_runtime::engine::Engine<thaw_runtime::backend::cpu::CpuBackend>,
-) -> thaw_runtime::Result<CostModel> {
+pub fn calibrate<B>(engine: &mut thaw_runtime::engine::Engine<B>) -> thaw_runtime::Result<PerfModel>
+where
+    B: thaw_runtime::backend::Backend + thaw_runtime::backend::any::HostLink,
+{
     use std::time::Instant;
     use thaw_runtime::engine::{PlanItem, SequenceParams, StepPlan};
     use thaw_runtime::ids::SeqId;
@@ -62,7 +64,10 @@ pub fn calibrate(
         ),
         None => (inline_lora_flops(c.hidden_size), false),
     };
-    Ok(CostModel {
+    // Prior of the GPU-LoRA terms: one rank unit of one row costs 2·(d_in + d_out) FLOP per
+    // targeted projection; four projections of `hidden` width at the engine thread's rate.
+    let lora_rank_row = 16.0 * c.hidden_size as f64 / inline_lora_flops(c.hidden_size);
+    Ok(PerfModel {
         layer_base_s: base,
         layer_per_token_s: per_token,
         num_layers: c.num_layers,
@@ -72,7 +77,9 @@ pub fn calibrate(
         // A few doorbell round trips per layer until assisted steps are measured.
         assist_layer_overhead_s: if cpu_overlaps { 100e-6 } else { 0.0 },
         alpha: 0.1,
-        recent: Default::default(),
+        lora_sgmv_s: lora_rank_row,
+        lora_bgmv_s: lora_rank_row,
+        ..Default::default()
     })
 }
 

@@ -14,6 +14,5 @@ pub use driver::{run, DriverConfig, Outcome, Request, RunReport, StartTier, Step
 pub use loader::{Loaded, Loader};
 pub use policy::ColdStartPolicy;
 pub use snapshot::{
-    adapter_costs, AdapterCosts, CostSnapshot, FittedCost, ServerLimits, SnapshotError,
-    SNAPSHOT_FORMAT,
+    adapter_costs, AdapterCosts, CostSnapshot, ServerLimits, SnapshotError, SNAPSHOT_FORMAT,
 };

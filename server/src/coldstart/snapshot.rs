@@ -1,52 +1,17 @@
-//! The cost model as a file: what `thaw serve --dump-cost-model PATH` writes (JSON), and what
-//! `thaw-bench simulate` models each instance of a cluster with. Every number is measured by
-//! the running server: the [`CostModel`] the engine fits online (device time per step, CPU
-//! assist rate and overhead, link), the adapter loads the registry timed (disk → host), the
-//! adapters' sizes, and the limits the server runs under (cache sizes, batch, KV).
+//! The performance model as a file: what `thaw serve --dump-cost-model PATH` writes (JSON),
+//! and what `thaw-bench simulate` models each instance of a cluster with. It is the one
+//! [`PerfModel`](crate::perf::PerfModel) the engine fits online, as its [`PerfSnapshot`]
+//! (device time per step with the rank terms, CPU assist, link, disk), plus what the
+//! simulator needs beside it that the server measured: the adapters' host bytes per unit of
+//! rank and the limits the server runs under (cache sizes, batch, KV).
 use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
-use super::CostModel;
+use crate::perf::PerfSnapshot;
 
-/// Version of the file's layout; readers refuse others.
-pub const SNAPSHOT_FORMAT: u32 = 1;
-
-/// The fitted parameters of a [`CostModel`], without its window of recent steps.
-#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
-pub struct FittedCost {
-    pub num_layers: usize,
-    /// Device time of one layer: `base + per_token · tokens (+ per_token_rank · Σ tokens·rank)`.
-    pub layer_base_s: f64,
-    pub layer_per_token_s: f64,
-    /// The rank term of a rank-aware model; 0 while the model has none (it is not fitted yet).
-    #[serde(default)]
-    pub layer_per_token_rank_s: f64,
-    /// CPU LoRA throughput over all workers, FLOP/s.
-    pub cpu_flops: f64,
-    /// CPU work overlaps the device's (workers) or adds to the step (engine thread).
-    pub cpu_overlaps: bool,
-    pub assist_layer_overhead_s: f64,
-    /// Host → device link.
-    pub link_gbps: f64,
-    pub link_latency_us: f64,
-}
-
-impl From<&CostModel> for FittedCost {
-    fn from(m: &CostModel) -> Self {
-        Self {
-            num_layers: m.num_layers,
-            layer_base_s: m.layer_base_s,
-            layer_per_token_s: m.layer_per_token_s,
-            layer_per_token_rank_s: 0.0,
-            cpu_flops: m.cpu_flops,
-            cpu_overlaps: m.cpu_overlaps,
-            assist_layer_overhead_s: m.assist_layer_overhead_s,
-            link_gbps: m.link.gbps,
-            link_latency_us: m.link.latency_us,
-        }
-    }
-}
+/// Version of the file's layout; readers refuse others. 2: the perf model's snapshot.
+pub const SNAPSHOT_FORMAT: u32 = 2;
 
 /// Adapter sizes and load rates the server measured.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
@@ -54,9 +19,9 @@ pub struct AdapterCosts {
     /// Host bytes of an adapter per unit of rank (all its layers and projections): an adapter
     /// of rank r moves `r · bytes_per_rank` over the link. None: no adapter was loaded.
     pub bytes_per_rank: Option<f64>,
-    /// Disk → host: bytes per second of reading and validating adapters (their sizes over
-    /// their load times). None: no load was timed.
-    pub disk_bytes_per_s: Option<f64>,
+    /// Whether the disk → host rate in the perf snapshot was measured from timed adapter
+    /// loads (false: it is the model's uncalibrated default).
+    pub disk_rate_measured: bool,
 }
 
 /// The limits the server ran under.
@@ -80,7 +45,8 @@ pub struct CostSnapshot {
     pub written_unix_s: f64,
     /// Engine steps the device-time fit has seen (0: the start-up calibration only).
     pub steps_observed: u64,
-    pub fitted: FittedCost,
+    /// The engine's performance model.
+    pub perf: PerfSnapshot,
     pub adapters: AdapterCosts,
     pub limits: ServerLimits,
 }
@@ -133,11 +99,12 @@ impl CostSnapshot {
     }
 }
 
-/// `bytes_per_rank` and `disk_bytes_per_s` from the adapters the server loaded:
+/// Host bytes per unit of rank, and the disk → host rate (bytes per second: the sizes over
+/// the load times) when any load was timed, from the adapters the server loaded:
 /// `(size in bytes, rank, load seconds if timed)`.
 pub fn adapter_costs(
     loaded: impl IntoIterator<Item = (usize, usize, Option<f64>)>,
-) -> AdapterCosts {
+) -> (Option<f64>, Option<f64>) {
     let (mut per_rank, mut n) = (0.0, 0usize);
     let (mut bytes, mut secs) = (0.0, 0.0);
     for (size, rank, load) in loaded {
@@ -150,21 +117,23 @@ pub fn adapter_costs(
             secs += t;
         }
     }
-    AdapterCosts {
-        bytes_per_rank: (n > 0).then(|| per_rank / n as f64),
-        disk_bytes_per_s: (secs > 0.0).then(|| bytes / secs),
-    }
+    (
+        (n > 0).then(|| per_rank / n as f64),
+        (secs > 0.0).then(|| bytes / secs),
+    )
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::perf::PerfModel;
     use thaw_runtime::residency::LinkModel;
 
     fn snapshot() -> CostSnapshot {
-        let m = CostModel {
+        let m = PerfModel {
             layer_base_s: 1e-4,
             layer_per_token_s: 2e-6,
+            lora_sgmv_s: 3e-9,
             num_layers: 4,
             cpu_flops: 3e9,
             cpu_overlaps: true,
@@ -173,15 +142,20 @@ mod tests {
                 latency_us: 7.0,
             },
             assist_layer_overhead_s: 5e-5,
-            alpha: 0.2,
-            recent: Default::default(),
+            ..Default::default()
         };
+        let (bytes_per_rank, disk) = adapter_costs([(800, 8, Some(0.5)), (1600, 16, None)]);
+        let mut perf = m.snapshot();
+        perf.disk_bytes_per_s = disk.unwrap();
         CostSnapshot {
             format: SNAPSHOT_FORMAT,
             written_unix_s: 1.0,
             steps_observed: 9,
-            fitted: FittedCost::from(&m),
-            adapters: adapter_costs([(800, 8, Some(0.5)), (1600, 16, None)]),
+            perf,
+            adapters: AdapterCosts {
+                bytes_per_rank,
+                disk_rate_measured: true,
+            },
             limits: ServerLimits {
                 max_loras: 4,
                 max_cpu_loras: 16,
@@ -199,8 +173,9 @@ mod tests {
         let p = dir.path().join("cost.json");
         let s = snapshot();
         assert_eq!(s.adapters.bytes_per_rank, Some(100.0));
-        assert_eq!(s.adapters.disk_bytes_per_s, Some(1600.0));
-        assert_eq!(s.fitted.link_gbps, 12.5);
+        assert_eq!(s.perf.disk_bytes_per_s, 1600.0);
+        assert_eq!(s.perf.link_gbps, 12.5);
+        assert_eq!(s.perf.lora_sgmv_s, 3e-9);
         s.write(&p).unwrap();
         assert_eq!(CostSnapshot::read(&p).unwrap(), s);
         let mut other = s.clone();

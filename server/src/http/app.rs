@@ -10,7 +10,9 @@ use axum::routing::{get, post};
 use axum::Router;
 use thaw_runtime::model::Tokenizer;
 
+use super::auth::{require_api_key, ApiKeys};
 use super::error::BodyLimit;
+use super::lora_access::LoraAccess;
 use super::{routes_admin, routes_chat, routes_completions};
 use crate::chat::ChatTemplate;
 use crate::engine_loop::EngineHandle;
@@ -39,6 +41,10 @@ pub struct AppState {
     pub max_body_bytes: usize,
     /// Unix seconds of start-up.
     pub created: u64,
+    /// `--api-key`: keys every /v1 request must bear.
+    pub api_keys: ApiKeys,
+    /// `--allow-runtime-lora-updating`, `--lora-root`.
+    pub lora_access: LoraAccess,
 }
 
 impl AppState {
@@ -50,18 +56,34 @@ impl AppState {
 /// The router with every endpoint.
 pub fn router(state: Arc<AppState>) -> Router {
     let limit = state.max_body_bytes;
+    let (load, unload) = if state.lora_access.enabled() {
+        (
+            post(routes_admin::load_lora),
+            post(routes_admin::unload_lora),
+        )
+    } else {
+        (post(lora_updates_off), post(lora_updates_off))
+    };
     Router::new()
         .route("/v1/completions", post(routes_completions::completions))
         .route("/v1/chat/completions", post(routes_chat::chat_completions))
         .route("/v1/models", get(routes_admin::models))
-        .route("/v1/load_lora_adapter", post(routes_admin::load_lora))
-        .route("/v1/unload_lora_adapter", post(routes_admin::unload_lora))
+        .route("/v1/load_lora_adapter", load)
+        .route("/v1/unload_lora_adapter", unload)
         .route("/health", get(routes_admin::health))
         .route("/metrics", get(routes_admin::metrics))
         .fallback(fallback)
+        .layer(middleware::from_fn_with_state(
+            state.clone(),
+            require_api_key,
+        ))
         .layer(middleware::from_fn_with_state(state.clone(), track))
         .layer(DefaultBodyLimit::max(limit))
         .with_state(state)
+}
+
+async fn lora_updates_off() -> ServerError {
+    LoraAccess::disabled_error()
 }
 
 async fn fallback(req: Request) -> ServerError {

@@ -10,6 +10,9 @@ use serde_json::json;
 
 use crate::error::ServerError;
 
+/// `Retry-After` on every 429 (queue full, no adapter slot).
+pub const RETRY_AFTER_SECS: &str = "1";
+
 /// The `{"error": {...}}` body of an error.
 pub fn error_body(e: &ServerError) -> serde_json::Value {
     json!({
@@ -31,7 +34,16 @@ impl IntoResponse for ServerError {
         } else {
             tracing::debug!("request rejected ({status}): {self}");
         }
-        (status, Json(error_body(&self))).into_response()
+        let mut resp = (status, Json(error_body(&self))).into_response();
+        if status == StatusCode::TOO_MANY_REQUESTS {
+            // The queue drains in about a step's time; a client that honours the header comes
+            // back soon without hammering.
+            resp.headers_mut().insert(
+                axum::http::header::RETRY_AFTER,
+                axum::http::HeaderValue::from_static(RETRY_AFTER_SECS),
+            );
+        }
+        resp
     }
 }
 

@@ -287,6 +287,7 @@ pub fn submit(
                 },
                 lease: lease.clone(),
                 arrived,
+                priority: p.priority,
             })?;
             out.push(ChoiceStream {
                 index: pi * p.n + i,

@@ -44,6 +44,8 @@ pub struct SamplingFields {
     pub stream_options: Option<StreamOptions>,
     /// vLLM's extension used by benchmarks.
     pub ignore_eos: Option<bool>,
+    /// vLLM's extension: admission order under `--scheduling-policy priority` (lower first).
+    pub priority: Option<i64>,
     pub n: Option<i64>,
     pub presence_penalty: Option<f64>,
     pub frequency_penalty: Option<f64>,

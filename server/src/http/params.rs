@@ -18,6 +18,8 @@ pub struct GenParams {
     pub stop: Vec<String>,
     pub stop_token_ids: Vec<u32>,
     pub ignore_eos: bool,
+    /// Admission order under `--scheduling-policy priority`, lower first (vLLM); default 0.
+    pub priority: i64,
     pub n: usize,
     pub stream: bool,
     pub include_usage: bool,
@@ -120,6 +122,7 @@ pub fn validate(f: &SamplingFields, logprobs: Option<usize>) -> Result<GenParams
         stop,
         stop_token_ids: f.stop_token_ids.clone().unwrap_or_default(),
         ignore_eos: f.ignore_eos.unwrap_or(false),
+        priority: f.priority.unwrap_or(0),
         n,
         stream,
         include_usage,

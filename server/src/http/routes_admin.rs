@@ -1,5 +1,4 @@
 //! `GET /v1/models`, vLLM's adapter load/unload, `GET /health` and `GET /metrics`.
-use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
@@ -58,7 +57,9 @@ pub async fn models(State(state): State<Arc<AppState>>) -> Json<Value> {
             .filter(|a| !a.retiring)
             .map(|a| adapter_json(&state, a)),
     );
-    Json(json!({"object": "list", "data": data}))
+    // How the device budget is split now, and the tiers' sizes (Thaw's addition).
+    let memory = state.registry.board().stats.snapshot();
+    Json(json!({"object": "list", "data": data, "memory": memory}))
 }
 
 pub async fn load_lora(
@@ -78,10 +79,12 @@ pub async fn load_lora(
     if req.lora_path.is_empty() {
         return Err(ServerError::invalid("lora_path", "`lora_path` is empty"));
     }
+    let path = state.lora_access.resolve(name, &req.lora_path)?;
     let view = state
         .registry
-        .load(name, &PathBuf::from(&req.lora_path))
-        .await?;
+        .load(name, &path)
+        .await
+        .map_err(|e| state.lora_access.relative_error(e))?;
     tracing::info!(
         "loaded adapter `{name}` generation {} (rank {}, {} tier) from {}",
         view.generation,
@@ -201,6 +204,7 @@ pub async fn metrics(State(state): State<Arc<AppState>>) -> Response {
             names: views.iter().map(|a| (a.id, a.name.as_str())).collect(),
         },
     );
+    state.registry.board().stats.snapshot().render(&mut out);
     (
         [(
             header::CONTENT_TYPE,

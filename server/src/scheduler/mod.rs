@@ -4,11 +4,30 @@
 //! function over it that returns a [`Decision`] (whom to admit, the step plan). The engine
 //! loop ([`crate::engine_loop`]) applies the decision, runs the step and feeds the outputs
 //! back with [`SchedState::on_step`]. Nothing here touches tokio or the engine, so the policy
-//! is unit- and property-tested directly; the multi-level-queue policy replaces
-//! [`plan_step`] later without touching the loop.
+//! is unit- and property-tested directly. [`plan_mlq`] is Chameleon's multi-level queue
+//! behind the same state; [`SchedulingPolicy`] picks one.
 
+mod mlq;
+mod mlq_kmeans;
+mod mlq_predict;
+mod mlq_quota;
+mod mlq_state;
+mod mlq_wrs;
+mod ordering;
 mod policy;
+mod report;
+mod select;
 mod state;
 
-pub use policy::{plan_step, plan_step_gated, Decision, Gate};
+pub use mlq::{plan_mlq, MlqDecision, MlqInputs, TpotCap};
+pub use mlq_predict::{OutputPredictor, PredictorStats};
+pub use mlq_state::{Entry, Mlq, MlqConfig};
+pub use mlq_wrs::{RequestSize, WrsWeights};
+pub use ordering::{OrderKeys, SchedulingPolicy};
+pub use policy::{plan_step, plan_step_admitting, plan_step_gated, AdmitDecision, Decision, Gate};
+pub use report::SchedBoard;
+pub use select::{Arrival, QueueInfo, SchedSnapshot, Scheduler};
 pub use state::{SchedConfig, SchedState, SeqState};
+
+#[cfg(test)]
+mod mlq_tests;

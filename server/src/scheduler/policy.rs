@@ -1,6 +1,9 @@
 //! FIFO with a token budget, a batch-size cap, chunked prefill and KV reservation — as a pure
 //! function of the scheduler state.
+use std::collections::HashSet;
+
 use thaw_runtime::engine::{PlanItem, StepPlan};
+use thaw_runtime::ids::SeqId;
 
 use super::state::{SchedConfig, SchedState, SeqState};
 
@@ -44,6 +47,53 @@ pub fn plan_step_gated(
     free_blocks: usize,
     gate: &dyn Fn(&SeqState, usize) -> Gate,
 ) -> Decision {
+    let (ids, plan) = plan_tokens(
+        state,
+        cfg,
+        free_blocks,
+        gate,
+        state.waiting.iter(),
+        cfg.total_blocks,
+    );
+    Decision {
+        admit: ids.len(),
+        plan,
+    }
+}
+
+/// What the next step does when admission chose the requests (any subset of the queue).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct AdmitDecision {
+    /// Waiting requests to admit, in queue order ([`SchedState::admit_ids`]).
+    pub admit: Vec<SeqId>,
+    pub plan: StepPlan,
+}
+
+/// Plans one step over the running set and the waiting requests in `admissible` (an
+/// admission policy's choice, e.g. [`crate::memory::admit`]), in queue order, while the token
+/// budget, the batch size and `kv_capacity` (KV pages the memory manager leaves) allow.
+pub fn plan_step_admitting(
+    state: &SchedState,
+    cfg: &SchedConfig,
+    free_blocks: usize,
+    gate: &dyn Fn(&SeqState, usize) -> Gate,
+    admissible: &[SeqId],
+    kv_capacity: usize,
+) -> AdmitDecision {
+    let set: HashSet<SeqId> = admissible.iter().copied().collect();
+    let cands = state.waiting.iter().filter(|s| set.contains(&s.id));
+    let (admit, plan) = plan_tokens(state, cfg, free_blocks, gate, cands, kv_capacity);
+    AdmitDecision { admit, plan }
+}
+
+fn plan_tokens<'a>(
+    state: &SchedState,
+    cfg: &SchedConfig,
+    free_blocks: usize,
+    gate: &dyn Fn(&SeqState, usize) -> Gate,
+    candidates: impl Iterator<Item = &'a SeqState>,
+    kv_capacity: usize,
+) -> (Vec<SeqId>, StepPlan) {
     let mut budget = cfg.max_num_batched_tokens;
     let mut free = free_blocks;
     let mut items = Vec::new();
@@ -75,14 +125,14 @@ pub fn plan_step_gated(
             num_tokens: n,
         });
     }
-    let mut admit = 0;
+    let mut admit = Vec::new();
     let mut reserved = state.reserved_blocks;
-    for s in &state.waiting {
-        if budget == 0 || state.running.len() + admit >= cfg.max_num_seqs {
+    for s in candidates {
+        if budget == 0 || state.running.len() + admit.len() >= cfg.max_num_seqs {
             break;
         }
         let r = s.reservation(cfg);
-        if reserved + r > cfg.total_blocks {
+        if reserved + r > kv_capacity {
             break;
         }
         let mut n = s.pending().min(budget);
@@ -98,7 +148,7 @@ pub fn plan_step_gated(
         reserved += r;
         free -= blocks;
         budget -= n;
-        admit += 1;
+        admit.push(s.id);
         if n > 0 {
             items.push(PlanItem {
                 seq: s.id,
@@ -106,13 +156,13 @@ pub fn plan_step_gated(
             });
         }
     }
-    Decision {
+    (
         admit,
-        plan: StepPlan {
+        StepPlan {
             items,
             return_logits: false,
         },
-    }
+    )
 }
 
 #[cfg(test)]

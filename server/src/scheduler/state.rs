@@ -96,6 +96,18 @@ impl SchedState {
         ids
     }
 
+    /// Moves the waiting requests `ids` to running, keeping the queue's order for the rest.
+    pub fn admit_ids(&mut self, ids: &[SeqId], cfg: &SchedConfig) {
+        for id in ids {
+            if let Some(i) = self.waiting.iter().position(|s| s.id == *id) {
+                if let Some(s) = self.waiting.remove(i) {
+                    self.reserved_blocks += s.reservation(cfg);
+                    self.running.push(s);
+                }
+            }
+        }
+    }
+
     /// Records a computed step: `planned` tokens per sequence, then one sampled token per
     /// output; `finished` sequences leave the running set.
     pub fn on_step(

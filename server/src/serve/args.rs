@@ -27,12 +27,24 @@ pub struct ServeArgs {
     /// Largest LoRA rank accepted; larger adapters are refused with 400 [default: 256].
     #[arg(long)]
     pub max_lora_rank: Option<usize>,
-    /// Adapters resident on the device at once; others are loaded on demand, evicting the least recently used idle one [default: 16].
+    /// Most distinct adapters in one batch (vLLM's meaning); requests for others wait in the queue [default: 16].
     #[arg(long)]
     pub max_loras: Option<usize>,
-    /// Adapters kept in the host tier (used by the cold-start tiers) [default: 64].
+    /// Adapters kept in host memory off the device; the rest keep only metadata [default: 64].
     #[arg(long)]
     pub max_cpu_loras: Option<usize>,
+    /// Bytes of adapter weights kept in host memory off the device [default: 4 GiB].
+    #[arg(long, value_name = "BYTES")]
+    pub max_cpu_lora_bytes: Option<u64>,
+    /// Device memory the CPU backend's emulated device gives KV blocks and adapters together [default: 512 MiB].
+    #[arg(long, value_name = "BYTES")]
+    pub device_memory_bytes: Option<u64>,
+    /// Fraction of GPU memory for weights, KV and adapters (vLLM's meaning; CUDA backend) [default: 0.9].
+    #[arg(long, value_name = "FRACTION")]
+    pub gpu_memory_utilization: Option<f64>,
+    /// Which idle adapter leaves the device first: cost (Chameleon's frequency/recency/size score) or lru [default: cost].
+    #[arg(long, value_enum)]
+    pub adapter_eviction: Option<crate::memory::EvictionPolicy>,
     /// Most sequences in one engine step [default: 64].
     #[arg(long)]
     pub max_num_seqs: Option<usize>,
@@ -54,7 +66,7 @@ pub struct ServeArgs {
     /// Token slots per KV block [default: 16].
     #[arg(long)]
     pub block_size: Option<usize>,
-    /// Number of KV blocks [default: enough for --max-num-seqs full-length sequences, within 512 MiB].
+    /// Pages (KV blocks) of device memory KV and adapters share [default: --device-memory-bytes / block bytes].
     #[arg(long)]
     pub num_gpu_blocks_override: Option<usize>,
     /// Largest request body accepted; larger ones get 413 [default: 16 MiB].
@@ -66,14 +78,21 @@ pub struct ServeArgs {
     /// Seed for requests that bring none [default: 0].
     #[arg(long)]
     pub seed: Option<u64>,
-    /// Batched LoRA kernel: sgmv or bgmv [default: sgmv].
-    #[arg(long, value_parser = ["sgmv", "bgmv"])]
+    /// Batched LoRA kernel: sgmv, bgmv, or auto (the performance model picks per step) [default: sgmv].
+    #[arg(long, value_parser = ["sgmv", "bgmv", "auto"])]
     pub lora_kernel: Option<String>,
     /// What a request whose adapter is not on the device does: cached (every adapter made
     /// resident at start-up), on-demand (wait for the load), cpu-assist (CPU workers compute
     /// its LoRA while it streams), auto (the cost model picks per step) [default: auto].
     #[arg(long, value_enum)]
     pub cold_start: Option<crate::coldstart::ColdStartPolicy>,
+    /// Order of admission: fcfs, priority (the request's `priority`, lower first, as vLLM),
+    /// sjf (shortest predicted output first), mlq (Chameleon's multi-level queues) [default: fcfs].
+    #[arg(long, value_enum)]
+    pub scheduling_policy: Option<crate::scheduler::SchedulingPolicy>,
+    /// Keep the predicted time between tokens under this (rank-aware batching, with mlq) [default: off].
+    #[arg(long, value_name = "MS")]
+    pub tpot_slo_ms: Option<f64>,
     /// Bandwidth of the emulated host→device link the CPU backend streams adapters over, GB/s [default: 25].
     #[arg(long, value_name = "GBPS")]
     pub emulated_link_gbps: Option<f64>,
@@ -88,6 +107,27 @@ pub struct ServeArgs {
     /// rates, cache sizes) to this JSON file every 10 s and at shutdown, for `thaw-bench simulate`.
     #[arg(long, value_name = "PATH")]
     pub dump_cost_model: Option<PathBuf>,
+    /// API key clients must send as `Authorization: Bearer KEY` on every /v1 route (401
+    /// otherwise; /health and /metrics stay open); repeat or comma-separate for several.
+    #[arg(
+        long,
+        env = "THAW_API_KEY",
+        hide_env_values = true,
+        value_delimiter = ',',
+        value_name = "KEY"
+    )]
+    pub api_key: Vec<String>,
+    /// Serve /v1/load_lora_adapter and /v1/unload_lora_adapter (404 otherwise, as in vLLM);
+    /// also VLLM_ALLOW_RUNTIME_LORA_UPDATING=true.
+    #[arg(long, env = "VLLM_ALLOW_RUNTIME_LORA_UPDATING")]
+    pub allow_runtime_lora_updating: bool,
+    /// Runtime adapter loads must resolve (symlinks, `..`) inside DIR; others get 403.
+    #[arg(long, value_name = "DIR")]
+    pub lora_root: Option<PathBuf>,
+    /// Where the model runs: cuda (fails without a usable NVIDIA GPU and a `cuda` build),
+    /// cpu, or auto (cuda when available, else cpu) [default: auto].
+    #[arg(long, value_name = "auto|cpu|cuda")]
+    pub device: Option<thaw_runtime::backend::DeviceKind>,
     /// TOML file with the same settings (keys are flag names with `_`); flags override it.
     #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
@@ -136,6 +176,22 @@ impl ServeArgs {
                 .max_cpu_loras
                 .or(f.max_cpu_loras)
                 .unwrap_or(d.max_cpu_loras.max(max_loras)),
+            max_cpu_lora_bytes: self
+                .max_cpu_lora_bytes
+                .or(f.max_cpu_lora_bytes)
+                .unwrap_or(d.max_cpu_lora_bytes),
+            device_memory_bytes: self
+                .device_memory_bytes
+                .or(f.device_memory_bytes)
+                .unwrap_or(d.device_memory_bytes),
+            gpu_memory_utilization: self
+                .gpu_memory_utilization
+                .or(f.gpu_memory_utilization)
+                .unwrap_or(d.gpu_memory_utilization),
+            adapter_eviction: self
+                .adapter_eviction
+                .or(f.adapter_eviction)
+                .unwrap_or(d.adapter_eviction),
             max_num_seqs: self
                 .max_num_seqs
                 .or(f.max_num_seqs)
@@ -171,6 +227,11 @@ impl ServeArgs {
             seed: self.seed.or(f.seed).unwrap_or(d.seed),
             lora_kernel: self.lora_kernel.or(f.lora_kernel).unwrap_or(d.lora_kernel),
             cold_start: self.cold_start.or(f.cold_start).unwrap_or(d.cold_start),
+            scheduling_policy: self
+                .scheduling_policy
+                .or(f.scheduling_policy)
+                .unwrap_or(d.scheduling_policy),
+            tpot_slo_ms: self.tpot_slo_ms.or(f.tpot_slo_ms),
             emulated_link_gbps: self
                 .emulated_link_gbps
                 .or(f.emulated_link_gbps)
@@ -184,7 +245,35 @@ impl ServeArgs {
                 .or(f.lora_workers)
                 .unwrap_or(d.lora_workers),
             dump_cost_model: self.dump_cost_model.or(f.dump_cost_model),
+            api_keys: if self.api_key.is_empty() {
+                f.api_key.map(|k| k.into_vec()).unwrap_or_default()
+            } else {
+                self.api_key
+            },
+            allow_runtime_lora_updating: self.allow_runtime_lora_updating
+                || f.allow_runtime_lora_updating.unwrap_or(false),
+            lora_root: self.lora_root.or(f.lora_root),
+            device: match self.device {
+                Some(k) => k,
+                None => match f.device {
+                    Some(s) => s
+                        .parse()
+                        .map_err(|e: String| anyhow::anyhow!("device: {e}"))?,
+                    None => d.device,
+                },
+            },
         };
+        anyhow::ensure!(
+            cfg.api_keys.iter().all(|k| !k.trim().is_empty()),
+            "--api-key must not be empty (check THAW_API_KEY and the config file's api_key)"
+        );
+        if let Some(root) = &cfg.lora_root {
+            anyhow::ensure!(
+                root.is_dir(),
+                "--lora-root {} is not a directory",
+                root.display()
+            );
+        }
         anyhow::ensure!(
             cfg.emulated_link_gbps.is_finite() && cfg.emulated_link_gbps > 0.0,
             "--emulated-link-gbps must be a positive number, got {}",
@@ -195,6 +284,12 @@ impl ServeArgs {
             "--emulated-link-latency-us must be a non-negative number, got {}",
             cfg.emulated_link_latency_us
         );
+        if let Some(t) = cfg.tpot_slo_ms {
+            anyhow::ensure!(
+                t.is_finite() && t > 0.0,
+                "--tpot-slo-ms must be a positive number of milliseconds, got {t}"
+            );
+        }
         for (name, v) in [
             ("max-loras", cfg.max_loras),
             ("max-num-seqs", cfg.max_num_seqs),
@@ -205,8 +300,13 @@ impl ServeArgs {
             anyhow::ensure!(v > 0, "--{name} must be at least 1");
         }
         anyhow::ensure!(
-            cfg.lora_kernel == "sgmv" || cfg.lora_kernel == "bgmv",
-            "lora_kernel must be sgmv or bgmv, got `{}`",
+            cfg.gpu_memory_utilization > 0.0 && cfg.gpu_memory_utilization <= 1.0,
+            "--gpu-memory-utilization must be in (0, 1], got {}",
+            cfg.gpu_memory_utilization
+        );
+        anyhow::ensure!(
+            ["sgmv", "bgmv", "auto"].contains(&cfg.lora_kernel.as_str()),
+            "lora_kernel must be sgmv, bgmv or auto, got `{}`",
             cfg.lora_kernel
         );
         Ok(cfg)

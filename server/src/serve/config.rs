@@ -21,6 +21,12 @@ pub struct ServeConfig {
     pub max_lora_rank: usize,
     pub max_loras: usize,
     pub max_cpu_loras: usize,
+    pub max_cpu_lora_bytes: u64,
+    /// The CPU backend's emulated device memory (KV and adapters).
+    pub device_memory_bytes: u64,
+    /// vLLM's `--gpu-memory-utilization` (CUDA backend).
+    pub gpu_memory_utilization: f64,
+    pub adapter_eviction: crate::memory::EvictionPolicy,
     pub max_num_seqs: usize,
     pub max_num_batched_tokens: usize,
     /// None: the model's `max_position_embeddings`.
@@ -37,11 +43,21 @@ pub struct ServeConfig {
     pub seed: u64,
     pub lora_kernel: String,
     pub cold_start: crate::coldstart::ColdStartPolicy,
+    pub scheduling_policy: crate::scheduler::SchedulingPolicy,
+    /// Milliseconds; None: no rank-aware cap.
+    pub tpot_slo_ms: Option<f64>,
     pub emulated_link_gbps: f64,
     pub emulated_link_latency_us: f64,
     pub lora_workers: usize,
     /// Where to write the fitted cost model (JSON) every few seconds and at shutdown.
     pub dump_cost_model: Option<PathBuf>,
+    /// API keys every `/v1/*` request must present as a bearer token; empty: no auth.
+    pub api_keys: Vec<String>,
+    /// Whether `/v1/load_lora_adapter` and `/v1/unload_lora_adapter` are served.
+    pub allow_runtime_lora_updating: bool,
+    /// Runtime adapter loads must resolve inside this directory.
+    pub lora_root: Option<PathBuf>,
+    pub device: thaw_runtime::backend::DeviceKind,
 }
 
 impl Default for ServeConfig {
@@ -55,6 +71,10 @@ impl Default for ServeConfig {
             max_lora_rank: 256,
             max_loras: 16,
             max_cpu_loras: 64,
+            max_cpu_lora_bytes: 4 << 30,
+            device_memory_bytes: 512 << 20,
+            gpu_memory_utilization: 0.9,
+            adapter_eviction: crate::memory::EvictionPolicy::Cost,
             max_num_seqs: 64,
             max_num_batched_tokens: 2048,
             max_model_len: None,
@@ -68,10 +88,16 @@ impl Default for ServeConfig {
             seed: 0,
             lora_kernel: "sgmv".into(),
             cold_start: crate::coldstart::ColdStartPolicy::Auto,
+            scheduling_policy: crate::scheduler::SchedulingPolicy::Fcfs,
+            tpot_slo_ms: None,
             emulated_link_gbps: 25.0,
             emulated_link_latency_us: 10.0,
             lora_workers: default_lora_workers(),
             dump_cost_model: None,
+            api_keys: Vec::new(),
+            allow_runtime_lora_updating: false,
+            lora_root: None,
+            device: thaw_runtime::backend::DeviceKind::Auto,
         }
     }
 }
@@ -96,6 +122,10 @@ pub struct FileConfig {
     pub max_lora_rank: Option<usize>,
     pub max_loras: Option<usize>,
     pub max_cpu_loras: Option<usize>,
+    pub max_cpu_lora_bytes: Option<u64>,
+    pub device_memory_bytes: Option<u64>,
+    pub gpu_memory_utilization: Option<f64>,
+    pub adapter_eviction: Option<crate::memory::EvictionPolicy>,
     pub max_num_seqs: Option<usize>,
     pub max_num_batched_tokens: Option<usize>,
     pub max_model_len: Option<usize>,
@@ -111,10 +141,35 @@ pub struct FileConfig {
     pub seed: Option<u64>,
     pub lora_kernel: Option<String>,
     pub cold_start: Option<crate::coldstart::ColdStartPolicy>,
+    pub scheduling_policy: Option<crate::scheduler::SchedulingPolicy>,
+    pub tpot_slo_ms: Option<f64>,
     pub emulated_link_gbps: Option<f64>,
     pub emulated_link_latency_us: Option<f64>,
     pub lora_workers: Option<usize>,
     pub dump_cost_model: Option<PathBuf>,
+    /// One key or a list.
+    pub api_key: Option<OneOrMany>,
+    pub allow_runtime_lora_updating: Option<bool>,
+    pub lora_root: Option<PathBuf>,
+    /// auto, cpu or cuda.
+    pub device: Option<String>,
+}
+
+/// A TOML value that is one string or a list of strings.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(untagged)]
+pub enum OneOrMany {
+    One(String),
+    Many(Vec<String>),
+}
+
+impl OneOrMany {
+    pub fn into_vec(self) -> Vec<String> {
+        match self {
+            OneOrMany::One(s) => vec![s],
+            OneOrMany::Many(v) => v,
+        }
+    }
 }
 
 /// One worker per core but the engine's, at most four.

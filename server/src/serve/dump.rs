@@ -1,12 +1,12 @@
-//! `--dump-cost-model PATH`: the cost model the engine fits online, with the adapter load
-//! rates the registry measured and the server's limits, written as a [`CostSnapshot`] every
-//! [`DUMP_EVERY`] and once more at shutdown.
+//! `--dump-cost-model PATH`: the performance model the engine fits online, with the adapter
+//! sizes and load rates the registry measured and the server's limits, written as a
+//! [`CostSnapshot`] every [`DUMP_EVERY`] and once more at shutdown.
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use crate::coldstart::{adapter_costs, CostSnapshot, ServerLimits, SNAPSHOT_FORMAT};
+use crate::coldstart::{adapter_costs, AdapterCosts, CostSnapshot, ServerLimits, SNAPSHOT_FORMAT};
 use crate::http::AppState;
 
 /// How often the file is rewritten while serving.
@@ -15,8 +15,14 @@ pub const DUMP_EVERY: Duration = Duration::from_secs(10);
 /// The server's cost model now; None before the engine published one.
 pub fn snapshot(state: &AppState, max_cpu_loras: usize) -> Option<CostSnapshot> {
     let s = &state.engine.stats;
-    let fitted = (*s.cost.lock().unwrap_or_else(|e| e.into_inner()))?;
+    let mut perf = s.cost.lock().unwrap_or_else(|e| e.into_inner()).clone()?;
     let views = state.registry.views();
+    let (bytes_per_rank, disk) =
+        adapter_costs(views.iter().map(|a| (a.size_bytes, a.rank, a.load_secs)));
+    // The registry times the disk reads; the engine's model has no other source for them.
+    if let Some(d) = disk {
+        perf.disk_bytes_per_s = d;
+    }
     Some(CostSnapshot {
         format: SNAPSHOT_FORMAT,
         written_unix_s: SystemTime::now()
@@ -24,8 +30,11 @@ pub fn snapshot(state: &AppState, max_cpu_loras: usize) -> Option<CostSnapshot> 
             .map(|d| d.as_secs_f64())
             .unwrap_or(0.0),
         steps_observed: s.steps.load(Ordering::Relaxed),
-        fitted,
-        adapters: adapter_costs(views.iter().map(|a| (a.size_bytes, a.rank, a.load_secs))),
+        perf,
+        adapters: AdapterCosts {
+            bytes_per_rank,
+            disk_rate_measured: disk.is_some(),
+        },
         limits: ServerLimits {
             max_loras: state.registry.limits.max_loras,
             max_cpu_loras,

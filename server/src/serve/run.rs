@@ -8,11 +8,12 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use thaw_runtime::backend::cpu::CpuBackend;
+use thaw_runtime::backend::any::AnyBackend;
 use thaw_runtime::residency::LinkModel;
 
 use crate::coldstart::ColdStartPolicy;
-use crate::engine_loop::ColdStart;
+use crate::engine_loop::{ColdStart, LoopConfig};
+use crate::memory::{Board, EvictionPolicy, Limits, MemoryConfig};
 use thaw_runtime::backend::LoraKernel;
 use thaw_runtime::engine::{Engine, EngineConfig, HostModel};
 use thaw_runtime::model::Tokenizer;
@@ -24,9 +25,6 @@ use crate::http::{router, AppState};
 use crate::metrics::Metrics;
 use crate::registry::{AdapterLimits, Registry};
 use crate::scheduler::SchedConfig;
-
-/// KV memory the default block count may use.
-const KV_BUDGET_BYTES: usize = 512 << 20;
 
 /// A started server: state shared with the handlers, and the engine thread.
 pub struct Server {
@@ -81,13 +79,18 @@ impl Server {
             None => mc.max_position_embeddings,
         };
         let bs = config.block_size;
-        let per_seq = max_model_len.div_ceil(bs);
-        let num_blocks = config.num_gpu_blocks_override.unwrap_or_else(|| {
-            let block_bytes = mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * bs * 4;
-            (config.max_num_seqs * per_seq)
-                .min(KV_BUDGET_BYTES / block_bytes.max(1))
-                .max(per_seq)
-        });
+        let block_bytes = (mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * bs * 4).max(1);
+        // One pool of pages (a KV block each) for KV and adapters: --num-gpu-blocks-override
+        // pages, or the device budget in pages.
+        let num_blocks = config
+            .num_gpu_blocks_override
+            .unwrap_or_else(|| (config.device_memory_bytes / block_bytes as u64) as usize);
+        anyhow::ensure!(
+            num_blocks >= max_model_len.div_ceil(bs),
+            "the device budget ({num_blocks} KV blocks of {block_bytes} bytes) cannot hold one \
+             sequence of --max-model-len {max_model_len}; raise --device-memory-bytes or lower \
+             --max-model-len"
+        );
         let sched = SchedConfig {
             max_num_seqs: config.max_num_seqs,
             max_num_batched_tokens: config.max_num_batched_tokens,
@@ -109,13 +112,16 @@ impl Server {
         };
         let metrics = Arc::new(Metrics::default());
         let cold_cfg = config.clone();
+        let mc2 = mc.clone();
+        let board = Arc::new(Board::default());
         let (engine, thread) = engine_loop::start(
             move || {
                 let link = LinkModel {
                     gbps: cold_cfg.emulated_link_gbps,
                     latency_us: cold_cfg.emulated_link_latency_us,
                 };
-                let backend = CpuBackend::new(&model.config).with_link(link);
+                let device = cold_cfg.device.resolve()?;
+                let backend = AnyBackend::new(&device, &model.config, link)?;
                 let mut engine = Engine::new(backend, model, ecfg)?;
                 if cold_cfg.cold_start != ColdStartPolicy::Cached && cold_cfg.lora_workers > 0 {
                     // The engine thread keeps the first core; the workers take the next ones,
@@ -131,26 +137,72 @@ impl Server {
                 tracing::info!(
                     policy = %cold_cfg.cold_start,
                     workers = cold_cfg.lora_workers,
-                    link_gbps = link.gbps,
+                    device = engine.backend_name(),
+                    link_gbps = cost.link.gbps,
+                    link_latency_us = cost.link.latency_us,
                     "cold start"
                 );
                 let cold = ColdStart {
                     policy: cold_cfg.cold_start,
                     cost,
                 };
-                Ok((engine, sched, cold))
+                let memory = MemoryConfig {
+                    page_bytes: block_bytes as u64,
+                    total_pages: num_blocks,
+                    policy: cold_cfg.adapter_eviction,
+                    max_loras: cold_cfg.max_loras,
+                    // The workers' host store has an entry per registered adapter.
+                    max_device_adapters: engine.pool().map(|_| cold_cfg.max_cpu_loras),
+                    max_adapter_bytes: max_adapter_bytes(&mc2, cold_cfg.max_lora_rank),
+                    host_max_adapters: cold_cfg.max_cpu_loras,
+                    host_max_bytes: cold_cfg.max_cpu_lora_bytes,
+                    link_bytes_per_sec: link.gbps * 1e9,
+                };
+                let limits = Limits {
+                    max_loras: cold_cfg.max_loras,
+                    max_num_seqs: cold_cfg.max_num_seqs,
+                    bypass: true,
+                    prefetch: true,
+                };
+                Ok((
+                    engine,
+                    LoopConfig {
+                        sched,
+                        cold,
+                        memory,
+                        limits,
+                        scheduling: engine_loop::Scheduling {
+                            policy: cold_cfg.scheduling_policy,
+                            mlq: crate::scheduler::MlqConfig {
+                                weights: crate::scheduler::WrsWeights {
+                                    max_input: max_model_len,
+                                    max_output: max_model_len,
+                                    max_rank: cold_cfg.max_lora_rank,
+                                    ..Default::default()
+                                },
+                                ..Default::default()
+                            },
+                            tpot_slo_s: cold_cfg.tpot_slo_ms.map(|ms| ms / 1e3),
+                            auto_kernel: cold_cfg.lora_kernel == "auto",
+                        },
+                    },
+                ))
             },
             config.max_queued_requests,
             metrics.clone(),
+            board.clone(),
         )?;
         let registry = Arc::new(Registry::new(
-            engine.clone(),
+            Arc::new(engine.clone()),
+            board,
             mc.clone(),
             AdapterLimits {
                 max_lora_rank: config.max_lora_rank,
                 max_loras: config.max_loras,
                 max_cpu_loras: config.max_cpu_loras,
                 unload_wait: config.unload_timeout,
+                device_budget_bytes: (num_blocks * block_bytes) as u64,
+                fixed_slots: config.adapter_eviction == EvictionPolicy::FixedSlots,
             },
             metrics.clone(),
         ));
@@ -180,6 +232,15 @@ impl Server {
             sched,
             max_body_bytes: config.max_request_body_bytes,
             created: crate::http::unix_now(),
+            api_keys: crate::http::ApiKeys::new(config.api_keys.iter().map(|k| k.trim())),
+            lora_access: crate::http::LoraAccess::new(
+                config.allow_runtime_lora_updating,
+                config.lora_root.as_deref(),
+            )
+            .with_context(|| match &config.lora_root {
+                Some(r) => format!("resolving --lora-root {}", r.display()),
+                None => String::new(),
+            })?,
         });
         Ok(Self {
             state,
@@ -374,6 +435,18 @@ fn start_workers(
     )
     .context("starting the CPU LoRA workers (thaw lora-worker)")?;
     Ok(pool)
+}
+
+/// Bytes of the largest adapter accepted: `max_rank` on every projection of every layer, f32.
+fn max_adapter_bytes(c: &thaw_runtime::model::ModelConfig, max_rank: usize) -> u64 {
+    let per_layer: usize = thaw_runtime::adapter::LoraModule::ALL
+        .iter()
+        .map(|m| {
+            let (d_in, d_out) = c.module_shape(*m);
+            max_rank * (d_in + d_out) * std::mem::size_of::<f32>()
+        })
+        .sum();
+    (per_layer * c.num_layers) as u64
 }
 
 /// Arena bytes of the workers' host store: room for `adapters` of the largest adapter the

@@ -11,11 +11,12 @@ use std::ops::Range;
 use cudarc::driver::{CudaSlice, CudaStream};
 use thaw_kernels::cpu::{KvLayout, RopeTable};
 
+use super::encode::encode;
 use super::launch::copy_htod_async;
 use super::launch::{AttnShape, Gpu};
 use super::step::{AttnMeta, DevVec, LoraMeta};
 use super::weights::{
-    encode, pack_lora, plan_lora, upload_bytes, upload_lora, CudaLinear, CudaLora, CudaVector,
+    pack_lora, plan_lora, upload_bytes, upload_lora, CudaLinear, CudaLora, CudaVector,
 };
 use super::{CudaError, DType};
 use crate::adapter::{LoraAdapter, LoraModule};
@@ -180,6 +181,14 @@ impl CudaBackend {
         }
     }
 
+    /// Marks the per-step metadata (positions, block tables, LoRA segments) stale, so the next
+    /// op that needs it rebuilds it. `embed`, the first op of every forward, does this; callers
+    /// that drive single ops (tests, benchmarks) call it between steps, or the ops reuse the
+    /// last step's metadata, adapter table addresses included.
+    pub fn begin_step(&mut self) {
+        self.fresh = Fresh::default();
+    }
+
     /// Waits for all queued work.
     pub fn synchronize(&mut self) -> Result<()> {
         let r = self.gpu.stream.synchronize().map_err(CudaError::from);
@@ -261,7 +270,7 @@ impl CudaBackend {
                 v,
                 m.seg_tables.get(),
                 m.seg_rows.get(),
-                m.n_segs(),
+                (m.n_segs(), m.max_seg_rows()),
                 slot,
                 (dims.d_in, dims.d_out, max_rank),
             ),
@@ -600,7 +609,7 @@ impl Backend for CudaBackend {
 
     fn embed(&mut self, table: &CudaLinear, ids: &[u32], out: &mut CudaSlice<f32>) {
         // The first op of every forward: the step's metadata is stale from here on.
-        self.fresh = Fresh::default();
+        self.begin_step();
         op!(self, {
             self.ids.host.clear();
             self.ids.host.extend_from_slice(ids);

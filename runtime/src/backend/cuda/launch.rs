@@ -608,8 +608,9 @@ impl Gpu {
         }
     }
 
-    /// SGMV shrink then expand: y[seg rows] += scale · x · Aᵀ · Bᵀ for `n_segs` segments;
-    /// `v` is `[rows, v_stride]` scratch, `v_stride` ≥ every segment's rank for this slot.
+    /// SGMV shrink then expand: y[seg rows] += scale · x · Aᵀ · Bᵀ for `n_segs` segments,
+    /// the longest `max_seg_rows` rows; `v` is `[rows, v_stride]` scratch, `v_stride` ≥ every
+    /// segment's rank for this slot.
     #[allow(clippy::too_many_arguments)]
     pub fn sgmv(
         &self,
@@ -618,7 +619,7 @@ impl Gpu {
         v: &mut CudaSlice<f32>,
         seg_tables: &CudaSlice<u64>,
         seg_rows: &CudaSlice<u32>,
-        n_segs: usize,
+        (n_segs, max_seg_rows): (usize, usize),
         slot: usize,
         (d_in, d_out, v_stride): (usize, usize, usize),
     ) -> Result<(), CudaError> {
@@ -628,10 +629,10 @@ impl Gpu {
             "LoRA rank {v_stride} > {}",
             shape::MAX_LORA_RANK
         );
-        if n_segs == 0 || v_stride == 0 {
+        if n_segs == 0 || v_stride == 0 || max_seg_rows == 0 {
             return Ok(());
         }
-        let ranks = (v_stride as u32).div_ceil(shape::LORA_WARPS);
+        let chunks = (max_seg_rows as u32).div_ceil(shape::LORA_ROWS);
         // SAFETY: sgmv_shrink_T(const float* x, float* v, const u64* seg_tables, const u32*
         // seg_rows, int n_segs, int slot, int d_in, int v_stride). Each table is a live
         // CudaLora descriptor array with more than `slot` entries whose A/B point at
@@ -641,7 +642,7 @@ impl Gpu {
             launch!(
                 self,
                 &self.k.sgmv_shrink,
-                (n_segs as u32, ranks, 1),
+                (n_segs as u32, v_stride as u32, chunks),
                 32 * shape::LORA_WARPS,
                 [
                     self.p(x),
@@ -660,7 +661,7 @@ impl Gpu {
                 (
                     n_segs as u32,
                     (d_out as u32).div_ceil(shape::LORA_EXPAND_THREADS),
-                    1
+                    chunks
                 ),
                 shape::LORA_EXPAND_THREADS,
                 [
@@ -698,7 +699,6 @@ impl Gpu {
         if rows == 0 || max_rank == 0 {
             return Ok(());
         }
-        let ranks = (max_rank as u32).div_ceil(shape::LORA_WARPS);
         // SAFETY: bgmv_shrink_T(const float* x, float* v, const u64* row_tables, int rows, int
         // slot, int d_in, int max_rank) and bgmv_expand_T(v, y, row_tables, rows, slot, d_out,
         // max_rank); tables as for SGMV, every adapter's rank for this slot ≤ max_rank (the
@@ -707,7 +707,7 @@ impl Gpu {
             launch!(
                 self,
                 &self.k.bgmv_shrink,
-                (rows as u32, ranks, 1),
+                (rows as u32, max_rank as u32, 1),
                 32 * shape::LORA_WARPS,
                 [
                     self.p(x),
@@ -785,7 +785,9 @@ impl Gpu {
     }
 
     /// Makes the compute stream wait until the u32 at mapped address `addr` is ≥ `value`
-    /// (cuStreamWaitValue32 GEQ): the GPU waits, the host does not.
+    /// (cuStreamWaitValue32 GEQ): the GPU waits, the host does not. GEQ compares cyclically,
+    /// `(i32)(*addr - value) >= 0` (cuda_bench's exchange table, whose words were u32::MAX,
+    /// hung on an H100), so result words must be sequence numbers, not sentinels.
     ///
     /// # Safety
     /// `addr` must be the device address of a u32 in host memory registered with

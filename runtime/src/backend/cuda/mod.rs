@@ -16,8 +16,10 @@
 //! | `exchange.rs` | fused export and stream-waited merge (CPU assist) |
 //! | `stream.rs` | pinned host store, layer-wise adapter streaming with per-layer events |
 mod backend;
+mod encode;
 mod exchange;
 mod launch;
+mod link;
 mod step;
 mod stream;
 mod weights;

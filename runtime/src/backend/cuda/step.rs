@@ -150,6 +150,16 @@ impl LoraMeta {
         self.seg_tables.host.len()
     }
 
+    /// Rows of the longest segment.
+    pub fn max_seg_rows(&self) -> usize {
+        self.seg_rows
+            .host
+            .chunks_exact(2)
+            .map(|r| (r[1] - r[0]) as usize)
+            .max()
+            .unwrap_or(0)
+    }
+
     pub fn build(
         &mut self,
         stream: &Arc<CudaStream>,

@@ -7,8 +7,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use bytemuck::{Pod, Zeroable};
 use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DeviceRepr, PinnedHostSlice};
-use half::{bf16, f16};
 
+use super::encode::encode_jobs;
 use super::launch::dptr;
 use super::{CudaError, DType};
 use crate::adapter::{LoraAdapter, LoraModule};
@@ -95,20 +95,6 @@ impl CudaLora {
 }
 
 /// f32 values in `dt`'s little-endian bytes.
-pub(super) fn encode(v: &[f32], dt: DType) -> Vec<u8> {
-    match dt {
-        DType::F32 => bytemuck::cast_slice(v).to_vec(),
-        DType::Bf16 => v
-            .iter()
-            .flat_map(|&x| bf16::from_f32(x).to_le_bytes())
-            .collect(),
-        DType::F16 => v
-            .iter()
-            .flat_map(|&x| f16::from_f32(x).to_le_bytes())
-            .collect(),
-    }
-}
-
 pub(super) fn upload_bytes(
     stream: &Arc<CudaStream>,
     bytes: &[u8],
@@ -236,15 +222,26 @@ pub(super) fn plan_lora(adapter: &LoraAdapter, dt: DType) -> LoraPlan {
     )
 }
 
-/// Writes `adapter`'s factors in `dt` into `host` (`plan.total` bytes) as `plan` places them.
+/// Writes `adapter`'s factors in `dt` into `host` (`plan.total` bytes) as `plan` places them,
+/// converting on all cores.
 pub(super) fn pack_lora(adapter: &LoraAdapter, dt: DType, plan: &LoraPlan, host: &mut [u8]) {
+    let mut regions: Vec<(usize, &[f32])> = Vec::with_capacity(2 * plan.entries.len());
     for ((_, _, w), p) in adapter.iter().zip(&plan.entries) {
-        let (a_off, b_off) = (p.a_off, p.b_off);
-        let a = encode(&w.a, dt);
-        let b = encode(&w.b, dt);
-        host[a_off..a_off + a.len()].copy_from_slice(&a);
-        host[b_off..b_off + b.len()].copy_from_slice(&b);
+        regions.push((p.a_off, &w.a));
+        regions.push((p.b_off, &w.b));
     }
+    regions.sort_by_key(|r| r.0);
+    // Carve `host` into the regions' disjoint destinations, in offset order.
+    let mut jobs = Vec::with_capacity(regions.len());
+    let (mut rest, mut at) = (host, 0usize);
+    for (off, src) in regions {
+        let (_, tail) = std::mem::take(&mut rest).split_at_mut(off - at);
+        let (dst, tail) = tail.split_at_mut(src.len() * dt.size());
+        jobs.push((src, dst));
+        rest = tail;
+        at = off + src.len() * dt.size();
+    }
+    encode_jobs(jobs, dt);
 }
 
 /// Converts a host adapter to `dt` and uploads it (synchronously on `stream`).

@@ -1,0 +1,457 @@
+//! `thaw-bench cache` (Chameleon's cache experiment) and `thaw-bench cache-scale` (S-LoRA's
+//! scalability table) over real `thaw serve` processes on the CPU backend.
+//!
+//! `cache`: for each adapter count and each load (a fraction of the sustainable rate, measured
+//! first unless given), one server per `--adapter-eviction` policy (`lru`, `cost`, and the
+//! bench-only `fixed-slots` baseline: the server before the unified pool); hit rate (from the
+//! server's counters), TTFT P50/P99 and done/failed at the client.
+//!
+//! `cache-scale`: throughput and server memory (RSS) with 1, 100, 1,000, 10,000 registered
+//! adapters, uniform popularity.
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use serde::Serialize;
+use thaw_server::gen::{self, GenAdaptersOptions, GenModelOptions, Projection};
+use thaw_server::memory::EvictionPolicy;
+
+use super::cli::{measure, prompt_source, quick_workload, write_json};
+use super::client::OpenAiClient;
+use super::coldstart::{default_thaw_bin, log_tail, ServeProcess};
+use super::report::Summary;
+use super::runner::RunOptions;
+use super::workload::{PopularityKind, WorkloadArgs};
+
+/// Options both benchmarks share.
+#[derive(clap::Args, Clone, Debug)]
+pub struct ServeSetup {
+    /// Preset of the generated model.
+    #[arg(long, default_value = "small")]
+    pub preset: String,
+    /// Ranks of the generated adapters (round-robin; Chameleon's five), targeting q,v.
+    #[arg(long, value_delimiter = ',', default_values_t = [8, 16, 32, 64, 128])]
+    pub ranks: Vec<usize>,
+    /// Any `thaw serve` argument, repeated (e.g. --serve-arg=--device-memory-bytes=33554432).
+    #[arg(long, allow_hyphen_values = true)]
+    pub serve_arg: Vec<String>,
+    /// The `thaw` executable [default: next to thaw-bench].
+    #[arg(long)]
+    pub thaw_bin: Option<PathBuf>,
+    /// Where generated models and adapters go (reused when present) [default: a temp dir].
+    #[arg(long)]
+    pub workdir: Option<PathBuf>,
+    /// Directory for the JSON report and the servers' logs.
+    #[arg(long, default_value = "thaw-bench-results")]
+    pub out: PathBuf,
+    /// Seconds before a request counts as failed.
+    #[arg(long, default_value_t = 300.0)]
+    pub request_timeout: f64,
+    /// Seconds to wait for each server's /health.
+    #[arg(long, default_value_t = 600.0)]
+    pub startup_timeout: f64,
+    /// No progress bar.
+    #[arg(long)]
+    pub no_progress: bool,
+    /// A seconds-long version for the test suite: tiny model, few adapters and requests.
+    #[arg(long)]
+    pub quick: bool,
+}
+
+/// Options of `thaw-bench cache`.
+#[derive(clap::Args, Clone, Debug)]
+pub struct CacheArgs {
+    #[command(flatten)]
+    pub setup: ServeSetup,
+    /// Registered adapter counts to run.
+    #[arg(long, value_delimiter = ',', default_values_t = [100, 1000])]
+    pub adapter_counts: Vec<usize>,
+    /// Policies to compare.
+    #[arg(long, value_enum, value_delimiter = ',', default_values = ["lru", "cost", "fixed-slots"])]
+    pub policies: Vec<EvictionPolicy>,
+    /// Loads as fractions of the sustainable rate.
+    #[arg(long, value_delimiter = ',', default_values_t = [0.5, 0.75, 1.0])]
+    pub load: Vec<f64>,
+    /// Sustainable rate in requests/s [default: measured with `cost`, all requests at once].
+    #[arg(long)]
+    pub sustainable_rate: Option<f64>,
+    #[command(flatten)]
+    pub workload: WorkloadArgs,
+}
+
+/// Options of `thaw-bench cache-scale`.
+#[derive(clap::Args, Clone, Debug)]
+pub struct CacheScaleArgs {
+    #[command(flatten)]
+    pub setup: ServeSetup,
+    /// Registered adapter counts to run.
+    #[arg(long, value_delimiter = ',', default_values_t = [1, 100, 1000, 10000])]
+    pub adapter_counts: Vec<usize>,
+    #[command(flatten)]
+    pub workload: WorkloadArgs,
+}
+
+/// One server run.
+#[derive(Clone, Debug, Serialize)]
+pub struct Run {
+    pub adapters: usize,
+    pub label: String,
+    pub rate: Option<f64>,
+    pub summary: Summary,
+    pub hits: f64,
+    pub misses: f64,
+    pub evictions: f64,
+    pub prefetch_hits: f64,
+    /// Server resident memory after start-up and after the run, and its peak (KiB).
+    pub rss_start_kib: Option<u64>,
+    pub rss_end_kib: Option<u64>,
+    pub rss_peak_kib: Option<u64>,
+}
+
+impl Run {
+    fn hit_rate(&self) -> f64 {
+        self.hits / (self.hits + self.misses).max(1.0)
+    }
+}
+
+/// A generated model and `max` adapters; `dir_for(n)` is a directory of the first `n`.
+struct Prepared {
+    model: PathBuf,
+    all: Vec<PathBuf>,
+    root: PathBuf,
+}
+
+impl Prepared {
+    fn new(s: &ServeSetup, root: &Path, max: usize) -> anyhow::Result<Self> {
+        let preset =
+            gen::preset(&s.preset).with_context(|| format!("unknown --preset {}", s.preset))?;
+        let model = root.join(format!("model-{}", s.preset));
+        if !model.join("config.json").exists() {
+            eprintln!("generating the {} model into {}", s.preset, model.display());
+            gen::write_model(&preset, &model, &GenModelOptions::default())?;
+        }
+        let ranks: Vec<String> = s.ranks.iter().map(|r| r.to_string()).collect();
+        let dir = root.join(format!("cache-adapters-{}-r{}", s.preset, ranks.join("_")));
+        let present = std::fs::read_dir(&dir).map_or(0, |it| it.count());
+        if present < max {
+            let _ = std::fs::remove_dir_all(&dir);
+            eprintln!("generating {max} adapters into {}", dir.display());
+            gen::write_adapters(&GenAdaptersOptions {
+                model_dir: model.clone(),
+                out_dir: dir.clone(),
+                count: max,
+                ranks: s.ranks.clone(),
+                targets: vec![Projection::Q, Projection::V],
+                ..Default::default()
+            })?;
+        }
+        let mut all: Vec<PathBuf> = std::fs::read_dir(&dir)?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .collect();
+        all.sort();
+        Ok(Self {
+            model,
+            all,
+            root: root.to_path_buf(),
+        })
+    }
+
+    /// A directory of symlinks to the first `n` adapters.
+    fn dir_for(&self, n: usize) -> anyhow::Result<PathBuf> {
+        let d = self.root.join(format!("subset-{n}"));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d)?;
+        for p in self.all.iter().take(n) {
+            let name = p.file_name().context("adapter dir name")?;
+            std::os::unix::fs::symlink(p, d.join(name))?;
+        }
+        Ok(d)
+    }
+}
+
+/// `VmRSS` and `VmHWM` of a process, KiB.
+fn rss_kib(pid: u32) -> (Option<u64>, Option<u64>) {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let field = |k: &str| {
+        text.lines()
+            .find_map(|l| l.strip_prefix(k))
+            .and_then(|v| v.split_whitespace().next()?.parse().ok())
+    };
+    (field("VmRSS:"), field("VmHWM:"))
+}
+
+/// The value of a Prometheus sample line `name value` (labels included in `name`).
+fn metric(text: &str, name: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+        .unwrap_or(f64::NAN)
+}
+
+/// Starts `thaw serve`, runs `workload`, reads the counters and memory, stops it.
+fn serve_once(
+    rt: &tokio::runtime::Runtime,
+    s: &ServeSetup,
+    serve_args: &[String],
+    workload: &WorkloadArgs,
+    label: String,
+    adapters: usize,
+) -> anyhow::Result<Run> {
+    let bin = match &s.thaw_bin {
+        Some(b) => b.clone(),
+        None => default_thaw_bin()?,
+    };
+    let log = s
+        .out
+        .join(format!("serve-{}.log", label.replace([' ', '/'], "_")));
+    let timeout = Duration::from_secs_f64(s.startup_timeout);
+    let t0 = Instant::now();
+    let mut server = ServeProcess::start(&bin, serve_args, &log, timeout)?;
+    let run = rt.block_on(async {
+        let client = OpenAiClient::new(&server.url, None)?;
+        let deadline = Instant::now() + timeout;
+        while !client.healthy().await {
+            anyhow::ensure!(
+                Instant::now() < deadline,
+                "{} never became healthy:\n{}",
+                server.url,
+                log_tail(&log)
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let info = client.server_info().await?;
+        eprintln!(
+            "{label}: server up in {:.1?} ({} adapters)",
+            t0.elapsed(),
+            info.adapters.len()
+        );
+        let (rss_start, _) = rss_kib(server.pid());
+        let prompts = prompt_source(None, &info)?;
+        let opts = RunOptions {
+            request_timeout: Duration::from_secs_f64(s.request_timeout),
+            progress: !s.no_progress,
+            label: label.clone(),
+        };
+        let (_, summary) = measure(&client, &info, workload, &prompts, &opts).await?;
+        let m = client.get_text("/metrics").await?;
+        let (rss_end, rss_peak) = rss_kib(server.pid());
+        Ok(Run {
+            adapters,
+            label: label.clone(),
+            rate: workload.rate,
+            hits: metric(&m, "thaw_adapter_cache_lookups_total{result=\"hit\"}"),
+            misses: metric(&m, "thaw_adapter_cache_lookups_total{result=\"miss\"}"),
+            evictions: metric(&m, "thaw_adapter_evictions_total{tier=\"device\"}"),
+            prefetch_hits: metric(&m, "thaw_adapter_prefetch_hits_total"),
+            summary,
+            rss_start_kib: rss_start,
+            rss_end_kib: rss_end,
+            rss_peak_kib: rss_peak,
+        })
+    })?;
+    server.stop(Duration::from_secs(60))?;
+    eprintln!(
+        "{label}: {}/{} completed in {:.1} s",
+        run.summary.completed, run.summary.sent, run.summary.wall_s
+    );
+    Ok(run)
+}
+
+fn base_args(model: &Path, lora_dir: &Path, s: &ServeSetup) -> Vec<String> {
+    let mut a: Vec<String> = vec![
+        "--model".into(),
+        model.display().to_string(),
+        "--lora-dir".into(),
+        lora_dir.display().to_string(),
+        "--port".into(),
+        "0".into(),
+        "--max-lora-rank".into(),
+        s.ranks.iter().max().copied().unwrap_or(8).to_string(),
+    ];
+    a.extend(s.serve_arg.iter().cloned());
+    a
+}
+
+fn workdir(s: &ServeSetup) -> anyhow::Result<(Option<tempfile::TempDir>, PathBuf)> {
+    std::fs::create_dir_all(&s.out).with_context(|| format!("creating {}", s.out.display()))?;
+    Ok(match &s.workdir {
+        Some(w) => {
+            std::fs::create_dir_all(w)?;
+            (None, w.clone())
+        }
+        None => {
+            let t = tempfile::tempdir()?;
+            let p = t.path().to_path_buf();
+            (Some(t), p)
+        }
+    })
+}
+
+/// `thaw-bench cache`; returns the printed text.
+pub fn run_cache(args: &CacheArgs) -> anyhow::Result<String> {
+    let mut args = args.clone();
+    if args.setup.quick {
+        args.setup.preset = "tiny".into();
+        args.setup.ranks = vec![8, 16];
+        args.adapter_counts = vec![12];
+        args.load = vec![1.0];
+        args.sustainable_rate.get_or_insert(20.0);
+        args.workload = WorkloadArgs {
+            popularity: PopularityKind::RankPowerLaw,
+            ..quick_workload(&args.workload)
+        };
+        // Two fixed slots and a device of a few adapters: eviction and refusal both happen.
+        args.setup.serve_arg.extend([
+            "--max-loras=2".to_string(),
+            "--device-memory-bytes=3000000".to_string(),
+        ]);
+    }
+    anyhow::ensure!(!args.policies.is_empty(), "--policies is empty");
+    let (_tmp, root) = workdir(&args.setup)?;
+    let max = args.adapter_counts.iter().copied().max().unwrap_or(1);
+    let prep = Prepared::new(&args.setup, &root, max)?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    let mut runs = Vec::new();
+    let mut text = String::new();
+    for &n in &args.adapter_counts {
+        let dir = prep.dir_for(n)?;
+        let common = base_args(&prep.model, &dir, &args.setup);
+        let with_policy = |p: EvictionPolicy| {
+            let mut a = common.clone();
+            a.push(format!("--adapter-eviction={p}"));
+            a
+        };
+        let sustainable = match args.sustainable_rate {
+            Some(r) => r,
+            None => {
+                let burst = WorkloadArgs {
+                    rate: Some(1e4),
+                    ..args.workload.clone()
+                };
+                let probe = serve_once(
+                    &rt,
+                    &args.setup,
+                    &with_policy(EvictionPolicy::Cost),
+                    &burst,
+                    format!("{n} adapters probe"),
+                    n,
+                )?;
+                probe.summary.throughput_rps
+            }
+        };
+        let _ = writeln!(
+            text,
+            "\n{n} adapters, sustainable rate {sustainable:.2} req/s\n\n| load | policy | rate req/s | hit rate | TTFT P50 ms | TTFT P99 ms | done | failed | evictions | prefetch hits |\n|---|---|---|---|---|---|---|---|---|---|"
+        );
+        for &f in &args.load {
+            let w = WorkloadArgs {
+                rate: Some(sustainable * f),
+                ..args.workload.clone()
+            };
+            for &p in &args.policies {
+                let label = format!("{n} adapters {:.0}% {p}", f * 100.0);
+                let r = serve_once(&rt, &args.setup, &with_policy(p), &w, label, n)?;
+                let _ = writeln!(
+                    text,
+                    "| {:.0}% | {p} | {:.2} | {:.3} | {:.1} | {:.1} | {} | {} | {} | {} |",
+                    f * 100.0,
+                    sustainable * f,
+                    r.hit_rate(),
+                    r.summary.ttft.p50 * 1e3,
+                    r.summary.ttft.p99 * 1e3,
+                    r.summary.completed,
+                    r.summary.failed,
+                    r.evictions,
+                    r.prefetch_hits,
+                );
+                runs.push(r);
+            }
+        }
+    }
+    let json = args.setup.out.join("cache.json");
+    write_json(&json, &runs)?;
+    let w = &args.workload;
+    Ok(format!(
+        "thaw serve (CPU backend, emulated link), preset {}, ranks {:?} on q,v; {} requests, \
+         {:?} arrivals, {:?} popularity, {:?} lengths; serve args {:?}\n{text}\nreport: {}\n",
+        args.setup.preset,
+        args.setup.ranks,
+        w.requests,
+        w.arrivals,
+        w.popularity,
+        w.lengths,
+        args.setup.serve_arg,
+        json.display()
+    ))
+}
+
+/// `thaw-bench cache-scale`; returns the printed text.
+pub fn run_cache_scale(args: &CacheScaleArgs) -> anyhow::Result<String> {
+    let mut args = args.clone();
+    args.workload.popularity = PopularityKind::Uniform;
+    if args.setup.quick {
+        args.setup.preset = "tiny".into();
+        args.setup.ranks = vec![8];
+        args.adapter_counts = vec![1, 20];
+        args.workload = quick_workload(&args.workload);
+    }
+    let (_tmp, root) = workdir(&args.setup)?;
+    let max = args.adapter_counts.iter().copied().max().unwrap_or(1);
+    let prep = Prepared::new(&args.setup, &root, max)?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    let mut runs: Vec<Run> = Vec::new();
+    for &n in &args.adapter_counts {
+        let dir = prep.dir_for(n)?;
+        let a = base_args(&prep.model, &dir, &args.setup);
+        runs.push(serve_once(
+            &rt,
+            &args.setup,
+            &a,
+            &args.workload,
+            format!("{n} adapters"),
+            n,
+        )?);
+    }
+    let mut text = String::from(
+        "| registered adapters | done/failed | req/s | out tok/s | vs first | TTFT P50 ms | server RSS after start MiB | after run MiB | peak MiB |\n|---|---|---|---|---|---|---|---|---|\n",
+    );
+    let first = runs
+        .first()
+        .map_or(f64::NAN, |r| r.summary.output_tokens_per_s);
+    let mib = |k: Option<u64>| k.map_or("-".into(), |k| format!("{:.1}", k as f64 / 1024.0));
+    for r in &runs {
+        let _ = writeln!(
+            text,
+            "| {} | {}/{} | {:.2} | {:.1} | {:+.1}% | {:.1} | {} | {} | {} |",
+            r.adapters,
+            r.summary.completed,
+            r.summary.failed,
+            r.summary.throughput_rps,
+            r.summary.output_tokens_per_s,
+            (r.summary.output_tokens_per_s / first - 1.0) * 100.0,
+            r.summary.ttft.p50 * 1e3,
+            mib(r.rss_start_kib),
+            mib(r.rss_end_kib),
+            mib(r.rss_peak_kib),
+        );
+    }
+    let json = args.setup.out.join("cache-scale.json");
+    write_json(&json, &runs)?;
+    let w = &args.workload;
+    Ok(format!(
+        "thaw serve (CPU backend), preset {}, ranks {:?} on q,v, uniform popularity; {} \
+         requests, {:?} arrivals at {:?} req/s, {:?} lengths; serve args {:?}\n\n{text}\nreport: {}\n",
+        args.setup.preset,
+        args.setup.ranks,
+        w.requests,
+        w.arrivals,
+        w.rate,
+        w.lengths,
+        args.setup.serve_arg,
+        json.display()
+    ))
+}

@@ -1,0 +1,407 @@
+//! [`AnyBackend`]: the backend chosen at run time (`--device`), as an enum that dispatches
+//! every [`Backend`] op to the CPU or the CUDA backend (candle's `Storage` over
+//! `BackendStorage`). Its buffers, weights, adapters and KV layers are enums of the two
+//! backends' own; one engine only ever hands a backend values it made, so a value of the
+//! other variant is a bug in the caller and panics.
+//!
+//! Without the `cuda` feature the CUDA variants hold [`NoCuda`], which has no values: every
+//! match arm on them is statically unreachable, nothing panics at run time for lack of CUDA.
+use std::ops::Range;
+use std::sync::Arc;
+
+use thaw_kernels::cpu::KvLayout;
+
+use super::cpu::CpuBackend;
+use super::{Backend, Device, LinearDims, LoraBatch, StepLayout};
+use crate::adapter::{LoraAdapter, LoraModule};
+use crate::error::Result;
+use crate::ids::LayerIdx;
+use crate::model::ModelConfig;
+use crate::residency::LinkModel;
+
+#[cfg(feature = "cuda")]
+type Gpu = super::cuda::CudaBackend;
+#[cfg(not(feature = "cuda"))]
+type Gpu = super::NoCuda;
+
+/// What the enum needs from the GPU backend beyond the trait.
+pub trait GpuExtras {
+    /// The host → device link adapters stream over, measured on this machine.
+    fn measured_link(&self) -> LinkModel;
+    /// The first error of the ops since the last check (the trait's ops return `()`).
+    fn check(&mut self) -> Result<()>;
+}
+
+#[cfg(not(feature = "cuda"))]
+impl GpuExtras for super::NoCuda {
+    fn measured_link(&self) -> LinkModel {
+        match *self {}
+    }
+    fn check(&mut self) -> Result<()> {
+        match *self {}
+    }
+}
+
+/// The host → device link a backend streams adapters over, for the cold-start cost model.
+pub trait HostLink {
+    /// The link's bandwidth and per-transfer latency.
+    fn link(&self) -> LinkModel;
+    /// Bytes queued on the link now.
+    fn link_backlog(&self) -> u64;
+}
+
+impl HostLink for CpuBackend {
+    fn link(&self) -> LinkModel {
+        CpuBackend::link(self)
+    }
+    fn link_backlog(&self) -> u64 {
+        CpuBackend::link_backlog(self)
+    }
+}
+
+impl HostLink for AnyBackend {
+    fn link(&self) -> LinkModel {
+        AnyBackend::link(self)
+    }
+    fn link_backlog(&self) -> u64 {
+        AnyBackend::link_backlog(self)
+    }
+}
+
+#[cold]
+fn mixed(what: &str) -> ! {
+    panic!("a {what} of one backend was handed to the other (one engine, one backend)")
+}
+
+/// An enum over the two backends' values of one associated type, with accessors that panic
+/// on the other variant (see the module docs).
+macro_rules! either {
+    ($(#[$m:meta])* $name:ident, $assoc:ident) => {
+        $(#[$m])*
+        pub enum $name {
+            Cpu(<CpuBackend as Backend>::$assoc),
+            Cuda(<Gpu as Backend>::$assoc),
+        }
+
+        // Each type is read, written or both by the ops: not every accessor is used for each.
+        #[allow(dead_code)]
+        impl $name {
+            fn cpu(&self) -> &<CpuBackend as Backend>::$assoc {
+                match self {
+                    Self::Cpu(v) => v,
+                    Self::Cuda(_) => mixed(stringify!($name)),
+                }
+            }
+            fn cpu_mut(&mut self) -> &mut <CpuBackend as Backend>::$assoc {
+                match self {
+                    Self::Cpu(v) => v,
+                    Self::Cuda(_) => mixed(stringify!($name)),
+                }
+            }
+            fn gpu(&self) -> &<Gpu as Backend>::$assoc {
+                match self {
+                    Self::Cuda(v) => v,
+                    Self::Cpu(_) => mixed(stringify!($name)),
+                }
+            }
+            fn gpu_mut(&mut self) -> &mut <Gpu as Backend>::$assoc {
+                match self {
+                    Self::Cuda(v) => v,
+                    Self::Cpu(_) => mixed(stringify!($name)),
+                }
+            }
+        }
+    };
+}
+
+either!(
+    /// An activation buffer.
+    AnyBuf,
+    Buf
+);
+either!(
+    /// A weight matrix.
+    AnyLinear,
+    Linear
+);
+either!(
+    /// A weight vector.
+    AnyVector,
+    Vector
+);
+either!(
+    /// An adapter's device copy.
+    AnyLora,
+    Lora
+);
+either!(
+    /// One layer's KV storage.
+    AnyKvLayer,
+    KvLayer
+);
+
+/// The CPU or the CUDA backend.
+// One per engine, built once and never moved on a hot path: the size difference is harmless.
+#[allow(clippy::large_enum_variant)]
+pub enum AnyBackend {
+    Cpu(CpuBackend),
+    Cuda(Box<Gpu>),
+}
+
+impl AnyBackend {
+    /// The backend for `device`: the CPU one streams adapters over the emulated `link`; the
+    /// CUDA one over the machine's real link (`link` is ignored).
+    pub fn new(device: &Device, model: &ModelConfig, link: LinkModel) -> Result<Self> {
+        match device {
+            Device::Cpu => Ok(Self::Cpu(CpuBackend::new(model).with_link(link))),
+            #[cfg(feature = "cuda")]
+            Device::Cuda(d) => Ok(Self::Cuda(Box::new(super::cuda::CudaBackend::new(
+                model,
+                &super::cuda::CudaConfig {
+                    ordinal: d.ordinal,
+                    ..Default::default()
+                },
+            )?))),
+            #[cfg(not(feature = "cuda"))]
+            Device::Cuda(d) => match *d {},
+        }
+    }
+
+    /// The host → device link the cost model plans with: the emulated one on the CPU, the
+    /// measured pinned-copy bandwidth on CUDA (measured once per call: call it once).
+    pub fn link(&self) -> LinkModel {
+        match self {
+            Self::Cpu(b) => b.link(),
+            Self::Cuda(g) => g.measured_link(),
+        }
+    }
+
+    /// Bytes queued on the emulated link (the CUDA copy engine keeps no count: 0).
+    pub fn link_backlog(&self) -> u64 {
+        match self {
+            Self::Cpu(b) => b.link_backlog(),
+            Self::Cuda(_) => 0,
+        }
+    }
+
+    /// The first error of the ops since the last check (the CPU backend's ops cannot fail).
+    pub fn check(&mut self) -> Result<()> {
+        match self {
+            Self::Cpu(_) => Ok(()),
+            Self::Cuda(g) => g.check(),
+        }
+    }
+}
+
+fn cpu_loras<'a>(b: &LoraBatch<'a, AnyLora>) -> Vec<&'a <CpuBackend as Backend>::Lora> {
+    b.adapters.iter().map(|a| a.cpu()).collect()
+}
+
+fn gpu_loras<'a>(b: &LoraBatch<'a, AnyLora>) -> Vec<&'a <Gpu as Backend>::Lora> {
+    b.adapters.iter().map(|a| a.gpu()).collect()
+}
+
+impl Backend for AnyBackend {
+    type Buf = AnyBuf;
+    type Linear = AnyLinear;
+    type Vector = AnyVector;
+    type Lora = AnyLora;
+    type KvLayer = AnyKvLayer;
+
+    fn name(&self) -> &'static str {
+        match self {
+            Self::Cpu(b) => b.name(),
+            Self::Cuda(g) => g.name(),
+        }
+    }
+
+    fn alloc(&self, len: usize) -> Result<AnyBuf> {
+        Ok(match self {
+            Self::Cpu(b) => AnyBuf::Cpu(b.alloc(len)?),
+            Self::Cuda(g) => AnyBuf::Cuda(g.alloc(len)?),
+        })
+    }
+
+    fn upload_linear(
+        &self,
+        w: Vec<f32>,
+        d_out: usize,
+        d_in: usize,
+        bias: Option<Vec<f32>>,
+    ) -> Result<AnyLinear> {
+        Ok(match self {
+            Self::Cpu(b) => AnyLinear::Cpu(b.upload_linear(w, d_out, d_in, bias)?),
+            Self::Cuda(g) => AnyLinear::Cuda(g.upload_linear(w, d_out, d_in, bias)?),
+        })
+    }
+
+    fn upload_vector(&self, v: Vec<f32>) -> Result<AnyVector> {
+        Ok(match self {
+            Self::Cpu(b) => AnyVector::Cpu(b.upload_vector(v)?),
+            Self::Cuda(g) => AnyVector::Cuda(g.upload_vector(v)?),
+        })
+    }
+
+    fn upload_lora(&self, adapter: Arc<LoraAdapter>) -> Result<AnyLora> {
+        Ok(match self {
+            Self::Cpu(b) => AnyLora::Cpu(b.upload_lora(adapter)?),
+            Self::Cuda(g) => AnyLora::Cuda(g.upload_lora(adapter)?),
+        })
+    }
+
+    fn stream_lora(&mut self, adapter: Arc<LoraAdapter>) -> Result<AnyLora> {
+        Ok(match self {
+            Self::Cpu(b) => AnyLora::Cpu(b.stream_lora(adapter)?),
+            Self::Cuda(g) => AnyLora::Cuda(g.stream_lora(adapter)?),
+        })
+    }
+
+    fn landed_layers(&self, lora: &AnyLora) -> usize {
+        match self {
+            Self::Cpu(b) => b.landed_layers(lora.cpu()),
+            Self::Cuda(g) => g.landed_layers(lora.gpu()),
+        }
+    }
+
+    fn alloc_kv_layer(&self, layout: KvLayout, num_blocks: usize) -> Result<AnyKvLayer> {
+        Ok(match self {
+            Self::Cpu(b) => AnyKvLayer::Cpu(b.alloc_kv_layer(layout, num_blocks)?),
+            Self::Cuda(g) => AnyKvLayer::Cuda(g.alloc_kv_layer(layout, num_blocks)?),
+        })
+    }
+
+    fn embed(&mut self, table: &AnyLinear, ids: &[u32], out: &mut AnyBuf) {
+        match self {
+            Self::Cpu(b) => b.embed(table.cpu(), ids, out.cpu_mut()),
+            Self::Cuda(g) => g.embed(table.gpu(), ids, out.gpu_mut()),
+        }
+    }
+
+    fn rms_norm(&mut self, x: &AnyBuf, w: &AnyVector, eps: f32, rows: usize, out: &mut AnyBuf) {
+        match self {
+            Self::Cpu(b) => b.rms_norm(x.cpu(), w.cpu(), eps, rows, out.cpu_mut()),
+            Self::Cuda(g) => g.rms_norm(x.gpu(), w.gpu(), eps, rows, out.gpu_mut()),
+        }
+    }
+
+    fn linear(&mut self, x: &AnyBuf, w: &AnyLinear, rows: usize, out: &mut AnyBuf) {
+        match self {
+            Self::Cpu(b) => b.linear(x.cpu(), w.cpu(), rows, out.cpu_mut()),
+            Self::Cuda(g) => g.linear(x.gpu(), w.gpu(), rows, out.gpu_mut()),
+        }
+    }
+
+    fn lora(
+        &mut self,
+        x: &AnyBuf,
+        y: &mut AnyBuf,
+        dims: LinearDims,
+        at: (LayerIdx, LoraModule),
+        batch: &LoraBatch<'_, AnyLora>,
+    ) {
+        match self {
+            Self::Cpu(b) => {
+                let adapters = cpu_loras(batch);
+                let inner = LoraBatch {
+                    kernel: batch.kernel,
+                    layout: batch.layout,
+                    adapters: &adapters,
+                    landed: batch.landed,
+                };
+                b.lora(x.cpu(), y.cpu_mut(), dims, at, &inner);
+            }
+            Self::Cuda(g) => {
+                let adapters = gpu_loras(batch);
+                let inner = LoraBatch {
+                    kernel: batch.kernel,
+                    layout: batch.layout,
+                    adapters: &adapters,
+                    landed: batch.landed,
+                };
+                g.lora(x.gpu(), y.gpu_mut(), dims, at, &inner);
+            }
+        }
+    }
+
+    fn rope(&mut self, x: &mut AnyBuf, positions: &[usize], n_heads: usize) {
+        match self {
+            Self::Cpu(b) => b.rope(x.cpu_mut(), positions, n_heads),
+            Self::Cuda(g) => g.rope(x.gpu_mut(), positions, n_heads),
+        }
+    }
+
+    fn attention(
+        &mut self,
+        q: &AnyBuf,
+        k: &AnyBuf,
+        v: &AnyBuf,
+        kv: &mut AnyKvLayer,
+        step: &StepLayout,
+        out: &mut AnyBuf,
+    ) {
+        match self {
+            Self::Cpu(b) => {
+                b.attention(q.cpu(), k.cpu(), v.cpu(), kv.cpu_mut(), step, out.cpu_mut())
+            }
+            Self::Cuda(g) => {
+                g.attention(q.gpu(), k.gpu(), v.gpu(), kv.gpu_mut(), step, out.gpu_mut())
+            }
+        }
+    }
+
+    fn swiglu(&mut self, gate: &AnyBuf, up: &AnyBuf, len: usize, out: &mut AnyBuf) {
+        match self {
+            Self::Cpu(b) => b.swiglu(gate.cpu(), up.cpu(), len, out.cpu_mut()),
+            Self::Cuda(g) => g.swiglu(gate.gpu(), up.gpu(), len, out.gpu_mut()),
+        }
+    }
+
+    fn add(&mut self, y: &mut AnyBuf, x: &AnyBuf, len: usize) {
+        match self {
+            Self::Cpu(b) => b.add(y.cpu_mut(), x.cpu(), len),
+            Self::Cuda(g) => g.add(y.gpu_mut(), x.gpu(), len),
+        }
+    }
+
+    fn gather_rows(&mut self, x: &AnyBuf, width: usize, rows: &[usize], out: &mut AnyBuf) {
+        match self {
+            Self::Cpu(b) => b.gather_rows(x.cpu(), width, rows, out.cpu_mut()),
+            Self::Cuda(g) => g.gather_rows(x.gpu(), width, rows, out.gpu_mut()),
+        }
+    }
+
+    fn export_rows(
+        &mut self,
+        x: &AnyBuf,
+        width: usize,
+        rows: &[Range<usize>],
+        dst: &mut [f32],
+        stride: usize,
+    ) {
+        match self {
+            Self::Cpu(b) => b.export_rows(x.cpu(), width, rows, dst, stride),
+            Self::Cuda(g) => g.export_rows(x.gpu(), width, rows, dst, stride),
+        }
+    }
+
+    fn merge_rows(
+        &mut self,
+        y: &mut AnyBuf,
+        width: usize,
+        rows: &[Range<usize>],
+        src: &[f32],
+        stride: usize,
+    ) {
+        match self {
+            Self::Cpu(b) => b.merge_rows(y.cpu_mut(), width, rows, src, stride),
+            Self::Cuda(g) => g.merge_rows(y.gpu_mut(), width, rows, src, stride),
+        }
+    }
+
+    fn logits(&mut self, x: &AnyBuf, lm_head: &AnyLinear, rows: usize, out: &mut Vec<f32>) {
+        match self {
+            Self::Cpu(b) => b.logits(x.cpu(), lm_head.cpu(), rows, out),
+            Self::Cuda(g) => g.logits(x.gpu(), lm_head.gpu(), rows, out),
+        }
+    }
+}

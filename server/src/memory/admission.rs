@@ -1,0 +1,414 @@
+//! Adapter-aware admission: which waiting requests may join the batch this step, and what the
+//! device memory must do for them (evict, load, fetch). A pure function over the queue, the
+//! running set and a [`MemView`] of the memory manager, so any queueing policy (FIFO here, the
+//! multi-level queues later) can call it with its own order of candidates.
+//!
+//! A request is admissible when its KV reservation fits and its adapter is resident, loading,
+//! or in the host tier and loadable — evicting idle adapters (never one a running request
+//! uses) to make room, so the adapter cache shrinks before any request waits for KV. A request
+//! whose adapter is only on disk waits while the loader fetches it. Nothing is refused here.
+//!
+//! Requests behind a blocked head may bypass it (Chameleon §4, "Bypassing Adapter Blocking"),
+//! but never so as to delay it: while the head waits for memory, a bypasser must be predicted to
+//! finish within the head's predicted wait (steps until running requests free enough for it);
+//! while the head waits only for its adapter's fetch, a bypasser must leave the head fitting.
+use std::collections::{HashMap, HashSet};
+
+use thaw_runtime::ids::{AdapterId, SeqId};
+
+use super::pool::PagePool;
+use crate::scheduler::{SchedConfig, SeqState};
+
+/// How far behind a blocked head the bypass looks.
+pub const BYPASS_LOOKAHEAD: usize = 64;
+
+/// Where an adapter is on the device.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum Device {
+    Absent,
+    /// Registered with the engine, layers still streaming in.
+    Loading,
+    Resident,
+}
+
+/// What admission needs to know of one adapter.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct AdapterState {
+    /// Pages it takes (or takes now) on the device.
+    pub pages: usize,
+    pub device: Device,
+    /// A host copy exists, so it can be registered with the engine this step.
+    pub in_host: bool,
+}
+
+/// The memory manager as admission sees it.
+#[derive(Clone, Copy, Debug)]
+pub struct MemView<'a> {
+    pub pool: &'a PagePool,
+    pub adapters: &'a HashMap<AdapterId, AdapterState>,
+    /// Adapters on the device, most evictable first (the eviction policy's order).
+    pub eviction_order: &'a [AdapterId],
+}
+
+/// Batch limits admission keeps.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct Limits {
+    /// `--max-loras`: distinct adapters in one batch.
+    pub max_loras: usize,
+    /// `--max-num-seqs`.
+    pub max_num_seqs: usize,
+    /// Let requests pass a head blocked on memory (bounded as above).
+    pub bypass: bool,
+    /// Load adapters of waiting requests into free pages ahead of their turn.
+    pub prefetch: bool,
+}
+
+/// The head of the queue is blocked; how long it is predicted to wait.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct HeadWait {
+    pub seq: SeqId,
+    /// Steps until running requests free enough for it; None when it waits only for its
+    /// adapter's fetch (bypassers must then leave it fitting).
+    pub bound_steps: Option<usize>,
+}
+
+/// What admission decided.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct AdmitPlan {
+    /// Requests that may be admitted, in order (a prefix may be taken if the token budget runs
+    /// out; the memory below is already arranged for all of them).
+    pub admit: Vec<SeqId>,
+    /// Idle adapters to drop from the device first.
+    pub evict: Vec<AdapterId>,
+    /// Adapters to register with the engine (host → device) for admitted requests.
+    pub load: Vec<AdapterId>,
+    /// Adapters of waiting requests to load ahead of their turn, into free pages only.
+    pub prefetch: Vec<AdapterId>,
+    /// Adapters of waiting requests the loader must read from disk.
+    pub fetch: Vec<AdapterId>,
+    /// KV pages the scheduler may reserve in total once the plan is applied.
+    pub kv_capacity: usize,
+    pub head: Option<HeadWait>,
+    /// Requests admitted past a blocked head.
+    pub bypassed: usize,
+}
+
+/// Predicted steps until `s` finishes if it runs every step (prefill in budget-sized chunks,
+/// then one token per step up to `max_new_tokens` — an upper bound, early stops only shorten).
+pub fn predicted_steps(s: &SeqState, cfg: &SchedConfig) -> usize {
+    let generated = s.total_tokens - s.prompt_len;
+    if s.in_prefill() {
+        let chunks = (s.prompt_len - s.computed).div_ceil(cfg.max_num_batched_tokens.max(1));
+        chunks + s.max_new_tokens.saturating_sub(1)
+    } else {
+        s.max_new_tokens.saturating_sub(generated)
+    }
+}
+
+/// Tentative state while building the plan.
+#[derive(Clone)]
+struct Work<'a> {
+    view: MemView<'a>,
+    cfg: &'a SchedConfig,
+    kv: usize,
+    adapter_pages: usize,
+    count: usize,
+    seqs: usize,
+    /// Adapter → requests (running or admitted) using it.
+    users: HashMap<AdapterId, usize>,
+    evicted: HashSet<AdapterId>,
+    loaded: HashSet<AdapterId>,
+}
+
+/// What admitting one request takes.
+#[derive(Clone)]
+struct Need {
+    r: usize,
+    load: Option<(AdapterId, usize)>,
+    evict: Vec<AdapterId>,
+}
+
+#[derive(Copy, Clone, PartialEq, Eq)]
+enum Block {
+    Memory,
+    Fetch,
+}
+
+impl<'a> Work<'a> {
+    fn new(
+        view: MemView<'a>,
+        cfg: &'a SchedConfig,
+        running: &[SeqState],
+        reserved_kv: usize,
+    ) -> Self {
+        let mut users: HashMap<AdapterId, usize> = HashMap::new();
+        for a in running.iter().filter_map(|s| s.adapter) {
+            *users.entry(a).or_default() += 1;
+        }
+        Self {
+            view,
+            cfg,
+            kv: reserved_kv,
+            adapter_pages: view.pool.adapter_pages(),
+            count: view.pool.adapter_count(),
+            seqs: running.len(),
+            users,
+            evicted: HashSet::new(),
+            loaded: HashSet::new(),
+        }
+    }
+
+    fn on_device(&self, a: AdapterId) -> bool {
+        self.loaded.contains(&a)
+            || (!self.evicted.contains(&a)
+                && self
+                    .view
+                    .adapters
+                    .get(&a)
+                    .is_some_and(|s| s.device != Device::Absent))
+    }
+
+    fn pages(&self, a: AdapterId) -> usize {
+        self.view.adapters.get(&a).map_or(0, |s| s.pages)
+    }
+
+    /// What `s` needs now, or why it must wait; `fetched` counts as in the host tier.
+    fn need(&self, s: &SeqState, lim: &Limits, fetched: Option<AdapterId>) -> Result<Need, Block> {
+        if self.seqs >= lim.max_num_seqs {
+            return Err(Block::Memory);
+        }
+        let r = s.reservation(self.cfg);
+        let mut load = None;
+        if let Some(a) = s.adapter {
+            if !self.users.contains_key(&a) && self.users.len() >= lim.max_loras {
+                return Err(Block::Memory);
+            }
+            match self.view.adapters.get(&a) {
+                // Unknown to the memory manager: the engine refuses it with a clear error.
+                None => {}
+                Some(_) if self.on_device(a) => {}
+                Some(st) if st.in_host || fetched == Some(a) => load = Some((a, st.pages)),
+                Some(_) => return Err(Block::Fetch),
+            }
+        }
+        let pool = self.view.pool;
+        let (mut pages, mut count) = (self.adapter_pages, self.count);
+        let mut evict = Vec::new();
+        let mut order = self.view.eviction_order.iter();
+        loop {
+            let room = match load {
+                Some((_, p)) => pool.fits_with(p, self.kv + r, pages, count).is_ok(),
+                None => true,
+            };
+            let with = pages + load.map_or(0, |(_, p)| p);
+            if room && self.kv + r <= pool.kv_capacity_with(with) {
+                return Ok(Need { r, load, evict });
+            }
+            let victim = order.find(|v| {
+                !self.evicted.contains(v)
+                    && !self.users.contains_key(v)
+                    && Some(**v) != s.adapter
+                    && self.on_device(**v)
+            });
+            let Some(&v) = victim else {
+                return Err(Block::Memory);
+            };
+            pages -= self.pages(v);
+            count -= 1;
+            evict.push(v);
+        }
+    }
+
+    fn commit(&mut self, s: &SeqState, n: Need, plan: &mut AdmitPlan) {
+        for v in n.evict {
+            self.adapter_pages -= self.pages(v);
+            self.count -= 1;
+            self.evicted.insert(v);
+            self.loaded.remove(&v);
+            plan.evict.push(v);
+        }
+        if let Some((a, p)) = n.load {
+            self.adapter_pages += p;
+            self.count += 1;
+            self.loaded.insert(a);
+            self.evicted.remove(&a);
+            plan.load.push(a);
+        }
+        if let Some(a) = s.adapter {
+            *self.users.entry(a).or_default() += 1;
+        }
+        self.kv += n.r;
+        self.seqs += 1;
+        plan.admit.push(s.id);
+    }
+
+    /// Steps until the requests in `running` free enough for `head` (None: they never do).
+    fn head_wait(&self, head: &SeqState, running: &[&SeqState], lim: &Limits) -> Option<usize> {
+        let mut rel: Vec<(usize, &SeqState)> = running
+            .iter()
+            .map(|s| (predicted_steps(s, self.cfg), *s))
+            .collect();
+        rel.sort_by_key(|(k, _)| *k);
+        let mut users = self.users.clone();
+        let (mut kv, mut seqs) = (self.kv, self.seqs);
+        let r = head.reservation(self.cfg);
+        let pool = self.view.pool;
+        for (steps, s) in rel {
+            kv -= s.reservation(self.cfg);
+            seqs -= 1;
+            if let Some(a) = s.adapter {
+                if let Some(u) = users.get_mut(&a) {
+                    *u -= 1;
+                    if *u == 0 {
+                        users.remove(&a);
+                    }
+                }
+            }
+            // Adapters still used stay; every idle one could be evicted.
+            let pinned: usize = users.keys().map(|a| self.pages(*a)).sum();
+            let (shared, load) = match head.adapter {
+                Some(a) if users.contains_key(&a) => (true, 0),
+                Some(a) => (false, self.pages(a)),
+                None => (true, 0),
+            };
+            let fits = seqs < lim.max_num_seqs
+                && (shared || users.len() < lim.max_loras)
+                && (load == 0 || pool.fits_with(load, kv + r, pinned, users.len()).is_ok())
+                && kv + r <= pool.kv_capacity_with(pinned + load);
+            if fits {
+                return Some(steps);
+            }
+        }
+        None
+    }
+
+    /// Loads adapters of waiting requests into pages nobody uses, evicting nothing, never so
+    /// that a head waiting for its fetch stops fitting.
+    fn prefetch(
+        &mut self,
+        rest: &[&SeqState],
+        head: Option<&SeqState>,
+        plan: &mut AdmitPlan,
+        lim: &Limits,
+    ) {
+        let pool = self.view.pool;
+        for s in head.iter().chain(rest) {
+            let Some(a) = s.adapter else { continue };
+            let Some(st) = self.view.adapters.get(&a).copied() else {
+                continue;
+            };
+            if !st.in_host || self.on_device(a) {
+                continue;
+            }
+            if pool
+                .fits_with(st.pages, self.kv, self.adapter_pages, self.count)
+                .is_err()
+                || self.kv > pool.kv_capacity_with(self.adapter_pages + st.pages)
+            {
+                continue;
+            }
+            let mut probe = self.clone();
+            probe.adapter_pages += st.pages;
+            probe.count += 1;
+            probe.loaded.insert(a);
+            if let Some(h) = head.filter(|h| h.id != s.id) {
+                if probe.need(h, lim, h.adapter).is_err() {
+                    continue;
+                }
+            }
+            *self = probe;
+            plan.prefetch.push(a);
+        }
+    }
+}
+
+/// Decides admission for `waiting` (in the policy's order) beside `running`, whose KV
+/// reservations total `reserved_kv` pages.
+pub fn admit<'a>(
+    waiting: impl IntoIterator<Item = &'a SeqState>,
+    running: &[SeqState],
+    reserved_kv: usize,
+    cfg: &SchedConfig,
+    view: MemView<'_>,
+    lim: &Limits,
+) -> AdmitPlan {
+    let mut w = Work::new(view, cfg, running, reserved_kv);
+    let mut plan = AdmitPlan::default();
+    let mut admitted: Vec<&SeqState> = Vec::new();
+    let mut head: Option<(&SeqState, Option<usize>)> = None;
+    let mut behind = 0;
+    let mut fetch_seen = HashSet::new();
+    let mut rest: Vec<&SeqState> = Vec::new();
+    for s in waiting {
+        if head.is_some() {
+            behind += 1;
+            if behind > BYPASS_LOOKAHEAD {
+                break;
+            }
+        }
+        let need = w.need(s, lim, None);
+        if let (Err(Block::Fetch), Some(a)) = (&need, s.adapter) {
+            if fetch_seen.insert(a) {
+                plan.fetch.push(a);
+            }
+        }
+        let Some((h, bound)) = head else {
+            match need {
+                Ok(n) => {
+                    w.commit(s, n, &mut plan);
+                    admitted.push(s);
+                }
+                Err(why) => {
+                    let bound = match why {
+                        Block::Fetch => None,
+                        Block::Memory => {
+                            let run: Vec<&SeqState> =
+                                running.iter().chain(admitted.iter().copied()).collect();
+                            Some(w.head_wait(s, &run, lim).unwrap_or(0))
+                        }
+                    };
+                    head = Some((s, bound));
+                    plan.head = Some(HeadWait {
+                        seq: s.id,
+                        bound_steps: bound,
+                    });
+                    if !lim.bypass {
+                        break;
+                    }
+                }
+            }
+            continue;
+        };
+        let Ok(n) = need else {
+            rest.push(s);
+            continue;
+        };
+        let allowed = match bound {
+            Some(b) => predicted_steps(s, cfg) <= b,
+            // The head waits for its fetch: it must still fit once that lands.
+            None => {
+                let mut probe = w.clone();
+                probe.commit(s, n.clone(), &mut AdmitPlan::default());
+                probe.need(h, lim, h.adapter).is_ok()
+            }
+        };
+        if allowed {
+            w.commit(s, n, &mut plan);
+            admitted.push(s);
+            plan.bypassed += 1;
+        } else {
+            rest.push(s);
+        }
+    }
+    if lim.prefetch {
+        // While the head waits for memory, only its own adapter: the free pages are its.
+        let others: &[&SeqState] = if matches!(head, Some((_, Some(_)))) {
+            &[]
+        } else {
+            &rest
+        };
+        w.prefetch(others, head.map(|(h, _)| h), &mut plan, lim);
+    }
+    plan.kv_capacity = view.pool.kv_capacity_with(w.adapter_pages);
+    plan
+}

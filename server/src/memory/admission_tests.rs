@@ -1,0 +1,372 @@
+//! Admission and pool together, driven by a simulated engine: never over-committed, no leased
+//! adapter evicted, KV pressure shrinks the cache, every request runs, bypass bounded.
+use std::collections::{HashMap, HashSet};
+
+use proptest::prelude::*;
+use thaw_runtime::ids::{AdapterId, SeqId};
+
+use super::admission::{admit, predicted_steps, AdapterState, Device, Limits, MemView};
+use super::pool::{Layout, PagePool};
+use crate::scheduler::{plan_step_admitting, Gate, SchedConfig, SchedState, SeqState};
+
+/// One request: (arrival step, prompt, max new tokens, adapter index or none).
+type Req = (usize, usize, usize, Option<u32>);
+
+/// Admitted ids and the blocked head with its predicted wait.
+type Stepped = (Vec<SeqId>, Option<(SeqId, usize)>);
+
+struct Sim {
+    cfg: SchedConfig,
+    pool: PagePool,
+    lim: Limits,
+    adapters: HashMap<AdapterId, AdapterState>,
+    /// Steps left on each adapter's disk read.
+    fetching: HashMap<AdapterId, usize>,
+    fetch_steps: usize,
+    last_used: HashMap<AdapterId, usize>,
+    state: SchedState,
+}
+
+impl Sim {
+    fn new(cfg: SchedConfig, lim: Limits, pages: &[(usize, bool)], fetch_steps: usize) -> Self {
+        let adapters = pages
+            .iter()
+            .enumerate()
+            .map(|(i, &(p, host))| {
+                (
+                    AdapterId(i as u32),
+                    AdapterState {
+                        pages: p,
+                        device: Device::Absent,
+                        in_host: host,
+                    },
+                )
+            })
+            .collect();
+        Self {
+            pool: PagePool::new(1, cfg.total_blocks, Layout::Unified { max_adapters: None }),
+            cfg,
+            lim,
+            adapters,
+            fetching: HashMap::new(),
+            fetch_steps,
+            last_used: HashMap::new(),
+            state: SchedState::default(),
+        }
+    }
+
+    /// One planning round plus one engine step; returns the admitted ids and the plan's head.
+    fn step(&mut self, t: usize) -> Result<Stepped, TestCaseError> {
+        let mut order: Vec<AdapterId> = self
+            .adapters
+            .iter()
+            .filter(|(_, s)| s.device != Device::Absent)
+            .map(|(a, _)| *a)
+            .collect();
+        order.sort_by_key(|a| (self.last_used.get(a).copied().unwrap_or(0), *a));
+        let view = MemView {
+            pool: &self.pool,
+            adapters: &self.adapters,
+            eviction_order: &order,
+        };
+        let plan = admit(
+            &self.state.waiting,
+            &self.state.running,
+            self.state.reserved_blocks,
+            &self.cfg,
+            view,
+            &self.lim,
+        );
+        let leased: HashSet<AdapterId> = self
+            .state
+            .running
+            .iter()
+            .filter_map(|s| s.adapter)
+            .collect();
+        for v in &plan.evict {
+            prop_assert!(!leased.contains(v), "evicted leased adapter {v}");
+            prop_assert!(
+                self.pool.remove(*v).is_some(),
+                "evicted a non-resident adapter"
+            );
+            self.adapters.get_mut(v).unwrap().device = Device::Absent;
+        }
+        for a in plan.load.iter().chain(&plan.prefetch) {
+            let st = self.adapters.get_mut(a).unwrap();
+            prop_assert!(st.in_host && st.device == Device::Absent);
+            let r = self.pool.insert(*a, st.pages, self.state.reserved_blocks);
+            prop_assert!(
+                r.is_ok(),
+                "admission planned a load that does not fit: {r:?}"
+            );
+            st.device = Device::Loading;
+        }
+        for a in &plan.fetch {
+            self.fetching.entry(*a).or_insert(self.fetch_steps);
+        }
+        let used: usize = self
+            .state
+            .running
+            .iter()
+            .map(|s| self.cfg.blocks_for(s.computed))
+            .sum();
+        let d = plan_step_admitting(
+            &self.state,
+            &self.cfg,
+            self.cfg.total_blocks - used,
+            &|_: &SeqState, _| Gate::Go,
+            &plan.admit,
+            self.pool.kv_capacity(),
+        );
+        self.state.admit_ids(&d.admit, &self.cfg);
+        prop_assert!(
+            self.state.reserved_blocks + self.pool.adapter_pages() <= self.pool.total(),
+            "device memory over-committed"
+        );
+        let batch: HashSet<AdapterId> = self
+            .state
+            .running
+            .iter()
+            .filter_map(|s| s.adapter)
+            .collect();
+        prop_assert!(
+            batch.len() <= self.lim.max_loras,
+            "too many adapters in the batch"
+        );
+        for a in &batch {
+            prop_assert!(
+                self.pool.contains(*a),
+                "a running request's adapter is not on device"
+            );
+            self.last_used.insert(*a, t);
+        }
+        // The engine: computes the plan, samples at the end of each prompt, finishes at max.
+        let planned: Vec<_> = d.plan.items.iter().map(|i| (i.seq, i.num_tokens)).collect();
+        let (mut sampled, mut finished) = (Vec::new(), Vec::new());
+        for it in &d.plan.items {
+            let s = self.state.running.iter().find(|s| s.id == it.seq).unwrap();
+            if s.computed + it.num_tokens == s.total_tokens {
+                sampled.push(it.seq);
+                if s.total_tokens + 1 - s.prompt_len >= s.max_new_tokens {
+                    finished.push(it.seq);
+                }
+            }
+        }
+        self.state.on_step(&planned, &sampled, &finished, &self.cfg);
+        for st in self.adapters.values_mut() {
+            if st.device == Device::Loading {
+                st.device = Device::Resident;
+            }
+        }
+        self.fetching.retain(|a, left| {
+            *left -= 1;
+            if *left == 0 {
+                self.adapters.get_mut(a).unwrap().in_host = true;
+            }
+            *left > 0
+        });
+        let head = plan.head.and_then(|h| h.bound_steps.map(|b| (h.seq, b)));
+        Ok((d.admit, head))
+    }
+
+    /// Runs `reqs` to the end; returns each request's admission step. Checks that a head
+    /// blocked on memory is admitted within the bound predicted when it first blocked.
+    fn run(&mut self, reqs: &[Req], check_bound: bool) -> Result<Vec<usize>, TestCaseError> {
+        let mut admitted = vec![usize::MAX; reqs.len()];
+        let mut deadline: HashMap<SeqId, usize> = HashMap::new();
+        let mut t = 0;
+        while t < 10_000 {
+            for (i, r) in reqs.iter().enumerate().filter(|(_, r)| r.0 == t) {
+                let mut s = SeqState::new(SeqId(i as u64), r.1, r.2);
+                s.adapter = r.3.map(AdapterId);
+                self.state.enqueue(s);
+            }
+            let (ids, head) = self.step(t)?;
+            for id in ids {
+                if let Some(a) = admitted.get_mut(id.0 as usize) {
+                    *a = t;
+                }
+                if check_bound {
+                    if let Some(d) = deadline.get(&id) {
+                        prop_assert!(t <= *d, "head {id} admitted at {t}, bound was {d}");
+                    }
+                }
+            }
+            if let Some((h, b)) = head {
+                deadline.entry(h).or_insert(t + b);
+            }
+            t += 1;
+            if self.state.is_idle() && reqs.iter().all(|r| r.0 < t) {
+                return Ok(admitted);
+            }
+        }
+        Err(TestCaseError::fail(format!(
+            "no progress after {t} steps: {:?}",
+            self.state
+        )))
+    }
+}
+
+fn cfg(total: usize, budget: usize) -> SchedConfig {
+    SchedConfig {
+        max_num_seqs: 64,
+        max_num_batched_tokens: budget,
+        block_size: 4,
+        total_blocks: total,
+    }
+}
+
+fn lim(max_loras: usize, max_num_seqs: usize) -> Limits {
+    Limits {
+        max_loras,
+        max_num_seqs,
+        bypass: true,
+        prefetch: true,
+    }
+}
+
+/// Requests that fit the pool alone beside their adapter.
+fn fitting(reqs: Vec<Req>, c: &SchedConfig, pages: &[(usize, bool)]) -> Vec<Req> {
+    reqs.into_iter()
+        .map(|(t, p, m, a)| (t, p, m, a.map(|a| a % pages.len() as u32)))
+        .filter(|&(_, p, m, a)| {
+            c.blocks_for(p + m) + a.map_or(0, |a| pages[a as usize].0) <= c.total_blocks
+        })
+        .collect()
+}
+
+#[test]
+fn disk_adapter_is_fetched_and_resident_requests_bypass_it() {
+    let c = cfg(40, 64);
+    let mut sim = Sim::new(c, lim(4, 8), &[(4, false), (4, true)], 3);
+    sim.state.enqueue(SeqState {
+        adapter: Some(AdapterId(0)),
+        ..SeqState::new(SeqId(0), 8, 4)
+    });
+    sim.state.enqueue(SeqState {
+        adapter: Some(AdapterId(1)),
+        ..SeqState::new(SeqId(1), 8, 4)
+    });
+    let (ids, _) = sim.step(0).unwrap();
+    assert_eq!(
+        ids,
+        vec![SeqId(1)],
+        "the host-tier adapter's request passes"
+    );
+    assert!(
+        sim.fetching.contains_key(&AdapterId(0)),
+        "the disk one is read"
+    );
+    let admitted = sim.run(&[], false).unwrap();
+    assert!(admitted.is_empty());
+    assert!(sim.state.is_idle(), "the fetched request ran too");
+}
+
+#[test]
+fn max_loras_caps_distinct_adapters_per_batch() {
+    let c = cfg(100, 64);
+    let mut sim = Sim::new(c, lim(2, 8), &[(1, true), (1, true), (1, true)], 1);
+    // Request 3 shares adapter 0 but would outlive the head's predicted wait: no bypass.
+    for (i, (a, m)) in [(0u32, 8), (1, 8), (2, 8), (0, 16)].into_iter().enumerate() {
+        sim.state.enqueue(SeqState {
+            adapter: Some(AdapterId(a)),
+            ..SeqState::new(SeqId(i as u64), 4, m)
+        });
+    }
+    let (ids, head) = sim.step(0).unwrap();
+    assert_eq!(ids, vec![SeqId(0), SeqId(1)], "adapter 2 must wait");
+    assert_eq!(head, Some((SeqId(2), 8)));
+    assert!(sim.run(&[], true).is_ok());
+}
+
+proptest! {
+    /// Idle adapters never make a request wait for KV: however full the cache, a request that
+    /// fits beside the leased adapters is admitted, evicting idle ones.
+    #[test]
+    fn kv_pressure_shrinks_the_cache(
+        pages in proptest::collection::vec(1usize..6, 1..12),
+        prompt in 1usize..80,
+        leased in 0usize..3,
+    ) {
+        let total = 40;
+        let c = cfg(total, 256);
+        let mut adapters = HashMap::new();
+        let mut pool = PagePool::new(1, total, Layout::Unified { max_adapters: None });
+        let mut order = Vec::new();
+        for (i, p) in pages.iter().enumerate() {
+            let a = AdapterId(i as u32);
+            if pool.insert(a, *p, 0).is_ok() {
+                adapters.insert(a, AdapterState { pages: *p, device: Device::Resident, in_host: true });
+                order.push(a);
+            }
+        }
+        let running: Vec<SeqState> = order.iter().take(leased).enumerate().map(|(i, a)| SeqState {
+            adapter: Some(*a),
+            ..SeqState::new(SeqId(100 + i as u64), 1, 1)
+        }).collect();
+        let reserved: usize = running.iter().map(|s| s.reservation(&c)).sum();
+        let pinned: usize = running.iter().map(|s| adapters[&s.adapter.unwrap()].pages).sum();
+        let req = SeqState::new(SeqId(1), prompt, 4);
+        let view = MemView { pool: &pool, adapters: &adapters, eviction_order: &order };
+        let plan = admit([&req], &running, reserved, &c, view, &lim(16, 16));
+        let fits = reserved + pinned + req.reservation(&c) <= total;
+        prop_assert_eq!(plan.admit == vec![SeqId(1)], fits);
+        let leased: HashSet<_> = running.iter().filter_map(|s| s.adapter).collect();
+        prop_assert!(plan.evict.iter().all(|v| !leased.contains(v)));
+        if fits {
+            let freed: usize = plan.evict.iter().map(|v| adapters[v].pages).sum();
+            prop_assert!(reserved + req.reservation(&c) <= plan.kv_capacity);
+            prop_assert_eq!(plan.kv_capacity, total - pool.adapter_pages() + freed);
+        }
+    }
+
+    /// Random arrivals, adapters partly on disk, tight memory: the pool is never
+    /// over-committed, no leased adapter is evicted, and every request runs.
+    #[test]
+    fn every_queued_request_eventually_runs(
+        pages in proptest::collection::vec((1usize..8, any::<bool>()), 1..10),
+        reqs in proptest::collection::vec((0usize..40, 1usize..40, 1usize..12, proptest::option::of(0u32..10)), 1..40),
+        total in 16usize..60,
+        budget in 4usize..64,
+        max_loras in 1usize..4,
+        max_seqs in 1usize..8,
+        bypass in any::<bool>(),
+        prefetch in any::<bool>(),
+        fetch_steps in 1usize..6,
+    ) {
+        let c = cfg(total, budget);
+        let reqs = fitting(reqs, &c, &pages);
+        let l = Limits { bypass, prefetch, ..lim(max_loras, max_seqs) };
+        let mut sim = Sim::new(c, l, &pages, fetch_steps);
+        let admitted = sim.run(&reqs, false)?;
+        prop_assert!(admitted.iter().all(|t| *t != usize::MAX), "a request never ran");
+    }
+
+    /// With exact predictions (ample token budget, no early stops, adapters in host memory),
+    /// a head blocked on memory is admitted within the wait predicted when it first blocked,
+    /// however many requests bypassed it.
+    #[test]
+    fn bypass_never_delays_the_head_past_its_bound(
+        pages in proptest::collection::vec(1usize..8, 1..8),
+        reqs in proptest::collection::vec((0usize..30, 1usize..30, 1usize..16, proptest::option::of(0u32..8)), 1..40),
+        total in 16usize..50,
+        max_loras in 1usize..4,
+        max_seqs in 1usize..8,
+    ) {
+        let pages: Vec<(usize, bool)> = pages.into_iter().map(|p| (p, true)).collect();
+        let c = cfg(total, 100_000);
+        let reqs = fitting(reqs, &c, &pages);
+        let mut sim = Sim::new(c, lim(max_loras, max_seqs), &pages, 1);
+        sim.run(&reqs, true)?;
+    }
+}
+
+#[test]
+fn predicted_steps_counts_prefill_chunks_and_decode() {
+    let c = cfg(10, 8);
+    let mut s = SeqState::new(SeqId(0), 20, 5);
+    assert_eq!(predicted_steps(&s, &c), 3 + 4);
+    s.computed = 20;
+    s.total_tokens = 22;
+    assert_eq!(predicted_steps(&s, &c), 3);
+}

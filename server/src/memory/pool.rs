@@ -1,0 +1,223 @@
+//! The device memory budget as one pool of pages shared by KV blocks and adapters (S-LoRA's
+//! unified paging): a page is one KV block (every layer's K and V for `block_size` tokens),
+//! and an adapter takes `ceil(bytes / page)` pages — its own size, never padded to the largest
+//! rank. KV reservations (the scheduler's) and adapter pages together never exceed the pool.
+//!
+//! The `fixed-slots` layout (a bench-only baseline, today's behaviour before this pool) carves
+//! `slots` adapter slots padded to the largest rank out of the budget and leaves KV the rest.
+use std::collections::BTreeMap;
+
+use thaw_runtime::ids::AdapterId;
+
+/// How adapters take device memory.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum Layout {
+    /// Adapters take exactly their pages out of the budget KV also uses.
+    Unified {
+        /// Most adapters registered with the engine at once (the workers' host store has an
+        /// entry per registered adapter), if bounded.
+        max_adapters: Option<usize>,
+    },
+    /// `slots` slots of `slot_pages` each, reserved for adapters whether used or not.
+    FixedSlots { slots: usize, slot_pages: usize },
+}
+
+/// Why an adapter does not fit.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum PoolError {
+    #[error("needs {need} pages, {free} free")]
+    NoRoom { need: usize, free: usize },
+    #[error("all {0} adapter slots are taken")]
+    NoSlot(usize),
+    #[error("adapter already in the pool")]
+    Duplicate,
+}
+
+/// Adapter pages in the device budget; KV reservations are passed in (the scheduler owns them).
+#[derive(Clone, Debug)]
+pub struct PagePool {
+    page_bytes: u64,
+    total: usize,
+    layout: Layout,
+    adapters: BTreeMap<AdapterId, usize>,
+    adapter_pages: usize,
+}
+
+impl PagePool {
+    pub fn new(page_bytes: u64, total_pages: usize, layout: Layout) -> Self {
+        Self {
+            page_bytes: page_bytes.max(1),
+            total: total_pages,
+            layout,
+            adapters: BTreeMap::new(),
+            adapter_pages: 0,
+        }
+    }
+
+    pub fn page_bytes(&self) -> u64 {
+        self.page_bytes
+    }
+
+    pub fn total(&self) -> usize {
+        self.total
+    }
+
+    pub fn layout(&self) -> Layout {
+        self.layout
+    }
+
+    /// Pages an adapter of `bytes` takes (its own size; a whole slot in `fixed-slots`).
+    pub fn pages_for(&self, bytes: u64) -> usize {
+        match self.layout {
+            Layout::Unified { .. } => (bytes.div_ceil(self.page_bytes) as usize).max(1),
+            Layout::FixedSlots { slot_pages, .. } => slot_pages,
+        }
+    }
+
+    /// Pages adapters hold now.
+    pub fn adapter_pages(&self) -> usize {
+        self.adapter_pages
+    }
+
+    pub fn adapter_count(&self) -> usize {
+        self.adapters.len()
+    }
+
+    pub fn contains(&self, id: AdapterId) -> bool {
+        self.adapters.contains_key(&id)
+    }
+
+    /// Pages KV may reserve in total while adapters hold `adapter_pages`.
+    pub fn kv_capacity_with(&self, adapter_pages: usize) -> usize {
+        match self.layout {
+            Layout::Unified { .. } => self.total.saturating_sub(adapter_pages),
+            Layout::FixedSlots { slots, slot_pages } => {
+                self.total.saturating_sub(slots * slot_pages)
+            }
+        }
+    }
+
+    /// Pages KV may reserve in total now.
+    pub fn kv_capacity(&self) -> usize {
+        self.kv_capacity_with(self.adapter_pages)
+    }
+
+    /// Whether one more adapter of `pages` fits beside `kv_reserved` KV pages when adapters
+    /// hold `adapter_pages` in `count` entries.
+    pub fn fits_with(
+        &self,
+        pages: usize,
+        kv_reserved: usize,
+        adapter_pages: usize,
+        count: usize,
+    ) -> Result<(), PoolError> {
+        match self.layout {
+            Layout::Unified { max_adapters } => {
+                if let Some(max) = max_adapters {
+                    if count >= max {
+                        return Err(PoolError::NoSlot(max));
+                    }
+                }
+                let free = self.total.saturating_sub(kv_reserved + adapter_pages);
+                if pages > free {
+                    return Err(PoolError::NoRoom { need: pages, free });
+                }
+                Ok(())
+            }
+            Layout::FixedSlots { slots, .. } => {
+                if count >= slots {
+                    return Err(PoolError::NoSlot(slots));
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// Takes `pages` for adapter `id`; fails without changing anything if they do not fit.
+    pub fn insert(
+        &mut self,
+        id: AdapterId,
+        pages: usize,
+        kv_reserved: usize,
+    ) -> Result<(), PoolError> {
+        if self.adapters.contains_key(&id) {
+            return Err(PoolError::Duplicate);
+        }
+        self.fits_with(pages, kv_reserved, self.adapter_pages, self.adapters.len())?;
+        self.adapters.insert(id, pages);
+        self.adapter_pages += pages;
+        Ok(())
+    }
+
+    /// Gives adapter `id`'s pages back; returns them.
+    pub fn remove(&mut self, id: AdapterId) -> Option<usize> {
+        let pages = self.adapters.remove(&id)?;
+        self.adapter_pages -= pages;
+        Some(pages)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn mixed_ranks_take_their_own_pages() {
+        let mut p = PagePool::new(1000, 10, Layout::Unified { max_adapters: None });
+        assert_eq!(p.pages_for(1), 1);
+        assert_eq!(p.pages_for(2500), 3);
+        p.insert(AdapterId(1), 3, 4).unwrap();
+        assert_eq!(p.kv_capacity(), 7);
+        assert_eq!(
+            p.insert(AdapterId(2), 4, 4),
+            Err(PoolError::NoRoom { need: 4, free: 3 })
+        );
+        p.insert(AdapterId(2), 3, 4).unwrap();
+        assert_eq!(p.remove(AdapterId(1)), Some(3));
+        assert_eq!(p.adapter_pages(), 3);
+        let mut f = PagePool::new(
+            1000,
+            10,
+            Layout::FixedSlots {
+                slots: 2,
+                slot_pages: 3,
+            },
+        );
+        assert_eq!(f.pages_for(10), 3, "fixed slots pad to the largest rank");
+        assert_eq!(f.kv_capacity(), 4, "slots are carved out even when empty");
+        f.insert(AdapterId(1), 3, 4).unwrap();
+        f.insert(AdapterId(2), 3, 4).unwrap();
+        assert_eq!(f.insert(AdapterId(3), 3, 0), Err(PoolError::NoSlot(2)));
+    }
+
+    proptest! {
+        /// Whatever sequence of KV reservations, inserts and removals: KV plus adapters never
+        /// exceed the pool, and a refused insert changes nothing.
+        #[test]
+        fn never_over_commits(
+            total in 1usize..64,
+            ops in proptest::collection::vec((0u8..3, 0u32..8, 1usize..20), 1..80),
+        ) {
+            let mut p = PagePool::new(1, total, Layout::Unified { max_adapters: Some(5) });
+            let mut kv = 0usize;
+            for (op, id, n) in ops {
+                match op {
+                    0 => {
+                        let before = (p.adapter_pages(), p.adapter_count());
+                        if p.insert(AdapterId(id), n, kv).is_err() {
+                            prop_assert_eq!(before, (p.adapter_pages(), p.adapter_count()));
+                        }
+                    }
+                    1 => { p.remove(AdapterId(id)); }
+                    _ => {
+                        // The scheduler reserves KV only within kv_capacity.
+                        if kv + n <= p.kv_capacity() { kv += n } else { kv = kv.saturating_sub(n) }
+                    }
+                }
+                prop_assert!(kv + p.adapter_pages() <= p.total());
+                prop_assert!(p.adapter_count() <= 5);
+            }
+        }
+    }
+}

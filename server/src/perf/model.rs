@@ -1,0 +1,474 @@
+//! The one performance model: device time of a step from its shape, CPU LoRA throughput,
+//! adapter load time per tier — measured at start-up, refitted online — used by the
+//! cold-start planner, the scheduler (TPOT cap, kernel choice, request sizes) and the
+//! simulator (through [`super::PerfSnapshot`]).
+//!
+//! Device time of one layer for a step `S` (CaraServe §5, "Performance modeling"):
+//!
+//! ```text
+//! t(S) = β + a_tok · tokens(S) + a_dec · decode_rows(S) + lora(S)
+//! lora(S) = α_M · Σ_{i∈S} rank(i)              SGMV (S-LoRA's MBGMV: "linear with the sum
+//!                                                    of LoRA ranks in a batch")
+//!         = α_B · |S| · max_{i∈S} rank(i)      BGMV ("almost linear to the product of batch
+//!                                                    size and the maximum rank")
+//! ```
+//!
+//! CaraServe writes `Perf_BGMV(S) = α_B·|S|·Max rank(i) + β_B` and
+//! `Perf_MBGMV(S) = α_M·Sum rank(i) + β_M` for decode batches, one row per request; here a
+//! row is a token, so a prefill chunk of `n` rows counts `n` times, and the base model's cost
+//! per token (`a_tok`, and `a_dec` for what a decode row's attention over its context adds)
+//! sits beside the LoRA term. All terms are per layer, fitted by least squares over the
+//! recent steps ([`super::fit::StepWindow`]).
+use std::time::Duration;
+
+use thaw_runtime::backend::LoraKernel;
+use thaw_runtime::residency::LinkModel;
+
+use super::fit::{ErrorStat, Sample, StepWindow, COLS};
+
+/// What a step computes, as far as its time goes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StepShape {
+    /// Rows of the step: prefill tokens plus decode tokens.
+    pub tokens: usize,
+    /// Rows that decode (one token of a sequence past its prompt).
+    pub decode: usize,
+    /// Rows that carry an adapter.
+    pub lora_rows: usize,
+    /// Σ over rows of their adapter's rank (SGMV's work).
+    pub rank_rows: usize,
+    /// Largest rank in the step (BGMV pads every LoRA row to it).
+    pub max_rank: usize,
+}
+
+impl StepShape {
+    /// Adds `rows` rows of one sequence: decode rows if `decode`, with an adapter of `rank`.
+    pub fn add(&mut self, rows: usize, decode: bool, rank: Option<usize>) {
+        self.tokens += rows;
+        if decode {
+            self.decode += rows;
+        }
+        if let Some(r) = rank {
+            self.lora_rows += rows;
+            self.rank_rows += rows * r;
+            self.max_rank = self.max_rank.max(r);
+        }
+    }
+
+    /// LoRA work under `kernel`: Σ rank for SGMV, rows · max rank for BGMV.
+    pub fn lora_work(&self, kernel: LoraKernel) -> usize {
+        match kernel {
+            LoraKernel::Sgmv => self.rank_rows,
+            LoraKernel::Bgmv => self.lora_rows * self.max_rank,
+        }
+    }
+
+    fn features(&self, kernel: LoraKernel) -> [f64; COLS] {
+        let (s, b) = match kernel {
+            LoraKernel::Sgmv => (self.lora_work(kernel) as f64, 0.0),
+            LoraKernel::Bgmv => (0.0, self.lora_work(kernel) as f64),
+        };
+        [self.tokens as f64, self.decode as f64, s, b]
+    }
+}
+
+/// Where an adapter's bytes are when a request for it arrives.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum Tier {
+    Device,
+    Host,
+    Disk,
+}
+
+/// Measured inputs of the model. Times in seconds, per layer where the name says so.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PerfModel {
+    /// `β`: device time of one layer of any step.
+    pub layer_base_s: f64,
+    /// `a_tok`: device time per row per layer.
+    pub layer_per_token_s: f64,
+    /// `a_dec`: extra device time per decode row per layer (attention over its context).
+    pub layer_per_decode_s: f64,
+    /// `α_M`: per unit of Σ rank per layer, SGMV.
+    pub lora_sgmv_s: f64,
+    /// `α_B`: per unit of rows · max rank per layer, BGMV.
+    pub lora_bgmv_s: f64,
+    pub num_layers: usize,
+    /// CPU LoRA throughput over all workers, FLOP/s.
+    pub cpu_flops: f64,
+    /// Whether the CPU work overlaps the device's (worker processes) or runs on the engine
+    /// thread itself (no workers: it adds to the step).
+    pub cpu_overlaps: bool,
+    pub link: LinkModel,
+    /// Disk → host read rate, bytes per second (learned from the loader's reads).
+    pub disk_bytes_per_s: f64,
+    /// Fixed cost CPU assist adds per layer of a step (exports, doorbells, waits, merges),
+    /// learned from assisted steps.
+    pub assist_layer_overhead_s: f64,
+    /// EWMA weight of each new observation.
+    pub alpha: f64,
+    /// Recent steps the device-time model is refitted to by least squares.
+    pub recent: StepWindow,
+    /// Error of each step's prediction, made before the step was measured.
+    pub error: ErrorStat,
+}
+
+impl Default for PerfModel {
+    /// An uncalibrated model: plausible CPU-backend magnitudes, corrected by the first steps.
+    fn default() -> Self {
+        Self {
+            layer_base_s: 1e-4,
+            layer_per_token_s: 1e-5,
+            layer_per_decode_s: 0.0,
+            lora_sgmv_s: 1e-8,
+            lora_bgmv_s: 1e-8,
+            num_layers: 1,
+            cpu_flops: 1e9,
+            cpu_overlaps: false,
+            link: LinkModel::default(),
+            disk_bytes_per_s: 1e9,
+            assist_layer_overhead_s: 0.0,
+            alpha: 0.1,
+            recent: StepWindow::default(),
+            error: ErrorStat::default(),
+        }
+    }
+}
+
+impl PerfModel {
+    /// Smallest spread of each column a refit needs (tokens, decode rows, Σ rank, rows·max
+    /// rank): below it a slope cannot be told from noise.
+    const MIN_SPREAD: [f64; COLS] = [16.0, 4.0, 64.0, 64.0];
+
+    fn coef(&self) -> [f64; COLS] {
+        [
+            self.layer_per_token_s,
+            self.layer_per_decode_s,
+            self.lora_sgmv_s,
+            self.lora_bgmv_s,
+        ]
+    }
+
+    /// Device time of one layer for a step of `tokens` rows without adapters.
+    pub fn layer_time(&self, tokens: usize) -> f64 {
+        self.layer_base_s + self.layer_per_token_s * tokens as f64
+    }
+
+    /// Device time of a whole step of `tokens` rows without adapters.
+    pub fn step_time(&self, tokens: usize) -> f64 {
+        self.layer_time(tokens) * self.num_layers as f64
+    }
+
+    /// Device time of one layer of a step of `shape` under `kernel`.
+    pub fn layer_time_shape(&self, shape: &StepShape, kernel: LoraKernel) -> f64 {
+        let x = shape.features(kernel);
+        let c = self.coef();
+        self.layer_base_s + (0..COLS).map(|j| c[j] * x[j]).sum::<f64>()
+    }
+
+    /// Device time of a whole step of `shape` under the kernel [`Self::choose_kernel`] picks.
+    pub fn predict(&self, shape: &StepShape) -> f64 {
+        self.layer_time_shape(shape, self.choose_kernel(shape)) * self.num_layers as f64
+    }
+
+    /// The LoRA kernel predicted faster for `shape` (CaraServe §5: BGMV pads every row to the
+    /// step's largest rank, SGMV does not but costs more per unit of work on homogeneous
+    /// ranks). Ties go to SGMV.
+    pub fn choose_kernel(&self, shape: &StepShape) -> LoraKernel {
+        let s = self.lora_sgmv_s * shape.lora_work(LoraKernel::Sgmv) as f64;
+        let b = self.lora_bgmv_s * shape.lora_work(LoraKernel::Bgmv) as f64;
+        if b < s {
+            LoraKernel::Bgmv
+        } else {
+            LoraKernel::Sgmv
+        }
+    }
+
+    /// The kernel step number `step` runs: [`Self::choose_kernel`]'s, except that every
+    /// [`Self::EXPLORE_EVERY`]th step with adapters runs the other one, so both kernels' terms
+    /// keep being measured (a kernel never run would never be fitted, and never chosen).
+    pub fn kernel_for_step(&self, shape: &StepShape, step: u64) -> LoraKernel {
+        let k = self.choose_kernel(shape);
+        if shape.lora_rows == 0 || !step.is_multiple_of(Self::EXPLORE_EVERY) {
+            return k;
+        }
+        match k {
+            LoraKernel::Sgmv => LoraKernel::Bgmv,
+            LoraKernel::Bgmv => LoraKernel::Sgmv,
+        }
+    }
+
+    /// See [`Self::kernel_for_step`].
+    pub const EXPLORE_EVERY: u64 = 32;
+
+    /// Most rows of a sequence with an adapter of `rank` (prefill rows, unless `decode`)
+    /// that can join `shape` while the predicted step time stays within `slo_s`; at most
+    /// `cap`. Every co-batched decoding request waits for the whole step, so this is what
+    /// keeps their time between tokens under the SLO.
+    pub fn max_rows_within(
+        &self,
+        shape: &StepShape,
+        rank: Option<usize>,
+        decode: bool,
+        slo_s: f64,
+        cap: usize,
+    ) -> usize {
+        let fits = |n: usize| {
+            let mut s = *shape;
+            s.add(n, decode, rank);
+            self.predict(&s) <= slo_s
+        };
+        if fits(cap) {
+            return cap;
+        }
+        let (mut lo, mut hi) = (0usize, cap);
+        if !fits(lo) {
+            return 0;
+        }
+        while lo + 1 < hi {
+            let mid = (lo + hi) / 2;
+            if fits(mid) {
+                lo = mid;
+            } else {
+                hi = mid;
+            }
+        }
+        lo
+    }
+
+    /// Time until the last layer of an adapter of `bytes` lands behind `backlog` queued bytes.
+    pub fn load_time(&self, bytes: u64, backlog: u64) -> f64 {
+        self.link
+            .transfer_time((bytes + backlog) as usize)
+            .as_secs_f64()
+            + self.link.latency_us * 1e-6 * self.num_layers.saturating_sub(1) as f64
+    }
+
+    /// Time until an adapter of `bytes` now in `tier` is on the device: nothing when it is,
+    /// the link when it is in host memory, a disk read before that when it is on disk.
+    pub fn load_time_from(&self, tier: Tier, bytes: u64, backlog: u64) -> f64 {
+        match tier {
+            Tier::Device => 0.0,
+            Tier::Host => self.load_time(bytes, backlog),
+            Tier::Disk => {
+                bytes as f64 / self.disk_bytes_per_s.max(1.0) + self.load_time(bytes, backlog)
+            }
+        }
+    }
+
+    /// Folds one disk → host read of `bytes` into the disk rate.
+    pub fn observe_disk_load(&mut self, bytes: u64, elapsed: Duration) {
+        let s = elapsed.as_secs_f64();
+        if bytes == 0 || s <= 0.0 {
+            return;
+        }
+        let rate = bytes as f64 / s;
+        self.disk_bytes_per_s += self.alpha * (rate - self.disk_bytes_per_s);
+    }
+
+    /// Folds one CPU-assisted step into the model: `overhead` is what the engine thread
+    /// spent on the assist path itself (exports, submits, waits for the workers, merges — as
+    /// the engine measured it), the rest of `elapsed` was device work for `tokens` rows.
+    pub fn observe_assisted_step(&mut self, tokens: usize, elapsed: Duration, overhead: Duration) {
+        if self.num_layers == 0 {
+            return;
+        }
+        let per_layer = overhead.as_secs_f64() / self.num_layers as f64;
+        self.assist_layer_overhead_s += self.alpha * (per_layer - self.assist_layer_overhead_s);
+        self.observe_step(tokens, elapsed.saturating_sub(overhead));
+    }
+
+    /// Folds one measured step of `tokens` rows whose shape is otherwise unknown.
+    pub fn observe_step(&mut self, tokens: usize, elapsed: Duration) {
+        let mut s = StepShape::default();
+        s.add(tokens, false, None);
+        self.observe_shape(&s, LoraKernel::Sgmv, elapsed);
+    }
+
+    /// Folds one measured step into the device-time model: a least-squares fit over the
+    /// recent steps once their shapes spread, an EWMA nudge of the start-up calibration
+    /// before that. The prediction made before the fold feeds [`Self::error`].
+    pub fn observe_shape(&mut self, shape: &StepShape, kernel: LoraKernel, elapsed: Duration) {
+        if shape.tokens == 0 || self.num_layers == 0 {
+            return;
+        }
+        let per_layer = elapsed.as_secs_f64() / self.num_layers as f64;
+        let predicted = self.layer_time_shape(shape, kernel);
+        self.error.observe(predicted, per_layer);
+        self.recent.push(Sample {
+            x: shape.features(kernel),
+            y: per_layer,
+        });
+        if let Some((base, c)) =
+            self.recent
+                .fit(&self.coef(), &Self::MIN_SPREAD, &[1e-9, f64::MIN, 0.0, 0.0])
+        {
+            if c[0] + c[1] > 0.0 {
+                self.layer_base_s = base.max(0.0);
+                [
+                    self.layer_per_token_s,
+                    self.layer_per_decode_s,
+                    self.lora_sgmv_s,
+                    self.lora_bgmv_s,
+                ] = c;
+                return;
+            }
+        }
+        // Attribute the error to the per-token slope for big steps, to the base for small.
+        let err = per_layer - predicted;
+        let tokens = shape.tokens;
+        let w = (tokens as f64 / 64.0).min(1.0);
+        self.layer_per_token_s =
+            (self.layer_per_token_s + self.alpha * err * w / tokens as f64).max(1e-9);
+        self.layer_base_s = (self.layer_base_s + self.alpha * err * (1.0 - w)).max(0.0);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn model(overlaps: bool) -> PerfModel {
+        PerfModel {
+            layer_base_s: 1e-4,
+            layer_per_token_s: 1e-5,
+            num_layers: 8,
+            cpu_flops: 1e9,
+            cpu_overlaps: overlaps,
+            link: LinkModel {
+                gbps: 0.05,
+                latency_us: 10.0,
+            },
+            alpha: 0.2,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn step_time_is_linear_in_tokens() {
+        let m = model(true);
+        assert!((m.layer_time(10) - 2e-4).abs() < 1e-12);
+        assert!((m.step_time(10) - 1.6e-3).abs() < 1e-12);
+    }
+
+    #[test]
+    fn assisted_steps_teach_the_overhead_and_the_device_time_apart() {
+        let mut m = model(true);
+        let device = 8.0 * (2e-4 + 2e-5 * 128.0);
+        let overhead = 8.0 * 3e-4;
+        for _ in 0..200 {
+            m.observe_assisted_step(
+                128,
+                Duration::from_secs_f64(device + overhead),
+                Duration::from_secs_f64(overhead),
+            );
+            m.observe_step(1, Duration::from_secs_f64(8.0 * (2e-4 + 2e-5)));
+        }
+        assert!((m.assist_layer_overhead_s - 3e-4).abs() < 3e-6, "{m:?}");
+        let want = 2e-4 + 2e-5 * 128.0;
+        let got = m.layer_time(128);
+        assert!((got - want).abs() / want < 0.05, "{got} vs {want}");
+    }
+
+    #[test]
+    fn many_small_steps_do_not_flatten_the_slope() {
+        // Decode steps whose time also depends on context length (noise the line cannot
+        // explain), with a prefill now and then: the fitted slope stays near the truth.
+        let mut m = model(true);
+        let truth = |t: usize| 2e-4 + 2e-5 * t as f64;
+        for i in 0..600 {
+            let (t, extra) = if i % 20 == 0 {
+                (96 + i % 64, 0.0)
+            } else {
+                (1 + i % 6, 6e-4 * ((i % 7) as f64 / 7.0))
+            };
+            m.observe_step(t, Duration::from_secs_f64(8.0 * (truth(t) + extra)));
+        }
+        let rel = (m.layer_per_token_s - 2e-5).abs() / 2e-5;
+        assert!(rel < 0.2, "slope {} vs 2e-5", m.layer_per_token_s);
+        let want = truth(128);
+        assert!((m.layer_time(128) - want).abs() / want < 0.2);
+    }
+
+    #[test]
+    fn observing_steps_converges_to_the_measured_rate() {
+        let mut m = model(true);
+        for _ in 0..200 {
+            m.observe_step(128, Duration::from_secs_f64(8.0 * (2e-4 + 2e-5 * 128.0)));
+            m.observe_step(1, Duration::from_secs_f64(8.0 * (2e-4 + 2e-5)));
+        }
+        let big = m.layer_time(128);
+        let want = 2e-4 + 2e-5 * 128.0;
+        assert!((big - want).abs() / want < 0.05, "{big} vs {want}");
+    }
+
+    #[test]
+    fn learns_both_kernels_and_picks_the_cheaper_per_step() {
+        // BGMV is cheaper per unit of work but pays for padding: homogeneous ranks favour
+        // it, one big rank among small ones favours SGMV.
+        let mut m = model(true);
+        let (am, ab) = (4e-8, 2e-8);
+        let truth = |s: &StepShape, k: LoraKernel| {
+            let lora = match k {
+                LoraKernel::Sgmv => am,
+                LoraKernel::Bgmv => ab,
+            } * s.lora_work(k) as f64;
+            8.0 * (1e-4 + 1e-5 * s.tokens as f64 + 2e-6 * s.decode as f64 + lora)
+        };
+        for i in 0..400usize {
+            let mut s = StepShape::default();
+            s.add(1 + i % 9, true, Some(8 << (i % 5)));
+            s.add((i * 7) % 48, false, Some(8 << ((i / 5) % 5)));
+            let k = if i % 2 == 0 {
+                LoraKernel::Sgmv
+            } else {
+                LoraKernel::Bgmv
+            };
+            m.observe_shape(&s, k, Duration::from_secs_f64(truth(&s, k)));
+        }
+        assert!((m.lora_sgmv_s - am).abs() / am < 1e-3, "{m:?}");
+        assert!((m.lora_bgmv_s - ab).abs() / ab < 1e-3, "{m:?}");
+        assert!((m.layer_per_decode_s - 2e-6).abs() / 2e-6 < 1e-3);
+        assert!(m.error.mean_rel < 0.5, "{:?}", m.error);
+        let mut homo = StepShape::default();
+        homo.add(16, true, Some(32));
+        assert_eq!(m.choose_kernel(&homo), LoraKernel::Bgmv);
+        let mut mixed = StepShape::default();
+        mixed.add(15, true, Some(8));
+        mixed.add(1, true, Some(128));
+        assert_eq!(m.choose_kernel(&mixed), LoraKernel::Sgmv);
+        assert_eq!(
+            m.kernel_for_step(&mixed, PerfModel::EXPLORE_EVERY),
+            LoraKernel::Bgmv
+        );
+        assert_eq!(m.kernel_for_step(&mixed, 1), LoraKernel::Sgmv);
+    }
+
+    #[test]
+    fn the_tpot_cap_keeps_the_predicted_step_within_the_slo() {
+        let m = model(true);
+        let mut decoding = StepShape::default();
+        decoding.add(8, true, Some(16));
+        let slo = m.predict(&decoding) * 3.0;
+        let n = m.max_rows_within(&decoding, Some(64), false, slo, 4096);
+        assert!(n > 0 && n < 4096);
+        let mut with = decoding;
+        with.add(n, false, Some(64));
+        assert!(m.predict(&with) <= slo);
+        with.add(1, false, Some(64));
+        assert!(m.predict(&with) > slo, "the cap is the largest that fits");
+        assert_eq!(m.max_rows_within(&decoding, None, false, 0.0, 10), 0);
+    }
+
+    #[test]
+    fn load_time_grows_down_the_tiers() {
+        let m = model(true);
+        let b = 1 << 20;
+        let (d, h, k) = (
+            m.load_time_from(Tier::Device, b, 0),
+            m.load_time_from(Tier::Host, b, 0),
+            m.load_time_from(Tier::Disk, b, 0),
+        );
+        assert!(d == 0.0 && h > 0.0 && k > h, "{d} {h} {k}");
+    }
+}

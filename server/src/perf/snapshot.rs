@@ -1,0 +1,94 @@
+//! The fitted parameters of a [`PerfModel`] as plain data, for `thaw-bench simulate` to load
+//! and replay an instance's behaviour without running one.
+use thaw_runtime::residency::LinkModel;
+
+use super::fit::ErrorStat;
+use super::model::PerfModel;
+
+/// Everything a [`PerfModel`] predicts from, without its window of recent steps.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct PerfSnapshot {
+    pub num_layers: usize,
+    pub layer_base_s: f64,
+    pub layer_per_token_s: f64,
+    pub layer_per_decode_s: f64,
+    pub lora_sgmv_s: f64,
+    pub lora_bgmv_s: f64,
+    pub cpu_flops: f64,
+    pub cpu_overlaps: bool,
+    pub link_gbps: f64,
+    pub link_latency_us: f64,
+    pub disk_bytes_per_s: f64,
+    pub assist_layer_overhead_s: f64,
+    /// How well the model predicted the steps it was fitted on.
+    pub error: ErrorStat,
+}
+
+impl PerfModel {
+    pub fn snapshot(&self) -> PerfSnapshot {
+        PerfSnapshot {
+            num_layers: self.num_layers,
+            layer_base_s: self.layer_base_s,
+            layer_per_token_s: self.layer_per_token_s,
+            layer_per_decode_s: self.layer_per_decode_s,
+            lora_sgmv_s: self.lora_sgmv_s,
+            lora_bgmv_s: self.lora_bgmv_s,
+            cpu_flops: self.cpu_flops,
+            cpu_overlaps: self.cpu_overlaps,
+            link_gbps: self.link.gbps,
+            link_latency_us: self.link.latency_us,
+            disk_bytes_per_s: self.disk_bytes_per_s,
+            assist_layer_overhead_s: self.assist_layer_overhead_s,
+            error: self.error,
+        }
+    }
+
+    /// A model that predicts what the snapshotted one did (its window starts empty).
+    pub fn from_snapshot(s: &PerfSnapshot) -> Self {
+        Self {
+            num_layers: s.num_layers,
+            layer_base_s: s.layer_base_s,
+            layer_per_token_s: s.layer_per_token_s,
+            layer_per_decode_s: s.layer_per_decode_s,
+            lora_sgmv_s: s.lora_sgmv_s,
+            lora_bgmv_s: s.lora_bgmv_s,
+            cpu_flops: s.cpu_flops,
+            cpu_overlaps: s.cpu_overlaps,
+            link: LinkModel {
+                gbps: s.link_gbps,
+                latency_us: s.link_latency_us,
+            },
+            disk_bytes_per_s: s.disk_bytes_per_s,
+            assist_layer_overhead_s: s.assist_layer_overhead_s,
+            error: s.error,
+            ..Default::default()
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::perf::StepShape;
+
+    #[test]
+    fn a_snapshot_round_trips_through_json_and_predicts_alike() {
+        let m = PerfModel {
+            layer_base_s: 3e-4,
+            layer_per_token_s: 2e-5,
+            layer_per_decode_s: 4e-6,
+            lora_sgmv_s: 5e-8,
+            lora_bgmv_s: 2e-8,
+            num_layers: 12,
+            disk_bytes_per_s: 7e8,
+            ..Default::default()
+        };
+        let json = serde_json::to_string(&m.snapshot()).unwrap();
+        let back = PerfModel::from_snapshot(&serde_json::from_str(&json).unwrap());
+        assert_eq!(back.snapshot(), m.snapshot());
+        let mut shape = StepShape::default();
+        shape.add(40, false, Some(16));
+        shape.add(3, true, Some(64));
+        assert_eq!(back.predict(&shape), m.predict(&shape));
+    }
+}

@@ -1,0 +1,214 @@
+//! What the multi-level queue remembers between steps: each request's size and queue, the
+//! recent sizes the queues are fitted to, the cut-offs and quotas, and bypass counts.
+use std::collections::{HashMap, VecDeque};
+
+use thaw_runtime::ids::SeqId;
+
+use super::mlq_kmeans::{choose_queues, cutoffs, queue_of};
+use super::mlq_quota::{quotas, QueueLoad, Quota};
+use super::mlq_wrs::{RequestSize, WrsWeights};
+
+/// Chameleon's scheduler knobs (§4.2) and Thaw's bounds around them.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct MlqConfig {
+    pub weights: WrsWeights,
+    /// Most queues (`K_max`; the paper's 4).
+    pub max_queues: usize,
+    /// Re-fit period of queues, cut-offs and quotas (`t_refit`; the paper's 5 minutes).
+    pub refit_every_s: f64,
+    /// Arrivals before the first fit (before it, one queue: FIFO).
+    pub warmup: usize,
+    /// Recent arrivals the fit looks at.
+    pub window: usize,
+    /// Elbow of the queue-count rule (see [`super::mlq_kmeans`]).
+    pub elbow: f64,
+    /// The TTFT SLO the quotas are sized for, seconds.
+    pub slo_s: f64,
+    /// A request waiting longer than this is admitted before anything else (and nothing else
+    /// is, until it is): the starvation bound, whatever the quotas say.
+    pub max_wait_s: f64,
+    /// Most younger requests that may bypass one adapter-blocked head.
+    pub max_bypass: usize,
+    /// An idle queue lends only its quota above its queueing-model minimum (see
+    /// [`super::mlq`]).
+    pub keep_min: bool,
+}
+
+impl Default for MlqConfig {
+    fn default() -> Self {
+        Self {
+            weights: WrsWeights::default(),
+            max_queues: 4,
+            refit_every_s: 300.0,
+            warmup: 32,
+            window: 1024,
+            elbow: 0.1,
+            slo_s: 5.0,
+            max_wait_s: 30.0,
+            max_bypass: 8,
+            keep_min: false,
+        }
+    }
+}
+
+/// One request as the queues know it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Entry {
+    pub wrs: f64,
+    /// Quota it consumes while it runs, tokens.
+    pub size: usize,
+    /// Predicted time to serve it once admitted, seconds.
+    pub service_s: f64,
+    pub arrived_s: f64,
+    pub queue: usize,
+    /// Younger requests admitted past it while its adapter could not be placed.
+    pub bypassed: usize,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Recent {
+    wrs: f64,
+    size: usize,
+    service_s: f64,
+    at_s: f64,
+}
+
+/// The queues' state. Waiting order itself stays in [`super::SchedState::waiting`].
+#[derive(Clone, Debug)]
+pub struct Mlq {
+    pub cfg: MlqConfig,
+    entries: HashMap<SeqId, Entry>,
+    recent: VecDeque<Recent>,
+    cuts: Vec<f64>,
+    quotas: Vec<Quota>,
+    total_tokens: usize,
+    fitted_at: Option<f64>,
+}
+
+impl Mlq {
+    /// Queues over a KV cache of `total_tokens` token slots.
+    pub fn new(cfg: MlqConfig, total_tokens: usize) -> Self {
+        Self {
+            cfg,
+            entries: HashMap::new(),
+            recent: VecDeque::new(),
+            cuts: Vec::new(),
+            quotas: vec![Quota {
+                tokens: total_tokens,
+                min: 0,
+            }],
+            total_tokens,
+            fitted_at: None,
+        }
+    }
+
+    /// Sizes a new request and files it (refitting first when one is due).
+    pub fn enqueue(
+        &mut self,
+        id: SeqId,
+        req: &RequestSize,
+        size: usize,
+        service_s: f64,
+        now_s: f64,
+    ) {
+        let wrs = self.cfg.weights.wrs(req);
+        if self.recent.len() == self.cfg.window.max(1) {
+            self.recent.pop_front();
+        }
+        self.recent.push_back(Recent {
+            wrs,
+            size,
+            service_s,
+            at_s: now_s,
+        });
+        let due = match self.fitted_at {
+            None => self.recent.len() >= self.cfg.warmup,
+            Some(t) => now_s - t >= self.cfg.refit_every_s,
+        };
+        if due {
+            self.refit(now_s);
+        }
+        self.entries.insert(
+            id,
+            Entry {
+                wrs,
+                size,
+                service_s,
+                arrived_s: now_s,
+                queue: queue_of(&self.cuts, wrs),
+                bypassed: 0,
+            },
+        );
+    }
+
+    /// K-means over the recent sizes, cut-offs at the midpoints, quotas from the queueing
+    /// model; every known request moves to the queue its size now falls in (a running one's
+    /// quota is then charged to its new queue).
+    pub fn refit(&mut self, now_s: f64) {
+        let xs: Vec<f64> = self.recent.iter().map(|r| r.wrs).collect();
+        let centroids = choose_queues(&xs, self.cfg.max_queues, self.cfg.elbow);
+        self.cuts = cutoffs(&centroids);
+        let k = self.cuts.len() + 1;
+        let span = match (self.recent.front(), self.recent.back()) {
+            (Some(a), Some(b)) => (b.at_s - a.at_s).max(1e-3),
+            _ => 1.0,
+        };
+        let mut load = vec![(QueueLoad::default(), 0usize); k];
+        for r in &self.recent {
+            let (q, n) = &mut load[queue_of(&self.cuts, r.wrs)];
+            q.max_size = q.max_size.max(r.size as f64);
+            q.mean_service_s += r.service_s;
+            *n += 1;
+        }
+        let load: Vec<QueueLoad> = load
+            .into_iter()
+            .map(|(mut q, n)| {
+                q.mean_service_s /= n.max(1) as f64;
+                q.rate = n as f64 / span;
+                q
+            })
+            .collect();
+        self.quotas = quotas(&load, self.total_tokens, self.cfg.slo_s);
+        self.fitted_at = Some(now_s);
+        let cuts = &self.cuts;
+        for e in self.entries.values_mut() {
+            e.queue = queue_of(cuts, e.wrs).min(k - 1);
+        }
+    }
+
+    /// Forgets a request (finished, cancelled, failed).
+    pub fn remove(&mut self, id: SeqId) -> Option<Entry> {
+        self.entries.remove(&id)
+    }
+
+    pub fn entry(&self, id: SeqId) -> Option<&Entry> {
+        self.entries.get(&id)
+    }
+
+    /// Records the bypasses a decision made.
+    pub fn note_bypass(&mut self, head: SeqId, n: usize) {
+        if let Some(e) = self.entries.get_mut(&head) {
+            e.bypassed += n;
+        }
+    }
+
+    pub fn num_queues(&self) -> usize {
+        self.quotas.len()
+    }
+
+    pub fn quotas(&self) -> &[Quota] {
+        &self.quotas
+    }
+
+    pub fn cutoffs(&self) -> &[f64] {
+        &self.cuts
+    }
+
+    /// The queue a request is in (its queue at admission once it runs); unknown ones count
+    /// as the fast lane.
+    pub fn queue(&self, id: SeqId) -> usize {
+        self.entries
+            .get(&id)
+            .map_or(0, |e| e.queue.min(self.quotas.len() - 1))
+    }
+}

@@ -1,0 +1,290 @@
+//! The scheduler the engine loop holds: the `--scheduling-policy` in force, the state each
+//! policy keeps beside [`SchedState`] (order keys, the multi-level queue, the output-length
+//! predictor) and what it publishes for /metrics. The decisions themselves stay the pure
+//! functions [`plan_step_gated`] and [`plan_mlq`].
+use std::collections::{HashMap, HashSet};
+use std::time::Instant;
+
+use thaw_runtime::ids::{AdapterId, SeqId};
+
+use super::mlq::{plan_mlq, MlqInputs, TpotCap};
+use super::mlq_predict::{OutputPredictor, PredictorStats};
+use super::mlq_state::{Mlq, MlqConfig};
+use super::mlq_wrs::RequestSize;
+use super::ordering::{OrderKeys, SchedulingPolicy};
+use super::policy::{plan_step_admitting, AdmitDecision, Gate};
+use super::state::{SchedConfig, SchedState, SeqState};
+use crate::perf::PerfModel;
+
+/// What the loop knows of a new request beyond its [`SeqState`].
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Arrival {
+    /// The request's `priority` (vLLM: lower runs first; default 0).
+    pub priority: i64,
+    /// Its adapter's rank, 0 for the base model.
+    pub rank: usize,
+    /// Predicted seconds until its adapter is on the device.
+    pub load_s: f64,
+}
+
+/// One queue of the multi-level queue, for /metrics.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct QueueInfo {
+    pub waiting: usize,
+    pub quota_tokens: usize,
+}
+
+/// What the scheduler publishes.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct SchedSnapshot {
+    pub policy: SchedulingPolicy,
+    pub queues: Vec<QueueInfo>,
+    pub predictor: PredictorStats,
+}
+
+struct Known {
+    adapter: Option<AdapterId>,
+    predicted: usize,
+    rank: usize,
+}
+
+pub struct Scheduler {
+    pub policy: SchedulingPolicy,
+    /// `--tpot-slo-ms`: the rank-aware cap of the multi-level queue.
+    pub tpot_slo_s: Option<f64>,
+    mlq: Mlq,
+    keys: OrderKeys,
+    predictor: OutputPredictor,
+    known: HashMap<SeqId, Known>,
+    start: Instant,
+}
+
+impl Scheduler {
+    pub fn new(
+        policy: SchedulingPolicy,
+        mlq: MlqConfig,
+        tpot_slo_s: Option<f64>,
+        cfg: &SchedConfig,
+    ) -> Self {
+        Self {
+            policy,
+            tpot_slo_s,
+            mlq: Mlq::new(mlq, cfg.total_blocks * cfg.block_size),
+            keys: OrderKeys::default(),
+            predictor: OutputPredictor::default(),
+            known: HashMap::new(),
+            start: Instant::now(),
+        }
+    }
+
+    fn now_s(&self) -> f64 {
+        self.start.elapsed().as_secs_f64()
+    }
+
+    /// Queues a new request where the policy puts it.
+    pub fn enqueue(
+        &mut self,
+        state: &mut SchedState,
+        cfg: &SchedConfig,
+        seq: SeqState,
+        arrival: Arrival,
+        perf: &PerfModel,
+    ) {
+        let predicted = self.predictor.predict(seq.adapter, seq.max_new_tokens);
+        self.known.insert(
+            seq.id,
+            Known {
+                adapter: seq.adapter,
+                predicted,
+                rank: arrival.rank,
+            },
+        );
+        match self.policy {
+            SchedulingPolicy::Fcfs => state.enqueue(seq),
+            SchedulingPolicy::Priority => self.keys.enqueue(state, seq, arrival.priority),
+            SchedulingPolicy::Sjf => self.keys.enqueue(state, seq, predicted as i64),
+            SchedulingPolicy::Mlq => {
+                let req = RequestSize {
+                    input: seq.prompt_len,
+                    predicted_output: predicted,
+                    rank: arrival.rank,
+                    load_s: arrival.load_s,
+                };
+                let size = seq.reservation(cfg) * cfg.block_size;
+                let service_s = perf.step_time(seq.prompt_len)
+                    + predicted as f64 * perf.step_time(1)
+                    + arrival.load_s;
+                let now = self.now_s();
+                self.mlq.enqueue(seq.id, &req, size, service_s, now);
+                state.enqueue(seq);
+            }
+        }
+    }
+
+    /// The waiting requests in the order adapter-aware admission should consider them:
+    /// the queue's own order, or under `mlq` the smallest requests' queue first (so memory is
+    /// arranged for the fast lane before a long head can block it).
+    pub fn candidate_order<'a>(&self, state: &'a SchedState) -> Vec<&'a SeqState> {
+        let mut v: Vec<&SeqState> = state.waiting.iter().collect();
+        if self.policy == SchedulingPolicy::Mlq {
+            v.sort_by_key(|s| self.mlq.queue(s.id));
+        }
+        v
+    }
+
+    /// Plans the next step over the requests adapter-aware admission found `admissible`,
+    /// reserving at most `kv_capacity` KV blocks in all. Apply it with
+    /// [`SchedState::admit_ids`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn plan(
+        &mut self,
+        state: &SchedState,
+        cfg: &SchedConfig,
+        free_blocks: usize,
+        gate: &dyn Fn(&SeqState, usize) -> Gate,
+        perf: &PerfModel,
+        admissible: &[SeqId],
+        kv_capacity: usize,
+    ) -> AdmitDecision {
+        if self.policy != SchedulingPolicy::Mlq {
+            return plan_step_admitting(state, cfg, free_blocks, gate, admissible, kv_capacity);
+        }
+        let ok: HashSet<SeqId> = admissible.iter().copied().collect();
+        let known = &self.known;
+        let rank = |s: &SeqState| known.get(&s.id).map(|k| k.rank).filter(|&r| r > 0);
+        // Admission found no room for its adapter (or its KV) now: the bypass rule applies,
+        // bounded per head; how long it waits is memory's to bound, not a time we know here.
+        let wait = |s: &SeqState| (!ok.contains(&s.id)).then_some(f64::INFINITY);
+        let d = plan_mlq(
+            state,
+            cfg,
+            &self.mlq,
+            &MlqInputs {
+                free_blocks,
+                kv_capacity,
+                now_s: self.now_s(),
+                gate,
+                adapter_wait: &wait,
+                tpot: self.tpot_slo_s.map(|slo_s| TpotCap {
+                    model: perf,
+                    slo_s,
+                    rank: &rank,
+                }),
+            },
+        );
+        for &(head, n) in &d.bypassed {
+            self.mlq.note_bypass(head, n);
+        }
+        AdmitDecision {
+            admit: d.admit_ids,
+            plan: d.decision.plan,
+        }
+    }
+
+    /// Records a finished request's output length (the predictor learns from it) and forgets
+    /// it.
+    pub fn finished(&mut self, id: SeqId, generated: usize) {
+        if let Some(k) = self.known.get(&id) {
+            self.predictor.observe(k.adapter, k.predicted, generated);
+        }
+        self.remove(id);
+    }
+
+    /// The adapter rank a queued or running request was filed with (None: base model).
+    pub fn rank(&self, id: SeqId) -> Option<usize> {
+        self.known.get(&id).map(|k| k.rank).filter(|&r| r > 0)
+    }
+
+    /// Forgets a request that left without finishing.
+    pub fn remove(&mut self, id: SeqId) {
+        self.known.remove(&id);
+        self.keys.remove(id);
+        self.mlq.remove(id);
+    }
+
+    pub fn snapshot(&self, state: &SchedState) -> SchedSnapshot {
+        let queues = if self.policy == SchedulingPolicy::Mlq {
+            let mut q: Vec<QueueInfo> = self
+                .mlq
+                .quotas()
+                .iter()
+                .map(|q| QueueInfo {
+                    waiting: 0,
+                    quota_tokens: q.tokens,
+                })
+                .collect();
+            for s in &state.waiting {
+                q[self.mlq.queue(s.id)].waiting += 1;
+            }
+            q
+        } else {
+            Vec::new()
+        };
+        SchedSnapshot {
+            policy: self.policy,
+            queues,
+            predictor: self.predictor.stats(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg() -> SchedConfig {
+        SchedConfig {
+            max_num_seqs: 4,
+            max_num_batched_tokens: 64,
+            block_size: 4,
+            total_blocks: 64,
+        }
+    }
+
+    #[test]
+    fn priority_orders_admission_lower_first() {
+        let cfg = cfg();
+        let mut st = SchedState::default();
+        let mut s = Scheduler::new(SchedulingPolicy::Priority, MlqConfig::default(), None, &cfg);
+        let perf = PerfModel::default();
+        for (id, p) in [(1, 3), (2, -2), (3, 3), (4, 0)] {
+            let a = Arrival {
+                priority: p,
+                ..Default::default()
+            };
+            s.enqueue(&mut st, &cfg, SeqState::new(SeqId(id), 4, 4), a, &perf);
+        }
+        let ids: Vec<u64> = st.waiting.iter().map(|s| s.id.0).collect();
+        assert_eq!(ids, vec![2, 4, 1, 3]);
+        let all: Vec<SeqId> = st.waiting.iter().map(|s| s.id).collect();
+        let d = s.plan(&st, &cfg, 64, &|_, _| Gate::Go, &perf, &all, 64);
+        assert_eq!(d.admit, vec![SeqId(2), SeqId(4), SeqId(1), SeqId(3)]);
+        // Only what adapter-aware admission allowed is admitted.
+        let d = s.plan(&st, &cfg, 64, &|_, _| Gate::Go, &perf, &all[1..], 64);
+        assert!(!d.admit.contains(&SeqId(2)));
+    }
+
+    #[test]
+    fn sjf_orders_by_predicted_output_and_the_predictor_learns() {
+        let cfg = cfg();
+        let mut st = SchedState::default();
+        let mut s = Scheduler::new(SchedulingPolicy::Sjf, MlqConfig::default(), None, &cfg);
+        let perf = PerfModel::default();
+        let (a, b) = (Some(AdapterId(1)), Some(AdapterId(2)));
+        for i in 0..8u64 {
+            let mut q = SeqState::new(SeqId(100 + i), 4, 500);
+            q.adapter = if i % 2 == 0 { a } else { b };
+            s.enqueue(&mut st, &cfg, q, Arrival::default(), &perf);
+            s.finished(SeqId(100 + i), if i % 2 == 0 { 300 } else { 10 });
+        }
+        st.waiting.clear();
+        let mut long = SeqState::new(SeqId(1), 4, 500);
+        long.adapter = a;
+        let mut short = SeqState::new(SeqId(2), 4, 500);
+        short.adapter = b;
+        s.enqueue(&mut st, &cfg, long, Arrival::default(), &perf);
+        s.enqueue(&mut st, &cfg, short, Arrival::default(), &perf);
+        assert_eq!(st.waiting[0].id, SeqId(2), "adapter 2's requests are short");
+        assert_eq!(s.snapshot(&st).predictor.count, 8);
+    }
+}
