@@ -6,6 +6,7 @@ mod engine_bench;
 mod load;
 mod lora_bench;
 mod lora_socket;
+mod simulate;
 mod soak;
 mod trace;
 
@@ -36,6 +37,10 @@ enum Cmd {
     /// `thaw serve` once per --cold-start policy on the same model, adapters and workload;
     /// TTFT / TPOT / E2E side by side with overheads relative to `cached`.
     ColdStart(Box<load::ColdStartHttpArgs>),
+    /// N Thaw instances behind a router, simulated with the cost model `thaw serve
+    /// --dump-cost-model` wrote: P50/P99 TTFT, SLO attainment, goodput and adapter loads/s per
+    /// router (random, least-queue, the EPP's LoRA affinity, rank+residency) and cluster size.
+    Simulate(Box<simulate::SimulateArgs>),
     /// `thaw serve` once per --scheduling-policy, the same workload at rising rates (Chameleon
     /// Fig. 10): P50/P99 TTFT, P99 TPOT, throughput at SLO.
     Scheduling(Box<load::SchedulingArgs>),
@@ -76,6 +81,7 @@ fn main() -> anyhow::Result<()> {
         }
         Cmd::Load(args) => print!("{}", load::run_load(&args)?),
         Cmd::ColdStart(args) => print!("{}", load::run_cold_start(&args)?),
+        Cmd::Simulate(args) => print!("{}", simulate::run(&args)?.1),
         Cmd::Scheduling(args) => print!("{}", load::run_scheduling(&args)?),
         Cmd::Cache(args) => print!("{}", load::run_cache(&args)?),
         Cmd::CacheScale(args) => print!("{}", load::run_cache_scale(&args)?),

@@ -92,6 +92,10 @@ pub struct LoopStats {
     pub cpu_assisted_rows: AtomicU64,
     /// Per adapter still streaming: (landed layers, layers). Resident adapters are absent.
     pub landing: std::sync::Mutex<HashMap<AdapterId, (usize, usize)>>,
+    /// Adapters of the running and the waiting requests (`vllm:lora_requests_info`).
+    pub lora: crate::metrics_protocol::LoraActivity,
+    /// The performance model's fitted parameters as of the last step (`--dump-cost-model`).
+    pub cost: std::sync::Mutex<Option<crate::perf::PerfSnapshot>>,
 }
 
 impl LoopStats {
@@ -823,6 +827,12 @@ impl Loop {
                 _ => false,
             });
         }
+        self.stats.lora.publish(
+            self.state.running.iter().map(|s| s.adapter),
+            self.state.waiting.iter().map(|s| s.adapter),
+        );
+        *self.stats.cost.lock().unwrap_or_else(|e| e.into_inner()) =
+            Some(self.cold.cost.snapshot());
         let kv = self.engine.kv_usage();
         self.mem.publish(self.state.reserved_blocks, kv.used_blocks);
         self.stats

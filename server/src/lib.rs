@@ -15,6 +15,7 @@ pub mod generate;
 pub mod http;
 pub mod memory;
 pub mod metrics;
+pub mod metrics_protocol;
 pub mod perf;
 pub mod registry;
 pub mod scheduler;

@@ -129,6 +129,7 @@ pub fn projection(short: &str) -> Projection {
 }
 
 pub mod http;
+pub mod prom;
 
 /// Whether the GPU tests can run here: true with a usable NVIDIA GPU; otherwise prints a skip
 /// and returns false, unless `THAW_REQUIRE_GPU=1`, which turns a missing GPU into a failure.

@@ -134,6 +134,10 @@ async fn api_keys_guard_every_v1_route() {
         "401s are counted: {}",
         m.body
     );
+    // The InferencePool's endpoint picker scrapes the vLLM series without a key.
+    for series in ["vllm:num_requests_waiting", "vllm:lora_requests_info"] {
+        assert!(m.body.contains(series), "{series} on /metrics: {}", m.body);
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

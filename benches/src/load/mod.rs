@@ -6,12 +6,12 @@ mod cache;
 mod cli;
 mod client;
 mod coldstart;
-mod plot;
+pub(crate) mod plot;
 mod prompts;
 mod report;
 mod runner;
 mod scheduling;
-mod workload;
+pub(crate) mod workload;
 
 pub use cache::{run_cache, run_cache_scale, CacheArgs, CacheScaleArgs};
 pub use cli::{run as run_load, LoadArgs};

@@ -9,7 +9,7 @@ use plotters::prelude::*;
 
 use super::runner::RequestRecord;
 
-const COLORS: [RGBColor; 6] = [
+pub(crate) const COLORS: [RGBColor; 6] = [
     RGBColor(31, 119, 180),
     RGBColor(255, 127, 14),
     RGBColor(44, 160, 44),
@@ -18,7 +18,7 @@ const COLORS: [RGBColor; 6] = [
     RGBColor(140, 86, 75),
 ];
 
-fn register_font() {
+pub(crate) fn register_font() {
     static ONCE: Once = Once::new();
     ONCE.call_once(|| {
         for style in [FontStyle::Normal, FontStyle::Bold] {
@@ -57,7 +57,7 @@ pub fn write_cdfs(
     Ok(vec![png, svg])
 }
 
-fn err<E: std::fmt::Debug>(e: E) -> anyhow::Error {
+pub(crate) fn err<E: std::fmt::Debug>(e: E) -> anyhow::Error {
     anyhow::anyhow!("plotting: {e:?}")
 }
 

@@ -6,9 +6,13 @@ mod cost;
 mod driver;
 mod loader;
 mod policy;
+mod snapshot;
 
 pub use calibrate::calibrate;
 pub use cost::{ColdDecision, CostModel, Prediction, MAX_DECODE_SLOWDOWN};
 pub use driver::{run, DriverConfig, Outcome, Request, RunReport, StartTier, StepRecord};
 pub use loader::{Loaded, Loader};
 pub use policy::ColdStartPolicy;
+pub use snapshot::{
+    adapter_costs, AdapterCosts, CostSnapshot, ServerLimits, SnapshotError, SNAPSHOT_FORMAT,
+};

@@ -191,6 +191,19 @@ pub async fn metrics(State(state): State<Arc<AppState>>) -> Response {
         sample(&mut out, name, &[], v);
     }
     render_adapters(&mut out, &views);
+    crate::metrics_protocol::render(
+        &mut out,
+        &crate::metrics_protocol::ProtocolSnapshot {
+            model_name: state.base_name(),
+            waiting: s.waiting.load(Ordering::Relaxed),
+            running: s.running.load(Ordering::Relaxed),
+            kv_used_blocks: s.kv_used_blocks.load(Ordering::Relaxed),
+            kv_total_blocks: s.kv_total_blocks.load(Ordering::Relaxed),
+            max_loras: state.registry.limits.max_loras,
+            lora_series: s.lora.series(),
+            names: views.iter().map(|a| (a.id, a.name.as_str())).collect(),
+        },
+    );
     state.registry.board().stats.snapshot().render(&mut out);
     (
         [(

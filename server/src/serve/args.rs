@@ -103,6 +103,10 @@ pub struct ServeArgs {
     /// the engine thread) [default: min(4, cores − 1)].
     #[arg(long)]
     pub lora_workers: Option<usize>,
+    /// Write the cost model the engine fits online (step time, CPU assist, link, adapter load
+    /// rates, cache sizes) to this JSON file every 10 s and at shutdown, for `thaw-bench simulate`.
+    #[arg(long, value_name = "PATH")]
+    pub dump_cost_model: Option<PathBuf>,
     /// API key clients must send as `Authorization: Bearer KEY` on every /v1 route (401
     /// otherwise; /health and /metrics stay open); repeat or comma-separate for several.
     #[arg(
@@ -240,6 +244,7 @@ impl ServeArgs {
                 .lora_workers
                 .or(f.lora_workers)
                 .unwrap_or(d.lora_workers),
+            dump_cost_model: self.dump_cost_model.or(f.dump_cost_model),
             api_keys: if self.api_key.is_empty() {
                 f.api_key.map(|k| k.into_vec()).unwrap_or_default()
             } else {

@@ -49,6 +49,8 @@ pub struct ServeConfig {
     pub emulated_link_gbps: f64,
     pub emulated_link_latency_us: f64,
     pub lora_workers: usize,
+    /// Where to write the fitted cost model (JSON) every few seconds and at shutdown.
+    pub dump_cost_model: Option<PathBuf>,
     /// API keys every `/v1/*` request must present as a bearer token; empty: no auth.
     pub api_keys: Vec<String>,
     /// Whether `/v1/load_lora_adapter` and `/v1/unload_lora_adapter` are served.
@@ -91,6 +93,7 @@ impl Default for ServeConfig {
             emulated_link_gbps: 25.0,
             emulated_link_latency_us: 10.0,
             lora_workers: default_lora_workers(),
+            dump_cost_model: None,
             api_keys: Vec::new(),
             allow_runtime_lora_updating: false,
             lora_root: None,
@@ -143,6 +146,7 @@ pub struct FileConfig {
     pub emulated_link_gbps: Option<f64>,
     pub emulated_link_latency_us: Option<f64>,
     pub lora_workers: Option<usize>,
+    pub dump_cost_model: Option<PathBuf>,
     /// One key or a list.
     pub api_key: Option<OneOrMany>,
     pub allow_runtime_lora_updating: Option<bool>,

@@ -2,6 +2,7 @@
 
 mod args;
 mod config;
+mod dump;
 mod run;
 
 pub use args::ServeArgs;

@@ -265,6 +265,11 @@ impl Server {
             let _ = stop_rx.wait_for(|v| *v).await;
         };
         let app = self.router();
+        let dumper = self
+            .config
+            .dump_cost_model
+            .clone()
+            .map(|p| super::dump::spawn_periodic(state.clone(), self.config.max_cpu_loras, p));
         let mut task = tokio::spawn(async move {
             // Tokens are small writes: without TCP_NODELAY, Nagle + delayed ACK add ~40 ms.
             use axum::serve::ListenerExt;
@@ -298,7 +303,14 @@ impl Server {
                 }
             }
         }
+        if let Some(d) = dumper {
+            d.abort();
+        }
         self.stop().await;
+        if let Some(p) = &self.config.dump_cost_model {
+            super::dump::write(&self.state, self.config.max_cpu_loras, p);
+            tracing::info!("wrote the cost model to {}", p.display());
+        }
         Ok(())
     }
 

@@ -1,0 +1,226 @@
+//! `thaw-bench simulate`: N Thaw instances behind a router, as a discrete-event simulation in
+//! which every instance is the cost model a real `thaw serve --dump-cost-model` wrote (no
+//! constants of its own). Workloads: Azure trace arrivals and lengths, scaled to an offered
+//! load; 1,000 to 1,000,000 adapters with Zipf or Chameleon rank-power-law popularity.
+//! Output: P50/P99 TTFT, SLO attainment and goodput, adapter loads per second, per router and
+//! cluster size, as a table, JSON and plots.
+mod cluster;
+mod instance;
+mod model;
+mod plot;
+mod replay;
+mod report;
+mod router;
+mod workload;
+
+use std::path::PathBuf;
+
+use model::InstanceModel;
+use report::Row;
+use router::RouterKind;
+
+use crate::load::workload::PopularityKind;
+use thaw_server::coldstart::CostSnapshot;
+
+/// `thaw-bench simulate` options.
+#[derive(clap::Args, Clone, Debug)]
+pub struct SimulateArgs {
+    /// Cost model written by `thaw serve --dump-cost-model PATH`.
+    #[arg(long, value_name = "PATH")]
+    pub cost_model: PathBuf,
+    /// Cluster sizes (instances) [default: 8,32,128,512,1024; --quick: 8,16].
+    #[arg(long, value_delimiter = ',')]
+    pub instances: Vec<usize>,
+    /// Routers to compare [default: all].
+    #[arg(long, value_enum, value_delimiter = ',')]
+    pub routers: Vec<RouterKind>,
+    /// Adapter counts [default: 1000,100000,1000000; --quick: 1000].
+    #[arg(long, value_delimiter = ',')]
+    pub adapters: Vec<usize>,
+    /// Adapter popularity models [default: zipf,rank-power-law; --quick: zipf].
+    #[arg(long, value_enum, value_delimiter = ',')]
+    pub popularity: Vec<PopularityKind>,
+    /// Adapter ranks, assigned to adapters uniformly at random.
+    #[arg(long, value_delimiter = ',', default_value = "8,16,32,64,128")]
+    pub ranks: Vec<u32>,
+    /// Zipf exponent.
+    #[arg(long, default_value_t = 1.0)]
+    pub zipf_alpha: f64,
+    /// Chameleon's power-law exponent over ranks.
+    #[arg(long, default_value_t = 1.0)]
+    pub rank_alpha: f64,
+    /// Requests per instance in each run [default: 50; --quick: 20].
+    #[arg(long)]
+    pub requests_per_instance: Option<usize>,
+    /// Offered load as a fraction of the cluster's capacity (what the cost model predicts for
+    /// full decode batches).
+    #[arg(long, default_value_t = 0.7)]
+    pub load: f64,
+    /// TTFT SLO, seconds [default: 5 × the unloaded prefill of the median prompt].
+    #[arg(long)]
+    pub ttft_slo: Option<f64>,
+    /// Decode step-time SLO of the rank-aware router, seconds [default: 1.5 × a full batch's step].
+    #[arg(long)]
+    pub tpot_slo: Option<f64>,
+    /// Azure trace: arrival times and prompt/output lengths.
+    #[arg(
+        long,
+        default_value = "../shared/traces/AzureLLMInferenceTrace_conv.csv"
+    )]
+    pub trace: PathBuf,
+    /// Longest prompt + output; trace lengths are scaled to fit [default: what --max-num-seqs
+    /// requests of equal share fill in the instance's KV cache].
+    #[arg(long)]
+    pub max_model_len: Option<usize>,
+    /// A few seconds: two small clusters, one adapter count, one popularity.
+    #[arg(long)]
+    pub quick: bool,
+    /// Directory for `simulate.json` and the plots [default: none].
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    #[arg(long, default_value_t = 2023)]
+    pub seed: u64,
+    /// Validate instead: replay the requests of a `thaw-bench load` report (load.json) against
+    /// the server the cost model came from on one simulated instance; print measured vs
+    /// simulated TTFT.
+    #[arg(long, value_name = "LOAD_JSON")]
+    pub replay: Option<PathBuf>,
+}
+
+impl SimulateArgs {
+    /// Fills the defaults that depend on --quick.
+    fn resolved(&self) -> SimulateArgs {
+        let mut a = self.clone();
+        let q = self.quick;
+        if a.instances.is_empty() {
+            a.instances = if q {
+                vec![8, 16]
+            } else {
+                vec![8, 32, 128, 512, 1024]
+            };
+        }
+        if a.routers.is_empty() {
+            a.routers = RouterKind::ALL.to_vec();
+        }
+        if a.adapters.is_empty() {
+            a.adapters = if q {
+                vec![1000]
+            } else {
+                vec![1000, 100_000, 1_000_000]
+            };
+        }
+        if a.popularity.is_empty() {
+            a.popularity = if q {
+                vec![PopularityKind::Zipf]
+            } else {
+                vec![PopularityKind::Zipf, PopularityKind::RankPowerLaw]
+            };
+        }
+        a.requests_per_instance
+            .get_or_insert(if q { 20 } else { 50 });
+        a
+    }
+}
+
+/// Runs every combination; returns the rows and the printed report.
+pub fn run(args: &SimulateArgs) -> anyhow::Result<(Vec<Row>, String)> {
+    let args = args.resolved();
+    anyhow::ensure!(
+        args.load.is_finite() && args.load > 0.0,
+        "--load must be positive, got {}",
+        args.load
+    );
+    anyhow::ensure!(
+        args.instances.iter().all(|&n| n > 0) && args.adapters.iter().all(|&n| n > 0),
+        "--instances and --adapters must be at least 1"
+    );
+    anyhow::ensure!(
+        !args.ranks.is_empty() && args.ranks.iter().all(|&r| r > 0),
+        "--ranks must list positive ranks"
+    );
+    let snap = CostSnapshot::read(&args.cost_model)?;
+    let model = InstanceModel::new(snap)?;
+    if let Some(p) = &args.replay {
+        return Ok((Vec::new(), replay::compare(&model, p)?));
+    }
+    let trace = crate::trace::read_trace(&args.trace)
+        .map_err(|e| anyhow::anyhow!("{e:#}; pass --trace with an Azure trace CSV"))?;
+    let mut rows = Vec::new();
+    for &adapters in &args.adapters {
+        let ranks = workload::adapter_ranks(adapters, &args.ranks, args.seed);
+        let server = workload::server_info(&ranks, workload::max_model_len(&args, &model));
+        drop(ranks);
+        for &pop in &args.popularity {
+            for &n in &args.instances {
+                let w = workload::build(&args, &model, &trace, &server, pop, n)?;
+                rows.extend(report::run_routers(&args, &model, &w, n, adapters, pop));
+            }
+        }
+    }
+    let mut text = report::table(&args, &model, &rows);
+    if let Some(dir) = &args.out {
+        std::fs::create_dir_all(dir)?;
+        let json = dir.join("simulate.json");
+        std::fs::write(&json, serde_json::to_string_pretty(&rows)?)?;
+        text.push_str(&format!("\nwrote {}\n", json.display()));
+        for p in plot::write(dir, &rows)? {
+            text.push_str(&format!("wrote {}\n", p.display()));
+        }
+    }
+    Ok((rows, text))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `--quick` on the cost model a real `thaw serve` dumped (benches/fixtures): every router
+    /// and size gets a row, percentiles are ordered, and routing by LoRA affinity loads fewer
+    /// adapters than routing at random.
+    #[test]
+    fn quick_mode_compares_every_router() {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+        let out = tempfile::tempdir().unwrap();
+        let args = SimulateArgs {
+            cost_model: root.join("fixtures/cost-model-cpu.json"),
+            instances: vec![],
+            routers: vec![],
+            adapters: vec![],
+            popularity: vec![],
+            ranks: vec![8, 16, 32, 64, 128],
+            zipf_alpha: 1.0,
+            rank_alpha: 1.0,
+            requests_per_instance: None,
+            load: 0.7,
+            ttft_slo: None,
+            tpot_slo: None,
+            trace: root.join("../../shared/traces/AzureLLMInferenceTrace_conv.csv"),
+            max_model_len: None,
+            quick: true,
+            out: Some(out.path().to_path_buf()),
+            seed: 7,
+            replay: None,
+        };
+        let (rows, text) = run(&args).unwrap();
+        assert_eq!(rows.len(), 2 * RouterKind::ALL.len(), "{text}");
+        for r in &rows {
+            assert_eq!(r.finished, r.requests, "{r:?}");
+            assert!(r.p50_ttft_s <= r.p99_ttft_s, "{r:?}");
+            assert!((0.0..=1.0).contains(&r.slo_attainment), "{r:?}");
+        }
+        for n in [8, 16] {
+            let loads = |k: RouterKind| {
+                rows.iter()
+                    .find(|r| r.instances == n && r.router == k)
+                    .unwrap()
+                    .loads
+            };
+            assert!(
+                loads(RouterKind::EppLora) < loads(RouterKind::Random),
+                "{text}"
+            );
+        }
+        assert!(out.path().join("simulate.json").exists());
+        assert!(text.contains("P99 TTFT"), "{text}");
+    }
+}
