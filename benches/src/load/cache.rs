@@ -19,7 +19,7 @@ use thaw_server::memory::EvictionPolicy;
 
 use super::cli::{measure, prompt_source, quick_workload, write_json};
 use super::client::OpenAiClient;
-use super::coldstart::{default_thaw_bin, log_tail, ServeProcess};
+use super::coldstart::{default_thaw_bin, wait_ready, ServeProcess};
 use super::report::Summary;
 use super::runner::RunOptions;
 use super::workload::{PopularityKind, WorkloadArgs};
@@ -209,17 +209,7 @@ fn serve_once(
     let mut server = ServeProcess::start(&bin, serve_args, &log, timeout)?;
     let run = rt.block_on(async {
         let client = OpenAiClient::new(&server.url, None)?;
-        let deadline = Instant::now() + timeout;
-        while !client.healthy().await {
-            anyhow::ensure!(
-                Instant::now() < deadline,
-                "{} never became healthy:\n{}",
-                server.url,
-                log_tail(&log)
-            );
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-        let info = client.server_info().await?;
+        let info = wait_ready(&client, &server.url, &log, timeout).await?;
         eprintln!(
             "{label}: server up in {:.1?} ({} adapters)",
             t0.elapsed(),
@@ -235,7 +225,7 @@ fn serve_once(
         let (_, summary) = measure(&client, &info, workload, &prompts, &opts).await?;
         let m = client.get_text("/metrics").await?;
         let (rss_end, rss_peak) = rss_kib(server.pid());
-        Ok(Run {
+        anyhow::Ok(Run {
             adapters,
             label: label.clone(),
             rate: workload.rate,

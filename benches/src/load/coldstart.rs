@@ -273,6 +273,26 @@ impl Drop for ServeProcess {
     }
 }
 
+/// Polls the server's `/health` until it answers (an error with the log's tail after
+/// `timeout`), then reads its models and adapters.
+pub(super) async fn wait_ready(
+    client: &OpenAiClient,
+    url: &str,
+    log: &Path,
+    timeout: Duration,
+) -> anyhow::Result<ServerInfo> {
+    let deadline = Instant::now() + timeout;
+    while !client.healthy().await {
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "{url} never became healthy:\n{}",
+            log_tail(log)
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    client.server_info().await
+}
+
 pub(super) fn log_tail(log: &Path) -> String {
     let text = std::fs::read_to_string(log).unwrap_or_default();
     let lines: Vec<&str> = text.lines().collect();
@@ -376,17 +396,8 @@ pub fn run(args: &ColdStartHttpArgs) -> anyhow::Result<String> {
         )?;
         let (records, summary) = rt.block_on(async {
             let client = OpenAiClient::new(&server.url, None)?;
-            let deadline = Instant::now() + Duration::from_secs_f64(args.startup_timeout);
-            while !client.healthy().await {
-                anyhow::ensure!(
-                    Instant::now() < deadline,
-                    "{} never became healthy:\n{}",
-                    server.url,
-                    log_tail(&log)
-                );
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-            let info = client.server_info().await?;
+            let timeout = Duration::from_secs_f64(args.startup_timeout);
+            let info = wait_ready(&client, &server.url, &log, timeout).await?;
             eprintln!(
                 "{policy}: server up at {} in {:.1?} ({} adapters)",
                 server.url,

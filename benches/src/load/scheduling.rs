@@ -12,7 +12,7 @@ use thaw_server::scheduler::SchedulingPolicy;
 
 use super::cli::{measure, prompt_source, quick_workload, write_json};
 use super::client::OpenAiClient;
-use super::coldstart::{default_thaw_bin, log_tail, prepare_files, ServeProcess};
+use super::coldstart::{default_thaw_bin, prepare_files, wait_ready, ServeProcess};
 use super::report::Summary;
 use super::runner::RunOptions;
 use super::workload::{ServerInfo, WorkloadArgs};
@@ -264,17 +264,8 @@ pub fn run(args: &SchedulingArgs) -> anyhow::Result<String> {
         )?;
         let client = OpenAiClient::new(&server.url, None)?;
         let info = rt.block_on(async {
-            let deadline = Instant::now() + Duration::from_secs_f64(args.startup_timeout);
-            while !client.healthy().await {
-                anyhow::ensure!(
-                    Instant::now() < deadline,
-                    "{} never became healthy:\n{}",
-                    server.url,
-                    log_tail(&log)
-                );
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-            client.server_info().await
+            let timeout = Duration::from_secs_f64(args.startup_timeout);
+            wait_ready(&client, &server.url, &log, timeout).await
         })?;
         eprintln!("{policy}: server up in {:.1?}", t0.elapsed());
         let info = server_info.get_or_insert(info).clone();
