@@ -8,6 +8,7 @@ mod lora_bench;
 mod lora_socket;
 mod simulate;
 mod soak;
+mod soak_verdict;
 mod trace;
 
 #[derive(Parser, Debug)]

@@ -4,8 +4,11 @@
 //! run time every few seconds, 5% of streams are dropped after their first chunk, a malformed
 //! request goes out every second, and a CPU LoRA worker is SIGKILLed every 2 minutes. Prints,
 //! per minute, good requests completed and failed, and the server's RSS, open fds, /dev/shm
-//! entries, memfd segments, KV blocks and leases; then the same at idle after the load stops,
-//! against the values before it. A table, never an assertion.
+//! entries, memfd segments, KV blocks, leases, live CPU workers and host-tier adapters; then
+//! the same at idle after the load stops, against the values before it, and a PASS/FAIL line
+//! (`soak_verdict`). The baseline is taken after a warm-up at the soak's own traffic, which
+//! fills the bounded adapter caches (host tier, device slots) and the allocator's arenas, so a
+//! full cache is not counted as growth. A table, never a test assertion.
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::path::Path;
@@ -18,6 +21,8 @@ use anyhow::Context;
 use rand::{Rng, SeedableRng};
 use rand_distr::{Distribution, Exp, Zipf};
 use serde_json::json;
+
+use crate::soak_verdict::{kills_due, verdict, Snapshot};
 
 /// Options of `thaw-bench soak`.
 #[derive(clap::Args, Clone, Debug)]
@@ -34,9 +39,12 @@ pub struct SoakArgs {
     /// Tokens per request.
     #[arg(long, default_value_t = 16)]
     pub max_tokens: usize,
-    /// CPU LoRA workers of the server.
+    /// CPU LoRA workers of the server (the chaos thread SIGKILLs one at 60 s, then every 120 s).
     #[arg(long, default_value_t = 2)]
     pub lora_workers: usize,
+    /// Seconds of the same traffic (no faults) before the baseline is taken.
+    #[arg(long, default_value_t = 60.0)]
+    pub warmup_secs: f64,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
 }
@@ -108,8 +116,8 @@ fn metric(text: &str, name: &str) -> f64 {
         .unwrap_or(f64::NAN)
 }
 
-/// The server's resources: [RSS MiB, fds, /dev/shm entries, memfds, KV blocks, leases].
-fn snapshot(addr: SocketAddr, pid: u32) -> [f64; 6] {
+/// The server's resources, in `soak_verdict::COLUMNS` order.
+fn snapshot(addr: SocketAddr, pid: u32) -> Snapshot {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
     let rss_kb: f64 = status
         .lines()
@@ -141,6 +149,8 @@ fn snapshot(addr: SocketAddr, pid: u32) -> [f64; 6] {
         memfds as f64,
         metric(&m, "thaw_kv_cache_used_blocks"),
         metric(&m, "thaw_adapter_leases"),
+        children(pid).len() as f64,
+        metric(&m, "thaw_adapters{tier=\"host\"}"),
     ]
 }
 
@@ -232,27 +242,97 @@ fn start_server(args: &SoakArgs, root: &Path) -> anyhow::Result<(Serve, SocketAd
     Ok((serve, addr))
 }
 
+fn body(model: &str, stream: bool, n: usize) -> String {
+    json!({"model": model, "prompt": "the quick brown fox", "max_tokens": n,
+           "ignore_eos": true, "stream": stream})
+    .to_string()
+}
+
+/// Where and what the traffic goes to.
+struct Traffic<'a> {
+    addr: SocketAddr,
+    names: &'a [String],
+    rate: f64,
+    max_tokens: usize,
+}
+
+/// Zipf/Poisson traffic for `secs`, 5% of it streams dropped after the first chunk; calls
+/// `minute(k)` as each whole minute passes. Returns once every request has finished.
+fn drive(
+    t: &Traffic<'_>,
+    secs: f64,
+    counts: &Arc<Counts>,
+    rng: &mut rand_chacha::ChaCha8Rng,
+    mut minute: impl FnMut(u64),
+) -> anyhow::Result<()> {
+    let (addr, names, rate) = (t.addr, t.names, t.rate);
+    let zipf = Zipf::new(names.len().max(1) as f64, 1.0)?;
+    let gap = Exp::new(rate)?;
+    let start = Instant::now();
+    let total = Duration::from_secs_f64(secs);
+    let mut next = start;
+    let mut minutes = 1;
+    let mut handles = Vec::new();
+    while start.elapsed() < total {
+        next += Duration::from_secs_f64(gap.sample(rng));
+        if let Some(d) = next.checked_duration_since(Instant::now()) {
+            std::thread::sleep(d);
+        }
+        let name = names[(zipf.sample(rng) as usize).saturating_sub(1)].clone();
+        let drop_it = rng.random_bool(0.05);
+        let c = counts.clone();
+        let b = body(&name, drop_it, t.max_tokens);
+        handles.push(std::thread::spawn(move || {
+            if drop_it {
+                let _ = drop_stream(addr, &b);
+                c.dropped.fetch_add(1, Ordering::Relaxed);
+                return;
+            }
+            match http(addr, "POST", "/v1/completions", &b) {
+                Ok((200, _)) => c.ok.fetch_add(1, Ordering::Relaxed),
+                Ok((429, _)) => c.refused.fetch_add(1, Ordering::Relaxed),
+                _ => c.failed.fetch_add(1, Ordering::Relaxed),
+            };
+        }));
+        handles.retain(|h| !h.is_finished());
+        if start.elapsed() >= Duration::from_secs(60 * minutes) {
+            minute(minutes);
+            minutes += 1;
+        }
+    }
+    for h in handles {
+        let _ = h.join();
+    }
+    Ok(())
+}
+
+/// Polls until KV blocks, leases and live workers are back at `before` (or 60 s pass).
+fn settle(addr: SocketAddr, pid: u32, before: &Snapshot) -> Snapshot {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    // The server trims its heap after two idle seconds; give it those first.
+    std::thread::sleep(Duration::from_secs(4));
+    let mut now = snapshot(addr, pid);
+    while (now[4] != before[4] || now[5] != before[5] || now[6] != before[6])
+        && Instant::now() < deadline
+    {
+        std::thread::sleep(Duration::from_millis(500));
+        now = snapshot(addr, pid);
+    }
+    now
+}
+
 /// Runs the soak and returns the table.
 pub fn run(args: &SoakArgs) -> anyhow::Result<String> {
     let dir = tempfile::tempdir()?;
     let (serve, addr) = start_server(args, dir.path())?;
     let pid = serve.0.id();
-    let names: Arc<Vec<String>> = Arc::new(
-        (0..args.adapters)
-            .filter_map(|i| {
-                std::fs::read_dir(dir.path().join("adapters"))
-                    .ok()?
-                    .flatten()
-                    .nth(i)
-                    .and_then(|e| e.file_name().into_string().ok())
-            })
-            .collect(),
-    );
-    let body = |model: &str, stream: bool, n: usize| {
-        json!({"model": model, "prompt": "the quick brown fox", "max_tokens": n,
-               "ignore_eos": true, "stream": stream})
-        .to_string()
-    };
+    let mut names: Vec<String> = std::fs::read_dir(dir.path().join("adapters"))?
+        .flatten()
+        .filter_map(|e| e.file_name().into_string().ok())
+        .collect();
+    names.sort();
+    names.truncate(args.adapters);
+    let names = Arc::new(names);
     // Sustainable rate: 8 closed-loop clients on the base model for 5 s.
     let t = Instant::now();
     let done = AtomicU64::new(0);
@@ -260,15 +340,8 @@ pub fn run(args: &SoakArgs) -> anyhow::Result<String> {
         for _ in 0..8 {
             s.spawn(|| {
                 while t.elapsed() < Duration::from_secs(5) {
-                    if matches!(
-                        http(
-                            addr,
-                            "POST",
-                            "/v1/completions",
-                            &body("base", false, args.max_tokens)
-                        ),
-                        Ok((200, _))
-                    ) {
+                    let b = body("base", false, args.max_tokens);
+                    if matches!(http(addr, "POST", "/v1/completions", &b), Ok((200, _))) {
                         done.fetch_add(1, Ordering::Relaxed);
                     }
                 }
@@ -277,20 +350,28 @@ pub fn run(args: &SoakArgs) -> anyhow::Result<String> {
     });
     let sustainable = done.load(Ordering::Relaxed) as f64 / t.elapsed().as_secs_f64();
     let rate = args.rate.unwrap_or(0.7 * sustainable).max(0.1);
-    let before = snapshot(addr, pid);
-
     let counts = Arc::new(Counts::default());
-    let stop = Arc::new(AtomicBool::new(false));
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(args.seed);
-    let zipf = Zipf::new(names.len().max(1) as f64, 1.0)?;
-    let gap = Exp::new(rate)?;
+    let at_start = snapshot(addr, pid);
+    let traffic = Traffic {
+        addr,
+        names: &names,
+        rate,
+        max_tokens: args.max_tokens,
+    };
+    drive(&traffic, args.warmup_secs, &counts, &mut rng, |_| {})?;
+    let warm = counts.take();
+    let before = settle(addr, pid, &at_start);
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let kills = Arc::new(std::sync::Mutex::new(Vec::<(u64, i32)>::new()));
     let chaos = {
-        let (stop, counts, names) = (stop.clone(), counts.clone(), names.clone());
+        let (stop, counts, names, kills) =
+            (stop.clone(), counts.clone(), names.clone(), kills.clone());
         let adapters = dir.path().join("adapters");
         std::thread::spawn(move || {
             let start = Instant::now();
             let mut tick = 0u64;
-            let mut kills = 0;
             while !stop.load(Ordering::Relaxed) {
                 std::thread::sleep(Duration::from_secs(1));
                 tick += 1;
@@ -305,83 +386,58 @@ pub fn run(args: &SoakArgs) -> anyhow::Result<String> {
                     let b = json!({"lora_name": "soak-extra"}).to_string();
                     let _ = http(addr, "POST", "/v1/unload_lora_adapter", &b);
                 }
-                if start.elapsed().as_secs() / 120 > kills {
-                    kills += 1;
-                    if let Some(w) = children(pid).first() {
+                let secs = start.elapsed().as_secs();
+                if kills_due(secs) > kills.lock().unwrap().len() as u64 {
+                    let w = children(pid).first().copied().unwrap_or(0);
+                    if w > 0 {
                         let _ = nix::sys::signal::kill(
-                            nix::unistd::Pid::from_raw(*w),
+                            nix::unistd::Pid::from_raw(w),
                             nix::sys::signal::Signal::SIGKILL,
                         );
                     }
+                    eprintln!("soak: {secs} s: SIGKILL CPU worker pid {w}");
+                    kills.lock().unwrap().push((secs, w));
                 }
             }
         })
     };
     let mut out = format!(
-        "soak: {} adapters, sustainable ≈ {sustainable:.1} req/s, sending {rate:.1} req/s of {} tokens (Zipf, Poisson) for {} min; CPU backend, tiny model\n\n\
-         | minute | good ok | good failed | 429 | streams dropped | malformed→400 | RSS MiB | fds | /dev/shm | memfds | KV blocks | leases |\n\
-         |---|---|---|---|---|---|---|---|---|---|---|---|\n",
-        names.len(), args.max_tokens, args.minutes
+        "soak: {} adapters, sustainable ≈ {sustainable:.1} req/s, sending {rate:.1} req/s of {} tokens (Zipf, Poisson) for {} min after a {:.0} s warm-up ({} ok, {} failed, {} 429); CPU backend, tiny model, {} CPU workers\n\n\
+         | minute | good ok | good failed | 429 | streams dropped | malformed→400 | RSS MiB | fds | /dev/shm | memfds | KV blocks | leases | workers | host adapters |\n\
+         |---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+        names.len(), args.max_tokens, args.minutes, args.warmup_secs, warm[0], warm[1], warm[2],
+        args.lora_workers
     );
-    let row = |label: &str, c: [u64; 5], s: [f64; 6]| {
+    let row = |label: &str, c: [u64; 5], s: Snapshot| {
         format!(
-            "| {label} | {} | {} | {} | {} | {} | {:.0} | {} | {} | {} | {} | {} |\n",
-            c[0], c[1], c[2], c[3], c[4], s[0], s[1], s[2], s[3], s[4], s[5]
+            "| {label} | {} | {} | {} | {} | {} | {:.1} | {} | {} | {} | {} | {} | {} | {} |\n",
+            c[0], c[1], c[2], c[3], c[4], s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7]
         )
     };
-    out.push_str(&row("before", [0; 5], before));
-    let start = Instant::now();
-    let total = Duration::from_secs_f64(args.minutes * 60.0);
-    let mut next = start;
-    let mut minute = 1;
-    let mut handles = Vec::new();
-    while start.elapsed() < total {
-        next += Duration::from_secs_f64(gap.sample(&mut rng));
-        if let Some(d) = next.checked_duration_since(Instant::now()) {
-            std::thread::sleep(d);
-        }
-        let name = names[(zipf.sample(&mut rng) as usize).saturating_sub(1)].clone();
-        let drop_it = rng.random_bool(0.05);
-        let c = counts.clone();
-        let b = body(&name, drop_it, args.max_tokens);
-        handles.push(std::thread::spawn(move || {
-            if drop_it {
-                let _ = drop_stream(addr, &b);
-                c.dropped.fetch_add(1, Ordering::Relaxed);
-                return;
-            }
-            match http(addr, "POST", "/v1/completions", &b) {
-                Ok((200, _)) => c.ok.fetch_add(1, Ordering::Relaxed),
-                Ok((429, _)) => c.refused.fetch_add(1, Ordering::Relaxed),
-                _ => c.failed.fetch_add(1, Ordering::Relaxed),
-            };
-        }));
-        handles.retain(|h| !h.is_finished());
-        if start.elapsed() >= Duration::from_secs(60 * minute) {
-            out.push_str(&row(
-                &minute.to_string(),
-                counts.take(),
-                snapshot(addr, pid),
-            ));
-            eprint!("{}", out.lines().last().unwrap_or_default());
-            eprintln!();
-            minute += 1;
-        }
-    }
+    out.push_str(&row("start", [0; 5], at_start));
+    out.push_str(&row("before (warm)", [0; 5], before));
+    let mut lost = warm[1];
+    drive(&traffic, args.minutes * 60.0, &counts, &mut rng, |m| {
+        let c = counts.take();
+        lost += c[1];
+        out.push_str(&row(&m.to_string(), c, snapshot(addr, pid)));
+        eprint!("{}", out.lines().last().unwrap_or_default());
+        eprintln!();
+    })?;
     stop.store(true, Ordering::Relaxed);
-    for h in handles {
-        let _ = h.join();
-    }
     let _ = chaos.join();
-    out.push_str(&row("end", counts.take(), snapshot(addr, pid)));
-    // Idle: give the server time to free what the last requests held.
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let mut after = snapshot(addr, pid);
-    while (after[4] != before[4] || after[5] != before[5]) && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(200));
-        after = snapshot(addr, pid);
-    }
+    let c = counts.take();
+    lost += c[1];
+    out.push_str(&row("end", c, snapshot(addr, pid)));
+    let after = settle(addr, pid, &before);
     out.push_str(&row("idle after", [0; 5], after));
+    let kills = kills.lock().unwrap().clone();
+    out.push_str(&format!(
+        "\nworker SIGKILLs (load second, pid): {kills:?}; workers alive at idle: {} of {}\n",
+        after[6], before[6]
+    ));
+    out.push_str(&verdict(lost, &before, &after, kills.len()));
+    out.push('\n');
     drop(serve);
     Ok(out)
 }

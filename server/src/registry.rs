@@ -205,17 +205,15 @@ impl Registry {
     }
 
     /// Reads and validates an adapter on a blocking task.
-    async fn read(&self, name: &str, path: &Path) -> Result<(Arc<LoraAdapter>, f64), ServerError> {
+    async fn read<F>(&self, name: &str, read: F) -> Result<(Arc<LoraAdapter>, f64), ServerError>
+    where
+        F: FnOnce(&ModelConfig) -> Result<LoraAdapter, ServerError> + Send + 'static,
+    {
         let model = self.model.clone();
-        let p = path.to_path_buf();
         let start = Instant::now();
-        let adapter = tokio::task::spawn_blocking(move || LoraAdapter::load(&p, &model))
+        let adapter = tokio::task::spawn_blocking(move || read(&model))
             .await
-            .map_err(|e| ServerError::Internal(format!("adapter loader task failed: {e}")))?
-            .map_err(|source| ServerError::Adapter {
-                name: name.to_string(),
-                source,
-            })?;
+            .map_err(|e| ServerError::Internal(format!("adapter loader task failed: {e}")))??;
         let rank = adapter.max_rank();
         if rank > self.limits.max_lora_rank {
             return Err(ServerError::RankTooLarge {
@@ -250,7 +248,25 @@ impl Registry {
                 },
             });
         }
-        let (adapter, secs) = self.read(name, path).await?;
+        let (p, n) = (path.to_path_buf(), name.to_string());
+        self.load_with(name, path, move |model| {
+            LoraAdapter::load(&p, model).map_err(|source| ServerError::Adapter { name: n, source })
+        })
+        .await
+    }
+
+    /// [`Registry::load`] with the first read done by `read` (on the blocking pool): a
+    /// `--lora-root` load opens its files without following links.
+    pub async fn load_with<F>(
+        &self,
+        name: &str,
+        path: &Path,
+        read: F,
+    ) -> Result<AdapterView, ServerError>
+    where
+        F: FnOnce(&ModelConfig) -> Result<LoraAdapter, ServerError> + Send + 'static,
+    {
+        let (adapter, secs) = self.read(name, read).await?;
         let slot = {
             let mut inner = self.lock();
             let generation = inner.generations.entry(name.to_string()).or_insert(0);

@@ -190,6 +190,14 @@ async fn lora_root_confines_runtime_loads() {
     let inside = fx.copy_adapter(0, "inside");
     std::os::unix::fs::symlink(&fx.adapters[0].1, root.join("link-out")).unwrap();
     std::os::unix::fs::symlink("/nonexistent/thaw", root.join("dangling")).unwrap();
+    // An adapter directory inside the root whose weights file links outside it.
+    let file_link = fx.copy_adapter(0, "file-link");
+    std::fs::remove_file(file_link.join("adapter_model.safetensors")).unwrap();
+    std::os::unix::fs::symlink(
+        fx.adapters[0].1.join("adapter_model.safetensors"),
+        file_link.join("adapter_model.safetensors"),
+    )
+    .unwrap();
     let server = Server::start(ServeConfig {
         allow_runtime_lora_updating: true,
         lora_root: Some(root.clone()),
@@ -223,6 +231,7 @@ async fn lora_root_confines_runtime_loads() {
         "link-out",
         "dangling",
         "dangling/deeper",
+        "file-link",
     ] {
         let r = load("x", p).await;
         let e = r.error(403);

@@ -26,6 +26,8 @@ pub struct AppState {
     pub engine: EngineHandle,
     pub registry: Arc<Registry>,
     pub tokenizer: Arc<Tokenizer>,
+    /// The most prompt bytes one token covers (`prompt_guard`); `None` when unbounded.
+    pub max_token_bytes: Option<usize>,
     pub chat: Option<ChatTemplate>,
     pub metrics: Arc<Metrics>,
     /// Set on SIGTERM/SIGINT: new requests get 503.
@@ -50,6 +52,18 @@ pub struct AppState {
 impl AppState {
     pub fn base_name(&self) -> &str {
         &self.served_names[0]
+    }
+
+    /// Tokenises prompt text off the async runtime, refusing by byte length first text that
+    /// cannot fit the context.
+    pub async fn encode(
+        &self,
+        text: String,
+        add_special_tokens: bool,
+        param: &'static str,
+    ) -> Result<Vec<u32>, ServerError> {
+        let limits = (self.max_model_len, self.max_token_bytes);
+        super::prompt_guard::encode(&self.tokenizer, text, add_special_tokens, limits, param).await
     }
 }
 

@@ -6,8 +6,10 @@
 //! outside the root. Adapters given at start-up are not checked here.
 use std::path::{Component, Path, PathBuf};
 
-use thaw_runtime::adapter::AdapterError;
+use thaw_runtime::adapter::{AdapterError, LoraAdapter};
+use thaw_runtime::model::ModelConfig;
 
+use super::lora_open::{load_confined, OpenError};
 use crate::error::ServerError;
 
 /// The files an adapter directory may hold that the loader opens.
@@ -93,6 +95,30 @@ impl LoraAccess {
             }
         }
         Ok(dir)
+    }
+
+    /// The read of `dir` (from [`LoraAccess::resolve`]) for the registry's blocking pool: with
+    /// a root, race-free and link-free relative to it (`lora_open`), answering the same 403 for
+    /// a link swapped in since the check; without one, a plain load.
+    pub fn reader(
+        &self,
+        name: &str,
+        dir: &Path,
+    ) -> impl FnOnce(&ModelConfig) -> Result<LoraAdapter, ServerError> + Send + 'static {
+        let (access, name, dir) = (self.clone(), name.to_string(), dir.to_path_buf());
+        move |model: &ModelConfig| {
+            let adapter = |source| ServerError::Adapter {
+                name: name.clone(),
+                source,
+            };
+            let Some(root) = &access.root else {
+                return LoraAdapter::load(&dir, model).map_err(adapter);
+            };
+            load_confined(root, &dir, model).map_err(|e| match e {
+                OpenError::Outside => outside(),
+                OpenError::Adapter(source) => access.relative_error(adapter(source)),
+            })
+        }
     }
 
     /// The error for a `requested` path that does not resolve: 403 unless its deepest

@@ -82,7 +82,7 @@ pub async fn load_lora(
     let path = state.lora_access.resolve(name, &req.lora_path)?;
     let view = state
         .registry
-        .load(name, &path)
+        .load_with(name, &path, state.lora_access.reader(name, &path))
         .await
         .map_err(|e| state.lora_access.relative_error(e))?;
     tracing::info!(

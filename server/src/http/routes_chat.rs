@@ -95,10 +95,7 @@ pub async fn chat_completions(
         )
     })?;
     let text = template.render(&messages(&req)?, req.add_generation_prompt.unwrap_or(true))?;
-    let prompt = state
-        .tokenizer
-        .encode(&text, false)
-        .map_err(|e| ServerError::invalid("messages", format!("could not tokenize: {e}")))?;
+    let prompt = state.encode(text, false, "messages").await?;
     let max_new = check_length(&state, prompt.len(), p.max_tokens, "messages")?;
     let prompt_tokens = prompt.len();
     let lease = resolve_model(&state, &req.model).await?;

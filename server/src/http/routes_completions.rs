@@ -119,13 +119,15 @@ pub async fn completions(
     let prompts: Vec<Vec<u32>> = match &req.prompt {
         Prompt::Text(s) => {
             texts = vec![Some(s.clone())];
-            vec![encode(&state, s)?]
+            vec![state.encode(s.clone(), true, "prompt").await?]
         }
         Prompt::Texts(v) => {
             texts = v.iter().cloned().map(Some).collect();
-            v.iter()
-                .map(|s| encode(&state, s))
-                .collect::<Result<_, _>>()?
+            let mut out = Vec::with_capacity(v.len());
+            for s in v {
+                out.push(state.encode(s.clone(), true, "prompt").await?);
+            }
+            out
         }
         Prompt::Tokens(t) => {
             texts = vec![None];
@@ -263,11 +265,4 @@ pub async fn completions(
         "usage": Usage::new(prompt_tokens, completion_tokens),
     }))
     .into_response())
-}
-
-fn encode(state: &AppState, s: &str) -> Result<Vec<u32>, ServerError> {
-    state
-        .tokenizer
-        .encode(s, true)
-        .map_err(|e| ServerError::invalid("prompt", format!("could not tokenize the prompt: {e}")))
 }

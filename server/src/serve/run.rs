@@ -216,10 +216,12 @@ impl Server {
             ),
             None => None,
         };
+        let max_token_bytes = crate::http::max_token_bytes(&tokenizer);
         let state = Arc::new(AppState {
             engine,
             registry,
             tokenizer: Arc::new(tokenizer),
+            max_token_bytes,
             chat,
             metrics,
             shutting_down: AtomicBool::new(false),
@@ -265,6 +267,7 @@ impl Server {
             let _ = stop_rx.wait_for(|v| *v).await;
         };
         let app = self.router();
+        let trimmer = super::idle_trim::spawn(state.clone());
         let dumper = self
             .config
             .dump_cost_model
@@ -303,6 +306,7 @@ impl Server {
                 }
             }
         }
+        trimmer.abort();
         if let Some(d) = dumper {
             d.abort();
         }

@@ -1,0 +1,215 @@
+//! Race-free reads of a runtime-loaded adapter under `--lora-root`.
+//!
+//! [`LoraAccess::resolve`](super::lora_access::LoraAccess::resolve) checks paths by name; a
+//! component swapped for a symlink between that check and the open would escape the root.
+//! So the adapter directory is opened once, walking down from the root one component at a
+//! time with `openat(O_DIRECTORY | O_NOFOLLOW)` (the canonical path has no links, so any link
+//! found now was swapped in and is refused), its real path is checked through
+//! `/proc/self/fd`, and the adapter files are opened relative to that fd with `O_NOFOLLOW`.
+use std::io::Read;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::path::{Component, Path};
+
+use nix::errno::Errno;
+use nix::fcntl::{openat, OFlag};
+use nix::sys::stat::Mode;
+use safetensors::SafeTensors;
+use thaw_runtime::adapter::{AdapterConfig, AdapterError, LoraAdapter};
+use thaw_runtime::model::ModelConfig;
+
+/// Why a confined read failed.
+#[derive(Debug)]
+pub enum OpenError {
+    /// A link, a non-directory on the way, or a real path outside the root: the 403.
+    Outside,
+    /// The adapter files are missing, unreadable or invalid (paths relative to `dir`).
+    Adapter(AdapterError),
+}
+
+fn open_at(dir: Option<&OwnedFd>, name: &Path, flags: OFlag) -> nix::Result<OwnedFd> {
+    let flags = flags | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC | OFlag::O_NONBLOCK;
+    let fd = openat(dir.map(|d| d.as_raw_fd()), name, flags, Mode::empty())?;
+    // SAFETY: `openat` just returned this descriptor and nothing else owns it; the OwnedFd
+    // becomes its only owner and closes it once.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// Opens `dir` (canonical, inside the canonical `root`) without following any link.
+fn open_dir(root: &Path, dir: &Path) -> Result<OwnedFd, OpenError> {
+    let rel = dir.strip_prefix(root).map_err(|_| OpenError::Outside)?;
+    let flags = OFlag::O_RDONLY | OFlag::O_DIRECTORY;
+    let mut fd = open_at(None, root, flags).map_err(|_| OpenError::Outside)?;
+    for c in rel.components() {
+        let Component::Normal(name) = c else {
+            return Err(OpenError::Outside);
+        };
+        fd = open_at(Some(&fd), Path::new(name), flags).map_err(|_| OpenError::Outside)?;
+    }
+    let real = std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd()))
+        .map_err(|_| OpenError::Outside)?;
+    if !real.starts_with(root) {
+        return Err(OpenError::Outside);
+    }
+    Ok(fd)
+}
+
+/// The bytes of regular file `name` in `dir_fd`; `None` when it does not exist.
+fn read_file(dir_fd: &OwnedFd, dir: &Path, name: &str) -> Result<Option<Vec<u8>>, OpenError> {
+    let path = dir.join(name);
+    let fd = match open_at(Some(dir_fd), Path::new(name), OFlag::O_RDONLY) {
+        Ok(fd) => fd,
+        Err(Errno::ENOENT) => return Ok(None),
+        // ELOOP: the file is a symlink. Whatever it points at is outside knowledge.
+        Err(Errno::ELOOP) => return Err(OpenError::Outside),
+        Err(e) => {
+            return Err(OpenError::Adapter(AdapterError::Io {
+                path,
+                reason: e.to_string(),
+            }))
+        }
+    };
+    let mut file = std::fs::File::from(fd);
+    let io = |e: std::io::Error| {
+        OpenError::Adapter(AdapterError::Io {
+            path: path.clone(),
+            reason: e.to_string(),
+        })
+    };
+    if !file.metadata().map_err(io)?.is_file() {
+        return Err(io(std::io::Error::other("not a regular file")));
+    }
+    let mut bytes = Vec::new();
+    file.read_to_end(&mut bytes).map_err(io)?;
+    Ok(Some(bytes))
+}
+
+/// Reads and validates the adapter in `dir` (canonical, under `root`) with no path lookup
+/// that could follow a link out of the root.
+pub fn load_confined(
+    root: &Path,
+    dir: &Path,
+    model: &ModelConfig,
+) -> Result<LoraAdapter, OpenError> {
+    let fd = open_dir(root, dir)?;
+    let missing = |name: &str| {
+        OpenError::Adapter(AdapterError::MissingFile {
+            path: dir.join(name),
+        })
+    };
+    let config = read_file(&fd, dir, "adapter_config.json")?
+        .ok_or_else(|| missing("adapter_config.json"))?;
+    let config_path = dir.join("adapter_config.json");
+    let text = String::from_utf8(config).map_err(|e| {
+        OpenError::Adapter(AdapterError::ConfigNotJson {
+            path: config_path.clone(),
+            reason: e.to_string(),
+        })
+    })?;
+    let config = AdapterConfig::from_json(&text).map_err(|e| {
+        OpenError::Adapter(match e {
+            AdapterError::ConfigNotJson { reason, .. } => AdapterError::ConfigNotJson {
+                path: config_path.clone(),
+                reason,
+            },
+            e => e,
+        })
+    })?;
+    let weights_path = dir.join("adapter_model.safetensors");
+    let Some(weights) = read_file(&fd, dir, "adapter_model.safetensors")? else {
+        let bin = "adapter_model.bin";
+        return Err(OpenError::Adapter(
+            match open_at(Some(&fd), Path::new(bin), OFlag::O_RDONLY) {
+                Ok(_) => AdapterError::PickleWeights {
+                    path: dir.join(bin),
+                },
+                Err(_) => AdapterError::MissingFile { path: weights_path },
+            },
+        ));
+    };
+    let tensors = SafeTensors::deserialize(&weights).map_err(|e| {
+        OpenError::Adapter(AdapterError::Corrupt {
+            path: weights_path,
+            reason: e.to_string(),
+        })
+    })?;
+    LoraAdapter::from_parts(config, &tensors, model).map_err(OpenError::Adapter)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::lora_access::LoraAccess;
+    use super::*;
+
+    fn fixture() -> std::path::PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/hf-tiny-llama")
+    }
+
+    fn copy_adapter(to: &Path) {
+        std::fs::create_dir_all(to).unwrap();
+        for f in ["adapter_config.json", "adapter_model.safetensors"] {
+            std::fs::copy(fixture().join("adapters/r4_qv").join(f), to.join(f)).unwrap();
+        }
+    }
+
+    /// The check passes, then the tree is changed under it (the TOCTOU window): each swap is
+    /// refused by the read with the same 403 as any outside path; untouched adapters load.
+    #[test]
+    fn links_swapped_in_after_the_check_are_refused() {
+        let model = ModelConfig::from_dir(&fixture()).unwrap();
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path().join("root");
+        let secret = tmp.path().join("secret");
+        copy_adapter(&secret);
+        for a in ["good", "file_swap", "weights_swap", "dir_swap/inner", "parent_swap/a/b"] {
+            copy_adapter(&root.join(a));
+        }
+        let acc = LoraAccess::new(true, Some(&root)).unwrap();
+        let outside_msg = acc.resolve("x", "/etc").unwrap_err().to_string();
+        let checked = |p: &str| acc.resolve("x", p).unwrap();
+
+        let good = checked("good");
+        let adapter = acc.reader("x", &good)(&model).unwrap();
+        let plain = LoraAdapter::load(&fixture().join("adapters/r4_qv"), &model).unwrap();
+        assert_eq!(adapter.max_rank(), plain.max_rank());
+        assert_eq!(adapter.size_bytes_f32(), plain.size_bytes_f32());
+
+        let mut swapped = Vec::new();
+        // A file replaced by a link to a file outside.
+        let d = checked("file_swap");
+        std::fs::remove_file(d.join("adapter_config.json")).unwrap();
+        std::os::unix::fs::symlink(secret.join("adapter_config.json"), d.join("adapter_config.json"))
+            .unwrap();
+        swapped.push(d);
+        let d = checked("weights_swap");
+        std::fs::remove_file(d.join("adapter_model.safetensors")).unwrap();
+        std::os::unix::fs::symlink(
+            secret.join("adapter_model.safetensors"),
+            d.join("adapter_model.safetensors"),
+        )
+        .unwrap();
+        swapped.push(d);
+        // The adapter directory itself, and a component above it, replaced by links.
+        for (p, swap) in [("dir_swap/inner", "dir_swap/inner"), ("parent_swap/a/b", "parent_swap/a")] {
+            let d = checked(p);
+            let s = root.join(swap);
+            std::fs::rename(&s, tmp.path().join(format!("moved-{}", swap.replace('/', "-")))).unwrap();
+            let target = if swap == p { secret.clone() } else { tmp.path().to_path_buf() };
+            std::os::unix::fs::symlink(&target, &s).unwrap();
+            swapped.push(d);
+        }
+        // parent_swap/a → tmp, so parent_swap/a/b would need tmp/b: make it a real adapter.
+        copy_adapter(&tmp.path().join("b"));
+        for d in swapped {
+            let e = acc.reader("x", &d)(&model).unwrap_err();
+            assert_eq!(e.status(), 403, "{}: {e}", d.display());
+            assert_eq!(e.to_string(), outside_msg, "{}", d.display());
+        }
+        // A file missing at read time is a 404-class error naming the path relative to the root.
+        let d = checked("good");
+        std::fs::remove_file(d.join("adapter_model.safetensors")).unwrap();
+        let e = acc.reader("x", &d)(&model).unwrap_err();
+        let msg = e.to_string();
+        assert!(msg.contains("<lora-root>/good/adapter_model.safetensors"), "{msg}");
+        assert!(!msg.contains(tmp.path().to_str().unwrap()), "{msg}");
+    }
+}

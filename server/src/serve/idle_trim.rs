@@ -1,0 +1,109 @@
+//! Gives freed heap back to the OS when the server goes idle. glibc keeps freed memory in its
+//! per-thread arenas; after a burst of requests (many tokio and blocking-pool threads
+//! allocating at once) RSS stays at the burst's peak though nothing is live. Once the engine
+//! has run steps and then sits with nothing running or waiting for two checks in a row,
+//! `malloc_trim(0)` returns the free pages of every arena.
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::http::AppState;
+
+/// How often idleness is checked.
+const PERIOD: Duration = Duration::from_secs(1);
+
+/// What the trimmer last saw.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Seen {
+    /// Engine steps at the last trim.
+    pub trimmed_at_steps: u64,
+    /// Consecutive idle checks since the last step.
+    pub idle_checks: u32,
+    pub last_steps: u64,
+}
+
+/// One check: the new state and whether to trim now. Trims once per idle period, after work.
+pub fn decide(seen: Seen, steps: u64, busy: bool) -> (Seen, bool) {
+    let idle_checks = if busy || steps != seen.last_steps {
+        0
+    } else {
+        seen.idle_checks.saturating_add(1)
+    };
+    let trim = idle_checks >= 2 && steps != seen.trimmed_at_steps;
+    let next = Seen {
+        trimmed_at_steps: if trim { steps } else { seen.trimmed_at_steps },
+        idle_checks,
+        last_steps: steps,
+    };
+    (next, trim)
+}
+
+/// Releases free heap pages to the OS.
+pub fn trim() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim only walks glibc's own arenas under their locks and takes no
+    // pointers from us; it is documented as safe to call from any thread at any time.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}
+
+/// Runs until the runtime shuts down.
+pub fn spawn(state: Arc<AppState>) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut seen = Seen::default();
+        loop {
+            tokio::time::sleep(PERIOD).await;
+            let s = &state.engine.stats;
+            let busy = s.running.load(Ordering::Relaxed) + s.waiting.load(Ordering::Relaxed) > 0;
+            let (next, now) = decide(seen, s.steps.load(Ordering::Relaxed), busy);
+            seen = next;
+            if now {
+                let _ = tokio::task::spawn_blocking(trim).await;
+            }
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn trims_once_after_work_then_idle() {
+        let mut seen = Seen::default();
+        let mut trims = Vec::new();
+        // (steps, busy) per check: idle at start, a burst, idle, idle, idle, more work, idle.
+        let checks = [(0, false), (0, false), (0, false), (5, true), (9, false), (9, false),
+            (9, false), (9, false), (12, true), (12, false), (12, false)];
+        for (i, &(steps, busy)) in checks.iter().enumerate() {
+            let (n, t) = decide(seen, steps, busy);
+            seen = n;
+            if t {
+                trims.push(i);
+            }
+        }
+        assert_eq!(trims, vec![6, 10]);
+    }
+
+    proptest! {
+        /// Never trims while busy, and never twice without steps in between.
+        #[test]
+        fn never_while_busy_nor_twice_per_idle(checks in proptest::collection::vec((0u64..4, any::<bool>()), 0..64)) {
+            let mut seen = Seen::default();
+            let mut steps = 0;
+            let mut trimmed_at = None;
+            for (d, busy) in checks {
+                steps += d;
+                let (n, t) = decide(seen, steps, busy);
+                seen = n;
+                if t {
+                    prop_assert!(!busy);
+                    prop_assert_ne!(trimmed_at, Some(steps));
+                    trimmed_at = Some(steps);
+                }
+            }
+        }
+    }
+}
