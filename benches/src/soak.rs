@@ -154,7 +154,8 @@ fn snapshot(addr: SocketAddr, pid: u32) -> Snapshot {
     ]
 }
 
-/// Worker processes: children of `pid`.
+/// Live worker processes: children of `pid` that are not zombies (a killed worker stays in
+/// /proc until the server reaps it).
 fn children(pid: u32) -> Vec<i32> {
     let Ok(dir) = std::fs::read_dir("/proc") else {
         return Vec::new();
@@ -163,10 +164,9 @@ fn children(pid: u32) -> Vec<i32> {
         .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
         .filter(|p| {
             std::fs::read_to_string(format!("/proc/{p}/stat")).is_ok_and(|s| {
-                s.rsplit(')')
-                    .next()
-                    .and_then(|r| r.split_whitespace().nth(1))
-                    == Some(&pid.to_string())
+                let mut f = s.rsplit(')').next().unwrap_or("").split_whitespace();
+                let (state, ppid) = (f.next(), f.next());
+                state != Some("Z") && ppid == Some(&pid.to_string())
             })
         })
         .collect()
@@ -333,14 +333,19 @@ pub fn run(args: &SoakArgs) -> anyhow::Result<String> {
     names.sort();
     names.truncate(args.adapters);
     let names = Arc::new(names);
-    // Sustainable rate: 8 closed-loop clients on the base model for 5 s.
+    // Sustainable rate: 8 closed-loop clients for 10 s over the same Zipf-popular adapters
+    // as the soak (the base model alone runs faster than adapter traffic).
     let t = Instant::now();
     let done = AtomicU64::new(0);
+    let zipf = Zipf::new(names.len().max(1) as f64, 1.0)?;
     std::thread::scope(|s| {
-        for _ in 0..8 {
-            s.spawn(|| {
-                while t.elapsed() < Duration::from_secs(5) {
-                    let b = body("base", false, args.max_tokens);
+        for i in 0..8u64 {
+            let (done, names, zipf) = (&done, &names, &zipf);
+            s.spawn(move || {
+                let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(args.seed ^ ((i + 1) << 32));
+                while t.elapsed() < Duration::from_secs(10) {
+                    let name = &names[(zipf.sample(&mut rng) as usize).saturating_sub(1)];
+                    let b = body(name, false, args.max_tokens);
                     if matches!(http(addr, "POST", "/v1/completions", &b), Ok((200, _))) {
                         done.fetch_add(1, Ordering::Relaxed);
                     }
@@ -433,8 +438,8 @@ pub fn run(args: &SoakArgs) -> anyhow::Result<String> {
     out.push_str(&row("idle after", [0; 5], after));
     let kills = kills.lock().unwrap().clone();
     out.push_str(&format!(
-        "\nworker SIGKILLs (load second, pid): {kills:?}; workers alive at idle: {} of {}\n",
-        after[6], before[6]
+        "\nworker SIGKILLs (load second, pid): {kills:?}; live workers at idle: {} of {} (pids {:?})\n",
+        after[6], before[6], children(pid)
     ));
     out.push_str(&verdict(lost, &before, &after, kills.len()));
     out.push('\n');
