@@ -91,7 +91,10 @@ mod tests {
         after[7] = 10.0;
         assert!(verdict(0, &before, &after, 1).starts_with("PASS"));
         let v = verdict(1, &before, &after, 1);
-        assert!(v.starts_with("FAIL") && v.contains("1 good requests failed"), "{v}");
+        assert!(
+            v.starts_with("FAIL") && v.contains("1 good requests failed"),
+            "{v}"
+        );
         after[0] = 44.1;
         assert!(verdict(0, &before, &after, 1).contains("RSS 44.1 MiB above"));
         after[0] = 40.0;

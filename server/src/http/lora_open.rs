@@ -160,7 +160,13 @@ mod tests {
         let root = tmp.path().join("root");
         let secret = tmp.path().join("secret");
         copy_adapter(&secret);
-        for a in ["good", "file_swap", "weights_swap", "dir_swap/inner", "parent_swap/a/b"] {
+        for a in [
+            "good",
+            "file_swap",
+            "weights_swap",
+            "dir_swap/inner",
+            "parent_swap/a/b",
+        ] {
             copy_adapter(&root.join(a));
         }
         let acc = LoraAccess::new(true, Some(&root)).unwrap();
@@ -177,8 +183,11 @@ mod tests {
         // A file replaced by a link to a file outside.
         let d = checked("file_swap");
         std::fs::remove_file(d.join("adapter_config.json")).unwrap();
-        std::os::unix::fs::symlink(secret.join("adapter_config.json"), d.join("adapter_config.json"))
-            .unwrap();
+        std::os::unix::fs::symlink(
+            secret.join("adapter_config.json"),
+            d.join("adapter_config.json"),
+        )
+        .unwrap();
         swapped.push(d);
         let d = checked("weights_swap");
         std::fs::remove_file(d.join("adapter_model.safetensors")).unwrap();
@@ -189,11 +198,22 @@ mod tests {
         .unwrap();
         swapped.push(d);
         // The adapter directory itself, and a component above it, replaced by links.
-        for (p, swap) in [("dir_swap/inner", "dir_swap/inner"), ("parent_swap/a/b", "parent_swap/a")] {
+        for (p, swap) in [
+            ("dir_swap/inner", "dir_swap/inner"),
+            ("parent_swap/a/b", "parent_swap/a"),
+        ] {
             let d = checked(p);
             let s = root.join(swap);
-            std::fs::rename(&s, tmp.path().join(format!("moved-{}", swap.replace('/', "-")))).unwrap();
-            let target = if swap == p { secret.clone() } else { tmp.path().to_path_buf() };
+            std::fs::rename(
+                &s,
+                tmp.path().join(format!("moved-{}", swap.replace('/', "-"))),
+            )
+            .unwrap();
+            let target = if swap == p {
+                secret.clone()
+            } else {
+                tmp.path().to_path_buf()
+            };
             std::os::unix::fs::symlink(&target, &s).unwrap();
             swapped.push(d);
         }
@@ -209,7 +229,10 @@ mod tests {
         std::fs::remove_file(d.join("adapter_model.safetensors")).unwrap();
         let e = acc.reader("x", &d)(&model).unwrap_err();
         let msg = e.to_string();
-        assert!(msg.contains("<lora-root>/good/adapter_model.safetensors"), "{msg}");
+        assert!(
+            msg.contains("<lora-root>/good/adapter_model.safetensors"),
+            "{msg}"
+        );
         assert!(!msg.contains(tmp.path().to_str().unwrap()), "{msg}");
     }
 }

@@ -100,7 +100,11 @@ pub fn max_token_bytes(tok: &Tokenizer) -> Option<usize> {
         _ => ModelKind::Unbounded,
     };
     let json = |v: Option<Value>| v.unwrap_or(Value::Null);
-    let normalizer = json(inner.get_normalizer().and_then(|n| serde_json::to_value(n).ok()));
+    let normalizer = json(
+        inner
+            .get_normalizer()
+            .and_then(|n| serde_json::to_value(n).ok()),
+    );
     let pre = json(
         inner
             .get_pre_tokenizer()
@@ -175,7 +179,8 @@ mod tests {
         assert_eq!(normalizer_shrink(&llama), Some(1));
         assert_eq!(bound_from_parts(bpe, &llama, &Value::Null, [2]), Some(4));
         // NFKC + lowercase may shrink: the bound widens, never narrows.
-        let nf = json!({"type": "Sequence", "normalizers": [{"type": "NFKC"}, {"type": "Lowercase"}]});
+        let nf =
+            json!({"type": "Sequence", "normalizers": [{"type": "NFKC"}, {"type": "Lowercase"}]});
         assert_eq!(bound_from_parts(bpe, &nf, &Value::Null, [8]), Some(72));
         // Text-deleting stages and unbounded models give no bound.
         for n in [
@@ -217,10 +222,10 @@ mod tests {
     fn fixture_tokenizer() -> &'static Tokenizer {
         static TOK: std::sync::OnceLock<Tokenizer> = std::sync::OnceLock::new();
         TOK.get_or_init(|| {
-        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../tests/fixtures/hf-tiny-llama");
-        let cfg = thaw_runtime::model::ModelConfig::from_dir(&dir).unwrap();
-        Tokenizer::from_dir(&dir, &cfg).unwrap()
+            let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("../tests/fixtures/hf-tiny-llama");
+            let cfg = thaw_runtime::model::ModelConfig::from_dir(&dir).unwrap();
+            Tokenizer::from_dir(&dir, &cfg).unwrap()
         })
     }
 

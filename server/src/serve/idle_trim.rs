@@ -75,8 +75,19 @@ mod tests {
         let mut seen = Seen::default();
         let mut trims = Vec::new();
         // (steps, busy) per check: idle at start, a burst, idle, idle, idle, more work, idle.
-        let checks = [(0, false), (0, false), (0, false), (5, true), (9, false), (9, false),
-            (9, false), (9, false), (12, true), (12, false), (12, false)];
+        let checks = [
+            (0, false),
+            (0, false),
+            (0, false),
+            (5, true),
+            (9, false),
+            (9, false),
+            (9, false),
+            (9, false),
+            (12, true),
+            (12, false),
+            (12, false),
+        ];
         for (i, &(steps, busy)) in checks.iter().enumerate() {
             let (n, t) = decide(seen, steps, busy);
             seen = n;
