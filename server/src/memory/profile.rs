@@ -95,8 +95,7 @@ pub fn build_engine<B: Backend>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::gen::model::{write_model, GenModelOptions};
-    use crate::gen::preset;
+    use crate::gen::{preset, write_model, GenModelOptions};
     use std::cell::Cell;
     use thaw_runtime::backend::cpu::CpuBackend;
 
