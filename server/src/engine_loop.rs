@@ -193,13 +193,15 @@ impl NoticeSink for EngineHandle {
     }
 }
 
-/// Starts the engine thread; `build` runs on it (the engine never crosses threads).
+/// Starts the engine thread; `build` runs on it (the engine never crosses threads). Also
+/// returns the scheduler limits `build` settled on (its KV budget may come from a memory
+/// profile on the device).
 pub fn start(
     build: impl FnOnce() -> anyhow::Result<(ServeEngine, LoopConfig)> + Send + 'static,
     max_queued: usize,
     metrics: Arc<Metrics>,
     board: Arc<Board>,
-) -> anyhow::Result<(EngineHandle, JoinHandle<()>)> {
+) -> anyhow::Result<(EngineHandle, JoinHandle<()>, SchedConfig)> {
     let (tx, rx) = cb::unbounded();
     let stats = Arc::new(LoopStats::default());
     let (ready_tx, ready_rx) = std::sync::mpsc::channel();
@@ -209,7 +211,8 @@ pub fn start(
         .spawn(move || match build() {
             Ok((engine, cfg)) => {
                 let (fetch_tx, fetch_rx) = cb::unbounded();
-                let loader = Loader::start(engine.model_config().clone(), move |id, r| {
+                let threads = crate::memory::loader::default_threads();
+                let loader = Loader::start(engine.model_config().clone(), threads, move |id, r| {
                     let _ = fetch_tx.send((id, r));
                 });
                 let loader = match loader {
@@ -221,7 +224,7 @@ pub fn start(
                         return;
                     }
                 };
-                let _ = ready_tx.send(Ok(()));
+                let _ = ready_tx.send(Ok(cfg.sched));
                 st.alive.store(true, Ordering::SeqCst);
                 let mem = MemoryManager::new(cfg.memory.clone(), board);
                 Loop::new(engine, cfg, mem, loader, st.clone(), metrics).run(rx, fetch_rx);
@@ -231,7 +234,7 @@ pub fn start(
                 let _ = ready_tx.send(Err(e));
             }
         })?;
-    ready_rx
+    let sched = ready_rx
         .recv()
         .map_err(|_| anyhow::anyhow!("the engine thread died while starting"))??;
     Ok((
@@ -242,6 +245,7 @@ pub fn start(
             max_queued,
         },
         thread,
+        sched,
     ))
 }
 
@@ -497,6 +501,8 @@ impl Loop {
         match r {
             Ok((adapter, secs)) => {
                 self.metrics.adapter_load.observe(secs);
+                self.mem
+                    .note_disk_read(adapter.size_bytes_f32() as u64, secs);
                 self.mem.on_fetched(id, Some(adapter), &wanted);
             }
             Err(msg) => {

@@ -76,6 +76,10 @@ pub struct CacheArgs {
     /// Sustainable rate in requests/s [default: measured with `cost`, all requests at once].
     #[arg(long)]
     pub sustainable_rate: Option<f64>,
+    /// Rounds, each with its own workload seed (--seed + round); within a round every policy
+    /// serves the same requests. The table shows per-round medians.
+    #[arg(long, default_value_t = 1)]
+    pub rounds: usize,
     #[command(flatten)]
     pub workload: WorkloadArgs,
 }
@@ -88,6 +92,20 @@ pub struct CacheScaleArgs {
     /// Registered adapter counts to run.
     #[arg(long, value_delimiter = ',', default_values_t = [1, 100, 1000, 10000])]
     pub adapter_counts: Vec<usize>,
+    /// `--max-loras` for every server (distinct adapters in one batch). The default, 64, is the
+    /// server's --max-num-seqs: like S-LoRA, any mix of adapters may share a batch, so the
+    /// table measures the memory layer and not a cap on distinct adapters. Ignored when
+    /// --serve-arg sets --max-loras.
+    #[arg(long, default_value_t = 64)]
+    pub max_loras: usize,
+    /// Runs per adapter count, interleaved over the counts (and the servers); the table shows
+    /// the run with the median throughput.
+    #[arg(long, default_value_t = 1)]
+    pub rounds: usize,
+    /// A second `thaw` executable run beside --thaw-bin in every round (e.g. main's build), so
+    /// the table compares the two side by side.
+    #[arg(long)]
+    pub baseline_bin: Option<PathBuf>,
     #[command(flatten)]
     pub workload: WorkloadArgs,
 }
@@ -297,6 +315,7 @@ pub fn run_cache(args: &CacheArgs) -> anyhow::Result<String> {
         ]);
     }
     anyhow::ensure!(!args.policies.is_empty(), "--policies is empty");
+    anyhow::ensure!(args.rounds > 0, "--rounds must be at least 1");
     let (_tmp, root) = workdir(&args.setup)?;
     let max = args.adapter_counts.iter().copied().max().unwrap_or(1);
     let prep = Prepared::new(&args.setup, &root, max)?;
@@ -333,30 +352,53 @@ pub fn run_cache(args: &CacheArgs) -> anyhow::Result<String> {
         };
         let _ = writeln!(
             text,
-            "\n{n} adapters, sustainable rate {sustainable:.2} req/s\n\n| load | policy | rate req/s | hit rate | TTFT P50 ms | TTFT P99 ms | done | failed | evictions | prefetch hits |\n|---|---|---|---|---|---|---|---|---|---|"
+            "\n{n} adapters, sustainable rate {sustainable:.2} req/s, {} round(s), medians over rounds\n\n| load | policy | rate req/s | hit rate | TTFT P50 ms | TTFT P99 ms | P99 vs fixed-slots | done | failed | evictions | prefetch hits |\n|---|---|---|---|---|---|---|---|---|---|---|",
+            args.rounds
         );
         for &f in &args.load {
-            let w = WorkloadArgs {
-                rate: Some(sustainable * f),
-                ..args.workload.clone()
+            // Policy → its runs, one per round; the policies interleave within each round.
+            let mut per: Vec<Vec<Run>> = vec![Vec::new(); args.policies.len()];
+            for round in 0..args.rounds {
+                let w = WorkloadArgs {
+                    rate: Some(sustainable * f),
+                    seed: args.workload.seed + round as u64,
+                    ..args.workload.clone()
+                };
+                for (pi, &p) in args.policies.iter().enumerate() {
+                    let label = format!("{n} adapters {:.0}% {p} round {}", f * 100.0, round + 1);
+                    let r = serve_once(&rt, &args.setup, &with_policy(p), &w, label, n)?;
+                    per[pi].push(r.clone());
+                    runs.push(r);
+                }
+            }
+            let med = |rs: &[Run], key: &dyn Fn(&Run) -> f64| {
+                let mut v: Vec<f64> = rs.iter().map(key).collect();
+                v.sort_by(f64::total_cmp);
+                v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
             };
-            for &p in &args.policies {
-                let label = format!("{n} adapters {:.0}% {p}", f * 100.0);
-                let r = serve_once(&rt, &args.setup, &with_policy(p), &w, label, n)?;
+            let p99 = |r: &Run| r.summary.ttft.p99 * 1e3;
+            let fixed = args
+                .policies
+                .iter()
+                .position(|&p| p == EvictionPolicy::FixedSlots)
+                .map(|i| med(&per[i], &p99));
+            for (pi, &p) in args.policies.iter().enumerate() {
+                let rs = &per[pi];
+                let tail = med(rs, &p99);
                 let _ = writeln!(
                     text,
-                    "| {:.0}% | {p} | {:.2} | {:.3} | {:.1} | {:.1} | {} | {} | {} | {} |",
+                    "| {:.0}% | {p} | {:.2} | {:.3} | {:.1} | {:.1} | {} | {} | {} | {} | {} |",
                     f * 100.0,
                     sustainable * f,
-                    r.hit_rate(),
-                    r.summary.ttft.p50 * 1e3,
-                    r.summary.ttft.p99 * 1e3,
-                    r.summary.completed,
-                    r.summary.failed,
-                    r.evictions,
-                    r.prefetch_hits,
+                    med(rs, &Run::hit_rate),
+                    med(rs, &|r| r.summary.ttft.p50 * 1e3),
+                    tail,
+                    fixed.map_or("-".into(), |b| format!("{:+.1}%", (tail / b - 1.0) * 100.0)),
+                    rs.iter().map(|r| r.summary.completed).sum::<usize>(),
+                    rs.iter().map(|r| r.summary.failed).sum::<usize>(),
+                    med(rs, &|r| r.evictions),
+                    med(rs, &|r| r.prefetch_hits),
                 );
-                runs.push(r);
             }
         }
     }
@@ -387,60 +429,97 @@ pub fn run_cache_scale(args: &CacheScaleArgs) -> anyhow::Result<String> {
         args.adapter_counts = vec![1, 20];
         args.workload = quick_workload(&args.workload);
     }
+    anyhow::ensure!(args.rounds > 0, "--rounds must be at least 1");
+    if !args
+        .setup
+        .serve_arg
+        .iter()
+        .any(|a| a.starts_with("--max-loras"))
+    {
+        args.setup
+            .serve_arg
+            .push(format!("--max-loras={}", args.max_loras));
+    }
     let (_tmp, root) = workdir(&args.setup)?;
     let max = args.adapter_counts.iter().copied().max().unwrap_or(1);
     let prep = Prepared::new(&args.setup, &root, max)?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
+    // (server label, setup): the build under test, then the baseline if any.
+    let mut servers = vec![("this".to_string(), args.setup.clone())];
+    if let Some(b) = &args.baseline_bin {
+        let mut s = args.setup.clone();
+        s.thaw_bin = Some(b.clone());
+        servers.push(("baseline".to_string(), s));
+    }
     let mut runs: Vec<Run> = Vec::new();
-    for &n in &args.adapter_counts {
-        let dir = prep.dir_for(n)?;
-        let a = base_args(&prep.model, &dir, &args.setup);
-        runs.push(serve_once(
-            &rt,
-            &args.setup,
-            &a,
-            &args.workload,
-            format!("{n} adapters"),
-            n,
-        )?);
+    let mut cells: Vec<Vec<Vec<Run>>> =
+        vec![vec![Vec::new(); servers.len()]; args.adapter_counts.len()];
+    for round in 0..args.rounds {
+        for (ci, &n) in args.adapter_counts.iter().enumerate() {
+            let dir = prep.dir_for(n)?;
+            for (si, (name, setup)) in servers.iter().enumerate() {
+                let a = base_args(&prep.model, &dir, setup);
+                let label = format!("{n} adapters {name} round {}", round + 1);
+                let r = serve_once(&rt, setup, &a, &args.workload, label, n)?;
+                cells[ci][si].push(r.clone());
+                runs.push(r);
+            }
+        }
     }
     let mut text = String::from(
-        "| registered adapters | done/failed | req/s | out tok/s | vs first | TTFT P50 ms | server RSS after start MiB | after run MiB | peak MiB |\n|---|---|---|---|---|---|---|---|---|\n",
+        "| registered adapters | done/failed | server | req/s | out tok/s | vs 1st count | TTFT P50 ms | server RSS after start MiB | after run MiB | peak MiB |\n|---|---|---|---|---|---|---|---|---|---|\n",
     );
-    let first = runs
-        .first()
-        .map_or(f64::NAN, |r| r.summary.output_tokens_per_s);
+    let median = |rs: &[Run]| -> Option<Run> {
+        let mut v = rs.to_vec();
+        v.sort_by(|a, b| {
+            a.summary
+                .output_tokens_per_s
+                .total_cmp(&b.summary.output_tokens_per_s)
+        });
+        v.get(v.len() / 2).cloned()
+    };
     let mib = |k: Option<u64>| k.map_or("-".into(), |k| format!("{:.1}", k as f64 / 1024.0));
-    for r in &runs {
-        let _ = writeln!(
-            text,
-            "| {} | {}/{} | {:.2} | {:.1} | {:+.1}% | {:.1} | {} | {} | {} |",
-            r.adapters,
-            r.summary.completed,
-            r.summary.failed,
-            r.summary.throughput_rps,
-            r.summary.output_tokens_per_s,
-            (r.summary.output_tokens_per_s / first - 1.0) * 100.0,
-            r.summary.ttft.p50 * 1e3,
-            mib(r.rss_start_kib),
-            mib(r.rss_end_kib),
-            mib(r.rss_peak_kib),
-        );
+    for (si, (name, _)) in servers.iter().enumerate() {
+        let first = cells
+            .first()
+            .and_then(|c| median(&c[si]))
+            .map_or(f64::NAN, |r| r.summary.output_tokens_per_s);
+        for (ci, &n) in args.adapter_counts.iter().enumerate() {
+            let Some(r) = median(&cells[ci][si]) else {
+                continue;
+            };
+            let done: usize = cells[ci][si].iter().map(|r| r.summary.completed).sum();
+            let failed: usize = cells[ci][si].iter().map(|r| r.summary.failed).sum();
+            let _ = writeln!(
+                text,
+                "| {n} | {done}/{failed} | {name} | {:.2} | {:.1} | {:+.1}% | {:.1} | {} | {} | {} |",
+                r.summary.throughput_rps,
+                r.summary.output_tokens_per_s,
+                (r.summary.output_tokens_per_s / first - 1.0) * 100.0,
+                r.summary.ttft.p50 * 1e3,
+                mib(r.rss_start_kib),
+                mib(r.rss_end_kib),
+                mib(r.rss_peak_kib),
+            );
+        }
     }
     let json = args.setup.out.join("cache-scale.json");
     write_json(&json, &runs)?;
     let w = &args.workload;
     Ok(format!(
-        "thaw serve (CPU backend), preset {}, ranks {:?} on q,v, uniform popularity; {} \
-         requests, {:?} arrivals at {:?} req/s, {:?} lengths; serve args {:?}\n\n{text}\nreport: {}\n",
+        "thaw serve (CPU backend), preset {}, ranks {:?} on q,v, uniform popularity (each request's \
+         adapter drawn uniformly from the registered ones; the same seed, so the same requests \
+         and lengths for every count); {} requests, {:?} arrivals at {:?} req/s, {:?} lengths; \
+         {} round(s), the median run shown (done/failed summed over rounds); serve args {:?}\n\n{text}\nreport: {}\n",
         args.setup.preset,
         args.setup.ranks,
         w.requests,
         w.arrivals,
         w.rate,
         w.lengths,
+        args.rounds,
         args.setup.serve_arg,
         json.display()
     ))

@@ -223,7 +223,9 @@ impl AdapterConfig {
         };
         config.target_modules = LoraModule::ALL
             .into_iter()
-            .filter(|&m| probe.iter().any(|&l| config.targets(l, m)))
+            .filter(|&m| {
+                config.target_spec.may_match(m) && probe.iter().any(|&l| config.targets(l, m))
+            })
             .collect();
         if config.target_modules.is_empty() {
             let what = match &config.target_spec {

@@ -74,6 +74,20 @@ impl TargetSpec {
         paths(layer, m).iter().any(|p| self.matches_path(p))
     }
 
+    /// Whether this spec could select projection `m` at some layer: a name selects a path only
+    /// as a whole dotted suffix of it, so its last segment must be `m`'s name. False means
+    /// `matches(l, m)` is false for every layer, so callers can skip probing layers (which
+    /// formats two paths per layer: with hundreds of probe layers it was most of an adapter's
+    /// load time).
+    pub fn may_match(&self, m: LoraModule) -> bool {
+        match self {
+            Self::Names(keys) => keys
+                .iter()
+                .any(|k| k.rsplit('.').next() == Some(m.hf_name())),
+            Self::Regex(_) => true,
+        }
+    }
+
     /// Whether this spec selects the module at `path` (any module, not only projections).
     pub fn matches_path(&self, path: &str) -> bool {
         match self {
@@ -134,6 +148,36 @@ mod tests {
         assert!(spec.matches(1, LoraModule::Down));
         assert!(!spec.matches(11, LoraModule::Down));
         assert!(!TargetSpec::Names(vec!["proj".into()]).matches(0, LoraModule::Q));
+    }
+
+    #[test]
+    fn may_match_is_false_only_where_no_layer_matches() {
+        let keys = [
+            "q_proj",
+            "layers.1.mlp.down_proj",
+            "proj",
+            "self_attn.v_proj",
+            "",
+        ];
+        for key in keys {
+            let spec = TargetSpec::Names(vec![key.to_string()]);
+            for m in LoraModule::ALL {
+                let any = (0..16).any(|l| spec.matches(l, m));
+                if any {
+                    assert!(spec.may_match(m), "{key} {m:?}");
+                }
+                if !spec.may_match(m) {
+                    assert!(!any, "{key} {m:?}");
+                }
+            }
+        }
+        let spec = TargetSpec::Names(vec!["q_proj".into()]);
+        assert!(spec.may_match(LoraModule::Q) && !spec.may_match(LoraModule::K));
+        let re = TargetSpec::Regex(FullMatch::new("t", r".*\.k_proj").unwrap());
+        assert!(
+            re.may_match(LoraModule::Q),
+            "a regex is probed layer by layer"
+        );
     }
 
     #[test]

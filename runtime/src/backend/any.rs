@@ -30,6 +30,8 @@ pub trait GpuExtras {
     fn measured_link(&self) -> LinkModel;
     /// The first error of the ops since the last check (the trait's ops return `()`).
     fn check(&mut self) -> Result<()>;
+    /// Free and total bytes of the device, as the driver reports them.
+    fn memory_info(&self) -> Result<(u64, u64)>;
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -38,6 +40,9 @@ impl GpuExtras for super::NoCuda {
         match *self {}
     }
     fn check(&mut self) -> Result<()> {
+        match *self {}
+    }
+    fn memory_info(&self) -> Result<(u64, u64)> {
         match *self {}
     }
 }
@@ -181,6 +186,15 @@ impl AnyBackend {
         match self {
             Self::Cpu(b) => b.link_backlog(),
             Self::Cuda(_) => 0,
+        }
+    }
+
+    /// Free and total bytes of a real device (None on the CPU backend, whose device memory
+    /// is an emulated budget).
+    pub fn memory_info(&self) -> Result<Option<(u64, u64)>> {
+        match self {
+            Self::Cpu(_) => Ok(None),
+            Self::Cuda(g) => g.memory_info().map(Some),
         }
     }
 

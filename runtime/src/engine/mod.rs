@@ -194,6 +194,30 @@ impl<B: Backend> Engine<B> {
         self.blocks.usage()
     }
 
+    /// Replaces the KV cache with one of `num_blocks` blocks (sizing the cache after a memory
+    /// profile, as vLLM does); only while no sequence is live, since their blocks would go.
+    pub fn resize_kv(&mut self, num_blocks: usize) -> Result<()> {
+        if !self.seqs.is_empty() {
+            return Err(RuntimeError::InvalidRequest(format!(
+                "cannot resize the KV cache while {} sequences are live",
+                self.seqs.len()
+            )));
+        }
+        let layout = KvLayout {
+            block_size: self.cfg.kv_block_size,
+            num_kv_heads: self.config.num_kv_heads,
+            head_dim: self.config.head_dim,
+        };
+        // Free the old cache first: on a device the new one needs that memory.
+        self.kv.clear();
+        self.kv = (0..self.config.num_layers)
+            .map(|_| self.backend.alloc_kv_layer(layout, num_blocks))
+            .collect::<Result<Vec<_>>>()?;
+        self.blocks = BlockAllocator::new(num_blocks, self.cfg.kv_block_size);
+        self.cfg.num_kv_blocks = num_blocks;
+        Ok(())
+    }
+
     /// Additional KV blocks `seq` needs to compute `num_tokens` more tokens.
     pub fn blocks_needed(&self, seq: SeqId, num_tokens: usize) -> Result<usize> {
         let s = self

@@ -1,8 +1,10 @@
-//! The disk → host loader: one thread that reads and validates adapters the memory manager
-//! asks for, off the engine thread, and hands each result to a callback (the engine loop sends
-//! it back to itself as a command).
+//! The disk → host loader: a few threads that read and validate adapters the memory manager
+//! asks for, off the engine thread, and hand each result to a callback (the engine loop sends
+//! it back to itself as a command). Several threads, because with many adapters in use every
+//! request may need a read, and one thread reading them one after another was what requests
+//! waited on.
 use std::path::PathBuf;
-use std::sync::{mpsc, Arc};
+use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Instant;
 
@@ -22,28 +24,50 @@ pub struct FetchJob {
 /// A finished read: the host copy and the seconds it took, or what went wrong (safe to show).
 pub type FetchResult = Result<(Arc<LoraAdapter>, f64), String>;
 
-/// The loader thread; dropping it stops the thread after the job in hand.
+/// The loader threads; dropping it stops them after the jobs in hand.
 pub struct Loader {
-    tx: Option<mpsc::Sender<FetchJob>>,
-    thread: Option<JoinHandle<()>>,
+    tx: Option<crossbeam::channel::Sender<FetchJob>>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+/// Loader threads: the cores beside the engine's, at least one, at most four.
+pub fn default_threads() -> usize {
+    std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .saturating_sub(1)
+        .clamp(1, 4)
 }
 
 impl Loader {
+    /// Starts `threads` (at least one) reader threads.
     pub fn start(
         model: ModelConfig,
-        done: impl Fn(AdapterId, FetchResult) + Send + 'static,
+        threads: usize,
+        done: impl Fn(AdapterId, FetchResult) + Send + Sync + 'static,
     ) -> std::io::Result<Self> {
-        let (tx, rx) = mpsc::channel::<FetchJob>();
-        let thread = std::thread::Builder::new()
-            .name("thaw-loader".into())
-            .spawn(move || {
-                for job in rx {
-                    done(job.id, read(&job, &model));
-                }
-            })?;
+        let (tx, rx) = crossbeam::channel::unbounded::<FetchJob>();
+        let done = Arc::new(done);
+        let model = Arc::new(model);
+        let mut handles = Vec::new();
+        for i in 0..threads.max(1) {
+            let (rx, done, model) = (rx.clone(), done.clone(), model.clone());
+            let spawned = std::thread::Builder::new()
+                .name(format!("thaw-loader-{i}"))
+                .spawn(move || {
+                    for job in rx {
+                        done(job.id, read(&job, &model));
+                    }
+                });
+            match spawned {
+                Ok(h) => handles.push(h),
+                // Keep the threads already running; none at all is an error.
+                Err(e) if handles.is_empty() => return Err(e),
+                Err(e) => tracing::warn!("starting adapter loader thread {i}: {e}"),
+            }
+        }
         Ok(Self {
             tx: Some(tx),
-            thread: Some(thread),
+            threads: handles,
         })
     }
 
@@ -76,7 +100,7 @@ fn read(job: &FetchJob, model: &ModelConfig) -> FetchResult {
 impl Drop for Loader {
     fn drop(&mut self) {
         self.tx.take();
-        if let Some(t) = self.thread.take() {
+        for t in self.threads.drain(..) {
             let _ = t.join();
         }
     }

@@ -14,6 +14,7 @@ use super::admission::{AdapterState, Device, MemView};
 use super::board::{Board, Residence, Tier};
 use super::eviction::{order, Candidate, Decayed, EvictionPolicy};
 use super::pool::{Layout, PagePool, PoolError};
+use super::tiers::{Place, TierIndex};
 
 /// Sizes and policy.
 #[derive(Clone, Debug)]
@@ -56,6 +57,16 @@ struct Entry {
     prefetched: bool,
 }
 
+impl Entry {
+    fn place(&self) -> Place {
+        Place {
+            device: self.state.device,
+            host: self.host.is_some(),
+            bytes: self.meta.bytes,
+        }
+    }
+}
+
 /// See the module docs.
 pub struct MemoryManager {
     cfg: MemoryConfig,
@@ -63,6 +74,10 @@ pub struct MemoryManager {
     entries: HashMap<AdapterId, Entry>,
     states: HashMap<AdapterId, AdapterState>,
     order: Vec<AdapterId>,
+    /// Adapters by tier, so per-step work is O(device + host), not O(registered).
+    tiers: TierIndex,
+    /// Disk reads so far (bytes, seconds): the disk's rate, for reload costs.
+    disk_read: (f64, f64),
     origin: Instant,
     board: Arc<Board>,
 }
@@ -89,6 +104,8 @@ impl MemoryManager {
             entries: HashMap::new(),
             states: HashMap::new(),
             order: Vec::new(),
+            tiers: TierIndex::default(),
+            disk_read: (0.0, 0.0),
             origin: Instant::now(),
             board,
         }
@@ -123,10 +140,26 @@ impl MemoryManager {
         self.states.get(&id).copied()
     }
 
+    /// Changes `id`'s entry through `f`, keeping the tier index and `states` in step; false if
+    /// there is no such adapter. Every change of an entry's device state or host copy goes
+    /// through here.
+    fn update(&mut self, id: AdapterId, f: impl FnOnce(&mut Entry)) -> bool {
+        let Some(e) = self.entries.get_mut(&id) else {
+            return false;
+        };
+        let before = e.place();
+        f(e);
+        e.state.in_host = e.host.is_some();
+        self.tiers.moved(id, before, e.place());
+        self.states.insert(id, e.state);
+        true
+    }
+
     /// A new adapter; `host` is its parsed copy if the caller has one (kept if the host tier
     /// has room, so a first request need not read the disk again).
     pub fn register(&mut self, meta: AdapterMeta, host: Option<Arc<LoraAdapter>>) {
         let id = meta.id;
+        self.note_disk_read(meta.bytes, meta.disk_secs);
         self.pool.note_adapter(meta.bytes);
         let state = AdapterState {
             pages: self.pool.pages_for(meta.bytes),
@@ -135,18 +168,19 @@ impl MemoryManager {
         };
         self.states.insert(id, state);
         let now = self.now();
-        self.entries.insert(
-            id,
-            Entry {
-                meta,
-                state,
-                host,
-                fetching: false,
-                freq: Decayed::default(),
-                last_used: now,
-                prefetched: false,
-            },
-        );
+        let e = Entry {
+            meta,
+            state,
+            host,
+            fetching: false,
+            freq: Decayed::default(),
+            last_used: now,
+            prefetched: false,
+        };
+        if let Some(old) = self.entries.insert(id, e) {
+            self.tiers.remove(id, old.place());
+        }
+        self.tiers.add(id, self.entries[&id].place());
         self.trim_host(&HashSet::new());
         self.publish_one(id);
     }
@@ -154,7 +188,9 @@ impl MemoryManager {
     /// Forgets an adapter (unloaded, no request left); true if the engine still has it.
     pub fn forget(&mut self, id: AdapterId) -> bool {
         let was = self.pool.remove(id).is_some();
-        self.entries.remove(&id);
+        if let Some(e) = self.entries.remove(&id) {
+            self.tiers.remove(id, e.place());
+        }
         self.states.remove(&id);
         self.board.remove(id);
         was
@@ -194,17 +230,40 @@ impl MemoryManager {
         }
     }
 
+    /// A disk read of `bytes` took `secs` (start-up loads and the loader's reads).
+    pub fn note_disk_read(&mut self, bytes: u64, secs: f64) {
+        if secs.is_finite() && secs > 0.0 {
+            self.disk_read.0 += bytes as f64;
+            self.disk_read.1 += secs;
+        }
+    }
+
+    /// Seconds a disk read of `bytes` is expected to take: at the rate of all reads so far,
+    /// not the adapter's own first read (one sample, often taken while the machine was busy
+    /// starting up). So the eviction score's size term stays the adapter's size in time, as
+    /// Chameleon means it, instead of the noise of one measurement.
+    pub fn disk_secs(&self, bytes: u64) -> f64 {
+        let (b, t) = self.disk_read;
+        if b > 0.0 && t > 0.0 {
+            bytes as f64 * t / b
+        } else {
+            0.0
+        }
+    }
+
     /// Recomputes the eviction order; `wanted` are adapters of queued requests.
     pub fn view(&mut self, wanted: &HashSet<AdapterId>) -> MemView<'_> {
         let link = self.cfg.link_bytes_per_sec.max(1.0);
         let now = self.now();
         let (hn, hb) = self.host_usage();
+        let disk = |bytes: u64| self.disk_secs(bytes);
         let host_room =
             |bytes: u64| hn < self.cfg.host_max_adapters && hb + bytes <= self.cfg.host_max_bytes;
         let cands: Vec<Candidate<AdapterId>> = self
-            .entries
-            .values()
-            .filter(|e| e.state.device != Device::Absent)
+            .tiers
+            .device()
+            .iter()
+            .filter_map(|id| self.entries.get(id))
             .map(|e| Candidate {
                 key: e.meta.id,
                 frequency: e.freq.value(now),
@@ -215,7 +274,7 @@ impl MemoryManager {
                     + if host_room(e.meta.bytes) {
                         0.0
                     } else {
-                        e.meta.disk_secs
+                        disk(e.meta.bytes)
                     },
                 queued: wanted.contains(&e.meta.id),
             })
@@ -229,10 +288,8 @@ impl MemoryManager {
     }
 
     fn host_usage(&self) -> (usize, u64) {
-        self.entries
-            .values()
-            .filter(|e| e.host.is_some() && e.state.device == Device::Absent)
-            .fold((0, 0), |(n, b), e| (n + 1, b + e.meta.bytes))
+        let t = self.tiers.totals();
+        (t.host, t.host_bytes)
     }
 
     /// The host copy to register with the engine.
@@ -247,13 +304,14 @@ impl MemoryManager {
         kv_reserved: usize,
         prefetch: bool,
     ) -> Result<(), PoolError> {
-        let Some(e) = self.entries.get_mut(&id) else {
+        let Some(pages) = self.entries.get(&id).map(|e| e.state.pages) else {
             return Ok(());
         };
-        self.pool.insert(id, e.state.pages, kv_reserved)?;
-        e.state.device = Device::Loading;
-        e.prefetched = prefetch;
-        self.states.insert(id, e.state);
+        self.pool.insert(id, pages, kv_reserved)?;
+        self.update(id, |e| {
+            e.state.device = Device::Loading;
+            e.prefetched = prefetch;
+        });
         let s = &self.board.stats;
         s.loads.fetch_add(1, Ordering::Relaxed);
         if prefetch {
@@ -266,10 +324,7 @@ impl MemoryManager {
     /// The engine refused `id`: its pages go back, it stays where it was.
     pub fn on_register_failed(&mut self, id: AdapterId) {
         self.pool.remove(id);
-        if let Some(e) = self.entries.get_mut(&id) {
-            e.state.device = Device::Absent;
-            self.states.insert(id, e.state);
-        }
+        self.update(id, |e| e.state.device = Device::Absent);
         self.publish_one(id);
     }
 
@@ -278,11 +333,10 @@ impl MemoryManager {
         if self.pool.remove(id).is_none() {
             return;
         }
-        if let Some(e) = self.entries.get_mut(&id) {
+        self.update(id, |e| {
             e.state.device = Device::Absent;
             e.prefetched = false;
-            self.states.insert(id, e.state);
-        }
+        });
         self.board.stats.evictions.fetch_add(1, Ordering::Relaxed);
         self.trim_host(wanted);
         self.publish_one(id);
@@ -290,12 +344,7 @@ impl MemoryManager {
 
     /// Updates streaming adapters from `landed(id) -> (landed, layers)`.
     pub fn refresh_landed(&mut self, landed: impl Fn(AdapterId) -> Option<(usize, usize)>) {
-        let loading: Vec<AdapterId> = self
-            .entries
-            .values()
-            .filter(|e| e.state.device == Device::Loading)
-            .map(|e| e.meta.id)
-            .collect();
+        let loading: Vec<AdapterId> = self.tiers.loading().iter().copied().collect();
         for id in loading {
             if let Some((l, n)) = landed(id) {
                 self.board.set(
@@ -306,10 +355,7 @@ impl MemoryManager {
                     },
                 );
                 if l >= n {
-                    if let Some(e) = self.entries.get_mut(&id) {
-                        e.state.device = Device::Resident;
-                        self.states.insert(id, e.state);
-                    }
+                    self.update(id, |e| e.state.device = Device::Resident);
                 }
             }
         }
@@ -338,13 +384,12 @@ impl MemoryManager {
         host: Option<Arc<LoraAdapter>>,
         wanted: &HashSet<AdapterId>,
     ) {
-        let Some(e) = self.entries.get_mut(&id) else {
+        if !self.update(id, |e| {
+            e.fetching = false;
+            e.host = host;
+        }) {
             return;
-        };
-        e.fetching = false;
-        e.state.in_host = host.is_some();
-        e.host = host;
-        self.states.insert(id, e.state);
+        }
         self.trim_host(wanted);
         self.publish_one(id);
     }
@@ -357,10 +402,11 @@ impl MemoryManager {
             return;
         }
         let mut lru: Vec<(f64, AdapterId, u64)> = self
-            .entries
-            .values()
-            .filter(|e| e.host.is_some() && e.state.device == Device::Absent)
-            .filter(|e| !wanted.contains(&e.meta.id))
+            .tiers
+            .host()
+            .iter()
+            .filter(|id| !wanted.contains(id))
+            .filter_map(|id| self.entries.get(id))
             .map(|e| (e.last_used, e.meta.id, e.meta.bytes))
             .collect();
         lru.sort_by(|a, b| a.0.total_cmp(&b.0));
@@ -368,11 +414,7 @@ impl MemoryManager {
             if n <= self.cfg.host_max_adapters && b <= self.cfg.host_max_bytes {
                 break;
             }
-            if let Some(e) = self.entries.get_mut(&id) {
-                e.host = None;
-                e.state.in_host = false;
-                self.states.insert(id, e.state);
-            }
+            self.update(id, |e| e.host = None);
             n -= 1;
             b -= bytes;
             self.board
@@ -412,28 +454,84 @@ impl MemoryManager {
     /// Publishes the budget's split; `kv_reserved` and `kv_used` are in pages.
     pub fn publish(&self, kv_reserved: usize, kv_used: usize) {
         let s = &self.board.stats;
-        let (mut dn, mut db, mut hn, mut hb, mut disk) = (0u64, 0u64, 0u64, 0u64, 0u64);
-        for e in self.entries.values() {
-            match (e.state.device, &e.host) {
-                (Device::Absent, Some(_)) => {
-                    hn += 1;
-                    hb += e.meta.bytes;
-                }
-                (Device::Absent, None) => disk += 1,
-                _ => {
-                    dn += 1;
-                    db += e.meta.bytes;
-                }
-            }
-        }
+        let t = self.tiers.totals();
         let set = |a: &std::sync::atomic::AtomicU64, v: u64| a.store(v, Ordering::Relaxed);
         set(&s.kv_reserved_pages, kv_reserved as u64);
         set(&s.kv_used_pages, kv_used as u64);
         set(&s.adapter_pages, self.pool.adapter_pages() as u64);
-        set(&s.device_adapters, dn);
-        set(&s.device_bytes, db);
-        set(&s.host_adapters, hn);
-        set(&s.host_bytes, hb);
-        set(&s.disk_adapters, disk);
+        set(&s.device_adapters, t.device as u64);
+        set(&s.device_bytes, t.device_bytes);
+        set(&s.host_adapters, t.host as u64);
+        set(&s.host_bytes, t.host_bytes);
+        set(&s.disk_adapters, t.disk as u64);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn mgr() -> MemoryManager {
+        MemoryManager::new(
+            MemoryConfig {
+                page_bytes: 1000,
+                total_pages: 100,
+                policy: EvictionPolicy::Cost,
+                max_loras: 4,
+                max_device_adapters: None,
+                host_max_adapters: 1,
+                host_max_bytes: 1 << 20,
+                link_bytes_per_sec: 1e6,
+            },
+            Arc::new(Board::default()),
+        )
+    }
+
+    fn meta(id: u32, bytes: u64, disk_secs: f64) -> AdapterMeta {
+        AdapterMeta {
+            id: AdapterId(id),
+            path: PathBuf::from(format!("/nowhere/{id}")),
+            bytes,
+            num_layers: 2,
+            disk_secs,
+        }
+    }
+
+    #[test]
+    fn disk_cost_follows_size_not_one_noisy_read() {
+        let mut m = mgr();
+        // The small adapter's start-up read was slow (a busy machine), the large one's fast.
+        m.register(meta(1, 1_000, 0.050), None);
+        m.register(meta(2, 64_000, 0.001), None);
+        let (small, large) = (m.disk_secs(1_000), m.disk_secs(64_000));
+        assert!(large > small, "{small} {large}");
+        assert!((large / small - 64.0).abs() < 1e-9);
+        // The rate is every read's bytes over their seconds.
+        assert!((m.disk_secs(65_000) - 0.051).abs() < 1e-12);
+    }
+
+    #[test]
+    fn published_split_counts_each_tier_once() {
+        let mut m = mgr();
+        for i in 0..5 {
+            m.register(meta(i, 2_500, 0.001), None);
+        }
+        m.on_fetched(AdapterId(0), None, &HashSet::new());
+        m.on_registered(AdapterId(3), 0, false).unwrap();
+        m.publish(0, 0);
+        let s = m.board().stats.snapshot();
+        assert_eq!(
+            (s.device_adapters, s.host_adapters, s.disk_adapters),
+            (1, 0, 4)
+        );
+        assert_eq!((s.device_bytes, s.adapter_pages), (2_500, 3));
+        m.on_evicted(AdapterId(3), &HashSet::new());
+        assert!(!m.forget(AdapterId(4)) && !m.contains(AdapterId(4)));
+        m.publish(0, 0);
+        let s = m.board().stats.snapshot();
+        assert_eq!(
+            (s.device_adapters, s.disk_adapters, s.adapter_pages),
+            (0, 4, 0)
+        );
     }
 }

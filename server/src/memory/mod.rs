@@ -3,19 +3,25 @@
 //! calls. The engine thread owns the [`MemoryManager`]; the registry tells it about adapters
 //! through a [`NoticeSink`] and reads tiers from the [`Board`]; neither imports the other.
 //!
+//! - [`budget`]: sizing the budget on a GPU (`--gpu-memory-utilization`).
+//! - [`profile`]: building the engine with that budget measured.
 //! - [`pool`]: the page budget (unified, or the `fixed-slots` baseline).
 //! - [`eviction`]: Chameleon's score and LRU.
 //! - [`admission`]: who may join the batch, and what memory must do for them (pure).
 //! - [`manager`]: tiers, host bounds, eviction order, published numbers.
 //! - [`apply`]: carrying a plan out on an engine.
 //! - [`loader`]: disk reads off the engine thread.
+//! - [`tiers`]: which adapters are in which tier, so per-step work is O(active).
 pub mod admission;
 pub mod apply;
 pub mod board;
+pub mod budget;
 pub mod eviction;
 pub mod loader;
 pub mod manager;
 pub mod pool;
+pub mod profile;
+pub mod tiers;
 
 #[cfg(test)]
 mod admission_tests;

@@ -39,7 +39,7 @@ pub struct ServeArgs {
     /// Device memory the CPU backend's emulated device gives KV blocks and adapters together [default: 512 MiB].
     #[arg(long, value_name = "BYTES")]
     pub device_memory_bytes: Option<u64>,
-    /// Fraction of GPU memory for weights, KV and adapters (vLLM's meaning; CUDA backend) [default: 0.9].
+    /// Fraction of GPU memory this server may use (vLLM's meaning; CUDA backend): what the weights and a profiled forward pass take comes off it, KV and adapters share the rest [default: 0.9].
     #[arg(long, value_name = "FRACTION")]
     pub gpu_memory_utilization: Option<f64>,
     /// Which idle adapter leaves the device first: cost (Chameleon's frequency/recency/size score) or lru [default: cost].
@@ -66,7 +66,7 @@ pub struct ServeArgs {
     /// Token slots per KV block [default: 16].
     #[arg(long)]
     pub block_size: Option<usize>,
-    /// Pages (KV blocks) of device memory KV and adapters share [default: --device-memory-bytes / block bytes].
+    /// Pages (KV blocks) of device memory KV and adapters share [default: --device-memory-bytes / block bytes on the CPU, sized by --gpu-memory-utilization on CUDA].
     #[arg(long)]
     pub num_gpu_blocks_override: Option<usize>,
     /// Largest request body accepted; larger ones get 413 [default: 16 MiB].

@@ -13,9 +13,11 @@ use thaw_runtime::residency::LinkModel;
 
 use crate::coldstart::ColdStartPolicy;
 use crate::engine_loop::{ColdStart, LoopConfig};
+use crate::memory::budget::DeviceMemory;
+use crate::memory::profile::{build_engine, Sizing};
 use crate::memory::{Board, EvictionPolicy, Limits, MemoryConfig};
 use thaw_runtime::backend::LoraKernel;
-use thaw_runtime::engine::{Engine, EngineConfig, HostModel};
+use thaw_runtime::engine::{EngineConfig, HostModel};
 use thaw_runtime::model::Tokenizer;
 
 use super::config::ServeConfig;
@@ -81,16 +83,22 @@ impl Server {
         let bs = config.block_size;
         let block_bytes = (mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * bs * 4).max(1);
         // One pool of pages (a KV block each) for KV and adapters: --num-gpu-blocks-override
-        // pages, or the device budget in pages.
+        // pages, or the device budget in pages (on CUDA, the engine thread sizes it instead).
         let num_blocks = config
             .num_gpu_blocks_override
             .unwrap_or_else(|| (config.device_memory_bytes / block_bytes as u64) as usize);
-        anyhow::ensure!(
-            num_blocks >= max_model_len.div_ceil(bs),
-            "the device budget ({num_blocks} KV blocks of {block_bytes} bytes) cannot hold one \
-             sequence of --max-model-len {max_model_len}; raise --device-memory-bytes or lower \
-             --max-model-len"
-        );
+        let budget_fits = move |blocks: usize| {
+            anyhow::ensure!(
+                blocks >= max_model_len.div_ceil(bs),
+                "the device budget ({blocks} KV blocks of {block_bytes} bytes) cannot hold one \
+                 sequence of --max-model-len {max_model_len}; raise --device-memory-bytes \
+                 (--gpu-memory-utilization on CUDA) or lower --max-model-len"
+            );
+            Ok(())
+        };
+        if config.device == thaw_runtime::backend::DeviceKind::Cpu {
+            budget_fits(num_blocks)?;
+        }
         let sched = SchedConfig {
             max_num_seqs: config.max_num_seqs,
             max_num_batched_tokens: config.max_num_batched_tokens,
@@ -113,7 +121,8 @@ impl Server {
         let metrics = Arc::new(Metrics::default());
         let cold_cfg = config.clone();
         let board = Arc::new(Board::default());
-        let (engine, thread) = engine_loop::start(
+        // The engine thread answers with the budget it sized (a memory profile on CUDA).
+        let (engine, thread, sched) = engine_loop::start(
             move || {
                 let link = LinkModel {
                     gbps: cold_cfg.emulated_link_gbps,
@@ -121,7 +130,26 @@ impl Server {
                 };
                 let device = cold_cfg.device.resolve()?;
                 let backend = AnyBackend::new(&device, &model.config, link)?;
-                let mut engine = Engine::new(backend, model, ecfg)?;
+                // On CUDA (a device that reports its memory), --gpu-memory-utilization sizes
+                // the pool from a memory profile unless --num-gpu-blocks-override is given.
+                let sizing = cold_cfg
+                    .num_gpu_blocks_override
+                    .is_none()
+                    .then_some(Sizing {
+                        utilization: cold_cfg.gpu_memory_utilization,
+                        page_bytes: block_bytes as u64,
+                        min_pages: max_model_len.div_ceil(bs),
+                    });
+                let (mut engine, num_blocks) =
+                    build_engine(backend, model, ecfg, sizing, |b: &AnyBackend| {
+                        Ok(b.memory_info()?
+                            .map(|(free, total)| DeviceMemory { free, total }))
+                    })?;
+                budget_fits(num_blocks)?;
+                let sched = SchedConfig {
+                    total_blocks: num_blocks,
+                    ..sched
+                };
                 if cold_cfg.cold_start != ColdStartPolicy::Cached && cold_cfg.lora_workers > 0 {
                     // The engine thread keeps the first core; the workers take the next ones,
                     // so a spinning worker never shares a core with the engine.
@@ -199,7 +227,7 @@ impl Server {
                 max_loras: config.max_loras,
                 max_cpu_loras: config.max_cpu_loras,
                 unload_wait: config.unload_timeout,
-                device_budget_bytes: (num_blocks * block_bytes) as u64,
+                device_budget_bytes: (sched.total_blocks * block_bytes) as u64,
                 fixed_slots: config.adapter_eviction == EvictionPolicy::FixedSlots,
             },
             metrics.clone(),

@@ -54,4 +54,15 @@ impl GpuExtras for CudaBackend {
     fn check(&mut self) -> Result<()> {
         CudaBackend::check(self)
     }
+
+    fn memory_info(&self) -> Result<(u64, u64)> {
+        // Waits for queued work first, so frees and allocations already issued are counted.
+        self.stream().synchronize().map_err(CudaError::from)?;
+        let (free, total) = self
+            .stream()
+            .context()
+            .mem_get_info()
+            .map_err(CudaError::from)?;
+        Ok((free as u64, total as u64))
+    }
 }
