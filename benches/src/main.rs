@@ -42,8 +42,8 @@ enum Cmd {
     /// --dump-cost-model` wrote: P50/P99 TTFT, SLO attainment, goodput and adapter loads/s per
     /// router (random, least-queue, the EPP's LoRA affinity, rank+residency) and cluster size.
     Simulate(Box<simulate::SimulateArgs>),
-    /// `thaw serve` once per --scheduling-policy, the same workload at rising rates (Chameleon
-    /// Fig. 10): P50/P99 TTFT, P99 TPOT, throughput at SLO.
+    /// `thaw serve` per --scheduling-policy (and --variant), the same workload at rising rates,
+    /// interleaved and repeated (Chameleon Fig. 10): P50/P99 TTFT, P99 TBT, throughput at SLO.
     Scheduling(Box<load::SchedulingArgs>),
     /// Adapter cache (issue 11): `thaw serve` per --adapter-eviction policy (lru, cost,
     /// fixed-slots) at loads up to the sustainable rate; hit rate, TTFT P50/P99, done/failed.

@@ -31,7 +31,8 @@ use crate::metrics::Metrics;
 use crate::perf::{StepShape, Tier};
 use crate::registry::AdapterLease;
 use crate::scheduler::{
-    Arrival, Gate, MlqConfig, SchedConfig, SchedState, Scheduler, SchedulingPolicy, SeqState,
+    Arrival, Gate, MemoryWait, MlqConfig, SchedConfig, SchedState, Scheduler, SchedulingPolicy,
+    SeqState,
 };
 
 /// The engine the server runs: the CPU or the CUDA backend, as `--device` chose.
@@ -621,6 +622,7 @@ impl Loop {
         let cold = &self.cold;
         let gate = |s: &SeqState, planned: usize| cold_gate(engine, cold, s, planned);
         let kv_capacity = self.mem.pool().kv_capacity();
+        let waits = self.memory_wait(&plan);
         let mut d = self.sched.plan(
             &self.state,
             &self.cfg,
@@ -629,6 +631,7 @@ impl Loop {
             &self.cold.cost,
             &plan.admit,
             kv_capacity,
+            &waits,
         );
         self.state.admit_ids(&d.admit, &self.cfg);
         for id in d.admit {
@@ -787,9 +790,34 @@ impl Loop {
             return a;
         };
         a.rank = sub.lease.as_ref().map_or(0, |l| l.slot().rank);
+        a.load_s = self.load_s(id);
+        a
+    }
+
+    /// How long the requests admission could not place wait: its head's bound in steps, and
+    /// each one's adapter load time (the scheduler's bypass rule weighs them).
+    fn memory_wait(&self, plan: &crate::memory::AdmitPlan) -> MemoryWait {
+        if self.sched.policy != SchedulingPolicy::Mlq {
+            return MemoryWait::default();
+        }
+        let ok: HashSet<SeqId> = plan.admit.iter().copied().collect();
+        MemoryWait {
+            head: plan.head.as_ref().map(|h| (h.seq, h.bound_steps)),
+            load_s: self
+                .state
+                .waiting
+                .iter()
+                .filter(|s| !ok.contains(&s.id))
+                .filter_map(|s| Some((s.id, self.load_s(s.adapter?))))
+                .collect(),
+        }
+    }
+
+    /// Predicted seconds until adapter `id` is on the device from the tier it is in.
+    fn load_s(&self, id: AdapterId) -> f64 {
         let bytes = self.mem.bytes(id).unwrap_or(0);
         let backlog = self.engine.backend().link_backlog();
-        a.load_s = match self.mem.state(id) {
+        match self.mem.state(id) {
             Some(s) if s.device == Device::Resident => 0.0,
             Some(s) if s.device == Device::Loading => match self.engine.adapter_landed(id) {
                 Some((landed, layers)) if landed < layers => {
@@ -801,8 +829,7 @@ impl Loop {
             },
             Some(s) if s.in_host => self.cold.cost.load_time_from(Tier::Host, bytes, backlog),
             _ => self.cold.cost.load_time_from(Tier::Disk, bytes, backlog),
-        };
-        a
+        }
     }
 
     /// The shape of a planned step for the performance model: decode and prefill rows and

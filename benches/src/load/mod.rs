@@ -11,6 +11,7 @@ mod prompts;
 mod report;
 mod runner;
 mod scheduling;
+mod scheduling_report;
 pub(crate) mod workload;
 
 pub use cache::{run_cache, run_cache_scale, CacheArgs, CacheScaleArgs};

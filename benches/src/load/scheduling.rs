@@ -1,8 +1,11 @@
-//! `thaw-bench scheduling`: Chameleon's Figure 10 on `thaw serve`. For each
-//! `--scheduling-policy` it starts one server and replays the same seeded workload at each
-//! rate, lowest first; it prints P50/P99 TTFT, P99 TPOT and completed/failed per rate, the
-//! SLOs ("5× the low-load" TTFT and TPOT of the first policy, as Chameleon sets its SLO) and
-//! each policy's throughput at SLO — the highest rate up to which every rate meets both.
+//! `thaw-bench scheduling`: Chameleon's Figure 10 on `thaw serve`. One server per variant (a
+//! `--scheduling-policy`, or a `--variant` with its own serve arguments) stays up for the whole
+//! run; the same seeded workload is replayed at every rate, the variants interleaved per rate
+//! (so a drift in the shared machine's speed hits them alike), and the whole sweep repeated
+//! `--repeats` times with seeds `--seed`, `--seed`+1, …. Per point it prints the median over
+//! the repeats of P50/P99 TTFT, P99 TBT (TPOT) and the TBT SLO attainment, the SLOs ("5× the
+//! low-load" TTFT and TBT of the first variant, as Chameleon sets its SLO) and each variant's
+//! throughput at SLO — the highest rate up to which every rate meets both.
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
@@ -13,8 +16,8 @@ use thaw_server::scheduler::SchedulingPolicy;
 use super::cli::{measure, prompt_source, quick_workload, write_json};
 use super::client::OpenAiClient;
 use super::coldstart::{default_thaw_bin, prepare_files, wait_ready, ServeProcess};
-use super::report::Summary;
 use super::runner::RunOptions;
+use super::scheduling_report::{points, slos, table, Point, RateRun};
 use super::workload::{ServerInfo, WorkloadArgs};
 
 /// Options of `thaw-bench scheduling`.
@@ -41,9 +44,20 @@ pub struct SchedulingArgs {
     /// Request rates (req/s), run lowest first on each server.
     #[arg(long, value_delimiter = ',', default_values_t = [0.5, 1.0, 1.5, 2.0, 2.5])]
     pub rates: Vec<f64>,
-    /// The SLOs are this many times the first policy's mean TTFT / TPOT at the lowest rate.
+    /// The SLOs are this many times the first variant's mean TTFT / TPOT at the lowest rate.
     #[arg(long, default_value_t = 5.0)]
     pub slo_factor: f64,
+    /// The TBT SLO in ms, instead of `--slo-factor` × the low-load TPOT (e.g. the
+    /// `--tpot-slo-ms` a variant serves with).
+    #[arg(long)]
+    pub tbt_slo_ms: Option<f64>,
+    /// More variants after the policies: `LABEL=POLICY [SERVE-ARG...]`, e.g.
+    /// `--variant 'mlq+cap=mlq --tpot-slo-ms 60'`.
+    #[arg(long)]
+    pub variant: Vec<String>,
+    /// Times the whole sweep runs (seed `--seed` + i); every point reports the median.
+    #[arg(long, default_value_t = 1)]
+    pub repeats: usize,
     /// Any other `thaw serve` argument, repeated (e.g. --serve-arg=--max-loras=32).
     #[arg(long, allow_hyphen_values = true)]
     pub serve_arg: Vec<String>,
@@ -73,14 +87,39 @@ pub struct SchedulingArgs {
     pub quick: bool,
 }
 
-/// One (policy, rate) run.
-#[derive(Clone, Debug, Serialize)]
-pub struct RateRun {
+/// A server the sweep compares: a policy and its serve arguments.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Variant {
+    pub label: String,
     pub policy: SchedulingPolicy,
-    pub rate: f64,
-    pub summary: Summary,
-    /// The server's `thaw_sched_*` and `thaw_perf_*` lines after the run.
-    pub metrics: Vec<String>,
+    pub args: Vec<String>,
+}
+
+impl Variant {
+    /// `LABEL=POLICY [SERVE-ARG...]`.
+    pub fn parse(s: &str) -> anyhow::Result<Self> {
+        let (label, rest) = s
+            .split_once('=')
+            .with_context(|| format!("--variant {s:?}: write LABEL=POLICY [SERVE-ARG...]"))?;
+        let mut words = rest.split_whitespace();
+        let policy = words.next().unwrap_or_default();
+        let policy = <SchedulingPolicy as clap::ValueEnum>::from_str(policy, true)
+            .map_err(|e| anyhow::anyhow!("--variant {s:?}: bad policy {policy:?}: {e}"))?;
+        anyhow::ensure!(!label.trim().is_empty(), "--variant {s:?}: empty label");
+        Ok(Self {
+            label: label.trim().to_string(),
+            policy,
+            args: words.map(str::to_string).collect(),
+        })
+    }
+
+    fn of(policy: SchedulingPolicy) -> Self {
+        Self {
+            label: policy.name().to_string(),
+            policy,
+            args: Vec::new(),
+        }
+    }
 }
 
 #[derive(Serialize)]
@@ -88,120 +127,15 @@ struct SchedulingReport<'a> {
     bench: &'static str,
     setup: &'a str,
     serve_args: &'a [String],
+    variants: &'a [Variant],
     workload: &'a WorkloadArgs,
     ttft_slo_s: f64,
     tpot_slo_s: f64,
+    points: &'a [Point],
     runs: &'a [RateRun],
 }
 
-/// The SLOs from the first policy's lowest-rate run: `factor` × its mean TTFT and TPOT.
-pub fn slos(runs: &[RateRun], factor: f64) -> (f64, f64) {
-    let first = runs.iter().min_by(|a, b| a.rate.total_cmp(&b.rate));
-    match first {
-        Some(r) => (
-            factor * r.summary.ttft.mean,
-            factor * r.summary.tpot.mean.max(0.0),
-        ),
-        None => (f64::NAN, f64::NAN),
-    }
-}
-
-/// Highest rate up to which every rate of `runs` (one policy's) met both SLOs with no
-/// failures; 0 when even the lowest did not.
-pub fn throughput_at_slo(runs: &[&RateRun], ttft_slo: f64, tpot_slo: f64) -> f64 {
-    let mut sorted: Vec<&&RateRun> = runs.iter().collect();
-    sorted.sort_by(|a, b| a.rate.total_cmp(&b.rate));
-    let mut best = 0.0;
-    for r in sorted {
-        let s = &r.summary;
-        let ok = s.failed == 0
-            && s.completed > 0
-            && s.ttft.p99 <= ttft_slo
-            && (s.tpot.count == 0 || s.tpot.p99 <= tpot_slo);
-        if !ok {
-            break;
-        }
-        best = r.rate;
-    }
-    best
-}
-
-fn table(args: &SchedulingArgs, runs: &[RateRun], ttft_slo: f64, tpot_slo: f64) -> String {
-    let ms = |s: f64| {
-        if s.is_finite() {
-            format!("{:.0}", s * 1e3)
-        } else {
-            "-".into()
-        }
-    };
-    let mut out = format!(
-        "{:>6} {:>9} {:>9} {:>9} {:>10} {:>9} {:>6}\n",
-        "rate", "policy", "TTFT p50", "TTFT p99", "TPOT p99", "done/sent", "failed"
-    );
-    let mut rates = args.rates.clone();
-    rates.sort_by(f64::total_cmp);
-    for rate in &rates {
-        for p in &args.policies {
-            if let Some(r) = runs.iter().find(|r| r.policy == *p && r.rate == *rate) {
-                let s = &r.summary;
-                out.push_str(&format!(
-                    "{:>6.2} {:>9} {:>9} {:>9} {:>10} {:>9} {:>6}\n",
-                    rate,
-                    p.name(),
-                    ms(s.ttft.p50),
-                    ms(s.ttft.p99),
-                    ms(s.tpot.p99),
-                    format!("{}/{}", s.completed, s.sent),
-                    s.failed
-                ));
-            }
-        }
-    }
-    out.push_str(&format!(
-        "\nSLO ({}× the low-load mean of {}): TTFT {} ms, TPOT {} ms\n",
-        args.slo_factor,
-        args.policies.first().map_or("-", |p| p.name()),
-        ms(ttft_slo),
-        ms(tpot_slo)
-    ));
-    let base = args.policies.first().map(|p| {
-        let mine: Vec<&RateRun> = runs.iter().filter(|r| r.policy == *p).collect();
-        throughput_at_slo(&mine, ttft_slo, tpot_slo)
-    });
-    for p in &args.policies {
-        let mine: Vec<&RateRun> = runs.iter().filter(|r| r.policy == *p).collect();
-        let t = throughput_at_slo(&mine, ttft_slo, tpot_slo);
-        let rel = match base {
-            Some(b) if b > 0.0 => format!(" ({:.2}×)", t / b),
-            _ => String::new(),
-        };
-        out.push_str(&format!(
-            "throughput at SLO, {:>9}: {t:.2} req/s{rel}\n",
-            p.name()
-        ));
-    }
-    let top = rates.last().copied().unwrap_or(0.0);
-    let p99 = |p: SchedulingPolicy| {
-        runs.iter()
-            .find(|r| r.policy == p && r.rate == top)
-            .map(|r| r.summary.ttft.p99)
-    };
-    if let Some(b) = args.policies.first().and_then(|p| p99(*p)) {
-        for p in args.policies.iter().skip(1) {
-            if let Some(x) = p99(*p) {
-                out.push_str(&format!(
-                    "P99 TTFT at {top} req/s, {} / {}: {:.2}\n",
-                    p.name(),
-                    args.policies[0].name(),
-                    x / b
-                ));
-            }
-        }
-    }
-    out
-}
-
-/// Runs every policy at every rate; returns the printed text.
+/// Runs every variant at every rate, `--repeats` times; returns the printed text.
 pub fn run(args: &SchedulingArgs) -> anyhow::Result<String> {
     let mut args = args.clone();
     if args.quick {
@@ -211,9 +145,15 @@ pub fn run(args: &SchedulingArgs) -> anyhow::Result<String> {
         args.rates = vec![10.0, 20.0];
         args.workload = quick_workload(&args.workload);
         args.startup_timeout = args.startup_timeout.min(120.0);
+        args.repeats = args.repeats.min(2);
     }
-    anyhow::ensure!(!args.policies.is_empty(), "--policies is empty");
+    let mut variants: Vec<Variant> = args.policies.iter().map(|p| Variant::of(*p)).collect();
+    for v in &args.variant {
+        variants.push(Variant::parse(v)?);
+    }
+    anyhow::ensure!(!variants.is_empty(), "--policies and --variant are empty");
     anyhow::ensure!(!args.rates.is_empty(), "--rates is empty");
+    anyhow::ensure!(args.repeats >= 1, "--repeats must be at least 1");
     let bin = match &args.thaw_bin {
         Some(b) => b.clone(),
         None => default_thaw_bin()?,
@@ -249,14 +189,16 @@ pub fn run(args: &SchedulingArgs) -> anyhow::Result<String> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
-    let mut runs: Vec<RateRun> = Vec::new();
+    // Every variant's server up for the whole sweep (idle ones wait on their queue).
+    let mut servers = Vec::new();
     let mut server_info: Option<ServerInfo> = None;
-    for policy in &args.policies {
+    for (i, v) in variants.iter().enumerate() {
         let mut serve_args = common.clone();
-        serve_args.extend(["--scheduling-policy".to_string(), policy.to_string()]);
-        let log = args.out.join(format!("serve-{policy}.log"));
+        serve_args.extend(["--scheduling-policy".to_string(), v.policy.to_string()]);
+        serve_args.extend(v.args.iter().cloned());
+        let log = args.out.join(format!("serve-{i}-{}.log", v.policy));
         let t0 = Instant::now();
-        let mut server = ServeProcess::start(
+        let server = ServeProcess::start(
             &bin,
             &serve_args,
             &log,
@@ -267,55 +209,74 @@ pub fn run(args: &SchedulingArgs) -> anyhow::Result<String> {
             let timeout = Duration::from_secs_f64(args.startup_timeout);
             wait_ready(&client, &server.url, &log, timeout).await
         })?;
-        eprintln!("{policy}: server up in {:.1?}", t0.elapsed());
-        let info = server_info.get_or_insert(info).clone();
-        let prompts = prompt_source(Some(&model), &info)?;
-        for rate in &rates {
-            let workload = WorkloadArgs {
-                rate: Some(*rate),
-                ..args.workload.clone()
-            };
-            let opts = RunOptions {
-                request_timeout: Duration::from_secs_f64(args.request_timeout),
-                progress: !args.no_progress,
-                label: format!("{policy:>8} {rate:>5.2}/s"),
-            };
-            let (_, summary) = rt.block_on(measure(&client, &info, &workload, &prompts, &opts))?;
-            let metrics = rt
-                .block_on(client.get_text("/metrics"))
-                .unwrap_or_default()
-                .lines()
-                .filter(|l| l.starts_with("thaw_sched") || l.starts_with("thaw_perf"))
-                .map(str::to_string)
-                .collect();
-            eprintln!(
-                "{policy} at {rate} req/s: {}/{} in {:.1} s, TTFT p99 {:.0} ms",
-                summary.completed,
-                summary.sent,
-                summary.wall_s,
-                summary.ttft.p99 * 1e3
-            );
-            runs.push(RateRun {
-                policy: *policy,
-                rate: *rate,
-                summary,
-                metrics,
-            });
+        eprintln!("{}: server up in {:.1?}", v.label, t0.elapsed());
+        server_info.get_or_insert(info);
+        servers.push((server, client));
+    }
+    let info = server_info.context("no server started")?;
+    let prompts = prompt_source(Some(&model), &info)?;
+    let mut runs: Vec<RateRun> = Vec::new();
+    for round in 0..args.repeats {
+        let seed = args.workload.seed + round as u64;
+        for (ri, rate) in rates.iter().enumerate() {
+            // Rotate who goes first, so no variant always runs right after another's load.
+            let n = variants.len();
+            for k in 0..n {
+                let vi = (k + ri + round) % n;
+                let v = &variants[vi];
+                let client = &servers[vi].1;
+                let workload = WorkloadArgs {
+                    rate: Some(*rate),
+                    seed,
+                    ..args.workload.clone()
+                };
+                let opts = RunOptions {
+                    request_timeout: Duration::from_secs_f64(args.request_timeout),
+                    progress: !args.no_progress,
+                    label: format!("{:>8} {rate:>5.2}/s #{round}", v.label),
+                };
+                let (records, summary) =
+                    rt.block_on(measure(client, &info, &workload, &prompts, &opts))?;
+                let metrics = rt
+                    .block_on(client.get_text("/metrics"))
+                    .unwrap_or_default()
+                    .lines()
+                    .filter(|l| l.starts_with("thaw_sched") || l.starts_with("thaw_perf"))
+                    .map(str::to_string)
+                    .collect();
+                eprintln!(
+                    "{} at {rate} req/s (seed {seed}): {}/{} in {:.1} s, TTFT p99 {:.0} ms",
+                    v.label,
+                    summary.completed,
+                    summary.sent,
+                    summary.wall_s,
+                    summary.ttft.p99 * 1e3
+                );
+                runs.push(RateRun {
+                    variant: v.label.clone(),
+                    rate: *rate,
+                    seed,
+                    tpot_s: records.iter().filter_map(|r| r.tpot_s).collect(),
+                    summary,
+                    metrics,
+                });
+            }
         }
+    }
+    for (server, _) in &mut servers {
         server.stop(Duration::from_secs(60))?;
     }
-    let first: Vec<RateRun> = runs
-        .iter()
-        .filter(|r| Some(&r.policy) == args.policies.first())
-        .cloned()
-        .collect();
-    let (ttft_slo, tpot_slo) = slos(&first, args.slo_factor);
+    let labels: Vec<String> = variants.iter().map(|v| v.label.clone()).collect();
+    let (ttft_slo, tpot_slo) = slos(&runs, &labels[0], args.slo_factor);
+    let tpot_slo = args.tbt_slo_ms.map_or(tpot_slo, |ms| ms * 1e-3);
+    let points = points(&runs, &labels, &rates, tpot_slo);
     let w = &args.workload;
     let setup = format!(
         "thaw serve (CPU backend), model {}, {} adapters from {}; {} requests per rate, {:?} \
-         arrivals, {:?} popularity, {:?} lengths (prompt {}, output {}); serve args {:?}",
+         arrivals, {:?} popularity, {:?} lengths (prompt {}, output {}); serve args {:?}; \
+         {} repeat(s), seeds from {}",
         model.display(),
-        server_info.as_ref().map_or(0, |s| s.adapters.len()),
+        info.adapters.len(),
         lora_dir.display(),
         w.requests,
         w.arrivals,
@@ -324,12 +285,24 @@ pub fn run(args: &SchedulingArgs) -> anyhow::Result<String> {
         w.prompt_len,
         w.output_len,
         args.serve_arg,
+        args.repeats,
+        w.seed,
     );
-    let mut s = format!("{setup}\ntimes in ms at the client\n\n");
-    s.push_str(&table(&args, &runs, ttft_slo, tpot_slo));
+    let mut s =
+        format!("{setup}\ntimes in ms at the client; every figure the median of the repeats\n\n");
+    s.push_str(&table(
+        &labels,
+        &points,
+        args.slo_factor,
+        ttft_slo,
+        tpot_slo,
+    ));
     for r in &runs {
         for e in &r.summary.errors {
-            s.push_str(&format!("{} at {}: error: {e}\n", r.policy, r.rate));
+            s.push_str(&format!(
+                "{} at {} (seed {}): error: {e}\n",
+                r.variant, r.rate, r.seed
+            ));
         }
     }
     let json = args.out.join("scheduling.json");
@@ -339,12 +312,29 @@ pub fn run(args: &SchedulingArgs) -> anyhow::Result<String> {
             bench: "scheduling",
             setup: &setup,
             serve_args: &common,
+            variants: &variants,
             workload: &args.workload,
             ttft_slo_s: ttft_slo,
             tpot_slo_s: tpot_slo,
+            points: &points,
             runs: &runs,
         },
     )?;
     s.push_str(&format!("\nreport: {}\n", json.display()));
     Ok(s)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn variants_parse_label_policy_and_args() {
+        let v = Variant::parse("mlq+cap=mlq --tpot-slo-ms 60").unwrap();
+        assert_eq!(v.label, "mlq+cap");
+        assert_eq!(v.policy, SchedulingPolicy::Mlq);
+        assert_eq!(v.args, vec!["--tpot-slo-ms", "60"]);
+        assert!(Variant::parse("nolabel").is_err());
+        assert!(Variant::parse("x=lifo").is_err());
+    }
 }

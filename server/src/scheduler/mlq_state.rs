@@ -81,12 +81,15 @@ pub struct Mlq {
     recent: VecDeque<Recent>,
     cuts: Vec<f64>,
     quotas: Vec<Quota>,
+    /// What the last refit measured per queue; quotas are re-split from it when the KV
+    /// capacity moves.
+    load: Vec<QueueLoad>,
     total_tokens: usize,
     fitted_at: Option<f64>,
 }
 
 impl Mlq {
-    /// Queues over a KV cache of `total_tokens` token slots.
+    /// Queues over a KV cache of `total_tokens` token slots (until [`Self::set_capacity`]).
     pub fn new(cfg: MlqConfig, total_tokens: usize) -> Self {
         Self {
             cfg,
@@ -97,6 +100,7 @@ impl Mlq {
                 tokens: total_tokens,
                 min: 0,
             }],
+            load: Vec::new(),
             total_tokens,
             fitted_at: None,
         }
@@ -169,11 +173,37 @@ impl Mlq {
             })
             .collect();
         self.quotas = quotas(&load, self.total_tokens, self.cfg.slo_s);
+        self.load = load;
         self.fitted_at = Some(now_s);
         let cuts = &self.cuts;
         for e in self.entries.values_mut() {
             e.queue = queue_of(cuts, e.wrs).min(k - 1);
         }
+    }
+
+    /// Follows the KV capacity the memory layer leaves now (token slots: the pages KV may
+    /// reserve in all, times the block size). Adapters take pages from the same pool, so the
+    /// quotas are a split of what KV can use now, not of the whole cache: the queueing
+    /// model's split is redone over the last refit's loads (no new fit), summing to
+    /// `total_tokens`.
+    pub fn set_capacity(&mut self, total_tokens: usize) {
+        if total_tokens == self.total_tokens {
+            return;
+        }
+        self.total_tokens = total_tokens;
+        self.quotas = if self.load.is_empty() {
+            vec![Quota {
+                tokens: total_tokens,
+                min: 0,
+            }]
+        } else {
+            quotas(&self.load, total_tokens, self.cfg.slo_s)
+        };
+    }
+
+    /// Token slots the quotas split.
+    pub fn capacity(&self) -> usize {
+        self.total_tokens
     }
 
     /// Forgets a request (finished, cancelled, failed).

@@ -219,6 +219,10 @@ fn the_tpot_cap_refuses_a_rank_that_would_slow_the_decode_batch_past_the_slo() {
     );
 }
 
+/// Pages adapters hold in the simulated pool, a phase every [`ADAPTER_PERIOD`] steps.
+const ADAPTER_PAGES: [usize; 3] = [0, 3, 7];
+const ADAPTER_PERIOD: usize = 5;
+
 /// One request of a generated workload: prompt, max tokens, early stop, arrival step,
 /// its adapter blocked until this step.
 type Req = (usize, usize, usize, usize, usize);
@@ -260,8 +264,18 @@ fn simulate(reqs: &[Req], cfg: SchedConfig, mc: MlqConfig) -> Result<(), TestCas
             (r.4 > now).then(|| (r.4 - now) as f64)
         };
         let used: usize = st.running.iter().map(|s| cfg.blocks_for(s.computed)).sum();
+        // Adapters come and go in the same pool: what KV may reserve moves (never below what
+        // is reserved: the memory layer only evicts into free pages), and the quotas follow.
+        let adapters = ADAPTER_PAGES[(t / ADAPTER_PERIOD) % ADAPTER_PAGES.len()];
+        let kv_capacity = (cfg.total_blocks - adapters).max(st.reserved_blocks);
+        mlq.set_capacity(kv_capacity * cfg.block_size);
+        prop_assert_eq!(
+            mlq.quotas().iter().map(|q| q.tokens).sum::<usize>(),
+            kv_capacity * cfg.block_size,
+            "quotas split the live KV capacity"
+        );
         let inp = MlqInputs {
-            kv_capacity: cfg.total_blocks,
+            kv_capacity,
             ..plain(cfg.total_blocks - used, t as f64, &blocked)
         };
         let d = plan_mlq(&st, &cfg, &mlq, &inp);
@@ -304,7 +318,7 @@ fn simulate(reqs: &[Req], cfg: SchedConfig, mc: MlqConfig) -> Result<(), TestCas
             prop_assert!(blocked(s).is_none(), "a blocked request was admitted");
         }
         apply(&mut st, &mut mlq, &cfg, &d);
-        prop_assert!(st.reserved_blocks <= cfg.total_blocks, "KV over-committed");
+        prop_assert!(st.reserved_blocks <= kv_capacity, "KV over-committed");
         let planned: Vec<_> = items.iter().map(|i| (i.seq, i.num_tokens)).collect();
         let (mut sampled, mut finished) = (Vec::new(), Vec::new());
         for it in items {
@@ -327,10 +341,11 @@ fn simulate(reqs: &[Req], cfg: SchedConfig, mc: MlqConfig) -> Result<(), TestCas
         t += 1;
     }
     // The starvation bound: nobody waits past max_wait plus the time to drain everything
-    // ahead of it and its adapter's block.
+    // ahead of it, its adapter's block and one cycle of the adapters' pages.
     for (i, r) in reqs.iter().enumerate() {
         let wait = admitted[i].unwrap() - arrived[i].unwrap();
-        let bound = mc.max_wait_s.ceil() as usize + r.4.saturating_sub(r.3) + work;
+        let memory = ADAPTER_PERIOD * ADAPTER_PAGES.len();
+        let bound = mc.max_wait_s.ceil() as usize + r.4.saturating_sub(r.3) + work + memory;
         prop_assert!(wait <= bound, "request {i} waited {wait} > {bound}");
     }
     Ok(())

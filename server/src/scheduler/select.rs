@@ -10,11 +10,12 @@ use thaw_runtime::ids::{AdapterId, SeqId};
 use super::mlq::{plan_mlq, MlqInputs, TpotCap};
 use super::mlq_predict::{OutputPredictor, PredictorStats};
 use super::mlq_state::{Mlq, MlqConfig};
+use super::mlq_wait::{blocked_wait_s, MemoryWait};
 use super::mlq_wrs::RequestSize;
 use super::ordering::{OrderKeys, SchedulingPolicy};
 use super::policy::{plan_step_admitting, AdmitDecision, Gate};
 use super::state::{SchedConfig, SchedState, SeqState};
-use crate::perf::PerfModel;
+use crate::perf::{PerfModel, StepShape};
 
 /// What the loop knows of a new request beyond its [`SeqState`].
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -133,8 +134,9 @@ impl Scheduler {
     }
 
     /// Plans the next step over the requests adapter-aware admission found `admissible`,
-    /// reserving at most `kv_capacity` KV blocks in all. Apply it with
-    /// [`SchedState::admit_ids`].
+    /// reserving at most `kv_capacity` KV blocks in all (what the memory layer leaves KV now:
+    /// under `mlq` the queues' quotas split it). `mem` says how long the others wait (the
+    /// bypass rule's bound). Apply the decision with [`SchedState::admit_ids`].
     #[allow(clippy::too_many_arguments)]
     pub fn plan(
         &mut self,
@@ -145,16 +147,30 @@ impl Scheduler {
         perf: &PerfModel,
         admissible: &[SeqId],
         kv_capacity: usize,
+        mem: &MemoryWait,
     ) -> AdmitDecision {
         if self.policy != SchedulingPolicy::Mlq {
             return plan_step_admitting(state, cfg, free_blocks, gate, admissible, kv_capacity);
         }
+        self.mlq.set_capacity(kv_capacity * cfg.block_size);
         let ok: HashSet<SeqId> = admissible.iter().copied().collect();
         let known = &self.known;
         let rank = |s: &SeqState| known.get(&s.id).map(|k| k.rank).filter(|&r| r > 0);
-        // Admission found no room for its adapter (or its KV) now: the bypass rule applies,
-        // bounded per head; how long it waits is memory's to bound, not a time we know here.
-        let wait = |s: &SeqState| (!ok.contains(&s.id)).then_some(f64::INFINITY);
+        // A request admission could not place waits for the running batch to free memory,
+        // then for its adapter's load: its predicted wait bounds who may bypass it.
+        let mut running = StepShape::default();
+        for s in &state.running {
+            running.add(1, true, rank(s));
+        }
+        let soonest = state
+            .running
+            .iter()
+            .map(|s| crate::memory::admission::predicted_steps(s, cfg))
+            .min()
+            .unwrap_or(0);
+        let wait = |s: &SeqState| {
+            (!ok.contains(&s.id)).then(|| blocked_wait_s(perf, &running, mem, s.id, soonest))
+        };
         let d = plan_mlq(
             state,
             cfg,
@@ -257,11 +273,89 @@ mod tests {
         let ids: Vec<u64> = st.waiting.iter().map(|s| s.id.0).collect();
         assert_eq!(ids, vec![2, 4, 1, 3]);
         let all: Vec<SeqId> = st.waiting.iter().map(|s| s.id).collect();
-        let d = s.plan(&st, &cfg, 64, &|_, _| Gate::Go, &perf, &all, 64);
+        let d = s.plan(
+            &st,
+            &cfg,
+            64,
+            &|_, _| Gate::Go,
+            &perf,
+            &all,
+            64,
+            &MemoryWait::default(),
+        );
         assert_eq!(d.admit, vec![SeqId(2), SeqId(4), SeqId(1), SeqId(3)]);
         // Only what adapter-aware admission allowed is admitted.
-        let d = s.plan(&st, &cfg, 64, &|_, _| Gate::Go, &perf, &all[1..], 64);
+        let d = s.plan(
+            &st,
+            &cfg,
+            64,
+            &|_, _| Gate::Go,
+            &perf,
+            &all[1..],
+            64,
+            &MemoryWait::default(),
+        );
         assert!(!d.admit.contains(&SeqId(2)));
+    }
+
+    /// Ten waiting requests, the first (id 1) the only one admission could not place.
+    fn mlq_with_blocked_head(cfg: &SchedConfig) -> (Scheduler, SchedState, Vec<SeqId>) {
+        let mut st = SchedState::default();
+        let mut s = Scheduler::new(SchedulingPolicy::Mlq, MlqConfig::default(), None, cfg);
+        let perf = PerfModel::default();
+        for id in 1..=10u64 {
+            let a = Arrival {
+                rank: 8,
+                ..Default::default()
+            };
+            s.enqueue(&mut st, cfg, SeqState::new(SeqId(id), 4, 4), a, &perf);
+        }
+        let ok: Vec<SeqId> = (2..=10u64).map(SeqId).collect();
+        (s, st, ok)
+    }
+
+    #[test]
+    fn mlq_quotas_split_the_live_kv_capacity() {
+        let cfg = cfg();
+        let (mut s, st, ok) = mlq_with_blocked_head(&cfg);
+        let perf = PerfModel::default();
+        for cap in [64, 40, 17, 64] {
+            s.plan(
+                &st,
+                &cfg,
+                64,
+                &|_, _| Gate::Go,
+                &perf,
+                &ok,
+                cap,
+                &MemoryWait::default(),
+            );
+            let q = s.snapshot(&st).queues;
+            let sum: usize = q.iter().map(|q| q.quota_tokens).sum();
+            assert_eq!(sum, cap * cfg.block_size, "{q:?}");
+        }
+    }
+
+    #[test]
+    fn bypass_waits_on_the_perf_models_prediction_of_the_heads_wait() {
+        let cfg = cfg();
+        let perf = PerfModel::default();
+        let plan = |load_s: f64| {
+            let (mut s, st, ok) = mlq_with_blocked_head(&cfg);
+            let mem = MemoryWait {
+                head: Some((SeqId(1), Some(0))),
+                load_s: [(SeqId(1), load_s)].into_iter().collect(),
+                ..Default::default()
+            };
+            s.plan(&st, &cfg, 64, &|_, _| Gate::Go, &perf, &ok, 64, &mem)
+        };
+        // The head (blocked on memory the running batch does not hold) has its adapter
+        // land at once: nothing is short enough to pass it.
+        assert!(plan(0.0).admit.is_empty());
+        // Its adapter takes long to load: the requests behind it go first (up to the bound).
+        let d = plan(1e3);
+        assert!(!d.admit.is_empty() && !d.admit.contains(&SeqId(1)), "{d:?}");
+        assert!(d.admit.len() <= MlqConfig::default().max_bypass);
     }
 
     #[test]
