@@ -23,44 +23,65 @@ struct LoadFile {
 /// One server's cost model as the replay uses it: one snapshot for the whole run, or the
 /// history `thaw serve --dump-cost-model` appended (`*.history.jsonl`), each snapshot ruling the
 /// steps between the previous one's writing and its own.
-pub enum ServerModel {
-    Fixed(InstanceModel),
-    History(Vec<(f64, InstanceModel)>),
+pub struct ServerModel {
+    /// `(from, model)`: from −∞ for a single snapshot; from Unix seconds for a history.
+    points: Vec<(f64, InstanceModel)>,
+    history: bool,
 }
 
 impl ServerModel {
+    /// One snapshot for the whole run.
+    pub fn fixed(m: InstanceModel) -> Self {
+        Self {
+            points: vec![(f64::NEG_INFINITY, m)],
+            history: false,
+        }
+    }
+
+    /// A history: `(written Unix seconds, model)`, oldest first, not empty; each model rules
+    /// from the previous one's writing.
+    pub fn history(snaps: Vec<(f64, InstanceModel)>) -> Self {
+        let mut from = f64::NEG_INFINITY;
+        let points = snaps
+            .into_iter()
+            .map(|(w, m)| (std::mem::replace(&mut from, w), m))
+            .collect();
+        Self {
+            points,
+            history: true,
+        }
+    }
+
     /// Reads a `--dump-cost-model` file, or its history if the name ends in `.jsonl`.
     pub fn read(path: &Path) -> anyhow::Result<Self> {
         if path.extension().is_some_and(|e| e == "jsonl") {
             let snaps = CostSnapshot::read_history(path)?;
             anyhow::ensure!(!snaps.is_empty(), "{} holds no cost model", path.display());
-            let mut out = Vec::with_capacity(snaps.len());
-            let mut from = f64::NEG_INFINITY;
-            for s in snaps {
-                let w = s.written_unix_s;
-                out.push((from, InstanceModel::new(s)?));
-                from = w;
-            }
-            Ok(Self::History(out))
+            let h = snaps
+                .into_iter()
+                .map(|s| Ok((s.written_unix_s, InstanceModel::new(s)?)))
+                .collect::<anyhow::Result<Vec<_>>>()?;
+            Ok(Self::history(h))
         } else {
-            Ok(Self::Fixed(InstanceModel::new(CostSnapshot::read(path)?)?))
+            Ok(Self::fixed(InstanceModel::new(CostSnapshot::read(path)?)?))
         }
     }
 
     /// Its points on the run's clock (seconds after `run_start_unix`).
     fn points(&self, run_start_unix: Option<f64>) -> anyhow::Result<Vec<(f64, InstanceModel)>> {
-        match self {
-            Self::Fixed(m) => Ok(vec![(f64::NEG_INFINITY, m.clone())]),
-            Self::History(h) => {
-                let Some(t0) = run_start_unix else {
-                    anyhow::bail!(
-                        "the load report has no send times (sent_unix_s) to line the cost-model \
-                         history up with; rerun `thaw-bench load` with this build"
-                    );
-                };
-                Ok(h.iter().map(|(t, m)| (t - t0, m.clone())).collect())
-            }
-        }
+        let t0 = match (self.history, run_start_unix) {
+            (false, _) => 0.0,
+            (true, Some(t0)) => t0,
+            (true, None) => anyhow::bail!(
+                "the load report has no send times (sent_unix_s) to line the cost-model \
+                 history up with; rerun `thaw-bench load` with this build"
+            ),
+        };
+        Ok(self
+            .points
+            .iter()
+            .map(|(t, m)| (t - t0, m.clone()))
+            .collect())
     }
 }
 
@@ -238,7 +259,7 @@ mod tests {
         assert_eq!(replayed.len(), 20);
         assert!(replayed.iter().all(|r| r.ttft == 0.05 && r.instance == 0));
         assert_eq!(replayed.iter().map(|r| r.req.adapter).max(), Some(2));
-        let m = ServerModel::Fixed(InstanceModel::new(snapshot()).unwrap());
+        let m = ServerModel::fixed(InstanceModel::new(snapshot()).unwrap());
         let t = compare(std::slice::from_ref(&m), &p).unwrap();
         assert!(t.contains("P99 TTFT"), "{t}");
         assert!(t.contains("1 simulated instance"), "{t}");
@@ -259,7 +280,7 @@ mod tests {
             .collect();
         std::fs::write(&p, serde_json::json!({"requests": recs}).to_string()).unwrap();
         let (replayed, _) = read(&p).unwrap();
-        let m = || ServerModel::Fixed(InstanceModel::new(snapshot()).unwrap());
+        let m = || ServerModel::fixed(InstanceModel::new(snapshot()).unwrap());
         let two = simulate_routed(&[m(), m()], &replayed, None).unwrap();
         assert!(two.iter().all(|t| t.is_finite() && *t > 0.0), "{two:?}");
         let mut one_inst = replayed.clone();
@@ -272,8 +293,15 @@ mod tests {
         let t = compare(&[m()], &p).unwrap();
         assert!(t.contains("2 simulated instance"), "{t}");
         // A history needs the run's clock, which this report lacks.
-        let h = ServerModel::History(vec![(0.0, InstanceModel::new(snapshot()).unwrap())]);
+        let h = ServerModel::history(vec![(0.0, InstanceModel::new(snapshot()).unwrap())]);
         let e = simulate_routed(&[h], &replayed, None).unwrap_err();
         assert!(e.to_string().contains("sent_unix_s"), "{e}");
+        // Each snapshot rules from the previous one's writing, on the run's clock.
+        let h = ServerModel::history(vec![
+            (100.0, InstanceModel::new(snapshot()).unwrap()),
+            (110.0, InstanceModel::new(snapshot()).unwrap()),
+        ]);
+        let at: Vec<f64> = h.points(Some(95.0)).unwrap().iter().map(|p| p.0).collect();
+        assert_eq!(at, vec![f64::NEG_INFINITY, 5.0]);
     }
 }
