@@ -176,3 +176,45 @@ impl PerfModel {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn model(overlaps: bool) -> PerfModel {
+        PerfModel {
+            num_layers: 8,
+            layer_base_s: 2e-3,
+            layer_per_token_s: 6e-4,
+            cpu_flops: 2e10,
+            cpu_overlaps: overlaps,
+            assist_layer_overhead_s: 1e-5,
+            ..Default::default()
+        }
+    }
+
+    proptest! {
+        /// The `auto` rule (one function for the engine and the simulator): an assisted
+        /// chunk is within the prompt and the cap, and a longer wait for the load never turns
+        /// an assist into a wait.
+        #[test]
+        fn assist_chunks_are_bounded_and_monotone_in_the_load(
+            flops_per_row in 1e3f64..1e8,
+            prompt in 1usize..3000,
+            cap in 1usize..2048,
+            other in 0usize..64,
+            load in 0.0f64..2.0,
+            extra in 0.0f64..2.0,
+            overlaps in any::<bool>(),
+        ) {
+            let m = model(overlaps);
+            let w = AssistWork { flops_per_row };
+            if let ColdDecision::Assist { max_chunk } = m.decide_work(w, prompt, cap, other, load) {
+                prop_assert!(max_chunk >= 1 && max_chunk <= prompt.min(cap));
+                let later = m.decide_work(w, prompt, cap, other, load + extra);
+                prop_assert_eq!(later, ColdDecision::Assist { max_chunk });
+            }
+        }
+    }
+}
