@@ -148,6 +148,7 @@ fn load_quick_accounts_for_every_request() {
     let (model, adapters) = demo(dir.path());
     let (_server, url) = serve(&model, &adapters);
     let out = dir.path().join("out");
+    // The same server twice: the round-robin router's two "instances" (request i to URL i mod 2).
     let table = run_ok(
         &thaw_bench(),
         &[
@@ -155,7 +156,7 @@ fn load_quick_accounts_for_every_request() {
             "--quick",
             "--no-progress",
             "--url",
-            &url,
+            &format!("{url},{url}"),
             "--out",
             out.to_str().unwrap(),
         ],
@@ -172,8 +173,13 @@ fn load_quick_accounts_for_every_request() {
         .contains("tokenizer.json"));
     check_requests(&report, 12);
     // Rank power law: every request named one of the server's adapters.
-    for r in report["requests"].as_array().unwrap() {
+    for (i, r) in report["requests"].as_array().unwrap().iter().enumerate() {
         assert!(r["model"].as_str().unwrap().starts_with("adapter-"), "{r}");
+        assert_eq!(
+            r["instance"].as_u64(),
+            Some(i as u64 % 2),
+            "round-robin: {r}"
+        );
     }
     check_plots(&out, "load-cdf");
 }

@@ -15,7 +15,9 @@ use super::workload::{self, ArrivalKind, LengthKind, ServerInfo, WorkloadArgs};
 /// Options of `thaw-bench load`.
 #[derive(clap::Args, Clone, Debug)]
 pub struct LoadArgs {
-    /// Base URL of the server (plain http).
+    /// Base URL of the server (plain http); several, comma-separated, are served round-robin
+    /// (request i to URL i mod n; each record says which), as `thaw-bench simulate --replay`
+    /// routes them.
     #[arg(long, default_value = "http://127.0.0.1:8000")]
     pub url: String,
     /// Bearer token, if the server wants one.
@@ -98,10 +100,28 @@ pub async fn measure(
     prompts: &PromptSource,
     opts: &RunOptions,
 ) -> anyhow::Result<(Vec<RequestRecord>, Summary)> {
+    measure_routed(
+        std::slice::from_ref(client),
+        server,
+        workload,
+        prompts,
+        opts,
+    )
+    .await
+}
+
+/// [`measure`] against several servers, round-robin ([`runner::run_routed`]).
+pub async fn measure_routed(
+    clients: &[OpenAiClient],
+    server: &ServerInfo,
+    workload: &WorkloadArgs,
+    prompts: &PromptSource,
+    opts: &RunOptions,
+) -> anyhow::Result<(Vec<RequestRecord>, Summary)> {
     let plan = workload::plan(workload, server)?;
     let lengths: Vec<usize> = plan.iter().map(|p| p.prompt_len).collect();
     let ids = prompts.prompts(&lengths, workload.seed);
-    let (records, wall) = runner::run(client, server, &plan, ids, opts).await;
+    let (records, wall) = runner::run_routed(clients, server, &plan, ids, opts).await;
     let summary = Summary::of(&records, wall.as_secs_f64());
     Ok((records, summary))
 }
@@ -126,18 +146,37 @@ pub fn run(args: &LoadArgs) -> anyhow::Result<String> {
         .enable_all()
         .build()?;
     rt.block_on(async {
-        let client = OpenAiClient::new(&args.url, args.api_key.clone())?;
-        let server = client
-            .server_info()
-            .await
-            .with_context(|| format!("is a server running at {}?", args.url))?;
+        let clients = args
+            .url
+            .split(',')
+            .map(|u| OpenAiClient::new(u.trim(), args.api_key.clone()))
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        let client = &clients[0];
+        let mut infos = Vec::with_capacity(clients.len());
+        for c in &clients {
+            infos.push(
+                c.server_info()
+                    .await
+                    .with_context(|| format!("is a server running at {}?", c.base_url()))?,
+            );
+        }
+        let server = infos.swap_remove(0);
+        for (c, other) in clients[1..].iter().zip(&infos) {
+            anyhow::ensure!(
+                other.adapters == server.adapters,
+                "{} serves other adapters than {}; round-robin needs the same adapters on every --url",
+                c.base_url(),
+                client.base_url()
+            );
+        }
         let prompts = prompt_source(args.tokenizer.as_deref(), &server)?;
         let opts = RunOptions {
             request_timeout: Duration::from_secs_f64(args.request_timeout),
             progress: !args.no_progress,
             label: "load".into(),
         };
-        let (records, summary) = measure(&client, &server, &workload, &prompts, &opts).await?;
+        let (records, summary) =
+            measure_routed(&clients, &server, &workload, &prompts, &opts).await?;
         std::fs::create_dir_all(&args.out)
             .with_context(|| format!("creating {}", args.out.display()))?;
         let json = args.out.join("load.json");
@@ -145,7 +184,7 @@ pub fn run(args: &LoadArgs) -> anyhow::Result<String> {
             &json,
             &LoadReport {
                 bench: "load",
-                url: client.base_url(),
+                url: &args.url,
                 workload: &workload,
                 prompts: prompts.describe(),
                 server: &server,
@@ -162,7 +201,7 @@ pub fn run(args: &LoadArgs) -> anyhow::Result<String> {
         let mut s = format!(
             "{} requests to {} ({} adapters), {:?} arrivals at {:.2} req/s, {:?} popularity, {:?} lengths; prompts: {}\n\n",
             workload.requests,
-            client.base_url(),
+            args.url,
             server.adapters.len(),
             workload.arrivals,
             workload.rate.unwrap_or(workload::DEFAULT_RATE),

@@ -162,10 +162,12 @@ mod tests {
     fn rec(id: usize, ttft: f64, e2e: f64, err: bool) -> RequestRecord {
         RequestRecord {
             id,
+            instance: 0,
             model: "a".into(),
             rank: Some(8),
             scheduled_s: 0.0,
             sent_s: 0.0,
+            sent_unix_s: 0.0,
             prompt_tokens: 4,
             max_tokens: 5,
             output_tokens: 5,

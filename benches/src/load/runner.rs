@@ -14,6 +14,9 @@ use super::workload::{PlannedRequest, ServerInfo};
 #[derive(Clone, Debug, Serialize, PartialEq)]
 pub struct RequestRecord {
     pub id: usize,
+    /// Which server it went to: index into `--url`'s list (round-robin by request index).
+    #[serde(default)]
+    pub instance: usize,
     /// The `model` sent: an adapter name or the base model.
     pub model: String,
     pub rank: Option<usize>,
@@ -21,6 +24,8 @@ pub struct RequestRecord {
     pub scheduled_s: f64,
     /// Actual send time (lags `scheduled_s` only if the client itself falls behind).
     pub sent_s: f64,
+    /// The same, as Unix seconds (to line a run up with what the server logged or dumped).
+    pub sent_unix_s: f64,
     pub prompt_tokens: usize,
     pub max_tokens: usize,
     pub output_tokens: usize,
@@ -48,13 +53,17 @@ pub struct RunOptions {
 
 /// Sends every request of `plan` (with `prompts[i]` for request i) at its time and waits for
 /// all of them. Returns one record per planned request, in plan order, and the wall time.
-pub async fn run(
-    client: &OpenAiClient,
+/// Several servers stand behind a round-robin router: request `i` of the plan goes to
+/// `clients[i % n]` (the simulator's `round-robin` router, so `thaw-bench simulate
+/// --replay` can route the same requests the same way).
+pub async fn run_routed(
+    clients: &[OpenAiClient],
     server: &ServerInfo,
     plan: &[PlannedRequest],
     prompts: Vec<Vec<u32>>,
     opts: &RunOptions,
 ) -> (Vec<RequestRecord>, Duration) {
+    assert!(!clients.is_empty(), "run_routed needs at least one server");
     let bar = if opts.progress {
         let b = ProgressBar::new(plan.len() as u64);
         b.set_style(
@@ -72,8 +81,9 @@ pub async fn run(
     let start = tokio::time::Instant::now();
     let t0 = Instant::now();
     let mut tasks = Vec::with_capacity(plan.len());
-    for (p, prompt) in plan.iter().zip(prompts) {
-        let (client, bar, failed) = (client.clone(), bar.clone(), failed.clone());
+    for (i, (p, prompt)) in plan.iter().zip(prompts).enumerate() {
+        let instance = i % clients.len();
+        let (client, bar, failed) = (clients[instance].clone(), bar.clone(), failed.clone());
         let (model, rank) = match p.adapter {
             Some(i) => (server.adapters[i].name.clone(), server.adapters[i].rank),
             None => (server.base_model.clone(), None),
@@ -83,6 +93,7 @@ pub async fn run(
         tasks.push(tokio::spawn(async move {
             tokio::time::sleep_until(start + Duration::from_secs_f64(p.at_s)).await;
             let sent_s = t0.elapsed().as_secs_f64();
+            let sent_unix_s = unix_now();
             let t = client
                 .stream_completion(&model, &prompt, p.output_len, timeout)
                 .await;
@@ -103,10 +114,12 @@ pub async fn run(
             ));
             RequestRecord {
                 id: p.id,
+                instance,
                 model,
                 rank,
                 scheduled_s: p.at_s,
                 sent_s,
+                sent_unix_s,
                 prompt_tokens: t.prompt_tokens.unwrap_or(prompt.len()),
                 max_tokens: p.output_len,
                 output_tokens: t.output_tokens,
@@ -118,13 +131,15 @@ pub async fn run(
         }));
     }
     let mut records = Vec::with_capacity(tasks.len());
-    for (task, p) in tasks.into_iter().zip(plan) {
+    for (i, (task, p)) in tasks.into_iter().zip(plan).enumerate() {
         records.push(task.await.unwrap_or_else(|e| RequestRecord {
             id: p.id,
+            instance: i % clients.len(),
             model: String::new(),
             rank: None,
             scheduled_s: p.at_s,
             sent_s: p.at_s,
+            sent_unix_s: 0.0,
             prompt_tokens: p.prompt_len,
             max_tokens: p.output_len,
             output_tokens: 0,
@@ -136,4 +151,11 @@ pub async fn run(
     }
     bar.finish_and_clear();
     (records, t0.elapsed())
+}
+
+fn unix_now() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs_f64())
+        .unwrap_or(0.0)
 }

@@ -48,6 +48,8 @@ impl Ord for Event {
 pub struct SimResult {
     /// TTFT of every request that got a first token, seconds.
     pub ttft: Vec<f64>,
+    /// The same, as (request id, TTFT).
+    pub ttft_by_id: Vec<(usize, f64)>,
     pub finished: usize,
     pub loads: u64,
     /// From the first arrival to the last request's end.
@@ -56,8 +58,31 @@ pub struct SimResult {
     pub arrival_span: f64,
 }
 
+/// The cost model over simulated time: `(from, model)` points, the first from −∞. A planning
+/// run has one; a replay has the server's dumped history, each snapshot standing for the
+/// steps up to the time it was written.
+#[derive(Clone, Copy, Debug)]
+pub struct Timeline<'a> {
+    points: &'a [(f64, InstanceModel)],
+}
+
+impl<'a> Timeline<'a> {
+    /// `points` sorted by time, not empty.
+    pub fn new(points: &'a [(f64, InstanceModel)]) -> Self {
+        assert!(!points.is_empty(), "a timeline needs a cost model");
+        debug_assert!(points.windows(2).all(|w| w[0].0 <= w[1].0));
+        Self { points }
+    }
+
+    /// The model in force at `now`.
+    pub fn at(&self, now: f64) -> &'a InstanceModel {
+        let k = self.points.partition_point(|p| p.0 <= now);
+        &self.points[k.saturating_sub(1)].1
+    }
+}
+
 struct Sim<'a> {
-    model: &'a InstanceModel,
+    timeline: Timeline<'a>,
     insts: Vec<Instance>,
     heap: BinaryHeap<Event>,
     seq: u64,
@@ -77,7 +102,7 @@ impl Sim<'_> {
         if self.insts[i].busy {
             return;
         }
-        let (dur, loads) = self.insts[i].plan_step(self.model, now);
+        let (dur, loads) = self.insts[i].plan_step(self.timeline.at(now), now);
         for t in loads {
             self.push(t, Kind::LoadLanded(i));
         }
@@ -97,9 +122,22 @@ pub fn simulate(
     ctx: &RouteCtx,
     seed: u64,
 ) -> SimResult {
+    let one = [(f64::NEG_INFINITY, model.clone())];
+    simulate_timeline(Timeline::new(&one), reqs, n, router, ctx, seed)
+}
+
+/// [`simulate`] with the cost model changing over time.
+pub fn simulate_timeline(
+    timeline: Timeline<'_>,
+    reqs: &[SimRequest],
+    n: usize,
+    router: RouterKind,
+    ctx: &RouteCtx,
+    seed: u64,
+) -> SimResult {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let mut sim = Sim {
-        model,
+        timeline,
         insts: (0..n.max(1)).map(|_| Instance::default()).collect(),
         heap: BinaryHeap::with_capacity(reqs.len() + 2 * n),
         seq: 0,
@@ -118,6 +156,7 @@ pub fn simulate(
         match ev.kind {
             Kind::Arrival(k) => {
                 let r = &reqs[k];
+                let model = sim.timeline.at(now);
                 let i = pick(router, r, &sim.insts, model, ctx, now, &mut rng);
                 if let Some(t) = sim.insts[i].enqueue(*r, model, now) {
                     sim.push(t, Kind::LoadLanded(i));
@@ -127,6 +166,7 @@ pub fn simulate(
             Kind::StepEnd(i) => {
                 let o = sim.insts[i].finish_step(now);
                 out.ttft.extend(o.first_tokens.iter().map(|x| x.1));
+                out.ttft_by_id.extend(o.first_tokens.iter().copied());
                 out.finished += o.finished.len();
                 sim.try_step(i, now);
             }
@@ -178,6 +218,35 @@ mod tests {
             assert!(r.loads >= 50.min(rs.len()) as u64 / 4, "{router:?}");
             assert!(r.makespan >= r.arrival_span);
         }
+    }
+
+    /// A replayed history: the model written later rules later steps, so a slower second
+    /// half stretches only the requests that run in it.
+    #[test]
+    fn the_timeline_switches_models_at_their_times() {
+        let fast = InstanceModel::new(snapshot()).unwrap();
+        let mut s = snapshot();
+        s.perf.layer_per_token_s *= 10.0;
+        let slow = InstanceModel::new(s).unwrap();
+        let pts = [(f64::NEG_INFINITY, fast.clone()), (1.0, slow)];
+        let t = Timeline::new(&pts);
+        assert_eq!(t.at(0.5).perf.layer_per_token_s, 1e-5);
+        assert_eq!(t.at(1.0).perf.layer_per_token_s, 1e-4);
+        let ctx = RouteCtx {
+            avg_resp_len: 20.0,
+            tpot_slo: 1.0,
+        };
+        let rs = reqs(40, 1, 0.05);
+        let a = simulate(&fast, &rs, 1, RouterKind::Random, &ctx, 1);
+        let b = simulate_timeline(t, &rs, 1, RouterKind::Random, &ctx, 1);
+        let by_id = |r: &SimResult| {
+            let mut v = r.ttft_by_id.clone();
+            v.sort_by_key(|x| x.0);
+            v
+        };
+        let (a, b) = (by_id(&a), by_id(&b));
+        assert_eq!(a[0], b[0], "the first request runs before the switch");
+        assert!(b[39].1 > a[39].1, "the last runs after it, slower");
     }
 
     #[test]

@@ -292,7 +292,7 @@ impl Instance {
             Some(t) => {
                 let other: usize = self.plan.iter().map(|p| p.1).sum();
                 model
-                    .decide(left, budget, other, s.req.rank, t)
+                    .decide(left, other, s.req.rank, t)
                     .map(|c| (c.min(budget), true))
             }
             None => None,

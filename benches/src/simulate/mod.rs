@@ -25,9 +25,11 @@ use thaw_server::coldstart::CostSnapshot;
 /// `thaw-bench simulate` options.
 #[derive(clap::Args, Clone, Debug)]
 pub struct SimulateArgs {
-    /// Cost model written by `thaw serve --dump-cost-model PATH`.
-    #[arg(long, value_name = "PATH")]
-    pub cost_model: PathBuf,
+    /// Cost model written by `thaw serve --dump-cost-model PATH`; with --replay of a run
+    /// against several servers, one per server (comma-separated, in --url order) or one for
+    /// all; with --replay, a `PATH.history.jsonl` replays the model as it evolved in the run.
+    #[arg(long, value_name = "PATH", value_delimiter = ',', required = true)]
+    pub cost_model: Vec<PathBuf>,
     /// Cluster sizes (instances) [default: 8,32,128,512,1024; --quick: 8,16].
     #[arg(long, value_delimiter = ',')]
     pub instances: Vec<usize>,
@@ -80,9 +82,9 @@ pub struct SimulateArgs {
     pub out: Option<PathBuf>,
     #[arg(long, default_value_t = 2023)]
     pub seed: u64,
-    /// Validate instead: replay the requests of a `thaw-bench load` report (load.json) against
-    /// the server the cost model came from on one simulated instance; print measured vs
-    /// simulated TTFT.
+    /// Validate instead: replay the requests of a `thaw-bench load` report (load.json) on as
+    /// many simulated instances as it had servers, routed as it routed them (round-robin),
+    /// each modelled by its server's --cost-model; print measured vs simulated TTFT.
     #[arg(long, value_name = "LOAD_JSON")]
     pub replay: Option<PathBuf>,
 }
@@ -138,26 +140,35 @@ pub fn run(args: &SimulateArgs) -> anyhow::Result<(Vec<Row>, String)> {
         !args.ranks.is_empty() && args.ranks.iter().all(|&r| r > 0),
         "--ranks must list positive ranks"
     );
-    let snap = CostSnapshot::read(&args.cost_model)?;
-    let model = InstanceModel::new(snap)?;
     if let Some(p) = &args.replay {
-        return Ok((Vec::new(), replay::compare(&model, p)?));
+        let models = args
+            .cost_model
+            .iter()
+            .map(|p| replay::ServerModel::read(p))
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        return Ok((Vec::new(), replay::compare(&models, p)?));
     }
+    let [path] = args.cost_model.as_slice() else {
+        anyhow::bail!(
+            "a simulated cluster is made of one server's cost model; pass one --cost-model"
+        );
+    };
+    let model = &InstanceModel::new(CostSnapshot::read(path)?)?;
     let trace = crate::trace::read_trace(&args.trace)
         .map_err(|e| anyhow::anyhow!("{e:#}; pass --trace with an Azure trace CSV"))?;
     let mut rows = Vec::new();
     for &adapters in &args.adapters {
         let ranks = workload::adapter_ranks(adapters, &args.ranks, args.seed);
-        let server = workload::server_info(&ranks, workload::max_model_len(&args, &model));
+        let server = workload::server_info(&ranks, workload::max_model_len(&args, model));
         drop(ranks);
         for &pop in &args.popularity {
             for &n in &args.instances {
-                let w = workload::build(&args, &model, &trace, &server, pop, n)?;
-                rows.extend(report::run_routers(&args, &model, &w, n, adapters, pop));
+                let w = workload::build(&args, model, &trace, &server, pop, n)?;
+                rows.extend(report::run_routers(&args, model, &w, n, adapters, pop));
             }
         }
     }
-    let mut text = report::table(&args, &model, &rows);
+    let mut text = report::table(&args, model, &rows);
     if let Some(dir) = &args.out {
         std::fs::create_dir_all(dir)?;
         let json = dir.join("simulate.json");
@@ -182,7 +193,7 @@ mod tests {
         let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
         let out = tempfile::tempdir().unwrap();
         let args = SimulateArgs {
-            cost_model: root.join("fixtures/cost-model-cpu.json"),
+            cost_model: vec![root.join("fixtures/cost-model-cpu.json")],
             instances: vec![],
             routers: vec![],
             adapters: vec![],

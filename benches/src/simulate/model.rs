@@ -1,9 +1,9 @@
 //! One simulated instance's costs, all from a [`CostSnapshot`] that `thaw serve
 //! --dump-cost-model` wrote: the engine's own [`PerfModel`] rebuilt from its snapshot (device
 //! step time from prefill rows, decode rows and the ranks in the batch; adapter load time per
-//! tier, disk → host → device; CPU-assist throughput), and the `auto` cold-start decision the
-//! engine makes with the same numbers.
-use thaw_server::coldstart::{CostSnapshot, MAX_DECODE_SLOWDOWN};
+//! tier, disk → host → device; CPU-assist throughput); the `auto` cold-start decision is the
+//! engine's own function, asked with the same numbers.
+use thaw_server::coldstart::{AssistWork, ColdDecision, CostSnapshot};
 use thaw_server::perf::{PerfModel, StepShape, Tier};
 
 /// The perf model's rank of an adapter rank (0: the base model, no adapter).
@@ -91,19 +91,22 @@ impl InstanceModel {
         self.step_time(&shape) - self.step_time(&StepShape::default())
     }
 
+    /// The CPU work of assisting a rank-`rank` adapter: its A and B elements in one layer,
+    /// two FLOPs each per row (what [`AssistWork::of`] counts on a real adapter).
+    pub fn assist_work(&self, rank: u32) -> AssistWork {
+        AssistWork {
+            flops_per_row: 2.0 * rank as f64 * self.elems_per_rank_layer,
+        }
+    }
+
     /// CPU time of one layer's LoRA deltas for `rows` rows of a rank-`rank` adapter.
     pub fn cpu_layer_time(&self, rows: usize, rank: u32) -> f64 {
-        2.0 * rows as f64 * rank as f64 * self.elems_per_rank_layer / self.perf.cpu_flops
+        self.perf.cpu_work_time(self.assist_work(rank), rows)
     }
 
     /// A layer's time with CPU assist alongside the device's `dev` seconds.
     pub fn assisted_layer(&self, dev: f64, cpu: f64) -> f64 {
-        let t = if self.perf.cpu_overlaps {
-            dev.max(cpu)
-        } else {
-            dev + cpu
-        };
-        t + self.perf.assist_layer_overhead_s
+        self.perf.assisted_layer_time(dev, cpu)
     }
 
     pub fn adapter_bytes(&self, rank: u32) -> f64 {
@@ -125,58 +128,25 @@ impl InstanceModel {
 
     /// The `auto` policy for a prefill of `prompt_left` tokens of a rank-`rank` adapter whose
     /// load finishes in `load_left` seconds, next to `other_tokens` rows: Some(chunk) to start
-    /// now with CPU assist, None to wait. The engine's rule (`CostModel::decide`): the largest
-    /// chunk whose assist keeps co-batched decode within MAX_DECODE_SLOWDOWN, taken when its
-    /// predicted TTFT beats waiting.
+    /// now with CPU assist, None to wait. The engine's own rule ([`PerfModel::decide_work`]),
+    /// asked as the engine's gate asks it: the whole remaining prompt as the cap.
     pub fn decide(
         &self,
         prompt_left: usize,
-        cap: usize,
         other_tokens: usize,
         rank: u32,
         load_left: f64,
     ) -> Option<usize> {
-        let cap = cap.min(prompt_left);
-        let fits = |c: usize| {
-            let dev = self.perf.layer_time(other_tokens + c);
-            other_tokens == 0
-                || self.assisted_layer(dev, self.cpu_layer_time(c, rank))
-                    <= dev * (1.0 + MAX_DECODE_SLOWDOWN)
-        };
-        let chunk = if cap == 0 {
-            0
-        } else if fits(cap) {
-            cap
-        } else {
-            let (mut lo, mut hi) = (0usize, cap);
-            while lo + 1 < hi {
-                let mid = (lo + hi) / 2;
-                if fits(mid) {
-                    lo = mid;
-                } else {
-                    hi = mid;
-                }
-            }
-            lo
-        };
-        if chunk == 0 {
-            return None;
+        match self.perf.decide_work(
+            self.assist_work(rank),
+            prompt_left,
+            prompt_left,
+            other_tokens,
+            load_left,
+        ) {
+            ColdDecision::Wait => None,
+            ColdDecision::Assist { max_chunk } => Some(max_chunk),
         }
-        let (mut assist, mut wait) = (0.0, load_left);
-        let mut left = prompt_left;
-        while left > 0 {
-            let c = left.min(chunk);
-            let dev = self.perf.layer_time(other_tokens + c);
-            assist += self.assisted_layer(dev, self.cpu_layer_time(c, rank)) * self.layers();
-            left -= c;
-        }
-        let mut left = prompt_left;
-        while left > 0 {
-            let c = left.min(cap.max(1));
-            wait += self.base_step_time(other_tokens + c);
-            left -= c;
-        }
-        (assist <= wait).then_some(chunk)
     }
 }
 
@@ -237,9 +207,9 @@ pub(crate) mod tests {
         assert!(m.link_time(16) > m.link_time(8));
         assert!(m.disk_time(16) > m.disk_time(8));
         // Idle device: assisting beats waiting for a slow load.
-        assert!(m.decide(64, 256, 0, 8, 1.0).is_some());
+        assert!(m.decide(64, 0, 8, 1.0).is_some());
         // A load that is about to land: wait.
-        assert_eq!(m.decide(64, 256, 0, 8, 0.0), None);
+        assert_eq!(m.decide(64, 0, 8, 0.0), None);
     }
 
     #[test]

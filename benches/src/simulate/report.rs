@@ -104,7 +104,7 @@ pub fn table(args: &SimulateArgs, model: &InstanceModel, rows: &[Row]) -> String
         "simulated instances from {} ({} layers, step = {:.3} ms + {:.4} ms/token, link {:.1} GB/s, \
          CPU {:.2} GFLOP/s, max-loras {}, max-cpu-loras {}, max-num-seqs {}); load {:.2} of capacity, \
          {} requests per instance\n\n",
-        args.cost_model.display(),
+        args.cost_model[0].display(),
         f.num_layers,
         f.layer_base_s * f.num_layers as f64 * 1e3,
         f.layer_per_token_s * f.num_layers as f64 * 1e3,

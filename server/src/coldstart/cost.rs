@@ -27,44 +27,63 @@ pub struct Prediction {
     pub actual_s: f64,
 }
 
-impl PerfModel {
-    /// CPU time of one layer's LoRA deltas for `rows` rows of `adapter`.
-    pub fn cpu_layer_time(&self, adapter: &LoraAdapter, rows: usize) -> f64 {
+/// The CPU work of assisting one adapter: FLOPs per prefill row in one layer (its A and B
+/// products over every projection it adapts). The engine takes it from the adapter's
+/// weights ([`AssistWork::of`]); the simulator from the dumped bytes per rank.
+#[derive(Copy, Clone, Debug, PartialEq)]
+pub struct AssistWork {
+    pub flops_per_row: f64,
+}
+
+impl AssistWork {
+    /// The work of `adapter`, from its middle layer (layers of one adapter are alike).
+    pub fn of(adapter: &LoraAdapter) -> Self {
         let layer = adapter
             .num_layers()
             .saturating_sub(1)
             .min(adapter.num_layers() / 2);
-        let flops: f64 = thaw_runtime::adapter::LoraModule::ALL
+        let flops_per_row = thaw_runtime::adapter::LoraModule::ALL
             .iter()
             .filter_map(|&m| adapter.get(layer, m))
-            .map(|w| {
-                2.0 * rows as f64 * w.rank as f64 * ((w.a.len() + w.b.len()) / w.rank.max(1)) as f64
-            })
+            .map(|w| 2.0 * w.rank as f64 * ((w.a.len() + w.b.len()) / w.rank.max(1)) as f64)
             .sum();
-        flops / self.cpu_flops.max(1.0)
+        Self { flops_per_row }
+    }
+}
+
+impl PerfModel {
+    /// CPU time of one layer's LoRA deltas for `rows` rows of `adapter`.
+    pub fn cpu_layer_time(&self, adapter: &LoraAdapter, rows: usize) -> f64 {
+        self.cpu_work_time(AssistWork::of(adapter), rows)
+    }
+
+    /// CPU time of one layer's LoRA deltas for `rows` rows of work `w`.
+    pub fn cpu_work_time(&self, w: AssistWork, rows: usize) -> f64 {
+        rows as f64 * w.flops_per_row / self.cpu_flops.max(1.0)
+    }
+
+    /// A layer's time with CPU assist next to `dev` seconds of device work and `cpu` seconds
+    /// of CPU work: overlapped or not, plus the assist path's own overhead.
+    pub fn assisted_layer_time(&self, dev: f64, cpu: f64) -> f64 {
+        let t = if self.cpu_overlaps {
+            dev.max(cpu)
+        } else {
+            dev + cpu
+        };
+        t + self.assist_layer_overhead_s
     }
 
     /// Largest chunk whose CPU work per layer fits under the device's time per layer for a
     /// step that also carries `other_tokens` rows of other requests.
-    pub fn max_assist_chunk(
-        &self,
-        adapter: &LoraAdapter,
-        other_tokens: usize,
-        cap: usize,
-    ) -> usize {
+    pub fn max_assist_chunk(&self, w: AssistWork, other_tokens: usize, cap: usize) -> usize {
         if cap == 0 {
             return 0;
         }
         let fits = |c: usize| {
-            let cpu = self.cpu_layer_time(adapter, c);
             let dev = self.layer_time(other_tokens + c);
             // What co-batched requests see: the step's layer time with assist against
             // without it (their decode would run alongside this chunk either way).
-            let with = if self.cpu_overlaps {
-                dev.max(cpu)
-            } else {
-                dev + cpu
-            } + self.assist_layer_overhead_s;
+            let with = self.assisted_layer_time(dev, self.cpu_work_time(w, c));
             other_tokens == 0 || with <= dev * (1.0 + MAX_DECODE_SLOWDOWN)
         };
         if fits(cap) {
@@ -92,7 +111,7 @@ impl PerfModel {
     /// Predicted TTFT when it starts now with CPU assist in chunks of `chunk`.
     pub fn ttft_assist(
         &self,
-        adapter: &LoraAdapter,
+        w: AssistWork,
         prompt: usize,
         chunk: usize,
         other_tokens: usize,
@@ -103,13 +122,7 @@ impl PerfModel {
         for _ in 0..steps {
             let c = left.min(chunk);
             let dev = self.layer_time(other_tokens + c);
-            let cpu = self.cpu_layer_time(adapter, c);
-            let per_layer = if self.cpu_overlaps {
-                dev.max(cpu) + self.assist_layer_overhead_s
-            } else {
-                dev + cpu + self.assist_layer_overhead_s
-            };
-            t += per_layer * self.num_layers as f64;
+            t += self.assisted_layer_time(dev, self.cpu_work_time(w, c)) * self.num_layers as f64;
             left -= c;
         }
         t
@@ -126,8 +139,7 @@ impl PerfModel {
         t
     }
 
-    /// The `auto` policy: assist when its predicted TTFT beats waiting and its chunk keeps
-    /// co-batched decode within [`MAX_DECODE_SLOWDOWN`]; otherwise wait.
+    /// The `auto` policy for a cold request of `adapter`: [`Self::decide_work`] on its work.
     pub fn decide(
         &self,
         adapter: &LoraAdapter,
@@ -136,16 +148,73 @@ impl PerfModel {
         other_tokens: usize,
         load_left_s: f64,
     ) -> ColdDecision {
-        let chunk = self.max_assist_chunk(adapter, other_tokens, cap.min(prompt_left));
+        let w = AssistWork::of(adapter);
+        self.decide_work(w, prompt_left, cap, other_tokens, load_left_s)
+    }
+
+    /// The `auto` policy: assist when its predicted TTFT beats waiting and its chunk keeps
+    /// co-batched decode within [`MAX_DECODE_SLOWDOWN`]; otherwise wait. The engine's gate
+    /// and `thaw-bench simulate` both decide with this function.
+    pub fn decide_work(
+        &self,
+        w: AssistWork,
+        prompt_left: usize,
+        cap: usize,
+        other_tokens: usize,
+        load_left_s: f64,
+    ) -> ColdDecision {
+        let chunk = self.max_assist_chunk(w, other_tokens, cap.min(prompt_left));
         if chunk == 0 {
             return ColdDecision::Wait;
         }
-        let assist = self.ttft_assist(adapter, prompt_left, chunk, other_tokens);
+        let assist = self.ttft_assist(w, prompt_left, chunk, other_tokens);
         let wait = self.ttft_wait(prompt_left, cap, other_tokens, load_left_s);
         if assist <= wait {
             ColdDecision::Assist { max_chunk: chunk }
         } else {
             ColdDecision::Wait
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn model(overlaps: bool) -> PerfModel {
+        PerfModel {
+            num_layers: 8,
+            layer_base_s: 2e-3,
+            layer_per_token_s: 6e-4,
+            cpu_flops: 2e10,
+            cpu_overlaps: overlaps,
+            assist_layer_overhead_s: 1e-5,
+            ..Default::default()
+        }
+    }
+
+    proptest! {
+        /// The `auto` rule (one function for the engine and the simulator): an assisted
+        /// chunk is within the prompt and the cap, and a longer wait for the load never turns
+        /// an assist into a wait.
+        #[test]
+        fn assist_chunks_are_bounded_and_monotone_in_the_load(
+            flops_per_row in 1e3f64..1e8,
+            prompt in 1usize..3000,
+            cap in 1usize..2048,
+            other in 0usize..64,
+            load in 0.0f64..2.0,
+            extra in 0.0f64..2.0,
+            overlaps in any::<bool>(),
+        ) {
+            let m = model(overlaps);
+            let w = AssistWork { flops_per_row };
+            if let ColdDecision::Assist { max_chunk } = m.decide_work(w, prompt, cap, other, load) {
+                prop_assert!(max_chunk >= 1 && max_chunk <= prompt.min(cap));
+                let later = m.decide_work(w, prompt, cap, other, load + extra);
+                prop_assert_eq!(later, ColdDecision::Assist { max_chunk });
+            }
         }
     }
 }

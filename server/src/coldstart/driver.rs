@@ -17,7 +17,7 @@ use thaw_runtime::engine::{
 use thaw_runtime::ids::{AdapterId, SeqId};
 use thaw_runtime::sampling::SamplingParams;
 
-use super::cost::{ColdDecision, CostModel, Prediction};
+use super::cost::{AssistWork, ColdDecision, CostModel, Prediction};
 use super::loader::Loader;
 use super::policy::ColdStartPolicy;
 
@@ -418,7 +418,7 @@ fn build_plan(
                             ColdDecision::Assist { max_chunk } => {
                                 if predicted[l.req].is_none() {
                                     predicted[l.req] = Some(cost.ttft_assist(
-                                        adapter,
+                                        AssistWork::of(adapter),
                                         pending,
                                         max_chunk,
                                         decode_tokens,

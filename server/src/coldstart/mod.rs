@@ -9,7 +9,7 @@ mod policy;
 mod snapshot;
 
 pub use calibrate::calibrate;
-pub use cost::{ColdDecision, CostModel, Prediction, MAX_DECODE_SLOWDOWN};
+pub use cost::{AssistWork, ColdDecision, CostModel, Prediction, MAX_DECODE_SLOWDOWN};
 pub use driver::{run, DriverConfig, Outcome, Request, RunReport, StartTier, StepRecord};
 pub use loader::{Loaded, Loader};
 pub use policy::ColdStartPolicy;

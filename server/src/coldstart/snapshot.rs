@@ -97,6 +97,44 @@ impl CostSnapshot {
         std::fs::write(&tmp, text)?;
         std::fs::rename(&tmp, path)
     }
+
+    /// Appends the snapshot to `path` as one line of JSON (a history: [`Self::read_history`]).
+    pub fn append_line(&self, path: &Path) -> std::io::Result<()> {
+        use std::io::Write;
+        let mut line = serde_json::to_string(self).map_err(std::io::Error::other)?;
+        line.push('\n');
+        std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)?
+            .write_all(line.as_bytes())
+    }
+
+    /// Reads a history [`Self::append_line`] wrote, oldest first; checks every line like
+    /// [`Self::read`].
+    pub fn read_history(path: &Path) -> Result<Vec<Self>, SnapshotError> {
+        let p = path.display().to_string();
+        let text = std::fs::read_to_string(path).map_err(|source| SnapshotError::Io {
+            path: p.clone(),
+            source,
+        })?;
+        let mut out = Vec::new();
+        for line in text.lines().filter(|l| !l.trim().is_empty()) {
+            let s: Self = serde_json::from_str(line).map_err(|source| SnapshotError::Parse {
+                path: p.clone(),
+                source,
+            })?;
+            if s.format != SNAPSHOT_FORMAT {
+                return Err(SnapshotError::Format {
+                    path: p,
+                    found: s.format,
+                });
+            }
+            out.push(s);
+        }
+        out.sort_by(|a, b| a.written_unix_s.total_cmp(&b.written_unix_s));
+        Ok(out)
+    }
 }
 
 /// Host bytes per unit of rank, and the disk → host rate (bytes per second: the sizes over
@@ -187,6 +225,27 @@ mod tests {
         assert!(matches!(
             CostSnapshot::read(&p),
             Err(SnapshotError::Parse { .. })
+        ));
+    }
+
+    #[test]
+    fn history_appends_lines_and_reads_back_in_time_order() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("cost.history.jsonl");
+        let (mut a, mut b) = (snapshot(), snapshot());
+        a.written_unix_s = 20.0;
+        b.written_unix_s = 10.0;
+        b.perf.layer_per_token_s = 9e-6;
+        a.append_line(&p).unwrap();
+        b.append_line(&p).unwrap();
+        let h = CostSnapshot::read_history(&p).unwrap();
+        assert_eq!(h, vec![b.clone(), a]);
+        let mut c = b;
+        c.format = SNAPSHOT_FORMAT + 1;
+        c.append_line(&p).unwrap();
+        assert!(matches!(
+            CostSnapshot::read_history(&p),
+            Err(SnapshotError::Format { .. })
         ));
     }
 }

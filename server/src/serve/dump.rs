@@ -1,6 +1,8 @@
 //! `--dump-cost-model PATH`: the performance model the engine fits online, with the adapter
 //! sizes and load rates the registry measured and the server's limits, written as a
-//! [`CostSnapshot`] every [`DUMP_EVERY`] and once more at shutdown.
+//! [`CostSnapshot`] every [`DUMP_EVERY`] and once more at shutdown. Each snapshot is also
+//! appended, one JSON line, to [`history_path`]: the model as it evolved over the run (the fit
+//! covers only the last steps), which `thaw-bench simulate --replay` can replay in time.
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -46,10 +48,20 @@ pub fn snapshot(state: &AppState, max_cpu_loras: usize) -> Option<CostSnapshot> 
     })
 }
 
-/// Writes the snapshot to `path`, logging (not failing) when it cannot.
+/// Where the snapshots of `--dump-cost-model PATH` accumulate: `PATH` with the extension
+/// `history.jsonl` (`cost.json` → `cost.history.jsonl`).
+pub fn history_path(path: &Path) -> PathBuf {
+    path.with_extension("history.jsonl")
+}
+
+/// Writes the snapshot to `path` and appends it to [`history_path`], logging (not failing)
+/// when it cannot.
 pub fn write(state: &AppState, max_cpu_loras: usize, path: &Path) {
     if let Some(snap) = snapshot(state, max_cpu_loras) {
-        if let Err(e) = snap.write(path) {
+        let r = snap
+            .write(path)
+            .and_then(|()| snap.append_line(&history_path(path)));
+        if let Err(e) = r {
             tracing::warn!(
                 "could not write the cost model to {}: {e}; check --dump-cost-model",
                 path.display()
