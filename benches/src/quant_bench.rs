@@ -23,12 +23,14 @@ pub struct WeightFormatsArgs {
 /// (name, output rows, input cols) of the measured products.
 const SHAPES: [(&str, usize, usize); 3] = [
     ("gate/up 1536x576", 1536, 576),
-    ("down 576x1536", 576, 1536),
+    ("down 576x1536 (K-quants fit)", 576, 1536),
     ("lm_head 49152x576", 49152, 576),
 ];
 
 fn lcg(seed: &mut u64) -> f32 {
-    *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    *seed = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
     ((*seed >> 40) as f32 / (1u64 << 24) as f32) - 0.5
 }
 
@@ -54,8 +56,10 @@ pub fn run(args: &WeightFormatsArgs) -> anyhow::Result<String> {
         let base = WeightMatrix::from_f32(w32, n, k);
         // Q4_K/Q6_K cannot be produced by Thaw's quantiser: they are measured on random
         // blocks, which cost the same to decode.
+        // (K-quants need rows of whole 256-value blocks: 576 columns have none.)
         let mats: Vec<WeightMatrix> = WeightFormat::ALL
             .iter()
+            .filter(|f| k.is_multiple_of(f.block_elems()))
             .map(|&f| match base.convert(f) {
                 Ok(m) => m,
                 Err(_) => {

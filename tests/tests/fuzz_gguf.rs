@@ -45,7 +45,14 @@ fn mutation() -> impl Strategy<Value = Mutation> {
         Just(1 << 40),
         any::<u64>()
     ];
-    let small = prop_oneof![Just(0u32), Just(7), Just(9), Just(13), Just(u32::MAX), any::<u32>()];
+    let small = prop_oneof![
+        Just(0u32),
+        Just(7),
+        Just(9),
+        Just(13),
+        Just(u32::MAX),
+        any::<u32>()
+    ];
     prop_oneof![
         (any::<prop::sample::Index>(), extreme).prop_map(|(i, v)| Mutation::Word(i, v)),
         (any::<prop::sample::Index>(), small).prop_map(|(i, v)| Mutation::Half(i, v)),

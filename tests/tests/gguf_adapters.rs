@@ -51,11 +51,7 @@ fn peft_adapter_on_quantised_gguf_matches_reencoded_hf() {
         }
     }
     let adapter = Arc::new(
-        LoraAdapter::load(
-            &fixture_dir().join("adapters/r8_all_rslora"),
-            &g.config,
-        )
-        .unwrap(),
+        LoraAdapter::load(&fixture_dir().join("adapters/r8_all_rslora"), &g.config).unwrap(),
     );
     let prompt = tok.encode("The quick brown fox jumps", true).unwrap();
     let got = logits(g, &adapter, &prompt);

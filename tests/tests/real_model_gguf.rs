@@ -25,7 +25,8 @@ fn model() -> Option<(HostModel, Tokenizer)> {
 
 fn chat_prompt(tok: &Tokenizer, text: &str) -> Vec<u32> {
     let t = ChatTemplate::new(
-        tok.chat_template().expect("the GGUF has tokenizer.chat_template"),
+        tok.chat_template()
+            .expect("the GGUF has tokenizer.chat_template"),
         tok.bos_token(),
         tok.eos_token(),
     )
@@ -88,7 +89,10 @@ fn smollm2_q4_1_greedy_text_is_stable_english_on_every_cpu_path() {
     assert_eq!(model.config.num_layers, 30);
     assert!(model.lm_head.is_none(), "SmolLM2 ties its embeddings");
     let formats: Vec<_> = model.layers[0].proj.iter().map(|p| p.format()).collect();
-    assert!(formats.iter().all(|&f| f == WeightFormat::Q4_1), "{formats:?}");
+    assert!(
+        formats.iter().all(|&f| f == WeightFormat::Q4_1),
+        "{formats:?}"
+    );
     let prompt = chat_prompt(&tok, PROMPT);
 
     let direct = greedy(model.clone(), std::slice::from_ref(&prompt)).remove(0);

@@ -48,7 +48,7 @@ impl WeightMatrix {
             values,
             block: f.block_elems(),
         };
-        if cols % f.block_elems() != 0 {
+        if !cols.is_multiple_of(f.block_elems()) {
             return Err(partial(cols));
         }
         let n = rows.checked_mul(cols).ok_or(partial(usize::MAX))?;
@@ -93,7 +93,7 @@ impl WeightMatrix {
             values,
             block: format.block_elems(),
         };
-        if cols % format.block_elems() != 0 {
+        if !cols.is_multiple_of(format.block_elems()) {
             return Err(partial(cols));
         }
         let n = rows.checked_mul(cols).ok_or(partial(usize::MAX))?;
@@ -107,7 +107,11 @@ impl WeightMatrix {
                 got: bytes.len(),
             });
         }
-        let halves = || bytes.chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]]));
+        let halves = || {
+            bytes
+                .chunks_exact(2)
+                .map(|b| u16::from_le_bytes([b[0], b[1]]))
+        };
         let data = match format {
             WeightFormat::F32 => WeightData::F32(
                 bytes
@@ -211,7 +215,11 @@ impl WeightMatrix {
             return v;
         }
         let mut v = vec![0.0; self.rows * self.cols];
-        for (r, row) in v.chunks_exact_mut(self.cols.max(1)).enumerate().take(self.rows) {
+        for (r, row) in v
+            .chunks_exact_mut(self.cols.max(1))
+            .enumerate()
+            .take(self.rows)
+        {
             self.row_to_f32(r, row);
         }
         v

@@ -17,7 +17,10 @@ fn f32s(bytes: &[u8]) -> Vec<f32> {
 
 /// (format, quantised bytes, gguf's dequantisation, gguf's quantisation input if any), from
 /// `fixtures/gen_quant_fixtures.py` (ggml's Python reference, PyPI `gguf` 0.19).
-fn fixtures() -> Vec<(WeightFormat, &'static [u8], Vec<f32>, Option<Vec<f32>>)> {
+/// (format, quantised bytes, gguf's dequantisation, gguf's quantisation input).
+type Fixture = (WeightFormat, &'static [u8], Vec<f32>, Option<Vec<f32>>);
+
+fn fixtures() -> Vec<Fixture> {
     macro_rules! fx {
         ($f:ident) => {
             (
@@ -82,7 +85,11 @@ fn naive(x: &[f32], w: &[f32], m: usize, k: usize, cols: std::ops::Range<usize>)
     let mut y = Vec::with_capacity(m * cols.len());
     for i in 0..m {
         for j in cols.clone() {
-            y.push((0..k).map(|p| x[i * k + p] as f64 * w[j * k + p] as f64).sum());
+            y.push(
+                (0..k)
+                    .map(|p| x[i * k + p] as f64 * w[j * k + p] as f64)
+                    .sum(),
+            );
         }
     }
     y

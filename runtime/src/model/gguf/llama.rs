@@ -87,14 +87,16 @@ fn config(m: &Meta<'_>) -> Result<ModelConfig, ModelError> {
     }
     let hidden = m.usize("llama.embedding_length")?;
     let heads = m.usize("llama.attention.head_count")?;
-    if heads == 0 || hidden % heads != 0 {
+    if heads == 0 || !hidden.is_multiple_of(heads) {
         return Err(err(
             m.path,
             format!("embedding_length {hidden} is not a multiple of head_count {heads}"),
         ));
     }
-    let kv_heads = m.opt_usize("llama.attention.head_count_kv")?.unwrap_or(heads);
-    if kv_heads == 0 || heads % kv_heads != 0 {
+    let kv_heads = m
+        .opt_usize("llama.attention.head_count_kv")?
+        .unwrap_or(heads);
+    if kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
         return Err(err(
             m.path,
             format!("head_count {heads} is not a multiple of head_count_kv {kv_heads}"),
@@ -125,7 +127,12 @@ fn config(m: &Meta<'_>) -> Result<ModelConfig, ModelError> {
     let vocab = match (m.opt_usize("llama.vocab_size")?, tokens) {
         (Some(v), _) => v,
         (None, Some(t)) => t,
-        (None, None) => return Err(err(m.path, "neither `llama.vocab_size` nor `tokenizer.ggml.tokens` is set")),
+        (None, None) => {
+            return Err(err(
+                m.path,
+                "neither `llama.vocab_size` nor `tokenizer.ggml.tokens` is set",
+            ))
+        }
     };
     let tied = !m.f.tensors.iter().any(|t| t.name == "output.weight");
     let id = |k: &str| {
@@ -252,7 +259,7 @@ fn weights(
 
 fn check_permutable(path: &Path, t: &GgufTensorInfo, heads: usize) -> Result<(), ModelError> {
     let rows = t.shape().first().copied().unwrap_or(0);
-    if t.dims.len() != 2 || rows % (2 * heads) != 0 {
+    if t.dims.len() != 2 || !rows.is_multiple_of(2 * heads) {
         return Err(err(
             path,
             format!(

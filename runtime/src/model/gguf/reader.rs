@@ -281,7 +281,10 @@ impl GgufFile {
         let n_tensors = c.u64(&|| "the tensor count".into())?;
         let n_kv = c.u64(&|| "the metadata count".into())?;
         // A key/value takes ≥ 13 bytes and a tensor info ≥ 28: bound counts by the file size.
-        for (n, min, what) in [(n_kv, 13u64, "metadata entries"), (n_tensors, 28, "tensor infos")] {
+        for (n, min, what) in [
+            (n_kv, 13u64, "metadata entries"),
+            (n_tensors, 28, "tensor infos"),
+        ] {
             if n.saturating_mul(min) > c.remaining() as u64 {
                 return Err(GgufError::Truncated {
                     at: c.at,
@@ -347,7 +350,7 @@ impl GgufFile {
                 .try_fold(1u64, |a, &d| a.checked_mul(d))
                 .filter(|&n| n <= u64::from(u32::MAX) * 64)
                 .ok_or_else(|| bad(format!("shape {dims:?} is too large")))?;
-            if dims[0] % format.block_elems() as u64 != 0 {
+            if !dims[0].is_multiple_of(format.block_elems() as u64) {
                 return Err(bad(format!(
                     "rows of {} values are not whole {format} blocks of {}",
                     dims[0],
@@ -355,7 +358,7 @@ impl GgufFile {
                 )));
             }
             let len = n / format.block_elems() as u64 * format.block_bytes() as u64;
-            if offset % alignment != 0 {
+            if !offset.is_multiple_of(alignment) {
                 return Err(bad(format!(
                     "offset {offset} is not a multiple of the alignment {alignment}"
                 )));
