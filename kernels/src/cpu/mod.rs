@@ -6,6 +6,7 @@ mod convert;
 mod gemm;
 mod lora;
 mod norm;
+pub mod quant;
 mod rope;
 mod sys;
 #[cfg(test)]
@@ -20,4 +21,5 @@ pub use lora::{
     sgmv_shrink, LoraRef, LoraSegment,
 };
 pub use norm::rms_norm;
+pub use quant::{WeightData, WeightFormat, WeightMatrix};
 pub use rope::{RopeScaling, RopeTable};

