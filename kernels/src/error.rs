@@ -23,6 +23,19 @@ pub enum KernelError {
         /// Bytes actually given.
         got: usize,
     },
+    /// A quantised buffer whose element count is not a whole number of blocks.
+    #[error(
+        "{format} stores blocks of {block} values but {values} values were asked for; \
+         quantised rows must be a multiple of the block size"
+    )]
+    PartialBlock {
+        format: &'static str,
+        values: usize,
+        block: usize,
+    },
+    /// Quantising into a format Thaw only reads.
+    #[error("Thaw cannot quantise to {format}; produce it with llama.cpp's `llama-quantize`")]
+    QuantizeUnsupported { format: &'static str },
     /// RoPE parameters that cannot produce a frequency table.
     #[error("invalid RoPE configuration: {0}")]
     InvalidRope(String),

@@ -40,6 +40,8 @@ pub enum RuntimeError {
     TokenOutOfRange { id: u32, vocab: usize },
     #[error("backend error: {0}")]
     Backend(String),
+    #[error("weight conversion failed: {0}")]
+    Weights(#[from] thaw_kernels::KernelError),
 }
 
 /// Result alias for the runtime.

@@ -15,7 +15,7 @@ use thaw_runtime::engine::{
     Engine, EngineConfig, FinishReason, HostModel, PlanItem, SequenceParams, StepPlan,
 };
 use thaw_runtime::ids::{AdapterId, SeqId};
-use thaw_runtime::model::{IncrementalDecoder, Tokenizer};
+use thaw_runtime::model::IncrementalDecoder;
 use thaw_runtime::sampling::SamplingParams;
 
 /// Options of one `thaw generate` run.
@@ -83,9 +83,8 @@ pub fn run(opts: &GenerateOptions, out: &mut dyn Write) -> anyhow::Result<Genera
         }
     };
     let adapter_dir = if opts.no_adapter { None } else { adapter_dir };
-    let model = HostModel::load(&model_dir)
+    let (model, tokenizer) = HostModel::load_with_tokenizer(&model_dir)
         .with_context(|| format!("loading model from {}", model_dir.display()))?;
-    let tokenizer = Tokenizer::from_dir(&model_dir, &model.config)?;
     let prompt = tokenizer.encode(&opts.prompt, true)?;
     if prompt.is_empty() {
         bail!("the prompt encodes to no tokens; pass a non-empty --prompt");

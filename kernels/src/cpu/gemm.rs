@@ -81,7 +81,7 @@ pub fn linear_scaled(
 
 /// Up to this many rows, [`linear`] streams `w` once with dot products instead of packing it
 /// for a GEMM: decode steps are bound by reading the weights, and packing them costs a copy.
-const SMALL_M: usize = 16;
+pub(crate) const SMALL_M: usize = 16;
 
 /// `linear` for few rows: every row of `w` is read once and dotted with each row of `x`
 /// (which stays in L1).
@@ -103,7 +103,7 @@ fn linear_small_m(x: &[f32], w: &[f32], y: &mut [f32], s: GemmShape, alpha: f32,
 
 /// Dot product with 16 independent partial sums (vectorisable, and fixed in summation order
 /// for a given length).
-fn dot(a: &[f32], b: &[f32]) -> f32 {
+pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
     const L: usize = 16;
     let mut acc = [0.0f32; L];
     let (ac, at) = a.split_at(a.len() - a.len() % L);

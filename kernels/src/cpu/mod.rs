@@ -5,6 +5,7 @@ mod attention;
 mod convert;
 mod gemm;
 mod lora;
+pub mod quant;
 mod norm;
 mod rope;
 mod sys;
@@ -20,4 +21,5 @@ pub use lora::{
     sgmv_shrink, LoraRef, LoraSegment,
 };
 pub use norm::rms_norm;
+pub use quant::{WeightData, WeightFormat, WeightMatrix};
 pub use rope::{RopeScaling, RopeTable};

@@ -235,6 +235,17 @@ impl Backend for AnyBackend {
         })
     }
 
+    fn upload_weight(
+        &self,
+        w: thaw_kernels::cpu::WeightMatrix,
+        bias: Option<Vec<f32>>,
+    ) -> Result<AnyLinear> {
+        Ok(match self {
+            Self::Cpu(b) => AnyLinear::Cpu(b.upload_weight(w, bias)?),
+            Self::Cuda(g) => AnyLinear::Cuda(g.upload_weight(w, bias)?),
+        })
+    }
+
     fn upload_vector(&self, v: Vec<f32>) -> Result<AnyVector> {
         Ok(match self {
             Self::Cpu(b) => AnyVector::Cpu(b.upload_vector(v)?),

@@ -7,7 +7,7 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use thaw_cpu_lora::kernel::{lora_delta, LoraMat, LoraProblem, Scratch};
-use thaw_kernels::cpu::{self as k, GemmShape, KvLayout, LoraRef, RopeTable};
+use thaw_kernels::cpu::{self as k, KvLayout, LoraRef, RopeTable, WeightMatrix};
 
 use super::cpu_par::{balance, linear_split, ComputePool, CpuThreads};
 use super::{Backend, LinearDims, LoraBatch, LoraKernel, StepLayout};
@@ -17,10 +17,12 @@ use crate::ids::LayerIdx;
 use crate::model::ModelConfig;
 use crate::residency::{CopyEngine, LinkModel, LoraSlot};
 
-/// A weight matrix in host memory.
+/// A weight matrix in host memory, in its stored format (f32, f16, bf16 or ggml blocks);
+/// products accumulate in f32. `w.matmul_range` computes a slice of output columns, so a
+/// product can be split over threads.
 #[derive(Clone, Debug)]
 pub struct CpuLinear {
-    pub w: Vec<f32>,
+    pub w: WeightMatrix,
     pub bias: Option<Vec<f32>>,
     pub d_out: usize,
     pub d_in: usize,
@@ -147,11 +149,15 @@ impl Backend for CpuBackend {
         bias: Option<Vec<f32>>,
     ) -> Result<CpuLinear> {
         assert_eq!(w.len(), d_out * d_in, "linear weight is not [d_out, d_in]");
+        self.upload_weight(WeightMatrix::from_f32(w, d_out, d_in), bias)
+    }
+
+    fn upload_weight(&self, w: WeightMatrix, bias: Option<Vec<f32>>) -> Result<CpuLinear> {
         Ok(CpuLinear {
+            d_out: w.rows(),
+            d_in: w.cols(),
             w,
             bias,
-            d_out,
-            d_in,
         })
     }
 
@@ -188,8 +194,7 @@ impl Backend for CpuBackend {
     fn embed(&mut self, table: &CpuLinear, ids: &[u32], out: &mut Vec<f32>) {
         let h = table.d_in;
         for (r, &id) in ids.iter().enumerate() {
-            let src = &table.w[id as usize * h..(id as usize + 1) * h];
-            out[r * h..(r + 1) * h].copy_from_slice(src);
+            table.w.row_to_f32(id as usize, &mut out[r * h..(r + 1) * h]);
         }
     }
 
@@ -199,28 +204,16 @@ impl Backend for CpuBackend {
     }
 
     fn linear(&mut self, x: &Vec<f32>, w: &CpuLinear, rows: usize, out: &mut Vec<f32>) {
-        let shape = GemmShape {
-            m: rows,
-            k: w.d_in,
-            n: w.d_out,
-        };
         let y = &mut out[..rows * w.d_out];
         let (kk, ww) = (w.d_in, &w.w);
-        let dims = (shape.m, shape.k, shape.n);
+        let dims = (rows, kk, w.d_out);
         linear_split(
             &self.par,
             &mut self.par_scratch,
             &x[..rows * kk],
             dims,
             y,
-            |x, m, cols, o| {
-                let s = GemmShape {
-                    m,
-                    k: kk,
-                    n: cols.len(),
-                };
-                k::linear(x, &ww[cols.start * kk..cols.end * kk], o, s, false);
-            },
+            |x, m, cols, o| ww.matmul_range(x, m, o, cols),
         );
         if let Some(b) = &w.bias {
             k::add_bias(y, b);

@@ -135,6 +135,16 @@ pub trait Backend {
         d_in: usize,
         bias: Option<Vec<f32>>,
     ) -> Result<Self::Linear>;
+    /// A weight in its stored format. Backends that compute in another format widen it
+    /// (the default); the CPU backend keeps f16/bf16/ggml blocks as they are.
+    fn upload_weight(
+        &self,
+        w: thaw_kernels::cpu::WeightMatrix,
+        bias: Option<Vec<f32>>,
+    ) -> Result<Self::Linear> {
+        let (d_out, d_in) = (w.rows(), w.cols());
+        self.upload_linear(w.into_f32(), d_out, d_in, bias)
+    }
     fn upload_vector(&self, v: Vec<f32>) -> Result<Self::Vector>;
     /// A device copy of `adapter` with every layer resident.
     fn upload_lora(&self, adapter: std::sync::Arc<LoraAdapter>) -> Result<Self::Lora>;

@@ -1,10 +1,12 @@
-//! The base model's weights in host memory (f32), organised per layer, and their device copy.
+//! The base model's weights in host memory, organised per layer, and their device copy.
+//! Matrices keep the format they were stored in (f32/f16/bf16/ggml blocks); norms are f32.
 use std::path::Path;
 
 use crate::adapter::{LoraAdapter, LoraModule};
 use crate::backend::Backend;
 use crate::error::Result;
-use crate::model::{Architecture, ModelConfig, TensorF32, Weights};
+use crate::model::{Architecture, ModelConfig, Tokenizer, Weights};
+use thaw_kernels::cpu::WeightMatrix;
 
 /// One decoder layer's weights. Linear weights are `[d_out, d_in]` (HF layout).
 #[derive(Clone, Debug)]
@@ -12,7 +14,7 @@ pub struct HostLayer {
     pub input_norm: Vec<f32>,
     pub post_norm: Vec<f32>,
     /// q, k, v, o, gate, up, down in [`LoraModule::ALL`] order.
-    pub proj: [TensorF32; 7],
+    pub proj: [WeightMatrix; 7],
     /// q, k, v, o biases where the architecture has them.
     pub bias: [Option<Vec<f32>>; 4],
 }
@@ -21,34 +23,51 @@ pub struct HostLayer {
 #[derive(Clone, Debug)]
 pub struct HostModel {
     pub config: ModelConfig,
-    pub embed: TensorF32,
+    pub embed: WeightMatrix,
     pub layers: Vec<HostLayer>,
     pub norm: Vec<f32>,
     /// None when the embedding is tied.
-    pub lm_head: Option<TensorF32>,
+    pub lm_head: Option<WeightMatrix>,
 }
 
 impl HostModel {
-    /// Loads a HF model directory (config.json + safetensors).
+    /// Loads a HF model directory (config.json + safetensors), or a `.gguf` file.
     pub fn load(dir: &Path) -> Result<Self> {
+        if crate::model::gguf::is_gguf_path(dir) {
+            return Ok(Self::load_with_tokenizer(dir)?.0);
+        }
         let config = ModelConfig::from_dir(dir)?;
         let mut w = Weights::load_dir(dir)?;
         Self::from_weights(config, &mut w)
+    }
+
+    /// Loads a model and its tokenizer from a HF directory or a `.gguf` file.
+    pub fn load_with_tokenizer(path: &Path) -> Result<(Self, Tokenizer)> {
+        if crate::model::gguf::is_gguf_path(path) {
+            let g = crate::model::gguf::load_gguf(path)?;
+            let mut w = g.weights;
+            let model = Self::from_weights(g.config, &mut w)?;
+            return Ok((model, g.tokenizer));
+        }
+        let model = Self::load(path)?;
+        let tok = Tokenizer::from_dir(path, &model.config)?;
+        Ok((model, tok))
     }
 
     /// Assembles the model from loaded tensors, checking every name and shape.
     pub fn from_weights(config: ModelConfig, w: &mut Weights) -> Result<Self> {
         let c = &config;
         let (h, v) = (c.hidden_size, c.vocab_size);
-        let embed = w.take("model.embed_tokens.weight", &[v, h])?;
+        let embed = w.take_matrix("model.embed_tokens.weight", v, h)?;
         let mut layers = Vec::with_capacity(c.num_layers);
         for i in 0..c.num_layers {
             let p = format!("model.layers.{i}");
             let proj = LoraModule::ALL.map(|m| {
                 let (d_in, d_out) = c.module_shape(m);
-                w.take(
+                w.take_matrix(
                     &format!("{p}.{}.{}.weight", m.parent(), m.hf_name()),
-                    &[d_out, d_in],
+                    d_out,
+                    d_in,
                 )
             });
             let [q, k, vv, o, g, u, d] = proj;
@@ -83,7 +102,7 @@ impl HostModel {
         let lm_head = if c.tie_word_embeddings && !w.contains("lm_head.weight") {
             None
         } else {
-            Some(w.take("lm_head.weight", &[v, h])?)
+            Some(w.take_matrix("lm_head.weight", v, h)?)
         };
         Ok(Self {
             config,
@@ -92,6 +111,36 @@ impl HostModel {
             norm,
             lm_head,
         })
+    }
+
+    /// Re-encodes every matrix in `format` (e.g. F32 to serve a quantised file dequantised,
+    /// the oracle its quantised path is checked against).
+    pub fn convert_weights(&mut self, format: thaw_kernels::cpu::WeightFormat) -> Result<()> {
+        let conv = |m: &mut WeightMatrix| -> Result<()> {
+            *m = m.convert(format)?;
+            Ok(())
+        };
+        conv(&mut self.embed)?;
+        if let Some(h) = &mut self.lm_head {
+            conv(h)?;
+        }
+        for l in &mut self.layers {
+            for p in &mut l.proj {
+                conv(p)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Bytes the matrices take in memory as stored.
+    pub fn weight_bytes(&self) -> usize {
+        let layers: usize = self
+            .layers
+            .iter()
+            .flat_map(|l| l.proj.iter())
+            .map(WeightMatrix::storage_bytes)
+            .sum();
+        layers + self.embed.storage_bytes() + self.lm_head.as_ref().map_or(0, |h| h.storage_bytes())
     }
 
     /// Folds an adapter into the base weights: W ← W + scale·B·A for every targeted module.
@@ -108,7 +157,7 @@ impl HostModel {
                         scale: l.scale,
                     };
                     thaw_kernels::cpu::merge_lora_into(
-                        &mut layer.proj[m.index()].data,
+                        layer.proj[m.index()].make_f32(),
                         lora,
                         d_in,
                         d_out,
@@ -136,10 +185,7 @@ pub(crate) struct DeviceModel<B: Backend> {
 
 impl<B: Backend> DeviceModel<B> {
     pub fn upload(backend: &B, m: HostModel) -> Result<Self> {
-        let lin = |t: TensorF32, bias: Option<Vec<f32>>| {
-            let (d_out, d_in) = (t.shape[0], t.shape[1]);
-            backend.upload_linear(t.data, d_out, d_in, bias)
-        };
+        let lin = |t: WeightMatrix, bias: Option<Vec<f32>>| backend.upload_weight(t, bias);
         let mut layers = Vec::with_capacity(m.layers.len());
         for l in m.layers {
             let mut biases = l.bias;

@@ -29,7 +29,7 @@ pub enum ModelError {
     #[error("invalid model config: `{field}` {reason}")]
     InvalidConfig { field: String, reason: String },
 
-    #[error("tensor `{tensor}` has dtype {dtype}; Thaw loads F32, F16 and BF16 weights — re-save the model in one of those (quantized checkpoints are not supported)")]
+    #[error("tensor `{tensor}` has dtype {dtype}; Thaw loads F32, F16 and BF16 safetensors weights (and GGUF files with F32/F16/BF16/Q8_0/Q4_0/Q4_1/Q4_K/Q6_K tensors) — re-save the model in one of those")]
     UnsupportedDtype { tensor: String, dtype: String },
 
     #[error("tensor `{tensor}` is missing from the weights; is this checkpoint for the architecture its config.json declares?")]
@@ -44,6 +44,12 @@ pub enum ModelError {
         expected: Vec<usize>,
         got: Vec<usize>,
     },
+
+    #[error("tensor `{tensor}` cannot be stored: {reason}")]
+    BadTensor { tensor: String, reason: String },
+
+    #[error("{} is not a usable GGUF file: {reason}", path.display())]
+    Gguf { path: PathBuf, reason: String },
 
     #[error("tokenizer error: {reason}")]
     Tokenizer { reason: String },

@@ -4,6 +4,7 @@
 
 mod config;
 mod error;
+pub mod gguf;
 #[cfg(test)]
 pub(crate) mod fixtures;
 pub(crate) mod json;

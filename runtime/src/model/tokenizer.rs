@@ -174,6 +174,28 @@ impl Tokenizer {
         })
     }
 
+    /// A tokenizer assembled by another loader (GGUF metadata).
+    pub(crate) fn from_parts(
+        inner: tokenizers::Tokenizer,
+        eos_token_ids: Vec<u32>,
+        bos_token_id: Option<u32>,
+        bos_token: Option<String>,
+        eos_token: Option<String>,
+        chat_template: Option<String>,
+        add_bos_token: bool,
+    ) -> Self {
+        Self {
+            inner,
+            eos_token_ids,
+            bos_token_id,
+            bos_token,
+            eos_token,
+            chat_template,
+            chat_templates: BTreeMap::new(),
+            add_bos_token,
+        }
+    }
+
     /// Token ids of `text`; `add_special_tokens` runs the post-processor (BOS etc.).
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, ModelError> {
         let enc = self

@@ -1,11 +1,14 @@
 //! The base model's weights: `model.safetensors`, or `model.safetensors.index.json` and its
-//! shards, as written by transformers `save_pretrained`. Every tensor is widened to f32.
+//! shards, as written by transformers `save_pretrained`. Tensors keep their stored precision
+//! (f32/f16/bf16, or ggml blocks for GGUF) until the model builder takes them: matrices stay
+//! as stored ([`Weights::take_matrix`]), vectors are widened ([`Weights::take`]).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::Path;
 
 use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensors};
+use thaw_kernels::cpu::{WeightData, WeightMatrix};
 
 use super::config::read_json;
 use super::error::ModelError;
@@ -18,10 +21,46 @@ pub struct TensorF32 {
     pub data: Vec<f32>,
 }
 
+/// A tensor as stored: its shape and elements in the file's format.
+#[derive(Clone, Debug, PartialEq)]
+struct Stored {
+    shape: Vec<usize>,
+    data: WeightData,
+}
+
+impl Stored {
+    fn into_f32(self) -> Vec<f32> {
+        match self.data {
+            WeightData::F32(v) => v,
+            data => {
+                let cols = self.shape.last().copied().unwrap_or(1);
+                let rows = self.shape.iter().product::<usize>() / cols.max(1);
+                WeightMatrix::from_data(data, rows, cols)
+                    .expect("lengths were checked when the tensor was added")
+                    .to_f32()
+            }
+        }
+    }
+}
+
 /// All tensors of a checkpoint by HF name; the model builder [`take`](Weights::take)s them out.
 #[derive(Debug, Default)]
 pub struct Weights {
-    tensors: HashMap<String, TensorF32>,
+    tensors: HashMap<String, Stored>,
+}
+
+/// f16/bf16 tensor bytes kept as they are (`None` for other dtypes).
+fn view_to_half(view: &TensorView<'_>) -> Option<WeightData> {
+    let halves = || {
+        view.data()
+            .chunks_exact(2)
+            .map(|b| u16::from_le_bytes([b[0], b[1]]))
+    };
+    match view.dtype() {
+        Dtype::F16 => Some(WeightData::F16(halves().map(half::f16::from_bits).collect())),
+        Dtype::BF16 => Some(WeightData::BF16(halves().map(half::bf16::from_bits).collect())),
+        _ => None,
+    }
 }
 
 /// Widens F32/F16/BF16 tensor bytes (little-endian, as safetensors stores them) to f32.
@@ -124,11 +163,18 @@ impl Weights {
             reason: e.to_string(),
         })?;
         for (name, view) in st.iter() {
-            let data = view_to_f32(&view).map_err(|dtype| ModelError::UnsupportedDtype {
-                tensor: name.to_string(),
-                dtype: format!("{dtype:?}"),
-            })?;
-            let tensor = TensorF32 {
+            // Matrices in f16/bf16 stay half precision (decode reads half the bytes); the
+            // CPU kernels accumulate in f32.
+            let data = match view_to_half(&view) {
+                Some(d) if view.shape().len() == 2 => d,
+                _ => WeightData::F32(view_to_f32(&view).map_err(|dtype| {
+                    ModelError::UnsupportedDtype {
+                        tensor: name.to_string(),
+                        dtype: format!("{dtype:?}"),
+                    }
+                })?),
+            };
+            let tensor = Stored {
                 shape: view.shape().to_vec(),
                 data,
             };
@@ -144,11 +190,69 @@ impl Weights {
 
     /// Builds a set of weights from tensors already in memory (tests, synthetic models).
     pub fn from_tensors(tensors: HashMap<String, TensorF32>) -> Self {
+        let tensors = tensors
+            .into_iter()
+            .map(|(n, t)| {
+                let s = Stored {
+                    shape: t.shape,
+                    data: WeightData::F32(t.data),
+                };
+                (n, s)
+            })
+            .collect();
         Self { tensors }
     }
 
-    /// Removes and returns tensor `name`, checking its shape.
+    /// Adds a tensor in its stored format (`shape` row-major, HF order), checking that `data`
+    /// holds exactly that many elements. Returns false when `name` was already present.
+    pub fn insert(
+        &mut self,
+        name: String,
+        shape: Vec<usize>,
+        data: WeightData,
+    ) -> Result<bool, ModelError> {
+        let cols = shape.last().copied().unwrap_or(1);
+        let rows = shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
+        let rows = rows.map_or(usize::MAX, |n| n / cols.max(1));
+        let data = WeightMatrix::from_data(data, rows, cols)
+            .map_err(|e| ModelError::BadTensor {
+                tensor: name.clone(),
+                reason: format!("shape {shape:?}: {e}"),
+            })?
+            .data()
+            .clone();
+        Ok(self.tensors.insert(name, Stored { shape, data }).is_none())
+    }
+
+    /// Removes and returns tensor `name` widened to f32, checking its shape.
     pub fn take(&mut self, name: &str, expected_shape: &[usize]) -> Result<TensorF32, ModelError> {
+        self.check(name, expected_shape)?;
+        let t = self.tensors.remove(name).expect("checked present above");
+        Ok(TensorF32 {
+            shape: t.shape.clone(),
+            data: t.into_f32(),
+        })
+    }
+
+    /// Removes and returns the `[rows, cols]` matrix `name` in its stored format.
+    pub fn take_matrix(&mut self, name: &str, rows: usize, cols: usize) -> Result<WeightMatrix, ModelError> {
+        self.check(name, &[rows, cols])?;
+        let t = self.tensors.remove(name).expect("checked present above");
+        Ok(WeightMatrix::from_data(t.data, rows, cols)
+            .expect("lengths were checked when the tensor was added"))
+    }
+
+    /// The stored format of tensor `name`.
+    pub fn format(&self, name: &str) -> Option<thaw_kernels::cpu::WeightFormat> {
+        self.tensors.get(name).map(|t| match &t.data {
+            WeightData::F32(_) => thaw_kernels::cpu::WeightFormat::F32,
+            WeightData::F16(_) => thaw_kernels::cpu::WeightFormat::F16,
+            WeightData::BF16(_) => thaw_kernels::cpu::WeightFormat::BF16,
+            WeightData::Quant(f, _) => *f,
+        })
+    }
+
+    fn check(&self, name: &str, expected_shape: &[usize]) -> Result<(), ModelError> {
         let got = match self.tensors.get(name) {
             None => {
                 return Err(ModelError::MissingTensor {
@@ -164,7 +268,7 @@ impl Weights {
                 got: got.clone(),
             });
         }
-        Ok(self.tensors.remove(name).expect("checked present above"))
+        Ok(())
     }
 
     pub fn contains(&self, name: &str) -> bool {

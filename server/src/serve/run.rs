@@ -16,7 +16,6 @@ use crate::engine_loop::{ColdStart, LoopConfig};
 use crate::memory::{Board, EvictionPolicy, Limits, MemoryConfig};
 use thaw_runtime::backend::LoraKernel;
 use thaw_runtime::engine::{Engine, EngineConfig, HostModel};
-use thaw_runtime::model::Tokenizer;
 
 use super::config::ServeConfig;
 use crate::chat::ChatTemplate;
@@ -60,9 +59,8 @@ impl Server {
         };
         let dir = model_dir.clone();
         let (model, tokenizer) = tokio::task::spawn_blocking(move || -> anyhow::Result<_> {
-            let model = HostModel::load(&dir)
+            let (model, tok) = HostModel::load_with_tokenizer(&dir)
                 .with_context(|| format!("loading the model from {}", dir.display()))?;
-            let tok = Tokenizer::from_dir(&dir, &model.config)?;
             Ok((model, tok))
         })
         .await??;

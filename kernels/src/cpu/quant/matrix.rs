@@ -1,0 +1,332 @@
+//! [`WeightMatrix`]: a `[rows, cols]` weight in its stored format, and `y = x·Wᵀ` over it.
+
+use std::cell::RefCell;
+use std::ops::Range;
+
+use half::{bf16, f16, slice::HalfFloatSliceExt};
+
+use super::blocks::{dequantize_block, dequantize_blocks, quantize_blocks};
+use super::WeightFormat;
+use crate::cpu::gemm::{dot, linear, GemmShape, SMALL_M};
+use crate::cpu::sys::{sgemm, MatMut, MatRef};
+use crate::error::KernelError;
+
+/// The elements of a weight matrix as stored.
+#[derive(Clone, Debug, PartialEq)]
+pub enum WeightData {
+    F32(Vec<f32>),
+    F16(Vec<f16>),
+    BF16(Vec<bf16>),
+    /// Whole ggml blocks of a quantised format, row after row (a row never shares a block).
+    Quant(WeightFormat, Vec<u8>),
+}
+
+/// A `[rows, cols]` row-major weight (HF `nn.Linear` layout: row `j` produces output `j`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct WeightMatrix {
+    data: WeightData,
+    rows: usize,
+    cols: usize,
+}
+
+thread_local! {
+    /// Dequantised rows for the product in flight on this thread: grows to the largest tile
+    /// once and is reused, so steady-state products do not allocate.
+    static SCRATCH: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Bytes of dequantised weight per tile in the many-rows (GEMM) path: a tile stays in L2
+/// while `matrixmultiply` packs it.
+const TILE_BYTES: usize = 256 << 10;
+
+impl WeightMatrix {
+    fn new(data: WeightData, rows: usize, cols: usize) -> Result<Self, KernelError> {
+        let m = Self { data, rows, cols };
+        let f = m.format();
+        let partial = |values| KernelError::PartialBlock {
+            format: f.name(),
+            values,
+            block: f.block_elems(),
+        };
+        if cols % f.block_elems() != 0 {
+            return Err(partial(cols));
+        }
+        let n = rows.checked_mul(cols).ok_or(partial(usize::MAX))?;
+        let want = f.bytes_for(n).ok_or(partial(n))?;
+        let got = m.storage_bytes();
+        if got != want {
+            return Err(KernelError::ByteLength {
+                format: f.name(),
+                elements: n,
+                elem_bytes: f.block_bytes(),
+                expected: want,
+                got,
+            });
+        }
+        Ok(m)
+    }
+
+    /// An f32 matrix. Panics when `w.len() != rows · cols` (a caller bug, not data).
+    pub fn from_f32(w: Vec<f32>, rows: usize, cols: usize) -> Self {
+        assert_eq!(w.len(), rows * cols, "weight is not [{rows}, {cols}]");
+        Self {
+            data: WeightData::F32(w),
+            rows,
+            cols,
+        }
+    }
+
+    /// A matrix over already-typed storage, checking its length.
+    pub fn from_data(data: WeightData, rows: usize, cols: usize) -> Result<Self, KernelError> {
+        Self::new(data, rows, cols)
+    }
+
+    /// A matrix from little-endian bytes in `format` (a safetensors payload or a GGUF tensor).
+    pub fn from_bytes(
+        format: WeightFormat,
+        bytes: &[u8],
+        rows: usize,
+        cols: usize,
+    ) -> Result<Self, KernelError> {
+        let partial = |values| KernelError::PartialBlock {
+            format: format.name(),
+            values,
+            block: format.block_elems(),
+        };
+        if cols % format.block_elems() != 0 {
+            return Err(partial(cols));
+        }
+        let n = rows.checked_mul(cols).ok_or(partial(usize::MAX))?;
+        let want = format.bytes_for(n).ok_or(partial(n))?;
+        if bytes.len() != want {
+            return Err(KernelError::ByteLength {
+                format: format.name(),
+                elements: n,
+                elem_bytes: format.block_bytes(),
+                expected: want,
+                got: bytes.len(),
+            });
+        }
+        let halves = || bytes.chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]]));
+        let data = match format {
+            WeightFormat::F32 => WeightData::F32(
+                bytes
+                    .chunks_exact(4)
+                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                    .collect(),
+            ),
+            WeightFormat::F16 => WeightData::F16(halves().map(f16::from_bits).collect()),
+            WeightFormat::BF16 => WeightData::BF16(halves().map(bf16::from_bits).collect()),
+            q => WeightData::Quant(q, bytes.to_vec()),
+        };
+        Self::new(data, rows, cols)
+    }
+
+    pub fn format(&self) -> WeightFormat {
+        match &self.data {
+            WeightData::F32(_) => WeightFormat::F32,
+            WeightData::F16(_) => WeightFormat::F16,
+            WeightData::BF16(_) => WeightFormat::BF16,
+            WeightData::Quant(f, _) => *f,
+        }
+    }
+
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    pub fn data(&self) -> &WeightData {
+        &self.data
+    }
+
+    /// Bytes the weight occupies in memory.
+    pub fn storage_bytes(&self) -> usize {
+        match &self.data {
+            WeightData::F32(v) => v.len() * 4,
+            WeightData::F16(v) => v.len() * 2,
+            WeightData::BF16(v) => v.len() * 2,
+            WeightData::Quant(_, b) => b.len(),
+        }
+    }
+
+    /// The elements when stored as f32.
+    pub fn as_f32(&self) -> Option<&[f32]> {
+        match &self.data {
+            WeightData::F32(v) => Some(v),
+            _ => None,
+        }
+    }
+
+    /// Mutable f32 elements, widening the storage to f32 first if needed (merging an
+    /// adapter into the weights needs f32).
+    pub fn make_f32(&mut self) -> &mut Vec<f32> {
+        if !matches!(self.data, WeightData::F32(_)) {
+            self.data = WeightData::F32(self.to_f32());
+        }
+        match &mut self.data {
+            WeightData::F32(v) => v,
+            _ => unreachable!("widened to f32 above"),
+        }
+    }
+
+    /// Writes row `r` as f32 into `out` (`cols` values).
+    pub fn row_to_f32(&self, r: usize, out: &mut [f32]) {
+        let k = self.cols;
+        assert!(r < self.rows, "row {r} of a {}-row weight", self.rows);
+        let out = &mut out[..k];
+        match &self.data {
+            WeightData::F32(v) => out.copy_from_slice(&v[r * k..(r + 1) * k]),
+            WeightData::F16(v) => v[r * k..(r + 1) * k].convert_to_f32_slice(out),
+            WeightData::BF16(v) => v[r * k..(r + 1) * k].convert_to_f32_slice(out),
+            WeightData::Quant(f, b) => {
+                let rb = k / f.block_elems() * f.block_bytes();
+                let (be, bb) = (f.block_elems(), f.block_bytes());
+                for (blk, y) in b[r * rb..(r + 1) * rb]
+                    .chunks_exact(bb)
+                    .zip(out.chunks_exact_mut(be))
+                {
+                    dequantize_block(*f, blk, y);
+                }
+            }
+        }
+    }
+
+    /// The elements as f32, without a copy when already stored so.
+    pub fn into_f32(self) -> Vec<f32> {
+        match self.data {
+            WeightData::F32(v) => v,
+            _ => self.to_f32(),
+        }
+    }
+
+    /// Every element as f32.
+    pub fn to_f32(&self) -> Vec<f32> {
+        if let WeightData::Quant(f, b) = &self.data {
+            let mut v = vec![0.0; self.rows * self.cols];
+            dequantize_blocks(*f, b, &mut v).expect("lengths were checked at construction");
+            return v;
+        }
+        let mut v = vec![0.0; self.rows * self.cols];
+        for (r, row) in v.chunks_exact_mut(self.cols.max(1)).enumerate().take(self.rows) {
+            self.row_to_f32(r, row);
+        }
+        v
+    }
+
+    /// The same matrix re-encoded in `format` (via f32; quantising uses ggml's reference
+    /// rounding, so only formats [`super::quantize_blocks`] supports can be targets).
+    pub fn convert(&self, format: WeightFormat) -> Result<Self, KernelError> {
+        if format == self.format() {
+            return Ok(self.clone());
+        }
+        let v = self.to_f32();
+        let data = match format {
+            WeightFormat::F32 => WeightData::F32(v),
+            WeightFormat::F16 => WeightData::F16(v.iter().map(|&x| f16::from_f32(x)).collect()),
+            WeightFormat::BF16 => WeightData::BF16(v.iter().map(|&x| bf16::from_f32(x)).collect()),
+            q => {
+                let n = format.bytes_for(v.len()).ok_or(KernelError::PartialBlock {
+                    format: q.name(),
+                    values: self.cols,
+                    block: q.block_elems(),
+                })?;
+                let mut b = vec![0u8; n];
+                quantize_blocks(q, &v, &mut b)?;
+                WeightData::Quant(q, b)
+            }
+        };
+        Self::new(data, self.rows, self.cols)
+    }
+
+    /// `y = x · Wᵀ`: `x` is `[m, cols]`, `out` is `[m, rows]`; f32 accumulation.
+    pub fn matmul(&self, x: &[f32], m: usize, out: &mut [f32]) {
+        self.matmul_range(x, m, out, 0..self.rows);
+    }
+
+    /// Output columns `out_cols` of `y = x · Wᵀ` (weight rows `out_cols`): `x` is `[m, cols]`,
+    /// `out` is `[m, out_cols.len()]`, packed. Disjoint ranges can run on different threads
+    /// (each thread has its own dequantisation scratch); for one row (decode) the ranges'
+    /// outputs are contiguous pieces of the full `[1, rows]` output. Splitting rows of `x`
+    /// instead (contiguous pieces of `out` for `0..rows`) works too.
+    pub fn matmul_range(&self, x: &[f32], m: usize, out: &mut [f32], out_cols: Range<usize>) {
+        let k = self.cols;
+        let n = out_cols.len();
+        assert!(
+            out_cols.end <= self.rows,
+            "matmul_range: columns {out_cols:?} of a {}-row weight",
+            self.rows
+        );
+        assert_eq!(x.len(), m * k, "matmul_range: x is not [{m}, {k}]");
+        assert_eq!(out.len(), m * n, "matmul_range: out is not [{m}, {n}]");
+        if m == 0 || n == 0 {
+            return;
+        }
+        if k == 0 {
+            out.fill(0.0);
+            return;
+        }
+        if let WeightData::F32(w) = &self.data {
+            let w = &w[out_cols.start * k..out_cols.end * k];
+            return linear(x, w, out, GemmShape { m, k, n }, false);
+        }
+        SCRATCH.with(|s| {
+            let mut s = s.borrow_mut();
+            if m <= SMALL_M {
+                // Few rows (decode): stream each weight row once, widened into L1.
+                if s.len() < k {
+                    s.resize(k, 0.0);
+                }
+                let row = &mut s[..k];
+                for (jj, j) in out_cols.clone().enumerate() {
+                    self.row_to_f32(j, row);
+                    for i in 0..m {
+                        out[i * n + jj] = dot(&x[i * k..(i + 1) * k], row);
+                    }
+                }
+                return;
+            }
+            // Many rows (prefill): dequantise a tile of weight rows, then one GEMM per tile.
+            let tile = (TILE_BYTES / 4 / k.max(1)).clamp(8, n.max(8));
+            if s.len() < tile * k {
+                s.resize(tile * k, 0.0);
+            }
+            let mut j0 = out_cols.start;
+            while j0 < out_cols.end {
+                let j1 = (j0 + tile).min(out_cols.end);
+                let t = &mut s[..(j1 - j0) * k];
+                for (r, row) in t.chunks_exact_mut(k).enumerate() {
+                    self.row_to_f32(j0 + r, row);
+                }
+                let c0 = j0 - out_cols.start;
+                sgemm(
+                    m,
+                    k,
+                    j1 - j0,
+                    1.0,
+                    MatRef {
+                        data: x,
+                        rs: k,
+                        cs: 1,
+                    },
+                    // tileᵀ[p, c] = tile[c, p]
+                    MatRef {
+                        data: t,
+                        rs: 1,
+                        cs: k,
+                    },
+                    0.0,
+                    MatMut {
+                        data: &mut out[c0..],
+                        rs: n,
+                        cs: 1,
+                    },
+                );
+                j0 = j1;
+            }
+        });
+    }
+}

@@ -1,0 +1,218 @@
+use half::f16;
+use proptest::prelude::*;
+use rand::Rng;
+
+use super::*;
+use crate::cpu::testutil::{assert_close, rand_vec, rng};
+
+const ROWS: usize = 3;
+const COLS: usize = 512;
+
+fn f32s(bytes: &[u8]) -> Vec<f32> {
+    bytes
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect()
+}
+
+/// (format, quantised bytes, gguf's dequantisation, gguf's quantisation input if any), from
+/// `fixtures/gen_quant_fixtures.py` (ggml's Python reference, PyPI `gguf` 0.19).
+fn fixtures() -> Vec<(WeightFormat, &'static [u8], Vec<f32>, Option<Vec<f32>>)> {
+    macro_rules! fx {
+        ($f:ident) => {
+            (
+                WeightFormat::$f,
+                &include_bytes!(concat!("fixtures/", stringify!($f), ".q"))[..],
+                f32s(include_bytes!(concat!("fixtures/", stringify!($f), ".f32"))),
+            )
+        };
+    }
+    macro_rules! src {
+        ($f:ident) => {
+            Some(f32s(include_bytes!(concat!(
+                "fixtures/",
+                stringify!($f),
+                ".src"
+            ))))
+        };
+    }
+    let (a, b, c, d, e) = (fx!(Q8_0), fx!(Q4_0), fx!(Q4_1), fx!(Q4_K), fx!(Q6_K));
+    vec![
+        (a.0, a.1, a.2, src!(Q8_0)),
+        (b.0, b.1, b.2, src!(Q4_0)),
+        (c.0, c.1, c.2, src!(Q4_1)),
+        (d.0, d.1, d.2, None),
+        (e.0, e.1, e.2, None),
+    ]
+}
+
+/// Dequantisation equals ggml's reference. Tolerance 1e-6 of (|x| + RMS): both compute
+/// `d·sc·q − dmin·m` in f32 but may associate the products differently (≤ 2 ulp apart).
+#[test]
+fn dequantize_matches_ggml_reference() {
+    for (f, q, want, _) in fixtures() {
+        let mut got = vec![0.0; ROWS * COLS];
+        dequantize_blocks(f, q, &mut got).unwrap();
+        let want: Vec<f64> = want.iter().map(|&v| v as f64).collect();
+        assert_close(f.name(), &got, &want, 1e-6);
+        let m = WeightMatrix::from_bytes(f, q, ROWS, COLS).unwrap();
+        assert_close(f.name(), &m.to_f32(), &want, 1e-6);
+        let mut row = vec![0.0; COLS];
+        m.row_to_f32(2, &mut row);
+        assert_eq!(row, got[2 * COLS..]);
+    }
+}
+
+/// Thaw's quantiser reproduces ggml's reference bytes for the 32-value types (a quant may
+/// differ only where x·id sits on a rounding tie, which random inputs do not hit).
+#[test]
+fn quantize_matches_ggml_reference() {
+    for (f, q, _, src) in fixtures() {
+        let Some(src) = src else { continue };
+        let mut got = vec![0u8; q.len()];
+        quantize_blocks(f, &src, &mut got).unwrap();
+        assert_eq!(got, q, "{f}");
+    }
+    let mut out = vec![0u8; 144];
+    let e = quantize_blocks(WeightFormat::Q4_K, &[0.5; 256], &mut out).unwrap_err();
+    assert!(e.to_string().contains("llama-quantize"), "{e}");
+}
+
+fn naive(x: &[f32], w: &[f32], m: usize, k: usize, cols: std::ops::Range<usize>) -> Vec<f64> {
+    let mut y = Vec::with_capacity(m * cols.len());
+    for i in 0..m {
+        for j in cols.clone() {
+            y.push((0..k).map(|p| x[i * k + p] as f64 * w[j * k + p] as f64).sum());
+        }
+    }
+    y
+}
+
+/// A `[rows, cols]` matrix in `f` with random contents (float formats: random values;
+/// quantised formats: random blocks with sane f16 scales).
+fn random_matrix(f: WeightFormat, rows: usize, cols: usize, seed: u64) -> WeightMatrix {
+    let mut r = rng(seed);
+    if !f.is_quantized() {
+        let w = WeightMatrix::from_f32(rand_vec(&mut r, rows * cols, 1.0), rows, cols);
+        return w.convert(f).unwrap();
+    }
+    let mut b: Vec<u8> = (0..f.bytes_for(rows * cols).unwrap())
+        .map(|_| r.random())
+        .collect();
+    let scale_at: &[usize] = match f {
+        WeightFormat::Q8_0 | WeightFormat::Q4_0 => &[0],
+        WeightFormat::Q4_1 | WeightFormat::Q4_K => &[0, 2],
+        _ => &[208],
+    };
+    for blk in b.chunks_exact_mut(f.block_bytes()) {
+        for &at in scale_at {
+            let d = f16::from_f32(r.random_range(-0.05f32..0.05));
+            blk[at..at + 2].copy_from_slice(&d.to_bits().to_le_bytes());
+        }
+    }
+    WeightMatrix::from_bytes(f, &b, rows, cols).unwrap()
+}
+
+/// `x·Wᵀ` over every stored format equals the f64 product with the dequantised weights, for
+/// decode-sized and prefill-sized row counts and for column sub-ranges. Tolerance 1e-5 of
+/// (|y| + RMS(y)): f32 accumulation over k = 512 terms errs by ~√k·6e-8 ≈ 1.4e-6.
+#[test]
+fn matmul_matches_dequantised_f32() {
+    let (n, k) = (40, 512);
+    for (s, f) in WeightFormat::ALL.into_iter().enumerate() {
+        let w = random_matrix(f, n, k, 100 + s as u64);
+        assert_eq!(w.format(), f);
+        assert_eq!(w.storage_bytes(), f.bytes_for(n * k).unwrap());
+        let wf = w.to_f32();
+        let mut r = rng(7);
+        for m in [1, 3, 16, 17, 45] {
+            let x = rand_vec(&mut r, m * k, 1.0);
+            for cols in [0..n, 5..33, 39..40] {
+                let mut y = vec![f32::NAN; m * cols.len()];
+                w.matmul_range(&x, m, &mut y, cols.clone());
+                let want = naive(&x, &wf, m, k, cols.clone());
+                assert_close(&format!("{f} m={m} {cols:?}"), &y, &want, 1e-5);
+            }
+        }
+    }
+}
+
+#[test]
+fn bad_lengths_are_errors() {
+    let e = WeightMatrix::from_bytes(WeightFormat::Q4_1, &[0; 40], 2, 48).unwrap_err();
+    assert!(e.to_string().contains("multiple of the block size"), "{e}");
+    let e = WeightMatrix::from_bytes(WeightFormat::Q4_1, &[0; 39], 2, 32).unwrap_err();
+    assert!(e.to_string().contains("39 bytes but 40"), "{e}");
+    let e = WeightMatrix::from_data(WeightData::F16(vec![f16::ZERO; 5]), 2, 3).unwrap_err();
+    assert!(e.to_string().contains("10 bytes but 12"), "{e}");
+}
+
+/// Per-format round-trip bound for ggml's reference quantiser: half a step of the block's
+/// grid (a full step for Q4_0, whose grid is asymmetric: −8..7 with the extreme at −8),
+/// plus the f16 rounding of the scale and offset (2⁻¹⁰ of the block's magnitude).
+fn round_trip_bound(f: WeightFormat, block: &[f32]) -> f32 {
+    let amax = block.iter().fold(0.0f32, |a, x| a.max(x.abs()));
+    let (lo, hi) = block
+        .iter()
+        .fold((f32::INFINITY, f32::NEG_INFINITY), |(l, h), &x| {
+            (l.min(x), h.max(x))
+        });
+    let step = match f {
+        WeightFormat::Q8_0 => amax / 127.0 * 0.5,
+        WeightFormat::Q4_0 => amax / 8.0,
+        WeightFormat::Q4_1 => (hi - lo) / 15.0 * 0.5,
+        _ => amax * 2f32.powi(-8),
+    };
+    step * 1.001 + amax * 2f32.powi(-9)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+
+    /// quantise → dequantise stays within the format's rounding bound, block by block.
+    #[test]
+    fn quant_round_trip_is_bounded(
+        fi in 0usize..6,
+        vals in proptest::collection::vec(-100.0f32..100.0, 64),
+        scale in 1e-3f32..10.0,
+    ) {
+        let f = [WeightFormat::Q8_0, WeightFormat::Q4_0, WeightFormat::Q4_1,
+                 WeightFormat::F16, WeightFormat::BF16, WeightFormat::F32][fi];
+        let x: Vec<f32> = vals.iter().map(|v| v * scale).collect();
+        let mut q = vec![0u8; f.bytes_for(x.len()).unwrap()];
+        quantize_blocks(f, &x, &mut q).unwrap();
+        let mut y = vec![0.0; x.len()];
+        dequantize_blocks(f, &q, &mut y).unwrap();
+        let be = f.block_elems().max(32);
+        for (xb, yb) in x.chunks(be).zip(y.chunks(be)) {
+            for (a, b) in xb.iter().zip(yb) {
+                let bound = if f.is_quantized() { round_trip_bound(f, xb) } else {
+                    a.abs() * 2f32.powi(-7)
+                };
+                prop_assert!((a - b).abs() <= bound, "{f}: {a} -> {b} (bound {bound})");
+            }
+        }
+    }
+
+    /// Any split of the output columns computes the same values as the whole product.
+    #[test]
+    fn column_ranges_compose(fi in 0usize..8, m in 1usize..20, split in 0usize..=24, seed in 0u64..1000) {
+        let f = WeightFormat::ALL[fi];
+        let (n, k) = (24, 256);
+        let w = random_matrix(f, n, k, seed);
+        let x = rand_vec(&mut rng(seed + 1), m * k, 1.0);
+        let mut whole = vec![0.0; m * n];
+        w.matmul(&x, m, &mut whole);
+        let mut a = vec![0.0; m * split];
+        let mut b = vec![0.0; m * (n - split)];
+        w.matmul_range(&x, m, &mut a, 0..split);
+        w.matmul_range(&x, m, &mut b, split..n);
+        let want: Vec<f64> = whole.iter().map(|&v| v as f64).collect();
+        let mut got = Vec::with_capacity(m * n);
+        for i in 0..m {
+            got.extend_from_slice(&a[i * split..(i + 1) * split]);
+            got.extend_from_slice(&b[i * (n - split)..(i + 1) * (n - split)]);
+        }
+        assert_close("split", &got, &want, 1e-5);
+    }
+}
