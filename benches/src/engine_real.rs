@@ -181,8 +181,12 @@ mod tests {
     fn real_mode_reports_every_batch_and_thread_count() {
         let tmp = tempfile::tempdir().unwrap();
         let model = tmp.path().join("model");
-        gen::write_model(&gen::preset("tiny").unwrap(), &model, &GenModelOptions::default())
-            .unwrap();
+        gen::write_model(
+            &gen::preset("tiny").unwrap(),
+            &model,
+            &GenModelOptions::default(),
+        )
+        .unwrap();
         let loras = gen::write_adapters(&GenAdaptersOptions {
             model_dir: model.clone(),
             out_dir: tmp.path().join("adapters"),
@@ -204,7 +208,15 @@ mod tests {
         let rows = run(&a).unwrap();
         let cells: Vec<_> = rows.iter().map(|r| (r.batch, r.threads)).collect();
         assert_eq!(cells, [(1, 1), (1, 2), (3, 1), (3, 2)]);
-        assert!(rows.iter().all(|r| r.prefill_tok_s > 0.0 && r.decode_tok_s > 0.0));
-        assert_eq!(table(&a, &rows).lines().filter(|l| l.starts_with("| ")).count(), 5);
+        assert!(rows
+            .iter()
+            .all(|r| r.prefill_tok_s > 0.0 && r.decode_tok_s > 0.0));
+        assert_eq!(
+            table(&a, &rows)
+                .lines()
+                .filter(|l| l.starts_with("| "))
+                .count(),
+            5
+        );
     }
 }

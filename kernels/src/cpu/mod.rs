@@ -5,8 +5,8 @@ mod attention;
 mod convert;
 mod gemm;
 mod lora;
-pub mod quant;
 mod norm;
+pub mod quant;
 mod rope;
 mod sys;
 #[cfg(test)]

@@ -194,7 +194,9 @@ impl Backend for CpuBackend {
     fn embed(&mut self, table: &CpuLinear, ids: &[u32], out: &mut Vec<f32>) {
         let h = table.d_in;
         for (r, &id) in ids.iter().enumerate() {
-            table.w.row_to_f32(id as usize, &mut out[r * h..(r + 1) * h]);
+            table
+                .w
+                .row_to_f32(id as usize, &mut out[r * h..(r + 1) * h]);
         }
     }
 

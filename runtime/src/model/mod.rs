@@ -4,9 +4,9 @@
 
 mod config;
 mod error;
-pub mod gguf;
 #[cfg(test)]
 pub(crate) mod fixtures;
+pub mod gguf;
 pub(crate) mod json;
 mod mmap;
 mod tokenizer;

@@ -57,8 +57,12 @@ fn view_to_half(view: &TensorView<'_>) -> Option<WeightData> {
             .map(|b| u16::from_le_bytes([b[0], b[1]]))
     };
     match view.dtype() {
-        Dtype::F16 => Some(WeightData::F16(halves().map(half::f16::from_bits).collect())),
-        Dtype::BF16 => Some(WeightData::BF16(halves().map(half::bf16::from_bits).collect())),
+        Dtype::F16 => Some(WeightData::F16(
+            halves().map(half::f16::from_bits).collect(),
+        )),
+        Dtype::BF16 => Some(WeightData::BF16(
+            halves().map(half::bf16::from_bits).collect(),
+        )),
         _ => None,
     }
 }
@@ -235,7 +239,12 @@ impl Weights {
     }
 
     /// Removes and returns the `[rows, cols]` matrix `name` in its stored format.
-    pub fn take_matrix(&mut self, name: &str, rows: usize, cols: usize) -> Result<WeightMatrix, ModelError> {
+    pub fn take_matrix(
+        &mut self,
+        name: &str,
+        rows: usize,
+        cols: usize,
+    ) -> Result<WeightMatrix, ModelError> {
         self.check(name, &[rows, cols])?;
         let t = self.tensors.remove(name).expect("checked present above");
         Ok(WeightMatrix::from_data(t.data, rows, cols)

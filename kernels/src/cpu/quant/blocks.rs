@@ -17,7 +17,9 @@ pub(crate) fn dequantize_block(format: WeightFormat, b: &[u8], y: &mut [f32]) {
     match format {
         WeightFormat::F32 => y[0] = f32::from_le_bytes([b[0], b[1], b[2], b[3]]),
         WeightFormat::F16 => y[0] = f16_at(b, 0),
-        WeightFormat::BF16 => y[0] = f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16),
+        WeightFormat::BF16 => {
+            y[0] = f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16)
+        }
         WeightFormat::Q8_0 => {
             let d = f16_at(b, 0);
             for (o, &q) in y[..32].iter_mut().zip(&b[2..34]) {
@@ -64,7 +66,11 @@ fn dequantize_q4_k(b: &[u8], y: &mut [f32]) {
     let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
     let scales = &b[4..16];
     let qs = &b[16..144];
-    for (c, (q, out)) in qs.chunks_exact(32).zip(y[..256].chunks_exact_mut(64)).enumerate() {
+    for (c, (q, out)) in qs
+        .chunks_exact(32)
+        .zip(y[..256].chunks_exact_mut(64))
+        .enumerate()
+    {
         let (sc1, m1) = scale_min_k4(2 * c, scales);
         let (sc2, m2) = scale_min_k4(2 * c + 1, scales);
         let (d1, m1) = (d * sc1 as f32, dmin * m1 as f32);

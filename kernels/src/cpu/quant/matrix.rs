@@ -107,7 +107,11 @@ impl WeightMatrix {
                 got: bytes.len(),
             });
         }
-        let halves = || bytes.chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]]));
+        let halves = || {
+            bytes
+                .chunks_exact(2)
+                .map(|b| u16::from_le_bytes([b[0], b[1]]))
+        };
         let data = match format {
             WeightFormat::F32 => WeightData::F32(
                 bytes
@@ -211,7 +215,11 @@ impl WeightMatrix {
             return v;
         }
         let mut v = vec![0.0; self.rows * self.cols];
-        for (r, row) in v.chunks_exact_mut(self.cols.max(1)).enumerate().take(self.rows) {
+        for (r, row) in v
+            .chunks_exact_mut(self.cols.max(1))
+            .enumerate()
+            .take(self.rows)
+        {
             self.row_to_f32(r, row);
         }
         v

@@ -82,7 +82,11 @@ fn naive(x: &[f32], w: &[f32], m: usize, k: usize, cols: std::ops::Range<usize>)
     let mut y = Vec::with_capacity(m * cols.len());
     for i in 0..m {
         for j in cols.clone() {
-            y.push((0..k).map(|p| x[i * k + p] as f64 * w[j * k + p] as f64).sum());
+            y.push(
+                (0..k)
+                    .map(|p| x[i * k + p] as f64 * w[j * k + p] as f64)
+                    .sum(),
+            );
         }
     }
     y

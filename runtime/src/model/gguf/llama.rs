@@ -93,7 +93,9 @@ fn config(m: &Meta<'_>) -> Result<ModelConfig, ModelError> {
             format!("embedding_length {hidden} is not a multiple of head_count {heads}"),
         ));
     }
-    let kv_heads = m.opt_usize("llama.attention.head_count_kv")?.unwrap_or(heads);
+    let kv_heads = m
+        .opt_usize("llama.attention.head_count_kv")?
+        .unwrap_or(heads);
     if kv_heads == 0 || heads % kv_heads != 0 {
         return Err(err(
             m.path,
@@ -125,7 +127,12 @@ fn config(m: &Meta<'_>) -> Result<ModelConfig, ModelError> {
     let vocab = match (m.opt_usize("llama.vocab_size")?, tokens) {
         (Some(v), _) => v,
         (None, Some(t)) => t,
-        (None, None) => return Err(err(m.path, "neither `llama.vocab_size` nor `tokenizer.ggml.tokens` is set")),
+        (None, None) => {
+            return Err(err(
+                m.path,
+                "neither `llama.vocab_size` nor `tokenizer.ggml.tokens` is set",
+            ))
+        }
     };
     let tied = !m.f.tensors.iter().any(|t| t.name == "output.weight");
     let id = |k: &str| {

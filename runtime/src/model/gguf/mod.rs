@@ -12,7 +12,8 @@ pub use reader::{GgufError, GgufFile, GgufTensorInfo, GgufValue};
 
 /// Whether `path` names a GGUF file (by extension).
 pub fn is_gguf_path(path: &std::path::Path) -> bool {
-    path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
+    path.extension()
+        .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
 }
 
 #[cfg(test)]

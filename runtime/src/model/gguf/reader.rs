@@ -281,7 +281,10 @@ impl GgufFile {
         let n_tensors = c.u64(&|| "the tensor count".into())?;
         let n_kv = c.u64(&|| "the metadata count".into())?;
         // A key/value takes ≥ 13 bytes and a tensor info ≥ 28: bound counts by the file size.
-        for (n, min, what) in [(n_kv, 13u64, "metadata entries"), (n_tensors, 28, "tensor infos")] {
+        for (n, min, what) in [
+            (n_kv, 13u64, "metadata entries"),
+            (n_tensors, 28, "tensor infos"),
+        ] {
             if n.saturating_mul(min) > c.remaining() as u64 {
                 return Err(GgufError::Truncated {
                     at: c.at,

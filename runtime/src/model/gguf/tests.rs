@@ -10,7 +10,11 @@ use crate::engine::HostModel;
 use crate::model::{fixtures, ModelConfig, ModelError, Tokenizer};
 
 fn tiny(name: &str) -> PathBuf {
-    PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/fixtures/gguf")).join(name)
+    PathBuf::from(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../tests/fixtures/gguf"
+    ))
+    .join(name)
 }
 
 fn hf() -> (HostModel, Tokenizer) {
@@ -23,7 +27,11 @@ fn hf() -> (HostModel, Tokenizer) {
 fn assert_same_weights(g: &HostModel, h: &HostModel) {
     let same = |what: &str, a: &WeightMatrix, b: &WeightMatrix| {
         let want = b.convert(a.format()).unwrap();
-        assert!(a == &want, "{what}: {} differs from the HF weight", a.format());
+        assert!(
+            a == &want,
+            "{what}: {} differs from the HF weight",
+            a.format()
+        );
     };
     same("embed", &g.embed, &h.embed);
     same(
@@ -93,15 +101,15 @@ fn tokenizer_matches_hf() {
         let a = ht.encode(text, true).unwrap();
         let b = gt.encode(text, true).unwrap();
         assert_eq!(a, b, "{text:?}");
-        assert_eq!(
-            ht.decode(&a, false).unwrap(),
-            gt.decode(&b, false).unwrap()
-        );
+        assert_eq!(ht.decode(&a, false).unwrap(), gt.decode(&b, false).unwrap());
     }
     assert_eq!(gt.eos_token_ids(), &[1]);
     assert_eq!(gt.bos_token_id(), Some(0));
     assert_eq!(gt.eos_token(), Some("</s>"));
-    assert!(gt.chat_template().unwrap().contains("add_generation_prompt"));
+    assert!(gt
+        .chat_template()
+        .unwrap()
+        .contains("add_generation_prompt"));
 }
 
 fn parse_err(b: &[u8]) -> String {
@@ -161,7 +169,10 @@ fn lying_headers_are_clear_errors() {
 
     let cases: [(Vec<u8>, &str); 7] = [
         (one_tensor(&[64, 2], 8, 64, 2 * 68), "run past the end"),
-        (one_tensor(&[64, 2], 8, 3, 2 * 68), "not a multiple of the alignment"),
+        (
+            one_tensor(&[64, 2], 8, 3, 2 * 68),
+            "not a multiple of the alignment",
+        ),
         (one_tensor(&[64, 2], 7, 0, 4096), "ggml type 7"),
         (one_tensor(&[48, 2], 8, 0, 4096), "whole Q8_0 blocks"),
         (one_tensor(&[1 << 40, 1 << 40], 0, 0, 0), "too large"),

@@ -47,7 +47,10 @@ fn pre_tokenizer(pre: &str) -> Result<Value, ModelError> {
 }
 
 /// Builds the tokenizer (and its serving config) from the file's metadata.
-pub(crate) fn tokenizer_from_gguf(f: &GgufFile, cfg: &ModelConfig) -> Result<Tokenizer, ModelError> {
+pub(crate) fn tokenizer_from_gguf(
+    f: &GgufFile,
+    cfg: &ModelConfig,
+) -> Result<Tokenizer, ModelError> {
     let model = f
         .get("tokenizer.ggml.model")
         .and_then(GgufValue::as_str)
@@ -60,7 +63,10 @@ pub(crate) fn tokenizer_from_gguf(f: &GgufFile, cfg: &ModelConfig) -> Result<Tok
     }
     let tokens = strings(f, "tokenizer.ggml.tokens")?;
     let merges = strings(f, "tokenizer.ggml.merges")?;
-    let types: Vec<u64> = match f.get("tokenizer.ggml.token_type").and_then(GgufValue::as_array) {
+    let types: Vec<u64> = match f
+        .get("tokenizer.ggml.token_type")
+        .and_then(GgufValue::as_array)
+    {
         Some(a) => a.iter().map(|v| v.as_u64().unwrap_or(1)).collect(),
         None => vec![1; tokens.len()],
     };
@@ -75,9 +81,11 @@ pub(crate) fn tokenizer_from_gguf(f: &GgufFile, cfg: &ModelConfig) -> Result<Tok
         vocab.insert(t.to_string(), json!(id));
         let ty = types.get(id).copied().unwrap_or(1);
         if ty == TOKEN_CONTROL || ty == TOKEN_USER_DEFINED {
-            added.push(json!({"id": id, "content": t, "single_word": false, "lstrip": false,
+            added.push(
+                json!({"id": id, "content": t, "single_word": false, "lstrip": false,
                               "rstrip": false, "normalized": false,
-                              "special": ty == TOKEN_CONTROL}));
+                              "special": ty == TOKEN_CONTROL}),
+            );
         }
     }
     let spec = json!({
@@ -101,7 +109,10 @@ pub(crate) fn tokenizer_from_gguf(f: &GgufFile, cfg: &ModelConfig) -> Result<Tok
     let inner = std::panic::catch_unwind(|| tokenizers::Tokenizer::from_bytes(bytes))
         .map_err(|_| tok_err("the tokenizers library failed on the token list and merges"))?
         .map_err(|e| tok_err(format!("the token list and merges do not form a BPE: {e}")))?;
-    let name = |id: Option<u32>| id.and_then(|i| tokens.get(i as usize)).map(|s| s.to_string());
+    let name = |id: Option<u32>| {
+        id.and_then(|i| tokens.get(i as usize))
+            .map(|s| s.to_string())
+    };
     let add_bos = f
         .get("tokenizer.ggml.add_bos_token")
         .and_then(GgufValue::as_bool)
