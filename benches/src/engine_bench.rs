@@ -44,6 +44,19 @@ pub struct EngineBenchArgs {
     /// A seconds-long version (tiny model) for smoke runs.
     #[arg(long)]
     pub quick: bool,
+    /// Real-model mode: an HF model directory (e.g. SmolLM2-135M-Instruct) instead of a
+    /// generated preset; reports batches `--batches` at `--threads`.
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// PEFT adapter directories for real-model mode, mixed round robin over the batch.
+    #[arg(long = "lora", value_name = "DIR")]
+    pub loras: Vec<PathBuf>,
+    /// Batch sizes in real-model mode.
+    #[arg(long, value_delimiter = ',', default_value = "1,8,16")]
+    pub batches: Vec<usize>,
+    /// CPU compute thread counts compared in real-model mode (alternated every repetition).
+    #[arg(long, value_delimiter = ',', default_value = "1,2")]
+    pub threads: Vec<usize>,
 }
 
 impl EngineBenchArgs {
@@ -59,6 +72,10 @@ impl EngineBenchArgs {
             reps: 1,
             workdir: None,
             quick: true,
+            model: None,
+            loras: Vec::new(),
+            batches: vec![1, 8, 16],
+            threads: vec![1, 2],
         }
     }
 }

@@ -3,6 +3,7 @@ use clap::{Parser, Subcommand};
 
 mod coldstart_bench;
 mod engine_bench;
+mod engine_real;
 mod load;
 mod lora_bench;
 mod lora_socket;
@@ -68,6 +69,19 @@ enum Cmd {
 
 fn main() -> anyhow::Result<()> {
     match Cli::parse().cmd {
+        Cmd::Engine(args) if args.model.is_some() => {
+            let real = engine_real::RealArgs {
+                model: args.model.clone().unwrap_or_default(),
+                loras: args.loras.clone(),
+                batches: args.batches.clone(),
+                threads: args.threads.clone(),
+                prompt_len: args.prompt_len,
+                decode_steps: args.decode_steps,
+                reps: args.reps,
+            };
+            let rows = engine_real::run(&real)?;
+            println!("{}", engine_real::table(&real, &rows));
+        }
         Cmd::Engine(args) => {
             let rows = engine_bench::run(&args)?;
             println!("{}", engine_bench::table(&args, &rows));

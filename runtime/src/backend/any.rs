@@ -348,6 +348,13 @@ impl Backend for AnyBackend {
         }
     }
 
+    fn set_cpu_assist(&mut self, in_flight: bool) {
+        match self {
+            Self::Cpu(b) => b.set_cpu_assist(in_flight),
+            Self::Cuda(g) => g.set_cpu_assist(in_flight),
+        }
+    }
+
     fn rope(&mut self, x: &mut AnyBuf, positions: &[usize], n_heads: usize) {
         match self {
             Self::Cpu(b) => b.rope(x.cpu_mut(), positions, n_heads),

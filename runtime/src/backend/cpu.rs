@@ -1,13 +1,15 @@
 //! The CPU backend: `thaw_kernels::cpu` ops over ordinary memory.
 //!
-//! Single-threaded by design: the engine thread runs the base model while the remaining cores
-//! belong to the CPU LoRA workers.
+//! The base model's products, attention and logits split over a persistent pool of compute
+//! threads ([`super::cpu_par`]) while no CPU LoRA assist is in flight; while one is, the
+//! engine thread computes alone and the remaining cores belong to the pinned LoRA workers.
 use std::ops::Range;
 use std::sync::Arc;
 
 use thaw_cpu_lora::kernel::{lora_delta, LoraMat, LoraProblem, Scratch};
 use thaw_kernels::cpu::{self as k, KvLayout, LoraRef, RopeTable, WeightMatrix};
 
+use super::cpu_par::{balance, linear_split, ComputePool, CpuThreads};
 use super::{Backend, LinearDims, LoraBatch, LoraKernel, StepLayout};
 use crate::adapter::{LoraAdapter, LoraModule};
 use crate::error::Result;
@@ -42,7 +44,15 @@ pub struct CpuBackend {
     n_kv_heads: usize,
     head_dim: usize,
     sliding_window: Option<usize>,
-    attn_scratch: Vec<f32>,
+    /// One attention scratch per compute thread.
+    attn_scratch: Vec<Vec<f32>>,
+    /// Per step: attention work items (sequence index, its rows) and their grouping.
+    attn_items: Vec<(usize, Range<usize>)>,
+    attn_bounds: Vec<usize>,
+    attn_out_bounds: Vec<usize>,
+    par: ComputePool,
+    /// Column-split products with several rows land here before they are scattered.
+    par_scratch: Vec<f32>,
     lora_scratch: Vec<f32>,
     bgmv_rows: Vec<Option<u32>>,
     fused: Scratch,
@@ -51,14 +61,33 @@ pub struct CpuBackend {
 }
 
 impl CpuBackend {
+    /// A backend computing on every core this process may run on (see [`CpuThreads`]).
     pub fn new(cfg: &ModelConfig) -> Self {
+        let par = ComputePool::new(CpuThreads::default()).unwrap_or_else(|e| {
+            tracing::warn!("{e}; computing on one thread");
+            ComputePool::serial()
+        });
+        Self::with_pool(cfg, par)
+    }
+
+    /// A backend computing on `threads` (1 = the engine thread alone).
+    pub fn with_threads(cfg: &ModelConfig, threads: CpuThreads) -> Result<Self> {
+        Ok(Self::with_pool(cfg, ComputePool::new(threads)?))
+    }
+
+    fn with_pool(cfg: &ModelConfig, par: ComputePool) -> Self {
         Self {
             rope: RopeTable::new(cfg.head_dim, cfg.rope_theta, &cfg.rope_scaling),
             n_heads: cfg.num_heads,
             n_kv_heads: cfg.num_kv_heads,
             head_dim: cfg.head_dim,
             sliding_window: cfg.sliding_window,
-            attn_scratch: Vec::new(),
+            attn_scratch: (0..par.max()).map(|_| Vec::new()).collect(),
+            attn_items: Vec::new(),
+            attn_bounds: Vec::new(),
+            attn_out_bounds: Vec::new(),
+            par,
+            par_scratch: Vec::new(),
             lora_scratch: Vec::new(),
             bgmv_rows: Vec::new(),
             fused: Scratch::new(),
@@ -80,6 +109,11 @@ impl CpuBackend {
 
     pub fn link(&self) -> LinkModel {
         self.link
+    }
+
+    /// Threads the next ops split over.
+    pub fn compute_threads(&self) -> usize {
+        self.par.active()
     }
 }
 
@@ -173,7 +207,16 @@ impl Backend for CpuBackend {
 
     fn linear(&mut self, x: &Vec<f32>, w: &CpuLinear, rows: usize, out: &mut Vec<f32>) {
         let y = &mut out[..rows * w.d_out];
-        w.w.matmul(&x[..rows * w.d_in], rows, y);
+        let (kk, ww) = (w.d_in, &w.w);
+        let dims = (rows, kk, w.d_out);
+        linear_split(
+            &self.par,
+            &mut self.par_scratch,
+            &x[..rows * kk],
+            dims,
+            y,
+            |x, m, cols, o| ww.matmul_range(x, m, o, cols),
+        );
         if let Some(b) = &w.bias {
             k::add_bias(y, b);
         }
@@ -281,7 +324,12 @@ impl Backend for CpuBackend {
         let qw = self.n_heads * self.head_dim;
         let kw = self.n_kv_heads * self.head_dim;
         let scale = 1.0 / (self.head_dim as f32).sqrt();
-        for s in &step.seqs {
+        // New K/V first (one sequence's writes can land anywhere in the cache), then the
+        // attention of every sequence reads the cache while writing only its own rows of `out`.
+        self.attn_items.clear();
+        let mut tiled = true;
+        for (i, s) in step.seqs.iter().enumerate() {
+            tiled &= s.rows.start == self.attn_items.last().map_or(0, |it| it.1.end);
             let table = &step.block_tables[s.blocks.clone()];
             let (r0, r1) = (s.rows.start, s.rows.end);
             k::write_kv(
@@ -293,20 +341,71 @@ impl Backend for CpuBackend {
                 &k_new[r0 * kw..r1 * kw],
                 &v_new[r0 * kw..r1 * kw],
             );
-            k::paged_attention(
-                &q[r0 * qw..r1 * qw],
-                &kv.k,
-                &kv.v,
-                kv.layout,
-                table,
-                s.start_pos,
-                self.n_heads,
-                scale,
-                self.sliding_window,
-                &mut out[r0 * qw..r1 * qw],
-                &mut self.attn_scratch,
-            );
+            // Long prefill chunks split by query rows so one sequence can use every thread.
+            let chunk = s.rows.len().div_ceil(self.par.active()).max(1);
+            let mut r = r0;
+            while r < r1 {
+                self.attn_items.push((i, r..(r + chunk).min(r1)));
+                r += chunk;
+            }
         }
+        // Cost of a query row: the keys it reads.
+        let cost = |&(i, ref r): &(usize, Range<usize>)| {
+            let s = &step.seqs[i];
+            let ctx = s.start_pos + (r.end - s.rows.start);
+            (r.len() * ctx) as u64
+        };
+        let work: u64 = self.attn_items.iter().map(cost).sum::<u64>() * qw as u64;
+        // Rows not in sequence order (a hand-built layout) cannot be split into owned slices.
+        let parts = if tiled {
+            self.par.parts(work as usize)
+        } else {
+            1
+        };
+        balance(
+            self.attn_items.iter().map(cost),
+            parts,
+            &mut self.attn_bounds,
+        );
+        // Items are in row order and tile the step's rows, so each group owns a slice of out.
+        self.attn_out_bounds.clear();
+        let items = &self.attn_items;
+        self.attn_out_bounds
+            .extend(self.attn_bounds.iter().map(|&b| match items.get(b) {
+                Some(it) if tiled => it.1.start * qw,
+                _ if tiled => step.rows() * qw,
+                // One group over all of `out`, rows at their own offsets.
+                _ if b == 0 => 0,
+                _ => out.len(),
+            }));
+        let (n_heads, window) = (self.n_heads, self.sliding_window);
+        let (kv_k, kv_v, layout) = (&kv.k, &kv.v, kv.layout);
+        let item_bounds = &self.attn_bounds;
+        let base = &self.attn_out_bounds;
+        self.par.groups_mut(
+            &mut out[..],
+            base,
+            &mut self.attn_scratch,
+            |g, chunk, scratch| {
+                for (i, r) in &items[item_bounds[g]..item_bounds[g + 1]] {
+                    let s = &step.seqs[*i];
+                    let o0 = r.start * qw - base[g];
+                    k::paged_attention(
+                        &q[r.start * qw..r.end * qw],
+                        kv_k,
+                        kv_v,
+                        layout,
+                        &step.block_tables[s.blocks.clone()],
+                        s.start_pos + (r.start - s.rows.start),
+                        n_heads,
+                        scale,
+                        window,
+                        &mut chunk[o0..o0 + r.len() * qw],
+                        scratch,
+                    );
+                }
+            },
+        );
     }
 
     fn swiglu(&mut self, gate: &Vec<f32>, up: &Vec<f32>, len: usize, out: &mut Vec<f32>) {
@@ -359,6 +458,11 @@ impl Backend for CpuBackend {
     fn logits(&mut self, x: &Vec<f32>, lm_head: &CpuLinear, rows: usize, out: &mut Vec<f32>) {
         out.resize(rows * lm_head.d_out, 0.0);
         self.linear(x, lm_head, rows, out);
+    }
+
+    fn set_cpu_assist(&mut self, in_flight: bool) {
+        self.par
+            .set_active(if in_flight { 1 } else { self.par.max() });
     }
 }
 

@@ -14,6 +14,7 @@ use crate::ids::LayerIdx;
 
 pub mod any;
 pub mod cpu;
+pub mod cpu_par;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 #[cfg(not(feature = "cuda"))]
@@ -217,6 +218,9 @@ pub trait Backend {
     );
     /// Host copy of logits = x · lm_headᵀ for `rows` rows: `[rows, vocab]`.
     fn logits(&mut self, x: &Self::Buf, lm_head: &Self::Linear, rows: usize, out: &mut Vec<f32>);
+    /// Whether CPU LoRA workers compute beside the next steps (their cores are taken): the
+    /// CPU backend then computes on the engine thread alone, and on every core otherwise.
+    fn set_cpu_assist(&mut self, _in_flight: bool) {}
 }
 
 /// Which device `--device` asks for.

@@ -475,6 +475,9 @@ impl<B: Backend> Engine<B> {
         if let (true, Some(pool)) = (cold, &self.pool) {
             pool.arm();
         }
+        // The workers' cores are busy while they assist: the backend computes alone then,
+        // and on every core otherwise (inline assist runs on the engine thread itself).
+        self.backend.set_cpu_assist(cold && self.pool.is_some());
         let mut assist = cold.then(|| Assist {
             path: match &mut self.pool {
                 Some(pool) => AssistPath::Pool {

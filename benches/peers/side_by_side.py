@@ -1,0 +1,205 @@
+#!/usr/bin/env python3
+"""Side-by-side CPU serving benchmark: `thaw serve` vs llama.cpp's `llama-server`.
+
+Same real model (SmolLM2-135M-Instruct, f32 on both), same three LoRA adapters (PEFT for thaw,
+GGUF LoRA for llama.cpp, picked per request through llama-server's `lora` field), 32 greedy
+output tokens with EOS ignored, over HTTP. Workloads (issue 15):
+  single   1 request, 64-token prompt
+  mixed8   8 concurrent requests, 64-token prompts, 3 adapters mixed
+  mixed16  16 concurrent requests, 128-token prompts, 3 adapters mixed
+Both servers stay up; the systems alternate within every round (the order flips each round),
+rounds repeat, and the table reports median tok/s (completion tokens / wall time of the
+workload) and the thaw/llama.cpp ratio. Prompts are seeded token ids, different in every
+round and request, so neither server reuses a cached prefix.
+
+Build the fixtures first (benches/peers/smollm2_hf.py) and llama-server (benches/peers/README.md).
+Usage:
+  python3 benches/peers/side_by_side.py --thaw target/release/thaw \
+      --llama-server /work/peers/llama-build/bin/llama-server --peers /work/peers/smollm2 \
+      --rounds 5 [--threads 2] [--q4]
+Only the Python standard library is needed.
+"""
+import argparse
+import json
+import random
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+ADAPTERS = ["r8-qv", "r16-qkvo", "r64-qv"]
+WORKLOADS = [("single", 1, 64), ("mixed8", 8, 64), ("mixed16", 16, 128)]
+OUT_TOKENS = 32
+
+
+def post(url, body, timeout=600):
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def wait_up(url, proc, what, timeout=600):
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if proc.poll() is not None:
+            sys.exit(f"{what} exited with {proc.returncode}; see its log")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except Exception:
+            pass
+        time.sleep(0.5)
+    sys.exit(f"{what} did not come up in {timeout}s")
+
+
+class Thaw:
+    name = "thaw serve"
+
+    def __init__(self, a, model_dir, port):
+        self.url = f"http://127.0.0.1:{port}"
+        mods = [f"{n}={a.peers}/adapters/{n}" for n in ADAPTERS]
+        cmd = [a.thaw, "serve", "--model", model_dir, "--port", str(port), "--max-num-seqs", "16",
+               "--max-model-len", "512", "--lora-modules", *mods] + a.thaw_args.split()
+        self.log = open(f"{a.logdir}/thaw-{port}.log", "w")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        wait_up(self.url + "/health", self.proc, "thaw serve")
+        self.cmd = " ".join(cmd)
+
+    def complete(self, prompt, adapter):
+        r = post(self.url + "/v1/completions", {
+            "model": adapter, "prompt": prompt, "max_tokens": OUT_TOKENS, "temperature": 0,
+            "ignore_eos": True})
+        return r["usage"]["completion_tokens"], r["choices"][0]["text"]
+
+
+class Llama:
+    name = "llama.cpp"
+
+    def __init__(self, a, gguf, port, loras=True):
+        self.url = f"http://127.0.0.1:{port}"
+        cmd = [a.llama_server, "-m", gguf, "--port", str(port), "-t", str(a.threads), "-tb",
+               str(a.threads), "-np", "16", "-c", str(16 * 256), "--no-warmup"]
+        if loras:
+            for n in ADAPTERS:
+                cmd += ["--lora", f"{a.peers}/gguf/lora-{n}.gguf"]
+            cmd += ["--lora-init-without-apply"]
+        self.loras = loras
+        self.log = open(f"{a.logdir}/llama-{port}.log", "w")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        wait_up(self.url + "/health", self.proc, "llama-server")
+        self.cmd = " ".join(cmd)
+
+    def complete(self, prompt, adapter):
+        body = {"prompt": prompt, "n_predict": OUT_TOKENS, "temperature": 0, "top_k": 1,
+                "ignore_eos": True, "cache_prompt": False}
+        if self.loras:
+            body["lora"] = [{"id": i, "scale": 1.0 if n == adapter else 0.0} for i, n in enumerate(ADAPTERS)]
+        r = post(self.url + "/completion", body)
+        return r["tokens_predicted"], r["content"]
+
+
+def run_workload(sys_, n, plen, seed, with_adapters=True):
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(100, 40000) for _ in range(plen)] for _ in range(n)]
+    adapters = [ADAPTERS[i % 3] if with_adapters else None for i in range(n)]
+    if n == 1 and with_adapters:
+        adapters = [ADAPTERS[1]]
+    toks = [0] * n
+    errs = []
+
+    def one(i):
+        try:
+            toks[i] = sys_.complete(prompts[i], adapters[i])[0]
+        except Exception as e:  # reported after the run
+            errs.append(repr(e))
+
+    t0 = time.perf_counter()
+    ths = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in ths:
+        t.start()
+    for t in ths:
+        t.join()
+    dt = time.perf_counter() - t0
+    if errs:
+        sys.exit(f"{sys_.name}: {errs[0]}")
+    return sum(toks) / dt, sum(toks)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--thaw", required=True)
+    p.add_argument("--llama-server", required=True)
+    p.add_argument("--peers", default="/work/peers/smollm2")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--threads", type=int, default=2, help="llama.cpp threads")
+    p.add_argument("--thaw-args", default="", help="extra `thaw serve` flags")
+    p.add_argument("--workloads", default="single,mixed8,mixed16")
+    p.add_argument("--q4", action="store_true", help="also Q4_1 single stream (thaw serving the GGUF)")
+    p.add_argument("--logdir", default="/tmp")
+    a = p.parse_args()
+    wl = [w for w in WORKLOADS if w[0] in a.workloads.split(",")]
+    systems = [Thaw(a, f"{a.peers}/hf-f32", 18431), Llama(a, f"{a.peers}/gguf/model-f32.gguf", 18432)]
+    for s in systems:
+        print(f"# {s.name}: {s.cmd}", flush=True)
+    # Warm-up (adapters loaded, pages touched) and a look at the text.
+    for s in systems:
+        for ad in ADAPTERS:
+            s.complete([100, 200, 300, 400], ad)
+    msg = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+    for s in systems:
+        if isinstance(s, Thaw):
+            r = post(s.url + "/v1/completions", {"model": s_model(s), "prompt": msg, "max_tokens": 24, "temperature": 0})
+            print(f"# {s.name} greedy (base): {r['choices'][0]['text']!r}")
+        else:
+            r = post(s.url + "/completion", {"prompt": msg, "n_predict": 24, "temperature": 0, "top_k": 1,
+                                             "lora": [{"id": i, "scale": 0.0} for i in range(3)]})
+            print(f"# {s.name} greedy (base): {r['content']!r}")
+    res = {(w[0], s.name): [] for w in wl for s in systems}
+    for rnd in range(a.rounds):
+        for wi, (name, n, plen) in enumerate(wl):
+            order = systems if (rnd + wi) % 2 == 0 else systems[::-1]
+            for s in order:
+                tps, toks = run_workload(s, n, plen, seed=1000 * rnd + wi)
+                assert toks == n * OUT_TOKENS, f"{s.name} {name}: {toks} tokens"
+                res[(name, s.name)].append(tps)
+                print(f"round {rnd} {name:8} {s.name:10} {tps:7.1f} tok/s", flush=True)
+    q4 = None
+    if a.q4:
+        for s in systems:
+            s.proc.terminate()
+            s.proc.wait()
+        q4s = [Thaw(a, f"{a.peers}/gguf/model-q4_1.gguf", 18433),
+               Llama(a, f"{a.peers}/gguf/model-q4_1.gguf", 18434, loras=False)]
+        q4 = {s.name: [] for s in q4s}
+        for s in q4s:
+            run_workload(s, 1, 8, 7, with_adapters=False)
+        for rnd in range(a.rounds):
+            for s in (q4s if rnd % 2 == 0 else q4s[::-1]):
+                tps, _ = run_workload(s, 1, 64, 5000 + rnd, with_adapters=False)
+                q4[s.name].append(tps)
+                print(f"round {rnd} q4_1     {s.name:10} {tps:7.1f} tok/s", flush=True)
+        systems = q4s
+    print(f"\n2-core VM, shared; {a.rounds} rounds, median tok/s (min-max); llama.cpp {a.threads} threads")
+    print("| workload | thaw serve | llama.cpp llama-server | thaw / llama.cpp |")
+    print("|---|---|---|---|")
+    label = {"single": "1 request, 64-token prompt, f32", "mixed8": "8 requests, 3 adapters mixed, f32",
+             "mixed16": "16 requests, 128-token prompts, 3 adapters mixed, f32"}
+    rows = [(label[w[0]], res[(w[0], "thaw serve")], res[(w[0], "llama.cpp")]) for w in wl]
+    if q4:
+        rows.append(("1 request, 64-token prompt, Q4_1 GGUF, no adapter", q4["thaw serve"], q4["llama.cpp"]))
+    for lab, t, l in rows:
+        mt, ml = statistics.median(t), statistics.median(l)
+        print(f"| {lab} | {mt:.1f} ({min(t):.1f}-{max(t):.1f}) | {ml:.1f} ({min(l):.1f}-{max(l):.1f}) | {mt / ml:.2f}x |")
+    for s in systems:
+        s.proc.terminate()
+
+
+def s_model(s):
+    return json.loads(urllib.request.urlopen(s.url + "/v1/models").read())["data"][0]["id"]
+
+
+if __name__ == "__main__":
+    main()
