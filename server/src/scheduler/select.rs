@@ -345,7 +345,6 @@ mod tests {
             let mem = MemoryWait {
                 head: Some((SeqId(1), Some(0))),
                 load_s: [(SeqId(1), load_s)].into_iter().collect(),
-                ..Default::default()
             };
             s.plan(&st, &cfg, 64, &|_, _| Gate::Go, &perf, &ok, 64, &mem)
         };
