@@ -64,21 +64,30 @@ fn mutation() -> impl Strategy<Value = Mutation> {
 fn apply(mut b: Vec<u8>, header: usize, muts: &[Mutation]) -> Vec<u8> {
     for m in muts {
         match m {
+            // Positions past an earlier cut are skipped.
             Mutation::Word(i, v) => {
                 let at = i.index(header - 8);
-                b[at..at + 8].copy_from_slice(&v.to_le_bytes());
+                if let Some(w) = b.get_mut(at..at + 8) {
+                    w.copy_from_slice(&v.to_le_bytes());
+                }
             }
             Mutation::Half(i, v) => {
                 let at = i.index(header - 4);
-                b[at..at + 4].copy_from_slice(&v.to_le_bytes());
+                if let Some(w) = b.get_mut(at..at + 4) {
+                    w.copy_from_slice(&v.to_le_bytes());
+                }
             }
             Mutation::Byte(i, v) => {
-                let at = i.index(b.len());
-                b[at] = *v;
+                if !b.is_empty() {
+                    let at = i.index(b.len());
+                    b[at] = *v;
+                }
             }
             Mutation::Truncate(i) => {
-                let n = i.index(b.len());
-                b.truncate(n);
+                if !b.is_empty() {
+                    let n = i.index(b.len());
+                    b.truncate(n);
+                }
             }
         }
     }
