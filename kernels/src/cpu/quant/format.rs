@@ -62,7 +62,7 @@ impl WeightFormat {
 
     /// Bytes of `n` values, or `None` when `n` is not a whole number of blocks (or overflows).
     pub fn bytes_for(self, n: usize) -> Option<usize> {
-        if n % self.block_elems() != 0 {
+        if !n.is_multiple_of(self.block_elems()) {
             return None;
         }
         (n / self.block_elems()).checked_mul(self.block_bytes())

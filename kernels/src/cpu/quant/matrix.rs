@@ -48,7 +48,7 @@ impl WeightMatrix {
             values,
             block: f.block_elems(),
         };
-        if cols % f.block_elems() != 0 {
+        if !cols.is_multiple_of(f.block_elems()) {
             return Err(partial(cols));
         }
         let n = rows.checked_mul(cols).ok_or(partial(usize::MAX))?;
@@ -93,7 +93,7 @@ impl WeightMatrix {
             values,
             block: format.block_elems(),
         };
-        if cols % format.block_elems() != 0 {
+        if !cols.is_multiple_of(format.block_elems()) {
             return Err(partial(cols));
         }
         let n = rows.checked_mul(cols).ok_or(partial(usize::MAX))?;
