@@ -17,7 +17,6 @@ fn f32s(bytes: &[u8]) -> Vec<f32> {
 
 /// (format, quantised bytes, gguf's dequantisation, gguf's quantisation input if any), from
 /// `fixtures/gen_quant_fixtures.py` (ggml's Python reference, PyPI `gguf` 0.19).
-/// (format, quantised bytes, gguf's dequantisation, gguf's quantisation input).
 type Fixture = (WeightFormat, &'static [u8], Vec<f32>, Option<Vec<f32>>);
 
 fn fixtures() -> Vec<Fixture> {
