@@ -19,7 +19,8 @@ use thaw_server::memory::EvictionPolicy;
 
 use super::cli::{measure, prompt_source, quick_workload, write_json};
 use super::client::OpenAiClient;
-use super::coldstart::{default_thaw_bin, wait_ready, ServeProcess};
+use super::coldstart::{wait_ready, ServeProcess};
+use super::launch::ServerLaunch;
 use super::report::Summary;
 use super::runner::RunOptions;
 use super::workload::{PopularityKind, WorkloadArgs};
@@ -33,27 +34,11 @@ pub struct ServeSetup {
     /// Ranks of the generated adapters (round-robin; Chameleon's five), targeting q,v.
     #[arg(long, value_delimiter = ',', default_values_t = [8, 16, 32, 64, 128])]
     pub ranks: Vec<usize>,
-    /// Any `thaw serve` argument, repeated (e.g. --serve-arg=--device-memory-bytes=33554432).
-    #[arg(long, allow_hyphen_values = true)]
-    pub serve_arg: Vec<String>,
-    /// The `thaw` executable [default: next to thaw-bench].
-    #[arg(long)]
-    pub thaw_bin: Option<PathBuf>,
-    /// Where generated models and adapters go (reused when present) [default: a temp dir].
-    #[arg(long)]
-    pub workdir: Option<PathBuf>,
+    #[command(flatten)]
+    pub server: ServerLaunch,
     /// Directory for the JSON report and the servers' logs.
     #[arg(long, default_value = "thaw-bench-results")]
     pub out: PathBuf,
-    /// Seconds before a request counts as failed.
-    #[arg(long, default_value_t = 300.0)]
-    pub request_timeout: f64,
-    /// Seconds to wait for each server's /health.
-    #[arg(long, default_value_t = 600.0)]
-    pub startup_timeout: f64,
-    /// No progress bar.
-    #[arg(long)]
-    pub no_progress: bool,
     /// A seconds-long version for the test suite: tiny model, few adapters and requests.
     #[arg(long)]
     pub quick: bool,
@@ -215,14 +200,11 @@ fn serve_once(
     label: String,
     adapters: usize,
 ) -> anyhow::Result<Run> {
-    let bin = match &s.thaw_bin {
-        Some(b) => b.clone(),
-        None => default_thaw_bin()?,
-    };
+    let bin = s.server.bin()?;
     let log = s
         .out
         .join(format!("serve-{}.log", label.replace([' ', '/'], "_")));
-    let timeout = Duration::from_secs_f64(s.startup_timeout);
+    let timeout = Duration::from_secs_f64(s.server.startup_timeout);
     let t0 = Instant::now();
     let mut server = ServeProcess::start(&bin, serve_args, &log, timeout)?;
     let run = rt.block_on(async {
@@ -236,8 +218,8 @@ fn serve_once(
         let (rss_start, _) = rss_kib(server.pid());
         let prompts = prompt_source(None, &info)?;
         let opts = RunOptions {
-            request_timeout: Duration::from_secs_f64(s.request_timeout),
-            progress: !s.no_progress,
+            request_timeout: Duration::from_secs_f64(s.server.request_timeout),
+            progress: !s.server.no_progress,
             label: label.clone(),
         };
         let (_, summary) = measure(&client, &info, workload, &prompts, &opts).await?;
@@ -276,13 +258,13 @@ fn base_args(model: &Path, lora_dir: &Path, s: &ServeSetup) -> Vec<String> {
         "--max-lora-rank".into(),
         s.ranks.iter().max().copied().unwrap_or(8).to_string(),
     ];
-    a.extend(s.serve_arg.iter().cloned());
+    a.extend(s.server.serve_arg.iter().cloned());
     a
 }
 
 fn workdir(s: &ServeSetup) -> anyhow::Result<(Option<tempfile::TempDir>, PathBuf)> {
     std::fs::create_dir_all(&s.out).with_context(|| format!("creating {}", s.out.display()))?;
-    Ok(match &s.workdir {
+    Ok(match &s.server.workdir {
         Some(w) => {
             std::fs::create_dir_all(w)?;
             (None, w.clone())
@@ -309,7 +291,7 @@ pub fn run_cache(args: &CacheArgs) -> anyhow::Result<String> {
             ..quick_workload(&args.workload)
         };
         // Two fixed slots and a device of a few adapters: eviction and refusal both happen.
-        args.setup.serve_arg.extend([
+        args.setup.server.serve_arg.extend([
             "--max-loras=2".to_string(),
             "--device-memory-bytes=3000000".to_string(),
         ]);
@@ -414,7 +396,7 @@ pub fn run_cache(args: &CacheArgs) -> anyhow::Result<String> {
         w.arrivals,
         w.popularity,
         w.lengths,
-        args.setup.serve_arg,
+        args.setup.server.serve_arg,
         json.display()
     ))
 }
@@ -432,11 +414,13 @@ pub fn run_cache_scale(args: &CacheScaleArgs) -> anyhow::Result<String> {
     anyhow::ensure!(args.rounds > 0, "--rounds must be at least 1");
     if !args
         .setup
+        .server
         .serve_arg
         .iter()
         .any(|a| a.starts_with("--max-loras"))
     {
         args.setup
+            .server
             .serve_arg
             .push(format!("--max-loras={}", args.max_loras));
     }
@@ -450,7 +434,7 @@ pub fn run_cache_scale(args: &CacheScaleArgs) -> anyhow::Result<String> {
     let mut servers = vec![("this".to_string(), args.setup.clone())];
     if let Some(b) = &args.baseline_bin {
         let mut s = args.setup.clone();
-        s.thaw_bin = Some(b.clone());
+        s.server.thaw_bin = Some(b.clone());
         servers.push(("baseline".to_string(), s));
     }
     let mut runs: Vec<Run> = Vec::new();
@@ -520,7 +504,7 @@ pub fn run_cache_scale(args: &CacheScaleArgs) -> anyhow::Result<String> {
         w.rate,
         w.lengths,
         args.rounds,
-        args.setup.serve_arg,
+        args.setup.server.serve_arg,
         json.display()
     ))
 }

@@ -14,6 +14,7 @@ use thaw_server::gen::{self, GenAdaptersOptions, GenModelOptions, Projection};
 
 use super::cli::{measure, prompt_source, quick_workload, write_json};
 use super::client::OpenAiClient;
+use super::launch::ServerLaunch;
 use super::plot::write_cdfs;
 use super::report::{overhead_table, Summary};
 use super::runner::{RequestRecord, RunOptions};
@@ -55,29 +56,13 @@ pub struct ColdStartHttpArgs {
     /// Passed to `thaw serve --max-loras` (adapters resident on the device at once).
     #[arg(long)]
     pub max_loras: Option<usize>,
-    /// Any other `thaw serve` argument, repeated (e.g. --serve-arg=--max-num-seqs=8).
-    #[arg(long, allow_hyphen_values = true)]
-    pub serve_arg: Vec<String>,
-    /// The `thaw` executable [default: next to thaw-bench].
-    #[arg(long)]
-    pub thaw_bin: Option<PathBuf>,
-    /// Where generated models and adapters go (reused when present) [default: a temp dir].
-    #[arg(long)]
-    pub workdir: Option<PathBuf>,
-    /// Seconds to wait for each server's /health.
-    #[arg(long, default_value_t = 300.0)]
-    pub startup_timeout: f64,
+    #[command(flatten)]
+    pub server: ServerLaunch,
     #[command(flatten)]
     pub workload: WorkloadArgs,
     /// Directory for the JSON report, the CDF plots and the servers' logs.
     #[arg(long, default_value = "thaw-bench-results")]
     pub out: PathBuf,
-    /// Seconds before a request counts as failed.
-    #[arg(long, default_value_t = 600.0)]
-    pub request_timeout: f64,
-    /// No progress bar.
-    #[arg(long)]
-    pub no_progress: bool,
     /// A seconds-long version for the test suite: tiny model, 8 adapters, 12 requests,
     /// a distinct adapter per request.
     #[arg(long)]
@@ -330,20 +315,13 @@ pub fn run(args: &ColdStartHttpArgs) -> anyhow::Result<String> {
             popularity: PopularityKind::Distinct,
             ..quick_workload(&args.workload)
         };
-        args.startup_timeout = args.startup_timeout.min(120.0);
+        args.server.startup_timeout = args.server.startup_timeout.min(120.0);
     }
     anyhow::ensure!(!args.policies.is_empty(), "--policies is empty");
-    let bin = match &args.thaw_bin {
-        Some(b) => b.clone(),
-        None => default_thaw_bin()?,
-    };
+    let bin = args.server.bin()?;
     check_cold_start_flag(&bin)?;
     let tmp = tempfile::tempdir()?;
-    let root = args
-        .workdir
-        .clone()
-        .unwrap_or_else(|| tmp.path().to_path_buf());
-    std::fs::create_dir_all(&root)?;
+    let root = args.server.root(tmp.path())?;
     let (model, lora_dir) = prepare(&args, &root)?;
     std::fs::create_dir_all(&args.out)
         .with_context(|| format!("creating {}", args.out.display()))?;
@@ -375,7 +353,7 @@ pub fn run(args: &ColdStartHttpArgs) -> anyhow::Result<String> {
     {
         common.extend(extra);
     }
-    common.extend(args.serve_arg.iter().cloned());
+    common.extend(args.server.serve_arg.iter().cloned());
 
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -392,11 +370,11 @@ pub fn run(args: &ColdStartHttpArgs) -> anyhow::Result<String> {
             &bin,
             &serve_args,
             &log,
-            Duration::from_secs_f64(args.startup_timeout),
+            Duration::from_secs_f64(args.server.startup_timeout),
         )?;
         let (records, summary) = rt.block_on(async {
             let client = OpenAiClient::new(&server.url, None)?;
-            let timeout = Duration::from_secs_f64(args.startup_timeout);
+            let timeout = Duration::from_secs_f64(args.server.startup_timeout);
             let info = wait_ready(&client, &server.url, &log, timeout).await?;
             eprintln!(
                 "{policy}: server up at {} in {:.1?} ({} adapters)",
@@ -409,8 +387,8 @@ pub fn run(args: &ColdStartHttpArgs) -> anyhow::Result<String> {
             let prompts = prompt_source(Some(&model), &info)?;
             prompts_desc = prompts.describe();
             let opts = RunOptions {
-                request_timeout: Duration::from_secs_f64(args.request_timeout),
-                progress: !args.no_progress,
+                request_timeout: Duration::from_secs_f64(args.server.request_timeout),
+                progress: !args.server.no_progress,
                 label: format!("{policy:>10}"),
             };
             measure(&client, &info, &args.workload, &prompts, &opts).await

@@ -6,6 +6,7 @@ mod cache;
 mod cli;
 mod client;
 mod coldstart;
+mod launch;
 pub(crate) mod plot;
 mod prompts;
 mod report;

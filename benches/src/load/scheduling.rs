@@ -15,7 +15,8 @@ use thaw_server::scheduler::SchedulingPolicy;
 
 use super::cli::{measure, prompt_source, quick_workload, write_json};
 use super::client::OpenAiClient;
-use super::coldstart::{default_thaw_bin, prepare_files, wait_ready, ServeProcess};
+use super::coldstart::{prepare_files, wait_ready, ServeProcess};
+use super::launch::ServerLaunch;
 use super::runner::RunOptions;
 use super::scheduling_report::{points, slos, table, Point, RateRun};
 use super::workload::{ServerInfo, WorkloadArgs};
@@ -58,29 +59,13 @@ pub struct SchedulingArgs {
     /// Times the whole sweep runs (seed `--seed` + i); every point reports the median.
     #[arg(long, default_value_t = 1)]
     pub repeats: usize,
-    /// Any other `thaw serve` argument, repeated (e.g. --serve-arg=--max-loras=32).
-    #[arg(long, allow_hyphen_values = true)]
-    pub serve_arg: Vec<String>,
-    /// The `thaw` executable [default: next to thaw-bench].
-    #[arg(long)]
-    pub thaw_bin: Option<PathBuf>,
-    /// Where generated models and adapters go (reused when present) [default: a temp dir].
-    #[arg(long)]
-    pub workdir: Option<PathBuf>,
-    /// Seconds to wait for each server's /health.
-    #[arg(long, default_value_t = 300.0)]
-    pub startup_timeout: f64,
+    #[command(flatten)]
+    pub server: ServerLaunch,
     #[command(flatten)]
     pub workload: WorkloadArgs,
     /// Directory for the JSON report and the servers' logs.
     #[arg(long, default_value = "thaw-bench-results")]
     pub out: PathBuf,
-    /// Seconds before a request counts as failed.
-    #[arg(long, default_value_t = 600.0)]
-    pub request_timeout: f64,
-    /// No progress bar.
-    #[arg(long)]
-    pub no_progress: bool,
     /// A seconds-long version for the test suite: tiny model, 8 adapters, 12 requests, two
     /// rates.
     #[arg(long)]
@@ -144,7 +129,7 @@ pub fn run(args: &SchedulingArgs) -> anyhow::Result<String> {
         args.ranks = vec![8, 16];
         args.rates = vec![10.0, 20.0];
         args.workload = quick_workload(&args.workload);
-        args.startup_timeout = args.startup_timeout.min(120.0);
+        args.server.startup_timeout = args.server.startup_timeout.min(120.0);
         args.repeats = args.repeats.min(2);
     }
     let mut variants: Vec<Variant> = args.policies.iter().map(|p| Variant::of(*p)).collect();
@@ -154,16 +139,9 @@ pub fn run(args: &SchedulingArgs) -> anyhow::Result<String> {
     anyhow::ensure!(!variants.is_empty(), "--policies and --variant are empty");
     anyhow::ensure!(!args.rates.is_empty(), "--rates is empty");
     anyhow::ensure!(args.repeats >= 1, "--repeats must be at least 1");
-    let bin = match &args.thaw_bin {
-        Some(b) => b.clone(),
-        None => default_thaw_bin()?,
-    };
+    let bin = args.server.bin()?;
     let tmp = tempfile::tempdir()?;
-    let root = args
-        .workdir
-        .clone()
-        .unwrap_or_else(|| tmp.path().to_path_buf());
-    std::fs::create_dir_all(&root)?;
+    let root = args.server.root(tmp.path())?;
     let (model, lora_dir) = prepare_files(
         args.model.as_deref(),
         &args.preset,
@@ -182,7 +160,7 @@ pub fn run(args: &SchedulingArgs) -> anyhow::Result<String> {
         "--port".into(),
         "0".into(),
     ];
-    common.extend(args.serve_arg.iter().cloned());
+    common.extend(args.server.serve_arg.iter().cloned());
     let mut rates = args.rates.clone();
     rates.sort_by(f64::total_cmp);
 
@@ -202,11 +180,11 @@ pub fn run(args: &SchedulingArgs) -> anyhow::Result<String> {
             &bin,
             &serve_args,
             &log,
-            Duration::from_secs_f64(args.startup_timeout),
+            Duration::from_secs_f64(args.server.startup_timeout),
         )?;
         let client = OpenAiClient::new(&server.url, None)?;
         let info = rt.block_on(async {
-            let timeout = Duration::from_secs_f64(args.startup_timeout);
+            let timeout = Duration::from_secs_f64(args.server.startup_timeout);
             wait_ready(&client, &server.url, &log, timeout).await
         })?;
         eprintln!("{}: server up in {:.1?}", v.label, t0.elapsed());
@@ -231,8 +209,8 @@ pub fn run(args: &SchedulingArgs) -> anyhow::Result<String> {
                     ..args.workload.clone()
                 };
                 let opts = RunOptions {
-                    request_timeout: Duration::from_secs_f64(args.request_timeout),
-                    progress: !args.no_progress,
+                    request_timeout: Duration::from_secs_f64(args.server.request_timeout),
+                    progress: !args.server.no_progress,
                     label: format!("{:>8} {rate:>5.2}/s #{round}", v.label),
                 };
                 let (records, summary) =
@@ -284,7 +262,7 @@ pub fn run(args: &SchedulingArgs) -> anyhow::Result<String> {
         w.lengths,
         w.prompt_len,
         w.output_len,
-        args.serve_arg,
+        args.server.serve_arg,
         args.repeats,
         w.seed,
     );
