@@ -257,13 +257,17 @@ fn weights(
     Ok(w)
 }
 
-fn check_permutable(path: &Path, t: &GgufTensorInfo, heads: usize) -> Result<(), ModelError> {
+pub(super) fn check_permutable(
+    path: &Path,
+    t: &GgufTensorInfo,
+    heads: usize,
+) -> Result<(), ModelError> {
     let rows = t.shape().first().copied().unwrap_or(0);
-    if t.dims.len() != 2 || !rows.is_multiple_of(2 * heads) {
+    if t.dims.len() != 2 || heads == 0 || rows == 0 || !rows.is_multiple_of(2 * heads) {
         return Err(err(
             path,
             format!(
-                "tensor `{}` has shape {:?}; expected 2-D with rows a multiple of 2·{heads} heads",
+                "tensor `{}` has shape {:?}; expected 2-D with a positive number of rows that is a multiple of 2·{heads} heads (and heads > 0)",
                 t.name,
                 t.shape()
             ),

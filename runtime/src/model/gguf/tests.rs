@@ -208,3 +208,24 @@ fn non_llama_files_say_what_is_supported() {
         other => panic!("{:?}", other.err()),
     }
 }
+
+/// Regression (found by `fuzz_gguf` in CI): a Q/K tensor whose dimension was overwritten with
+/// 0 passed the "multiple of 2·heads" check (0 is a multiple of everything) and divided by
+/// zero while un-permuting. It must be a clear error instead.
+#[test]
+fn zero_row_attention_tensor_is_an_error() {
+    let t = GgufTensorInfo {
+        name: "blk.0.attn_q.weight".into(),
+        dims: vec![64, 0],
+        format: WeightFormat::F32,
+        start: 0,
+        len: 0,
+    };
+    let e = llama::check_permutable(Path::new("x.gguf"), &t, 4).unwrap_err();
+    assert!(e.to_string().contains("positive number of rows"), "{e}");
+    let ok = GgufTensorInfo {
+        dims: vec![64, 8],
+        ..t
+    };
+    llama::check_permutable(Path::new("x.gguf"), &ok, 4).unwrap();
+}
