@@ -1,12 +1,25 @@
 //! Which device-resident adapter goes first when memory is needed.
 //!
 //! `cost` is Chameleon's compound score `F·frequency + R·recency + S·size` with its weights
-//! (0.45, 0.10, 0.45), each feature normalised over the candidates; the size term is the
-//! adapter's reload cost, which is its size over the link plus, when its host copy is gone, the
-//! disk read — so a large adapter, or one whose reload starts from disk, is kept longer. The
-//! lowest score goes first. `lru` orders by last use alone. Either way, adapters no queued
-//! request wants go before those a queued request wants (Chameleon keeps those "provided there
-//! is sufficient memory"), and leased adapters (used by running requests) are never candidates.
+//! (0.45, 0.10, 0.45); the lowest score goes first. `lru` orders by last use alone. Either way,
+//! adapters no queued request wants go before those a queued request wants (Chameleon keeps
+//! those "provided there is sufficient memory"), and leased adapters (used by running requests)
+//! are never candidates.
+//!
+//! How the terms are measured and normalised (Chameleon §4 names the features, not a scale):
+//! - The cache's currency is pages, so frequency and size are taken per page the adapter holds.
+//!   Frequency is decayed uses per page; size is the reload cost per page: seconds over the link
+//!   (bytes ÷ rate plus one transfer latency per layer) plus, when the host copy would be gone,
+//!   the disk read. A page of a large, rarely used adapter then earns less than a page of a
+//!   small popular one, and a page whose reload starts from disk more than one on the host.
+//! - Frequency and recency are normalised by rank (percentile over the candidates, ties share
+//!   the mean rank), so a skewed count cannot squash the term toward 0 as min–max did. The
+//!   reload cost keeps its ratio scale (divided by the candidates' largest), so a disk-tier
+//!   reload stays as much costlier as it is, and equal costs score equal.
+//!
+//! With min–max frequency and raw size (the first version), `cost` kept the rarest, largest
+//! adapters under Chameleon's rank power law and hit 0.35 against LRU's 0.50; the replay in
+//! `eviction_tests` compares the two on that workload.
 
 /// `--adapter-eviction`.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, clap::ValueEnum, serde::Deserialize)]
@@ -45,35 +58,64 @@ pub struct Candidate<K> {
     pub last_used: f64,
     /// Seconds a reload would take from the tier it falls back to.
     pub reload_secs: f64,
+    /// Pages it holds in the pool (at least 1).
+    pub pages: usize,
     /// A queued request wants it.
     pub queued: bool,
 }
 
-/// Chameleon's score of each candidate (higher = keep), features normalised to [0, 1].
+impl<K> Candidate<K> {
+    fn per_page(&self, x: f64) -> f64 {
+        x / self.pages.max(1) as f64
+    }
+}
+
+/// Percentile rank of each value in [0, 1] (ties share their mean rank; one value ranks 1).
+/// Non-finite values rank as their IEEE total order says, so a NaN cannot panic the sort.
+pub fn percentiles(values: &[f64]) -> Vec<f64> {
+    let n = values.len();
+    if n <= 1 {
+        return vec![1.0; n];
+    }
+    let mut idx: Vec<usize> = (0..n).collect();
+    idx.sort_by(|&a, &b| values[a].total_cmp(&values[b]));
+    let mut out = vec![0.0; n];
+    let mut i = 0;
+    while i < n {
+        let mut j = i;
+        while j + 1 < n && values[idx[j + 1]].total_cmp(&values[idx[i]]).is_eq() {
+            j += 1;
+        }
+        let p = (i + j) as f64 / 2.0 / (n - 1) as f64;
+        for &k in &idx[i..=j] {
+            out[k] = p;
+        }
+        i = j + 1;
+    }
+    out
+}
+
+/// Chameleon's score of each candidate (higher = keep), each term in [0, 1]: frequency per
+/// page and recency by percentile, reload cost per page over the largest (module docs).
 pub fn scores<K>(cands: &[Candidate<K>]) -> Vec<f64> {
-    let max = |f: fn(&Candidate<K>) -> f64| {
-        cands
+    let freq = percentiles(
+        &cands
             .iter()
-            .map(f)
-            .fold(0.0f64, f64::max)
-            .max(f64::MIN_POSITIVE)
-    };
-    let fmax = max(|c| c.frequency);
-    let smax = max(|c| c.reload_secs);
-    let oldest = cands
+            .map(|c| c.per_page(c.frequency.max(0.0)))
+            .collect::<Vec<_>>(),
+    );
+    let recency = percentiles(&cands.iter().map(|c| c.last_used).collect::<Vec<_>>());
+    let cost: Vec<f64> = cands
         .iter()
-        .map(|c| c.last_used)
-        .fold(f64::INFINITY, f64::min);
-    let span = cands
-        .iter()
-        .map(|c| c.last_used - oldest)
-        .fold(0.0f64, f64::max)
-        .max(f64::MIN_POSITIVE);
+        .map(|c| c.per_page(c.reload_secs.max(0.0)))
+        .map(|x| if x.is_finite() { x } else { 0.0 })
+        .collect();
+    let cmax = cost.iter().copied().fold(0.0f64, f64::max);
     let (wf, wr, ws) = WEIGHTS;
-    cands
-        .iter()
-        .map(|c| {
-            wf * c.frequency / fmax + wr * (c.last_used - oldest) / span + ws * c.reload_secs / smax
+    (0..cands.len())
+        .map(|i| {
+            let size = if cmax > 0.0 { cost[i] / cmax } else { 0.0 };
+            wf * freq[i] + wr * recency[i] + ws * size
         })
         .collect()
 }
@@ -115,54 +157,7 @@ impl Decayed {
     }
 }
 
+
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn c(key: u32, frequency: f64, last_used: f64, reload_secs: f64) -> Candidate<u32> {
-        Candidate {
-            key,
-            frequency,
-            last_used,
-            reload_secs,
-            queued: false,
-        }
-    }
-
-    #[test]
-    fn cost_keeps_frequent_and_costly_lru_keeps_recent() {
-        // 1: popular and large, used a while ago; 2: rare and small, used just now.
-        let cands = [
-            c(1, 10.0, 1.0, 4.0),
-            c(2, 1.0, 9.0, 1.0),
-            c(3, 5.0, 5.0, 2.0),
-        ];
-        assert_eq!(order(EvictionPolicy::Cost, &cands), vec![2, 3, 1]);
-        assert_eq!(order(EvictionPolicy::Lru, &cands), vec![1, 3, 2]);
-        let w = scores(&cands);
-        assert!((w[0] - (0.45 + 0.0 + 0.45)).abs() < 1e-12, "{w:?}");
-        assert!(
-            (w[1] - (0.45 * 0.1 + 0.10 + 0.45 * 0.25)).abs() < 1e-12,
-            "{w:?}"
-        );
-    }
-
-    #[test]
-    fn adapters_queued_requests_want_go_last() {
-        let mut cands = [c(1, 0.0, 0.0, 0.0), c(2, 9.0, 9.0, 9.0)];
-        cands[0].queued = true;
-        for p in [EvictionPolicy::Cost, EvictionPolicy::Lru] {
-            assert_eq!(order(p, &cands), vec![2, 1]);
-        }
-    }
-
-    #[test]
-    fn frequency_halves_per_half_life() {
-        let mut d = Decayed::default();
-        d.hit(0.0);
-        d.hit(0.0);
-        assert!((d.value(HALF_LIFE_SECS) - 1.0).abs() < 1e-12);
-        d.hit(HALF_LIFE_SECS);
-        assert!((d.value(HALF_LIFE_SECS) - 2.0).abs() < 1e-12);
-    }
-}
+#[path = "eviction_tests.rs"]
+mod tests;

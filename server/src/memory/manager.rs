@@ -33,6 +33,8 @@ pub struct MemoryConfig {
     pub host_max_bytes: u64,
     /// Host → device bandwidth in bytes per second (the reload cost of a host-tier adapter).
     pub link_bytes_per_sec: f64,
+    /// Latency of one link transfer (an adapter moves one per layer), seconds.
+    pub link_latency_secs: f64,
 }
 
 /// What the registry tells the manager about a new adapter.
@@ -271,11 +273,13 @@ impl MemoryManager {
                 // Evicting keeps the host copy when the host tier has room; count a reload
                 // from disk otherwise.
                 reload_secs: e.meta.bytes as f64 / link
+                    + e.meta.num_layers as f64 * self.cfg.link_latency_secs.max(0.0)
                     + if host_room(e.meta.bytes) {
                         0.0
                     } else {
                         disk(e.meta.bytes)
                     },
+                pages: self.pool.pages_for(e.meta.bytes),
                 queued: wanted.contains(&e.meta.id),
             })
             .collect();
@@ -482,6 +486,7 @@ mod tests {
                 host_max_adapters: 1,
                 host_max_bytes: 1 << 20,
                 link_bytes_per_sec: 1e6,
+                link_latency_secs: 0.0,
             },
             Arc::new(Board::default()),
         )
