@@ -27,7 +27,7 @@
 pub enum EvictionPolicy {
     /// Least recently used first.
     Lru,
-    /// Chameleon's frequency/recency/size score, size as the tier's reload cost.
+    /// Chameleon's frequency/recency/size score; use and reload cost counted per page held.
     Cost,
     /// Bench-only baseline: `--max-loras` fixed slots padded to the largest rank, LRU, and a
     /// request refused (429) when every slot is leased — the server before the unified pool.
@@ -156,7 +156,6 @@ impl Decayed {
         self.at = now;
     }
 }
-
 
 #[cfg(test)]
 #[path = "eviction_tests.rs"]

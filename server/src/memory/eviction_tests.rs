@@ -72,7 +72,13 @@ fn frequency_halves_per_half_life() {
 }
 
 fn cand() -> impl Strategy<Value = (f64, f64, f64, usize, bool)> {
-    (0.0..50.0f64, 0.0..100.0f64, 0.0..1.0f64, 1usize..40, any::<bool>())
+    (
+        0.0..50.0f64,
+        0.0..100.0f64,
+        0.0..1.0f64,
+        1usize..40,
+        any::<bool>(),
+    )
 }
 
 fn build(v: &[(f64, f64, f64, usize, bool)]) -> Vec<Candidate<u32>> {
@@ -217,7 +223,13 @@ fn replay_cost_hits_more_and_reloads_less_than_lru() {
             sc / 3.0 * 1e3,
             sl / 3.0 * 1e3
         );
-        assert!(hc > hl, "{adapters}/{capacity}: cost hit rate {hc} ≤ lru {hl}");
-        assert!(sc < sl, "{adapters}/{capacity}: cost reload {sc}s ≥ lru {sl}s");
+        assert!(
+            hc > hl,
+            "{adapters}/{capacity}: cost hit rate {hc} ≤ lru {hl}"
+        );
+        assert!(
+            sc < sl,
+            "{adapters}/{capacity}: cost reload {sc}s ≥ lru {sl}s"
+        );
     }
 }
