@@ -129,7 +129,7 @@ proptest! {
         let key = i as u32;
         let before = order(EvictionPolicy::Cost, &base);
         let s0 = scores(&base)[i];
-        let mut up = |f: &dyn Fn(&mut Candidate<u32>)| {
+        let up = |f: &dyn Fn(&mut Candidate<u32>)| {
             let mut m = base.clone();
             f(&mut m[i]);
             (position(&order(EvictionPolicy::Cost, &m), key), scores(&m)[i])
