@@ -162,7 +162,11 @@ pub fn plan_mlq(
         ..Default::default()
     };
     // No contention: everything placeable fits, admitted as fcfs would (arrival order).
-    if state.waiting.iter().all(|s| (inp.adapter_wait)(s).is_none()) {
+    if state
+        .waiting
+        .iter()
+        .all(|s| (inp.adapter_wait)(s).is_none())
+    {
         let mut all = room.clone();
         let fits = state
             .waiting

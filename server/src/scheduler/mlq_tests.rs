@@ -337,7 +337,11 @@ fn simulate(reqs: &[Req], cfg: SchedConfig, mc: MlqConfig) -> Result<(), TestCas
         // nothing); phase 2 spends no more than the spare.
         let size = |id: SeqId| mlq.entry(id).map_or(0, |e| e.size);
         if d.reserved_for.is_some() {
-            prop_assert_eq!(d.admit_ids.len(), d.overdue.len(), "nothing after a reservation");
+            prop_assert_eq!(
+                d.admit_ids.len(),
+                d.overdue.len(),
+                "nothing after a reservation"
+            );
         } else if !d.all_fit {
             let n0 = d.overdue.len();
             let n1: usize = d.phase1.iter().sum();
@@ -345,7 +349,12 @@ fn simulate(reqs: &[Req], cfg: SchedConfig, mc: MlqConfig) -> Result<(), TestCas
             for q in 0..mlq.num_queues() {
                 let got: usize = it.by_ref().take(d.phase1[q]).map(|&id| size(id)).sum();
                 let quota = mlq.quotas()[q].tokens;
-                let over: usize = d.overdue.iter().filter(|&&id| mlq.queue(id) == q).map(|&id| size(id)).sum();
+                let over: usize = d
+                    .overdue
+                    .iter()
+                    .filter(|&&id| mlq.queue(id) == q)
+                    .map(|&id| size(id))
+                    .sum();
                 prop_assert!(
                     d.held_before[q] + over + got <= quota.max(max_size) || d.phase1[q] == 0,
                     "queue {q} over quota: {d:?}"

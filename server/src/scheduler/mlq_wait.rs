@@ -97,7 +97,11 @@ mod tests {
         let w = |id| blocked_wait_s(&p, &shape, &mem, SeqId(id));
         let head = w(3).unwrap();
         assert!((head - (40.0 * step + 0.5)).abs() < 1e-12);
-        assert_eq!(w(4), None, "not the memory layer's head: passed over, no bound");
+        assert_eq!(
+            w(4),
+            None,
+            "not the memory layer's head: passed over, no bound"
+        );
         assert_eq!(w(5), None);
         let fetch_only = MemoryWait {
             head: Some((SeqId(3), None)),
