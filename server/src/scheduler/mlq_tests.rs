@@ -304,7 +304,7 @@ fn simulate(reqs: &[Req], cfg: SchedConfig, mc: MlqConfig) -> Result<(), TestCas
         // odd one waits without blocking (its fetch in flight).
         let blocked = |s: &SeqState| {
             let r = reqs[s.id.0 as usize];
-            (r.4 > now && s.id.0 % 2 == 0).then(|| (r.4 - now) as f64)
+            (r.4 > now && s.id.0.is_multiple_of(2)).then(|| (r.4 - now) as f64)
         };
         let later = |s: &SeqState| reqs[s.id.0 as usize].4 > now && s.id.0 % 2 == 1;
         let used: usize = st.running.iter().map(|s| cfg.blocks_for(s.computed)).sum();
