@@ -52,6 +52,10 @@ pub struct SchedulingArgs {
     /// `--tpot-slo-ms` a variant serves with).
     #[arg(long)]
     pub tbt_slo_ms: Option<f64>,
+    /// The TTFT SLO in ms, instead of `--slo-factor` × the low-load TTFT (to carry one
+    /// run's low-load SLO to a run of higher rates).
+    #[arg(long)]
+    pub ttft_slo_ms: Option<f64>,
     /// More variants after the policies: `LABEL=POLICY [SERVE-ARG...]`, e.g.
     /// `--variant 'mlq+cap=mlq --tpot-slo-ms 60'`.
     #[arg(long)]
@@ -247,6 +251,7 @@ pub fn run(args: &SchedulingArgs) -> anyhow::Result<String> {
     let labels: Vec<String> = variants.iter().map(|v| v.label.clone()).collect();
     let (ttft_slo, tpot_slo) = slos(&runs, &labels[0], args.slo_factor);
     let tpot_slo = args.tbt_slo_ms.map_or(tpot_slo, |ms| ms * 1e-3);
+    let ttft_slo = args.ttft_slo_ms.map_or(ttft_slo, |ms| ms * 1e-3);
     let points = points(&runs, &labels, &rates, tpot_slo);
     let w = &args.workload;
     let setup = format!(

@@ -1,35 +1,45 @@
 //! Chameleon's non-preemptive multi-level queue (§4.2) as a pure policy beside
 //! [`super::plan_step_gated`]: requests sit in queues by weighted request size; every step
 //! each queue admits from its head within its token quota ("Initial Request Admission"),
-//! then the quota left unused by queues with nothing more to admit is offered to the others
+//! then the quota every queue left unused is offered to the queues that still have requests,
 //! from the smallest requests' queue down ("Redistribution of Spare Resources"; "if requests
 //! from a given queue still cannot be admitted due to insufficient tokens available, no
 //! additional resources are allocated to that queue"). All queues get into every step, so the
 //! short requests' lane is never blocked behind a long head and long requests do not starve.
 //!
-//! Bypass ("Bypassing Adapter Blocking"): a head whose adapter cannot be placed now blocks
-//! its queue, except that younger requests of that queue may pass it "only if the admitted
-//! request will not exceed the waiting time for the request at the head" — its predicted
-//! service time is within the head's predicted wait — and at most
-//! [`MlqConfig::max_bypass`] times per head. Thaw does not squash a mispredicted bypasser
-//! (non-preemptive throughout); the per-head bound is what limits the harm.
+//! Work-conserving: the quotas only order the queues when they contend. When every request
+//! waiting that can be placed fits the step (KV, seats, token budget, TPOT cap) and none waits
+//! on memory, all are admitted in arrival order, exactly as `fcfs` would; a queue's unused
+//! quota (a head that does not fit the KV, an empty queue) goes to the others in phase 2.
 //!
-//! Starvation bound: a request that has waited [`MlqConfig::max_wait_s`] (and whose adapter
-//! can be placed) is admitted before anything else and nothing else is admitted until it is,
-//! so it waits at most that, plus its adapter's wait, plus the time the running set needs to
-//! make room for it.
+//! Bypass ("Bypassing Adapter Blocking"): the memory layer's head that waits for memory
+//! ([`MlqInputs::adapter_wait`]) blocks its queue, except that younger requests of that queue
+//! may pass it "only if the admitted request will not exceed the waiting time for the request
+//! at the head" — its predicted service time is within the head's predicted wait — and at
+//! most [`MlqConfig::max_bypass`] times per head. Thaw does not squash a mispredicted
+//! bypasser (non-preemptive throughout); the per-head bound is what limits the harm. A request
+//! the memory layer cannot place for another reason ([`MlqInputs::later`]: its adapter's fetch
+//! is in flight, or it is behind that head and the memory layer's own bypass rule holds it)
+//! is passed over without blocking its queue, as `fcfs` passes it: the memory layer only
+//! lets through requests that do not delay its head.
+//!
+//! Starvation bound: requests that have waited [`MlqConfig::max_wait_s`] (and that can be
+//! placed) are admitted before anything else, oldest first; if one does not fit, nothing else
+//! is admitted until it does, so it waits at most that, plus its adapter's wait, plus the time
+//! the running set needs to make room for it.
 //!
 //! Borrowed quota comes back only when the borrower finishes (non-preemptive), so a lane lent
 //! away can be closed to its own requests for that long. [`MlqConfig::keep_min`] keeps each
-//! idle queue's queueing-model minimum back; it is off by default (the paper lends all), since
+//! queue's queueing-model minimum back; it is off by default (the paper lends all), since
 //! with a KV cache of only a few large requests the kept minima serialise the large ones.
 //!
 //! Rank-aware cap (CaraServe §5): with a TPOT SLO, a new request is admitted only if the
 //! predicted decode step with it stays within the SLO, and prefill chunks are cut so the
 //! predicted step does (a step alone is never cut to nothing).
-use thaw_runtime::engine::{PlanItem, StepPlan};
+use thaw_runtime::engine::StepPlan;
 use thaw_runtime::ids::SeqId;
 
+use super::mlq_room::{Refusal, Room};
 use super::mlq_state::Mlq;
 use super::policy::{Decision, Gate};
 use super::state::{SchedConfig, SchedState, SeqState};
@@ -51,10 +61,20 @@ pub struct MlqInputs<'a> {
     pub now_s: f64,
     /// The cold-start gate, as for [`super::plan_step_gated`].
     pub gate: &'a dyn Fn(&SeqState, usize) -> Gate,
-    /// `Some(predicted seconds until it can be placed)` for a request whose adapter cannot
-    /// be placed now.
+    /// `Some(predicted seconds until it can be placed)` for a request that cannot be placed
+    /// now and blocks its queue (the memory layer's head waiting for memory).
     pub adapter_wait: &'a dyn Fn(&SeqState) -> Option<f64>,
+    /// A request that cannot be placed now but does not block its queue (see the module
+    /// note): it is skipped.
+    pub later: &'a dyn Fn(&SeqState) -> bool,
     pub tpot: Option<TpotCap<'a>>,
+}
+
+impl MlqInputs<'_> {
+    /// Neither blocked nor deferred: admission may place it now.
+    fn placeable(&self, s: &SeqState) -> bool {
+        (self.adapter_wait)(s).is_none() && !(self.later)(s)
+    }
 }
 
 /// A step's plan and how the queues got there.
@@ -64,6 +84,8 @@ pub struct MlqDecision {
     /// [`SchedState::admit_ids`].
     pub decision: Decision,
     pub admit_ids: Vec<SeqId>,
+    /// Everything placeable fitted: admitted in arrival order, no quotas applied.
+    pub all_fit: bool,
     /// Per queue: admitted in phase 1, admitted in phase 2.
     pub phase1: Vec<usize>,
     pub phase2: Vec<usize>,
@@ -73,99 +95,11 @@ pub struct MlqDecision {
     pub spare: usize,
     /// Adapter-blocked heads and how many requests passed each this step.
     pub bypassed: Vec<(SeqId, usize)>,
-    /// A request past the starvation bound that this step was reserved for.
-    pub overdue: Option<SeqId>,
+    /// Requests past the starvation bound admitted first (the head of `admit_ids`).
+    pub overdue: Vec<SeqId>,
+    /// A request past the starvation bound that did not fit: this step admits nothing else.
+    pub reserved_for: Option<SeqId>,
 }
-
-/// Why a waiting request was not admitted.
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
-enum Refusal {
-    /// No seat or no token left: nothing else can be admitted this step.
-    Full,
-    /// It does not fit (KV, quota, SLO): its queue waits behind it.
-    Blocked,
-}
-
-/// The step being built.
-struct Room<'a> {
-    cfg: &'a SchedConfig,
-    budget: usize,
-    free: usize,
-    reserved: usize,
-    kv_capacity: usize,
-    seqs: usize,
-    /// One decode row per running or admitted sequence: the next steps' decode batch.
-    decode: StepShape,
-    step: StepShape,
-    items: Vec<PlanItem>,
-    admit_ids: Vec<SeqId>,
-}
-
-impl Room<'_> {
-    fn rank(&self, inp: &MlqInputs<'_>, s: &SeqState) -> Option<usize> {
-        inp.tpot.as_ref().and_then(|t| (t.rank)(s))
-    }
-
-    /// Prefill rows of `s` the TPOT cap allows out of `n`.
-    fn tpot_rows(&self, inp: &MlqInputs<'_>, s: &SeqState, n: usize) -> usize {
-        match &inp.tpot {
-            Some(t) if !self.items.is_empty() && n > 0 => {
-                t.model
-                    .max_rows_within(&self.step, self.rank(inp, s), false, t.slo_s, n)
-            }
-            _ => n,
-        }
-    }
-
-    fn push(&mut self, inp: &MlqInputs<'_>, s: &SeqState, n: usize, decode: bool) {
-        let r = self.rank(inp, s);
-        self.step.add(n, decode, r);
-        self.budget -= n;
-        self.free -= s.blocks_needed(self.cfg, n);
-        self.items.push(PlanItem {
-            seq: s.id,
-            num_tokens: n,
-        });
-    }
-
-    /// Tries to admit waiting `s` (whose quota the caller checked).
-    fn admit(&mut self, inp: &MlqInputs<'_>, s: &SeqState) -> Result<(), Refusal> {
-        if self.budget == 0 || self.seqs >= self.cfg.max_num_seqs {
-            return Err(Refusal::Full);
-        }
-        let r = s.reservation(self.cfg);
-        if self.reserved + r > self.kv_capacity {
-            return Err(Refusal::Blocked);
-        }
-        if let Some(t) = &inp.tpot {
-            let mut d = self.decode;
-            d.add(1, true, (t.rank)(s));
-            if self.seqs > 0 && t.model.predict(&d) > t.slo_s {
-                return Err(Refusal::Blocked);
-            }
-        }
-        let mut n = s.pending().min(self.budget);
-        match (inp.gate)(s, self.cfg.max_num_batched_tokens - self.budget) {
-            Gate::Go => {}
-            Gate::Hold => n = 0,
-            Gate::Cap(c) => n = n.min(c),
-        }
-        n = self.tpot_rows(inp, s, n);
-        if s.blocks_needed(self.cfg, n) > self.free {
-            return Err(Refusal::Blocked);
-        }
-        self.reserved += r;
-        self.seqs += 1;
-        let rank = self.rank(inp, s);
-        self.decode.add(1, true, rank);
-        if n > 0 {
-            self.push(inp, s, n, false);
-        }
-        self.admit_ids.push(s.id);
-        Ok(())
-    }
-}
-
 /// Plans one step under the multi-level queue.
 pub fn plan_mlq(
     state: &SchedState,
@@ -227,24 +161,40 @@ pub fn plan_mlq(
         phase2: vec![0; k],
         ..Default::default()
     };
-    let size = |s: &SeqState| mlq.entry(s.id).map_or(0, |e| e.size);
-    // The starvation bound: the oldest overdue request goes alone.
-    let overdue = state
+    // No contention: everything placeable fits, admitted as fcfs would (arrival order).
+    if state
         .waiting
         .iter()
-        .filter(|s| {
-            mlq.entry(s.id)
-                .is_some_and(|e| inp.now_s - e.arrived_s >= mlq.cfg.max_wait_s)
-                && (inp.adapter_wait)(s).is_none()
-        })
-        .min_by(|a, b| {
-            let t = |s: &SeqState| mlq.entry(s.id).map_or(0.0, |e| e.arrived_s);
-            t(a).total_cmp(&t(b))
-        });
-    if let Some(s) = overdue {
-        out.overdue = Some(s.id);
-        let _ = room.admit(inp, s);
-        return finish(out, room);
+        .all(|s| (inp.adapter_wait)(s).is_none())
+    {
+        let mut all = room.clone();
+        let fits = state
+            .waiting
+            .iter()
+            .filter(|s| !(inp.later)(s))
+            .all(|s| all.admit(inp, s).is_ok());
+        if fits {
+            out.all_fit = true;
+            return finish(out, all);
+        }
+    }
+    let size = |s: &SeqState| mlq.entry(s.id).map_or(0, |e| e.size);
+    // The starvation bound: overdue requests first, oldest first; one that does not fit
+    // keeps the step for itself.
+    let arrived = |s: &SeqState| mlq.entry(s.id).map_or(f64::INFINITY, |e| e.arrived_s);
+    let mut overdue: Vec<&SeqState> = state
+        .waiting
+        .iter()
+        .filter(|s| inp.now_s - arrived(s) >= mlq.cfg.max_wait_s && inp.placeable(s))
+        .collect();
+    overdue.sort_by(|a, b| arrived(a).total_cmp(&arrived(b)));
+    for s in overdue {
+        if room.admit(inp, s).is_err() {
+            out.reserved_for = Some(s.id);
+            return finish(out, room);
+        }
+        held[mlq.queue(s.id)] += size(s);
+        out.overdue.push(s.id);
     }
     let queues: Vec<Vec<&SeqState>> = (0..k)
         .map(|q| {
@@ -283,10 +233,9 @@ pub fn plan_mlq(
         held[q] = h;
         full = r.1;
     }
-    // Phase 2: quota unused by queues with nothing left to admit, offered top down (with
-    // `keep_min`, an idle queue keeps its minimum, so lending never closes its lane).
+    // Phase 2: every queue's unused quota (with `keep_min`, less its minimum, so lending
+    // never closes a lane), offered top down to the queues with requests left.
     let mut spare: usize = (0..k)
-        .filter(|&q| taken[q] == queues[q].len())
         .map(|q| {
             let quota = mlq.quotas()[q];
             let kept = if mlq.cfg.keep_min { quota.min } else { 0 };
@@ -322,7 +271,8 @@ pub fn plan_mlq(
 }
 
 /// Admits from the queue `reqs` past its first `*taken` while the quota and the room allow,
-/// with the bypass rule for an adapter-blocked head. `quota(s, false)` asks whether `s` fits
+/// with the bypass rule for an adapter-blocked head; requests that are to wait without
+/// blocking ([`MlqInputs::later`]) are passed over. `quota(s, false)` asks whether `s` fits
 /// the quota; `quota(s, true)` charges it once admitted. Returns (admitted, full).
 fn scan(
     reqs: &[&SeqState],
@@ -338,7 +288,10 @@ fn scan(
     let mut i = *taken;
     while i < reqs.len() {
         let s = reqs[i];
-        if room.admit_ids.contains(&s.id) {
+        if room.admit_ids.contains(&s.id) || (head.is_none() && (inp.later)(s)) {
+            if head.is_none() && *taken == i {
+                *taken = i + 1;
+            }
             i += 1;
             continue;
         }
@@ -350,6 +303,10 @@ fn scan(
                     + out.bypassed.iter().find(|b| b.0 == s.id).map_or(0, |b| b.1);
                 head = Some((s.id, w, mlq.cfg.max_bypass.saturating_sub(used)));
             }
+            i += 1;
+            continue;
+        }
+        if (inp.later)(s) {
             i += 1;
             continue;
         }

@@ -41,6 +41,7 @@ fn plain<'a>(free: usize, now: f64, wait: &'a dyn Fn(&SeqState) -> Option<f64>) 
         now_s: now,
         gate: &|_, _| Gate::Go,
         adapter_wait: wait,
+        later: &|_| false,
         tpot: None,
     }
 }
@@ -104,7 +105,9 @@ fn spare_quota_of_an_empty_queue_goes_to_the_others() {
     assert!(q[0].tokens > q[1].tokens / 4, "{q:?}");
     assert_eq!(q.iter().map(|q| q.tokens).sum::<usize>(), 256);
     // Only long requests: beyond the long queue's quota, within the whole cache.
-    // Quotas 79 and 177 tokens, minima 4 and 140: the short lane lends 75.
+    // Quotas 79 and 177 tokens, minima 4 and 140: the short lane lends 75, the long one
+    // its 37 above its minimum (two hold 136 of 177; the third goes on the spare, a fourth
+    // does not fit the KV).
     assert_eq!((q[0].min, q[1].min), (4, 140));
     for id in 1..=4 {
         add(&mut st, &mut mlq, &cfg, id, 4, 64, 1.0); // 17 blocks = 68 tokens
@@ -115,7 +118,7 @@ fn spare_quota_of_an_empty_queue_goes_to_the_others() {
     assert_eq!(long, 1);
     assert_eq!(
         (d.phase1[long], d.phase2[long], d.spare),
-        (2, 1, 75),
+        (2, 1, 75 + 37),
         "{d:?}"
     );
     assert_eq!(d.admit_ids.len(), 3, "{d:?}");
@@ -162,7 +165,7 @@ fn younger_requests_bypass_an_adapter_blocked_head_within_its_wait_and_bound() {
 }
 
 #[test]
-fn an_overdue_request_goes_alone() {
+fn overdue_requests_go_first_and_one_that_does_not_fit_keeps_the_step() {
     let cfg = cfg();
     let mut mlq = Mlq::new(MlqConfig::default(), 256);
     let mut st = SchedState::default();
@@ -170,8 +173,46 @@ fn an_overdue_request_goes_alone() {
     add(&mut st, &mut mlq, &cfg, 2, 4, 4, 0.0);
     let none = |_: &SeqState| None;
     let d = plan_mlq(&st, &cfg, &mlq, &plain(cfg.total_blocks, 100.0, &none));
-    assert_eq!(d.overdue, Some(SeqId(2)));
-    assert_eq!(d.admit_ids, vec![SeqId(2)]);
+    assert!(d.all_fit, "everything fits: fcfs order, {d:?}");
+    assert_eq!(d.admit_ids, vec![SeqId(1), SeqId(2)]);
+    // Contention (5 does not fit beside the others): the overdue one first.
+    add(&mut st, &mut mlq, &cfg, 5, 200, 50, 100.0);
+    let d = plan_mlq(&st, &cfg, &mlq, &plain(cfg.total_blocks, 100.0, &none));
+    assert!(!d.all_fit);
+    assert_eq!(d.overdue, vec![SeqId(2)]);
+    assert_eq!(d.admit_ids[..2], [SeqId(2), SeqId(1)], "{d:?}");
+    // An overdue request that does not fit keeps the step for itself.
+    add(&mut st, &mut mlq, &cfg, 3, 240, 16, 0.0);
+    let d = plan_mlq(&st, &cfg, &mlq, &plain(cfg.total_blocks, 100.0, &none));
+    assert_eq!(d.reserved_for, Some(SeqId(3)));
+    assert_eq!(d.admit_ids, vec![SeqId(2)], "{d:?}");
+}
+
+#[test]
+fn a_request_to_wait_without_blocking_is_passed_over() {
+    let cfg = cfg();
+    let (mut st, mut mlq) = two_queues(&cfg);
+    for id in 1..=4 {
+        add(&mut st, &mut mlq, &cfg, id, 1, 2, 1.0);
+    }
+    let none = |_: &SeqState| None;
+    let fetching = |s: &SeqState| s.id == SeqId(1);
+    let inp = MlqInputs {
+        later: &fetching,
+        ..plain(cfg.total_blocks, 1.0, &none)
+    };
+    let d = plan_mlq(&st, &cfg, &mlq, &inp);
+    assert!(d.all_fit);
+    assert_eq!(d.admit_ids, vec![SeqId(2), SeqId(3), SeqId(4)]);
+    // Under contention too (a long request that does not fit the KV): the lane stays open.
+    add(&mut st, &mut mlq, &cfg, 5, 200, 60, 1.0);
+    let inp = MlqInputs {
+        later: &fetching,
+        ..plain(cfg.total_blocks, 1.0, &none)
+    };
+    let d = plan_mlq(&st, &cfg, &mlq, &inp);
+    assert!(!d.all_fit);
+    assert_eq!(d.admit_ids, vec![SeqId(2), SeqId(3), SeqId(4)], "{d:?}");
 }
 
 #[test]
@@ -259,10 +300,13 @@ fn simulate(reqs: &[Req], cfg: SchedConfig, mc: MlqConfig) -> Result<(), TestCas
             }
         }
         let now = t;
+        // Until its step, an even request blocks its queue (the memory layer's head), an
+        // odd one waits without blocking (its fetch in flight).
         let blocked = |s: &SeqState| {
             let r = reqs[s.id.0 as usize];
-            (r.4 > now).then(|| (r.4 - now) as f64)
+            (r.4 > now && s.id.0.is_multiple_of(2)).then(|| (r.4 - now) as f64)
         };
+        let later = |s: &SeqState| reqs[s.id.0 as usize].4 > now && s.id.0 % 2 == 1;
         let used: usize = st.running.iter().map(|s| cfg.blocks_for(s.computed)).sum();
         // Adapters come and go in the same pool: what KV may reserve moves (never below what
         // is reserved: the memory layer only evicts into free pages), and the quotas follow.
@@ -276,6 +320,7 @@ fn simulate(reqs: &[Req], cfg: SchedConfig, mc: MlqConfig) -> Result<(), TestCas
         );
         let inp = MlqInputs {
             kv_capacity,
+            later: &later,
             ..plain(cfg.total_blocks - used, t as f64, &blocked)
         };
         let d = plan_mlq(&st, &cfg, &mlq, &inp);
@@ -291,21 +336,34 @@ fn simulate(reqs: &[Req], cfg: SchedConfig, mc: MlqConfig) -> Result<(), TestCas
         // Quotas: phase 1 keeps each queue within its quota (or one request, when it held
         // nothing); phase 2 spends no more than the spare.
         let size = |id: SeqId| mlq.entry(id).map_or(0, |e| e.size);
-        let n1: usize = d.phase1.iter().sum();
-        if d.overdue.is_none() {
-            let mut it = d.admit_ids.iter();
+        if d.reserved_for.is_some() {
+            prop_assert_eq!(
+                d.admit_ids.len(),
+                d.overdue.len(),
+                "nothing after a reservation"
+            );
+        } else if !d.all_fit {
+            let n0 = d.overdue.len();
+            let n1: usize = d.phase1.iter().sum();
+            let mut it = d.admit_ids[n0..].iter();
             for q in 0..mlq.num_queues() {
                 let got: usize = it.by_ref().take(d.phase1[q]).map(|&id| size(id)).sum();
                 let quota = mlq.quotas()[q].tokens;
+                let over: usize = d
+                    .overdue
+                    .iter()
+                    .filter(|&&id| mlq.queue(id) == q)
+                    .map(|&id| size(id))
+                    .sum();
                 prop_assert!(
-                    d.held_before[q] + got <= quota.max(max_size) || d.phase1[q] == 0,
+                    d.held_before[q] + over + got <= quota.max(max_size) || d.phase1[q] == 0,
                     "queue {q} over quota: {d:?}"
                 );
             }
-            let p2: usize = d.admit_ids[n1..].iter().map(|&id| size(id)).sum();
+            let p2: usize = d.admit_ids[n0 + n1..].iter().map(|&id| size(id)).sum();
             prop_assert!(p2 <= d.spare, "phase 2 over the spare: {d:?}");
         } else {
-            prop_assert!(d.admit_ids.len() <= 1, "an overdue request goes alone");
+            prop_assert!(d.overdue.is_empty() && d.bypassed.is_empty());
         }
         for &(h, n) in &d.bypassed {
             bypasses[h.0 as usize] += n;
@@ -315,7 +373,10 @@ fn simulate(reqs: &[Req], cfg: SchedConfig, mc: MlqConfig) -> Result<(), TestCas
         for id in &d.admit_ids {
             admitted[id.0 as usize] = Some(t);
             let s = st.waiting.iter().find(|s| s.id == *id).unwrap();
-            prop_assert!(blocked(s).is_none(), "a blocked request was admitted");
+            prop_assert!(
+                blocked(s).is_none() && !later(s),
+                "a blocked request was admitted"
+            );
         }
         apply(&mut st, &mut mlq, &cfg, &d);
         prop_assert!(st.reserved_blocks <= kv_capacity, "KV over-committed");
@@ -384,5 +445,69 @@ proptest! {
             ..Default::default()
         };
         simulate(&reqs, cfg, mc)?;
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(128))]
+    /// Work conservation: when `fcfs` would admit every placeable waiting request (the
+    /// waiting set fits the KV, the seats and the token budget), the multi-level queue admits
+    /// all of them too, in the same (arrival) order, whatever its queues and quotas; requests
+    /// to wait without blocking are passed over by both.
+    #[test]
+    fn mlq_admits_everything_that_fits_as_fcfs_does(
+        reqs in proptest::collection::vec((1usize..60, 1usize..40, any::<bool>()), 1..24),
+        running in 0usize..6,
+        budget in 1usize..256,
+        seqs in 1usize..16,
+        blocks in 8usize..200,
+        warmup in 1usize..12,
+    ) {
+        let cfg = SchedConfig {
+            max_num_seqs: seqs,
+            max_num_batched_tokens: budget,
+            block_size: 4,
+            total_blocks: blocks,
+        };
+        let mc = MlqConfig {
+            warmup,
+            weights: super::WrsWeights { max_input: 64, max_output: 64, ..Default::default() },
+            ..Default::default()
+        };
+        let mut mlq = Mlq::new(mc, cfg.total_blocks * cfg.block_size);
+        let mut st = SchedState::default();
+        for (i, r) in reqs.iter().enumerate() {
+            add(&mut st, &mut mlq, &cfg, i as u64, r.0, r.1, i as f64 * 0.1);
+        }
+        // The first ones already run (as fcfs admitted them).
+        let first = super::plan_step(&st, &cfg, cfg.total_blocks);
+        let n = first.admit.min(running);
+        let ids: Vec<SeqId> = st.waiting.iter().take(n).map(|s| s.id).collect();
+        st.admit_ids(&ids, &cfg);
+        let free = cfg.total_blocks - st.reserved_blocks.min(cfg.total_blocks);
+        let later = |s: &SeqState| reqs[s.id.0 as usize].2;
+        let placeable: Vec<SeqId> =
+            st.waiting.iter().filter(|s| !later(s)).map(|s| s.id).collect();
+        let fcfs = super::plan_step_admitting(
+            &st, &cfg, free, &|_, _| Gate::Go, &placeable, cfg.total_blocks,
+        );
+        let none = |_: &SeqState| None;
+        let inp = MlqInputs {
+            kv_capacity: cfg.total_blocks,
+            later: &later,
+            ..plain(free, 10.0, &none)
+        };
+        let d = plan_mlq(&st, &cfg, &mlq, &inp);
+        if fcfs.admit.len() == placeable.len() {
+            prop_assert!(d.all_fit, "{d:?}");
+            prop_assert_eq!(&d.admit_ids, &fcfs.admit);
+            let tokens = |items: &[thaw_runtime::engine::PlanItem]| {
+                items.iter().map(|i| i.num_tokens).sum::<usize>()
+            };
+            prop_assert_eq!(tokens(&d.decision.plan.items), tokens(&fcfs.plan.items));
+        } else {
+            prop_assert!(!d.all_fit);
+        }
+        prop_assert!(d.admit_ids.iter().all(|id| placeable.contains(id)));
     }
 }

@@ -1,4 +1,4 @@
-//! The predicted wait of a request whose adapter (or KV) cannot be placed now, from the one
+//! The predicted wait of the request the memory layer blocks on memory, from the one
 //! [`PerfModel`]: the bypass rule (Chameleon §4.2, "the admitted request will not exceed the
 //! waiting time for the request at the head") compares a bypasser's predicted service time
 //! with it.
@@ -6,10 +6,11 @@
 //! A blocked request waits for two things, one after the other: the running batch to free
 //! enough memory (steps of the running batch, each predicted from its shape: decode rows and
 //! their ranks), then its adapter's load from the tier it is in (disk or host). The memory
-//! layer tells how many steps its own blocked head needs ([`MemoryWait::head`]); any other
-//! blocked request is given the soonest any running request finishes, a lower bound, so a
-//! bypass is never allowed on a wait longer than one the memory layer can promise. See
-//! [`blocked_wait_s`].
+//! layer tells how many steps its own blocked head needs ([`MemoryWait::head`]). Only that
+//! head blocks its queue: a request waiting only for its adapter's fetch cannot be delayed
+//! by a bypasser (admission lets through only requests that leave the fetch head fitting),
+//! and the others the memory layer could not place are held by its own bypass rule, so the
+//! multi-level queue passes them over as `fcfs` does. See [`blocked_wait_s`].
 use std::collections::HashMap;
 
 use thaw_runtime::ids::SeqId;
@@ -38,24 +39,19 @@ pub fn predicted_wait_s(perf: &PerfModel, running: &StepShape, steps: usize, loa
     steps as f64 * step + load_s
 }
 
-/// Predicted seconds blocked request `id` waits, the bound on who may pass it. The memory
-/// layer's head that waits for memory: its bound in steps of the `running` batch, then its
-/// adapter's load. Its head that waits only for its adapter's fetch: unbounded, since
-/// admission let through only requests that leave it fitting once the fetch lands (passing it
-/// cannot delay it). Any other: the soonest a running request finishes (`soonest` steps, as
-/// [`crate::memory::admission::predicted_steps`] counts them), then its load.
+/// Predicted seconds blocked request `id` waits, the bound on who of its queue may pass it:
+/// `Some` only for the memory layer's head that waits for memory (its bound in steps of the
+/// `running` batch, then its adapter's load); None for any other (see the module note).
 pub fn blocked_wait_s(
     perf: &PerfModel,
     running: &StepShape,
     mem: &MemoryWait,
     id: SeqId,
-    soonest: usize,
-) -> f64 {
+) -> Option<f64> {
     let load = mem.load_s.get(&id).copied().unwrap_or(0.0);
     match mem.head {
-        Some((h, None)) if h == id => f64::INFINITY,
-        Some((h, Some(steps))) if h == id => predicted_wait_s(perf, running, steps, load),
-        _ => predicted_wait_s(perf, running, soonest, load),
+        Some((h, Some(steps))) if h == id => Some(predicted_wait_s(perf, running, steps, load)),
+        _ => None,
     }
 }
 
@@ -98,17 +94,23 @@ mod tests {
             head: Some((SeqId(3), Some(40))),
             load_s: [(SeqId(3), 0.5), (SeqId(4), 0.25)].into_iter().collect(),
         };
-        let w = |id| blocked_wait_s(&p, &shape, &mem, SeqId(id), 7);
-        assert!((w(3) - (40.0 * step + 0.5)).abs() < 1e-12);
-        assert!((w(4) - (7.0 * step + 0.25)).abs() < 1e-12);
-        assert!((w(5) - 7.0 * step).abs() < 1e-12, "no adapter to load");
+        let w = |id| blocked_wait_s(&p, &shape, &mem, SeqId(id));
+        let head = w(3).unwrap();
+        assert!((head - (40.0 * step + 0.5)).abs() < 1e-12);
+        assert_eq!(
+            w(4),
+            None,
+            "not the memory layer's head: passed over, no bound"
+        );
+        assert_eq!(w(5), None);
         let fetch_only = MemoryWait {
             head: Some((SeqId(3), None)),
             ..mem
         };
         assert_eq!(
-            blocked_wait_s(&p, &shape, &fetch_only, SeqId(3), 7),
-            f64::INFINITY
+            blocked_wait_s(&p, &shape, &fetch_only, SeqId(3)),
+            None,
+            "waiting only for its fetch: passing it cannot delay it"
         );
     }
 

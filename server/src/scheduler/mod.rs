@@ -11,6 +11,7 @@ mod mlq;
 mod mlq_kmeans;
 mod mlq_predict;
 mod mlq_quota;
+mod mlq_room;
 mod mlq_state;
 mod mlq_wait;
 mod mlq_wrs;

@@ -156,21 +156,20 @@ impl Scheduler {
         let ok: HashSet<SeqId> = admissible.iter().copied().collect();
         let known = &self.known;
         let rank = |s: &SeqState| known.get(&s.id).map(|k| k.rank).filter(|&r| r > 0);
-        // A request admission could not place waits for the running batch to free memory,
-        // then for its adapter's load: its predicted wait bounds who may bypass it.
+        // The memory layer's head that waits for memory blocks its queue, bounded by its
+        // predicted wait (the running batch freeing memory, then its adapter's load); any
+        // other request it could not place waits without blocking (see `plan_mlq`).
         let mut running = StepShape::default();
         for s in &state.running {
             running.add(1, true, rank(s));
         }
-        let soonest = state
-            .running
-            .iter()
-            .map(|s| crate::memory::admission::predicted_steps(s, cfg))
-            .min()
-            .unwrap_or(0);
         let wait = |s: &SeqState| {
-            (!ok.contains(&s.id)).then(|| blocked_wait_s(perf, &running, mem, s.id, soonest))
+            if ok.contains(&s.id) {
+                return None;
+            }
+            blocked_wait_s(perf, &running, mem, s.id)
         };
+        let later = |s: &SeqState| !ok.contains(&s.id) && wait(s).is_none();
         let d = plan_mlq(
             state,
             cfg,
@@ -181,6 +180,7 @@ impl Scheduler {
                 now_s: self.now_s(),
                 gate,
                 adapter_wait: &wait,
+                later: &later,
                 tpot: self.tpot_slo_s.map(|slo_s| TpotCap {
                     model: perf,
                     slo_s,
