@@ -56,7 +56,7 @@ fn rereads_under_lora_root_refuse_a_directory_swapped_for_a_link() {
         lora_root: Some(root.clone()),
         // 24 pages of 16 KiB: one sequence's KV (16 pages at --max-model-len 256) and room
         // for a rank-8 adapter (8 pages) or two: every other adapter used evicts the victim.
-        device_memory_bytes: 24 * 16 << 10,
+        device_memory_bytes: (24 * 16) << 10,
         max_cpu_loras: 1,
         ..fx.config()
     });
