@@ -13,6 +13,7 @@ pub mod error;
 pub mod gen;
 pub mod generate;
 pub mod http;
+pub mod lora_open;
 pub mod memory;
 pub mod metrics;
 pub mod metrics_protocol;

@@ -249,18 +249,20 @@ impl Registry {
             });
         }
         let (p, n) = (path.to_path_buf(), name.to_string());
-        self.load_with(name, path, move |model| {
+        self.load_with(name, path, None, move |model| {
             LoraAdapter::load(&p, model).map_err(|source| ServerError::Adapter { name: n, source })
         })
         .await
     }
 
     /// [`Registry::load`] with the first read done by `read` (on the blocking pool): a
-    /// `--lora-root` load opens its files without following links.
+    /// `--lora-root` load opens its files without following links, and with `root` given the
+    /// loader's later re-reads (after the host copy was dropped) are confined the same way.
     pub async fn load_with<F>(
         &self,
         name: &str,
         path: &Path,
+        root: Option<&Path>,
         read: F,
     ) -> Result<AdapterView, ServerError>
     where
@@ -295,6 +297,7 @@ impl Registry {
             meta: AdapterMeta {
                 id: slot.id,
                 path: slot.path.clone(),
+                root: root.map(Path::to_path_buf),
                 bytes: slot.size_bytes as u64,
                 num_layers: slot.num_layers,
                 disk_secs: secs,

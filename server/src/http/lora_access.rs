@@ -9,8 +9,8 @@ use std::path::{Component, Path, PathBuf};
 use thaw_runtime::adapter::{AdapterError, LoraAdapter};
 use thaw_runtime::model::ModelConfig;
 
-use super::lora_open::{load_confined, OpenError};
 use crate::error::ServerError;
+use crate::lora_open::{load_confined, relative, OpenError};
 
 /// The files an adapter directory may hold that the loader opens.
 const ADAPTER_FILES: [&str; 3] = [
@@ -60,6 +60,12 @@ impl LoraAccess {
 
     pub fn enabled(&self) -> bool {
         self.enabled
+    }
+
+    /// The canonical `--lora-root`, if any: the registry keeps it with each runtime-loaded
+    /// adapter so the loader re-reads it under the same confinement.
+    pub fn root(&self) -> Option<&Path> {
+        self.root.as_deref()
     }
 
     /// The 404 the routes answer while runtime updates are off.
@@ -157,29 +163,7 @@ impl LoraAccess {
         let ServerError::Adapter { name, source } = e else {
             return e;
         };
-        let rel = |p: PathBuf| match p.strip_prefix(root) {
-            Ok(r) => Path::new("<lora-root>").join(r),
-            Err(_) => p,
-        };
-        use AdapterError as A;
-        let source = match source {
-            A::NotFound { path } => A::NotFound { path: rel(path) },
-            A::MissingFile { path } => A::MissingFile { path: rel(path) },
-            A::PickleWeights { path } => A::PickleWeights { path: rel(path) },
-            A::Io { path, reason } => A::Io {
-                path: rel(path),
-                reason,
-            },
-            A::ConfigNotJson { path, reason } => A::ConfigNotJson {
-                path: rel(path),
-                reason,
-            },
-            A::Corrupt { path, reason } => A::Corrupt {
-                path: rel(path),
-                reason,
-            },
-            other => other,
-        };
+        let source = relative(root, source);
         ServerError::Adapter { name, source }
     }
 }

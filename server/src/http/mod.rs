@@ -6,7 +6,6 @@ mod auth;
 mod error;
 mod generation;
 mod lora_access;
-mod lora_open;
 mod openai_types;
 mod params;
 mod prompt_guard;

@@ -82,7 +82,12 @@ pub async fn load_lora(
     let path = state.lora_access.resolve(name, &req.lora_path)?;
     let view = state
         .registry
-        .load_with(name, &path, state.lora_access.reader(name, &path))
+        .load_with(
+            name,
+            &path,
+            state.lora_access.root(),
+            state.lora_access.reader(name, &path),
+        )
         .await
         .map_err(|e| state.lora_access.relative_error(e))?;
     tracing::info!(
@@ -126,7 +131,8 @@ pub async fn metrics(State(state): State<Arc<AppState>>) -> Response {
         .iter()
         .filter(|a| a.tier == crate::registry::Tier::Device)
         .collect();
-    let gauges: [(&str, &str, f64); 10] = [
+    let heap = crate::serve::idle_trim::heap_stats();
+    let gauges: [(&str, &str, f64); 12] = [
         (
             "thaw_num_requests_waiting",
             "Requests queued, not yet admitted.",
@@ -179,6 +185,16 @@ pub async fn metrics(State(state): State<Arc<AppState>>) -> Response {
             "thaw_adapter_device_memory_bytes",
             "Device memory held by resident adapters.",
             device.iter().map(|a| a.size_bytes).sum::<usize>() as f64,
+        ),
+        (
+            "thaw_heap_allocated_bytes",
+            "Bytes in live heap allocations (glibc mallinfo2; NaN with another allocator).",
+            heap.map_or(f64::NAN, |h| h.allocated as f64),
+        ),
+        (
+            "thaw_heap_held_bytes",
+            "Heap bytes taken from the OS, live or free inside the allocator's arenas.",
+            heap.map_or(f64::NAN, |h| h.held as f64),
         ),
     ];
     for (name, help, v) in gauges {

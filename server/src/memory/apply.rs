@@ -63,8 +63,14 @@ pub fn apply<B: Backend>(
     if let Some(loader) = loader {
         for &a in &plan.fetch {
             let Some(bytes) = mgr.bytes(a) else { continue };
+            let root = mgr.root(a);
             if let Some(path) = mgr.start_fetch(a) {
-                if !loader.fetch(FetchJob { id: a, path, bytes }) {
+                if !loader.fetch(FetchJob {
+                    id: a,
+                    path,
+                    root,
+                    bytes,
+                }) {
                     tracing::error!("the adapter loader thread has stopped");
                 }
             }

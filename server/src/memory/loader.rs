@@ -3,20 +3,29 @@
 //! it back to itself as a command). Several threads, because with many adapters in use every
 //! request may need a read, and one thread reading them one after another was what requests
 //! waited on.
-use std::path::PathBuf;
+//!
+//! An adapter loaded at run time under `--lora-root` is re-read through the same confinement
+//! as its first load ([`crate::lora_open::load_confined`]): a directory swapped for a link
+//! out of the root after the load is refused, and the requests waiting for it fail with that
+//! reason.
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Instant;
 
-use thaw_runtime::adapter::LoraAdapter;
+use thaw_runtime::adapter::{AdapterError, LoraAdapter};
 use thaw_runtime::ids::AdapterId;
 use thaw_runtime::model::ModelConfig;
+
+use crate::lora_open::{load_confined, relative, OpenError};
 
 /// One read to do.
 #[derive(Clone, Debug)]
 pub struct FetchJob {
     pub id: AdapterId,
     pub path: PathBuf,
+    /// The `--lora-root` its reads are confined to (runtime loads under a root).
+    pub root: Option<PathBuf>,
     /// What the adapter weighed when it was registered; a different file is an error.
     pub bytes: u64,
 }
@@ -77,19 +86,49 @@ impl Loader {
     }
 }
 
-fn read(job: &FetchJob, model: &ModelConfig) -> FetchResult {
-    let start = Instant::now();
-    let a = LoraAdapter::load(&job.path, model).map_err(|e| {
+/// Reads `job`'s adapter: confined to its root if it has one, else a plain load. Errors name
+/// paths under a root as `<lora-root>/…`.
+fn read_adapter(job: &FetchJob, model: &ModelConfig) -> Result<LoraAdapter, String> {
+    let shown = |p: &Path| shown(job, p);
+    let failed = |e: AdapterError| {
         format!(
             "reading adapter files at {} failed: {e}; fix them and load the adapter again",
-            job.path.display()
+            shown(&job.path).display()
         )
-    })?;
+    };
+    let Some(root) = &job.root else {
+        return LoraAdapter::load(&job.path, model).map_err(failed);
+    };
+    load_confined(root, &job.path, model).map_err(|e| match e {
+        OpenError::Outside => format!(
+            "the files of adapter {} are no longer inside the server's --lora-root (a link \
+             out of the root was put in their place since the adapter was loaded); restore \
+             the directory and load the adapter again",
+            shown(&job.path).display()
+        ),
+        OpenError::Adapter(e) => failed(relative(root, e)),
+    })
+}
+
+/// `p` as a client may see it: relative to the job's root, if any.
+fn shown(job: &FetchJob, p: &Path) -> PathBuf {
+    match &job.root {
+        Some(root) => match p.strip_prefix(root) {
+            Ok(r) => Path::new("<lora-root>").join(r),
+            Err(_) => p.to_path_buf(),
+        },
+        None => p.to_path_buf(),
+    }
+}
+
+fn read(job: &FetchJob, model: &ModelConfig) -> FetchResult {
+    let start = Instant::now();
+    let a = read_adapter(job, model)?;
     if a.size_bytes_f32() as u64 != job.bytes {
         return Err(format!(
             "the adapter at {} changed on disk since it was loaded ({} bytes, now {}); load it \
              again under its name",
-            job.path.display(),
+            shown(job, &job.path).display(),
             job.bytes,
             a.size_bytes_f32()
         ));
@@ -103,5 +142,80 @@ impl Drop for Loader {
         for t in self.threads.drain(..) {
             let _ = t.join();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fixture() -> PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/hf-tiny-llama")
+    }
+
+    fn copy_adapter(to: &Path) {
+        std::fs::create_dir_all(to).unwrap();
+        for f in ["adapter_config.json", "adapter_model.safetensors"] {
+            std::fs::copy(fixture().join("adapters/r4_qv").join(f), to.join(f)).unwrap();
+        }
+    }
+
+    /// A re-read under a root goes through the confinement: fine while the directory is
+    /// untouched, refused (naming no absolute path) once it is swapped for a link out of the
+    /// root — though the same job without a root reads the linked copy happily.
+    #[test]
+    fn confined_rereads_refuse_a_directory_swapped_for_a_link() {
+        let model = ModelConfig::from_dir(&fixture()).unwrap();
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path().join("root");
+        let outside = tmp.path().join("outside");
+        copy_adapter(&root.join("a"));
+        copy_adapter(&outside);
+        let root = std::fs::canonicalize(root).unwrap();
+        let bytes = LoraAdapter::load(&root.join("a"), &model)
+            .unwrap()
+            .size_bytes_f32() as u64;
+        let job = FetchJob {
+            id: AdapterId(7),
+            path: root.join("a"),
+            root: Some(root.clone()),
+            bytes,
+        };
+        let (a, _) = read(&job, &model).unwrap();
+        assert_eq!(a.size_bytes_f32() as u64, bytes);
+
+        let wrong = FetchJob {
+            bytes: bytes + 1,
+            ..job.clone()
+        };
+        let e = read(&wrong, &model).unwrap_err();
+        assert!(
+            e.contains("changed on disk") && e.contains("<lora-root>/a"),
+            "{e}"
+        );
+
+        std::fs::rename(root.join("a"), tmp.path().join("moved")).unwrap();
+        std::os::unix::fs::symlink(&outside, root.join("a")).unwrap();
+        let e = read(&job, &model).unwrap_err();
+        assert!(
+            e.contains("no longer inside the server's --lora-root"),
+            "{e}"
+        );
+        assert!(e.contains("<lora-root>/a"), "{e}");
+        assert!(!e.contains(tmp.path().to_str().unwrap()), "{e}");
+        let unconfined = FetchJob { root: None, ..job };
+        assert!(read(&unconfined, &model).is_ok());
+
+        // A file missing at re-read time: named relative to the root.
+        std::fs::remove_file(root.join("a")).unwrap();
+        copy_adapter(&root.join("a"));
+        std::fs::remove_file(root.join("a/adapter_model.safetensors")).unwrap();
+        let job = FetchJob {
+            root: Some(root.clone()),
+            ..unconfined
+        };
+        let e = read(&job, &model).unwrap_err();
+        assert!(e.contains("<lora-root>/a/adapter_model.safetensors"), "{e}");
+        assert!(!e.contains(tmp.path().to_str().unwrap()), "{e}");
     }
 }

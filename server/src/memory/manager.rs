@@ -42,6 +42,8 @@ pub struct MemoryConfig {
 pub struct AdapterMeta {
     pub id: AdapterId,
     pub path: PathBuf,
+    /// The `--lora-root` a runtime load was confined to: every re-read is confined to it too.
+    pub root: Option<PathBuf>,
     pub bytes: u64,
     pub num_layers: usize,
     /// Seconds its last disk read and validation took.
@@ -365,6 +367,11 @@ impl MemoryManager {
         }
     }
 
+    /// The root `id`'s reads are confined to, if it was loaded under `--lora-root`.
+    pub fn root(&self, id: AdapterId) -> Option<PathBuf> {
+        self.entries.get(&id)?.meta.root.clone()
+    }
+
     /// Marks `id` as being read from disk; its path, unless it needs no read.
     pub fn start_fetch(&mut self, id: AdapterId) -> Option<PathBuf> {
         let e = self.entries.get_mut(&id)?;
@@ -496,6 +503,7 @@ mod tests {
         AdapterMeta {
             id: AdapterId(id),
             path: PathBuf::from(format!("/nowhere/{id}")),
+            root: None,
             bytes,
             num_layers: 2,
             disk_secs,

@@ -48,6 +48,30 @@ pub fn trim() {
     }
 }
 
+/// What the allocator holds: bytes in live allocations, and bytes taken from the OS (the
+/// difference is free memory inside the arenas: fragmentation, or pages not yet trimmed).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HeapStats {
+    pub allocated: u64,
+    pub held: u64,
+}
+
+/// glibc's totals over every arena (`mallinfo2`); None with another allocator.
+pub fn heap_stats() -> Option<HeapStats> {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        // SAFETY: mallinfo2 takes each arena's lock while it sums that arena and returns a
+        // plain struct by value; it touches no memory of ours.
+        let m = unsafe { libc::mallinfo2() };
+        Some(HeapStats {
+            allocated: (m.uordblks + m.hblkhd) as u64,
+            held: (m.arena + m.hblkhd) as u64,
+        })
+    }
+    #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+    None
+}
+
 /// Runs until the runtime shuts down.
 pub fn spawn(state: Arc<AppState>) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
@@ -96,6 +120,19 @@ mod tests {
             }
         }
         assert_eq!(trims, vec![6, 10]);
+    }
+
+    #[test]
+    fn heap_stats_see_a_live_allocation() {
+        if heap_stats().is_none() {
+            return;
+        }
+        let big = vec![1u8; 64 << 20];
+        let during = heap_stats().unwrap();
+        // Live now, whatever other tests free meanwhile.
+        assert!(during.allocated >= 64 << 20, "{during:?}");
+        assert!(during.held >= during.allocated, "{during:?}");
+        drop(big);
     }
 
     proptest! {

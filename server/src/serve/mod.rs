@@ -3,7 +3,7 @@
 mod args;
 mod config;
 mod dump;
-mod idle_trim;
+pub mod idle_trim;
 mod run;
 
 pub use args::ServeArgs;

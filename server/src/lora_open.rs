@@ -1,6 +1,8 @@
-//! Race-free reads of a runtime-loaded adapter under `--lora-root`.
+//! Race-free reads of a runtime-loaded adapter under `--lora-root`: its first load (from the
+//! HTTP route) and every re-read after the memory manager dropped its host copy (the loader
+//! threads) go through [`load_confined`] with the same root.
 //!
-//! [`LoraAccess::resolve`](super::lora_access::LoraAccess::resolve) checks paths by name; a
+//! [`LoraAccess::resolve`](crate::http::LoraAccess::resolve) checks paths by name; a
 //! component swapped for a symlink between that check and the open would escape the root.
 //! So the adapter directory is opened once, walking down from the root one component at a
 //! time with `openat(O_DIRECTORY | O_NOFOLLOW)` (the canonical path has no links, so any link
@@ -8,7 +10,7 @@
 //! `/proc/self/fd`, and the adapter files are opened relative to that fd with `O_NOFOLLOW`.
 use std::io::Read;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::path::{Component, Path};
+use std::path::{Component, Path, PathBuf};
 
 use nix::errno::Errno;
 use nix::fcntl::{openat, OFlag};
@@ -83,6 +85,34 @@ fn read_file(dir_fd: &OwnedFd, dir: &Path, name: &str) -> Result<Option<Vec<u8>>
     Ok(Some(bytes))
 }
 
+/// `e` with absolute paths under `root` written as `<lora-root>/…`, so a client learns nothing
+/// about where the root lives.
+pub fn relative(root: &Path, e: AdapterError) -> AdapterError {
+    let rel = |p: PathBuf| match p.strip_prefix(root) {
+        Ok(r) => Path::new("<lora-root>").join(r),
+        Err(_) => p,
+    };
+    use AdapterError as A;
+    match e {
+        A::NotFound { path } => A::NotFound { path: rel(path) },
+        A::MissingFile { path } => A::MissingFile { path: rel(path) },
+        A::PickleWeights { path } => A::PickleWeights { path: rel(path) },
+        A::Io { path, reason } => A::Io {
+            path: rel(path),
+            reason,
+        },
+        A::ConfigNotJson { path, reason } => A::ConfigNotJson {
+            path: rel(path),
+            reason,
+        },
+        A::Corrupt { path, reason } => A::Corrupt {
+            path: rel(path),
+            reason,
+        },
+        other => other,
+    }
+}
+
 /// Reads and validates the adapter in `dir` (canonical, under `root`) with no path lookup
 /// that could follow a link out of the root.
 pub fn load_confined(
@@ -137,8 +167,8 @@ pub fn load_confined(
 
 #[cfg(test)]
 mod tests {
-    use super::super::lora_access::LoraAccess;
     use super::*;
+    use crate::http::LoraAccess;
 
     fn fixture() -> std::path::PathBuf {
         Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/hf-tiny-llama")
