@@ -712,9 +712,7 @@ impl Loop {
         let assisted = self.engine.rows_assisted() - assisted_before;
         if assisted == 0 {
             // Only steps the CPU did not stretch teach the model the device's speed.
-            self.cold
-                .cost
-                .observe_shape(&shape, kernel, elapsed);
+            self.cold.cost.observe_shape(&shape, kernel, elapsed);
         } else {
             let overhead = self
                 .engine

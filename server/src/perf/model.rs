@@ -492,7 +492,11 @@ mod tests {
         for g in [1e-4, 3e-4, 2e-4, 6e-4] {
             m.observe_gap(Duration::from_secs_f64(g));
         }
-        assert!((m.step_overhead_s - 3e-4).abs() < 1e-12, "{}", m.step_overhead_s);
+        assert!(
+            (m.step_overhead_s - 3e-4).abs() < 1e-12,
+            "{}",
+            m.step_overhead_s
+        );
         assert_eq!(m.overhead_steps, 4);
     }
 
@@ -506,9 +510,15 @@ mod tests {
             let a = if i < 400 { 1e-5 } else { 2e-5 };
             m.observe_step(t, Duration::from_secs_f64(8.0 * (2e-4 + a * t as f64)));
         }
-        assert!((m.layer_per_token_s - 1.5e-5).abs() / 1.5e-5 < 0.02, "{m:?}");
+        assert!(
+            (m.layer_per_token_s - 1.5e-5).abs() / 1.5e-5 < 0.02,
+            "{m:?}"
+        );
         let rms = m.fit_rms_rel().unwrap();
-        assert!(rms > 0.05 && rms < 0.5, "the fit's own error shows the mix: {rms}");
+        assert!(
+            rms > 0.05 && rms < 0.5,
+            "the fit's own error shows the mix: {rms}"
+        );
     }
 
     #[test]
