@@ -64,12 +64,13 @@ impl StepStats {
         self.n += 1;
         let n = self.n as f64;
         let delta: [f64; D] = std::array::from_fn(|a| z[a] - self.mean[a]);
-        for a in 0..D {
-            self.mean[a] += delta[a] / n;
+        for (m, d) in self.mean.iter_mut().zip(&delta) {
+            *m += d / n;
         }
-        for a in 0..D {
-            for b in 0..D {
-                self.comoment[a][b] += delta[a] * (z[b] - self.mean[b]);
+        let after: [f64; D] = std::array::from_fn(|b| z[b] - self.mean[b]);
+        for (row, d) in self.comoment.iter_mut().zip(&delta) {
+            for (c, e) in row.iter_mut().zip(&after) {
+                *c += d * e;
             }
         }
         for j in 0..COLS {
