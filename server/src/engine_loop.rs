@@ -278,6 +278,9 @@ struct Loop {
     deadline: Option<Instant>,
     sched: Scheduler,
     auto_kernel: bool,
+    /// When the last timed step ended, while steps run back to back (None once the loop
+    /// waits): the gap to the next step is the loop's overhead (the cost model's).
+    last_step_end: Option<Instant>,
 }
 
 const SHUTDOWN_MSG: &str =
@@ -320,6 +323,7 @@ impl Loop {
             stats,
             metrics,
             deadline: None,
+            last_step_end: None,
         }
     }
 
@@ -354,6 +358,7 @@ impl Loop {
         loop {
             self.publish();
             if self.state.is_idle() {
+                self.last_step_end = None;
                 // While adapters stream in, wake up now and then to publish their landed
                 // layers; otherwise sleep until a command arrives.
                 let streaming = !self
@@ -400,6 +405,7 @@ impl Loop {
             if !self.step() && !self.state.is_idle() {
                 // Nothing could be planned (requests wait for adapters to be read or to land):
                 // wait for a command or a read rather than spin.
+                self.last_step_end = None;
                 let w = Self::wait(&rx, &fetched, Some(Duration::from_millis(2)));
                 if !self.on_wake(w) {
                     self.abort_all(SHUTDOWN_MSG);
@@ -682,6 +688,9 @@ impl Loop {
         let assisted_before = self.engine.rows_assisted();
         let profile_before = self.engine.assist_profile();
         let started = Instant::now();
+        if let Some(end) = self.last_step_end.take() {
+            self.cold.cost.observe_gap(started - end);
+        }
         let outputs = match self.engine.step(&d.plan) {
             Ok(o) => o,
             Err(e) => {
@@ -697,13 +706,13 @@ impl Loop {
                 return true;
             }
         };
+        let elapsed = started.elapsed();
+        self.last_step_end = Some(started + elapsed);
         self.stats.steps.fetch_add(1, Ordering::Relaxed);
         let assisted = self.engine.rows_assisted() - assisted_before;
         if assisted == 0 {
             // Only steps the CPU did not stretch teach the model the device's speed.
-            self.cold
-                .cost
-                .observe_shape(&shape, kernel, started.elapsed());
+            self.cold.cost.observe_shape(&shape, kernel, elapsed);
         } else {
             let overhead = self
                 .engine
@@ -712,7 +721,7 @@ impl Loop {
                 .overhead();
             self.cold
                 .cost
-                .observe_assisted_step(tokens, started.elapsed(), overhead);
+                .observe_assisted_step(tokens, elapsed, overhead);
             self.stats
                 .cpu_assisted_rows
                 .fetch_add(assisted, Ordering::Relaxed);

@@ -271,7 +271,7 @@ impl Instance {
         } else {
             dev
         };
-        (Some(layer * model.layers()), loads)
+        (Some(layer * model.layers() + model.step_overhead()), loads)
     }
 
     /// Tokens running request `i` may compute this step, and whether with CPU assist.

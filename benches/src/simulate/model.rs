@@ -1,6 +1,7 @@
 //! One simulated instance's costs, all from a [`CostSnapshot`] that `thaw serve
 //! --dump-cost-model` wrote: the engine's own [`PerfModel`] rebuilt from its snapshot (device
-//! step time from prefill rows, decode rows and the ranks in the batch; adapter load time per
+//! step time from prefill rows, decode rows and the ranks in the batch, plus the engine
+//! loop's measured overhead per step; adapter load time per
 //! tier, disk → host → device; CPU-assist throughput); the `auto` cold-start decision is the
 //! engine's own function, asked with the same numbers.
 use thaw_server::coldstart::{AssistWork, ColdDecision, CostSnapshot};
@@ -73,14 +74,20 @@ impl InstanceModel {
             .layer_time_shape(shape, self.perf.choose_kernel(shape))
     }
 
-    /// Device time of a step of `shape`.
-    pub fn step_time(&self, shape: &StepShape) -> f64 {
-        self.perf.predict(shape)
+    /// Wall time the engine thread spends per step beyond the device time (the mean gap
+    /// between back-to-back steps the engine loop measured; 0 in dumps older than it).
+    pub fn step_overhead(&self) -> f64 {
+        self.perf.step_overhead_s
     }
 
-    /// Device time of a step of `tokens` rows without adapters.
+    /// Wall time of a step of `shape`: its device time and the loop's overhead.
+    pub fn step_time(&self, shape: &StepShape) -> f64 {
+        self.perf.predict(shape) + self.step_overhead()
+    }
+
+    /// Wall time of a step of `tokens` rows without adapters.
     pub fn base_step_time(&self, tokens: usize) -> f64 {
-        self.perf.step_time(tokens)
+        self.perf.step_time(tokens) + self.step_overhead()
     }
 
     /// What `rows` rows of one sequence (decode rows if `decode`) of a rank-`rank` adapter add
@@ -171,6 +178,7 @@ pub(crate) mod tests {
                 latency_us: 10.0,
             },
             disk_bytes_per_s: 1e9,
+            step_overhead_s: 5e-5,
             ..Default::default()
         };
         CostSnapshot {
@@ -196,11 +204,11 @@ pub(crate) mod tests {
     #[test]
     fn times_follow_the_snapshot() {
         let m = InstanceModel::new(snapshot()).unwrap();
-        assert!((m.base_step_time(10) - 4.0 * (2e-4 + 1e-4)).abs() < 1e-12);
+        assert!((m.base_step_time(10) - 4.0 * (2e-4 + 1e-4) - 5e-5).abs() < 1e-12);
         // The rank term the perf model fitted: 10 rows of rank 8 add 80 · 1e-8 s per layer.
         let mut shape = StepShape::default();
         shape.add(10, false, Some(8));
-        assert!((m.step_time(&shape) - 4.0 * (2e-4 + 1e-4 + 8e-7)).abs() < 1e-12);
+        assert!((m.step_time(&shape) - 4.0 * (2e-4 + 1e-4 + 8e-7) - 5e-5).abs() < 1e-12);
         assert!((m.added_time(10, false, 8) - 4.0 * (1e-4 + 8e-7)).abs() < 1e-12);
         // The link as the engine's model times it.
         assert_eq!(m.link_time(8), m.perf.load_time(8 * 32768, 0));

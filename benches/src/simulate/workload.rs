@@ -107,7 +107,8 @@ pub fn build(
     let planned = plan(&wargs, server)?;
     let mean_prompt = planned.iter().map(|p| p.prompt_len).sum::<usize>() as f64 / n as f64;
     let mean_output = planned.iter().map(|p| p.output_len).sum::<usize>() as f64 / n as f64;
-    // Capacity: prefill at the per-token rate, decode in full batches.
+    // Capacity: prefill at the per-token rate, decode in full batches (each step with the
+    // loop's overhead).
     let l = model.snap.limits;
     let full = l.max_num_seqs as f64;
     let service = model.base_step_time(mean_prompt.round() as usize)

@@ -1,12 +1,13 @@
 //! The performance model (DESIGN §4, §7): step latency from prefill rows, decode rows and the
 //! ranks in the batch (CaraServe §5), CPU-assist throughput and adapter load time per tier,
-//! fitted online by least squares. There is exactly one: the cold-start planner, the
+//! fitted online by least squares over every step of the run, and the engine thread's time
+//! between steps. There is exactly one: the cold-start planner, the
 //! scheduler (kernel choice, the TPOT cap, request sizes) and `thaw-bench simulate` (through
 //! [`PerfSnapshot`]) all read the same fitted numbers.
 mod fit;
 mod model;
 mod snapshot;
 
-pub use fit::{ErrorStat, Sample, StepWindow};
+pub use fit::{ErrorStat, Sample, StepStats};
 pub use model::{PerfModel, StepShape, Tier};
 pub use snapshot::PerfSnapshot;

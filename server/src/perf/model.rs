@@ -17,14 +17,19 @@
 //! `Perf_MBGMV(S) = α_M·Sum rank(i) + β_M` for decode batches, one row per request; here a
 //! row is a token, so a prefill chunk of `n` rows counts `n` times, and the base model's cost
 //! per token (`a_tok`, and `a_dec` for what a decode row's attention over its context adds)
-//! sits beside the LoRA term. All terms are per layer, fitted by least squares over the
-//! recent steps ([`super::fit::StepWindow`]).
+//! sits beside the LoRA term. All terms are per layer, fitted by least squares over every
+//! step of the run ([`super::fit::StepStats`]).
+//!
+//! Beside the device time the engine thread spends time between steps (planning, sending
+//! tokens, publishing metrics, and whatever other threads on its core take meanwhile):
+//! [`PerfModel::step_overhead_s`] is its mean per step, measured by the engine loop, so a
+//! simulated instance runs as many steps per second as the real one.
 use std::time::Duration;
 
 use thaw_runtime::backend::LoraKernel;
 use thaw_runtime::residency::LinkModel;
 
-use super::fit::{ErrorStat, Sample, StepWindow, COLS};
+use super::fit::{ErrorStat, Sample, StepStats, COLS};
 
 /// What a step computes, as far as its time goes.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -107,10 +112,15 @@ pub struct PerfModel {
     pub assist_layer_overhead_s: f64,
     /// EWMA weight of each new observation.
     pub alpha: f64,
-    /// Recent steps the device-time model is refitted to by least squares.
-    pub recent: StepWindow,
+    /// Moments of every step of the run the device-time model is fitted to by least squares.
+    pub recent: StepStats,
     /// Error of each step's prediction, made before the step was measured.
     pub error: ErrorStat,
+    /// Mean wall time the engine thread spends between two back-to-back steps (outside the
+    /// timed step), seconds.
+    pub step_overhead_s: f64,
+    /// Gaps between steps behind [`Self::step_overhead_s`].
+    pub overhead_steps: u64,
 }
 
 impl Default for PerfModel {
@@ -129,8 +139,10 @@ impl Default for PerfModel {
             disk_bytes_per_s: 1e9,
             assist_layer_overhead_s: 0.0,
             alpha: 0.1,
-            recent: StepWindow::default(),
+            recent: StepStats::default(),
             error: ErrorStat::default(),
+            step_overhead_s: 0.0,
+            overhead_steps: 0,
         }
     }
 }
@@ -256,6 +268,20 @@ impl PerfModel {
         }
     }
 
+    /// Folds one gap between two back-to-back steps (the end of one timed step to the start
+    /// of the next) into the mean overhead per step.
+    pub fn observe_gap(&mut self, gap: Duration) {
+        self.overhead_steps += 1;
+        let g = gap.as_secs_f64();
+        self.step_overhead_s += (g - self.step_overhead_s) / self.overhead_steps as f64;
+    }
+
+    /// Root-mean-square error of the device-time fit over every step it was fitted to,
+    /// relative to the mean step (None before any step).
+    pub fn fit_rms_rel(&self) -> Option<f64> {
+        self.recent.rms_rel(self.layer_base_s, &self.coef())
+    }
+
     /// Folds one disk → host read of `bytes` into the disk rate.
     pub fn observe_disk_load(&mut self, bytes: u64, elapsed: Duration) {
         let s = elapsed.as_secs_f64();
@@ -285,8 +311,8 @@ impl PerfModel {
         self.observe_shape(&s, LoraKernel::Sgmv, elapsed);
     }
 
-    /// Folds one measured step into the device-time model: a least-squares fit over the
-    /// recent steps once their shapes spread, an EWMA nudge of the start-up calibration
+    /// Folds one measured step into the device-time model: a least-squares fit over all
+    /// steps of the run once their shapes spread, an EWMA nudge of the start-up calibration
     /// before that. The prediction made before the fold feeds [`Self::error`].
     pub fn observe_shape(&mut self, shape: &StepShape, kernel: LoraKernel, elapsed: Duration) {
         if shape.tokens == 0 || self.num_layers == 0 {
@@ -458,6 +484,41 @@ mod tests {
         with.add(1, false, Some(64));
         assert!(m.predict(&with) > slo, "the cap is the largest that fits");
         assert_eq!(m.max_rows_within(&decoding, None, false, 0.0, 10), 0);
+    }
+
+    #[test]
+    fn the_overhead_is_the_mean_gap_between_steps() {
+        let mut m = model(true);
+        for g in [1e-4, 3e-4, 2e-4, 6e-4] {
+            m.observe_gap(Duration::from_secs_f64(g));
+        }
+        assert!(
+            (m.step_overhead_s - 3e-4).abs() < 1e-12,
+            "{}",
+            m.step_overhead_s
+        );
+        assert_eq!(m.overhead_steps, 4);
+    }
+
+    #[test]
+    fn a_regime_change_moves_the_pooled_fit_to_the_runs_average() {
+        // 400 steps at one per-token cost, then 400 at twice it: a window of the last steps
+        // would describe only the second regime; the pooled fit describes the run.
+        let mut m = model(true);
+        for i in 0..800usize {
+            let t = 1 + (i * 7) % 128;
+            let a = if i < 400 { 1e-5 } else { 2e-5 };
+            m.observe_step(t, Duration::from_secs_f64(8.0 * (2e-4 + a * t as f64)));
+        }
+        assert!(
+            (m.layer_per_token_s - 1.5e-5).abs() / 1.5e-5 < 0.02,
+            "{m:?}"
+        );
+        let rms = m.fit_rms_rel().unwrap();
+        assert!(
+            rms > 0.05 && rms < 0.5,
+            "the fit's own error shows the mix: {rms}"
+        );
     }
 
     #[test]

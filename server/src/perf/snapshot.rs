@@ -5,7 +5,7 @@ use thaw_runtime::residency::LinkModel;
 use super::fit::ErrorStat;
 use super::model::PerfModel;
 
-/// Everything a [`PerfModel`] predicts from, without its window of recent steps.
+/// Everything a [`PerfModel`] predicts from, without the moments of its steps.
 #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct PerfSnapshot {
     pub num_layers: usize,
@@ -20,8 +20,17 @@ pub struct PerfSnapshot {
     pub link_latency_us: f64,
     pub disk_bytes_per_s: f64,
     pub assist_layer_overhead_s: f64,
-    /// How well the model predicted the steps it was fitted on.
+    /// How well the model predicted each step before it was measured (recent steps weigh
+    /// most).
     pub error: ErrorStat,
+    /// Root-mean-square error of the device-time fit over every step of the run, relative
+    /// to the mean step (0: no step yet). Older dumps lack it.
+    #[serde(default)]
+    pub fit_rms_rel: f64,
+    /// Mean wall time of the engine thread between two back-to-back steps, seconds: what a
+    /// step costs beyond the device time the fit predicts. Older dumps lack it (0).
+    #[serde(default)]
+    pub step_overhead_s: f64,
 }
 
 impl PerfModel {
@@ -40,10 +49,12 @@ impl PerfModel {
             disk_bytes_per_s: self.disk_bytes_per_s,
             assist_layer_overhead_s: self.assist_layer_overhead_s,
             error: self.error,
+            fit_rms_rel: self.fit_rms_rel().unwrap_or(0.0),
+            step_overhead_s: self.step_overhead_s,
         }
     }
 
-    /// A model that predicts what the snapshotted one did (its window starts empty).
+    /// A model that predicts what the snapshotted one did (its step moments start empty).
     pub fn from_snapshot(s: &PerfSnapshot) -> Self {
         Self {
             num_layers: s.num_layers,
@@ -61,6 +72,7 @@ impl PerfModel {
             disk_bytes_per_s: s.disk_bytes_per_s,
             assist_layer_overhead_s: s.assist_layer_overhead_s,
             error: s.error,
+            step_overhead_s: s.step_overhead_s,
             ..Default::default()
         }
     }
@@ -81,6 +93,7 @@ mod tests {
             lora_bgmv_s: 2e-8,
             num_layers: 12,
             disk_bytes_per_s: 7e8,
+            step_overhead_s: 2e-4,
             ..Default::default()
         };
         let json = serde_json::to_string(&m.snapshot()).unwrap();
@@ -90,5 +103,14 @@ mod tests {
         shape.add(40, false, Some(16));
         shape.add(3, true, Some(64));
         assert_eq!(back.predict(&shape), m.predict(&shape));
+    }
+
+    #[test]
+    fn a_dump_older_than_the_overhead_reads_as_none() {
+        let mut v = serde_json::to_value(PerfModel::default().snapshot()).unwrap();
+        let o = v.as_object_mut().unwrap();
+        assert!(o.remove("step_overhead_s").is_some() && o.remove("fit_rms_rel").is_some());
+        let s: PerfSnapshot = serde_json::from_value(v).unwrap();
+        assert_eq!((s.step_overhead_s, s.fit_rms_rel), (0.0, 0.0));
     }
 }
