@@ -87,10 +87,11 @@ pub(crate) const SMALL_M: usize = 16;
 /// (which stays in L1).
 fn linear_small_m(x: &[f32], w: &[f32], y: &mut [f32], s: GemmShape, alpha: f32, accumulate: bool) {
     let GemmShape { m, k, n } = s;
+    let mut col = [0.0f32; SMALL_M];
+    let col = &mut col[..m];
     for j in 0..n {
-        let wr = &w[j * k..(j + 1) * k];
-        for i in 0..m {
-            let d = dot(&x[i * k..(i + 1) * k], wr);
+        super::simd::dot_rows_f32(x, &w[j * k..(j + 1) * k], col);
+        for (i, &d) in col.iter().enumerate() {
             let o = &mut y[i * n + j];
             *o = if accumulate {
                 *o + alpha * d

@@ -8,7 +8,9 @@ use half::{bf16, f16, slice::HalfFloatSliceExt};
 use super::blocks::{dequantize_block, dequantize_blocks, quantize_blocks};
 use super::WeightFormat;
 use crate::cpu::gemm::{dot, linear, GemmShape, SMALL_M};
-use crate::cpu::simd::{dot_bf16, dot_f16, dot_q8, q8_dot_supported, quantize_q8, Q8Block};
+use crate::cpu::simd::{
+    dot_rows_bf16, dot_rows_f16, dot_rows_q8, q8_dot_supported, quantize_q8, Q8Block,
+};
 use crate::cpu::sys::{sgemm, MatMut, MatRef};
 use crate::error::KernelError;
 
@@ -351,22 +353,21 @@ impl WeightMatrix {
     /// false for formats without such a kernel (f32 has its own path; K-quants widen rows).
     fn decode_direct(&self, x: &[f32], m: usize, out: &mut [f32], cols: Range<usize>) -> bool {
         let (k, n) = (self.cols, cols.len());
-        let rows = |dot_row: &mut dyn FnMut(usize, usize) -> f32, out: &mut [f32]| {
+        // One pass over each weight row for all `m` activation rows, scattered into `out`.
+        let mut col = [0.0f32; SMALL_M];
+        let col = &mut col[..m];
+        let mut each = |dot_row: &mut dyn FnMut(usize, &mut [f32])| {
             for (jj, j) in cols.clone().enumerate() {
-                for i in 0..m {
-                    out[i * n + jj] = dot_row(i, j);
+                dot_row(j, col);
+                for (i, v) in col.iter().enumerate() {
+                    out[i * n + jj] = *v;
                 }
             }
         };
+        let x = &x[..m * k];
         match &self.data {
-            WeightData::F16(w) => rows(
-                &mut |i, j| dot_f16(&x[i * k..(i + 1) * k], &w[j * k..(j + 1) * k]),
-                out,
-            ),
-            WeightData::BF16(w) => rows(
-                &mut |i, j| dot_bf16(&x[i * k..(i + 1) * k], &w[j * k..(j + 1) * k]),
-                out,
-            ),
+            WeightData::F16(w) => each(&mut |j, o| dot_rows_f16(x, &w[j * k..(j + 1) * k], o)),
+            WeightData::BF16(w) => each(&mut |j, o| dot_rows_bf16(x, &w[j * k..(j + 1) * k], o)),
             WeightData::Quant(f, b) if q8_dot_supported(*f) => {
                 let kb = k / f.block_elems();
                 let rb = kb * f.block_bytes();
@@ -379,10 +380,7 @@ impl WeightMatrix {
                         quantize_q8(&x[i * k..(i + 1) * k], &mut q[i * kb..(i + 1) * kb]);
                     }
                     let q = &q[..m * kb];
-                    rows(
-                        &mut |i, j| dot_q8(*f, &b[j * rb..(j + 1) * rb], &q[i * kb..(i + 1) * kb]),
-                        out,
-                    );
+                    each(&mut |j, o| dot_rows_q8(*f, &b[j * rb..(j + 1) * rb], q, o));
                 });
             }
             _ => return false,

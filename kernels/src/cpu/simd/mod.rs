@@ -1,9 +1,10 @@
 //! Decode-path inner products, dispatched at run time: AVX2/FMA/F16C kernels where the CPU has
 //! them, and the portable code (the oracle in tests, and the fallback elsewhere).
 //!
-//! - [`dot_f32`], [`dot_f16`], [`dot_bf16`]: a weight row in its stored float format × an f32
-//!   activation row, accumulated in f32.
-//! - [`quantize_q8`] + [`dot_q8`]: as ggml does for Q8_0/Q4_0/Q4_1 weights, the activation
+//! - [`dot_rows_f32`], [`dot_rows_f16`], [`dot_rows_bf16`]: a weight row in its stored float format × an f32
+//!   activation row, accumulated in f32,
+//!   for up to a few activation rows at once (one pass over the weight row).
+//! - [`quantize_q8`] + [`dot_rows_q8`]: as ggml does for Q8_0/Q4_0/Q4_1 weights, the activation
 //!   row is quantised to 8-bit blocks once per product, then every weight block is an
 //!   i8×i8 (or u4×i8) integer dot scaled by the two block scales.
 //!
@@ -104,33 +105,48 @@ fn avx2() -> Option<x86::Avx2> {
 #[inline]
 pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len(), "dot_f32: lengths differ");
-    #[cfg(target_arch = "x86_64")]
-    if let Some(t) = avx2() {
-        return t.dot_f32(a, b);
-    }
-    portable::dot_f32(a, b)
+    let mut out = [0.0];
+    dot_rows_f32(a, b, &mut out);
+    out[0]
 }
 
-/// `Σ x·w` with `w` stored as f16.
+/// `out[r] = x[r]·w` for the `out.len()` rows of `x` (each `w.len()` long, packed): one pass
+/// over `w` for all rows; each row sums as [`dot_f32`] does, so results do not depend on how
+/// many rows come along.
 #[inline]
-pub fn dot_f16(x: &[f32], w: &[f16]) -> f32 {
-    assert_eq!(x.len(), w.len(), "dot_f16: lengths differ");
+pub fn dot_rows_f32(x: &[f32], w: &[f32], out: &mut [f32]) {
+    check_rows("dot_rows_f32", x.len(), w.len(), out.len());
     #[cfg(target_arch = "x86_64")]
     if let Some(t) = avx2() {
-        return t.dot_f16(x, w);
+        return t.dot_rows_f32(x, w, out);
     }
-    portable::dot_f16(x, w)
+    portable::rows(x, w.len(), out, |xr| portable::dot_f32(xr, w))
 }
 
-/// `Σ x·w` with `w` stored as bf16.
+/// As [`dot_rows_f32`] with `w` stored as f16.
 #[inline]
-pub fn dot_bf16(x: &[f32], w: &[bf16]) -> f32 {
-    assert_eq!(x.len(), w.len(), "dot_bf16: lengths differ");
+pub fn dot_rows_f16(x: &[f32], w: &[f16], out: &mut [f32]) {
+    check_rows("dot_rows_f16", x.len(), w.len(), out.len());
     #[cfg(target_arch = "x86_64")]
     if let Some(t) = avx2() {
-        return t.dot_bf16(x, w);
+        return t.dot_rows_f16(x, w, out);
     }
-    portable::dot_bf16(x, w)
+    portable::rows(x, w.len(), out, |xr| portable::dot_f16(xr, w))
+}
+
+/// As [`dot_rows_f32`] with `w` stored as bf16.
+#[inline]
+pub fn dot_rows_bf16(x: &[f32], w: &[bf16], out: &mut [f32]) {
+    check_rows("dot_rows_bf16", x.len(), w.len(), out.len());
+    #[cfg(target_arch = "x86_64")]
+    if let Some(t) = avx2() {
+        return t.dot_rows_bf16(x, w, out);
+    }
+    portable::rows(x, w.len(), out, |xr| portable::dot_bf16(xr, w))
+}
+
+fn check_rows(op: &str, x: usize, k: usize, m: usize) {
+    assert_eq!(x, m * k, "{op}: x has {x} values, not {m} rows of {k}");
 }
 
 /// One activation block quantised to 8 bits: `x ≈ d · qs`, and `s = d · Σ qs` (the block's
@@ -146,7 +162,7 @@ pub struct Q8Block {
 /// Values per [`Q8Block`] (the block size of Q8_0/Q4_0/Q4_1).
 pub const Q8_BLOCK: usize = 32;
 
-/// Whether [`dot_q8`] handles weights of `format`.
+/// Whether [`dot_rows_q8`] handles weights of `format`.
 pub fn q8_dot_supported(format: WeightFormat) -> bool {
     matches!(
         format,
@@ -179,25 +195,39 @@ pub fn quantize_q8(x: &[f32], out: &mut [Q8Block]) {
     }
 }
 
-/// `Σ w·x` for one weight row `w` (whole blocks of `format`: Q8_0, Q4_0 or Q4_1) and an
-/// activation row quantised by [`quantize_q8`] (one block per weight block).
+/// `out[r] = w·x[r]` for one weight row `w` (whole blocks of `format`: Q8_0, Q4_0 or Q4_1)
+/// and the `out.len()` activation rows in `x`, each quantised by [`quantize_q8`] (one block
+/// per weight block). Each row's result does not depend on how many rows come along.
 #[inline]
-pub fn dot_q8(format: WeightFormat, w: &[u8], x: &[Q8Block]) -> f32 {
+pub fn dot_rows_q8(format: WeightFormat, w: &[u8], x: &[Q8Block], out: &mut [f32]) {
     assert!(
         q8_dot_supported(format),
         "dot_q8: {} weights",
         format.name()
     );
+    let kb = w.len() / format.block_bytes();
     assert_eq!(
         w.len(),
-        x.len() * format.block_bytes(),
-        "dot_q8: {} weight bytes for {} activation blocks",
+        kb * format.block_bytes(),
+        "dot_q8: {} bytes are not whole {} blocks",
         w.len(),
-        x.len()
+        format.name()
+    );
+    assert_eq!(
+        x.len(),
+        out.len() * kb,
+        "dot_q8: {} activation blocks for {} rows of {kb}",
+        x.len(),
+        out.len()
     );
     #[cfg(target_arch = "x86_64")]
     if let Some(t) = avx2() {
-        return t.dot_q8(format, w, x);
+        return t.dot_rows_q8(format, w, x, out);
     }
-    portable::dot_q8(format, w, x)
+    if kb == 0 {
+        return out.fill(0.0);
+    }
+    for (o, xr) in out.iter_mut().zip(x.chunks_exact(kb)) {
+        *o = portable::dot_q8(format, w, xr);
+    }
 }

@@ -31,6 +31,16 @@ fn dot_by(n: usize, mut term: impl FnMut(usize) -> f32) -> f32 {
     acc[0] + tail
 }
 
+/// `out[r] = dot(x[r])` for the rows of `x` (`k` wide).
+pub(super) fn rows(x: &[f32], k: usize, out: &mut [f32], dot: impl Fn(&[f32]) -> f32) {
+    if k == 0 {
+        return out.fill(0.0);
+    }
+    for (o, xr) in out.iter_mut().zip(x.chunks_exact(k)) {
+        *o = dot(xr);
+    }
+}
+
 pub(super) fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
     dot_by(a.len(), |i| a[i] * b[i])
 }

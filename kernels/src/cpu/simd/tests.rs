@@ -28,45 +28,73 @@ fn levels() -> Vec<SimdLevel> {
     v
 }
 
-/// Run `f32`-returning kernels at an explicit level (no global state: tests run in parallel).
-fn f32_dot(l: SimdLevel, a: &[f32], b: &[f32]) -> f32 {
+/// The rows kernels at an explicit level (no global state: tests run in parallel).
+fn rows_f32(l: SimdLevel, x: &[f32], w: &[f32], out: &mut [f32]) {
     match l {
-        SimdLevel::Portable => portable::dot_f32(a, b),
+        SimdLevel::Portable => portable::rows(x, w.len(), out, |r| portable::dot_f32(r, w)),
         #[cfg(target_arch = "x86_64")]
-        SimdLevel::Avx2 => x86::Avx2::detect().unwrap().dot_f32(a, b),
+        SimdLevel::Avx2 => x86::Avx2::detect().unwrap().dot_rows_f32(x, w, out),
         #[cfg(not(target_arch = "x86_64"))]
         SimdLevel::Avx2 => unreachable!(),
     }
+}
+
+fn rows_f16(l: SimdLevel, x: &[f32], w: &[f16], out: &mut [f32]) {
+    match l {
+        SimdLevel::Portable => portable::rows(x, w.len(), out, |r| portable::dot_f16(r, w)),
+        #[cfg(target_arch = "x86_64")]
+        SimdLevel::Avx2 => x86::Avx2::detect().unwrap().dot_rows_f16(x, w, out),
+        #[cfg(not(target_arch = "x86_64"))]
+        SimdLevel::Avx2 => unreachable!(),
+    }
+}
+
+fn rows_bf16(l: SimdLevel, x: &[f32], w: &[bf16], out: &mut [f32]) {
+    match l {
+        SimdLevel::Portable => portable::rows(x, w.len(), out, |r| portable::dot_bf16(r, w)),
+        #[cfg(target_arch = "x86_64")]
+        SimdLevel::Avx2 => x86::Avx2::detect().unwrap().dot_rows_bf16(x, w, out),
+        #[cfg(not(target_arch = "x86_64"))]
+        SimdLevel::Avx2 => unreachable!(),
+    }
+}
+
+fn rows_q8(l: SimdLevel, f: WeightFormat, w: &[u8], x: &[Q8Block], out: &mut [f32]) {
+    match l {
+        SimdLevel::Portable => {
+            let kb = w.len() / f.block_bytes();
+            for (o, xr) in out.iter_mut().zip(x.chunks_exact(kb)) {
+                *o = portable::dot_q8(f, w, xr);
+            }
+        }
+        #[cfg(target_arch = "x86_64")]
+        SimdLevel::Avx2 => x86::Avx2::detect().unwrap().dot_rows_q8(f, w, x, out),
+        #[cfg(not(target_arch = "x86_64"))]
+        SimdLevel::Avx2 => unreachable!(),
+    }
+}
+
+/// One row through a rows kernel.
+fn one(k: impl FnOnce(&mut [f32])) -> f32 {
+    let mut o = [f32::NAN];
+    k(&mut o);
+    o[0]
+}
+
+fn f32_dot(l: SimdLevel, a: &[f32], b: &[f32]) -> f32 {
+    one(|o| rows_f32(l, a, b, o))
 }
 
 fn f16_dot(l: SimdLevel, x: &[f32], w: &[f16]) -> f32 {
-    match l {
-        SimdLevel::Portable => portable::dot_f16(x, w),
-        #[cfg(target_arch = "x86_64")]
-        SimdLevel::Avx2 => x86::Avx2::detect().unwrap().dot_f16(x, w),
-        #[cfg(not(target_arch = "x86_64"))]
-        SimdLevel::Avx2 => unreachable!(),
-    }
+    one(|o| rows_f16(l, x, w, o))
 }
 
 fn bf16_dot(l: SimdLevel, x: &[f32], w: &[bf16]) -> f32 {
-    match l {
-        SimdLevel::Portable => portable::dot_bf16(x, w),
-        #[cfg(target_arch = "x86_64")]
-        SimdLevel::Avx2 => x86::Avx2::detect().unwrap().dot_bf16(x, w),
-        #[cfg(not(target_arch = "x86_64"))]
-        SimdLevel::Avx2 => unreachable!(),
-    }
+    one(|o| rows_bf16(l, x, w, o))
 }
 
 fn q8_dot(l: SimdLevel, f: WeightFormat, w: &[u8], x: &[Q8Block]) -> f32 {
-    match l {
-        SimdLevel::Portable => portable::dot_q8(f, w, x),
-        #[cfg(target_arch = "x86_64")]
-        SimdLevel::Avx2 => x86::Avx2::detect().unwrap().dot_q8(f, w, x),
-        #[cfg(not(target_arch = "x86_64"))]
-        SimdLevel::Avx2 => unreachable!(),
-    }
+    one(|o| rows_q8(l, f, w, x, o))
 }
 
 /// `Σ a·b` in f64 and `Σ |a·b|`.
@@ -225,6 +253,52 @@ fn dispatch_honours_the_level() {
     let got = dot_f32(&a, &b);
     assert!(levels().iter().any(|&l| f32_dot(l, &a, &b) == got));
     assert_eq!(simd_level(), simd_level());
+}
+
+/// Each row of a many-row call equals the one-row call bit for bit (a sequence's logits do
+/// not depend on its batch), at every level, for 1..=9 rows (tiles of 4 plus remainders).
+#[test]
+fn rows_kernels_are_batch_invariant() {
+    let (k, kb) = (96 + 13, 5);
+    let mut r = rng(11);
+    let x = rand_vec(&mut r, 9 * k, 1.0);
+    let w = rand_vec(&mut r, k, 1.0);
+    let wh: Vec<f16> = w.iter().map(|&v| f16::from_f32(v)).collect();
+    let wb: Vec<bf16> = w.iter().map(|&v| bf16::from_f32(v)).collect();
+    let xs = rand_vec(&mut r, 9 * kb * 32, 1.0);
+    let mut q = vec![Q8Block::default(); 9 * kb];
+    for (row, qr) in xs.chunks_exact(kb * 32).zip(q.chunks_exact_mut(kb)) {
+        quantize_q8(row, qr);
+    }
+    for l in levels() {
+        for m in 1..=9 {
+            let mut out = vec![f32::NAN; m];
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            rows_f32(l, &x[..m * k], &w, &mut out);
+            let single: Vec<f32> = (0..m)
+                .map(|i| f32_dot(l, &x[i * k..(i + 1) * k], &w))
+                .collect();
+            assert_eq!(bits(&out), bits(&single), "f32 {l:?} m={m}");
+            rows_f16(l, &x[..m * k], &wh, &mut out);
+            let single: Vec<f32> = (0..m)
+                .map(|i| f16_dot(l, &x[i * k..(i + 1) * k], &wh))
+                .collect();
+            assert_eq!(bits(&out), bits(&single), "f16 {l:?} m={m}");
+            rows_bf16(l, &x[..m * k], &wb, &mut out);
+            let single: Vec<f32> = (0..m)
+                .map(|i| bf16_dot(l, &x[i * k..(i + 1) * k], &wb))
+                .collect();
+            assert_eq!(bits(&out), bits(&single), "bf16 {l:?} m={m}");
+            for f in Q8_FORMATS {
+                let wq = weight_row(f, kb, true, m as u64);
+                rows_q8(l, f, &wq, &q[..m * kb], &mut out);
+                let single: Vec<f32> = (0..m)
+                    .map(|i| q8_dot(l, f, &wq, &q[i * kb..(i + 1) * kb]))
+                    .collect();
+                assert_eq!(bits(&out), bits(&single), "{} {l:?} m={m}", f.name());
+            }
+        }
+    }
 }
 
 proptest! {
