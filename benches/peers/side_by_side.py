@@ -69,6 +69,8 @@ class Thaw:
         self.cmd = " ".join(cmd)
 
     def complete(self, prompt, adapter):
+        if adapter is None:  # the base model, by the name /v1/models lists first
+            adapter = self.base = getattr(self, "base", None) or s_model(self)
         r = post(self.url + "/v1/completions", {
             "model": adapter, "prompt": prompt, "max_tokens": OUT_TOKENS, "temperature": 0,
             "ignore_eos": True})
@@ -139,6 +141,8 @@ def main():
     p.add_argument("--workloads", default="single,mixed8,mixed16")
     p.add_argument("--q4", action="store_true", help="also Q4_1 single stream (thaw serving the GGUF)")
     p.add_argument("--logdir", default="/tmp")
+    p.add_argument("--machine", default="2-core VM, shared",
+                   help="printed above the table (e.g. '2-core VM, quiet' under /work/bin/quiet)")
     a = p.parse_args()
     wl = [w for w in WORKLOADS if w[0] in a.workloads.split(",")]
     systems = [Thaw(a, f"{a.peers}/hf-f32", 18431), Llama(a, f"{a.peers}/gguf/model-f32.gguf", 18432)]
@@ -182,7 +186,7 @@ def main():
                 q4[s.name].append(tps)
                 print(f"round {rnd} q4_1     {s.name:10} {tps:7.1f} tok/s", flush=True)
         systems = q4s
-    print(f"\n2-core VM, shared; {a.rounds} rounds, median tok/s (min-max); llama.cpp {a.threads} threads")
+    print(f"\n{a.machine}; {a.rounds} rounds, median tok/s (min-max); llama.cpp {a.threads} threads")
     print("| workload | thaw serve | llama.cpp llama-server | thaw / llama.cpp |")
     print("|---|---|---|---|")
     label = {"single": "1 request, 64-token prompt, f32", "mixed8": "8 requests, 3 adapters mixed, f32",

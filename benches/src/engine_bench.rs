@@ -57,6 +57,10 @@ pub struct EngineBenchArgs {
     /// CPU compute thread counts compared in real-model mode (alternated every repetition).
     #[arg(long, value_delimiter = ',', default_value = "1,2")]
     pub threads: Vec<usize>,
+    /// Decode kernels compared in real-model mode (`portable`, `avx2`; alternated like the
+    /// thread counts; `avx2` falls back to portable on CPUs without it).
+    #[arg(long, value_delimiter = ',', default_value = "avx2")]
+    pub simd: Vec<crate::quant_bench::Simd>,
 }
 
 impl EngineBenchArgs {
@@ -76,6 +80,7 @@ impl EngineBenchArgs {
             loras: Vec::new(),
             batches: vec![1, 8, 16],
             threads: vec![1, 2],
+            simd: vec![crate::quant_bench::Simd::Avx2],
         }
     }
 }

@@ -9,6 +9,7 @@ use std::time::Instant;
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
+use thaw_kernels::cpu::{set_simd_level, SimdLevel};
 use thaw_runtime::adapter::LoraAdapter;
 use thaw_runtime::backend::cpu::CpuBackend;
 use thaw_runtime::backend::cpu_par::CpuThreads;
@@ -22,6 +23,8 @@ pub struct RealArgs {
     pub loras: Vec<PathBuf>,
     pub batches: Vec<usize>,
     pub threads: Vec<usize>,
+    /// Decode kernel levels compared (each cell runs at each).
+    pub simd: Vec<SimdLevel>,
     pub prompt_len: usize,
     pub decode_steps: usize,
     pub reps: usize,
@@ -32,6 +35,7 @@ pub struct RealArgs {
 pub struct RealRow {
     pub batch: usize,
     pub threads: usize,
+    pub simd: SimdLevel,
     pub prefill_tok_s: f64,
     pub decode_tok_s: f64,
 }
@@ -49,25 +53,39 @@ pub fn run(a: &RealArgs) -> anyhow::Result<Vec<RealRow>> {
         .iter()
         .map(|d| LoraAdapter::load(d, &model.config).map(Arc::new))
         .collect::<Result<Vec<_>, _>>()?;
-    let cells: Vec<(usize, usize)> = a
+    let levels = if a.simd.is_empty() {
+        vec![SimdLevel::Avx2]
+    } else {
+        a.simd.clone()
+    };
+    let cells: Vec<(usize, usize, SimdLevel)> = a
         .batches
         .iter()
-        .flat_map(|&b| a.threads.iter().map(move |&t| (b, t)))
+        .flat_map(|&b| {
+            let levels = &levels;
+            a.threads
+                .iter()
+                .flat_map(move |&t| levels.iter().map(move |&l| (b, t, l)))
+        })
         .collect();
-    let mut got = vec![(Vec::new(), Vec::new()); cells.len()];
+    let mut got = vec![(Vec::new(), Vec::new(), SimdLevel::Portable); cells.len()];
     for rep in 0..a.reps.max(1) {
-        for (i, &(b, t)) in cells.iter().enumerate() {
+        for (i, &(b, t, l)) in cells.iter().enumerate() {
+            // The level in effect (AVX2 asked on a CPU without it runs portable).
+            got[i].2 = set_simd_level(l);
             let (p, d) = measure(a, &model, &adapters, b, t, rep as u64)?;
             got[i].0.push(p);
             got[i].1.push(d);
         }
     }
+    set_simd_level(SimdLevel::Avx2);
     Ok(cells
         .into_iter()
         .zip(got)
-        .map(|((batch, threads), (p, d))| RealRow {
+        .map(|((batch, threads, _), (p, d, simd))| RealRow {
             batch,
             threads,
+            simd,
             prefill_tok_s: median(p),
             decode_tok_s: median(d),
         })
@@ -149,10 +167,9 @@ pub fn table(a: &RealArgs, rows: &[RealRow]) -> String {
     );
     let _ = writeln!(
         s,
-        "| batch | threads | prefill tok/s | decode tok/s | decode vs {} thread(s) |",
-        a.threads.first().copied().unwrap_or(1)
+        "| batch | threads | kernels | prefill tok/s | decode tok/s | decode vs first row of the batch |"
     );
-    let _ = writeln!(s, "|---|---|---|---|---|");
+    let _ = writeln!(s, "|---|---|---|---|---|---|");
     for r in rows {
         let base = rows
             .iter()
@@ -160,9 +177,10 @@ pub fn table(a: &RealArgs, rows: &[RealRow]) -> String {
             .map_or(r.decode_tok_s, |o| o.decode_tok_s);
         let _ = writeln!(
             s,
-            "| {} | {} | {:.0} | {:.1} | {:.2}× |",
+            "| {} | {} | {} | {:.0} | {:.1} | {:.2}× |",
             r.batch,
             r.threads,
+            r.simd.name(),
             r.prefill_tok_s,
             r.decode_tok_s,
             r.decode_tok_s / base
@@ -201,6 +219,7 @@ mod tests {
             loras,
             batches: vec![1, 3],
             threads: vec![1, 2],
+            simd: vec![SimdLevel::Avx2],
             prompt_len: 8,
             decode_steps: 2,
             reps: 1,

@@ -75,6 +75,7 @@ fn main() -> anyhow::Result<()> {
                 loras: args.loras.clone(),
                 batches: args.batches.clone(),
                 threads: args.threads.clone(),
+                simd: args.simd.iter().map(|s| s.level()).collect(),
                 prompt_len: args.prompt_len,
                 decode_steps: args.decode_steps,
                 reps: args.reps,

@@ -4,8 +4,24 @@
 //! all alike. Prints µs per product, effective weight GB/s and the speed relative to f32.
 use std::time::{Duration, Instant};
 
-use clap::Args;
-use thaw_kernels::cpu::{WeightFormat, WeightMatrix};
+use clap::{Args, ValueEnum};
+use thaw_kernels::cpu::{set_simd_level, SimdLevel, WeightFormat, WeightMatrix};
+
+/// Decode kernels to measure (`avx2` runs portable on CPUs without AVX2/FMA/F16C).
+#[derive(ValueEnum, Copy, Clone, Debug, PartialEq, Eq)]
+pub enum Simd {
+    Portable,
+    Avx2,
+}
+
+impl Simd {
+    pub fn level(self) -> SimdLevel {
+        match self {
+            Simd::Portable => SimdLevel::Portable,
+            Simd::Avx2 => SimdLevel::Avx2,
+        }
+    }
+}
 
 #[derive(Args, Debug, Clone)]
 pub struct WeightFormatsArgs {
@@ -18,6 +34,10 @@ pub struct WeightFormatsArgs {
     /// Minimum time per measurement within a round.
     #[arg(long, default_value_t = 30)]
     pub min_ms: u64,
+    /// Kernel levels, each format timed at each (interleaved); ratios are against f32 at the
+    /// first level.
+    #[arg(long, value_delimiter = ',', default_value = "portable,avx2")]
+    pub simd: Vec<Simd>,
 }
 
 /// (name, output rows, input cols) of the measured products.
@@ -47,8 +67,15 @@ fn time_one(w: &WeightMatrix, x: &[f32], m: usize, y: &mut [f32], min: Duration)
 
 /// Runs the measurements and renders the table.
 pub fn run(args: &WeightFormatsArgs) -> anyhow::Result<String> {
-    let mut out = String::from(
-        "| shape | rows | format | bytes | µs/product | weight GB/s | vs f32 |\n|---|---|---|---|---|---|---|\n",
+    let levels: Vec<SimdLevel> = if args.simd.is_empty() {
+        vec![SimdLevel::Avx2]
+    } else {
+        args.simd.iter().map(|s| s.level()).collect()
+    };
+    let mut out = format!(
+        "| shape | rows | format | kernels | bytes | µs/product | weight GB/s | vs f32 ({}) |\n\
+         |---|---|---|---|---|---|---|---|\n",
+        levels[0].name()
     );
     let mut seed = 15u64;
     for (name, n, k) in SHAPES {
@@ -73,13 +100,19 @@ pub fn run(args: &WeightFormatsArgs) -> anyhow::Result<String> {
         for &m in &args.rows {
             let x: Vec<f32> = (0..m * k).map(|_| lcg(&mut seed)).collect();
             let mut y = vec![0.0; m * n];
-            let mut times = vec![Vec::new(); mats.len()];
+            let cells: Vec<(usize, SimdLevel)> = (0..mats.len())
+                .flat_map(|i| levels.iter().map(move |&l| (i, l)))
+                .collect();
+            let mut times = vec![Vec::new(); cells.len()];
+            let mut used = vec![SimdLevel::Portable; cells.len()];
             for _ in 0..args.rounds {
-                for (i, w) in mats.iter().enumerate() {
+                for (c, &(i, l)) in cells.iter().enumerate() {
+                    used[c] = set_simd_level(l);
                     let min = Duration::from_millis(args.min_ms);
-                    times[i].push(time_one(w, &x, m, &mut y, min));
+                    times[c].push(time_one(&mats[i], &x, m, &mut y, min));
                 }
             }
+            set_simd_level(SimdLevel::Avx2);
             let med: Vec<f64> = times
                 .iter_mut()
                 .map(|t| {
@@ -87,10 +120,12 @@ pub fn run(args: &WeightFormatsArgs) -> anyhow::Result<String> {
                     t[t.len() / 2]
                 })
                 .collect();
-            for (w, &t) in mats.iter().zip(&med) {
+            for (c, &(i, _)) in cells.iter().enumerate() {
+                let (w, t) = (&mats[i], med[c]);
                 out.push_str(&format!(
-                    "| {name} | {m} | {} | {} | {:.1} | {:.2} | {:.2}x |\n",
+                    "| {name} | {m} | {} | {} | {} | {:.1} | {:.2} | {:.2}x |\n",
                     w.format(),
+                    used[c].name(),
                     w.storage_bytes(),
                     t * 1e6,
                     w.storage_bytes() as f64 / t / 1e9,

@@ -87,10 +87,11 @@ pub(crate) const SMALL_M: usize = 16;
 /// (which stays in L1).
 fn linear_small_m(x: &[f32], w: &[f32], y: &mut [f32], s: GemmShape, alpha: f32, accumulate: bool) {
     let GemmShape { m, k, n } = s;
+    let mut col = [0.0f32; SMALL_M];
+    let col = &mut col[..m];
     for j in 0..n {
-        let wr = &w[j * k..(j + 1) * k];
-        for i in 0..m {
-            let d = dot(&x[i * k..(i + 1) * k], wr);
+        super::simd::dot_rows_f32(x, &w[j * k..(j + 1) * k], col);
+        for (i, &d) in col.iter().enumerate() {
             let o = &mut y[i * n + j];
             *o = if accumulate {
                 *o + alpha * d
@@ -101,31 +102,11 @@ fn linear_small_m(x: &[f32], w: &[f32], y: &mut [f32], s: GemmShape, alpha: f32,
     }
 }
 
-/// Dot product with 16 independent partial sums (vectorisable, and fixed in summation order
-/// for a given length).
+/// Dot product: AVX2/FMA where the CPU has it, else 16 partial sums in a fixed order (see
+/// [`super::simd`]); either way fixed in summation order for a given length and level.
+#[inline]
 pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
-    const L: usize = 16;
-    let mut acc = [0.0f32; L];
-    let (ac, at) = a.split_at(a.len() - a.len() % L);
-    let (bc, bt) = b.split_at(ac.len());
-    for (x, y) in ac.chunks_exact(L).zip(bc.chunks_exact(L)) {
-        for l in 0..L {
-            acc[l] += x[l] * y[l];
-        }
-    }
-    let mut tail = 0.0f32;
-    for (x, y) in at.iter().zip(bt) {
-        tail += x * y;
-    }
-    // Pairwise reduction of the partial sums.
-    let mut w = L;
-    while w > 1 {
-        w /= 2;
-        for l in 0..w {
-            acc[l] += acc[l + w];
-        }
-    }
-    acc[0] + tail
+    super::simd::dot_f32(a, b)
 }
 
 /// `y[m,n] = x[m,k] · w[k,n]` (or `+=` when `accumulate`), all row-major.

@@ -8,6 +8,7 @@ mod lora;
 mod norm;
 pub mod quant;
 mod rope;
+pub mod simd;
 mod sys;
 #[cfg(test)]
 mod testutil;
@@ -23,3 +24,4 @@ pub use lora::{
 pub use norm::rms_norm;
 pub use quant::{WeightData, WeightFormat, WeightMatrix};
 pub use rope::{RopeScaling, RopeTable};
+pub use simd::{set_simd_level, simd_level, SimdLevel};

@@ -3,6 +3,7 @@ use proptest::prelude::*;
 use rand::Rng;
 
 use super::*;
+use crate::cpu::simd::{q8_dot_supported, quantize_q8, Q8Block};
 use crate::cpu::testutil::{assert_close, rand_vec, rng};
 
 const ROWS: usize = 3;
@@ -119,6 +120,20 @@ fn random_matrix(f: WeightFormat, rows: usize, cols: usize, seed: u64) -> Weight
     WeightMatrix::from_bytes(f, &b, rows, cols).unwrap()
 }
 
+/// Rows of `x` (`k` wide) as the Q8 decode path sees them: quantised and dequantised.
+fn q8_rows(x: &[f32], k: usize) -> Vec<f32> {
+    let mut q = vec![Q8Block::default(); k / 32];
+    let mut out = Vec::with_capacity(x.len());
+    for row in x.chunks_exact(k) {
+        quantize_q8(row, &mut q);
+        out.extend(
+            q.iter()
+                .flat_map(|b| b.qs.iter().map(move |&v| b.d * v as f32)),
+        );
+    }
+    out
+}
+
 /// `x·Wᵀ` over every stored format equals the f64 product with the dequantised weights, for
 /// decode-sized and prefill-sized row counts and for column sub-ranges. Tolerance 1e-5 of
 /// (|y| + RMS(y)): f32 accumulation over k = 512 terms errs by ~√k·6e-8 ≈ 1.4e-6.
@@ -136,7 +151,15 @@ fn matmul_matches_dequantised_f32() {
             for cols in [0..n, 5..33, 39..40] {
                 let mut y = vec![f32::NAN; m * cols.len()];
                 w.matmul_range(&x, m, &mut y, cols.clone());
-                let want = naive(&x, &wf, m, k, cols.clone());
+                // Decode rows over Q8_0/Q4_0/Q4_1 multiply Q8-quantised activations (integer
+                // dots, exact): the oracle uses those activations (`simd::tests` checks the
+                // quantisation error bound against the original ones).
+                let xs = if m <= 16 && super::matrix::Q8_DECODE && q8_dot_supported(f) {
+                    q8_rows(&x, k)
+                } else {
+                    x.clone()
+                };
+                let want = naive(&xs, &wf, m, k, cols.clone());
                 assert_close(&format!("{f} m={m} {cols:?}"), &y, &want, 1e-5);
             }
         }

@@ -1,0 +1,233 @@
+//! Decode-path inner products, dispatched at run time: AVX2/FMA/F16C kernels where the CPU has
+//! them, and the portable code (the oracle in tests, and the fallback elsewhere).
+//!
+//! - [`dot_rows_f32`], [`dot_rows_f16`], [`dot_rows_bf16`]: a weight row in its stored float format × an f32
+//!   activation row, accumulated in f32,
+//!   for up to a few activation rows at once (one pass over the weight row).
+//! - [`quantize_q8`] + [`dot_rows_q8`]: as ggml does for Q8_0/Q4_0/Q4_1 weights, the activation
+//!   row is quantised to 8-bit blocks once per product, then every weight block is an
+//!   i8×i8 (or u4×i8) integer dot scaled by the two block scales.
+//!
+//! Error of the Q8 path: an activation block `x_b` (32 values) is stored as `d_b·q` with
+//! `d_b = max|x_b| / 127` and `q = round(x / d_b)`, so `|x − d_b·q| ≤ d_b / 2` per element and
+//! the product with the dequantised weight `w` errs by at most
+//! `Σ_b (d_b / 2) · ‖w_b‖₁` (plus f32 rounding), which `tests.rs` checks.
+//!
+//! The level is detected once (cached in an atomic); [`set_simd_level`] lets a benchmark
+//! compare the paths in one process.
+
+mod portable;
+#[cfg(test)]
+mod tests;
+#[cfg(target_arch = "x86_64")]
+mod x86;
+
+use std::sync::atomic::{AtomicU8, Ordering};
+
+use half::{bf16, f16};
+
+use super::quant::WeightFormat;
+
+/// Which kernels the decode products use.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum SimdLevel {
+    /// Plain Rust (baseline x86-64 / any target).
+    Portable,
+    /// AVX2 + FMA + F16C (x86-64, detected at run time).
+    Avx2,
+}
+
+impl SimdLevel {
+    pub fn name(self) -> &'static str {
+        match self {
+            SimdLevel::Portable => "portable",
+            SimdLevel::Avx2 => "avx2+fma+f16c",
+        }
+    }
+}
+
+/// 0 = not yet detected, 1 = portable, 2 = AVX2.
+static LEVEL: AtomicU8 = AtomicU8::new(0);
+
+fn detect() -> SimdLevel {
+    #[cfg(target_arch = "x86_64")]
+    if x86::Avx2::detect().is_some() {
+        return SimdLevel::Avx2;
+    }
+    SimdLevel::Portable
+}
+
+fn code(l: SimdLevel) -> u8 {
+    match l {
+        SimdLevel::Portable => 1,
+        SimdLevel::Avx2 => 2,
+    }
+}
+
+/// The level in use (detected on first call).
+#[inline]
+pub fn simd_level() -> SimdLevel {
+    match LEVEL.load(Ordering::Relaxed) {
+        1 => SimdLevel::Portable,
+        2 => SimdLevel::Avx2,
+        _ => {
+            let l = detect();
+            LEVEL.store(code(l), Ordering::Relaxed);
+            l
+        }
+    }
+}
+
+/// Uses `want` from now on, if this CPU supports it (else the detected level); returns the
+/// level in effect. For benchmarks comparing the paths; results differ between levels in
+/// rounding only.
+pub fn set_simd_level(want: SimdLevel) -> SimdLevel {
+    let l = match want {
+        SimdLevel::Avx2 => detect(),
+        SimdLevel::Portable => SimdLevel::Portable,
+    };
+    LEVEL.store(code(l), Ordering::Relaxed);
+    l
+}
+
+#[cfg(target_arch = "x86_64")]
+#[inline]
+fn avx2() -> Option<x86::Avx2> {
+    match simd_level() {
+        // SAFETY: the level is `Avx2` only after `detect()` found AVX2, FMA and F16C
+        // (`set_simd_level` also goes through `detect()`).
+        SimdLevel::Avx2 => Some(unsafe { x86::Avx2::new_unchecked() }),
+        SimdLevel::Portable => None,
+    }
+}
+
+/// `Σ a·b` over two equal-length f32 rows.
+#[inline]
+pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len(), "dot_f32: lengths differ");
+    let mut out = [0.0];
+    dot_rows_f32(a, b, &mut out);
+    out[0]
+}
+
+/// `out[r] = x[r]·w` for the `out.len()` rows of `x` (each `w.len()` long, packed): one pass
+/// over `w` for all rows; each row sums as [`dot_f32`] does, so results do not depend on how
+/// many rows come along.
+#[inline]
+pub fn dot_rows_f32(x: &[f32], w: &[f32], out: &mut [f32]) {
+    check_rows("dot_rows_f32", x.len(), w.len(), out.len());
+    #[cfg(target_arch = "x86_64")]
+    if let Some(t) = avx2() {
+        return t.dot_rows_f32(x, w, out);
+    }
+    portable::rows(x, w.len(), out, |xr| portable::dot_f32(xr, w))
+}
+
+/// As [`dot_rows_f32`] with `w` stored as f16.
+#[inline]
+pub fn dot_rows_f16(x: &[f32], w: &[f16], out: &mut [f32]) {
+    check_rows("dot_rows_f16", x.len(), w.len(), out.len());
+    #[cfg(target_arch = "x86_64")]
+    if let Some(t) = avx2() {
+        return t.dot_rows_f16(x, w, out);
+    }
+    portable::rows(x, w.len(), out, |xr| portable::dot_f16(xr, w))
+}
+
+/// As [`dot_rows_f32`] with `w` stored as bf16.
+#[inline]
+pub fn dot_rows_bf16(x: &[f32], w: &[bf16], out: &mut [f32]) {
+    check_rows("dot_rows_bf16", x.len(), w.len(), out.len());
+    #[cfg(target_arch = "x86_64")]
+    if let Some(t) = avx2() {
+        return t.dot_rows_bf16(x, w, out);
+    }
+    portable::rows(x, w.len(), out, |xr| portable::dot_bf16(xr, w))
+}
+
+fn check_rows(op: &str, x: usize, k: usize, m: usize) {
+    assert_eq!(x, m * k, "{op}: x has {x} values, not {m} rows of {k}");
+}
+
+/// One activation block quantised to 8 bits: `x ≈ d · qs`, and `s = d · Σ qs` (the block's
+/// sum, for formats with a per-block minimum).
+#[derive(Copy, Clone, Debug, Default, PartialEq)]
+#[repr(C)]
+pub struct Q8Block {
+    pub d: f32,
+    pub s: f32,
+    pub qs: [i8; 32],
+}
+
+/// Values per [`Q8Block`] (the block size of Q8_0/Q4_0/Q4_1).
+pub const Q8_BLOCK: usize = 32;
+
+/// Whether [`dot_rows_q8`] handles weights of `format`.
+pub fn q8_dot_supported(format: WeightFormat) -> bool {
+    matches!(
+        format,
+        WeightFormat::Q8_0 | WeightFormat::Q4_0 | WeightFormat::Q4_1
+    )
+}
+
+/// Quantises `x` (a multiple of 32 long) into `out` (one block per 32 values): per block
+/// `d = max|x| / 127`, `q = round_ties_even(x / d)`. Deterministic and identical on every
+/// level (one implementation).
+pub fn quantize_q8(x: &[f32], out: &mut [Q8Block]) {
+    assert!(
+        x.len().is_multiple_of(Q8_BLOCK) && out.len() == x.len() / Q8_BLOCK,
+        "quantize_q8: {} values into {} blocks",
+        x.len(),
+        out.len()
+    );
+    for (v, b) in x.chunks_exact(Q8_BLOCK).zip(out.iter_mut()) {
+        let amax = v.iter().fold(0.0f32, |a, x| a.max(x.abs()));
+        let d = amax / 127.0;
+        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        let mut sum = 0i32;
+        for (q, &x) in b.qs.iter_mut().zip(v) {
+            let r = (x * id).round_ties_even();
+            *q = r as i8;
+            sum += r as i32;
+        }
+        b.d = d;
+        b.s = d * sum as f32;
+    }
+}
+
+/// `out[r] = w·x[r]` for one weight row `w` (whole blocks of `format`: Q8_0, Q4_0 or Q4_1)
+/// and the `out.len()` activation rows in `x`, each quantised by [`quantize_q8`] (one block
+/// per weight block). Each row's result does not depend on how many rows come along.
+#[inline]
+pub fn dot_rows_q8(format: WeightFormat, w: &[u8], x: &[Q8Block], out: &mut [f32]) {
+    assert!(
+        q8_dot_supported(format),
+        "dot_q8: {} weights",
+        format.name()
+    );
+    let kb = w.len() / format.block_bytes();
+    assert_eq!(
+        w.len(),
+        kb * format.block_bytes(),
+        "dot_q8: {} bytes are not whole {} blocks",
+        w.len(),
+        format.name()
+    );
+    assert_eq!(
+        x.len(),
+        out.len() * kb,
+        "dot_q8: {} activation blocks for {} rows of {kb}",
+        x.len(),
+        out.len()
+    );
+    #[cfg(target_arch = "x86_64")]
+    if let Some(t) = avx2() {
+        return t.dot_rows_q8(format, w, x, out);
+    }
+    if kb == 0 {
+        return out.fill(0.0);
+    }
+    for (o, xr) in out.iter_mut().zip(x.chunks_exact(kb)) {
+        *o = portable::dot_q8(format, w, xr);
+    }
+}

@@ -1,0 +1,327 @@
+//! AVX2 + FMA + F16C decode kernels (x86-64). An [`Avx2`] token exists only once the features
+//! were detected, so calling the `#[target_feature]` functions through it is sound; each safe
+//! method asserts the lengths its raw loop relies on.
+//!
+//! Every kernel takes up to [`MR`] activation rows against one weight row (the weight is
+//! loaded and widened or unpacked once for all of them), and sums each row in the same order
+//! whatever the number of rows, so a sequence's result does not depend on its batch.
+// Register tiles are indexed `acc[r][..]` in step with pointer offsets.
+#![allow(clippy::needless_range_loop)]
+
+use std::arch::x86_64::*;
+
+use half::{bf16, f16};
+
+use super::{Q8Block, Q8_BLOCK};
+use crate::cpu::quant::WeightFormat;
+
+/// Activation rows per kernel call (4 rows × 2 accumulators + 2 weight vectors + a load).
+pub(super) const MR: usize = 4;
+
+/// Weight element types (const generic codes).
+const F32: u8 = 0;
+const F16: u8 = 1;
+const BF16: u8 = 2;
+/// Quantised weight formats (const generic codes).
+const Q8_0: u8 = 0;
+const Q4_0: u8 = 1;
+const Q4_1: u8 = 2;
+
+/// Proof that this CPU has AVX2, FMA and F16C.
+#[derive(Copy, Clone, Debug)]
+pub(super) struct Avx2 {
+    _detected: (),
+}
+
+/// Calls `tile::<R>(row0, rows)` over `m` rows in tiles of `MR` (then the remainder).
+macro_rules! tiled {
+    ($m:expr, |$r0:ident, $mr:ident| $body:expr) => {{
+        let mut $r0 = 0;
+        while $r0 < $m {
+            let left = $m - $r0;
+            match left.min(MR) {
+                4 => {
+                    const $mr: usize = 4;
+                    $body
+                }
+                3 => {
+                    const $mr: usize = 3;
+                    $body
+                }
+                2 => {
+                    const $mr: usize = 2;
+                    $body
+                }
+                _ => {
+                    const $mr: usize = 1;
+                    $body
+                }
+            }
+            $r0 += left.min(MR);
+        }
+    }};
+}
+
+impl Avx2 {
+    pub(super) fn detect() -> Option<Self> {
+        let ok = is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c");
+        ok.then_some(Self { _detected: () })
+    }
+
+    /// # Safety
+    /// [`Avx2::detect`] must have returned `Some` in this process.
+    #[inline(always)]
+    pub(super) unsafe fn new_unchecked() -> Self {
+        Self { _detected: () }
+    }
+
+    /// `out[r] = x[r]·w` for the `out.len()` rows of `x` (each `w.len()` long); `W` is the
+    /// weight element type, `w` its raw bytes.
+    #[inline]
+    fn float_rows<const W: u8>(self, x: &[f32], w: &[u8], n: usize, out: &mut [f32]) {
+        let m = out.len();
+        assert_eq!(x.len(), m * n, "dot rows: x is not [{m}, {n}]");
+        let (xp, wp, op) = (x.as_ptr(), w.as_ptr(), out.as_mut_ptr());
+        tiled!(m, |r0, R| {
+            // SAFETY: `self` proves the features; rows `r0..r0 + R ≤ m` of `x` (`n` f32s
+            // each, stride `n`), the `n` weight elements and `out[r0..r0 + R]` are in bounds.
+            unsafe { float_tile::<W, R>(xp.add(r0 * n), n, wp, n, op.add(r0)) }
+        });
+    }
+
+    pub(super) fn dot_rows_f32(self, x: &[f32], w: &[f32], out: &mut [f32]) {
+        // SAFETY: an f32 slice is readable as its bytes.
+        let bytes = unsafe { std::slice::from_raw_parts(w.as_ptr().cast::<u8>(), w.len() * 4) };
+        self.float_rows::<F32>(x, bytes, w.len(), out)
+    }
+
+    pub(super) fn dot_rows_f16(self, x: &[f32], w: &[f16], out: &mut [f32]) {
+        // SAFETY: `f16` is two plain bytes.
+        let bytes = unsafe { std::slice::from_raw_parts(w.as_ptr().cast::<u8>(), w.len() * 2) };
+        self.float_rows::<F16>(x, bytes, w.len(), out)
+    }
+
+    pub(super) fn dot_rows_bf16(self, x: &[f32], w: &[bf16], out: &mut [f32]) {
+        // SAFETY: `bf16` is two plain bytes.
+        let bytes = unsafe { std::slice::from_raw_parts(w.as_ptr().cast::<u8>(), w.len() * 2) };
+        self.float_rows::<BF16>(x, bytes, w.len(), out)
+    }
+
+    /// `out[r] = w·x[r]` for one weight row `w` (`kb` blocks of `format`) and `out.len()`
+    /// activation rows of `kb` blocks each.
+    pub(super) fn dot_rows_q8(
+        self,
+        format: WeightFormat,
+        w: &[u8],
+        x: &[Q8Block],
+        out: &mut [f32],
+    ) {
+        let m = out.len();
+        let kb = w.len() / format.block_bytes();
+        assert_eq!(
+            w.len(),
+            kb * format.block_bytes(),
+            "dot_q8: partial weight block"
+        );
+        assert_eq!(x.len(), m * kb, "dot_q8: x is not [{m}, {kb}] blocks");
+        let (xp, wp, op) = (x.as_ptr(), w.as_ptr(), out.as_mut_ptr());
+        tiled!(m, |r0, R| {
+            // SAFETY: `self` proves the features; the weight row holds `kb` blocks, rows
+            // `r0..r0 + R ≤ m` of `x` hold `kb` blocks each, and `out[r0..r0 + R]` exists.
+            unsafe {
+                let (x, o) = (xp.add(r0 * kb), op.add(r0));
+                match format {
+                    WeightFormat::Q8_0 => q8_tile::<Q8_0, R>(wp, kb, x, o),
+                    WeightFormat::Q4_0 => q8_tile::<Q4_0, R>(wp, kb, x, o),
+                    WeightFormat::Q4_1 => q8_tile::<Q4_1, R>(wp, kb, x, o),
+                    f => unreachable!("dot_q8 checked the format, got {}", f.name()),
+                }
+            }
+        });
+    }
+}
+
+/// Lane sum of `v`, pairwise: lanes `l + 4`, then `l + 2`, then `l + 1` (the portable
+/// kernels' reduction order).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn hsum(v: __m256) -> f32 {
+    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    _mm_cvtss_f32(s)
+}
+
+/// Eight weight elements at element `i` of `w`, widened to f32.
+///
+/// # Safety
+/// AVX2/F16C available; elements `i..i + 8` of `w` (type `W`) readable.
+#[inline(always)]
+unsafe fn load_w<const W: u8>(w: *const u8, i: usize) -> __m256 {
+    // SAFETY: the caller guarantees the 8 elements; the intrinsics need AVX2/F16C, which
+    // every caller (a `#[target_feature]` kernel) has.
+    unsafe {
+        match W {
+            F32 => _mm256_loadu_ps(w.cast::<f32>().add(i)),
+            F16 => _mm256_cvtph_ps(_mm_loadu_si128(w.cast::<u16>().add(i).cast())),
+            _ => {
+                let h = _mm_loadu_si128(w.cast::<u16>().add(i).cast());
+                _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
+            }
+        }
+    }
+}
+
+/// Weight element `i` as f32.
+///
+/// # Safety
+/// Element `i` of `w` (type `W`) readable.
+#[inline(always)]
+unsafe fn w_at<const W: u8>(w: *const u8, i: usize) -> f32 {
+    // SAFETY: the caller guarantees element `i`.
+    unsafe {
+        match W {
+            F32 => w.cast::<f32>().add(i).read_unaligned(),
+            F16 => f16::from_bits(w.cast::<u16>().add(i).read_unaligned()).to_f32(),
+            _ => bf16::from_bits(w.cast::<u16>().add(i).read_unaligned()).to_f32(),
+        }
+    }
+}
+
+/// `out[r] = Σ_p x[r·ldx + p]·w[p]` for `r < R`, `p < n`: two 8-lane accumulators per row
+/// (elements `16c..16c+8` and `16c+8..16c+16`), one more 8-wide step, the pairwise lane
+/// sum, then the scalar tail.
+///
+/// # Safety
+/// AVX2/FMA/F16C available; `x` readable for `R` rows of `n` f32s at stride `ldx`, `w` for
+/// `n` elements of type `W`, `out` writable for `R` f32s.
+#[inline(never)]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn float_tile<const W: u8, const R: usize>(
+    x: *const f32,
+    ldx: usize,
+    w: *const u8,
+    n: usize,
+    out: *mut f32,
+) {
+    // SAFETY: loads read elements `< n` of each row (`i + 16 ≤ n`, `i + 8 ≤ n`, `p < n`) and
+    // stores hit `out[..R]`: inside the caller's guarantee.
+    unsafe {
+        let mut acc = [[_mm256_setzero_ps(); 2]; R];
+        let mut i = 0;
+        while i + 16 <= n {
+            let (w0, w1) = (load_w::<W>(w, i), load_w::<W>(w, i + 8));
+            for r in 0..R {
+                let xr = x.add(r * ldx + i);
+                acc[r][0] = _mm256_fmadd_ps(_mm256_loadu_ps(xr), w0, acc[r][0]);
+                acc[r][1] = _mm256_fmadd_ps(_mm256_loadu_ps(xr.add(8)), w1, acc[r][1]);
+            }
+            i += 16;
+        }
+        if i + 8 <= n {
+            let w0 = load_w::<W>(w, i);
+            for r in 0..R {
+                acc[r][0] = _mm256_fmadd_ps(_mm256_loadu_ps(x.add(r * ldx + i)), w0, acc[r][0]);
+            }
+            i += 8;
+        }
+        for r in 0..R {
+            let mut t = hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
+            for p in i..n {
+                t += *x.add(r * ldx + p) * w_at::<W>(w, p);
+            }
+            *out.add(r) = t;
+        }
+    }
+}
+
+/// The f16 scale at `p` (unaligned little-endian).
+///
+/// # Safety
+/// `p` readable for 2 bytes.
+#[inline(always)]
+unsafe fn f16_at(p: *const u8) -> f32 {
+    // SAFETY: the caller guarantees 2 readable bytes.
+    f16::from_bits(u16::from_le(unsafe { p.cast::<u16>().read_unaligned() })).to_f32()
+}
+
+/// `out[r] = w·x[r]` for `r < R`: per weight block, its 32 codes are unpacked once
+/// (`Q8_0`: i8; `Q4_0`: nibble − 8; `Q4_1`: nibble, plus `m·s_x`), dotted as integers with
+/// each row's Q8 block (8 i32 lanes), scaled by `d_w·d_x` into one of two accumulators per
+/// row (even and odd blocks).
+///
+/// Integer ranges: activations are in [-127, 127] (negating them never overflows) and
+/// `|w| ≤ 128`, so each maddubs pair sum is at most 2·128·127 < 2¹⁵.
+///
+/// # Safety
+/// AVX2/FMA/F16C available; `w` readable for `kb` blocks of format `FMT`, `x` for `R` rows
+/// of `kb` blocks (row stride `kb`), `out` writable for `R` f32s.
+#[inline(never)]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q8_tile<const FMT: u8, const R: usize>(
+    w: *const u8,
+    kb: usize,
+    x: *const Q8Block,
+    out: *mut f32,
+) {
+    let (bb, off) = match FMT {
+        Q8_0 => (34, 2),
+        Q4_0 => (18, 2),
+        _ => (20, 4),
+    };
+    let low = _mm_set1_epi8(0xF);
+    let ones = _mm256_set1_epi16(1);
+    // SAFETY: block `b < kb` reads bytes `[bb·b, bb·b + bb)` of `w` and `x[r·kb + b]` for
+    // `r < R`; stores hit `out[..R]`: inside the caller's guarantee.
+    unsafe {
+        let mut acc = [[_mm256_setzero_ps(); 2]; R];
+        let mut mins = [0.0f32; R];
+        for b in 0..kb {
+            let wb = w.add(bb * b);
+            let q = if FMT == Q8_0 {
+                _mm256_loadu_si256(wb.add(off).cast())
+            } else {
+                // Low nibbles are values 0..16, high nibbles 16..32 (ggml's layout).
+                let packed = _mm_loadu_si128(wb.add(off).cast());
+                let lo = _mm_and_si128(packed, low);
+                let hi = _mm_and_si128(_mm_srli_epi16(packed, 4), low);
+                let q = _mm256_set_m128i(hi, lo);
+                if FMT == Q4_0 {
+                    _mm256_sub_epi8(q, _mm256_set1_epi8(8))
+                } else {
+                    q
+                }
+            };
+            // Signed codes: |w| once, its sign moved onto each activation row.
+            let aw = _mm256_abs_epi8(q);
+            let (d, m) = (
+                f16_at(wb),
+                if FMT == Q4_1 { f16_at(wb.add(2)) } else { 0.0 },
+            );
+            for r in 0..R {
+                let xb = &*x.add(r * kb + b);
+                let xq = _mm256_loadu_si256(xb.qs.as_ptr().cast());
+                let pairs = if FMT == Q4_1 {
+                    // Unsigned nibbles × signed activations directly (≤ 2·15·127).
+                    _mm256_maddubs_epi16(q, xq)
+                } else {
+                    _mm256_maddubs_epi16(aw, _mm256_sign_epi8(xq, q))
+                };
+                let s = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
+                let a = &mut acc[r][b & 1];
+                *a = _mm256_fmadd_ps(_mm256_set1_ps(d * xb.d), s, *a);
+                if FMT == Q4_1 {
+                    mins[r] += m * xb.s;
+                }
+            }
+        }
+        for r in 0..R {
+            *out.add(r) = hsum(_mm256_add_ps(acc[r][0], acc[r][1])) + mins[r];
+        }
+    }
+}
+
+// The kernels load one 32-byte vector of activations per block.
+const _: () = assert!(Q8_BLOCK == 32);
