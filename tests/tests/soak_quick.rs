@@ -57,6 +57,19 @@ struct Resources {
     workers: usize,
 }
 
+impl Resources {
+    /// Nothing leaked against `base`: no more fds or memfds than at the warm baseline (fewer is
+    /// fine: the baseline can catch a transient one, such as a keep-alive connection or a socket
+    /// of the worker being replaced), and the same KV blocks, leases and live workers.
+    fn back_to(&self, base: &Resources) -> bool {
+        self.fds <= base.fds
+            && self.memfds <= base.memfds
+            && self.kv_blocks == base.kv_blocks
+            && self.leases == base.leases
+            && self.workers == base.workers
+    }
+}
+
 /// Live (non-zombie) children of `pid`: the CPU LoRA workers.
 fn workers(pid: u32) -> Vec<i32> {
     let Ok(dir) = std::fs::read_dir("/proc") else {
@@ -115,7 +128,7 @@ fn settle(addr: SocketAddr, pid: u32, want: Option<Resources>, within: Duration)
     let mut last = resources(addr, pid);
     loop {
         let done = match want {
-            Some(w) => last == w,
+            Some(w) => last.back_to(&w),
             None => last.kv_blocks == 0.0 && last.leases == 0.0 && last.workers > 0,
         };
         if done || Instant::now() > deadline {
@@ -360,9 +373,9 @@ fn soak_with_faults_loses_nothing_and_returns_to_baseline() {
         killed.is_some() && !workers(pid).contains(&killed.unwrap()),
         "the worker was not killed"
     );
-    assert_eq!(
-        after, before,
-        "resources at idle differ from the warm baseline"
+    assert!(
+        after.back_to(&before),
+        "resources at idle differ from the warm baseline: {before:?} → {after:?}"
     );
     drop(serve);
 }
