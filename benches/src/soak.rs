@@ -21,6 +21,7 @@ use anyhow::Context;
 use rand::{Rng, SeedableRng};
 use rand_distr::{Distribution, Exp, Zipf};
 use serde_json::json;
+use thaw_server::procfs;
 
 use crate::soak_verdict::{kills_due, verdict, Snapshot};
 
@@ -120,60 +121,23 @@ const MIB: f64 = 1024.0 * 1024.0;
 
 /// The server's resources, in `soak_verdict::COLUMNS` order.
 fn snapshot(addr: SocketAddr, pid: u32) -> Snapshot {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    let rss_kb: f64 = status
-        .lines()
-        .find_map(|l| {
-            l.strip_prefix("VmRSS:")?
-                .split_whitespace()
-                .next()?
-                .parse()
-                .ok()
-        })
-        .unwrap_or(f64::NAN);
-    let fds: Vec<_> = std::fs::read_dir(format!("/proc/{pid}/fd"))
-        .map(|d| d.flatten().collect())
-        .unwrap_or_default();
-    let memfds = fds
-        .iter()
-        .filter(|e| {
-            std::fs::read_link(e.path()).is_ok_and(|l| l.to_string_lossy().contains("memfd:"))
-        })
-        .count();
+    let (fds, memfds) = procfs::fds(pid);
     let shm = std::fs::read_dir("/dev/shm").map_or(0, |d| d.count());
     let m = http(addr, "GET", "/metrics", "")
         .map(|(_, t)| t)
         .unwrap_or_default();
     [
-        rss_kb / 1024.0,
-        fds.len() as f64,
+        procfs::rss_mib(pid),
+        fds as f64,
         shm as f64,
         memfds as f64,
         metric(&m, "thaw_kv_cache_used_blocks"),
         metric(&m, "thaw_adapter_leases"),
-        children(pid).len() as f64,
+        procfs::live_children(pid).len() as f64,
         metric(&m, "thaw_adapters{tier=\"host\"}"),
         metric(&m, "thaw_heap_allocated_bytes") / MIB,
         metric(&m, "thaw_heap_held_bytes") / MIB,
     ]
-}
-
-/// Live worker processes: children of `pid` that are not zombies (a killed worker stays in
-/// /proc until the server reaps it).
-fn children(pid: u32) -> Vec<i32> {
-    let Ok(dir) = std::fs::read_dir("/proc") else {
-        return Vec::new();
-    };
-    dir.flatten()
-        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
-        .filter(|p| {
-            std::fs::read_to_string(format!("/proc/{p}/stat")).is_ok_and(|s| {
-                let mut f = s.rsplit(')').next().unwrap_or("").split_whitespace();
-                let (state, ppid) = (f.next(), f.next());
-                state != Some("Z") && ppid == Some(&pid.to_string())
-            })
-        })
-        .collect()
 }
 
 struct Serve(Child);
@@ -397,7 +361,7 @@ pub fn run(args: &SoakArgs) -> anyhow::Result<String> {
                 }
                 let secs = start.elapsed().as_secs();
                 if kills_due(secs) > kills.lock().unwrap().len() as u64 {
-                    let w = children(pid).first().copied().unwrap_or(0);
+                    let w = procfs::live_children(pid).first().copied().unwrap_or(0);
                     if w > 0 {
                         let _ = nix::sys::signal::kill(
                             nix::unistd::Pid::from_raw(w),
@@ -443,7 +407,7 @@ pub fn run(args: &SoakArgs) -> anyhow::Result<String> {
     let kills = kills.lock().unwrap().clone();
     out.push_str(&format!(
         "\nworker SIGKILLs (load second, pid): {kills:?}; live workers at idle: {} of {} (pids {:?})\n",
-        after[6], before[6], children(pid)
+        after[6], before[6], procfs::live_children(pid)
     ));
     out.push_str(&verdict(lost, &before, &after, kills.len()));
     out.push('\n');

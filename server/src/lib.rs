@@ -18,6 +18,7 @@ pub mod memory;
 pub mod metrics;
 pub mod metrics_protocol;
 pub mod perf;
+pub mod procfs;
 pub mod registry;
 pub mod scheduler;
 pub mod serve;

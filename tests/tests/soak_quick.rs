@@ -19,6 +19,7 @@ use std::time::{Duration, Instant};
 use rand::{Rng, SeedableRng};
 use serde_json::json;
 use thaw_server::gen::{self, GenAdaptersOptions, GenModelOptions, Projection};
+use thaw_server::procfs;
 use thaw_tests::http::{get, metric, request, send_request, thaw_binary};
 use thaw_tests::test_preset;
 
@@ -70,55 +71,15 @@ impl Resources {
     }
 }
 
-/// Live (non-zombie) children of `pid`: the CPU LoRA workers.
-fn workers(pid: u32) -> Vec<i32> {
-    let Ok(dir) = std::fs::read_dir("/proc") else {
-        return Vec::new();
-    };
-    let ppid = pid.to_string();
-    dir.flatten()
-        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
-        .filter(|p| {
-            std::fs::read_to_string(format!("/proc/{p}/stat")).is_ok_and(|s| {
-                let mut f = s.rsplit(')').next().unwrap_or("").split_whitespace();
-                let (state, parent) = (f.next(), f.next());
-                state != Some("Z") && parent == Some(ppid.as_str())
-            })
-        })
-        .collect()
-}
-
-fn rss_mib(pid: u32) -> f64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    status
-        .lines()
-        .find_map(|l| {
-            l.strip_prefix("VmRSS:")?
-                .split_whitespace()
-                .next()?
-                .parse()
-                .ok()
-        })
-        .map_or(f64::NAN, |kb: f64| kb / 1024.0)
-}
-
 fn resources(addr: SocketAddr, pid: u32) -> Resources {
-    let fds: Vec<_> = std::fs::read_dir(format!("/proc/{pid}/fd"))
-        .map(|d| d.flatten().collect())
-        .unwrap_or_default();
-    let memfds = fds
-        .iter()
-        .filter(|e| {
-            std::fs::read_link(e.path()).is_ok_and(|l| l.to_string_lossy().contains("memfd:"))
-        })
-        .count();
+    let (fds, memfds) = procfs::fds(pid);
     let m = get(addr, "/metrics").text();
     Resources {
-        fds: fds.len(),
+        fds,
         memfds,
         kv_blocks: metric(&m, "thaw_kv_cache_used_blocks").expect("thaw_kv_cache_used_blocks"),
         leases: metric(&m, "thaw_adapter_leases").expect("thaw_adapter_leases"),
-        workers: workers(pid).len(),
+        workers: procfs::live_children(pid).len(),
     }
 }
 
@@ -289,7 +250,7 @@ fn soak_with_faults_loses_nothing_and_returns_to_baseline() {
         "warm-up did not settle: {before:?}"
     );
     assert!(before.workers > 0, "no CPU worker to kill: {before:?}");
-    let rss_before = rss_mib(pid);
+    let rss_before = procfs::rss_mib(pid);
 
     let (stop, tally) = (Arc::new(AtomicBool::new(false)), Arc::new(Tally::default()));
     let load = clients(addr, &names, &stop, &tally, 2);
@@ -337,7 +298,9 @@ fn soak_with_faults_loses_nothing_and_returns_to_baseline() {
             _ => {}
         }
         if killed.is_none() && start.elapsed() >= KILL_AT {
-            let w = *workers(pid).first().expect("a live CPU worker to kill");
+            let w = *procfs::live_children(pid)
+                .first()
+                .expect("a live CPU worker to kill");
             nix::sys::signal::kill(
                 nix::unistd::Pid::from_raw(w),
                 nix::sys::signal::Signal::SIGKILL,
@@ -365,12 +328,12 @@ fn soak_with_faults_loses_nothing_and_returns_to_baseline() {
          RSS {rss_before:.1} → {:.1} MiB (not judged)",
         lost.len(),
         tally.dropped.load(Ordering::Relaxed),
-        rss_mib(pid)
+        procfs::rss_mib(pid)
     );
     assert!(lost.is_empty(), "good requests lost: {lost:?}");
     assert!(ok > 20, "too little traffic to judge: {ok} requests");
     assert!(
-        killed.is_some() && !workers(pid).contains(&killed.unwrap()),
+        killed.is_some() && !procfs::live_children(pid).contains(&killed.unwrap()),
         "the worker was not killed"
     );
     assert!(

@@ -16,6 +16,7 @@ use anyhow::Context;
 use serde::Serialize;
 use thaw_server::gen::{self, GenAdaptersOptions, GenModelOptions, Projection};
 use thaw_server::memory::EvictionPolicy;
+use thaw_server::procfs;
 
 use super::cli::{measure, prompt_source, quick_workload, write_json};
 use super::client::OpenAiClient;
@@ -173,17 +174,6 @@ impl Prepared {
     }
 }
 
-/// `VmRSS` and `VmHWM` of a process, KiB.
-fn rss_kib(pid: u32) -> (Option<u64>, Option<u64>) {
-    let text = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    let field = |k: &str| {
-        text.lines()
-            .find_map(|l| l.strip_prefix(k))
-            .and_then(|v| v.split_whitespace().next()?.parse().ok())
-    };
-    (field("VmRSS:"), field("VmHWM:"))
-}
-
 /// The value of a Prometheus sample line `name value` (labels included in `name`).
 fn metric(text: &str, name: &str) -> f64 {
     text.lines()
@@ -215,7 +205,7 @@ fn serve_once(
             t0.elapsed(),
             info.adapters.len()
         );
-        let (rss_start, _) = rss_kib(server.pid());
+        let rss_start = procfs::status_kib(server.pid(), "VmRSS:");
         let prompts = prompt_source(None, &info)?;
         let opts = RunOptions {
             request_timeout: Duration::from_secs_f64(s.server.request_timeout),
@@ -224,7 +214,10 @@ fn serve_once(
         };
         let (_, summary) = measure(&client, &info, workload, &prompts, &opts).await?;
         let m = client.get_text("/metrics").await?;
-        let (rss_end, rss_peak) = rss_kib(server.pid());
+        let (rss_end, rss_peak) = (
+            procfs::status_kib(server.pid(), "VmRSS:"),
+            procfs::status_kib(server.pid(), "VmHWM:"),
+        );
         anyhow::Ok(Run {
             adapters,
             label: label.clone(),
