@@ -119,6 +119,10 @@ fn metric(text: &str, name: &str) -> f64 {
 
 const MIB: f64 = 1024.0 * 1024.0;
 
+fn kib_as_mib(kib: Option<u64>) -> f64 {
+    kib.map_or(f64::NAN, |k| k as f64 / 1024.0)
+}
+
 /// The server's resources, in `soak_verdict::COLUMNS` order.
 fn snapshot(addr: SocketAddr, pid: u32) -> Snapshot {
     let (fds, memfds) = procfs::fds(pid);
@@ -137,6 +141,9 @@ fn snapshot(addr: SocketAddr, pid: u32) -> Snapshot {
         metric(&m, "thaw_adapters{tier=\"host\"}"),
         metric(&m, "thaw_heap_allocated_bytes") / MIB,
         metric(&m, "thaw_heap_held_bytes") / MIB,
+        kib_as_mib(procfs::status_kib(pid, "RssAnon:")),
+        kib_as_mib(procfs::status_kib(pid, "RssFile:")),
+        kib_as_mib(procfs::status_kib(pid, "RssShmem:")),
     ]
 }
 
@@ -376,15 +383,16 @@ pub fn run(args: &SoakArgs) -> anyhow::Result<String> {
     };
     let mut out = format!(
         "soak: {} adapters, sustainable ≈ {sustainable:.1} req/s, sending {rate:.1} req/s of {} tokens (Zipf, Poisson) for {} min after a {:.0} s warm-up ({} ok, {} failed, {} 429); CPU backend, tiny model, {} CPU workers\n\n\
-         | minute | good ok | good failed | 429 | streams dropped | malformed→400 | RSS MiB | fds | /dev/shm | memfds | KV blocks | leases | workers | host adapters | heap live MiB | heap held MiB |\n\
-         |---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+         | minute | good ok | good failed | 429 | streams dropped | malformed→400 | RSS MiB | fds | /dev/shm | memfds | KV blocks | leases | workers | host adapters | heap live MiB | heap held MiB | RSS anon | RSS file | RSS shmem |\n\
+         |---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
         names.len(), args.max_tokens, args.minutes, args.warmup_secs, warm[0], warm[1], warm[2],
         args.lora_workers
     );
     let row = |label: &str, c: [u64; 5], s: Snapshot| {
         format!(
-            "| {label} | {} | {} | {} | {} | {} | {:.1} | {} | {} | {} | {} | {} | {} | {} | {:.1} | {:.1} |\n",
-            c[0], c[1], c[2], c[3], c[4], s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7], s[8], s[9]
+            "| {label} | {} | {} | {} | {} | {} | {:.1} | {} | {} | {} | {} | {} | {} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} |\n",
+            c[0], c[1], c[2], c[3], c[4], s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7], s[8], s[9],
+            s[10], s[11], s[12]
         )
     };
     out.push_str(&row("start", [0; 5], at_start));

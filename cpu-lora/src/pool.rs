@@ -22,8 +22,11 @@
 //! failure mode (a survivor dying during the re-post) and make the step's outcome depend on
 //! other processes; the stand-in is bounded, local and needs no new protocol. The slot is
 //! then reset, the dead process's host-store leases released, and a new process spawned
-//! (up to `max_restarts` times, after which the slot stays disabled and its share goes to
-//! the others).
+//! (up to `max_restarts` times in a row for workers dying within `stable_after` of their
+//! start, after which the slot stays disabled and its share goes to the others; a worker
+//! that lived longer starts the count over). Dead workers are found by every submit and by
+//! [`LoraPool::health_check`], which the server's engine loop calls on a timer, so a worker
+//! killed while the server is idle is replaced promptly too.
 //!
 //! **Processes.** Children get `PR_SET_PDEATHSIG(SIGKILL)`; [`LoraPool::shutdown`] (and
 //! drop) tells them to exit, waits briefly, SIGKILLs stragglers and reaps every one. Create

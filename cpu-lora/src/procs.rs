@@ -59,6 +59,8 @@ pub(crate) struct Slot {
     pub child: Option<Child>,
     pub state: SlotState,
     pub restarts: u32,
+    /// Respawns in a row of workers that died young (see [`restart_streak`]).
+    pub streak: u32,
     pub started: Instant,
     /// Last heartbeat value seen and when it last changed.
     pub beat: (u64, Instant),
@@ -72,6 +74,7 @@ impl Slot {
             child: None,
             state: SlotState::Dead,
             restarts: 0,
+            streak: 0,
             started: Instant::now(),
             beat: (0, Instant::now()),
         }
@@ -188,6 +191,23 @@ impl Slot {
     }
 }
 
+/// Whether a slot whose worker died after `uptime` may be respawned, with `streak` workers in
+/// a row behind it that died within `stable_after`; and the streak after this respawn
+/// (`None`: a crash loop, leave the slot disabled). A worker that lived `stable_after` or
+/// longer was healthy: it is always replaced and the streak starts over.
+pub(crate) fn restart_streak(
+    streak: u32,
+    uptime: Duration,
+    stable_after: Duration,
+    max_restarts: u32,
+) -> Option<u32> {
+    if uptime >= stable_after {
+        Some(0)
+    } else {
+        (streak < max_restarts).then_some(streak + 1)
+    }
+}
+
 /// Asks every worker to exit (already done by the caller through the exchange), waits up
 /// to `grace` for them, then SIGKILLs and reaps the rest.
 pub(crate) fn reap_all(slots: &mut [Slot], grace: Duration) {
@@ -201,5 +221,60 @@ pub(crate) fn reap_all(slots: &mut [Slot], grace: Duration) {
     }
     for s in slots.iter_mut() {
         s.kill();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::restart_streak;
+    use proptest::prelude::*;
+    use std::time::Duration;
+
+    const STABLE: Duration = Duration::from_secs(60);
+
+    #[test]
+    fn crash_loop_is_bounded_but_healthy_workers_always_come_back() {
+        // Dying young: allowed max_restarts times in a row, then refused.
+        let mut streak = 0;
+        for _ in 0..3 {
+            streak = restart_streak(streak, Duration::from_secs(1), STABLE, 3).unwrap();
+        }
+        assert_eq!(
+            restart_streak(streak, Duration::from_secs(1), STABLE, 3),
+            None
+        );
+        // A worker that ran a minute is replaced and resets it, however many deaths came
+        // before; then three more young deaths are allowed again.
+        assert_eq!(restart_streak(streak, STABLE, STABLE, 3), Some(0));
+        assert_eq!(restart_streak(0, Duration::ZERO, STABLE, 0), None);
+        assert_eq!(restart_streak(0, STABLE, STABLE, 0), Some(0));
+    }
+
+    proptest! {
+        /// Over any history of deaths, a refusal only comes after more than max_restarts
+        /// short-lived workers in a row, and a long-lived worker is always respawned.
+        #[test]
+        fn refuses_only_after_a_run_of_short_lives(
+            uptimes in proptest::collection::vec(0u64..120, 0..64),
+            max in 0u32..6,
+        ) {
+            let mut streak = 0;
+            let mut young_run = 0u32;
+            for up in uptimes {
+                let uptime = Duration::from_secs(up);
+                young_run = if uptime >= STABLE { 0 } else { young_run + 1 };
+                match restart_streak(streak, uptime, STABLE, max) {
+                    Some(s) => {
+                        prop_assert!(s <= max);
+                        streak = s;
+                    }
+                    None => {
+                        prop_assert!(uptime < STABLE);
+                        prop_assert!(young_run > max, "{young_run} young deaths, max {max}");
+                        break;
+                    }
+                }
+            }
+        }
     }
 }

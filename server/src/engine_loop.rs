@@ -281,7 +281,14 @@ struct Loop {
     /// When the last timed step ended, while steps run back to back (None once the loop
     /// waits): the gap to the next step is the loop's overhead (the cost model's).
     last_step_end: Option<Instant>,
+    /// When the CPU LoRA workers were last supervised ([`WORKER_CHECK`]).
+    tended: Instant,
 }
+
+/// How often the loop reaps dead CPU LoRA workers and starts their replacements, idle or
+/// not: a killed worker is replaced within this, not on the next LoRA step (an idle server's
+/// capacity must not silently shrink).
+const WORKER_CHECK: Duration = Duration::from_millis(250);
 
 const SHUTDOWN_MSG: &str =
     "the server shut down before this request finished (--shutdown-timeout elapsed)";
@@ -324,6 +331,19 @@ impl Loop {
             metrics,
             deadline: None,
             last_step_end: None,
+            tended: Instant::now(),
+        }
+    }
+
+    /// Supervises the CPU LoRA workers every [`WORKER_CHECK`]: dead ones are reaped and
+    /// respawned (the pool does nothing while a step is in flight).
+    fn tend_workers(&mut self) {
+        if self.tended.elapsed() < WORKER_CHECK {
+            return;
+        }
+        self.tended = Instant::now();
+        if let Err(e) = self.engine.tend_pool() {
+            tracing::warn!("supervising CPU LoRA workers: {e}");
         }
     }
 
@@ -356,6 +376,7 @@ impl Loop {
 
     fn run(mut self, rx: Receiver<Command>, fetched: Receiver<(AdapterId, FetchResult)>) {
         loop {
+            self.tend_workers();
             self.publish();
             if self.state.is_idle() {
                 self.last_step_end = None;
@@ -367,7 +388,13 @@ impl Loop {
                     .lock()
                     .unwrap_or_else(|e| e.into_inner())
                     .is_empty();
-                let w = Self::wait(&rx, &fetched, streaming.then(|| Duration::from_millis(20)));
+                // With CPU LoRA workers, wake up to supervise them too.
+                let timeout = if streaming {
+                    Some(Duration::from_millis(20))
+                } else {
+                    self.engine.pool().map(|_| WORKER_CHECK)
+                };
+                let w = Self::wait(&rx, &fetched, timeout);
                 if matches!(w, Wake::Closed) || !self.on_wake(w) {
                     break;
                 }

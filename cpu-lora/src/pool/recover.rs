@@ -9,7 +9,7 @@ use thaw_ipc::{
 };
 
 use super::LoraPool;
-use crate::procs::SlotState;
+use crate::procs::{restart_streak, SlotState};
 use crate::CpuLoraError;
 
 impl LoraPool {
@@ -53,21 +53,35 @@ impl LoraPool {
         Ok(stat.rows)
     }
 
-    /// Releases a dead slot's store leases and starts a new process, unless the slot has
-    /// restarted too often. The exchange slot continues after the last posted step.
+    /// Releases a dead slot's store leases and starts a new process, unless the slot is in a
+    /// crash loop (`max_restarts` workers in a row died within `stable_after`). The exchange
+    /// slot continues after the last posted step.
     pub(super) fn respawn(&mut self, w: WorkerId) -> Result<bool, CpuLoraError> {
         let slot = &mut self.slots[w.0 as usize];
+        let uptime = slot.started.elapsed();
         slot.kill();
         self.store.release_reader(ReaderSlot(w.0 + 1))?;
-        if slot.state == SlotState::Disabled || slot.restarts >= self.cfg.max_restarts {
+        let next = restart_streak(
+            slot.streak,
+            uptime,
+            self.cfg.stable_after,
+            self.cfg.max_restarts,
+        );
+        let Some(streak) = next.filter(|_| slot.state != SlotState::Disabled) else {
+            if slot.state != SlotState::Disabled {
+                tracing::error!(
+                    worker = w.0,
+                    restarts = slot.restarts,
+                    "{} CPU LoRA workers in a row died within {:?} of starting; slot disabled",
+                    slot.streak + 1,
+                    self.cfg.stable_after
+                );
+            }
             slot.state = SlotState::Disabled;
-            tracing::error!(
-                worker = w.0,
-                "CPU LoRA worker restarted too often; disabled"
-            );
             return Ok(false);
-        }
+        };
         self.ex.reset_worker(w, self.seq)?;
+        slot.streak = streak;
         slot.restarts += 1;
         match slot.spawn(&self.launch, &self.ex, &self.store, &self.stats) {
             Ok(()) => Ok(true),

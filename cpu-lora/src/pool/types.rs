@@ -51,8 +51,13 @@ pub struct PoolConfig {
     pub ewma_alpha: f64,
     /// Smallest slice of a job's rows worth giving to a worker.
     pub min_chunk_rows: u32,
-    /// Respawns per worker slot before it is left disabled.
+    /// Respawns in a row per worker slot, of workers that each died within `stable_after` of
+    /// starting, before the slot is left disabled (a crash loop).
     pub max_restarts: u32,
+    /// A worker that ran this long before it died was healthy: its slot's crash streak starts
+    /// over, so occasional deaths over a long-running server's life never use up
+    /// `max_restarts` and shrink its capacity.
+    pub stable_after: Duration,
 }
 
 impl Default for PoolConfig {
@@ -74,6 +79,7 @@ impl Default for PoolConfig {
             ewma_alpha: 0.2,
             min_chunk_rows: 4,
             max_restarts: 16,
+            stable_after: Duration::from_secs(60),
         }
     }
 }

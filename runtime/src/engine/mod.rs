@@ -299,6 +299,17 @@ impl<B: Backend> Engine<B> {
         self.pool.as_ref()
     }
 
+    /// Supervises the worker pool between steps: reaps workers that died and starts their
+    /// replacements, so a killed worker is replaced without waiting for the next LoRA step.
+    /// A no-op without a pool.
+    pub fn tend_pool(&mut self) -> Result<()> {
+        if let Some(pool) = self.pool.as_mut() {
+            pool.health_check()
+                .map_err(|e| RuntimeError::Backend(format!("CPU LoRA workers: {e}")))?;
+        }
+        Ok(())
+    }
+
     /// Takes the worker pool back (e.g. to shut it down).
     pub fn detach_pool(&mut self) -> Option<LoraPool> {
         let mut pool = self.pool.take()?;

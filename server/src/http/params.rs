@@ -62,10 +62,11 @@ pub fn validate(f: &SamplingFields, logprobs: Option<usize>) -> Result<GenParams
         ));
     }
     let top_p = f.top_p.unwrap_or(1.0);
-    if !(top_p > 0.0 && top_p <= 1.0) {
+    // Judged as the engine gets it too (f32): 1e-320 is > 0 as f64 but 0 as f32.
+    if !(top_p > 0.0 && top_p <= 1.0 && top_p as f32 > 0.0) {
         return Err(ServerError::invalid(
             "top_p",
-            format!("`top_p` must be in (0, 1], got {top_p}"),
+            format!("`top_p` must be in (0, 1] and at least 1e-38, got {top_p}"),
         ));
     }
     let top_k = match f.top_k {
@@ -157,6 +158,37 @@ pub fn choice_seed(seed: Option<u64>, i: usize) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Found by the `request_json_structured` fuzz target: a subnormal `top_p` passed the f64
+    /// check, became 0 as f32 and was refused by the engine with a 503.
+    #[test]
+    fn top_p_that_rounds_to_zero_is_a_400() {
+        let f = SamplingFields {
+            top_p: Some(1e-320),
+            ..SamplingFields::default()
+        };
+        let e = validate(&f, None).unwrap_err();
+        assert_eq!(e.param(), Some("top_p"));
+    }
+
+    proptest::proptest! {
+        /// What the HTTP layer accepts, the engine accepts: its own check never turns a
+        /// validated request into a 5xx.
+        #[test]
+        fn accepted_sampling_passes_the_engine_check(
+            temperature in proptest::num::f64::ANY,
+            top_p in proptest::num::f64::ANY,
+        ) {
+            let f = SamplingFields {
+                temperature: Some(temperature),
+                top_p: Some(top_p),
+                ..SamplingFields::default()
+            };
+            if let Ok(p) = validate(&f, None) {
+                proptest::prop_assert!(p.sampling.validate().is_ok(), "{temperature} {top_p}");
+            }
+        }
+    }
 
     #[test]
     fn names_the_bad_field() {
