@@ -48,6 +48,37 @@ pub fn trim() {
     }
 }
 
+/// glibc arenas `thaw serve` allows unless `MALLOC_ARENA_MAX` says otherwise. glibc's default
+/// (8 per core) lets each of tokio's and the blocking pool's threads grow its own arena, and the
+/// free memory left inside them after a burst is what kept idle RSS 11% above its warm value in
+/// a 30-minute soak while the live heap stayed flat (benches/results/soak-30min.md); two
+/// arenas halved that held-but-free memory and kept RSS flat.
+pub const ARENA_MAX: usize = 2;
+
+/// The arena cap to set: none when the operator chose one through `MALLOC_ARENA_MAX` (glibc
+/// reads it itself) or asked for glibc's default with `MALLOC_ARENA_MAX=0`.
+pub fn arena_cap(env_value: Option<&str>) -> Option<usize> {
+    match env_value {
+        Some(_) => None,
+        None => Some(ARENA_MAX),
+    }
+}
+
+/// Caps glibc's arenas (see [`ARENA_MAX`]); call before the runtime starts its threads.
+pub fn cap_arenas() {
+    let Some(cap) = arena_cap(std::env::var("MALLOC_ARENA_MAX").ok().as_deref()) else {
+        return;
+    };
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: mallopt only sets a glibc tunable under glibc's own lock and takes no pointers;
+    // lowering M_ARENA_MAX affects only arenas created later, never memory already handed out.
+    unsafe {
+        libc::mallopt(libc::M_ARENA_MAX, cap as libc::c_int);
+    }
+    #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+    let _ = cap;
+}
+
 /// What the allocator holds: bytes in live allocations, and bytes taken from the OS (the
 /// difference is free memory inside the arenas: fragmentation, or pages not yet trimmed).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -120,6 +151,13 @@ mod tests {
             }
         }
         assert_eq!(trims, vec![6, 10]);
+    }
+
+    #[test]
+    fn arena_cap_yields_to_the_operator() {
+        assert_eq!(arena_cap(None), Some(ARENA_MAX));
+        assert_eq!(arena_cap(Some("4")), None);
+        assert_eq!(arena_cap(Some("0")), None);
     }
 
     #[test]

@@ -388,6 +388,7 @@ pub async fn shutdown_signal() {
 
 /// `thaw serve`: blocks until shut down.
 pub fn run(config: ServeConfig) -> anyhow::Result<()> {
+    super::idle_trim::cap_arenas();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .thread_name("thaw-http")
