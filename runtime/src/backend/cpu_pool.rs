@@ -186,7 +186,8 @@ impl Drop for Pool {
 }
 
 fn helper(sh: &Shared, i: usize) {
-    let mut seen = sh.epoch.load(Acquire);
+    // Epoch 0 is the pool's start: a job published before this thread got here still counts.
+    let mut seen = 0;
     loop {
         let now = wait_for_epoch(sh, seen);
         if sh.stop.load(Acquire) {
