@@ -243,13 +243,13 @@ fn gemv_q8_shape(
         format.name()
     );
     let bb = format.block_bytes();
-    let kb = if n == 0 { 0 } else { w.len() / n / bb };
+    let kb = (w.len() / bb).checked_div(n).unwrap_or(0);
     assert_eq!(
         w.len(),
         n * kb * bb,
         "gemv_q8: w is not {n} rows of whole blocks"
     );
-    let m = if kb == 0 { 0 } else { x.len() / kb };
+    let m = x.len().checked_div(kb).unwrap_or(0);
     assert_eq!(x.len(), m * kb, "gemv_q8: x is not [{m}, {kb}] blocks");
     assert!(
         m == 0 || n == 0 || ((m - 1) * ldo + n <= out.len() && (m == 1 || ldo >= n)),
