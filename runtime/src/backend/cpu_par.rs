@@ -17,6 +17,9 @@ use crate::error::{Result, RuntimeError};
 /// Most parts one op splits into (the pool's threads are capped to it).
 const MAX_PARTS: usize = 32;
 
+/// One part's work, taken by the thread that runs the part.
+type Slot<T> = Mutex<Option<T>>;
+
 /// How many compute threads a CPU backend uses, and whether to pin its helpers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CpuThreads {
@@ -157,7 +160,7 @@ impl ComputePool {
             Some(p) if parts > 1 => p,
             _ => return f(0..units, &mut out[..units * unit_len]),
         };
-        let slots: [Mutex<Option<(Range<usize>, &mut [T])>>; MAX_PARTS] =
+        let slots: [Slot<(Range<usize>, &mut [T])>; MAX_PARTS] =
             std::array::from_fn(|_| Mutex::new(None));
         let mut rest = &mut out[..units * unit_len];
         let mut n = 0;
@@ -203,7 +206,7 @@ impl ComputePool {
                 return;
             }
         };
-        let slots: [Mutex<Option<(&mut [T], &mut S)>>; MAX_PARTS] =
+        let slots: [Slot<(&mut [T], &mut S)>; MAX_PARTS] =
             std::array::from_fn(|_| Mutex::new(None));
         let mut rest = &mut out[bounds[0]..bounds[groups]];
         for (g, (slot, st)) in slots.iter().zip(states[..groups].iter_mut()).enumerate() {
