@@ -22,6 +22,6 @@ pub use lora::{
     sgmv_shrink, LoraRef, LoraSegment,
 };
 pub use norm::rms_norm;
-pub use quant::{WeightData, WeightFormat, WeightMatrix};
+pub use quant::{q8_activations, set_q8_activations, WeightData, WeightFormat, WeightMatrix};
 pub use rope::{RopeScaling, RopeTable};
 pub use simd::{set_simd_level, simd_level, SimdLevel};

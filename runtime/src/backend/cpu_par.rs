@@ -9,10 +9,16 @@
 //! Every split gives each part a disjoint output range and computes each output element with
 //! the same arithmetic as the one-thread path, so results do not depend on the thread count.
 use std::ops::Range;
+use std::sync::Mutex;
 
-use rayon_core::{ThreadPool, ThreadPoolBuilder};
-
+use super::cpu_pool::Pool;
 use crate::error::{Result, RuntimeError};
+
+/// Most parts one op splits into (the pool's threads are capped to it).
+const MAX_PARTS: usize = 32;
+
+/// One part's work, taken by the thread that runs the part.
+type Slot<T> = Mutex<Option<T>>;
 
 /// How many compute threads a CPU backend uses, and whether to pin its helpers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -51,7 +57,7 @@ impl CpuThreads {
 
 /// A fixed set of compute threads.
 pub struct ComputePool {
-    pool: Option<ThreadPool>,
+    pool: Option<Pool>,
     max: usize,
     active: usize,
     min_part_work: usize,
@@ -79,21 +85,18 @@ impl ComputePool {
         } else {
             Vec::new()
         };
-        let pool = ThreadPoolBuilder::new()
-            .num_threads(max - 1)
-            .thread_name(|i| format!("thaw-compute-{}", i + 1))
-            .start_handler(move |i| {
-                // Helper i runs beside the engine thread (core 0 of the set), never on it.
-                if cores.len() > 1 {
-                    core_affinity::set_for_current(cores[(i + 1) % cores.len()]);
-                }
-            })
-            .build()
-            .map_err(|e| {
-                RuntimeError::Backend(format!(
-                    "cannot start {max} CPU compute threads ({e}); pass fewer threads"
-                ))
-            })?;
+        let max = max.min(MAX_PARTS);
+        let pool = Pool::new(max - 1, move |i| {
+            // Helper i runs beside the engine thread (core 0 of the set), never on it.
+            if cores.len() > 1 {
+                core_affinity::set_for_current(cores[i % cores.len()]);
+            }
+        })
+        .map_err(|e| {
+            RuntimeError::Backend(format!(
+                "cannot start {max} CPU compute threads ({e}); pass fewer threads"
+            ))
+        })?;
         Ok(Self {
             pool: Some(pool),
             max,
@@ -126,6 +129,11 @@ impl ComputePool {
     /// compute on the other cores.
     pub fn set_active(&mut self, n: usize) {
         self.active = n.clamp(1, self.max);
+        if self.active == 1 {
+            if let Some(p) = &self.pool {
+                p.park();
+            }
+        }
     }
 
     /// Parts to split `work` (multiply-adds or the like) into: each at least the pool's
@@ -152,20 +160,19 @@ impl ComputePool {
             Some(p) if parts > 1 => p,
             _ => return f(0..units, &mut out[..units * unit_len]),
         };
-        let f = &f;
-        pool.in_place_scope(|s| {
-            let mut rest = &mut out[..units * unit_len];
-            let mut first = None;
-            for (p, r) in ranges(units, align, parts).enumerate() {
-                let (chunk, tail) = rest.split_at_mut(r.len() * unit_len);
-                rest = tail;
-                if p == 0 {
-                    first = Some((r, chunk));
-                } else {
-                    s.spawn(move |_| f(r, chunk));
-                }
-            }
-            if let Some((r, chunk)) = first {
+        let slots: [Slot<(Range<usize>, &mut [T])>; MAX_PARTS] =
+            std::array::from_fn(|_| Mutex::new(None));
+        let mut rest = &mut out[..units * unit_len];
+        let mut n = 0;
+        for (slot, r) in slots.iter().zip(ranges(units, align, parts)) {
+            let (chunk, tail) = std::mem::take(&mut rest).split_at_mut(r.len() * unit_len);
+            rest = tail;
+            *slot.lock().unwrap_or_else(|e| e.into_inner()) = Some((r, chunk));
+            n += 1;
+        }
+        pool.run(n, &|p| {
+            let part = slots[p].lock().unwrap_or_else(|e| e.into_inner()).take();
+            if let Some((r, chunk)) = part {
                 f(r, chunk);
             }
         });
@@ -183,6 +190,10 @@ impl ComputePool {
     ) {
         let groups = bounds.len().saturating_sub(1);
         assert!(states.len() >= groups, "groups_mut: a state per group");
+        assert!(
+            groups <= MAX_PARTS,
+            "groups_mut: {groups} groups, at most {MAX_PARTS}"
+        );
         if groups == 0 {
             return;
         }
@@ -195,21 +206,22 @@ impl ComputePool {
                 return;
             }
         };
-        let f = &f;
-        pool.in_place_scope(|s| {
-            let mut rest = &mut out[bounds[0]..bounds[groups]];
-            let mut first = None;
-            for (g, st) in states[..groups].iter_mut().enumerate() {
-                let (chunk, tail) = rest.split_at_mut(bounds[g + 1] - bounds[g]);
-                rest = tail;
-                if g == 0 {
-                    first = Some((chunk, st));
-                } else {
-                    s.spawn(move |_| f(g, chunk, st));
+        let slots: [Slot<(&mut [T], &mut S)>; MAX_PARTS] =
+            std::array::from_fn(|_| Mutex::new(None));
+        let mut rest = &mut out[bounds[0]..bounds[groups]];
+        for (g, (slot, st)) in slots.iter().zip(states[..groups].iter_mut()).enumerate() {
+            let (chunk, tail) = std::mem::take(&mut rest).split_at_mut(bounds[g + 1] - bounds[g]);
+            rest = tail;
+            *slot.lock().unwrap_or_else(|e| e.into_inner()) = Some((chunk, st));
+        }
+        let threads = pool.threads().min(self.active);
+        pool.run(groups.min(threads), &|p| {
+            // Part p takes groups p, p + threads, … (groups ≤ active threads in practice).
+            for g in (p..groups).step_by(threads) {
+                let item = slots[g].lock().unwrap_or_else(|e| e.into_inner()).take();
+                if let Some((chunk, st)) = item {
+                    f(g, chunk, st);
                 }
-            }
-            if let Some((chunk, st)) = first {
-                f(0, chunk, st);
             }
         });
     }

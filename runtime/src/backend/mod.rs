@@ -15,6 +15,7 @@ use crate::ids::LayerIdx;
 pub mod any;
 pub mod cpu;
 pub mod cpu_par;
+mod cpu_pool;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 #[cfg(not(feature = "cuda"))]

@@ -14,4 +14,4 @@ mod tests;
 
 pub use blocks::{dequantize_blocks, quantize_blocks};
 pub use format::WeightFormat;
-pub use matrix::{WeightData, WeightMatrix};
+pub use matrix::{q8_activations, set_q8_activations, WeightData, WeightMatrix};

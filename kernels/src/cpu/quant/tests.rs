@@ -154,7 +154,7 @@ fn matmul_matches_dequantised_f32() {
                 // Decode rows over Q8_0/Q4_0/Q4_1 multiply Q8-quantised activations (integer
                 // dots, exact): the oracle uses those activations (`simd::tests` checks the
                 // quantisation error bound against the original ones).
-                let xs = if m <= 16 && super::matrix::Q8_DECODE && q8_dot_supported(f) {
+                let xs = if m <= 16 && super::q8_activations() && q8_dot_supported(f) {
                     q8_rows(&x, k)
                 } else {
                     x.clone()

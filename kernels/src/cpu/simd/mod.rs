@@ -4,7 +4,7 @@
 //! - [`dot_rows_f32`], [`dot_rows_f16`], [`dot_rows_bf16`]: a weight row in its stored float format × an f32
 //!   activation row, accumulated in f32,
 //!   for up to a few activation rows at once (one pass over the weight row).
-//! - [`quantize_q8`] + [`dot_rows_q8`]: as ggml does for Q8_0/Q4_0/Q4_1 weights, the activation
+//! - [`quantize_q8`] + [`dot_rows_q8`] / [`gemv_q8`]: as ggml does for Q8_0/Q4_0/Q4_1 weights, the activation
 //!   row is quantised to 8-bit blocks once per product, then every weight block is an
 //!   i8×i8 (or u4×i8) integer dot scaled by the two block scales.
 //!
@@ -171,8 +171,8 @@ pub fn q8_dot_supported(format: WeightFormat) -> bool {
 }
 
 /// Quantises `x` (a multiple of 32 long) into `out` (one block per 32 values): per block
-/// `d = max|x| / 127`, `q = round_ties_even(x / d)`. Deterministic and identical on every
-/// level (one implementation).
+/// `d = max|x| / 127`, `q = round_ties_even(x / d)`. Deterministic and bit-identical on every
+/// level (the AVX2 version performs the same operations per element).
 pub fn quantize_q8(x: &[f32], out: &mut [Q8Block]) {
     assert!(
         x.len().is_multiple_of(Q8_BLOCK) && out.len() == x.len() / Q8_BLOCK,
@@ -180,19 +180,87 @@ pub fn quantize_q8(x: &[f32], out: &mut [Q8Block]) {
         x.len(),
         out.len()
     );
-    for (v, b) in x.chunks_exact(Q8_BLOCK).zip(out.iter_mut()) {
-        let amax = v.iter().fold(0.0f32, |a, x| a.max(x.abs()));
-        let d = amax / 127.0;
-        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-        let mut sum = 0i32;
-        for (q, &x) in b.qs.iter_mut().zip(v) {
-            let r = (x * id).round_ties_even();
-            *q = r as i8;
-            sum += r as i32;
-        }
-        b.d = d;
-        b.s = d * sum as f32;
+    #[cfg(target_arch = "x86_64")]
+    if let Some(t) = avx2() {
+        return t.quantize_q8(x, out);
     }
+    portable::quantize_q8(x, out)
+}
+
+/// `out[i·ldo + j] = w_j·x_i` for the `n` weight rows `w_j` packed in `w` (whole blocks of
+/// `format`: Q8_0, Q4_0 or Q4_1) and the activation rows `x_i` (each quantised by
+/// [`quantize_q8`], as many blocks as a weight row): a whole decode product in one call. Each
+/// result equals [`dot_rows_q8`]'s for the same row pair, bit for bit.
+pub fn gemv_q8(
+    format: WeightFormat,
+    w: &[u8],
+    n: usize,
+    x: &[Q8Block],
+    out: &mut [f32],
+    ldo: usize,
+) {
+    #[cfg(target_arch = "x86_64")]
+    if let Some(t) = avx2() {
+        return t.gemv_q8(format, w, n, x, out, ldo);
+    }
+    gemv_q8_portable(format, w, n, x, out, ldo)
+}
+
+/// [`gemv_q8`] on the portable kernel.
+fn gemv_q8_portable(
+    format: WeightFormat,
+    w: &[u8],
+    n: usize,
+    x: &[Q8Block],
+    out: &mut [f32],
+    ldo: usize,
+) {
+    let (kb, _) = gemv_q8_shape(format, w, n, x, out, ldo);
+    if kb == 0 || n == 0 {
+        return;
+    }
+    let rb = kb * format.block_bytes();
+    for (j, wj) in w.chunks_exact(rb).enumerate() {
+        for (i, xi) in x.chunks_exact(kb).enumerate() {
+            out[i * ldo + j] = portable::dot_q8(format, wj, xi);
+        }
+    }
+}
+
+/// Checks [`gemv_q8`]'s arguments; returns (blocks per row, activation rows) and zeroes
+/// `out` when rows are empty.
+fn gemv_q8_shape(
+    format: WeightFormat,
+    w: &[u8],
+    n: usize,
+    x: &[Q8Block],
+    out: &mut [f32],
+    ldo: usize,
+) -> (usize, usize) {
+    assert!(
+        q8_dot_supported(format),
+        "gemv_q8: {} weights",
+        format.name()
+    );
+    let bb = format.block_bytes();
+    let kb = (w.len() / bb).checked_div(n).unwrap_or(0);
+    assert_eq!(
+        w.len(),
+        n * kb * bb,
+        "gemv_q8: w is not {n} rows of whole blocks"
+    );
+    let m = x.len().checked_div(kb).unwrap_or(0);
+    assert_eq!(x.len(), m * kb, "gemv_q8: x is not [{m}, {kb}] blocks");
+    assert!(
+        m == 0 || n == 0 || ((m - 1) * ldo + n <= out.len() && (m == 1 || ldo >= n)),
+        "gemv_q8: out is not {m} rows of {n} at stride {ldo}"
+    );
+    if kb == 0 {
+        for i in 0..m {
+            out[i * ldo..i * ldo + n].fill(0.0);
+        }
+    }
+    (kb, m)
 }
 
 /// `out[r] = w·x[r]` for one weight row `w` (whole blocks of `format`: Q8_0, Q4_0 or Q4_1)

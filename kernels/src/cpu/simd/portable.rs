@@ -100,3 +100,20 @@ pub(super) fn dot_q8(format: WeightFormat, w: &[u8], x: &[Q8Block]) -> f32 {
     }
     acc
 }
+
+/// [`super::quantize_q8`], plain Rust (the definition the AVX2 version reproduces).
+pub(super) fn quantize_q8(x: &[f32], out: &mut [Q8Block]) {
+    for (v, b) in x.chunks_exact(super::Q8_BLOCK).zip(out.iter_mut()) {
+        let amax = v.iter().fold(0.0f32, |a, x| a.max(x.abs()));
+        let d = amax / 127.0;
+        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        let mut sum = 0i32;
+        for (q, &x) in b.qs.iter_mut().zip(v) {
+            let r = (x * id).round_ties_even();
+            *q = r as i8;
+            sum += r as i32;
+        }
+        b.d = d;
+        b.s = d * sum as f32;
+    }
+}

@@ -301,6 +301,91 @@ fn rows_kernels_are_batch_invariant() {
     }
 }
 
+/// The AVX2 quantiser writes exactly the portable blocks (scales, sums and codes), for
+/// ordinary values, ties at .5 steps, a zero block and one tiny block.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn quantize_q8_avx2_equals_portable_bitwise() {
+    let Some(t) = x86::Avx2::detect() else { return };
+    let mut r = rng(21);
+    let mut x = rand_vec(&mut r, 32 * 40, 3.0);
+    x[32..64].fill(0.0);
+    for (i, v) in x[64..96].iter_mut().enumerate() {
+        *v = (i as f32 - 16.0) * 0.5; // many exact halves of a step
+    }
+    for v in &mut x[96..128] {
+        *v *= 1e-30;
+    }
+    let mut want = vec![Q8Block::default(); 40];
+    let mut got = vec![Q8Block::default(); 40];
+    super::portable::quantize_q8(&x, &mut want);
+    t.quantize_q8(&x, &mut got);
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert_eq!(
+            (g.d.to_bits(), g.s.to_bits(), g.qs),
+            (w.d.to_bits(), w.s.to_bits(), w.qs),
+            "block {i}"
+        );
+    }
+}
+
+/// `gemv_q8` at an explicit level.
+fn gemv(
+    l: SimdLevel,
+    f: WeightFormat,
+    w: &[u8],
+    n: usize,
+    x: &[Q8Block],
+    out: &mut [f32],
+    ldo: usize,
+) {
+    match l {
+        SimdLevel::Portable => gemv_q8_portable(f, w, n, x, out, ldo),
+        #[cfg(target_arch = "x86_64")]
+        SimdLevel::Avx2 => x86::Avx2::detect().unwrap().gemv_q8(f, w, n, x, out, ldo),
+        #[cfg(not(target_arch = "x86_64"))]
+        SimdLevel::Avx2 => unreachable!(),
+    }
+}
+
+/// A whole product through `gemv_q8` equals `dot_rows_q8` row by row, bit for bit, at every
+/// level, for 1..=6 activation rows written at a wider stride (padding untouched).
+#[test]
+fn gemv_q8_equals_dot_rows() {
+    let (n, kb) = (7, 3);
+    let mut r = rng(5);
+    let xs = rand_vec(&mut r, 6 * kb * 32, 1.0);
+    let mut q = vec![Q8Block::default(); 6 * kb];
+    for (row, qr) in xs.chunks_exact(kb * 32).zip(q.chunks_exact_mut(kb)) {
+        quantize_q8(row, qr);
+    }
+    for l in levels() {
+        for f in Q8_FORMATS {
+            let w: Vec<u8> = (0..n)
+                .flat_map(|j| weight_row(f, kb, true, 40 + j as u64))
+                .collect();
+            let rb = w.len() / n;
+            for m in 1..=6 {
+                let ldo = n + 2;
+                let mut out = vec![f32::NAN; m * ldo];
+                gemv(l, f, &w, n, &q[..m * kb], &mut out, ldo);
+                for i in 0..m {
+                    for j in 0..n {
+                        let want = q8_dot(l, f, &w[j * rb..(j + 1) * rb], &q[i * kb..(i + 1) * kb]);
+                        assert_eq!(
+                            out[i * ldo + j].to_bits(),
+                            want.to_bits(),
+                            "{} {l:?} m={m}",
+                            f.name()
+                        );
+                    }
+                    assert!(out[i * ldo + n].is_nan(), "padding written");
+                }
+            }
+        }
+    }
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(64))]
 

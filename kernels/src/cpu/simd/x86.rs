@@ -143,6 +143,135 @@ impl Avx2 {
     }
 }
 
+impl Avx2 {
+    /// `out[i·ldo + j] = w_j·x_i` for the `n` weight rows `w_j` (`kb` blocks of `format`
+    /// each, packed) and the `m = x.len() / kb` activation rows `x_i`: one call for a whole
+    /// product, each weight row unpacked once for every activation row, each result summed
+    /// exactly as [`Avx2::dot_rows_q8`] sums it.
+    pub(super) fn gemv_q8(
+        self,
+        format: WeightFormat,
+        w: &[u8],
+        n: usize,
+        x: &[Q8Block],
+        out: &mut [f32],
+        ldo: usize,
+    ) {
+        let (kb, m) = super::gemv_q8_shape(format, w, n, x, out, ldo);
+        if kb == 0 || m == 0 || n == 0 {
+            return;
+        }
+        let (w, x, o) = (w.as_ptr(), x.as_ptr(), out.as_mut_ptr());
+        // SAFETY: `self` proves the features; `gemv_q8_shape` checked that `w` holds `n` rows
+        // of `kb` blocks, `x` `m` rows of `kb` blocks and `out` every `i·ldo + j`.
+        unsafe {
+            match format {
+                WeightFormat::Q8_0 => gemv_q8_rows::<Q8_0>(w, n, kb, x, m, o, ldo),
+                WeightFormat::Q4_0 => gemv_q8_rows::<Q4_0>(w, n, kb, x, m, o, ldo),
+                WeightFormat::Q4_1 => gemv_q8_rows::<Q4_1>(w, n, kb, x, m, o, ldo),
+                f => unreachable!("gemv_q8 checked the format, got {}", f.name()),
+            }
+        }
+    }
+
+    /// [`super::quantize_q8`] with AVX2: the same operations in the same order per element
+    /// (max of |x| is order-free, `x·(1/d)` rounded to nearest-even, exact integer sum), so
+    /// the blocks are bit-identical to the portable ones.
+    pub(super) fn quantize_q8(self, x: &[f32], out: &mut [Q8Block]) {
+        assert_eq!(x.len(), out.len() * Q8_BLOCK, "quantize_q8: lengths");
+        for (v, b) in x.chunks_exact(Q8_BLOCK).zip(out.iter_mut()) {
+            // SAFETY: `self` proves the features; `v` holds 32 f32s.
+            unsafe { quantize_block(v.as_ptr(), b) }
+        }
+    }
+}
+
+/// # Safety
+/// AVX2/FMA/F16C available; `w` readable for `n` rows of `kb` blocks of `FMT`, `x` for `m`
+/// rows of `kb` blocks, `out` writable at `i·ldo + j` for `i < m`, `j < n`.
+#[inline(never)]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn gemv_q8_rows<const FMT: u8>(
+    w: *const u8,
+    n: usize,
+    kb: usize,
+    x: *const Q8Block,
+    m: usize,
+    out: *mut f32,
+    ldo: usize,
+) {
+    let rb = kb
+        * match FMT {
+            Q8_0 => 34,
+            Q4_0 => 18,
+            _ => 20,
+        };
+    let mut col = [0.0f32; MR];
+    for j in 0..n {
+        // SAFETY: row `j < n` of `w`, rows `r0..r0 + R ≤ m` of `x`, and the outputs
+        // `i·ldo + j` are inside the caller's guarantee.
+        unsafe {
+            let wj = w.add(j * rb);
+            tiled!(m, |r0, R| {
+                q8_tile::<FMT, R>(wj, kb, x.add(r0 * kb), col.as_mut_ptr());
+                for r in 0..R {
+                    *out.add((r0 + r) * ldo + j) = col[r];
+                }
+            });
+        }
+    }
+}
+
+/// One block of [`Avx2::quantize_q8`].
+///
+/// # Safety
+/// AVX2 available; `v` readable for 32 f32s.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn quantize_block(v: *const f32, b: &mut Q8Block) {
+    // SAFETY: four 8-lane loads cover the 32 readable values; the store writes the 32
+    // bytes of `b.qs`.
+    unsafe {
+        let x = [
+            _mm256_loadu_ps(v),
+            _mm256_loadu_ps(v.add(8)),
+            _mm256_loadu_ps(v.add(16)),
+            _mm256_loadu_ps(v.add(24)),
+        ];
+        let sign = _mm256_set1_ps(-0.0);
+        let mut amax = _mm256_andnot_ps(sign, x[0]);
+        for xi in &x[1..] {
+            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, *xi));
+        }
+        let h = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+        let h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        let h = _mm_max_ss(h, _mm_movehdup_ps(h));
+        let d = _mm_cvtss_f32(h) / 127.0;
+        let id = _mm256_set1_ps(if d != 0.0 { 1.0 / d } else { 0.0 });
+        let q = x.map(|xi| {
+            _mm256_cvtps_epi32(_mm256_round_ps(
+                _mm256_mul_ps(xi, id),
+                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC,
+            ))
+        });
+        let sum = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+        let s = _mm_add_epi32(
+            _mm256_castsi256_si128(sum),
+            _mm256_extracti128_si256(sum, 1),
+        );
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b01_00_11_10));
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b10_11_00_01));
+        let packed = _mm256_packs_epi16(
+            _mm256_packs_epi32(q[0], q[1]),
+            _mm256_packs_epi32(q[2], q[3]),
+        );
+        let packed = _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256(b.qs.as_mut_ptr().cast(), packed);
+        b.d = d;
+        b.s = d * _mm_cvtsi128_si32(s) as f32;
+    }
+}
+
 /// Lane sum of `v`, pairwise: lanes `l + 4`, then `l + 2`, then `l + 1` (the portable
 /// kernels' reduction order).
 #[inline]
@@ -237,14 +366,18 @@ unsafe fn float_tile<const W: u8, const R: usize>(
     }
 }
 
-/// The f16 scale at `p` (unaligned little-endian).
+/// The two f16 values at `p` (a block's scale and, for Q4_1, its minimum), widened with
+/// F16C (exact, as every f16 → f32 conversion is).
 ///
 /// # Safety
-/// `p` readable for 2 bytes.
+/// F16C available; `p` readable for 4 bytes (every Q8_0/Q4_0/Q4_1 block is longer).
 #[inline(always)]
-unsafe fn f16_at(p: *const u8) -> f32 {
-    // SAFETY: the caller guarantees 2 readable bytes.
-    f16::from_bits(u16::from_le(unsafe { p.cast::<u16>().read_unaligned() })).to_f32()
+unsafe fn f16_pair(p: *const u8) -> (f32, f32) {
+    // SAFETY: the caller guarantees 4 readable bytes and F16C.
+    unsafe {
+        let v = _mm_cvtph_ps(_mm_cvtsi32_si128(p.cast::<i32>().read_unaligned()));
+        (_mm_cvtss_f32(v), _mm_cvtss_f32(_mm_movehdup_ps(v)))
+    }
 }
 
 /// `out[r] = w·x[r]` for `r < R`: per weight block, its 32 codes are unpacked once
@@ -258,7 +391,7 @@ unsafe fn f16_at(p: *const u8) -> f32 {
 /// # Safety
 /// AVX2/FMA/F16C available; `w` readable for `kb` blocks of format `FMT`, `x` for `R` rows
 /// of `kb` blocks (row stride `kb`), `out` writable for `R` f32s.
-#[inline(never)]
+#[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn q8_tile<const FMT: u8, const R: usize>(
     w: *const u8,
@@ -296,10 +429,7 @@ unsafe fn q8_tile<const FMT: u8, const R: usize>(
             };
             // Signed codes: |w| once, its sign moved onto each activation row.
             let aw = _mm256_abs_epi8(q);
-            let (d, m) = (
-                f16_at(wb),
-                if FMT == Q4_1 { f16_at(wb.add(2)) } else { 0.0 },
-            );
+            let (d, m) = f16_pair(wb);
             for r in 0..R {
                 let xb = &*x.add(r * kb + b);
                 let xq = _mm256_loadu_si256(xb.qs.as_ptr().cast());
