@@ -125,6 +125,8 @@ pub struct LoopConfig {
     pub memory: MemoryConfig,
     pub limits: Limits,
     pub scheduling: Scheduling,
+    /// `--dump-cost-model PATH`: log every step and first token to `PATH.steps.jsonl`.
+    pub step_log: Option<std::path::PathBuf>,
 }
 
 /// How the loop orders and batches requests.
@@ -262,6 +264,8 @@ struct Live {
     running: bool,
     /// Its adapter was not on the device when it arrived.
     missed: bool,
+    /// When a step first included it.
+    planned: Option<Instant>,
 }
 
 struct Loop {
@@ -283,6 +287,7 @@ struct Loop {
     last_step_end: Option<Instant>,
     /// When the CPU LoRA workers were last supervised ([`WORKER_CHECK`]).
     tended: Instant,
+    step_log: Option<crate::perf::StepLog>,
 }
 
 /// How often the loop reaps dead CPU LoRA workers and starts their replacements, idle or
@@ -316,7 +321,13 @@ impl Loop {
             cfg.scheduling.tpot_slo_s,
             &cfg.sched,
         );
+        let step_log = cfg.step_log.as_deref().and_then(|p| {
+            crate::perf::StepLog::create(p)
+                .map_err(|e| tracing::warn!("no step log at {}: {e}", p.display()))
+                .ok()
+        });
         Self {
+            step_log,
             engine,
             sched,
             auto_kernel: cfg.scheduling.auto_kernel,
@@ -524,6 +535,7 @@ impl Loop {
                 generated: 0,
                 running: false,
                 missed,
+                planned: None,
             },
         );
     }
@@ -703,7 +715,7 @@ impl Loop {
             })
         }));
         let tokens: usize = d.plan.items.iter().map(|i| i.num_tokens).sum();
-        let shape = self.step_shape(&d.plan);
+        let (shape, decode_ctx) = self.step_shape(&d.plan);
         let kernel = if self.auto_kernel {
             let step = self.stats.steps.load(Ordering::Relaxed);
             let k = self.cold.cost.kernel_for_step(&shape, step);
@@ -715,8 +727,14 @@ impl Loop {
         let assisted_before = self.engine.rows_assisted();
         let profile_before = self.engine.assist_profile();
         let started = Instant::now();
-        if let Some(end) = self.last_step_end.take() {
-            self.cold.cost.observe_gap(started - end);
+        let gap = self.last_step_end.take().map(|end| started - end);
+        if let Some(g) = gap {
+            self.cold.cost.observe_gap(g);
+        }
+        for it in &d.plan.items {
+            if let Some(l) = self.live.get_mut(&it.seq) {
+                l.planned.get_or_insert(started);
+            }
         }
         let outputs = match self.engine.step(&d.plan) {
             Ok(o) => o,
@@ -737,6 +755,17 @@ impl Loop {
         self.last_step_end = Some(started + elapsed);
         self.stats.steps.fetch_add(1, Ordering::Relaxed);
         let assisted = self.engine.rows_assisted() - assisted_before;
+        if let Some(log) = &mut self.step_log {
+            log.step(
+                &shape,
+                decode_ctx,
+                kernel == thaw_runtime::backend::LoraKernel::Bgmv,
+                assisted > 0,
+                started,
+                elapsed.as_secs_f64(),
+                gap.map(|g| g.as_secs_f64()),
+            );
+        }
         if assisted == 0 {
             // Only steps the CPU did not stretch teach the model the device's speed.
             self.cold.cost.observe_shape(&shape, kernel, elapsed);
@@ -765,10 +794,14 @@ impl Loop {
                 continue;
             };
             match l.last_token {
-                None => self
-                    .metrics
-                    .ttft
-                    .observe(now.duration_since(l.arrived).as_secs_f64()),
+                None => {
+                    self.metrics
+                        .ttft
+                        .observe(now.duration_since(l.arrived).as_secs_f64());
+                    if let Some(log) = &mut self.step_log {
+                        log.first(l.arrived, l.planned.unwrap_or(now), now, l.prompt_len);
+                    }
+                }
                 Some(t) => self
                     .metrics
                     .tpot
@@ -870,14 +903,20 @@ impl Loop {
 
     /// The shape of a planned step for the performance model: decode and prefill rows and
     /// the ranks they carry.
-    fn step_shape(&self, plan: &thaw_runtime::engine::StepPlan) -> StepShape {
+    /// The step's shape, and Σ over its decode rows of the tokens already in their KV cache.
+    fn step_shape(&self, plan: &thaw_runtime::engine::StepPlan) -> (StepShape, usize) {
         let mut shape = StepShape::default();
+        let mut ctx = 0;
         for it in &plan.items {
             if let Some(s) = self.state.running.iter().find(|s| s.id == it.seq) {
-                shape.add(it.num_tokens, !s.in_prefill(), self.sched.rank(it.seq));
+                let decode = !s.in_prefill();
+                shape.add(it.num_tokens, decode, self.sched.rank(it.seq));
+                if decode {
+                    ctx += s.computed;
+                }
             }
         }
-        shape
+        (shape, ctx)
     }
 
     fn publish(&self) {

@@ -7,7 +7,9 @@
 mod fit;
 mod model;
 mod snapshot;
+pub mod steplog;
 
 pub use fit::{ErrorStat, Sample, StepStats};
 pub use model::{PerfModel, StepShape, Tier};
 pub use snapshot::PerfSnapshot;
+pub use steplog::StepLog;

@@ -210,6 +210,10 @@ impl Server {
                             tpot_slo_s: cold_cfg.tpot_slo_ms.map(|ms| ms / 1e3),
                             auto_kernel: cold_cfg.lora_kernel == "auto",
                         },
+                        step_log: cold_cfg
+                            .dump_cost_model
+                            .as_deref()
+                            .map(crate::perf::steplog::steps_path),
                     },
                 ))
             },
