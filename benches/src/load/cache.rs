@@ -230,7 +230,11 @@ fn serve_once(
                 sum.sent,
                 log.display()
             );
-            eprintln!("{label}: warm-up of {} requests in {:.1?}", sum.sent, t.elapsed());
+            eprintln!(
+                "{label}: warm-up of {} requests in {:.1?}",
+                sum.sent,
+                t.elapsed()
+            );
         }
         let (_, summary) = measure(&client, &info, workload, &prompts, &opts).await?;
         let m = client.get_text("/metrics").await?;
