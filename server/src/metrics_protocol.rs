@@ -16,7 +16,7 @@
 //! to the current time whenever the label set changes and never drops the old ones, Thaw keeps
 //! the previous label sets with the time each was last current; an EPP takes the series with
 //! the largest value. Unlike vLLM, the history is bounded ([`LORA_INFO_HISTORY`] series).
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::Mutex;
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -51,6 +51,8 @@ struct ActivityInner {
     history: VecDeque<LoraSeries>,
     scratch_running: Vec<AdapterId>,
     scratch_waiting: Vec<AdapterId>,
+    /// Adapters already in the scratch list being built (cleared per list, never shrunk).
+    seen: HashSet<AdapterId>,
 }
 
 fn unix_now() -> f64 {
@@ -60,11 +62,19 @@ fn unix_now() -> f64 {
         .unwrap_or(0.0)
 }
 
-/// Appends the distinct adapters of `seqs` to `out` (cleared first), in order.
-fn distinct(out: &mut Vec<AdapterId>, seqs: impl IntoIterator<Item = Option<AdapterId>>) {
+/// Appends the distinct adapters of `seqs` to `out` (cleared first), in first-seen order.
+/// O(len) with `seen` as the membership index: the engine loop calls this every step over
+/// the whole waiting queue, and a `contains` scan of `out` made that O(queue × distinct
+/// adapters), which grew with the registered count (issue 11's cache-scale table).
+fn distinct(
+    out: &mut Vec<AdapterId>,
+    seen: &mut HashSet<AdapterId>,
+    seqs: impl IntoIterator<Item = Option<AdapterId>>,
+) {
     out.clear();
+    seen.clear();
     for id in seqs.into_iter().flatten() {
-        if !out.contains(&id) {
+        if seen.insert(id) {
             out.push(id);
         }
     }
@@ -82,6 +92,7 @@ impl Default for LoraActivity {
                 history: VecDeque::new(),
                 scratch_running: Vec::new(),
                 scratch_waiting: Vec::new(),
+                seen: HashSet::new(),
             }),
         }
     }
@@ -107,8 +118,8 @@ impl LoraActivity {
     ) {
         let mut g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
         let inner = &mut *g;
-        distinct(&mut inner.scratch_running, running);
-        distinct(&mut inner.scratch_waiting, waiting);
+        distinct(&mut inner.scratch_running, &mut inner.seen, running);
+        distinct(&mut inner.scratch_waiting, &mut inner.seen, waiting);
         let same = inner.scratch_running == inner.current.running
             && inner.scratch_waiting == inner.current.waiting;
         if !same {
@@ -258,7 +269,31 @@ mod tests {
         assert_eq!(s.last().map(|x| x.updated), Some(13.0));
     }
 
+    /// The oracle: the quadratic first-seen scan `distinct` replaced.
+    fn scan_distinct(seqs: &[Option<AdapterId>]) -> Vec<AdapterId> {
+        let mut out: Vec<AdapterId> = Vec::new();
+        for id in seqs.iter().flatten() {
+            if !out.contains(id) {
+                out.push(*id);
+            }
+        }
+        out
+    }
+
     proptest! {
+        /// The hash-indexed dedup gives the scan's list (same adapters, first-seen order),
+        /// also when its buffers are reused across calls.
+        #[test]
+        fn distinct_matches_the_scan(
+            lists in proptest::collection::vec(proptest::collection::vec(0u32..40, 0..80), 1..6)
+        ) {
+            let (mut out, mut seen) = (Vec::new(), HashSet::new());
+            for l in &lists {
+                distinct(&mut out, &mut seen, ids(l));
+                prop_assert_eq!(&out, &scan_distinct(&ids(l)));
+            }
+        }
+
         /// The history stays bounded and distinct, and the current set is the last one
         /// published with the largest time.
         #[test]
@@ -284,10 +319,7 @@ mod tests {
             let last = s.last().unwrap();
             prop_assert!(s.iter().all(|x| x.updated <= last.updated));
             let (r, w) = steps.last().unwrap();
-            let mut want_r = Vec::new();
-            distinct(&mut want_r, ids(r));
-            let mut want_w = Vec::new();
-            distinct(&mut want_w, ids(w));
+            let (want_r, want_w) = (scan_distinct(&ids(r)), scan_distinct(&ids(w)));
             prop_assert_eq!(&last.running, &want_r);
             prop_assert_eq!(&last.waiting, &want_w);
         }

@@ -92,6 +92,13 @@ pub struct CacheScaleArgs {
     /// the table compares the two side by side.
     #[arg(long)]
     pub baseline_bin: Option<PathBuf>,
+    /// Measure cold loads too: skip S-LoRA's setup, where every registered adapter is in host
+    /// memory before the run. By default each server gets `--max-cpu-loras` = the adapter
+    /// count and, before the measured run, one 1-token request per adapter (not measured), so
+    /// the table measures what grows with the registered count rather than first-use disk
+    /// reads (uniform draws over 1,000 adapters make almost every request a first use).
+    #[arg(long)]
+    pub no_warmup: bool,
     #[command(flatten)]
     pub workload: WorkloadArgs,
 }
@@ -189,6 +196,7 @@ fn serve_once(
     workload: &WorkloadArgs,
     label: String,
     adapters: usize,
+    warmup: Option<&WorkloadArgs>,
 ) -> anyhow::Result<Run> {
     let bin = s.server.bin()?;
     let log = s
@@ -212,6 +220,22 @@ fn serve_once(
             progress: !s.server.no_progress,
             label: label.clone(),
         };
+        if let Some(w) = warmup {
+            let t = Instant::now();
+            let (_, sum) = measure(&client, &info, w, &prompts, &opts).await?;
+            anyhow::ensure!(
+                sum.failed == 0,
+                "{label}: {} of {} warm-up requests failed; see {}",
+                sum.failed,
+                sum.sent,
+                log.display()
+            );
+            eprintln!(
+                "{label}: warm-up of {} requests in {:.1?}",
+                sum.sent,
+                t.elapsed()
+            );
+        }
         let (_, summary) = measure(&client, &info, workload, &prompts, &opts).await?;
         let m = client.get_text("/metrics").await?;
         let (rss_end, rss_peak) = (
@@ -238,6 +262,25 @@ fn serve_once(
         run.summary.completed, run.summary.sent, run.summary.wall_s
     );
     Ok(run)
+}
+
+/// S-LoRA's precondition for its scalability table: every adapter in host memory. One 1-token
+/// request per adapter (`Distinct` cycles through them all once), all at once.
+fn warmup_workload(w: &WorkloadArgs, adapters: usize) -> WorkloadArgs {
+    WorkloadArgs {
+        requests: adapters,
+        arrivals: super::workload::ArrivalKind::Poisson,
+        rate: Some(2000.0),
+        popularity: PopularityKind::Distinct,
+        lengths: super::workload::LengthKind::Fixed,
+        prompt_len: 8,
+        output_len: 1,
+        ..w.clone()
+    }
+}
+
+fn serve_arg_set(s: &ServeSetup, flag: &str) -> bool {
+    s.server.serve_arg.iter().any(|a| a.starts_with(flag))
 }
 
 fn base_args(model: &Path, lora_dir: &Path, s: &ServeSetup) -> Vec<String> {
@@ -321,6 +364,7 @@ pub fn run_cache(args: &CacheArgs) -> anyhow::Result<String> {
                     &burst,
                     format!("{n} adapters probe"),
                     n,
+                    None,
                 )?;
                 probe.summary.throughput_rps
             }
@@ -341,7 +385,7 @@ pub fn run_cache(args: &CacheArgs) -> anyhow::Result<String> {
                 };
                 for (pi, &p) in args.policies.iter().enumerate() {
                     let label = format!("{n} adapters {:.0}% {p} round {}", f * 100.0, round + 1);
-                    let r = serve_once(&rt, &args.setup, &with_policy(p), &w, label, n)?;
+                    let r = serve_once(&rt, &args.setup, &with_policy(p), &w, label, n, None)?;
                     per[pi].push(r.clone());
                     runs.push(r);
                 }
@@ -405,20 +449,22 @@ pub fn run_cache_scale(args: &CacheScaleArgs) -> anyhow::Result<String> {
         args.workload = quick_workload(&args.workload);
     }
     anyhow::ensure!(args.rounds > 0, "--rounds must be at least 1");
-    if !args
-        .setup
-        .server
-        .serve_arg
-        .iter()
-        .any(|a| a.starts_with("--max-loras"))
-    {
+    if !serve_arg_set(&args.setup, "--max-loras") {
         args.setup
             .server
             .serve_arg
             .push(format!("--max-loras={}", args.max_loras));
     }
-    let (_tmp, root) = workdir(&args.setup)?;
     let max = args.adapter_counts.iter().copied().max().unwrap_or(1);
+    if !serve_arg_set(&args.setup, "--max-queued-requests") {
+        // A backlog of a whole run (or warm-up) is the load being measured, not overload.
+        let q = max.max(args.workload.requests) + 1;
+        args.setup
+            .server
+            .serve_arg
+            .push(format!("--max-queued-requests={q}"));
+    }
+    let (_tmp, root) = workdir(&args.setup)?;
     let prep = Prepared::new(&args.setup, &root, max)?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -437,9 +483,13 @@ pub fn run_cache_scale(args: &CacheScaleArgs) -> anyhow::Result<String> {
         for (ci, &n) in args.adapter_counts.iter().enumerate() {
             let dir = prep.dir_for(n)?;
             for (si, (name, setup)) in servers.iter().enumerate() {
-                let a = base_args(&prep.model, &dir, setup);
+                let mut a = base_args(&prep.model, &dir, setup);
+                let warm = (!args.no_warmup).then(|| warmup_workload(&args.workload, n));
+                if warm.is_some() {
+                    a.push(format!("--max-cpu-loras={n}"));
+                }
                 let label = format!("{n} adapters {name} round {}", round + 1);
-                let r = serve_once(&rt, setup, &a, &args.workload, label, n)?;
+                let r = serve_once(&rt, setup, &a, &args.workload, label, n, warm.as_ref())?;
                 cells[ci][si].push(r.clone());
                 runs.push(r);
             }
@@ -489,7 +539,7 @@ pub fn run_cache_scale(args: &CacheScaleArgs) -> anyhow::Result<String> {
         "thaw serve (CPU backend), preset {}, ranks {:?} on q,v, uniform popularity (each request's \
          adapter drawn uniformly from the registered ones; the same seed, so the same requests \
          and lengths for every count); {} requests, {:?} arrivals at {:?} req/s, {:?} lengths; \
-         {} round(s), the median run shown (done/failed summed over rounds); serve args {:?}\n\n{text}\nreport: {}\n",
+         {} round(s), the median run shown (done/failed summed over rounds); {}; serve args {:?}\n\n{text}\nreport: {}\n",
         args.setup.preset,
         args.setup.ranks,
         w.requests,
@@ -497,6 +547,12 @@ pub fn run_cache_scale(args: &CacheScaleArgs) -> anyhow::Result<String> {
         w.rate,
         w.lengths,
         args.rounds,
+        if args.no_warmup {
+            "no warm-up: first uses read the disk inside the measured run"
+        } else {
+            "S-LoRA's setup: every adapter in host memory before the run \
+             (--max-cpu-loras = count, one unmeasured 1-token request per adapter)"
+        },
         args.setup.server.serve_arg,
         json.display()
     ))

@@ -12,10 +12,12 @@
 //! but never so as to delay it: while the head waits for memory, a bypasser must be predicted to
 //! finish within the head's predicted wait (steps until running requests free enough for it);
 //! while the head waits only for its adapter's fetch, a bypasser must leave the head fitting.
+use std::cell::OnceCell;
 use std::collections::{HashMap, HashSet};
 
 use thaw_runtime::ids::{AdapterId, SeqId};
 
+use super::manager::MemoryManager;
 use super::pool::PagePool;
 use crate::scheduler::{SchedConfig, SeqState};
 
@@ -47,7 +49,49 @@ pub struct MemView<'a> {
     pub pool: &'a PagePool,
     pub adapters: &'a HashMap<AdapterId, AdapterState>,
     /// Adapters on the device, most evictable first (the eviction policy's order).
-    pub eviction_order: &'a [AdapterId],
+    pub eviction_order: EvictionOrder<'a>,
+}
+
+/// The eviction order, given or computed on first use. Scoring and sorting every
+/// device-resident adapter each step made a step O(n log n) in the registered count once all
+/// adapters fit on the device, though most steps evict nothing (issue 11's cache-scale table).
+#[derive(Clone, Copy)]
+pub enum EvictionOrder<'a> {
+    /// Given up front.
+    Fixed(&'a [AdapterId]),
+    /// The memory manager's policy order, computed into `order` when first asked for.
+    Lazy {
+        order: &'a OnceCell<Vec<AdapterId>>,
+        compute: &'a MemoryManager,
+        wanted: &'a HashSet<AdapterId>,
+    },
+}
+
+impl<'a> EvictionOrder<'a> {
+    pub fn get(self) -> &'a [AdapterId] {
+        match self {
+            Self::Fixed(o) => o,
+            Self::Lazy {
+                order,
+                compute,
+                wanted,
+            } => order
+                .get_or_init(|| compute.compute_order(wanted))
+                .as_slice(),
+        }
+    }
+}
+
+impl std::fmt::Debug for EvictionOrder<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Fixed(o) => f.debug_tuple("Fixed").field(o).finish(),
+            Self::Lazy { order, .. } => f
+                .debug_struct("Lazy")
+                .field("computed", &order.get().map(Vec::len))
+                .finish(),
+        }
+    }
 }
 
 /// Batch limits admission keeps.
@@ -194,7 +238,8 @@ impl<'a> Work<'a> {
         let pool = self.view.pool;
         let (mut pages, mut count) = (self.adapter_pages, self.count);
         let mut evict = Vec::new();
-        let mut order = self.view.eviction_order.iter();
+        // Asked for only when something must be evicted.
+        let mut order: Option<std::slice::Iter<'_, AdapterId>> = None;
         loop {
             let room = match load {
                 Some((_, p)) => pool.fits_with(p, self.kv + r, pages, count).is_ok(),
@@ -204,12 +249,14 @@ impl<'a> Work<'a> {
             if room && self.kv + r <= pool.kv_capacity_with(with) {
                 return Ok(Need { r, load, evict });
             }
-            let victim = order.find(|v| {
-                !self.evicted.contains(v)
-                    && !self.users.contains_key(v)
-                    && Some(**v) != s.adapter
-                    && self.on_device(**v)
-            });
+            let victim = order
+                .get_or_insert_with(|| self.view.eviction_order.get().iter())
+                .find(|v| {
+                    !self.evicted.contains(v)
+                        && !self.users.contains_key(v)
+                        && Some(**v) != s.adapter
+                        && self.on_device(**v)
+                });
             let Some(&v) = victim else {
                 return Err(Block::Memory);
             };

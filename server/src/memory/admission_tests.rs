@@ -5,7 +5,9 @@ use std::collections::{HashMap, HashSet};
 use proptest::prelude::*;
 use thaw_runtime::ids::{AdapterId, SeqId};
 
-use super::admission::{admit, predicted_steps, AdapterState, Device, Limits, MemView};
+use super::admission::{
+    admit, predicted_steps, AdapterState, Device, EvictionOrder, Limits, MemView,
+};
 use super::pool::{Layout, PagePool};
 use crate::scheduler::{plan_step_admitting, Gate, SchedConfig, SchedState, SeqState};
 
@@ -67,7 +69,7 @@ impl Sim {
         let view = MemView {
             pool: &self.pool,
             adapters: &self.adapters,
-            eviction_order: &order,
+            eviction_order: EvictionOrder::Fixed(&order),
         };
         let plan = admit(
             &self.state.waiting,
@@ -307,7 +309,7 @@ proptest! {
         let reserved: usize = running.iter().map(|s| s.reservation(&c)).sum();
         let pinned: usize = running.iter().map(|s| adapters[&s.adapter.unwrap()].pages).sum();
         let req = SeqState::new(SeqId(1), prompt, 4);
-        let view = MemView { pool: &pool, adapters: &adapters, eviction_order: &order };
+        let view = MemView { pool: &pool, adapters: &adapters, eviction_order: EvictionOrder::Fixed(&order) };
         let plan = admit([&req], &running, reserved, &c, view, &lim(16, 16));
         let fits = reserved + pinned + req.reservation(&c) <= total;
         prop_assert_eq!(plan.admit == vec![SeqId(1)], fits);
@@ -369,4 +371,76 @@ fn predicted_steps_counts_prefill_chunks_and_decode() {
     s.computed = 20;
     s.total_tokens = 22;
     assert_eq!(predicted_steps(&s, &c), 3);
+}
+
+/// The manager's eviction order is computed only when admission needs a victim, and then it
+/// is the policy's order: admitting with room leaves it uncomputed, and a request that must
+/// evict gets the same plan as with the order given up front.
+#[test]
+fn eviction_order_is_computed_only_when_a_victim_is_needed() {
+    use std::sync::Arc;
+
+    use super::board::Board;
+    use super::eviction::EvictionPolicy;
+    use super::manager::{AdapterMeta, MemoryConfig, MemoryManager};
+
+    let total = 40;
+    let mut m = MemoryManager::new(
+        MemoryConfig {
+            page_bytes: 1,
+            total_pages: total,
+            policy: EvictionPolicy::Cost,
+            max_loras: 16,
+            max_device_adapters: None,
+            host_max_adapters: 16,
+            host_max_bytes: 1 << 20,
+            link_bytes_per_sec: 1e6,
+            link_latency_secs: 0.0,
+        },
+        Arc::new(Board::default()),
+    );
+    for i in 0..6u32 {
+        m.register(
+            AdapterMeta {
+                id: AdapterId(i),
+                path: format!("/nowhere/{i}").into(),
+                root: None,
+                bytes: 5,
+                num_layers: 2,
+                disk_secs: 0.001,
+            },
+            None,
+        );
+        m.on_registered(AdapterId(i), 0, false).unwrap();
+    }
+    let c = cfg(total, 256);
+    let wanted = HashSet::new();
+    // 30 of 40 pages hold adapters: a 2-block request fits, a 12-block one must evict.
+    let small = SeqState::new(SeqId(1), 4, 4);
+    let view = m.view(&wanted);
+    let plan = admit([&small], &[], 0, &c, view, &lim(16, 16));
+    assert_eq!((plan.admit, plan.evict.len()), (vec![SeqId(1)], 0));
+    assert!(
+        !m.order_computed(),
+        "a step that evicts nothing scored the device"
+    );
+
+    let big = SeqState::new(SeqId(2), 44, 4);
+    let view = m.view(&wanted);
+    let lazy = admit([&big], &[], 0, &c, view, &lim(16, 16));
+    assert!(m.order_computed());
+    assert_eq!(lazy.admit, vec![SeqId(2)]);
+    assert!(!lazy.evict.is_empty());
+    let order = m.compute_order(&wanted);
+    let states = m.view(&wanted).adapters.clone();
+    let view = MemView {
+        pool: m.pool(),
+        adapters: &states,
+        eviction_order: EvictionOrder::Fixed(&order),
+    };
+    let fixed = admit([&big], &[], 0, &c, view, &lim(16, 16));
+    assert_eq!((lazy.admit, lazy.evict), (fixed.admit, fixed.evict));
+    // A new view starts uncomputed.
+    let _ = m.view(&wanted);
+    assert!(!m.order_computed());
 }

@@ -1,6 +1,7 @@
 //! The memory manager: every registered adapter's tier (disk: metadata only; host: weights in
 //! host memory; device: pages in the pool), the host tier's bounds, the eviction order, and the
 //! numbers it publishes. Owned by the engine thread; admission reads it through [`MemView`].
+use std::cell::OnceCell;
 use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
@@ -10,7 +11,7 @@ use std::time::Instant;
 use thaw_runtime::adapter::LoraAdapter;
 use thaw_runtime::ids::AdapterId;
 
-use super::admission::{AdapterState, Device, MemView};
+use super::admission::{AdapterState, Device, EvictionOrder, MemView};
 use super::board::{Board, Residence, Tier};
 use super::eviction::{order, Candidate, Decayed, EvictionPolicy};
 use super::pool::{Layout, PagePool, PoolError};
@@ -77,7 +78,9 @@ pub struct MemoryManager {
     pool: PagePool,
     entries: HashMap<AdapterId, Entry>,
     states: HashMap<AdapterId, AdapterState>,
-    order: Vec<AdapterId>,
+    /// This step's eviction order, computed only if admission needs a victim (see
+    /// [`EvictionOrder`]); reset by every [`MemoryManager::view`].
+    order: OnceCell<Vec<AdapterId>>,
     /// Adapters by tier, so per-step work is O(device + host), not O(registered).
     tiers: TierIndex,
     /// Disk reads so far (bytes, seconds): the disk's rate, for reload costs.
@@ -107,7 +110,7 @@ impl MemoryManager {
             pool,
             entries: HashMap::new(),
             states: HashMap::new(),
-            order: Vec::new(),
+            order: OnceCell::new(),
             tiers: TierIndex::default(),
             disk_read: (0.0, 0.0),
             origin: Instant::now(),
@@ -255,8 +258,32 @@ impl MemoryManager {
         }
     }
 
-    /// Recomputes the eviction order; `wanted` are adapters of queued requests.
-    pub fn view(&mut self, wanted: &HashSet<AdapterId>) -> MemView<'_> {
+    /// This step's view for admission; `wanted` are adapters of queued requests. The eviction
+    /// order is left to be computed on first use.
+    pub fn view<'a>(&'a mut self, wanted: &'a HashSet<AdapterId>) -> MemView<'a> {
+        self.order = OnceCell::new();
+        let me: &'a Self = self;
+        MemView {
+            pool: &me.pool,
+            adapters: &me.states,
+            eviction_order: EvictionOrder::Lazy {
+                order: &me.order,
+                compute: me,
+                wanted,
+            },
+        }
+    }
+
+    /// Whether this step's eviction order has been computed (tests: a step that evicts
+    /// nothing must not pay for scoring every device-resident adapter).
+    pub fn order_computed(&self) -> bool {
+        self.order.get().is_some()
+    }
+
+    /// The eviction policy's order over the device-resident adapters, most evictable first.
+    /// O(d log d) in the adapters on the device, which is every registered one once they all
+    /// fit; hence computed only when admission needs a victim.
+    pub(super) fn compute_order(&self, wanted: &HashSet<AdapterId>) -> Vec<AdapterId> {
         let link = self.cfg.link_bytes_per_sec.max(1.0);
         let now = self.now();
         let (hn, hb) = self.host_usage();
@@ -285,12 +312,7 @@ impl MemoryManager {
                 queued: wanted.contains(&e.meta.id),
             })
             .collect();
-        self.order = order(self.cfg.policy, &cands);
-        MemView {
-            pool: &self.pool,
-            adapters: &self.states,
-            eviction_order: &self.order,
-        }
+        order(self.cfg.policy, &cands)
     }
 
     fn host_usage(&self) -> (usize, u64) {

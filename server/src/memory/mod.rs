@@ -31,7 +31,9 @@ use std::sync::Arc;
 use thaw_runtime::adapter::LoraAdapter;
 use thaw_runtime::ids::AdapterId;
 
-pub use admission::{admit, AdapterState, AdmitPlan, Device, HeadWait, Limits, MemView};
+pub use admission::{
+    admit, AdapterState, AdmitPlan, Device, EvictionOrder, HeadWait, Limits, MemView,
+};
 pub use board::{Board, MemorySnapshot, Residence, Tier};
 pub use eviction::EvictionPolicy;
 pub use manager::{AdapterMeta, MemoryConfig, MemoryManager};
