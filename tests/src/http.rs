@@ -281,6 +281,27 @@ pub fn metric(text: &str, name: &str) -> Option<f64> {
         .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
 }
 
+/// The address a spawned `thaw serve --port 0` (stdout piped) prints in its banner. Its stdout
+/// keeps being drained on a thread so the server never blocks on a full pipe.
+pub fn banner_address(child: &mut std::process::Child) -> SocketAddr {
+    let out = child
+        .stdout
+        .take()
+        .expect("thaw serve spawned with stdout piped");
+    let mut lines = BufReader::new(out).lines();
+    let addr = loop {
+        let line = lines
+            .next()
+            .expect("thaw serve exited before its banner")
+            .unwrap();
+        if let Some(rest) = line.split("http://").nth(1) {
+            break rest.split_whitespace().next().unwrap().parse().unwrap();
+        }
+    };
+    std::thread::spawn(move || lines.for_each(drop));
+    addr
+}
+
 /// The `thaw` binary next to this test executable (`target/<profile>/thaw`), built with
 /// `cargo build -p thaw-server --bin thaw` first if it is not there yet. `.ci/run` builds it
 /// before the tests, and `cargo test --workspace` builds it as part of thaw-server.

@@ -20,7 +20,7 @@ use rand::{Rng, SeedableRng};
 use serde_json::json;
 use thaw_server::gen::{self, GenAdaptersOptions, GenModelOptions, Projection};
 use thaw_server::procfs;
-use thaw_tests::http::{get, metric, request, send_request, thaw_binary};
+use thaw_tests::http::{banner_address, get, metric, request, send_request, thaw_binary};
 use thaw_tests::test_preset;
 
 const ADAPTERS: usize = 300;
@@ -127,20 +127,8 @@ fn start(dir: &std::path::Path) -> (Serve, SocketAddr) {
         .stderr(Stdio::null())
         .spawn()
         .expect("spawn thaw serve");
-    let out = child.stdout.take().unwrap();
+    let addr = banner_address(&mut child);
     let serve = Serve(child);
-    let mut lines = BufReader::new(out).lines();
-    let addr = loop {
-        let line = lines
-            .next()
-            .expect("thaw serve exited before its banner")
-            .unwrap();
-        if let Some(rest) = line.split("http://").nth(1) {
-            break rest.split_whitespace().next().unwrap().parse().unwrap();
-        }
-    };
-    // Keep draining stdout so the server never blocks on a full pipe.
-    std::thread::spawn(move || lines.for_each(drop));
     (serve, addr)
 }
 

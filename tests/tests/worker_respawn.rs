@@ -2,7 +2,6 @@
 //! 13): the engine loop supervises the pool on a timer, so the server's capacity does not
 //! silently shrink until the next LoRA request happens to need a worker. Then the server
 //! still answers an adapter request, through the replacement.
-use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -10,7 +9,7 @@ use std::time::{Duration, Instant};
 use serde_json::json;
 use thaw_server::gen::{self, GenAdaptersOptions, GenModelOptions, Projection};
 use thaw_server::procfs;
-use thaw_tests::http::{request, thaw_binary};
+use thaw_tests::http::{banner_address, request, thaw_binary};
 use thaw_tests::test_preset;
 
 /// How long a replacement may take: the loop checks every 250 ms and a worker starts in well
@@ -50,19 +49,8 @@ fn start(dir: &std::path::Path) -> (Serve, SocketAddr) {
         .stderr(Stdio::null())
         .spawn()
         .expect("spawn thaw serve");
-    let out = child.stdout.take().unwrap();
+    let addr = banner_address(&mut child);
     let serve = Serve(child);
-    let mut lines = BufReader::new(out).lines();
-    let addr = loop {
-        let line = lines
-            .next()
-            .expect("thaw serve exited before its banner")
-            .unwrap();
-        if let Some(rest) = line.split("http://").nth(1) {
-            break rest.split_whitespace().next().unwrap().parse().unwrap();
-        }
-    };
-    std::thread::spawn(move || lines.for_each(drop));
     (serve, addr)
 }
 
