@@ -166,15 +166,16 @@ pub fn load_confined(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::http::LoraAccess;
 
-    fn fixture() -> std::path::PathBuf {
+    pub(crate) fn fixture() -> std::path::PathBuf {
         Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/hf-tiny-llama")
     }
 
-    fn copy_adapter(to: &Path) {
+    /// Copies the fixture's rank-4 q/v PEFT adapter into `to`.
+    pub(crate) fn copy_adapter(to: &Path) {
         std::fs::create_dir_all(to).unwrap();
         for f in ["adapter_config.json", "adapter_model.safetensors"] {
             std::fs::copy(fixture().join("adapters/r4_qv").join(f), to.join(f)).unwrap();

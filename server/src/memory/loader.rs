@@ -148,17 +148,7 @@ impl Drop for Loader {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn fixture() -> PathBuf {
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/hf-tiny-llama")
-    }
-
-    fn copy_adapter(to: &Path) {
-        std::fs::create_dir_all(to).unwrap();
-        for f in ["adapter_config.json", "adapter_model.safetensors"] {
-            std::fs::copy(fixture().join("adapters/r4_qv").join(f), to.join(f)).unwrap();
-        }
-    }
+    use crate::lora_open::tests::{copy_adapter, fixture};
 
     /// A re-read under a root goes through the confinement: fine while the directory is
     /// untouched, refused (naming no absolute path) once it is swapped for a link out of the
