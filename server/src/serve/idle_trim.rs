@@ -55,28 +55,41 @@ pub fn trim() {
 /// arenas halved that held-but-free memory and kept RSS flat.
 pub const ARENA_MAX: usize = 2;
 
-/// The arena cap to set: none when the operator chose one through `MALLOC_ARENA_MAX` (glibc
-/// reads it itself) or asked for glibc's default with `MALLOC_ARENA_MAX=0`.
-pub fn arena_cap(env_value: Option<&str>) -> Option<usize> {
+/// Allocations of at least this many bytes get their own mapping, returned to the OS when
+/// freed, unless `MALLOC_MMAP_THRESHOLD_` says otherwise. glibc's threshold starts at the same
+/// 128 KiB but rises to the size of every mapped block freed (up to 32 MiB), after which request
+/// bodies, token buffers and per-request vectors of a burst land inside the arenas, and the
+/// holes they leave between long-lived blocks stay resident after `malloc_trim`: a 3-minute
+/// soak at 3× the sustainable rate ended 15 MiB above its start at idle with glibc's
+/// sliding threshold, 4.5 MiB with it fixed (benches/results/soak-30min.md).
+pub const MMAP_THRESHOLD: usize = 128 * 1024;
+
+/// A tunable to set: none when the operator set glibc's own variable for it (glibc reads
+/// it itself; `MALLOC_ARENA_MAX=0` asks for glibc's default), else our value.
+pub fn tunable(env_value: Option<&str>, ours: usize) -> Option<usize> {
     match env_value {
         Some(_) => None,
-        None => Some(ARENA_MAX),
+        None => Some(ours),
     }
 }
 
-/// Caps glibc's arenas (see [`ARENA_MAX`]); call before the runtime starts its threads.
-pub fn cap_arenas() {
-    let Some(cap) = arena_cap(std::env::var("MALLOC_ARENA_MAX").ok().as_deref()) else {
-        return;
-    };
+/// Caps glibc's arenas ([`ARENA_MAX`]) and fixes its mmap threshold ([`MMAP_THRESHOLD`]);
+/// call before the runtime starts its threads.
+pub fn tune_allocator() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: mallopt only sets a glibc tunable under glibc's own lock and takes no pointers;
-    // lowering M_ARENA_MAX affects only arenas created later, never memory already handed out.
-    unsafe {
-        libc::mallopt(libc::M_ARENA_MAX, cap as libc::c_int);
+    for (var, param, ours) in [
+        ("MALLOC_ARENA_MAX", libc::M_ARENA_MAX, ARENA_MAX),
+        ("MALLOC_MMAP_THRESHOLD_", libc::M_MMAP_THRESHOLD, MMAP_THRESHOLD),
+    ] {
+        if let Some(value) = tunable(std::env::var(var).ok().as_deref(), ours) {
+            // SAFETY: mallopt only sets a glibc tunable under glibc's own lock and takes no
+            // pointers; a lower arena cap affects only arenas created later, and a fixed mmap
+            // threshold only where later allocations are placed, never memory handed out.
+            unsafe {
+                libc::mallopt(param, value as libc::c_int);
+            }
+        }
     }
-    #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
-    let _ = cap;
 }
 
 /// What the allocator holds: bytes in live allocations, and bytes taken from the OS (the
@@ -154,10 +167,12 @@ mod tests {
     }
 
     #[test]
-    fn arena_cap_yields_to_the_operator() {
-        assert_eq!(arena_cap(None), Some(ARENA_MAX));
-        assert_eq!(arena_cap(Some("4")), None);
-        assert_eq!(arena_cap(Some("0")), None);
+    fn tunables_yield_to_the_operator() {
+        assert_eq!(tunable(None, ARENA_MAX), Some(ARENA_MAX));
+        assert_eq!(tunable(Some("4"), ARENA_MAX), None);
+        assert_eq!(tunable(Some("0"), ARENA_MAX), None);
+        assert_eq!(tunable(None, MMAP_THRESHOLD), Some(128 * 1024));
+        assert_eq!(tunable(Some("65536"), MMAP_THRESHOLD), None);
     }
 
     #[test]
