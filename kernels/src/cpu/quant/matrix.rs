@@ -10,7 +10,7 @@ use super::blocks::{dequantize_block, dequantize_blocks, quantize_blocks};
 use super::WeightFormat;
 use crate::cpu::gemm::{dot, linear, GemmShape, SMALL_M};
 use crate::cpu::simd::{
-    dot_rows_bf16, dot_rows_f16, gemv_q8, q8_dot_supported, quantize_q8, Q8Block,
+    dot_rows_bf16, dot_rows_f16, gemv_q8, gemv_quant_f32, q8_dot_supported, quantize_q8, Q8Block,
 };
 use crate::cpu::sys::{sgemm, MatMut, MatRef};
 use crate::error::KernelError;
@@ -381,8 +381,10 @@ impl WeightMatrix {
     }
 
     /// Few rows (decode) straight from the stored format, without widening a row first:
-    /// f16/bf16 rows dotted as they are, Q8_0/Q4_0/Q4_1 rows against the activations
-    /// quantised to Q8 once per call (see [`crate::cpu::simd`] for its error bound). Returns
+    /// f16/bf16 rows dotted as they are, Q8_0/Q4_0/Q4_1 rows dequantised block by block in
+    /// registers (bit-identical to widening the row, the default) or, when
+    /// [`q8_activations`] is on, against the activations quantised to Q8 once per call (see
+    /// [`crate::cpu::simd`] for its error bound). Returns
     /// false for formats without such a kernel (f32 has its own path; K-quants widen rows).
     fn decode_direct(&self, x: &[f32], m: usize, out: &mut [f32], cols: Range<usize>) -> bool {
         let (k, n) = (self.cols, cols.len());
@@ -415,6 +417,10 @@ impl WeightMatrix {
                     let w = &b[cols.start * rb..cols.end * rb];
                     gemv_q8(*f, w, n, &q[..m * kb], &mut out[..m * n], n);
                 });
+            }
+            WeightData::Quant(f, b) if q8_dot_supported(*f) => {
+                let rb = k / f.block_elems() * f.block_bytes();
+                gemv_quant_f32(*f, &b[cols.start * rb..cols.end * rb], n, x, out, n);
             }
             _ => return false,
         }
