@@ -228,9 +228,9 @@ impl ComputePool {
 }
 
 /// Rows per part above which a product splits by rows (each part a GEMM of its own rows)
-/// rather than by output columns; equal to the GEMM's small-`m` cut-off, so every part takes
+/// rather than by output columns; equal to the packed GEMM's cut-off, so every part takes
 /// the same kernel path the whole product would and results match the one-thread path.
-const ROW_SPLIT_MIN: usize = 16;
+const ROW_SPLIT_MIN: usize = thaw_kernels::cpu::DIRECT_ROWS;
 
 /// `y[m, n] = x[m, k] · Wᵀ` split over the pool. `part(x_rows, m, cols, out)` computes output
 /// columns `cols` for the `m` rows of `x_rows` into the packed `[m, cols.len()]` `out`.
