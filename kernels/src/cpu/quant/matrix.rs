@@ -10,8 +10,8 @@ use super::blocks::{dequantize_block, dequantize_blocks, quantize_blocks};
 use super::WeightFormat;
 use crate::cpu::gemm::{dot, linear, GemmShape, DIRECT_ROWS, SMALL_M};
 use crate::cpu::simd::{
-    dot_rows_bf16, dot_rows_f16, gemm_rows_f32, gemv_q8, gemv_quant_f32, q8_dot_supported,
-    quantize_q8, Q8Block,
+    dequantize_row, dot_rows_bf16, dot_rows_f16, gemm_rows_f32, gemv_q8, gemv_quant_f32,
+    q8_dot_supported, quantize_q8, Q8Block,
 };
 use crate::cpu::sys::{sgemm, MatMut, MatRef};
 use crate::error::KernelError;
@@ -228,6 +228,9 @@ impl WeightMatrix {
             WeightData::BF16(v) => v[r * k..(r + 1) * k].convert_to_f32_slice(out),
             WeightData::Quant(f, b) => {
                 let rb = k / f.block_elems() * f.block_bytes();
+                if dequantize_row(*f, &b[r * rb..(r + 1) * rb], out) {
+                    return;
+                }
                 let (be, bb) = (f.block_elems(), f.block_bytes());
                 for (blk, y) in b[r * rb..(r + 1) * rb]
                     .chunks_exact(bb)

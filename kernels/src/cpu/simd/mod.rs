@@ -359,6 +359,32 @@ fn gemv_quant_f32_portable(
     }
 }
 
+/// Dequantises `w` (whole blocks of Q8_0, Q4_0 or Q4_1) into `out` (32 values a block),
+/// bit-identical to [`crate::cpu::quant::dequantize_blocks`] (AVX2 where available).
+/// Returns false for other formats, leaving `out` alone.
+pub fn dequantize_row(format: WeightFormat, w: &[u8], out: &mut [f32]) -> bool {
+    if !q8_dot_supported(format) {
+        return false;
+    }
+    let kb = w.len() / format.block_bytes();
+    assert!(
+        w.len() == kb * format.block_bytes() && out.len() == kb * Q8_BLOCK,
+        "dequantize_row: {} bytes into {} values",
+        w.len(),
+        out.len()
+    );
+    #[cfg(target_arch = "x86_64")]
+    if let Some(t) = avx2() {
+        t.dequantize_row(format, w, out);
+        return true;
+    }
+    let bb = format.block_bytes();
+    for (b, y) in w.chunks_exact(bb).zip(out.chunks_exact_mut(Q8_BLOCK)) {
+        crate::cpu::quant::dequantize_block(format, b, y);
+    }
+    true
+}
+
 /// `out[r] = w·x[r]` for one weight row `w` (whole blocks of `format`: Q8_0, Q4_0 or Q4_1)
 /// and the `out.len()` activation rows in `x`, each quantised by [`quantize_q8`] (one block
 /// per weight block). Each row's result does not depend on how many rows come along.

@@ -532,3 +532,20 @@ proptest! {
         gemm_rows_equals_dots(m, n, k, seed);
     }
 }
+
+/// The AVX2 row dequantiser writes exactly the scalar values, for quantised and raw codes.
+#[test]
+fn dequantize_row_equals_scalar() {
+    for f in Q8_FORMATS {
+        for (seed, raw) in [(1, false), (2, true)] {
+            let w = weight_row(f, 9, raw, seed);
+            let mut want = vec![0.0f32; 9 * 32];
+            dequantize_blocks(f, &w, &mut want).unwrap();
+            let mut got = vec![f32::NAN; 9 * 32];
+            assert!(dequantize_row(f, &w, &mut got));
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&got), bits(&want), "{} raw {raw}", f.name());
+        }
+    }
+    assert!(!dequantize_row(WeightFormat::Q6_K, &[], &mut []));
+}

@@ -258,6 +258,24 @@ impl Avx2 {
         }
     }
 
+    /// Dequantises whole blocks of `format` (Q8_0/Q4_0/Q4_1) into `out`, bit-identical to
+    /// the scalar `dequantize_block` (see [`dequant_block`]).
+    pub(super) fn dequantize_row(self, format: WeightFormat, w: &[u8], out: &mut [f32]) {
+        let kb = w.len() / format.block_bytes();
+        assert!(out.len() >= kb * Q8_BLOCK, "dequantize_row: short out");
+        let (w, o) = (w.as_ptr(), out.as_mut_ptr());
+        // SAFETY: `self` proves the features; `w` holds `kb` whole blocks and `out` `32·kb`
+        // values (asserted above).
+        unsafe {
+            match format {
+                WeightFormat::Q8_0 => dequant_rows::<Q8_0>(w, kb, o),
+                WeightFormat::Q4_0 => dequant_rows::<Q4_0>(w, kb, o),
+                WeightFormat::Q4_1 => dequant_rows::<Q4_1>(w, kb, o),
+                f => unreachable!("dequantize_row takes 32-value formats, got {}", f.name()),
+            }
+        }
+    }
+
     /// [`super::quantize_q8`] with AVX2: the same operations in the same order per element
     /// (max of |x| is order-free, `x·(1/d)` rounded to nearest-even, exact integer sum), so
     /// the blocks are bit-identical to the portable ones.
@@ -346,6 +364,22 @@ unsafe fn gemv_quant_rows<const FMT: u8>(
                 quant_tile::<FMT, 1, R>(wj, rb, kb, x.add(r0 * k), k, out.add(r0 * ldo + j), ldo);
             });
             j += 1;
+        }
+    }
+}
+
+/// # Safety
+/// AVX2/F16C available; `w` readable for `kb` blocks of `FMT`, `out` writable for `32·kb` f32s.
+#[inline(never)]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dequant_rows<const FMT: u8>(w: *const u8, kb: usize, out: *mut f32) {
+    for b in 0..kb {
+        // SAFETY: block `b < kb` and values `32b..32b + 32` are inside the caller's guarantee.
+        unsafe {
+            let v = dequant_block::<FMT>(w.add(b * block_bytes(FMT)));
+            for (g, vg) in v.iter().enumerate() {
+                _mm256_storeu_ps(out.add(b * Q8_BLOCK + 8 * g), *vg);
+            }
         }
     }
 }
