@@ -49,9 +49,10 @@ const TILE_BYTES: usize = 256 << 10;
 
 /// Whether decode products over Q8_0/Q4_0/Q4_1 weights quantise the activations to Q8 and
 /// use integer dots, as ggml does (its `vec_dot_type` for these formats): 0 = not yet read
-/// from the environment, 1 = off, 2 = on. Off by default: the quantised rows are widened and
-/// dotted in f32 (AVX2), which computes exactly what the same weights dequantised to f32
-/// compute. On SmolLM2-135M Q4_1 the Q8 path stays within its per-product rounding bound
+/// from the environment, 1 = off, 2 = on. Off by default: each weight block is dequantised in
+/// registers and dotted with the f32 activations ([`gemv_quant_f32`]), which computes exactly
+/// what the same weights dequantised to f32 compute, bit for bit, reading only the packed
+/// bytes. On SmolLM2-135M Q4_1 the Q8 path stays within its per-product rounding bound
 /// (`tests/tests/real_model_gguf.rs`) but that rounding flips the greedy answer to a chat
 /// prompt from English to French, so it is opt-in: `THAW_Q8_ACTIVATIONS=1` or
 /// [`set_q8_activations`].
