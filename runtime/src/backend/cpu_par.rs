@@ -364,7 +364,9 @@ mod tests {
     }
 
     /// Split products equal the one-thread product bit for bit, for decode (1 row), small
-    /// batches (column split + scatter) and prefill (row split), at 2 and 3 threads.
+    /// batches and prompt chunks up to `DIRECT_ROWS` (column split + scatter), larger ones
+    /// still split by columns (packed GEMM per column range) and the largest (row split), at
+    /// 2 and 3 threads.
     #[test]
     fn linear_split_matches_one_thread_bitwise() {
         use thaw_kernels::cpu::{linear, GemmShape};
@@ -390,6 +392,8 @@ mod tests {
                 (16, 64, 48),
                 (17, 40, 31),
                 (70, 96, 130),
+                (200, 24, 40),
+                (400, 16, 24),
             ] {
                 let (x, w) = (rnd(m * k), rnd(n * k));
                 let mut want = vec![0.0; m * n];
