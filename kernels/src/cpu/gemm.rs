@@ -54,9 +54,6 @@ pub fn linear_scaled(
     if m <= SMALL_M {
         return linear_small_m(x, w, y, shape, alpha, accumulate);
     }
-    if m <= DIRECT_ROWS && alpha == 1.0 && !accumulate {
-        return super::simd::gemm_rows_f32(x, m, w, n, y, n);
-    }
     sgemm(
         m,
         k,
@@ -86,14 +83,11 @@ pub fn linear_scaled(
 /// for a GEMM: decode steps are bound by reading the weights, and packing them costs a copy.
 pub(crate) const SMALL_M: usize = 16;
 
-/// Up to this many rows (a prompt chunk of a few sequences), [`linear`] computes every
-/// output as the decode path's dot product, cache-blocked
-/// ([`super::simd::gemm_rows_f32`]), instead of packing the weight for a GEMM: on a
-/// 135M-parameter model packing costs a copy of every weight per step, and a row's result
-/// then matches its decode-time value. Above it the packed GEMM wins. A product split over
-/// threads by rows must keep each part above this (or the whole at or below it) so parts take
-/// the whole product's path.
-pub const DIRECT_ROWS: usize = 128;
+/// Up to this many rows per part, a product split over threads splits by output columns
+/// (each part packs and reads only its share of the weight; a prompt chunk of a few
+/// sequences) rather than by rows (each part packs all of it). Column parts keep the whole
+/// product's row count, so they take its kernel path and match it bit for bit.
+pub const ROW_SPLIT_MIN: usize = 128;
 
 /// `linear` for few rows: every row of `w` is read once and dotted with each row of `x`
 /// (which stays in L1).

@@ -7,7 +7,6 @@
 //! - [`quantize_q8`] + [`dot_rows_q8`] / [`gemv_q8`]: as ggml does for Q8_0/Q4_0/Q4_1 weights, the activation
 //!   row is quantised to 8-bit blocks once per product, then every weight block is an
 //!   i8×i8 (or u4×i8) integer dot scaled by the two block scales.
-//! - [`gemm_rows_f32`]: the same sums for many activation rows (prefill), cache-blocked.
 //! - [`gemv_quant_f32`]: Q8_0/Q4_0/Q4_1 weights × f32 activations, each block dequantised in
 //!   registers: exactly the dequantised-f32 model's arithmetic (the default decode path),
 //!   reading only the packed weights.
@@ -125,35 +124,6 @@ pub fn dot_rows_f32(x: &[f32], w: &[f32], out: &mut [f32]) {
         return t.dot_rows_f32(x, w, out);
     }
     portable::rows(x, w.len(), out, |xr| portable::dot_f32(xr, w))
-}
-
-/// `out[i·ldo + j] = x_i·w_j` for the `m` rows of `x` and the `n` rows of `w` (both `k`
-/// wide, packed): a small GEMM without packing, cache-blocked, each pair summed exactly as
-/// [`dot_rows_f32`] sums it — so a row's result does not depend on `m` or on how the product
-/// is split, and a prompt row computes what the same row computes at decode.
-pub fn gemm_rows_f32(x: &[f32], m: usize, w: &[f32], n: usize, out: &mut [f32], ldo: usize) {
-    let k = w.len().checked_div(n).unwrap_or(0);
-    assert_eq!(w.len(), n * k, "gemm_rows_f32: w is not {n} rows");
-    assert_eq!(x.len(), m * k, "gemm_rows_f32: x is not [{m}, {k}]");
-    assert!(
-        m == 0 || n == 0 || ((m - 1) * ldo + n <= out.len() && (m == 1 || ldo >= n)),
-        "gemm_rows_f32: out is not {m} rows of {n} at stride {ldo}"
-    );
-    #[cfg(target_arch = "x86_64")]
-    if let Some(t) = avx2() {
-        return t.rows_f32(x, m, w, n, k, out, ldo);
-    }
-    gemm_rows_f32_portable(x, m, w, n, out, ldo)
-}
-
-/// [`gemm_rows_f32`] on the portable kernel (arguments checked there).
-fn gemm_rows_f32_portable(x: &[f32], m: usize, w: &[f32], n: usize, out: &mut [f32], ldo: usize) {
-    let k = w.len().checked_div(n).unwrap_or(0);
-    for i in 0..m {
-        for j in 0..n {
-            out[i * ldo + j] = portable::dot_f32(&x[i * k..(i + 1) * k], &w[j * k..(j + 1) * k]);
-        }
-    }
 }
 
 /// As [`dot_rows_f32`] with `w` stored as f16.

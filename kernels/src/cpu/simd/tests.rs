@@ -478,61 +478,6 @@ proptest! {
     }
 }
 
-/// `gemm_rows_f32` at an explicit level.
-fn gemm_rows(l: SimdLevel, x: &[f32], m: usize, w: &[f32], n: usize, out: &mut [f32], ldo: usize) {
-    match l {
-        SimdLevel::Portable => gemm_rows_f32_portable(x, m, w, n, out, ldo),
-        #[cfg(target_arch = "x86_64")]
-        SimdLevel::Avx2 => {
-            let k = w.len() / n;
-            x86::Avx2::detect()
-                .unwrap()
-                .rows_f32(x, m, w, n, k, out, ldo)
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        SimdLevel::Avx2 => unreachable!(),
-    }
-}
-
-/// Every entry of the blocked many-rows product equals the one-row dot of its pair, bit for
-/// bit, at every level (tails, remainders of the 4-row tiles and of the weight blocks), and
-/// the padding of a wider output stride is left alone.
-fn gemm_rows_equals_dots(m: usize, n: usize, k: usize, seed: u64) {
-    let mut r = rng(seed);
-    let (x, w) = (rand_vec(&mut r, m * k, 1.0), rand_vec(&mut r, n * k, 1.0));
-    for l in levels() {
-        let ldo = n + 3;
-        let mut out = vec![f32::NAN; m * ldo];
-        gemm_rows(l, &x, m, &w, n, &mut out, ldo);
-        for i in 0..m {
-            for j in 0..n {
-                let want = f32_dot(l, &x[i * k..(i + 1) * k], &w[j * k..(j + 1) * k]);
-                assert_eq!(
-                    out[i * ldo + j].to_bits(),
-                    want.to_bits(),
-                    "{l:?} ({i}, {j}) of {m}x{n}x{k}"
-                );
-            }
-            assert!(out[i * ldo + n].is_nan(), "padding written");
-        }
-    }
-}
-
-#[test]
-fn gemm_rows_equal_dots_at_model_shapes() {
-    gemm_rows_equals_dots(37, 9, 576, 1); // prompt rows × q/k/v rows, 7 weight rows per block
-    gemm_rows_equals_dots(18, 5, 1536, 2); // down projection: 2 weight rows per block
-}
-
-proptest! {
-    #![proptest_config(ProptestConfig::with_cases(32))]
-
-    #[test]
-    fn gemm_rows_equal_dots_any_shape(m in 1usize..20, n in 1usize..12, k in 0usize..100, seed in any::<u64>()) {
-        gemm_rows_equals_dots(m, n, k, seed);
-    }
-}
-
 /// The AVX2 row dequantiser writes exactly the scalar values, for quantised and raw codes.
 #[test]
 fn dequantize_row_equals_scalar() {

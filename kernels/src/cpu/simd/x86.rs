@@ -18,9 +18,6 @@ use crate::cpu::quant::WeightFormat;
 /// Activation rows per kernel call (4 rows × 2 accumulators + 2 weight vectors + a load).
 pub(super) const MR: usize = 4;
 
-/// Bytes of weight rows [`Avx2::rows_f32`] keeps in L1 while the activation tiles pass.
-const L1_WEIGHT_BYTES: usize = 16 << 10;
-
 /// Weight element types (const generic codes).
 const F32: u8 = 0;
 const F16: u8 = 1;
@@ -98,57 +95,6 @@ impl Avx2 {
         // SAFETY: an f32 slice is readable as its bytes.
         let bytes = unsafe { std::slice::from_raw_parts(w.as_ptr().cast::<u8>(), w.len() * 4) };
         self.float_rows::<F32>(x, bytes, w.len(), out)
-    }
-
-    /// `out[i·ldo + j] = x_i·w_j` for `m` rows `x_i` and `n` rows `w_j`, all `k` long: the
-    /// weight rows in blocks that stay in L1 while each 4-row tile of `x` passes over them,
-    /// every pair summed by [`float_tile`] (so exactly as [`Avx2::dot_rows_f32`] sums it).
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn rows_f32(
-        self,
-        x: &[f32],
-        m: usize,
-        w: &[f32],
-        n: usize,
-        k: usize,
-        out: &mut [f32],
-        ldo: usize,
-    ) {
-        assert!(
-            x.len() >= m * k && w.len() >= n * k,
-            "rows_f32: short inputs"
-        );
-        assert!(
-            m == 0 || n == 0 || (m - 1) * ldo + n <= out.len(),
-            "rows_f32: short out"
-        );
-        let jb = (L1_WEIGHT_BYTES / (4 * k).max(1)).max(1);
-        let (xp, wp, op) = (x.as_ptr(), w.as_ptr().cast::<u8>(), out.as_mut_ptr());
-        let mut j0 = 0;
-        while j0 < n {
-            let j1 = (j0 + jb).min(n);
-            tiled!(m, |r0, R| {
-                let mut col = [0.0f32; R];
-                for j in j0..j1 {
-                    // SAFETY: `self` proves the features; rows `r0..r0 + R ≤ m` of `x` and row
-                    // `j < n` of `w` (`k` values each) are in bounds (asserted above), `col`
-                    // holds `R` values and `(r0 + r)·ldo + j` is inside `out`.
-                    unsafe {
-                        float_tile::<F32, R>(
-                            xp.add(r0 * k),
-                            k,
-                            wp.add(j * k * 4),
-                            k,
-                            col.as_mut_ptr(),
-                        );
-                        for r in 0..R {
-                            *op.add((r0 + r) * ldo + j) = col[r];
-                        }
-                    }
-                }
-            });
-            j0 = j1;
-        }
     }
 
     pub(super) fn dot_rows_f16(self, x: &[f32], w: &[f16], out: &mut [f32]) {
