@@ -83,6 +83,12 @@ pub fn linear_scaled(
 /// for a GEMM: decode steps are bound by reading the weights, and packing them costs a copy.
 pub(crate) const SMALL_M: usize = 16;
 
+/// Up to this many rows per part, a product split over threads splits by output columns
+/// (each part packs and reads only its share of the weight; a prompt chunk of a few
+/// sequences) rather than by rows (each part packs all of it). Column parts keep the whole
+/// product's row count, so they take its kernel path and match it bit for bit.
+pub const ROW_SPLIT_MIN: usize = 128;
+
 /// `linear` for few rows: every row of `w` is read once and dotted with each row of `x`
 /// (which stays in L1).
 fn linear_small_m(x: &[f32], w: &[f32], y: &mut [f32], s: GemmShape, alpha: f32, accumulate: bool) {

@@ -16,7 +16,7 @@ mod testutil;
 pub use activation::{add_in_place, log_softmax_in_place, softmax_in_place, swiglu};
 pub use attention::{paged_attention, write_kv, KvLayout};
 pub use convert::{bf16_bytes_to_f32, bytes_to_f32, f16_bytes_to_f32, FloatFormat};
-pub use gemm::{add_bias, linear, linear_scaled, matmul, matmul_scaled, GemmShape};
+pub use gemm::{add_bias, linear, linear_scaled, matmul, matmul_scaled, GemmShape, ROW_SPLIT_MIN};
 pub use lora::{
     bgmv, bgmv_expand, bgmv_shrink, merge_lora_into, sgmv, sgmv_expand, sgmv_scratch_len,
     sgmv_shrink, LoraRef, LoraSegment,

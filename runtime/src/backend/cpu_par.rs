@@ -228,9 +228,10 @@ impl ComputePool {
 }
 
 /// Rows per part above which a product splits by rows (each part a GEMM of its own rows)
-/// rather than by output columns; equal to the GEMM's small-`m` cut-off, so every part takes
-/// the same kernel path the whole product would and results match the one-thread path.
-const ROW_SPLIT_MIN: usize = 16;
+/// rather than by output columns (see the kernel crate's note: column parts read and pack
+/// only their share of the weight; both splits keep every part on the whole product's path,
+/// so results match the one-thread path).
+const ROW_SPLIT_MIN: usize = thaw_kernels::cpu::ROW_SPLIT_MIN;
 
 /// `y[m, n] = x[m, k] · Wᵀ` split over the pool. `part(x_rows, m, cols, out)` computes output
 /// columns `cols` for the `m` rows of `x_rows` into the packed `[m, cols.len()]` `out`.
@@ -364,7 +365,9 @@ mod tests {
     }
 
     /// Split products equal the one-thread product bit for bit, for decode (1 row), small
-    /// batches (column split + scatter) and prefill (row split), at 2 and 3 threads.
+    /// batches and prompt chunks up to `ROW_SPLIT_MIN` rows a part (column split + scatter,
+    /// packed GEMM per column range above 16 rows) and the largest (row split), at 2 and 3
+    /// threads.
     #[test]
     fn linear_split_matches_one_thread_bitwise() {
         use thaw_kernels::cpu::{linear, GemmShape};
@@ -390,6 +393,8 @@ mod tests {
                 (16, 64, 48),
                 (17, 40, 31),
                 (70, 96, 130),
+                (200, 24, 40),
+                (400, 16, 24),
             ] {
                 let (x, w) = (rnd(m * k), rnd(n * k));
                 let mut want = vec![0.0; m * n];

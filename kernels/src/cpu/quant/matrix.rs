@@ -10,7 +10,8 @@ use super::blocks::{dequantize_block, dequantize_blocks, quantize_blocks};
 use super::WeightFormat;
 use crate::cpu::gemm::{dot, linear, GemmShape, SMALL_M};
 use crate::cpu::simd::{
-    dot_rows_bf16, dot_rows_f16, gemv_q8, q8_dot_supported, quantize_q8, Q8Block,
+    dequantize_row, dot_rows_bf16, dot_rows_f16, gemv_q8, gemv_quant_f32, q8_dot_supported,
+    quantize_q8, Q8Block,
 };
 use crate::cpu::sys::{sgemm, MatMut, MatRef};
 use crate::error::KernelError;
@@ -48,9 +49,10 @@ const TILE_BYTES: usize = 256 << 10;
 
 /// Whether decode products over Q8_0/Q4_0/Q4_1 weights quantise the activations to Q8 and
 /// use integer dots, as ggml does (its `vec_dot_type` for these formats): 0 = not yet read
-/// from the environment, 1 = off, 2 = on. Off by default: the quantised rows are widened and
-/// dotted in f32 (AVX2), which computes exactly what the same weights dequantised to f32
-/// compute. On SmolLM2-135M Q4_1 the Q8 path stays within its per-product rounding bound
+/// from the environment, 1 = off, 2 = on. Off by default: each weight block is dequantised in
+/// registers and dotted with the f32 activations ([`gemv_quant_f32`]), which computes exactly
+/// what the same weights dequantised to f32 compute, bit for bit, reading only the packed
+/// bytes. On SmolLM2-135M Q4_1 the Q8 path stays within its per-product rounding bound
 /// (`tests/tests/real_model_gguf.rs`) but that rounding flips the greedy answer to a chat
 /// prompt from English to French, so it is opt-in: `THAW_Q8_ACTIVATIONS=1` or
 /// [`set_q8_activations`].
@@ -227,6 +229,9 @@ impl WeightMatrix {
             WeightData::BF16(v) => v[r * k..(r + 1) * k].convert_to_f32_slice(out),
             WeightData::Quant(f, b) => {
                 let rb = k / f.block_elems() * f.block_bytes();
+                if dequantize_row(*f, &b[r * rb..(r + 1) * rb], out) {
+                    return;
+                }
                 let (be, bb) = (f.block_elems(), f.block_bytes());
                 for (blk, y) in b[r * rb..(r + 1) * rb]
                     .chunks_exact(bb)
@@ -381,8 +386,10 @@ impl WeightMatrix {
     }
 
     /// Few rows (decode) straight from the stored format, without widening a row first:
-    /// f16/bf16 rows dotted as they are, Q8_0/Q4_0/Q4_1 rows against the activations
-    /// quantised to Q8 once per call (see [`crate::cpu::simd`] for its error bound). Returns
+    /// f16/bf16 rows dotted as they are, Q8_0/Q4_0/Q4_1 rows dequantised block by block in
+    /// registers (bit-identical to widening the row, the default) or, when
+    /// [`q8_activations`] is on, against the activations quantised to Q8 once per call (see
+    /// [`crate::cpu::simd`] for its error bound). Returns
     /// false for formats without such a kernel (f32 has its own path; K-quants widen rows).
     fn decode_direct(&self, x: &[f32], m: usize, out: &mut [f32], cols: Range<usize>) -> bool {
         let (k, n) = (self.cols, cols.len());
@@ -415,6 +422,10 @@ impl WeightMatrix {
                     let w = &b[cols.start * rb..cols.end * rb];
                     gemv_q8(*f, w, n, &q[..m * kb], &mut out[..m * n], n);
                 });
+            }
+            WeightData::Quant(f, b) if q8_dot_supported(*f) => {
+                let rb = k / f.block_elems() * f.block_bytes();
+                gemv_quant_f32(*f, &b[cols.start * rb..cols.end * rb], n, x, out, n);
             }
             _ => return false,
         }

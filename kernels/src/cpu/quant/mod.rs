@@ -12,6 +12,7 @@ mod matrix;
 #[cfg(test)]
 mod tests;
 
+pub(crate) use blocks::dequantize_block;
 pub use blocks::{dequantize_blocks, quantize_blocks};
 pub use format::WeightFormat;
 pub use matrix::{q8_activations, set_q8_activations, WeightData, WeightMatrix};

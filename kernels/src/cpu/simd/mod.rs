@@ -7,6 +7,9 @@
 //! - [`quantize_q8`] + [`dot_rows_q8`] / [`gemv_q8`]: as ggml does for Q8_0/Q4_0/Q4_1 weights, the activation
 //!   row is quantised to 8-bit blocks once per product, then every weight block is an
 //!   i8×i8 (or u4×i8) integer dot scaled by the two block scales.
+//! - [`gemv_quant_f32`]: Q8_0/Q4_0/Q4_1 weights × f32 activations, each block dequantised in
+//!   registers: exactly the dequantised-f32 model's arithmetic (the default decode path),
+//!   reading only the packed weights.
 //!
 //! Error of the Q8 path: an activation block `x_b` (32 values) is stored as `d_b·q` with
 //! `d_b = max|x_b| / 127` and `q = round(x / d_b)`, so `|x − d_b·q| ≤ d_b / 2` per element and
@@ -261,6 +264,95 @@ fn gemv_q8_shape(
         }
     }
     (kb, m)
+}
+
+/// `out[i·ldo + j] = w_j·x_i` for the `n` weight rows `w_j` packed in `w` (whole blocks of
+/// `format`: Q8_0, Q4_0 or Q4_1) and the f32 activation rows `x_i` (`x` is `[m, k]`, `k` the
+/// row length in values). Each block is dequantised with the same f32 operations as
+/// [`crate::cpu::quant::dequantize_blocks`] and summed in [`dot_rows_f32`]'s order, so every
+/// result equals widening the row to f32 and calling [`dot_rows_f32`], bit for bit, at each
+/// level, while only the packed bytes are read (no widened row is written).
+pub fn gemv_quant_f32(
+    format: WeightFormat,
+    w: &[u8],
+    n: usize,
+    x: &[f32],
+    out: &mut [f32],
+    ldo: usize,
+) {
+    assert!(
+        q8_dot_supported(format),
+        "gemv_quant_f32: {} weights",
+        format.name()
+    );
+    let bb = format.block_bytes();
+    let kb = (w.len() / bb).checked_div(n).unwrap_or(0);
+    assert_eq!(
+        w.len(),
+        n * kb * bb,
+        "gemv_quant_f32: w is not {n} rows of whole blocks"
+    );
+    let k = kb * Q8_BLOCK;
+    let m = x.len().checked_div(k).unwrap_or(0);
+    assert_eq!(x.len(), m * k, "gemv_quant_f32: x is not [{m}, {k}]");
+    assert!(
+        m == 0 || n == 0 || ((m - 1) * ldo + n <= out.len() && (m == 1 || ldo >= n)),
+        "gemv_quant_f32: out is not {m} rows of {n} at stride {ldo}"
+    );
+    if n == 0 || m == 0 {
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if let Some(t) = avx2() {
+        return t.gemv_quant_f32(format, w, n, kb, x, m, out, ldo);
+    }
+    gemv_quant_f32_portable(format, w, (n, kb), x, m, out, ldo)
+}
+
+/// [`gemv_quant_f32`] on the portable kernel (arguments checked there; `shape` is
+/// (weight rows, blocks per row)).
+fn gemv_quant_f32_portable(
+    format: WeightFormat,
+    w: &[u8],
+    (n, kb): (usize, usize),
+    x: &[f32],
+    m: usize,
+    out: &mut [f32],
+    ldo: usize,
+) {
+    let (rb, k) = (kb * format.block_bytes(), kb * Q8_BLOCK);
+    for i in 0..m {
+        for j in 0..n {
+            out[i * ldo + j] =
+                portable::dot_quant_f32(format, &w[j * rb..(j + 1) * rb], &x[i * k..(i + 1) * k]);
+        }
+    }
+}
+
+/// Dequantises `w` (whole blocks of Q8_0, Q4_0 or Q4_1) into `out` (32 values a block),
+/// bit-identical to [`crate::cpu::quant::dequantize_blocks`] (AVX2 where available).
+/// Returns false for other formats, leaving `out` alone.
+pub fn dequantize_row(format: WeightFormat, w: &[u8], out: &mut [f32]) -> bool {
+    if !q8_dot_supported(format) {
+        return false;
+    }
+    let kb = w.len() / format.block_bytes();
+    assert!(
+        w.len() == kb * format.block_bytes() && out.len() == kb * Q8_BLOCK,
+        "dequantize_row: {} bytes into {} values",
+        w.len(),
+        out.len()
+    );
+    #[cfg(target_arch = "x86_64")]
+    if let Some(t) = avx2() {
+        t.dequantize_row(format, w, out);
+        return true;
+    }
+    let bb = format.block_bytes();
+    for (b, y) in w.chunks_exact(bb).zip(out.chunks_exact_mut(Q8_BLOCK)) {
+        crate::cpu::quant::dequantize_block(format, b, y);
+    }
+    true
 }
 
 /// `out[r] = w·x[r]` for one weight row `w` (whole blocks of `format`: Q8_0, Q4_0 or Q4_1)

@@ -58,6 +58,20 @@ fn f16_at(b: &[u8], at: usize) -> f32 {
     f16::from_bits(u16::from_le_bytes([b[at], b[at + 1]])).to_f32()
 }
 
+/// `w·x` for a row of quantised blocks and f32 activations: [`dot_f32`] over the row
+/// dequantised block by block (`dot_by` visits elements in increasing order).
+pub(super) fn dot_quant_f32(format: WeightFormat, w: &[u8], x: &[f32]) -> f32 {
+    let bb = format.block_bytes();
+    let mut blk = [0.0f32; super::Q8_BLOCK];
+    dot_by(x.len(), |i| {
+        let (b, e) = (i / super::Q8_BLOCK, i % super::Q8_BLOCK);
+        if e == 0 {
+            crate::cpu::quant::dequantize_block(format, &w[b * bb..(b + 1) * bb], &mut blk);
+        }
+        x[i] * blk[e]
+    })
+}
+
 /// Per block: the exact integer dot, then `acc += d_w·d_x·isum` (+ `m_w·s_x` for Q4_1).
 pub(super) fn dot_q8(format: WeightFormat, w: &[u8], x: &[Q8Block]) -> f32 {
     let bb = format.block_bytes();

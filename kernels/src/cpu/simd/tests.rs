@@ -401,3 +401,96 @@ proptest! {
         q8_dots(Q8_FORMATS[f], blocks, raw, seed);
     }
 }
+
+/// `gemv_quant_f32` at an explicit level.
+fn gemv_qf(
+    l: SimdLevel,
+    f: WeightFormat,
+    w: &[u8],
+    n: usize,
+    x: &[f32],
+    out: &mut [f32],
+    ldo: usize,
+) {
+    let kb = w.len() / f.block_bytes() / n;
+    let m = x.len() / (kb * 32);
+    match l {
+        SimdLevel::Portable => gemv_quant_f32_portable(f, w, (n, kb), x, m, out, ldo),
+        #[cfg(target_arch = "x86_64")]
+        SimdLevel::Avx2 => x86::Avx2::detect()
+            .unwrap()
+            .gemv_quant_f32(f, w, n, kb, x, m, out, ldo),
+        #[cfg(not(target_arch = "x86_64"))]
+        SimdLevel::Avx2 => unreachable!(),
+    }
+}
+
+/// The f32-activation quantised product equals widening each weight row to f32 and dotting it
+/// with the same level's f32 kernel, bit for bit, for 1..=6 activation rows (odd and even
+/// weight-row counts: the paired decode tiles and the single remainder), written at a wider
+/// stride with the padding untouched.
+fn gemv_quant_f32_equals_widened(kb: usize, n: usize, seed: u64) {
+    let mut r = rng(seed);
+    let k = kb * 32;
+    let xs = rand_vec(&mut r, 6 * k, 2.0);
+    for l in levels() {
+        for f in Q8_FORMATS {
+            let w: Vec<u8> = (0..n)
+                .flat_map(|j| weight_row(f, kb, j % 2 == 0, seed ^ (40 + j as u64)))
+                .collect();
+            let mut wide = vec![0.0f32; n * k];
+            dequantize_blocks(f, &w, &mut wide).unwrap();
+            for m in 1..=6 {
+                let ldo = n + 2;
+                let mut out = vec![f32::NAN; m * ldo];
+                gemv_qf(l, f, &w, n, &xs[..m * k], &mut out, ldo);
+                for i in 0..m {
+                    for j in 0..n {
+                        let want = f32_dot(l, &xs[i * k..(i + 1) * k], &wide[j * k..(j + 1) * k]);
+                        assert_eq!(
+                            out[i * ldo + j].to_bits(),
+                            want.to_bits(),
+                            "{} {l:?} m={m} row {j}: {} vs {want}",
+                            f.name(),
+                            out[i * ldo + j]
+                        );
+                    }
+                    assert!(out[i * ldo + n].is_nan(), "padding written");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn gemv_quant_f32_equals_widened_at_model_widths() {
+    gemv_quant_f32_equals_widened(18, 7, 3); // 576 wide (SmolLM2's hidden size)
+    gemv_quant_f32_equals_widened(48, 4, 4); // 1536 wide (its MLP)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(24))]
+
+    /// Any block count and row count, quantised and raw codes.
+    #[test]
+    fn gemv_quant_f32_equals_widened_any_shape(kb in 1usize..12, n in 1usize..6, seed in any::<u64>()) {
+        gemv_quant_f32_equals_widened(kb, n, seed);
+    }
+}
+
+/// The AVX2 row dequantiser writes exactly the scalar values, for quantised and raw codes.
+#[test]
+fn dequantize_row_equals_scalar() {
+    for f in Q8_FORMATS {
+        for (seed, raw) in [(1, false), (2, true)] {
+            let w = weight_row(f, 9, raw, seed);
+            let mut want = vec![0.0f32; 9 * 32];
+            dequantize_blocks(f, &w, &mut want).unwrap();
+            let mut got = vec![f32::NAN; 9 * 32];
+            assert!(dequantize_row(f, &w, &mut got));
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&got), bits(&want), "{} raw {raw}", f.name());
+        }
+    }
+    assert!(!dequantize_row(WeightFormat::Q6_K, &[], &mut []));
+}

@@ -174,6 +174,54 @@ impl Avx2 {
         }
     }
 
+    /// [`super::gemv_quant_f32`] (arguments checked there): `n` weight rows of `kb` blocks,
+    /// `m` activation rows of `kb·32` f32s. One activation row (decode) takes two weight rows
+    /// at a time, so their accumulator chains overlap.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn gemv_quant_f32(
+        self,
+        format: WeightFormat,
+        w: &[u8],
+        n: usize,
+        kb: usize,
+        x: &[f32],
+        m: usize,
+        out: &mut [f32],
+        ldo: usize,
+    ) {
+        assert!(w.len() >= n * kb * format.block_bytes() && x.len() >= m * kb * Q8_BLOCK);
+        assert!(m == 0 || n == 0 || (m - 1) * ldo + n <= out.len());
+        let (w, x, o) = (w.as_ptr(), x.as_ptr(), out.as_mut_ptr());
+        // SAFETY: `self` proves the features; the asserts above bound every row of `w` and
+        // `x` and every output `i·ldo + j` (i < m, j < n) the kernel touches.
+        unsafe {
+            match format {
+                WeightFormat::Q8_0 => gemv_quant_rows::<Q8_0>(w, n, kb, x, m, o, ldo),
+                WeightFormat::Q4_0 => gemv_quant_rows::<Q4_0>(w, n, kb, x, m, o, ldo),
+                WeightFormat::Q4_1 => gemv_quant_rows::<Q4_1>(w, n, kb, x, m, o, ldo),
+                f => unreachable!("gemv_quant_f32 checked the format, got {}", f.name()),
+            }
+        }
+    }
+
+    /// Dequantises whole blocks of `format` (Q8_0/Q4_0/Q4_1) into `out`, bit-identical to
+    /// the scalar `dequantize_block` (see [`dequant_block`]).
+    pub(super) fn dequantize_row(self, format: WeightFormat, w: &[u8], out: &mut [f32]) {
+        let kb = w.len() / format.block_bytes();
+        assert!(out.len() >= kb * Q8_BLOCK, "dequantize_row: short out");
+        let (w, o) = (w.as_ptr(), out.as_mut_ptr());
+        // SAFETY: `self` proves the features; `w` holds `kb` whole blocks and `out` `32·kb`
+        // values (asserted above).
+        unsafe {
+            match format {
+                WeightFormat::Q8_0 => dequant_rows::<Q8_0>(w, kb, o),
+                WeightFormat::Q4_0 => dequant_rows::<Q4_0>(w, kb, o),
+                WeightFormat::Q4_1 => dequant_rows::<Q4_1>(w, kb, o),
+                f => unreachable!("dequantize_row takes 32-value formats, got {}", f.name()),
+            }
+        }
+    }
+
     /// [`super::quantize_q8`] with AVX2: the same operations in the same order per element
     /// (max of |x| is order-free, `x·(1/d)` rounded to nearest-even, exact integer sum), so
     /// the blocks are bit-identical to the portable ones.
@@ -218,6 +266,151 @@ unsafe fn gemv_q8_rows<const FMT: u8>(
                     *out.add((r0 + r) * ldo + j) = col[r];
                 }
             });
+        }
+    }
+}
+
+/// Bytes per block of a quantised format code.
+const fn block_bytes(fmt: u8) -> usize {
+    match fmt {
+        Q8_0 => 34,
+        Q4_0 => 18,
+        _ => 20,
+    }
+}
+
+/// # Safety
+/// AVX2/FMA/F16C available; `w` readable for `n` rows of `kb` blocks of `FMT`, `x` for `m`
+/// rows of `kb·32` f32s, `out` writable at `i·ldo + j` for `i < m`, `j < n`.
+#[inline(never)]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn gemv_quant_rows<const FMT: u8>(
+    w: *const u8,
+    n: usize,
+    kb: usize,
+    x: *const f32,
+    m: usize,
+    out: *mut f32,
+    ldo: usize,
+) {
+    let (rb, k) = (kb * block_bytes(FMT), kb * Q8_BLOCK);
+    let mut j = 0;
+    // SAFETY: weight rows `j..j + J ≤ n`, activation rows `r0..r0 + R ≤ m` and the outputs
+    // `(r0 + r)·ldo + j + jj` are inside the caller's guarantee.
+    unsafe {
+        if m == 1 {
+            while j + 2 <= n {
+                quant_tile::<FMT, 2, 1>(w.add(j * rb), rb, kb, x, k, out.add(j), ldo);
+                j += 2;
+            }
+        }
+        while j < n {
+            let wj = w.add(j * rb);
+            tiled!(m, |r0, R| {
+                quant_tile::<FMT, 1, R>(wj, rb, kb, x.add(r0 * k), k, out.add(r0 * ldo + j), ldo);
+            });
+            j += 1;
+        }
+    }
+}
+
+/// # Safety
+/// AVX2/F16C available; `w` readable for `kb` blocks of `FMT`, `out` writable for `32·kb` f32s.
+#[inline(never)]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dequant_rows<const FMT: u8>(w: *const u8, kb: usize, out: *mut f32) {
+    for b in 0..kb {
+        // SAFETY: block `b < kb` and values `32b..32b + 32` are inside the caller's guarantee.
+        unsafe {
+            let v = dequant_block::<FMT>(w.add(b * block_bytes(FMT)));
+            for (g, vg) in v.iter().enumerate() {
+                _mm256_storeu_ps(out.add(b * Q8_BLOCK + 8 * g), *vg);
+            }
+        }
+    }
+}
+
+/// Block `wb` of format `FMT` as f32, elements `8g..8g + 8` in `[g]`, computed with the
+/// operations of `quant::blocks::dequantize_block` (`d·q` then `+ m`, each rounded; f16
+/// scales widen exactly), so the values are bit-identical.
+///
+/// # Safety
+/// AVX2/F16C available; `wb` readable for one block of `FMT`.
+#[inline(always)]
+unsafe fn dequant_block<const FMT: u8>(wb: *const u8) -> [__m256; 4] {
+    // SAFETY: every load stays inside the block (codes at byte 2 or 4, 16 or 32 bytes).
+    unsafe {
+        let (d, m) = f16_pair(wb);
+        let d = _mm256_set1_ps(d);
+        let mut v = [_mm256_setzero_ps(); 4];
+        if FMT == Q8_0 {
+            for (g, vg) in v.iter_mut().enumerate() {
+                let q = _mm256_cvtepi8_epi32(_mm_loadl_epi64(wb.add(2 + 8 * g).cast()));
+                *vg = _mm256_mul_ps(d, _mm256_cvtepi32_ps(q));
+            }
+            return v;
+        }
+        // Byte `b` holds value `b` (low nibble) and value `b + 16` (high nibble).
+        let off = if FMT == Q4_0 { 2 } else { 4 };
+        let low = _mm256_set1_epi32(0xF);
+        let e0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(wb.add(off).cast()));
+        let e1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(wb.add(off + 8).cast()));
+        let q = [
+            _mm256_and_si256(e0, low),
+            _mm256_and_si256(e1, low),
+            _mm256_srli_epi32(e0, 4),
+            _mm256_srli_epi32(e1, 4),
+        ];
+        let (eight, m) = (_mm256_set1_epi32(8), _mm256_set1_ps(m));
+        for (vg, qg) in v.iter_mut().zip(q) {
+            *vg = if FMT == Q4_0 {
+                _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(qg, eight)))
+            } else {
+                _mm256_add_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(qg)), m)
+            };
+        }
+        v
+    }
+}
+
+/// `out[r·ldo + jj] = w_jj·x[r]` for `jj < J` weight rows (stride `rb` bytes, `kb` blocks)
+/// and `r < R` activation rows (stride `ldx`): each block dequantised once, then per row
+/// [`float_tile`]'s order (accumulator 0 for elements `16c..16c + 8`, 1 for the next 8, the
+/// pairwise lane sum; no tail, rows are whole blocks).
+///
+/// # Safety
+/// AVX2/FMA/F16C available; `w` readable for `J` rows of `kb` blocks at stride `rb`, `x` for
+/// `R` rows of `32·kb` f32s at stride `ldx`, `out` writable at `r·ldo + jj`.
+#[inline(always)]
+unsafe fn quant_tile<const FMT: u8, const J: usize, const R: usize>(
+    w: *const u8,
+    rb: usize,
+    kb: usize,
+    x: *const f32,
+    ldx: usize,
+    out: *mut f32,
+    ldo: usize,
+) {
+    // SAFETY: block `b < kb` of each of the `J` rows, elements `< 32·kb` of each of the `R`
+    // activation rows and the `R × J` outputs: inside the caller's guarantee.
+    unsafe {
+        let mut acc = [[[_mm256_setzero_ps(); 2]; R]; J];
+        for b in 0..kb {
+            for jj in 0..J {
+                let v = dequant_block::<FMT>(w.add(jj * rb + b * block_bytes(FMT)));
+                for r in 0..R {
+                    let xb = x.add(r * ldx + b * Q8_BLOCK);
+                    let a = &mut acc[jj][r];
+                    for g in 0..4 {
+                        a[g & 1] = _mm256_fmadd_ps(_mm256_loadu_ps(xb.add(8 * g)), v[g], a[g & 1]);
+                    }
+                }
+            }
+        }
+        for jj in 0..J {
+            for r in 0..R {
+                *out.add(r * ldo + jj) = hsum(_mm256_add_ps(acc[jj][r][0], acc[jj][r][1]));
+            }
         }
     }
 }
