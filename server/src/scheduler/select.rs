@@ -26,6 +26,9 @@ pub struct Arrival {
     pub rank: usize,
     /// Predicted seconds until its adapter is on the device.
     pub load_s: f64,
+    /// Device pages its adapter takes, when it is not on the device (nor on its way) at
+    /// arrival; 0 otherwise. The multi-level queue charges them to the request's quota.
+    pub adapter_pages: usize,
 }
 
 /// One queue of the multi-level queue, for /metrics.
@@ -111,7 +114,10 @@ impl Scheduler {
                     rank: arrival.rank,
                     load_s: arrival.load_s,
                 };
-                let size = seq.reservation(cfg) * cfg.block_size;
+                // What binds in the unified pool: its KV reservation, plus its adapter's pages
+                // when they must be found for it (an upper bound when several waiting
+                // requests bring the same absent adapter: each is charged).
+                let size = (seq.reservation(cfg) + arrival.adapter_pages) * cfg.block_size;
                 let service_s = perf.step_time(seq.prompt_len)
                     + predicted as f64 * perf.step_time(1)
                     + arrival.load_s;
@@ -134,8 +140,10 @@ impl Scheduler {
     }
 
     /// Plans the next step over the requests adapter-aware admission found `admissible`,
-    /// reserving at most `kv_capacity` KV blocks in all (what the memory layer leaves KV now:
-    /// under `mlq` the queues' quotas split it). `mem` says how long the others wait (the
+    /// reserving at most `kv_capacity` KV blocks in all (what the memory layer leaves KV now).
+    /// Under `mlq` the queues' quotas split the whole pool (`cfg.total_blocks`): a request is
+    /// charged its KV and the pages of an adapter that was not on the device, the two things
+    /// that compete for the pool. `mem` says how long the others wait (the
     /// bypass rule's bound). Apply the decision with [`SchedState::admit_ids`].
     #[allow(clippy::too_many_arguments)]
     pub fn plan(
@@ -152,7 +160,7 @@ impl Scheduler {
         if self.policy != SchedulingPolicy::Mlq {
             return plan_step_admitting(state, cfg, free_blocks, gate, admissible, kv_capacity);
         }
-        self.mlq.set_capacity(kv_capacity * cfg.block_size);
+        self.mlq.set_capacity(cfg.total_blocks * cfg.block_size);
         let ok: HashSet<SeqId> = admissible.iter().copied().collect();
         let known = &self.known;
         let rank = |s: &SeqState| known.get(&s.id).map(|k| k.rank).filter(|&r| r > 0);
@@ -209,6 +217,11 @@ impl Scheduler {
     /// The adapter rank a queued or running request was filed with (None: base model).
     pub fn rank(&self, id: SeqId) -> Option<usize> {
         self.known.get(&id).map(|k| k.rank).filter(|&r| r > 0)
+    }
+
+    /// The multi-level queue's state (sizes, queues, quotas).
+    pub fn mlq(&self) -> &Mlq {
+        &self.mlq
     }
 
     /// Forgets a request that left without finishing.
@@ -315,7 +328,7 @@ mod tests {
     }
 
     #[test]
-    fn mlq_quotas_split_the_live_kv_capacity() {
+    fn mlq_quotas_split_the_whole_pool_whatever_kv_is_left() {
         let cfg = cfg();
         let (mut s, st, ok) = mlq_with_blocked_head(&cfg);
         let perf = PerfModel::default();
@@ -332,8 +345,28 @@ mod tests {
             );
             let q = s.snapshot(&st).queues;
             let sum: usize = q.iter().map(|q| q.quota_tokens).sum();
-            assert_eq!(sum, cap * cfg.block_size, "{q:?}");
+            assert_eq!(sum, cfg.total_blocks * cfg.block_size, "{q:?}");
         }
+    }
+
+    #[test]
+    fn mlq_charges_an_absent_adapters_pages_with_the_kv() {
+        let cfg = cfg();
+        let mut st = SchedState::default();
+        let mut s = Scheduler::new(SchedulingPolicy::Mlq, MlqConfig::default(), None, &cfg);
+        let perf = PerfModel::default();
+        for (id, pages) in [(1u64, 0usize), (2, 14)] {
+            let a = Arrival {
+                rank: 64,
+                adapter_pages: pages,
+                ..Default::default()
+            };
+            s.enqueue(&mut st, &cfg, SeqState::new(SeqId(id), 10, 6), a, &perf);
+        }
+        // 16 tokens: 4 blocks of 4 slots.
+        let size = |id| s.mlq().entry(SeqId(id)).map(|e| e.size);
+        assert_eq!(size(1), Some(4 * 4));
+        assert_eq!(size(2), Some((4 + 14) * 4));
     }
 
     #[test]
