@@ -260,6 +260,16 @@ impl Mlq {
         &self.scales
     }
 
+    /// Where memory admission considers waiting request `id` at `now_s` (lower first; a
+    /// stable sort keeps arrival order within a rank): past the starvation bound first, then
+    /// by queue.
+    pub fn admission_rank(&self, id: SeqId, now_s: f64) -> usize {
+        match self.entries.get(&id) {
+            Some(e) if now_s - e.arrived_s >= self.cfg.max_wait_s => 0,
+            _ => 1 + self.queue(id),
+        }
+    }
+
     /// The queue a request is in (its queue at admission once it runs); unknown ones count
     /// as the fast lane.
     pub fn queue(&self, id: SeqId) -> usize {

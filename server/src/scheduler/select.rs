@@ -129,12 +129,18 @@ impl Scheduler {
     }
 
     /// The waiting requests in the order adapter-aware admission should consider them:
-    /// the queue's own order, or under `mlq` the smallest requests' queue first (so memory is
-    /// arranged for the fast lane before a long head can block it).
+    /// the queue's own order, or under `mlq` the requests past the starvation bound first,
+    /// oldest first, then the smallest requests' queue first (so memory is arranged for the
+    /// fast lane before a long head can block it). An overdue request that does not fit
+    /// becomes the memory layer's head, whose bypass rule then lets pass only requests that
+    /// do not delay it: without this, a request whose adapter needs much of the pool (a
+    /// rank-128 adapter on a small pool) came last every step and waited until the fast lane
+    /// happened to leave that much free.
     pub fn candidate_order<'a>(&self, state: &'a SchedState) -> Vec<&'a SeqState> {
         let mut v: Vec<&SeqState> = state.waiting.iter().collect();
         if self.policy == SchedulingPolicy::Mlq {
-            v.sort_by_key(|s| self.mlq.queue(s.id));
+            let now = self.now_s();
+            v.sort_by_key(|s| self.mlq.admission_rank(s.id, now));
         }
         v
     }
@@ -367,6 +373,42 @@ mod tests {
         let size = |id| s.mlq().entry(SeqId(id)).map(|e| e.size);
         assert_eq!(size(1), Some(4 * 4));
         assert_eq!(size(2), Some((4 + 14) * 4));
+    }
+
+    /// A long request, then short ones; 40 arrivals before them fit the queues.
+    fn long_then_short(max_wait_s: f64) -> Vec<u64> {
+        let cfg = cfg();
+        let mut st = SchedState::default();
+        let mc = MlqConfig {
+            warmup: 40,
+            max_wait_s,
+            ..Default::default()
+        };
+        let mut s = Scheduler::new(SchedulingPolicy::Mlq, mc, None, &cfg);
+        let perf = PerfModel::default();
+        for i in 0..40u64 {
+            let out = if i % 4 == 0 { 200 } else { 2 };
+            let q = SeqState::new(SeqId(100 + i), 4, out);
+            s.enqueue(&mut st, &cfg, q, Arrival::default(), &perf);
+            s.finished(SeqId(100 + i), out);
+        }
+        st.waiting.clear();
+        assert!(s.mlq().num_queues() >= 2, "{:?}", s.mlq().cutoffs());
+        for (id, out) in [(1, 200), (2, 2), (3, 2)] {
+            let q = SeqState::new(SeqId(id), 4, out);
+            s.enqueue(&mut st, &cfg, q, Arrival::default(), &perf);
+        }
+        s.candidate_order(&st).iter().map(|q| q.id.0).collect()
+    }
+
+    #[test]
+    fn memory_admission_sees_overdue_requests_first_then_the_fast_lane() {
+        assert_eq!(long_then_short(1e9), vec![2, 3, 1], "fast lane first");
+        assert_eq!(
+            long_then_short(0.0),
+            vec![1, 2, 3],
+            "all overdue: oldest first, so the long one heads memory admission"
+        );
     }
 
     #[test]
