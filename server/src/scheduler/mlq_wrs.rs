@@ -257,7 +257,7 @@ mod tests {
             for ((r, _), (rb, _)) in win.iter().zip(&big) {
                 let (x, y) = (w.wrs_with(r, &a), w.wrs_with(rb, &b));
                 proptest::prop_assert!((x - y).abs() < 1e-9 * x.max(1.0), "{x} vs {y}");
-                proptest::prop_assert!(x >= 0.0 && x <= MEAN_CLAMP * 1.1 + 1e-9);
+                proptest::prop_assert!((0.0..=MEAN_CLAMP * 1.1 + 1e-9).contains(&x));
             }
         }
     }
