@@ -860,7 +860,16 @@ impl Loop {
         };
         a.rank = sub.lease.as_ref().map_or(0, |l| l.slot().rank);
         a.load_s = self.load_s(id);
+        a.adapter_pages = self.absent_pages(id);
         a
+    }
+
+    /// Device pages adapter `id` must be given, 0 when it is on the device or loading.
+    fn absent_pages(&self, id: AdapterId) -> usize {
+        match self.mem.state(id) {
+            Some(s) if s.device != Device::Absent => 0,
+            _ => self.mem.bytes(id).map_or(0, |b| self.mem.pages_for(b)),
+        }
     }
 
     /// How long the requests admission could not place wait: its head's bound in steps, and

@@ -63,6 +63,10 @@ pub struct SchedulingArgs {
     /// Times the whole sweep runs (seed `--seed` + i); every point reports the median.
     #[arg(long, default_value_t = 1)]
     pub repeats: usize,
+    /// Requests each server serves first, at the lowest rate and not measured (another
+    /// seed), so the first measured rate does not pay the adapters' first reads from disk.
+    #[arg(long, default_value_t = 0)]
+    pub warmup: usize,
     #[command(flatten)]
     pub server: ServerLaunch,
     #[command(flatten)]
@@ -197,6 +201,26 @@ pub fn run(args: &SchedulingArgs) -> anyhow::Result<String> {
     }
     let info = server_info.context("no server started")?;
     let prompts = prompt_source(Some(&model), &info)?;
+    if args.warmup > 0 {
+        let workload = WorkloadArgs {
+            rate: Some(rates[0]),
+            requests: args.warmup,
+            seed: args.workload.seed.wrapping_add(1_000_003),
+            ..args.workload.clone()
+        };
+        for (v, (_, client)) in variants.iter().zip(&servers) {
+            let opts = RunOptions {
+                request_timeout: Duration::from_secs_f64(args.server.request_timeout),
+                progress: !args.server.no_progress,
+                label: format!("{:>8} warm-up", v.label),
+            };
+            let (_, summary) = rt.block_on(measure(client, &info, &workload, &prompts, &opts))?;
+            eprintln!(
+                "{}: warm-up {}/{} in {:.1} s (not measured)",
+                v.label, summary.completed, summary.sent, summary.wall_s
+            );
+        }
+    }
     let mut runs: Vec<RateRun> = Vec::new();
     for round in 0..args.repeats {
         let seed = args.workload.seed + round as u64;
@@ -241,6 +265,7 @@ pub fn run(args: &SchedulingArgs) -> anyhow::Result<String> {
                     tpot_s: records.iter().filter_map(|r| r.tpot_s).collect(),
                     summary,
                     metrics,
+                    records,
                 });
             }
         }
@@ -257,7 +282,7 @@ pub fn run(args: &SchedulingArgs) -> anyhow::Result<String> {
     let setup = format!(
         "thaw serve (CPU backend), model {}, {} adapters from {}; {} requests per rate, {:?} \
          arrivals, {:?} popularity, {:?} lengths (prompt {}, output {}); serve args {:?}; \
-         {} repeat(s), seeds from {}",
+         {} repeat(s), seeds from {}, {} warm-up requests per server",
         model.display(),
         info.adapters.len(),
         lora_dir.display(),
@@ -270,6 +295,7 @@ pub fn run(args: &SchedulingArgs) -> anyhow::Result<String> {
         args.server.serve_arg,
         args.repeats,
         w.seed,
+        args.warmup,
     );
     let mut s =
         format!("{setup}\ntimes in ms at the client; every figure the median of the repeats\n\n");

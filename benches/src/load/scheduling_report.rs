@@ -15,6 +15,8 @@ pub struct RateRun {
     pub tpot_s: Vec<f64>,
     /// The server's `thaw_sched_*` and `thaw_perf_*` lines after the run.
     pub metrics: Vec<String>,
+    /// Every request as measured (who is at the tail: its lengths and rank).
+    pub records: Vec<super::runner::RequestRecord>,
 }
 
 /// One (variant, rate): the median over its seeds.
@@ -247,6 +249,7 @@ mod tests {
             summary,
             tpot_s: tpot.to_vec(),
             metrics: Vec::new(),
+            records: Vec::new(),
         }
     }
 

@@ -6,7 +6,7 @@ use thaw_runtime::ids::SeqId;
 
 use super::mlq_kmeans::{choose_queues, cutoffs, queue_of};
 use super::mlq_quota::{quotas, QueueLoad, Quota};
-use super::mlq_wrs::{RequestSize, WrsWeights};
+use super::mlq_wrs::{RequestSize, WrsScales, WrsWeights};
 
 /// Chameleon's scheduler knobs (§4.2) and Thaw's bounds around them.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -54,6 +54,8 @@ impl Default for MlqConfig {
 /// One request as the queues know it.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Entry {
+    /// What its WRS is computed from (recomputed with each refit's scales).
+    pub req: RequestSize,
     pub wrs: f64,
     /// Quota it consumes while it runs, tokens.
     pub size: usize,
@@ -67,6 +69,7 @@ pub struct Entry {
 
 #[derive(Clone, Copy, Debug)]
 struct Recent {
+    req: RequestSize,
     wrs: f64,
     size: usize,
     service_s: f64,
@@ -80,6 +83,9 @@ pub struct Mlq {
     entries: HashMap<SeqId, Entry>,
     recent: VecDeque<Recent>,
     cuts: Vec<f64>,
+    /// What WRS terms are divided by: the fixed maxima until the first fit, then the last
+    /// refit's window means.
+    scales: WrsScales,
     quotas: Vec<Quota>,
     /// What the last refit measured per queue; quotas are re-split from it when the KV
     /// capacity moves.
@@ -96,6 +102,7 @@ impl Mlq {
             entries: HashMap::new(),
             recent: VecDeque::new(),
             cuts: Vec::new(),
+            scales: cfg.weights.fixed_scales(),
             quotas: vec![Quota {
                 tokens: total_tokens,
                 min: 0,
@@ -115,11 +122,12 @@ impl Mlq {
         service_s: f64,
         now_s: f64,
     ) {
-        let wrs = self.cfg.weights.wrs(req);
+        let wrs = self.cfg.weights.wrs_with(req, &self.scales);
         if self.recent.len() == self.cfg.window.max(1) {
             self.recent.pop_front();
         }
         self.recent.push_back(Recent {
+            req: *req,
             wrs,
             size,
             service_s,
@@ -132,9 +140,11 @@ impl Mlq {
         if due {
             self.refit(now_s);
         }
+        let wrs = self.cfg.weights.wrs_with(req, &self.scales);
         self.entries.insert(
             id,
             Entry {
+                req: *req,
                 wrs,
                 size,
                 service_s,
@@ -145,10 +155,21 @@ impl Mlq {
         );
     }
 
-    /// K-means over the recent sizes, cut-offs at the midpoints, quotas from the queueing
-    /// model; every known request moves to the queue its size now falls in (a running one's
-    /// quota is then charged to its new queue).
+    /// New scales from the window's means (see [`super::mlq_wrs`]), K-means over the recent
+    /// sizes, cut-offs at the midpoints, quotas from the queueing model; every known request
+    /// is re-sized with the new scales and moves to the queue its size now falls in (a
+    /// running one's quota is then charged to its new queue).
     pub fn refit(&mut self, now_s: f64) {
+        let fixed = self.cfg.weights.fixed_scales();
+        if let Some(sc) =
+            WrsScales::of_window(self.recent.iter().map(|r| (&r.req, r.service_s)), &fixed)
+        {
+            self.scales = sc;
+        }
+        let (w, sc) = (self.cfg.weights, self.scales);
+        for r in self.recent.iter_mut() {
+            r.wrs = w.wrs_with(&r.req, &sc);
+        }
         let xs: Vec<f64> = self.recent.iter().map(|r| r.wrs).collect();
         let centroids = choose_queues(&xs, self.cfg.max_queues, self.cfg.elbow);
         self.cuts = cutoffs(&centroids);
@@ -177,15 +198,15 @@ impl Mlq {
         self.fitted_at = Some(now_s);
         let cuts = &self.cuts;
         for e in self.entries.values_mut() {
+            e.wrs = w.wrs_with(&e.req, &sc);
             e.queue = queue_of(cuts, e.wrs).min(k - 1);
         }
     }
 
-    /// Follows the KV capacity the memory layer leaves now (token slots: the pages KV may
-    /// reserve in all, times the block size). Adapters take pages from the same pool, so the
-    /// quotas are a split of what KV can use now, not of the whole cache: the queueing
-    /// model's split is redone over the last refit's loads (no new fit), summing to
-    /// `total_tokens`.
+    /// Sets the token slots the quotas split (pages times the block size): the scheduler
+    /// passes the whole pool, since a request's size counts both its KV and the pages of an
+    /// adapter that must be loaded for it. The queueing model's split is redone over the last
+    /// refit's loads (no new fit), summing to `total_tokens`.
     pub fn set_capacity(&mut self, total_tokens: usize) {
         if total_tokens == self.total_tokens {
             return;
@@ -232,6 +253,21 @@ impl Mlq {
 
     pub fn cutoffs(&self) -> &[f64] {
         &self.cuts
+    }
+
+    /// What WRS terms are divided by now.
+    pub fn scales(&self) -> &WrsScales {
+        &self.scales
+    }
+
+    /// Where memory admission considers waiting request `id` at `now_s` (lower first; a
+    /// stable sort keeps arrival order within a rank): past the starvation bound first, then
+    /// by queue.
+    pub fn admission_rank(&self, id: SeqId, now_s: f64) -> usize {
+        match self.entries.get(&id) {
+            Some(e) if now_s - e.arrived_s >= self.cfg.max_wait_s => 0,
+            _ => 1 + self.queue(id),
+        }
     }
 
     /// The queue a request is in (its queue at admission once it runs); unknown ones count

@@ -99,7 +99,11 @@ fn a_long_head_that_does_not_fit_does_not_block_the_short_lane() {
 
 #[test]
 fn spare_quota_of_an_empty_queue_goes_to_the_others() {
-    let cfg = cfg();
+    // A token budget for four 48-token prompts: only the quotas and the KV limit here.
+    let cfg = SchedConfig {
+        max_num_batched_tokens: 256,
+        ..cfg()
+    };
     let (mut st, mut mlq) = two_queues(&cfg);
     let q = mlq.quotas().to_vec();
     assert!(q[0].tokens > q[1].tokens / 4, "{q:?}");
@@ -110,7 +114,9 @@ fn spare_quota_of_an_empty_queue_goes_to_the_others() {
     // does not fit the KV).
     assert_eq!((q[0].min, q[1].min), (4, 140));
     for id in 1..=4 {
-        add(&mut st, &mut mlq, &cfg, id, 4, 64, 1.0); // 17 blocks = 68 tokens
+        // 17 blocks = 68 tokens; a long prompt, so it sizes with the long class (WRS is
+        // normalised by the window's means: 8.8 input and 21.6 output tokens).
+        add(&mut st, &mut mlq, &cfg, id, 48, 20, 1.0);
     }
     let none = |_: &SeqState| None;
     let d = plan_mlq(&st, &cfg, &mlq, &plain(cfg.total_blocks, 1.0, &none));
@@ -264,6 +270,11 @@ fn the_tpot_cap_refuses_a_rank_that_would_slow_the_decode_batch_past_the_slo() {
 const ADAPTER_PAGES: [usize; 3] = [0, 3, 7];
 const ADAPTER_PERIOD: usize = 5;
 
+/// Pages of an absent adapter charged to request `i`'s quota (its adapter must be loaded).
+fn adapter_charge(i: usize) -> usize {
+    [0, 2, 5][i % 3]
+}
+
 /// One request of a generated workload: prompt, max tokens, early stop, arrival step,
 /// its adapter blocked until this step.
 type Req = (usize, usize, usize, usize, usize);
@@ -277,7 +288,8 @@ fn simulate(reqs: &[Req], cfg: SchedConfig, mc: MlqConfig) -> Result<(), TestCas
     let mut done = 0;
     let max_size = reqs
         .iter()
-        .map(|r| cfg.blocks_for(r.0 + r.1) * cfg.block_size)
+        .enumerate()
+        .map(|(i, r)| (cfg.blocks_for(r.0 + r.1) + adapter_charge(i)) * cfg.block_size)
         .max()
         .unwrap_or(0);
     let work: usize = reqs.iter().map(|r| r.0 + r.1).sum();
@@ -287,7 +299,7 @@ fn simulate(reqs: &[Req], cfg: SchedConfig, mc: MlqConfig) -> Result<(), TestCas
         for (i, r) in reqs.iter().enumerate() {
             if r.3 == t {
                 let s = SeqState::new(SeqId(i as u64), r.0, r.1);
-                let size = s.reservation(&cfg) * cfg.block_size;
+                let size = (s.reservation(&cfg) + adapter_charge(i)) * cfg.block_size;
                 let req = RequestSize {
                     input: r.0,
                     predicted_output: r.1 / 2,
@@ -309,14 +321,15 @@ fn simulate(reqs: &[Req], cfg: SchedConfig, mc: MlqConfig) -> Result<(), TestCas
         let later = |s: &SeqState| reqs[s.id.0 as usize].4 > now && s.id.0 % 2 == 1;
         let used: usize = st.running.iter().map(|s| cfg.blocks_for(s.computed)).sum();
         // Adapters come and go in the same pool: what KV may reserve moves (never below what
-        // is reserved: the memory layer only evicts into free pages), and the quotas follow.
+        // is reserved: the memory layer only evicts into free pages). The quotas split the
+        // whole pool, since sizes charge absent adapters' pages as well as KV.
         let adapters = ADAPTER_PAGES[(t / ADAPTER_PERIOD) % ADAPTER_PAGES.len()];
         let kv_capacity = (cfg.total_blocks - adapters).max(st.reserved_blocks);
-        mlq.set_capacity(kv_capacity * cfg.block_size);
+        mlq.set_capacity(cfg.total_blocks * cfg.block_size);
         prop_assert_eq!(
             mlq.quotas().iter().map(|q| q.tokens).sum::<usize>(),
-            kv_capacity * cfg.block_size,
-            "quotas split the live KV capacity"
+            cfg.total_blocks * cfg.block_size,
+            "quotas split the whole pool"
         );
         let inp = MlqInputs {
             kv_capacity,
@@ -484,7 +497,10 @@ proptest! {
         let n = first.admit.min(running);
         let ids: Vec<SeqId> = st.waiting.iter().take(n).map(|s| s.id).collect();
         st.admit_ids(&ids, &cfg);
-        let free = cfg.total_blocks - st.reserved_blocks.min(cfg.total_blocks);
+        // The engine's free KV: nothing is computed yet, so every block (reservations are
+        // promises, not allocations; with fewer free blocks the running prefills' order,
+        // which the queues change, decides which chunks fit, and the totals differ).
+        let free = cfg.total_blocks;
         let later = |s: &SeqState| reqs[s.id.0 as usize].2;
         let placeable: Vec<SeqId> =
             st.waiting.iter().filter(|s| !later(s)).map(|s| s.id).collect();

@@ -25,7 +25,7 @@ pub use mlq::{plan_mlq, MlqDecision, MlqInputs, TpotCap};
 pub use mlq_predict::{OutputPredictor, PredictorStats};
 pub use mlq_state::{Entry, Mlq, MlqConfig};
 pub use mlq_wait::{predicted_wait_s, MemoryWait};
-pub use mlq_wrs::{RequestSize, WrsWeights};
+pub use mlq_wrs::{RequestSize, WrsScales, WrsWeights};
 pub use ordering::{OrderKeys, SchedulingPolicy};
 pub use policy::{plan_step, plan_step_admitting, plan_step_gated, AdmitDecision, Decision, Gate};
 pub use report::SchedBoard;

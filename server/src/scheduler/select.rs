@@ -26,6 +26,9 @@ pub struct Arrival {
     pub rank: usize,
     /// Predicted seconds until its adapter is on the device.
     pub load_s: f64,
+    /// Device pages its adapter takes, when it is not on the device (nor on its way) at
+    /// arrival; 0 otherwise. The multi-level queue charges them to the request's quota.
+    pub adapter_pages: usize,
 }
 
 /// One queue of the multi-level queue, for /metrics.
@@ -111,7 +114,10 @@ impl Scheduler {
                     rank: arrival.rank,
                     load_s: arrival.load_s,
                 };
-                let size = seq.reservation(cfg) * cfg.block_size;
+                // What binds in the unified pool: its KV reservation, plus its adapter's pages
+                // when they must be found for it (an upper bound when several waiting
+                // requests bring the same absent adapter: each is charged).
+                let size = (seq.reservation(cfg) + arrival.adapter_pages) * cfg.block_size;
                 let service_s = perf.step_time(seq.prompt_len)
                     + predicted as f64 * perf.step_time(1)
                     + arrival.load_s;
@@ -123,19 +129,27 @@ impl Scheduler {
     }
 
     /// The waiting requests in the order adapter-aware admission should consider them:
-    /// the queue's own order, or under `mlq` the smallest requests' queue first (so memory is
-    /// arranged for the fast lane before a long head can block it).
+    /// the queue's own order, or under `mlq` the requests past the starvation bound first,
+    /// oldest first, then the smallest requests' queue first (so memory is arranged for the
+    /// fast lane before a long head can block it). An overdue request that does not fit
+    /// becomes the memory layer's head, whose bypass rule then lets pass only requests that
+    /// do not delay it: without this, a request whose adapter needs much of the pool (a
+    /// rank-128 adapter on a small pool) came last every step and waited until the fast lane
+    /// happened to leave that much free.
     pub fn candidate_order<'a>(&self, state: &'a SchedState) -> Vec<&'a SeqState> {
         let mut v: Vec<&SeqState> = state.waiting.iter().collect();
         if self.policy == SchedulingPolicy::Mlq {
-            v.sort_by_key(|s| self.mlq.queue(s.id));
+            let now = self.now_s();
+            v.sort_by_key(|s| self.mlq.admission_rank(s.id, now));
         }
         v
     }
 
     /// Plans the next step over the requests adapter-aware admission found `admissible`,
-    /// reserving at most `kv_capacity` KV blocks in all (what the memory layer leaves KV now:
-    /// under `mlq` the queues' quotas split it). `mem` says how long the others wait (the
+    /// reserving at most `kv_capacity` KV blocks in all (what the memory layer leaves KV now).
+    /// Under `mlq` the queues' quotas split the whole pool (`cfg.total_blocks`): a request is
+    /// charged its KV and the pages of an adapter that was not on the device, the two things
+    /// that compete for the pool. `mem` says how long the others wait (the
     /// bypass rule's bound). Apply the decision with [`SchedState::admit_ids`].
     #[allow(clippy::too_many_arguments)]
     pub fn plan(
@@ -152,7 +166,7 @@ impl Scheduler {
         if self.policy != SchedulingPolicy::Mlq {
             return plan_step_admitting(state, cfg, free_blocks, gate, admissible, kv_capacity);
         }
-        self.mlq.set_capacity(kv_capacity * cfg.block_size);
+        self.mlq.set_capacity(cfg.total_blocks * cfg.block_size);
         let ok: HashSet<SeqId> = admissible.iter().copied().collect();
         let known = &self.known;
         let rank = |s: &SeqState| known.get(&s.id).map(|k| k.rank).filter(|&r| r > 0);
@@ -209,6 +223,11 @@ impl Scheduler {
     /// The adapter rank a queued or running request was filed with (None: base model).
     pub fn rank(&self, id: SeqId) -> Option<usize> {
         self.known.get(&id).map(|k| k.rank).filter(|&r| r > 0)
+    }
+
+    /// The multi-level queue's state (sizes, queues, quotas).
+    pub fn mlq(&self) -> &Mlq {
+        &self.mlq
     }
 
     /// Forgets a request that left without finishing.
@@ -315,7 +334,7 @@ mod tests {
     }
 
     #[test]
-    fn mlq_quotas_split_the_live_kv_capacity() {
+    fn mlq_quotas_split_the_whole_pool_whatever_kv_is_left() {
         let cfg = cfg();
         let (mut s, st, ok) = mlq_with_blocked_head(&cfg);
         let perf = PerfModel::default();
@@ -332,8 +351,64 @@ mod tests {
             );
             let q = s.snapshot(&st).queues;
             let sum: usize = q.iter().map(|q| q.quota_tokens).sum();
-            assert_eq!(sum, cap * cfg.block_size, "{q:?}");
+            assert_eq!(sum, cfg.total_blocks * cfg.block_size, "{q:?}");
         }
+    }
+
+    #[test]
+    fn mlq_charges_an_absent_adapters_pages_with_the_kv() {
+        let cfg = cfg();
+        let mut st = SchedState::default();
+        let mut s = Scheduler::new(SchedulingPolicy::Mlq, MlqConfig::default(), None, &cfg);
+        let perf = PerfModel::default();
+        for (id, pages) in [(1u64, 0usize), (2, 14)] {
+            let a = Arrival {
+                rank: 64,
+                adapter_pages: pages,
+                ..Default::default()
+            };
+            s.enqueue(&mut st, &cfg, SeqState::new(SeqId(id), 10, 6), a, &perf);
+        }
+        // 16 tokens: 4 blocks of 4 slots.
+        let size = |id| s.mlq().entry(SeqId(id)).map(|e| e.size);
+        assert_eq!(size(1), Some(4 * 4));
+        assert_eq!(size(2), Some((4 + 14) * 4));
+    }
+
+    /// A long request, then short ones; 40 arrivals before them fit the queues.
+    fn long_then_short(max_wait_s: f64) -> Vec<u64> {
+        let cfg = cfg();
+        let mut st = SchedState::default();
+        let mc = MlqConfig {
+            warmup: 40,
+            max_wait_s,
+            ..Default::default()
+        };
+        let mut s = Scheduler::new(SchedulingPolicy::Mlq, mc, None, &cfg);
+        let perf = PerfModel::default();
+        for i in 0..40u64 {
+            let out = if i % 4 == 0 { 200 } else { 2 };
+            let q = SeqState::new(SeqId(100 + i), 4, out);
+            s.enqueue(&mut st, &cfg, q, Arrival::default(), &perf);
+            s.finished(SeqId(100 + i), out);
+        }
+        st.waiting.clear();
+        assert!(s.mlq().num_queues() >= 2, "{:?}", s.mlq().cutoffs());
+        for (id, out) in [(1, 200), (2, 2), (3, 2)] {
+            let q = SeqState::new(SeqId(id), 4, out);
+            s.enqueue(&mut st, &cfg, q, Arrival::default(), &perf);
+        }
+        s.candidate_order(&st).iter().map(|q| q.id.0).collect()
+    }
+
+    #[test]
+    fn memory_admission_sees_overdue_requests_first_then_the_fast_lane() {
+        assert_eq!(long_then_short(1e9), vec![2, 3, 1], "fast lane first");
+        assert_eq!(
+            long_then_short(0.0),
+            vec![1, 2, 3],
+            "all overdue: oldest first, so the long one heads memory admission"
+        );
     }
 
     #[test]

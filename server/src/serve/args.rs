@@ -97,6 +97,9 @@ pub struct ServeArgs {
     /// Keep the predicted time between tokens under this (rank-aware batching, with mlq) [default: off].
     #[arg(long, value_name = "MS")]
     pub tpot_slo_ms: Option<f64>,
+    /// With mlq: a request that has waited this long goes before every queue, for memory too (the starvation bound) [default: 30000].
+    #[arg(long, value_name = "MS")]
+    pub mlq_max_wait_ms: Option<f64>,
     /// Bandwidth of the emulated host→device link the CPU backend streams adapters over, GB/s [default: 25].
     #[arg(long, value_name = "GBPS")]
     pub emulated_link_gbps: Option<f64>,
@@ -251,6 +254,10 @@ impl ServeArgs {
                 .or(f.scheduling_policy)
                 .unwrap_or(d.scheduling_policy),
             tpot_slo_ms: self.tpot_slo_ms.or(f.tpot_slo_ms),
+            mlq_max_wait_ms: self
+                .mlq_max_wait_ms
+                .or(f.mlq_max_wait_ms)
+                .unwrap_or(d.mlq_max_wait_ms),
             emulated_link_gbps: self
                 .emulated_link_gbps
                 .or(f.emulated_link_gbps)
@@ -302,6 +309,11 @@ impl ServeArgs {
             cfg.emulated_link_latency_us.is_finite() && cfg.emulated_link_latency_us >= 0.0,
             "--emulated-link-latency-us must be a non-negative number, got {}",
             cfg.emulated_link_latency_us
+        );
+        anyhow::ensure!(
+            cfg.mlq_max_wait_ms.is_finite() && cfg.mlq_max_wait_ms >= 0.0,
+            "--mlq-max-wait-ms must be a non-negative number of milliseconds, got {}",
+            cfg.mlq_max_wait_ms
         );
         if let Some(t) = cfg.tpot_slo_ms {
             anyhow::ensure!(

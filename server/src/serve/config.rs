@@ -46,6 +46,8 @@ pub struct ServeConfig {
     pub scheduling_policy: crate::scheduler::SchedulingPolicy,
     /// Milliseconds; None: no rank-aware cap.
     pub tpot_slo_ms: Option<f64>,
+    /// Milliseconds a request waits under mlq before it goes first (the starvation bound).
+    pub mlq_max_wait_ms: f64,
     pub emulated_link_gbps: f64,
     pub emulated_link_latency_us: f64,
     pub lora_workers: usize,
@@ -90,6 +92,7 @@ impl Default for ServeConfig {
             cold_start: crate::coldstart::ColdStartPolicy::Auto,
             scheduling_policy: crate::scheduler::SchedulingPolicy::Fcfs,
             tpot_slo_ms: None,
+            mlq_max_wait_ms: 30_000.0,
             emulated_link_gbps: 25.0,
             emulated_link_latency_us: 10.0,
             lora_workers: default_lora_workers(),
@@ -143,6 +146,7 @@ pub struct FileConfig {
     pub cold_start: Option<crate::coldstart::ColdStartPolicy>,
     pub scheduling_policy: Option<crate::scheduler::SchedulingPolicy>,
     pub tpot_slo_ms: Option<f64>,
+    pub mlq_max_wait_ms: Option<f64>,
     pub emulated_link_gbps: Option<f64>,
     pub emulated_link_latency_us: Option<f64>,
     pub lora_workers: Option<usize>,

@@ -205,6 +205,7 @@ impl Server {
                                     max_rank: cold_cfg.max_lora_rank,
                                     ..Default::default()
                                 },
+                                max_wait_s: cold_cfg.mlq_max_wait_ms / 1e3,
                                 ..Default::default()
                             },
                             tpot_slo_s: cold_cfg.tpot_slo_ms.map(|ms| ms / 1e3),
