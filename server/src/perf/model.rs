@@ -376,10 +376,11 @@ impl PerfModel {
             x: shape.features(kernel),
             y: per_layer,
         });
-        if let Some((base, c)) =
-            self.recent
-                .fit(&self.coef(), &Self::MIN_SPREAD, &[1e-9, f64::MIN, 0.0, 0.0, 0.0, 0.0])
-        {
+        if let Some((base, c)) = self.recent.fit(
+            &self.coef(),
+            &Self::MIN_SPREAD,
+            &[1e-9, f64::MIN, 0.0, 0.0, 0.0, 0.0],
+        ) {
             if c[0] + c[1] > 0.0 {
                 self.layer_base_s = base.max(0.0);
                 [
@@ -547,7 +548,8 @@ mod tests {
                 s.add(1, true, Some([8, 16, 32, 64][rng.random_range(0..4)]));
             }
             if i % 10 == 0 {
-                s.add(rng.random_range(10..200), false, Some(16));
+                let rank = [8, 16, 32, 64][rng.random_range(0..4)];
+                s.add(rng.random_range(10..200), false, Some(rank));
                 // Most prefills of a lightly loaded engine start it after idle.
                 s.after_idle = running == 0 || rng.random_bool(0.3);
             }
@@ -565,8 +567,18 @@ mod tests {
         cold.after_idle = true;
         let mut warm = cold;
         warm.after_idle = false;
-        assert!(rel(m.predict(&cold), truth(&cold)) < 0.03);
-        assert!(rel(m.predict(&warm), truth(&warm)) < 0.03);
+        assert!(
+            rel(m.predict(&cold), truth(&cold)) < 0.03,
+            "{} vs {}: {m:?}",
+            m.predict(&cold),
+            truth(&cold)
+        );
+        assert!(
+            rel(m.predict(&warm), truth(&warm)) < 0.03,
+            "{} vs {}: {m:?}",
+            m.predict(&warm),
+            truth(&warm)
+        );
         assert!(m.predict(&cold) - m.predict(&warm) > 8.0 * idle * 0.9);
     }
 

@@ -193,7 +193,16 @@ mod tests {
             s.add(40, false, None);
             for i in 0..100 {
                 s.after_idle = i == 0;
-                log.step(&s, 300 + i, i % 2 == 0, false, t0, 0.01, Some(2e-4), Some(0.5));
+                log.step(
+                    &s,
+                    300 + i,
+                    i % 2 == 0,
+                    false,
+                    t0,
+                    0.01,
+                    Some(2e-4),
+                    Some(0.5),
+                );
             }
             log.first(
                 t0,
@@ -240,7 +249,13 @@ mod tests {
             }
             l => panic!("{l:?}"),
         }
-        assert!(matches!(lines[0], LogLine::Step { after_idle: true, .. }));
+        assert!(matches!(
+            lines[0],
+            LogLine::Step {
+                after_idle: true,
+                ..
+            }
+        ));
         // A line written before the after-idle flag existed reads as not after idle.
         std::fs::write(
             &p,
