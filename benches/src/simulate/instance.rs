@@ -353,9 +353,9 @@ mod tests {
     use super::*;
     use crate::simulate::model::tests::snapshot;
 
-    /// Durations of the steps of `arrivals` (request id, arrival) on one instance, run to the
-    /// end one after another (each arrives once the previous has finished, at its time or
-    /// later). The adapter is loaded before the first request.
+    /// Durations of the steps of requests arriving at `arrivals` (seconds) on one instance,
+    /// each run to its end before the next arrives (at its time, or when the previous one
+    /// ended if that is later). The first request's adapter load is waited for.
     fn step_times(m: &InstanceModel, arrivals: &[f64]) -> Vec<f64> {
         let mut inst = Instance::default();
         let mut now = 0.0;

@@ -21,14 +21,14 @@
 //! sits beside the LoRA term. All terms are per layer, fitted by least squares over every
 //! step of the run ([`super::fit::StepStats`]).
 //!
-//! Two fixed costs per step sit beside them (benches/results/simulate.md, "after idle"):
-//! `prefills(S)`, the sequences the step prefills (a chunk of their prompt), each costing
-//! `a_pre` beyond its rows; and `after_idle(S)`, 1 for a step that starts when the engine has
-//! run no step for at least [`PerfModel::after_idle_gap_s`] (or none yet), else 0 (caches and
-//! pages gone cold while the engine waited; the idle trim returns freed buffers to the OS).
-//! At low load nearly every prefill follows idle, so the two are told apart only by the
-//! prefills that join a running batch; both are fitted like the other slopes, and the
-//! simulator charges `γ` to a step planned on an instance that has been idle as long.
+//! Two fixed costs per step sit beside them, found in the step logs of the simulator's
+//! validation runs (benches/results/simulate.md): `prefills(S)`, the sequences the step
+//! prefills (a chunk of their prompt), each costing `a_pre` beyond its rows; and
+//! `after_idle(S)`, 1 for a step that starts when the engine has run no step for at least
+//! [`PerfModel::after_idle_gap_s`] (or none yet), else 0. At low load nearly every prefill
+//! follows idle, so the two are told apart only by prefills that join a running batch (where
+//! there were some, the prefill term took most of the cost). Both are fitted like the other
+//! slopes, and the simulator charges `γ` to a step planned on an instance idle as long.
 //!
 //! Beside the device time the engine thread spends time between steps (planning, sending
 //! tokens, publishing metrics, and whatever other threads on its core take meanwhile):
