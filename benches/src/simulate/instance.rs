@@ -355,8 +355,9 @@ mod tests {
 
     /// Durations of the steps of requests arriving at `arrivals` (seconds) on one instance,
     /// each run to its end before the next arrives (at its time, or when the previous one
-    /// ended if that is later). The first request's adapter load is waited for.
-    fn step_times(m: &InstanceModel, arrivals: &[f64]) -> Vec<f64> {
+    /// ended if that is later), and when the last one ended. The first request's adapter
+    /// load is waited for.
+    fn step_times(m: &InstanceModel, arrivals: &[f64]) -> (Vec<f64>, f64) {
         let mut inst = Instance::default();
         let mut now = 0.0;
         let mut out = Vec::new();
@@ -380,7 +381,7 @@ mod tests {
             }
             assert!(inst.is_idle());
         }
-        out
+        (out, now)
     }
 
     #[test]
@@ -390,11 +391,15 @@ mod tests {
         let warm = InstanceModel::new(snap.clone()).unwrap();
         snap.perf.layer_after_idle_s = 5e-3;
         let cold = InstanceModel::new(snap).unwrap();
-        // The first request meets an instance that never ran a step; the second comes 1 ms
-        // after the first finished (not idle long enough), the third a second later.
-        let end_of_first = step_times(&warm, &[0.0]).iter().sum::<f64>();
-        let arrivals = [0.0, end_of_first + 0.001, end_of_first + 10.0];
-        let (w, c) = (step_times(&warm, &arrivals), step_times(&cold, &arrivals));
+        // The first request meets an instance that never ran a step; the second comes 10 ms
+        // after the first finished on the slower model (under 50 ms on both: not idle long
+        // enough), the third 10 s later.
+        let end_of_first = step_times(&cold, &[0.0]).1;
+        let arrivals = [0.0, end_of_first + 0.01, end_of_first + 10.0];
+        let (w, c) = (
+            step_times(&warm, &arrivals).0,
+            step_times(&cold, &arrivals).0,
+        );
         assert_eq!(w.len(), c.len());
         let extra: Vec<f64> = c.iter().zip(&w).map(|(c, w)| c - w).collect();
         let charged: Vec<usize> = (0..extra.len()).filter(|&i| extra[i] != 0.0).collect();

@@ -267,7 +267,7 @@ mod tests {
             ((i * 37) % 2048) as f64,
             ((i * 53) % 4096) as f64,
             (i % 3) as f64,
-            (i % 5 == 0) as u8 as f64,
+            f64::from(i.is_multiple_of(5)),
         ]
     }
 
