@@ -285,6 +285,9 @@ struct Loop {
     /// When the last timed step ended, while steps run back to back (None once the loop
     /// waits): the gap to the next step is the loop's overhead (the cost model's).
     last_step_end: Option<Instant>,
+    /// When the last timed step ended, idle or not (None before the first): the time since
+    /// it tells the cost model whether the next step is one after idle.
+    prev_step_end: Option<Instant>,
     /// When the CPU LoRA workers were last supervised ([`WORKER_CHECK`]).
     tended: Instant,
     step_log: Option<crate::perf::StepLog>,
@@ -342,6 +345,7 @@ impl Loop {
             metrics,
             deadline: None,
             last_step_end: None,
+            prev_step_end: None,
             tended: Instant::now(),
         }
     }
@@ -715,7 +719,7 @@ impl Loop {
             })
         }));
         let tokens: usize = d.plan.items.iter().map(|i| i.num_tokens).sum();
-        let (shape, decode_ctx) = self.step_shape(&d.plan);
+        let (mut shape, decode_ctx) = self.step_shape(&d.plan);
         let kernel = if self.auto_kernel {
             let step = self.stats.steps.load(Ordering::Relaxed);
             let k = self.cold.cost.kernel_for_step(&shape, step);
@@ -727,6 +731,10 @@ impl Loop {
         let assisted_before = self.engine.rows_assisted();
         let profile_before = self.engine.assist_profile();
         let started = Instant::now();
+        let idle = self
+            .prev_step_end
+            .map(|end| started.saturating_duration_since(end).as_secs_f64());
+        shape.after_idle = self.cold.cost.is_after_idle(idle);
         let gap = self.last_step_end.take().map(|end| started - end);
         if let Some(g) = gap {
             self.cold.cost.observe_gap(g);
@@ -753,6 +761,7 @@ impl Loop {
         };
         let elapsed = started.elapsed();
         self.last_step_end = Some(started + elapsed);
+        self.prev_step_end = self.last_step_end;
         self.stats.steps.fetch_add(1, Ordering::Relaxed);
         let assisted = self.engine.rows_assisted() - assisted_before;
         if let Some(log) = &mut self.step_log {
@@ -764,6 +773,7 @@ impl Loop {
                 started,
                 elapsed.as_secs_f64(),
                 gap.map(|g| g.as_secs_f64()),
+                idle,
             );
         }
         if assisted == 0 {

@@ -2,7 +2,9 @@
 //! engine's scheduler plans them (decode first, then prefill chunks within the token budget,
 //! admission while --max-num-seqs and the KV reservations allow), adapters on the device
 //! (--max-loras, least recently used idle one evicted) and in host memory (--max-cpu-loras),
-//! loads serialized on the host→device link, and the `auto` cold-start gate per prefill.
+//! loads serialized on the host→device link, and the `auto` cold-start gate per prefill. A
+//! step that starts after the instance ran none for the cost model's `after_idle_gap_s` costs
+//! the model's after-idle term, as it did on the engine that fitted it.
 use std::collections::{HashMap, VecDeque};
 
 use thaw_server::perf::StepShape;
@@ -64,6 +66,9 @@ pub struct Instance {
     /// The step in flight: (index into `running`, tokens, CPU-assisted).
     plan: Vec<(usize, usize, bool)>,
     pub busy: bool,
+    /// When its last step ended (None: it has run none): a step planned at least the cost
+    /// model's `after_idle_gap_s` later is charged the after-idle term, as the engine's is.
+    last_step_end: Option<f64>,
     /// Adapter loads started (disk or host → device).
     pub loads: u64,
 }
@@ -256,6 +261,9 @@ impl Instance {
             return (None, loads);
         }
         let (mut shape, mut cpu) = (StepShape::default(), 0.0);
+        shape.after_idle = model
+            .perf
+            .is_after_idle(self.last_step_end.map(|end| now - end));
         let mut assisted_any = false;
         for &(i, n, assisted) in &self.plan {
             let (rank, decode) = (self.running[i].req.rank, !self.running[i].in_prefill());
@@ -318,6 +326,7 @@ impl Instance {
             }
         }
         self.plan.clear();
+        self.last_step_end = Some(now);
         let mut i = 0;
         while i < self.running.len() {
             let s = &self.running[i];
@@ -336,5 +345,69 @@ impl Instance {
 
     pub fn is_idle(&self) -> bool {
         self.waiting.is_empty() && self.running.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::simulate::model::tests::snapshot;
+
+    /// Durations of the steps of requests arriving at `arrivals` (seconds) on one instance,
+    /// each run to its end before the next arrives (at its time, or when the previous one
+    /// ended if that is later), and when the last one ended. The first request's adapter
+    /// load is waited for.
+    fn step_times(m: &InstanceModel, arrivals: &[f64]) -> (Vec<f64>, f64) {
+        let mut inst = Instance::default();
+        let mut now = 0.0;
+        let mut out = Vec::new();
+        for (id, &at) in arrivals.iter().enumerate() {
+            now = f64::max(now, at);
+            let req = SimRequest {
+                id,
+                at: now,
+                adapter: 1,
+                rank: 8,
+                prompt: 40,
+                output: 3,
+            };
+            if let Some(landed) = inst.enqueue(req, m, now) {
+                now = landed;
+            }
+            while let (Some(d), _) = inst.plan_step(m, now) {
+                out.push(d);
+                now += d;
+                inst.finish_step(now);
+            }
+            assert!(inst.is_idle());
+        }
+        (out, now)
+    }
+
+    #[test]
+    fn only_a_step_after_idle_pays_the_after_idle_term() {
+        let mut snap = snapshot();
+        snap.perf.after_idle_gap_s = 0.05;
+        let warm = InstanceModel::new(snap.clone()).unwrap();
+        snap.perf.layer_after_idle_s = 5e-3;
+        let cold = InstanceModel::new(snap).unwrap();
+        // The first request meets an instance that never ran a step; the second comes 10 ms
+        // after the first finished on the slower model (under 50 ms on both: not idle long
+        // enough), the third 10 s later.
+        let end_of_first = step_times(&cold, &[0.0]).1;
+        let arrivals = [0.0, end_of_first + 0.01, end_of_first + 10.0];
+        let (w, c) = (
+            step_times(&warm, &arrivals).0,
+            step_times(&cold, &arrivals).0,
+        );
+        assert_eq!(w.len(), c.len());
+        let extra: Vec<f64> = c.iter().zip(&w).map(|(c, w)| c - w).collect();
+        let charged: Vec<usize> = (0..extra.len()).filter(|&i| extra[i] != 0.0).collect();
+        // Each request runs a prefill step and two decode steps: steps 0 and 6 follow idle.
+        assert_eq!(w.len(), 9, "{w:?}");
+        assert_eq!(charged, vec![0, 6], "{extra:?}");
+        for i in charged {
+            assert!((extra[i] - 4.0 * 5e-3).abs() < 1e-12, "{extra:?}");
+        }
     }
 }

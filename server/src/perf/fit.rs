@@ -14,7 +14,7 @@
 //! previous coefficient and only the excited columns are refitted.
 
 /// Number of feature columns (besides the intercept) the step model uses.
-pub const COLS: usize = 4;
+pub const COLS: usize = 6;
 /// Moments are kept of the columns and the measured time (index [`COLS`]).
 const D: usize = COLS + 1;
 
@@ -266,12 +266,14 @@ mod tests {
             (i % 13) as f64,
             ((i * 37) % 2048) as f64,
             ((i * 53) % 4096) as f64,
+            (i % 3) as f64,
+            f64::from(i.is_multiple_of(5)),
         ]
     }
 
     #[test]
     fn recovers_every_excited_column() {
-        let truth = [2e-5, 5e-6, 1e-7, 3e-8];
+        let truth = [2e-5, 5e-6, 1e-7, 3e-8, 2e-4, 4e-4];
         let w = stats(200, |i| {
             let x = shape(i);
             let y = 1e-4 + (0..COLS).map(|j| truth[j] * x[j]).sum::<f64>();
@@ -294,7 +296,13 @@ mod tests {
             .map(|i| {
                 let x = shape(i);
                 let tok = if i < 2500 { 2e-5 } else { 4e-5 };
-                let y = 1e-4 + tok * x[0] + 5e-6 * x[1] + 1e-7 * x[2] + 3e-8 * x[3];
+                let y = 1e-4
+                    + tok * x[0]
+                    + 5e-6 * x[1]
+                    + 1e-7 * x[2]
+                    + 3e-8 * x[3]
+                    + 2e-4 * x[4]
+                    + 4e-4 * x[5];
                 Sample {
                     x,
                     y: y * (1.0 + rng.random_range(-0.2..0.2)),
@@ -334,11 +342,11 @@ mod tests {
         // A million steps with a large constant offset in one column: Welford's moments keep
         // the slope where naive sums of squares would cancel.
         let w = stats(1_000_000, |i| {
-            let x = [1e6 + (i % 64) as f64, 0.0, 0.0, 0.0];
+            let x = [1e6 + (i % 64) as f64, 0.0, 0.0, 0.0, 0.0, 0.0];
             (x, 1e-3 + 1e-5 * (i % 64) as f64)
         });
         let (_, c) = w
-            .fit(&[0.0; COLS], &[16.0, 1.0, 1.0, 1.0], &[0.0; COLS])
+            .fit(&[0.0; COLS], &[16.0, 1.0, 1.0, 1.0, 1.0, 1.0], &[0.0; COLS])
             .unwrap();
         assert!((c[0] - 1e-5).abs() / 1e-5 < 1e-6, "{c:?}");
     }
@@ -348,10 +356,12 @@ mod tests {
         // Only tokens vary; the decode and LoRA columns are constant zero.
         let w = stats(200, |i| {
             let t = (1 + i % 64) as f64;
-            ([t, 0.0, 0.0, 0.0], 2e-4 + 1e-5 * t)
+            ([t, 0.0, 0.0, 0.0, 0.0, 0.0], 2e-4 + 1e-5 * t)
         });
-        let prior = [9.0, 7.0, 5.0, 3.0];
-        let (b, c) = w.fit(&prior, &[16.0, 1.0, 1.0, 1.0], &[0.0; COLS]).unwrap();
+        let prior = [9.0, 7.0, 5.0, 3.0, 2.0, 1.0];
+        let (b, c) = w
+            .fit(&prior, &[16.0, 1.0, 1.0, 1.0, 1.0, 1.0], &[0.0; COLS])
+            .unwrap();
         assert!(
             (b - 2e-4).abs() < 1e-9 && (c[0] - 1e-5).abs() < 1e-12,
             "{b} {c:?}"
@@ -365,10 +375,10 @@ mod tests {
         let w = stats(200, |i| {
             let t = (1 + i % 50) as f64;
             let d = (i % 7) as f64;
-            ([t, d, 0.0, 0.0], 1e-4 + 1e-5 * t - 1e-6 * d)
+            ([t, d, 0.0, 0.0, 0.0, 0.0], 1e-4 + 1e-5 * t - 1e-6 * d)
         });
         let (_, c) = w
-            .fit(&[0.0, 2e-7, 0.0, 0.0], &[1.0; COLS], &[0.0; COLS])
+            .fit(&[0.0, 2e-7, 0.0, 0.0, 0.0, 0.0], &[1.0; COLS], &[0.0; COLS])
             .unwrap();
         assert_eq!(c[1], 2e-7);
         assert!((c[0] - 1e-5).abs() / 1e-5 < 0.05, "{c:?}");
@@ -376,11 +386,13 @@ mod tests {
 
     #[test]
     fn too_few_or_non_finite_steps_fit_nothing() {
-        let w = stats(15, |i| ([i as f64, 0.0, 0.0, 0.0], 1.0 + i as f64));
+        let w = stats(15, |i| {
+            ([i as f64, 0.0, 0.0, 0.0, 0.0, 0.0], 1.0 + i as f64)
+        });
         assert_eq!(w.fit(&[0.0; COLS], &[1.0; COLS], &[0.0; COLS]), None);
         let mut w = StepStats::default();
         w.push(Sample {
-            x: [f64::NAN, 0.0, 0.0, 0.0],
+            x: [f64::NAN, 0.0, 0.0, 0.0, 0.0, 0.0],
             y: 1.0,
         });
         assert!(w.is_empty() && w.rms_rel(0.0, &[0.0; COLS]).is_none());
@@ -389,7 +401,9 @@ mod tests {
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(64))]
 
-        /// Noisy synthetic steps of any coefficients: the pooled fit recovers them. Tolerance:
+        /// Noisy synthetic steps of any coefficients, the per-prefill and after-idle costs
+        /// included: the pooled fit recovers them. Tolerance (rate columns; fixed costs per
+        /// step: see below):
         /// the noise is ±`noise` relative and zero-mean, 4,000 steps; each coefficient within
         /// 10% of itself, or its term's mean contribution within 5% of the mean step (so a
         /// column that contributes little to a step is held to what it contributes).
@@ -400,12 +414,17 @@ mod tests {
             dec in 0.0f64..1e-5,
             sgmv in 0.0f64..1e-7,
             bgmv in 0.0f64..1e-7,
+            pre in 0.0f64..1e-3,
+            idle in 0.0f64..1e-3,
             noise in 0.0f64..0.3,
             seed in any::<u64>(),
         ) {
-            let truth = [tok, dec, sgmv, bgmv];
+            let truth = [tok, dec, sgmv, bgmv, pre, idle];
             let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
             let mut w = StepStats::default();
+            // Per indicator column (prefills, after idle): Σ time and count of the steps it
+            // is set in.
+            let mut on = [(0.0f64, 0u32); 2];
             for _ in 0..4000 {
                 let prefill = if rng.random_bool(0.2) { rng.random_range(1..256) } else { 0 };
                 let decode = rng.random_range(0..17usize);
@@ -416,16 +435,36 @@ mod tests {
                 } else {
                     (0.0, rows * rank as f64)
                 };
-                let x = [rows.max(1.0), decode as f64, s, b];
+                // Half the prefills follow an idle engine, as at the validation's rates.
+                let after_idle = prefill > 0 && rng.random_bool(0.5);
+                let x = [
+                    rows.max(1.0),
+                    decode as f64,
+                    s,
+                    b,
+                    f64::from(prefill > 0),
+                    f64::from(after_idle),
+                ];
                 let y = base + (0..COLS).map(|j| truth[j] * x[j]).sum::<f64>();
-                w.push(Sample { x, y: y * (1.0 + noise * rng.random_range(-1.0..1.0)) });
+                let y = y * (1.0 + noise * rng.random_range(-1.0..1.0));
+                for (k, o) in on.iter_mut().enumerate() {
+                    if x[4 + k] > 0.0 {
+                        *o = (o.0 + y, o.1 + 1);
+                    }
+                }
+                w.push(Sample { x, y });
             }
             let (b, c) = w
-                .fit(&[0.0; COLS], &[16.0, 4.0, 64.0, 64.0], &[f64::MIN; COLS])
+                .fit(&[0.0; COLS], &[16.0, 4.0, 64.0, 64.0, 1.0, 1.0], &[f64::MIN; COLS])
                 .expect("every column is excited");
             prop_assert!((b - base).abs() < 0.1 * base + 0.02 * w.mean_y(), "base {} vs {}", b, base);
             for j in 0..COLS {
-                let tol = 0.1 * truth[j] + 0.05 * w.mean_y() / w.mean[j].max(1.0);
+                // A fixed cost per step (the last two columns) is held to 5% of the mean
+                // time of the steps it is charged to.
+                let tol = match j {
+                    4 | 5 => 0.1 * truth[j] + 0.05 * on[j - 4].0 / f64::from(on[j - 4].1.max(1)),
+                    _ => 0.1 * truth[j] + 0.05 * w.mean_y() / w.mean[j].max(1.0),
+                };
                 prop_assert!((c[j] - truth[j]).abs() < tol, "column {}: {} vs {} (tol {})", j, c[j], truth[j], tol);
             }
         }

@@ -7,6 +7,7 @@
 //!
 //! ```text
 //! t(S) = β + a_tok · tokens(S) + a_dec · decode_rows(S) + lora(S)
+//!        + a_pre · prefills(S) + γ · after_idle(S)
 //! lora(S) = α_M · Σ_{i∈S} rank(i)              SGMV (S-LoRA's MBGMV: "linear with the sum
 //!                                                    of LoRA ranks in a batch")
 //!         = α_B · |S| · max_{i∈S} rank(i)      BGMV ("almost linear to the product of batch
@@ -19,6 +20,15 @@
 //! per token (`a_tok`, and `a_dec` for what a decode row's attention over its context adds)
 //! sits beside the LoRA term. All terms are per layer, fitted by least squares over every
 //! step of the run ([`super::fit::StepStats`]).
+//!
+//! Two fixed costs per step sit beside them, found in the step logs of the simulator's
+//! validation runs (benches/results/simulate.md): `prefills(S)`, the sequences the step
+//! prefills (a chunk of their prompt), each costing `a_pre` beyond its rows; and
+//! `after_idle(S)`, 1 for a step that starts when the engine has run no step for at least
+//! [`PerfModel::after_idle_gap_s`] (or none yet), else 0. At low load nearly every prefill
+//! follows idle, so the two are told apart only by prefills that join a running batch (where
+//! there were some, the prefill term took most of the cost). Both are fitted like the other
+//! slopes, and the simulator charges `γ` to a step planned on an instance idle as long.
 //!
 //! Beside the device time the engine thread spends time between steps (planning, sending
 //! tokens, publishing metrics, and whatever other threads on its core take meanwhile):
@@ -44,6 +54,11 @@ pub struct StepShape {
     pub rank_rows: usize,
     /// Largest rank in the step (BGMV pads every LoRA row to it).
     pub max_rank: usize,
+    /// Sequences the step prefills (rows of a prompt, not decode rows).
+    pub prefills: usize,
+    /// The step starts on an engine that ran no step for at least
+    /// [`PerfModel::after_idle_gap_s`] ([`PerfModel::is_after_idle`]).
+    pub after_idle: bool,
 }
 
 impl StepShape {
@@ -52,6 +67,8 @@ impl StepShape {
         self.tokens += rows;
         if decode {
             self.decode += rows;
+        } else if rows > 0 {
+            self.prefills += 1;
         }
         if let Some(r) = rank {
             self.lora_rows += rows;
@@ -73,7 +90,14 @@ impl StepShape {
             LoraKernel::Sgmv => (self.lora_work(kernel) as f64, 0.0),
             LoraKernel::Bgmv => (0.0, self.lora_work(kernel) as f64),
         };
-        [self.tokens as f64, self.decode as f64, s, b]
+        [
+            self.tokens as f64,
+            self.decode as f64,
+            s,
+            b,
+            self.prefills as f64,
+            f64::from(u8::from(self.after_idle)),
+        ]
     }
 }
 
@@ -98,6 +122,13 @@ pub struct PerfModel {
     pub lora_sgmv_s: f64,
     /// `α_B`: per unit of rows · max rank per layer, BGMV.
     pub lora_bgmv_s: f64,
+    /// `a_pre`: extra device time per layer per sequence the step prefills.
+    pub layer_per_prefill_s: f64,
+    /// `γ`: extra device time per layer of a step that starts after the engine was idle
+    /// ([`Self::is_after_idle`]).
+    pub layer_after_idle_s: f64,
+    /// Time without a step after which the next step counts as one after idle, seconds.
+    pub after_idle_gap_s: f64,
     pub num_layers: usize,
     /// CPU LoRA throughput over all workers, FLOP/s.
     pub cpu_flops: f64,
@@ -132,6 +163,9 @@ impl Default for PerfModel {
             layer_per_decode_s: 0.0,
             lora_sgmv_s: 1e-8,
             lora_bgmv_s: 1e-8,
+            layer_per_prefill_s: 0.0,
+            layer_after_idle_s: 0.0,
+            after_idle_gap_s: Self::AFTER_IDLE_GAP_S,
             num_layers: 1,
             cpu_flops: 1e9,
             cpu_overlaps: false,
@@ -149,8 +183,16 @@ impl Default for PerfModel {
 
 impl PerfModel {
     /// Smallest spread of each column a refit needs (tokens, decode rows, Σ rank, rows·max
-    /// rank): below it a slope cannot be told from noise.
-    const MIN_SPREAD: [f64; COLS] = [16.0, 4.0, 64.0, 64.0];
+    /// rank, prefills, after idle): below it a slope cannot be told from noise (the last two:
+    /// both kinds of step seen).
+    const MIN_SPREAD: [f64; COLS] = [16.0, 4.0, 64.0, 64.0, 1.0, 1.0];
+
+    /// Default of [`Self::after_idle_gap_s`]. In the step logs of the validation runs the
+    /// time from one step's end to the next step's start is under 10 ms while requests run
+    /// (the loop's own gap ~0.3 ms, its 2 ms waits for an adapter, preemption by other
+    /// threads) and over 50 ms when a request reached an engine with nothing to do; 1 step
+    /// in 1,362 fell in between. 20 ms splits the two.
+    pub const AFTER_IDLE_GAP_S: f64 = 0.02;
 
     fn coef(&self) -> [f64; COLS] {
         [
@@ -158,7 +200,16 @@ impl PerfModel {
             self.layer_per_decode_s,
             self.lora_sgmv_s,
             self.lora_bgmv_s,
+            self.layer_per_prefill_s,
+            self.layer_after_idle_s,
         ]
+    }
+
+    /// Whether a step that starts `idle_s` seconds after the previous step ended (None: the
+    /// engine has run none) is one after idle: the one definition the engine fits with and
+    /// the simulator plans with.
+    pub fn is_after_idle(&self, idle_s: Option<f64>) -> bool {
+        idle_s.is_none_or(|g| g >= self.after_idle_gap_s)
     }
 
     /// Device time of one layer for a step of `tokens` rows without adapters.
@@ -325,10 +376,11 @@ impl PerfModel {
             x: shape.features(kernel),
             y: per_layer,
         });
-        if let Some((base, c)) =
-            self.recent
-                .fit(&self.coef(), &Self::MIN_SPREAD, &[1e-9, f64::MIN, 0.0, 0.0])
-        {
+        if let Some((base, c)) = self.recent.fit(
+            &self.coef(),
+            &Self::MIN_SPREAD,
+            &[1e-9, f64::MIN, 0.0, 0.0, 0.0, 0.0],
+        ) {
             if c[0] + c[1] > 0.0 {
                 self.layer_base_s = base.max(0.0);
                 [
@@ -336,6 +388,8 @@ impl PerfModel {
                     self.layer_per_decode_s,
                     self.lora_sgmv_s,
                     self.lora_bgmv_s,
+                    self.layer_per_prefill_s,
+                    self.layer_after_idle_s,
                 ] = c;
                 return;
             }
@@ -353,6 +407,7 @@ impl PerfModel {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use rand::{Rng, SeedableRng};
 
     fn model(overlaps: bool) -> PerfModel {
         PerfModel {
@@ -468,6 +523,74 @@ mod tests {
             LoraKernel::Bgmv
         );
         assert_eq!(m.kernel_for_step(&mixed, 1), LoraKernel::Sgmv);
+    }
+
+    /// A run at low load: decode steps, prefills that join them, and prefills that start
+    /// on an idle engine, whose steps cost a planted extra. The online fit finds the
+    /// after-idle cost apart from the per-prefill one, and predicts both kinds of step.
+    #[test]
+    fn the_fit_recovers_a_planted_after_idle_cost() {
+        let mut m = model(true);
+        let (pre, idle) = (3e-4, 7e-4);
+        let truth = |s: &StepShape| {
+            8.0 * (1e-4
+                + 1e-5 * s.tokens as f64
+                + 2e-6 * s.decode as f64
+                + 4e-8 * s.rank_rows as f64
+                + pre * s.prefills as f64
+                + if s.after_idle { idle } else { 0.0 })
+        };
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(11);
+        for i in 0..1500usize {
+            let mut s = StepShape::default();
+            let running = rng.random_range(0..6usize);
+            for _ in 0..running {
+                s.add(1, true, Some([8, 16, 32, 64][rng.random_range(0..4)]));
+            }
+            if i % 10 == 0 {
+                let rank = [8, 16, 32, 64][rng.random_range(0..4)];
+                s.add(rng.random_range(10..200), false, Some(rank));
+                // Most prefills of a lightly loaded engine start it after idle.
+                s.after_idle = running == 0 || rng.random_bool(0.3);
+            }
+            if s.tokens == 0 {
+                continue;
+            }
+            let noisy = truth(&s) * (1.0 + rng.random_range(-0.05..0.05));
+            m.observe_shape(&s, LoraKernel::Sgmv, Duration::from_secs_f64(noisy));
+        }
+        let rel = |got: f64, want: f64| (got - want).abs() / want;
+        assert!(rel(m.layer_after_idle_s, idle) < 0.1, "{m:?}");
+        assert!(rel(m.layer_per_prefill_s, pre) < 0.1, "{m:?}");
+        let mut cold = StepShape::default();
+        cold.add(64, false, Some(16));
+        cold.after_idle = true;
+        let mut warm = cold;
+        warm.after_idle = false;
+        assert!(
+            rel(m.predict(&cold), truth(&cold)) < 0.03,
+            "{} vs {}: {m:?}",
+            m.predict(&cold),
+            truth(&cold)
+        );
+        assert!(
+            rel(m.predict(&warm), truth(&warm)) < 0.03,
+            "{} vs {}: {m:?}",
+            m.predict(&warm),
+            truth(&warm)
+        );
+        assert!(m.predict(&cold) - m.predict(&warm) > 8.0 * idle * 0.9);
+    }
+
+    #[test]
+    fn after_idle_means_no_step_for_the_gap_or_none_yet() {
+        let m = PerfModel {
+            after_idle_gap_s: 0.02,
+            ..Default::default()
+        };
+        assert!(m.is_after_idle(None));
+        assert!(m.is_after_idle(Some(0.02)) && m.is_after_idle(Some(3.0)));
+        assert!(!m.is_after_idle(Some(0.0199)) && !m.is_after_idle(Some(3e-4)));
     }
 
     #[test]

@@ -31,6 +31,22 @@ pub struct PerfSnapshot {
     /// step costs beyond the device time the fit predicts. Older dumps lack it (0).
     #[serde(default)]
     pub step_overhead_s: f64,
+    /// `a_pre`: extra device time per layer per sequence a step prefills. Older dumps lack
+    /// it (0).
+    #[serde(default)]
+    pub layer_per_prefill_s: f64,
+    /// `γ`: extra device time per layer of a step after idle. Older dumps lack it (0: no
+    /// step costs more for following an idle engine).
+    #[serde(default)]
+    pub layer_after_idle_s: f64,
+    /// Time without a step after which a step counts as one after idle, seconds. Older dumps
+    /// lack it; with `γ` = 0 it changes nothing.
+    #[serde(default = "default_after_idle_gap")]
+    pub after_idle_gap_s: f64,
+}
+
+fn default_after_idle_gap() -> f64 {
+    PerfModel::AFTER_IDLE_GAP_S
 }
 
 impl PerfModel {
@@ -51,6 +67,9 @@ impl PerfModel {
             error: self.error,
             fit_rms_rel: self.fit_rms_rel().unwrap_or(0.0),
             step_overhead_s: self.step_overhead_s,
+            layer_per_prefill_s: self.layer_per_prefill_s,
+            layer_after_idle_s: self.layer_after_idle_s,
+            after_idle_gap_s: self.after_idle_gap_s,
         }
     }
 
@@ -73,6 +92,9 @@ impl PerfModel {
             assist_layer_overhead_s: s.assist_layer_overhead_s,
             error: s.error,
             step_overhead_s: s.step_overhead_s,
+            layer_per_prefill_s: s.layer_per_prefill_s,
+            layer_after_idle_s: s.layer_after_idle_s,
+            after_idle_gap_s: s.after_idle_gap_s,
             ..Default::default()
         }
     }
@@ -94,6 +116,9 @@ mod tests {
             num_layers: 12,
             disk_bytes_per_s: 7e8,
             step_overhead_s: 2e-4,
+            layer_per_prefill_s: 9e-4,
+            layer_after_idle_s: 6e-4,
+            after_idle_gap_s: 0.03,
             ..Default::default()
         };
         let json = serde_json::to_string(&m.snapshot()).unwrap();
@@ -103,6 +128,9 @@ mod tests {
         shape.add(40, false, Some(16));
         shape.add(3, true, Some(64));
         assert_eq!(back.predict(&shape), m.predict(&shape));
+        shape.after_idle = true;
+        assert_eq!(back.predict(&shape), m.predict(&shape));
+        assert!(back.is_after_idle(Some(0.03)) && !back.is_after_idle(Some(0.029)));
     }
 
     #[test]
@@ -112,5 +140,34 @@ mod tests {
         assert!(o.remove("step_overhead_s").is_some() && o.remove("fit_rms_rel").is_some());
         let s: PerfSnapshot = serde_json::from_value(v).unwrap();
         assert_eq!((s.step_overhead_s, s.fit_rms_rel), (0.0, 0.0));
+    }
+
+    #[test]
+    fn a_dump_older_than_the_prefill_and_after_idle_terms_predicts_as_before() {
+        let m = PerfModel {
+            layer_base_s: 3e-4,
+            layer_per_token_s: 2e-5,
+            num_layers: 12,
+            ..Default::default()
+        };
+        let mut v = serde_json::to_value(m.snapshot()).unwrap();
+        let o = v.as_object_mut().unwrap();
+        for k in [
+            "layer_per_prefill_s",
+            "layer_after_idle_s",
+            "after_idle_gap_s",
+        ] {
+            assert!(o.remove(k).is_some(), "{k}");
+        }
+        let s: PerfSnapshot = serde_json::from_value(v).unwrap();
+        assert_eq!((s.layer_per_prefill_s, s.layer_after_idle_s), (0.0, 0.0));
+        let old = PerfModel::from_snapshot(&s);
+        let mut shape = StepShape::default();
+        shape.add(40, false, Some(16));
+        let warm = old.predict(&shape);
+        let want = 12.0 * (3e-4 + 2e-5 * 40.0 + 1e-8 * 40.0 * 16.0);
+        assert!((warm - want).abs() < 1e-12, "{warm} vs {want}");
+        shape.after_idle = true;
+        assert_eq!(old.predict(&shape), warm, "a missing column costs nothing");
     }
 }

@@ -33,6 +33,17 @@ pub enum LogLine {
         elapsed_s: f64,
         /// Wall time since the previous step ended, while steps ran back to back.
         gap_s: Option<f64>,
+        /// Sequences the step prefills. Older logs lack it.
+        #[serde(default)]
+        prefills: usize,
+        /// Wall time since the previous step ended, whatever the loop did meanwhile (None:
+        /// the first step). Older logs lack it.
+        #[serde(default)]
+        idle_s: Option<f64>,
+        /// The shape's after-idle flag: `idle_s` ≥ the model's `after_idle_gap_s`, or no
+        /// previous step. Older logs lack it (false).
+        #[serde(default)]
+        after_idle: bool,
     },
     /// A request's first token, Unix seconds.
     First {
@@ -94,6 +105,7 @@ impl StepLog {
         started: Instant,
         elapsed: f64,
         gap: Option<f64>,
+        idle: Option<f64>,
     ) {
         let line = LogLine::Step {
             t: self.unix(started),
@@ -102,11 +114,14 @@ impl StepLog {
             lora_rows: shape.lora_rows,
             rank_rows: shape.rank_rows,
             max_rank: shape.max_rank,
+            prefills: shape.prefills,
             decode_ctx,
             bgmv,
             assisted,
             elapsed_s: elapsed,
             gap_s: gap,
+            idle_s: idle,
+            after_idle: shape.after_idle,
         };
         self.write(&line);
     }
@@ -177,7 +192,17 @@ mod tests {
             s.add(3, true, Some(16));
             s.add(40, false, None);
             for i in 0..100 {
-                log.step(&s, 300 + i, i % 2 == 0, false, t0, 0.01, Some(2e-4));
+                s.after_idle = i == 0;
+                log.step(
+                    &s,
+                    300 + i,
+                    i % 2 == 0,
+                    false,
+                    t0,
+                    0.01,
+                    Some(2e-4),
+                    Some(0.5),
+                );
             }
             log.first(
                 t0,
@@ -195,10 +220,20 @@ mod tests {
                 rank_rows,
                 decode_ctx,
                 bgmv,
+                idle_s,
+                after_idle,
                 ..
             } => assert_eq!(
-                (*tokens, *decode, *rank_rows, *decode_ctx, *bgmv),
-                (43, 3, 48, 301, false)
+                (
+                    *tokens,
+                    *decode,
+                    *rank_rows,
+                    *decode_ctx,
+                    *bgmv,
+                    *idle_s,
+                    *after_idle
+                ),
+                (43, 3, 48, 301, false, Some(0.5), false)
             ),
             l => panic!("{l:?}"),
         }
@@ -212,6 +247,27 @@ mod tests {
                 assert!((planned - arrived - 0.005).abs() < 1e-6);
                 assert!((first_token - arrived - 0.05).abs() < 1e-6);
             }
+            l => panic!("{l:?}"),
+        }
+        assert!(matches!(
+            lines[0],
+            LogLine::Step {
+                after_idle: true,
+                ..
+            }
+        ));
+        // A line written before the after-idle flag existed reads as not after idle.
+        std::fs::write(
+            &p,
+            "{\"kind\":\"step\",\"t\":1.0,\"tokens\":4,\"decode\":4,\"lora_rows\":0,\
+             \"rank_rows\":0,\"max_rank\":0,\"decode_ctx\":9,\"bgmv\":false,\
+             \"assisted\":false,\"elapsed_s\":0.01,\"gap_s\":null}\n",
+        )
+        .unwrap();
+        match &read(&p).unwrap()[0] {
+            LogLine::Step {
+                idle_s, after_idle, ..
+            } => assert_eq!((*idle_s, *after_idle), (None, false)),
             l => panic!("{l:?}"),
         }
         std::fs::write(&p, "{\"kind\":\"nope\"}\n").unwrap();
