@@ -17,7 +17,7 @@ use std::collections::{HashMap, HashSet};
 
 use thaw_runtime::ids::{AdapterId, SeqId};
 
-use super::manager::MemoryManager;
+use super::manager::{MemoryManager, ReloadCost};
 use super::pool::PagePool;
 use crate::scheduler::{SchedConfig, SeqState};
 
@@ -64,6 +64,7 @@ pub enum EvictionOrder<'a> {
         order: &'a OnceCell<Vec<AdapterId>>,
         compute: &'a MemoryManager,
         wanted: &'a HashSet<AdapterId>,
+        reload: ReloadCost<'a>,
     },
 }
 
@@ -75,8 +76,9 @@ impl<'a> EvictionOrder<'a> {
                 order,
                 compute,
                 wanted,
+                reload,
             } => order
-                .get_or_init(|| compute.compute_order(wanted))
+                .get_or_init(|| compute.compute_order(wanted, reload))
                 .as_slice(),
         }
     }

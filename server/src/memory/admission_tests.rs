@@ -394,8 +394,6 @@ fn eviction_order_is_computed_only_when_a_victim_is_needed() {
             max_device_adapters: None,
             host_max_adapters: 16,
             host_max_bytes: 1 << 20,
-            link_bytes_per_sec: 1e6,
-            link_latency_secs: 0.0,
         },
         Arc::new(Board::default()),
     );
@@ -415,9 +413,10 @@ fn eviction_order_is_computed_only_when_a_victim_is_needed() {
     }
     let c = cfg(total, 256);
     let wanted = HashSet::new();
+    let reload = |_: crate::perf::Tier, bytes: u64| bytes as f64 * 1e-6;
     // 30 of 40 pages hold adapters: a 2-block request fits, a 12-block one must evict.
     let small = SeqState::new(SeqId(1), 4, 4);
-    let view = m.view(&wanted);
+    let view = m.view(&wanted, &reload);
     let plan = admit([&small], &[], 0, &c, view, &lim(16, 16));
     assert_eq!((plan.admit, plan.evict.len()), (vec![SeqId(1)], 0));
     assert!(
@@ -426,13 +425,13 @@ fn eviction_order_is_computed_only_when_a_victim_is_needed() {
     );
 
     let big = SeqState::new(SeqId(2), 44, 4);
-    let view = m.view(&wanted);
+    let view = m.view(&wanted, &reload);
     let lazy = admit([&big], &[], 0, &c, view, &lim(16, 16));
     assert!(m.order_computed());
     assert_eq!(lazy.admit, vec![SeqId(2)]);
     assert!(!lazy.evict.is_empty());
-    let order = m.compute_order(&wanted);
-    let states = m.view(&wanted).adapters.clone();
+    let order = m.compute_order(&wanted, &reload);
+    let states = m.view(&wanted, &reload).adapters.clone();
     let view = MemView {
         pool: m.pool(),
         adapters: &states,
@@ -441,6 +440,6 @@ fn eviction_order_is_computed_only_when_a_victim_is_needed() {
     let fixed = admit([&big], &[], 0, &c, view, &lim(16, 16));
     assert_eq!((lazy.admit, lazy.evict), (fixed.admit, fixed.evict));
     // A new view starts uncomputed.
-    let _ = m.view(&wanted);
+    let _ = m.view(&wanted, &reload);
     assert!(!m.order_computed());
 }
