@@ -365,7 +365,8 @@ impl<'a> Work<'a> {
             let Some(st) = self.view.adapters.get(&a).copied() else {
                 continue;
             };
-            if !st.in_host || self.on_device(a) {
+            // Not what this plan just dropped to make room: that would move it twice.
+            if !st.in_host || self.on_device(a) || self.evicted.contains(&a) {
                 continue;
             }
             if pool
