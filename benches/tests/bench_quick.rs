@@ -257,6 +257,7 @@ fn cache_quick_compares_the_eviction_policies() {
     for p in ["lru", "cost", "fixed-slots"] {
         assert!(table.contains(&format!("| {p} |")), "{table}");
     }
+    assert!(table.contains("| pooled P99 ms |"), "{table}");
     let runs: Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("cache.json")).unwrap()).unwrap();
     let runs = runs.as_array().unwrap();
@@ -264,6 +265,8 @@ fn cache_quick_compares_the_eviction_policies() {
     for r in runs {
         let s = &r["summary"];
         assert_eq!(s["sent"], 12);
+        // Every request's record is kept (the pooled P99 and the tail analysis read them).
+        assert_eq!(r["records"].as_array().map(Vec::len), Some(12), "{r}");
         assert_eq!(
             s["completed"].as_u64().unwrap() + s["failed"].as_u64().unwrap(),
             12

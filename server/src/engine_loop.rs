@@ -469,6 +469,7 @@ impl Loop {
                 done,
             }) => {
                 let id = meta.id;
+                self.observe_disk_read(meta.bytes, meta.disk_secs);
                 self.mem.register(meta, host);
                 if warm {
                     let plan = crate::memory::AdmitPlan {
@@ -544,6 +545,16 @@ impl Loop {
         );
     }
 
+    /// Folds a disk read of `bytes` that took `secs` into the performance model's disk rate
+    /// (the reload cost of a disk-tier adapter for eviction, admission waits and the planner).
+    fn observe_disk_read(&mut self, bytes: u64, secs: f64) {
+        if secs.is_finite() && secs > 0.0 {
+            self.cold
+                .cost
+                .observe_disk_load(bytes, Duration::from_secs_f64(secs));
+        }
+    }
+
     /// A disk read finished: into the host tier, or every waiting request for it fails with
     /// the reason.
     fn on_fetched(&mut self, id: AdapterId, r: FetchResult) {
@@ -551,8 +562,7 @@ impl Loop {
         match r {
             Ok((adapter, secs)) => {
                 self.metrics.adapter_load.observe(secs);
-                self.mem
-                    .note_disk_read(adapter.size_bytes_f32() as u64, secs);
+                self.observe_disk_read(adapter.size_bytes_f32() as u64, secs);
                 self.mem.on_fetched(id, Some(adapter), &wanted);
             }
             Err(msg) => {
@@ -654,8 +664,10 @@ impl Loop {
         let engine = &self.engine;
         self.mem.refresh_landed(|id| engine.adapter_landed(id));
         let wanted = self.wanted();
+        let cost = &self.cold.cost;
+        let reload = |tier: Tier, bytes: u64| cost.load_time_from(tier, bytes, 0);
         let plan = {
-            let view = self.mem.view(&wanted);
+            let view = self.mem.view(&wanted, &reload);
             admit(
                 self.sched.candidate_order(&self.state),
                 &self.state.running,

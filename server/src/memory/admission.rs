@@ -8,6 +8,12 @@
 //! uses) to make room, so the adapter cache shrinks before any request waits for KV. A request
 //! whose adapter is only on disk waits while the loader fetches it. Nothing is refused here.
 //!
+//! Prefetch (Chameleon §4, after S-LoRA): every waiting request in view (the head and
+//! [`BYPASS_LOOKAHEAD`] behind it) has its disk-only adapter read at once, whatever makes it
+//! wait — a full batch too, since a read takes no device memory; and while the head waits for
+//! its read or a place in the batch (not for memory), the host copies of those behind it are
+//! loaded into pages the head does not need.
+//!
 //! Requests behind a blocked head may bypass it (Chameleon §4, "Bypassing Adapter Blocking"),
 //! but never so as to delay it: while the head waits for memory, a bypasser must be predicted to
 //! finish within the head's predicted wait (steps until running requests free enough for it);
@@ -17,7 +23,7 @@ use std::collections::{HashMap, HashSet};
 
 use thaw_runtime::ids::{AdapterId, SeqId};
 
-use super::manager::MemoryManager;
+use super::manager::{MemoryManager, ReloadCost};
 use super::pool::PagePool;
 use crate::scheduler::{SchedConfig, SeqState};
 
@@ -64,6 +70,7 @@ pub enum EvictionOrder<'a> {
         order: &'a OnceCell<Vec<AdapterId>>,
         compute: &'a MemoryManager,
         wanted: &'a HashSet<AdapterId>,
+        reload: ReloadCost<'a>,
     },
 }
 
@@ -75,8 +82,9 @@ impl<'a> EvictionOrder<'a> {
                 order,
                 compute,
                 wanted,
+                reload,
             } => order
-                .get_or_init(|| compute.compute_order(wanted))
+                .get_or_init(|| compute.compute_order(wanted, reload))
                 .as_slice(),
         }
     }
@@ -174,7 +182,11 @@ struct Need {
 
 #[derive(Copy, Clone, PartialEq, Eq)]
 enum Block {
+    /// The batch is full: `--max-num-seqs` requests or `--max-loras` distinct adapters.
+    Batch,
+    /// Not enough device memory for its KV and adapter, even evicting every idle adapter.
     Memory,
+    /// Its adapter is only on disk.
     Fetch,
 }
 
@@ -216,17 +228,32 @@ impl<'a> Work<'a> {
         self.view.adapters.get(&a).map_or(0, |s| s.pages)
     }
 
+    /// Whether `a` is only on disk, neither on the device nor in the host tier.
+    fn on_disk_only(&self, a: AdapterId) -> bool {
+        self.view
+            .adapters
+            .get(&a)
+            .is_some_and(|st| !st.in_host && !self.on_device(a))
+    }
+
     /// What `s` needs now, or why it must wait; `fetched` counts as in the host tier.
     fn need(&self, s: &SeqState, lim: &Limits, fetched: Option<AdapterId>) -> Result<Need, Block> {
         if self.seqs >= lim.max_num_seqs {
-            return Err(Block::Memory);
+            return Err(Block::Batch);
         }
+        if let Some(a) = s.adapter {
+            if !self.users.contains_key(&a) && self.users.len() >= lim.max_loras {
+                return Err(Block::Batch);
+            }
+        }
+        self.need_memory(s, fetched)
+    }
+
+    /// What `s` needs in device memory alone (batch limits aside), or why it must wait.
+    fn need_memory(&self, s: &SeqState, fetched: Option<AdapterId>) -> Result<Need, Block> {
         let r = s.reservation(self.cfg);
         let mut load = None;
         if let Some(a) = s.adapter {
-            if !self.users.contains_key(&a) && self.users.len() >= lim.max_loras {
-                return Err(Block::Memory);
-            }
             match self.view.adapters.get(&a) {
                 // Unknown to the memory manager: the engine refuses it with a clear error.
                 None => {}
@@ -331,20 +358,15 @@ impl<'a> Work<'a> {
 
     /// Loads adapters of waiting requests into pages nobody uses, evicting nothing, never so
     /// that a head waiting for its fetch stops fitting.
-    fn prefetch(
-        &mut self,
-        rest: &[&SeqState],
-        head: Option<&SeqState>,
-        plan: &mut AdmitPlan,
-        lim: &Limits,
-    ) {
+    fn prefetch(&mut self, rest: &[&SeqState], head: Option<&SeqState>, plan: &mut AdmitPlan) {
         let pool = self.view.pool;
         for s in head.iter().chain(rest) {
             let Some(a) = s.adapter else { continue };
             let Some(st) = self.view.adapters.get(&a).copied() else {
                 continue;
             };
-            if !st.in_host || self.on_device(a) {
+            // Not what this plan just dropped to make room: that would move it twice.
+            if !st.in_host || self.on_device(a) || self.evicted.contains(&a) {
                 continue;
             }
             if pool
@@ -358,9 +380,13 @@ impl<'a> Work<'a> {
             probe.adapter_pages += st.pages;
             probe.count += 1;
             probe.loaded.insert(a);
+            // The head must still fit, evicting nothing, once what it waits for (its fetch, a
+            // place in the batch) is there: prefetches take only pages it does not need, so
+            // none is loaded only to be evicted when the head's turn comes.
             if let Some(h) = head.filter(|h| h.id != s.id) {
-                if probe.need(h, lim, h.adapter).is_err() {
-                    continue;
+                match probe.need_memory(h, h.adapter) {
+                    Ok(n) if n.evict.is_empty() => {}
+                    _ => continue,
                 }
             }
             *self = probe;
@@ -382,7 +408,7 @@ pub fn admit<'a>(
     let mut w = Work::new(view, cfg, running, reserved_kv);
     let mut plan = AdmitPlan::default();
     let mut admitted: Vec<&SeqState> = Vec::new();
-    let mut head: Option<(&SeqState, Option<usize>)> = None;
+    let mut head: Option<(&SeqState, Option<usize>, Block)> = None;
     let mut behind = 0;
     let mut fetch_seen = HashSet::new();
     let mut rest: Vec<&SeqState> = Vec::new();
@@ -393,14 +419,17 @@ pub fn admit<'a>(
                 break;
             }
         }
-        let need = w.need(s, lim, None);
-        if let (Err(Block::Fetch), Some(a)) = (&need, s.adapter) {
+        // Every waiting request in view whose adapter is only on disk has it read now, however
+        // it waits (a full batch included): the read uses no device memory, and a request
+        // that waited for a place in the batch would otherwise start its read only then
+        // (Chameleon's and S-LoRA's prefetch of queued requests' adapters).
+        if let Some(a) = s.adapter.filter(|a| w.on_disk_only(*a)) {
             if fetch_seen.insert(a) {
                 plan.fetch.push(a);
             }
         }
-        let Some((h, bound)) = head else {
-            match need {
+        let Some((h, bound, _)) = head else {
+            match w.need(s, lim, None) {
                 Ok(n) => {
                     w.commit(s, n, &mut plan);
                     admitted.push(s);
@@ -408,25 +437,27 @@ pub fn admit<'a>(
                 Err(why) => {
                     let bound = match why {
                         Block::Fetch => None,
-                        Block::Memory => {
+                        Block::Memory | Block::Batch => {
                             let run: Vec<&SeqState> =
                                 running.iter().chain(admitted.iter().copied()).collect();
                             Some(w.head_wait(s, &run, lim).unwrap_or(0))
                         }
                     };
-                    head = Some((s, bound));
+                    head = Some((s, bound, why));
                     plan.head = Some(HeadWait {
                         seq: s.id,
                         bound_steps: bound,
                     });
-                    if !lim.bypass {
-                        break;
-                    }
                 }
             }
             continue;
         };
-        let Ok(n) = need else {
+        if !lim.bypass {
+            // Looked at for its adapter's read only.
+            rest.push(s);
+            continue;
+        }
+        let Ok(n) = w.need(s, lim, None) else {
             rest.push(s);
             continue;
         };
@@ -448,13 +479,15 @@ pub fn admit<'a>(
         }
     }
     if lim.prefetch {
-        // While the head waits for memory, only its own adapter: the free pages are its.
-        let others: &[&SeqState] = if matches!(head, Some((_, Some(_)))) {
+        // While the head waits for memory, only its own adapter: the free pages are its. While
+        // it waits for its fetch or a place in the batch, the pages it will not need may hold
+        // the adapters of those behind it, so they are on the device when their turn comes.
+        let others: &[&SeqState] = if matches!(head, Some((_, _, Block::Memory))) {
             &[]
         } else {
             &rest
         };
-        w.prefetch(others, head.map(|(h, _)| h), &mut plan, lim);
+        w.prefetch(others, head.map(|(h, _, _)| h), &mut plan);
     }
     plan.kv_capacity = view.pool.kv_capacity_with(w.adapter_pages);
     plan

@@ -281,6 +281,52 @@ fn max_loras_caps_distinct_adapters_per_batch() {
     assert!(sim.run(&[], true).is_ok());
 }
 
+/// A full batch (here `--max-loras 1`) does not hold back the adapters of those waiting: the
+/// disk ones are read and the host ones loaded into free pages, so each is on the device when
+/// a place opens. Chameleon's and S-LoRA's prefetch of queued requests' adapters; before,
+/// a request blocked by the batch limits started its disk read only once admissible.
+#[test]
+fn a_full_batch_still_reads_and_prefetches_queued_adapters() {
+    let c = cfg(100, 64);
+    let mut pool = PagePool::new(1, 100, Layout::Unified { max_adapters: None });
+    let st = |pages, device, in_host| AdapterState {
+        pages,
+        device,
+        in_host,
+    };
+    let mut adapters = HashMap::new();
+    adapters.insert(AdapterId(0), st(4, Device::Resident, true));
+    pool.insert(AdapterId(0), 4, 0).unwrap();
+    adapters.insert(AdapterId(1), st(4, Device::Absent, false));
+    adapters.insert(AdapterId(2), st(4, Device::Absent, true));
+    adapters.insert(AdapterId(3), st(4, Device::Absent, false));
+    let running = vec![SeqState {
+        adapter: Some(AdapterId(0)),
+        ..SeqState::new(SeqId(9), 4, 4)
+    }];
+    let reserved = running[0].reservation(&c);
+    let waiting: Vec<SeqState> = [1u32, 2, 3, 1]
+        .iter()
+        .enumerate()
+        .map(|(i, a)| SeqState {
+            adapter: Some(AdapterId(*a)),
+            ..SeqState::new(SeqId(i as u64), 4, 4)
+        })
+        .collect();
+    let order = [AdapterId(0)];
+    let view = MemView {
+        pool: &pool,
+        adapters: &adapters,
+        eviction_order: EvictionOrder::Fixed(&order),
+    };
+    let plan = admit(&waiting, &running, reserved, &c, view, &lim(1, 8));
+    assert!(plan.admit.is_empty(), "one adapter per batch: all wait");
+    assert_eq!(plan.head.map(|h| h.seq), Some(SeqId(0)));
+    assert_eq!(plan.fetch, vec![AdapterId(1), AdapterId(3)]);
+    assert_eq!(plan.prefetch, vec![AdapterId(2)]);
+    assert!(plan.evict.is_empty());
+}
+
 proptest! {
     /// Idle adapters never make a request wait for KV: however full the cache, a request that
     /// fits beside the leased adapters is admitted, evicting idle ones.
@@ -363,6 +409,79 @@ proptest! {
     }
 }
 
+proptest! {
+    /// Whatever makes the waiting requests wait (full batch, memory, their own reads), every
+    /// adapter of theirs that is only on disk is read this step, once, and nothing else is;
+    /// prefetches only fill free pages (nothing evicted for them, nothing over-committed).
+    #[test]
+    fn every_queued_disk_adapter_is_read_whatever_blocks_it(
+        tiers in proptest::collection::vec((1usize..8, 0u8..3), 1..10),
+        running in proptest::collection::vec((1usize..20, 0u32..10), 0..6),
+        waiting in proptest::collection::vec((1usize..40, 1usize..12, proptest::option::of(0u32..10)), 1..20),
+        total in 16usize..80,
+        max_loras in 1usize..4,
+        max_seqs in 1usize..8,
+        bypass in any::<bool>(),
+    ) {
+        let c = cfg(total, 64);
+        let mut pool = PagePool::new(1, total, Layout::Unified { max_adapters: None });
+        let mut adapters = HashMap::new();
+        let mut order = Vec::new();
+        for (i, &(pages, tier)) in tiers.iter().enumerate() {
+            let a = AdapterId(i as u32);
+            // 0: disk, 1: host, 2: device (if it fits; a device adapter keeps its host copy).
+            let device = tier == 2 && pool.insert(a, pages, 0).is_ok();
+            if device {
+                order.push(a);
+            }
+            adapters.insert(a, AdapterState {
+                pages,
+                device: if device { Device::Resident } else { Device::Absent },
+                in_host: tier >= 1,
+            });
+        }
+        let n = tiers.len() as u32;
+        // Running requests use device adapters only, within the pool's room.
+        let mut reserved = 0;
+        let mut run = Vec::new();
+        for (i, &(prompt, a)) in running.iter().enumerate() {
+            let a = AdapterId(a % n);
+            let s = SeqState { adapter: Some(a), ..SeqState::new(SeqId(1000 + i as u64), prompt, 4) };
+            let r = s.reservation(&c);
+            if pool.contains(a) && pool.fits_with(0, reserved + r, pool.adapter_pages(), pool.adapter_count()).is_ok() {
+                reserved += r;
+                run.push(s);
+            }
+        }
+        let wait: Vec<SeqState> = waiting.iter().enumerate().map(|(i, &(p, m, a))| SeqState {
+            adapter: a.map(|a| AdapterId(a % n)),
+            ..SeqState::new(SeqId(i as u64), p, m)
+        }).collect();
+        let view = MemView { pool: &pool, adapters: &adapters, eviction_order: EvictionOrder::Fixed(&order) };
+        let l = Limits { bypass, ..lim(max_loras, max_seqs) };
+        let plan = admit(&wait, &run, reserved, &c, view, &l);
+        let mut want = Vec::new();
+        for a in wait.iter().filter_map(|s| s.adapter) {
+            let st = adapters[&a];
+            if !st.in_host && st.device == Device::Absent && !want.contains(&a) {
+                want.push(a);
+            }
+        }
+        prop_assert_eq!(&plan.fetch, &want);
+        let mut after = pool.clone();
+        for v in &plan.evict {
+            prop_assert!(after.remove(*v).is_some());
+        }
+        let evicted_for_prefetch = plan.prefetch.iter().any(|a| plan.evict.contains(a));
+        prop_assert!(!evicted_for_prefetch);
+        for a in plan.load.iter().chain(&plan.prefetch) {
+            prop_assert!(adapters[a].in_host);
+            let r = after.insert(*a, adapters[a].pages, reserved);
+            prop_assert!(r.is_ok(), "planned load does not fit: {:?}", r);
+        }
+    }
+}
+
 #[test]
 fn predicted_steps_counts_prefill_chunks_and_decode() {
     let c = cfg(10, 8);
@@ -394,8 +513,6 @@ fn eviction_order_is_computed_only_when_a_victim_is_needed() {
             max_device_adapters: None,
             host_max_adapters: 16,
             host_max_bytes: 1 << 20,
-            link_bytes_per_sec: 1e6,
-            link_latency_secs: 0.0,
         },
         Arc::new(Board::default()),
     );
@@ -415,9 +532,10 @@ fn eviction_order_is_computed_only_when_a_victim_is_needed() {
     }
     let c = cfg(total, 256);
     let wanted = HashSet::new();
+    let reload = |_: crate::perf::Tier, bytes: u64| bytes as f64 * 1e-6;
     // 30 of 40 pages hold adapters: a 2-block request fits, a 12-block one must evict.
     let small = SeqState::new(SeqId(1), 4, 4);
-    let view = m.view(&wanted);
+    let view = m.view(&wanted, &reload);
     let plan = admit([&small], &[], 0, &c, view, &lim(16, 16));
     assert_eq!((plan.admit, plan.evict.len()), (vec![SeqId(1)], 0));
     assert!(
@@ -426,13 +544,13 @@ fn eviction_order_is_computed_only_when_a_victim_is_needed() {
     );
 
     let big = SeqState::new(SeqId(2), 44, 4);
-    let view = m.view(&wanted);
+    let view = m.view(&wanted, &reload);
     let lazy = admit([&big], &[], 0, &c, view, &lim(16, 16));
     assert!(m.order_computed());
     assert_eq!(lazy.admit, vec![SeqId(2)]);
     assert!(!lazy.evict.is_empty());
-    let order = m.compute_order(&wanted);
-    let states = m.view(&wanted).adapters.clone();
+    let order = m.compute_order(&wanted, &reload);
+    let states = m.view(&wanted, &reload).adapters.clone();
     let view = MemView {
         pool: m.pool(),
         adapters: &states,
@@ -441,6 +559,6 @@ fn eviction_order_is_computed_only_when_a_victim_is_needed() {
     let fixed = admit([&big], &[], 0, &c, view, &lim(16, 16));
     assert_eq!((lazy.admit, lazy.evict), (fixed.admit, fixed.evict));
     // A new view starts uncomputed.
-    let _ = m.view(&wanted);
+    let _ = m.view(&wanted, &reload);
     assert!(!m.order_computed());
 }

@@ -12,10 +12,16 @@ use thaw_runtime::adapter::LoraAdapter;
 use thaw_runtime::ids::AdapterId;
 
 use super::admission::{AdapterState, Device, EvictionOrder, MemView};
-use super::board::{Board, Residence, Tier};
+use super::board::{Board, Residence, Tier as Placed};
 use super::eviction::{order, Candidate, Decayed, EvictionPolicy};
 use super::pool::{Layout, PagePool, PoolError};
 use super::tiers::{Place, TierIndex};
+use crate::perf::Tier;
+
+/// Seconds to bring an adapter of `bytes` from a tier to the device: the one performance
+/// model's [`crate::perf::PerfModel::load_time_from`] (link rate and latency, disk rate), so
+/// the eviction score's reload cost is what the planner and the scheduler predict too.
+pub type ReloadCost<'a> = &'a dyn Fn(Tier, u64) -> f64;
 
 /// Sizes and policy.
 #[derive(Clone, Debug)]
@@ -32,10 +38,6 @@ pub struct MemoryConfig {
     /// `--max-cpu-loras` and `--max-cpu-lora-bytes`: the host tier (adapters not on device).
     pub host_max_adapters: usize,
     pub host_max_bytes: u64,
-    /// Host → device bandwidth in bytes per second (the reload cost of a host-tier adapter).
-    pub link_bytes_per_sec: f64,
-    /// Latency of one link transfer (an adapter moves one per layer), seconds.
-    pub link_latency_secs: f64,
 }
 
 /// What the registry tells the manager about a new adapter.
@@ -47,7 +49,8 @@ pub struct AdapterMeta {
     pub root: Option<PathBuf>,
     pub bytes: u64,
     pub num_layers: usize,
-    /// Seconds its last disk read and validation took.
+    /// Seconds its last disk read and validation took (the engine loop folds it into the
+    /// performance model's disk rate).
     pub disk_secs: f64,
 }
 
@@ -83,8 +86,6 @@ pub struct MemoryManager {
     order: OnceCell<Vec<AdapterId>>,
     /// Adapters by tier, so per-step work is O(device + host), not O(registered).
     tiers: TierIndex,
-    /// Disk reads so far (bytes, seconds): the disk's rate, for reload costs.
-    disk_read: (f64, f64),
     origin: Instant,
     board: Arc<Board>,
 }
@@ -112,7 +113,6 @@ impl MemoryManager {
             states: HashMap::new(),
             order: OnceCell::new(),
             tiers: TierIndex::default(),
-            disk_read: (0.0, 0.0),
             origin: Instant::now(),
             board,
         }
@@ -166,7 +166,6 @@ impl MemoryManager {
     /// has room, so a first request need not read the disk again).
     pub fn register(&mut self, meta: AdapterMeta, host: Option<Arc<LoraAdapter>>) {
         let id = meta.id;
-        self.note_disk_read(meta.bytes, meta.disk_secs);
         self.pool.note_adapter(meta.bytes);
         let state = AdapterState {
             pages: self.pool.pages_for(meta.bytes),
@@ -237,30 +236,14 @@ impl MemoryManager {
         }
     }
 
-    /// A disk read of `bytes` took `secs` (start-up loads and the loader's reads).
-    pub fn note_disk_read(&mut self, bytes: u64, secs: f64) {
-        if secs.is_finite() && secs > 0.0 {
-            self.disk_read.0 += bytes as f64;
-            self.disk_read.1 += secs;
-        }
-    }
-
-    /// Seconds a disk read of `bytes` is expected to take: at the rate of all reads so far,
-    /// not the adapter's own first read (one sample, often taken while the machine was busy
-    /// starting up). So the eviction score's size term stays the adapter's size in time, as
-    /// Chameleon means it, instead of the noise of one measurement.
-    pub fn disk_secs(&self, bytes: u64) -> f64 {
-        let (b, t) = self.disk_read;
-        if b > 0.0 && t > 0.0 {
-            bytes as f64 * t / b
-        } else {
-            0.0
-        }
-    }
-
-    /// This step's view for admission; `wanted` are adapters of queued requests. The eviction
-    /// order is left to be computed on first use.
-    pub fn view<'a>(&'a mut self, wanted: &'a HashSet<AdapterId>) -> MemView<'a> {
+    /// This step's view for admission; `wanted` are adapters of queued requests, `reload` the
+    /// performance model's load time per tier. The eviction order is left to be computed on
+    /// first use.
+    pub fn view<'a>(
+        &'a mut self,
+        wanted: &'a HashSet<AdapterId>,
+        reload: ReloadCost<'a>,
+    ) -> MemView<'a> {
         self.order = OnceCell::new();
         let me: &'a Self = self;
         MemView {
@@ -270,6 +253,7 @@ impl MemoryManager {
                 order: &me.order,
                 compute: me,
                 wanted,
+                reload,
             },
         }
     }
@@ -283,11 +267,13 @@ impl MemoryManager {
     /// The eviction policy's order over the device-resident adapters, most evictable first.
     /// O(d log d) in the adapters on the device, which is every registered one once they all
     /// fit; hence computed only when admission needs a victim.
-    pub(super) fn compute_order(&self, wanted: &HashSet<AdapterId>) -> Vec<AdapterId> {
-        let link = self.cfg.link_bytes_per_sec.max(1.0);
+    pub(super) fn compute_order(
+        &self,
+        wanted: &HashSet<AdapterId>,
+        reload: ReloadCost<'_>,
+    ) -> Vec<AdapterId> {
         let now = self.now();
         let (hn, hb) = self.host_usage();
-        let disk = |bytes: u64| self.disk_secs(bytes);
         let host_room =
             |bytes: u64| hn < self.cfg.host_max_adapters && hb + bytes <= self.cfg.host_max_bytes;
         let cands: Vec<Candidate<AdapterId>> = self
@@ -301,13 +287,14 @@ impl MemoryManager {
                 last_used: e.last_used,
                 // Evicting keeps the host copy when the host tier has room; count a reload
                 // from disk otherwise.
-                reload_secs: e.meta.bytes as f64 / link
-                    + e.meta.num_layers as f64 * self.cfg.link_latency_secs.max(0.0)
-                    + if host_room(e.meta.bytes) {
-                        0.0
+                reload_secs: reload(
+                    if host_room(e.meta.bytes) {
+                        Tier::Host
                     } else {
-                        disk(e.meta.bytes)
+                        Tier::Disk
                     },
+                    e.meta.bytes,
+                ),
                 pages: self.pool.pages_for(e.meta.bytes),
                 queued: wanted.contains(&e.meta.id),
             })
@@ -378,7 +365,7 @@ impl MemoryManager {
                 self.board.set(
                     id,
                     Residence {
-                        tier: Tier::Device,
+                        tier: Placed::Device,
                         landed_layers: l,
                     },
                 );
@@ -463,16 +450,16 @@ impl MemoryManager {
             return;
         };
         let tier = match (e.state.device, &e.host) {
-            (Device::Absent, Some(_)) => Tier::Host,
-            (Device::Absent, None) => Tier::Disk,
-            _ => Tier::Device,
+            (Device::Absent, Some(_)) => Placed::Host,
+            (Device::Absent, None) => Placed::Disk,
+            _ => Placed::Device,
         };
         let landed_layers = match e.state.device {
             Device::Resident => e.meta.num_layers,
             _ => self
                 .board
                 .residence(id)
-                .filter(|r| r.tier == Tier::Device && e.state.device == Device::Loading)
+                .filter(|r| r.tier == Placed::Device && e.state.device == Device::Loading)
                 .map_or(0, |r| r.landed_layers),
         };
         self.board.set(
@@ -514,8 +501,6 @@ mod tests {
                 max_device_adapters: None,
                 host_max_adapters: 1,
                 host_max_bytes: 1 << 20,
-                link_bytes_per_sec: 1e6,
-                link_latency_secs: 0.0,
             },
             Arc::new(Board::default()),
         )
@@ -532,17 +517,38 @@ mod tests {
         }
     }
 
+    /// The eviction score's reload cost is the performance model's load time from the tier the
+    /// adapter would fall back to (host when the host tier has room for it, else disk), asked
+    /// of the model the caller passes, not of a rate the manager keeps.
     #[test]
-    fn disk_cost_follows_size_not_one_noisy_read() {
-        let mut m = mgr();
-        // The small adapter's start-up read was slow (a busy machine), the large one's fast.
-        m.register(meta(1, 1_000, 0.050), None);
-        m.register(meta(2, 64_000, 0.001), None);
-        let (small, large) = (m.disk_secs(1_000), m.disk_secs(64_000));
-        assert!(large > small, "{small} {large}");
-        assert!((large / small - 64.0).abs() < 1e-9);
-        // The rate is every read's bytes over their seconds.
-        assert!((m.disk_secs(65_000) - 0.051).abs() < 1e-12);
+    fn reload_cost_comes_from_the_model_per_tier() {
+        use crate::perf::Tier as From;
+        let mut m = MemoryManager::new(
+            MemoryConfig {
+                host_max_adapters: 4,
+                host_max_bytes: 2_500,
+                ..mgr().cfg
+            },
+            Arc::new(Board::default()),
+        );
+        // Both take 3 pages; 1 would fit the host tier once evicted, 2 would not.
+        m.register(meta(1, 2_100, 0.001), None);
+        m.register(meta(2, 2_900, 0.001), None);
+        for id in [1, 2] {
+            m.on_registered(AdapterId(id), 0, false).unwrap();
+        }
+        let wanted = HashSet::new();
+        let disk_dear = |tier: From, _: u64| if tier == From::Disk { 1.0 } else { 1e-3 };
+        let host_dear = |tier: From, _: u64| if tier == From::Host { 1.0 } else { 1e-3 };
+        // 2 is the more recent, so only the reload cost can put it first.
+        assert_eq!(
+            m.compute_order(&wanted, &disk_dear),
+            vec![AdapterId(1), AdapterId(2)]
+        );
+        assert_eq!(
+            m.compute_order(&wanted, &host_dear),
+            vec![AdapterId(2), AdapterId(1)]
+        );
     }
 
     #[test]

@@ -36,7 +36,7 @@ pub use admission::{
 };
 pub use board::{Board, MemorySnapshot, Residence, Tier};
 pub use eviction::EvictionPolicy;
-pub use manager::{AdapterMeta, MemoryConfig, MemoryManager};
+pub use manager::{AdapterMeta, MemoryConfig, MemoryManager, ReloadCost};
 pub use pool::{Layout, PagePool};
 
 /// What the registry tells the memory manager.

@@ -21,7 +21,8 @@ pub fn snapshot(state: &AppState, max_cpu_loras: usize) -> Option<CostSnapshot> 
     let views = state.registry.views();
     let (bytes_per_rank, disk) =
         adapter_costs(views.iter().map(|a| (a.size_bytes, a.rank, a.load_secs)));
-    // The registry times the disk reads; the engine's model has no other source for them.
+    // The registry's mean over every read since start-up (the engine's model follows recent
+    // reads, weighted by its smoothing factor).
     if let Some(d) = disk {
         perf.disk_bytes_per_s = d;
     }

@@ -180,8 +180,6 @@ impl Server {
                     max_device_adapters: engine.pool().map(|_| cold_cfg.max_cpu_loras),
                     host_max_adapters: cold_cfg.max_cpu_loras,
                     host_max_bytes: cold_cfg.max_cpu_lora_bytes,
-                    link_bytes_per_sec: link.gbps * 1e9,
-                    link_latency_secs: link.latency_us * 1e-6,
                 };
                 let limits = Limits {
                     max_loras: cold_cfg.max_loras,
