@@ -79,7 +79,11 @@ pub fn tune_allocator() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     for (var, param, ours) in [
         ("MALLOC_ARENA_MAX", libc::M_ARENA_MAX, ARENA_MAX),
-        ("MALLOC_MMAP_THRESHOLD_", libc::M_MMAP_THRESHOLD, MMAP_THRESHOLD),
+        (
+            "MALLOC_MMAP_THRESHOLD_",
+            libc::M_MMAP_THRESHOLD,
+            MMAP_THRESHOLD,
+        ),
     ] {
         if let Some(value) = tunable(std::env::var(var).ok().as_deref(), ours) {
             // SAFETY: mallopt only sets a glibc tunable under glibc's own lock and takes no
