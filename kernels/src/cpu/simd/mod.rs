@@ -232,6 +232,24 @@ fn gemv_q8_portable(
 
 /// Checks [`gemv_q8`]'s arguments; returns (blocks per row, activation rows) and zeroes
 /// `out` when rows are empty.
+/// Blocks in each of the `n` weight rows packed in `w` (whole blocks of `format`, one that
+/// [`q8_dot_supported`]); panics naming `what` otherwise.
+fn blocks_per_row(format: WeightFormat, w: &[u8], n: usize, what: &str) -> usize {
+    assert!(
+        q8_dot_supported(format),
+        "{what}: {} weights",
+        format.name()
+    );
+    let bb = format.block_bytes();
+    let kb = (w.len() / bb).checked_div(n).unwrap_or(0);
+    assert_eq!(
+        w.len(),
+        n * kb * bb,
+        "{what}: w is not {n} rows of whole blocks"
+    );
+    kb
+}
+
 fn gemv_q8_shape(
     format: WeightFormat,
     w: &[u8],
@@ -240,18 +258,7 @@ fn gemv_q8_shape(
     out: &mut [f32],
     ldo: usize,
 ) -> (usize, usize) {
-    assert!(
-        q8_dot_supported(format),
-        "gemv_q8: {} weights",
-        format.name()
-    );
-    let bb = format.block_bytes();
-    let kb = (w.len() / bb).checked_div(n).unwrap_or(0);
-    assert_eq!(
-        w.len(),
-        n * kb * bb,
-        "gemv_q8: w is not {n} rows of whole blocks"
-    );
+    let kb = blocks_per_row(format, w, n, "gemv_q8");
     let m = x.len().checked_div(kb).unwrap_or(0);
     assert_eq!(x.len(), m * kb, "gemv_q8: x is not [{m}, {kb}] blocks");
     assert!(
@@ -280,18 +287,7 @@ pub fn gemv_quant_f32(
     out: &mut [f32],
     ldo: usize,
 ) {
-    assert!(
-        q8_dot_supported(format),
-        "gemv_quant_f32: {} weights",
-        format.name()
-    );
-    let bb = format.block_bytes();
-    let kb = (w.len() / bb).checked_div(n).unwrap_or(0);
-    assert_eq!(
-        w.len(),
-        n * kb * bb,
-        "gemv_quant_f32: w is not {n} rows of whole blocks"
-    );
+    let kb = blocks_per_row(format, w, n, "gemv_quant_f32");
     let k = kb * Q8_BLOCK;
     let m = x.len().checked_div(k).unwrap_or(0);
     assert_eq!(x.len(), m * k, "gemv_quant_f32: x is not [{m}, {k}]");
