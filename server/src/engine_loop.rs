@@ -298,6 +298,10 @@ struct Loop {
 /// capacity must not silently shrink).
 const WORKER_CHECK: Duration = Duration::from_millis(250);
 
+/// Entries the per-request maps and queues keep when the server goes idle (see
+/// `Loop::shrink_idle`); a burst up to `--max-queued-requests` grows them past it.
+const IDLE_CAPACITY: usize = 64;
+
 const SHUTDOWN_MSG: &str =
     "the server shut down before this request finished (--shutdown-timeout elapsed)";
 
@@ -395,6 +399,7 @@ impl Loop {
             self.publish();
             if self.state.is_idle() {
                 self.last_step_end = None;
+                self.shrink_idle();
                 // While adapters stream in, wake up now and then to publish their landed
                 // layers; otherwise sleep until a command arrives.
                 let streaming = !self
@@ -456,6 +461,16 @@ impl Loop {
             }
         }
         self.publish();
+    }
+
+    /// Returns the per-request maps' and queues' room to the allocator once nothing runs or
+    /// waits, keeping [`IDLE_CAPACITY`] entries; cheap when they are already that small.
+    fn shrink_idle(&mut self) {
+        if self.live.is_empty() {
+            self.live.shrink_to(IDLE_CAPACITY);
+        }
+        self.state.shrink_idle(IDLE_CAPACITY);
+        self.sched.shrink_idle(IDLE_CAPACITY);
     }
 
     /// Applies one command; false means exit.

@@ -230,6 +230,12 @@ impl Scheduler {
         &self.mlq
     }
 
+    /// Gives back the room a burst left in the per-request map once nothing is queued or
+    /// running (its capacity otherwise stays at the burst's peak for the process's life).
+    pub fn shrink_idle(&mut self, keep: usize) {
+        self.known.shrink_to(keep);
+    }
+
     /// Forgets a request that left without finishing.
     pub fn remove(&mut self, id: SeqId) {
         self.known.remove(&id);

@@ -81,6 +81,15 @@ pub struct SchedState {
 }
 
 impl SchedState {
+    /// Gives back the queues' room beyond `keep` entries when both are empty: a burst that
+    /// filled the bounded queue (`--max-queued-requests`) must not leave its peak resident.
+    pub fn shrink_idle(&mut self, keep: usize) {
+        if self.is_idle() {
+            self.waiting.shrink_to(keep);
+            self.running.shrink_to(keep);
+        }
+    }
+
     pub fn enqueue(&mut self, s: SeqState) {
         self.waiting.push_back(s);
     }
@@ -148,5 +157,27 @@ impl SchedState {
 
     pub fn is_idle(&self) -> bool {
         self.waiting.is_empty() && self.running.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn idle_shrink_gives_back_a_bursts_room_and_keeps_work() {
+        let mut st = SchedState::default();
+        for i in 0..1000 {
+            st.enqueue(SeqState::new(SeqId(i), 8, 4));
+        }
+        let peak = st.waiting.capacity();
+        // Not idle: nothing is dropped and the room stays.
+        st.shrink_idle(64);
+        assert_eq!(st.waiting.len(), 1000);
+        assert_eq!(st.waiting.capacity(), peak);
+        st.waiting.clear();
+        st.shrink_idle(64);
+        assert!(st.waiting.capacity() < 128, "{}", st.waiting.capacity());
+        assert!(peak >= 1000);
     }
 }
