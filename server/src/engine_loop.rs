@@ -681,6 +681,8 @@ impl Loop {
         let wanted = self.wanted();
         let cost = &self.cold.cost;
         let reload = |tier: Tier, bytes: u64| cost.load_time_from(tier, bytes, 0);
+        let kv_now = self.mem.pool().kv_capacity();
+        self.sched.protect(&self.state, &self.cfg, cost, kv_now);
         let plan = {
             let view = self.mem.view(&wanted, &reload);
             admit(

@@ -179,13 +179,13 @@ pub fn plan_mlq(
         }
     }
     let size = |s: &SeqState| mlq.entry(s.id).map_or(0, |e| e.size);
-    // The starvation bound: overdue requests first, oldest first; one that does not fit
-    // keeps the step for itself.
+    // The starvation bound and the protected request (`mlq_protect`): overdue requests
+    // first, oldest first; one that does not fit keeps the step for itself.
     let arrived = |s: &SeqState| mlq.entry(s.id).map_or(f64::INFINITY, |e| e.arrived_s);
     let mut overdue: Vec<&SeqState> = state
         .waiting
         .iter()
-        .filter(|s| inp.now_s - arrived(s) >= mlq.cfg.max_wait_s && inp.placeable(s))
+        .filter(|s| mlq.goes_first(s.id, inp.now_s) && inp.placeable(s))
         .collect();
     overdue.sort_by(|a, b| arrived(a).total_cmp(&arrived(b)));
     for s in overdue {

@@ -32,6 +32,9 @@ pub struct MlqConfig {
     /// An idle queue lends only its quota above its queueing-model minimum (see
     /// [`super::mlq`]).
     pub keep_min: bool,
+    /// Protect the oldest large request once it has waited its predicted drain time (see
+    /// [`super::mlq_protect`]).
+    pub protect: bool,
 }
 
 impl Default for MlqConfig {
@@ -47,6 +50,7 @@ impl Default for MlqConfig {
             max_wait_s: 30.0,
             max_bypass: 8,
             keep_min: false,
+            protect: true,
         }
     }
 }
@@ -92,6 +96,8 @@ pub struct Mlq {
     load: Vec<QueueLoad>,
     total_tokens: usize,
     fitted_at: Option<f64>,
+    /// The request [`super::mlq_protect`] protects this step.
+    protected: Option<SeqId>,
 }
 
 impl Mlq {
@@ -110,6 +116,7 @@ impl Mlq {
             load: Vec::new(),
             total_tokens,
             fitted_at: None,
+            protected: None,
         }
     }
 
@@ -260,13 +267,34 @@ impl Mlq {
         &self.scales
     }
 
+    /// Sets the request protected this step (see [`super::mlq_protect`]).
+    pub fn set_protected(&mut self, id: Option<SeqId>) {
+        self.protected = id;
+    }
+
+    /// The request protected this step.
+    pub fn protected(&self) -> Option<SeqId> {
+        self.protected
+    }
+
+    /// Whether waiting request `id` goes before every queue at `now_s`: past the starvation
+    /// bound, or protected.
+    pub fn goes_first(&self, id: SeqId, now_s: f64) -> bool {
+        self.protected == Some(id)
+            || self
+                .entries
+                .get(&id)
+                .is_some_and(|e| now_s - e.arrived_s >= self.cfg.max_wait_s)
+    }
+
     /// Where memory admission considers waiting request `id` at `now_s` (lower first; a
-    /// stable sort keeps arrival order within a rank): past the starvation bound first, then
-    /// by queue.
+    /// stable sort keeps arrival order within a rank): past the starvation bound or protected
+    /// first, then by queue.
     pub fn admission_rank(&self, id: SeqId, now_s: f64) -> usize {
-        match self.entries.get(&id) {
-            Some(e) if now_s - e.arrived_s >= self.cfg.max_wait_s => 0,
-            _ => 1 + self.queue(id),
+        if self.goes_first(id, now_s) {
+            0
+        } else {
+            1 + self.queue(id)
         }
     }
 

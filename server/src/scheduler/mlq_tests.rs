@@ -4,10 +4,12 @@ use proptest::prelude::*;
 use thaw_runtime::ids::SeqId;
 
 use super::mlq::{plan_mlq, MlqDecision, MlqInputs, TpotCap};
+use super::mlq_protect::{fit_steps, protected, Hold, Waiter};
 use super::mlq_state::{Mlq, MlqConfig};
 use super::mlq_wrs::RequestSize;
 use super::policy::Gate;
 use super::state::{SchedConfig, SchedState, SeqState};
+use crate::memory::admission::predicted_steps;
 use crate::perf::PerfModel;
 
 fn cfg() -> SchedConfig {
@@ -336,7 +338,59 @@ fn simulate(reqs: &[Req], cfg: SchedConfig, mc: MlqConfig) -> Result<(), TestCas
             later: &later,
             ..plain(cfg.total_blocks - used, t as f64, &blocked)
         };
+        // The P99 rule (`mlq_protect`): the oldest large request, due once it has waited the
+        // steps the running batch needs (at most its max tokens each) to free its reservation.
+        let protect = if mc.protect {
+            let waiters: Vec<Waiter> = st
+                .waiting
+                .iter()
+                .map(|s| Waiter {
+                    id: s.id,
+                    arrived_s: mlq.entry(s.id).unwrap().arrived_s,
+                    queue: mlq.queue(s.id),
+                })
+                .collect();
+            let holds: Vec<Hold> = st
+                .running
+                .iter()
+                .map(|s| Hold {
+                    steps: predicted_steps(s, &cfg),
+                    blocks: s.reservation(&cfg),
+                })
+                .collect();
+            let free = kv_capacity - st.reserved_blocks;
+            let need = |id: SeqId| {
+                st.waiting
+                    .iter()
+                    .find(|s| s.id == id)
+                    .unwrap()
+                    .reservation(&cfg)
+            };
+            protected(&waiters, t as f64, |id| {
+                fit_steps(free, &holds, need(id)).map_or(0.0, |n| n as f64)
+            })
+        } else {
+            None
+        };
+        mlq.set_protected(protect);
         let d = plan_mlq(&st, &cfg, &mlq, &inp);
+        if let Some(p) = protect {
+            let s = st.waiting.iter().find(|s| s.id == p).unwrap();
+            let oldest = st
+                .waiting
+                .iter()
+                .all(|w| mlq.entry(w.id).unwrap().arrived_s >= mlq.entry(p).unwrap().arrived_s);
+            prop_assert!(oldest && mlq.queue(p) > 0, "only the oldest large one");
+            // Placeable: it goes first, or nothing else is admitted past it.
+            if blocked(s).is_none() && !later(s) {
+                prop_assert!(
+                    d.admit_ids.first() == Some(&p)
+                        || (d.reserved_for == Some(p) && d.admit_ids.len() == d.overdue.len())
+                        || d.admit_ids.is_empty(),
+                    "the protected request was passed: {d:?}"
+                );
+            }
+        }
         let items = &d.decision.plan.items;
         prop_assert!(
             items.iter().map(|i| i.num_tokens).sum::<usize>() <= cfg.max_num_batched_tokens
@@ -437,6 +491,7 @@ proptest! {
         seqs in 1usize..8,
         max_wait in 5.0f64..50.0,
         max_bypass in 0usize..4,
+        protect in any::<bool>(),
     ) {
         let cfg = SchedConfig {
             max_num_seqs: seqs,
@@ -454,6 +509,7 @@ proptest! {
             refit_every_s: 15.0,
             max_wait_s: max_wait,
             max_bypass,
+            protect,
             weights: super::WrsWeights { max_input: 64, max_output: 64, ..Default::default() },
             ..Default::default()
         };

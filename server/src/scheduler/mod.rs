@@ -10,6 +10,7 @@
 mod mlq;
 mod mlq_kmeans;
 mod mlq_predict;
+mod mlq_protect;
 mod mlq_quota;
 mod mlq_room;
 mod mlq_state;
@@ -23,6 +24,7 @@ mod state;
 
 pub use mlq::{plan_mlq, MlqDecision, MlqInputs, TpotCap};
 pub use mlq_predict::{OutputPredictor, PredictorStats};
+pub use mlq_protect::{fit_steps, protected, Hold, Waiter};
 pub use mlq_state::{Entry, Mlq, MlqConfig};
 pub use mlq_wait::{predicted_wait_s, MemoryWait};
 pub use mlq_wrs::{RequestSize, WrsScales, WrsWeights};

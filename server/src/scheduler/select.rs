@@ -9,6 +9,7 @@ use thaw_runtime::ids::{AdapterId, SeqId};
 
 use super::mlq::{plan_mlq, MlqInputs, TpotCap};
 use super::mlq_predict::{OutputPredictor, PredictorStats};
+use super::mlq_protect::{fit_steps, protected, Hold, Waiter};
 use super::mlq_state::{Mlq, MlqConfig};
 use super::mlq_wait::{blocked_wait_s, MemoryWait};
 use super::mlq_wrs::RequestSize;
@@ -126,6 +127,73 @@ impl Scheduler {
                 state.enqueue(seq);
             }
         }
+    }
+
+    /// Under `mlq` (with [`MlqConfig::protect`]), picks the request to protect this step
+    /// (see [`super::mlq_protect`]): the oldest waiting request, when it is in a queue above
+    /// the fast lane and has waited the time the running batch is predicted to need to free
+    /// its KV reservation out of `kv_capacity` blocks (running requests finish after their
+    /// predicted output, one step per token, each step the perf model's time for the running
+    /// decode batch). Call once per step before [`Self::candidate_order`].
+    pub fn protect(
+        &mut self,
+        state: &SchedState,
+        cfg: &SchedConfig,
+        perf: &PerfModel,
+        kv_capacity: usize,
+    ) {
+        if self.policy != SchedulingPolicy::Mlq || !self.mlq.cfg.protect {
+            self.mlq.set_protected(None);
+            return;
+        }
+        let waiters: Vec<Waiter> = state
+            .waiting
+            .iter()
+            .filter_map(|s| {
+                self.mlq.entry(s.id).map(|e| Waiter {
+                    id: s.id,
+                    arrived_s: e.arrived_s,
+                    queue: self.mlq.queue(s.id),
+                })
+            })
+            .collect();
+        let mut running = StepShape::default();
+        let holds: Vec<Hold> = state
+            .running
+            .iter()
+            .map(|s| {
+                let rank = self.rank(s.id);
+                running.add(1, true, rank);
+                let predicted = self
+                    .known
+                    .get(&s.id)
+                    .map_or(s.max_new_tokens, |k| k.predicted);
+                let generated = s.total_tokens - s.prompt_len;
+                let prefill = (s.prompt_len - s.computed.min(s.prompt_len))
+                    .div_ceil(cfg.max_num_batched_tokens.max(1));
+                Hold {
+                    steps: prefill + predicted.saturating_sub(generated).max(1),
+                    blocks: s.reservation(cfg),
+                }
+            })
+            .collect();
+        let step_s = perf.predict(&running);
+        let free = kv_capacity.saturating_sub(state.reserved_blocks);
+        let now = self.now_s();
+        let need = |id: SeqId| {
+            state
+                .waiting
+                .iter()
+                .find(|s| s.id == id)
+                .map_or(0, |s| s.reservation(cfg))
+        };
+        let bound = |id: SeqId| match fit_steps(free, &holds, need(id)) {
+            Some(steps) => steps as f64 * step_s,
+            // Not even the whole batch finishing frees enough: it is due now.
+            None => 0.0,
+        };
+        let p = protected(&waiters, now, bound);
+        self.mlq.set_protected(p);
     }
 
     /// The waiting requests in the order adapter-aware admission should consider them:

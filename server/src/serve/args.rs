@@ -100,6 +100,9 @@ pub struct ServeArgs {
     /// With mlq: a request that has waited this long goes before every queue, for memory too (the starvation bound) [default: 30000].
     #[arg(long, value_name = "MS")]
     pub mlq_max_wait_ms: Option<f64>,
+    /// With mlq: the oldest request of a queue above the fast lane goes first once it has waited the running batch's predicted time to make room for it, and the smaller queues backfill around it (true/false) [default: true].
+    #[arg(long, value_name = "BOOL")]
+    pub mlq_protect: Option<bool>,
     /// Bandwidth of the emulated host→device link the CPU backend streams adapters over, GB/s [default: 25].
     #[arg(long, value_name = "GBPS")]
     pub emulated_link_gbps: Option<f64>,
@@ -258,6 +261,7 @@ impl ServeArgs {
                 .mlq_max_wait_ms
                 .or(f.mlq_max_wait_ms)
                 .unwrap_or(d.mlq_max_wait_ms),
+            mlq_protect: self.mlq_protect.or(f.mlq_protect).unwrap_or(d.mlq_protect),
             emulated_link_gbps: self
                 .emulated_link_gbps
                 .or(f.emulated_link_gbps)

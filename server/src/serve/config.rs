@@ -48,6 +48,8 @@ pub struct ServeConfig {
     pub tpot_slo_ms: Option<f64>,
     /// Milliseconds a request waits under mlq before it goes first (the starvation bound).
     pub mlq_max_wait_ms: f64,
+    /// Under mlq, protect the oldest large request (see `scheduler::mlq_protect`).
+    pub mlq_protect: bool,
     pub emulated_link_gbps: f64,
     pub emulated_link_latency_us: f64,
     pub lora_workers: usize,
@@ -93,6 +95,7 @@ impl Default for ServeConfig {
             scheduling_policy: crate::scheduler::SchedulingPolicy::Fcfs,
             tpot_slo_ms: None,
             mlq_max_wait_ms: 30_000.0,
+            mlq_protect: true,
             emulated_link_gbps: 25.0,
             emulated_link_latency_us: 10.0,
             lora_workers: default_lora_workers(),
@@ -147,6 +150,7 @@ pub struct FileConfig {
     pub scheduling_policy: Option<crate::scheduler::SchedulingPolicy>,
     pub tpot_slo_ms: Option<f64>,
     pub mlq_max_wait_ms: Option<f64>,
+    pub mlq_protect: Option<bool>,
     pub emulated_link_gbps: Option<f64>,
     pub emulated_link_latency_us: Option<f64>,
     pub lora_workers: Option<usize>,

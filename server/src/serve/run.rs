@@ -204,6 +204,7 @@ impl Server {
                                     ..Default::default()
                                 },
                                 max_wait_s: cold_cfg.mlq_max_wait_ms / 1e3,
+                                protect: cold_cfg.mlq_protect,
                                 ..Default::default()
                             },
                             tpot_slo_s: cold_cfg.tpot_slo_ms.map(|ms| ms / 1e3),
