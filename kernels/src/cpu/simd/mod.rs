@@ -24,6 +24,8 @@ mod portable;
 mod tests;
 #[cfg(target_arch = "x86_64")]
 mod x86;
+#[cfg(target_arch = "x86_64")]
+mod x86_512;
 
 use std::sync::atomic::{AtomicU8, Ordering};
 

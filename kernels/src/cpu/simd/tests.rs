@@ -494,3 +494,57 @@ fn dequantize_row_equals_scalar() {
     }
     assert!(!dequantize_row(WeightFormat::Q6_K, &[], &mut []));
 }
+
+/// The AVX-512 quantised kernels (used under the AVX2 level when the CPU has AVX-512F) equal
+/// the 8-lane AVX2 kernel bit for bit, for decode (one activation row: 4-row weight tiles and
+/// the remainder) and batches (1..=6 rows), and the row dequantiser equals the scalar one.
+#[cfg(target_arch = "x86_64")]
+fn avx512_equals_avx2(kb: usize, n: usize, seed: u64) {
+    let (Some(z), Some(y)) = (x86_512::Avx512::detect(), x86::Avx2::detect()) else {
+        eprintln!("no AVX-512F here: the AVX-512 kernels are not checked");
+        return;
+    };
+    let mut r = rng(seed);
+    let k = kb * 32;
+    let xs = rand_vec(&mut r, 6 * k, 2.0);
+    for f in Q8_FORMATS {
+        let w: Vec<u8> = (0..n)
+            .flat_map(|j| weight_row(f, kb, j % 2 == 0, seed ^ (70 + j as u64)))
+            .collect();
+        for m in 1..=6 {
+            let ldo = n + 1;
+            let mut want = vec![f32::NAN; m * ldo];
+            let mut got = vec![f32::NAN; m * ldo];
+            y.gemv_quant_f32_ymm(f, &w, n, kb, &xs[..m * k], m, &mut want, ldo);
+            z.gemv_quant_f32(f, &w, n, kb, &xs[..m * k], m, &mut got, ldo);
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&got), bits(&want), "{} m={m} n={n} kb={kb}", f.name());
+        }
+        let mut want = vec![0.0f32; n * k];
+        dequantize_blocks(f, &w, &mut want).unwrap();
+        let mut got = vec![f32::NAN; n * k];
+        z.dequantize_row(f, &w, &mut got);
+        assert!(
+            got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{} dequantize_row",
+            f.name()
+        );
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn avx512_equals_avx2_at_model_widths() {
+    avx512_equals_avx2(18, 9, 5); // 576 wide: two 4-row decode tiles and a remainder
+    avx512_equals_avx2(48, 4, 6); // 1536 wide
+}
+
+#[cfg(target_arch = "x86_64")]
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(24))]
+
+    #[test]
+    fn avx512_equals_avx2_any_shape(kb in 1usize..12, n in 1usize..11, seed in any::<u64>()) {
+        avx512_equals_avx2(kb, n, seed);
+    }
+}
