@@ -10,6 +10,7 @@ use super::blocks::{dequantize_block, dequantize_blocks, quantize_blocks};
 use super::WeightFormat;
 use crate::cpu::gemm::{dot, linear, GemmShape, SMALL_M};
 use crate::cpu::simd::{
+    gemm_nt_f32,
     dequantize_row, dot_rows_bf16, dot_rows_f16, gemv_q8, gemv_quant_f32, q8_dot_supported,
     quantize_q8, Q8Block,
 };
@@ -357,6 +358,10 @@ impl WeightMatrix {
                     self.row_to_f32(j0 + r, row);
                 }
                 let c0 = j0 - out_cols.start;
+                if gemm_nt_f32(x, t, (m, k, j1 - j0), &mut out[c0..], n) {
+                    j0 = j1;
+                    continue;
+                }
                 sgemm(
                     m,
                     k,

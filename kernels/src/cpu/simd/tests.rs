@@ -548,3 +548,40 @@ proptest! {
         avx512_equals_avx2(kb, n, seed);
     }
 }
+
+/// The in-place f32 GEMM (AVX-512) sums every output exactly as the row dot does, for tiles
+/// with edges in both dimensions and every tail of `k` (16-wide steps, the 8-wide step, the
+/// scalar tail), written at a wider stride with the padding untouched.
+fn gemm_nt_equals_row_dots(m: usize, k: usize, n: usize, seed: u64) {
+    let mut r = rng(seed);
+    let (x, w) = (rand_vec(&mut r, m * k, 1.0), rand_vec(&mut r, n * k, 1.0));
+    let ldo = n + 3;
+    let mut got = vec![f32::NAN; m * ldo];
+    if !gemm_nt_f32(&x, &w, (m, k, n), &mut got, ldo) {
+        eprintln!("no AVX-512F here: gemm_nt_f32 is not checked");
+        return;
+    }
+    for i in 0..m {
+        for j in 0..n {
+            let want = f32_dot(SimdLevel::Avx2, &x[i * k..(i + 1) * k], &w[j * k..(j + 1) * k]);
+            assert_eq!(got[i * ldo + j].to_bits(), want.to_bits(), "{m}x{k}x{n} at ({i}, {j})");
+        }
+        assert!(got[i * ldo + n..(i + 1) * ldo].iter().all(|v| v.is_nan()), "padding written");
+    }
+}
+
+#[test]
+fn gemm_nt_equals_row_dots_at_model_shapes() {
+    gemm_nt_equals_row_dots(64, 576, 40, 1); // a prompt chunk × q/o rows
+    gemm_nt_equals_row_dots(1, 1536, 9, 2); // decode × down rows
+    gemm_nt_equals_row_dots(7, 0, 5, 3); // empty reduction: zeros
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(32))]
+
+    #[test]
+    fn gemm_nt_equals_row_dots_any_shape(m in 1usize..10, k in 0usize..80, n in 1usize..10, seed in any::<u64>()) {
+        gemm_nt_equals_row_dots(m, k, n, seed);
+    }
+}

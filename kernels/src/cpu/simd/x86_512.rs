@@ -284,3 +284,129 @@ unsafe fn dequant_rows<const FMT: u8>(w: *const u8, kb: usize, out: *mut f32) {
         }
     }
 }
+
+/// Weight rows and activation rows per tile of [`Avx512::gemm_nt_f32`] (16 accumulators,
+/// 4 weight vectors and one activation vector of the 32 registers).
+const GJ: usize = 4;
+const GR: usize = 4;
+
+impl Avx512 {
+    /// `out[i·ldo + j] = x_i·w_j` for the `m` rows of `x` (`[m, k]`) and the `n` rows of `w`
+    /// (`[n, k]`), both read in place (no packing copy). Each output is summed exactly as
+    /// the AVX2 row dot (`x86::float_tile`) sums it — lanes 0–7 and 8–15 of one 16-lane
+    /// accumulator are its two 8-lane accumulators, then one masked 8-wide step, the
+    /// pairwise lane sum and the scalar tail — so a prompt row's product is bit-identical to
+    /// the same row's decode product, whatever `m`.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn gemm_nt_f32(
+        self,
+        x: &[f32],
+        w: &[f32],
+        (m, k, n): (usize, usize, usize),
+        out: &mut [f32],
+        ldo: usize,
+    ) {
+        assert!(x.len() >= m * k && w.len() >= n * k, "gemm_nt_f32: short operands");
+        assert!(m == 0 || n == 0 || (m - 1) * ldo + n <= out.len());
+        assert!(m <= 1 || ldo >= n, "gemm_nt_f32: rows of out overlap");
+        // SAFETY: `self` proves the features; the asserts bound every row of `x` and `w` and
+        // every output `i·ldo + j` (i < m, j < n).
+        unsafe { gemm_nt(x.as_ptr(), w.as_ptr(), (m, k, n), out.as_mut_ptr(), ldo) }
+    }
+}
+
+/// # Safety
+/// AVX-512F available; `x` readable for `m·k` f32s, `w` for `n·k`, `out` writable at
+/// `i·ldo + j` for `i < m`, `j < n`.
+#[inline(never)]
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+unsafe fn gemm_nt(
+    x: *const f32,
+    w: *const f32,
+    (m, k, n): (usize, usize, usize),
+    out: *mut f32,
+    ldo: usize,
+) {
+    // Weight rows outermost: a tile of GJ rows stays in L1 while every activation row
+    // (the whole prompt chunk, in L2) streams past it.
+    let mut j = 0;
+    while j < n {
+        let jn = (n - j).min(GJ);
+        let mut i = 0;
+        while i < m {
+            let rn = (m - i).min(GR);
+            // SAFETY: weight rows `j..j + jn ≤ n`, activation rows `i..i + rn ≤ m` and the
+            // outputs `(i + r)·ldo + j + jj`: inside the caller's guarantee.
+            unsafe {
+                let (xi, wj, o) = (x.add(i * k), w.add(j * k), out.add(i * ldo + j));
+                macro_rules! go {
+                    ($($J:literal, $R:literal);*) => {
+                        match (jn, rn) {
+                            $(($J, $R) => nt_tile::<$J, $R>(xi, wj, k, o, ldo),)*
+                            _ => unreachable!(),
+                        }
+                    };
+                }
+                go!(4,4; 4,3; 4,2; 4,1; 3,4; 3,3; 3,2; 3,1; 2,4; 2,3; 2,2; 2,1; 1,4; 1,3; 1,2; 1,1);
+            }
+            i += rn;
+        }
+        j += jn;
+    }
+}
+
+/// One `R × J` tile of [`gemm_nt`]: rows `x[r·k..]` (r < R) against rows `w[jj·k..]`
+/// (jj < J), output at `out[r·ldo + jj]`.
+///
+/// # Safety
+/// AVX-512F available; `x` readable for `R·k` f32s, `w` for `J·k`, `out` writable at
+/// `r·ldo + jj`.
+#[inline(always)]
+unsafe fn nt_tile<const J: usize, const R: usize>(
+    x: *const f32,
+    w: *const f32,
+    k: usize,
+    out: *mut f32,
+    ldo: usize,
+) {
+    // SAFETY: every load reads elements `< k` of one of the R + J rows (`p + 16 ≤ k`,
+    // masked lanes `p..p + 8 ≤ k`, scalar `q < k`); stores hit the R × J outputs.
+    unsafe {
+        let mut acc = [[_mm512_setzero_ps(); R]; J];
+        let mut p = 0;
+        while p + 16 <= k {
+            let mut wv = [_mm512_setzero_ps(); J];
+            for jj in 0..J {
+                wv[jj] = _mm512_loadu_ps(w.add(jj * k + p));
+            }
+            for r in 0..R {
+                let xv = _mm512_loadu_ps(x.add(r * k + p));
+                for jj in 0..J {
+                    acc[jj][r] = _mm512_fmadd_ps(xv, wv[jj], acc[jj][r]);
+                }
+            }
+            p += 16;
+        }
+        if p + 8 <= k {
+            // The AVX2 kernel's single 8-wide step, into lanes 0–7 only.
+            const LOW: __mmask16 = 0x00FF;
+            for jj in 0..J {
+                let wv = _mm512_maskz_loadu_ps(LOW, w.add(jj * k + p));
+                for r in 0..R {
+                    let xv = _mm512_maskz_loadu_ps(LOW, x.add(r * k + p));
+                    acc[jj][r] = _mm512_mask3_fmadd_ps(xv, wv, acc[jj][r], LOW);
+                }
+            }
+            p += 8;
+        }
+        for jj in 0..J {
+            for r in 0..R {
+                let mut t = finish(acc[jj][r]);
+                for q in p..k {
+                    t += *x.add(r * k + q) * *w.add(jj * k + q);
+                }
+                *out.add(r * ldo + jj) = t;
+            }
+        }
+    }
+}
