@@ -10,9 +10,8 @@ use super::blocks::{dequantize_block, dequantize_blocks, quantize_blocks};
 use super::WeightFormat;
 use crate::cpu::gemm::{dot, linear, GemmShape, SMALL_M};
 use crate::cpu::simd::{
-    gemm_nt_f32,
-    dequantize_row, dot_rows_bf16, dot_rows_f16, gemv_q8, gemv_quant_f32, q8_dot_supported,
-    quantize_q8, Q8Block,
+    dequantize_row, dot_rows_bf16, dot_rows_f16, gemm_nt_f32, gemv_q8, gemv_quant_f32,
+    q8_dot_supported, quantize_q8, Q8Block,
 };
 use crate::cpu::sys::{sgemm, MatMut, MatRef};
 use crate::error::KernelError;

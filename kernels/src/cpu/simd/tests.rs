@@ -525,7 +525,9 @@ fn avx512_equals_avx2(kb: usize, n: usize, seed: u64) {
         let mut got = vec![f32::NAN; n * k];
         z.dequantize_row(f, &w, &mut got);
         assert!(
-            got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()),
+            got.iter()
+                .zip(&want)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
             "{} dequantize_row",
             f.name()
         );
@@ -563,10 +565,21 @@ fn gemm_nt_equals_row_dots(m: usize, k: usize, n: usize, seed: u64) {
     }
     for i in 0..m {
         for j in 0..n {
-            let want = f32_dot(SimdLevel::Avx2, &x[i * k..(i + 1) * k], &w[j * k..(j + 1) * k]);
-            assert_eq!(got[i * ldo + j].to_bits(), want.to_bits(), "{m}x{k}x{n} at ({i}, {j})");
+            let want = f32_dot(
+                SimdLevel::Avx2,
+                &x[i * k..(i + 1) * k],
+                &w[j * k..(j + 1) * k],
+            );
+            assert_eq!(
+                got[i * ldo + j].to_bits(),
+                want.to_bits(),
+                "{m}x{k}x{n} at ({i}, {j})"
+            );
         }
-        assert!(got[i * ldo + n..(i + 1) * ldo].iter().all(|v| v.is_nan()), "padding written");
+        assert!(
+            got[i * ldo + n..(i + 1) * ldo].iter().all(|v| v.is_nan()),
+            "padding written"
+        );
     }
 }
 

@@ -306,7 +306,10 @@ impl Avx512 {
         out: &mut [f32],
         ldo: usize,
     ) {
-        assert!(x.len() >= m * k && w.len() >= n * k, "gemm_nt_f32: short operands");
+        assert!(
+            x.len() >= m * k && w.len() >= n * k,
+            "gemm_nt_f32: short operands"
+        );
         assert!(m == 0 || n == 0 || (m - 1) * ldo + n <= out.len());
         assert!(m <= 1 || ldo >= n, "gemm_nt_f32: rows of out overlap");
         // SAFETY: `self` proves the features; the asserts bound every row of `x` and `w` and
