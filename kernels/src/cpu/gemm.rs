@@ -51,6 +51,10 @@ pub fn linear_scaled(
 ) {
     check("linear", x, w, y, shape);
     let GemmShape { m, k, n } = shape;
+    // AVX-512: one in-place kernel for decode and prompt rows alike (no packing copy).
+    if alpha == 1.0 && !accumulate && super::simd::gemm_nt_f32(x, w, (m, k, n), y, n) {
+        return;
+    }
     if m <= SMALL_M {
         return linear_small_m(x, w, y, shape, alpha, accumulate);
     }

@@ -316,6 +316,29 @@ impl Backend for AnyBackend {
         }
     }
 
+    fn linear_group<const N: usize>(
+        &mut self,
+        x: &AnyBuf,
+        ws: [&AnyLinear; N],
+        rows: usize,
+        outs: [&mut AnyBuf; N],
+    ) {
+        match self {
+            Self::Cpu(b) => b.linear_group(
+                x.cpu(),
+                ws.map(|w| w.cpu()),
+                rows,
+                outs.map(|o| o.cpu_mut()),
+            ),
+            Self::Cuda(g) => g.linear_group(
+                x.gpu(),
+                ws.map(|w| w.gpu()),
+                rows,
+                outs.map(|o| o.gpu_mut()),
+            ),
+        }
+    }
+
     fn lora(
         &mut self,
         x: &AnyBuf,

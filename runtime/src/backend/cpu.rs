@@ -126,6 +126,28 @@ fn lora_ref(a: &LoraSlot, at: (LayerIdx, LoraModule)) -> Option<LoraRef<'_>> {
     })
 }
 
+/// Calls `each(i, off, a, b)` for every weight `i` of a group (output widths `d_outs`,
+/// concatenated; weight `i` starts at `off`) whose columns meet `cols`, with `a..b` the
+/// overlap in concatenated columns.
+fn group_pieces(
+    d_outs: &[usize],
+    cols: &std::ops::Range<usize>,
+    mut each: impl FnMut(usize, usize, usize, usize),
+) {
+    let mut off = 0;
+    for (i, &d) in d_outs.iter().enumerate() {
+        let (a, b) = (cols.start.max(off), cols.end.min(off + d));
+        if a < b {
+            each(i, off, a, b);
+        }
+        off += d;
+    }
+}
+
+/// Most rows [`CpuBackend::linear_group`] splits as one op (decode steps); prompt chunks run
+/// each weight on its own (few, long ops).
+const GROUP_MAX_ROWS: usize = 16;
+
 impl Backend for CpuBackend {
     type Buf = Vec<f32>;
     type Linear = CpuLinear;
@@ -219,6 +241,64 @@ impl Backend for CpuBackend {
         );
         if let Some(b) = &w.bias {
             k::add_bias(y, b);
+        }
+    }
+
+    /// Decode-sized groups (≤ [`GROUP_MAX_ROWS`] rows) split the concatenated output columns
+    /// of all the weights over the pool at once (one fork/join instead of one per weight,
+    /// equal bytes per thread), through a packed scratch then scattered; every column is
+    /// computed by the same `matmul_range` arithmetic as [`Backend::linear`], so outputs are
+    /// bit-identical to it.
+    fn linear_group<const N: usize>(
+        &mut self,
+        x: &Vec<f32>,
+        ws: [&CpuLinear; N],
+        rows: usize,
+        mut outs: [&mut Vec<f32>; N],
+    ) {
+        let k = ws.first().map_or(0, |w| w.d_in);
+        let total: usize = ws.iter().map(|w| w.d_out).sum();
+        let parts = self.par.parts(rows * k * total);
+        if rows > GROUP_MAX_ROWS || parts == 1 || ws.iter().any(|w| w.d_in != k) {
+            for (w, o) in ws.into_iter().zip(outs) {
+                self.linear(x, w, rows, o);
+            }
+            return;
+        }
+        let x = &x[..rows * k];
+        let scratch = &mut self.par_scratch;
+        if scratch.len() < rows * total {
+            scratch.resize(rows * total, 0.0);
+        }
+        // Part `cols` of the concatenated columns owns scratch[cols.start·rows..cols.end·rows];
+        // each weight's piece `a..b` in it is packed `[rows, b − a]` from `a·rows`.
+        let d_outs: [usize; N] = std::array::from_fn(|i| ws[i].d_out);
+        self.par.split_mut(
+            total,
+            16,
+            parts,
+            &mut scratch[..rows * total],
+            rows,
+            |cols, chunk| {
+                group_pieces(&d_outs, &cols, |i, off, a, b| {
+                    let piece = &mut chunk[(a - cols.start) * rows..(b - cols.start) * rows];
+                    ws[i].w.matmul_range(x, rows, piece, a - off..b - off);
+                });
+            },
+        );
+        for cols in super::cpu_par::ranges(total, 16, parts) {
+            group_pieces(&d_outs, &cols, |i, off, a, b| {
+                let (n, len) = (d_outs[i], b - a);
+                let packed = &scratch[a * rows..b * rows];
+                for (r, src) in packed.chunks_exact(len).enumerate() {
+                    outs[i][r * n + a - off..r * n + b - off].copy_from_slice(src);
+                }
+            });
+        }
+        for (w, o) in ws.iter().zip(outs.iter_mut()) {
+            if let Some(b) = &w.bias {
+                k::add_bias(&mut o[..rows * w.d_out], b);
+            }
         }
     }
 
@@ -495,5 +575,69 @@ mod tests {
         assert_eq!(y_wide, y_packed);
         assert_eq!(y_packed[w], x[w] + 0.5);
         assert_eq!(y_packed[0], 0.5);
+    }
+
+    /// A group of weights sharing an input, split as one op over 2 and 3 threads, gives
+    /// every output bit for bit as separate `linear` calls do on one thread, for decode
+    /// rows and small batches, f32 and Q4_1 weights, widths that do not fall on the split's
+    /// 16-column alignment, and biases.
+    #[test]
+    fn linear_group_equals_separate_linears() {
+        use thaw_kernels::cpu::{WeightFormat, WeightMatrix};
+        let cfg = ModelConfig::from_dir(&fixtures::tiny_llama()).unwrap();
+        let mut seed = 11u32;
+        let mut rnd = move |n: usize| -> Vec<f32> {
+            (0..n)
+                .map(|_| {
+                    seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+                    (seed >> 8) as f32 / (1u32 << 24) as f32 - 0.5
+                })
+                .collect()
+        };
+        let k = 64;
+        let mut one = CpuBackend::new(&cfg);
+        for format in [WeightFormat::F32, WeightFormat::Q4_1] {
+            let ws: Vec<CpuLinear> = [(96, false), (40, true), (24, false)]
+                .iter()
+                .map(|&(n, bias)| {
+                    let w = WeightMatrix::from_f32(rnd(n * k), n, k)
+                        .convert(format)
+                        .unwrap();
+                    let b = bias.then(|| rnd(n));
+                    one.upload_weight(w, b).unwrap()
+                })
+                .collect();
+            for threads in [2, 3] {
+                let par = CpuThreads {
+                    min_part_work: 1,
+                    ..CpuThreads::unpinned(threads)
+                };
+                let mut many = CpuBackend::with_threads(&cfg, par).unwrap();
+                for rows in [1, 3, 16] {
+                    let x = rnd(rows * k);
+                    let want: Vec<Vec<f32>> = ws
+                        .iter()
+                        .map(|w| {
+                            let mut o = vec![0.0; rows * w.d_out];
+                            one.linear(&x, w, rows, &mut o);
+                            o
+                        })
+                        .collect();
+                    let mut got: Vec<Vec<f32>> =
+                        ws.iter().map(|w| vec![f32::NAN; rows * w.d_out]).collect();
+                    let [g0, g1, g2] = &mut got[..] else {
+                        unreachable!()
+                    };
+                    many.linear_group(&x, [&ws[0], &ws[1], &ws[2]], rows, [g0, g1, g2]);
+                    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                        let same = g.iter().zip(w).all(|(a, b)| a.to_bits() == b.to_bits());
+                        assert!(
+                            same,
+                            "{format:?} weight {i}, {threads} threads, {rows} rows"
+                        );
+                    }
+                }
+            }
+        }
     }
 }

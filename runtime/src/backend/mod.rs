@@ -167,6 +167,20 @@ pub trait Backend {
     );
     /// out = x · Wᵀ + bias.
     fn linear(&mut self, x: &Self::Buf, w: &Self::Linear, rows: usize, out: &mut Self::Buf);
+    /// `outs[i] = x · W_iᵀ + bias_i` for weights that share their input (q/k/v, gate/up),
+    /// as one op a backend may split over its threads at once; each output equals what
+    /// [`Backend::linear`] gives. The default runs `linear` on each.
+    fn linear_group<const N: usize>(
+        &mut self,
+        x: &Self::Buf,
+        ws: [&Self::Linear; N],
+        rows: usize,
+        outs: [&mut Self::Buf; N],
+    ) {
+        for (w, o) in ws.into_iter().zip(outs) {
+            self.linear(x, w, rows, o);
+        }
+    }
     /// y += LoRA(x) for every row whose adapter targets (layer, module).
     fn lora(
         &mut self,

@@ -75,6 +75,18 @@ fn project<B: Backend>(
     lora: &LoraBatch<'_, B::Lora>,
 ) {
     b.linear(x, w, rows, y);
+    add_lora(b, c, x, y, at, lora);
+}
+
+/// Every adapter's delta for `module` of `layer`, added into `y` (the base projection).
+fn add_lora<B: Backend>(
+    b: &mut B,
+    c: &ModelConfig,
+    x: &B::Buf,
+    y: &mut B::Buf,
+    at: (LayerIdx, LoraModule),
+    lora: &LoraBatch<'_, B::Lora>,
+) {
     if !lora.layout.segments.is_empty() {
         let (d_in, d_out) = c.module_shape(at.1);
         b.lora(x, y, LinearDims { d_in, d_out }, at, lora);
@@ -204,9 +216,11 @@ pub(crate) fn run<B: Backend>(
         b.rms_norm(&ws.h, &layer.input_norm, c.rms_norm_eps, rows, &mut ws.x);
         let g = [Q, K, V];
         let cpu = begin_assist(b, c, &ws.x, i, &g, lora, &mut assist, &mut cold)?;
-        project(b, c, &p[0], &ws.x, &mut ws.q, rows, (l, Q), lora);
-        project(b, c, &p[1], &ws.x, &mut ws.k, rows, (l, K), lora);
-        project(b, c, &p[2], &ws.x, &mut ws.v, rows, (l, V), lora);
+        let qkv = [&mut ws.q, &mut ws.k, &mut ws.v];
+        b.linear_group(&ws.x, [&p[0], &p[1], &p[2]], rows, qkv);
+        add_lora(b, c, &ws.x, &mut ws.q, (l, Q), lora);
+        add_lora(b, c, &ws.x, &mut ws.k, (l, K), lora);
+        add_lora(b, c, &ws.x, &mut ws.v, (l, V), lora);
         if let Some(t) = cpu {
             let outs = &mut [&mut ws.q, &mut ws.k, &mut ws.v];
             end_assist(b, c, i, &g, outs, &mut assist, &cold, t)?;
@@ -224,8 +238,9 @@ pub(crate) fn run<B: Backend>(
         b.rms_norm(&ws.h, &layer.post_norm, c.rms_norm_eps, rows, &mut ws.x);
         let g = [Gate, Up];
         let cpu = begin_assist(b, c, &ws.x, i, &g, lora, &mut assist, &mut cold)?;
-        project(b, c, &p[4], &ws.x, &mut ws.gate, rows, (l, Gate), lora);
-        project(b, c, &p[5], &ws.x, &mut ws.up, rows, (l, Up), lora);
+        b.linear_group(&ws.x, [&p[4], &p[5]], rows, [&mut ws.gate, &mut ws.up]);
+        add_lora(b, c, &ws.x, &mut ws.gate, (l, Gate), lora);
+        add_lora(b, c, &ws.x, &mut ws.up, (l, Up), lora);
         if let Some(t) = cpu {
             let outs = &mut [&mut ws.gate, &mut ws.up];
             end_assist(b, c, i, &g, outs, &mut assist, &cold, t)?;

@@ -10,8 +10,8 @@ use super::blocks::{dequantize_block, dequantize_blocks, quantize_blocks};
 use super::WeightFormat;
 use crate::cpu::gemm::{dot, linear, GemmShape, SMALL_M};
 use crate::cpu::simd::{
-    dequantize_row, dot_rows_bf16, dot_rows_f16, gemv_q8, gemv_quant_f32, q8_dot_supported,
-    quantize_q8, Q8Block,
+    dequantize_row, dot_rows_bf16, dot_rows_f16, gemm_nt_f32, gemv_q8, gemv_quant_f32,
+    q8_dot_supported, quantize_q8, Q8Block,
 };
 use crate::cpu::sys::{sgemm, MatMut, MatRef};
 use crate::error::KernelError;
@@ -357,6 +357,10 @@ impl WeightMatrix {
                     self.row_to_f32(j0 + r, row);
                 }
                 let c0 = j0 - out_cols.start;
+                if gemm_nt_f32(x, t, (m, k, j1 - j0), &mut out[c0..], n) {
+                    j0 = j1;
+                    continue;
+                }
                 sgemm(
                     m,
                     k,

@@ -24,6 +24,8 @@ mod portable;
 mod tests;
 #[cfg(target_arch = "x86_64")]
 mod x86;
+#[cfg(target_arch = "x86_64")]
+mod x86_512;
 
 use std::sync::atomic::{AtomicU8, Ordering};
 
@@ -124,6 +126,29 @@ pub fn dot_rows_f32(x: &[f32], w: &[f32], out: &mut [f32]) {
         return t.dot_rows_f32(x, w, out);
     }
     portable::rows(x, w.len(), out, |xr| portable::dot_f32(xr, w))
+}
+
+/// `out[i·ldo + j] = x_i·w_j` for the `m` rows of `x` and the `n` rows of `w` (both
+/// `[_, k]`, read in place), each output summed exactly as [`dot_rows_f32`] sums it (so
+/// results do not depend on `m` or `n`). Runs on AVX-512F; returns false, doing nothing,
+/// where the CPU lacks it, the level is portable or `THAW_AVX512=0` (the caller then uses
+/// its own path).
+pub fn gemm_nt_f32(
+    x: &[f32],
+    w: &[f32],
+    (m, k, n): (usize, usize, usize),
+    out: &mut [f32],
+    ldo: usize,
+) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if simd_level() == SimdLevel::Avx2 {
+        if let Some(z) = x86_512::Avx512::enabled() {
+            z.gemm_nt_f32(x, w, (m, k, n), out, ldo);
+            return true;
+        }
+    }
+    let _ = (x, w, m, k, n, out, ldo);
+    false
 }
 
 /// As [`dot_rows_f32`] with `w` stored as f16.

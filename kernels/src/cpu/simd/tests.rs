@@ -494,3 +494,107 @@ fn dequantize_row_equals_scalar() {
     }
     assert!(!dequantize_row(WeightFormat::Q6_K, &[], &mut []));
 }
+
+/// The AVX-512 quantised kernels (used under the AVX2 level when the CPU has AVX-512F) equal
+/// the 8-lane AVX2 kernel bit for bit, for decode (one activation row: 4-row weight tiles and
+/// the remainder) and batches (1..=6 rows), and the row dequantiser equals the scalar one.
+#[cfg(target_arch = "x86_64")]
+fn avx512_equals_avx2(kb: usize, n: usize, seed: u64) {
+    let (Some(z), Some(y)) = (x86_512::Avx512::detect(), x86::Avx2::detect()) else {
+        eprintln!("no AVX-512F here: the AVX-512 kernels are not checked");
+        return;
+    };
+    let mut r = rng(seed);
+    let k = kb * 32;
+    let xs = rand_vec(&mut r, 6 * k, 2.0);
+    for f in Q8_FORMATS {
+        let w: Vec<u8> = (0..n)
+            .flat_map(|j| weight_row(f, kb, j % 2 == 0, seed ^ (70 + j as u64)))
+            .collect();
+        for m in 1..=6 {
+            let ldo = n + 1;
+            let mut want = vec![f32::NAN; m * ldo];
+            let mut got = vec![f32::NAN; m * ldo];
+            y.gemv_quant_f32_ymm(f, &w, n, kb, &xs[..m * k], m, &mut want, ldo);
+            z.gemv_quant_f32(f, &w, n, kb, &xs[..m * k], m, &mut got, ldo);
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&got), bits(&want), "{} m={m} n={n} kb={kb}", f.name());
+        }
+        let mut want = vec![0.0f32; n * k];
+        dequantize_blocks(f, &w, &mut want).unwrap();
+        let mut got = vec![f32::NAN; n * k];
+        z.dequantize_row(f, &w, &mut got);
+        assert!(
+            got.iter()
+                .zip(&want)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{} dequantize_row",
+            f.name()
+        );
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn avx512_equals_avx2_at_model_widths() {
+    avx512_equals_avx2(18, 9, 5); // 576 wide: two 4-row decode tiles and a remainder
+    avx512_equals_avx2(48, 4, 6); // 1536 wide
+}
+
+#[cfg(target_arch = "x86_64")]
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(24))]
+
+    #[test]
+    fn avx512_equals_avx2_any_shape(kb in 1usize..12, n in 1usize..11, seed in any::<u64>()) {
+        avx512_equals_avx2(kb, n, seed);
+    }
+}
+
+/// The in-place f32 GEMM (AVX-512) sums every output exactly as the row dot does, for tiles
+/// with edges in both dimensions and every tail of `k` (16-wide steps, the 8-wide step, the
+/// scalar tail), written at a wider stride with the padding untouched.
+fn gemm_nt_equals_row_dots(m: usize, k: usize, n: usize, seed: u64) {
+    let mut r = rng(seed);
+    let (x, w) = (rand_vec(&mut r, m * k, 1.0), rand_vec(&mut r, n * k, 1.0));
+    let ldo = n + 3;
+    let mut got = vec![f32::NAN; m * ldo];
+    if !gemm_nt_f32(&x, &w, (m, k, n), &mut got, ldo) {
+        eprintln!("no AVX-512F here: gemm_nt_f32 is not checked");
+        return;
+    }
+    for i in 0..m {
+        for j in 0..n {
+            let want = f32_dot(
+                SimdLevel::Avx2,
+                &x[i * k..(i + 1) * k],
+                &w[j * k..(j + 1) * k],
+            );
+            assert_eq!(
+                got[i * ldo + j].to_bits(),
+                want.to_bits(),
+                "{m}x{k}x{n} at ({i}, {j})"
+            );
+        }
+        assert!(
+            got[i * ldo + n..(i + 1) * ldo].iter().all(|v| v.is_nan()),
+            "padding written"
+        );
+    }
+}
+
+#[test]
+fn gemm_nt_equals_row_dots_at_model_shapes() {
+    gemm_nt_equals_row_dots(64, 576, 40, 1); // a prompt chunk × q/o rows
+    gemm_nt_equals_row_dots(1, 1536, 9, 2); // decode × down rows
+    gemm_nt_equals_row_dots(7, 0, 5, 3); // empty reduction: zeros
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(32))]
+
+    #[test]
+    fn gemm_nt_equals_row_dots_any_shape(m in 1usize..10, k in 0usize..80, n in 1usize..10, seed in any::<u64>()) {
+        gemm_nt_equals_row_dots(m, k, n, seed);
+    }
+}

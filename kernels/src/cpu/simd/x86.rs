@@ -12,6 +12,7 @@ use std::arch::x86_64::*;
 
 use half::{bf16, f16};
 
+use super::x86_512::Avx512;
 use super::{Q8Block, Q8_BLOCK};
 use crate::cpu::quant::WeightFormat;
 
@@ -189,6 +190,26 @@ impl Avx2 {
         out: &mut [f32],
         ldo: usize,
     ) {
+        if let Some(z) = Avx512::enabled() {
+            return z.gemv_quant_f32(format, w, n, kb, x, m, out, ldo);
+        }
+        self.gemv_quant_f32_ymm(format, w, n, kb, x, m, out, ldo)
+    }
+
+    /// [`Avx2::gemv_quant_f32`] with the 8-lane kernel only (what the AVX-512 kernel must
+    /// equal bit for bit).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn gemv_quant_f32_ymm(
+        self,
+        format: WeightFormat,
+        w: &[u8],
+        n: usize,
+        kb: usize,
+        x: &[f32],
+        m: usize,
+        out: &mut [f32],
+        ldo: usize,
+    ) {
         assert!(w.len() >= n * kb * format.block_bytes() && x.len() >= m * kb * Q8_BLOCK);
         assert!(m == 0 || n == 0 || (m - 1) * ldo + n <= out.len());
         let (w, x, o) = (w.as_ptr(), x.as_ptr(), out.as_mut_ptr());
@@ -207,6 +228,9 @@ impl Avx2 {
     /// Dequantises whole blocks of `format` (Q8_0/Q4_0/Q4_1) into `out`, bit-identical to
     /// the scalar `dequantize_block` (see [`dequant_block`]).
     pub(super) fn dequantize_row(self, format: WeightFormat, w: &[u8], out: &mut [f32]) {
+        if let Some(z) = Avx512::enabled() {
+            return z.dequantize_row(format, w, out);
+        }
         let kb = w.len() / format.block_bytes();
         assert!(out.len() >= kb * Q8_BLOCK, "dequantize_row: short out");
         let (w, o) = (w.as_ptr(), out.as_mut_ptr());

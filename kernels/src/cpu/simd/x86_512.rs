@@ -1,0 +1,415 @@
+//! AVX-512F versions of the quantised f32-activation kernels ([`super::gemv_quant_f32`] and
+//! [`super::dequantize_row`]), used by the AVX2 level when the CPU also has AVX-512F (and
+//! `THAW_AVX512` is not `0`). Results are bit-identical to the AVX2 kernels:
+//!
+//! - A Q4_0/Q4_1 block's 16 possible values are computed once per block with the scalar
+//!   dequantiser's operations (`d·(q − 8)`, or `d·q` then `+ m`, each rounded), as a 16-lane
+//!   table; each nibble then picks its value with one `vpermps` (which reads only the low 4
+//!   bits of each index), instead of a convert, a multiply and an add per value.
+//! - One 16-lane accumulator per (weight row, activation row) holds, in lanes 0–7 and 8–15,
+//!   exactly the AVX2 kernel's two 8-lane accumulators (elements `16c..16c + 8` and
+//!   `16c + 8..16c + 16`), fed in the same order, and ends with the same pairwise lane sum.
+// Register tiles are indexed `acc[jj][r]` in step with pointer offsets.
+#![allow(clippy::needless_range_loop)]
+
+use std::arch::x86_64::*;
+use std::sync::atomic::{AtomicU8, Ordering};
+
+use super::Q8_BLOCK;
+use crate::cpu::quant::WeightFormat;
+
+/// Quantised weight formats (const generic codes).
+const Q8_0: u8 = 0;
+const Q4_0: u8 = 1;
+const Q4_1: u8 = 2;
+
+/// Activation rows per tile for batched decode.
+const MR: usize = 4;
+/// Weight rows per tile for one activation row (independent accumulator chains).
+const JR: usize = 4;
+
+/// Proof that this CPU has AVX-512F (and AVX2, FMA, F16C).
+#[derive(Copy, Clone, Debug)]
+pub(super) struct Avx512 {
+    _detected: (),
+}
+
+/// 0 = not yet decided, 1 = off, 2 = on.
+static STATE: AtomicU8 = AtomicU8::new(0);
+
+impl Avx512 {
+    pub(super) fn detect() -> Option<Self> {
+        let ok = is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c");
+        ok.then_some(Self { _detected: () })
+    }
+
+    /// The token when the CPU has AVX-512F and the environment does not set
+    /// `THAW_AVX512=0` (read once; for A/B runs of the same binary).
+    #[inline]
+    pub(super) fn enabled() -> Option<Self> {
+        match STATE.load(Ordering::Relaxed) {
+            1 => None,
+            2 => Some(Self { _detected: () }),
+            _ => {
+                let off = std::env::var("THAW_AVX512").is_ok_and(|v| v.trim() == "0");
+                let t = if off { None } else { Self::detect() };
+                STATE.store(if t.is_some() { 2 } else { 1 }, Ordering::Relaxed);
+                t
+            }
+        }
+    }
+
+    /// [`super::gemv_quant_f32`] for Q8_0/Q4_0/Q4_1 (arguments checked by the caller, see
+    /// `x86::Avx2::gemv_quant_f32`).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn gemv_quant_f32(
+        self,
+        format: WeightFormat,
+        w: &[u8],
+        n: usize,
+        kb: usize,
+        x: &[f32],
+        m: usize,
+        out: &mut [f32],
+        ldo: usize,
+    ) {
+        assert!(w.len() >= n * kb * format.block_bytes() && x.len() >= m * kb * Q8_BLOCK);
+        assert!(m == 0 || n == 0 || (m - 1) * ldo + n <= out.len());
+        let (w, x, o) = (w.as_ptr(), x.as_ptr(), out.as_mut_ptr());
+        // SAFETY: `self` proves the features; the asserts above bound every row of `w` and
+        // `x` and every output `i·ldo + j` (i < m, j < n) the kernel touches.
+        unsafe {
+            match format {
+                WeightFormat::Q8_0 => rows::<Q8_0>(w, n, kb, x, m, o, ldo),
+                WeightFormat::Q4_0 => rows::<Q4_0>(w, n, kb, x, m, o, ldo),
+                WeightFormat::Q4_1 => rows::<Q4_1>(w, n, kb, x, m, o, ldo),
+                f => unreachable!("gemv_quant_f32 checked the format, got {}", f.name()),
+            }
+        }
+    }
+
+    /// Dequantises whole blocks of `format` (Q8_0/Q4_0/Q4_1) into `out`, bit-identical to
+    /// the scalar dequantiser.
+    pub(super) fn dequantize_row(self, format: WeightFormat, w: &[u8], out: &mut [f32]) {
+        let kb = w.len() / format.block_bytes();
+        assert!(out.len() >= kb * Q8_BLOCK, "dequantize_row: short out");
+        let (w, o) = (w.as_ptr(), out.as_mut_ptr());
+        // SAFETY: `self` proves the features; `w` holds `kb` whole blocks and `out` `32·kb`
+        // values (asserted above).
+        unsafe {
+            match format {
+                WeightFormat::Q8_0 => dequant_rows::<Q8_0>(w, kb, o),
+                WeightFormat::Q4_0 => dequant_rows::<Q4_0>(w, kb, o),
+                WeightFormat::Q4_1 => dequant_rows::<Q4_1>(w, kb, o),
+                f => unreachable!("dequantize_row takes 32-value formats, got {}", f.name()),
+            }
+        }
+    }
+}
+
+/// Bytes per block of a quantised format code.
+const fn block_bytes(fmt: u8) -> usize {
+    match fmt {
+        Q8_0 => 34,
+        Q4_0 => 18,
+        _ => 20,
+    }
+}
+
+/// Block `wb` of format `FMT` as f32: values `0..16` and `16..32`, each computed with the
+/// scalar dequantiser's operations, so bit-identical to it.
+///
+/// # Safety
+/// AVX-512F/F16C available; `wb` readable for one block of `FMT`.
+#[inline(always)]
+unsafe fn block_values<const FMT: u8>(wb: *const u8) -> (__m512, __m512) {
+    // SAFETY: every load stays inside the block (scales at 0..4, codes at byte 2 or 4, 32 or
+    // 16 bytes).
+    unsafe {
+        let s = _mm_cvtph_ps(_mm_cvtsi32_si128(wb.cast::<i32>().read_unaligned()));
+        let d = _mm512_broadcastss_ps(s);
+        if FMT == Q8_0 {
+            let q0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(wb.add(2).cast()));
+            let q1 = _mm512_cvtepi8_epi32(_mm_loadu_si128(wb.add(18).cast()));
+            return (
+                _mm512_mul_ps(d, _mm512_cvtepi32_ps(q0)),
+                _mm512_mul_ps(d, _mm512_cvtepi32_ps(q1)),
+            );
+        }
+        // The 16 values a nibble can stand for, as the scalar code computes them.
+        let table = if FMT == Q4_0 {
+            let q = _mm512_setr_ps(
+                -8.0, -7.0, -6.0, -5.0, -4.0, -3.0, -2.0, -1.0, 0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0,
+                7.0,
+            );
+            _mm512_mul_ps(d, q)
+        } else {
+            let q = _mm512_setr_ps(
+                0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0,
+                15.0,
+            );
+            let m = _mm512_broadcastss_ps(_mm_movehdup_ps(s));
+            _mm512_add_ps(_mm512_mul_ps(d, q), m)
+        };
+        // Byte `b` holds value `b` (low nibble) and value `b + 16` (high nibble); vpermps
+        // reads the low 4 bits of each 32-bit index.
+        let off = if FMT == Q4_0 { 2 } else { 4 };
+        let e = _mm512_cvtepu8_epi32(_mm_loadu_si128(wb.add(off).cast()));
+        (
+            _mm512_permutexvar_ps(e, table),
+            _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(e), table),
+        )
+    }
+}
+
+/// The AVX2 kernels' final sum of one 16-lane accumulator: lanes 0–7 plus lanes 8–15, then
+/// the pairwise sum of the 8 lanes.
+#[inline]
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+fn finish(a: __m512) -> f32 {
+    let lo = _mm512_castps512_ps256(a);
+    let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(a)));
+    let v = _mm256_add_ps(lo, hi);
+    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    let s = _mm_add_ss(s, _mm_shuffle_ps::<1>(s, s));
+    _mm_cvtss_f32(s)
+}
+
+/// `out[r·ldo + jj] = w_jj·x[r]` for `jj < J` weight rows (stride `rb` bytes, `kb` blocks)
+/// and `r < R` activation rows (stride `ldx`), each block's values computed once.
+///
+/// # Safety
+/// AVX-512F/F16C available; `w` readable for `J` rows of `kb` blocks at stride `rb`, `x` for
+/// `R` rows of `32·kb` f32s at stride `ldx`, `out` writable at `r·ldo + jj`.
+#[inline(always)]
+unsafe fn tile<const FMT: u8, const J: usize, const R: usize>(
+    w: *const u8,
+    rb: usize,
+    kb: usize,
+    x: *const f32,
+    ldx: usize,
+    out: *mut f32,
+    ldo: usize,
+) {
+    // SAFETY: block `b < kb` of each of the `J` rows, elements `< 32·kb` of each of the `R`
+    // activation rows and the `R × J` outputs: inside the caller's guarantee.
+    unsafe {
+        let mut acc = [[_mm512_setzero_ps(); R]; J];
+        for b in 0..kb {
+            let mut v = [(_mm512_setzero_ps(), _mm512_setzero_ps()); J];
+            for jj in 0..J {
+                v[jj] = block_values::<FMT>(w.add(jj * rb + b * block_bytes(FMT)));
+            }
+            for r in 0..R {
+                let xb = x.add(r * ldx + b * Q8_BLOCK);
+                let (x0, x1) = (_mm512_loadu_ps(xb), _mm512_loadu_ps(xb.add(16)));
+                for jj in 0..J {
+                    let a = _mm512_fmadd_ps(x0, v[jj].0, acc[jj][r]);
+                    acc[jj][r] = _mm512_fmadd_ps(x1, v[jj].1, a);
+                }
+            }
+        }
+        for jj in 0..J {
+            for r in 0..R {
+                *out.add(r * ldo + jj) = finish(acc[jj][r]);
+            }
+        }
+    }
+}
+
+/// # Safety
+/// AVX-512F/F16C available; `w` readable for `n` rows of `kb` blocks of `FMT`, `x` for `m`
+/// rows of `kb·32` f32s, `out` writable at `i·ldo + j` for `i < m`, `j < n`.
+#[inline(never)]
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+unsafe fn rows<const FMT: u8>(
+    w: *const u8,
+    n: usize,
+    kb: usize,
+    x: *const f32,
+    m: usize,
+    out: *mut f32,
+    ldo: usize,
+) {
+    let (rb, k) = (kb * block_bytes(FMT), kb * Q8_BLOCK);
+    let mut j = 0;
+    // SAFETY: weight rows `j..j + J ≤ n`, activation rows `r0..r0 + R ≤ m` and the outputs
+    // `(r0 + r)·ldo + j + jj` are inside the caller's guarantee.
+    unsafe {
+        if m == 1 {
+            while j + JR <= n {
+                tile::<FMT, JR, 1>(w.add(j * rb), rb, kb, x, k, out.add(j), ldo);
+                j += JR;
+            }
+            while j < n {
+                tile::<FMT, 1, 1>(w.add(j * rb), rb, kb, x, k, out.add(j), ldo);
+                j += 1;
+            }
+            return;
+        }
+        while j < n {
+            let wj = w.add(j * rb);
+            let mut r0 = 0;
+            while r0 < m {
+                let (xr, o) = (x.add(r0 * k), out.add(r0 * ldo + j));
+                match (m - r0).min(MR) {
+                    4 => tile::<FMT, 1, 4>(wj, rb, kb, xr, k, o, ldo),
+                    3 => tile::<FMT, 1, 3>(wj, rb, kb, xr, k, o, ldo),
+                    2 => tile::<FMT, 1, 2>(wj, rb, kb, xr, k, o, ldo),
+                    _ => tile::<FMT, 1, 1>(wj, rb, kb, xr, k, o, ldo),
+                }
+                r0 += (m - r0).min(MR);
+            }
+            j += 1;
+        }
+    }
+}
+
+/// # Safety
+/// AVX-512F/F16C available; `w` readable for `kb` blocks of `FMT`, `out` writable for
+/// `32·kb` f32s.
+#[inline(never)]
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+unsafe fn dequant_rows<const FMT: u8>(w: *const u8, kb: usize, out: *mut f32) {
+    for b in 0..kb {
+        // SAFETY: block `b < kb` and values `32b..32b + 32` are inside the caller's guarantee.
+        unsafe {
+            let (v0, v1) = block_values::<FMT>(w.add(b * block_bytes(FMT)));
+            _mm512_storeu_ps(out.add(b * Q8_BLOCK), v0);
+            _mm512_storeu_ps(out.add(b * Q8_BLOCK + 16), v1);
+        }
+    }
+}
+
+/// Weight rows and activation rows per tile of [`Avx512::gemm_nt_f32`] (16 accumulators,
+/// 4 weight vectors and one activation vector of the 32 registers).
+const GJ: usize = 4;
+const GR: usize = 4;
+
+impl Avx512 {
+    /// `out[i·ldo + j] = x_i·w_j` for the `m` rows of `x` (`[m, k]`) and the `n` rows of `w`
+    /// (`[n, k]`), both read in place (no packing copy). Each output is summed exactly as
+    /// the AVX2 row dot (`x86::float_tile`) sums it — lanes 0–7 and 8–15 of one 16-lane
+    /// accumulator are its two 8-lane accumulators, then one masked 8-wide step, the
+    /// pairwise lane sum and the scalar tail — so a prompt row's product is bit-identical to
+    /// the same row's decode product, whatever `m`.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn gemm_nt_f32(
+        self,
+        x: &[f32],
+        w: &[f32],
+        (m, k, n): (usize, usize, usize),
+        out: &mut [f32],
+        ldo: usize,
+    ) {
+        assert!(
+            x.len() >= m * k && w.len() >= n * k,
+            "gemm_nt_f32: short operands"
+        );
+        assert!(m == 0 || n == 0 || (m - 1) * ldo + n <= out.len());
+        assert!(m <= 1 || ldo >= n, "gemm_nt_f32: rows of out overlap");
+        // SAFETY: `self` proves the features; the asserts bound every row of `x` and `w` and
+        // every output `i·ldo + j` (i < m, j < n).
+        unsafe { gemm_nt(x.as_ptr(), w.as_ptr(), (m, k, n), out.as_mut_ptr(), ldo) }
+    }
+}
+
+/// # Safety
+/// AVX-512F available; `x` readable for `m·k` f32s, `w` for `n·k`, `out` writable at
+/// `i·ldo + j` for `i < m`, `j < n`.
+#[inline(never)]
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+unsafe fn gemm_nt(
+    x: *const f32,
+    w: *const f32,
+    (m, k, n): (usize, usize, usize),
+    out: *mut f32,
+    ldo: usize,
+) {
+    // Weight rows outermost: a tile of GJ rows stays in L1 while every activation row
+    // (the whole prompt chunk, in L2) streams past it.
+    let mut j = 0;
+    while j < n {
+        let jn = (n - j).min(GJ);
+        let mut i = 0;
+        while i < m {
+            let rn = (m - i).min(GR);
+            // SAFETY: weight rows `j..j + jn ≤ n`, activation rows `i..i + rn ≤ m` and the
+            // outputs `(i + r)·ldo + j + jj`: inside the caller's guarantee.
+            unsafe {
+                let (xi, wj, o) = (x.add(i * k), w.add(j * k), out.add(i * ldo + j));
+                macro_rules! go {
+                    ($($J:literal, $R:literal);*) => {
+                        match (jn, rn) {
+                            $(($J, $R) => nt_tile::<$J, $R>(xi, wj, k, o, ldo),)*
+                            _ => unreachable!(),
+                        }
+                    };
+                }
+                go!(4,4; 4,3; 4,2; 4,1; 3,4; 3,3; 3,2; 3,1; 2,4; 2,3; 2,2; 2,1; 1,4; 1,3; 1,2; 1,1);
+            }
+            i += rn;
+        }
+        j += jn;
+    }
+}
+
+/// One `R × J` tile of [`gemm_nt`]: rows `x[r·k..]` (r < R) against rows `w[jj·k..]`
+/// (jj < J), output at `out[r·ldo + jj]`.
+///
+/// # Safety
+/// AVX-512F available; `x` readable for `R·k` f32s, `w` for `J·k`, `out` writable at
+/// `r·ldo + jj`.
+#[inline(always)]
+unsafe fn nt_tile<const J: usize, const R: usize>(
+    x: *const f32,
+    w: *const f32,
+    k: usize,
+    out: *mut f32,
+    ldo: usize,
+) {
+    // SAFETY: every load reads elements `< k` of one of the R + J rows (`p + 16 ≤ k`,
+    // masked lanes `p..p + 8 ≤ k`, scalar `q < k`); stores hit the R × J outputs.
+    unsafe {
+        let mut acc = [[_mm512_setzero_ps(); R]; J];
+        let mut p = 0;
+        while p + 16 <= k {
+            let mut wv = [_mm512_setzero_ps(); J];
+            for jj in 0..J {
+                wv[jj] = _mm512_loadu_ps(w.add(jj * k + p));
+            }
+            for r in 0..R {
+                let xv = _mm512_loadu_ps(x.add(r * k + p));
+                for jj in 0..J {
+                    acc[jj][r] = _mm512_fmadd_ps(xv, wv[jj], acc[jj][r]);
+                }
+            }
+            p += 16;
+        }
+        if p + 8 <= k {
+            // The AVX2 kernel's single 8-wide step, into lanes 0–7 only.
+            const LOW: __mmask16 = 0x00FF;
+            for jj in 0..J {
+                let wv = _mm512_maskz_loadu_ps(LOW, w.add(jj * k + p));
+                for r in 0..R {
+                    let xv = _mm512_maskz_loadu_ps(LOW, x.add(r * k + p));
+                    acc[jj][r] = _mm512_mask3_fmadd_ps(xv, wv, acc[jj][r], LOW);
+                }
+            }
+            p += 8;
+        }
+        for jj in 0..J {
+            for r in 0..R {
+                let mut t = finish(acc[jj][r]);
+                for q in p..k {
+                    t += *x.add(r * k + q) * *w.add(jj * k + q);
+                }
+                *out.add(r * ldo + jj) = t;
+            }
+        }
+    }
+}
