@@ -61,8 +61,16 @@ pub struct CacheArgs {
     #[arg(long, value_delimiter = ',', default_values_t = [0.5, 0.75, 1.0])]
     pub load: Vec<f64>,
     /// Sustainable rate in requests/s [default: measured with `cost`, all requests at once].
+    /// Give it to compare cells across calls: the probe is one burst and moves between calls.
     #[arg(long)]
     pub sustainable_rate: Option<f64>,
+    /// Probe bursts per adapter count (same requests each time); the rate used is their
+    /// median, and the table's header shows every burst's throughput and the spread.
+    #[arg(long, default_value_t = 1)]
+    pub probe_repeats: usize,
+    /// Only measure the sustainable rate (the probe bursts) and print it; run no loads.
+    #[arg(long)]
+    pub probe_only: bool,
     /// Rounds, each with its own workload seed (--seed + round); within a round every policy
     /// serves the same requests. The table shows per-round medians.
     #[arg(long, default_value_t = 1)]
@@ -321,11 +329,20 @@ fn workdir(s: &ServeSetup) -> anyhow::Result<(Option<tempfile::TempDir>, PathBuf
 /// own P99 is its second-slowest request, so the median over rounds of that still swings with
 /// one request; pooling the rounds' requests ranks the tail over all of them.
 fn pooled_p99_ms(runs: &[Run]) -> f64 {
-    Stats::of(
+    pooled_ms(runs, 0.99)
+}
+
+/// TTFT quantile `q` (0.5 or 0.99) in ms over every completed request of `runs` together.
+fn pooled_ms(runs: &[Run], q: f64) -> f64 {
+    let s = Stats::of(
         runs.iter()
             .flat_map(|r| r.records.iter().filter(|q| q.ok()).filter_map(|q| q.ttft_s)),
-    )
-    .p99 * 1e3
+    );
+    if q >= 0.99 {
+        s.p99 * 1e3
+    } else {
+        s.p50 * 1e3
+    }
 }
 
 /// `thaw-bench cache`; returns the printed text.
@@ -349,6 +366,10 @@ pub fn run_cache(args: &CacheArgs) -> anyhow::Result<String> {
     }
     anyhow::ensure!(!args.policies.is_empty(), "--policies is empty");
     anyhow::ensure!(args.rounds > 0, "--rounds must be at least 1");
+    anyhow::ensure!(
+        !(args.probe_only && args.sustainable_rate.is_some()),
+        "--probe-only measures the sustainable rate; drop --sustainable-rate"
+    );
     let (_tmp, root) = workdir(&args.setup)?;
     let max = args.adapter_counts.iter().copied().max().unwrap_or(1);
     let prep = Prepared::new(&args.setup, &root, max)?;
@@ -365,30 +386,56 @@ pub fn run_cache(args: &CacheArgs) -> anyhow::Result<String> {
             a.push(format!("--adapter-eviction={p}"));
             a
         };
-        let sustainable = match args.sustainable_rate {
-            Some(r) => r,
+        let (sustainable, probe_note) = match args.sustainable_rate {
+            Some(r) => (r, "given".to_string()),
             None => {
                 let burst = WorkloadArgs {
                     rate: Some(1e4),
                     ..args.workload.clone()
                 };
-                let probe = serve_once(
-                    &rt,
-                    &args.setup,
-                    &with_policy(EvictionPolicy::Cost),
-                    &burst,
-                    format!("{n} adapters probe"),
-                    n,
-                    None,
-                )?;
-                probe.summary.throughput_rps
+                let mut got = Vec::new();
+                for i in 0..args.probe_repeats.max(1) {
+                    let probe = serve_once(
+                        &rt,
+                        &args.setup,
+                        &with_policy(EvictionPolicy::Cost),
+                        &burst,
+                        format!("{n} adapters probe {}", i + 1),
+                        n,
+                        None,
+                    )?;
+                    got.push(probe.summary.throughput_rps);
+                    runs.push(probe);
+                }
+                let each = got
+                    .iter()
+                    .map(|r| format!("{r:.1}"))
+                    .collect::<Vec<_>>()
+                    .join(" / ");
+                let (lo, hi) = got
+                    .iter()
+                    .fold((f64::INFINITY, 0.0f64), |(l, h), r| (l.min(*r), h.max(*r)));
+                got.sort_by(f64::total_cmp);
+                let median = got[got.len() / 2];
+                (
+                    median,
+                    format!(
+                        "probe: median of {} bursts of {} requests: {each} req/s (max/min {:.2})",
+                        got.len(),
+                        args.workload.requests,
+                        hi / lo
+                    ),
+                )
             }
         };
         let _ = writeln!(
             text,
-            "\n{n} adapters, sustainable rate {sustainable:.2} req/s, {} round(s), medians over rounds\n\n| load | policy | rate req/s | hit rate | TTFT P50 ms | TTFT P99 ms | P99 vs fixed-slots | pooled P99 ms | pooled vs fixed-slots | done | failed | evictions | prefetch hits |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "\n{n} adapters, sustainable rate {sustainable:.2} req/s ({probe_note}), {} round(s), medians over rounds\n\n| load | policy | rate req/s | hit rate | TTFT P50 ms | TTFT P99 ms | P99 vs fixed-slots | pooled P99 ms | pooled vs fixed-slots | pooled P50 ms | done | failed | evictions | prefetch hits | per-round P99 ms |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
             args.rounds
         );
+        if args.probe_only {
+            continue;
+        }
         for &f in &args.load {
             // Policy → its runs, one per round; the policies interleave within each round.
             let mut per: Vec<Vec<Run>> = vec![Vec::new(); args.policies.len()];
@@ -430,7 +477,7 @@ pub fn run_cache(args: &CacheArgs) -> anyhow::Result<String> {
                 let pooled = pooled_p99_ms(rs);
                 let _ = writeln!(
                     text,
-                    "| {:.0}% | {p} | {:.2} | {:.3} | {:.1} | {:.1} | {} | {:.1} | {} | {} | {} | {} | {} |",
+                    "| {:.0}% | {p} | {:.2} | {:.3} | {:.1} | {:.1} | {} | {:.1} | {} | {:.1} | {} | {} | {} | {} | {} |",
                     f * 100.0,
                     sustainable * f,
                     med(rs, &Run::hit_rate),
@@ -439,10 +486,15 @@ pub fn run_cache(args: &CacheArgs) -> anyhow::Result<String> {
                     vs(tail, fixed),
                     pooled,
                     vs(pooled, fixed_pooled),
+                    pooled_ms(rs, 0.5),
                     rs.iter().map(|r| r.summary.completed).sum::<usize>(),
                     rs.iter().map(|r| r.summary.failed).sum::<usize>(),
                     med(rs, &|r| r.evictions),
                     med(rs, &|r| r.prefetch_hits),
+                    rs.iter()
+                        .map(|r| format!("{:.0}", p99(r)))
+                        .collect::<Vec<_>>()
+                        .join("/"),
                 );
             }
         }
