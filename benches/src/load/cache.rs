@@ -129,6 +129,8 @@ pub struct Run {
     pub misses: f64,
     pub evictions: f64,
     pub prefetch_hits: f64,
+    /// Adapter lookups (hits + misses) of the unmeasured warm-up, before the counters above.
+    pub warmup_lookups: f64,
     /// Server resident memory after start-up and after the run, and its peak (KiB).
     pub rss_start_kib: Option<u64>,
     pub rss_end_kib: Option<u64>,
@@ -257,8 +259,25 @@ fn serve_once(
                 t.elapsed()
             );
         }
+        // Counters after the warm-up, so the run's hits, misses, evictions and prefetch hits
+        // are the measured requests' own.
+        let before = match warmup {
+            Some(_) => client.get_text("/metrics").await?,
+            None => String::new(),
+        };
         let (records, summary) = measure(&client, &info, workload, &prompts, &opts).await?;
         let m = client.get_text("/metrics").await?;
+        let counter = |name: &str| {
+            let b = metric(&before, name);
+            metric(&m, name) - if b.is_finite() { b } else { 0.0 }
+        };
+        const HIT: &str = "thaw_adapter_cache_lookups_total{result=\"hit\"}";
+        const MISS: &str = "thaw_adapter_cache_lookups_total{result=\"miss\"}";
+        let warmup_lookups: f64 = [HIT, MISS]
+            .iter()
+            .map(|n| metric(&before, n))
+            .filter(|v| v.is_finite())
+            .sum();
         let (rss_end, rss_peak) = (
             procfs::status_kib(server.pid(), "VmRSS:"),
             procfs::status_kib(server.pid(), "VmHWM:"),
@@ -267,10 +286,11 @@ fn serve_once(
             adapters,
             label: label.clone(),
             rate: workload.rate,
-            hits: metric(&m, "thaw_adapter_cache_lookups_total{result=\"hit\"}"),
-            misses: metric(&m, "thaw_adapter_cache_lookups_total{result=\"miss\"}"),
-            evictions: metric(&m, "thaw_adapter_evictions_total{tier=\"device\"}"),
-            prefetch_hits: metric(&m, "thaw_adapter_prefetch_hits_total"),
+            hits: counter(HIT),
+            misses: counter(MISS),
+            evictions: counter("thaw_adapter_evictions_total{tier=\"device\"}"),
+            prefetch_hits: counter("thaw_adapter_prefetch_hits_total"),
+            warmup_lookups,
             summary,
             rss_start_kib: rss_start,
             rss_end_kib: rss_end,
