@@ -283,6 +283,107 @@ fn cache_quick_compares_the_eviction_policies() {
     }
 }
 
+/// `--warmup-requests 6`: the same server serves 6 unmeasured requests before the measured 12,
+/// its counters saw 6 lookups before the measured run, and the run's own counters and records
+/// are the measured 12 only.
+#[test]
+fn cache_warmup_requests_run_on_the_measured_server_unmeasured() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let table = run_ok(
+        &thaw_bench(),
+        &[
+            "cache",
+            "--quick",
+            "--policies",
+            "cost",
+            "--warmup-requests",
+            "6",
+            "--no-progress",
+            "--thaw-bin",
+            thaw().to_str().unwrap(),
+            "--workdir",
+            dir.path().to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+        ],
+    );
+    assert!(
+        table.contains("6 unmeasured warm-up requests per run"),
+        "{table}"
+    );
+    let runs: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("cache.json")).unwrap()).unwrap();
+    let runs = runs.as_array().unwrap();
+    assert_eq!(runs.len(), 1);
+    let r = &runs[0];
+    assert_eq!(r["summary"]["sent"], 12, "{r}");
+    assert_eq!(r["records"].as_array().map(Vec::len), Some(12), "{r}");
+    assert_eq!(
+        r["warmup_lookups"], 6.0,
+        "the warm-up ran on the measured server: {r}"
+    );
+    let lookups = r["hits"].as_f64().unwrap() + r["misses"].as_f64().unwrap();
+    assert_eq!(
+        lookups, 12.0,
+        "the run's counters are the measured requests': {r}"
+    );
+}
+
+/// `--probe-only --probe-repeats 3`: three bursts, each kept in cache.json, their throughputs
+/// and spread in the header, the median as the rate, and no load runs.
+#[test]
+fn cache_probe_repeats_report_every_burst_and_their_median() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let table = run_ok(
+        &thaw_bench(),
+        &[
+            "cache",
+            "--quick",
+            "--probe-only",
+            "--probe-repeats",
+            "3",
+            "--no-progress",
+            "--thaw-bin",
+            thaw().to_str().unwrap(),
+            "--workdir",
+            dir.path().to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+        ],
+    );
+    let runs: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("cache.json")).unwrap()).unwrap();
+    let runs = runs.as_array().unwrap();
+    assert_eq!(runs.len(), 3, "three probe bursts and nothing else");
+    let mut rps: Vec<f64> = runs
+        .iter()
+        .map(|r| {
+            assert!(r["label"].as_str().unwrap().contains("probe"), "{r}");
+            r["summary"]["throughput_rps"].as_f64().unwrap()
+        })
+        .collect();
+    for r in &rps {
+        assert!(
+            table.contains(&format!("{r:.1}")),
+            "burst {r} not in: {table}"
+        );
+    }
+    rps.sort_by(f64::total_cmp);
+    assert!(
+        table.contains(&format!(
+            "sustainable rate {:.2} req/s (probe: median of 3 bursts",
+            rps[1]
+        )),
+        "{table}"
+    );
+    assert!(
+        !table.contains("| policy |"),
+        "--probe-only runs no loads: {table}"
+    );
+}
+
 #[test]
 fn cache_scale_quick_reports_throughput_and_memory() {
     let dir = tempfile::tempdir().unwrap();

@@ -61,8 +61,22 @@ pub struct CacheArgs {
     #[arg(long, value_delimiter = ',', default_values_t = [0.5, 0.75, 1.0])]
     pub load: Vec<f64>,
     /// Sustainable rate in requests/s [default: measured with `cost`, all requests at once].
+    /// Give it to compare cells across calls: the probe is one burst and moves between calls.
     #[arg(long)]
     pub sustainable_rate: Option<f64>,
+    /// Probe bursts per adapter count (same requests each time); the rate used is their
+    /// median, and the table's header shows every burst's throughput and the spread.
+    #[arg(long, default_value_t = 1)]
+    pub probe_repeats: usize,
+    /// Only measure the sustainable rate (the probe bursts) and print it; run no loads.
+    #[arg(long)]
+    pub probe_only: bool,
+    /// Unmeasured requests each server serves first, drawn like the measured ones (same
+    /// rate, popularity and lengths; another seed), so the measured run starts from the
+    /// policy's own steady-state cache, as in Chameleon's long runs, rather than from a cold
+    /// server where first uses (compulsory misses, the same for every policy) set the tail.
+    #[arg(long, default_value_t = 0)]
+    pub warmup_requests: usize,
     /// Rounds, each with its own workload seed (--seed + round); within a round every policy
     /// serves the same requests. The table shows per-round medians.
     #[arg(long, default_value_t = 1)]
@@ -115,6 +129,8 @@ pub struct Run {
     pub misses: f64,
     pub evictions: f64,
     pub prefetch_hits: f64,
+    /// Adapter lookups (hits + misses) of the unmeasured warm-up, before the counters above.
+    pub warmup_lookups: f64,
     /// Server resident memory after start-up and after the run, and its peak (KiB).
     pub rss_start_kib: Option<u64>,
     pub rss_end_kib: Option<u64>,
@@ -226,21 +242,42 @@ fn serve_once(
         if let Some(w) = warmup {
             let t = Instant::now();
             let (_, sum) = measure(&client, &info, w, &prompts, &opts).await?;
+            // The fixed-slots baseline may refuse some (429) under load; a warm-up that served
+            // nothing, or a refusal by the unified pool (which never refuses), is an error.
+            let fixed = serve_args.iter().any(|a| a.ends_with("=fixed-slots"));
             anyhow::ensure!(
-                sum.failed == 0,
+                sum.failed == 0 || (fixed && sum.failed < sum.sent),
                 "{label}: {} of {} warm-up requests failed; see {}",
                 sum.failed,
                 sum.sent,
                 log.display()
             );
             eprintln!(
-                "{label}: warm-up of {} requests in {:.1?}",
+                "{label}: warm-up of {} requests ({} failed) in {:.1?}",
                 sum.sent,
+                sum.failed,
                 t.elapsed()
             );
         }
+        // Counters after the warm-up, so the run's hits, misses, evictions and prefetch hits
+        // are the measured requests' own.
+        let before = match warmup {
+            Some(_) => client.get_text("/metrics").await?,
+            None => String::new(),
+        };
         let (records, summary) = measure(&client, &info, workload, &prompts, &opts).await?;
         let m = client.get_text("/metrics").await?;
+        let counter = |name: &str| {
+            let b = metric(&before, name);
+            metric(&m, name) - if b.is_finite() { b } else { 0.0 }
+        };
+        const HIT: &str = "thaw_adapter_cache_lookups_total{result=\"hit\"}";
+        const MISS: &str = "thaw_adapter_cache_lookups_total{result=\"miss\"}";
+        let warmup_lookups: f64 = [HIT, MISS]
+            .iter()
+            .map(|n| metric(&before, n))
+            .filter(|v| v.is_finite())
+            .sum();
         let (rss_end, rss_peak) = (
             procfs::status_kib(server.pid(), "VmRSS:"),
             procfs::status_kib(server.pid(), "VmHWM:"),
@@ -249,10 +286,11 @@ fn serve_once(
             adapters,
             label: label.clone(),
             rate: workload.rate,
-            hits: metric(&m, "thaw_adapter_cache_lookups_total{result=\"hit\"}"),
-            misses: metric(&m, "thaw_adapter_cache_lookups_total{result=\"miss\"}"),
-            evictions: metric(&m, "thaw_adapter_evictions_total{tier=\"device\"}"),
-            prefetch_hits: metric(&m, "thaw_adapter_prefetch_hits_total"),
+            hits: counter(HIT),
+            misses: counter(MISS),
+            evictions: counter("thaw_adapter_evictions_total{tier=\"device\"}"),
+            prefetch_hits: counter("thaw_adapter_prefetch_hits_total"),
+            warmup_lookups,
             summary,
             rss_start_kib: rss_start,
             rss_end_kib: rss_end,
@@ -321,12 +359,24 @@ fn workdir(s: &ServeSetup) -> anyhow::Result<(Option<tempfile::TempDir>, PathBuf
 /// own P99 is its second-slowest request, so the median over rounds of that still swings with
 /// one request; pooling the rounds' requests ranks the tail over all of them.
 fn pooled_p99_ms(runs: &[Run]) -> f64 {
-    Stats::of(
+    pooled_ms(runs, 0.99)
+}
+
+/// TTFT quantile `q` (0.5 or 0.99) in ms over every completed request of `runs` together.
+fn pooled_ms(runs: &[Run], q: f64) -> f64 {
+    let s = Stats::of(
         runs.iter()
             .flat_map(|r| r.records.iter().filter(|q| q.ok()).filter_map(|q| q.ttft_s)),
-    )
-    .p99 * 1e3
+    );
+    if q >= 0.99 {
+        s.p99 * 1e3
+    } else {
+        s.p50 * 1e3
+    }
 }
+
+/// The warm-up's workload seed is the round's plus this (no round's measured seed).
+const WARMUP_SEED_OFFSET: u64 = 1_000_000;
 
 /// `thaw-bench cache`; returns the printed text.
 pub fn run_cache(args: &CacheArgs) -> anyhow::Result<String> {
@@ -336,7 +386,9 @@ pub fn run_cache(args: &CacheArgs) -> anyhow::Result<String> {
         args.setup.ranks = vec![8, 16];
         args.adapter_counts = vec![12];
         args.load = vec![1.0];
-        args.sustainable_rate.get_or_insert(20.0);
+        if !args.probe_only {
+            args.sustainable_rate.get_or_insert(20.0);
+        }
         args.workload = WorkloadArgs {
             popularity: PopularityKind::RankPowerLaw,
             ..quick_workload(&args.workload)
@@ -349,6 +401,10 @@ pub fn run_cache(args: &CacheArgs) -> anyhow::Result<String> {
     }
     anyhow::ensure!(!args.policies.is_empty(), "--policies is empty");
     anyhow::ensure!(args.rounds > 0, "--rounds must be at least 1");
+    anyhow::ensure!(
+        !(args.probe_only && args.sustainable_rate.is_some()),
+        "--probe-only measures the sustainable rate; drop --sustainable-rate"
+    );
     let (_tmp, root) = workdir(&args.setup)?;
     let max = args.adapter_counts.iter().copied().max().unwrap_or(1);
     let prep = Prepared::new(&args.setup, &root, max)?;
@@ -365,28 +421,59 @@ pub fn run_cache(args: &CacheArgs) -> anyhow::Result<String> {
             a.push(format!("--adapter-eviction={p}"));
             a
         };
-        let sustainable = match args.sustainable_rate {
-            Some(r) => r,
+        let (sustainable, probe_note) = match args.sustainable_rate {
+            Some(r) => (r, "given".to_string()),
             None => {
                 let burst = WorkloadArgs {
                     rate: Some(1e4),
                     ..args.workload.clone()
                 };
-                let probe = serve_once(
-                    &rt,
-                    &args.setup,
-                    &with_policy(EvictionPolicy::Cost),
-                    &burst,
-                    format!("{n} adapters probe"),
-                    n,
-                    None,
-                )?;
-                probe.summary.throughput_rps
+                let mut got = Vec::new();
+                for i in 0..args.probe_repeats.max(1) {
+                    let probe = serve_once(
+                        &rt,
+                        &args.setup,
+                        &with_policy(EvictionPolicy::Cost),
+                        &burst,
+                        format!("{n} adapters probe {}", i + 1),
+                        n,
+                        None,
+                    )?;
+                    got.push(probe.summary.throughput_rps);
+                    runs.push(probe);
+                }
+                let each = got
+                    .iter()
+                    .map(|r| format!("{r:.1}"))
+                    .collect::<Vec<_>>()
+                    .join(" / ");
+                let (lo, hi) = got
+                    .iter()
+                    .fold((f64::INFINITY, 0.0f64), |(l, h), r| (l.min(*r), h.max(*r)));
+                got.sort_by(f64::total_cmp);
+                let median = got[got.len() / 2];
+                (
+                    median,
+                    format!(
+                        "probe: median of {} bursts of {} requests: {each} req/s (max/min {:.2})",
+                        got.len(),
+                        args.workload.requests,
+                        hi / lo
+                    ),
+                )
             }
         };
+        let _ = write!(
+            text,
+            "\n{n} adapters, sustainable rate {sustainable:.2} req/s ({probe_note})"
+        );
+        if args.probe_only {
+            text.push('\n');
+            continue;
+        }
         let _ = writeln!(
             text,
-            "\n{n} adapters, sustainable rate {sustainable:.2} req/s, {} round(s), medians over rounds\n\n| load | policy | rate req/s | hit rate | TTFT P50 ms | TTFT P99 ms | P99 vs fixed-slots | pooled P99 ms | pooled vs fixed-slots | done | failed | evictions | prefetch hits |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+            ", {} round(s), medians over rounds\n\n| load | policy | rate req/s | hit rate | TTFT P50 ms | TTFT P99 ms | P99 vs fixed-slots | pooled P99 ms | pooled vs fixed-slots | pooled P50 ms | done | failed | evictions | prefetch hits | per-round P99 ms |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
             args.rounds
         );
         for &f in &args.load {
@@ -398,9 +485,22 @@ pub fn run_cache(args: &CacheArgs) -> anyhow::Result<String> {
                     seed: args.workload.seed + round as u64,
                     ..args.workload.clone()
                 };
+                let warm = (args.warmup_requests > 0).then(|| WorkloadArgs {
+                    requests: args.warmup_requests,
+                    seed: w.seed + WARMUP_SEED_OFFSET,
+                    ..w.clone()
+                });
                 for (pi, &p) in args.policies.iter().enumerate() {
                     let label = format!("{n} adapters {:.0}% {p} round {}", f * 100.0, round + 1);
-                    let r = serve_once(&rt, &args.setup, &with_policy(p), &w, label, n, None)?;
+                    let r = serve_once(
+                        &rt,
+                        &args.setup,
+                        &with_policy(p),
+                        &w,
+                        label,
+                        n,
+                        warm.as_ref(),
+                    )?;
                     per[pi].push(r.clone());
                     runs.push(r);
                 }
@@ -430,7 +530,7 @@ pub fn run_cache(args: &CacheArgs) -> anyhow::Result<String> {
                 let pooled = pooled_p99_ms(rs);
                 let _ = writeln!(
                     text,
-                    "| {:.0}% | {p} | {:.2} | {:.3} | {:.1} | {:.1} | {} | {:.1} | {} | {} | {} | {} | {} |",
+                    "| {:.0}% | {p} | {:.2} | {:.3} | {:.1} | {:.1} | {} | {:.1} | {} | {:.1} | {} | {} | {} | {} | {} |",
                     f * 100.0,
                     sustainable * f,
                     med(rs, &Run::hit_rate),
@@ -439,10 +539,15 @@ pub fn run_cache(args: &CacheArgs) -> anyhow::Result<String> {
                     vs(tail, fixed),
                     pooled,
                     vs(pooled, fixed_pooled),
+                    pooled_ms(rs, 0.5),
                     rs.iter().map(|r| r.summary.completed).sum::<usize>(),
                     rs.iter().map(|r| r.summary.failed).sum::<usize>(),
                     med(rs, &|r| r.evictions),
                     med(rs, &|r| r.prefetch_hits),
+                    rs.iter()
+                        .map(|r| format!("{:.0}", p99(r)))
+                        .collect::<Vec<_>>()
+                        .join("/"),
                 );
             }
         }
@@ -452,13 +557,15 @@ pub fn run_cache(args: &CacheArgs) -> anyhow::Result<String> {
     let w = &args.workload;
     Ok(format!(
         "thaw serve (CPU backend, emulated link), preset {}, ranks {:?} on q,v; {} requests, \
-         {:?} arrivals, {:?} popularity, {:?} lengths; serve args {:?}\n{text}\nreport: {}\n",
+         {:?} arrivals, {:?} popularity, {:?} lengths; {} unmeasured warm-up requests per run; \
+         serve args {:?}\n{text}\nreport: {}\n",
         args.setup.preset,
         args.setup.ranks,
         w.requests,
         w.arrivals,
         w.popularity,
         w.lengths,
+        args.warmup_requests,
         args.setup.server.serve_arg,
         json.display()
     ))

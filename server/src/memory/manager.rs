@@ -255,6 +255,7 @@ impl MemoryManager {
                 wanted,
                 reload,
             },
+            link_busy: false,
         }
     }
 
