@@ -25,7 +25,7 @@ use crate::error::ServerError;
 use crate::memory::apply::{apply, Upload};
 use crate::memory::loader::{FetchResult, Loader};
 use crate::memory::{
-    admit, Board, Device, Limits, MemView, MemoryConfig, MemoryManager, Notice, NoticeSink,
+    admit, Board, Device, Limits, MemoryConfig, MemoryManager, Notice, NoticeSink,
 };
 use crate::metrics::Metrics;
 use crate::perf::{StepShape, Tier};
@@ -683,12 +683,8 @@ impl Loop {
         let reload = |tier: Tier, bytes: u64| cost.load_time_from(tier, bytes, 0);
         let kv_now = self.mem.pool().kv_capacity();
         self.sched.protect(&self.state, &self.cfg, cost, kv_now);
-        let link_busy = self.engine.backend().link_backlog() > 0;
         let plan = {
-            let view = MemView {
-                link_busy,
-                ..self.mem.view(&wanted, &reload)
-            };
+            let view = self.mem.view(&wanted, &reload);
             admit(
                 self.sched.candidate_order(&self.state),
                 &self.state.running,

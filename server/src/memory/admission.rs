@@ -12,10 +12,7 @@
 //! [`BYPASS_LOOKAHEAD`] behind it) has its disk-only adapter read at once, whatever makes it
 //! wait — a full batch too, since a read takes no device memory; and while the head waits for
 //! its read or a place in the batch (not for memory), the host copies of those behind it are
-//! loaded into pages the head does not need. The link is one FIFO queue, so a prefetch is
-//! issued only when nothing else is on it (no queued bytes, no load in this plan), and one per
-//! step: a load a request is waiting for then queues behind at most one prefetched adapter,
-//! not behind a burst of them (Chameleon: prefetching "consumes high CPU-GPU link bandwidth").
+//! loaded into pages the head does not need.
 //!
 //! Requests behind a blocked head may bypass it (Chameleon §4, "Bypassing Adapter Blocking"),
 //! but never so as to delay it: while the head waits for memory, a bypasser must be predicted to
@@ -32,9 +29,6 @@ use crate::scheduler::{SchedConfig, SeqState};
 
 /// How far behind a blocked head the bypass looks.
 pub const BYPASS_LOOKAHEAD: usize = 64;
-
-/// Prefetches one plan may put on an idle link (see the module's note on the FIFO link).
-pub const MAX_PREFETCH_PER_STEP: usize = 1;
 
 /// Where an adapter is on the device.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -62,8 +56,6 @@ pub struct MemView<'a> {
     pub adapters: &'a HashMap<AdapterId, AdapterState>,
     /// Adapters on the device, most evictable first (the eviction policy's order).
     pub eviction_order: EvictionOrder<'a>,
-    /// The host → device link has bytes queued (loads or prefetches not yet landed).
-    pub link_busy: bool,
 }
 
 /// The eviction order, given or computed on first use. Scoring and sorting every
@@ -368,11 +360,6 @@ impl<'a> Work<'a> {
     /// that a head waiting for its fetch stops fitting.
     fn prefetch(&mut self, rest: &[&SeqState], head: Option<&SeqState>, plan: &mut AdmitPlan) {
         let pool = self.view.pool;
-        // The link is FIFO: a prefetch queued ahead of a load delays a request that waits for
-        // it. Only an idle link takes one, and only one per step.
-        if self.view.link_busy || !plan.load.is_empty() {
-            return;
-        }
         for s in head.iter().chain(rest) {
             let Some(a) = s.adapter else { continue };
             let Some(st) = self.view.adapters.get(&a).copied() else {
@@ -404,9 +391,6 @@ impl<'a> Work<'a> {
             }
             *self = probe;
             plan.prefetch.push(a);
-            if plan.prefetch.len() >= MAX_PREFETCH_PER_STEP {
-                return;
-            }
         }
     }
 }

@@ -7,7 +7,6 @@ use thaw_runtime::ids::{AdapterId, SeqId};
 
 use super::admission::{
     admit, predicted_steps, AdapterState, Device, EvictionOrder, Limits, MemView,
-    MAX_PREFETCH_PER_STEP,
 };
 use super::pool::{Layout, PagePool};
 use crate::scheduler::{plan_step_admitting, Gate, SchedConfig, SchedState, SeqState};
@@ -71,7 +70,6 @@ impl Sim {
             pool: &self.pool,
             adapters: &self.adapters,
             eviction_order: EvictionOrder::Fixed(&order),
-            link_busy: false,
         };
         let plan = admit(
             &self.state.waiting,
@@ -320,7 +318,6 @@ fn a_full_batch_still_reads_and_prefetches_queued_adapters() {
         pool: &pool,
         adapters: &adapters,
         eviction_order: EvictionOrder::Fixed(&order),
-        link_busy: false,
     };
     let plan = admit(&waiting, &running, reserved, &c, view, &lim(1, 8));
     assert!(plan.admit.is_empty(), "one adapter per batch: all wait");
@@ -358,7 +355,7 @@ proptest! {
         let reserved: usize = running.iter().map(|s| s.reservation(&c)).sum();
         let pinned: usize = running.iter().map(|s| adapters[&s.adapter.unwrap()].pages).sum();
         let req = SeqState::new(SeqId(1), prompt, 4);
-        let view = MemView { pool: &pool, adapters: &adapters, eviction_order: EvictionOrder::Fixed(&order), link_busy: false };
+        let view = MemView { pool: &pool, adapters: &adapters, eviction_order: EvictionOrder::Fixed(&order) };
         let plan = admit([&req], &running, reserved, &c, view, &lim(16, 16));
         let fits = reserved + pinned + req.reservation(&c) <= total;
         prop_assert_eq!(plan.admit == vec![SeqId(1)], fits);
@@ -425,7 +422,6 @@ proptest! {
         max_loras in 1usize..4,
         max_seqs in 1usize..8,
         bypass in any::<bool>(),
-        link_busy in any::<bool>(),
     ) {
         let c = cfg(total, 64);
         let mut pool = PagePool::new(1, total, Layout::Unified { max_adapters: None });
@@ -461,20 +457,9 @@ proptest! {
             adapter: a.map(|a| AdapterId(a % n)),
             ..SeqState::new(SeqId(i as u64), p, m)
         }).collect();
-        let view = MemView { pool: &pool, adapters: &adapters, eviction_order: EvictionOrder::Fixed(&order), link_busy };
+        let view = MemView { pool: &pool, adapters: &adapters, eviction_order: EvictionOrder::Fixed(&order) };
         let l = Limits { bypass, ..lim(max_loras, max_seqs) };
         let plan = admit(&wait, &run, reserved, &c, view, &l);
-        // The FIFO link: a prefetch only when nothing else is on it or in this plan, at most
-        // one; and the link's state changes nothing but the prefetch.
-        prop_assert!(plan.prefetch.len() <= MAX_PREFETCH_PER_STEP);
-        if link_busy || !plan.load.is_empty() {
-            prop_assert!(plan.prefetch.is_empty(), "prefetch queued on a busy link: {:?}", plan);
-        }
-        let other = admit(&wait, &run, reserved, &c, MemView { link_busy: !link_busy, ..view }, &l);
-        prop_assert_eq!(
-            (&plan.admit, &plan.evict, &plan.load, &plan.fetch, plan.head, plan.bypassed),
-            (&other.admit, &other.evict, &other.load, &other.fetch, other.head, other.bypassed)
-        );
         let mut want = Vec::new();
         for a in wait.iter().filter_map(|s| s.adapter) {
             let st = adapters[&a];
@@ -570,7 +555,6 @@ fn eviction_order_is_computed_only_when_a_victim_is_needed() {
         pool: m.pool(),
         adapters: &states,
         eviction_order: EvictionOrder::Fixed(&order),
-        link_busy: false,
     };
     let fixed = admit([&big], &[], 0, &c, view, &lim(16, 16));
     assert_eq!((lazy.admit, lazy.evict), (fixed.admit, fixed.evict));

@@ -255,7 +255,6 @@ impl MemoryManager {
                 wanted,
                 reload,
             },
-            link_busy: false,
         }
     }
 
