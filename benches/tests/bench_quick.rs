@@ -95,6 +95,28 @@ fn serve(model: &Path, adapters: &Path) -> (Serve, String) {
     }
 }
 
+/// Runs `thaw-bench SUB --quick --no-progress ARGS…` against the built `thaw` in a fresh
+/// workdir; returns the printed table and the runs it wrote to `out/JSON`.
+fn quick_run(sub: &str, args: &[&str], json: &str) -> (String, Vec<Value>) {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let thaw_bin = thaw();
+    let mut all = vec![sub, "--quick", "--no-progress"];
+    all.extend_from_slice(args);
+    all.extend_from_slice(&[
+        "--thaw-bin",
+        thaw_bin.to_str().unwrap(),
+        "--workdir",
+        dir.path().to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    let table = run_ok(&thaw_bench(), &all);
+    let runs: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join(json)).unwrap()).unwrap();
+    (table, runs.as_array().unwrap().clone())
+}
+
 fn check_requests(run: &Value, sent: u64) {
     let s = &run["summary"];
     let (n, done, failed) = (
@@ -238,31 +260,13 @@ fn cold_start_quick_compares_the_four_policies() {
 
 #[test]
 fn cache_quick_compares_the_eviction_policies() {
-    let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("out");
-    let table = run_ok(
-        &thaw_bench(),
-        &[
-            "cache",
-            "--quick",
-            "--no-progress",
-            "--thaw-bin",
-            thaw().to_str().unwrap(),
-            "--workdir",
-            dir.path().to_str().unwrap(),
-            "--out",
-            out.to_str().unwrap(),
-        ],
-    );
+    let (table, runs) = quick_run("cache", &[], "cache.json");
     for p in ["lru", "cost", "fixed-slots"] {
         assert!(table.contains(&format!("| {p} |")), "{table}");
     }
     assert!(table.contains("| pooled P99 ms |"), "{table}");
-    let runs: Value =
-        serde_json::from_str(&std::fs::read_to_string(out.join("cache.json")).unwrap()).unwrap();
-    let runs = runs.as_array().unwrap();
     assert_eq!(runs.len(), 3);
-    for r in runs {
+    for r in &runs {
         let s = &r["summary"];
         assert_eq!(s["sent"], 12);
         // Every request's record is kept (the pooled P99 and the tail analysis read them).
@@ -288,33 +292,15 @@ fn cache_quick_compares_the_eviction_policies() {
 /// are the measured 12 only.
 #[test]
 fn cache_warmup_requests_run_on_the_measured_server_unmeasured() {
-    let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("out");
-    let table = run_ok(
-        &thaw_bench(),
-        &[
-            "cache",
-            "--quick",
-            "--policies",
-            "cost",
-            "--warmup-requests",
-            "6",
-            "--no-progress",
-            "--thaw-bin",
-            thaw().to_str().unwrap(),
-            "--workdir",
-            dir.path().to_str().unwrap(),
-            "--out",
-            out.to_str().unwrap(),
-        ],
+    let (table, runs) = quick_run(
+        "cache",
+        &["--policies", "cost", "--warmup-requests", "6"],
+        "cache.json",
     );
     assert!(
         table.contains("6 unmeasured warm-up requests per run"),
         "{table}"
     );
-    let runs: Value =
-        serde_json::from_str(&std::fs::read_to_string(out.join("cache.json")).unwrap()).unwrap();
-    let runs = runs.as_array().unwrap();
     assert_eq!(runs.len(), 1);
     let r = &runs[0];
     assert_eq!(r["summary"]["sent"], 12, "{r}");
@@ -334,28 +320,11 @@ fn cache_warmup_requests_run_on_the_measured_server_unmeasured() {
 /// and spread in the header, the median as the rate, and no load runs.
 #[test]
 fn cache_probe_repeats_report_every_burst_and_their_median() {
-    let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("out");
-    let table = run_ok(
-        &thaw_bench(),
-        &[
-            "cache",
-            "--quick",
-            "--probe-only",
-            "--probe-repeats",
-            "3",
-            "--no-progress",
-            "--thaw-bin",
-            thaw().to_str().unwrap(),
-            "--workdir",
-            dir.path().to_str().unwrap(),
-            "--out",
-            out.to_str().unwrap(),
-        ],
+    let (table, runs) = quick_run(
+        "cache",
+        &["--probe-only", "--probe-repeats", "3"],
+        "cache.json",
     );
-    let runs: Value =
-        serde_json::from_str(&std::fs::read_to_string(out.join("cache.json")).unwrap()).unwrap();
-    let runs = runs.as_array().unwrap();
     assert_eq!(runs.len(), 3, "three probe bursts and nothing else");
     let mut rps: Vec<f64> = runs
         .iter()
@@ -386,28 +355,10 @@ fn cache_probe_repeats_report_every_burst_and_their_median() {
 
 #[test]
 fn cache_scale_quick_reports_throughput_and_memory() {
-    let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("out");
-    let table = run_ok(
-        &thaw_bench(),
-        &[
-            "cache-scale",
-            "--quick",
-            "--no-progress",
-            "--thaw-bin",
-            thaw().to_str().unwrap(),
-            "--workdir",
-            dir.path().to_str().unwrap(),
-            "--out",
-            out.to_str().unwrap(),
-        ],
-    );
+    let (table, runs) = quick_run("cache-scale", &[], "cache-scale.json");
     assert!(table.contains("| 1 | 12/0 |"), "{table}");
     assert!(table.contains("| 20 | 12/0 |"), "{table}");
-    let runs: Value =
-        serde_json::from_str(&std::fs::read_to_string(out.join("cache-scale.json")).unwrap())
-            .unwrap();
-    for r in runs.as_array().unwrap() {
+    for r in &runs {
         assert!(r["rss_end_kib"].as_u64().unwrap() > 0, "{r}");
     }
 }
