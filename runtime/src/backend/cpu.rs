@@ -585,15 +585,7 @@ mod tests {
     fn linear_group_equals_separate_linears() {
         use thaw_kernels::cpu::{WeightFormat, WeightMatrix};
         let cfg = ModelConfig::from_dir(&fixtures::tiny_llama()).unwrap();
-        let mut seed = 11u32;
-        let mut rnd = move |n: usize| -> Vec<f32> {
-            (0..n)
-                .map(|_| {
-                    seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
-                    (seed >> 8) as f32 / (1u32 << 24) as f32 - 0.5
-                })
-                .collect()
-        };
+        let mut rnd = crate::backend::test_values(11);
         let k = 64;
         let mut one = CpuBackend::new(&cfg);
         for format in [WeightFormat::F32, WeightFormat::Q4_1] {

@@ -371,15 +371,7 @@ mod tests {
     #[test]
     fn linear_split_matches_one_thread_bitwise() {
         use thaw_kernels::cpu::{linear, GemmShape};
-        let mut seed = 7u32;
-        let mut rnd = move |n: usize| -> Vec<f32> {
-            (0..n)
-                .map(|_| {
-                    seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
-                    (seed >> 8) as f32 / (1u32 << 24) as f32 - 0.5
-                })
-                .collect()
-        };
+        let mut rnd = crate::backend::test_values(7);
         for threads in [2, 3] {
             let pool = ComputePool::new(CpuThreads {
                 min_part_work: 1,

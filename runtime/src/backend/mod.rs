@@ -328,3 +328,17 @@ impl DeviceKind {
         }
     }
 }
+
+/// Deterministic values in [-0.5, 0.5) for the backends' tests: `n` per call, from a 32-bit
+/// LCG seeded with `seed`.
+#[cfg(test)]
+pub(crate) fn test_values(mut seed: u32) -> impl FnMut(usize) -> Vec<f32> {
+    move |n| {
+        (0..n)
+            .map(|_| {
+                seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+                (seed >> 8) as f32 / (1u32 << 24) as f32 - 0.5
+            })
+            .collect()
+    }
+}

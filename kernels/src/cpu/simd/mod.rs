@@ -255,8 +255,6 @@ fn gemv_q8_portable(
     }
 }
 
-/// Checks [`gemv_q8`]'s arguments; returns (blocks per row, activation rows) and zeroes
-/// `out` when rows are empty.
 /// Blocks in each of the `n` weight rows packed in `w` (whole blocks of `format`, one that
 /// [`q8_dot_supported`]); panics naming `what` otherwise.
 fn blocks_per_row(format: WeightFormat, w: &[u8], n: usize, what: &str) -> usize {
@@ -275,6 +273,8 @@ fn blocks_per_row(format: WeightFormat, w: &[u8], n: usize, what: &str) -> usize
     kb
 }
 
+/// Checks [`gemv_q8`]'s arguments; returns (blocks per row, activation rows) and zeroes
+/// `out` when rows are empty.
 fn gemv_q8_shape(
     format: WeightFormat,
     w: &[u8],
