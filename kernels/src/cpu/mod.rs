@@ -4,6 +4,7 @@ mod activation;
 mod attention;
 mod convert;
 mod gemm;
+mod hostvec;
 mod lora;
 mod norm;
 pub mod quant;
@@ -17,6 +18,7 @@ pub use activation::{add_in_place, log_softmax_in_place, softmax_in_place, swigl
 pub use attention::{paged_attention, write_kv, KvLayout};
 pub use convert::{bf16_bytes_to_f32, bytes_to_f32, f16_bytes_to_f32, FloatFormat};
 pub use gemm::{add_bias, linear, linear_scaled, matmul, matmul_scaled, GemmShape, ROW_SPLIT_MIN};
+pub use hostvec::HostVec;
 pub use lora::{
     bgmv, bgmv_expand, bgmv_shrink, merge_lora_into, sgmv, sgmv_expand, sgmv_scratch_len,
     sgmv_shrink, LoraRef, LoraSegment,
@@ -25,3 +27,4 @@ pub use norm::rms_norm;
 pub use quant::{q8_activations, set_q8_activations, WeightData, WeightFormat, WeightMatrix};
 pub use rope::{RopeScaling, RopeTable};
 pub use simd::{set_simd_level, simd_level, SimdLevel};
+pub use sys::{HugeArena, HugeSlice, HUGE_PAGE};

@@ -3,11 +3,15 @@
 //! The base model's products, attention and logits split over a persistent pool of compute
 //! threads ([`super::cpu_par`]) while no CPU LoRA assist is in flight; while one is, the
 //! engine thread computes alone and the remaining cores belong to the pinned LoRA workers.
+//!
+//! Weights it keeps are packed into 2 MiB transparent huge pages ([`HugeArena`]): a decode
+//! step streams every weight once, and on 4 KiB pages that is a TLB miss and a prefetcher
+//! restart every 4 KiB. `THAW_HUGEPAGES=0` keeps them in their loaded `Vec`s (A/B runs).
 use std::ops::Range;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use thaw_cpu_lora::kernel::{lora_delta, LoraMat, LoraProblem, Scratch};
-use thaw_kernels::cpu::{self as k, KvLayout, LoraRef, RopeTable, WeightMatrix};
+use thaw_kernels::cpu::{self as k, HugeArena, KvLayout, LoraRef, RopeTable, WeightMatrix};
 
 use super::cpu_par::{balance, linear_split, ComputePool, CpuThreads};
 use super::{Backend, LinearDims, LoraBatch, LoraKernel, StepLayout};
@@ -58,6 +62,14 @@ pub struct CpuBackend {
     fused: Scratch,
     link: LinkModel,
     copy: Option<CopyEngine>,
+    /// Where uploaded weights are packed; `None` with `THAW_HUGEPAGES=0`. A mutex because
+    /// uploads take `&self`; only model loading locks it.
+    arena: Option<Mutex<HugeArena>>,
+}
+
+/// Whether weights go to huge pages: unless `THAW_HUGEPAGES` is `0` (read per backend).
+fn hugepages_enabled() -> bool {
+    !std::env::var("THAW_HUGEPAGES").is_ok_and(|v| v.trim() == "0")
 }
 
 impl CpuBackend {
@@ -93,6 +105,7 @@ impl CpuBackend {
             fused: Scratch::new(),
             link: LinkModel::default(),
             copy: None,
+            arena: hugepages_enabled().then(|| Mutex::new(HugeArena::new(true))),
         }
     }
 
@@ -174,7 +187,14 @@ impl Backend for CpuBackend {
         self.upload_weight(WeightMatrix::from_f32(w, d_out, d_in), bias)
     }
 
-    fn upload_weight(&self, w: WeightMatrix, bias: Option<Vec<f32>>) -> Result<CpuLinear> {
+    fn upload_weight(&self, mut w: WeightMatrix, bias: Option<Vec<f32>>) -> Result<CpuLinear> {
+        if let Some(arena) = &self.arena {
+            let mut arena = arena.lock().unwrap_or_else(PoisonError::into_inner);
+            if let Err(e) = w.pack_into(&mut arena) {
+                // The weight computes the same from its Vec, on 4 KiB pages.
+                tracing::warn!("could not map huge-page memory for a weight ({e}); keeping it on ordinary pages");
+            }
+        }
         Ok(CpuLinear {
             d_out: w.rows(),
             d_in: w.cols(),
@@ -629,6 +649,47 @@ mod tests {
                         );
                     }
                 }
+            }
+        }
+    }
+
+    /// Uploaded weights are packed into the huge-page arena (unless `THAW_HUGEPAGES=0`), and
+    /// every format computes bit for bit what the same matrix computes from its `Vec`, for a
+    /// decode row and a prompt chunk.
+    #[test]
+    fn packed_weights_compute_what_their_vecs_compute() {
+        use thaw_kernels::cpu::{WeightFormat, WeightMatrix};
+        let cfg = ModelConfig::from_dir(&fixtures::tiny_llama()).unwrap();
+        let mut rnd = crate::backend::test_values(23);
+        let (n, k) = (72, 64);
+        let mut b = CpuBackend::new(&cfg);
+        let formats = [
+            WeightFormat::F32,
+            WeightFormat::F16,
+            WeightFormat::BF16,
+            WeightFormat::Q8_0,
+            WeightFormat::Q4_1,
+        ];
+        for format in formats {
+            let w = WeightMatrix::from_f32(rnd(n * k), n, k)
+                .convert(format)
+                .unwrap();
+            let heap = w.clone();
+            let up = b.upload_weight(w, None).unwrap();
+            assert_eq!(up.w.is_packed(), hugepages_enabled(), "{format:?}");
+            assert!(!heap.is_packed());
+            assert_eq!(up.w, heap, "{format:?}: packing changed the elements");
+            for rows in [1, 40] {
+                let x = rnd(rows * k);
+                let mut got = vec![f32::NAN; rows * n];
+                b.linear(&x, &up, rows, &mut got);
+                let mut want = vec![f32::NAN; rows * n];
+                heap.matmul(&x, rows, &mut want);
+                let same = got
+                    .iter()
+                    .zip(&want)
+                    .all(|(a, c)| a.to_bits() == c.to_bits());
+                assert!(same, "{format:?}, {rows} rows");
             }
         }
     }

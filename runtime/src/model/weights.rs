@@ -31,7 +31,7 @@ struct Stored {
 impl Stored {
     fn into_f32(self) -> Vec<f32> {
         match self.data {
-            WeightData::F32(v) => v,
+            WeightData::F32(v) => v.into_vec(),
             data => {
                 let cols = self.shape.last().copied().unwrap_or(1);
                 let rows = self.shape.iter().product::<usize>() / cols.max(1);
@@ -171,12 +171,14 @@ impl Weights {
             // CPU kernels accumulate in f32.
             let data = match view_to_half(&view) {
                 Some(d) if view.shape().len() == 2 => d,
-                _ => WeightData::F32(view_to_f32(&view).map_err(|dtype| {
-                    ModelError::UnsupportedDtype {
-                        tensor: name.to_string(),
-                        dtype: format!("{dtype:?}"),
-                    }
-                })?),
+                _ => WeightData::F32(
+                    view_to_f32(&view)
+                        .map_err(|dtype| ModelError::UnsupportedDtype {
+                            tensor: name.to_string(),
+                            dtype: format!("{dtype:?}"),
+                        })?
+                        .into(),
+                ),
             };
             let tensor = Stored {
                 shape: view.shape().to_vec(),
@@ -199,7 +201,7 @@ impl Weights {
             .map(|(n, t)| {
                 let s = Stored {
                     shape: t.shape,
-                    data: WeightData::F32(t.data),
+                    data: WeightData::F32(t.data.into()),
                 };
                 (n, s)
             })

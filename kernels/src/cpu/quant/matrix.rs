@@ -9,21 +9,24 @@ use half::{bf16, f16, slice::HalfFloatSliceExt};
 use super::blocks::{dequantize_block, dequantize_blocks, quantize_blocks};
 use super::WeightFormat;
 use crate::cpu::gemm::{dot, linear, GemmShape, SMALL_M};
+use crate::cpu::hostvec::HostVec;
 use crate::cpu::simd::{
     dequantize_row, dot_rows_bf16, dot_rows_f16, gemm_nt_f32, gemv_q8, gemv_quant_f32,
     q8_dot_supported, quantize_q8, Q8Block,
 };
-use crate::cpu::sys::{sgemm, MatMut, MatRef};
+use crate::cpu::sys::{sgemm, HugeArena, MatMut, MatRef};
 use crate::error::KernelError;
 
 /// The elements of a weight matrix as stored.
 #[derive(Clone, Debug, PartialEq)]
+/// Each holds a [`HostVec`]: a `Vec` as loaded, or a copy packed into a huge-page arena
+/// ([`WeightMatrix::pack_into`]) once the CPU backend keeps the weight.
 pub enum WeightData {
-    F32(Vec<f32>),
-    F16(Vec<f16>),
-    BF16(Vec<bf16>),
+    F32(HostVec<f32>),
+    F16(HostVec<f16>),
+    BF16(HostVec<bf16>),
     /// Whole ggml blocks of a quantised format, row after row (a row never shares a block).
-    Quant(WeightFormat, Vec<u8>),
+    Quant(WeightFormat, HostVec<u8>),
 }
 
 /// A `[rows, cols]` row-major weight (HF `nn.Linear` layout: row `j` produces output `j`).
@@ -111,7 +114,7 @@ impl WeightMatrix {
     pub fn from_f32(w: Vec<f32>, rows: usize, cols: usize) -> Self {
         assert_eq!(w.len(), rows * cols, "weight is not [{rows}, {cols}]");
         Self {
-            data: WeightData::F32(w),
+            data: WeightData::F32(w.into()),
             rows,
             cols,
         }
@@ -162,7 +165,7 @@ impl WeightMatrix {
             ),
             WeightFormat::F16 => WeightData::F16(halves().map(f16::from_bits).collect()),
             WeightFormat::BF16 => WeightData::BF16(halves().map(bf16::from_bits).collect()),
-            q => WeightData::Quant(q, bytes.to_vec()),
+            q => WeightData::Quant(q, bytes.to_vec().into()),
         };
         Self::new(data, rows, cols)
     }
@@ -208,9 +211,9 @@ impl WeightMatrix {
 
     /// Mutable f32 elements, widening the storage to f32 first if needed (merging an
     /// adapter into the weights needs f32).
-    pub fn make_f32(&mut self) -> &mut Vec<f32> {
+    pub fn make_f32(&mut self) -> &mut [f32] {
         if !matches!(self.data, WeightData::F32(_)) {
-            self.data = WeightData::F32(self.to_f32());
+            self.data = WeightData::F32(self.to_f32().into());
         }
         match &mut self.data {
             WeightData::F32(v) => v,
@@ -243,10 +246,32 @@ impl WeightMatrix {
         }
     }
 
-    /// The elements as f32, without a copy when already stored so.
+    /// Moves the elements into `arena` (2 MiB pages, see [`HugeArena`]); the values and
+    /// every product over them are unchanged. Errors when the arena cannot map more memory
+    /// (the matrix then keeps its `Vec`).
+    pub fn pack_into(&mut self, arena: &mut HugeArena) -> std::io::Result<()> {
+        match &mut self.data {
+            WeightData::F32(v) => v.pack_into(arena),
+            WeightData::F16(v) => v.pack_into(arena),
+            WeightData::BF16(v) => v.pack_into(arena),
+            WeightData::Quant(_, v) => v.pack_into(arena),
+        }
+    }
+
+    /// Whether the elements live in a [`HugeArena`] ([`Self::pack_into`]).
+    pub fn is_packed(&self) -> bool {
+        match &self.data {
+            WeightData::F32(v) => v.is_packed(),
+            WeightData::F16(v) => v.is_packed(),
+            WeightData::BF16(v) => v.is_packed(),
+            WeightData::Quant(_, v) => v.is_packed(),
+        }
+    }
+
+    /// The elements as f32, without a copy when already stored so in a `Vec`.
     pub fn into_f32(self) -> Vec<f32> {
         match self.data {
-            WeightData::F32(v) => v,
+            WeightData::F32(v) => v.into_vec(),
             _ => self.to_f32(),
         }
     }
@@ -277,7 +302,7 @@ impl WeightMatrix {
         }
         let v = self.to_f32();
         let data = match format {
-            WeightFormat::F32 => WeightData::F32(v),
+            WeightFormat::F32 => WeightData::F32(v.into()),
             WeightFormat::F16 => WeightData::F16(v.iter().map(|&x| f16::from_f32(x)).collect()),
             WeightFormat::BF16 => WeightData::BF16(v.iter().map(|&x| bf16::from_f32(x)).collect()),
             q => {
@@ -288,7 +313,7 @@ impl WeightMatrix {
                 })?;
                 let mut b = vec![0u8; n];
                 quantize_blocks(q, &v, &mut b)?;
-                WeightData::Quant(q, b)
+                WeightData::Quant(q, b.into())
             }
         };
         Self::new(data, self.rows, self.cols)

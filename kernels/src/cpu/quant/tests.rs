@@ -172,7 +172,7 @@ fn bad_lengths_are_errors() {
     assert!(e.to_string().contains("multiple of the block size"), "{e}");
     let e = WeightMatrix::from_bytes(WeightFormat::Q4_1, &[0; 39], 2, 32).unwrap_err();
     assert!(e.to_string().contains("39 bytes but 40"), "{e}");
-    let e = WeightMatrix::from_data(WeightData::F16(vec![f16::ZERO; 5]), 2, 3).unwrap_err();
+    let e = WeightMatrix::from_data(WeightData::F16(vec![f16::ZERO; 5].into()), 2, 3).unwrap_err();
     assert!(e.to_string().contains("10 bytes but 12"), "{e}");
 }
 

@@ -220,7 +220,7 @@ fn tensor_data(format: WeightFormat, b: &[u8]) -> WeightData {
         ),
         WeightFormat::F16 => WeightData::F16(halves().map(half::f16::from_bits).collect()),
         WeightFormat::BF16 => WeightData::BF16(halves().map(half::bf16::from_bits).collect()),
-        q => WeightData::Quant(q, b.to_vec()),
+        q => WeightData::Quant(q, b.to_vec().into()),
     }
 }
 
