@@ -156,6 +156,8 @@ impl HugeMapping {
                 libc::munmap((start + len) as *mut libc::c_void, tail);
             }
         }
+        // THP and MADV_HUGEPAGE are Linux's; elsewhere the mapping keeps ordinary pages.
+        #[cfg(target_os = "linux")]
         if advise {
             // SAFETY: `[start, start + len)` is the mapping this value owns; MADV_HUGEPAGE
             // changes only how the kernel backs it, never its contents. A refusal (THP built
@@ -164,6 +166,8 @@ impl HugeMapping {
                 libc::madvise(start as *mut libc::c_void, len, libc::MADV_HUGEPAGE);
             }
         }
+        #[cfg(not(target_os = "linux"))]
+        let _ = advise;
         let ptr = NonNull::new(start as *mut u8).ok_or_else(too_big)?;
         Ok(Self { ptr, len })
     }
