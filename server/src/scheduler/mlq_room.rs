@@ -72,7 +72,7 @@ impl Room<'_> {
         if let Some(t) = &inp.tpot {
             let mut d = self.decode;
             d.add(1, true, (t.rank)(s));
-            if self.seqs > 0 && t.model.predict(&d) > t.slo_s {
+            if self.seqs > 0 && t.model.predict_interval(&d) > t.slo_s {
                 return Err(Refusal::Blocked);
             }
         }
