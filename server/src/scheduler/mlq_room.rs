@@ -43,7 +43,7 @@ impl Room<'_> {
         match &inp.tpot {
             Some(t) if !self.items.is_empty() && n > 0 => {
                 t.model
-                    .max_rows_within(&self.step, self.rank(inp, s), false, t.slo_s, n)
+                    .max_rows_within(&self.step, self.rank(inp, s), false, t.step_budget_s, n)
             }
             _ => n,
         }
