@@ -381,4 +381,23 @@ mod tests {
         };
         assert!(bad.resolve().is_err());
     }
+
+    #[test]
+    fn admission_bypass_is_on_unless_the_file_or_the_flag_turns_it_off() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("thaw.toml");
+        assert!(ServeArgs::default().resolve().unwrap().admission_bypass);
+        std::fs::write(&f, "admission_bypass = false\n").unwrap();
+        let from_file = ServeArgs {
+            config: Some(f.clone()),
+            ..Default::default()
+        };
+        assert!(!from_file.resolve().unwrap().admission_bypass);
+        let flag = ServeArgs {
+            config: Some(f),
+            admission_bypass: Some(true),
+            ..Default::default()
+        };
+        assert!(flag.resolve().unwrap().admission_bypass);
+    }
 }
