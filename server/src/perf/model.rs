@@ -234,6 +234,14 @@ impl PerfModel {
         self.layer_time_shape(shape, self.choose_kernel(shape)) * self.num_layers as f64
     }
 
+    /// Wall time from one token of a decoding request to its next when the step is `shape`:
+    /// the step's device time plus the engine loop's mean gap between steps
+    /// ([`Self::step_overhead_s`]). This, not the device time alone, is what a client
+    /// measures as time per output token, so the TPOT cap plans with it.
+    pub fn predict_interval(&self, shape: &StepShape) -> f64 {
+        self.predict(shape) + self.step_overhead_s
+    }
+
     /// The LoRA kernel predicted faster for `shape` (CaraServe §5: BGMV pads every row to the
     /// step's largest rank, SGMV does not but costs more per unit of work on homogeneous
     /// ranks). Ties go to SGMV.
@@ -265,7 +273,8 @@ impl PerfModel {
     pub const EXPLORE_EVERY: u64 = 32;
 
     /// Most rows of a sequence with an adapter of `rank` (prefill rows, unless `decode`)
-    /// that can join `shape` while the predicted step time stays within `slo_s`; at most
+    /// that can join `shape` while the predicted time between tokens
+    /// ([`Self::predict_interval`]) stays within `slo_s`; at most
     /// `cap`. Every co-batched decoding request waits for the whole step, so this is what
     /// keeps their time between tokens under the SLO.
     pub fn max_rows_within(
@@ -279,7 +288,7 @@ impl PerfModel {
         let fits = |n: usize| {
             let mut s = *shape;
             s.add(n, decode, rank);
-            self.predict(&s) <= slo_s
+            self.predict_interval(&s) <= slo_s
         };
         if fits(cap) {
             return cap;
@@ -607,6 +616,29 @@ mod tests {
         with.add(1, false, Some(64));
         assert!(m.predict(&with) > slo, "the cap is the largest that fits");
         assert_eq!(m.max_rows_within(&decoding, None, false, 0.0, 10), 0);
+    }
+
+    #[test]
+    fn the_tpot_cap_counts_the_gap_between_steps() {
+        // The client's time per token is the step plus the loop's gap: a chunk that fits
+        // the SLO on device time alone but not with the gap must be cut.
+        let mut m = model(true);
+        let mut decoding = StepShape::default();
+        decoding.add(4, true, Some(16));
+        let mut one = decoding;
+        one.add(64, false, Some(16));
+        let slo = m.predict(&one) * 1.001;
+        assert_eq!(m.max_rows_within(&decoding, Some(16), false, slo, 64), 64);
+        m.step_overhead_s = m.predict(&one) * 0.05;
+        let n = m.max_rows_within(&decoding, Some(16), false, slo, 64);
+        assert!(n < 64, "{n}");
+        let mut with = decoding;
+        with.add(n, false, Some(16));
+        assert!(m.predict_interval(&with) <= slo);
+        assert_eq!(
+            m.predict_interval(&with),
+            m.predict(&with) + m.step_overhead_s
+        );
     }
 
     #[test]

@@ -35,7 +35,8 @@
 //!
 //! Rank-aware cap (CaraServe §5): with a TPOT SLO, a new request is admitted only if the
 //! predicted decode step with it stays within the SLO, and prefill chunks are cut so the
-//! predicted step does (a step alone is never cut to nothing).
+//! predicted step stays within the running requests' slack ([`TpotCap::step_budget_s`]; a
+//! step alone is never cut to nothing).
 use thaw_runtime::engine::StepPlan;
 use thaw_runtime::ids::SeqId;
 
@@ -48,7 +49,11 @@ use crate::perf::{PerfModel, StepShape};
 /// The rank-aware cap's inputs.
 pub struct TpotCap<'a> {
     pub model: &'a PerfModel,
+    /// A new request is admitted only if the decode step with it stays within this.
     pub slo_s: f64,
+    /// Prefill chunks are cut so the predicted step stays within this
+    /// ([`super::mlq_tpot::step_budget_s`]: the running requests' slack, at least `slo_s`).
+    pub step_budget_s: f64,
     pub rank: &'a dyn Fn(&SeqState) -> Option<usize>,
 }
 

@@ -43,7 +43,7 @@ impl Room<'_> {
         match &inp.tpot {
             Some(t) if !self.items.is_empty() && n > 0 => {
                 t.model
-                    .max_rows_within(&self.step, self.rank(inp, s), false, t.slo_s, n)
+                    .max_rows_within(&self.step, self.rank(inp, s), false, t.step_budget_s, n)
             }
             _ => n,
         }
@@ -72,7 +72,7 @@ impl Room<'_> {
         if let Some(t) = &inp.tpot {
             let mut d = self.decode;
             d.add(1, true, (t.rank)(s));
-            if self.seqs > 0 && t.model.predict(&d) > t.slo_s {
+            if self.seqs > 0 && t.model.predict_interval(&d) > t.slo_s {
                 return Err(Refusal::Blocked);
             }
         }

@@ -249,6 +249,7 @@ fn the_tpot_cap_refuses_a_rank_that_would_slow_the_decode_batch_past_the_slo() {
         tpot: Some(TpotCap {
             model: &model,
             slo_s: slo,
+            step_budget_s: slo,
             rank: &rank,
         }),
         ..plain(cfg.total_blocks, 0.0, &none)
@@ -266,6 +267,23 @@ fn the_tpot_cap_refuses_a_rank_that_would_slow_the_decode_batch_past_the_slo() {
         d.decision.plan.items[1].num_tokens, 1,
         "its prefill chunk is cut to what the SLO leaves"
     );
+    // Running requests with slack (fast steps so far) let the whole prompt in one step:
+    // cutting it would only add a step to every decoder's time.
+    let mut both = crate::perf::StepShape::default();
+    both.add(1, true, Some(8));
+    both.add(4, false, Some(8));
+    let inp = MlqInputs {
+        tpot: Some(TpotCap {
+            model: &model,
+            slo_s: slo,
+            step_budget_s: model.predict_interval(&both),
+            rank: &rank,
+        }),
+        ..plain(cfg.total_blocks, 0.0, &none)
+    };
+    let d = plan_mlq(&st, &cfg, &mlq, &inp);
+    assert_eq!(d.admit_ids, vec![SeqId(3)]);
+    assert_eq!(d.decision.plan.items[1].num_tokens, 4, "{d:?}");
 }
 
 /// Pages adapters hold in the simulated pool, a phase every [`ADAPTER_PERIOD`] steps.

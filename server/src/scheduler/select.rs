@@ -11,6 +11,7 @@ use super::mlq::{plan_mlq, MlqInputs, TpotCap};
 use super::mlq_predict::{OutputPredictor, PredictorStats};
 use super::mlq_protect::{fit_steps, protected, Hold, Waiter};
 use super::mlq_state::{Mlq, MlqConfig};
+use super::mlq_tpot::step_budget_s;
 use super::mlq_wait::{blocked_wait_s, MemoryWait};
 use super::mlq_wrs::RequestSize;
 use super::ordering::{OrderKeys, SchedulingPolicy};
@@ -51,6 +52,8 @@ struct Known {
     adapter: Option<AdapterId>,
     predicted: usize,
     rank: usize,
+    /// When the scheduler first saw it with an output token (the TPOT cap's clock).
+    first_token_s: Option<f64>,
 }
 
 pub struct Scheduler {
@@ -102,6 +105,7 @@ impl Scheduler {
                 adapter: seq.adapter,
                 predicted,
                 rank: arrival.rank,
+                first_token_s: None,
             },
         );
         match self.policy {
@@ -236,7 +240,28 @@ impl Scheduler {
         }
         self.mlq.set_capacity(cfg.total_blocks * cfg.block_size);
         let ok: HashSet<SeqId> = admissible.iter().copied().collect();
+        let now = self.now_s();
+        // The TPOT cap's clock: a request's first token came with the step before the one
+        // that first shows it here.
+        for s in state
+            .running
+            .iter()
+            .filter(|s| s.total_tokens > s.prompt_len)
+        {
+            if let Some(k) = self.known.get_mut(&s.id) {
+                k.first_token_s.get_or_insert(now);
+            }
+        }
         let known = &self.known;
+        let step_budget = self.tpot_slo_s.map(|slo| {
+            step_budget_s(
+                slo,
+                state.running.iter().filter_map(|s| {
+                    let first = known.get(&s.id)?.first_token_s?;
+                    Some((s.total_tokens - s.prompt_len, now - first))
+                }),
+            )
+        });
         let rank = |s: &SeqState| known.get(&s.id).map(|k| k.rank).filter(|&r| r > 0);
         // The memory layer's head that waits for memory blocks its queue, bounded by its
         // predicted wait (the running batch freeing memory, then its adapter's load); any
@@ -266,6 +291,7 @@ impl Scheduler {
                 tpot: self.tpot_slo_s.map(|slo_s| TpotCap {
                     model: perf,
                     slo_s,
+                    step_budget_s: step_budget.unwrap_or(slo_s),
                     rank: &rank,
                 }),
             },

@@ -103,6 +103,9 @@ pub struct ServeArgs {
     /// With mlq: the oldest request of a queue above the fast lane goes first once it has waited the running batch's predicted time to make room for it, and the smaller queues backfill around it (true/false) [default: true].
     #[arg(long, value_name = "BOOL")]
     pub mlq_protect: Option<bool>,
+    /// Requests behind a head that waits for device memory may start when predicted not to delay it (Chameleon's bypass, every policy); false keeps strict arrival order for memory, as S-LoRA's FIFO (true/false) [default: true].
+    #[arg(long, value_name = "BOOL")]
+    pub admission_bypass: Option<bool>,
     /// Bandwidth of the emulated host→device link the CPU backend streams adapters over, GB/s [default: 25].
     #[arg(long, value_name = "GBPS")]
     pub emulated_link_gbps: Option<f64>,
@@ -262,6 +265,10 @@ impl ServeArgs {
                 .or(f.mlq_max_wait_ms)
                 .unwrap_or(d.mlq_max_wait_ms),
             mlq_protect: self.mlq_protect.or(f.mlq_protect).unwrap_or(d.mlq_protect),
+            admission_bypass: self
+                .admission_bypass
+                .or(f.admission_bypass)
+                .unwrap_or(d.admission_bypass),
             emulated_link_gbps: self
                 .emulated_link_gbps
                 .or(f.emulated_link_gbps)
@@ -373,5 +380,24 @@ mod tests {
             ..Default::default()
         };
         assert!(bad.resolve().is_err());
+    }
+
+    #[test]
+    fn admission_bypass_is_on_unless_the_file_or_the_flag_turns_it_off() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("thaw.toml");
+        assert!(ServeArgs::default().resolve().unwrap().admission_bypass);
+        std::fs::write(&f, "admission_bypass = false\n").unwrap();
+        let from_file = ServeArgs {
+            config: Some(f.clone()),
+            ..Default::default()
+        };
+        assert!(!from_file.resolve().unwrap().admission_bypass);
+        let flag = ServeArgs {
+            config: Some(f),
+            admission_bypass: Some(true),
+            ..Default::default()
+        };
+        assert!(flag.resolve().unwrap().admission_bypass);
     }
 }

@@ -50,6 +50,8 @@ pub struct ServeConfig {
     pub mlq_max_wait_ms: f64,
     /// Under mlq, protect the oldest large request (see `scheduler::mlq_protect`).
     pub mlq_protect: bool,
+    /// The memory layer's bounded bypass of a head waiting for memory (false: strict order).
+    pub admission_bypass: bool,
     pub emulated_link_gbps: f64,
     pub emulated_link_latency_us: f64,
     pub lora_workers: usize,
@@ -96,6 +98,7 @@ impl Default for ServeConfig {
             tpot_slo_ms: None,
             mlq_max_wait_ms: 30_000.0,
             mlq_protect: true,
+            admission_bypass: true,
             emulated_link_gbps: 25.0,
             emulated_link_latency_us: 10.0,
             lora_workers: default_lora_workers(),
@@ -151,6 +154,7 @@ pub struct FileConfig {
     pub tpot_slo_ms: Option<f64>,
     pub mlq_max_wait_ms: Option<f64>,
     pub mlq_protect: Option<bool>,
+    pub admission_bypass: Option<bool>,
     pub emulated_link_gbps: Option<f64>,
     pub emulated_link_latency_us: Option<f64>,
     pub lora_workers: Option<usize>,

@@ -184,7 +184,7 @@ impl Server {
                 let limits = Limits {
                     max_loras: cold_cfg.max_loras,
                     max_num_seqs: cold_cfg.max_num_seqs,
-                    bypass: true,
+                    bypass: cold_cfg.admission_bypass,
                     prefetch: true,
                 };
                 Ok((
