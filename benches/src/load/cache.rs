@@ -524,6 +524,7 @@ pub fn run_cache(args: &CacheArgs) -> anyhow::Result<String> {
             args.rounds
         );
         let mut offered = String::new();
+        let mut tails = String::new();
         for &f in &args.load {
             // Policy → its runs, one per round; the policies interleave within each round.
             let mut per: Vec<Vec<Run>> = vec![Vec::new(); args.policies.len()];
@@ -579,6 +580,12 @@ pub fn run_cache(args: &CacheArgs) -> anyhow::Result<String> {
             };
             for (pi, &p) in args.policies.iter().enumerate() {
                 let rs = &per[pi];
+                let _ = writeln!(
+                    tails,
+                    "- {:.0}% {p}, TTFT over the rounds: {}",
+                    f * 100.0,
+                    super::cache_tail::split(rs.iter().map(|r| r.records.as_slice())).line()
+                );
                 let tail = med(rs, &p99);
                 let pooled = pooled_p99_ms(rs);
                 let _ = writeln!(
@@ -621,6 +628,7 @@ pub fn run_cache(args: &CacheArgs) -> anyhow::Result<String> {
         }
         text.push('\n');
         text.push_str(&offered);
+        text.push_str(&tails);
     }
     let json = args.setup.out.join("cache.json");
     write_json(&json, &runs)?;
