@@ -265,6 +265,11 @@ fn cache_quick_compares_the_eviction_policies() {
         assert!(table.contains(&format!("| {p} |")), "{table}");
     }
     assert!(table.contains("| pooled P99 ms |"), "{table}");
+    // Where the tail comes from, per policy: first uses against reuses, and by rank.
+    assert!(
+        table.contains("cost, TTFT over the rounds: first uses") && table.contains("r16 "),
+        "{table}"
+    );
     assert_eq!(runs.len(), 3);
     for r in &runs {
         let s = &r["summary"];
@@ -314,6 +319,30 @@ fn cache_warmup_requests_run_on_the_measured_server_unmeasured() {
         lookups, 12.0,
         "the run's counters are the measured requests': {r}"
     );
+}
+
+/// `--sustainable-token-rate`: each round offers that many tokens/s, and the table says so.
+#[test]
+fn cache_token_rate_sets_each_rounds_token_load() {
+    let (table, runs) = quick_run(
+        "cache",
+        &["--policies", "cost", "--sustainable-token-rate", "900"],
+        "cache.json",
+    );
+    assert!(
+        table.contains("sustainable rate 900.00 tokens/s"),
+        "{table}"
+    );
+    assert!(
+        table.contains("offered per round (req/s, tokens/s): "),
+        "{table}"
+    );
+    // Quick runs use Poisson arrivals, whose span is random: the exact scaling is the
+    // workload's proptest; here every request ran at the token rate's request rate
+    // (900 tokens/s ÷ 20 tokens per request = 45 req/s).
+    assert!(table.contains("| 100% | cost | 900.00 |"), "{table}");
+    assert_eq!(runs.len(), 1);
+    assert_eq!(runs[0]["summary"]["completed"], 12, "{}", runs[0]);
 }
 
 /// `--probe-only --probe-repeats 3`: three bursts, each kept in cache.json, their throughputs

@@ -64,6 +64,12 @@ pub struct CacheArgs {
     /// Give it to compare cells across calls: the probe is one burst and moves between calls.
     #[arg(long)]
     pub sustainable_rate: Option<f64>,
+    /// Sustainable load in tokens/s (prompt + output), e.g. from the probe's tokens/s: each
+    /// round then offers `--load` × this many tokens/s (`--token-rate`), so rounds whose trace
+    /// windows differ in tokens per request offer the same token load. Instead of
+    /// --sustainable-rate.
+    #[arg(long, conflicts_with = "sustainable_rate")]
+    pub sustainable_token_rate: Option<f64>,
     /// Probe bursts per adapter count (same requests each time); the rate used is their
     /// median, and the table's header shows every burst's throughput and the spread.
     #[arg(long, default_value_t = 1)]
@@ -375,6 +381,35 @@ fn pooled_ms(runs: &[Run], q: f64) -> f64 {
     }
 }
 
+/// Tokens (prompt + output asked for) a run completed per second of its wall time.
+fn token_throughput(r: &Run) -> f64 {
+    let tokens: usize = r
+        .records
+        .iter()
+        .filter(|q| q.ok())
+        .map(|q| q.prompt_tokens + q.output_tokens)
+        .sum();
+    tokens as f64 / r.summary.wall_s.max(1e-9)
+}
+
+/// The load a run offered: requests/s and tokens/s (prompt + max output) over its planned
+/// send times (the first at 0, the last at `span`; n requests over n÷rate seconds).
+fn offered_load(r: &Run) -> (f64, f64) {
+    let n = r.records.len() as f64;
+    let span = r
+        .records
+        .iter()
+        .map(|q| q.scheduled_s)
+        .fold(0.0f64, f64::max)
+        .max(1e-9);
+    let tokens: usize = r
+        .records
+        .iter()
+        .map(|q| q.prompt_tokens + q.max_tokens)
+        .sum();
+    (n / span, tokens as f64 / span)
+}
+
 /// The warm-up's workload seed is the round's plus this (no round's measured seed).
 const WARMUP_SEED_OFFSET: u64 = 1_000_000;
 
@@ -386,7 +421,7 @@ pub fn run_cache(args: &CacheArgs) -> anyhow::Result<String> {
         args.setup.ranks = vec![8, 16];
         args.adapter_counts = vec![12];
         args.load = vec![1.0];
-        if !args.probe_only {
+        if !args.probe_only && args.sustainable_token_rate.is_none() {
             args.sustainable_rate.get_or_insert(20.0);
         }
         args.workload = WorkloadArgs {
@@ -402,8 +437,9 @@ pub fn run_cache(args: &CacheArgs) -> anyhow::Result<String> {
     anyhow::ensure!(!args.policies.is_empty(), "--policies is empty");
     anyhow::ensure!(args.rounds > 0, "--rounds must be at least 1");
     anyhow::ensure!(
-        !(args.probe_only && args.sustainable_rate.is_some()),
-        "--probe-only measures the sustainable rate; drop --sustainable-rate"
+        !(args.probe_only
+            && (args.sustainable_rate.is_some() || args.sustainable_token_rate.is_some())),
+        "--probe-only measures the sustainable rate; drop --sustainable-rate / --sustainable-token-rate"
     );
     let (_tmp, root) = workdir(&args.setup)?;
     let max = args.adapter_counts.iter().copied().max().unwrap_or(1);
@@ -421,7 +457,8 @@ pub fn run_cache(args: &CacheArgs) -> anyhow::Result<String> {
             a.push(format!("--adapter-eviction={p}"));
             a
         };
-        let (sustainable, probe_note) = match args.sustainable_rate {
+        let given = args.sustainable_rate.or(args.sustainable_token_rate);
+        let (sustainable, probe_note) = match given {
             Some(r) => (r, "given".to_string()),
             None => {
                 let burst = WorkloadArgs {
@@ -429,6 +466,7 @@ pub fn run_cache(args: &CacheArgs) -> anyhow::Result<String> {
                     ..args.workload.clone()
                 };
                 let mut got = Vec::new();
+                let mut tokens = Vec::new();
                 for i in 0..args.probe_repeats.max(1) {
                     let probe = serve_once(
                         &rt,
@@ -440,6 +478,7 @@ pub fn run_cache(args: &CacheArgs) -> anyhow::Result<String> {
                         None,
                     )?;
                     got.push(probe.summary.throughput_rps);
+                    tokens.push(token_throughput(&probe));
                     runs.push(probe);
                 }
                 let each = got
@@ -451,21 +490,29 @@ pub fn run_cache(args: &CacheArgs) -> anyhow::Result<String> {
                     .iter()
                     .fold((f64::INFINITY, 0.0f64), |(l, h), r| (l.min(*r), h.max(*r)));
                 got.sort_by(f64::total_cmp);
+                tokens.sort_by(f64::total_cmp);
                 let median = got[got.len() / 2];
                 (
                     median,
                     format!(
-                        "probe: median of {} bursts of {} requests: {each} req/s (max/min {:.2})",
+                        "probe: median of {} bursts of {} requests: {each} req/s (max/min {:.2}); \
+                         median {:.0} tokens/s (prompt + output, for --sustainable-token-rate)",
                         got.len(),
                         args.workload.requests,
-                        hi / lo
+                        hi / lo,
+                        tokens[tokens.len() / 2],
                     ),
                 )
             }
         };
+        let unit = if args.sustainable_token_rate.is_some() {
+            "tokens/s"
+        } else {
+            "req/s"
+        };
         let _ = write!(
             text,
-            "\n{n} adapters, sustainable rate {sustainable:.2} req/s ({probe_note})"
+            "\n{n} adapters, sustainable rate {sustainable:.2} {unit} ({probe_note})"
         );
         if args.probe_only {
             text.push('\n');
@@ -473,15 +520,22 @@ pub fn run_cache(args: &CacheArgs) -> anyhow::Result<String> {
         }
         let _ = writeln!(
             text,
-            ", {} round(s), medians over rounds\n\n| load | policy | rate req/s | hit rate | TTFT P50 ms | TTFT P99 ms | P99 vs fixed-slots | pooled P99 ms | pooled vs fixed-slots | pooled P50 ms | done | failed | evictions | prefetch hits | per-round P99 ms |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+            ", {} round(s), medians over rounds\n\n| load | policy | rate {unit} | hit rate | TTFT P50 ms | TTFT P99 ms | P99 vs fixed-slots | pooled P99 ms | pooled vs fixed-slots | pooled P50 ms | done | failed | evictions | prefetch hits | per-round P99 ms |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
             args.rounds
         );
+        let mut offered = String::new();
+        let mut tails = String::new();
         for &f in &args.load {
             // Policy → its runs, one per round; the policies interleave within each round.
             let mut per: Vec<Vec<Run>> = vec![Vec::new(); args.policies.len()];
             for round in 0..args.rounds {
+                let (rate, token_rate) = match args.sustainable_token_rate {
+                    Some(_) => (None, Some(sustainable * f)),
+                    None => (Some(sustainable * f), None),
+                };
                 let w = WorkloadArgs {
-                    rate: Some(sustainable * f),
+                    rate,
+                    token_rate,
                     seed: args.workload.seed + round as u64,
                     ..args.workload.clone()
                 };
@@ -526,6 +580,12 @@ pub fn run_cache(args: &CacheArgs) -> anyhow::Result<String> {
             };
             for (pi, &p) in args.policies.iter().enumerate() {
                 let rs = &per[pi];
+                let _ = writeln!(
+                    tails,
+                    "- {:.0}% {p}, TTFT over the rounds: {}",
+                    f * 100.0,
+                    super::cache_tail::split(rs.iter().map(|r| r.records.as_slice())).line()
+                );
                 let tail = med(rs, &p99);
                 let pooled = pooled_p99_ms(rs);
                 let _ = writeln!(
@@ -550,7 +610,25 @@ pub fn run_cache(args: &CacheArgs) -> anyhow::Result<String> {
                         .join("/"),
                 );
             }
+            if let Some(first) = per.first() {
+                let _ = writeln!(
+                    offered,
+                    "- {:.0}% load, offered per round (req/s, tokens/s): {}",
+                    f * 100.0,
+                    first
+                        .iter()
+                        .map(|r| {
+                            let (rps, tps) = offered_load(r);
+                            format!("{rps:.1}, {tps:.0}")
+                        })
+                        .collect::<Vec<_>>()
+                        .join(" / ")
+                );
+            }
         }
+        text.push('\n');
+        text.push_str(&offered);
+        text.push_str(&tails);
     }
     let json = args.setup.out.join("cache.json");
     write_json(&json, &runs)?;

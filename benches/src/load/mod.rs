@@ -3,6 +3,7 @@
 //! (`thaw-bench cold-start`) and the scheduling-policy comparison across rates
 //! (`thaw-bench scheduling`). Measures TTFT, TPOT and end-to-end latency at the client.
 mod cache;
+mod cache_tail;
 mod cli;
 mod client;
 mod coldstart;

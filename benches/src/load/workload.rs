@@ -73,6 +73,12 @@ pub struct WorkloadArgs {
     /// Mean request rate, requests/s (for --arrivals trace: the target rate of the replay).
     #[arg(long)]
     pub rate: Option<f64>,
+    /// Mean offered load in tokens/s (prompt + output tokens), instead of --rate: the plan's
+    /// arrival times are stretched so its tokens span tokens ÷ this, keeping the arrivals'
+    /// shape and the lengths. Two seeds (two trace windows) then offer the same token load,
+    /// where the same --rate can differ 2× in tokens.
+    #[arg(long, conflicts_with = "rate")]
+    pub token_rate: Option<f64>,
     /// Coefficient of variation of gamma inter-arrival times.
     #[arg(long, default_value_t = 2.0)]
     pub cv: f64,
@@ -126,6 +132,7 @@ impl Default for WorkloadArgs {
             requests: 200,
             arrivals: ArrivalKind::Poisson,
             rate: None,
+            token_rate: None,
             cv: 2.0,
             popularity: PopularityKind::RankPowerLaw,
             zipf_alpha: 1.0,
@@ -201,9 +208,25 @@ pub fn plan(args: &WorkloadArgs, server: &ServerInfo) -> anyhow::Result<Vec<Plan
     } else {
         Vec::new()
     };
-    let arrivals = arrivals(args, &window, &mut rng)?;
+    let mut arrivals = match args.token_rate {
+        // At rate 1 first: every arrival process scales exactly with 1/rate, and the random
+        // draws stay in the order a --rate plan makes them.
+        Some(_) => arrivals(
+            &WorkloadArgs {
+                rate: Some(1.0),
+                ..args.clone()
+            },
+            &window,
+            &mut rng,
+        )?,
+        None => arrivals(args, &window, &mut rng)?,
+    };
     let adapters = popularity(args, server, n, &mut rng)?;
     let lengths = lengths(args, server, &window, &mut rng)?;
+    if let Some(tr) = args.token_rate {
+        let rate = request_rate_for_tokens(tr, &lengths)?;
+        arrivals.iter_mut().for_each(|t| *t /= rate);
+    }
     Ok((0..n)
         .map(|i| PlannedRequest {
             id: i,
@@ -213,6 +236,17 @@ pub fn plan(args: &WorkloadArgs, server: &ServerInfo) -> anyhow::Result<Vec<Plan
             output_len: lengths[i].1,
         })
         .collect())
+}
+
+/// The request rate at which requests of `lengths` (prompt, output) offer `token_rate` tokens/s
+/// on average: token_rate × requests ÷ tokens.
+pub fn request_rate_for_tokens(token_rate: f64, lengths: &[(usize, usize)]) -> anyhow::Result<f64> {
+    anyhow::ensure!(
+        token_rate.is_finite() && token_rate > 0.0,
+        "--token-rate must be positive, got {token_rate}"
+    );
+    let tokens: usize = lengths.iter().map(|(p, o)| p + o).sum();
+    Ok(token_rate * lengths.len() as f64 / tokens.max(1) as f64)
 }
 
 fn arrivals(
@@ -586,6 +620,106 @@ mod tests {
         assert!(p
             .iter()
             .all(|r| r.prompt_len >= 1 && r.output_len >= 1 && r.prompt_len + r.output_len <= 512));
+    }
+
+    /// A trace file of 400 rows whose lengths vary a lot from one window to the next.
+    fn uneven_trace(dir: &std::path::Path) -> PathBuf {
+        let t = dir.join("t.csv");
+        let mut s = String::from("TIMESTAMP,ContextTokens,GeneratedTokens\n");
+        for i in 0..400 {
+            let prompt = if (i / 50) % 2 == 0 {
+                20 + i % 7
+            } else {
+                300 + 11 * (i % 5)
+            };
+            s.push_str(&format!(
+                "2023-11-16 18:{:02}:{:02}.{:03},{prompt},{}\n",
+                i / 60,
+                i % 60,
+                (i * 37) % 1000,
+                5 + i % 9
+            ));
+        }
+        std::fs::write(&t, s).unwrap();
+        t
+    }
+
+    proptest::proptest! {
+        /// With --token-rate every seed's window offers the same tokens per second of its span,
+        /// keeps the arrivals' shape and lengths of a --rate plan, and the adapters drawn.
+        #[test]
+        fn token_rate_offers_equal_tokens_per_second(seed in 0u64..1000, tr in 100.0f64..5000.0,
+            arrivals in proptest::sample::select(vec![ArrivalKind::Trace, ArrivalKind::Poisson, ArrivalKind::Gamma])) {
+            let dir = tempfile::tempdir().unwrap();
+            let base = WorkloadArgs {
+                arrivals,
+                lengths: LengthKind::Trace,
+                trace: uneven_trace(dir.path()),
+                seed,
+                ..args(60)
+            };
+            let s = server(&[8, 16, 32]);
+            let by_tokens = plan(&WorkloadArgs { rate: None, token_rate: Some(tr), ..base.clone() }, &s).unwrap();
+            let by_requests = plan(&base, &s).unwrap();
+            let tokens: usize = by_tokens.iter().map(|r| r.prompt_len + r.output_len).sum();
+            let n = by_tokens.len() as f64;
+            // The request rate the token rate implies offers tr tokens/s on average.
+            let rate = request_rate_for_tokens(tr, &by_tokens.iter().map(|r| (r.prompt_len, r.output_len)).collect::<Vec<_>>()).unwrap();
+            proptest::prop_assert!((rate * tokens as f64 / n - tr).abs() < 1e-6 * tr);
+            for (a, b) in by_tokens.iter().zip(&by_requests) {
+                proptest::prop_assert_eq!((a.adapter, a.prompt_len, a.output_len), (b.adapter, b.prompt_len, b.output_len));
+                // Same shape: times scale by (--rate ÷ implied rate).
+                let want = b.at_s * 10.0 / rate;
+                proptest::prop_assert!((a.at_s - want).abs() <= 1e-9 * want.max(1.0), "{} vs {}", a.at_s, want);
+            }
+            if arrivals == ArrivalKind::Trace {
+                // The replay's span is exactly n ÷ rate: tokens per second of span = tr.
+                let span = by_tokens.last().unwrap().at_s;
+                proptest::prop_assert!((tokens as f64 / span - tr).abs() < 1e-6 * tr);
+            }
+        }
+    }
+
+    #[test]
+    fn token_rate_evens_out_windows_of_different_weight() {
+        let dir = tempfile::tempdir().unwrap();
+        let base = WorkloadArgs {
+            arrivals: ArrivalKind::Trace,
+            lengths: LengthKind::Trace,
+            trace: uneven_trace(dir.path()),
+            length_scale: Some(1.0),
+            ..args(50)
+        };
+        let s = server(&[8]);
+        let per_second = |w: &WorkloadArgs| {
+            let p = plan(w, &s).unwrap();
+            let t: usize = p.iter().map(|r| r.prompt_len + r.output_len).sum();
+            t as f64 / p.last().unwrap().at_s
+        };
+        // Two seeds whose windows differ in tokens: at one --rate their token loads differ,
+        // at one --token-rate they do not.
+        let (mut lo, mut hi) = (f64::INFINITY, 0.0f64);
+        let (mut tlo, mut thi) = (f64::INFINITY, 0.0f64);
+        for seed in 0..20 {
+            let r = per_second(&WorkloadArgs {
+                seed,
+                ..base.clone()
+            });
+            (lo, hi) = (lo.min(r), hi.max(r));
+            let t = per_second(&WorkloadArgs {
+                seed,
+                rate: None,
+                token_rate: Some(2000.0),
+                ..base.clone()
+            });
+            (tlo, thi) = (tlo.min(t), thi.max(t));
+        }
+        assert!(
+            hi / lo > 1.5,
+            "the windows should differ in weight: {lo}..{hi}"
+        );
+        assert!((thi / tlo - 1.0).abs() < 1e-9, "{tlo}..{thi}");
+        assert!((tlo - 2000.0).abs() < 1e-6, "{tlo}");
     }
 
     #[test]

@@ -181,7 +181,8 @@ impl AnyBackend {
         }
     }
 
-    /// Bytes queued on the emulated link (the CUDA copy engine keeps no count: 0).
+    /// Bytes a demand load queued now waits behind on the emulated link (prefetches yield to
+    /// it); the CUDA copy engine keeps no count: 0.
     pub fn link_backlog(&self) -> u64 {
         match self {
             Self::Cpu(b) => b.link_backlog(),
@@ -279,6 +280,20 @@ impl Backend for AnyBackend {
             Self::Cpu(b) => AnyLora::Cpu(b.stream_lora(adapter)?),
             Self::Cuda(g) => AnyLora::Cuda(g.stream_lora(adapter)?),
         })
+    }
+
+    fn prefetch_lora(&mut self, adapter: Arc<LoraAdapter>) -> Result<AnyLora> {
+        Ok(match self {
+            Self::Cpu(b) => AnyLora::Cpu(b.prefetch_lora(adapter)?),
+            Self::Cuda(g) => AnyLora::Cuda(g.prefetch_lora(adapter)?),
+        })
+    }
+
+    fn promote_lora(&mut self, lora: &AnyLora) {
+        match self {
+            Self::Cpu(b) => b.promote_lora(lora.cpu()),
+            Self::Cuda(g) => g.promote_lora(lora.gpu()),
+        }
     }
 
     fn landed_layers(&self, lora: &AnyLora) -> usize {

@@ -19,7 +19,7 @@ use crate::adapter::{LoraAdapter, LoraModule};
 use crate::error::Result;
 use crate::ids::LayerIdx;
 use crate::model::ModelConfig;
-use crate::residency::{CopyEngine, LinkModel, LoraSlot};
+use crate::residency::{CopyEngine, LinkModel, LoadPriority, LoraSlot};
 
 /// A weight matrix in host memory, in its stored format (f32, f16, bf16 or ggml blocks);
 /// products accumulate in f32. `w.matmul_range` computes a slice of output columns, so a
@@ -115,9 +115,24 @@ impl CpuBackend {
         self
     }
 
-    /// Bytes queued on the emulated link.
+    /// Bytes a demand load queued now waits behind on the emulated link: demand loads queued
+    /// or in flight and the layer of a prefetch in flight (prefetches yield at each layer).
     pub fn link_backlog(&self) -> u64 {
+        self.copy.as_ref().map_or(0, CopyEngine::demand_backlog)
+    }
+
+    /// Bytes queued on the emulated link, prefetches included.
+    pub fn link_queued(&self) -> u64 {
         self.copy.as_ref().map_or(0, CopyEngine::queued_bytes)
+    }
+
+    fn enqueue(&mut self, adapter: Arc<LoraAdapter>, p: LoadPriority) -> Arc<LoraSlot> {
+        let slot = Arc::new(LoraSlot::empty(adapter));
+        let link = self.link;
+        self.copy
+            .get_or_insert_with(|| CopyEngine::emulated(link))
+            .enqueue(slot.clone(), p);
+        slot
     }
 
     pub fn link(&self) -> LinkModel {
@@ -212,12 +227,17 @@ impl Backend for CpuBackend {
     }
 
     fn stream_lora(&mut self, adapter: Arc<LoraAdapter>) -> Result<Arc<LoraSlot>> {
-        let slot = Arc::new(LoraSlot::empty(adapter));
-        let link = self.link;
-        self.copy
-            .get_or_insert_with(|| CopyEngine::emulated(link))
-            .enqueue(slot.clone());
-        Ok(slot)
+        Ok(self.enqueue(adapter, LoadPriority::Demand))
+    }
+
+    fn prefetch_lora(&mut self, adapter: Arc<LoraAdapter>) -> Result<Arc<LoraSlot>> {
+        Ok(self.enqueue(adapter, LoadPriority::Prefetch))
+    }
+
+    fn promote_lora(&mut self, lora: &Arc<LoraSlot>) {
+        if let Some(c) = &self.copy {
+            c.promote(lora);
+        }
     }
 
     fn landed_layers(&self, lora: &Arc<LoraSlot>) -> usize {

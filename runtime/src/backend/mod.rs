@@ -151,6 +151,17 @@ pub trait Backend {
     fn upload_lora(&self, adapter: std::sync::Arc<LoraAdapter>) -> Result<Self::Lora>;
     /// A device slot for `adapter` that its copy engine fills layer by layer, layer 0 first.
     fn stream_lora(&mut self, adapter: std::sync::Arc<LoraAdapter>) -> Result<Self::Lora>;
+    /// [`Backend::stream_lora`] for an adapter a *waiting* request will need: its copy yields
+    /// the link to every demand load, layer by layer. A backend whose copy engine does not
+    /// reorder transfers streams it like any other (the default).
+    fn prefetch_lora(&mut self, adapter: std::sync::Arc<LoraAdapter>) -> Result<Self::Lora> {
+        self.stream_lora(adapter)
+    }
+    /// The request of a prefetched `lora` is about to run: its copy goes ahead of the
+    /// prefetches still queued. A no-op where nothing is reordered (the default).
+    fn promote_lora(&mut self, lora: &Self::Lora) {
+        let _ = lora;
+    }
     /// Layers of `lora` on the device now (`0..n` are usable).
     fn landed_layers(&self, lora: &Self::Lora) -> usize;
     fn alloc_kv_layer(&self, layout: KvLayout, num_blocks: usize) -> Result<Self::KvLayer>;

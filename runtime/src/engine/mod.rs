@@ -248,6 +248,14 @@ impl<B: Backend> Engine<B> {
         self.insert_adapter(id, adapter, dev)
     }
 
+    /// [`Engine::register_adapter_streaming`] for an adapter a waiting request will need: its
+    /// copy yields the link to every demand load until a sequence uses it
+    /// ([`Engine::add_sequence`] promotes it).
+    pub fn prefetch_adapter(&mut self, id: AdapterId, adapter: Arc<LoraAdapter>) -> Result<()> {
+        let dev = self.backend.prefetch_lora(adapter.clone())?;
+        self.insert_adapter(id, adapter, dev)
+    }
+
     fn insert_adapter(
         &mut self,
         id: AdapterId,
@@ -403,12 +411,20 @@ impl<B: Backend> Engine<B> {
                 max: self.max_context(),
             });
         }
-        if let Some(a) = p.adapter {
-            if !self.adapters.contains_key(&a) {
-                return Err(RuntimeError::UnknownAdapter(a));
-            }
-        }
+        let adapter = match p.adapter {
+            Some(a) => Some(
+                self.adapters
+                    .get(&a)
+                    .ok_or(RuntimeError::UnknownAdapter(a))?,
+            ),
+            None => None,
+        };
         p.sampling.validate()?;
+        if let Some(a) = adapter {
+            // A sequence computes with it from now on: if its copy is still a queued
+            // prefetch, it goes ahead of the other prefetches on the link.
+            self.backend.promote_lora(&a.dev);
+        }
         self.next_seed = self.next_seed.wrapping_add(0x9E37_79B9_7F4A_7C15);
         let seq = Sequence {
             prompt_len: p.prompt.len(),

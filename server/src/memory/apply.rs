@@ -1,5 +1,6 @@
 //! Carrying an [`AdmitPlan`] out on an engine: evictions first (their pages are what the loads
-//! use), then host → device loads, prefetches, and disk reads for the loader.
+//! use), then host → device loads, prefetches (behind every demand load on the copy link), and
+//! disk reads for the loader.
 use std::collections::HashSet;
 
 use thaw_runtime::backend::Backend;
@@ -50,6 +51,8 @@ pub fn apply<B: Backend>(
         }
         let r = match upload {
             Upload::Whole => engine.register_adapter(a, host),
+            // A prefetch yields the link to every demand load until its request runs.
+            Upload::Stream if prefetch => engine.prefetch_adapter(a, host),
             Upload::Stream => engine.register_adapter_streaming(a, host),
         };
         match r {
