@@ -8,7 +8,6 @@ Prints per-request tok/s and, per request kind, the medians and the paired round
     python3 benches/peers/base_vs_adapter.py --thaw target/release/thaw \
         --llama-server /work/peers/llama-build/bin/llama-server --peers /work/peers/smollm2 --rounds 12
 """
-import argparse
 import os
 import random
 import statistics as st
@@ -20,15 +19,8 @@ import side_by_side as S  # noqa: E402
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--thaw", required=True)
-    p.add_argument("--llama-server", required=True)
-    p.add_argument("--peers", default="/work/peers/smollm2")
-    p.add_argument("--rounds", type=int, default=12)
+    p = S.server_args(__doc__, 12)
     p.add_argument("--adapter", default="r16-qkvo", choices=S.ADAPTERS)
-    p.add_argument("--threads", type=int, default=2, help="llama.cpp threads")
-    p.add_argument("--thaw-args", default="")
-    p.add_argument("--logdir", default="/tmp")
     a = p.parse_args()
     systems = [S.Thaw(a, f"{a.peers}/hf-f32", 18441), S.Llama(a, f"{a.peers}/gguf/model-f32.gguf", 18442)]
     try:

@@ -136,17 +136,23 @@ def run_workload(sys_, n, plen, seed, with_adapters=True):
     return sum(toks) / dt, sum(toks), done, failed
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def server_args(doc, rounds):
+    """The arguments every side-by-side script takes: both servers, the peers' files, rounds."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--thaw", required=True)
     p.add_argument("--llama-server", required=True)
     p.add_argument("--peers", default="/work/peers/smollm2")
-    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=rounds)
     p.add_argument("--threads", type=int, default=2, help="llama.cpp threads")
     p.add_argument("--thaw-args", default="", help="extra `thaw serve` flags")
+    p.add_argument("--logdir", default="/tmp")
+    return p
+
+
+def main():
+    p = server_args(__doc__, 5)
     p.add_argument("--workloads", default="single,mixed8,mixed16")
     p.add_argument("--q4", action="store_true", help="also Q4_1 single stream (thaw serving the GGUF)")
-    p.add_argument("--logdir", default="/tmp")
     p.add_argument("--machine", default="2-core VM, shared",
                    help="printed above the table (e.g. '2-core VM, quiet' under /work/bin/quiet)")
     a = p.parse_args()
