@@ -365,20 +365,15 @@ fn workdir(s: &ServeSetup) -> anyhow::Result<(Option<tempfile::TempDir>, PathBuf
 /// own P99 is its second-slowest request, so the median over rounds of that still swings with
 /// one request; pooling the rounds' requests ranks the tail over all of them.
 fn pooled_p99_ms(runs: &[Run]) -> f64 {
-    pooled_ms(runs, 0.99)
+    pooled_ttft(runs).p99 * 1e3
 }
 
-/// TTFT quantile `q` (0.5 or 0.99) in ms over every completed request of `runs` together.
-fn pooled_ms(runs: &[Run], q: f64) -> f64 {
-    let s = Stats::of(
+/// TTFT (seconds) over every completed request of `runs` together.
+fn pooled_ttft(runs: &[Run]) -> Stats {
+    Stats::of(
         runs.iter()
             .flat_map(|r| r.records.iter().filter(|q| q.ok()).filter_map(|q| q.ttft_s)),
-    );
-    if q >= 0.99 {
-        s.p99 * 1e3
-    } else {
-        s.p50 * 1e3
-    }
+    )
 }
 
 /// Tokens (prompt + output asked for) a run completed per second of its wall time.
@@ -599,7 +594,7 @@ pub fn run_cache(args: &CacheArgs) -> anyhow::Result<String> {
                     vs(tail, fixed),
                     pooled,
                     vs(pooled, fixed_pooled),
-                    pooled_ms(rs, 0.5),
+                    pooled_ttft(rs).p50 * 1e3,
                     rs.iter().map(|r| r.summary.completed).sum::<usize>(),
                     rs.iter().map(|r| r.summary.failed).sum::<usize>(),
                     med(rs, &|r| r.evictions),

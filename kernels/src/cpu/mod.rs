@@ -28,3 +28,9 @@ pub use quant::{q8_activations, set_q8_activations, WeightData, WeightFormat, We
 pub use rope::{RopeScaling, RopeTable};
 pub use simd::{set_simd_level, simd_level, SimdLevel};
 pub use sys::{HugeArena, HugeSlice, HUGE_PAGE};
+
+/// Whether the environment turns a speed-up off: `var` set to `0` (`THAW_AVX512`,
+/// `THAW_HUGEPAGES`; for A/B runs of one binary).
+pub fn switched_off(var: &str) -> bool {
+    std::env::var(var).is_ok_and(|v| v.trim() == "0")
+}

@@ -69,7 +69,7 @@ pub struct CpuBackend {
 
 /// Whether weights go to huge pages: unless `THAW_HUGEPAGES` is `0` (read per backend).
 fn hugepages_enabled() -> bool {
-    !std::env::var("THAW_HUGEPAGES").is_ok_and(|v| v.trim() == "0")
+    !k::switched_off("THAW_HUGEPAGES")
 }
 
 impl CpuBackend {
@@ -119,11 +119,6 @@ impl CpuBackend {
     /// or in flight and the layer of a prefetch in flight (prefetches yield at each layer).
     pub fn link_backlog(&self) -> u64 {
         self.copy.as_ref().map_or(0, CopyEngine::demand_backlog)
-    }
-
-    /// Bytes queued on the emulated link, prefetches included.
-    pub fn link_queued(&self) -> u64 {
-        self.copy.as_ref().map_or(0, CopyEngine::queued_bytes)
     }
 
     fn enqueue(&mut self, adapter: Arc<LoraAdapter>, p: LoadPriority) -> Arc<LoraSlot> {

@@ -5,12 +5,9 @@
 //! wall-clock time spent sleeping (no core burned), then the layer is published in its
 //! [`LoraSlot`]. So the cold-start logic is exercised and measured with no GPU; the CUDA copy
 //! path plugs into the same queue with real async copies.
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
-
-use std::sync::{Condvar, Mutex};
 
 use super::queue::{LinkQueue, LoadPriority};
 use super::slot::{layer_bytes, LoraSlot};
@@ -53,7 +50,6 @@ struct Shared {
 /// The copy engine thread and its queue (demand loads first, see [`LinkQueue`]).
 pub struct CopyEngine {
     shared: Arc<(Mutex<Shared>, Condvar)>,
-    queued_bytes: Arc<AtomicU64>,
     link: LinkModel,
     thread: Option<JoinHandle<()>>,
 }
@@ -67,8 +63,12 @@ impl std::fmt::Debug for CopyEngine {
     }
 }
 
-/// Bytes of `slot` not landed yet (what it still holds of the link).
+/// Bytes of `slot` not landed yet (what it still holds of the link); whatever `bytes()` counts
+/// beyond the layers' factors moves with the last layer.
 fn remaining_bytes(slot: &LoraSlot) -> u64 {
+    if slot.landed() >= slot.num_layers() {
+        return 0;
+    }
     let landed: usize = (0..slot.landed())
         .map(|l| layer_bytes(slot.adapter(), l))
         .sum();
@@ -79,18 +79,16 @@ impl CopyEngine {
     /// Starts the copy thread for an emulated link.
     pub fn emulated(link: LinkModel) -> Self {
         let shared = Arc::new((Mutex::new(Shared::default()), Condvar::new()));
-        let queued_bytes = Arc::new(AtomicU64::new(0));
-        let (s, q) = (shared.clone(), queued_bytes.clone());
+        let s = shared.clone();
         let thread = std::thread::Builder::new()
             .name("thaw-copy".into())
             .spawn(move || {
                 thaw_cpu_lora::float_current_thread();
-                run(&s, link, &q)
+                run(&s, link)
             })
             .expect("spawning the copy thread");
         Self {
             shared,
-            queued_bytes,
             link,
             thread: Some(thread),
         }
@@ -107,7 +105,12 @@ impl CopyEngine {
 
     /// Bytes queued on the link and not yet landed, prefetches included.
     pub fn queued_bytes(&self) -> u64 {
-        self.queued_bytes.load(Ordering::Acquire)
+        let g = self.lock();
+        [LoadPriority::Demand, LoadPriority::Prefetch]
+            .into_iter()
+            .flat_map(|p| g.queue.iter(p))
+            .map(|s| remaining_bytes(s))
+            .sum()
     }
 
     /// Bytes a demand load queued now would wait behind: the demand loads queued or in flight,
@@ -130,8 +133,6 @@ impl CopyEngine {
 
     /// Queues `slot`'s adapter to stream in, layer 0 first, behind the transfers of its class.
     pub fn enqueue(&self, slot: Arc<LoraSlot>, priority: LoadPriority) {
-        self.queued_bytes
-            .fetch_add(slot.bytes() as u64, Ordering::AcqRel);
         self.lock().queue.push(slot, priority);
         self.shared.1.notify_one();
     }
@@ -143,7 +144,7 @@ impl CopyEngine {
     }
 }
 
-fn run(shared: &(Mutex<Shared>, Condvar), link: LinkModel, queued: &AtomicU64) {
+fn run(shared: &(Mutex<Shared>, Condvar), link: LinkModel) {
     // Transfers are back to back on one link: each layer starts when the previous ends, so a
     // late wake-up of this thread does not slow the emulated link down.
     let mut clock = Instant::now();
@@ -152,9 +153,7 @@ fn run(shared: &(Mutex<Shared>, Condvar), link: LinkModel, queued: &AtomicU64) {
     loop {
         // Adapters evicted before they landed: only the queue holds them now (the engine
         // dropped its slot, and nobody can take a new reference), so they leave the link.
-        for gone in g.queue.remove_where(|s| Arc::strong_count(s) == 1) {
-            queued.fetch_sub(remaining_bytes(&gone), Ordering::AcqRel);
-        }
+        g.queue.remove_where(|s| Arc::strong_count(s) == 1);
         let closed = g.closed;
         let slot = match g.queue.start() {
             Some((s, _)) => s.clone(),
@@ -177,15 +176,10 @@ fn run(shared: &(Mutex<Shared>, Condvar), link: LinkModel, queued: &AtomicU64) {
                 std::thread::sleep(clock - now);
             }
             slot.land(layer);
-            queued.fetch_sub(bytes as u64, Ordering::AcqRel);
             layer + 1 == slot.num_layers()
         } else {
             true
         };
-        if done {
-            // Whatever `bytes()` counts beyond the layers' factors moved with the last layer.
-            queued.fetch_sub(remaining_bytes(&slot), Ordering::AcqRel);
-        }
         drop(slot);
         g = lock.lock().unwrap_or_else(|e| e.into_inner());
         g.queue.finish_layer(done);

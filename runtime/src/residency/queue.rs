@@ -97,19 +97,19 @@ impl<T> LinkQueue<T> {
     }
 
     /// Drops the queued transfers (not the one in flight) that `gone` selects, e.g. adapters
-    /// evicted before they landed; returns them.
+    /// evicted before they landed; returns them. Allocates nothing when none is dropped (the
+    /// copy thread asks before every layer).
     pub fn remove_where(&mut self, mut gone: impl FnMut(&T) -> bool) -> Vec<T> {
         let mut out = Vec::new();
         for q in [&mut self.demand, &mut self.prefetch] {
-            let mut keep = VecDeque::with_capacity(q.len());
-            for t in q.drain(..) {
-                if gone(&t) {
-                    out.push(t);
+            let mut i = 0;
+            while i < q.len() {
+                if gone(&q[i]) {
+                    out.extend(q.remove(i));
                 } else {
-                    keep.push_back(t);
+                    i += 1;
                 }
             }
-            *q = keep;
         }
         out
     }

@@ -17,10 +17,10 @@ use crate::cpu::simd::{
 use crate::cpu::sys::{sgemm, HugeArena, MatMut, MatRef};
 use crate::error::KernelError;
 
-/// The elements of a weight matrix as stored.
+/// The elements of a weight matrix as stored. Each holds a [`HostVec`]: a `Vec` as loaded, or
+/// a copy packed into a huge-page arena ([`WeightMatrix::pack_into`]) once the CPU backend
+/// keeps the weight.
 #[derive(Clone, Debug, PartialEq)]
-/// Each holds a [`HostVec`]: a `Vec` as loaded, or a copy packed into a huge-page arena
-/// ([`WeightMatrix::pack_into`]) once the CPU backend keeps the weight.
 pub enum WeightData {
     F32(HostVec<f32>),
     F16(HostVec<f16>),

@@ -54,7 +54,7 @@ impl Avx512 {
             1 => None,
             2 => Some(Self { _detected: () }),
             _ => {
-                let off = std::env::var("THAW_AVX512").is_ok_and(|v| v.trim() == "0");
+                let off = crate::cpu::switched_off("THAW_AVX512");
                 let t = if off { None } else { Self::detect() };
                 STATE.store(if t.is_some() { 2 } else { 1 }, Ordering::Relaxed);
                 t
