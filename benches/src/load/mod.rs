@@ -13,6 +13,7 @@ mod prompts;
 mod report;
 mod runner;
 mod scheduling;
+mod scheduling_classes;
 mod scheduling_report;
 pub(crate) mod workload;
 

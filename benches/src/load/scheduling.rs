@@ -18,6 +18,7 @@ use super::client::OpenAiClient;
 use super::coldstart::{prepare_files, wait_ready, ServeProcess};
 use super::launch::ServerLaunch;
 use super::runner::RunOptions;
+use super::scheduling_classes::{class_rows, class_table};
 use super::scheduling_report::{points, slos, table, Point, RateRun};
 use super::workload::{ServerInfo, WorkloadArgs};
 
@@ -56,6 +57,11 @@ pub struct SchedulingArgs {
     /// run's low-load SLO to a run of higher rates).
     #[arg(long)]
     pub ttft_slo_ms: Option<f64>,
+    /// Also print each point's TTFT split by class: requests whose prompt + max_tokens (their
+    /// KV reservation) is at least this many tokens against the rest, seeds pooled, with the
+    /// count of large requests and the drain after the last send.
+    #[arg(long)]
+    pub large_tokens: Option<usize>,
     /// More variants after the policies: `LABEL=POLICY [SERVE-ARG...]`, e.g.
     /// `--variant 'mlq+cap=mlq --tpot-slo-ms 60'`.
     #[arg(long)]
@@ -306,6 +312,9 @@ pub fn run(args: &SchedulingArgs) -> anyhow::Result<String> {
         ttft_slo,
         tpot_slo,
     ));
+    if let Some(n) = args.large_tokens {
+        s.push_str(&class_table(&class_rows(&runs, &labels, &rates, n), n));
+    }
     for r in &runs {
         for e in &r.summary.errors {
             s.push_str(&format!(
