@@ -3,7 +3,10 @@
 //! time, into `[k][NR]` (a 16 × 16 register transpose), then an [`MR`] × [`NR`] register tile
 //! broadcasts one activation value per row against three 16-lane weight vectors. Every
 //! weight element is read from memory once per call; the packed panel stays in L2 and its
-//! [`KC`]-deep slices in L1 while every row block of `x` passes them.
+//! [`KC`]-deep slices in L1 while every row block of `x` passes them. While a panel's tiles
+//! run, the next panel's weight rows (contiguous) are prefetched, a share per tile, so
+//! packing reads them from cache: without it a call took 1.2–1.35× as long at 64 rows
+//! (`examples/prompt_gemm.rs`, quiet, session 11; T0 was ahead of T1/T2 by a few percent).
 //!
 //! Each output is one sequential fused multiply-add chain over `p = 0..k` starting from zero
 //! (a `KC` block stores the partial sum and the next reloads it, exactly), so its bits depend
@@ -123,7 +126,7 @@ unsafe fn packed(
                 while i0 < m {
                     let end = (pf + per_tile).min(next);
                     while pf < end {
-                        _mm_prefetch::<_MM_HINT_T1>(wn.add(pf).cast());
+                        _mm_prefetch::<_MM_HINT_T0>(wn.add(pf).cast());
                         pf += 16;
                     }
                     let rn = (m - i0).min(MR);
