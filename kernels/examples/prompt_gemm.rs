@@ -9,7 +9,41 @@ use std::time::Instant;
 
 use thaw_kernels::cpu::simd::{gemm_nt_f32, gemm_nt_f32_prompt};
 
+/// GFLOP/s of a register-only loop of independent 16-lane FMAs (24 chains): this core's
+/// peak for the f32 GEMM, whatever its clock.
+#[cfg(target_arch = "x86_64")]
+fn fma_peak() -> f64 {
+    use std::arch::x86_64::*;
+    #[target_feature(enable = "avx512f")]
+    fn run(iters: usize) -> f32 {
+        let mut acc = [_mm512_set1_ps(0.0); 24];
+        let (a, b) = (_mm512_set1_ps(0.999_999), _mm512_set1_ps(1e-7));
+        for _ in 0..iters {
+            for v in acc.iter_mut() {
+                *v = _mm512_fmadd_ps(*v, a, b);
+            }
+        }
+        let mut s = _mm512_setzero_ps();
+        for v in acc {
+            s = _mm512_add_ps(s, v);
+        }
+        _mm512_reduce_add_ps(s)
+    }
+    assert!(is_x86_feature_detected!("avx512f"), "no AVX-512F here");
+    let iters = 20_000_000;
+    let mut best = f64::MAX;
+    for _ in 0..3 {
+        let t = Instant::now();
+        // SAFETY: AVX-512F was detected above.
+        std::hint::black_box(unsafe { run(iters) });
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    (iters * 24 * 32) as f64 / best / 1e9
+}
+
 fn main() {
+    #[cfg(target_arch = "x86_64")]
+    println!("one core's FMA peak: {:.1} GFLOP/s", fma_peak());
     let reps: usize = std::env::args()
         .nth(1)
         .and_then(|a| a.parse().ok())

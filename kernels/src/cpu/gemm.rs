@@ -1,4 +1,7 @@
-//! Dense matrix products over row-major f32 slices, on `matrixmultiply` (single-threaded).
+//! Dense matrix products over row-major f32 slices (single-threaded). `linear` runs on the
+//! AVX-512 kernels where the CPU has them — decode rows (≤ `SMALL_M`) on the in-place dot
+//! kernel, prompt rows on the packed-weight GEMM (`simd::gemm_nt_f32_prompt`) — else on
+//! `matrixmultiply` (prompt rows) or row dots (decode rows).
 
 use super::sys::{sgemm, MatMut, MatRef};
 
