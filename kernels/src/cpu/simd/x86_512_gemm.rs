@@ -5,7 +5,7 @@
 //! weight element is read from memory once per call; the packed panel stays in L2 and its
 //! [`KC`]-deep slices in L1 while every row block of `x` passes them. While a panel's tiles
 //! run, the next panel's weight rows (contiguous) are prefetched, a share per tile, so
-//! packing reads them from cache: without it a call took 1.2–1.35× as long at 64 rows
+//! packing reads them from cache: without it a call took 1.1–1.35× as long at 64 rows
 //! (`examples/prompt_gemm.rs`, quiet, session 11; T0 was ahead of T1/T2 by a few percent).
 //!
 //! Each output is one sequential fused multiply-add chain over `p = 0..k` starting from zero
