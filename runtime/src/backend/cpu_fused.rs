@@ -14,7 +14,8 @@
 //! the base product followed by [`Backend::lora`](super::Backend::lora) gives (tested).
 use std::cell::RefCell;
 use std::ops::Range;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::{Arc, OnceLock};
 
 use thaw_cpu_lora::kernel::{lora_delta, LoraMat, LoraProblem, Scratch};
 
@@ -24,6 +25,23 @@ use crate::residency::LoraSlot;
 /// Most rows a step may have for its deltas to be computed beside the base products (the
 /// row count up to which a group of products splits by output columns).
 pub(super) const FUSED_MAX_ROWS: usize = 16;
+
+/// Turned off for this process by [`set_fused_lora`].
+static OFF: AtomicBool = AtomicBool::new(false);
+
+/// Computes decode deltas beside the base products (`true`, the default) or after them on
+/// the engine thread, as before (`false`; `THAW_FUSED_LORA=0` does the same for a whole
+/// process). Results are bit-identical either way: this exists for A/B runs that switch
+/// step by step in one process.
+pub fn set_fused_lora(on: bool) {
+    OFF.store(!on, Relaxed);
+}
+
+fn enabled() -> bool {
+    static ENV_OFF: OnceLock<bool> = OnceLock::new();
+    !OFF.load(Relaxed)
+        && !*ENV_OFF.get_or_init(|| thaw_kernels::cpu::switched_off("THAW_FUSED_LORA"))
+}
 
 thread_local! {
     /// Each compute thread's working memory for the delta kernel (grows to the largest
@@ -42,6 +60,7 @@ pub(super) fn applies<const N: usize>(
 ) -> bool {
     batch.kernel == LoraKernel::Sgmv
         && rows <= FUSED_MAX_ROWS
+        && enabled()
         && batch.layout.segments.iter().any(|(_, idx)| {
             sites.iter().any(|s| {
                 batch.on_device(*idx, s.layer)
@@ -308,8 +327,13 @@ mod tests {
             landed,
         };
         let sgmv = LoraKernel::Sgmv;
-        assert!(applies(2, &[site(Q)], &batch(&few, sgmv, &[2])));
-        assert!(applies(2, &[site(K), site(V)], &batch(&few, sgmv, &[2])));
+        // On unless this process runs with THAW_FUSED_LORA=0.
+        let on = enabled();
+        assert_eq!(applies(2, &[site(Q)], &batch(&few, sgmv, &[2])), on);
+        assert_eq!(
+            applies(2, &[site(K), site(V)], &batch(&few, sgmv, &[2])),
+            on
+        );
         assert!(!applies(2, &[site(K), site(O)], &batch(&few, sgmv, &[2])));
         assert!(
             !applies(2, &[site(Q)], &batch(&few, sgmv, &[1])),

@@ -15,6 +15,7 @@ use crate::ids::LayerIdx;
 pub mod any;
 pub mod cpu;
 mod cpu_fused;
+pub use cpu_fused::set_fused_lora;
 pub mod cpu_par;
 mod cpu_pool;
 #[cfg(feature = "cuda")]
