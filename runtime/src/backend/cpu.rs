@@ -59,6 +59,8 @@ pub struct CpuBackend {
     /// Column-split products with several rows land here before they are scattered.
     par_scratch: Vec<f32>,
     lora_scratch: Vec<f32>,
+    /// The shrink the threads of a decode group share (see [`cpu_fused`]).
+    fused_shrink: cpu_fused::Shared,
     bgmv_rows: Vec<Option<u32>>,
     fused: Scratch,
     link: LinkModel,
@@ -102,6 +104,7 @@ impl CpuBackend {
             par,
             par_scratch: Vec::new(),
             lora_scratch: Vec::new(),
+            fused_shrink: cpu_fused::Shared::default(),
             bgmv_rows: Vec::new(),
             fused: Scratch::new(),
             link: LinkModel::default(),
@@ -142,15 +145,17 @@ impl CpuBackend {
 
     /// `outs[i] = x · W_iᵀ + bias_i` for few rows, the concatenated output columns of all the
     /// weights split over the pool at once (one fork/join for the group, equal bytes per
-    /// thread). Each part computes its columns of each weight into a packed `[rows, width]`
-    /// piece of a scratch, adds the bias, then runs `then(i, cols, piece)` on the piece
-    /// (`cols`: the piece's columns of weight `i`) before the pieces are scattered to `outs`.
+    /// thread). Each part runs `start()`, then computes its columns of each weight into a
+    /// packed `[rows, width]` piece of a scratch, adds the bias and runs `then(i, cols, piece)`
+    /// on the piece (`cols`: the piece's columns of weight `i`); then the pieces are
+    /// scattered to `outs`.
     fn group_split<const N: usize>(
         &mut self,
         x: &[f32],
         ws: [&CpuLinear; N],
         rows: usize,
         mut outs: [&mut Vec<f32>; N],
+        start: impl Fn() + Sync,
         then: impl Fn(usize, Range<usize>, &mut [f32]) + Sync,
     ) {
         let k = ws.first().map_or(0, |w| w.d_in);
@@ -171,6 +176,7 @@ impl CpuBackend {
             &mut scratch[..rows * total],
             rows,
             |cols, chunk| {
+                start();
                 group_pieces(&d_outs, &cols, |i, off, a, b| {
                     let piece = &mut chunk[(a - cols.start) * rows..(b - cols.start) * rows];
                     ws[i].w.matmul_range(x, rows, piece, a - off..b - off);
@@ -353,7 +359,7 @@ impl Backend for CpuBackend {
             }
             return;
         }
-        self.group_split(x, ws, rows, outs, |_, _, _| {});
+        self.group_split(x, ws, rows, outs, || {}, |_, _, _| {});
     }
 
     /// Steps of at most [`cpu_fused::FUSED_MAX_ROWS`] rows add their adapters' deltas inside
@@ -378,11 +384,20 @@ impl Backend for CpuBackend {
                         d_out: w.d_out,
                     })
         });
-        if shapes_agree && cpu_fused::applies(rows, &sites, batch) {
+        if let Some(plan) = cpu_fused::plan(rows, sites, batch).filter(|_| shapes_agree) {
+            let mut shared = std::mem::take(&mut self.fused_shrink);
+            shared.reset(&plan);
             let x_rows = &x[..rows * k];
-            self.group_split(x, ws, rows, outs, |i, cols, piece| {
-                cpu_fused::add_deltas(x_rows, piece, cols, sites[i], batch)
-            });
+            let (sh, pl) = (&shared, &plan);
+            self.group_split(
+                x,
+                ws,
+                rows,
+                outs,
+                || sh.claim(pl, x_rows),
+                |i, cols, piece| sh.expand(pl, i, cols, piece),
+            );
+            self.fused_shrink = shared;
             return;
         }
         if N == 1 {

@@ -2,24 +2,30 @@
 //!
 //! A decode step's adapter deltas are small next to the base weights (r16 on q, k, v, o of
 //! SmolLM2-135M: 1.6% of the bytes a token), yet run after each base product on the engine
-//! thread alone, while the compute helper waits, they cost ~9% of the step. For steps of at
-//! most [`FUSED_MAX_ROWS`] rows, each thread of the base product's column split therefore
-//! also adds the deltas of *its own* output columns, right after computing them: it computes
-//! `t = x · Aᵀ` (rank values a row; `A` is small, so every thread whose columns need it
-//! computes it) and adds `scale · t · B[cols]ᵀ`. No extra fork/join, no serial tail.
+//! thread alone, while the compute helper waits, they add a serial tail to every projection.
+//! For steps of at most [`FUSED_MAX_ROWS`] rows the deltas are computed inside the base
+//! product's column split instead:
 //!
-//! The delta of a column range is [`lora_delta`] on the rows of `B` for those columns (its
-//! `d_out` is the range's width): the same shrink, and an expand whose every output sums the
-//! same terms in the same order wherever the column sits. So the result is bit for bit what
-//! the base product followed by [`Backend::lora`](super::Backend::lora) gives (tested).
+//! 1. **shrink** `t = x · Aᵀ`: split into chunks of [`CHUNK_RANKS`] rank rows that the threads
+//!    claim (an atomic counter) as soon as the region starts, so `A` is read once in all;
+//! 2. each thread computes its base columns, then waits for the chunks of the adapters those
+//!    columns need (all claimed by then, by running threads that never wait while computing
+//!    one — so the wait ends, also when the pool runs the parts one after another) and
+//!    **expands** `y[:, cols] += scale · t · B[cols]ᵀ` for its own columns only.
+//!
+//! No extra fork/join, no serial tail. The chunks and the column expand are
+//! [`lora_shrink`] / [`lora_expand`], bit for bit
+//! [`lora_delta`](thaw_cpu_lora::kernel::lora_delta)'s halves, so results equal
+//! the base product followed by [`Backend::lora`](super::Backend::lora) bit for bit (tested).
 use std::cell::RefCell;
 use std::ops::Range;
-use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering::*};
 use std::sync::{Arc, OnceLock};
 
-use thaw_cpu_lora::kernel::{lora_delta, LoraMat, LoraProblem, Scratch};
+use thaw_cpu_lora::kernel::{lora_expand, lora_shrink, LoraMat, LoraProblem, Scratch};
 
 use super::{LoraBatch, LoraKernel, LoraSite};
+use crate::adapter::LoraWeights;
 use crate::residency::LoraSlot;
 
 /// Most rows a step may have for its deltas to be computed beside the base products (the
@@ -43,75 +49,212 @@ fn enabled() -> bool {
         && !*ENV_OFF.get_or_init(|| thaw_kernels::cpu::switched_off("THAW_FUSED_LORA"))
 }
 
+/// Rank rows of `A` one thread claims at a time for the shared shrink.
+pub(super) const CHUNK_RANKS: usize = 8;
+
+/// Most (weight, adapter segment) pairs one op computes beside its base products; a step
+/// with more (many adapters in one step) takes the base-then-LoRA path.
+const MAX_JOBS: usize = 48;
+
 thread_local! {
-    /// Each compute thread's working memory for the delta kernel (grows to the largest
-    /// problem, then stays: no allocation per step).
-    static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::new());
+    /// Each compute thread's working memory for the kernel and its copy of `t` (they grow to
+    /// the largest problem, then stay: no allocation per step).
+    static LOCAL: RefCell<(Scratch, Vec<f32>)> = RefCell::new((Scratch::new(), Vec::new()));
 }
 
-/// Whether a step of `rows` rows gets the deltas of `sites` beside its base products: the
-/// SGMV kernel (BGMV keeps its own formulation for comparisons), few rows, and at least one
-/// adapter applied by the backend at one of the sites (layers not landed yet get their
-/// deltas from the CPU assist, elsewhere).
-pub(super) fn applies<const N: usize>(
-    rows: usize,
-    sites: &[LoraSite; N],
-    batch: &LoraBatch<'_, Arc<LoraSlot>>,
-) -> bool {
-    batch.kernel == LoraKernel::Sgmv
-        && rows <= FUSED_MAX_ROWS
-        && enabled()
-        && batch.layout.segments.iter().any(|(_, idx)| {
-            sites.iter().any(|s| {
-                batch.on_device(*idx, s.layer)
-                    && batch.adapters[*idx as usize]
-                        .get(s.layer.0, s.module)
-                        .is_some()
-            })
-        })
+/// One adapter's delta for one weight of the group: its rows, its factors, where its `t`
+/// sits in the shared buffer and its first shrink chunk.
+#[derive(Clone, Copy, Debug)]
+struct Job<'a> {
+    weight: usize,
+    rows: (usize, usize),
+    w: &'a LoraWeights,
+    t_off: usize,
+    chunk0: usize,
 }
 
-/// Adds every adapter's delta for `site` to output columns `cols` of its weight: `piece` is
-/// those columns packed `[rows, cols.len()]` (the base product, bias included); `x` is the
-/// step's `[rows, d_in]` input.
-pub(super) fn add_deltas(
-    x: &[f32],
-    piece: &mut [f32],
-    cols: Range<usize>,
-    site: LoraSite,
-    batch: &LoraBatch<'_, Arc<LoraSlot>>,
-) {
-    let (d_in, n) = (site.dims.d_in, cols.len());
-    for (range, idx) in &batch.layout.segments {
-        if !batch.on_device(*idx, site.layer) {
-            continue;
-        }
-        let Some(w) = batch.adapters[*idx as usize].get(site.layer.0, site.module) else {
-            continue;
-        };
-        let p = LoraProblem {
-            rows: range.len(),
+impl Job<'_> {
+    fn chunks(&self) -> usize {
+        self.w.rank.div_ceil(CHUNK_RANKS)
+    }
+
+    fn problem(&self, d_in: usize, d_out: usize) -> LoraProblem {
+        LoraProblem {
+            rows: self.rows.1 - self.rows.0,
             d_in,
-            d_out: n,
-            rank: w.rank,
-            scale: w.scale,
-        };
-        // `B` is `[d_out, rank]`: the rows of these columns are one contiguous slice.
-        let b = &w.b[cols.start * w.rank..cols.end * w.rank];
-        SCRATCH
-            .with_borrow_mut(|s| {
-                lora_delta(
+            d_out,
+            rank: self.w.rank,
+            scale: self.w.scale,
+        }
+    }
+}
+
+/// The deltas one op computes beside its base products.
+#[derive(Debug)]
+pub(super) struct Plan<'a, const N: usize> {
+    sites: [LoraSite; N],
+    jobs: [Option<Job<'a>>; MAX_JOBS],
+    n: usize,
+    chunks: usize,
+    t_len: usize,
+}
+
+/// The deltas of `sites` a step of `rows` rows computes beside its base products, or `None`
+/// when it takes the base-then-LoRA path: another kernel than SGMV (BGMV keeps its own
+/// formulation for comparisons), more than [`FUSED_MAX_ROWS`] rows, the path switched off,
+/// too many (weight, segment) pairs, or no delta at all — adapters target none of the sites
+/// at a landed layer (layers not landed yet get their deltas from the CPU assist, elsewhere).
+pub(super) fn plan<'a, const N: usize>(
+    rows: usize,
+    sites: [LoraSite; N],
+    batch: &LoraBatch<'a, Arc<LoraSlot>>,
+) -> Option<Plan<'a, N>> {
+    if batch.kernel != LoraKernel::Sgmv || rows > FUSED_MAX_ROWS || !enabled() {
+        return None;
+    }
+    let mut p = Plan {
+        sites,
+        jobs: [None; MAX_JOBS],
+        n: 0,
+        chunks: 0,
+        t_len: 0,
+    };
+    for (weight, s) in sites.iter().enumerate() {
+        for (range, idx) in &batch.layout.segments {
+            if !batch.on_device(*idx, s.layer) {
+                continue;
+            }
+            let adapters: &'a [&'a Arc<LoraSlot>] = batch.adapters;
+            let Some(w) = adapters[*idx as usize].get(s.layer.0, s.module) else {
+                continue;
+            };
+            // Shapes were validated when the adapter was loaded; a mismatch here (never
+            // expected) takes the path that reports it.
+            let shapes_ok = w.a.len() == w.rank * s.dims.d_in && w.b.len() == s.dims.d_out * w.rank;
+            if p.n == MAX_JOBS || w.rank == 0 || !shapes_ok {
+                return None;
+            }
+            let job = Job {
+                weight,
+                rows: (range.start, range.end),
+                w,
+                t_off: p.t_len,
+                chunk0: p.chunks,
+            };
+            p.chunks += job.chunks();
+            p.t_len += range.len() * w.rank;
+            p.jobs[p.n] = Some(job);
+            p.n += 1;
+        }
+    }
+    (p.n > 0).then_some(p)
+}
+
+/// The shrink shared by the threads of one op: `t` of every job, the next unclaimed chunk,
+/// and per job the chunks done. Kept by the backend, reset per op.
+#[derive(Debug, Default)]
+pub(super) struct Shared {
+    t: Vec<AtomicU32>,
+    next: AtomicUsize,
+    done: Vec<AtomicUsize>,
+}
+
+impl Shared {
+    /// Ready for `plan` (called with exclusive access, before the parallel region).
+    pub(super) fn reset<const N: usize>(&mut self, plan: &Plan<'_, N>) {
+        if self.t.len() < plan.t_len {
+            self.t.resize_with(plan.t_len, || AtomicU32::new(0));
+        }
+        if self.done.len() < plan.n {
+            self.done.resize_with(MAX_JOBS, || AtomicUsize::new(0));
+        }
+        *self.next.get_mut() = 0;
+        for d in &mut self.done[..plan.n] {
+            *d.get_mut() = 0;
+        }
+    }
+
+    /// Claims and computes shrink chunks until none is left (each part calls it first).
+    pub(super) fn claim<const N: usize>(&self, plan: &Plan<'_, N>, x: &[f32]) {
+        loop {
+            let c = self.next.fetch_add(1, Relaxed);
+            if c >= plan.chunks {
+                return;
+            }
+            let (j, job) = plan.jobs[..plan.n]
+                .iter()
+                .flatten()
+                .enumerate()
+                .find(|(_, job)| c < job.chunk0 + job.chunks())
+                .expect("chunk numbers end with the last job's");
+            let d_in = plan.sites[job.weight].dims.d_in;
+            let p = job.problem(d_in, 0);
+            let (r0, r1) = job.rows;
+            let k0 = (c - job.chunk0) * CHUNK_RANKS;
+            let ranks = k0..(k0 + CHUNK_RANKS).min(job.w.rank);
+            LOCAL.with_borrow_mut(|(s, t)| {
+                let t = grow(t, p.rows * ranks.len());
+                lora_shrink(
                     &p,
-                    &x[range.start * d_in..range.end * d_in],
-                    LoraMat::from_f32(&w.a),
-                    LoraMat::from_f32(b),
-                    &mut piece[range.start * n..range.end * n],
-                    true,
+                    &x[r0 * d_in..r1 * d_in],
+                    LoraMat::from_f32(&job.w.a),
+                    ranks.clone(),
+                    t,
                     s,
                 )
-            })
-            .expect("LoRA shapes were validated when the adapter was loaded");
+                .expect("shapes were checked by the plan");
+                let w = ranks.len();
+                for (i, row) in t.chunks_exact(w).enumerate() {
+                    let dst = &self.t[job.t_off + i * job.w.rank + ranks.start..][..w];
+                    for (d, v) in dst.iter().zip(row) {
+                        d.store(v.to_bits(), Relaxed);
+                    }
+                }
+            });
+            // Publishes the stores above to the thread that sees the count complete.
+            self.done[j].fetch_add(1, Release);
+        }
     }
+
+    /// Adds every job's delta for weight `i` to its output columns `cols`: `piece` holds them
+    /// packed `[rows, cols.len()]` (the base product, bias included). Waits for the job's
+    /// shrink chunks first (see the module note for why the wait ends).
+    pub(super) fn expand<const N: usize>(
+        &self,
+        plan: &Plan<'_, N>,
+        i: usize,
+        cols: Range<usize>,
+        piece: &mut [f32],
+    ) {
+        let n = cols.len();
+        let jobs = plan.jobs[..plan.n].iter().flatten().enumerate();
+        for (j, job) in jobs.filter(|(_, job)| job.weight == i) {
+            while self.done[j].load(Acquire) < job.chunks() {
+                std::hint::spin_loop();
+            }
+            let p = job.problem(plan.sites[i].dims.d_in, n);
+            let len = p.rows * p.rank;
+            // `B` is `[d_out, rank]`: the rows of these columns are one contiguous slice.
+            let b = &job.w.b[cols.start * p.rank..cols.end * p.rank];
+            let (r0, r1) = job.rows;
+            LOCAL.with_borrow_mut(|(s, t)| {
+                let t = grow(t, len);
+                for (d, v) in t.iter_mut().zip(&self.t[job.t_off..job.t_off + len]) {
+                    *d = f32::from_bits(v.load(Relaxed));
+                }
+                let out = &mut piece[r0 * n..r1 * n];
+                lora_expand(&p, t, LoraMat::from_f32(b), out, true, s)
+                    .expect("shapes were checked by the plan");
+            });
+        }
+    }
+}
+
+fn grow(v: &mut Vec<f32>, n: usize) -> &mut [f32] {
+    if v.len() < n {
+        v.resize(n, 0.0);
+    }
+    &mut v[..n]
 }
 
 #[cfg(test)]
@@ -303,22 +446,23 @@ mod tests {
     }
 
     /// The few-rows decision: SGMV only, at most [`FUSED_MAX_ROWS`] rows, and only when an
-    /// adapter of the step targets one of the sites at a landed layer.
+    /// adapter of the step targets one of the sites at a landed layer; the plan has a job per
+    /// (weight, segment) with a delta and a chunk per [`CHUNK_RANKS`] rank rows.
     #[test]
-    fn applies_only_to_few_rows_with_a_landed_target() {
+    fn plan_only_few_rows_with_a_landed_target() {
         use LoraModule::*;
         let c = ModelConfig::from_dir(&fixtures::tiny_llama()).unwrap();
-        let slot = adapter(&c, 4, &[Q, V], 9);
-        let adapters = [&slot];
+        let (r4, r16) = (adapter(&c, 4, &[Q, V], 9), adapter(&c, 16, &[V], 8));
+        let adapters = [&r4, &r16];
         let site = |module| LoraSite {
             layer: LayerIdx(1),
             module,
-            dims: LinearDims {
-                d_in: 64,
-                d_out: 64,
+            dims: {
+                let (d_in, d_out) = c.module_shape(module);
+                LinearDims { d_in, d_out }
             },
         };
-        let few = layout(&[Some(0), None]);
+        let few = layout(&[Some(0), None, Some(1), Some(0)]);
         let many = layout(&vec![Some(0); FUSED_MAX_ROWS + 1]);
         let batch = |layout, kernel, landed| LoraBatch {
             kernel,
@@ -328,28 +472,23 @@ mod tests {
         };
         let sgmv = LoraKernel::Sgmv;
         // On unless this process runs with THAW_FUSED_LORA=0.
-        let on = enabled();
-        assert_eq!(applies(2, &[site(Q)], &batch(&few, sgmv, &[2])), on);
-        assert_eq!(
-            applies(2, &[site(K), site(V)], &batch(&few, sgmv, &[2])),
-            on
-        );
-        assert!(!applies(2, &[site(K), site(O)], &batch(&few, sgmv, &[2])));
-        assert!(
-            !applies(2, &[site(Q)], &batch(&few, sgmv, &[1])),
-            "layer 1 not landed"
-        );
-        assert!(!applies(
-            2,
-            &[site(Q)],
-            &batch(&few, LoraKernel::Bgmv, &[2])
-        ));
+        if !enabled() {
+            assert!(plan(4, [site(Q)], &batch(&few, sgmv, &[2, 2])).is_none());
+            return;
+        }
+        let p = plan(4, [site(Q), site(K), site(V)], &batch(&few, sgmv, &[2, 2])).unwrap();
+        // q: the two r4 segments; v: r4 twice and r16 once. One chunk per r4, two per r16.
+        assert_eq!(p.n, 5);
+        assert_eq!(p.chunks, 4 + 2);
+        assert_eq!(p.t_len, 4 * (1 + 1 + 1 + 1) + 16);
+        // r4 has landed layer 0 only: no delta for q at layer 1; v keeps r16's.
+        assert!(plan(4, [site(Q)], &batch(&few, sgmv, &[1, 2])).is_none());
+        let p = plan(4, [site(Q), site(V)], &batch(&few, sgmv, &[1, 2])).unwrap();
+        assert_eq!((p.n, p.chunks), (1, 2));
+        assert!(plan(4, [site(K), site(O)], &batch(&few, sgmv, &[2, 2])).is_none());
+        assert!(plan(4, [site(Q)], &batch(&few, LoraKernel::Bgmv, &[2, 2])).is_none());
         let rows = FUSED_MAX_ROWS + 1;
-        assert!(!applies(rows, &[site(Q)], &batch(&many, sgmv, &[2])));
-        assert!(!applies(
-            1,
-            &[site(Q)],
-            &batch(&layout(&[None]), sgmv, &[2])
-        ));
+        assert!(plan(rows, [site(Q)], &batch(&many, sgmv, &[2, 2])).is_none());
+        assert!(plan(1, [site(Q)], &batch(&layout(&[None]), sgmv, &[2, 2])).is_none());
     }
 }
