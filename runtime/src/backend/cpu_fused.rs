@@ -463,7 +463,7 @@ mod tests {
             },
         };
         let few = layout(&[Some(0), None, Some(1), Some(0)]);
-        let many = layout(&vec![Some(0); FUSED_MAX_ROWS + 1]);
+        let many = layout(&[Some(0); FUSED_MAX_ROWS + 1]);
         let batch = |layout, kernel, landed| LoraBatch {
             kernel,
             layout,
