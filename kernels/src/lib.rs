@@ -10,7 +10,7 @@
 //!
 //! | module | ops |
 //! | --- | --- |
-//! | `cpu::gemm` | [`cpu::linear`], [`cpu::matmul`], [`cpu::add_bias`] (matrixmultiply) |
+//! | `cpu::gemm` | [`cpu::linear`], [`cpu::matmul`], [`cpu::add_bias`] (AVX-512 kernels in `cpu::simd`, else matrixmultiply) |
 //! | `cpu::norm`, `cpu::activation` | [`cpu::rms_norm`], [`cpu::swiglu`], softmax, residual add |
 //! | `cpu::rope` | [`cpu::RopeTable`] with Llama 3 / linear scaling |
 //! | `cpu::attention` | paged KV writes and causal GQA [`cpu::paged_attention`] (sliding window) |

@@ -1,4 +1,7 @@
-//! Dense matrix products over row-major f32 slices, on `matrixmultiply` (single-threaded).
+//! Dense matrix products over row-major f32 slices (single-threaded). `linear` runs on the
+//! AVX-512 kernels where the CPU has them — decode rows (≤ `SMALL_M`) on the in-place dot
+//! kernel, prompt rows on the packed-weight GEMM (`simd::gemm_nt_f32_prompt`) — else on
+//! `matrixmultiply` (prompt rows) or row dots (decode rows).
 
 use super::sys::{sgemm, MatMut, MatRef};
 
@@ -51,9 +54,15 @@ pub fn linear_scaled(
 ) {
     check("linear", x, w, y, shape);
     let GemmShape { m, k, n } = shape;
-    // AVX-512: one in-place kernel for decode and prompt rows alike (no packing copy).
-    if alpha == 1.0 && !accumulate && super::simd::gemm_nt_f32(x, w, (m, k, n), y, n) {
-        return;
+    // AVX-512: prompt rows on the packed-weight GEMM, decode rows on the in-place dot
+    // kernel (no packing copy; each weight row is read once anyway).
+    if alpha == 1.0 && !accumulate {
+        if m > SMALL_M && super::simd::gemm_nt_f32_prompt(x, w, (m, k, n), y, n) {
+            return;
+        }
+        if super::simd::gemm_nt_f32(x, w, (m, k, n), y, n) {
+            return;
+        }
     }
     if m <= SMALL_M {
         return linear_small_m(x, w, y, shape, alpha, accumulate);

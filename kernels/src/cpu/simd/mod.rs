@@ -26,6 +26,8 @@ mod tests;
 mod x86;
 #[cfg(target_arch = "x86_64")]
 mod x86_512;
+#[cfg(target_arch = "x86_64")]
+mod x86_512_gemm;
 
 use std::sync::atomic::{AtomicU8, Ordering};
 
@@ -149,6 +151,47 @@ pub fn gemm_nt_f32(
     }
     let _ = (x, w, m, k, n, out, ldo);
     false
+}
+
+/// `out[i·ldo + j] = x_i·w_j` as [`gemm_nt_f32`] computes it, but for prompt-sized `m`: the
+/// weight is packed (a 16 × 16 transpose, once per call) and each output is one sequential
+/// fused multiply-add chain over `k`, so its bits depend only on its own two rows (not on
+/// `m`, `n` or a split over threads) but differ in rounding from [`dot_rows_f32`]'s. Runs on
+/// AVX-512F; returns false, doing nothing, where [`gemm_nt_f32`] would, or where
+/// `THAW_PROMPT_GEMM=0` (the caller then uses its own path).
+pub fn gemm_nt_f32_prompt(
+    x: &[f32],
+    w: &[f32],
+    (m, k, n): (usize, usize, usize),
+    out: &mut [f32],
+    ldo: usize,
+) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if simd_level() == SimdLevel::Avx2 && prompt_gemm_on() {
+        if let Some(z) = x86_512::Avx512::enabled() {
+            z.gemm_nt_packed(x, w, (m, k, n), out, ldo);
+            return true;
+        }
+    }
+    let _ = (x, w, m, k, n, out, ldo);
+    false
+}
+
+/// 0 = not yet read, 1 = off, 2 = on.
+static PROMPT_GEMM: AtomicU8 = AtomicU8::new(0);
+
+/// Whether the environment leaves [`gemm_nt_f32_prompt`] on (`THAW_PROMPT_GEMM=0` turns it
+/// off; read once, for A/B runs of one binary).
+fn prompt_gemm_on() -> bool {
+    match PROMPT_GEMM.load(Ordering::Relaxed) {
+        1 => false,
+        2 => true,
+        _ => {
+            let on = !super::switched_off("THAW_PROMPT_GEMM");
+            PROMPT_GEMM.store(if on { 2 } else { 1 }, Ordering::Relaxed);
+            on
+        }
+    }
 }
 
 /// As [`dot_rows_f32`] with `w` stored as f16.

@@ -598,3 +598,53 @@ proptest! {
         gemm_nt_equals_row_dots(m, k, n, seed);
     }
 }
+
+/// The prompt GEMM (AVX-512) computes every output as one sequential fused multiply-add
+/// chain over `k` from zero — bit for bit what `f32::mul_add` folds to — for tiles with
+/// edges in rows (8-row tiles), columns (48-column panels), every tail of `k` (16-wide
+/// transposes, the 160-step blocks), written at a wider stride with the padding untouched
+/// and stale outputs overwritten.
+fn prompt_gemm_is_one_fma_chain(m: usize, k: usize, n: usize, seed: u64) {
+    let mut r = rng(seed);
+    let (x, w) = (rand_vec(&mut r, m * k, 1.0), rand_vec(&mut r, n * k, 1.0));
+    let ldo = n + 3;
+    let mut got = vec![f32::NAN; m * ldo];
+    for i in 0..m {
+        got[i * ldo..i * ldo + n].fill(7.0);
+    }
+    if !gemm_nt_f32_prompt(&x, &w, (m, k, n), &mut got, ldo) {
+        eprintln!("no AVX-512F here: gemm_nt_f32_prompt is not checked");
+        return;
+    }
+    for i in 0..m {
+        for j in 0..n {
+            let (xi, wj) = (&x[i * k..(i + 1) * k], &w[j * k..(j + 1) * k]);
+            let want = xi.iter().zip(wj).fold(0.0f32, |s, (a, b)| a.mul_add(*b, s));
+            assert_eq!(
+                got[i * ldo + j].to_bits(),
+                want.to_bits(),
+                "{m}x{k}x{n} at ({i}, {j})"
+            );
+        }
+        assert!(
+            got[i * ldo + n..(i + 1) * ldo].iter().all(|v| v.is_nan()),
+            "padding written"
+        );
+    }
+}
+
+#[test]
+fn prompt_gemm_is_one_fma_chain_at_model_shapes() {
+    prompt_gemm_is_one_fma_chain(64, 576, 96, 1); // a prompt chunk × half the k/v rows
+    prompt_gemm_is_one_fma_chain(17, 1536, 50, 2); // × down rows: 10 k-blocks, a 2-column panel
+    prompt_gemm_is_one_fma_chain(9, 0, 5, 3); // empty reduction: zeros
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(32))]
+
+    #[test]
+    fn prompt_gemm_is_one_fma_chain_any_shape(m in 1usize..20, k in 0usize..400, n in 1usize..110, seed in any::<u64>()) {
+        prompt_gemm_is_one_fma_chain(m, k, n, seed);
+    }
+}

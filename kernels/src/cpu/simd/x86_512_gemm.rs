@@ -1,0 +1,288 @@
+//! AVX-512F prompt GEMM `out = x · wᵀ` (`w` is `[n, k]`, the `nn.Linear` layout) for
+//! prompt-sized `m`: the weight is packed once per call, a panel of [`NR`] weight rows at a
+//! time, into `[k][NR]` (a 16 × 16 register transpose), then an [`MR`] × [`NR`] register tile
+//! broadcasts one activation value per row against three 16-lane weight vectors. Every
+//! weight element is read from memory once per call; the packed panel stays in L2 and its
+//! [`KC`]-deep slices in L1 while every row block of `x` passes them. While a panel's tiles
+//! run, the next panel's weight rows (contiguous) are prefetched, a share per tile, so
+//! packing reads them from cache: without it a call took 1.1–1.35× as long at 64 rows
+//! (`examples/prompt_gemm.rs`, quiet, session 11; T0 was ahead of T1/T2 by a few percent).
+//!
+//! Each output is one sequential fused multiply-add chain over `p = 0..k` starting from zero
+//! (a `KC` block stores the partial sum and the next reloads it, exactly), so its bits depend
+//! only on its own row of `x` and row of `w` — not on `m`, `n`, the tile it falls in or how
+//! the product is split over threads. (The summation order differs from the decode kernel's
+//! 16-lane dot product, so a prompt row and a decode row differ in rounding.)
+// Register tiles are indexed `acc[r][c]` in step with pointer offsets.
+#![allow(clippy::needless_range_loop)]
+
+use std::arch::x86_64::*;
+use std::cell::RefCell;
+
+use super::x86_512::Avx512;
+
+/// Activation rows per register tile.
+pub(super) const MR: usize = 8;
+/// Weight rows (output columns) per packed panel and register tile: three 16-lane vectors,
+/// so the tile is 24 accumulators.
+pub(super) const NR: usize = 48;
+/// Most reduction steps per block: a `KC × NR` packed slice (≤ 30 KiB) stays in L1 while the
+/// row blocks pass.
+const KC: usize = 160;
+
+thread_local! {
+    /// The packed weight panel, per thread (grown, never shrunk: no allocation per call).
+    static PANEL: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+impl Avx512 {
+    /// `out[i·ldo + j] = x_i·w_j` for the `m` rows of `x` (`[m, k]`) and the `n` rows of `w`
+    /// (`[n, k]`); see the module note for the summation order.
+    pub(super) fn gemm_nt_packed(
+        self,
+        x: &[f32],
+        w: &[f32],
+        (m, k, n): (usize, usize, usize),
+        out: &mut [f32],
+        ldo: usize,
+    ) {
+        assert!(
+            x.len() >= m * k && w.len() >= n * k,
+            "gemm_nt_packed: short operands"
+        );
+        assert!(m == 0 || n == 0 || (m - 1) * ldo + n <= out.len());
+        assert!(m <= 1 || ldo >= n, "gemm_nt_packed: rows of out overlap");
+        if m == 0 || n == 0 {
+            return;
+        }
+        if k == 0 {
+            for i in 0..m {
+                out[i * ldo..i * ldo + n].fill(0.0);
+            }
+            return;
+        }
+        PANEL.with(|p| {
+            let mut panel = p.borrow_mut();
+            if panel.len() < k * NR {
+                panel.resize(k * NR, 0.0);
+            }
+            // SAFETY: `self` proves the features; the asserts bound every row of `x` and `w`
+            // and every output `i·ldo + j` (i < m, j < n); `panel` holds `k·NR` values.
+            unsafe {
+                packed(
+                    x.as_ptr(),
+                    w.as_ptr(),
+                    (m, k, n),
+                    out.as_mut_ptr(),
+                    ldo,
+                    panel.as_mut_ptr(),
+                )
+            }
+        });
+    }
+}
+
+/// The `KC` blocks of `0..k`: near-equal, multiples of 16 but the last.
+fn kc_for(k: usize) -> usize {
+    k.div_ceil(k.div_ceil(KC)).next_multiple_of(16)
+}
+
+/// # Safety
+/// AVX-512F available; `x` readable for `m·k` f32s, `w` for `n·k`, `out` writable at
+/// `i·ldo + j` for `i < m`, `j < n`, `panel` writable for `k·NR`; `m, n, k > 0`.
+#[inline(never)]
+#[target_feature(enable = "avx512f,avx2,fma")]
+unsafe fn packed(
+    x: *const f32,
+    w: *const f32,
+    (m, k, n): (usize, usize, usize),
+    out: *mut f32,
+    ldo: usize,
+    panel: *mut f32,
+) {
+    let kc = kc_for(k);
+    // Tile calls per panel, over which the next panel's weight rows are prefetched.
+    let tiles = k.div_ceil(kc) * m.div_ceil(MR);
+    let mut j0 = 0;
+    while j0 < n {
+        let nc = (n - j0).min(NR);
+        // The next panel is rows `j0 + nc..`, contiguous: `next` f32s from `w + (j0 + nc)·k`.
+        let next = (n - j0 - nc).min(NR) * k;
+        let per_tile = next.div_ceil(16).div_ceil(tiles) * 16;
+        let mut pf = 0;
+        // SAFETY: weight rows `j0..j0 + nc ≤ n`, the panel's `k·NR` values, row blocks
+        // `i0..i0 + R ≤ m`, reduction steps `p0..p0 + kb ≤ k` and the outputs
+        // `(i0 + r)·ldo + j0 + c` (c < nc): inside the caller's guarantee; prefetches
+        // touch rows `j0 + nc..n` only (and are hints: they never fault).
+        unsafe {
+            pack_panel(w.add(j0 * k), nc, k, panel);
+            let wn = w.add((j0 + nc) * k);
+            let mut p0 = 0;
+            while p0 < k {
+                let kb = (k - p0).min(kc);
+                let first = p0 == 0;
+                let bp = panel.add(p0 * NR);
+                let mut i0 = 0;
+                while i0 < m {
+                    let end = (pf + per_tile).min(next);
+                    while pf < end {
+                        _mm_prefetch::<_MM_HINT_T0>(wn.add(pf).cast());
+                        pf += 16;
+                    }
+                    let rn = (m - i0).min(MR);
+                    let (a, c) = (x.add(i0 * k + p0), out.add(i0 * ldo + j0));
+                    macro_rules! go {
+                        ($($R:literal)*) => {
+                            match rn {
+                                $($R => tile::<$R>(a, k, bp, kb, c, ldo, nc, first),)*
+                                _ => unreachable!(),
+                            }
+                        };
+                    }
+                    go!(8 7 6 5 4 3 2 1);
+                    i0 += rn;
+                }
+                p0 += kb;
+            }
+        }
+        j0 += nc;
+    }
+}
+
+/// Lanes `0..n` of a 16-lane mask (`n ≥ 16`: all).
+#[inline(always)]
+fn lanes(n: usize) -> __mmask16 {
+    if n >= 16 {
+        0xFFFF
+    } else {
+        ((1u32 << n) - 1) as __mmask16
+    }
+}
+
+/// One `R × NR` tile: `c[r·ldc + j] (+)= Σ_{p < kb} a[r·lda + p] · bp[p·NR + j]` for the
+/// first `nc` columns, in order of `p`; `first` starts from zero instead of `c`.
+///
+/// # Safety
+/// AVX-512F available; `a` readable for `R` rows of `kb` at stride `lda`, `bp` for
+/// `kb·NR`, `c` readable and writable at `r·ldc + j` for `r < R`, `j < nc ≤ NR`.
+#[inline]
+#[target_feature(enable = "avx512f,avx2,fma")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn tile<const R: usize>(
+    a: *const f32,
+    lda: usize,
+    bp: *const f32,
+    kb: usize,
+    c: *mut f32,
+    ldc: usize,
+    nc: usize,
+    first: bool,
+) {
+    let mask = [
+        lanes(nc),
+        lanes(nc.saturating_sub(16)),
+        lanes(nc.saturating_sub(32)),
+    ];
+    // SAFETY: loads and stores stay inside the caller's guarantee (masked to `nc` columns).
+    unsafe {
+        let mut acc = [[_mm512_setzero_ps(); 3]; R];
+        if !first {
+            for r in 0..R {
+                for v in 0..3 {
+                    acc[r][v] = _mm512_maskz_loadu_ps(mask[v], c.add(r * ldc + 16 * v));
+                }
+            }
+        }
+        for p in 0..kb {
+            let b = bp.add(p * NR);
+            let (b0, b1, b2) = (
+                _mm512_loadu_ps(b),
+                _mm512_loadu_ps(b.add(16)),
+                _mm512_loadu_ps(b.add(32)),
+            );
+            for r in 0..R {
+                let av = _mm512_set1_ps(*a.add(r * lda + p));
+                acc[r][0] = _mm512_fmadd_ps(av, b0, acc[r][0]);
+                acc[r][1] = _mm512_fmadd_ps(av, b1, acc[r][1]);
+                acc[r][2] = _mm512_fmadd_ps(av, b2, acc[r][2]);
+            }
+        }
+        for r in 0..R {
+            for v in 0..3 {
+                _mm512_mask_storeu_ps(c.add(r * ldc + 16 * v), mask[v], acc[r][v]);
+            }
+        }
+    }
+}
+
+/// Packs weight rows `0..nc` (`nc ≤ NR`, each `k` long) into `panel[p·NR + c] = w[c·k + p]`,
+/// columns `nc..NR` zero.
+///
+/// # Safety
+/// AVX-512F available; `w` readable for `nc·k` f32s, `panel` writable for `k·NR`.
+#[inline]
+#[target_feature(enable = "avx512f,avx2,fma")]
+unsafe fn pack_panel(w: *const f32, nc: usize, k: usize, panel: *mut f32) {
+    // SAFETY: row `g·16 + t < nc` elements `p0..p0 + 16` (masked to `< k`), panel rows
+    // `p0 + e < k`, columns `g·16..g·16 + 16 ≤ NR`.
+    unsafe {
+        for g in 0..NR / 16 {
+            let mut p0 = 0;
+            while p0 < k {
+                let pm = lanes(k - p0);
+                let mut r = [_mm512_setzero_ps(); 16];
+                for t in 0..16 {
+                    if g * 16 + t < nc {
+                        r[t] = _mm512_maskz_loadu_ps(pm, w.add((g * 16 + t) * k + p0));
+                    }
+                }
+                let cols = transpose16(r);
+                for e in 0..(k - p0).min(16) {
+                    _mm512_storeu_ps(panel.add((p0 + e) * NR + g * 16), cols[e]);
+                }
+                p0 += 16;
+            }
+        }
+    }
+}
+
+/// The transpose of a 16 × 16 block held as 16 row vectors: `out[j][i] = r[i][j]`.
+#[inline]
+#[target_feature(enable = "avx512f,avx2,fma")]
+fn transpose16(r: [__m512; 16]) -> [__m512; 16] {
+    // Stage 1: per 128-bit lane L, t[2i] = (a0 b0 a1 b1), t[2i+1] = (a2 b2 a3 b3) of rows
+    // a = r[2i], b = r[2i+1] (elements 4L..4L+4).
+    let mut t = [_mm512_setzero_ps(); 16];
+    for i in 0..8 {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    // Stage 2: u[4i + e], lane L = element 4L + e of rows 4i..4i + 4.
+    let mut u = [_mm512_setzero_ps(); 16];
+    for i in 0..4 {
+        let pd = |v: __m512| _mm512_castps_pd(v);
+        let (t0, t1, t2, t3) = (
+            pd(t[4 * i]),
+            pd(t[4 * i + 1]),
+            pd(t[4 * i + 2]),
+            pd(t[4 * i + 3]),
+        );
+        u[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(t0, t2));
+        u[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(t0, t2));
+        u[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(t1, t3));
+        u[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(t1, t3));
+    }
+    // Stages 3–4: column 4L + e gathers lane L of u[e], u[4 + e], u[8 + e], u[12 + e].
+    let mut out = [_mm512_setzero_ps(); 16];
+    for e in 0..4 {
+        let s0 = _mm512_shuffle_f32x4::<0x88>(u[e], u[4 + e]);
+        let s1 = _mm512_shuffle_f32x4::<0xDD>(u[e], u[4 + e]);
+        let s2 = _mm512_shuffle_f32x4::<0x88>(u[8 + e], u[12 + e]);
+        let s3 = _mm512_shuffle_f32x4::<0xDD>(u[8 + e], u[12 + e]);
+        out[e] = _mm512_shuffle_f32x4::<0x88>(s0, s2);
+        out[4 + e] = _mm512_shuffle_f32x4::<0x88>(s1, s3);
+        out[8 + e] = _mm512_shuffle_f32x4::<0xDD>(s0, s2);
+        out[12 + e] = _mm512_shuffle_f32x4::<0xDD>(s1, s3);
+    }
+    out
+}
