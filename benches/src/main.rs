@@ -6,6 +6,7 @@ mod engine_bench;
 mod engine_real;
 mod load;
 mod lora_bench;
+mod lora_decode;
 mod lora_socket;
 mod quant_bench;
 mod simulate;
@@ -27,6 +28,9 @@ struct Cli {
 enum Cmd {
     /// CPU engine prefill/decode throughput with 0, 1 and N distinct adapters in the batch.
     Engine(engine_bench::EngineBenchArgs),
+    /// One-sequence decode step on a real model, step by step in one process: the base model,
+    /// an adapter with its deltas beside the base products, and after them (the old path).
+    LoraDecode(lora_decode::LoraDecodeArgs),
     /// CPU LoRA invocation round trip: shared memory (spin, futex) vs a UNIX socket, 1…N workers.
     LoraIpc(lora_bench::LoraIpcArgs),
     /// CPU LoRA prefill on 1…N worker processes vs one process with N threads.
@@ -86,6 +90,10 @@ fn main() -> anyhow::Result<()> {
         Cmd::Engine(args) => {
             let rows = engine_bench::run(&args)?;
             println!("{}", engine_bench::table(&args, &rows));
+        }
+        Cmd::LoraDecode(args) => {
+            let ms = lora_decode::run(&args)?;
+            println!("{}", lora_decode::table(&args, &ms));
         }
         Cmd::LoraIpc(args) => {
             let rows = lora_bench::run_ipc(&args)?;

@@ -145,7 +145,7 @@ pub enum LoraError {
     /// `x` or `out` has the wrong number of f32s.
     #[error("LoRA `{which}` has {got} f32s but the problem needs {expected}; check rows and hidden sizes")]
     Activation {
-        /// `"x"` or `"out"`.
+        /// `"x"`, `"out"` or `"t"`.
         which: &'static str,
         /// `rows · d_in` or `rows · d_out`.
         expected: usize,
@@ -299,6 +299,124 @@ pub fn lora_delta_on(
         Isa::Avx2 | Isa::Avx512 => return unavailable,
     }
     Ok(())
+}
+
+/// Runs `$body` with `$ops` bound to the [`Ops`] of `$isa`, or returns
+/// [`LoraError::IsaUnavailable`].
+macro_rules! with_ops {
+    ($isa:expr, $ops:ident => $body:expr) => {
+        match $isa {
+            Isa::Scalar => {
+                let $ops = scalar::Scalar;
+                $body
+            }
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => match avx2::Avx2::detect() {
+                Some($ops) => $body,
+                None => return Err(LoraError::IsaUnavailable($isa)),
+            },
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => match avx512::Avx512::detect() {
+                Some($ops) => $body,
+                None => return Err(LoraError::IsaUnavailable($isa)),
+            },
+            #[cfg(not(target_arch = "x86_64"))]
+            Isa::Avx2 | Isa::Avx512 => return Err(LoraError::IsaUnavailable($isa)),
+        }
+    };
+}
+
+/// The shrink of [`lora_delta`] for rank rows `ranks` only: `t = x · A[ranks]ᵀ`, unscaled,
+/// `[rows, ranks.len()]`. Every element is bit for bit what [`lora_delta`] computes for it,
+/// so threads can split a shrink by rank rows, assemble `t` and [`lora_expand`] it.
+pub fn lora_shrink(
+    p: &LoraProblem,
+    x: &[f32],
+    a: LoraMat<'_>,
+    ranks: std::ops::Range<usize>,
+    t: &mut [f32],
+    scratch: &mut Scratch,
+) -> Result<(), LoraError> {
+    let mul = |u: usize, v: usize| u.checked_mul(v).ok_or(LoraError::Overflow(*p));
+    check_len("x", mul(p.rows, p.d_in)?, x.len())?;
+    check_weight("A", a, mul(mul(p.rank, p.d_in)?, a.dtype.size())?)?;
+    assert!(
+        ranks.start <= ranks.end && ranks.end <= p.rank,
+        "lora_shrink: rank rows {ranks:?} of rank {}",
+        p.rank
+    );
+    check_len("t", mul(p.rows, ranks.len())?, t.len())?;
+    if p.rows == 0 || ranks.is_empty() {
+        return Ok(());
+    }
+    if p.d_in == 0 {
+        t.fill(0.0);
+        return Ok(());
+    }
+    let job = Job {
+        p,
+        x,
+        a,
+        b: a,
+        accumulate: false,
+    };
+    with_ops!(Isa::best(), ops => job.shrink(ops, ranks, t, &mut scratch.a_chunk));
+    Ok(())
+}
+
+/// The expand of [`lora_delta`]: `Δ = (scale · t) · Bᵀ` into `out` (or added, with
+/// `accumulate`) from the unscaled shrink `t` (`[rows, rank]`; scaled in place). After
+/// [`lora_shrink`] over every rank row, bit for bit [`lora_delta`].
+pub fn lora_expand(
+    p: &LoraProblem,
+    t: &mut [f32],
+    b: LoraMat<'_>,
+    out: &mut [f32],
+    accumulate: bool,
+    scratch: &mut Scratch,
+) -> Result<(), LoraError> {
+    let mul = |u: usize, v: usize| u.checked_mul(v).ok_or(LoraError::Overflow(*p));
+    check_len("t", mul(p.rows, p.rank)?, t.len())?;
+    check_len("out", mul(p.rows, p.d_out)?, out.len())?;
+    check_weight("B", b, mul(mul(p.rank, p.d_out)?, b.dtype.size())?)?;
+    if p.rows == 0 || p.d_out == 0 {
+        return Ok(());
+    }
+    if p.rank == 0 || p.d_in == 0 {
+        if !accumulate {
+            out.fill(0.0);
+        }
+        return Ok(());
+    }
+    let job = Job {
+        p,
+        x: &[],
+        a: b,
+        b,
+        accumulate,
+    };
+    with_ops!(Isa::best(), ops => job.expand(ops, t, out, scratch));
+    Ok(())
+}
+
+fn check_len(which: &'static str, expected: usize, got: usize) -> Result<(), LoraError> {
+    (expected == got)
+        .then_some(())
+        .ok_or(LoraError::Activation {
+            which,
+            expected,
+            got,
+        })
+}
+
+fn check_weight(which: &'static str, m: LoraMat<'_>, expected: usize) -> Result<(), LoraError> {
+    let got = m.bytes.len();
+    (expected == got).then_some(()).ok_or(LoraError::Weight {
+        which,
+        dtype: m.dtype.name(),
+        expected,
+        got,
+    })
 }
 
 fn check(

@@ -153,9 +153,23 @@ impl Job<'_, '_> {
             }
             return;
         }
+        let mut t = std::mem::take(&mut scratch.t);
+        let rt = grow(&mut t, p.rows * p.rank);
+        self.shrink(ops, 0..p.rank, rt, &mut scratch.a_chunk);
+        self.expand(ops, rt, out, scratch);
+        scratch.t = t;
+    }
+
+    /// The expand, from the unscaled shrink `t` (`[rows, rank]`, scaled in place).
+    pub(super) fn expand<O: Ops>(
+        &self,
+        ops: O,
+        t: &mut [f32],
+        out: &mut [f32],
+        scratch: &mut Scratch,
+    ) {
+        let p = self.p;
         let blk = Blocking::for_problem(p, O::PANEL);
-        let t = grow(&mut scratch.t, p.rows * p.rank);
-        self.shrink(ops, blk, t, &mut scratch.a_chunk);
         for v in t.iter_mut() {
             *v *= p.scale;
         }
@@ -224,24 +238,36 @@ impl Job<'_, '_> {
         ops.expand_rows_bcast(tt, b, out, d, self.accumulate);
     }
 
-    fn shrink(&self, ops: impl Ops, blk: Blocking, t: &mut [f32], a_chunk: &mut Vec<f32>) {
+    /// `t[rows, ranks.len()] = x · A[ranks]ᵀ` (unscaled): columns `ranks` of the shrink, each
+    /// element computed as the whole shrink computes it (the blocking is the whole problem's,
+    /// and every element has its own accumulator).
+    pub(super) fn shrink<O: Ops>(
+        &self,
+        ops: O,
+        ranks: Range<usize>,
+        t: &mut [f32],
+        a_chunk: &mut Vec<f32>,
+    ) {
         let p = self.p;
+        let blk = Blocking::for_problem(p, O::PANEL);
+        let nr = ranks.len();
         let a_in_place = in_place_f32(self.a);
         for k0 in (0..p.d_in).step_by(blk.kc) {
             let k = blk.kc.min(p.d_in - k0);
             let a = match a_in_place {
                 Some(a) => Rows {
-                    data: &a[k0..],
+                    data: &a[ranks.start * p.d_in + k0..],
                     ld: p.d_in,
                 },
                 None => {
-                    let chunk = grow(a_chunk, p.rank * k);
+                    let chunk = grow(a_chunk, nr * k);
                     let es = self.a.dtype.size();
                     let row = |j: usize| {
                         let start = ((j * p.d_in + k0) * es).min(self.a.bytes.len());
                         &self.a.bytes[start..(start + k * es).min(self.a.bytes.len())]
                     };
                     for (j, dst) in chunk.chunks_exact_mut(k).enumerate() {
+                        let j = ranks.start + j;
                         ops.widen(self.a.dtype, row(j), dst, row(j + 1));
                     }
                     Rows { data: chunk, ld: k }
@@ -253,19 +279,10 @@ impl Job<'_, '_> {
             };
             let d = Dims {
                 m: p.rows,
-                n: p.rank,
+                n: nr,
                 k,
             };
-            ops.shrink(
-                x,
-                a,
-                RowsMut {
-                    data: t,
-                    ld: p.rank,
-                },
-                d,
-                k0 == 0,
-            );
+            ops.shrink(x, a, RowsMut { data: t, ld: nr }, d, k0 == 0);
         }
     }
 }

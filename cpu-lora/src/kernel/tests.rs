@@ -377,3 +377,51 @@ proptest! {
         }
     }
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+    /// A shrink split by rank rows (in any chunk sizes), assembled, then expanded into a
+    /// slice of the output columns (the rows of `B` for them), is bit for bit `lora_delta` on
+    /// those columns — for decode-sized and larger row counts, each stored dtype, written or
+    /// accumulated: what lets threads share one shrink and each expand its own columns.
+    #[test]
+    fn split_shrink_then_expand_equals_lora_delta(
+        seed in any::<u64>(),
+        rows in 1usize..24,
+        d_in in 1usize..1200,
+        d_out in 1usize..300,
+        rank in 1usize..70,
+        chunk in 1usize..20,
+        cut in 0.0f64..1.0,
+        dtype in prop_oneof![Just(WeightDtype::F32), Just(WeightDtype::F16), Just(WeightDtype::Bf16)],
+        accumulate in any::<bool>(),
+    ) {
+        let c = Case::new(seed, dtype, [rows, d_in, d_out, rank]);
+        let mut s = Scratch::new();
+        let mut want = c.prefill.clone();
+        lora_delta(&c.p, &c.x, c.a.mat(), c.b.mat(), &mut want, accumulate, &mut s).unwrap();
+        let mut t = vec![f32::NAN; rows * rank];
+        let mut part = Vec::new();
+        for r0 in (0..rank).step_by(chunk) {
+            let r1 = (r0 + chunk).min(rank);
+            part.resize(rows * (r1 - r0), f32::NAN);
+            lora_shrink(&c.p, &c.x, c.a.mat(), r0..r1, &mut part, &mut s).unwrap();
+            for i in 0..rows {
+                t[i * rank + r0..i * rank + r1].copy_from_slice(&part[i * (r1 - r0)..(i + 1) * (r1 - r0)]);
+            }
+        }
+        // Columns lo..d_out only, from the rows of B for them.
+        let lo = ((d_out as f64 * cut) as usize).min(d_out - 1);
+        let n = d_out - lo;
+        let es = dtype.size();
+        let b = LoraMat { dtype, bytes: &c.b.bytes[lo * rank * es..] };
+        let p = LoraProblem { d_out: n, ..c.p };
+        let mut got: Vec<f32> = (0..rows).flat_map(|i| c.prefill[i * d_out + lo..(i + 1) * d_out].to_vec()).collect();
+        lora_expand(&p, &mut t, b, &mut got, accumulate, &mut s).unwrap();
+        for i in 0..rows {
+            let w = &want[i * d_out + lo..(i + 1) * d_out];
+            let g = &got[i * n..(i + 1) * n];
+            prop_assert!(w.iter().zip(g).all(|(a, b)| a.to_bits() == b.to_bits()), "row {i}");
+        }
+    }
+}

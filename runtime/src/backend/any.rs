@@ -12,7 +12,7 @@ use std::sync::Arc;
 use thaw_kernels::cpu::KvLayout;
 
 use super::cpu::CpuBackend;
-use super::{Backend, Device, LinearDims, LoraBatch, StepLayout};
+use super::{Backend, Device, LinearDims, LoraBatch, LoraSite, StepLayout};
 use crate::adapter::{LoraAdapter, LoraModule};
 use crate::error::Result;
 use crate::ids::LayerIdx;
@@ -351,6 +351,41 @@ impl Backend for AnyBackend {
                 rows,
                 outs.map(|o| o.gpu_mut()),
             ),
+        }
+    }
+
+    fn linear_group_lora<const N: usize>(
+        &mut self,
+        x: &AnyBuf,
+        ws: [&AnyLinear; N],
+        rows: usize,
+        outs: [&mut AnyBuf; N],
+        sites: [LoraSite; N],
+        batch: &LoraBatch<'_, AnyLora>,
+    ) {
+        match self {
+            Self::Cpu(b) => {
+                let adapters = cpu_loras(batch);
+                let inner = LoraBatch {
+                    kernel: batch.kernel,
+                    layout: batch.layout,
+                    adapters: &adapters,
+                    landed: batch.landed,
+                };
+                let (ws, outs) = (ws.map(|w| w.cpu()), outs.map(|o| o.cpu_mut()));
+                b.linear_group_lora(x.cpu(), ws, rows, outs, sites, &inner);
+            }
+            Self::Cuda(g) => {
+                let adapters = gpu_loras(batch);
+                let inner = LoraBatch {
+                    kernel: batch.kernel,
+                    layout: batch.layout,
+                    adapters: &adapters,
+                    landed: batch.landed,
+                };
+                let (ws, outs) = (ws.map(|w| w.gpu()), outs.map(|o| o.gpu_mut()));
+                g.linear_group_lora(x.gpu(), ws, rows, outs, sites, &inner);
+            }
         }
     }
 

@@ -14,6 +14,8 @@ use crate::ids::LayerIdx;
 
 pub mod any;
 pub mod cpu;
+mod cpu_fused;
+pub use cpu_fused::set_fused_lora;
 pub mod cpu_par;
 mod cpu_pool;
 #[cfg(feature = "cuda")]
@@ -92,6 +94,14 @@ impl LoraLayout {
 pub struct LinearDims {
     pub d_in: usize,
     pub d_out: usize,
+}
+
+/// Where a projection's adapter deltas come from: its (layer, module) and its shape.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct LoraSite {
+    pub layer: LayerIdx,
+    pub module: LoraModule,
+    pub dims: LinearDims,
 }
 
 /// The adapters referenced by a step, in the order [`LoraLayout`] indexes them.
@@ -190,6 +200,27 @@ pub trait Backend {
     ) {
         for (w, o) in ws.into_iter().zip(outs) {
             self.linear(x, w, rows, o);
+        }
+    }
+    /// [`Backend::linear_group`], then `outs[i] += LoRA(x)` for every row whose adapter
+    /// targets `sites[i]` — as one op, so a backend may compute the deltas of few-row steps
+    /// beside the base products, on the same threads (the CPU backend does). The default runs
+    /// `linear_group`, then [`Backend::lora`] on each output.
+    fn linear_group_lora<const N: usize>(
+        &mut self,
+        x: &Self::Buf,
+        ws: [&Self::Linear; N],
+        rows: usize,
+        mut outs: [&mut Self::Buf; N],
+        sites: [LoraSite; N],
+        batch: &LoraBatch<'_, Self::Lora>,
+    ) {
+        self.linear_group(x, ws, rows, outs.each_mut().map(|o| &mut **o));
+        if batch.layout.segments.is_empty() {
+            return;
+        }
+        for (o, s) in outs.into_iter().zip(sites) {
+            self.lora(x, o, s.dims, (s.layer, s.module), batch);
         }
     }
     /// y += LoRA(x) for every row whose adapter targets (layer, module).

@@ -5,7 +5,7 @@ use super::assist::{Assist, ColdSeg};
 use super::weights::DeviceModel;
 use super::EngineConfig;
 use crate::adapter::LoraModule;
-use crate::backend::{Backend, LinearDims, LoraBatch, StepLayout};
+use crate::backend::{Backend, LinearDims, LoraBatch, LoraSite, StepLayout};
 use crate::error::Result;
 use crate::ids::LayerIdx;
 use crate::model::ModelConfig;
@@ -62,35 +62,28 @@ impl<B: Backend> Workspace<B> {
     }
 }
 
-/// Base projection plus every adapter's delta for `module` of `layer`.
+/// Base projections of weights sharing the input `x` (q/k/v, gate/up, or one), plus every
+/// adapter's delta for `modules` of `layer`, as one backend op.
 #[allow(clippy::too_many_arguments)]
-fn project<B: Backend>(
+fn project<B: Backend, const N: usize>(
     b: &mut B,
     c: &ModelConfig,
-    w: &B::Linear,
+    ws: [&B::Linear; N],
     x: &B::Buf,
-    y: &mut B::Buf,
+    outs: [&mut B::Buf; N],
     rows: usize,
-    at: (LayerIdx, LoraModule),
+    (layer, modules): (LayerIdx, [LoraModule; N]),
     lora: &LoraBatch<'_, B::Lora>,
 ) {
-    b.linear(x, w, rows, y);
-    add_lora(b, c, x, y, at, lora);
-}
-
-/// Every adapter's delta for `module` of `layer`, added into `y` (the base projection).
-fn add_lora<B: Backend>(
-    b: &mut B,
-    c: &ModelConfig,
-    x: &B::Buf,
-    y: &mut B::Buf,
-    at: (LayerIdx, LoraModule),
-    lora: &LoraBatch<'_, B::Lora>,
-) {
-    if !lora.layout.segments.is_empty() {
-        let (d_in, d_out) = c.module_shape(at.1);
-        b.lora(x, y, LinearDims { d_in, d_out }, at, lora);
-    }
+    let sites = modules.map(|module| {
+        let (d_in, d_out) = c.module_shape(module);
+        LoraSite {
+            layer,
+            module,
+            dims: LinearDims { d_in, d_out },
+        }
+    });
+    b.linear_group_lora(x, ws, rows, outs, sites, lora);
 }
 
 /// Cold segments of `layer` whose adapter targets a module of `group`, packed in order.
@@ -217,10 +210,7 @@ pub(crate) fn run<B: Backend>(
         let g = [Q, K, V];
         let cpu = begin_assist(b, c, &ws.x, i, &g, lora, &mut assist, &mut cold)?;
         let qkv = [&mut ws.q, &mut ws.k, &mut ws.v];
-        b.linear_group(&ws.x, [&p[0], &p[1], &p[2]], rows, qkv);
-        add_lora(b, c, &ws.x, &mut ws.q, (l, Q), lora);
-        add_lora(b, c, &ws.x, &mut ws.k, (l, K), lora);
-        add_lora(b, c, &ws.x, &mut ws.v, (l, V), lora);
+        project(b, c, [&p[0], &p[1], &p[2]], &ws.x, qkv, rows, (l, g), lora);
         if let Some(t) = cpu {
             let outs = &mut [&mut ws.q, &mut ws.k, &mut ws.v];
             end_assist(b, c, i, &g, outs, &mut assist, &cold, t)?;
@@ -229,7 +219,7 @@ pub(crate) fn run<B: Backend>(
         b.rope(&mut ws.k, &step.positions, c.num_kv_heads);
         b.attention(&ws.q, &ws.k, &ws.v, kv, step, &mut ws.attn);
         let cpu = begin_assist(b, c, &ws.attn, i, &[O], lora, &mut assist, &mut cold)?;
-        project(b, c, &p[3], &ws.attn, &mut ws.o, rows, (l, O), lora);
+        project(b, c, [&p[3]], &ws.attn, [&mut ws.o], rows, (l, [O]), lora);
         if let Some(t) = cpu {
             end_assist(b, c, i, &[O], &mut [&mut ws.o], &mut assist, &cold, t)?;
         }
@@ -238,16 +228,15 @@ pub(crate) fn run<B: Backend>(
         b.rms_norm(&ws.h, &layer.post_norm, c.rms_norm_eps, rows, &mut ws.x);
         let g = [Gate, Up];
         let cpu = begin_assist(b, c, &ws.x, i, &g, lora, &mut assist, &mut cold)?;
-        b.linear_group(&ws.x, [&p[4], &p[5]], rows, [&mut ws.gate, &mut ws.up]);
-        add_lora(b, c, &ws.x, &mut ws.gate, (l, Gate), lora);
-        add_lora(b, c, &ws.x, &mut ws.up, (l, Up), lora);
+        let gate_up = [&mut ws.gate, &mut ws.up];
+        project(b, c, [&p[4], &p[5]], &ws.x, gate_up, rows, (l, g), lora);
         if let Some(t) = cpu {
             let outs = &mut [&mut ws.gate, &mut ws.up];
             end_assist(b, c, i, &g, outs, &mut assist, &cold, t)?;
         }
         b.swiglu(&ws.gate, &ws.up, rows * c.intermediate_size, &mut ws.act);
         let cpu = begin_assist(b, c, &ws.act, i, &[Down], lora, &mut assist, &mut cold)?;
-        project(b, c, &p[6], &ws.act, &mut ws.o, rows, (l, Down), lora);
+        project(b, c, [&p[6]], &ws.act, [&mut ws.o], rows, (l, [Down]), lora);
         if let Some(t) = cpu {
             end_assist(b, c, i, &[Down], &mut [&mut ws.o], &mut assist, &cold, t)?;
         }
