@@ -7,28 +7,19 @@
 //! are never candidates.
 //!
 //! How the terms are measured and normalised (Chameleon §4 names the features, not a scale):
-//! - The cache's currency is pages, so frequency is taken per page the adapter holds: decayed
-//!   uses per page. A page of a large, rarely used adapter earns less than a page of a small
-//!   popular one (what the hit rate rewards).
-//! - Size is the reload penalty the cache saves per page: the reload cost (seconds over the
-//!   link, bytes ÷ rate plus one transfer latency per layer, plus the disk read when the host
-//!   copy would be gone) times its expected re-references (decayed uses + 1, so an adapter not
-//!   yet used still counts its cost), per page held. This is Greedy-Dual-Size-Frequency's
-//!   `frequency × cost / size` (Fuerst and Sharma 2021, the work Chameleon cites for
-//!   cost-awareness). Since the reload cost grows with the pages, the term is close to the
-//!   adapter's whole use count: a large adapter's page is worth its use, not its use per page,
-//!   which is what "prioritize the eviction of smaller adapters" asks, weighted by use.
+//! - The cache's currency is pages, so frequency and size are taken per page the adapter holds.
+//!   Frequency is decayed uses per page; size is the reload cost per page: seconds over the link
+//!   (bytes ÷ rate plus one transfer latency per layer) plus, when the host copy would be gone,
+//!   the disk read. A page of a large, rarely used adapter then earns less than a page of a
+//!   small popular one, and a page whose reload starts from disk more than one on the host.
 //! - Frequency and recency are normalised by rank (percentile over the candidates, ties share
 //!   the mean rank), so a skewed count cannot squash the term toward 0 as min–max did. The
-//!   size term keeps its ratio scale (divided by the candidates' largest), so a disk-tier
-//!   reload stays as much costlier as it is, and equal penalties score equal.
+//!   reload cost keeps its ratio scale (divided by the candidates' largest), so a disk-tier
+//!   reload stays as much costlier as it is, and equal costs score equal.
 //!
-//! Three size terms were tried on Chameleon's setting (`benches/results/cache-cpu.md`): the
-//! raw reload cost (the first version and the coordinator's session-10 run) kept the rarest,
-//! largest adapters under Chameleon's rank power law and hit 0.35 against LRU's 0.50–0.67;
-//! the reload cost per page (sessions 8–10) is nearly constant when the link dominates, so it
-//! left size out and kept only small popular adapters; the expected penalty per page (this)
-//! sits between them. The replay in `eviction_tests` compares `cost` with `lru`.
+//! With min–max frequency and raw size (the first version), `cost` kept the rarest, largest
+//! adapters under Chameleon's rank power law and hit 0.35 against LRU's 0.50; the replay in
+//! `eviction_tests` compares the two on that workload.
 
 /// `--adapter-eviction`.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, clap::ValueEnum, serde::Deserialize)]
@@ -36,8 +27,7 @@
 pub enum EvictionPolicy {
     /// Least recently used first.
     Lru,
-    /// Chameleon's frequency/recency/size score: use per page held, and the reload seconds a
-    /// page saves (reload cost × expected uses ÷ pages).
+    /// Chameleon's frequency/recency/size score; use and reload cost counted per page held.
     Cost,
     /// Bench-only baseline: `--max-loras` fixed slots padded to the largest rank, LRU, and a
     /// request refused (429) when every slot is leased — the server before the unified pool.
@@ -105,20 +95,8 @@ pub fn percentiles(values: &[f64]) -> Vec<f64> {
     out
 }
 
-/// Expected reload seconds a page of `c` saves: reload cost × (decayed uses + 1) ÷ pages (the
-/// size term before normalisation; module docs). Non-finite or negative inputs count as 0.
-pub fn reload_penalty_per_page<K>(c: &Candidate<K>) -> f64 {
-    let uses = c.frequency.max(0.0) + 1.0;
-    let x = c.per_page(c.reload_secs.max(0.0) * uses);
-    if x.is_finite() {
-        x
-    } else {
-        0.0
-    }
-}
-
 /// Chameleon's score of each candidate (higher = keep), each term in [0, 1]: frequency per
-/// page and recency by percentile, the reload penalty per page over the largest (module docs).
+/// page and recency by percentile, reload cost per page over the largest (module docs).
 pub fn scores<K>(cands: &[Candidate<K>]) -> Vec<f64> {
     let freq = percentiles(
         &cands
@@ -127,7 +105,11 @@ pub fn scores<K>(cands: &[Candidate<K>]) -> Vec<f64> {
             .collect::<Vec<_>>(),
     );
     let recency = percentiles(&cands.iter().map(|c| c.last_used).collect::<Vec<_>>());
-    let cost: Vec<f64> = cands.iter().map(reload_penalty_per_page).collect();
+    let cost: Vec<f64> = cands
+        .iter()
+        .map(|c| c.per_page(c.reload_secs.max(0.0)))
+        .map(|x| if x.is_finite() { x } else { 0.0 })
+        .collect();
     let cmax = cost.iter().copied().fold(0.0f64, f64::max);
     let (wf, wr, ws) = WEIGHTS;
     (0..cands.len())
