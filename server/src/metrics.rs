@@ -82,7 +82,8 @@ impl Histogram {
     }
 }
 
-/// Labels of [`RequestWaits`]: whether the request's adapter was on the device when it arrived.
+/// Labels of [`RequestWaits`]: whether the request's adapter was on the device (resident or
+/// streaming in) when it arrived, the cache's hit as `thaw_adapter_cache_lookups_total` counts it.
 pub const WAIT_USES: [&str; 3] = ["hit", "miss", "base"];
 
 /// `thaw_request_wait_seconds{reason, use}`: per request, the seconds it waited for each reason
@@ -117,11 +118,6 @@ impl RequestWaits {
         }
     }
 
-    /// Requests recorded with `use` label `u` (an index into [`WAIT_USES`]).
-    pub fn count(&self, u: usize) -> u64 {
-        self.hist[u][0].count()
-    }
-
     fn render(&self, out: &mut String) {
         const NAME: &str = "thaw_request_wait_seconds";
         header(
@@ -129,8 +125,8 @@ impl RequestWaits {
             NAME,
             "Per request, seconds waited before the first token, by reason (batch: a place in \
              the batch or compute; kv: device memory; disk: its adapter's read; link: its \
-             adapter's copy to the device) and use (hit: adapter on the device at arrival; \
-             miss; base: no adapter).",
+             adapter's copy to the device) and use (hit: adapter on the device, or streaming in, \
+             at arrival; miss; base: no adapter).",
             "histogram",
         );
         for (u, use_) in WAIT_USES.iter().enumerate() {
