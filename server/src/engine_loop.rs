@@ -24,6 +24,7 @@ use crate::coldstart::{ColdDecision, ColdStartPolicy, CostModel};
 use crate::error::ServerError;
 use crate::memory::apply::{apply, Upload};
 use crate::memory::loader::{FetchResult, Loader};
+use crate::memory::waits::{classify, Moment, WaitReason, Waits, LOG_TARGET};
 use crate::memory::{
     admit, Board, Device, Limits, MemoryConfig, MemoryManager, Notice, NoticeSink,
 };
@@ -266,6 +267,8 @@ struct Live {
     missed: bool,
     /// When a step first included it.
     planned: Option<Instant>,
+    /// What it waited for so far (until its first token).
+    waits: Waits,
 }
 
 struct Loop {
@@ -541,6 +544,12 @@ impl Loop {
             }
         }
         let arrival = self.arrival(seq.adapter, &sub);
+        let reason = classify(&Moment {
+            adapter: seq.adapter.and_then(|a| self.mem.state(a)),
+            admitted: false,
+            stepped: false,
+            head_waits_for_memory: false,
+        });
         self.sched
             .enqueue(&mut self.state, &self.cfg, seq, arrival, &self.cold.cost);
         self.live.insert(
@@ -556,6 +565,7 @@ impl Loop {
                 running: false,
                 missed,
                 planned: None,
+                waits: Waits::new(sub.arrived, reason),
             },
         );
     }
@@ -737,6 +747,7 @@ impl Loop {
                 d.plan.items.retain(|it| it.seq != id);
             }
         }
+        self.classify_waits(&plan, &d.plan);
         if d.plan.items.is_empty() {
             return false;
         }
@@ -834,9 +845,26 @@ impl Loop {
             };
             match l.last_token {
                 None => {
-                    self.metrics
-                        .ttft
-                        .observe(now.duration_since(l.arrived).as_secs_f64());
+                    let ttft = now.duration_since(l.arrived).as_secs_f64();
+                    self.metrics.ttft.observe(ttft);
+                    l.waits.advance(now, WaitReason::Batch);
+                    let hit = l.lease.as_ref().map(|_| !l.missed);
+                    self.metrics.waits.observe(hit, &l.waits);
+                    let w = |r| l.waits.secs(r) * 1e3;
+                    tracing::debug!(
+                        target: LOG_TARGET,
+                        seq = %o.seq,
+                        adapter = l.lease.as_ref().map(|a| a.id().0),
+                        adapter_bytes = l.lease.as_ref().and_then(|a| self.mem.bytes(a.id())),
+                        hit,
+                        prompt_tokens = l.prompt_len,
+                        ttft_ms = ttft * 1e3,
+                        batch_ms = w(WaitReason::Batch),
+                        kv_ms = w(WaitReason::Kv),
+                        disk_ms = w(WaitReason::Disk),
+                        link_ms = w(WaitReason::Link),
+                        "first token"
+                    );
                     if let Some(log) = &mut self.step_log {
                         log.first(l.arrived, l.planned.unwrap_or(now), now, l.prompt_len);
                     }
@@ -885,6 +913,30 @@ impl Loop {
             let _ = tx.send(ev);
         }
         true
+    }
+
+    /// Charges every unanswered request's time since the last step to what it waited for,
+    /// and classifies what it waits for now (after this step's admission and memory plan).
+    fn classify_waits(
+        &mut self,
+        admit: &crate::memory::AdmitPlan,
+        plan: &thaw_runtime::engine::StepPlan,
+    ) {
+        let now = Instant::now();
+        let stepped: HashSet<SeqId> = plan.items.iter().map(|i| i.seq).collect();
+        let head_waits_for_memory = admit.head.is_some_and(|h| h.memory);
+        for (id, l) in self.live.iter_mut() {
+            if l.last_token.is_some() {
+                continue;
+            }
+            let reason = classify(&Moment {
+                adapter: l.lease.as_ref().and_then(|a| self.mem.state(a.id())),
+                admitted: l.running,
+                stepped: stepped.contains(id),
+                head_waits_for_memory,
+            });
+            l.waits.advance(now, reason);
+        }
     }
 
     /// What the scheduler is told of a new request: its priority, its adapter's rank and how

@@ -5,6 +5,8 @@ use std::fmt::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
+use crate::memory::waits::{WaitReason, Waits};
+
 /// Latency buckets in seconds (TTFT, E2E, adapter loads).
 pub const LATENCY_BUCKETS: [f64; 14] = [
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
@@ -53,16 +55,85 @@ impl Histogram {
     }
 
     fn render(&self, out: &mut String, name: &str, help: &str) {
-        let h = self.inner.lock().unwrap_or_else(|e| e.into_inner()).clone();
         header(out, name, help, "histogram");
+        self.series(out, name, &[]);
+    }
+
+    /// The bucket, sum and count lines of one labelled series (no header).
+    fn series(&self, out: &mut String, name: &str, labels: &[(&str, &str)]) {
+        let h = self.inner.lock().unwrap_or_else(|e| e.into_inner()).clone();
         let mut acc = 0;
+        let bucket = format!("{name}_bucket");
+        let with_le = |le: &str| {
+            let mut l: Vec<(&str, &str)> = labels.to_vec();
+            l.push(("le", le));
+            l.iter()
+                .map(|(k, v)| format!("{k}=\"{v}\""))
+                .collect::<Vec<_>>()
+                .join(",")
+        };
         for (b, c) in self.bounds.iter().zip(&h.counts) {
             acc += c;
-            let _ = writeln!(out, "{name}_bucket{{le=\"{b}\"}} {acc}");
+            let _ = writeln!(out, "{bucket}{{{}}} {acc}", with_le(&b.to_string()));
         }
-        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {}", h.count);
-        let _ = writeln!(out, "{name}_sum {}", h.sum);
-        let _ = writeln!(out, "{name}_count {}", h.count);
+        let _ = writeln!(out, "{bucket}{{{}}} {}", with_le("+Inf"), h.count);
+        sample(out, &format!("{name}_sum"), labels, h.sum);
+        sample(out, &format!("{name}_count"), labels, h.count as f64);
+    }
+}
+
+/// Labels of [`RequestWaits`]: whether the request's adapter was on the device (resident or
+/// streaming in) when it arrived, the cache's hit as `thaw_adapter_cache_lookups_total` counts it.
+pub const WAIT_USES: [&str; 3] = ["hit", "miss", "base"];
+
+/// `thaw_request_wait_seconds{reason, use}`: per request, the seconds it waited for each reason
+/// before its first token (every reason observed once per request, zeros included, so each
+/// series counts the requests and the sums over reasons add up to their TTFT).
+#[derive(Debug)]
+pub struct RequestWaits {
+    /// [use][reason], in the order of [`WAIT_USES`] and [`WaitReason::ALL`].
+    hist: [[Histogram; 4]; 3],
+}
+
+impl Default for RequestWaits {
+    fn default() -> Self {
+        Self {
+            hist: std::array::from_fn(|_| {
+                std::array::from_fn(|_| Histogram::new(&LATENCY_BUCKETS))
+            }),
+        }
+    }
+}
+
+impl RequestWaits {
+    /// Records one request's waits; `hit` is None for the base model.
+    pub fn observe(&self, hit: Option<bool>, waits: &Waits) {
+        let u = match hit {
+            Some(true) => 0,
+            Some(false) => 1,
+            None => 2,
+        };
+        for (i, r) in WaitReason::ALL.into_iter().enumerate() {
+            self.hist[u][i].observe(waits.secs(r));
+        }
+    }
+
+    fn render(&self, out: &mut String) {
+        const NAME: &str = "thaw_request_wait_seconds";
+        header(
+            out,
+            NAME,
+            "Per request, seconds waited before the first token, by reason (batch: a place in \
+             the batch or compute; kv: device memory; disk: its adapter's read; link: its \
+             adapter's copy to the device) and use (hit: adapter on the device, or streaming in, \
+             at arrival; miss; base: no adapter).",
+            "histogram",
+        );
+        for (u, use_) in WAIT_USES.iter().enumerate() {
+            for (i, r) in WaitReason::ALL.into_iter().enumerate() {
+                self.hist[u][i].series(out, NAME, &[("reason", r.label()), ("use", use_)]);
+            }
+        }
     }
 }
 
@@ -101,6 +172,8 @@ pub struct Metrics {
     pub tpot: Histogram,
     pub e2e: Histogram,
     pub adapter_load: Histogram,
+    /// What requests waited for before their first token.
+    pub waits: RequestWaits,
     pub prompt_tokens: AtomicU64,
     pub generation_tokens: AtomicU64,
     /// Requests the engine loop finished, by reason ("stop", "length", "abort", "cancelled").
@@ -117,6 +190,7 @@ impl Default for Metrics {
             tpot: Histogram::new(&TPOT_BUCKETS),
             e2e: Histogram::new(&LATENCY_BUCKETS),
             adapter_load: Histogram::new(&LATENCY_BUCKETS),
+            waits: RequestWaits::default(),
             prompt_tokens: AtomicU64::new(0),
             generation_tokens: AtomicU64::new(0),
             finished: Mutex::default(),
@@ -219,6 +293,7 @@ impl Metrics {
             "thaw_adapter_load_seconds",
             "Time to read, validate and register an adapter.",
         );
+        self.waits.render(out);
         self.sched.render(out);
     }
 }

@@ -143,6 +143,8 @@ pub struct Run {
     pub rss_peak_kib: Option<u64>,
     /// Every request of the measured run (the cache table pools their TTFTs over rounds).
     pub records: Vec<RequestRecord>,
+    /// Every measured request's wait reasons as the server logged them.
+    pub server_waits: Vec<super::cache_tail::ServerWait>,
 }
 
 impl Run {
@@ -213,6 +215,16 @@ fn metric(text: &str, name: &str) -> f64 {
         .unwrap_or(f64::NAN)
 }
 
+/// The text of `path` from byte `from` on (lossy UTF-8).
+fn read_from(path: &Path, from: u64) -> std::io::Result<String> {
+    use std::io::{Read, Seek, SeekFrom};
+    let mut f = std::fs::File::open(path)?;
+    f.seek(SeekFrom::Start(from))?;
+    let mut buf = Vec::new();
+    f.read_to_end(&mut buf)?;
+    Ok(String::from_utf8_lossy(&buf).into_owned())
+}
+
 /// Starts `thaw serve`, runs `workload`, reads the counters and memory, stops it.
 fn serve_once(
     rt: &tokio::runtime::Runtime,
@@ -229,7 +241,11 @@ fn serve_once(
         .join(format!("serve-{}.log", label.replace([' ', '/'], "_")));
     let timeout = Duration::from_secs_f64(s.server.startup_timeout);
     let t0 = Instant::now();
-    let mut server = ServeProcess::start(&bin, serve_args, &log, timeout)?;
+    // The server logs each request's wait reasons at debug (target thaw::request); the log
+    // from the measured run's start on gives the server's side of its tail.
+    let rust_log = super::cache_tail::rust_log(std::env::var("RUST_LOG").ok().as_deref());
+    let mut server =
+        ServeProcess::start_with_env(&bin, serve_args, &log, timeout, &[("RUST_LOG", rust_log)])?;
     let run = rt.block_on(async {
         let client = OpenAiClient::new(&server.url, None)?;
         let info = wait_ready(&client, &server.url, &log, timeout).await?;
@@ -271,8 +287,12 @@ fn serve_once(
             Some(_) => client.get_text("/metrics").await?,
             None => String::new(),
         };
+        let log_from = std::fs::metadata(&log).map_or(0, |m| m.len());
         let (records, summary) = measure(&client, &info, workload, &prompts, &opts).await?;
         let m = client.get_text("/metrics").await?;
+        let server_waits = read_from(&log, log_from)
+            .map(|text| super::cache_tail::parse_waits(&text))
+            .unwrap_or_default();
         let counter = |name: &str| {
             let b = metric(&before, name);
             metric(&m, name) - if b.is_finite() { b } else { 0.0 }
@@ -302,6 +322,7 @@ fn serve_once(
             rss_end_kib: rss_end,
             rss_peak_kib: rss_peak,
             records,
+            server_waits,
         })
     })?;
     server.stop(Duration::from_secs(60))?;
@@ -515,7 +536,7 @@ pub fn run_cache(args: &CacheArgs) -> anyhow::Result<String> {
         }
         let _ = writeln!(
             text,
-            ", {} round(s), medians over rounds\n\n| load | policy | rate {unit} | hit rate | TTFT P50 ms | TTFT P99 ms | P99 vs fixed-slots | pooled P99 ms | pooled vs fixed-slots | pooled P50 ms | done | failed | evictions | prefetch hits | per-round P99 ms |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+            ", {} round(s), medians over rounds\n\n| load | policy | rate {unit} | hit rate | TTFT P50 ms | TTFT P99 ms | P99 vs fixed-slots | paired P99 vs fixed-slots (median of rounds) | pooled P99 ms | pooled vs fixed-slots | pooled P50 ms | done | failed | evictions | prefetch hits | per-round P99 ms |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
             args.rounds
         );
         let mut offered = String::new();
@@ -570,6 +591,27 @@ pub fn run_cache(args: &CacheArgs) -> anyhow::Result<String> {
                 .iter()
                 .position(|&p| p == EvictionPolicy::FixedSlots)
                 .map(|i| pooled_p99_ms(&per[i]));
+            let fixed_runs = args
+                .policies
+                .iter()
+                .position(|&p| p == EvictionPolicy::FixedSlots)
+                .map(|i| per[i].clone());
+            // Round by round (the same seed), this policy's P99 against fixed slots'; median.
+            let paired = |rs: &[Run]| -> String {
+                let Some(f) = &fixed_runs else {
+                    return "-".into();
+                };
+                let mut d: Vec<f64> = rs
+                    .iter()
+                    .zip(f)
+                    .map(|(a, b)| p99(a) / p99(b) - 1.0)
+                    .collect();
+                d.sort_by(f64::total_cmp);
+                match d.get(d.len() / 2) {
+                    Some(m) => format!("{:+.1}%", m * 100.0),
+                    None => "-".into(),
+                }
+            };
             let vs = |x: f64, base: Option<f64>| {
                 base.map_or("-".into(), |b| format!("{:+.1}%", (x / b - 1.0) * 100.0))
             };
@@ -581,17 +623,26 @@ pub fn run_cache(args: &CacheArgs) -> anyhow::Result<String> {
                     f * 100.0,
                     super::cache_tail::split(rs.iter().map(|r| r.records.as_slice())).line()
                 );
+                let waits = || rs.iter().map(|r| r.server_waits.as_slice());
+                let _ = writeln!(
+                    tails,
+                    "- {:.0}% {p}, what requests waited for (server log): P99 tail: {}; all: {}",
+                    f * 100.0,
+                    super::cache_tail::reasons(waits(), 0.99).line(),
+                    super::cache_tail::reasons(waits(), 0.0).line()
+                );
                 let tail = med(rs, &p99);
                 let pooled = pooled_p99_ms(rs);
                 let _ = writeln!(
                     text,
-                    "| {:.0}% | {p} | {:.2} | {:.3} | {:.1} | {:.1} | {} | {:.1} | {} | {:.1} | {} | {} | {} | {} | {} |",
+                    "| {:.0}% | {p} | {:.2} | {:.3} | {:.1} | {:.1} | {} | {} | {:.1} | {} | {:.1} | {} | {} | {} | {} | {} |",
                     f * 100.0,
                     sustainable * f,
                     med(rs, &Run::hit_rate),
                     med(rs, &|r| r.summary.ttft.p50 * 1e3),
                     tail,
                     vs(tail, fixed),
+                    paired(rs),
                     pooled,
                     vs(pooled, fixed_pooled),
                     pooled_ttft(rs).p50 * 1e3,

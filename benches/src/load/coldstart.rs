@@ -178,11 +178,23 @@ impl ServeProcess {
         log: &Path,
         timeout: Duration,
     ) -> anyhow::Result<Self> {
+        Self::start_with_env(bin, args, log, timeout, &[])
+    }
+
+    /// [`ServeProcess::start`] with extra environment variables for the server.
+    pub(super) fn start_with_env(
+        bin: &Path,
+        args: &[String],
+        log: &Path,
+        timeout: Duration,
+        env: &[(&str, String)],
+    ) -> anyhow::Result<Self> {
         let log_file =
             std::fs::File::create(log).with_context(|| format!("creating {}", log.display()))?;
         let mut child = Command::new(bin)
             .arg("serve")
             .args(args)
+            .envs(env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(log_file)

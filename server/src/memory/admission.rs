@@ -122,6 +122,9 @@ pub struct HeadWait {
     /// Steps until running requests free enough for it; None when it waits only for its
     /// adapter's fetch (bypassers must then leave it fitting).
     pub bound_steps: Option<usize>,
+    /// It waits for device memory (its KV and adapter do not fit even with every idle adapter
+    /// evicted), not for a place in the batch or its adapter's read.
+    pub memory: bool,
 }
 
 /// What admission decided.
@@ -447,6 +450,7 @@ pub fn admit<'a>(
                     plan.head = Some(HeadWait {
                         seq: s.id,
                         bound_steps: bound,
+                        memory: why == Block::Memory,
                     });
                 }
             }

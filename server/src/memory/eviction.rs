@@ -20,6 +20,14 @@
 //! With min–max frequency and raw size (the first version), `cost` kept the rarest, largest
 //! adapters under Chameleon's rank power law and hit 0.35 against LRU's 0.50; the replay in
 //! `eviction_tests` compares the two on that workload.
+//!
+//! Two other size terms were measured and not kept (`benches/results/cache-cpu.md`): the raw
+//! reload cost (session 10: hit rate 0.78 → 0.35, P50 2.3× worse) and the expected reload
+//! seconds a page saves, reload cost × (uses + 1) ÷ pages (Greedy-Dual-Size-Frequency, session
+//! 11: the same hit rate and a P99 that differs by +0.3% in the median of 10 paired rounds).
+//! Where loads set the tail, the slowest requests are large adapters' first uses, which no
+//! eviction order avoids, queued on the link behind other copies (the per-request wait
+//! reasons of [`super::waits`]).
 
 /// `--adapter-eviction`.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, clap::ValueEnum, serde::Deserialize)]

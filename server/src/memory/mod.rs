@@ -12,6 +12,7 @@
 //! - [`apply`]: carrying a plan out on an engine.
 //! - [`loader`]: disk reads off the engine thread.
 //! - [`tiers`]: which adapters are in which tier, so per-step work is O(active).
+//! - [`waits`]: what each request waited for before its first token.
 pub mod admission;
 pub mod apply;
 pub mod board;
@@ -22,6 +23,7 @@ pub mod manager;
 pub mod pool;
 pub mod profile;
 pub mod tiers;
+pub mod waits;
 
 #[cfg(test)]
 mod admission_tests;
