@@ -427,28 +427,11 @@ fn check(
     out: &[f32],
 ) -> Result<(), LoraError> {
     let mul = |u: usize, v: usize| u.checked_mul(v).ok_or(LoraError::Overflow(*p));
-    let act = |which, expected: usize, got: usize| {
-        (expected == got)
-            .then_some(())
-            .ok_or(LoraError::Activation {
-                which,
-                expected,
-                got,
-            })
+    let weight = |which, m: LoraMat<'_>, d: usize| {
+        check_weight(which, m, mul(mul(p.rank, d)?, m.dtype.size())?)
     };
-    let weight = |which, m: LoraMat<'_>, d: usize| -> Result<(), LoraError> {
-        let expected = mul(mul(p.rank, d)?, m.dtype.size())?;
-        let got = m.bytes.len();
-        let dtype = m.dtype.name();
-        (expected == got).then_some(()).ok_or(LoraError::Weight {
-            which,
-            dtype,
-            expected,
-            got,
-        })
-    };
-    act("x", mul(p.rows, p.d_in)?, x.len())?;
-    act("out", mul(p.rows, p.d_out)?, out.len())?;
+    check_len("x", mul(p.rows, p.d_in)?, x.len())?;
+    check_len("out", mul(p.rows, p.d_out)?, out.len())?;
     weight("A", a, p.d_in)?;
     weight("B", b, p.d_out)
 }

@@ -366,23 +366,13 @@ impl Backend for AnyBackend {
         match self {
             Self::Cpu(b) => {
                 let adapters = cpu_loras(batch);
-                let inner = LoraBatch {
-                    kernel: batch.kernel,
-                    layout: batch.layout,
-                    adapters: &adapters,
-                    landed: batch.landed,
-                };
+                let inner = batch.with_adapters(&adapters);
                 let (ws, outs) = (ws.map(|w| w.cpu()), outs.map(|o| o.cpu_mut()));
                 b.linear_group_lora(x.cpu(), ws, rows, outs, sites, &inner);
             }
             Self::Cuda(g) => {
                 let adapters = gpu_loras(batch);
-                let inner = LoraBatch {
-                    kernel: batch.kernel,
-                    layout: batch.layout,
-                    adapters: &adapters,
-                    landed: batch.landed,
-                };
+                let inner = batch.with_adapters(&adapters);
                 let (ws, outs) = (ws.map(|w| w.gpu()), outs.map(|o| o.gpu_mut()));
                 g.linear_group_lora(x.gpu(), ws, rows, outs, sites, &inner);
             }
@@ -400,22 +390,12 @@ impl Backend for AnyBackend {
         match self {
             Self::Cpu(b) => {
                 let adapters = cpu_loras(batch);
-                let inner = LoraBatch {
-                    kernel: batch.kernel,
-                    layout: batch.layout,
-                    adapters: &adapters,
-                    landed: batch.landed,
-                };
+                let inner = batch.with_adapters(&adapters);
                 b.lora(x.cpu(), y.cpu_mut(), dims, at, &inner);
             }
             Self::Cuda(g) => {
                 let adapters = gpu_loras(batch);
-                let inner = LoraBatch {
-                    kernel: batch.kernel,
-                    layout: batch.layout,
-                    adapters: &adapters,
-                    landed: batch.landed,
-                };
+                let inner = batch.with_adapters(&adapters);
                 g.lora(x.gpu(), y.gpu_mut(), dims, at, &inner);
             }
         }

@@ -115,7 +115,21 @@ pub struct LoraBatch<'a, L> {
     pub landed: &'a [usize],
 }
 
-impl<L> LoraBatch<'_, L> {
+impl<'a, L> LoraBatch<'a, L> {
+    /// The same step (kernel, layout, landed layers) over another view of its adapters, e.g.
+    /// one backend's handles of them; `adapters` is in the same order.
+    pub fn with_adapters<'b, M>(&self, adapters: &'b [&'b M]) -> LoraBatch<'b, M>
+    where
+        'a: 'b,
+    {
+        LoraBatch {
+            kernel: self.kernel,
+            layout: self.layout,
+            adapters,
+            landed: self.landed,
+        }
+    }
+
     /// Whether adapter `idx` is applied by the backend at `layer` in this step.
     pub fn on_device(&self, idx: u32, layer: LayerIdx) -> bool {
         layer.0 < self.landed[idx as usize]
