@@ -189,31 +189,44 @@ pub fn table(a: &RealArgs, rows: &[RealRow]) -> String {
     s
 }
 
+/// A generated tiny HF model under `dir/model` and one PEFT adapter per rank in `ranks` under
+/// `dir/adapters`, targeting `targets` (indices into [`Projection::ALL`]): what the real-model
+/// benches' tests run on.
+#[cfg(test)]
+pub(crate) fn tiny_model_with_adapters(
+    dir: &std::path::Path,
+    ranks: &[usize],
+    targets: &[usize],
+) -> (PathBuf, Vec<PathBuf>) {
+    use thaw_server::gen::{self, GenAdaptersOptions, GenModelOptions, Projection};
+    let model = dir.join("model");
+    gen::write_model(
+        &gen::preset("tiny").unwrap(),
+        &model,
+        &GenModelOptions::default(),
+    )
+    .unwrap();
+    let loras = gen::write_adapters(&GenAdaptersOptions {
+        model_dir: model.clone(),
+        out_dir: dir.join("adapters"),
+        count: ranks.len(),
+        ranks: ranks.to_vec(),
+        targets: targets.iter().map(|&t| Projection::ALL[t]).collect(),
+        ..Default::default()
+    })
+    .unwrap();
+    (model, loras)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use thaw_server::gen::{self, GenAdaptersOptions, GenModelOptions, Projection};
 
     /// The real-model mode runs on any HF directory: a generated tiny one here.
     #[test]
     fn real_mode_reports_every_batch_and_thread_count() {
         let tmp = tempfile::tempdir().unwrap();
-        let model = tmp.path().join("model");
-        gen::write_model(
-            &gen::preset("tiny").unwrap(),
-            &model,
-            &GenModelOptions::default(),
-        )
-        .unwrap();
-        let loras = gen::write_adapters(&GenAdaptersOptions {
-            model_dir: model.clone(),
-            out_dir: tmp.path().join("adapters"),
-            count: 2,
-            ranks: vec![4, 8],
-            targets: vec![Projection::ALL[0], Projection::ALL[2]],
-            ..Default::default()
-        })
-        .unwrap();
+        let (model, loras) = tiny_model_with_adapters(tmp.path(), &[4, 8], &[0, 2]);
         let a = RealArgs {
             model,
             loras,

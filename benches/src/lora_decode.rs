@@ -158,29 +158,14 @@ pub fn table(a: &LoraDecodeArgs, ms: &[Vec<f64>; 3]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use thaw_server::gen::{self, GenAdaptersOptions, GenModelOptions, Projection};
+    use crate::engine_real::tiny_model_with_adapters;
 
     /// Every configuration gets one timed step a round, and the table has a row for each
     /// configuration and each paired difference.
     #[test]
     fn every_configuration_steps_once_a_round() {
         let tmp = tempfile::tempdir().unwrap();
-        let model = tmp.path().join("model");
-        gen::write_model(
-            &gen::preset("tiny").unwrap(),
-            &model,
-            &GenModelOptions::default(),
-        )
-        .unwrap();
-        let loras = gen::write_adapters(&GenAdaptersOptions {
-            model_dir: model.clone(),
-            out_dir: tmp.path().join("adapters"),
-            count: 1,
-            ranks: vec![8],
-            targets: vec![Projection::ALL[0], Projection::ALL[3]],
-            ..Default::default()
-        })
-        .unwrap();
+        let (model, loras) = tiny_model_with_adapters(tmp.path(), &[8], &[0, 3]);
         let a = LoraDecodeArgs {
             model,
             lora: loras[0].clone(),

@@ -294,6 +294,9 @@ struct Loop {
     /// When the CPU LoRA workers were last supervised ([`WORKER_CHECK`]).
     tended: Instant,
     step_log: Option<crate::perf::StepLog>,
+    /// The sequences the current step computes ([`Self::classify_waits`]' working set, kept
+    /// so that a step does not allocate it).
+    stepped: HashSet<SeqId>,
 }
 
 /// How often the loop reaps dead CPU LoRA workers and starts their replacements, idle or
@@ -354,6 +357,7 @@ impl Loop {
             last_step_end: None,
             prev_step_end: None,
             tended: Instant::now(),
+            stepped: HashSet::new(),
         }
     }
 
@@ -923,7 +927,8 @@ impl Loop {
         plan: &thaw_runtime::engine::StepPlan,
     ) {
         let now = Instant::now();
-        let stepped: HashSet<SeqId> = plan.items.iter().map(|i| i.seq).collect();
+        self.stepped.clear();
+        self.stepped.extend(plan.items.iter().map(|i| i.seq));
         let head_waits_for_memory = admit.head.is_some_and(|h| h.memory);
         for (id, l) in self.live.iter_mut() {
             if l.last_token.is_some() {
@@ -932,7 +937,7 @@ impl Loop {
             let reason = classify(&Moment {
                 adapter: l.lease.as_ref().and_then(|a| self.mem.state(a.id())),
                 admitted: l.running,
-                stepped: stepped.contains(id),
+                stepped: self.stepped.contains(id),
                 head_waits_for_memory,
             });
             l.waits.advance(now, reason);

@@ -9,7 +9,7 @@
 //! main table does not show.
 use super::report::Stats;
 use super::runner::RequestRecord;
-use super::scheduling_report::{median, RateRun};
+use super::scheduling_report::{median, ms, RateRun};
 
 /// One (variant, rate), its seeds pooled.
 #[derive(Clone, Debug, PartialEq)]
@@ -89,13 +89,6 @@ pub fn class_rows(
 
 /// The printed table under the main one.
 pub fn class_table(rows: &[ClassRow], large_tokens: usize) -> String {
-    let ms = |s: f64| {
-        if s.is_finite() {
-            format!("{:.0}", s * 1e3)
-        } else {
-            "-".into()
-        }
-    };
     let mut out =
         format!(
         "\nby class (large: prompt + max_tokens ≥ {large_tokens} tokens; seeds pooled; TTFT ms):\n\

@@ -131,7 +131,8 @@ pub fn throughput_at_slo(points: &[&Point], ttft_slo: f64, tpot_slo: f64) -> f64
     best
 }
 
-fn ms(s: f64) -> String {
+/// Seconds as milliseconds for the tables: one decimal below 100 ms, `-` when undefined.
+pub(super) fn ms(s: f64) -> String {
     if s.is_finite() && s < 0.1 {
         format!("{:.1}", s * 1e3)
     } else if s.is_finite() {

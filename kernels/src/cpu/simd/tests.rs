@@ -555,30 +555,48 @@ proptest! {
 /// with edges in both dimensions and every tail of `k` (16-wide steps, the 8-wide step, the
 /// scalar tail), written at a wider stride with the padding untouched.
 fn gemm_nt_equals_row_dots(m: usize, k: usize, n: usize, seed: u64) {
+    check_gemm(m, k, n, seed, "gemm_nt_f32", gemm_nt_f32, |xi, wj| {
+        f32_dot(SimdLevel::Avx2, xi, wj)
+    });
+}
+
+type Gemm = fn(&[f32], &[f32], (usize, usize, usize), &mut [f32], usize) -> bool;
+
+/// Runs `gemm` on random `[m, k]` × `[n, k]` operands, writing at a stride wider than `n`
+/// over stale outputs, and checks every output bit for bit against `want` of its two rows,
+/// the padding untouched (a kernel that reports no AVX-512F here is not checked).
+fn check_gemm(
+    m: usize,
+    k: usize,
+    n: usize,
+    seed: u64,
+    name: &str,
+    gemm: Gemm,
+    want: impl Fn(&[f32], &[f32]) -> f32,
+) {
     let mut r = rng(seed);
     let (x, w) = (rand_vec(&mut r, m * k, 1.0), rand_vec(&mut r, n * k, 1.0));
     let ldo = n + 3;
     let mut got = vec![f32::NAN; m * ldo];
-    if !gemm_nt_f32(&x, &w, (m, k, n), &mut got, ldo) {
-        eprintln!("no AVX-512F here: gemm_nt_f32 is not checked");
+    for i in 0..m {
+        got[i * ldo..i * ldo + n].fill(7.0);
+    }
+    if !gemm(&x, &w, (m, k, n), &mut got, ldo) {
+        eprintln!("no AVX-512F here: {name} is not checked");
         return;
     }
     for i in 0..m {
         for j in 0..n {
-            let want = f32_dot(
-                SimdLevel::Avx2,
-                &x[i * k..(i + 1) * k],
-                &w[j * k..(j + 1) * k],
-            );
+            let want = want(&x[i * k..(i + 1) * k], &w[j * k..(j + 1) * k]);
             assert_eq!(
                 got[i * ldo + j].to_bits(),
                 want.to_bits(),
-                "{m}x{k}x{n} at ({i}, {j})"
+                "{name} {m}x{k}x{n} at ({i}, {j})"
             );
         }
         assert!(
             got[i * ldo + n..(i + 1) * ldo].iter().all(|v| v.is_nan()),
-            "padding written"
+            "{name}: padding written"
         );
     }
 }
@@ -605,32 +623,15 @@ proptest! {
 /// transposes, the 160-step blocks), written at a wider stride with the padding untouched
 /// and stale outputs overwritten.
 fn prompt_gemm_is_one_fma_chain(m: usize, k: usize, n: usize, seed: u64) {
-    let mut r = rng(seed);
-    let (x, w) = (rand_vec(&mut r, m * k, 1.0), rand_vec(&mut r, n * k, 1.0));
-    let ldo = n + 3;
-    let mut got = vec![f32::NAN; m * ldo];
-    for i in 0..m {
-        got[i * ldo..i * ldo + n].fill(7.0);
-    }
-    if !gemm_nt_f32_prompt(&x, &w, (m, k, n), &mut got, ldo) {
-        eprintln!("no AVX-512F here: gemm_nt_f32_prompt is not checked");
-        return;
-    }
-    for i in 0..m {
-        for j in 0..n {
-            let (xi, wj) = (&x[i * k..(i + 1) * k], &w[j * k..(j + 1) * k]);
-            let want = xi.iter().zip(wj).fold(0.0f32, |s, (a, b)| a.mul_add(*b, s));
-            assert_eq!(
-                got[i * ldo + j].to_bits(),
-                want.to_bits(),
-                "{m}x{k}x{n} at ({i}, {j})"
-            );
-        }
-        assert!(
-            got[i * ldo + n..(i + 1) * ldo].iter().all(|v| v.is_nan()),
-            "padding written"
-        );
-    }
+    check_gemm(
+        m,
+        k,
+        n,
+        seed,
+        "gemm_nt_f32_prompt",
+        gemm_nt_f32_prompt,
+        |xi, wj| xi.iter().zip(wj).fold(0.0f32, |s, (a, b)| a.mul_add(*b, s)),
+    );
 }
 
 #[test]

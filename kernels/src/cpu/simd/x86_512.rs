@@ -287,6 +287,25 @@ unsafe fn dequant_rows<const FMT: u8>(w: *const u8, kb: usize, out: *mut f32) {
 
 /// Weight rows and activation rows per tile of [`Avx512::gemm_nt_f32`] (16 accumulators,
 /// 4 weight vectors and one activation vector of the 32 registers).
+/// The bounds both `x_i·w_j` products rely on for their unchecked loads and stores: `x` holds
+/// `m` rows and `w` `n` rows of `k`, every output `i·ldo + j` (i < m, j < n) is inside `out`,
+/// and rows of `out` do not overlap.
+pub(super) fn check_gemm_nt(
+    name: &str,
+    x: &[f32],
+    w: &[f32],
+    (m, k, n): (usize, usize, usize),
+    out: &[f32],
+    ldo: usize,
+) {
+    assert!(
+        x.len() >= m * k && w.len() >= n * k,
+        "{name}: short operands"
+    );
+    assert!(m == 0 || n == 0 || (m - 1) * ldo + n <= out.len());
+    assert!(m <= 1 || ldo >= n, "{name}: rows of out overlap");
+}
+
 const GJ: usize = 4;
 const GR: usize = 4;
 
@@ -306,12 +325,7 @@ impl Avx512 {
         out: &mut [f32],
         ldo: usize,
     ) {
-        assert!(
-            x.len() >= m * k && w.len() >= n * k,
-            "gemm_nt_f32: short operands"
-        );
-        assert!(m == 0 || n == 0 || (m - 1) * ldo + n <= out.len());
-        assert!(m <= 1 || ldo >= n, "gemm_nt_f32: rows of out overlap");
+        check_gemm_nt("gemm_nt_f32", x, w, (m, k, n), out, ldo);
         // SAFETY: `self` proves the features; the asserts bound every row of `x` and `w` and
         // every output `i·ldo + j` (i < m, j < n).
         unsafe { gemm_nt(x.as_ptr(), w.as_ptr(), (m, k, n), out.as_mut_ptr(), ldo) }

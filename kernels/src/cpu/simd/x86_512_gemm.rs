@@ -19,7 +19,7 @@
 use std::arch::x86_64::*;
 use std::cell::RefCell;
 
-use super::x86_512::Avx512;
+use super::x86_512::{check_gemm_nt, Avx512};
 
 /// Activation rows per register tile.
 pub(super) const MR: usize = 8;
@@ -46,12 +46,7 @@ impl Avx512 {
         out: &mut [f32],
         ldo: usize,
     ) {
-        assert!(
-            x.len() >= m * k && w.len() >= n * k,
-            "gemm_nt_packed: short operands"
-        );
-        assert!(m == 0 || n == 0 || (m - 1) * ldo + n <= out.len());
-        assert!(m <= 1 || ldo >= n, "gemm_nt_packed: rows of out overlap");
+        check_gemm_nt("gemm_nt_packed", x, w, (m, k, n), out, ldo);
         if m == 0 || n == 0 {
             return;
         }
