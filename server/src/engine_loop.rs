@@ -493,7 +493,8 @@ impl Loop {
                 let id = meta.id;
                 self.observe_disk_read(meta.bytes, meta.disk_secs);
                 self.mem.register(meta, host);
-                if warm {
+                // The no-cache baseline keeps nothing no request uses, warm adapters included.
+                if warm && self.limits.keep_idle {
                     let plan = crate::memory::AdmitPlan {
                         load: vec![id],
                         ..Default::default()
@@ -622,6 +623,29 @@ impl Loop {
             .iter()
             .filter_map(|s| s.adapter)
             .collect()
+    }
+
+    /// The `no-cache` baseline after a step whose requests finished: their adapters leave the
+    /// device now, unless a running request uses them or a waiting one wants them (all waiting
+    /// requests here; the next plan trims to admission's view), so none stays cached while the
+    /// server sits idle.
+    fn drop_idle(&mut self) {
+        let in_use: HashSet<AdapterId> = self
+            .state
+            .running
+            .iter()
+            .filter_map(|s| s.adapter)
+            .collect();
+        let wanted = self.wanted();
+        let on_device = self.mem.pool().adapters().map(|(a, _)| a);
+        let evict = crate::memory::nocache::idle_drops(on_device, &in_use, &wanted);
+        if !evict.is_empty() {
+            let plan = crate::memory::AdmitPlan {
+                evict,
+                ..Default::default()
+            };
+            self.apply_memory(&plan, &wanted);
+        }
     }
 
     /// Carries out a memory plan and watches the new adapters land.
@@ -906,9 +930,13 @@ impl Loop {
                 self.sched.finished(*id, l.generated);
             }
         }
+        let any_finished = !finished.is_empty();
         for id in finished {
             // The engine already dropped the sequence; dropping `Live` releases the lease.
             self.live.remove(&id);
+        }
+        if any_finished && !self.limits.keep_idle {
+            self.drop_idle();
         }
         // Book-keeping first, then the tokens: a client that saw its last token finds the
         // server's numbers (KV, leases, running) already updated.

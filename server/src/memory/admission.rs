@@ -18,6 +18,9 @@
 //! but never so as to delay it: while the head waits for memory, a bypasser must be predicted to
 //! finish within the head's predicted wait (steps until running requests free enough for it);
 //! while the head waits only for its adapter's fetch, a bypasser must leave the head fitting.
+//!
+//! Under the `no-cache` baseline ([`Limits::keep_idle`] false), the plan finally drops every
+//! device adapter that no running or admitted request uses and no waiting request in view wants.
 use std::cell::OnceCell;
 use std::collections::{HashMap, HashSet};
 
@@ -113,6 +116,9 @@ pub struct Limits {
     pub bypass: bool,
     /// Load adapters of waiting requests into free pages ahead of their turn.
     pub prefetch: bool,
+    /// Keep idle adapters on the device until memory is needed (the adapter cache). False for
+    /// the `no-cache` baseline: every plan also drops what [`super::nocache::idle_drops`] says.
+    pub keep_idle: bool,
 }
 
 /// The head of the queue is blocked; how long it is predicted to wait.
@@ -492,6 +498,23 @@ pub fn admit<'a>(
             &rest
         };
         w.prefetch(others, head.map(|(h, _, _)| h), &mut plan);
+    }
+    if !lim.keep_idle {
+        let in_use: HashSet<AdapterId> = w.users.keys().copied().collect();
+        let wanted: HashSet<AdapterId> = head
+            .map(|(h, _, _)| h)
+            .into_iter()
+            .chain(rest.iter().copied())
+            .filter_map(|s| s.adapter)
+            .collect();
+        let on_device = view.pool.adapters().map(|(a, _)| a);
+        let on_device: Vec<AdapterId> = on_device.filter(|a| w.on_device(*a)).collect();
+        for v in super::nocache::idle_drops(on_device, &in_use, &wanted) {
+            w.adapter_pages -= w.pages(v);
+            w.count -= 1;
+            w.evicted.insert(v);
+            plan.evict.push(v);
+        }
     }
     plan.kv_capacity = view.pool.kv_capacity_with(w.adapter_pages);
     plan

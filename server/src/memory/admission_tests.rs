@@ -142,6 +142,15 @@ impl Sim {
             );
             self.last_used.insert(*a, t);
         }
+        if !self.lim.keep_idle {
+            let wanted = self.wanted();
+            for (a, _) in self.pool.adapters() {
+                prop_assert!(
+                    batch.contains(&a) || wanted.contains(&a),
+                    "no-cache kept idle adapter {a} that no request wants"
+                );
+            }
+        }
         // The engine: computes the plan, samples at the end of each prompt, finishes at max.
         let planned: Vec<_> = d.plan.items.iter().map(|i| (i.seq, i.num_tokens)).collect();
         let (mut sampled, mut finished) = (Vec::new(), Vec::new());
@@ -155,6 +164,20 @@ impl Sim {
             }
         }
         self.state.on_step(&planned, &sampled, &finished, &self.cfg);
+        if !self.lim.keep_idle && !finished.is_empty() {
+            // As the engine loop does after a step whose requests finished.
+            let running: HashSet<AdapterId> = self
+                .state
+                .running
+                .iter()
+                .filter_map(|s| s.adapter)
+                .collect();
+            let on_device: Vec<AdapterId> = self.pool.adapters().map(|(a, _)| a).collect();
+            for v in super::nocache::idle_drops(on_device, &running, &self.wanted()) {
+                self.pool.remove(v);
+                self.adapters.get_mut(&v).unwrap().device = Device::Absent;
+            }
+        }
         for st in self.adapters.values_mut() {
             if st.device == Device::Loading {
                 st.device = Device::Resident;
@@ -169,6 +192,15 @@ impl Sim {
         });
         let head = plan.head.and_then(|h| h.bound_steps.map(|b| (h.seq, b)));
         Ok((d.admit, head))
+    }
+
+    /// Adapters of waiting requests.
+    fn wanted(&self) -> HashSet<AdapterId> {
+        self.state
+            .waiting
+            .iter()
+            .filter_map(|s| s.adapter)
+            .collect()
     }
 
     /// Runs `reqs` to the end; returns each request's admission step. Checks that a head
@@ -209,7 +241,7 @@ impl Sim {
     }
 }
 
-fn cfg(total: usize, budget: usize) -> SchedConfig {
+pub(super) fn cfg(total: usize, budget: usize) -> SchedConfig {
     SchedConfig {
         max_num_seqs: 64,
         max_num_batched_tokens: budget,
@@ -218,12 +250,90 @@ fn cfg(total: usize, budget: usize) -> SchedConfig {
     }
 }
 
-fn lim(max_loras: usize, max_num_seqs: usize) -> Limits {
+pub(super) fn lim(max_loras: usize, max_num_seqs: usize) -> Limits {
     Limits {
         max_loras,
         max_num_seqs,
         bypass: true,
         prefetch: true,
+        keep_idle: true,
+    }
+}
+
+/// One step's state for a plan-level test: adapters in tiers, running and waiting requests.
+pub(super) struct Snapshot {
+    pub pool: PagePool,
+    pub adapters: HashMap<AdapterId, AdapterState>,
+    /// Device adapters, in the order they were placed (the eviction order given).
+    pub order: Vec<AdapterId>,
+    pub running: Vec<SeqState>,
+    /// The running requests' KV reservations.
+    pub reserved: usize,
+    pub waiting: Vec<SeqState>,
+}
+
+/// Builds a [`Snapshot`]: `tiers` are (pages, 0 disk / 1 host / 2 device) per adapter;
+/// `running` (prompt, adapter index) keeps those whose adapter is on the device and whose KV
+/// fits beside the device adapters; `waiting` is (prompt, max new tokens, adapter index).
+pub(super) fn snapshot(
+    c: &SchedConfig,
+    tiers: &[(usize, u8)],
+    running: &[(usize, u32)],
+    waiting: &[(usize, usize, Option<u32>)],
+) -> Snapshot {
+    let mut pool = PagePool::new(1, c.total_blocks, Layout::Unified { max_adapters: None });
+    let mut adapters = HashMap::new();
+    let mut order = Vec::new();
+    for (i, &(pages, tier)) in tiers.iter().enumerate() {
+        let a = AdapterId(i as u32);
+        // A device adapter (if it fits) keeps its host copy.
+        let device = tier == 2 && pool.insert(a, pages, 0).is_ok();
+        if device {
+            order.push(a);
+        }
+        adapters.insert(
+            a,
+            AdapterState {
+                pages,
+                device: if device {
+                    Device::Resident
+                } else {
+                    Device::Absent
+                },
+                in_host: tier >= 1,
+            },
+        );
+    }
+    let n = tiers.len() as u32;
+    let mut reserved = 0;
+    let mut run = Vec::new();
+    for (i, &(prompt, a)) in running.iter().enumerate() {
+        let a = AdapterId(a % n);
+        let s = SeqState {
+            adapter: Some(a),
+            ..SeqState::new(SeqId(1000 + i as u64), prompt, 4)
+        };
+        let r = s.reservation(c);
+        if pool.contains(a) && reserved + r <= pool.kv_capacity() {
+            reserved += r;
+            run.push(s);
+        }
+    }
+    let waiting = waiting
+        .iter()
+        .enumerate()
+        .map(|(i, &(p, m, a))| SeqState {
+            adapter: a.map(|a| AdapterId(a % n)),
+            ..SeqState::new(SeqId(i as u64), p, m)
+        })
+        .collect();
+    Snapshot {
+        pool,
+        adapters,
+        order,
+        running: run,
+        reserved,
+        waiting,
     }
 }
 
@@ -369,7 +479,8 @@ proptest! {
     }
 
     /// Random arrivals, adapters partly on disk, tight memory: the pool is never
-    /// over-committed, no leased adapter is evicted, and every request runs.
+    /// over-committed, no leased adapter is evicted, and every request runs; under the
+    /// `no-cache` baseline also no adapter stays on the device that no request uses or wants.
     #[test]
     fn every_queued_request_eventually_runs(
         pages in proptest::collection::vec((1usize..8, any::<bool>()), 1..10),
@@ -380,11 +491,12 @@ proptest! {
         max_seqs in 1usize..8,
         bypass in any::<bool>(),
         prefetch in any::<bool>(),
+        keep_idle in any::<bool>(),
         fetch_steps in 1usize..6,
     ) {
         let c = cfg(total, budget);
         let reqs = fitting(reqs, &c, &pages);
-        let l = Limits { bypass, prefetch, ..lim(max_loras, max_seqs) };
+        let l = Limits { bypass, prefetch, keep_idle, ..lim(max_loras, max_seqs) };
         let mut sim = Sim::new(c, l, &pages, fetch_steps);
         let admitted = sim.run(&reqs, false)?;
         prop_assert!(admitted.iter().all(|t| *t != usize::MAX), "a request never ran");
@@ -424,39 +536,8 @@ proptest! {
         bypass in any::<bool>(),
     ) {
         let c = cfg(total, 64);
-        let mut pool = PagePool::new(1, total, Layout::Unified { max_adapters: None });
-        let mut adapters = HashMap::new();
-        let mut order = Vec::new();
-        for (i, &(pages, tier)) in tiers.iter().enumerate() {
-            let a = AdapterId(i as u32);
-            // 0: disk, 1: host, 2: device (if it fits; a device adapter keeps its host copy).
-            let device = tier == 2 && pool.insert(a, pages, 0).is_ok();
-            if device {
-                order.push(a);
-            }
-            adapters.insert(a, AdapterState {
-                pages,
-                device: if device { Device::Resident } else { Device::Absent },
-                in_host: tier >= 1,
-            });
-        }
-        let n = tiers.len() as u32;
-        // Running requests use device adapters only, within the pool's room.
-        let mut reserved = 0;
-        let mut run = Vec::new();
-        for (i, &(prompt, a)) in running.iter().enumerate() {
-            let a = AdapterId(a % n);
-            let s = SeqState { adapter: Some(a), ..SeqState::new(SeqId(1000 + i as u64), prompt, 4) };
-            let r = s.reservation(&c);
-            if pool.contains(a) && pool.fits_with(0, reserved + r, pool.adapter_pages(), pool.adapter_count()).is_ok() {
-                reserved += r;
-                run.push(s);
-            }
-        }
-        let wait: Vec<SeqState> = waiting.iter().enumerate().map(|(i, &(p, m, a))| SeqState {
-            adapter: a.map(|a| AdapterId(a % n)),
-            ..SeqState::new(SeqId(i as u64), p, m)
-        }).collect();
+        let Snapshot { pool, adapters, order, running: run, reserved, waiting: wait } =
+            snapshot(&c, &tiers, &running, &waiting);
         let view = MemView { pool: &pool, adapters: &adapters, eviction_order: EvictionOrder::Fixed(&order) };
         let l = Limits { bypass, ..lim(max_loras, max_seqs) };
         let plan = admit(&wait, &run, reserved, &c, view, &l);

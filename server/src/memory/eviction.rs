@@ -41,6 +41,19 @@ pub enum EvictionPolicy {
     /// request refused (429) when every slot is leased — the server before the unified pool.
     #[value(hide = true)]
     FixedSlots,
+    /// Bench-only baseline, S-LoRA's memory: the unified pool with no cache. An adapter that
+    /// no running or admitted request uses and no waiting request wants leaves the device at
+    /// once; waiting requests' adapters are still prefetched, and requests queue, never 429.
+    #[value(hide = true)]
+    NoCache,
+}
+
+impl EvictionPolicy {
+    /// Whether idle adapters stay on the device until memory is needed (every policy but the
+    /// `no-cache` baseline).
+    pub fn keeps_idle(self) -> bool {
+        self != EvictionPolicy::NoCache
+    }
 }
 
 impl std::fmt::Display for EvictionPolicy {
@@ -49,6 +62,7 @@ impl std::fmt::Display for EvictionPolicy {
             EvictionPolicy::Lru => "lru",
             EvictionPolicy::Cost => "cost",
             EvictionPolicy::FixedSlots => "fixed-slots",
+            EvictionPolicy::NoCache => "no-cache",
         })
     }
 }
@@ -136,7 +150,9 @@ pub fn order<K: Copy>(policy: EvictionPolicy, cands: &[Candidate<K>]) -> Vec<K> 
         let (ca, cb) = (&cands[a], &cands[b]);
         ca.queued.cmp(&cb.queued).then_with(|| match policy {
             EvictionPolicy::Cost => s[a].total_cmp(&s[b]),
-            EvictionPolicy::Lru | EvictionPolicy::FixedSlots => {
+            // No-cache holds only adapters of running and waiting requests; of those, the
+            // waiting ones' prefetched copies go in LRU order when memory is needed.
+            EvictionPolicy::Lru | EvictionPolicy::FixedSlots | EvictionPolicy::NoCache => {
                 ca.last_used.total_cmp(&cb.last_used)
             }
         })

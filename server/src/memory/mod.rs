@@ -8,6 +8,7 @@
 //! - [`pool`]: the page budget (unified, or the `fixed-slots` baseline).
 //! - [`eviction`]: Chameleon's score and LRU.
 //! - [`admission`]: who may join the batch, and what memory must do for them (pure).
+//! - [`nocache`]: the `no-cache` baseline's drops (S-LoRA keeps no cache).
 //! - [`manager`]: tiers, host bounds, eviction order, published numbers.
 //! - [`apply`]: carrying a plan out on an engine.
 //! - [`loader`]: disk reads off the engine thread.
@@ -20,6 +21,7 @@ pub mod budget;
 pub mod eviction;
 pub mod loader;
 pub mod manager;
+pub mod nocache;
 pub mod pool;
 pub mod profile;
 pub mod tiers;
@@ -27,6 +29,8 @@ pub mod waits;
 
 #[cfg(test)]
 mod admission_tests;
+#[cfg(test)]
+mod nocache_tests;
 
 use std::sync::Arc;
 

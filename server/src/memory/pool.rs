@@ -96,6 +96,11 @@ impl PagePool {
         self.adapters.contains_key(&id)
     }
 
+    /// The adapters holding pages (on the device or streaming in), with their pages.
+    pub fn adapters(&self) -> impl Iterator<Item = (AdapterId, usize)> + '_ {
+        self.adapters.iter().map(|(a, p)| (*a, *p))
+    }
+
     /// Pages KV may reserve in total while adapters hold `adapter_pages`.
     pub fn kv_capacity_with(&self, adapter_pages: usize) -> usize {
         match self.layout {

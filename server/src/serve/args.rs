@@ -46,7 +46,7 @@ pub struct ServeArgs {
     /// Fraction of GPU memory this server may use (vLLM's meaning; CUDA backend): what the weights and a profiled forward pass take comes off it, KV and adapters share the rest [default: 0.9].
     #[arg(long, value_name = "FRACTION")]
     pub gpu_memory_utilization: Option<f64>,
-    /// Which idle adapter leaves the device first: cost (Chameleon's frequency/recency/size score) or lru [default: cost].
+    /// Which idle adapter leaves the device first: cost (Chameleon's frequency/recency/size score) or lru [default: cost]. Two hidden values are bench-only baselines, not for serving: fixed-slots (--max-loras slots padded to the largest rank, 429 when all are in use) and no-cache (S-LoRA's memory: an adapter no request uses or waits for leaves the device at once).
     #[arg(long, value_enum)]
     pub adapter_eviction: Option<crate::memory::EvictionPolicy>,
     /// Most sequences in one engine step [default: 64].

@@ -186,6 +186,7 @@ impl Server {
                     max_num_seqs: cold_cfg.max_num_seqs,
                     bypass: cold_cfg.admission_bypass,
                     prefetch: true,
+                    keep_idle: cold_cfg.adapter_eviction.keeps_idle(),
                 };
                 Ok((
                     engine,
