@@ -258,19 +258,36 @@ fn cold_start_quick_compares_the_four_policies() {
     assert!(out.join("serve-auto.log").exists());
 }
 
+/// The four policies on the same requests, against both baselines. The pool never refuses;
+/// `no-cache` (S-LoRA's memory) keeps nothing on the device once the run is over, so every
+/// load it made was dropped again, while `cost` still caches what it used.
 #[test]
 fn cache_quick_compares_the_eviction_policies() {
-    let (table, runs) = quick_run("cache", &[], "cache.json");
-    for p in ["lru", "cost", "fixed-slots"] {
+    let (table, runs) = quick_run(
+        "cache",
+        &[
+            "--policies",
+            "lru,cost,fixed-slots,no-cache",
+            "--baseline",
+            "fixed-slots,no-cache",
+        ],
+        "cache.json",
+    );
+    for p in ["lru", "cost", "fixed-slots", "no-cache"] {
         assert!(table.contains(&format!("| {p} |")), "{table}");
     }
     assert!(table.contains("| pooled P99 ms |"), "{table}");
+    assert!(table.contains("| P99 vs fixed-slots |"), "{table}");
+    assert!(
+        table.contains("Against no-cache:") && table.contains("| paired P99 vs no-cache"),
+        "{table}"
+    );
     // Where the tail comes from, per policy: first uses against reuses, and by rank.
     assert!(
         table.contains("cost, TTFT over the rounds: first uses") && table.contains("r16 "),
         "{table}"
     );
-    assert_eq!(runs.len(), 3);
+    assert_eq!(runs.len(), 4);
     for r in &runs {
         let s = &r["summary"];
         assert_eq!(s["sent"], 12);
@@ -286,10 +303,24 @@ fn cache_quick_compares_the_eviction_policies() {
             "every request looked its adapter up once: {r}"
         );
     }
-    // The pool never refuses; only the fixed-slots baseline may.
-    for r in &runs[..2] {
-        assert_eq!(r["summary"]["failed"], 0, "{r}");
+    // The pool never refuses, with or without a cache; only the fixed-slots baseline may.
+    for i in [0, 1, 3] {
+        assert_eq!(runs[i]["summary"]["failed"], 0, "{}", runs[i]);
     }
+    let (cost, none) = (&runs[1], &runs[3]);
+    assert_eq!(
+        none["device_adapters_end"], 0.0,
+        "no-cache kept adapters: {none}"
+    );
+    assert!(none["loads"].as_f64().unwrap() > 0.0, "{none}");
+    assert_eq!(
+        none["evictions"], none["loads"],
+        "no-cache drops every adapter it loads once idle: {none}"
+    );
+    assert!(
+        cost["device_adapters_end"].as_f64().unwrap() > 0.0,
+        "cost caches idle adapters: {cost}"
+    );
 }
 
 /// `--warmup-requests 6`: the same server serves 6 unmeasured requests before the measured 12,

@@ -3,8 +3,9 @@
 //!
 //! `cache`: for each adapter count and each load (a fraction of the sustainable rate, measured
 //! first unless given), one server per `--adapter-eviction` policy (`lru`, `cost`, and the
-//! bench-only `fixed-slots` baseline: the server before the unified pool); hit rate (from the
-//! server's counters), TTFT P50/P99 and done/failed at the client.
+//! bench-only baselines: `fixed-slots`, the server before the unified pool, and `no-cache`,
+//! S-LoRA's memory, Chameleon's baseline); hit rate (from the server's counters), TTFT P50/P99
+//! and done/failed at the client, each policy's P99 against the `--baseline` ones.
 //!
 //! `cache-scale`: throughput and server memory (RSS) with 1, 100, 1,000, 10,000 registered
 //! adapters, uniform popularity.
@@ -54,9 +55,16 @@ pub struct CacheArgs {
     /// Registered adapter counts to run.
     #[arg(long, value_delimiter = ',', default_values_t = [100, 1000])]
     pub adapter_counts: Vec<usize>,
-    /// Policies to compare.
+    /// Policies to compare (`no-cache`, S-LoRA's memory without a cache, is not run unless
+    /// named).
     #[arg(long, value_enum, value_delimiter = ',', default_values = ["lru", "cost", "fixed-slots"])]
     pub policies: Vec<EvictionPolicy>,
+    /// Policies the "vs" columns compare against: the first in the main table, each other one
+    /// in a table of its own below it (e.g. `fixed-slots,no-cache`: the server before the
+    /// unified pool, and Chameleon's baseline, S-LoRA without a cache). A baseline missing
+    /// from --policies shows "-".
+    #[arg(long, value_enum, value_delimiter = ',', default_values = ["fixed-slots"])]
+    pub baseline: Vec<EvictionPolicy>,
     /// Loads as fractions of the sustainable rate.
     #[arg(long, value_delimiter = ',', default_values_t = [0.5, 0.75, 1.0])]
     pub load: Vec<f64>,
@@ -134,6 +142,10 @@ pub struct Run {
     pub hits: f64,
     pub misses: f64,
     pub evictions: f64,
+    /// Host-to-device loads (demand and prefetch) during the measured run.
+    pub loads: f64,
+    /// Adapters on the device once the measured run is over (the server idle).
+    pub device_adapters_end: f64,
     pub prefetch_hits: f64,
     /// Adapter lookups (hits + misses) of the unmeasured warm-up, before the counters above.
     pub warmup_lookups: f64,
@@ -315,6 +327,9 @@ fn serve_once(
             hits: counter(HIT),
             misses: counter(MISS),
             evictions: counter("thaw_adapter_evictions_total{tier=\"device\"}"),
+            loads: counter("thaw_adapter_device_loads_total{cause=\"demand\"}")
+                + counter("thaw_adapter_device_loads_total{cause=\"prefetch\"}"),
+            device_adapters_end: metric(&m, "thaw_adapters{tier=\"device\"}"),
             prefetch_hits: counter("thaw_adapter_prefetch_hits_total"),
             warmup_lookups,
             summary,
@@ -426,6 +441,33 @@ fn offered_load(r: &Run) -> (f64, f64) {
     (n / span, tokens as f64 / span)
 }
 
+/// A baseline's runs at one load and what the "vs" columns divide by.
+struct Baseline {
+    median_p99: f64,
+    pooled_p99: f64,
+    runs: Vec<Run>,
+}
+
+/// Round by round (the same seed), `rs`' P99 against the baseline's: the median difference,
+/// or with `each` every round's.
+fn paired(rs: &[Run], b: Option<&Baseline>, each: bool) -> String {
+    let Some(b) = b else {
+        return "-".into();
+    };
+    let p99 = |r: &Run| r.summary.ttft.p99;
+    let mut d: Vec<f64> = rs
+        .iter()
+        .zip(&b.runs)
+        .map(|(a, b)| p99(a) / p99(b) - 1.0)
+        .collect();
+    let pct = |x: &f64| format!("{:+.1}%", x * 100.0);
+    if each {
+        return d.iter().map(pct).collect::<Vec<_>>().join("/");
+    }
+    d.sort_by(f64::total_cmp);
+    d.get(d.len() / 2).map_or("-".into(), pct)
+}
+
 /// The warm-up's workload seed is the round's plus this (no round's measured seed).
 const WARMUP_SEED_OFFSET: u64 = 1_000_000;
 
@@ -451,6 +493,7 @@ pub fn run_cache(args: &CacheArgs) -> anyhow::Result<String> {
         ]);
     }
     anyhow::ensure!(!args.policies.is_empty(), "--policies is empty");
+    anyhow::ensure!(!args.baseline.is_empty(), "--baseline is empty");
     anyhow::ensure!(args.rounds > 0, "--rounds must be at least 1");
     anyhow::ensure!(
         !(args.probe_only
@@ -534,11 +577,21 @@ pub fn run_cache(args: &CacheArgs) -> anyhow::Result<String> {
             text.push('\n');
             continue;
         }
+        let b0 = args.baseline[0];
         let _ = writeln!(
             text,
-            ", {} round(s), medians over rounds\n\n| load | policy | rate {unit} | hit rate | TTFT P50 ms | TTFT P99 ms | P99 vs fixed-slots | paired P99 vs fixed-slots (median of rounds) | pooled P99 ms | pooled vs fixed-slots | pooled P50 ms | done | failed | evictions | prefetch hits | per-round P99 ms |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+            ", {} round(s), medians over rounds\n\n| load | policy | rate {unit} | hit rate | TTFT P50 ms | TTFT P99 ms | P99 vs {b0} | paired P99 vs {b0} (median of rounds) | pooled P99 ms | pooled vs {b0} | pooled P50 ms | done | failed | evictions | loads | prefetch hits | per-round P99 ms |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
             args.rounds
         );
+        // The other baselines' comparisons, a table each.
+        let mut others: Vec<String> = args.baseline[1..]
+            .iter()
+            .map(|b| {
+                format!(
+                    "\nAgainst {b}:\n\n| load | policy | P99 vs {b} | paired P99 vs {b} (median of rounds) | paired per round | pooled vs {b} |\n|---|---|---|---|---|---|\n"
+                )
+            })
+            .collect();
         let mut offered = String::new();
         let mut tails = String::new();
         for &f in &args.load {
@@ -581,37 +634,18 @@ pub fn run_cache(args: &CacheArgs) -> anyhow::Result<String> {
                 v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
             };
             let p99 = |r: &Run| r.summary.ttft.p99 * 1e3;
-            let fixed = args
-                .policies
+            let cmp: Vec<Option<Baseline>> = args
+                .baseline
                 .iter()
-                .position(|&p| p == EvictionPolicy::FixedSlots)
-                .map(|i| med(&per[i], &p99));
-            let fixed_pooled = args
-                .policies
-                .iter()
-                .position(|&p| p == EvictionPolicy::FixedSlots)
-                .map(|i| pooled_p99_ms(&per[i]));
-            let fixed_runs = args
-                .policies
-                .iter()
-                .position(|&p| p == EvictionPolicy::FixedSlots)
-                .map(|i| per[i].clone());
-            // Round by round (the same seed), this policy's P99 against fixed slots'; median.
-            let paired = |rs: &[Run]| -> String {
-                let Some(f) = &fixed_runs else {
-                    return "-".into();
-                };
-                let mut d: Vec<f64> = rs
-                    .iter()
-                    .zip(f)
-                    .map(|(a, b)| p99(a) / p99(b) - 1.0)
-                    .collect();
-                d.sort_by(f64::total_cmp);
-                match d.get(d.len() / 2) {
-                    Some(m) => format!("{:+.1}%", m * 100.0),
-                    None => "-".into(),
-                }
-            };
+                .map(|b| {
+                    let i = args.policies.iter().position(|p| p == b)?;
+                    Some(Baseline {
+                        median_p99: med(&per[i], &p99),
+                        pooled_p99: pooled_p99_ms(&per[i]),
+                        runs: per[i].clone(),
+                    })
+                })
+                .collect();
             let vs = |x: f64, base: Option<f64>| {
                 base.map_or("-".into(), |b| format!("{:+.1}%", (x / b - 1.0) * 100.0))
             };
@@ -633,22 +667,35 @@ pub fn run_cache(args: &CacheArgs) -> anyhow::Result<String> {
                 );
                 let tail = med(rs, &p99);
                 let pooled = pooled_p99_ms(rs);
+                for (b, t) in cmp[1..].iter().zip(&mut others) {
+                    let _ = writeln!(
+                        t,
+                        "| {:.0}% | {p} | {} | {} | {} | {} |",
+                        f * 100.0,
+                        vs(tail, b.as_ref().map(|b| b.median_p99)),
+                        paired(rs, b.as_ref(), false),
+                        paired(rs, b.as_ref(), true),
+                        vs(pooled, b.as_ref().map(|b| b.pooled_p99)),
+                    );
+                }
+                let b = cmp[0].as_ref();
                 let _ = writeln!(
                     text,
-                    "| {:.0}% | {p} | {:.2} | {:.3} | {:.1} | {:.1} | {} | {} | {:.1} | {} | {:.1} | {} | {} | {} | {} | {} |",
+                    "| {:.0}% | {p} | {:.2} | {:.3} | {:.1} | {:.1} | {} | {} | {:.1} | {} | {:.1} | {} | {} | {} | {} | {} | {} |",
                     f * 100.0,
                     sustainable * f,
                     med(rs, &Run::hit_rate),
                     med(rs, &|r| r.summary.ttft.p50 * 1e3),
                     tail,
-                    vs(tail, fixed),
-                    paired(rs),
+                    vs(tail, b.map(|b| b.median_p99)),
+                    paired(rs, b, false),
                     pooled,
-                    vs(pooled, fixed_pooled),
+                    vs(pooled, b.map(|b| b.pooled_p99)),
                     pooled_ttft(rs).p50 * 1e3,
                     rs.iter().map(|r| r.summary.completed).sum::<usize>(),
                     rs.iter().map(|r| r.summary.failed).sum::<usize>(),
                     med(rs, &|r| r.evictions),
+                    med(rs, &|r| r.loads),
                     med(rs, &|r| r.prefetch_hits),
                     rs.iter()
                         .map(|r| format!("{:.0}", p99(r)))
@@ -671,6 +718,9 @@ pub fn run_cache(args: &CacheArgs) -> anyhow::Result<String> {
                         .join(" / ")
                 );
             }
+        }
+        for t in others {
+            text.push_str(&t);
         }
         text.push('\n');
         text.push_str(&offered);
