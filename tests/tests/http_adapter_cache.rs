@@ -2,7 +2,7 @@
 //! clients, Zipf(1.0) popularity. With default memory flags every request completes — none is
 //! refused for lack of adapter memory — and each has the same greedy tokens and logprobs as on
 //! a server with every adapter cached; the same holds with a device budget so small that
-//! adapters are evicted and re-read from disk all the time.
+//! adapters are evicted and re-read from disk all the time, and with the `no-cache` baseline.
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -200,6 +200,26 @@ fn thousand_adapters_zipf_every_request_completes_with_cached_tokens() {
     let m = get(server.addr, "/metrics").text();
     assert!(
         metric(&m, "thaw_adapter_evictions_total{tier=\"device\"}").unwrap() > 0.0,
+        "{m}"
+    );
+    drop(server);
+
+    // The no-cache baseline (S-LoRA's memory): the same tokens; once the clients are answered
+    // no adapter is left on the device, and every adapter it loaded was dropped again.
+    let mut cfg = config(&fx);
+    cfg.adapter_eviction = thaw_server::memory::EvictionPolicy::NoCache;
+    let server = SocketServer::start(cfg);
+    let got = run(&server, &fx, &reqs);
+    check(&got, &want, "no-cache");
+    let m = get(server.addr, "/metrics").text();
+    let gauge = |name: &str| metric(&m, name).unwrap_or_else(|| panic!("no {name} in {m}"));
+    assert_eq!(gauge("thaw_adapters{tier=\"device\"}"), 0.0, "{m}");
+    let loads = gauge("thaw_adapter_device_loads_total{cause=\"demand\"}")
+        + gauge("thaw_adapter_device_loads_total{cause=\"prefetch\"}");
+    assert!(loads > 0.0, "{m}");
+    assert_eq!(
+        gauge("thaw_adapter_evictions_total{tier=\"device\"}"),
+        loads,
         "{m}"
     );
 }
