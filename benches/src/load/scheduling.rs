@@ -261,7 +261,14 @@ pub fn run(args: &SchedulingArgs) -> anyhow::Result<String> {
                     .block_on(client.get_text("/metrics"))
                     .unwrap_or_default()
                     .lines()
-                    .filter(|l| l.starts_with("thaw_sched") || l.starts_with("thaw_perf"))
+                    // The per-reason wait sums too (cumulative over the server's life: a
+                    // run's share is the difference from the previous run on that server).
+                    .filter(|l| {
+                        l.starts_with("thaw_sched")
+                            || l.starts_with("thaw_perf")
+                            || l.starts_with("thaw_request_wait_seconds_sum")
+                            || l.starts_with("thaw_request_wait_seconds_count")
+                    })
                     .map(str::to_string)
                     .collect();
                 eprintln!(
