@@ -66,6 +66,11 @@ pub struct SchedulingArgs {
     /// `--variant 'mlq+cap=mlq --tpot-slo-ms 60'`.
     #[arg(long)]
     pub variant: Vec<String>,
+    /// The variant (a policy name or a `--variant` label) that sets the SLOs and that every
+    /// ratio is against [default: the first], e.g. `--baseline slora` for Chameleon's Figure
+    /// 10, whose SLO and ratios are S-LoRA's.
+    #[arg(long)]
+    pub baseline: Option<String>,
     /// Times the whole sweep runs (seed `--seed` + i); every point reports the median.
     #[arg(long, default_value_t = 1)]
     pub repeats: usize,
@@ -151,6 +156,9 @@ pub fn run(args: &SchedulingArgs) -> anyhow::Result<String> {
         variants.push(Variant::parse(v)?);
     }
     anyhow::ensure!(!variants.is_empty(), "--policies and --variant are empty");
+    if let Some(b) = &args.baseline {
+        put_first(&mut variants, b)?;
+    }
     anyhow::ensure!(!args.rates.is_empty(), "--rates is empty");
     anyhow::ensure!(args.repeats >= 1, "--repeats must be at least 1");
     let bin = args.server.bin()?;
@@ -253,7 +261,14 @@ pub fn run(args: &SchedulingArgs) -> anyhow::Result<String> {
                     .block_on(client.get_text("/metrics"))
                     .unwrap_or_default()
                     .lines()
-                    .filter(|l| l.starts_with("thaw_sched") || l.starts_with("thaw_perf"))
+                    // The per-reason wait sums too (cumulative over the server's life: a
+                    // run's share is the difference from the previous run on that server).
+                    .filter(|l| {
+                        l.starts_with("thaw_sched")
+                            || l.starts_with("thaw_perf")
+                            || l.starts_with("thaw_request_wait_seconds_sum")
+                            || l.starts_with("thaw_request_wait_seconds_count")
+                    })
                     .map(str::to_string)
                     .collect();
                 eprintln!(
@@ -342,9 +357,43 @@ pub fn run(args: &SchedulingArgs) -> anyhow::Result<String> {
     Ok(s)
 }
 
+/// Moves the variant labelled `label` to the front (the SLOs and ratios are the first's),
+/// keeping the others' order.
+fn put_first(variants: &mut Vec<Variant>, label: &str) -> anyhow::Result<()> {
+    let i = variants
+        .iter()
+        .position(|v| v.label == label)
+        .with_context(|| {
+            let have: Vec<&str> = variants.iter().map(|v| v.label.as_str()).collect();
+            format!("--baseline {label:?} is none of the variants {have:?}; name one of them")
+        })?;
+    let v = variants.remove(i);
+    variants.insert(0, v);
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_baseline_goes_first_and_the_rest_keep_their_order() {
+        let mut vs: Vec<Variant> = [
+            "fcfs=fcfs",
+            "mlq=mlq",
+            "slora=fcfs --admission-bypass false",
+        ]
+        .iter()
+        .map(|s| Variant::parse(s).unwrap())
+        .collect();
+        put_first(&mut vs, "slora").unwrap();
+        let labels: Vec<&str> = vs.iter().map(|v| v.label.as_str()).collect();
+        assert_eq!(labels, ["slora", "fcfs", "mlq"]);
+        assert_eq!(vs[0].args, ["--admission-bypass", "false"]);
+        let err = put_first(&mut vs, "fifo").unwrap_err().to_string();
+        assert!(err.contains("slora"), "{err}");
+        assert_eq!(vs.len(), 3);
+    }
 
     #[test]
     fn variants_parse_label_policy_and_args() {
