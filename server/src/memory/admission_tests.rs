@@ -50,7 +50,13 @@ impl Sim {
             })
             .collect();
         Self {
-            pool: PagePool::new(1, cfg.total_blocks, Layout::Unified { max_streaming: None }),
+            pool: PagePool::new(
+                1,
+                cfg.total_blocks,
+                Layout::Unified {
+                    max_streaming: None,
+                },
+            ),
             cfg,
             lim,
             adapters,
@@ -275,8 +281,15 @@ fn landed_adapters_are_not_bounded_by_the_host_store() {
     let reqs: Vec<Req> = (0..6).map(|i| (5 * i, 4, 2, Some(i as u32))).collect();
     let admitted = sim.run(&reqs, false).unwrap();
     assert!(admitted.iter().all(|t| *t != usize::MAX));
-    assert_eq!(sim.pool.adapter_count(), 6, "every adapter stays on the device");
-    assert!(sim.pool.counts().streaming <= 1, "the last may still be streaming");
+    assert_eq!(
+        sim.pool.adapter_count(),
+        6,
+        "every adapter stays on the device"
+    );
+    assert!(
+        sim.pool.counts().streaming <= 1,
+        "the last may still be streaming"
+    );
     // Two arriving together: the second waits for the first, which its running request
     // pins, to land (steps 0–2), then loads.
     let mut sim = Sim::new(cfg(100, 64), lim(4, 8), &pages, 1).streaming(1, 3);
@@ -344,7 +357,13 @@ fn max_loras_caps_distinct_adapters_per_batch() {
 #[test]
 fn a_full_batch_still_reads_and_prefetches_queued_adapters() {
     let c = cfg(100, 64);
-    let mut pool = PagePool::new(1, 100, Layout::Unified { max_streaming: None });
+    let mut pool = PagePool::new(
+        1,
+        100,
+        Layout::Unified {
+            max_streaming: None,
+        },
+    );
     let st = |pages, device, in_host| AdapterState {
         pages,
         device,

@@ -247,7 +247,13 @@ mod tests {
 
     #[test]
     fn mixed_ranks_take_their_own_pages() {
-        let mut p = PagePool::new(1000, 10, Layout::Unified { max_streaming: None });
+        let mut p = PagePool::new(
+            1000,
+            10,
+            Layout::Unified {
+                max_streaming: None,
+            },
+        );
         assert_eq!(p.pages_for(1), 1);
         assert_eq!(p.pages_for(2500), 3);
         p.insert(AdapterId(1), 3, 4).unwrap();
@@ -313,7 +319,11 @@ mod tests {
         );
         p.insert(AdapterId(10), 1, 0).unwrap();
         assert_eq!(p.remove(AdapterId(10)), Some(1));
-        assert_eq!(p.counts().streaming, 0, "removing a streaming adapter frees its slot");
+        assert_eq!(
+            p.counts().streaming,
+            0,
+            "removing a streaming adapter frees its slot"
+        );
     }
 
     proptest! {
