@@ -1,12 +1,15 @@
 //! CPU assist through real worker processes: same tokens as the cached oracle, and a worker
 //! killed mid-assist costs time, never correctness.
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use thaw_cpu_lora::{LoraPool, PoolConfig};
 use thaw_ipc::HostStore;
+use thaw_runtime::adapter::LoraAdapter;
 use thaw_runtime::backend::cpu::CpuBackend;
-use thaw_runtime::engine::{Engine, EngineConfig};
+use thaw_runtime::engine::{Engine, EngineConfig, PlanItem, SequenceParams, StepPlan};
+use thaw_runtime::ids::{AdapterId, SeqId};
 use thaw_runtime::residency::LinkModel;
 use thaw_runtime::sampling::SamplingParams;
 use thaw_server::coldstart::{
@@ -15,7 +18,13 @@ use thaw_server::coldstart::{
 use thaw_tests::TestModel;
 
 fn pool(workers: usize) -> LoraPool {
-    let store = HostStore::create(64 << 20, 64).expect("host store");
+    pool_with(
+        workers,
+        HostStore::create(64 << 20, 64).expect("host store"),
+    )
+}
+
+fn pool_with(workers: usize, store: HostStore) -> LoraPool {
     LoraPool::new(
         PoolConfig {
             cores: Some((0..workers).collect()),
@@ -177,4 +186,141 @@ fn killing_a_worker_mid_assist_keeps_every_token_right() {
         "no worker was respawned"
     );
     pool.shutdown();
+}
+
+/// Greedy tokens of `prompt` under adapter `a`, one request alone, prefill then decode.
+fn greedy(e: &mut Engine<CpuBackend>, seq: u64, a: AdapterId, prompt: &[u32]) -> Vec<u32> {
+    let seq = SeqId(seq);
+    e.add_sequence(
+        seq,
+        SequenceParams {
+            prompt: prompt.to_vec(),
+            adapter: Some(a),
+            sampling: SamplingParams::greedy(),
+            max_new_tokens: 6,
+            ignore_eos: true,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let mut tokens = Vec::new();
+    loop {
+        let num_tokens = e.pending_tokens(seq).unwrap();
+        let plan = StepPlan {
+            items: vec![PlanItem { seq, num_tokens }],
+            return_logits: false,
+        };
+        let out = e.step(&plan).unwrap();
+        if let Some(o) = out.first() {
+            tokens.push(o.token.id);
+            if o.finish.is_some() {
+                return tokens;
+            }
+        }
+    }
+}
+
+/// Waits (up to 60 s, for a loaded machine) until every layer of `a` has landed.
+fn wait_landed(e: &Engine<CpuBackend>, a: AdapterId) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while !e.adapter_resident(a) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "adapter {a} never landed"
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+/// A fully landed adapter gives its host-store slot back (the workers compute only layers
+/// not on the device): a store with 2 index slots serves 5 adapters registered one after
+/// another and all kept on the device (before, every registered adapter kept its slot and
+/// the third insert failed), the workers assist while each streams, and the tokens are the
+/// cached oracle's before the release, after it, and after an eviction and re-registration.
+#[test]
+fn landed_adapters_release_their_host_store_slots() {
+    let tm = TestModel::llama(67);
+    let cfg = tm.model.config.clone();
+    let adapters: Vec<Arc<LoraAdapter>> = (0..5)
+        .map(|i| tm.adapter(16, &["q", "k", "v", "o", "gate", "up", "down"], 970 + i))
+        .collect();
+    let prompt: Vec<u32> = (0..24u32)
+        .map(|t| 3 + (t * 37) % (cfg.vocab_size as u32 - 3))
+        .collect();
+    let mut oracle = Engine::new(
+        CpuBackend::new(&cfg),
+        tm.model.clone(),
+        EngineConfig::default(),
+    )
+    .unwrap();
+    for (i, a) in adapters.iter().enumerate() {
+        oracle
+            .register_adapter(AdapterId(i as u32), a.clone())
+            .unwrap();
+    }
+    let want: Vec<Vec<u32>> = (0..adapters.len())
+        .map(|i| greedy(&mut oracle, i as u64, AdapterId(i as u32), &prompt))
+        .collect();
+    // Each adapter takes about 200 ms on the link, so the first step finds it streaming.
+    let bytes = adapters[0].size_bytes_f32() as f64;
+    let link = LinkModel {
+        gbps: bytes / 0.2 / 1e9,
+        latency_us: 50.0,
+    };
+    let mut e = Engine::new(
+        CpuBackend::new(&cfg).with_link(link),
+        tm.model.clone(),
+        EngineConfig::default(),
+    )
+    .unwrap();
+    e.attach_pool(pool_with(
+        1,
+        HostStore::create(64 << 20, 2).expect("host store"),
+    ))
+    .unwrap();
+    let mut seq = 100;
+    for (i, a) in adapters.iter().enumerate() {
+        let id = AdapterId(i as u32);
+        e.register_adapter_streaming(id, a.clone()).unwrap();
+        assert_eq!(
+            e.adapters_in_store(),
+            1,
+            "adapter {i}: the landed ones gave their slots back, the new one took one"
+        );
+        let assisted = e.rows_assisted();
+        seq += 1;
+        assert_eq!(
+            greedy(&mut e, seq, id, &prompt),
+            want[i],
+            "adapter {i} streaming"
+        );
+        assert!(
+            e.rows_assisted() > assisted,
+            "adapter {i}: the workers computed nothing"
+        );
+        wait_landed(&e, id);
+        seq += 1;
+        assert_eq!(
+            greedy(&mut e, seq, id, &prompt),
+            want[i],
+            "adapter {i} landed"
+        );
+        assert_eq!(e.adapters_in_store(), 0, "adapter {i} kept its slot");
+        assert!(e.pool().unwrap().store().live_extents().is_empty());
+    }
+    assert!((0..5).all(|i| e.has_adapter(AdapterId(i))));
+    // Evicted and registered again: a new slot, a new generation, the same tokens.
+    e.unregister_adapter(AdapterId(0)).unwrap();
+    e.register_adapter_streaming(AdapterId(0), adapters[0].clone())
+        .unwrap();
+    assert_eq!(e.adapters_in_store(), 1);
+    assert_eq!(greedy(&mut e, 200, AdapterId(0), &prompt), want[0]);
+    // Landed adapters used again (slots released) still give the oracle's tokens.
+    for i in 1..5 {
+        assert_eq!(
+            greedy(&mut e, 300 + i, AdapterId(i as u32), &prompt),
+            want[i as usize]
+        );
+    }
+    e.detach_pool().unwrap().shutdown();
 }

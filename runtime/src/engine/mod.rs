@@ -88,6 +88,9 @@ pub struct Engine<B: Backend> {
     blocks: BlockAllocator,
     adapters: HashMap<AdapterId, EngineAdapter<B>>,
     pool: Option<LoraPool>,
+    /// Adapters holding a slot of the pool's host store: those with a layer not yet landed
+    /// when last looked at ([`Engine::release_landed`]).
+    in_store: Vec<AdapterId>,
     assist_buf: AssistBuffers,
     generations: u32,
     seqs: HashMap<SeqId, Sequence>,
@@ -110,7 +113,9 @@ pub struct Engine<B: Backend> {
     prompt_logits: Vec<f32>,
 }
 
-/// A registered adapter: its host copy, its device slot, and its place in the host store.
+/// A registered adapter: its host copy, its device slot, and its place in the host store
+/// (only while some layer is still streaming: the workers compute only layers not on the
+/// device, so a fully landed adapter needs no slot).
 struct EngineAdapter<B: Backend> {
     host: Arc<LoraAdapter>,
     dev: B::Lora,
@@ -145,6 +150,7 @@ impl<B: Backend> Engine<B> {
             kv,
             adapters: HashMap::new(),
             pool: None,
+            in_store: Vec::new(),
             assist_buf: AssistBuffers::default(),
             generations: 0,
             seqs: HashMap::new(),
@@ -269,27 +275,73 @@ impl<B: Backend> Engine<B> {
             ));
         }
         self.drop_from_store(id);
-        self.generations += 1;
+        // Landed adapters give their slots back first: the store holds only adapters still
+        // streaming, so its capacity bounds those, not the device cache.
+        self.release_landed();
+        let streaming = self.backend.landed_layers(&dev) < host.num_layers();
         let store = match &mut self.pool {
-            Some(pool) => Some(host_store_insert(pool, id, self.generations, &host)?),
-            None => None,
+            Some(pool) if streaming => {
+                self.generations += 1;
+                Some(host_store_insert(pool, id, self.generations, &host)?)
+            }
+            _ => None,
         };
+        if store.is_some() {
+            self.in_store.push(id);
+        }
         self.adapters.insert(id, EngineAdapter { host, dev, store });
         Ok(())
     }
 
     fn drop_from_store(&mut self, id: AdapterId) {
-        if let (Some(pool), Some(a)) = (&mut self.pool, self.adapters.get(&id)) {
-            if let Some(h) = a.store {
+        if let (Some(pool), Some(a)) = (&mut self.pool, self.adapters.get_mut(&id)) {
+            if let Some(h) = a.store.take() {
                 pool.store_mut().remove(h);
             }
         }
+        self.in_store.retain(|&x| x != id);
+    }
+
+    /// Gives back the host-store slot of every adapter whose layers have all landed; returns
+    /// how many. The workers compute only layers not yet on the device and landing is
+    /// monotonic, so no later job needs the slot; a re-registration after eviction inserts
+    /// the adapter anew under a new generation, so a stale handle never leases another
+    /// adapter's bytes. Between steps no worker job is in flight; a job left by a failed step
+    /// still holds its lease, and the store reuses the bytes only once that lease is dropped
+    /// (the store's `RETIRED` state). Called at every step and before every insert.
+    pub fn release_landed(&mut self) -> usize {
+        let Some(pool) = self.pool.as_mut() else {
+            return 0;
+        };
+        let before = self.in_store.len();
+        let (adapters, backend) = (&mut self.adapters, &self.backend);
+        self.in_store.retain(|id| {
+            let Some(a) = adapters.get_mut(id) else {
+                return false;
+            };
+            if backend.landed_layers(&a.dev) < a.host.num_layers() {
+                return true;
+            }
+            if let Some(h) = a.store.take() {
+                pool.store_mut().remove(h);
+            }
+            false
+        });
+        before - self.in_store.len()
+    }
+
+    /// Adapters holding a slot of the workers' host store (those still streaming).
+    pub fn adapters_in_store(&self) -> usize {
+        self.in_store.len()
     }
 
     /// Hands the engine a pool of CPU LoRA workers: from now on cold layers are computed by
     /// the workers from the shared host store instead of on the engine thread.
     pub fn attach_pool(&mut self, mut pool: LoraPool) -> Result<()> {
         for (id, a) in self.adapters.iter_mut() {
+            if self.backend.landed_layers(&a.dev) >= a.host.num_layers() {
+                continue;
+            }
             self.generations += 1;
             a.store = Some(host_store_insert(
                 &mut pool,
@@ -297,6 +349,7 @@ impl<B: Backend> Engine<B> {
                 self.generations,
                 &a.host,
             )?);
+            self.in_store.push(*id);
         }
         self.pool = Some(pool);
         Ok(())
@@ -326,6 +379,7 @@ impl<B: Backend> Engine<B> {
                 pool.store_mut().remove(h);
             }
         }
+        self.in_store.clear();
         Some(pool)
     }
 
@@ -471,6 +525,9 @@ impl<B: Backend> Engine<B> {
         if self.layout.rows() == 0 {
             return Ok(Vec::new());
         }
+        // Before the landed layers are read below: an adapter released here has every layer
+        // landed, so no job of this step needs its slot.
+        self.release_landed();
         let adapters: Vec<&B::Lora> = self
             .step_adapter_ids
             .iter()

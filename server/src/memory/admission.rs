@@ -27,7 +27,7 @@ use std::collections::{HashMap, HashSet};
 use thaw_runtime::ids::{AdapterId, SeqId};
 
 use super::manager::{MemoryManager, ReloadCost};
-use super::pool::PagePool;
+use super::pool::{Counts, PagePool, PoolError};
 use crate::scheduler::{SchedConfig, SeqState};
 
 /// How far behind a blocked head the bypass looks.
@@ -173,7 +173,9 @@ struct Work<'a> {
     cfg: &'a SchedConfig,
     kv: usize,
     adapter_pages: usize,
-    count: usize,
+    /// Adapters on the device, and those of them still streaming (bounded by the workers'
+    /// host store).
+    counts: Counts,
     seqs: usize,
     /// Adapter → requests (running or admitted) using it.
     users: HashMap<AdapterId, usize>,
@@ -215,7 +217,7 @@ impl<'a> Work<'a> {
             cfg,
             kv: reserved_kv,
             adapter_pages: view.pool.adapter_pages(),
-            count: view.pool.adapter_count(),
+            counts: view.pool.counts(),
             seqs: running.len(),
             users,
             evicted: HashSet::new(),
@@ -235,6 +237,16 @@ impl<'a> Work<'a> {
 
     fn pages(&self, a: AdapterId) -> usize {
         self.view.adapters.get(&a).map_or(0, |s| s.pages)
+    }
+
+    /// Whether `a`, on the device, is still streaming (loaded by this plan, or not landed).
+    fn streaming(&self, a: AdapterId) -> bool {
+        self.loaded.contains(&a)
+            || self
+                .view
+                .adapters
+                .get(&a)
+                .is_some_and(|s| s.device == Device::Loading)
     }
 
     /// Whether `a` is only on disk, neither on the device nor in the host tier.
@@ -272,32 +284,44 @@ impl<'a> Work<'a> {
             }
         }
         let pool = self.view.pool;
-        let (mut pages, mut count) = (self.adapter_pages, self.count);
-        let mut evict = Vec::new();
-        // Asked for only when something must be evicted.
-        let mut order: Option<std::slice::Iter<'_, AdapterId>> = None;
+        let (mut pages, mut counts) = (self.adapter_pages, self.counts);
+        let mut evict: Vec<AdapterId> = Vec::new();
+        // Asked for only when something must be evicted: one pass for any victim, one for
+        // a streaming victim when the streaming bound is what blocks the load (evicting a
+        // landed adapter would free pages, not a host-store slot). Each pass moves forward
+        // only, so the search stays linear in the device's adapters.
+        let mut any: Option<std::slice::Iter<'_, AdapterId>> = None;
+        let mut streaming: Option<std::slice::Iter<'_, AdapterId>> = None;
         loop {
             let room = match load {
-                Some((_, p)) => pool.fits_with(p, self.kv + r, pages, count).is_ok(),
-                None => true,
+                Some((_, p)) => pool.fits_with(p, self.kv + r, pages, counts),
+                None => Ok(()),
             };
             let with = pages + load.map_or(0, |(_, p)| p);
-            if room && self.kv + r <= pool.kv_capacity_with(with) {
+            if room.is_ok() && self.kv + r <= pool.kv_capacity_with(with) {
                 return Ok(Need { r, load, evict });
             }
-            let victim = order
+            let need_stream = matches!(room, Err(PoolError::Streaming(_)));
+            let idle = |v: &AdapterId| {
+                !self.evicted.contains(v)
+                    && !evict.contains(v)
+                    && !self.users.contains_key(v)
+                    && Some(*v) != s.adapter
+                    && self.on_device(*v)
+            };
+            let pass = if need_stream {
+                &mut streaming
+            } else {
+                &mut any
+            };
+            let victim = pass
                 .get_or_insert_with(|| self.view.eviction_order.get().iter())
-                .find(|v| {
-                    !self.evicted.contains(v)
-                        && !self.users.contains_key(v)
-                        && Some(**v) != s.adapter
-                        && self.on_device(**v)
-                });
+                .find(|v| idle(v) && (!need_stream || self.streaming(**v)));
             let Some(&v) = victim else {
                 return Err(Block::Memory);
             };
             pages -= self.pages(v);
-            count -= 1;
+            counts = counts.minus_one(self.streaming(v));
             evict.push(v);
         }
     }
@@ -305,14 +329,14 @@ impl<'a> Work<'a> {
     fn commit(&mut self, s: &SeqState, n: Need, plan: &mut AdmitPlan) {
         for v in n.evict {
             self.adapter_pages -= self.pages(v);
-            self.count -= 1;
+            self.counts = self.counts.minus_one(self.streaming(v));
             self.evicted.insert(v);
             self.loaded.remove(&v);
             plan.evict.push(v);
         }
         if let Some((a, p)) = n.load {
             self.adapter_pages += p;
-            self.count += 1;
+            self.counts = self.counts.plus_one();
             self.loaded.insert(a);
             self.evicted.remove(&a);
             plan.load.push(a);
@@ -349,6 +373,10 @@ impl<'a> Work<'a> {
             }
             // Adapters still used stay; every idle one could be evicted.
             let pinned: usize = users.keys().map(|a| self.pages(*a)).sum();
+            let pinned_counts = Counts {
+                adapters: users.len(),
+                streaming: users.keys().filter(|a| self.streaming(**a)).count(),
+            };
             let (shared, load) = match head.adapter {
                 Some(a) if users.contains_key(&a) => (true, 0),
                 Some(a) => (false, self.pages(a)),
@@ -356,7 +384,7 @@ impl<'a> Work<'a> {
             };
             let fits = seqs < lim.max_num_seqs
                 && (shared || users.len() < lim.max_loras)
-                && (load == 0 || pool.fits_with(load, kv + r, pinned, users.len()).is_ok())
+                && (load == 0 || pool.fits_with(load, kv + r, pinned, pinned_counts).is_ok())
                 && kv + r <= pool.kv_capacity_with(pinned + load);
             if fits {
                 return Some(steps);
@@ -379,7 +407,7 @@ impl<'a> Work<'a> {
                 continue;
             }
             if pool
-                .fits_with(st.pages, self.kv, self.adapter_pages, self.count)
+                .fits_with(st.pages, self.kv, self.adapter_pages, self.counts)
                 .is_err()
                 || self.kv > pool.kv_capacity_with(self.adapter_pages + st.pages)
             {
@@ -387,7 +415,7 @@ impl<'a> Work<'a> {
             }
             let mut probe = self.clone();
             probe.adapter_pages += st.pages;
-            probe.count += 1;
+            probe.counts = probe.counts.plus_one();
             probe.loaded.insert(a);
             // The head must still fit, evicting nothing, once what it waits for (its fetch, a
             // place in the batch) is there: prefetches take only pages it does not need, so
@@ -511,7 +539,7 @@ pub fn admit<'a>(
         let on_device: Vec<AdapterId> = on_device.filter(|a| w.on_device(*a)).collect();
         for v in super::nocache::idle_drops(on_device, &in_use, &wanted) {
             w.adapter_pages -= w.pages(v);
-            w.count -= 1;
+            w.counts = w.counts.minus_one(w.streaming(v));
             w.evicted.insert(v);
             plan.evict.push(v);
         }

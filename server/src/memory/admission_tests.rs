@@ -25,6 +25,10 @@ struct Sim {
     /// Steps left on each adapter's disk read.
     fetching: HashMap<AdapterId, usize>,
     fetch_steps: usize,
+    /// Steps a load takes to land (1: by the end of the step that loaded it), and the steps
+    /// left on each adapter still streaming.
+    land_steps: usize,
+    landing: HashMap<AdapterId, usize>,
     last_used: HashMap<AdapterId, usize>,
     state: SchedState,
 }
@@ -46,15 +50,37 @@ impl Sim {
             })
             .collect();
         Self {
-            pool: PagePool::new(1, cfg.total_blocks, Layout::Unified { max_adapters: None }),
+            pool: PagePool::new(
+                1,
+                cfg.total_blocks,
+                Layout::Unified {
+                    max_streaming: None,
+                },
+            ),
             cfg,
             lim,
             adapters,
             fetching: HashMap::new(),
             fetch_steps,
+            land_steps: 1,
+            landing: HashMap::new(),
             last_used: HashMap::new(),
             state: SchedState::default(),
         }
+    }
+
+    /// At most `max` adapters streaming at once (the workers' host store), each taking
+    /// `land_steps` steps to land.
+    fn streaming(mut self, max: usize, land_steps: usize) -> Self {
+        self.pool = PagePool::new(
+            1,
+            self.cfg.total_blocks,
+            Layout::Unified {
+                max_streaming: Some(max),
+            },
+        );
+        self.land_steps = land_steps;
+        self
     }
 
     /// One planning round plus one engine step; returns the admitted ids and the plan's head.
@@ -92,6 +118,7 @@ impl Sim {
                 "evicted a non-resident adapter"
             );
             self.adapters.get_mut(v).unwrap().device = Device::Absent;
+            self.landing.remove(v);
         }
         for a in plan.load.iter().chain(&plan.prefetch) {
             let st = self.adapters.get_mut(a).unwrap();
@@ -102,6 +129,7 @@ impl Sim {
                 "admission planned a load that does not fit: {r:?}"
             );
             st.device = Device::Loading;
+            self.landing.insert(*a, self.land_steps);
         }
         for a in &plan.fetch {
             self.fetching.entry(*a).or_insert(self.fetch_steps);
@@ -176,13 +204,19 @@ impl Sim {
             for v in super::nocache::idle_drops(on_device, &running, &self.wanted()) {
                 self.pool.remove(v);
                 self.adapters.get_mut(&v).unwrap().device = Device::Absent;
+                self.landing.remove(&v);
             }
         }
-        for st in self.adapters.values_mut() {
-            if st.device == Device::Loading {
-                st.device = Device::Resident;
+        let pool = &mut self.pool;
+        let adapters = &mut self.adapters;
+        self.landing.retain(|a, left| {
+            *left -= 1;
+            if *left == 0 {
+                adapters.get_mut(a).unwrap().device = Device::Resident;
+                pool.mark_landed(*a);
             }
-        }
+            *left > 0
+        });
         self.fetching.retain(|a, left| {
             *left -= 1;
             if *left == 0 {
@@ -281,7 +315,13 @@ pub(super) fn snapshot(
     running: &[(usize, u32)],
     waiting: &[(usize, usize, Option<u32>)],
 ) -> Snapshot {
-    let mut pool = PagePool::new(1, c.total_blocks, Layout::Unified { max_adapters: None });
+    let mut pool = PagePool::new(
+        1,
+        c.total_blocks,
+        Layout::Unified {
+            max_streaming: None,
+        },
+    );
     let mut adapters = HashMap::new();
     let mut order = Vec::new();
     for (i, &(pages, tier)) in tiers.iter().enumerate() {
@@ -347,6 +387,42 @@ fn fitting(reqs: Vec<Req>, c: &SchedConfig, pages: &[(usize, bool)]) -> Vec<Req>
         .collect()
 }
 
+/// The workers' host store bounds only adapters still streaming: with room for one, six
+/// adapters used one after another all stay on the device once landed (before, the bound was
+/// on every adapter registered, so the cache held at most `--max-cpu-loras`).
+#[test]
+fn landed_adapters_are_not_bounded_by_the_host_store() {
+    let pages = vec![(1, true); 6];
+    let mut sim = Sim::new(cfg(100, 64), lim(4, 8), &pages, 1).streaming(1, 3);
+    // Each arrives after the one before has landed (3 steps).
+    let reqs: Vec<Req> = (0..6).map(|i| (5 * i, 4, 2, Some(i as u32))).collect();
+    let admitted = sim.run(&reqs, false).unwrap();
+    assert!(admitted.iter().all(|t| *t != usize::MAX));
+    assert_eq!(
+        sim.pool.adapter_count(),
+        6,
+        "every adapter stays on the device"
+    );
+    assert!(
+        sim.pool.counts().streaming <= 1,
+        "the last may still be streaming"
+    );
+    // Two arriving together: the second waits for the first, which its running request
+    // pins, to land (steps 0–2), then loads.
+    let mut sim = Sim::new(cfg(100, 64), lim(4, 8), &pages, 1).streaming(1, 3);
+    let admitted = sim
+        .run(&[(0, 4, 10, Some(0)), (0, 4, 2, Some(1))], false)
+        .unwrap();
+    assert_eq!(admitted, vec![0, 3]);
+    // An idle adapter still streaming gives its slot up to a waiting request's: evicted.
+    let mut sim = Sim::new(cfg(100, 64), lim(4, 8), &pages, 1).streaming(1, 3);
+    let admitted = sim
+        .run(&[(0, 4, 1, Some(0)), (1, 4, 2, Some(1))], false)
+        .unwrap();
+    assert_eq!(admitted, vec![0, 1]);
+    assert!(!sim.pool.contains(AdapterId(0)));
+}
+
 #[test]
 fn disk_adapter_is_fetched_and_resident_requests_bypass_it() {
     let c = cfg(40, 64);
@@ -398,7 +474,13 @@ fn max_loras_caps_distinct_adapters_per_batch() {
 #[test]
 fn a_full_batch_still_reads_and_prefetches_queued_adapters() {
     let c = cfg(100, 64);
-    let mut pool = PagePool::new(1, 100, Layout::Unified { max_adapters: None });
+    let mut pool = PagePool::new(
+        1,
+        100,
+        Layout::Unified {
+            max_streaming: None,
+        },
+    );
     let st = |pages, device, in_host| AdapterState {
         pages,
         device,
@@ -449,7 +531,7 @@ proptest! {
         let total = 40;
         let c = cfg(total, 256);
         let mut adapters = HashMap::new();
-        let mut pool = PagePool::new(1, total, Layout::Unified { max_adapters: None });
+        let mut pool = PagePool::new(1, total, Layout::Unified { max_streaming: None });
         let mut order = Vec::new();
         for (i, p) in pages.iter().enumerate() {
             let a = AdapterId(i as u32);
@@ -500,6 +582,29 @@ proptest! {
         let mut sim = Sim::new(c, l, &pages, fetch_steps);
         let admitted = sim.run(&reqs, false)?;
         prop_assert!(admitted.iter().all(|t| *t != usize::MAX), "a request never ran");
+    }
+
+    /// With at most `max` adapters streaming at once, each landing after some steps: no plan
+    /// loads past the bound (the simulated pool refuses it), nothing is over-committed, no
+    /// leased adapter is evicted, and every request runs.
+    #[test]
+    fn the_streaming_bound_holds_and_every_request_runs(
+        pages in proptest::collection::vec((1usize..8, any::<bool>()), 1..10),
+        reqs in proptest::collection::vec((0usize..40, 1usize..40, 1usize..12, proptest::option::of(0u32..10)), 1..40),
+        total in 16usize..60,
+        max_loras in 1usize..4,
+        max_seqs in 1usize..8,
+        bypass in any::<bool>(),
+        max_streaming in 1usize..3,
+        land_steps in 1usize..5,
+    ) {
+        let c = cfg(total, 64);
+        let reqs = fitting(reqs, &c, &pages);
+        let l = Limits { bypass, ..lim(max_loras, max_seqs) };
+        let mut sim = Sim::new(c, l, &pages, 2).streaming(max_streaming, land_steps);
+        let admitted = sim.run(&reqs, false)?;
+        prop_assert!(admitted.iter().all(|t| *t != usize::MAX), "a request never ran");
+        prop_assert!(sim.pool.counts().streaming <= max_streaming);
     }
 
     /// With exact predictions (ample token budget, no early stops, adapters in host memory),
@@ -591,7 +696,7 @@ fn eviction_order_is_computed_only_when_a_victim_is_needed() {
             total_pages: total,
             policy: EvictionPolicy::Cost,
             max_loras: 16,
-            max_device_adapters: None,
+            max_streaming_adapters: None,
             host_max_adapters: 16,
             host_max_bytes: 1 << 20,
         },

@@ -33,8 +33,9 @@ pub struct MemoryConfig {
     pub policy: EvictionPolicy,
     /// `--max-loras` (the slot count of `fixed-slots`).
     pub max_loras: usize,
-    /// Most adapters registered with the engine at once, if bounded (the workers' host store).
-    pub max_device_adapters: Option<usize>,
+    /// Most adapters streaming to the device at once, if bounded: the CPU workers' host store
+    /// holds an adapter only until its last layer lands. Landed adapters are bounded by pages.
+    pub max_streaming_adapters: Option<usize>,
     /// `--max-cpu-loras` and `--max-cpu-lora-bytes`: the host tier (adapters not on device).
     pub host_max_adapters: usize,
     pub host_max_bytes: u64,
@@ -98,7 +99,7 @@ impl MemoryManager {
                 slot_pages: 1,
             },
             _ => Layout::Unified {
-                max_adapters: cfg.max_device_adapters,
+                max_streaming: cfg.max_streaming_adapters,
             },
         };
         let pool = PagePool::new(cfg.page_bytes, cfg.total_pages, layout);
@@ -371,6 +372,8 @@ impl MemoryManager {
                 );
                 if l >= n {
                     self.update(id, |e| e.state.device = Device::Resident);
+                    // The engine gives its host-store slot back by its next insert.
+                    self.pool.mark_landed(id);
                 }
             }
         }
@@ -498,7 +501,7 @@ mod tests {
                 total_pages: 100,
                 policy: EvictionPolicy::Cost,
                 max_loras: 4,
-                max_device_adapters: None,
+                max_streaming_adapters: None,
                 host_max_adapters: 1,
                 host_max_bytes: 1 << 20,
             },

@@ -15,9 +15,10 @@ use thaw_runtime::ids::AdapterId;
 pub enum Layout {
     /// Adapters take exactly their pages out of the budget KV also uses.
     Unified {
-        /// Most adapters registered with the engine at once (the workers' host store has an
-        /// entry per registered adapter), if bounded.
-        max_adapters: Option<usize>,
+        /// Most adapters whose layers are still streaming to the device, if bounded: each
+        /// holds a slot of the CPU workers' host store until its last layer lands. Adapters
+        /// that have landed are not bounded by it (only by pages).
+        max_streaming: Option<usize>,
     },
     /// `slots` slots of `slot_pages` each, reserved for adapters whether used or not.
     FixedSlots { slots: usize, slot_pages: usize },
@@ -30,8 +31,45 @@ pub enum PoolError {
     NoRoom { need: usize, free: usize },
     #[error("all {0} adapter slots are taken")]
     NoSlot(usize),
+    #[error(
+        "{0} adapters are still streaming to the device, as many as the CPU workers' host \
+         store holds (--max-cpu-loras); the next one waits until one lands"
+    )]
+    Streaming(usize),
     #[error("adapter already in the pool")]
     Duplicate,
+}
+
+/// Adapters in the pool: all of them, and those still streaming to the device.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct Counts {
+    pub adapters: usize,
+    pub streaming: usize,
+}
+
+impl Counts {
+    /// One more adapter (a new one always starts streaming).
+    pub fn plus_one(self) -> Self {
+        Self {
+            adapters: self.adapters + 1,
+            streaming: self.streaming + 1,
+        }
+    }
+
+    /// One adapter fewer; `streaming` says whether it was still streaming.
+    pub fn minus_one(self, streaming: bool) -> Self {
+        Self {
+            adapters: self.adapters.saturating_sub(1),
+            streaming: self.streaming.saturating_sub(usize::from(streaming)),
+        }
+    }
+}
+
+/// One adapter in the pool.
+#[derive(Copy, Clone, Debug)]
+struct Held {
+    pages: usize,
+    streaming: bool,
 }
 
 /// Adapter pages in the device budget; KV reservations are passed in (the scheduler owns them).
@@ -40,8 +78,9 @@ pub struct PagePool {
     page_bytes: u64,
     total: usize,
     layout: Layout,
-    adapters: BTreeMap<AdapterId, usize>,
+    adapters: BTreeMap<AdapterId, Held>,
     adapter_pages: usize,
+    streaming: usize,
 }
 
 impl PagePool {
@@ -52,6 +91,7 @@ impl PagePool {
             layout,
             adapters: BTreeMap::new(),
             adapter_pages: 0,
+            streaming: 0,
         }
     }
 
@@ -92,13 +132,39 @@ impl PagePool {
         self.adapters.len()
     }
 
+    /// Adapters held now, and how many of them are still streaming.
+    pub fn counts(&self) -> Counts {
+        Counts {
+            adapters: self.adapters.len(),
+            streaming: self.streaming,
+        }
+    }
+
+    /// Whether `id` is in the pool and still streaming.
+    pub fn is_streaming(&self, id: AdapterId) -> bool {
+        self.adapters.get(&id).is_some_and(|h| h.streaming)
+    }
+
+    /// Every layer of `id` has landed: it no longer counts against `max_streaming`.
+    /// Returns false if `id` is not in the pool or had landed already.
+    pub fn mark_landed(&mut self, id: AdapterId) -> bool {
+        match self.adapters.get_mut(&id) {
+            Some(h) if h.streaming => {
+                h.streaming = false;
+                self.streaming -= 1;
+                true
+            }
+            _ => false,
+        }
+    }
+
     pub fn contains(&self, id: AdapterId) -> bool {
         self.adapters.contains_key(&id)
     }
 
     /// The adapters holding pages (on the device or streaming in), with their pages.
     pub fn adapters(&self) -> impl Iterator<Item = (AdapterId, usize)> + '_ {
-        self.adapters.iter().map(|(a, p)| (*a, *p))
+        self.adapters.iter().map(|(a, h)| (*a, h.pages))
     }
 
     /// Pages KV may reserve in total while adapters hold `adapter_pages`.
@@ -116,20 +182,20 @@ impl PagePool {
         self.kv_capacity_with(self.adapter_pages)
     }
 
-    /// Whether one more adapter of `pages` fits beside `kv_reserved` KV pages when adapters
-    /// hold `adapter_pages` in `count` entries.
+    /// Whether one more adapter of `pages` (streaming, as every new one) fits beside
+    /// `kv_reserved` KV pages when adapters hold `adapter_pages` in `counts`.
     pub fn fits_with(
         &self,
         pages: usize,
         kv_reserved: usize,
         adapter_pages: usize,
-        count: usize,
+        counts: Counts,
     ) -> Result<(), PoolError> {
         match self.layout {
-            Layout::Unified { max_adapters } => {
-                if let Some(max) = max_adapters {
-                    if count >= max {
-                        return Err(PoolError::NoSlot(max));
+            Layout::Unified { max_streaming } => {
+                if let Some(max) = max_streaming {
+                    if counts.streaming >= max {
+                        return Err(PoolError::Streaming(max));
                     }
                 }
                 let free = self.total.saturating_sub(kv_reserved + adapter_pages);
@@ -139,7 +205,7 @@ impl PagePool {
                 Ok(())
             }
             Layout::FixedSlots { slots, .. } => {
-                if count >= slots {
+                if counts.adapters >= slots {
                     return Err(PoolError::NoSlot(slots));
                 }
                 Ok(())
@@ -157,17 +223,25 @@ impl PagePool {
         if self.adapters.contains_key(&id) {
             return Err(PoolError::Duplicate);
         }
-        self.fits_with(pages, kv_reserved, self.adapter_pages, self.adapters.len())?;
-        self.adapters.insert(id, pages);
+        self.fits_with(pages, kv_reserved, self.adapter_pages, self.counts())?;
+        self.adapters.insert(
+            id,
+            Held {
+                pages,
+                streaming: true,
+            },
+        );
         self.adapter_pages += pages;
+        self.streaming += 1;
         Ok(())
     }
 
     /// Gives adapter `id`'s pages back; returns them.
     pub fn remove(&mut self, id: AdapterId) -> Option<usize> {
-        let pages = self.adapters.remove(&id)?;
-        self.adapter_pages -= pages;
-        Some(pages)
+        let h = self.adapters.remove(&id)?;
+        self.adapter_pages -= h.pages;
+        self.streaming -= usize::from(h.streaming);
+        Some(h.pages)
     }
 }
 
@@ -178,7 +252,13 @@ mod tests {
 
     #[test]
     fn mixed_ranks_take_their_own_pages() {
-        let mut p = PagePool::new(1000, 10, Layout::Unified { max_adapters: None });
+        let mut p = PagePool::new(
+            1000,
+            10,
+            Layout::Unified {
+                max_streaming: None,
+            },
+        );
         assert_eq!(p.pages_for(1), 1);
         assert_eq!(p.pages_for(2500), 3);
         p.insert(AdapterId(1), 3, 4).unwrap();
@@ -212,32 +292,76 @@ mod tests {
         assert_eq!(f.kv_capacity(), 0);
     }
 
+    /// The streaming bound counts adapters still streaming, not every one on the device: once
+    /// they land, more than `max_streaming` adapters stay.
+    #[test]
+    fn only_streaming_adapters_are_bounded() {
+        let mut p = PagePool::new(
+            1,
+            100,
+            Layout::Unified {
+                max_streaming: Some(2),
+            },
+        );
+        p.insert(AdapterId(1), 1, 0).unwrap();
+        p.insert(AdapterId(2), 1, 0).unwrap();
+        assert_eq!(p.insert(AdapterId(3), 1, 0), Err(PoolError::Streaming(2)));
+        assert!(p.mark_landed(AdapterId(1)) && !p.mark_landed(AdapterId(1)));
+        p.insert(AdapterId(3), 1, 0).unwrap();
+        for id in [2, 3] {
+            p.mark_landed(AdapterId(id));
+        }
+        for id in 4..10 {
+            p.insert(AdapterId(id), 1, 0).unwrap();
+            p.mark_landed(AdapterId(id));
+        }
+        assert_eq!(
+            p.counts(),
+            Counts {
+                adapters: 9,
+                streaming: 0
+            }
+        );
+        p.insert(AdapterId(10), 1, 0).unwrap();
+        assert_eq!(p.remove(AdapterId(10)), Some(1));
+        assert_eq!(
+            p.counts().streaming,
+            0,
+            "removing a streaming adapter frees its slot"
+        );
+    }
+
     proptest! {
-        /// Whatever sequence of KV reservations, inserts and removals: KV plus adapters never
-        /// exceed the pool, and a refused insert changes nothing.
+        /// Whatever sequence of KV reservations, inserts, landings and removals: KV plus
+        /// adapters never exceed the pool, no more than `max_streaming` adapters stream at
+        /// once, the streaming count is that of the adapters held, and a refused insert
+        /// changes nothing.
         #[test]
         fn never_over_commits(
             total in 1usize..64,
-            ops in proptest::collection::vec((0u8..3, 0u32..8, 1usize..20), 1..80),
+            ops in proptest::collection::vec((0u8..4, 0u32..12, 1usize..20), 1..120),
         ) {
-            let mut p = PagePool::new(1, total, Layout::Unified { max_adapters: Some(5) });
+            let mut p = PagePool::new(1, total, Layout::Unified { max_streaming: Some(5) });
             let mut kv = 0usize;
             for (op, id, n) in ops {
                 match op {
                     0 => {
-                        let before = (p.adapter_pages(), p.adapter_count());
+                        let before = (p.adapter_pages(), p.counts());
                         if p.insert(AdapterId(id), n, kv).is_err() {
-                            prop_assert_eq!(before, (p.adapter_pages(), p.adapter_count()));
+                            prop_assert_eq!(before, (p.adapter_pages(), p.counts()));
                         }
                     }
                     1 => { p.remove(AdapterId(id)); }
+                    2 => { p.mark_landed(AdapterId(id)); }
                     _ => {
                         // The scheduler reserves KV only within kv_capacity.
                         if kv + n <= p.kv_capacity() { kv += n } else { kv = kv.saturating_sub(n) }
                     }
                 }
                 prop_assert!(kv + p.adapter_pages() <= p.total());
-                prop_assert!(p.adapter_count() <= 5);
+                prop_assert!(p.counts().streaming <= 5);
+                let streaming = (0..12).filter(|&i| p.is_streaming(AdapterId(i))).count();
+                prop_assert_eq!(p.counts().streaming, streaming);
             }
         }
     }

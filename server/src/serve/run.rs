@@ -176,8 +176,9 @@ impl Server {
                     total_pages: num_blocks,
                     policy: cold_cfg.adapter_eviction,
                     max_loras: cold_cfg.max_loras,
-                    // The workers' host store has an entry per registered adapter.
-                    max_device_adapters: engine.pool().map(|_| cold_cfg.max_cpu_loras),
+                    // The workers' host store holds an adapter while it streams (sized for
+                    // --max-cpu-loras of them); once landed it stays on the device without.
+                    max_streaming_adapters: engine.pool().map(|_| cold_cfg.max_cpu_loras),
                     host_max_adapters: cold_cfg.max_cpu_loras,
                     host_max_bytes: cold_cfg.max_cpu_lora_bytes,
                 };
