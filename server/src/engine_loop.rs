@@ -588,7 +588,7 @@ impl Loop {
     /// A disk read finished: into the host tier, or every waiting request for it fails with
     /// the reason.
     fn on_fetched(&mut self, id: AdapterId, r: FetchResult) {
-        let wanted = self.wanted();
+        let wanted = self.state.waiting_adapters();
         match r {
             Ok((adapter, secs)) => {
                 self.metrics.adapter_load.observe(secs);
@@ -616,27 +616,13 @@ impl Loop {
         }
     }
 
-    /// Adapters of waiting requests.
-    fn wanted(&self) -> HashSet<AdapterId> {
-        self.state
-            .waiting
-            .iter()
-            .filter_map(|s| s.adapter)
-            .collect()
-    }
-
     /// The `no-cache` baseline after a step whose requests finished: their adapters leave the
     /// device now, unless a running request uses them or a waiting one wants them (all waiting
     /// requests here; the next plan trims to admission's view), so none stays cached while the
     /// server sits idle.
     fn drop_idle(&mut self) {
-        let in_use: HashSet<AdapterId> = self
-            .state
-            .running
-            .iter()
-            .filter_map(|s| s.adapter)
-            .collect();
-        let wanted = self.wanted();
+        let in_use = self.state.running_adapters();
+        let wanted = self.state.waiting_adapters();
         let on_device = self.mem.pool().adapters().map(|(a, _)| a);
         let evict = crate::memory::nocache::idle_drops(on_device, &in_use, &wanted);
         if !evict.is_empty() {
@@ -716,7 +702,7 @@ impl Loop {
     fn step(&mut self) -> bool {
         let engine = &self.engine;
         self.mem.refresh_landed(|id| engine.adapter_landed(id));
-        let wanted = self.wanted();
+        let wanted = self.state.waiting_adapters();
         let cost = &self.cold.cost;
         let reload = |tier: Tier, bytes: u64| cost.load_time_from(tier, bytes, 0);
         let kv_now = self.mem.pool().kv_capacity();

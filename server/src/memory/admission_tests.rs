@@ -105,12 +105,7 @@ impl Sim {
             view,
             &self.lim,
         );
-        let leased: HashSet<AdapterId> = self
-            .state
-            .running
-            .iter()
-            .filter_map(|s| s.adapter)
-            .collect();
+        let leased = self.state.running_adapters();
         for v in &plan.evict {
             prop_assert!(!leased.contains(v), "evicted leased adapter {v}");
             prop_assert!(
@@ -153,12 +148,7 @@ impl Sim {
             self.state.reserved_blocks + self.pool.adapter_pages() <= self.pool.total(),
             "device memory over-committed"
         );
-        let batch: HashSet<AdapterId> = self
-            .state
-            .running
-            .iter()
-            .filter_map(|s| s.adapter)
-            .collect();
+        let batch = self.state.running_adapters();
         prop_assert!(
             batch.len() <= self.lim.max_loras,
             "too many adapters in the batch"
@@ -171,7 +161,7 @@ impl Sim {
             self.last_used.insert(*a, t);
         }
         if !self.lim.keep_idle {
-            let wanted = self.wanted();
+            let wanted = self.state.waiting_adapters();
             for (a, _) in self.pool.adapters() {
                 prop_assert!(
                     batch.contains(&a) || wanted.contains(&a),
@@ -194,14 +184,10 @@ impl Sim {
         self.state.on_step(&planned, &sampled, &finished, &self.cfg);
         if !self.lim.keep_idle && !finished.is_empty() {
             // As the engine loop does after a step whose requests finished.
-            let running: HashSet<AdapterId> = self
-                .state
-                .running
-                .iter()
-                .filter_map(|s| s.adapter)
-                .collect();
+            let running = self.state.running_adapters();
             let on_device: Vec<AdapterId> = self.pool.adapters().map(|(a, _)| a).collect();
-            for v in super::nocache::idle_drops(on_device, &running, &self.wanted()) {
+            for v in super::nocache::idle_drops(on_device, &running, &self.state.waiting_adapters())
+            {
                 self.pool.remove(v);
                 self.adapters.get_mut(&v).unwrap().device = Device::Absent;
                 self.landing.remove(&v);
@@ -226,15 +212,6 @@ impl Sim {
         });
         let head = plan.head.and_then(|h| h.bound_steps.map(|b| (h.seq, b)));
         Ok((d.admit, head))
-    }
-
-    /// Adapters of waiting requests.
-    fn wanted(&self) -> HashSet<AdapterId> {
-        self.state
-            .waiting
-            .iter()
-            .filter_map(|s| s.adapter)
-            .collect()
     }
 
     /// Runs `reqs` to the end; returns each request's admission step. Checks that a head

@@ -1,5 +1,5 @@
 //! What the scheduler knows about each request: lengths, progress and KV reservation.
-use std::collections::VecDeque;
+use std::collections::{HashSet, VecDeque};
 
 use thaw_runtime::ids::{AdapterId, SeqId};
 
@@ -81,6 +81,16 @@ pub struct SchedState {
 }
 
 impl SchedState {
+    /// Adapters the running requests use (leased: never evicted).
+    pub fn running_adapters(&self) -> HashSet<AdapterId> {
+        self.running.iter().filter_map(|s| s.adapter).collect()
+    }
+
+    /// Adapters the waiting requests want.
+    pub fn waiting_adapters(&self) -> HashSet<AdapterId> {
+        self.waiting.iter().filter_map(|s| s.adapter).collect()
+    }
+
     /// Gives back the queues' room beyond `keep` entries when both are empty: a burst that
     /// filled the bounded queue (`--max-queued-requests`) must not leave its peak resident.
     pub fn shrink_idle(&mut self, keep: usize) {
