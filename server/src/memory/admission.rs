@@ -326,13 +326,18 @@ impl<'a> Work<'a> {
         }
     }
 
+    /// Drops `v` from the device in this plan.
+    fn evict(&mut self, v: AdapterId, plan: &mut AdmitPlan) {
+        self.adapter_pages -= self.pages(v);
+        self.counts = self.counts.minus_one(self.streaming(v));
+        self.evicted.insert(v);
+        self.loaded.remove(&v);
+        plan.evict.push(v);
+    }
+
     fn commit(&mut self, s: &SeqState, n: Need, plan: &mut AdmitPlan) {
         for v in n.evict {
-            self.adapter_pages -= self.pages(v);
-            self.counts = self.counts.minus_one(self.streaming(v));
-            self.evicted.insert(v);
-            self.loaded.remove(&v);
-            plan.evict.push(v);
+            self.evict(v, plan);
         }
         if let Some((a, p)) = n.load {
             self.adapter_pages += p;
@@ -538,10 +543,7 @@ pub fn admit<'a>(
         let on_device = view.pool.adapters().map(|(a, _)| a);
         let on_device: Vec<AdapterId> = on_device.filter(|a| w.on_device(*a)).collect();
         for v in super::nocache::idle_drops(on_device, &in_use, &wanted) {
-            w.adapter_pages -= w.pages(v);
-            w.counts = w.counts.minus_one(w.streaming(v));
-            w.evicted.insert(v);
-            plan.evict.push(v);
+            w.evict(v, &mut plan);
         }
     }
     plan.kv_capacity = view.pool.kv_capacity_with(w.adapter_pages);
