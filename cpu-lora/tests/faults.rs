@@ -47,24 +47,31 @@ fn pid_alive(pid: u32) -> bool {
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), None).is_ok()
 }
 
-/// Runs a few normal steps and checks worker `w` took part in them and computed correctly.
+/// Runs normal steps, each checked against the oracle, until worker `w` has computed rows in
+/// one of them (at least 5 steps, at most 40) and fails if it never does. Not "in every step":
+/// on a loaded 2-core machine a respawned worker's first measurements can be pessimistic (it
+/// was preempted while timing itself) and the planner rightly gives it no rows until
+/// `Profile::forgive` (×0.7 for each step it sat idle with rows to spare) brings it back; 40
+/// steps forgive a 10⁶× misestimate.
 fn serves_again(f: &mut Fixture, w: WorkerId) {
     f.pool.wait_ready(Duration::from_secs(20)).unwrap();
     let info = f.pool.workers().nth(w.0 as usize).unwrap();
     assert_eq!(info.state, SlotState::Ready);
     assert!(info.restarts >= 1);
-    for _ in 0..5 {
+    let mut served = 0;
+    for step in 0..40 {
         let x = f.fill_input(0, 0..48, 256);
         let job = big_job(f);
         let t = f.pool.submit(std::slice::from_ref(&job)).unwrap();
         let rep = f.pool.wait(t, Fixture::deadline()).unwrap();
         assert_eq!(rep.rows_recovered, 0);
-        assert!(
-            rep.workers.contains(w),
-            "respawned worker {w:?} got no rows"
-        );
         f.check_job(1, &job, &x);
+        served += usize::from(rep.workers.contains(w));
+        if served > 0 && step >= 4 {
+            return;
+        }
     }
+    panic!("respawned worker {w:?} got no rows in 40 steps");
 }
 
 fn kill_mid_job(wait: WaitStrategy) {
