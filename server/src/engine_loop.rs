@@ -89,6 +89,8 @@ pub struct LoopStats {
     pub kv_used_blocks: AtomicUsize,
     pub kv_total_blocks: AtomicUsize,
     pub steps: AtomicU64,
+    /// Nanoseconds the engine thread slept to pad steps to `--emulated-step-time`.
+    pub emulated_pad_ns: AtomicU64,
     pub alive: AtomicBool,
     /// Row·modules whose LoRA delta CPU assist computed.
     pub cpu_assisted_rows: AtomicU64,
@@ -126,6 +128,8 @@ pub struct LoopConfig {
     pub memory: MemoryConfig,
     pub limits: Limits,
     pub scheduling: Scheduling,
+    /// `--emulated-step-time`: the floor each step is padded to (None: off).
+    pub emulated_step: Option<crate::emulated_step::StepFloor>,
     /// `--dump-cost-model PATH`: log every step and first token to `PATH.steps.jsonl`.
     pub step_log: Option<std::path::PathBuf>,
 }
@@ -294,6 +298,8 @@ struct Loop {
     /// When the CPU LoRA workers were last supervised ([`WORKER_CHECK`]).
     tended: Instant,
     step_log: Option<crate::perf::StepLog>,
+    /// `--emulated-step-time` (None: off).
+    emulated_step: Option<crate::emulated_step::StepFloor>,
     /// The sequences the current step computes ([`Self::classify_waits`]' working set, kept
     /// so that a step does not allocate it).
     stepped: HashSet<SeqId>,
@@ -344,6 +350,7 @@ impl Loop {
             engine,
             sched,
             auto_kernel: cfg.scheduling.auto_kernel,
+            emulated_step: cfg.emulated_step,
             cfg: cfg.sched,
             cold: cfg.cold,
             limits: cfg.limits,
@@ -813,6 +820,18 @@ impl Loop {
                 return true;
             }
         };
+        if let Some(f) = &self.emulated_step {
+            // The emulated device: the engine thread sleeps the rest of the GPU's step time
+            // (the link's copies, the HTTP side and the CPU workers run meanwhile), so the
+            // performance model below learns the padded time.
+            let pad = f.pad(&shape, decode_ctx, started.elapsed());
+            if !pad.is_zero() {
+                std::thread::sleep(pad);
+                self.stats
+                    .emulated_pad_ns
+                    .fetch_add(pad.as_nanos() as u64, Ordering::Relaxed);
+            }
+        }
         let elapsed = started.elapsed();
         self.last_step_end = Some(started + elapsed);
         self.prev_step_end = self.last_step_end;

@@ -8,6 +8,7 @@ pub mod chat;
 pub mod coldstart;
 pub mod demo;
 pub mod deploy;
+pub mod emulated_step;
 pub mod engine_loop;
 pub mod error;
 pub mod gen;

@@ -132,7 +132,7 @@ pub async fn metrics(State(state): State<Arc<AppState>>) -> Response {
         .filter(|a| a.tier == crate::registry::Tier::Device)
         .collect();
     let heap = crate::serve::idle_trim::heap_stats();
-    let gauges: [(&str, &str, f64); 12] = [
+    let gauges: [(&str, &str, f64); 13] = [
         (
             "thaw_num_requests_waiting",
             "Requests queued, not yet admitted.",
@@ -165,6 +165,11 @@ pub async fn metrics(State(state): State<Arc<AppState>>) -> Response {
             "thaw_engine_steps_total",
             "Engine steps run.",
             s.steps.load(Ordering::Relaxed) as f64,
+        ),
+        (
+            "thaw_emulated_step_padding_seconds_total",
+            "Seconds the engine thread slept to pad steps to --emulated-step-time (bench-only).",
+            s.emulated_pad_ns.load(Ordering::Relaxed) as f64 / 1e9,
         ),
         (
             "thaw_cpu_assisted_rows_total",

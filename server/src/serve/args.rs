@@ -112,6 +112,11 @@ pub struct ServeArgs {
     /// Latency of each transfer (one per layer) on the emulated link, microseconds [default: 10].
     #[arg(long, value_name = "US")]
     pub emulated_link_latency_us: Option<f64>,
+    /// Bench-only: a step never returns before the time a GPU would take for its shape,
+    /// `base_ms=…,per_seq_ms=…,per_prefill_token_ms=…,per_ctx_token_ms=…` or `llama7b-a100`
+    /// (Punica's Figure 1); the engine thread sleeps the rest [default: off].
+    #[arg(long, value_name = "FLOOR", hide = true)]
+    pub emulated_step_time: Option<crate::emulated_step::StepFloor>,
     /// CPU LoRA worker processes for cold adapters, each pinned to its own core (0 = compute on
     /// the engine thread) [default: min(4, cores − 1)].
     #[arg(long)]
@@ -277,6 +282,7 @@ impl ServeArgs {
                 .emulated_link_latency_us
                 .or(f.emulated_link_latency_us)
                 .unwrap_or(d.emulated_link_latency_us),
+            emulated_step_time: self.emulated_step_time,
             lora_workers: self
                 .lora_workers
                 .or(f.lora_workers)
@@ -380,6 +386,39 @@ mod tests {
             ..Default::default()
         };
         assert!(bad.resolve().is_err());
+    }
+
+    #[test]
+    fn emulated_step_time_is_off_by_default_and_parsed_with_clear_errors() {
+        use clap::Parser;
+        #[derive(Parser)]
+        struct Cli {
+            #[command(flatten)]
+            serve: ServeArgs,
+        }
+        assert_eq!(
+            ServeArgs::default().resolve().unwrap().emulated_step_time,
+            None
+        );
+        let cli =
+            Cli::try_parse_from(["thaw", "--emulated-step-time", "base_ms=11,per_seq_ms=0.5"])
+                .unwrap();
+        let f = cli.serve.resolve().unwrap().emulated_step_time.unwrap();
+        assert_eq!(
+            (f.base_ms, f.per_seq_ms, f.per_prefill_token_ms),
+            (11.0, 0.5, 0.0)
+        );
+        for (bad, says) in [
+            ("base_ms=-2", "non-negative"),
+            ("base_ms=nan", "non-negative"),
+            ("step_ms=3", "unknown key"),
+        ] {
+            let e = Cli::try_parse_from(["thaw", "--emulated-step-time", bad])
+                .err()
+                .unwrap()
+                .to_string();
+            assert!(e.contains(says), "{bad}: {e}");
+        }
     }
 
     #[test]

@@ -54,6 +54,9 @@ pub struct ServeConfig {
     pub admission_bypass: bool,
     pub emulated_link_gbps: f64,
     pub emulated_link_latency_us: f64,
+    /// `--emulated-step-time`: a step never returns before this floor of its shape (bench-only;
+    /// None: off).
+    pub emulated_step_time: Option<crate::emulated_step::StepFloor>,
     pub lora_workers: usize,
     /// Where to write the fitted cost model (JSON) every few seconds and at shutdown.
     pub dump_cost_model: Option<PathBuf>,
@@ -101,6 +104,7 @@ impl Default for ServeConfig {
             admission_bypass: true,
             emulated_link_gbps: 25.0,
             emulated_link_latency_us: 10.0,
+            emulated_step_time: None,
             lora_workers: default_lora_workers(),
             dump_cost_model: None,
             api_keys: Vec::new(),

@@ -212,6 +212,7 @@ impl Server {
                             tpot_slo_s: cold_cfg.tpot_slo_ms.map(|ms| ms / 1e3),
                             auto_kernel: cold_cfg.lora_kernel == "auto",
                         },
+                        emulated_step: cold_cfg.emulated_step_time,
                         step_log: cold_cfg
                             .dump_cost_model
                             .as_deref()
