@@ -268,6 +268,9 @@ pub fn run(args: &SchedulingArgs) -> anyhow::Result<String> {
                             || l.starts_with("thaw_perf")
                             || l.starts_with("thaw_request_wait_seconds_sum")
                             || l.starts_with("thaw_request_wait_seconds_count")
+                            // With --emulated-step-time: steps run and seconds padded.
+                            || l.starts_with("thaw_engine_steps_total")
+                            || l.starts_with("thaw_emulated_step_padding_seconds_total")
                     })
                     .map(str::to_string)
                     .collect();
