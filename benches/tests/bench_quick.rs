@@ -293,14 +293,20 @@ fn cache_quick_compares_the_eviction_policies() {
         assert_eq!(s["sent"], 12);
         // Every request's record is kept (the pooled P99 and the tail analysis read them).
         assert_eq!(r["records"].as_array().map(Vec::len), Some(12), "{r}");
-        assert_eq!(
-            s["completed"].as_u64().unwrap() + s["failed"].as_u64().unwrap(),
-            12
-        );
+        let completed = s["completed"].as_u64().unwrap();
+        assert_eq!(completed + s["failed"].as_u64().unwrap(), 12);
+        // A request fixed-slots refuses (429: every slot held by a running request, which
+        // happens when requests overlap, as on a loaded machine) never reaches the adapter
+        // cache; every admitted request looked its adapter up once.
+        for rec in r["records"].as_array().unwrap() {
+            if let Some(e) = rec["error"].as_str() {
+                assert!(e.starts_with("HTTP 429"), "only 429 refusals fail: {rec}");
+            }
+        }
         let lookups = r["hits"].as_f64().unwrap() + r["misses"].as_f64().unwrap();
         assert_eq!(
-            lookups, 12.0,
-            "every request looked its adapter up once: {r}"
+            lookups, completed as f64,
+            "every admitted request looked its adapter up once: {r}"
         );
     }
     // The pool never refuses, with or without a cache; only the fixed-slots baseline may.

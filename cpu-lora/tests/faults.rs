@@ -7,7 +7,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use common::*;
-use thaw_cpu_lora::{LoraJob, PoolConfig, SlotState};
+use thaw_cpu_lora::{LoraJob, PoolConfig, SlotState, Ticket};
 use thaw_ipc::*;
 
 fn fault_config(dir: &Path, wait: WaitStrategy) -> PoolConfig {
@@ -74,13 +74,31 @@ fn serves_again(f: &mut Fixture, w: WorkerId) {
     panic!("respawned worker {w:?} got no rows in 40 steps");
 }
 
+/// Fills input 0 and submits [`big_job`] until worker `w` is assigned rows (at most 40
+/// steps), completing and checking against the oracle each step where it got none; returns
+/// the step in flight, its input and job. Each fault below needs `w` to take part in the step:
+/// the split is profile-guided, and on a loaded machine `w`'s start-up calibration (a few
+/// microseconds of work, so one preemption makes it look many times slower) can give it no
+/// rows until `Profile::forgive` brings it back — the same as for a respawned worker.
+fn submit_with_rows_for(f: &mut Fixture, w: WorkerId) -> (Ticket, Vec<f32>, LoraJob) {
+    for _ in 0..40 {
+        let x = f.fill_input(0, 0..48, 256);
+        let job = big_job(f);
+        let t = f.pool.submit(std::slice::from_ref(&job)).unwrap();
+        if f.pool.last_assignments().iter().any(|a| a.worker == w) {
+            return (t, x, job);
+        }
+        f.pool.wait(t, Fixture::deadline()).unwrap();
+        f.check_job(1, &job, &x);
+    }
+    panic!("worker {w:?} got no rows in 40 steps");
+}
+
 fn kill_mid_job(wait: WaitStrategy) {
     let dir = tempfile::tempdir().unwrap();
     let mut f = Fixture::new(fault_config(dir.path(), wait), &standard_specs(), 21);
-    let x = f.fill_input(0, 0..48, 256);
-    let job = big_job(&f);
     std::fs::write(dir.path().join("stall-0"), b"").unwrap();
-    let t = f.pool.submit(std::slice::from_ref(&job)).unwrap();
+    let (t, x, job) = submit_with_rows_for(&mut f, WorkerId(0));
     // Worker 0 has written part of its Δ and stopped before reporting: kill -9 it there.
     let pid = stalled_pid(dir.path(), 0);
     assert_eq!(f.pool.workers().next().unwrap().pid, Some(pid));
@@ -108,11 +126,9 @@ fn stuck_worker_by_heartbeat(wait: WaitStrategy) {
         ..fault_config(dir.path(), wait)
     };
     let mut f = Fixture::new(cfg, &standard_specs(), 22);
-    let x = f.fill_input(0, 0..48, 256);
-    let job = big_job(&f);
     std::fs::write(dir.path().join("stall-1"), b"").unwrap();
+    let (t, x, job) = submit_with_rows_for(&mut f, WorkerId(1));
     let t0 = Instant::now();
-    let t = f.pool.submit(std::slice::from_ref(&job)).unwrap();
     let rep = f
         .pool
         .wait(t, Instant::now() + Duration::from_secs(60))
@@ -130,10 +146,8 @@ fn stuck_worker_by_heartbeat(wait: WaitStrategy) {
 fn stuck_worker_by_deadline(wait: WaitStrategy) {
     let dir = tempfile::tempdir().unwrap();
     let mut f = Fixture::new(fault_config(dir.path(), wait), &standard_specs(), 23);
-    let x = f.fill_input(0, 0..48, 256);
-    let job = big_job(&f);
     std::fs::write(dir.path().join("stall-0"), b"").unwrap();
-    let t = f.pool.submit(std::slice::from_ref(&job)).unwrap();
+    let (t, x, job) = submit_with_rows_for(&mut f, WorkerId(0));
     let rep = f
         .pool
         .wait(t, Instant::now() + Duration::from_millis(100))

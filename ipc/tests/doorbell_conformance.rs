@@ -278,18 +278,26 @@ fn parked_waiter_is_woken(s: WaitStrategy) {
         let out = port.wait_step(s, Some(Instant::now() + Duration::from_secs(20)));
         (out, Instant::now())
     });
-    thread::sleep(Duration::from_millis(150));
-    let sleepers = ex
-        .segment()
-        .atomic_u32(ex.layout().sleepers)
-        .load(Ordering::SeqCst);
+    let sleepers = || {
+        ex.segment()
+            .atomic_u32(ex.layout().sleepers)
+            .load(Ordering::SeqCst)
+    };
     if s.parks() {
-        assert_eq!(
-            sleepers, 1,
-            "an idle, unarmed waiter should be parked in the futex"
-        );
+        // Parks after its spins: wait for it (on a loaded machine the waiter thread may not
+        // run for a while) rather than look once after a fixed sleep.
+        let until = Instant::now() + Duration::from_secs(20);
+        while sleepers() != 1 {
+            assert!(
+                Instant::now() < until,
+                "an idle, unarmed waiter should be parked in the futex (sleepers {})",
+                sleepers()
+            );
+            thread::sleep(Duration::from_millis(1));
+        }
     } else {
-        assert_eq!(sleepers, 0, "a spinning waiter never parks");
+        thread::sleep(Duration::from_millis(150));
+        assert_eq!(sleepers(), 0, "a spinning waiter never parks");
     }
     ex.set_jobs(&[]).unwrap();
     let rung = Instant::now();

@@ -306,7 +306,11 @@ fn concurrent_writer_and_readers_never_see_torn_adapters() {
     let mut mine: Vec<AdapterHandle> = Vec::new();
     let start = std::time::Instant::now();
     for generation in 0u64.. {
-        if generation >= 3000 && start.elapsed() > Duration::from_millis(500) {
+        // Enough churn, and the readers verified enough views while it went on (they may get
+        // little CPU on a loaded machine: keep writing until they did, up to a minute).
+        let enough =
+            verified.load(Ordering::Relaxed) > 100 || start.elapsed() > Duration::from_secs(60);
+        if generation >= 3000 && start.elapsed() > Duration::from_millis(500) && enough {
             break;
         }
         if mine.len() > 6 || (!mine.is_empty() && rng.random_bool(0.4)) {

@@ -6,10 +6,11 @@ file runs in a few seconds.
 import json
 import os
 import pathlib
+import queue
 import shutil
-import socket
 import subprocess
 import sys
+import threading
 import time
 
 import openai
@@ -20,10 +21,32 @@ THAW = os.environ.get("THAW_BIN", str(ROOT / "target" / "release" / "thaw"))
 API_KEY = "sk-thaw-test"
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def banner_port(proc, within=60):
+    """The port `thaw serve --port 0` bound, from its banner (`... on http://127.0.0.1:PORT ...`).
+
+    Asking the kernel for a free port and passing it on would race: another process on a busy
+    CI machine can take it between the probe and the server's bind. A thread reads stdout to
+    its end, so the server never blocks on a full pipe.
+    """
+    lines = queue.Queue()
+
+    def pump():
+        for raw in proc.stdout:
+            lines.put(raw.decode(errors="replace"))
+        lines.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    deadline = time.time() + within
+    while True:
+        left = deadline - time.time()
+        assert left > 0, f"thaw serve printed no banner within {within} s"
+        try:
+            line = lines.get(timeout=left)
+        except queue.Empty:
+            continue
+        assert line is not None, "thaw serve exited before its banner"
+        if "http://" in line:
+            return int(line.split("http://", 1)[1].split()[0].rsplit(":", 1)[1])
 
 
 @pytest.fixture(scope="module")
@@ -33,14 +56,14 @@ def server(tmp_path_factory):
     subprocess.run([THAW, "gen-model", "--preset", "tiny", "--out", model], check=True)
     subprocess.run([THAW, "gen-adapters", "--model", model, "--count", "2", "--ranks", "8,16",
                     "--out", adapters], check=True)
-    port = free_port()
     # Runtime adapter loading is off by default and confined to --lora-root when on; every
     # /v1 route needs the key (the client sends it as a bearer token).
     proc = subprocess.Popen([THAW, "serve", "--model", model, "--lora-dir", adapters,
-                             "--served-model-name", "tiny", "--port", str(port),
+                             "--served-model-name", "tiny", "--port", "0",
                              "--shutdown-timeout", "5", "--api-key", API_KEY,
                              "--allow-runtime-lora-updating", "--lora-root", tmp],
                             stdout=subprocess.PIPE, stderr=sys.stderr)
+    port = banner_port(proc)
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=API_KEY, max_retries=0)
     deadline = time.time() + 60
     while True:
