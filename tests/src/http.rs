@@ -275,6 +275,35 @@ pub fn post(addr: SocketAddr, path: &str, body: &Value) -> HttpResponse {
     request(addr, "POST", path, Some(&body.to_string()))
 }
 
+/// Sends one request to an in-process router (no socket) and returns its status and body.
+pub async fn call_router(
+    app: &axum::Router,
+    method: &str,
+    path: &str,
+    body: Option<String>,
+) -> (u16, String) {
+    use tower::ServiceExt;
+    let req = axum::http::Request::builder()
+        .method(method)
+        .uri(path)
+        .header("content-type", "application/json")
+        .body(
+            body.map(axum::body::Body::from)
+                .unwrap_or_else(axum::body::Body::empty),
+        )
+        .expect("a valid request");
+    let resp = app
+        .clone()
+        .oneshot(req)
+        .await
+        .expect("the router is infallible");
+    let status = resp.status().as_u16();
+    let bytes = axum::body::to_bytes(resp.into_body(), usize::MAX)
+        .await
+        .expect("the body is read");
+    (status, String::from_utf8_lossy(&bytes).into_owned())
+}
+
 /// The value of an unlabelled sample in Prometheus text.
 pub fn metric(text: &str, name: &str) -> Option<f64> {
     text.lines()

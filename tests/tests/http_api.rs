@@ -2,8 +2,6 @@
 //! issue lists, and tokens through HTTP against the engine driven directly.
 use std::sync::atomic::Ordering;
 
-use axum::body::Body;
-use axum::http::Request;
 use axum::Router;
 use serde_json::{json, Value};
 use thaw_runtime::engine::{HostModel, SequenceParams};
@@ -11,9 +9,8 @@ use thaw_runtime::ids::SeqId;
 use thaw_runtime::model::Tokenizer;
 use thaw_runtime::sampling::SamplingParams;
 use thaw_server::serve::Server;
-use thaw_tests::http::{edit_adapter_config, sse_data, ServeFixture};
+use thaw_tests::http::{call_router, edit_adapter_config, sse_data, ServeFixture};
 use thaw_tests::step_all_pending;
-use tower::ServiceExt;
 
 struct Resp {
     status: u16,
@@ -37,21 +34,8 @@ impl Resp {
 }
 
 async fn call(app: &Router, method: &str, path: &str, body: Option<String>) -> Resp {
-    let req = Request::builder()
-        .method(method)
-        .uri(path)
-        .header("content-type", "application/json")
-        .body(body.map(Body::from).unwrap_or_else(Body::empty))
-        .unwrap();
-    let resp = app.clone().oneshot(req).await.unwrap();
-    let status = resp.status().as_u16();
-    let bytes = axum::body::to_bytes(resp.into_body(), usize::MAX)
-        .await
-        .unwrap();
-    Resp {
-        status,
-        body: String::from_utf8_lossy(&bytes).into_owned(),
-    }
+    let (status, body) = call_router(app, method, path, body).await;
+    Resp { status, body }
 }
 
 async fn post(app: &Router, path: &str, body: Value) -> Resp {

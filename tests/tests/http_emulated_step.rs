@@ -2,28 +2,14 @@
 //! changes no token — greedy outputs per request are the same with and without it.
 use std::time::{Duration, Instant};
 
-use axum::body::Body;
-use axum::http::Request;
 use axum::Router;
 use serde_json::{json, Value};
 use thaw_server::emulated_step::StepFloor;
 use thaw_server::serve::Server;
-use thaw_tests::http::{metric, ServeFixture};
-use tower::ServiceExt;
+use thaw_tests::http::{call_router, metric, ServeFixture};
 
 async fn call(app: &Router, method: &str, path: &str, body: Option<String>) -> String {
-    let req = Request::builder()
-        .method(method)
-        .uri(path)
-        .header("content-type", "application/json")
-        .body(body.map(Body::from).unwrap_or_else(Body::empty))
-        .unwrap();
-    let resp = app.clone().oneshot(req).await.unwrap();
-    let status = resp.status().as_u16();
-    let bytes = axum::body::to_bytes(resp.into_body(), usize::MAX)
-        .await
-        .unwrap();
-    let text = String::from_utf8_lossy(&bytes).into_owned();
+    let (status, text) = call_router(app, method, path, body).await;
     assert_eq!(status, 200, "{path}: {text}");
     text
 }

@@ -1,28 +1,14 @@
 //! Huge prompts (issue 13): a prompt whose byte length proves it cannot fit the context is
 //! refused with vLLM's 400 before any tokenising, a body over the limit gets 413, and neither
 //! holds up a normal request sent beside it.
-use axum::body::Body;
-use axum::http::Request;
 use axum::Router;
 use serde_json::{json, Value};
 use thaw_server::serve::{ServeConfig, Server};
-use thaw_tests::http::ServeFixture;
-use tower::ServiceExt;
+use thaw_tests::http::{call_router, ServeFixture};
 
 async fn post(app: &Router, path: &str, body: String) -> (u16, Value) {
-    let req = Request::builder()
-        .method("POST")
-        .uri(path)
-        .header("content-type", "application/json")
-        .body(Body::from(body))
-        .unwrap();
-    let resp = app.clone().oneshot(req).await.unwrap();
-    let status = resp.status().as_u16();
-    let bytes = axum::body::to_bytes(resp.into_body(), usize::MAX)
-        .await
-        .unwrap();
-    let v = serde_json::from_slice(&bytes)
-        .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&bytes)));
+    let (status, text) = call_router(app, "POST", path, Some(body)).await;
+    let v = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"));
     (status, v)
 }
 

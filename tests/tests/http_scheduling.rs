@@ -2,29 +2,10 @@
 //! changes what a request generates — greedy tokens per request are the same under `sjf`,
 //! `priority` and `mlq` as under `fcfs` (batches differ, rows do not interact). Under `mlq`
 //! /metrics shows the queues and the predictor.
-use axum::body::Body;
-use axum::http::Request;
-use axum::Router;
 use serde_json::{json, Value};
 use thaw_server::scheduler::SchedulingPolicy;
 use thaw_server::serve::Server;
-use thaw_tests::http::{metric, ServeFixture};
-use tower::ServiceExt;
-
-async fn call(app: &Router, method: &str, path: &str, body: Option<String>) -> (u16, String) {
-    let req = Request::builder()
-        .method(method)
-        .uri(path)
-        .header("content-type", "application/json")
-        .body(body.map(Body::from).unwrap_or_else(Body::empty))
-        .unwrap();
-    let resp = app.clone().oneshot(req).await.unwrap();
-    let status = resp.status().as_u16();
-    let bytes = axum::body::to_bytes(resp.into_body(), usize::MAX)
-        .await
-        .unwrap();
-    (status, String::from_utf8_lossy(&bytes).into_owned())
-}
+use thaw_tests::http::{call_router as call, metric, ServeFixture};
 
 /// A mixed burst: short and long outputs, base and three ranks, assorted priorities.
 fn requests(fx: &ServeFixture) -> Vec<Value> {
