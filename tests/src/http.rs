@@ -304,6 +304,33 @@ pub async fn call_router(
     (status, String::from_utf8_lossy(&bytes).into_owned())
 }
 
+/// Sends every body to `/v1/completions` of an in-process router at once and returns each
+/// response's first choice text, in the bodies' order; every response must be a 200.
+pub async fn complete_all(app: &axum::Router, bodies: Vec<Value>) -> Vec<String> {
+    let handles: Vec<_> = bodies
+        .into_iter()
+        .map(|body| {
+            let app = app.clone();
+            tokio::spawn(async move {
+                call_router(&app, "POST", "/v1/completions", Some(body.to_string())).await
+            })
+        })
+        .collect();
+    let mut texts = Vec::with_capacity(handles.len());
+    for h in handles {
+        let (status, body) = h.await.expect("the request task ran");
+        assert_eq!(status, 200, "/v1/completions: {body}");
+        let v: Value = serde_json::from_str(&body).expect("a JSON body");
+        texts.push(
+            v["choices"][0]["text"]
+                .as_str()
+                .expect("a choice text")
+                .to_string(),
+        );
+    }
+    texts
+}
+
 /// The value of an unlabelled sample in Prometheus text.
 pub fn metric(text: &str, name: &str) -> Option<f64> {
     text.lines()

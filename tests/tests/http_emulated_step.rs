@@ -3,10 +3,10 @@
 use std::time::{Duration, Instant};
 
 use axum::Router;
-use serde_json::{json, Value};
+use serde_json::json;
 use thaw_server::emulated_step::StepFloor;
 use thaw_server::serve::Server;
-use thaw_tests::http::{call_router, metric, ServeFixture};
+use thaw_tests::http::{call_router, complete_all, metric, ServeFixture};
 
 async fn call(app: &Router, method: &str, path: &str, body: Option<String>) -> String {
     let (status, text) = call_router(app, method, path, body).await;
@@ -24,25 +24,17 @@ async fn run(fx: &ServeFixture, floor: Option<StepFloor>) -> (Vec<String>, f64, 
     let before = call(&app, "GET", "/metrics", None).await;
     let steps_before = metric(&before, "thaw_engine_steps_total").unwrap();
     let started = Instant::now();
-    let handles: Vec<_> = (0..12usize)
+    let bodies = (0..12usize)
         .map(|i| {
             let model = match i % 3 {
                 0 => "base".to_string(),
                 k => fx.adapters[k - 1].0.clone(),
             };
-            let body = json!({"model": model, "prompt": format!("the quick fox {i}"),
-                "max_tokens": 3 + i % 5, "temperature": 0.0, "ignore_eos": true});
-            let app = app.clone();
-            tokio::spawn(async move {
-                call(&app, "POST", "/v1/completions", Some(body.to_string())).await
-            })
+            json!({"model": model, "prompt": format!("the quick fox {i}"),
+                "max_tokens": 3 + i % 5, "temperature": 0.0, "ignore_eos": true})
         })
         .collect();
-    let mut texts = Vec::new();
-    for h in handles {
-        let v: Value = serde_json::from_str(&h.await.unwrap()).unwrap();
-        texts.push(v["choices"][0]["text"].as_str().unwrap().to_string());
-    }
+    let texts = complete_all(&app, bodies).await;
     let wall = started.elapsed();
     let metrics = call(&app, "GET", "/metrics", None).await;
     let steps = metric(&metrics, "thaw_engine_steps_total").unwrap() - steps_before;

@@ -5,7 +5,7 @@
 use serde_json::{json, Value};
 use thaw_server::scheduler::SchedulingPolicy;
 use thaw_server::serve::Server;
-use thaw_tests::http::{call_router as call, metric, ServeFixture};
+use thaw_tests::http::{call_router as call, complete_all, metric, ServeFixture};
 
 /// A mixed burst: short and long outputs, base and three ranks, assorted priorities.
 fn requests(fx: &ServeFixture) -> Vec<Value> {
@@ -37,22 +37,7 @@ async fn run(fx: &ServeFixture, policy: SchedulingPolicy) -> (Vec<String>, Strin
     cfg.num_gpu_blocks_override = Some(160);
     let server = Server::start(cfg).await.unwrap();
     let app = server.router();
-    let handles: Vec<_> = requests(fx)
-        .into_iter()
-        .map(|body| {
-            let app = app.clone();
-            tokio::spawn(async move {
-                call(&app, "POST", "/v1/completions", Some(body.to_string())).await
-            })
-        })
-        .collect();
-    let mut texts = Vec::new();
-    for h in handles {
-        let (status, body) = h.await.unwrap();
-        assert_eq!(status, 200, "{policy}: {body}");
-        let v: Value = serde_json::from_str(&body).unwrap();
-        texts.push(v["choices"][0]["text"].as_str().unwrap().to_string());
-    }
+    let texts = complete_all(&app, requests(fx)).await;
     let (_, metrics) = call(&app, "GET", "/metrics", None).await;
     (texts, metrics)
 }
