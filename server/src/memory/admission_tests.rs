@@ -355,6 +355,24 @@ pub(super) fn snapshot(
 }
 
 /// Requests that fit the pool alone beside their adapter.
+/// Adapters for the simulated runs: (pages, starts in the host tier).
+fn adapter_pages() -> impl Strategy<Value = Vec<(usize, bool)>> {
+    proptest::collection::vec((1usize..8, any::<bool>()), 1..10)
+}
+
+/// Requests for the simulated runs: (arrival step, prompt, output, adapter index or none).
+fn arrivals() -> impl Strategy<Value = Vec<Req>> {
+    proptest::collection::vec(
+        (
+            0usize..40,
+            1usize..40,
+            1usize..12,
+            proptest::option::of(0u32..10),
+        ),
+        1..40,
+    )
+}
+
 fn fitting(reqs: Vec<Req>, c: &SchedConfig, pages: &[(usize, bool)]) -> Vec<Req> {
     reqs.into_iter()
         .map(|(t, p, m, a)| (t, p, m, a.map(|a| a % pages.len() as u32)))
@@ -376,7 +394,7 @@ fn landed_adapters_are_not_bounded_by_the_host_store() {
     let admitted = sim.run(&reqs, false).unwrap();
     assert!(admitted.iter().all(|t| *t != usize::MAX));
     assert_eq!(
-        sim.pool.adapter_count(),
+        sim.pool.counts().adapters,
         6,
         "every adapter stays on the device"
     );
@@ -542,8 +560,8 @@ proptest! {
     /// `no-cache` baseline also no adapter stays on the device that no request uses or wants.
     #[test]
     fn every_queued_request_eventually_runs(
-        pages in proptest::collection::vec((1usize..8, any::<bool>()), 1..10),
-        reqs in proptest::collection::vec((0usize..40, 1usize..40, 1usize..12, proptest::option::of(0u32..10)), 1..40),
+        pages in adapter_pages(),
+        reqs in arrivals(),
         total in 16usize..60,
         budget in 4usize..64,
         max_loras in 1usize..4,
@@ -566,8 +584,8 @@ proptest! {
     /// leased adapter is evicted, and every request runs.
     #[test]
     fn the_streaming_bound_holds_and_every_request_runs(
-        pages in proptest::collection::vec((1usize..8, any::<bool>()), 1..10),
-        reqs in proptest::collection::vec((0usize..40, 1usize..40, 1usize..12, proptest::option::of(0u32..10)), 1..40),
+        pages in adapter_pages(),
+        reqs in arrivals(),
         total in 16usize..60,
         max_loras in 1usize..4,
         max_seqs in 1usize..8,

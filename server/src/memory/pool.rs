@@ -128,10 +128,6 @@ impl PagePool {
         self.adapter_pages
     }
 
-    pub fn adapter_count(&self) -> usize {
-        self.adapters.len()
-    }
-
     /// Adapters held now, and how many of them are still streaming.
     pub fn counts(&self) -> Counts {
         Counts {
