@@ -354,7 +354,6 @@ pub(super) fn snapshot(
     }
 }
 
-/// Requests that fit the pool alone beside their adapter.
 /// Adapters for the simulated runs: (pages, starts in the host tier).
 fn adapter_pages() -> impl Strategy<Value = Vec<(usize, bool)>> {
     proptest::collection::vec((1usize..8, any::<bool>()), 1..10)
@@ -373,6 +372,7 @@ fn arrivals() -> impl Strategy<Value = Vec<Req>> {
     )
 }
 
+/// Requests that fit the pool alone beside their adapter.
 fn fitting(reqs: Vec<Req>, c: &SchedConfig, pages: &[(usize, bool)]) -> Vec<Req> {
     reqs.into_iter()
         .map(|(t, p, m, a)| (t, p, m, a.map(|a| a % pages.len() as u32)))
