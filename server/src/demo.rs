@@ -16,14 +16,23 @@ pub const DEMO_RANKS: [usize; 8] = [8, 16, 32, 64, 128, 8, 16, 64];
 /// Where the demo lives: `$THAW_CACHE_DIR`, else `$XDG_CACHE_HOME/thaw`, else `~/.cache/thaw`,
 /// else `./.thaw-cache`.
 pub fn cache_dir() -> PathBuf {
-    if let Some(d) = std::env::var_os("THAW_CACHE_DIR") {
-        return PathBuf::from(d);
+    cache_dir_from(|name| std::env::var_os(name))
+}
+
+/// [`cache_dir`] over an injected environment. An empty variable counts as unset, and a
+/// relative `XDG_CACHE_HOME` is ignored, as the XDG Base Directory spec says ("If an
+/// implementation encounters a relative path in any of these variables it should consider the
+/// path invalid and ignore it"); without this, `XDG_CACHE_HOME=` wrote the demo to `./thaw`.
+fn cache_dir_from(var: impl Fn(&str) -> Option<std::ffi::OsString>) -> PathBuf {
+    let set = |name: &str| var(name).filter(|v| !v.is_empty()).map(PathBuf::from);
+    if let Some(d) = set("THAW_CACHE_DIR") {
+        return d;
     }
-    if let Some(d) = std::env::var_os("XDG_CACHE_HOME") {
-        return PathBuf::from(d).join("thaw");
+    if let Some(d) = set("XDG_CACHE_HOME").filter(|d| d.is_absolute()) {
+        return d.join("thaw");
     }
-    if let Some(h) = std::env::var_os("HOME") {
-        return PathBuf::from(h).join(".cache/thaw");
+    if let Some(h) = set("HOME") {
+        return h.join(".cache/thaw");
     }
     PathBuf::from(".thaw-cache")
 }
@@ -126,4 +135,56 @@ fn write_demo(dir: &Path) -> anyhow::Result<()> {
         std::fs::remove_dir_all(&staging)?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::ffi::OsString;
+    use std::path::PathBuf;
+
+    use super::cache_dir_from;
+
+    fn dir(vars: &[(&str, &str)]) -> PathBuf {
+        cache_dir_from(|name| {
+            vars.iter()
+                .find(|(k, _)| *k == name)
+                .map(|(_, v)| OsString::from(v))
+        })
+    }
+
+    #[test]
+    fn empty_or_relative_xdg_cache_home_counts_as_unset() {
+        let home = ("HOME", "/home/u");
+        assert_eq!(dir(&[home]), PathBuf::from("/home/u/.cache/thaw"));
+        assert_eq!(
+            dir(&[("XDG_CACHE_HOME", ""), home]),
+            PathBuf::from("/home/u/.cache/thaw")
+        );
+        assert_eq!(
+            dir(&[("XDG_CACHE_HOME", "rel/cache"), home]),
+            PathBuf::from("/home/u/.cache/thaw")
+        );
+        assert_eq!(
+            dir(&[("XDG_CACHE_HOME", "/var/cache/u"), home]),
+            PathBuf::from("/var/cache/u/thaw")
+        );
+    }
+
+    #[test]
+    fn thaw_cache_dir_wins_unless_empty() {
+        let home = ("HOME", "/home/u");
+        assert_eq!(
+            dir(&[
+                ("THAW_CACHE_DIR", "/srv/thaw"),
+                ("XDG_CACHE_HOME", "/x"),
+                home
+            ]),
+            PathBuf::from("/srv/thaw")
+        );
+        assert_eq!(
+            dir(&[("THAW_CACHE_DIR", ""), home]),
+            PathBuf::from("/home/u/.cache/thaw")
+        );
+        assert_eq!(dir(&[("HOME", "")]), PathBuf::from(".thaw-cache"));
+    }
 }

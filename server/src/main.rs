@@ -2,6 +2,8 @@
 
 mod cli;
 
+use std::io::IsTerminal;
+
 use clap::Parser;
 use tracing_subscriber::EnvFilter;
 
@@ -11,6 +13,9 @@ fn main() -> anyhow::Result<()> {
             EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
         )
         .with_writer(std::io::stderr)
+        // Colour only on a terminal: a log redirected to a file or a pipe gets plain text, and
+        // `NO_COLOR` (no-color.org) turns colour off everywhere.
+        .with_ansi(std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none())
         .init();
     cli::Cli::parse().command.run()
 }

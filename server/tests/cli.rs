@@ -120,3 +120,38 @@ fn bad_input_is_refused_with_what_to_do() {
         "error does not point at --max-lora-rank:\n{err}"
     );
 }
+
+#[test]
+fn logs_to_a_file_carry_no_colour_codes() {
+    use std::io::Read;
+    use std::process::Stdio;
+    let tmp = tempfile::tempdir().unwrap();
+    let (model, _) = tiny(tmp.path());
+    let log = tmp.path().join("serve.log");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_thaw"))
+        .args(["serve", "--model", s(&model), "--port", "0"])
+        .env("RUST_LOG", "info")
+        .env_remove("NO_COLOR")
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .expect("spawn thaw serve");
+    // The start-up line is logged before the server listens; wait for it, then stop the server.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    let mut text = String::new();
+    while !text.contains("INFO") && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        text.clear();
+        std::fs::File::open(&log)
+            .unwrap()
+            .read_to_string(&mut text)
+            .unwrap();
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(text.contains("INFO"), "serve logged nothing:\n{text}");
+    assert!(
+        !text.contains('\u{1b}'),
+        "ANSI escape codes in a log written to a file:\n{text:?}"
+    );
+}
