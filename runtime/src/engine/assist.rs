@@ -75,8 +75,10 @@ pub(crate) struct AssistBuffers {
     pub input: Vec<f32>,
     pub out: [Vec<f32>; 7],
     scratch: Scratch,
-    jobs: Vec<LoraJob>,
+    pub(super) jobs: Vec<LoraJob>,
     pub profile: AssistProfile,
+    /// The device path's state ([`super::assist_device`]).
+    pub(super) device: super::assist_device::DeviceAssist,
 }
 
 /// Where the deltas are computed.
@@ -102,7 +104,7 @@ pub(crate) struct Assist<'a> {
     pub on_pool: bool,
 }
 
-fn pool_err(e: impl std::fmt::Display) -> RuntimeError {
+pub(super) fn pool_err(e: impl std::fmt::Display) -> RuntimeError {
     RuntimeError::Backend(format!("CPU LoRA workers: {e}"))
 }
 
