@@ -8,13 +8,12 @@
 use std::ops::Range;
 use std::time::Instant;
 
-use thaw_cpu_lora::LoraJob;
-use thaw_ipc::{LayerIdx as IpcLayer, Module, ModuleMask, StepSeq, WorkerId};
+use thaw_ipc::{StepSeq, WorkerId};
 
-use super::assist::{pool_err, Assist, AssistPath, ColdSeg};
+use super::assist::{cold_jobs, pool_err, Assist, AssistPath, ColdSeg};
 use crate::adapter::LoraModule;
 use crate::backend::Backend;
-use crate::error::{Result, RuntimeError};
+use crate::error::Result;
 
 /// Per-step state of the device path (buffers reused across groups).
 #[derive(Default)]
@@ -61,28 +60,8 @@ impl Assist<'_> {
             return Ok(false);
         }
         let t0 = Instant::now();
-        self.buf.jobs.clear();
-        for s in segs {
-            let modules: ModuleMask = group
-                .iter()
-                .filter(|&&m| self.host[s.adapter as usize].get(layer, m).is_some())
-                .map(|&m| Module::ALL[m.index()])
-                .collect();
-            if modules == ModuleMask::EMPTY {
-                continue;
-            }
-            let handle = handles[s.adapter as usize].ok_or_else(|| {
-                RuntimeError::Backend("cold adapter is not in the host store".into())
-            })?;
-            self.rows_assisted += s.packed.len() * modules.iter().count();
-            self.buf.jobs.push(LoraJob {
-                adapter: handle,
-                layer: IpcLayer(layer as u32),
-                modules,
-                input: 0,
-                rows: s.packed.start as u32..s.packed.end as u32,
-            });
-        }
+        self.rows_assisted +=
+            cold_jobs(self.host, handles, layer, group, segs, &mut self.buf.jobs)?;
         let step = pool.submit_device(&self.buf.jobs).map_err(pool_err)?;
         *ticket = Some(step.ticket);
         self.buf.device.workers.clear();

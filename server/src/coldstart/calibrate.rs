@@ -164,22 +164,14 @@ fn inline_lora_flops(hidden: usize) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::gen::{preset, write_model, GenModelOptions};
     use thaw_runtime::backend::cpu::CpuBackend;
-    use thaw_runtime::engine::{Engine, EngineConfig, HostModel};
+    use thaw_runtime::engine::{Engine, EngineConfig};
 
     /// Calibration runs at every context a server accepts (its prefill and decode fit even in
     /// the shortest), measures finite, positive costs, and leaves no sequence behind.
     #[test]
     fn calibrates_at_every_context_and_batch() {
-        let dir = tempfile::tempdir().unwrap();
-        write_model(
-            &preset("tiny").unwrap(),
-            dir.path(),
-            &GenModelOptions::default(),
-        )
-        .unwrap();
-        let model = HostModel::load(dir.path()).unwrap();
+        let (_dir, model) = crate::memory::profile::tests::tiny();
         for (max_context, max_batch_tokens) in
             [(Some(2), 64), (Some(3), 64), (None, 1), (None, 2048)]
         {

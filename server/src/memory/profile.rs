@@ -132,13 +132,14 @@ pub fn build_engine<B: Backend>(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::gen::{preset, write_model, GenModelOptions};
     use std::cell::Cell;
     use thaw_runtime::backend::cpu::CpuBackend;
 
-    fn tiny() -> (tempfile::TempDir, HostModel) {
+    /// The tiny preset written to a temporary directory and loaded.
+    pub(crate) fn tiny() -> (tempfile::TempDir, HostModel) {
         let dir = tempfile::tempdir().unwrap();
         write_model(
             &preset("tiny").unwrap(),

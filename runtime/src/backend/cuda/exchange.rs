@@ -268,6 +268,20 @@ impl CudaBackend {
         })
     }
 
+    /// Runs `f` with `rows` flattened into row indices (a buffer reused across calls).
+    fn with_rows<T>(
+        &mut self,
+        rows: &[Range<usize>],
+        f: impl FnOnce(&mut Self, &[usize]) -> T,
+    ) -> T {
+        let mut idx = std::mem::take(&mut self.row_list);
+        idx.clear();
+        idx.extend(rows.iter().flat_map(|r| r.clone()));
+        let r = f(self, &idx);
+        self.row_list = idx;
+        r
+    }
+
     /// `Backend::export_rows_device`: the cold rows, packed in order, into input 0.
     pub(super) fn export_rows_engine(
         &mut self,
@@ -277,12 +291,9 @@ impl CudaBackend {
         seq: StepSeq,
     ) -> Result<()> {
         let ex = self.engine_exchange()?;
-        let mut idx = std::mem::take(&mut self.row_list);
-        idx.clear();
-        idx.extend(rows.iter().flat_map(|r| r.clone()));
-        let r = self.export_rows_fused(&ex, x, width, &idx, 0, seq);
-        self.row_list = idx;
-        r
+        self.with_rows(rows, |g, idx| {
+            g.export_rows_fused(&ex, x, width, idx, 0, seq)
+        })
     }
 
     /// `Backend::wait_workers_device`.
@@ -301,11 +312,8 @@ impl CudaBackend {
         first: usize,
     ) -> Result<()> {
         let ex = self.engine_exchange()?;
-        let mut idx = std::mem::take(&mut self.row_list);
-        idx.clear();
-        idx.extend(rows.iter().flat_map(|r| r.clone()));
-        let r = self.merge_deltas_at(&ex, y, width, module, &idx, first);
-        self.row_list = idx;
-        r
+        self.with_rows(rows, |g, idx| {
+            g.merge_deltas_at(&ex, y, width, module, idx, first)
+        })
     }
 }
