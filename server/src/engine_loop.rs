@@ -1112,16 +1112,19 @@ fn cold_gate(engine: &ServeEngine, cold: &ColdStart, s: &SeqState, planned: usiz
             let Some(adapter) = engine.adapter_host(id) else {
                 return Gate::Go;
             };
-            let left = 1.0 - landed as f64 / layers.max(1) as f64;
-            let load_left = cold.cost.load_time(
-                (adapter.size_bytes_f32() as f64 * left) as u64,
-                engine.backend().link_backlog(),
-            );
             let pending = s.pending();
-            match cold
-                .cost
-                .decide(adapter, pending, pending, planned, load_left)
-            {
+            let case = crate::coldstart::ColdCase {
+                tier: crate::coldstart::ColdTier::Streaming {
+                    landed: landed as f64 / layers.max(1) as f64,
+                },
+                bytes: adapter.size_bytes_f32() as u64,
+                backlog: engine.backend().link_backlog(),
+                work: crate::coldstart::AssistWork::of(adapter),
+                prompt_left: pending,
+                cap: pending,
+                other_tokens: planned,
+            };
+            match cold.cost.decide_cold(&case).decision {
                 ColdDecision::Wait => Gate::Hold,
                 ColdDecision::Assist { max_chunk } => Gate::Cap(max_chunk),
             }

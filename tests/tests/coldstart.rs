@@ -140,6 +140,35 @@ fn every_policy_produces_the_same_tokens() {
     assert!(r.rows_assisted > 0, "no row was assisted on a slow link");
 }
 
+/// `auto` on the CPU backend with a slow emulated link (2 MB/s, a PCIe link shared by many
+/// loads): the measured model predicts the copy slower than the CPU's prefill, so it assists,
+/// and the tokens are the cached run's.
+#[test]
+fn auto_assists_on_a_slow_emulated_link() {
+    let s = setup(33);
+    let reqs = requests(
+        3,
+        14,
+        Duration::from_millis(2),
+        s.tm.model.config.vocab_size,
+    );
+    let link = LinkModel {
+        gbps: 0.002,
+        latency_us: 50.0,
+    };
+    let oracle = run_policy(&s, &reqs, ColdStartPolicy::Cached, link, 8);
+    let r = run_policy(&s, &reqs, ColdStartPolicy::Auto, link, 8);
+    assert!(r.rows_assisted > 0, "auto never assisted on a 2 MB/s link");
+    assert!(
+        !r.predictions.is_empty(),
+        "auto chose assist without a prediction"
+    );
+    for (i, (got, want)) in r.outcomes.iter().zip(&oracle.outcomes).enumerate() {
+        assert_eq!(got.error, None, "request {i} failed");
+        assert_eq!(got.tokens, want.tokens, "request {i} differs from cached");
+    }
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 4, ..ProptestConfig::default() })]
     /// Arrival times, chunk sizes and link speeds do not change any request's tokens.

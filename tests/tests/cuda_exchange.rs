@@ -123,3 +123,109 @@ fn fused_export_then_stream_waited_merge() {
     g.check().unwrap();
     drop(mapped);
 }
+
+/// The engine's assist path on CUDA with real worker processes (issue 27 item 5): the pool's
+/// exchange is mapped, so a cold layer's rows leave the device by the fused export and its
+/// deltas come back behind stream waits; greedy tokens equal those of resident adapters.
+/// (Whether a layer is still cold at a step's start depends on the link; the count is printed.)
+#[test]
+fn engine_assists_through_the_mapped_exchange() {
+    use std::path::PathBuf;
+    use thaw_cpu_lora::{LoraPool, PoolConfig};
+    use thaw_ipc::HostStore;
+    use thaw_runtime::engine::{Engine, EngineConfig, PlanItem, SequenceParams, StepPlan};
+    use thaw_runtime::ids::{AdapterId, SeqId};
+
+    if !gpu_or_skip() {
+        return;
+    }
+    let tm = TestModel::llama(7);
+    let adapters = [
+        tm.adapter(8, &["q", "v"], 70),
+        tm.adapter(16, &["q", "k", "v", "o", "gate", "up", "down"], 71),
+    ];
+    let vocab = tm.model.config.vocab_size as u32;
+    let prompts: Vec<Vec<u32>> = (0..3u32)
+        .map(|i| {
+            (0..9 + 6 * i)
+                .map(|t| 3 + (t * 37 + i * 11) % (vocab - 3))
+                .collect()
+        })
+        .collect();
+    let who = [Some(0u32), Some(1), None];
+    let backend = || {
+        CudaBackend::new(
+            &tm.model.config,
+            &CudaConfig {
+                weight_dtype: DType::F32,
+                kv_dtype: DType::F32,
+                ..Default::default()
+            },
+        )
+        .expect("CUDA backend")
+    };
+    let greedy = |e: &mut Engine<CudaBackend>| -> Vec<Vec<u32>> {
+        for (i, (a, p)) in who.iter().zip(&prompts).enumerate() {
+            e.add_sequence(
+                SeqId(i as u64),
+                SequenceParams {
+                    prompt: p.clone(),
+                    adapter: a.map(AdapterId),
+                    max_new_tokens: 5,
+                    ..Default::default()
+                },
+            )
+            .unwrap();
+        }
+        let mut out = vec![Vec::new(); who.len()];
+        for s in 0..5 {
+            let plan = StepPlan {
+                items: (0..who.len())
+                    .map(|i| PlanItem {
+                        seq: SeqId(i as u64),
+                        num_tokens: if s == 0 { prompts[i].len() } else { 1 },
+                    })
+                    .collect(),
+                return_logits: false,
+            };
+            for o in e.step(&plan).unwrap() {
+                out[o.seq.0 as usize].push(o.token.id);
+            }
+        }
+        out
+    };
+    let mut resident = Engine::new(backend(), tm.model.clone(), EngineConfig::default()).unwrap();
+    for (i, a) in adapters.iter().enumerate() {
+        resident
+            .register_adapter(AdapterId(i as u32), a.clone())
+            .unwrap();
+    }
+    let want = greedy(&mut resident);
+
+    let pool = LoraPool::new(
+        PoolConfig {
+            cores: Some(vec![0, 1]),
+            pin: false,
+            program: Some(PathBuf::from(env!("CARGO_BIN_EXE_thaw-test-worker"))),
+            leading_args: vec![],
+            calibration: vec![],
+            ..Default::default()
+        },
+        HostStore::create(64 << 20, 64).expect("host store"),
+    )
+    .expect("worker pool starts");
+    let mut assisted = Engine::new(backend(), tm.model.clone(), EngineConfig::default()).unwrap();
+    assisted.attach_pool(pool).unwrap();
+    for (i, a) in adapters.iter().enumerate() {
+        assisted
+            .register_adapter_streaming(AdapterId(i as u32), a.clone())
+            .unwrap();
+    }
+    let got = greedy(&mut assisted);
+    println!(
+        "rows CPU-assisted through the mapped exchange: {}",
+        assisted.rows_assisted()
+    );
+    assert_eq!(got, want, "assisted and resident greedy tokens differ");
+    drop(assisted.detach_pool());
+}

@@ -408,6 +408,60 @@ impl Backend for AnyBackend {
         }
     }
 
+    unsafe fn map_assist_exchange(&mut self, ex: &thaw_ipc::Exchange) -> Result<bool> {
+        match self {
+            // SAFETY: the caller's contract, forwarded.
+            Self::Cpu(b) => unsafe { b.map_assist_exchange(ex) },
+            // SAFETY: the caller's contract, forwarded.
+            Self::Cuda(g) => unsafe { g.map_assist_exchange(ex) },
+        }
+    }
+
+    fn unmap_assist_exchange(&mut self) {
+        match self {
+            Self::Cpu(b) => b.unmap_assist_exchange(),
+            Self::Cuda(g) => g.unmap_assist_exchange(),
+        }
+    }
+
+    fn export_rows_device(
+        &mut self,
+        x: &AnyBuf,
+        width: usize,
+        rows: &[Range<usize>],
+        seq: thaw_ipc::StepSeq,
+    ) -> Result<()> {
+        match self {
+            Self::Cpu(b) => b.export_rows_device(x.cpu(), width, rows, seq),
+            Self::Cuda(g) => g.export_rows_device(x.gpu(), width, rows, seq),
+        }
+    }
+
+    fn wait_workers_device(
+        &mut self,
+        seq: thaw_ipc::StepSeq,
+        workers: &[thaw_ipc::WorkerId],
+    ) -> Result<()> {
+        match self {
+            Self::Cpu(b) => b.wait_workers_device(seq, workers),
+            Self::Cuda(g) => g.wait_workers_device(seq, workers),
+        }
+    }
+
+    fn merge_rows_device(
+        &mut self,
+        y: &mut AnyBuf,
+        width: usize,
+        module: LoraModule,
+        rows: &[Range<usize>],
+        first: usize,
+    ) -> Result<()> {
+        match self {
+            Self::Cpu(b) => b.merge_rows_device(y.cpu_mut(), width, module, rows, first),
+            Self::Cuda(g) => g.merge_rows_device(y.gpu_mut(), width, module, rows, first),
+        }
+    }
+
     fn rope(&mut self, x: &mut AnyBuf, positions: &[usize], n_heads: usize) {
         match self {
             Self::Cpu(b) => b.rope(x.cpu_mut(), positions, n_heads),

@@ -292,6 +292,66 @@ pub trait Backend {
     /// Whether CPU LoRA workers compute beside the next steps (their cores are taken): the
     /// CPU backend then computes on the engine thread alone, and on every core otherwise.
     fn set_cpu_assist(&mut self, _in_flight: bool) {}
+
+    /// Registers the CPU workers' exchange `ex` with the device so that the assist path's
+    /// export and merge are device work queued on the stream (DESIGN §4): the fused
+    /// copy-and-signal ([`Backend::export_rows_device`]) and a merge the stream holds until
+    /// the workers publish ([`Backend::wait_workers_device`], [`Backend::merge_rows_device`]);
+    /// the host never synchronises the stream. Returns whether this backend does so; the
+    /// default (the CPU backend) copies rows on the host with [`Backend::export_rows`] and
+    /// [`Backend::merge_rows`].
+    ///
+    /// # Safety
+    /// `ex`'s segment must stay mapped until [`Backend::unmap_assist_exchange`] is called or
+    /// the backend is dropped.
+    unsafe fn map_assist_exchange(&mut self, ex: &thaw_ipc::Exchange) -> Result<bool> {
+        let _ = ex;
+        Ok(false)
+    }
+    /// Drops the registration of [`Backend::map_assist_exchange`] once the device is idle.
+    fn unmap_assist_exchange(&mut self) {}
+    /// Queues the export of rows `rows` of `x` (`width` wide), packed in order, into input 0
+    /// of the mapped exchange, then `seq` into its sequence word: the workers start.
+    fn export_rows_device(
+        &mut self,
+        x: &Self::Buf,
+        width: usize,
+        rows: &[Range<usize>],
+        seq: thaw_ipc::StepSeq,
+    ) -> Result<()> {
+        let _ = (x, width, rows, seq);
+        Err(no_device_exchange())
+    }
+    /// Queues a wait of the stream until every worker of `workers` has published step `seq`.
+    fn wait_workers_device(
+        &mut self,
+        seq: thaw_ipc::StepSeq,
+        workers: &[thaw_ipc::WorkerId],
+    ) -> Result<()> {
+        let _ = (seq, workers);
+        Err(no_device_exchange())
+    }
+    /// Queues the addition of `module`'s exchange deltas, packed rows `first..`, into rows
+    /// `rows` of `y` (after [`Backend::wait_workers_device`] for their step).
+    fn merge_rows_device(
+        &mut self,
+        y: &mut Self::Buf,
+        width: usize,
+        module: LoraModule,
+        rows: &[Range<usize>],
+        first: usize,
+    ) -> Result<()> {
+        let _ = (y, width, module, rows, first);
+        Err(no_device_exchange())
+    }
+}
+
+/// The error of the device-exchange ops on a backend that maps none.
+fn no_device_exchange() -> crate::error::RuntimeError {
+    crate::error::RuntimeError::Backend(
+        "this backend has no device-mapped CPU-assist exchange; use export_rows / merge_rows"
+            .into(),
+    )
 }
 
 /// Which device `--device` asks for.

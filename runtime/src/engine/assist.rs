@@ -75,8 +75,10 @@ pub(crate) struct AssistBuffers {
     pub input: Vec<f32>,
     pub out: [Vec<f32>; 7],
     scratch: Scratch,
-    jobs: Vec<LoraJob>,
+    pub(super) jobs: Vec<LoraJob>,
     pub profile: AssistProfile,
+    /// The device path's state ([`super::assist_device`]).
+    pub(super) device: super::assist_device::DeviceAssist,
 }
 
 /// Where the deltas are computed.
@@ -102,7 +104,42 @@ pub(crate) struct Assist<'a> {
     pub on_pool: bool,
 }
 
-fn pool_err(e: impl std::fmt::Display) -> RuntimeError {
+/// Fills `jobs` with one job per cold segment whose adapter targets a module of `group` in
+/// `layer` (rows in the packed export, input 0); returns the row × module deltas they compute.
+pub(super) fn cold_jobs(
+    host: &[&Arc<LoraAdapter>],
+    handles: &[Option<AdapterHandle>],
+    layer: usize,
+    group: &[LoraModule],
+    segs: &[ColdSeg],
+    jobs: &mut Vec<LoraJob>,
+) -> Result<usize> {
+    jobs.clear();
+    let mut rows = 0;
+    for s in segs {
+        let modules: ModuleMask = group
+            .iter()
+            .filter(|&&m| host[s.adapter as usize].get(layer, m).is_some())
+            .map(|&m| ipc_module(m))
+            .collect();
+        if modules == ModuleMask::EMPTY {
+            continue;
+        }
+        let handle = handles[s.adapter as usize]
+            .ok_or_else(|| RuntimeError::Backend("cold adapter is not in the host store".into()))?;
+        rows += s.packed.len() * modules.iter().count();
+        jobs.push(LoraJob {
+            adapter: handle,
+            layer: IpcLayer(layer as u32),
+            modules,
+            input: 0,
+            rows: s.packed.start as u32..s.packed.end as u32,
+        });
+    }
+    Ok(rows)
+}
+
+pub(super) fn pool_err(e: impl std::fmt::Display) -> RuntimeError {
     RuntimeError::Backend(format!("CPU LoRA workers: {e}"))
 }
 
@@ -165,28 +202,8 @@ impl Assist<'_> {
         else {
             unreachable!("on_pool is only set with a pool");
         };
-        self.buf.jobs.clear();
-        for s in segs {
-            let modules: ModuleMask = group
-                .iter()
-                .filter(|&&m| self.host[s.adapter as usize].get(layer, m).is_some())
-                .map(|&m| ipc_module(m))
-                .collect();
-            if modules == ModuleMask::EMPTY {
-                continue;
-            }
-            let handle = handles[s.adapter as usize].ok_or_else(|| {
-                RuntimeError::Backend("cold adapter is not in the host store".into())
-            })?;
-            self.rows_assisted += s.packed.len() * modules.iter().count();
-            self.buf.jobs.push(LoraJob {
-                adapter: handle,
-                layer: IpcLayer(layer as u32),
-                modules,
-                input: 0,
-                rows: s.packed.start as u32..s.packed.end as u32,
-            });
-        }
+        self.rows_assisted +=
+            cold_jobs(self.host, handles, layer, group, segs, &mut self.buf.jobs)?;
         *ticket = Some(pool.submit(&self.buf.jobs).map_err(pool_err)?);
         Ok(())
     }

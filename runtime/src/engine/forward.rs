@@ -135,6 +135,14 @@ fn begin_assist<B: Backend>(
         return Ok(None);
     }
     let d_in = c.module_shape(group[0]).0;
+    let d_out_max = group
+        .iter()
+        .map(|&m| c.module_shape(m).1)
+        .max()
+        .unwrap_or(0);
+    if a.begin_device(b, x, layer, group, cold, d_in, d_out_max)? {
+        return Ok(Some(Instant::now()));
+    }
     let n: usize = cold.iter().map(|s| s.packed.len()).sum();
     let t0 = Instant::now();
     let (dst, stride) = a.input(n, d_in)?;
@@ -164,6 +172,9 @@ fn end_assist<B: Backend>(
         return Ok(());
     };
     a.buf.profile.base += base_started.elapsed();
+    if a.buf.device.seq.is_some() {
+        return a.end_device(b, layer, group, outs, cold, |m| c.module_shape(m).1);
+    }
     let n: usize = cold.iter().map(|s| s.packed.len()).sum();
     a.finish()?;
     let t0 = Instant::now();

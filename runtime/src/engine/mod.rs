@@ -32,6 +32,7 @@ use crate::model::ModelConfig;
 use crate::sampling::{Sampler, SamplerScratch};
 
 mod assist;
+mod assist_device;
 mod forward;
 mod prompt;
 mod sequence;
@@ -351,6 +352,17 @@ impl<B: Backend> Engine<B> {
             )?);
             self.in_store.push(*id);
         }
+        // SAFETY: the pool, owner of the exchange's mapping, stays in `self.pool` until
+        // `detach_pool`, which unmaps first; and `backend` is declared before `pool`, so on
+        // drop the registration goes first.
+        let mapped = unsafe { self.backend.map_assist_exchange(pool.exchange()) };
+        self.assist_buf.device.mapped = match mapped {
+            Ok(m) => m,
+            Err(e) => {
+                tracing::warn!("CPU assist exports and merges through the host: {e}");
+                false
+            }
+        };
         self.pool = Some(pool);
         Ok(())
     }
@@ -374,6 +386,8 @@ impl<B: Backend> Engine<B> {
     /// Takes the worker pool back (e.g. to shut it down).
     pub fn detach_pool(&mut self) -> Option<LoraPool> {
         let mut pool = self.pool.take()?;
+        self.backend.unmap_assist_exchange();
+        self.assist_buf.device.mapped = false;
         for a in self.adapters.values_mut() {
             if let Some(h) = a.store.take() {
                 pool.store_mut().remove(h);

@@ -14,9 +14,14 @@ where
     use thaw_runtime::ids::SeqId;
 
     let c = engine.model_config().clone();
+    // A prefill of `big` tokens and one decode step: `big + 2` must fit the context. In a
+    // context too short for both (2 tokens), the decode step is the prefill of one.
+    let context = engine.max_context();
     let big = 64
         .min(engine.engine_config().max_batch_tokens)
-        .min(engine.max_context() / 2);
+        .min(context.saturating_sub(2))
+        .max(1);
+    let new_tokens = if big + 2 <= context { 2 } else { 1 };
     let seq = SeqId(u64::MAX);
     let time_step =
         |n: usize, e: &mut thaw_runtime::engine::Engine<_>| -> thaw_runtime::Result<f64> {
@@ -35,13 +40,17 @@ where
                 prompt: (0..big as u32)
                     .map(|i| 3 + i % (c.vocab_size as u32 - 3))
                     .collect(),
-                max_new_tokens: 2,
+                max_new_tokens: new_tokens,
                 ignore_eos: true,
                 ..Default::default()
             },
         )?;
         let prefill = time_step(big, engine)?;
-        let decode = time_step(1, engine)?;
+        let decode = if new_tokens == 2 {
+            time_step(1, engine)?
+        } else {
+            prefill
+        };
         let _ = engine.remove_sequence(seq);
         samples.push((prefill, decode));
     }
@@ -52,7 +61,7 @@ where
     d.sort_by(f64::total_cmp);
     let layers = c.num_layers.max(1) as f64;
     let (p, d) = (p[1] / layers, d[1] / layers);
-    let per_token = ((p - d) / (big as f64 - 1.0)).max(1e-9);
+    let per_token = ((p - d) / (big as f64 - 1.0).max(1.0)).max(1e-9);
     let base = (d - per_token).max(0.0);
     let (cpu_flops, cpu_overlaps) = match engine.pool() {
         Some(pool) => (
@@ -74,6 +83,8 @@ where
         cpu_flops,
         cpu_overlaps,
         link: engine.backend().link(),
+        // The CUDA backend computes in bf16 from the f32 host copy; the CPU backend in f32.
+        host_encode_bytes_per_s: encode_rate(engine.backend_name() == "cuda"),
         // A few doorbell round trips per layer until assisted steps are measured.
         assist_layer_overhead_s: if cpu_overlaps { 100e-6 } else { 0.0 },
         alpha: 0.1,
@@ -81,6 +92,34 @@ where
         lora_bgmv_s: lora_rank_row,
         ..Default::default()
     })
+}
+
+/// Bytes of f32 adapter weights per second this thread encodes into the bytes a copy sends:
+/// to bf16 when `to_bf16`, else as they are (a copy), into a buffer written before (as a
+/// pinned arena would be), best of three passes over 16 MiB.
+fn encode_rate(to_bf16: bool) -> f64 {
+    use std::time::Instant;
+    let n = 4 << 20;
+    let src: Vec<f32> = (0..n)
+        .map(|i| ((i * 7919) % 1009) as f32 / 1009.0 - 0.5)
+        .collect();
+    let mut dst = vec![0u8; n * if to_bf16 { 2 } else { 4 }];
+    let mut best = f64::INFINITY;
+    for _ in 0..3 {
+        let t = Instant::now();
+        if to_bf16 {
+            for (d, &x) in dst.chunks_exact_mut(2).zip(&src) {
+                d.copy_from_slice(&half::bf16::from_f32(x).to_le_bytes());
+            }
+        } else {
+            for (d, &x) in dst.chunks_exact_mut(4).zip(&src) {
+                d.copy_from_slice(&x.to_le_bytes());
+            }
+        }
+        std::hint::black_box(&mut dst);
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    (n * 4) as f64 / best.max(1e-9)
 }
 
 /// FLOP/s of the LoRA kernel on this thread for a rank-16, 32-row problem of `hidden` width.
@@ -120,4 +159,38 @@ fn inline_lora_flops(hidden: usize) -> f64 {
     }
     let flops = 2.0 * rows as f64 * rank as f64 * 2.0 * hidden as f64 * reps as f64;
     flops / t.elapsed().as_secs_f64().max(1e-9)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use thaw_runtime::backend::cpu::CpuBackend;
+    use thaw_runtime::engine::{Engine, EngineConfig};
+
+    /// Calibration runs at every context a server accepts (its prefill and decode fit even in
+    /// the shortest), measures finite, positive costs, and leaves no sequence behind.
+    #[test]
+    fn calibrates_at_every_context_and_batch() {
+        let (_dir, model) = crate::memory::profile::tests::tiny();
+        for (max_context, max_batch_tokens) in
+            [(Some(2), 64), (Some(3), 64), (None, 1), (None, 2048)]
+        {
+            let cfg = EngineConfig {
+                max_context,
+                max_batch_tokens,
+                ..EngineConfig::default()
+            };
+            let mut engine =
+                Engine::new(CpuBackend::new(&model.config), model.clone(), cfg).unwrap();
+            let m = calibrate(&mut engine)
+                .unwrap_or_else(|e| panic!("{max_context:?}, {max_batch_tokens}: {e}"));
+            assert!(
+                m.layer_per_token_s.is_finite() && m.layer_per_token_s > 0.0,
+                "{m:?}"
+            );
+            assert!(m.layer_base_s.is_finite() && m.layer_base_s >= 0.0, "{m:?}");
+            assert!(m.host_encode_bytes_per_s > 0.0, "{m:?}");
+            assert_eq!(engine.kv_usage().used_blocks, 0);
+        }
+    }
 }

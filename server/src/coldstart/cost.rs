@@ -139,22 +139,9 @@ impl PerfModel {
         t
     }
 
-    /// The `auto` policy for a cold request of `adapter`: [`Self::decide_work`] on its work.
-    pub fn decide(
-        &self,
-        adapter: &LoraAdapter,
-        prompt_left: usize,
-        cap: usize,
-        other_tokens: usize,
-        load_left_s: f64,
-    ) -> ColdDecision {
-        let w = AssistWork::of(adapter);
-        self.decide_work(w, prompt_left, cap, other_tokens, load_left_s)
-    }
-
     /// The `auto` policy: assist when its predicted TTFT beats waiting and its chunk keeps
     /// co-batched decode within [`MAX_DECODE_SLOWDOWN`]; otherwise wait. The engine's gate
-    /// and `thaw-bench simulate` both decide with this function.
+    /// (through [`Self::decide_cold`]) and `thaw-bench simulate` both decide with this rule.
     pub fn decide_work(
         &self,
         w: AssistWork,
@@ -163,18 +150,51 @@ impl PerfModel {
         other_tokens: usize,
         load_left_s: f64,
     ) -> ColdDecision {
+        self.decide_times(w, prompt_left, cap, other_tokens, load_left_s, 0.0)
+            .decision
+    }
+
+    /// [`Self::decide_work`] when the CPU can start only `assist_start_s` from now (the bytes
+    /// it computes from are not in memory yet), with both predicted TTFTs.
+    pub fn decide_times(
+        &self,
+        w: AssistWork,
+        prompt_left: usize,
+        cap: usize,
+        other_tokens: usize,
+        load_left_s: f64,
+        assist_start_s: f64,
+    ) -> ColdPlan {
+        let wait = self.ttft_wait(prompt_left, cap, other_tokens, load_left_s);
         let chunk = self.max_assist_chunk(w, other_tokens, cap.min(prompt_left));
         if chunk == 0 {
-            return ColdDecision::Wait;
+            return ColdPlan {
+                decision: ColdDecision::Wait,
+                wait_s: wait,
+                assist_s: None,
+            };
         }
-        let assist = self.ttft_assist(w, prompt_left, chunk, other_tokens);
-        let wait = self.ttft_wait(prompt_left, cap, other_tokens, load_left_s);
-        if assist <= wait {
-            ColdDecision::Assist { max_chunk: chunk }
-        } else {
-            ColdDecision::Wait
+        let assist = assist_start_s + self.ttft_assist(w, prompt_left, chunk, other_tokens);
+        ColdPlan {
+            decision: if assist <= wait {
+                ColdDecision::Assist { max_chunk: chunk }
+            } else {
+                ColdDecision::Wait
+            },
+            wait_s: wait,
+            assist_s: Some(assist),
         }
     }
+}
+
+/// A cold-start decision with the predictions it was made from.
+#[derive(Copy, Clone, Debug, PartialEq)]
+pub struct ColdPlan {
+    pub decision: ColdDecision,
+    /// Predicted TTFT if the request waits for its load.
+    pub wait_s: f64,
+    /// Predicted TTFT with CPU assist (None: no chunk keeps co-batched decode in bounds).
+    pub assist_s: Option<f64>,
 }
 
 #[cfg(test)]

@@ -18,6 +18,7 @@ use thaw_runtime::ids::{AdapterId, SeqId};
 use thaw_runtime::sampling::SamplingParams;
 
 use super::cost::{AssistWork, ColdDecision, CostModel, Prediction};
+use super::decide::{ColdCase, ColdTier};
 use super::loader::Loader;
 use super::policy::ColdStartPolicy;
 
@@ -409,20 +410,22 @@ fn build_plan(
                     ColdStartPolicy::Auto => {
                         let adapter = host[a].as_ref().expect("ready adapters have a host copy");
                         let (landed, layers) = engine.adapter_landed(id).unwrap_or((0, 1));
-                        let left = 1.0 - landed as f64 / layers.max(1) as f64;
-                        let backlog = engine.backend().link_backlog();
-                        let load_left = cost
-                            .load_time((adapter.size_bytes_f32() as f64 * left) as u64, backlog);
-                        match cost.decide(adapter, pending, cap, decode_tokens, load_left) {
+                        let plan = cost.decide_cold(&ColdCase {
+                            tier: ColdTier::Streaming {
+                                landed: landed as f64 / layers.max(1) as f64,
+                            },
+                            bytes: adapter.size_bytes_f32() as u64,
+                            backlog: engine.backend().link_backlog(),
+                            work: AssistWork::of(adapter),
+                            prompt_left: pending,
+                            cap,
+                            other_tokens: decode_tokens,
+                        });
+                        match plan.decision {
                             ColdDecision::Wait => continue,
                             ColdDecision::Assist { max_chunk } => {
                                 if predicted[l.req].is_none() {
-                                    predicted[l.req] = Some(cost.ttft_assist(
-                                        AssistWork::of(adapter),
-                                        pending,
-                                        max_chunk,
-                                        decode_tokens,
-                                    ));
+                                    predicted[l.req] = plan.assist_s;
                                 }
                                 cap = max_chunk;
                             }

@@ -3,13 +3,15 @@
 //! timed request trace under a policy.
 mod calibrate;
 mod cost;
+mod decide;
 mod driver;
 mod loader;
 mod policy;
 mod snapshot;
 
 pub use calibrate::calibrate;
-pub use cost::{AssistWork, ColdDecision, CostModel, Prediction, MAX_DECODE_SLOWDOWN};
+pub use cost::{AssistWork, ColdDecision, ColdPlan, CostModel, Prediction, MAX_DECODE_SLOWDOWN};
+pub use decide::{ColdCase, ColdTier};
 pub use driver::{run, DriverConfig, Outcome, Request, RunReport, StartTier, StepRecord};
 pub use loader::{Loaded, Loader};
 pub use policy::ColdStartPolicy;

@@ -21,8 +21,29 @@ pub struct Sizing {
     pub min_pages: usize,
 }
 
-/// The sequence id of the profiling prefill (never a request's: those count up from 1).
+/// The sequence id of the first profiling prefill; the others count down from it (never a
+/// request's: those count up from 1).
 const PROFILE_SEQ: SeqId = SeqId(u64::MAX);
+
+/// The prompt lengths of the profile step, as vLLM's profile run: one forward of the largest
+/// step the scheduler may send, `max_batch_tokens` tokens, never beyond what the model accepts.
+/// Each prompt is at most `context − 1` tokens, so that with its one sampled token it stays
+/// inside the context (a sequence of `context` prompt tokens would be refused), and the tokens
+/// go to the fewest such sequences (the longest attention a step can have), at most
+/// `max_batch_seqs` of them. `context` must be at least 2; `max_batch_tokens` and
+/// `max_batch_seqs` are raised to 1.
+pub fn profile_prompts(
+    max_batch_tokens: usize,
+    max_batch_seqs: usize,
+    context: usize,
+) -> Vec<usize> {
+    let per_seq = context.saturating_sub(1).max(1);
+    let tokens = max_batch_tokens
+        .max(1)
+        .min(per_seq.saturating_mul(max_batch_seqs.max(1)));
+    let n = tokens.div_ceil(per_seq);
+    (0..n).map(|i| per_seq.min(tokens - i * per_seq)).collect()
+}
 
 /// Builds the engine. With `sizing` and a device whose memory `probe` reports, the KV cache is
 /// measured and sized as the module docs say, and the returned page count is that budget;
@@ -46,29 +67,47 @@ pub fn build_engine<B: Backend>(
         .max_context
         .unwrap_or(model.config.max_position_embeddings)
         .min(model.config.max_position_embeddings);
-    let tokens = cfg.max_batch_tokens.min(context).max(1);
-    cfg.num_kv_blocks = tokens.div_ceil(cfg.kv_block_size.max(1)) + 1;
+    anyhow::ensure!(
+        context >= 2,
+        "--max-model-len {context} leaves no room for a prompt token and a generated one; \
+         use at least 2"
+    );
+    let prompts = profile_prompts(cfg.max_batch_tokens, cfg.max_batch_seqs, context);
+    let block = cfg.kv_block_size.max(1);
+    cfg.num_kv_blocks = prompts.iter().map(|l| l.div_ceil(block)).sum::<usize>() + 1;
     let vocab = model.config.vocab_size.max(1);
     let mut engine = Engine::new(backend, model, cfg)?;
-    let prompt: Vec<u32> = (0..tokens).map(|i| (i % vocab) as u32).collect();
-    engine.add_sequence(
-        PROFILE_SEQ,
-        SequenceParams {
-            prompt,
-            max_new_tokens: 1,
-            ignore_eos: true,
-            ..Default::default()
-        },
-    )?;
+    let seqs: Vec<SeqId> = (0..prompts.len() as u64)
+        .map(|i| SeqId(PROFILE_SEQ.0 - i))
+        .collect();
+    for (&seq, &len) in seqs.iter().zip(&prompts) {
+        engine.add_sequence(
+            seq,
+            SequenceParams {
+                prompt: (0..len).map(|i| (i % vocab) as u32).collect(),
+                max_new_tokens: 1,
+                ignore_eos: true,
+                ..Default::default()
+            },
+        )?;
+    }
+    tracing::debug!(
+        tokens = prompts.iter().sum::<usize>(),
+        sequences = prompts.len(),
+        "memory profile: one forward of the largest step"
+    );
     engine.step(&StepPlan {
-        items: vec![PlanItem {
-            seq: PROFILE_SEQ,
-            num_tokens: tokens,
-        }],
+        items: seqs
+            .iter()
+            .zip(&prompts)
+            .map(|(&seq, &num_tokens)| PlanItem { seq, num_tokens })
+            .collect(),
         return_logits: false,
     })?;
-    // One token of one: the step finished it; remove it if it did not.
-    let _ = engine.remove_sequence(PROFILE_SEQ);
+    // One token each: the step finished them; remove any it did not.
+    for seq in seqs {
+        let _ = engine.remove_sequence(seq);
+    }
     engine.resize_kv(1)?;
     let after = probe(engine.backend())?.unwrap_or(before);
     let used = profiled_bytes(before, after, s.page_bytes);
@@ -93,13 +132,14 @@ pub fn build_engine<B: Backend>(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::gen::{preset, write_model, GenModelOptions};
     use std::cell::Cell;
     use thaw_runtime::backend::cpu::CpuBackend;
 
-    fn tiny() -> (tempfile::TempDir, HostModel) {
+    /// The tiny preset written to a temporary directory and loaded.
+    pub(crate) fn tiny() -> (tempfile::TempDir, HostModel) {
         let dir = tempfile::tempdir().unwrap();
         write_model(
             &preset("tiny").unwrap(),
@@ -176,6 +216,134 @@ mod tests {
             })
             .unwrap();
         assert_eq!(out.len(), 1);
+    }
+
+    /// A device of 1000 pages on which the model and the profile take `used` pages.
+    fn fake_device(
+        page: u64,
+        used: u64,
+    ) -> impl Fn(&CpuBackend) -> thaw_runtime::Result<Option<DeviceMemory>> {
+        let calls = Cell::new(0u32);
+        move |_: &CpuBackend| {
+            calls.set(calls.get() + 1);
+            let gone = if calls.get() == 1 {
+                0
+            } else {
+                (used + 1) * page
+            };
+            Ok(Some(DeviceMemory {
+                free: 1000 * page - gone,
+                total: 1000 * page,
+            }))
+        }
+    }
+
+    /// The flag combinations users pass (the tiny model's context is 512): `--max-model-len`
+    /// below, equal to and above `--max-num-batched-tokens`, and vLLM's defaults (no
+    /// `--max-model-len`, so the model's context, with 2048 batched tokens above it). Each
+    /// sizes its cache from the profile and then serves a sequence of the full context.
+    #[test]
+    fn sizes_for_every_model_len_and_batch_combination() {
+        let defaults = EngineConfig::default();
+        for (max_context, max_batch_tokens) in [
+            (Some(256), 512),
+            (Some(256), 256),
+            (Some(512), 512),
+            (Some(512), 128),
+            (Some(2), 2048),
+            (None, defaults.max_batch_tokens),
+            (Some(100), defaults.max_batch_tokens),
+        ] {
+            let (_d, model) = tiny();
+            let backend = CpuBackend::new(&model.config);
+            let page = 4096u64;
+            let cfg = EngineConfig {
+                max_context,
+                max_batch_tokens,
+                ..EngineConfig::default()
+            };
+            let context = max_context.unwrap_or(512);
+            let sizing = Sizing {
+                utilization: 0.9,
+                page_bytes: page,
+                min_pages: context.div_ceil(cfg.kv_block_size),
+            };
+            let case = format!("--max-model-len {max_context:?}, batched {max_batch_tokens}");
+            let (mut engine, pages) =
+                build_engine(backend, model, cfg, Some(sizing), fake_device(page, 200))
+                    .unwrap_or_else(|e| panic!("{case}: {e:#}"));
+            // floor(0.9 × 1000 pages) less the 200 the model and the profile took.
+            assert_eq!(pages, 700, "{case}");
+            assert_eq!(
+                engine.kv_usage().used_blocks,
+                0,
+                "{case}: the profile freed its blocks"
+            );
+            // A request of the whole context, prefilled in chunks of the step's budget.
+            engine
+                .add_sequence(
+                    SeqId(1),
+                    SequenceParams {
+                        prompt: (0..context as u32 - 1).map(|t| 3 + t % 500).collect(),
+                        max_new_tokens: 1,
+                        ..Default::default()
+                    },
+                )
+                .unwrap_or_else(|e| panic!("{case}: {e}"));
+            let mut left = context - 1;
+            while left > 0 {
+                let n = left.min(max_batch_tokens);
+                engine
+                    .step(&StepPlan {
+                        items: vec![PlanItem {
+                            seq: SeqId(1),
+                            num_tokens: n,
+                        }],
+                        return_logits: false,
+                    })
+                    .unwrap_or_else(|e| panic!("{case}: {e}"));
+                left -= n;
+            }
+        }
+    }
+
+    #[test]
+    fn a_context_of_one_token_is_refused_with_what_to_do() {
+        let (_d, model) = tiny();
+        let backend = CpuBackend::new(&model.config);
+        let cfg = EngineConfig {
+            max_context: Some(1),
+            ..EngineConfig::default()
+        };
+        let sizing = Sizing {
+            utilization: 0.9,
+            page_bytes: 4096,
+            min_pages: 1,
+        };
+        let e = build_engine(backend, model, cfg, Some(sizing), fake_device(4096, 10))
+            .err()
+            .unwrap();
+        assert!(e.to_string().contains("use at least 2"), "{e}");
+    }
+
+    proptest::proptest! {
+        /// The profile step is what the engine accepts and as large as the scheduler may send:
+        /// every prompt plus its sampled token fits the context, no more sequences than a step
+        /// holds, and the tokens are the step budget unless those sequences cannot hold it.
+        #[test]
+        fn profile_is_the_largest_step_the_model_accepts(
+            tokens in 1usize..20_000,
+            seqs in 1usize..300,
+            context in 2usize..10_000,
+        ) {
+            let p = profile_prompts(tokens, seqs, context);
+            proptest::prop_assert!(!p.is_empty() && p.len() <= seqs);
+            proptest::prop_assert!(p.iter().all(|&l| l >= 1 && l < context), "{p:?}");
+            let total: usize = p.iter().sum();
+            proptest::prop_assert_eq!(total, tokens.min(seqs * (context - 1)));
+            // The fewest sequences: all but the last are full.
+            proptest::prop_assert!(p[..p.len() - 1].iter().all(|&l| l == context - 1));
+        }
     }
 
     #[test]

@@ -138,6 +138,16 @@ pub struct PerfModel {
     pub link: LinkModel,
     /// Disk → host read rate, bytes per second (learned from the loader's reads).
     pub disk_bytes_per_s: f64,
+    /// Host encode rate, bytes per second: the host work that turns an adapter read from its
+    /// file into the bytes the copy sends (dtype conversion, packing into pinned memory),
+    /// measured at start-up ([`crate::coldstart::calibrate`]) and learned from the loads
+    /// ([`Self::observe_host_encode`]); 0 when it costs nothing here. On the H100 this, not
+    /// the 55 GB/s link, was most of a cold start (issue 27).
+    pub host_encode_bytes_per_s: f64,
+    /// Whether the CPU workers can compute an adapter's deltas from its file before the host
+    /// tier holds it (the memory-mapped safetensors, layer by layer); without, CPU assist of a
+    /// disk-tier adapter starts once the read and encode are done.
+    pub assist_reads_disk: bool,
     /// Fixed cost CPU assist adds per layer of a step (exports, doorbells, waits, merges),
     /// learned from assisted steps.
     pub assist_layer_overhead_s: f64,
@@ -171,6 +181,8 @@ impl Default for PerfModel {
             cpu_overlaps: false,
             link: LinkModel::default(),
             disk_bytes_per_s: 1e9,
+            host_encode_bytes_per_s: 0.0,
+            assist_reads_disk: false,
             assist_layer_overhead_s: 0.0,
             alpha: 0.1,
             recent: StepStats::default(),
@@ -317,15 +329,42 @@ impl PerfModel {
     }
 
     /// Time until an adapter of `bytes` now in `tier` is on the device: nothing when it is,
-    /// the link when it is in host memory, a disk read before that when it is on disk.
+    /// the link when it is in host memory (held there as the copy sends it), the disk read and
+    /// the host encode before that when it is on disk.
     pub fn load_time_from(&self, tier: Tier, bytes: u64, backlog: u64) -> f64 {
         match tier {
             Tier::Device => 0.0,
             Tier::Host => self.load_time(bytes, backlog),
-            Tier::Disk => {
-                bytes as f64 / self.disk_bytes_per_s.max(1.0) + self.load_time(bytes, backlog)
-            }
+            Tier::Disk => self.host_ready_time(bytes) + self.load_time(bytes, backlog),
         }
+    }
+
+    /// Time from disk to the host tier for an adapter of `bytes`: the read, then the encode.
+    pub fn host_ready_time(&self, bytes: u64) -> f64 {
+        bytes as f64 / self.disk_bytes_per_s.max(1.0) + self.encode_time(bytes)
+    }
+
+    /// Host encode time of `bytes` (see [`Self::host_encode_bytes_per_s`]).
+    pub fn encode_time(&self, bytes: u64) -> f64 {
+        if self.host_encode_bytes_per_s > 0.0 {
+            bytes as f64 / self.host_encode_bytes_per_s
+        } else {
+            0.0
+        }
+    }
+
+    /// Folds one host encode of `bytes` that took `elapsed` into the encode rate.
+    pub fn observe_host_encode(&mut self, bytes: u64, elapsed: Duration) {
+        let s = elapsed.as_secs_f64();
+        if bytes == 0 || s <= 0.0 {
+            return;
+        }
+        let rate = bytes as f64 / s;
+        self.host_encode_bytes_per_s = if self.host_encode_bytes_per_s > 0.0 {
+            self.host_encode_bytes_per_s + self.alpha * (rate - self.host_encode_bytes_per_s)
+        } else {
+            rate
+        };
     }
 
     /// Folds one gap between two back-to-back steps (the end of one timed step to the start
@@ -678,7 +717,7 @@ mod tests {
 
     #[test]
     fn load_time_grows_down_the_tiers() {
-        let m = model(true);
+        let mut m = model(true);
         let b = 1 << 20;
         let (d, h, k) = (
             m.load_time_from(Tier::Device, b, 0),
@@ -686,5 +725,11 @@ mod tests {
             m.load_time_from(Tier::Disk, b, 0),
         );
         assert!(d == 0.0 && h > 0.0 && k > h, "{d} {h} {k}");
+        // The encode is a term of the disk tier's load, not of the host tier's.
+        m.observe_host_encode(b, Duration::from_millis(4));
+        assert!((m.host_encode_bytes_per_s - b as f64 / 4e-3).abs() < 1.0);
+        assert_eq!(m.load_time_from(Tier::Host, b, 0), h);
+        let with = m.load_time_from(Tier::Disk, b, 0);
+        assert!((with - k - 4e-3).abs() < 1e-9, "{with} vs {k} + 4 ms");
     }
 }

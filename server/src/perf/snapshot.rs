@@ -19,6 +19,12 @@ pub struct PerfSnapshot {
     pub link_gbps: f64,
     pub link_latency_us: f64,
     pub disk_bytes_per_s: f64,
+    /// Host encode rate, bytes per second (0: free). Older dumps lack it.
+    #[serde(default)]
+    pub host_encode_bytes_per_s: f64,
+    /// Whether CPU assist can start from the disk tier. Older dumps lack it (false).
+    #[serde(default)]
+    pub assist_reads_disk: bool,
     pub assist_layer_overhead_s: f64,
     /// How well the model predicted each step before it was measured (recent steps weigh
     /// most).
@@ -63,6 +69,8 @@ impl PerfModel {
             link_gbps: self.link.gbps,
             link_latency_us: self.link.latency_us,
             disk_bytes_per_s: self.disk_bytes_per_s,
+            host_encode_bytes_per_s: self.host_encode_bytes_per_s,
+            assist_reads_disk: self.assist_reads_disk,
             assist_layer_overhead_s: self.assist_layer_overhead_s,
             error: self.error,
             fit_rms_rel: self.fit_rms_rel().unwrap_or(0.0),
@@ -89,6 +97,8 @@ impl PerfModel {
                 latency_us: s.link_latency_us,
             },
             disk_bytes_per_s: s.disk_bytes_per_s,
+            host_encode_bytes_per_s: s.host_encode_bytes_per_s,
+            assist_reads_disk: s.assist_reads_disk,
             assist_layer_overhead_s: s.assist_layer_overhead_s,
             error: s.error,
             step_overhead_s: s.step_overhead_s,
@@ -115,6 +125,8 @@ mod tests {
             lora_bgmv_s: 2e-8,
             num_layers: 12,
             disk_bytes_per_s: 7e8,
+            host_encode_bytes_per_s: 3e9,
+            assist_reads_disk: true,
             step_overhead_s: 2e-4,
             layer_per_prefill_s: 9e-4,
             layer_after_idle_s: 6e-4,

@@ -70,8 +70,9 @@ impl Server {
         let max_model_len = match config.max_model_len {
             Some(l) => {
                 anyhow::ensure!(
-                    l > 0 && l <= mc.max_position_embeddings,
-                    "--max-model-len {l} must be between 1 and the model's context of {}",
+                    l >= 2 && l <= mc.max_position_embeddings,
+                    "--max-model-len {l} must be between 2 (a prompt token and a generated one) \
+                     and the model's context of {}",
                     mc.max_position_embeddings
                 );
                 l
@@ -429,8 +430,16 @@ pub fn run(config: ServeConfig) -> anyhow::Result<()> {
 fn print_banner(server: &Server, addr: SocketAddr, demo: bool) {
     let s = &server.state;
     let adapters = s.registry.views();
+    // The engine thread resolved the device the same way: CUDA when asked for or found.
+    let backend = match server.config.device {
+        thaw_runtime::backend::DeviceKind::Cuda => "CUDA",
+        thaw_runtime::backend::DeviceKind::Auto if thaw_runtime::backend::cuda_available() => {
+            "CUDA"
+        }
+        _ => "CPU",
+    };
     println!(
-        "thaw: serving `{}` with {} adapter(s) on http://{addr} (CPU backend{})",
+        "thaw: serving `{}` with {} adapter(s) on http://{addr} ({backend} backend{})",
         s.base_name(),
         adapters.len(),
         if demo { ", embedded demo" } else { "" }

@@ -88,6 +88,10 @@ pub struct CudaBackend {
     on_device_scratch: Vec<bool>,
     copy: Option<Arc<CudaStream>>,
     pub(super) export_counter: CudaSlice<u32>,
+    /// The worker pool's exchange, registered for the engine's assist path.
+    pub(super) assist_ex: Option<super::exchange::EngineExchange>,
+    /// Row indices of the assist path's export / merge (reused).
+    pub(super) row_list: Vec<usize>,
     error: Option<CudaError>,
 }
 
@@ -131,6 +135,8 @@ impl CudaBackend {
             on_device_scratch: Vec::new(),
             copy: None,
             export_counter,
+            assist_ex: None,
+            row_list: Vec::new(),
             error: None,
             gpu,
         })
@@ -734,6 +740,45 @@ impl Backend for CudaBackend {
         stride: usize,
     ) {
         op!(self, self.try_merge_host(y, width, rows, src, stride));
+    }
+
+    unsafe fn map_assist_exchange(&mut self, ex: &thaw_ipc::Exchange) -> Result<bool> {
+        // SAFETY: the caller keeps `ex` mapped until unmap_assist_exchange or our drop.
+        unsafe { self.attach_exchange(ex) }?;
+        Ok(true)
+    }
+
+    fn unmap_assist_exchange(&mut self) {
+        self.assist_ex = None;
+    }
+
+    fn export_rows_device(
+        &mut self,
+        x: &CudaSlice<f32>,
+        width: usize,
+        rows: &[Range<usize>],
+        seq: thaw_ipc::StepSeq,
+    ) -> Result<()> {
+        self.export_rows_engine(x, width, rows, seq)
+    }
+
+    fn wait_workers_device(
+        &mut self,
+        seq: thaw_ipc::StepSeq,
+        workers: &[thaw_ipc::WorkerId],
+    ) -> Result<()> {
+        self.wait_workers_engine(seq, workers)
+    }
+
+    fn merge_rows_device(
+        &mut self,
+        y: &mut CudaSlice<f32>,
+        width: usize,
+        module: LoraModule,
+        rows: &[Range<usize>],
+        first: usize,
+    ) -> Result<()> {
+        self.merge_rows_engine(y, width, module, rows, first)
     }
 
     fn logits(
