@@ -7,7 +7,9 @@ mod cache_tail;
 mod cli;
 mod client;
 mod coldstart;
+mod chat;
 mod launch;
+pub(crate) mod metrics;
 pub(crate) mod plot;
 mod prompts;
 mod report;
@@ -15,6 +17,7 @@ mod runner;
 mod scheduling;
 mod scheduling_classes;
 mod scheduling_report;
+mod sweep;
 pub(crate) mod workload;
 
 pub use cache::{run_cache, run_cache_scale, CacheArgs, CacheScaleArgs};
