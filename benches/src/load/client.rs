@@ -273,11 +273,12 @@ impl OpenAiClient {
                         .as_u64()
                         .map(|c| c as usize);
                 }
-                if stop_after.is_some_and(|n| tokens >= n) {
-                    // The client has what it wanted: dropping the body closes the
-                    // connection, which cancels the request on the server.
+                if let Some(n) = stop_after.filter(|&n| tokens >= n) {
+                    // The client has its n tokens (a chunk may carry more; it takes the
+                    // first n): dropping the body closes the connection, which cancels the
+                    // request on the server.
                     t.e2e = Some(start.elapsed());
-                    t.output_tokens = tokens;
+                    t.output_tokens = n;
                     return t;
                 }
             }
