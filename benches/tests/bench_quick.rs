@@ -476,8 +476,14 @@ fn load_quick_multi_turn_sends_growing_conversations() {
     assert_eq!(runs.len(), 1);
     let reqs = check_sweep_run(&runs[0], 12);
     for conv in reqs.chunks(4) {
-        assert!(conv.iter().all(|r| r["model"] == conv[0]["model"]), "one adapter a conversation");
-        let prompts: Vec<u64> = conv.iter().map(|r| r["prompt_tokens"].as_u64().unwrap()).collect();
+        assert!(
+            conv.iter().all(|r| r["model"] == conv[0]["model"]),
+            "one adapter a conversation"
+        );
+        let prompts: Vec<u64> = conv
+            .iter()
+            .map(|r| r["prompt_tokens"].as_u64().unwrap())
+            .collect();
         // A 64-token system prompt, then each turn adds an answer and a 16-token message
         // (the server's count of re-tokenized text can differ by a token or two).
         assert!(prompts[0] >= 64, "{prompts:?}");
@@ -498,7 +504,10 @@ fn load_quick_no_max_tokens_sweeps_rates() {
     assert_eq!(runs.len(), 2);
     for run in runs {
         for r in check_sweep_run(run, 12) {
-            assert_eq!(r["output_tokens"], r["max_tokens"], "cut at the planned output: {r}");
+            assert_eq!(
+                r["output_tokens"], r["max_tokens"],
+                "cut at the planned output: {r}"
+            );
         }
     }
     assert!(report["ttft_slo_s"].as_f64().unwrap() > 0.0);

@@ -284,7 +284,11 @@ fn gateway_inference_manifests_reference_each_other() {
     keys.sort_unstable();
     assert_eq!(
         keys,
-        ["hashBlockSize", "lruCapacityPerServer", "maxPrefixBlocksToMatch"],
+        [
+            "hashBlockSize",
+            "lruCapacityPerServer",
+            "maxPrefixBlocksToMatch"
+        ],
         "only the fields the EPP's prefix.Config reads"
     );
     for (k, v) in params {
@@ -304,7 +308,10 @@ fn gateway_inference_manifests_reference_each_other() {
     for p in profiles {
         if let Some(w) = weight(p, prefix_name) {
             for load in ["queue-scorer", "kv-cache-utilization-scorer"] {
-                assert!(w >= weight(p, load).unwrap_or(0), "{load} outweighs prefix affinity");
+                assert!(
+                    w >= weight(p, load).unwrap_or(0),
+                    "{load} outweighs prefix affinity"
+                );
             }
         }
     }

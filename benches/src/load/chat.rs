@@ -77,6 +77,16 @@ impl ChatArgs {
     }
 }
 
+/// Tokens the chat template may add around a message (ChatML: `<|im_start|>role\n` … `<|im_end|>\n`),
+/// and the generation prompt.
+const TEMPLATE_SLACK: usize = 8;
+
+/// Room to leave beside a message of `tokens` planned tokens: the template's, and the drift of
+/// decoded text re-tokenized by the server (a few percent, more on long texts).
+fn slack(tokens: usize) -> usize {
+    TEMPLATE_SLACK + tokens / 32
+}
+
 /// One turn of a conversation.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Turn {
@@ -114,15 +124,33 @@ pub fn plan(
         chat.think_time.is_finite() && chat.think_time >= 0.0,
         "--think-time must be a non-negative number of seconds"
     );
-    let planned = workload::plan(w, server)?;
+    let mut planned = workload::plan(w, server)?;
     let system = chat.multi_turn && chat.system_prompt_len > 0;
-    if let (true, Some(ctx)) = (chat.multi_turn, server.max_model_len) {
+    if let (1, false, Some(ctx)) = (t, system, server.max_model_len) {
+        // One message: leave the chat template room (the plan fits prompt + output to the
+        // context exactly, as for token-id prompts).
+        for p in &mut planned {
+            p.output_len = p
+                .output_len
+                .min(ctx.saturating_sub(p.prompt_len + slack(p.prompt_len)))
+                .max(1);
+        }
+    }
+    if let (true, Some(ctx)) = (chat.multi_turn && t > 1 || system, server.max_model_len) {
         // The last turn carries everything before it; allow the template a few tokens a message.
         let longest = planned
             .chunks(t)
             .map(|c| {
-                let turns: usize = c.iter().map(|p| p.prompt_len + p.output_len + 8).sum();
-                turns + if system { chat.system_prompt_len + 8 } else { 0 }
+                let turns: usize = c
+                    .iter()
+                    .map(|p| p.prompt_len + p.output_len + slack(p.prompt_len + p.output_len))
+                    .sum();
+                turns
+                    + if system {
+                        chat.system_prompt_len + slack(chat.system_prompt_len)
+                    } else {
+                        0
+                    }
             })
             .max()
             .unwrap_or(0);
@@ -219,6 +247,7 @@ pub async fn run(
     let start = tokio::time::Instant::now();
     let t0 = Instant::now();
     let no_max = chat.no_max_tokens;
+    let system_len = chat.system_prompt_len;
     let mut tasks = Vec::with_capacity(convs.len());
     for conv in convs {
         let (client, bar, conv) = (client.clone(), bar.clone(), Arc::new(conv.clone()));
@@ -230,6 +259,9 @@ pub async fn run(
         tasks.push(tokio::spawn(async move {
             tokio::time::sleep_until(start + Duration::from_secs_f64(conv.at_s)).await;
             let mut answers: Vec<String> = Vec::new();
+            // The prompt's planned tokens, for a turn whose usage never arrived (a stream
+            // the client ended): the system prompt and every earlier message.
+            let mut planned = conv.system.as_ref().map_or(0, |_| system_len);
             let mut records = Vec::with_capacity(conv.turns.len());
             let mut failed: Option<String> = None;
             for (j, turn) in conv.turns.iter().enumerate() {
@@ -241,7 +273,7 @@ pub async fn run(
                     scheduled_s: sent_s,
                     sent_s,
                     sent_unix_s,
-                    prompt_tokens: 0,
+                    prompt_tokens: turn.user_tokens,
                     cached_tokens: None,
                     max_tokens: turn.output_len,
                     output_tokens: 0,
@@ -282,7 +314,9 @@ pub async fn run(
                 };
                 let mut r = record(sent_s, sent_unix_s, t.error.clone());
                 r.scheduled_s = if j == 0 { conv.at_s } else { sent_s };
-                r.prompt_tokens = t.prompt_tokens.unwrap_or(0);
+                planned += turn.user_tokens;
+                r.prompt_tokens = t.prompt_tokens.unwrap_or(planned);
+                planned += turn.output_len;
                 r.cached_tokens = t.cached_tokens;
                 r.output_tokens = t.output_tokens;
                 r.ttft_s = t.ttft.filter(|_| ok).map(|d| d.as_secs_f64());
@@ -367,7 +401,10 @@ mod tests {
         assert_eq!(convs.len(), 8);
         assert_eq!(convs.iter().map(|c| c.turns.len()).sum::<usize>(), 30);
         assert_eq!(convs[7].turns.len(), 2);
-        let ids: Vec<usize> = convs.iter().flat_map(|c| c.turns.iter().map(|t| t.id)).collect();
+        let ids: Vec<usize> = convs
+            .iter()
+            .flat_map(|c| c.turns.iter().map(|t| t.id))
+            .collect();
         assert_eq!(ids, (0..30).collect::<Vec<_>>());
         assert!(convs.windows(2).all(|c| c[0].at_s <= c[1].at_s));
         // One system prompt per adapter: equal under one adapter, different across two.
@@ -411,7 +448,9 @@ mod tests {
         };
         let convs = plan(&one, &w(6), &server(2, 100), &PromptSource::random()).unwrap();
         assert_eq!(convs.len(), 6);
-        assert!(convs.iter().all(|c| c.system.is_none() && c.turns.len() == 1));
+        assert!(convs
+            .iter()
+            .all(|c| c.system.is_none() && c.turns.len() == 1));
         assert_eq!(messages(&convs[0], &[], 0).len(), 1);
     }
 }

@@ -38,7 +38,11 @@ pub fn metric_sum(text: &str, name: &str) -> Option<f64> {
             continue;
         };
         // A sample may end with a timestamp after the value.
-        if let Some(v) = value.split_whitespace().next().and_then(|v| v.parse::<f64>().ok()) {
+        if let Some(v) = value
+            .split_whitespace()
+            .next()
+            .and_then(|v| v.parse::<f64>().ok())
+        {
             *found.get_or_insert(0.0) += v;
         }
     }
@@ -185,7 +189,10 @@ mod tests {
         assert_eq!(c.hit_rate(), Some(0.4));
         let later = Counters::read(&TEXT.replace("600", "900").replace("1000", "1300"));
         let d = later.since(&c);
-        assert_eq!((d.prefix_hits, d.prefix_queries), (Some(300.0), Some(300.0)));
+        assert_eq!(
+            (d.prefix_hits, d.prefix_queries),
+            (Some(300.0), Some(300.0))
+        );
         assert_eq!(d.hit_rate(), Some(1.0));
         assert_eq!(Counters::default().since(&c).hit_rate(), None);
         let mut p = Peaks::default();

@@ -4,10 +4,10 @@
 //! (`thaw-bench scheduling`). Measures TTFT, TPOT and end-to-end latency at the client.
 mod cache;
 mod cache_tail;
+mod chat;
 mod cli;
 mod client;
 mod coldstart;
-mod chat;
 mod launch;
 pub(crate) mod metrics;
 pub(crate) mod plot;

@@ -120,7 +120,10 @@ pub fn table(runs: &[RateRun], slo_s: f64) -> String {
         s,
         "| rate | sent | done | failed | TTFT P50 | TTFT P99 | E2E P99 | done/s | goodput/s | hit rate (usage) | hit rate (metrics) | preemptions | peak running | peak waiting |"
     );
-    let _ = writeln!(s, "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    let _ = writeln!(
+        s,
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+    );
     for r in runs {
         let m = &r.summary;
         let _ = writeln!(
@@ -142,7 +145,11 @@ pub fn table(runs: &[RateRun], slo_s: f64) -> String {
             num(r.peaks.waiting),
         );
     }
-    if let Some(turns) = runs.first().map(|r| r.ttft_by_turn.len()).filter(|&t| t > 1) {
+    if let Some(turns) = runs
+        .first()
+        .map(|r| r.ttft_by_turn.len())
+        .filter(|&t| t > 1)
+    {
         let _ = writeln!(s, "\nTTFT P50 / P99 by turn, ms:\n");
         let head: Vec<String> = (1..=turns).map(|j| format!("turn {j}")).collect();
         let _ = writeln!(s, "| rate | {} |", head.join(" | "));
@@ -335,7 +342,10 @@ mod tests {
         assert_eq!(highest_within(&pts, 1.0), Some(8.0));
         assert_eq!(highest_within(&pts, 0.1), None);
         // A failure breaks the run too.
-        assert_eq!(highest_within(&[(1.0, 0.1, 0), (2.0, 0.1, 1)], 1.0), Some(1.0));
+        assert_eq!(
+            highest_within(&[(1.0, 0.1, 0), (2.0, 0.1, 1)], 1.0),
+            Some(1.0)
+        );
         assert_eq!(highest_within(&[(1.0, f64::NAN, 0)], 1.0), None);
     }
 

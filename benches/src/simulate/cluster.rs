@@ -335,19 +335,37 @@ mod tests {
             assert_eq!(r.finished, rs.len());
             // The last turn of the last conversation came three answers and think times
             // after its start, so the arrivals span more than the starts do.
-            assert!(r.arrival_span > 29.0 * 0.05 + 3.0 * 0.2, "{}", r.arrival_span);
+            assert!(
+                r.arrival_span > 29.0 * 0.05 + 3.0 * 0.2,
+                "{}",
+                r.arrival_span
+            );
         }
         assert_eq!((off.prefix_queried, off.prefix_hits), (0, 0));
         let queried: usize = rs.iter().map(|r| r.prompt).sum();
         assert_eq!(on.prefix_queried, queried as u64);
         // Turn 1 of each conversation can reuse at most its adapter's system prompt (288 of
         // 300 tokens in blocks of 16); turns 2-4 also their conversation's earlier turns.
-        assert!(on.prefix_hits as f64 > 0.6 * queried as f64, "{} of {queried}", on.prefix_hits);
+        assert!(
+            on.prefix_hits as f64 > 0.6 * queried as f64,
+            "{} of {queried}",
+            on.prefix_hits
+        );
         let mean_later = |r: &SimResult| {
-            let v: Vec<f64> = r.ttft_by_id.iter().filter(|x| x.0 % 4 != 0).map(|x| x.1).collect();
+            let v: Vec<f64> = r
+                .ttft_by_id
+                .iter()
+                .filter(|x| x.0 % 4 != 0)
+                .map(|x| x.1)
+                .collect();
             v.iter().sum::<f64>() / v.len() as f64
         };
-        assert!(mean_later(&on) < mean_later(&off), "{} vs {}", mean_later(&on), mean_later(&off));
+        assert!(
+            mean_later(&on) < mean_later(&off),
+            "{} vs {}",
+            mean_later(&on),
+            mean_later(&off)
+        );
     }
 
     #[test]

@@ -210,9 +210,7 @@ pub fn run(args: &SimulateArgs) -> anyhow::Result<(Vec<Row>, String)> {
             for &n in &args.instances {
                 let mut w = match args.workload {
                     SimWorkload::Azure => workload::build(&args, model, &trace, &server, pop, n)?,
-                    SimWorkload::MultiTurn => {
-                        workload::build_chat(&args, model, &server, pop, n)?
-                    }
+                    SimWorkload::MultiTurn => workload::build_chat(&args, model, &server, pop, n)?,
                 };
                 for &caching in &args.prefix_caching {
                     w.ctx.prefix_caching = caching;
@@ -346,7 +344,10 @@ mod tests {
         for k in [RouterKind::PrefixAffinity, RouterKind::EppPrefix] {
             let on = row(k, true);
             assert!(on.prefix_hit_rate > 0.6, "{text}");
-            assert!(on.prefix_hit_rate > row(RouterKind::Random, true).prefix_hit_rate, "{text}");
+            assert!(
+                on.prefix_hit_rate > row(RouterKind::Random, true).prefix_hit_rate,
+                "{text}"
+            );
             let best_off = RouterKind::ALL
                 .iter()
                 .map(|&o| row(o, false).p50_ttft_s)

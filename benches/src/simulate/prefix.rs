@@ -267,7 +267,10 @@ mod tests {
         let h = c.lookup(&next, t1.prompt(), 16);
         assert_eq!((h.segments, h.blocks, h.tokens), (3, 9, 144));
         // Another adapter: nothing; another conversation of the adapter: the system prompt.
-        assert_eq!(c.lookup(&segments(6, &t1, false), t1.prompt(), 16).segments, 0);
+        assert_eq!(
+            c.lookup(&segments(6, &t1, false), t1.prompt(), 16).segments,
+            0
+        );
         let other = segments(5, &turn(2, 1), false);
         assert_eq!(c.lookup(&other, t1.prompt(), 16).tokens, 96);
         // A prompt that is entirely cached still computes its last token (and its block):

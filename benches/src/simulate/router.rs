@@ -333,14 +333,26 @@ mod tests {
         // 200 + 40 + 24 = 264 tokens: 16 blocks; the system prompt alone: 12.
         assert_eq!(blocks, vec![0, 16, 12, 0]);
         for kind in [RouterKind::PrefixAffinity, RouterKind::EppPrefix] {
-            assert_eq!(pick(kind, &next, &insts, &m, &ctx, 0.0, &mut rng), 1, "{kind:?}");
+            assert_eq!(
+                pick(kind, &next, &insts, &m, &ctx, 0.0, &mut rng),
+                1,
+                "{kind:?}"
+            );
         }
         // A new conversation of adapter 3: instances 1 and 2 hold its system prompt; the
         // tie goes to the one with fewer outstanding requests.
         insts[1].enqueue(req(9, 8), &m, 0.0);
         let fresh = chat(3, 7, 0);
         for _ in 0..20 {
-            let i = pick(RouterKind::PrefixAffinity, &fresh, &insts, &m, &ctx, 0.0, &mut rng);
+            let i = pick(
+                RouterKind::PrefixAffinity,
+                &fresh,
+                &insts,
+                &m,
+                &ctx,
+                0.0,
+                &mut rng,
+            );
             assert_eq!(i, 2);
         }
         assert_eq!(prefix_share(16, 264, 16), 1.0);

@@ -9,8 +9,8 @@ use rand_chacha::ChaCha8Rng;
 use rand_distr::{Distribution, Exp};
 
 use super::instance::SimRequest;
-use super::prefix::ChatTurn;
 use super::model::InstanceModel;
+use super::prefix::ChatTurn;
 use super::router::RouteCtx;
 use super::SimulateArgs;
 use crate::load::workload::{
@@ -209,8 +209,7 @@ pub fn build_chat(
         args.answer_len.max(1) as u32,
     );
     // Mean prompt over the turns: the system prompt, half the earlier exchanges, a message.
-    let mean_prompt =
-        sys as f64 + (turns - 1) as f64 / 2.0 * (user + answer) as f64 + user as f64;
+    let mean_prompt = sys as f64 + (turns - 1) as f64 / 2.0 * (user + answer) as f64 + user as f64;
     let rate = offered_rate(model, args.load, instances, mean_prompt, answer as f64);
     let conv_rate = rate / turns as f64;
     let mut rng = ChaCha8Rng::seed_from_u64(wargs.seed ^ 0xC0_4E);
