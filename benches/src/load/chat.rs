@@ -24,7 +24,7 @@ use serde_json::{json, Value};
 
 use super::client::OpenAiClient;
 use super::prompts::PromptSource;
-use super::runner::{RequestRecord, RunOptions};
+use super::runner::{unix_now, RequestRecord, RunOptions};
 use super::workload::{self, ServerInfo, WorkloadArgs};
 
 /// The chat workloads' options (flattened into `thaw-bench load`).
@@ -175,7 +175,7 @@ pub fn plan(
         .then(|| Exp::new(1.0 / chat.think_time))
         .transpose()
         .context("--think-time")?;
-    let mut rng = ChaCha8Rng::seed_from_u64(w.seed ^ 0x7468_696e_6b);
+    let mut rng = ChaCha8Rng::seed_from_u64(w.seed ^ 0x0074_6869_6e6b);
     let mut out = Vec::new();
     for (k, chunk) in planned.chunks(t).enumerate() {
         let first = &chunk[0];
@@ -333,22 +333,32 @@ pub async fn run(
         }));
     }
     let mut records = Vec::with_capacity(total);
-    for task in tasks {
+    for (task, conv) in tasks.into_iter().zip(convs) {
         match task.await {
             Ok(r) => records.extend(r),
-            Err(e) => eprintln!("a conversation's task failed: {e}"),
+            // Every planned turn keeps a record: the conversation's turns count as failed.
+            Err(e) => records.extend(conv.turns.iter().map(|t| RequestRecord {
+                id: t.id,
+                instance: 0,
+                model: String::new(),
+                rank: None,
+                scheduled_s: conv.at_s,
+                sent_s: conv.at_s,
+                sent_unix_s: 0.0,
+                prompt_tokens: t.user_tokens,
+                cached_tokens: None,
+                max_tokens: t.output_len,
+                output_tokens: 0,
+                ttft_s: None,
+                tpot_s: None,
+                e2e_s: None,
+                error: Some(format!("client task failed: {e}")),
+            })),
         }
     }
     records.sort_by_key(|r| r.id);
     bar.finish_and_clear();
     (records, t0.elapsed())
-}
-
-fn unix_now() -> f64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs_f64())
-        .unwrap_or(0.0)
 }
 
 #[cfg(test)]

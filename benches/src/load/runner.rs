@@ -159,7 +159,8 @@ pub async fn run_routed(
     (records, t0.elapsed())
 }
 
-fn unix_now() -> f64 {
+/// Now, as Unix seconds.
+pub(super) fn unix_now() -> f64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_secs_f64())
