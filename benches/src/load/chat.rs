@@ -112,11 +112,14 @@ pub struct Conversation {
 /// adapters, lengths) at `--rate` for the turns, conversation k taking requests k·T … k·T+T−1
 /// (its start and adapter from the first, each turn's lengths from its own); the last
 /// conversation is shorter when T does not divide --requests.
+/// `system_seed` picks the adapters' system prompts (keep it across runs: an adapter's system
+/// prompt does not change), `w.seed` everything else.
 pub fn plan(
     chat: &ChatArgs,
     w: &WorkloadArgs,
     server: &ServerInfo,
     prompts: &PromptSource,
+    system_seed: u64,
 ) -> anyhow::Result<Vec<Conversation>> {
     let t = chat.turns();
     anyhow::ensure!(t >= 1, "--turns must be at least 1");
@@ -163,7 +166,7 @@ pub fn plan(
     // One system prompt per adapter (index len() for the base model), the same on every run.
     let n_sys = server.adapters.len() + 1;
     let sys_texts = if system {
-        prompts.texts(&vec![chat.system_prompt_len; n_sys], w.seed ^ 0x5157)
+        prompts.texts(&vec![chat.system_prompt_len; n_sys], system_seed ^ 0x5157)
     } else {
         Vec::new()
     };
@@ -406,7 +409,7 @@ mod tests {
     fn conversations_share_their_adapters_system_prompt_and_grow_turn_by_turn() {
         let s = server(5, 2048);
         let src = PromptSource::random();
-        let convs = plan(&multi(), &w(30), &s, &src).unwrap();
+        let convs = plan(&multi(), &w(30), &s, &src, 1).unwrap();
         // 30 turns: seven conversations of 4 and one of 2.
         assert_eq!(convs.len(), 8);
         assert_eq!(convs.iter().map(|c| c.turns.len()).sum::<usize>(), 30);
@@ -442,12 +445,20 @@ mod tests {
             }
             prev = m;
         }
-        assert_eq!(plan(&multi(), &w(30), &s, &src).unwrap(), convs);
+        assert_eq!(plan(&multi(), &w(30), &s, &src, 1).unwrap(), convs);
+        // Another workload seed: other conversations, the same system prompt per adapter.
+        let other = plan(&multi(), &WorkloadArgs { seed: 99, ..w(30) }, &s, &src, 1).unwrap();
+        assert_ne!(other[0].turns[0].user, convs[0].turns[0].user);
+        for a in &convs {
+            for b in other.iter().filter(|b| b.adapter == a.adapter) {
+                assert_eq!(a.system, b.system);
+            }
+        }
     }
 
     #[test]
     fn a_conversation_longer_than_the_context_is_refused_and_single_requests_have_no_system() {
-        let e = plan(&multi(), &w(8), &server(2, 100), &PromptSource::random())
+        let e = plan(&multi(), &w(8), &server(2, 100), &PromptSource::random(), 1)
             .unwrap_err()
             .to_string();
         assert!(e.contains("--system-prompt-len"), "{e}");
@@ -456,7 +467,7 @@ mod tests {
             no_max_tokens: true,
             ..multi()
         };
-        let convs = plan(&one, &w(6), &server(2, 100), &PromptSource::random()).unwrap();
+        let convs = plan(&one, &w(6), &server(2, 100), &PromptSource::random(), 1).unwrap();
         assert_eq!(convs.len(), 6);
         assert!(convs
             .iter()

@@ -1,6 +1,7 @@
 //! `thaw-bench load --rates A,B,…` and the chat workloads (`--multi-turn`, `--no-max-tokens`):
-//! the same seeded workload at each rate, lowest first, on one server, each run starting on an
-//! idle server. Per rate: done/failed, TTFT P50/P99, E2E P99, goodput within the TTFT SLO, the
+//! the workload at each rate, lowest first, on one server, each run starting on an idle server
+//! and sending its own requests (seed `--seed` + the rate's index; the adapters' system prompts
+//! stay the same), so a prefix cache cannot serve one rate from another's. Per rate: done/failed, TTFT P50/P99, E2E P99, goodput within the TTFT SLO, the
 //! prefix-cache hit rate (from `usage.prompt_tokens_details.cached_tokens`, and from the
 //! `vllm:prefix_cache_*` counters' change), preemptions, and the peak running batch and queue
 //! (`/metrics` polled every 100 ms). Then the highest rate within the SLO: the largest rate up
@@ -197,10 +198,13 @@ pub async fn run(
     rates.sort_by(f64::total_cmp);
     let client_arc = Arc::new(client.clone());
     let mut runs = Vec::new();
-    for &rate in &rates {
+    for (i, &rate) in rates.iter().enumerate() {
+        // Each rate sends other requests (seed + i): a server with a prefix cache must not
+        // find the previous rate's conversations in it. The adapters' system prompts stay.
         let w = WorkloadArgs {
             rate: Some(rate),
             token_rate: None,
+            seed: workload.seed.wrapping_add(i as u64),
             ..workload.clone()
         };
         let opts = RunOptions {
@@ -219,7 +223,7 @@ pub async fn run(
             stop_rx,
         ));
         let (records, summary) = if args.chat.any() {
-            let convs = chat::plan(&args.chat, &w, server, prompts)?;
+            let convs = chat::plan(&args.chat, &w, server, prompts, workload.seed)?;
             let (records, wall) = chat::run(client, server, &args.chat, &convs, &opts).await;
             let summary = Summary::of(&records, wall.as_secs_f64());
             (records, summary)
