@@ -112,9 +112,7 @@ fn drop_stream(addr: SocketAddr, body: &str) -> std::io::Result<()> {
 }
 
 fn metric(text: &str, name: &str) -> f64 {
-    text.lines()
-        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
-        .unwrap_or(f64::NAN)
+    crate::load::metrics::metric_sum(text, name).unwrap_or(f64::NAN)
 }
 
 const MIB: f64 = 1024.0 * 1024.0;

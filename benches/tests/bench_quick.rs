@@ -428,3 +428,87 @@ fn cache_scale_quick_reports_throughput_and_memory() {
         assert!(r["rss_end_kib"].as_u64().unwrap() > 0, "{r}");
     }
 }
+
+/// Runs `thaw-bench load --quick --no-progress ARGS… --url URL` against a fresh server and
+/// returns the table and the sweep report.
+fn load_sweep(args: &[&str]) -> (String, Value) {
+    let dir = tempfile::tempdir().unwrap();
+    let (model, adapters) = demo(dir.path());
+    let (_server, url) = serve(&model, &adapters);
+    let out = dir.path().join("out");
+    let mut all = vec!["load", "--quick", "--no-progress", "--url", &url];
+    all.extend_from_slice(args);
+    let out_s = out.to_str().unwrap().to_string();
+    all.extend_from_slice(&["--out", &out_s]);
+    let table = run_ok(&thaw_bench(), &all);
+    let report: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("load-sweep.json")).unwrap())
+            .unwrap();
+    (table, report)
+}
+
+fn check_sweep_run(run: &Value, sent: u64) -> &Vec<Value> {
+    let s = &run["summary"];
+    assert_eq!(s["sent"].as_u64(), Some(sent), "{s}");
+    assert_eq!(s["completed"].as_u64(), Some(sent), "{}", s["errors"]);
+    assert_eq!(s["failed"].as_u64(), Some(0), "{}", s["errors"]);
+    let reqs = run["records"].as_array().unwrap();
+    assert_eq!(reqs.len() as u64, sent);
+    for r in reqs {
+        let (ttft, e2e) = (r["ttft_s"].as_f64().unwrap(), r["e2e_s"].as_f64().unwrap());
+        assert!(ttft > 0.0 && ttft <= e2e, "{r}");
+    }
+    // The /metrics poller sampled the run (today's server has no prefix-cache counters:
+    // those are absent, not zero).
+    assert!(run["peaks"]["samples"].as_u64().unwrap() >= 1, "{run}");
+    reqs
+}
+
+/// `--multi-turn`: 12 turns in conversations of 4 sent as chat messages; each turn's prompt
+/// carries the system prompt and the earlier turns, so it is longer than the one before.
+#[test]
+fn load_quick_multi_turn_sends_growing_conversations() {
+    let (table, report) = load_sweep(&["--multi-turn", "--popularity", "zipf"]);
+    assert!(table.contains("multi-turn workload"), "{table}");
+    assert!(table.contains("TTFT P50 / P99 by turn"), "{table}");
+    assert!(table.contains("highest rate within the SLO"), "{table}");
+    let runs = report["runs"].as_array().unwrap();
+    assert_eq!(runs.len(), 1);
+    let reqs = check_sweep_run(&runs[0], 12);
+    for conv in reqs.chunks(4) {
+        assert!(
+            conv.iter().all(|r| r["model"] == conv[0]["model"]),
+            "one adapter a conversation"
+        );
+        let prompts: Vec<u64> = conv
+            .iter()
+            .map(|r| r["prompt_tokens"].as_u64().unwrap())
+            .collect();
+        // A 64-token system prompt, then each turn adds an answer and a 16-token message
+        // (the server's count of re-tokenized text can differ by a token or two).
+        assert!(prompts[0] >= 64, "{prompts:?}");
+        assert!(prompts.windows(2).all(|w| w[1] > w[0] + 16), "{prompts:?}");
+        assert!(conv.iter().all(|r| r["output_tokens"] == 4), "{conv:?}");
+    }
+}
+
+/// `--no-max-tokens --rates 10,20`: chat requests without max_tokens, each cut by the client
+/// after its planned output; two rates, every request done, exactly its planned tokens.
+#[test]
+fn load_quick_no_max_tokens_sweeps_rates() {
+    let (table, report) = load_sweep(&["--no-max-tokens", "--rates", "10,20"]);
+    assert!(table.contains("no max_tokens sent"), "{table}");
+    assert!(table.contains("| 10.00 | 12 | 12 | 0 |"), "{table}");
+    assert!(table.contains("| 20.00 | 12 | 12 | 0 |"), "{table}");
+    let runs = report["runs"].as_array().unwrap();
+    assert_eq!(runs.len(), 2);
+    for run in runs {
+        for r in check_sweep_run(run, 12) {
+            assert_eq!(
+                r["output_tokens"], r["max_tokens"],
+                "cut at the planned output: {r}"
+            );
+        }
+    }
+    assert!(report["ttft_slo_s"].as_f64().unwrap() > 0.0);
+}

@@ -269,6 +269,52 @@ fn gateway_inference_manifests_reference_each_other() {
         .map(|p| p["name"].as_str().or(p["type"].as_str()).unwrap())
         .collect();
     assert!(defined.contains(&"lora-affinity-scorer"));
+    // Prefix-cache affinity (issue 28): the EPP v1.0 plugin with exactly its three parameters
+    // (hashBlockSize, maxPrefixBlocksToMatch, lruCapacityPerServer; positive integers, or the
+    // EPP falls back to its defaults or refuses the file), and a weight in every profile that
+    // scores by it at least the load scorers' so affinity can win a tie-break on load.
+    let prefix = plugins["plugins"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .find(|p| p["type"] == "prefix-cache-scorer")
+        .expect("the prefix-cache-scorer plugin is defined");
+    let params = prefix["parameters"].as_mapping().expect("its parameters");
+    let mut keys: Vec<&str> = params.keys().map(|k| k.as_str().unwrap()).collect();
+    keys.sort_unstable();
+    assert_eq!(
+        keys,
+        [
+            "hashBlockSize",
+            "lruCapacityPerServer",
+            "maxPrefixBlocksToMatch"
+        ],
+        "only the fields the EPP's prefix.Config reads"
+    );
+    for (k, v) in params {
+        assert!(v.as_u64().is_some_and(|n| n > 0), "{k:?} = {v:?}");
+    }
+    let weight = |profile: &Value, name: &str| -> Option<u64> {
+        profile["plugins"]
+            .as_sequence()
+            .unwrap()
+            .iter()
+            .find(|r| r["pluginRef"] == name)
+            .map(|r| r["weight"].as_u64().unwrap_or(1))
+    };
+    let profiles = plugins["schedulingProfiles"].as_sequence().unwrap();
+    let prefix_name = prefix["name"].as_str().or(prefix["type"].as_str()).unwrap();
+    assert!(profiles.iter().any(|p| weight(p, prefix_name).is_some()));
+    for p in profiles {
+        if let Some(w) = weight(p, prefix_name) {
+            for load in ["queue-scorer", "kv-cache-utilization-scorer"] {
+                assert!(
+                    w >= weight(p, load).unwrap_or(0),
+                    "{load} outweighs prefix affinity"
+                );
+            }
+        }
+    }
     for profile in plugins["schedulingProfiles"].as_sequence().unwrap() {
         for r in profile["plugins"].as_sequence().unwrap() {
             let name = r["pluginRef"].as_str().unwrap();

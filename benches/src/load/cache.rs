@@ -222,9 +222,7 @@ impl Prepared {
 
 /// The value of a Prometheus sample line `name value` (labels included in `name`).
 fn metric(text: &str, name: &str) -> f64 {
-    text.lines()
-        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
-        .unwrap_or(f64::NAN)
+    super::metrics::metric_sum(text, name).unwrap_or(f64::NAN)
 }
 
 /// The text of `path` from byte `from` on (lossy UTF-8).

@@ -287,6 +287,7 @@ mod tests {
             sent_s: at,
             sent_unix_s: at,
             prompt_tokens: 10,
+            cached_tokens: None,
             max_tokens: 4,
             output_tokens: 4,
             ttft_s: ttft,

@@ -5,6 +5,7 @@ use std::time::Duration;
 use anyhow::Context;
 use serde::Serialize;
 
+use super::chat::ChatArgs;
 use super::client::OpenAiClient;
 use super::plot::write_cdfs;
 use super::prompts::PromptSource;
@@ -25,6 +26,18 @@ pub struct LoadArgs {
     pub api_key: Option<String>,
     #[command(flatten)]
     pub workload: WorkloadArgs,
+    #[command(flatten)]
+    pub chat: ChatArgs,
+    /// Rates to sweep (requests/s), lowest first, on the same server (each run starts on an
+    /// idle server): a table per rate and the highest rate within --ttft-slo-ms, with the
+    /// prefix-cache hit rate, preemptions and the peak running batch (from /metrics). Chat
+    /// workloads (--multi-turn, --no-max-tokens) print this table even for one rate.
+    #[arg(long, value_delimiter = ',')]
+    pub rates: Vec<f64>,
+    /// TTFT SLO of --rates, ms: a rate is within it when its P99 TTFT is [default: 5x the
+    /// lowest rate's P50 TTFT].
+    #[arg(long)]
+    pub ttft_slo_ms: Option<f64>,
     /// tokenizer.json (or its directory) to build prompts from [default: the one in the base
     /// model's `root` directory when the server is local, else random byte-token ids].
     #[arg(long)]
@@ -38,8 +51,8 @@ pub struct LoadArgs {
     /// No progress bar.
     #[arg(long)]
     pub no_progress: bool,
-    /// A seconds-long run (12 requests at 20 req/s, 16-token prompts, 4 output tokens) for
-    /// the test suite.
+    /// A seconds-long run (12 requests at 20 req/s, 16-token prompts, 4 output tokens; with
+    /// --multi-turn a 64-token system prompt) for the test suite.
     #[arg(long)]
     pub quick: bool,
 }
@@ -170,6 +183,17 @@ pub fn run(args: &LoadArgs) -> anyhow::Result<String> {
             );
         }
         let prompts = prompt_source(args.tokenizer.as_deref(), &server)?;
+        if args.chat.any() || !args.rates.is_empty() {
+            anyhow::ensure!(
+                clients.len() == 1,
+                "--rates and the chat workloads (--multi-turn, --no-max-tokens) run against one --url"
+            );
+            let mut args = args.clone();
+            if args.quick {
+                args.chat.system_prompt_len = args.chat.system_prompt_len.min(64);
+            }
+            return super::sweep::run(&args, &workload, client, &server, &prompts).await;
+        }
         let opts = RunOptions {
             request_timeout: Duration::from_secs_f64(args.request_timeout),
             progress: !args.no_progress,

@@ -1,6 +1,6 @@
 //! A small async HTTP/1.1 client for OpenAI-compatible servers (plain `http://`; benchmarks
-//! run on loopback or a private network): `GET /v1/models`, `GET /health`, and a streaming
-//! `POST /v1/completions` timed at the client.
+//! run on loopback or a private network): `GET /v1/models`, `GET /health`, and streaming
+//! `POST /v1/completions` and `POST /v1/chat/completions` timed at the client.
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
@@ -24,6 +24,11 @@ pub struct Timing {
     pub output_tokens: usize,
     /// Prompt tokens from the usage chunk.
     pub prompt_tokens: Option<usize>,
+    /// `usage.prompt_tokens_details.cached_tokens` (OpenAI's field; servers with prefix
+    /// caching report it), None when the server does not.
+    pub cached_tokens: Option<usize>,
+    /// The generated text (completions' `text`, chat's `delta.content`), concatenated.
+    pub text: String,
     pub error: Option<String>,
 }
 
@@ -131,9 +136,51 @@ impl OpenAiClient {
             "stream": true,
             "stream_options": {"include_usage": true},
         });
-        let req = self.request(Method::POST, "/v1/completions", Some(&body));
+        self.stream_post("/v1/completions", &body, None, timeout)
+            .await
+    }
+
+    /// One streamed chat completion of `messages` (`{"role", "content"}` objects; the server
+    /// applies its chat template). `max_tokens` None sends none, as chat clients do (the server
+    /// then allows the rest of the context); `stop_after` Some(n) ends the stream at the
+    /// client after n generated tokens (counted from the chunks' logprobs, which it asks for):
+    /// an end of generation the server could not foresee, like an EOS.
+    pub async fn stream_chat(
+        &self,
+        model: &str,
+        messages: &[Value],
+        max_tokens: Option<usize>,
+        stop_after: Option<usize>,
+        timeout: Duration,
+    ) -> Timing {
+        let mut body = json!({
+            "model": model,
+            "messages": messages,
+            "ignore_eos": true,
+            "temperature": 0.0,
+            "stream": true,
+            "stream_options": {"include_usage": true},
+        });
+        if let Some(m) = max_tokens {
+            body["max_tokens"] = json!(m);
+        }
+        if stop_after.is_some() {
+            body["logprobs"] = json!(true);
+        }
+        self.stream_post("/v1/chat/completions", &body, stop_after, timeout)
+            .await
+    }
+
+    async fn stream_post(
+        &self,
+        path: &str,
+        body: &Value,
+        stop_after: Option<usize>,
+        timeout: Duration,
+    ) -> Timing {
+        let req = self.request(Method::POST, path, Some(body));
         let start = Instant::now();
-        match tokio::time::timeout(timeout, self.stream(req, start)).await {
+        match tokio::time::timeout(timeout, self.stream(req, start, stop_after)).await {
             Ok(t) => t,
             Err(_) => Timing {
                 error: Some(format!("timed out after {:.0} s", timeout.as_secs_f64())),
@@ -142,7 +189,12 @@ impl OpenAiClient {
         }
     }
 
-    async fn stream(&self, req: Request<Full<Bytes>>, start: Instant) -> Timing {
+    async fn stream(
+        &self,
+        req: Request<Full<Bytes>>,
+        start: Instant,
+        stop_after: Option<usize>,
+    ) -> Timing {
         let mut t = Timing::default();
         let resp = match self.http.request(req).await {
             Ok(r) => r,
@@ -164,6 +216,7 @@ impl OpenAiClient {
         }
         let mut sse = SseParser::default();
         let mut chunks = 0usize;
+        let mut tokens = 0usize;
         let mut done = false;
         while let Some(frame) = body.frame().await {
             let frame = match frame {
@@ -195,11 +248,11 @@ impl OpenAiClient {
                     ));
                     return t;
                 }
-                let has_tokens = v["choices"].as_array().is_some_and(|c| {
-                    c.iter().any(|c| {
-                        c["text"].as_str().is_some_and(|s| !s.is_empty())
-                            || c["finish_reason"].is_string()
-                    })
+                let choices = v["choices"].as_array().map(Vec::as_slice).unwrap_or(&[]);
+                let has_tokens = choices.iter().any(|c| {
+                    !chunk_text(c).is_empty()
+                        || c["finish_reason"].is_string()
+                        || chunk_tokens(c) > 0
                 });
                 if has_tokens {
                     chunks += 1;
@@ -207,11 +260,26 @@ impl OpenAiClient {
                         t.ttft = Some(start.elapsed());
                     }
                 }
+                for c in choices {
+                    t.text.push_str(chunk_text(c));
+                    tokens += chunk_tokens(c);
+                }
                 if let Some(u) = v.get("usage").filter(|u| u.is_object()) {
                     if let Some(c) = u["completion_tokens"].as_u64() {
                         t.output_tokens = c as usize;
                     }
                     t.prompt_tokens = u["prompt_tokens"].as_u64().map(|p| p as usize);
+                    t.cached_tokens = u["prompt_tokens_details"]["cached_tokens"]
+                        .as_u64()
+                        .map(|c| c as usize);
+                }
+                if let Some(n) = stop_after.filter(|&n| tokens >= n) {
+                    // The client has its n tokens (a chunk may carry more; it takes the
+                    // first n): dropping the body closes the connection, which cancels the
+                    // request on the server.
+                    t.e2e = Some(start.elapsed());
+                    t.output_tokens = n;
+                    return t;
                 }
             }
         }
@@ -226,6 +294,24 @@ impl OpenAiClient {
         }
         t
     }
+}
+
+/// The text a streamed choice carries: completions' `text` or chat's `delta.content`.
+fn chunk_text(choice: &Value) -> &str {
+    choice["text"]
+        .as_str()
+        .or_else(|| choice["delta"]["content"].as_str())
+        .unwrap_or("")
+}
+
+/// Tokens a streamed choice carries, from its logprobs (completions' `tokens`, chat's
+/// `content` entries): 0 without logprobs.
+fn chunk_tokens(choice: &Value) -> usize {
+    let lp = &choice["logprobs"];
+    lp["tokens"]
+        .as_array()
+        .or_else(|| lp["content"].as_array())
+        .map_or(0, Vec::len)
 }
 
 /// The OpenAI error body's message, or the body itself.
@@ -320,6 +406,16 @@ mod tests {
         let ev = p.push(b":1}\n\ndata: [DONE]\n\n: comment\n\n");
         assert_eq!(ev, vec!["{\"a\":1}".to_string(), "[DONE]".to_string()]);
         assert_eq!(p.push(b"data: x\r\n\r\n"), vec!["x".to_string()]);
+    }
+
+    #[test]
+    fn chunks_give_text_and_tokens_of_both_formats() {
+        let comp = json!({"text": "ab", "logprobs": {"tokens": ["a", "b"]}});
+        assert_eq!((chunk_text(&comp), chunk_tokens(&comp)), ("ab", 2));
+        let chat = json!({"delta": {"content": "x"}, "logprobs": {"content": [{"token": "x"}]}});
+        assert_eq!((chunk_text(&chat), chunk_tokens(&chat)), ("x", 1));
+        let role = json!({"delta": {"role": "assistant", "content": ""}, "logprobs": null});
+        assert_eq!((chunk_text(&role), chunk_tokens(&role)), ("", 0));
     }
 
     #[test]

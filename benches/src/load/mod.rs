@@ -4,10 +4,12 @@
 //! (`thaw-bench scheduling`). Measures TTFT, TPOT and end-to-end latency at the client.
 mod cache;
 mod cache_tail;
+mod chat;
 mod cli;
 mod client;
 mod coldstart;
 mod launch;
+pub(crate) mod metrics;
 pub(crate) mod plot;
 mod prompts;
 mod report;
@@ -15,6 +17,7 @@ mod runner;
 mod scheduling;
 mod scheduling_classes;
 mod scheduling_report;
+mod sweep;
 pub(crate) mod workload;
 
 pub use cache::{run_cache, run_cache_scale, CacheArgs, CacheScaleArgs};

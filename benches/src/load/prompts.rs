@@ -21,7 +21,11 @@ been buying flour from the town at twice the price, laughed out loud in front of
 #[derive(Clone, Debug)]
 pub enum PromptSource {
     /// A stream of real token ids to cut windows from.
-    Text { ids: Vec<u32>, from: PathBuf },
+    Text {
+        ids: Vec<u32>,
+        from: PathBuf,
+        tok: std::sync::Arc<tokenizers::Tokenizer>,
+    },
     /// Uniform random ids in `lo..hi`.
     Random { lo: u32, hi: u32 },
 }
@@ -47,7 +51,11 @@ impl PromptSource {
             file.display(),
             ids.len()
         );
-        Ok(Self::Text { ids, from: file })
+        Ok(Self::Text {
+            ids,
+            from: file,
+            tok: std::sync::Arc::new(tok),
+        })
     }
 
     /// Byte tokens: ids 3..259 are bytes in Llama's and Thaw's vocabularies.
@@ -57,7 +65,7 @@ impl PromptSource {
 
     pub fn describe(&self) -> String {
         match self {
-            Self::Text { ids, from } => {
+            Self::Text { ids, from, .. } => {
                 format!(
                     "windows of {} text tokens from {}",
                     ids.len(),
@@ -84,6 +92,36 @@ impl PromptSource {
     }
 }
 
+impl PromptSource {
+    /// Texts of about the given token lengths, reproducible from `seed` (for chat messages,
+    /// which the server tokenizes): with a tokenizer, windows of the text's ids decoded (the
+    /// server's count may differ by a token or two at the edges); without one, that many words
+    /// of the text.
+    pub fn texts(&self, lengths: &[usize], seed: u64) -> Vec<String> {
+        match self {
+            Self::Text { tok, .. } => self
+                .prompts(lengths, seed)
+                .iter()
+                .map(|ids| tok.decode(ids, true).unwrap_or_default().trim().to_string())
+                .collect(),
+            Self::Random { .. } => {
+                let words: Vec<&str> = TEXT.split_whitespace().collect();
+                let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x74_65_78_74);
+                lengths
+                    .iter()
+                    .map(|&n| {
+                        let start = rng.random_range(0..words.len());
+                        (0..n)
+                            .map(|j| words[(start + j) % words.len()])
+                            .collect::<Vec<_>>()
+                            .join(" ")
+                    })
+                    .collect()
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -95,5 +133,10 @@ mod tests {
         assert_eq!(p.iter().map(Vec::len).collect::<Vec<_>>(), vec![1, 5, 300]);
         assert_eq!(p, s.prompts(&[1, 5, 300], 7));
         assert!(p[2].iter().all(|&t| (3..259).contains(&t)));
+        let t = s.texts(&[0, 7], 3);
+        assert_eq!(t[0], "");
+        assert_eq!(t[1].split_whitespace().count(), 7);
+        assert_eq!(t, s.texts(&[0, 7], 3));
+        assert_ne!(t[1], s.texts(&[7], 4)[0]);
     }
 }

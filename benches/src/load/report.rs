@@ -169,6 +169,7 @@ mod tests {
             sent_s: 0.0,
             sent_unix_s: 0.0,
             prompt_tokens: 4,
+            cached_tokens: None,
             max_tokens: 5,
             output_tokens: 5,
             ttft_s: (!err).then_some(ttft),

@@ -27,6 +27,10 @@ pub struct RequestRecord {
     /// The same, as Unix seconds (to line a run up with what the server logged or dumped).
     pub sent_unix_s: f64,
     pub prompt_tokens: usize,
+    /// Prompt tokens the server served from its prefix cache
+    /// (`usage.prompt_tokens_details.cached_tokens`); None when it did not say.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cached_tokens: Option<usize>,
     pub max_tokens: usize,
     pub output_tokens: usize,
     pub ttft_s: Option<f64>,
@@ -121,6 +125,7 @@ pub async fn run_routed(
                 sent_s,
                 sent_unix_s,
                 prompt_tokens: t.prompt_tokens.unwrap_or(prompt.len()),
+                cached_tokens: t.cached_tokens,
                 max_tokens: p.output_len,
                 output_tokens: t.output_tokens,
                 ttft_s: t.ttft.filter(|_| ok).map(|d| d.as_secs_f64()),
@@ -141,6 +146,7 @@ pub async fn run_routed(
             sent_s: p.at_s,
             sent_unix_s: 0.0,
             prompt_tokens: p.prompt_len,
+            cached_tokens: None,
             max_tokens: p.output_len,
             output_tokens: 0,
             ttft_s: None,
@@ -153,7 +159,8 @@ pub async fn run_routed(
     (records, t0.elapsed())
 }
 
-fn unix_now() -> f64 {
+/// Now, as Unix seconds.
+pub(super) fn unix_now() -> f64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_secs_f64())

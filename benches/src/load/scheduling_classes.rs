@@ -129,6 +129,7 @@ mod tests {
             sent_s: at,
             sent_unix_s: 0.0,
             prompt_tokens: prompt,
+            cached_tokens: None,
             max_tokens: max,
             output_tokens: max,
             ttft_s: Some(ttft),

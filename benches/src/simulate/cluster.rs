@@ -1,7 +1,8 @@
 //! The discrete-event loop: arrivals go through the router to an instance; each instance runs
-//! one step at a time; adapter loads land. Time only moves from event to event.
+//! one step at a time; adapter loads land. Time only moves from event to event. A request that
+//! follows another (a conversation's next turn) arrives its think time after that one ends.
 use std::cmp::Ordering;
-use std::collections::BinaryHeap;
+use std::collections::{BinaryHeap, HashMap};
 
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
@@ -56,6 +57,9 @@ pub struct SimResult {
     pub makespan: f64,
     /// From the first to the last arrival.
     pub arrival_span: f64,
+    /// Prompt tokens looked up in the instances' prefix caches, and found there.
+    pub prefix_queried: u64,
+    pub prefix_hits: u64,
 }
 
 /// The cost model over simulated time: `(from, model)` points, the first from −∞. A planning
@@ -138,44 +142,75 @@ pub fn simulate_timeline(
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let mut sim = Sim {
         timeline,
-        insts: (0..n.max(1)).map(|_| Instance::default()).collect(),
+        insts: (0..n.max(1))
+            .map(|_| Instance::new(ctx.prefix_caching))
+            .collect(),
         heap: BinaryHeap::with_capacity(reqs.len() + 2 * n),
         seq: 0,
     };
+    // Follow-ups arrive when what they follow ends; the rest at their times.
+    let mut arrive: Vec<f64> = reqs.iter().map(|r| r.at).collect();
+    let mut next: Vec<Option<usize>> = vec![None; reqs.len()];
+    let index: HashMap<usize, usize> = reqs.iter().enumerate().map(|(k, r)| (r.id, k)).collect();
     for (k, r) in reqs.iter().enumerate() {
-        sim.push(r.at, Kind::Arrival(k));
+        match r.after {
+            Some((prev, _)) if prev < reqs.len() => next[prev] = Some(k),
+            _ => sim.push(r.at, Kind::Arrival(k)),
+        }
     }
+    let mut last_arrival = f64::NEG_INFINITY;
     let mut out = SimResult {
         ttft: Vec::with_capacity(reqs.len()),
         ..Default::default()
     };
-    let t0 = reqs.first().map_or(0.0, |r| r.at);
+    let t0 = reqs
+        .iter()
+        .filter(|r| r.after.is_none())
+        .map(|r| r.at)
+        .min_by(f64::total_cmp)
+        .unwrap_or(0.0);
     let mut now = t0;
     while let Some(ev) = sim.heap.pop() {
         now = ev.at;
         match ev.kind {
             Kind::Arrival(k) => {
-                let r = &reqs[k];
+                let r = SimRequest {
+                    at: arrive[k],
+                    ..reqs[k]
+                };
+                last_arrival = last_arrival.max(r.at);
                 let model = sim.timeline.at(now);
-                let i = pick(router, r, &sim.insts, model, ctx, now, &mut rng);
-                if let Some(t) = sim.insts[i].enqueue(*r, model, now) {
+                let i = pick(router, &r, &sim.insts, model, ctx, now, &mut rng);
+                if let Some(t) = sim.insts[i].enqueue(r, model, now) {
                     sim.push(t, Kind::LoadLanded(i));
                 }
                 sim.try_step(i, now);
             }
             Kind::StepEnd(i) => {
-                let o = sim.insts[i].finish_step(now);
+                let o = sim.insts[i].finish_step(now, sim.timeline.at(now));
                 out.ttft.extend(o.first_tokens.iter().map(|x| x.1));
                 out.ttft_by_id.extend(o.first_tokens.iter().copied());
                 out.finished += o.finished.len();
+                for id in &o.finished {
+                    if let Some(j) = index.get(id).and_then(|&k| next[k]) {
+                        arrive[j] = now + reqs[j].after.map_or(0.0, |a| a.1);
+                        sim.push(arrive[j], Kind::Arrival(j));
+                    }
+                }
                 sim.try_step(i, now);
             }
             Kind::LoadLanded(i) => sim.try_step(i, now),
         }
     }
     out.loads = sim.insts.iter().map(|i| i.loads).sum();
+    out.prefix_queried = sim.insts.iter().map(|i| i.cache.queried_tokens).sum();
+    out.prefix_hits = sim.insts.iter().map(|i| i.cache.hit_tokens).sum();
     out.makespan = now - t0;
-    out.arrival_span = reqs.last().map_or(0.0, |r| r.at) - t0;
+    out.arrival_span = if last_arrival.is_finite() {
+        last_arrival - t0
+    } else {
+        0.0
+    };
     debug_assert!(sim.insts.iter().all(Instance::is_idle));
     out
 }
@@ -184,6 +219,7 @@ pub fn simulate_timeline(
 mod tests {
     use super::*;
     use crate::simulate::model::tests::snapshot;
+    use crate::simulate::prefix::ChatTurn;
 
     fn reqs(n: usize, adapters: u32, gap: f64) -> Vec<SimRequest> {
         (0..n)
@@ -194,6 +230,8 @@ mod tests {
                 rank: 8 << (i % 3),
                 prompt: 32 + (i * 13) % 200,
                 output: 4 + (i * 7) % 40,
+                chat: None,
+                after: None,
             })
             .collect()
     }
@@ -204,6 +242,7 @@ mod tests {
         let ctx = RouteCtx {
             avg_resp_len: 20.0,
             tpot_slo: 1.0,
+            prefix_caching: false,
         };
         let rs = reqs(300, 50, 0.002);
         for router in RouterKind::ALL {
@@ -235,6 +274,7 @@ mod tests {
         let ctx = RouteCtx {
             avg_resp_len: 20.0,
             tpot_slo: 1.0,
+            prefix_caching: false,
         };
         let rs = reqs(40, 1, 0.05);
         let a = simulate(&fast, &rs, 1, RouterKind::Random, &ctx, 1);
@@ -249,12 +289,92 @@ mod tests {
         assert!(b[39].1 > a[39].1, "the last runs after it, slower");
     }
 
+    /// Conversations of 4 turns over 3 adapters, each turn sent 0.2 s after the previous
+    /// answer: every turn runs after the one it follows, and with prefix caching the later
+    /// turns reuse the system prompt and earlier turns, so they start sooner.
+    fn conversations(n: usize) -> Vec<SimRequest> {
+        let mut v = Vec::new();
+        for c in 0..n {
+            for t in 0..4u32 {
+                let k = v.len();
+                let chat = ChatTurn {
+                    conv: c as u32,
+                    turn: t,
+                    system: 300,
+                    user: 24,
+                    answer: 16,
+                };
+                v.push(SimRequest {
+                    id: k,
+                    at: c as f64 * 0.05,
+                    adapter: c as u32 % 3,
+                    rank: 8,
+                    prompt: chat.prompt(),
+                    output: 16,
+                    chat: Some(chat),
+                    after: (t > 0).then(|| (k - 1, 0.2)),
+                });
+            }
+        }
+        v
+    }
+
+    #[test]
+    fn follow_up_turns_wait_for_their_answers_and_reuse_the_cache() {
+        let m = InstanceModel::new(snapshot()).unwrap();
+        let rs = conversations(30);
+        let mut ctx = RouteCtx {
+            avg_resp_len: 16.0,
+            tpot_slo: 1.0,
+            prefix_caching: false,
+        };
+        let off = simulate(&m, &rs, 2, RouterKind::LeastQueue, &ctx, 5);
+        ctx.prefix_caching = true;
+        let on = simulate(&m, &rs, 2, RouterKind::PrefixAffinity, &ctx, 5);
+        for r in [&off, &on] {
+            assert_eq!(r.finished, rs.len());
+            // The last turn of the last conversation came three answers and think times
+            // after its start, so the arrivals span more than the starts do.
+            assert!(
+                r.arrival_span > 29.0 * 0.05 + 3.0 * 0.2,
+                "{}",
+                r.arrival_span
+            );
+        }
+        assert_eq!((off.prefix_queried, off.prefix_hits), (0, 0));
+        let queried: usize = rs.iter().map(|r| r.prompt).sum();
+        assert_eq!(on.prefix_queried, queried as u64);
+        // Turn 1 of each conversation can reuse at most its adapter's system prompt (288 of
+        // 300 tokens in blocks of 16); turns 2-4 also their conversation's earlier turns.
+        assert!(
+            on.prefix_hits as f64 > 0.6 * queried as f64,
+            "{} of {queried}",
+            on.prefix_hits
+        );
+        let mean_later = |r: &SimResult| {
+            let v: Vec<f64> = r
+                .ttft_by_id
+                .iter()
+                .filter(|x| x.0 % 4 != 0)
+                .map(|x| x.1)
+                .collect();
+            v.iter().sum::<f64>() / v.len() as f64
+        };
+        assert!(
+            mean_later(&on) < mean_later(&off),
+            "{} vs {}",
+            mean_later(&on),
+            mean_later(&off)
+        );
+    }
+
     #[test]
     fn one_adapter_loads_once_per_instance_when_it_fits() {
         let m = InstanceModel::new(snapshot()).unwrap();
         let ctx = RouteCtx {
             avg_resp_len: 20.0,
             tpot_slo: 1.0,
+            prefix_caching: false,
         };
         let rs = reqs(100, 1, 0.01);
         let r = simulate(&m, &rs, 3, RouterKind::Random, &ctx, 9);

@@ -4,12 +4,16 @@
 //! (--max-loras, least recently used idle one evicted) and in host memory (--max-cpu-loras),
 //! loads serialized on the host→device link, and the `auto` cold-start gate per prefill. A
 //! step that starts after the instance ran none for the cost model's `after_idle_gap_s` costs
-//! the model's after-idle term, as it did on the engine that fitted it.
+//! the model's after-idle term, as it did on the engine that fitted it. With prefix caching
+//! ([`PrefixCache`]) a chat request admitted starts its prefill after its cached prefix, whose
+//! blocks it shares instead of reserving, and its computed prompt and answer stay cached in the
+//! KV budget (evicted LRU when admission needs room) after it ends.
 use std::collections::{HashMap, VecDeque};
 
 use thaw_server::perf::StepShape;
 
 use super::model::{rank_of, InstanceModel};
+use super::prefix::{segments, ChatTurn, Hit, Key, PrefixCache};
 
 /// One request of the workload.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -21,6 +25,10 @@ pub struct SimRequest {
     pub rank: u32,
     pub prompt: usize,
     pub output: usize,
+    /// A chat turn: its prompt is a chain the prefix cache can serve.
+    pub chat: Option<ChatTurn>,
+    /// Sent only after another request ends: (its index in the workload, think seconds).
+    pub after: Option<(usize, f64)>,
 }
 
 #[derive(Clone, Debug)]
@@ -29,6 +37,10 @@ struct Seq {
     computed: usize,
     generated: usize,
     reserve: usize,
+    /// Its prompt's segments (empty without a chat chain or with caching off).
+    segs: Vec<(Key, usize)>,
+    /// Leading segments it holds pinned in the cache.
+    pinned: usize,
 }
 
 impl Seq {
@@ -71,9 +83,37 @@ pub struct Instance {
     last_step_end: Option<f64>,
     /// Adapter loads started (disk or host → device).
     pub loads: u64,
+    /// Whether it keeps a prefix cache.
+    caching: bool,
+    pub cache: PrefixCache,
 }
 
 impl Instance {
+    /// An idle instance, with or without prefix caching.
+    pub fn new(caching: bool) -> Self {
+        Self {
+            caching,
+            ..Self::default()
+        }
+    }
+
+    /// The prompt segments the cache would see for `req` (none without caching or a chat).
+    pub fn segments_of(&self, req: &SimRequest) -> Vec<(Key, usize)> {
+        match (self.caching, &req.chat) {
+            (true, Some(c)) => segments(req.adapter, c, false),
+            _ => Vec::new(),
+        }
+    }
+
+    /// What this instance's cache holds of a prompt of `segs` (pure).
+    pub fn prefix_hit(&self, segs: &[(Key, usize)], prompt: usize, model: &InstanceModel) -> Hit {
+        if !self.caching || segs.is_empty() {
+            return Hit::default();
+        }
+        self.cache
+            .lookup(segs, prompt, model.snap.limits.block_size)
+    }
+
     pub fn waiting_len(&self) -> usize {
         self.waiting.len()
     }
@@ -82,9 +122,11 @@ impl Instance {
         self.running.len()
     }
 
-    /// Fraction of KV blocks reserved.
+    /// Fraction of KV blocks reserved or used by running sequences (cached blocks nobody
+    /// uses count as free, as in vLLM's `kv_cache_usage_perc`).
     pub fn kv_usage(&self, model: &InstanceModel) -> f64 {
-        self.reserved as f64 / model.snap.limits.kv_total_blocks.max(1) as f64
+        (self.reserved + self.cache.pinned_blocks) as f64
+            / model.snap.limits.kv_total_blocks.max(1) as f64
     }
 
     /// One decode row of every running request, with its adapter's rank.
@@ -133,11 +175,14 @@ impl Instance {
         // A request larger than the whole cache runs alone rather than never.
         let reserve = blocks.min(l.kv_total_blocks);
         self.count(req.adapter, |c| c.1 += 1);
+        let segs = self.segments_of(&req);
         self.waiting.push_back(Seq {
             req,
             computed: 0,
             generated: 0,
             reserve,
+            segs,
+            pinned: 0,
         });
         self.ensure(req.adapter, req.rank, model, now)
     }
@@ -236,13 +281,29 @@ impl Instance {
             }
         }
         while let Some(s) = self.waiting.front() {
-            if budget == 0
-                || self.running.len() >= l.max_num_seqs
-                || self.reserved + s.reserve > l.kv_total_blocks
-            {
+            if budget == 0 || self.running.len() >= l.max_num_seqs {
                 break;
             }
-            let s = self.waiting.pop_front().expect("front exists");
+            // Its cached prefix is shared, not reserved; cached blocks nobody uses make room.
+            let hit = self.prefix_hit(&s.segs, s.req.prompt, model);
+            let reserve = s.reserve.saturating_sub(hit.blocks);
+            self.cache.pin(&s.segs, hit.segments, now);
+            let free = l
+                .kv_total_blocks
+                .saturating_sub(self.reserved + self.cache.blocks);
+            if reserve > free + self.cache.evictable() {
+                self.cache.unpin(&s.segs, hit.segments, now);
+                break;
+            }
+            self.cache.evict(reserve.saturating_sub(free));
+            let mut s = self.waiting.pop_front().expect("front exists");
+            if self.caching {
+                self.cache.queried_tokens += s.req.prompt as u64;
+                self.cache.hit_tokens += hit.tokens as u64;
+            }
+            s.reserve = reserve;
+            s.computed = hit.tokens;
+            s.pinned = hit.segments;
             self.reserved += s.reserve;
             self.count(s.req.adapter, |c| {
                 c.1 -= 1;
@@ -308,7 +369,8 @@ impl Instance {
     }
 
     /// Applies the planned step, which ended at `now`.
-    pub fn finish_step(&mut self, now: f64) -> StepOutcome {
+    pub fn finish_step(&mut self, now: f64, model: &InstanceModel) -> StepOutcome {
+        let bs = model.snap.limits.block_size;
         let mut out = StepOutcome::default();
         for &(i, n, _) in &self.plan {
             let s = &mut self.running[i];
@@ -317,6 +379,16 @@ impl Instance {
                 if !s.in_prefill() {
                     s.generated = 1;
                     out.first_tokens.push((s.req.id, now - s.req.at));
+                    // The prompt's full blocks join the cache, still used by the sequence;
+                    // they leave its reservation.
+                    if !s.segs.is_empty() {
+                        let added = self.cache.insert(&s.segs, s.pinned, bs, now, true);
+                        debug_assert!(added <= s.reserve, "{added} > {}", s.reserve);
+                        let moved = added.min(s.reserve);
+                        s.reserve -= moved;
+                        self.reserved -= moved;
+                        s.pinned = s.segs.len();
+                    }
                 }
             } else {
                 s.generated += 1;
@@ -331,7 +403,16 @@ impl Instance {
         while i < self.running.len() {
             let s = &self.running[i];
             if !s.in_prefill() && s.generated >= s.req.output.max(1) {
-                let s = self.running.swap_remove(i);
+                let mut s = self.running.swap_remove(i);
+                if let (false, Some(chat)) = (s.segs.is_empty(), &s.req.chat) {
+                    // Its answer's full blocks too: the next turn's prompt starts with them.
+                    let chain = segments(s.req.adapter, chat, true);
+                    let added = self.cache.insert(&chain, s.segs.len(), bs, now, false);
+                    let moved = added.min(s.reserve);
+                    s.reserve -= moved;
+                    self.reserved -= moved;
+                    self.cache.unpin(&s.segs, s.pinned, now);
+                }
                 self.reserved -= s.reserve;
                 self.count(s.req.adapter, |c| c.0 -= 1);
                 out.finished.push(s.req.id);
@@ -370,6 +451,8 @@ mod tests {
                 rank: 8,
                 prompt: 40,
                 output: 3,
+                chat: None,
+                after: None,
             };
             if let Some(landed) = inst.enqueue(req, m, now) {
                 now = landed;
@@ -377,7 +460,7 @@ mod tests {
             while let (Some(d), _) = inst.plan_step(m, now) {
                 out.push(d);
                 now += d;
-                inst.finish_step(now);
+                inst.finish_step(now, m);
             }
             assert!(inst.is_idle());
         }

@@ -3,11 +3,14 @@
 //! constants of its own). Workloads: Azure trace arrivals and lengths, scaled to an offered
 //! load; 1,000 to 1,000,000 adapters with Zipf or Chameleon rank-power-law popularity.
 //! Output: P50/P99 TTFT, SLO attainment and goodput, adapter loads per second, per router and
-//! cluster size, as a table, JSON and plots.
+//! cluster size, as a table, JSON and plots. `--workload multi-turn` runs chat conversations
+//! on instances with prefix caches (`--prefix-caching true,false` compares with none), where
+//! the prefix-aware routers (prefix-affinity, the EPP with its prefix-cache-scorer) matter.
 mod cluster;
 mod instance;
 mod model;
 mod plot;
+mod prefix;
 mod replay;
 mod report;
 mod router;
@@ -22,9 +25,41 @@ use router::RouterKind;
 use crate::load::workload::PopularityKind;
 use thaw_server::coldstart::CostSnapshot;
 
+/// What the simulated clients send.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum SimWorkload {
+    /// Azure trace arrivals and lengths, independent requests.
+    Azure,
+    /// Conversations of --turns turns: each adapter's --system-prompt-len system prompt, the
+    /// earlier turns and a --user-len message per prompt, --answer-len answers.
+    MultiTurn,
+}
+
 /// `thaw-bench simulate` options.
 #[derive(clap::Args, Clone, Debug)]
 pub struct SimulateArgs {
+    /// What the clients send.
+    #[arg(long, value_enum, default_value = "azure")]
+    pub workload: SimWorkload,
+    /// Turns per conversation (--workload multi-turn).
+    #[arg(long, default_value_t = 4)]
+    pub turns: usize,
+    /// Tokens of each adapter's system prompt (--workload multi-turn).
+    #[arg(long, default_value_t = 1000)]
+    pub system_prompt_len: usize,
+    /// Tokens of each new user message (--workload multi-turn).
+    #[arg(long, default_value_t = 64)]
+    pub user_len: usize,
+    /// Tokens of each answer (--workload multi-turn).
+    #[arg(long, default_value_t = 64)]
+    pub answer_len: usize,
+    /// Mean seconds (exponential) between an answer and the next turn (--workload multi-turn).
+    #[arg(long, default_value_t = 1.0)]
+    pub think_time: f64,
+    /// Prefix caching on the instances: true, false, or both to compare [default: true].
+    #[arg(long, value_delimiter = ',')]
+    pub prefix_caching: Vec<bool>,
     /// Cost model written by `thaw serve --dump-cost-model PATH`; with --replay of a run
     /// against several servers, one per server (comma-separated, in --url order) or one for
     /// all; with --replay, a `PATH.history.jsonl` replays the model as it evolved in the run.
@@ -120,6 +155,9 @@ impl SimulateArgs {
         }
         a.requests_per_instance
             .get_or_insert(if q { 20 } else { 50 });
+        if a.prefix_caching.is_empty() {
+            a.prefix_caching = vec![true];
+        }
         a
     }
 }
@@ -154,8 +192,15 @@ pub fn run(args: &SimulateArgs) -> anyhow::Result<(Vec<Row>, String)> {
         );
     };
     let model = &InstanceModel::new(CostSnapshot::read(path)?)?;
-    let trace = crate::trace::read_trace(&args.trace)
-        .map_err(|e| anyhow::anyhow!("{e:#}; pass --trace with an Azure trace CSV"))?;
+    let trace = match args.workload {
+        SimWorkload::Azure => crate::trace::read_trace(&args.trace)
+            .map_err(|e| anyhow::anyhow!("{e:#}; pass --trace with an Azure trace CSV"))?,
+        SimWorkload::MultiTurn => Vec::new(),
+    };
+    anyhow::ensure!(
+        args.think_time.is_finite() && args.think_time >= 0.0,
+        "--think-time must be a non-negative number of seconds"
+    );
     let mut rows = Vec::new();
     for &adapters in &args.adapters {
         let ranks = workload::adapter_ranks(adapters, &args.ranks, args.seed);
@@ -163,8 +208,14 @@ pub fn run(args: &SimulateArgs) -> anyhow::Result<(Vec<Row>, String)> {
         drop(ranks);
         for &pop in &args.popularity {
             for &n in &args.instances {
-                let w = workload::build(&args, model, &trace, &server, pop, n)?;
-                rows.extend(report::run_routers(&args, model, &w, n, adapters, pop));
+                let mut w = match args.workload {
+                    SimWorkload::Azure => workload::build(&args, model, &trace, &server, pop, n)?,
+                    SimWorkload::MultiTurn => workload::build_chat(&args, model, &server, pop, n)?,
+                };
+                for &caching in &args.prefix_caching {
+                    w.ctx.prefix_caching = caching;
+                    rows.extend(report::run_routers(&args, model, &w, n, adapters, pop));
+                }
             }
         }
     }
@@ -193,6 +244,13 @@ mod tests {
         let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
         let out = tempfile::tempdir().unwrap();
         let args = SimulateArgs {
+            workload: SimWorkload::Azure,
+            turns: 4,
+            system_prompt_len: 1000,
+            user_len: 64,
+            answer_len: 64,
+            think_time: 1.0,
+            prefix_caching: vec![],
             cost_model: vec![root.join("fixtures/cost-model-cpu.json")],
             instances: vec![],
             routers: vec![],
@@ -233,5 +291,69 @@ mod tests {
         }
         assert!(out.path().join("simulate.json").exists());
         assert!(text.contains("P99 TTFT"), "{text}");
+    }
+
+    /// `--workload multi-turn --prefix-caching true,false` on the fixture's cost model: every
+    /// turn finishes; without caches nothing hits; with them most prompt tokens do (the
+    /// system prompts and earlier turns), and the prefix-aware routers hit more than random
+    /// and start the turns sooner than any router without caches.
+    #[test]
+    fn multi_turn_compares_caching_and_prefix_aware_routers() {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+        let args = SimulateArgs {
+            workload: SimWorkload::MultiTurn,
+            turns: 4,
+            system_prompt_len: 1000,
+            user_len: 64,
+            answer_len: 64,
+            think_time: 1.0,
+            prefix_caching: vec![true, false],
+            cost_model: vec![root.join("fixtures/cost-model-cpu.json")],
+            instances: vec![4],
+            routers: vec![],
+            adapters: vec![100],
+            popularity: vec![PopularityKind::Zipf],
+            ranks: vec![8, 16, 32, 64, 128],
+            zipf_alpha: 1.0,
+            rank_alpha: 1.0,
+            requests_per_instance: Some(40),
+            load: 0.5,
+            ttft_slo: None,
+            tpot_slo: None,
+            trace: root.join("no-trace-needed.csv"),
+            max_model_len: None,
+            quick: false,
+            out: None,
+            seed: 11,
+            replay: None,
+        };
+        let (rows, text) = run(&args).unwrap();
+        assert_eq!(rows.len(), 2 * RouterKind::ALL.len(), "{text}");
+        for r in &rows {
+            assert_eq!(r.finished, r.requests, "{r:?}");
+            assert_eq!(r.requests, 160);
+        }
+        let row = |k: RouterKind, caching: bool| {
+            rows.iter()
+                .find(|r| r.router == k && r.prefix_caching == caching)
+                .unwrap()
+        };
+        for k in RouterKind::ALL {
+            assert_eq!(row(k, false).prefix_hit_rate, 0.0);
+        }
+        for k in [RouterKind::PrefixAffinity, RouterKind::EppPrefix] {
+            let on = row(k, true);
+            assert!(on.prefix_hit_rate > 0.6, "{text}");
+            assert!(
+                on.prefix_hit_rate > row(RouterKind::Random, true).prefix_hit_rate,
+                "{text}"
+            );
+            let best_off = RouterKind::ALL
+                .iter()
+                .map(|&o| row(o, false).p50_ttft_s)
+                .fold(f64::INFINITY, f64::min);
+            assert!(on.p50_ttft_s < best_off, "{text}");
+        }
+        assert!(text.contains("hit rate"), "{text}");
     }
 }

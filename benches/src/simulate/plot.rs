@@ -24,23 +24,32 @@ const PANELS: [(&str, &str, Get); 3] = [
 /// Writes `simulate-<adapters>-<popularity>.{png,svg}` per combination into `dir`.
 pub fn write(dir: &Path, rows: &[Row]) -> anyhow::Result<Vec<PathBuf>> {
     register_font();
-    let mut combos: Vec<(usize, String)> = rows
+    let mut combos: Vec<(usize, String, bool)> = rows
         .iter()
-        .map(|r| (r.adapters, format!("{:?}", r.popularity).to_lowercase()))
+        .map(|r| {
+            let pop = format!("{:?}", r.popularity).to_lowercase();
+            (r.adapters, pop, r.prefix_caching)
+        })
         .collect();
-    combos.dedup();
     combos.sort();
     combos.dedup();
     let mut out = Vec::new();
-    for (adapters, pop) in combos {
+    for (adapters, pop, caching) in combos {
         let sel: Vec<&Row> = rows
             .iter()
             .filter(|r| {
-                r.adapters == adapters && format!("{:?}", r.popularity).to_lowercase() == pop
+                r.adapters == adapters
+                    && r.prefix_caching == caching
+                    && format!("{:?}", r.popularity).to_lowercase() == pop
             })
             .collect();
-        let stem = dir.join(format!("simulate-{adapters}-{pop}"));
-        let title = format!("{adapters} adapters, {pop} popularity");
+        // Without prefix caching (issue 28's comparison) the files say so.
+        let tail = if caching { "" } else { "-no-prefix-cache" };
+        let stem = dir.join(format!("simulate-{adapters}-{pop}{tail}"));
+        let title = format!(
+            "{adapters} adapters, {pop} popularity{}",
+            if caching { "" } else { ", no prefix cache" }
+        );
         let (png, svg) = (stem.with_extension("png"), stem.with_extension("svg"));
         draw(
             BitMapBackend::new(&png, (1500, 480)).into_drawing_area(),

@@ -144,6 +144,8 @@ pub fn read(path: &Path) -> anyhow::Result<(Vec<Replayed>, Option<f64>)> {
                 rank: r.rank.unwrap_or(0) as u32,
                 prompt: r.prompt_tokens.max(1),
                 output: r.output_tokens.max(1),
+                chat: None,
+                after: None,
             },
             ttft: r.ttft_s.unwrap_or_default(),
         });
@@ -185,6 +187,7 @@ pub fn simulate_routed(
         let ctx = RouteCtx {
             avg_resp_len: mean_out,
             tpot_slo: f64::INFINITY,
+            prefix_caching: false,
         };
         let timeline = Timeline::new(&points);
         for (j, t) in simulate_timeline(timeline, &reqs, 1, RouterKind::Random, &ctx, 0).ttft_by_id

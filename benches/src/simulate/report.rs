@@ -29,6 +29,10 @@ pub struct Row {
     pub goodput: f64,
     pub loads: u64,
     pub loads_per_s: f64,
+    /// Whether the instances kept prefix caches.
+    pub prefix_caching: bool,
+    /// Prompt tokens served from the caches ÷ prompt tokens (vLLM's hits ÷ queries).
+    pub prefix_hit_rate: f64,
 }
 
 /// The `q`-quantile (nearest rank) of sorted values.
@@ -75,6 +79,8 @@ pub fn run_routers(
                         goodput: met as f64 / span,
                         loads: r.loads,
                         loads_per_s: r.loads as f64 / r.makespan.max(1e-9),
+                        prefix_caching: w.ctx.prefix_caching,
+                        prefix_hit_rate: r.prefix_hits as f64 / r.prefix_queried.max(1) as f64,
                     }
                 })
             })
@@ -117,8 +123,9 @@ pub fn table(args: &SimulateArgs, model: &InstanceModel, rows: &[Row]) -> String
         args.requests_per_instance.unwrap_or(0),
     );
     s.push_str(&format!(
-        "{:<18} {:>9} {:>9} {:<15} {:>9} {:>12} {:>12} {:>9} {:>8} {:>11} {:>10}\n",
+        "{:<18} {:>5} {:>9} {:>9} {:<15} {:>9} {:>12} {:>12} {:>9} {:>8} {:>11} {:>10} {:>9}\n",
         "router",
+        "cache",
         "instances",
         "adapters",
         "popularity",
@@ -128,12 +135,14 @@ pub fn table(args: &SimulateArgs, model: &InstanceModel, rows: &[Row]) -> String
         "SLO ms",
         "in SLO",
         "goodput/s",
-        "loads/s"
+        "loads/s",
+        "hit rate"
     ));
     for r in rows {
         s.push_str(&format!(
-            "{:<18} {:>9} {:>9} {:<15} {:>9.1} {:>12.2} {:>12.2} {:>9.2} {:>7.1}% {:>11.1} {:>10.1}\n",
+            "{:<18} {:>5} {:>9} {:>9} {:<15} {:>9.1} {:>12.2} {:>12.2} {:>9.2} {:>7.1}% {:>11.1} {:>10.1} {:>8.1}%\n",
             r.router.name(),
+            if r.prefix_caching { "on" } else { "off" },
             r.instances,
             r.adapters,
             pop_name(r.popularity),
@@ -144,6 +153,7 @@ pub fn table(args: &SimulateArgs, model: &InstanceModel, rows: &[Row]) -> String
             r.slo_attainment * 100.0,
             r.goodput,
             r.loads_per_s,
+            r.prefix_hit_rate * 100.0,
         ));
     }
     s
