@@ -255,7 +255,10 @@ mod tests {
         let p = LORA_PUNICA.source;
         assert_eq!(define(p, "PUNICA_THREADS"), shape::PUNICA_THREADS as u64);
         assert_eq!(define(p, "PUNICA_ROWS"), shape::PUNICA_ROWS as u64);
-        assert_eq!(define(p, "PUNICA_RANK_TILE"), shape::PUNICA_RANK_TILE as u64);
+        assert_eq!(
+            define(p, "PUNICA_RANK_TILE"),
+            shape::PUNICA_RANK_TILE as u64
+        );
         assert_eq!(define(p, "PUNICA_K_CHUNK"), shape::PUNICA_K_CHUNK as u64);
         assert_eq!(
             define(p, "PUNICA_EXPAND_COLS"),

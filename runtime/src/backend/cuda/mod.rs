@@ -11,6 +11,7 @@
 //! | --- | --- |
 //! | `launch.rs` | every raw CUDA call: launches, cuBLAS, stream waits, host registration |
 //! | `backend.rs` | [`CudaBackend`]: the trait ops |
+//! | `sgmv.rs` | the Punica-shaped SGMV / BGMV launches (opt-in: `THAW_CUDA_LORA_IMPL=punica`) |
 //! | `step.rs` | per-step device metadata (slots, block tables, segments), uploaded once per step |
 //! | `weights.rs` | weights, norms and LoRA descriptor tables on the device |
 //! | `exchange.rs` | fused export and stream-waited merge (CPU assist) |
@@ -20,12 +21,14 @@ mod encode;
 mod exchange;
 mod launch;
 mod link;
+mod sgmv;
 mod step;
 mod stream;
 mod weights;
 
 pub use backend::{CudaBackend, CudaConfig, CudaKvLayer};
 pub use exchange::MappedExchange;
+pub use sgmv::{LoraImpl, LORA_IMPL_ENV};
 pub use stream::{PinnedHostRegion, StreamingLora};
 pub use thaw_kernels::cuda::registry::DType;
 pub use weights::{CudaLinear, CudaLora, CudaVector};
