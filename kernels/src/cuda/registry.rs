@@ -103,6 +103,20 @@ pub const ATTENTION: KernelSource = KernelSource {
     entry_points: dtypes!("write_kv", "attn_decode", "attn_prefill"),
 };
 
+/// Flash-decoding: paged decode attention split across blocks, then a reduce (issue 29).
+/// Selected at run time (`THAW_CUDA_ATTN_IMPL=split`); `attention.cu`'s decode stays the
+/// default until a GPU run verifies it.
+pub const ATTENTION_SPLIT: KernelSource = KernelSource {
+    name: "attention_split",
+    source: include_str!("attention_split.cu"),
+    entry_points: &[
+        "attn_decode_split_f32",
+        "attn_decode_split_bf16",
+        "attn_decode_split_f16",
+        "attn_decode_reduce",
+    ],
+};
+
 /// SGMV / BGMV shrink and expand.
 pub const LORA: KernelSource = KernelSource {
     name: "lora",
@@ -137,6 +151,7 @@ pub const KERNELS: &[KernelSource] = &[
     NORM,
     ROPE,
     ATTENTION,
+    ATTENTION_SPLIT,
     LORA,
     LORA_PUNICA,
     EXCHANGE,
@@ -158,6 +173,10 @@ pub mod shape {
     pub const LORA_EXPAND_THREADS: u32 = 256;
     /// `THAW_MAX_LORA_RANK`.
     pub const MAX_LORA_RANK: usize = 256;
+    /// `THAW_SPLIT_WARPS`: warps per flash-decoding block (`attention_split.cu`).
+    pub const SPLIT_WARPS: u32 = 4;
+    /// `THAW_SPLIT_MAX_HEAD_DIM`.
+    pub const SPLIT_MAX_HEAD_DIM: usize = 256;
     /// `PUNICA_THREADS`: threads of every `lora_punica.cu` block.
     pub const PUNICA_THREADS: u32 = 256;
     /// `PUNICA_ROWS`: rows of one segment per block.
@@ -265,6 +284,12 @@ mod tests {
             shape::PUNICA_EXPAND_COLS as u64
         );
         assert_eq!(define(p, "PUNICA_MAX_RANK"), shape::PUNICA_MAX_RANK as u64);
+        let a = ATTENTION_SPLIT.source;
+        assert_eq!(define(a, "THAW_SPLIT_WARPS"), shape::SPLIT_WARPS as u64);
+        assert_eq!(
+            define(a, "THAW_SPLIT_MAX_HEAD_DIM"),
+            shape::SPLIT_MAX_HEAD_DIM as u64
+        );
         let l = LORA.source;
         assert_eq!(define(l, "THAW_LORA_WARPS"), shape::LORA_WARPS as u64);
         assert_eq!(define(l, "THAW_LORA_ROWS"), shape::LORA_ROWS as u64);
