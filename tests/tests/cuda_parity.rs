@@ -15,7 +15,7 @@ use rand_chacha::ChaCha8Rng;
 use thaw_kernels::cpu::KvLayout;
 use thaw_runtime::adapter::{LoraAdapter, LoraModule};
 use thaw_runtime::backend::cpu::CpuBackend;
-use thaw_runtime::backend::cuda::{CudaBackend, CudaConfig, DType, LoraImpl};
+use thaw_runtime::backend::cuda::{AttnImpl, CudaBackend, CudaConfig, DType, LoraImpl};
 use thaw_runtime::backend::{
     Backend, LinearDims, LoraBatch, LoraKernel, LoraLayout, SeqSlice, StepLayout,
 };
@@ -190,6 +190,10 @@ fn mixed_step(block_size: usize) -> (StepLayout, usize) {
     (step, next_block as usize)
 }
 
+/// Decode through `attention.cu` and through flash-decoding (`attention_split.cu`, issue 29),
+/// the latter with its default chunking (one split at these lengths) and with 4-position chunks
+/// (7 splits of the 31-position context without a window; the shorter contexts leave some of
+/// them empty).
 #[test]
 fn paged_attention_prefill_and_decode_match_cpu() {
     if !gpu() {
@@ -197,12 +201,22 @@ fn paged_attention_prefill_and_decode_match_cpu() {
     }
     let m = shape();
     let mut c = m.config.clone();
-    for window in [None, Some(7)] {
+    let impls = [
+        AttnImpl::Classic,
+        AttnImpl::SPLIT,
+        AttnImpl::Split { min_chunk: 4 },
+    ];
+    for (window, imp) in [None, Some(7)]
+        .into_iter()
+        .flat_map(|w| impls.map(|i| (w, i)))
+    {
         c.sliding_window = window;
         let mut rng = ChaCha8Rng::seed_from_u64(2);
         for (dt, tol) in CONFIGS {
             let mut cpu = CpuBackend::new(&c);
             let mut g = CudaBackend::new(&c, &cfg(dt)).unwrap();
+            g.set_attn_impl(imp).unwrap();
+            assert_eq!(g.attn_impl(), imp);
             let layout = KvLayout {
                 block_size: 8,
                 num_kv_heads: c.num_kv_heads,
@@ -248,7 +262,7 @@ fn paged_attention_prefill_and_decode_match_cpu() {
                 g.embed(&table, &vec![0; n], &mut scratch);
                 g.attention(&qg, &kg, &vg, &mut kvg, st, &mut og);
                 if std::ptr::eq(st, &step) {
-                    let what = format!("attention window={window:?}");
+                    let what = format!("attention {imp:?} window={window:?}");
                     check(
                         &what,
                         dt,

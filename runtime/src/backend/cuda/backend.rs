@@ -324,17 +324,21 @@ impl CudaBackend {
             window: self.window,
             scale: 1.0 / (self.head_dim as f32).sqrt(),
         };
-        let a = &self.attn;
-        self.gpu.attn_decode(
-            q,
-            &kv.k,
-            &kv.v,
-            out,
-            a.tables.get(),
-            a.decode.get(),
-            a.n_decode(),
-            s,
-        )?;
+        let a = &mut self.attn;
+        if self.gpu.flash.is_some() {
+            self.gpu.attn_decode_split(q, (&kv.k, &kv.v), out, a, s)?;
+        } else {
+            self.gpu.attn_decode(
+                q,
+                &kv.k,
+                &kv.v,
+                out,
+                a.tables.get(),
+                a.decode.get(),
+                a.n_decode(),
+                s,
+            )?;
+        }
         self.gpu.attn_prefill(
             q,
             &kv.k,

@@ -119,6 +119,8 @@ pub(super) struct Gpu {
     pub kv_dtype: DType,
     /// The Punica-shaped LoRA kernels, when selected (`sgmv.rs`); `None` = `lora.cu`'s.
     pub punica: Option<super::sgmv::Punica>,
+    /// Flash-decoding, when selected (`flash.rs`); `None` = `attention.cu`'s decode.
+    pub flash: Option<super::flash::FlashDecode>,
 }
 
 impl Gpu {
@@ -136,8 +138,10 @@ impl Gpu {
         let blas = CudaBlas::new(stream.clone())?;
         let k = Kernels::load(&ctx, weight_dtype, kv_dtype)?;
         let punica = super::sgmv::Punica::from_env(&ctx, weight_dtype)?;
+        let flash = super::flash::FlashDecode::from_env(&ctx, kv_dtype)?;
         Ok(Self {
             punica,
+            flash,
             ctx,
             stream,
             blas,

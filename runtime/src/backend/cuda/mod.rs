@@ -9,6 +9,7 @@
 //!
 //! | file | job |
 //! | --- | --- |
+//! | `flash.rs` | flash-decoding launches (opt-in: `THAW_CUDA_ATTN_IMPL=split`) |
 //! | `launch.rs` | every raw CUDA call: launches, cuBLAS, stream waits, host registration |
 //! | `backend.rs` | [`CudaBackend`]: the trait ops |
 //! | `sgmv.rs` | the Punica-shaped SGMV / BGMV launches (opt-in: `THAW_CUDA_LORA_IMPL=punica`) |
@@ -19,6 +20,7 @@
 mod backend;
 mod encode;
 mod exchange;
+mod flash;
 mod launch;
 mod link;
 mod sgmv;
@@ -28,6 +30,7 @@ mod weights;
 
 pub use backend::{CudaBackend, CudaConfig, CudaKvLayer};
 pub use exchange::MappedExchange;
+pub use flash::{AttnImpl, ATTN_IMPL_ENV};
 pub use sgmv::{LoraImpl, LORA_IMPL_ENV};
 pub use stream::{PinnedHostRegion, StreamingLora};
 pub use thaw_kernels::cuda::registry::DType;

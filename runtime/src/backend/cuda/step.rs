@@ -56,6 +56,9 @@ pub(super) struct AttnMeta {
     pub decode: DevVec<u32>,
     /// (table offset, first position, first row, rows) per prefill tile.
     pub tiles: DevVec<u32>,
+    /// Flash-decoding's partial outputs and (max, sum) pairs (`flash.rs`), grown on demand.
+    pub split_acc: Option<CudaSlice<f32>>,
+    pub split_ml: Option<CudaSlice<f32>>,
 }
 
 impl AttnMeta {
@@ -65,6 +68,8 @@ impl AttnMeta {
             tables: DevVec::new(),
             decode: DevVec::new(),
             tiles: DevVec::new(),
+            split_acc: None,
+            split_ml: None,
         }
     }
 
