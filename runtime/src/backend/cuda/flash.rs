@@ -135,7 +135,7 @@ impl Gpu {
         }
         let pairs = n * s.n_heads;
         let plan = DecodeSplit::plan(
-            max_decode_ctx(&a.decode.host, s.window),
+            max_decode_ctx(&a.host.decode, s.window),
             pairs,
             fd.sms,
             fd.min_chunk,
