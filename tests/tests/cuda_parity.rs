@@ -15,7 +15,7 @@ use rand_chacha::ChaCha8Rng;
 use thaw_kernels::cpu::KvLayout;
 use thaw_runtime::adapter::{LoraAdapter, LoraModule};
 use thaw_runtime::backend::cpu::CpuBackend;
-use thaw_runtime::backend::cuda::{AttnImpl, CudaBackend, CudaConfig, DType, LoraImpl};
+use thaw_runtime::backend::cuda::{AttnImpl, CudaBackend, CudaConfig, CudaLora, DType, LoraImpl};
 use thaw_runtime::backend::{
     Backend, LinearDims, LoraBatch, LoraKernel, LoraLayout, SeqSlice, StepLayout,
 };
@@ -277,6 +277,55 @@ fn paged_attention_prefill_and_decode_match_cpu() {
     }
 }
 
+/// One LoRA projection of a step, as both backends get it.
+struct LoraCase<'a> {
+    layout: &'a LoraLayout,
+    kernel: LoraKernel,
+    landed: &'a [usize],
+    at: (LayerIdx, LoraModule),
+    /// (d_in, d_out).
+    dims: (usize, usize),
+}
+
+/// Runs `case` on both backends from the same random x and y and returns the deltas they add
+/// to y, (CPU, GPU): compared as deltas, since y itself would hide a small delta error. The GPU
+/// starts a new step first, so its per-step metadata is rebuilt for `case.layout`.
+fn lora_deltas(
+    cpu: &mut CpuBackend,
+    rc: &[&<CpuBackend as Backend>::Lora],
+    g: &mut CudaBackend,
+    rg: &[&CudaLora],
+    case: &LoraCase<'_>,
+    rng: &mut ChaCha8Rng,
+) -> (Vec<f32>, Vec<f32>) {
+    let (d_in, d_out) = case.dims;
+    let rows = case.layout.row_adapter.len();
+    let x = rand_vec(rng, rows * d_in, 1.0);
+    let y0 = rand_vec(rng, rows * d_out, 1.0);
+    let dims = LinearDims { d_in, d_out };
+    let mut yc = y0.clone();
+    let bc = LoraBatch {
+        kernel: case.kernel,
+        layout: case.layout,
+        adapters: rc,
+        landed: case.landed,
+    };
+    cpu.lora(&x, &mut yc, dims, case.at, &bc);
+    let xg = g.upload_f32(&x).unwrap();
+    let mut yg = g.upload_f32(&y0).unwrap();
+    let bg = LoraBatch {
+        kernel: case.kernel,
+        layout: case.layout,
+        adapters: rg,
+        landed: case.landed,
+    };
+    g.begin_step();
+    g.lora(&xg, &mut yg, dims, case.at, &bg);
+    let got = g.download_f32(&yg, rows * d_out).unwrap();
+    let delta = |y: &[f32]| -> Vec<f32> { y.iter().zip(&y0).map(|(a, b)| a - b).collect() };
+    (delta(&yc), delta(&got))
+}
+
 /// Adapters of ranks 8..128 on a step of mixed segments, SGMV and BGMV, with one adapter's
 /// layer not landed (it must be skipped).
 #[test]
@@ -326,35 +375,14 @@ fn sgmv_and_bgmv_match_cpu() {
         for kernel in [LoraKernel::Sgmv, LoraKernel::Bgmv] {
             for (landed, layer) in [(vec![99, 99, 99, 99], 0), (vec![99, 0, 99, 99], 0)] {
                 for m in [LoraModule::Q, LoraModule::Down] {
-                    let (d_in, d_out) = c.module_shape(m);
-                    let x = rand_vec(&mut rng, rows * d_in, 1.0);
-                    let y0 = rand_vec(&mut rng, rows * d_out, 1.0);
-                    let at = (LayerIdx(layer), m);
-                    let dims = LinearDims { d_in, d_out };
-                    let mut yc = y0.clone();
-                    let bc = LoraBatch {
-                        kernel,
+                    let case = LoraCase {
                         layout: &layout,
-                        adapters: &rc,
-                        landed: &landed,
-                    };
-                    cpu.lora(&x, &mut yc, dims, at, &bc);
-                    let xg = g.upload_f32(&x).unwrap();
-                    let mut yg = g.upload_f32(&y0).unwrap();
-                    let bg = LoraBatch {
                         kernel,
-                        layout: &layout,
-                        adapters: &rg,
                         landed: &landed,
+                        at: (LayerIdx(layer), m),
+                        dims: c.module_shape(m),
                     };
-                    let table = g.upload_linear(vec![0.0; 4], 2, 2, None).unwrap();
-                    let mut scratch = g.alloc(2).unwrap();
-                    g.embed(&table, &[0], &mut scratch);
-                    g.lora(&xg, &mut yg, dims, at, &bg);
-                    let got = g.download_f32(&yg, rows * d_out).unwrap();
-                    // Compare the deltas, not y (y0 would hide a small delta error).
-                    let dc: Vec<f32> = yc.iter().zip(&y0).map(|(a, b)| a - b).collect();
-                    let dg: Vec<f32> = got.iter().zip(&y0).map(|(a, b)| a - b).collect();
+                    let (dc, dg) = lora_deltas(&mut cpu, &rc, &mut g, &rg, &case, &mut rng);
                     check(
                         &format!("{kernel:?} {m:?} landed={landed:?}"),
                         dt,
@@ -429,33 +457,14 @@ fn punica_sgmv_and_bgmv_match_cpu() {
                 for kernel in [LoraKernel::Sgmv, LoraKernel::Bgmv] {
                     for landed in [vec![99; 5], vec![99, 99, 0, 99, 99]] {
                         for m in [LoraModule::Q, LoraModule::K, LoraModule::Down] {
-                            let (d_in, d_out) = c.module_shape(m);
-                            let x = rand_vec(&mut rng, rows * d_in, 1.0);
-                            let y0 = rand_vec(&mut rng, rows * d_out, 1.0);
-                            let at = (LayerIdx(0), m);
-                            let dims = LinearDims { d_in, d_out };
-                            let mut yc = y0.clone();
-                            let bc = LoraBatch {
-                                kernel,
+                            let case = LoraCase {
                                 layout: &layout,
-                                adapters: &rc,
-                                landed: &landed,
-                            };
-                            cpu.lora(&x, &mut yc, dims, at, &bc);
-                            let xg = g.upload_f32(&x).unwrap();
-                            let mut yg = g.upload_f32(&y0).unwrap();
-                            let bg = LoraBatch {
                                 kernel,
-                                layout: &layout,
-                                adapters: &rg,
                                 landed: &landed,
+                                at: (LayerIdx(0), m),
+                                dims: c.module_shape(m),
                             };
-                            // A new step: the metadata is rebuilt for this layout.
-                            g.begin_step();
-                            g.lora(&xg, &mut yg, dims, at, &bg);
-                            let got = g.download_f32(&yg, rows * d_out).unwrap();
-                            let dc: Vec<f32> = yc.iter().zip(&y0).map(|(a, b)| a - b).collect();
-                            let dg: Vec<f32> = got.iter().zip(&y0).map(|(a, b)| a - b).collect();
+                            let (dc, dg) = lora_deltas(&mut cpu, &rc, &mut g, &rg, &case, &mut rng);
                             check(
                                 &format!("punica {imp:?} {kernel:?} b{rows} {m:?} {landed:?}"),
                                 dt,

@@ -6,7 +6,7 @@
 //! unaffected.
 use std::sync::Arc;
 
-use cudarc::driver::{sys, CudaContext, CudaFunction, CudaSlice};
+use cudarc::driver::{CudaContext, CudaFunction, CudaSlice};
 use thaw_kernels::cuda::decode_plan::{DecodeSplit, MIN_CHUNK};
 use thaw_kernels::cuda::registry::{shape, DType};
 use thaw_kernels::cuda::KernelCache;
@@ -61,12 +61,10 @@ impl FlashDecode {
     fn load(ctx: &Arc<CudaContext>, kv: DType, min_chunk: usize) -> Result<Self, CudaError> {
         let cache = KernelCache::global();
         let f = |name: &str| cache.function(ctx, name).map_err(CudaError::from);
-        let sms =
-            ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
         Ok(Self {
             split: f(&format!("attn_decode_split_{}", kv.suffix()))?,
             reduce: f("attn_decode_reduce")?,
-            sms: usize::try_from(sms).unwrap_or(1).max(1),
+            sms: super::sgmv::sm_count(ctx)?,
             min_chunk: min_chunk.max(1),
         })
     }

@@ -52,6 +52,12 @@ impl LoraImpl {
     }
 }
 
+/// The device's multiprocessors: the split planners size their grids to a few blocks per SM.
+pub(super) fn sm_count(ctx: &Arc<CudaContext>) -> Result<usize, CudaError> {
+    let n = ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
+    Ok(usize::try_from(n).unwrap_or(1).max(1))
+}
+
 /// The resolved Punica-shaped kernels for one weight dtype.
 pub(crate) struct Punica {
     sgmv_shrink: CudaFunction,
@@ -70,14 +76,12 @@ impl Punica {
                 .function(ctx, &format!("punica_{base}_{}", w.suffix()))
                 .map_err(CudaError::from)
         };
-        let sms =
-            ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
         Ok(Self {
             sgmv_shrink: f("sgmv_shrink")?,
             sgmv_expand: f("sgmv_expand")?,
             bgmv_shrink: f("bgmv_shrink")?,
             bgmv_expand: f("bgmv_expand")?,
-            sms: usize::try_from(sms).unwrap_or(1).max(1),
+            sms: sm_count(ctx)?,
             max_k_chunk,
         })
     }
