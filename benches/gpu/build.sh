@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds what benches/gpu/run.sh runs, on a machine with Rust (no GPU needed), and strips it
-# into gpu-bin/ (ignored by git): thaw, thaw-bench, and the cuda_parity / cuda_exchange test
-# executables, with BUILD naming the commit and the date.
+# into gpu-bin/ (ignored by git): thaw, thaw-bench, the cuda_parity / cuda_exchange test
+# executables and (with cuda) the cuda_bench example, with BUILD naming the commit and the date.
 #
 #   benches/gpu/build.sh          release, --features cuda (for an H100/H200)
 #   benches/gpu/build.sh --cpu    without cuda (a smoke run here: run.sh --device cpu)
@@ -49,7 +49,12 @@ for line in sys.stdin:
         shutil.copy(exe, sys.argv[1] + "/" + name)
         print("copied", name)
 ' "$out"
-strip "$out"/thaw "$out"/thaw-bench "$out"/cuda_parity "$out"/cuda_exchange 2>/dev/null || true
+if [ "$cuda" = 1 ]; then
+  # The kernel microbenchmarks (issue 29: SGMV/BGMV and decode attention, old vs new kernels).
+  cargo build --profile "$profile" -p thaw-runtime --features cuda --example cuda_bench
+  cp "$target/$dir/examples/cuda_bench" "$out/"
+fi
+strip "$out"/thaw "$out"/thaw-bench "$out"/cuda_parity "$out"/cuda_exchange "$out"/cuda_bench 2>/dev/null || true
 {
   echo "commit $(git rev-parse --short=12 HEAD)$(git diff --quiet HEAD -- . ':!gpu-bin' || echo -dirty)"
   echo "built $(date -u +%Y-%m-%dT%H:%MZ)"

@@ -15,7 +15,7 @@ use rand_chacha::ChaCha8Rng;
 use thaw_kernels::cpu::KvLayout;
 use thaw_runtime::adapter::{LoraAdapter, LoraModule};
 use thaw_runtime::backend::cpu::CpuBackend;
-use thaw_runtime::backend::cuda::{CudaBackend, CudaConfig, DType};
+use thaw_runtime::backend::cuda::{AttnImpl, CudaBackend, CudaConfig, CudaLora, DType, LoraImpl};
 use thaw_runtime::backend::{
     Backend, LinearDims, LoraBatch, LoraKernel, LoraLayout, SeqSlice, StepLayout,
 };
@@ -190,6 +190,10 @@ fn mixed_step(block_size: usize) -> (StepLayout, usize) {
     (step, next_block as usize)
 }
 
+/// Decode through `attention.cu` and through flash-decoding (`attention_split.cu`, issue 29),
+/// the latter with its default chunking (one split at these lengths) and with 4-position chunks
+/// (7 splits of the 31-position context without a window; the shorter contexts leave some of
+/// them empty).
 #[test]
 fn paged_attention_prefill_and_decode_match_cpu() {
     if !gpu() {
@@ -197,12 +201,22 @@ fn paged_attention_prefill_and_decode_match_cpu() {
     }
     let m = shape();
     let mut c = m.config.clone();
-    for window in [None, Some(7)] {
+    let impls = [
+        AttnImpl::Classic,
+        AttnImpl::SPLIT,
+        AttnImpl::Split { min_chunk: 4 },
+    ];
+    for (window, imp) in [None, Some(7)]
+        .into_iter()
+        .flat_map(|w| impls.map(|i| (w, i)))
+    {
         c.sliding_window = window;
         let mut rng = ChaCha8Rng::seed_from_u64(2);
         for (dt, tol) in CONFIGS {
             let mut cpu = CpuBackend::new(&c);
             let mut g = CudaBackend::new(&c, &cfg(dt)).unwrap();
+            g.set_attn_impl(imp).unwrap();
+            assert_eq!(g.attn_impl(), imp);
             let layout = KvLayout {
                 block_size: 8,
                 num_kv_heads: c.num_kv_heads,
@@ -248,7 +262,7 @@ fn paged_attention_prefill_and_decode_match_cpu() {
                 g.embed(&table, &vec![0; n], &mut scratch);
                 g.attention(&qg, &kg, &vg, &mut kvg, st, &mut og);
                 if std::ptr::eq(st, &step) {
-                    let what = format!("attention window={window:?}");
+                    let what = format!("attention {imp:?} window={window:?}");
                     check(
                         &what,
                         dt,
@@ -261,6 +275,55 @@ fn paged_attention_prefill_and_decode_match_cpu() {
             g.check().unwrap();
         }
     }
+}
+
+/// One LoRA projection of a step, as both backends get it.
+struct LoraCase<'a> {
+    layout: &'a LoraLayout,
+    kernel: LoraKernel,
+    landed: &'a [usize],
+    at: (LayerIdx, LoraModule),
+    /// (d_in, d_out).
+    dims: (usize, usize),
+}
+
+/// Runs `case` on both backends from the same random x and y and returns the deltas they add
+/// to y, (CPU, GPU): compared as deltas, since y itself would hide a small delta error. The GPU
+/// starts a new step first, so its per-step metadata is rebuilt for `case.layout`.
+fn lora_deltas(
+    cpu: &mut CpuBackend,
+    rc: &[&<CpuBackend as Backend>::Lora],
+    g: &mut CudaBackend,
+    rg: &[&CudaLora],
+    case: &LoraCase<'_>,
+    rng: &mut ChaCha8Rng,
+) -> (Vec<f32>, Vec<f32>) {
+    let (d_in, d_out) = case.dims;
+    let rows = case.layout.row_adapter.len();
+    let x = rand_vec(rng, rows * d_in, 1.0);
+    let y0 = rand_vec(rng, rows * d_out, 1.0);
+    let dims = LinearDims { d_in, d_out };
+    let mut yc = y0.clone();
+    let bc = LoraBatch {
+        kernel: case.kernel,
+        layout: case.layout,
+        adapters: rc,
+        landed: case.landed,
+    };
+    cpu.lora(&x, &mut yc, dims, case.at, &bc);
+    let xg = g.upload_f32(&x).unwrap();
+    let mut yg = g.upload_f32(&y0).unwrap();
+    let bg = LoraBatch {
+        kernel: case.kernel,
+        layout: case.layout,
+        adapters: rg,
+        landed: case.landed,
+    };
+    g.begin_step();
+    g.lora(&xg, &mut yg, dims, case.at, &bg);
+    let got = g.download_f32(&yg, rows * d_out).unwrap();
+    let delta = |y: &[f32]| -> Vec<f32> { y.iter().zip(&y0).map(|(a, b)| a - b).collect() };
+    (delta(&yc), delta(&got))
 }
 
 /// Adapters of ranks 8..128 on a step of mixed segments, SGMV and BGMV, with one adapter's
@@ -312,35 +375,14 @@ fn sgmv_and_bgmv_match_cpu() {
         for kernel in [LoraKernel::Sgmv, LoraKernel::Bgmv] {
             for (landed, layer) in [(vec![99, 99, 99, 99], 0), (vec![99, 0, 99, 99], 0)] {
                 for m in [LoraModule::Q, LoraModule::Down] {
-                    let (d_in, d_out) = c.module_shape(m);
-                    let x = rand_vec(&mut rng, rows * d_in, 1.0);
-                    let y0 = rand_vec(&mut rng, rows * d_out, 1.0);
-                    let at = (LayerIdx(layer), m);
-                    let dims = LinearDims { d_in, d_out };
-                    let mut yc = y0.clone();
-                    let bc = LoraBatch {
-                        kernel,
+                    let case = LoraCase {
                         layout: &layout,
-                        adapters: &rc,
-                        landed: &landed,
-                    };
-                    cpu.lora(&x, &mut yc, dims, at, &bc);
-                    let xg = g.upload_f32(&x).unwrap();
-                    let mut yg = g.upload_f32(&y0).unwrap();
-                    let bg = LoraBatch {
                         kernel,
-                        layout: &layout,
-                        adapters: &rg,
                         landed: &landed,
+                        at: (LayerIdx(layer), m),
+                        dims: c.module_shape(m),
                     };
-                    let table = g.upload_linear(vec![0.0; 4], 2, 2, None).unwrap();
-                    let mut scratch = g.alloc(2).unwrap();
-                    g.embed(&table, &[0], &mut scratch);
-                    g.lora(&xg, &mut yg, dims, at, &bg);
-                    let got = g.download_f32(&yg, rows * d_out).unwrap();
-                    // Compare the deltas, not y (y0 would hide a small delta error).
-                    let dc: Vec<f32> = yc.iter().zip(&y0).map(|(a, b)| a - b).collect();
-                    let dg: Vec<f32> = got.iter().zip(&y0).map(|(a, b)| a - b).collect();
+                    let (dc, dg) = lora_deltas(&mut cpu, &rc, &mut g, &rg, &case, &mut rng);
                     check(
                         &format!("{kernel:?} {m:?} landed={landed:?}"),
                         dt,
@@ -348,6 +390,90 @@ fn sgmv_and_bgmv_match_cpu() {
                         &dg,
                         &dc,
                     );
+                }
+            }
+        }
+        g.check().unwrap();
+    }
+}
+
+/// A LoRA layout of `rows` rows: runs of 1–8 rows, each of a random adapter among `n` or of
+/// none (base rows), so segments of one adapter recur and rows without LoRA sit between them.
+fn mixed_lora_layout(rng: &mut ChaCha8Rng, rows: usize, n: u32) -> LoraLayout {
+    let mut segments = Vec::new();
+    let mut row_adapter = vec![None; rows];
+    let mut r = 0;
+    while r < rows {
+        let len = rng.random_range(1..=8).min(rows - r);
+        let pick = rng.random_range(0..=n);
+        if pick < n {
+            segments.push((r..r + len, pick));
+            row_adapter[r..r + len].fill(Some(pick));
+        }
+        r += len;
+    }
+    LoraLayout {
+        segments,
+        row_adapter,
+    }
+}
+
+/// The Punica-shaped kernels (`lora_punica.cu`, issue 29) against the CPU twin: ranks 8, 16, 32,
+/// 64 and 128 mixed in one step, batches of 1, 16 and 64 rows, SGMV and BGMV, with the default
+/// K chunking and with 32-element chunks (4–8 split-K partials on this model's d_in of 128 /
+/// 256), one adapter's layer not landed (skipped). Tolerances as for `lora.cu` (module doc).
+#[test]
+fn punica_sgmv_and_bgmv_match_cpu() {
+    if !gpu() {
+        return;
+    }
+    let tm = TestModel::llama(5);
+    let c = &tm.model.config;
+    let all = ["q", "k", "v", "o", "gate", "up", "down"];
+    let adapters: Vec<Arc<LoraAdapter>> = [8, 16, 32, 64, 128]
+        .iter()
+        .enumerate()
+        .map(|(i, &r)| tm.adapter(r, &all, 60 + i as u64))
+        .collect();
+    let n = adapters.len() as u32;
+    let mut rng = ChaCha8Rng::seed_from_u64(29);
+    for (dt, tol) in CONFIGS {
+        let mut cpu = CpuBackend::new(c);
+        let mut g = CudaBackend::new(c, &cfg(dt)).unwrap();
+        let lc: Vec<_> = adapters
+            .iter()
+            .map(|a| cpu.upload_lora(a.clone()).unwrap())
+            .collect();
+        let lg: Vec<_> = adapters
+            .iter()
+            .map(|a| g.upload_lora(a.clone()).unwrap())
+            .collect();
+        let (rc, rg): (Vec<_>, Vec<_>) = (lc.iter().collect(), lg.iter().collect());
+        for imp in [LoraImpl::PUNICA, LoraImpl::Punica { max_k_chunk: 32 }] {
+            g.set_lora_impl(imp).unwrap();
+            assert_eq!(g.lora_impl(), imp);
+            for rows in [1, 16, 64] {
+                let layout = mixed_lora_layout(&mut rng, rows, n);
+                for kernel in [LoraKernel::Sgmv, LoraKernel::Bgmv] {
+                    for landed in [vec![99; 5], vec![99, 99, 0, 99, 99]] {
+                        for m in [LoraModule::Q, LoraModule::K, LoraModule::Down] {
+                            let case = LoraCase {
+                                layout: &layout,
+                                kernel,
+                                landed: &landed,
+                                at: (LayerIdx(0), m),
+                                dims: c.module_shape(m),
+                            };
+                            let (dc, dg) = lora_deltas(&mut cpu, &rc, &mut g, &rg, &case, &mut rng);
+                            check(
+                                &format!("punica {imp:?} {kernel:?} b{rows} {m:?} {landed:?}"),
+                                dt,
+                                tol,
+                                &dg,
+                                &dc,
+                            );
+                        }
+                    }
                 }
             }
         }

@@ -103,11 +103,39 @@ pub const ATTENTION: KernelSource = KernelSource {
     entry_points: dtypes!("write_kv", "attn_decode", "attn_prefill"),
 };
 
+/// Flash-decoding: paged decode attention split across blocks, then a reduce (issue 29).
+/// Selected at run time (`THAW_CUDA_ATTN_IMPL=split`); `attention.cu`'s decode stays the
+/// default until a GPU run verifies it.
+pub const ATTENTION_SPLIT: KernelSource = KernelSource {
+    name: "attention_split",
+    source: include_str!("attention_split.cu"),
+    entry_points: &[
+        "attn_decode_split_f32",
+        "attn_decode_split_bf16",
+        "attn_decode_split_f16",
+        "attn_decode_reduce",
+    ],
+};
+
 /// SGMV / BGMV shrink and expand.
 pub const LORA: KernelSource = KernelSource {
     name: "lora",
     source: include_str!("lora.cu"),
     entry_points: dtypes!("sgmv_shrink", "sgmv_expand", "bgmv_shrink", "bgmv_expand"),
+};
+
+/// SGMV / BGMV in Punica's shape: split-K shrink with 16-byte weight loads, expand that sums
+/// the splits (issue 29). Selected at run time (`THAW_CUDA_LORA_IMPL=punica`); `lora.cu` stays
+/// the default until a GPU run verifies these.
+pub const LORA_PUNICA: KernelSource = KernelSource {
+    name: "lora_punica",
+    source: include_str!("lora_punica.cu"),
+    entry_points: dtypes!(
+        "punica_sgmv_shrink",
+        "punica_sgmv_expand",
+        "punica_bgmv_shrink",
+        "punica_bgmv_expand"
+    ),
 };
 
 /// Fused export (copy + signal) and merge of CPU deltas.
@@ -118,7 +146,16 @@ pub const EXCHANGE: KernelSource = KernelSource {
 };
 
 /// Every kernel source Thaw compiles.
-pub const KERNELS: &[KernelSource] = &[ELEMENTWISE, NORM, ROPE, ATTENTION, LORA, EXCHANGE];
+pub const KERNELS: &[KernelSource] = &[
+    ELEMENTWISE,
+    NORM,
+    ROPE,
+    ATTENTION,
+    ATTENTION_SPLIT,
+    LORA,
+    LORA_PUNICA,
+    EXCHANGE,
+];
 
 /// Launch-shape constants the sources `#define`; the host launches with these.
 pub mod shape {
@@ -136,6 +173,22 @@ pub mod shape {
     pub const LORA_EXPAND_THREADS: u32 = 256;
     /// `THAW_MAX_LORA_RANK`.
     pub const MAX_LORA_RANK: usize = 256;
+    /// `THAW_SPLIT_WARPS`: warps per flash-decoding block (`attention_split.cu`).
+    pub const SPLIT_WARPS: u32 = 4;
+    /// `THAW_SPLIT_MAX_HEAD_DIM`.
+    pub const SPLIT_MAX_HEAD_DIM: usize = 256;
+    /// `PUNICA_THREADS`: threads of every `lora_punica.cu` block.
+    pub const PUNICA_THREADS: u32 = 256;
+    /// `PUNICA_ROWS`: rows of one segment per block.
+    pub const PUNICA_ROWS: u32 = 4;
+    /// `PUNICA_RANK_TILE`: ranks per shrink block.
+    pub const PUNICA_RANK_TILE: u32 = 16;
+    /// `PUNICA_K_CHUNK`: the largest d_in chunk one shrink block stages (split-K).
+    pub const PUNICA_K_CHUNK: usize = 1024;
+    /// `PUNICA_EXPAND_COLS`: output columns per expand block.
+    pub const PUNICA_EXPAND_COLS: u32 = 256;
+    /// `PUNICA_MAX_RANK`.
+    pub const PUNICA_MAX_RANK: usize = 256;
 }
 
 /// Finds the source that defines `entry`.
@@ -205,6 +258,42 @@ mod tests {
             }
         }
         assert_eq!(source_of("sgmv_shrink_bf16").map(|k| k.name), Some("lora"));
+    }
+
+    /// The host launches with `shape`'s constants: each must equal the source's `#define`.
+    #[test]
+    fn shape_constants_match_the_sources_defines() {
+        let define = |src: &str, name: &str| -> u64 {
+            src.lines()
+                .find_map(|l| l.strip_prefix(&format!("#define {name} ")))
+                .unwrap_or_else(|| panic!("#define {name} not found"))
+                .trim()
+                .parse()
+                .unwrap_or_else(|e| panic!("#define {name}: {e}"))
+        };
+        let p = LORA_PUNICA.source;
+        assert_eq!(define(p, "PUNICA_THREADS"), shape::PUNICA_THREADS as u64);
+        assert_eq!(define(p, "PUNICA_ROWS"), shape::PUNICA_ROWS as u64);
+        assert_eq!(
+            define(p, "PUNICA_RANK_TILE"),
+            shape::PUNICA_RANK_TILE as u64
+        );
+        assert_eq!(define(p, "PUNICA_K_CHUNK"), shape::PUNICA_K_CHUNK as u64);
+        assert_eq!(
+            define(p, "PUNICA_EXPAND_COLS"),
+            shape::PUNICA_EXPAND_COLS as u64
+        );
+        assert_eq!(define(p, "PUNICA_MAX_RANK"), shape::PUNICA_MAX_RANK as u64);
+        let a = ATTENTION_SPLIT.source;
+        assert_eq!(define(a, "THAW_SPLIT_WARPS"), shape::SPLIT_WARPS as u64);
+        assert_eq!(
+            define(a, "THAW_SPLIT_MAX_HEAD_DIM"),
+            shape::SPLIT_MAX_HEAD_DIM as u64
+        );
+        let l = LORA.source;
+        assert_eq!(define(l, "THAW_LORA_WARPS"), shape::LORA_WARPS as u64);
+        assert_eq!(define(l, "THAW_LORA_ROWS"), shape::LORA_ROWS as u64);
+        assert_eq!(define(l, "THAW_MAX_LORA_RANK"), shape::MAX_LORA_RANK as u64);
     }
 
     #[test]

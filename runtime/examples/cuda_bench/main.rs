@@ -1,4 +1,6 @@
-//! CUDA microbenchmarks (issue 6): SGMV / BGMV latency and achieved bandwidth, export + merge
+//! CUDA microbenchmarks (issue 6): SGMV / BGMV latency and achieved bandwidth (`lora.cu` and
+//! the Punica-shaped `lora_punica.cu`, issue 29), decode attention (one block per head and
+//! flash-decoding, issue 29), export + merge
 //! overhead per layer, fused export vs synchronous copy-then-signal, H2D adapter streaming vs
 //! the pinned-copy peak. Prints tables; asserts no timing.
 //!
@@ -6,6 +8,7 @@
 //! cargo run --release -p thaw-runtime --features cuda --example cuda_bench          # full
 //! cargo run --release -p thaw-runtime --features cuda --example cuda_bench -- --smoke
 //! ```
+mod decode_attn;
 mod prefill;
 
 use std::sync::Arc;
@@ -14,7 +17,9 @@ use std::time::Instant;
 use safetensors::tensor::{Dtype, TensorView};
 use thaw_ipc::{Exchange, ExchangeConfig, StepSeq, WorkerId, WORKER_RESULT};
 use thaw_runtime::adapter::{AdapterConfig, LoraAdapter, LoraModule};
-use thaw_runtime::backend::cuda::{cuda_available, CudaBackend, CudaConfig, CudaLora, DType};
+use thaw_runtime::backend::cuda::{
+    cuda_available, CudaBackend, CudaConfig, CudaLora, DType, LoraImpl,
+};
 use thaw_runtime::backend::{Backend, LinearDims, LoraBatch, LoraKernel, LoraLayout};
 use thaw_runtime::ids::LayerIdx;
 use thaw_runtime::model::ModelConfig;
@@ -153,7 +158,8 @@ fn lora_tables(smoke: bool) -> Res<()> {
     let peak = d2d_peak(&mut g)?;
     println!("device-to-device copy peak (1 GiB, read + write): {peak:.0} GB/s");
     println!("\n## SGMV / BGMV, q_proj 4096→4096, one layer (kernels only, median of 20; GB/s = distinct adapter bytes + x/y over time)");
-    println!("| kernel | rank | batch | popularity | µs | GB/s | % of copy peak |\n|---|---|---|---|---|---|---|");
+    println!("(impl: Classic = lora.cu, the default; Punica = lora_punica.cu, THAW_CUDA_LORA_IMPL=punica)");
+    println!("| impl | kernel | rank | batch | popularity | µs | GB/s | % of copy peak |\n|---|---|---|---|---|---|---|---|");
     let ranks: &[usize] = if smoke { &[16] } else { &[8, 16, 32, 64, 128] };
     let batches: &[usize] = if smoke {
         &[1, 8]
@@ -171,7 +177,11 @@ fn lora_tables(smoke: bool) -> Res<()> {
                     .map_err(Into::into)
             })
             .collect::<Res<_>>()?;
-        for kernel in [LoraKernel::Sgmv, LoraKernel::Bgmv] {
+        for (imp, kernel) in [LoraImpl::Classic, LoraImpl::PUNICA]
+            .into_iter()
+            .flat_map(|i| [LoraKernel::Sgmv, LoraKernel::Bgmv].map(|k| (i, k)))
+        {
+            g.set_lora_impl(imp)?;
             for &batch in batches {
                 for pattern in ["distinct", "uniform", "skewed", "identical"] {
                     let rows = assign(pattern, batch, pool, batch as u64 * 31 + rank as u64);
@@ -208,7 +218,7 @@ fn lora_tables(smoke: bool) -> Res<()> {
                         used.len() * rank * (d_in + d_out) * 2 + batch * (d_in + 2 * d_out) * 4;
                     let gbs = bytes as f64 / us / 1e3;
                     println!(
-                        "| {kernel:?} | {rank} | {batch} | {pattern} | {us:.1} | {gbs:.0} | {:.0}% |",
+                        "| {imp:?} | {kernel:?} | {rank} | {batch} | {pattern} | {us:.1} | {gbs:.0} | {:.0}% |",
                         gbs / peak * 100.0
                     );
                 }
@@ -344,6 +354,12 @@ fn main() -> Res<()> {
         return Ok(());
     }
     lora_tables(smoke)?;
+    {
+        let mut g = CudaBackend::new(&model_config(1)?, &CudaConfig::default())?;
+        let peak = d2d_peak(&mut g)?;
+        drop(g);
+        decode_attn::decode_attn_table(smoke, peak)?;
+    }
     exchange_tables(smoke)?;
     prefill::prefill_table(smoke)?;
     streaming_table(smoke)?;

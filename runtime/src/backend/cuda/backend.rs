@@ -266,9 +266,15 @@ impl CudaBackend {
             return Ok(());
         }
         let slot = at.0 .0 * 7 + at.1.index();
-        self.lora_scratch(rows * max_rank)?;
+        let v_len =
+            (self.gpu).lora_v_len(batch.kernel, &self.lora_meta, rows, max_rank, dims.d_in)?;
+        self.lora_scratch(v_len)?;
         let v = self.lora_v.as_mut().expect("sized above");
         let m = &self.lora_meta;
+        if self.gpu.punica.is_some() {
+            let k = batch.kernel;
+            return (self.gpu).punica_lora(k, x, y, v, m, rows, slot, dims, max_rank);
+        }
         match batch.kernel {
             LoraKernel::Sgmv => self.gpu.sgmv(
                 x,
@@ -318,17 +324,21 @@ impl CudaBackend {
             window: self.window,
             scale: 1.0 / (self.head_dim as f32).sqrt(),
         };
-        let a = &self.attn;
-        self.gpu.attn_decode(
-            q,
-            &kv.k,
-            &kv.v,
-            out,
-            a.tables.get(),
-            a.decode.get(),
-            a.n_decode(),
-            s,
-        )?;
+        let a = &mut self.attn;
+        if self.gpu.flash.is_some() {
+            self.gpu.attn_decode_split(q, (&kv.k, &kv.v), out, a, s)?;
+        } else {
+            self.gpu.attn_decode(
+                q,
+                &kv.k,
+                &kv.v,
+                out,
+                a.tables.get(),
+                a.decode.get(),
+                a.n_decode(),
+                s,
+            )?;
+        }
         self.gpu.attn_prefill(
             q,
             &kv.k,

@@ -22,7 +22,7 @@ pub(super) fn dptr<T>(s: &CudaSlice<T>, stream: &CudaStream) -> u64 {
     s.device_ptr(stream).0
 }
 
-fn int(n: usize, what: &str) -> i32 {
+pub(super) fn int(n: usize, what: &str) -> i32 {
     i32::try_from(n).unwrap_or_else(|_| panic!("{what} = {n} does not fit a kernel's int"))
 }
 
@@ -91,10 +91,11 @@ macro_rules! launch {
             $func,
             $grid,
             $block,
-            &mut [$(&mut { $arg } as *mut _ as *mut c_void),*],
+            &mut [$(&mut { $arg } as *mut _ as *mut std::ffi::c_void),*],
         )
     };
 }
+pub(super) use launch;
 
 /// Attention geometry shared by the decode and prefill launches.
 #[derive(Copy, Clone, Debug)]
@@ -116,6 +117,10 @@ pub(super) struct Gpu {
     k: Kernels,
     pub weight_dtype: DType,
     pub kv_dtype: DType,
+    /// The Punica-shaped LoRA kernels, when selected (`sgmv.rs`); `None` = `lora.cu`'s.
+    pub punica: Option<super::sgmv::Punica>,
+    /// Flash-decoding, when selected (`flash.rs`); `None` = `attention.cu`'s decode.
+    pub flash: Option<super::flash::FlashDecode>,
 }
 
 impl Gpu {
@@ -132,7 +137,11 @@ impl Gpu {
         let stream = ctx.new_stream()?;
         let blas = CudaBlas::new(stream.clone())?;
         let k = Kernels::load(&ctx, weight_dtype, kv_dtype)?;
+        let punica = super::sgmv::Punica::from_env(&ctx, weight_dtype)?;
+        let flash = super::flash::FlashDecode::from_env(&ctx, kv_dtype)?;
         Ok(Self {
+            punica,
+            flash,
             ctx,
             stream,
             blas,
@@ -149,7 +158,7 @@ impl Gpu {
     /// # Safety
     /// `params` must match `func`'s C signature in count, order and size, and every pointer
     /// among them must be valid for the accesses the kernel makes given the other arguments.
-    unsafe fn launch_raw(
+    pub(super) unsafe fn launch_raw(
         &self,
         func: &CudaFunction,
         grid: (u32, u32, u32),

@@ -9,8 +9,10 @@
 //!
 //! | file | job |
 //! | --- | --- |
+//! | `flash.rs` | flash-decoding launches (opt-in: `THAW_CUDA_ATTN_IMPL=split`) |
 //! | `launch.rs` | every raw CUDA call: launches, cuBLAS, stream waits, host registration |
 //! | `backend.rs` | [`CudaBackend`]: the trait ops |
+//! | `sgmv.rs` | the Punica-shaped SGMV / BGMV launches (opt-in: `THAW_CUDA_LORA_IMPL=punica`) |
 //! | `step.rs` | per-step device metadata (slots, block tables, segments), uploaded once per step |
 //! | `weights.rs` | weights, norms and LoRA descriptor tables on the device |
 //! | `exchange.rs` | fused export and stream-waited merge (CPU assist) |
@@ -18,14 +20,18 @@
 mod backend;
 mod encode;
 mod exchange;
+mod flash;
 mod launch;
 mod link;
+mod sgmv;
 mod step;
 mod stream;
 mod weights;
 
 pub use backend::{CudaBackend, CudaConfig, CudaKvLayer};
 pub use exchange::MappedExchange;
+pub use flash::{AttnImpl, ATTN_IMPL_ENV};
+pub use sgmv::{LoraImpl, LORA_IMPL_ENV};
 pub use stream::{PinnedHostRegion, StreamingLora};
 pub use thaw_kernels::cuda::registry::DType;
 pub use weights::{CudaLinear, CudaLora, CudaVector};

@@ -1,0 +1,148 @@
+// Flash-decoding (issue 29): paged decode attention that splits each sequence's context across
+// blocks, then a reduce kernel merges the partial softmaxes. CPU twin:
+// kernels/src/cpu/attention.rs (paged_attention). Same cache layout, GQA mapping, sliding window
+// and row metadata as attention.cu's attn_decode; at batch 1 with a long context that kernel
+// runs n_heads blocks, far too few to pull the KV cache at HBM bandwidth — this one runs
+// n_heads · splits.
+//
+// Pass 1, attn_decode_split_T: grid (rows, n_heads, splits), THAW_SPLIT_WARPS warps. Block
+// (i, h, s) covers positions [lo + s·chunk, min(pos + 1, lo + (s+1)·chunk)) of row i's context;
+// warps take keys round-robin with their own online softmax and merge in shared memory. It
+// writes the unnormalised output acc (relative to its max m) and (m, l) for the split; an empty
+// split writes m = -inf, l = 0, which the reduce skips.
+// Pass 2, attn_decode_reduce: grid (rows, n_heads): out = Σ_s acc_s e^(m_s - M) / Σ_s l_s
+// e^(m_s - M), M = max_s m_s.
+//
+// Scratch: part_acc [rows, n_heads, splits, head_dim] f32, part_ml [rows, n_heads, splits, 2].
+
+#define THAW_SPLIT_WARPS 4
+#define THAW_SPLIT_MAX_HEAD_DIM 256
+#define THAW_SPLIT_HD_PER_LANE (THAW_SPLIT_MAX_HEAD_DIM / 32)
+
+template <typename T>
+__device__ void attn_decode_split(const float* __restrict__ q, const T* __restrict__ kc,
+                                  const T* __restrict__ vc, float* __restrict__ part_acc,
+                                  float* __restrict__ part_ml, const u32* __restrict__ block_tables,
+                                  const u32* __restrict__ row_meta, int rows, int n_heads,
+                                  int n_kv_heads, int head_dim, int block_size, int window,
+                                  float scale, int splits, int chunk) {
+    const int i = blockIdx.x, h = blockIdx.y, sp = blockIdx.z;
+    if (i >= rows || sp >= splits) return;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int kvh = h / (n_heads / n_kv_heads);
+    const int token_len = n_kv_heads * head_dim;
+    const u32* table = block_tables + row_meta[3 * i];
+    const int pos = (int)row_meta[3 * i + 1];
+    const long r = row_meta[3 * i + 2];
+    const int lo = window > 0 ? max(0, pos + 1 - window) : 0;
+    const int p0 = lo + sp * chunk, p1 = min(pos + 1, p0 + chunk);
+    const long part = ((long)i * n_heads + h) * splits + sp;
+
+    const float* qr = q + (r * n_heads + h) * head_dim;
+    float qv[THAW_SPLIT_HD_PER_LANE], acc[THAW_SPLIT_HD_PER_LANE];
+#pragma unroll
+    for (int e = 0; e < THAW_SPLIT_HD_PER_LANE; ++e) {
+        const int j = lane + 32 * e;
+        qv[e] = j < head_dim ? qr[j] * scale : 0.0f;
+        acc[e] = 0.0f;
+    }
+    float m = -THAW_INF, l = 0.0f;
+    for (int p = p0 + warp; p < p1; p += THAW_SPLIT_WARPS) {
+        const long off = ((long)table[p / block_size] * block_size + p % block_size) * token_len +
+                         (long)kvh * head_dim;
+        float dot = 0.0f;
+#pragma unroll
+        for (int e = 0; e < THAW_SPLIT_HD_PER_LANE; ++e) {
+            const int j = lane + 32 * e;
+            if (j < head_dim) dot += qv[e] * to_f32(kc[off + j]);
+        }
+        const float s = warp_sum(dot);
+        const float m_new = fmaxf(m, s);
+        const float corr = expf(m - m_new), pe = expf(s - m_new);
+        l = l * corr + pe;
+#pragma unroll
+        for (int e = 0; e < THAW_SPLIT_HD_PER_LANE; ++e) {
+            const int j = lane + 32 * e;
+            const float vj = j < head_dim ? to_f32(vc[off + j]) : 0.0f;
+            acc[e] = acc[e] * corr + pe * vj;
+        }
+        m = m_new;
+    }
+
+    __shared__ float sm_m[THAW_SPLIT_WARPS], sm_l[THAW_SPLIT_WARPS];
+    __shared__ float sm_acc[THAW_SPLIT_WARPS][THAW_SPLIT_MAX_HEAD_DIM];
+    if (lane == 0) {
+        sm_m[warp] = m;
+        sm_l[warp] = l;
+    }
+#pragma unroll
+    for (int e = 0; e < THAW_SPLIT_HD_PER_LANE; ++e) {
+        const int j = lane + 32 * e;
+        if (j < head_dim) sm_acc[warp][j] = acc[e];
+    }
+    __syncthreads();
+    float mx = -THAW_INF;
+    for (int w = 0; w < THAW_SPLIT_WARPS; ++w) mx = fmaxf(mx, sm_m[w]);
+    float* pa = part_acc + part * head_dim;
+    if (mx == -THAW_INF) {
+        // An empty split (the context ends before it starts).
+        if (threadIdx.x == 0) {
+            part_ml[2 * part] = -THAW_INF;
+            part_ml[2 * part + 1] = 0.0f;
+        }
+        for (int j = threadIdx.x; j < head_dim; j += blockDim.x) pa[j] = 0.0f;
+        return;
+    }
+    if (threadIdx.x == 0) {
+        float denom = 0.0f;
+        for (int w = 0; w < THAW_SPLIT_WARPS; ++w)
+            if (sm_m[w] > -THAW_INF) denom += sm_l[w] * expf(sm_m[w] - mx);
+        part_ml[2 * part] = mx;
+        part_ml[2 * part + 1] = denom;
+    }
+    for (int j = threadIdx.x; j < head_dim; j += blockDim.x) {
+        float s = 0.0f;
+        for (int w = 0; w < THAW_SPLIT_WARPS; ++w)
+            if (sm_m[w] > -THAW_INF) s += sm_acc[w][j] * expf(sm_m[w] - mx);
+        pa[j] = s;
+    }
+}
+
+// Pass 2: grid (rows, n_heads), any multiple of 32 threads.
+extern "C" __global__ void attn_decode_reduce(const float* __restrict__ part_acc,
+                                              const float* __restrict__ part_ml,
+                                              float* __restrict__ out,
+                                              const u32* __restrict__ row_meta, int rows,
+                                              int n_heads, int head_dim, int splits) {
+    const int i = blockIdx.x, h = blockIdx.y;
+    if (i >= rows) return;
+    const long r = row_meta[3 * i + 2];
+    const long base = ((long)i * n_heads + h) * splits;
+    float mx = -THAW_INF;
+    for (int s = 0; s < splits; ++s) mx = fmaxf(mx, part_ml[2 * (base + s)]);
+    float denom = 0.0f;
+    for (int s = 0; s < splits; ++s) {
+        const float ms = part_ml[2 * (base + s)];
+        if (ms > -THAW_INF) denom += part_ml[2 * (base + s) + 1] * expf(ms - mx);
+    }
+    float* orow = out + (r * n_heads + h) * head_dim;
+    for (int j = threadIdx.x; j < head_dim; j += blockDim.x) {
+        float t = 0.0f;
+        for (int s = 0; s < splits; ++s) {
+            const float ms = part_ml[2 * (base + s)];
+            if (ms > -THAW_INF) t += part_acc[(base + s) * head_dim + j] * expf(ms - mx);
+        }
+        orow[j] = t / denom;
+    }
+}
+
+#define THAW_ATTN_SPLIT(T, S)                                                                  \
+    extern "C" __global__ void __launch_bounds__(32 * THAW_SPLIT_WARPS) attn_decode_split_##S( \
+        const float* q, const T* kc, const T* vc, float* part_acc, float* part_ml,            \
+        const u32* block_tables, const u32* row_meta, int rows, int n_heads, int n_kv_heads,  \
+        int head_dim, int block_size, int window, float scale, int splits, int chunk) {       \
+        attn_decode_split<T>(q, kc, vc, part_acc, part_ml, block_tables, row_meta, rows,      \
+                             n_heads, n_kv_heads, head_dim, block_size, window, scale,        \
+                             splits, chunk);                                                  \
+    }
+THAW_FOR_EACH_DTYPE(THAW_ATTN_SPLIT)
