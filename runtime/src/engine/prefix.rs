@@ -167,6 +167,12 @@ impl<B: Backend> Engine<B> {
         self.blocks.set_capacity(blocks)
     }
 
+    /// Turns prefix caching on or off for sequences added from now on (start-up measurements
+    /// run the same prompt several times and must compute it each time).
+    pub fn set_prefix_caching(&mut self, on: bool) {
+        self.cfg.enable_prefix_caching = on;
+    }
+
     pub fn prefix_stats(&self) -> PrefixStats {
         self.prefix_stats
     }

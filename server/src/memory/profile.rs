@@ -49,7 +49,10 @@ pub fn build_engine<B: Backend>(
     let tokens = cfg.max_batch_tokens.min(context).max(1);
     cfg.num_kv_blocks = tokens.div_ceil(cfg.kv_block_size.max(1)) + 1;
     let vocab = model.config.vocab_size.max(1);
+    let caching = cfg.enable_prefix_caching;
     let mut engine = Engine::new(backend, model, cfg)?;
+    // A measurement, not a request: nothing of it is looked up in, or left in, the cache.
+    engine.set_prefix_caching(false);
     let prompt: Vec<u32> = (0..tokens).map(|i| (i % vocab) as u32).collect();
     engine.add_sequence(
         PROFILE_SEQ,
@@ -89,6 +92,7 @@ pub fn build_engine<B: Backend>(
         "device budget from the memory profile"
     );
     engine.resize_kv(pages)?;
+    engine.set_prefix_caching(caching);
     Ok((engine, pages))
 }
 
