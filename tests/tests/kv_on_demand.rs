@@ -162,3 +162,31 @@ fn kv_capacity_evicts_cached_blocks_and_bounds_growth() {
     e.set_kv_capacity(16);
     step_all_pending(&mut e, SeqId(2), false);
 }
+
+#[test]
+fn a_preempted_sequences_adapter_may_leave_and_come_back() {
+    let tm = TestModel::llama(7);
+    let a: Arc<_> = tm.adapter(8, &["q", "v"], 21);
+    let prompt: Vec<u32> = (0..9u32).map(|i| 3 + i * 11).collect();
+    let ka = Some((AdapterId(1), Generation(1)));
+    let mut plain = engine(&tm, 64, false);
+    plain.register_adapter(AdapterId(1), a.clone()).unwrap();
+    plain.add_sequence(SeqId(1), params(&prompt, ka, 6)).unwrap();
+    let want = run(&mut plain, SeqId(1), &[]);
+
+    let mut e = engine(&tm, 64, true);
+    e.register_adapter(AdapterId(1), a.clone()).unwrap();
+    e.add_sequence(SeqId(1), params(&prompt, ka, 6)).unwrap();
+    let mut got = Vec::new();
+    for _ in 0..3 {
+        got.extend(step_all_pending(&mut e, SeqId(1), false).iter().map(|o| o.token.id));
+    }
+    assert!(e.unregister_adapter(AdapterId(1)).is_err(), "a running sequence uses it");
+    e.preempt_sequence(SeqId(1)).unwrap();
+    e.unregister_adapter(AdapterId(1)).unwrap();
+    assert!(e.resume_sequence(SeqId(1)).is_err(), "its adapter must be back first");
+    e.register_adapter(AdapterId(1), a).unwrap();
+    e.resume_sequence(SeqId(1)).unwrap();
+    got.extend(run(&mut e, SeqId(1), &[]));
+    assert_eq!(got, want);
+}

@@ -276,11 +276,9 @@ impl<B: Backend> Engine<B> {
         host: Arc<LoraAdapter>,
         dev: B::Lora,
     ) -> Result<()> {
-        if self.seqs.values().any(|s| s.adapter == Some(id)) {
-            return Err(RuntimeError::AdapterInUse(
-                id,
-                self.seqs.values().filter(|s| s.adapter == Some(id)).count(),
-            ));
+        let users = self.adapter_users(id);
+        if users > 0 {
+            return Err(RuntimeError::AdapterInUse(id, users));
         }
         self.drop_from_store(id);
         // Landed adapters give their slots back first: the store holds only adapters still
@@ -425,7 +423,7 @@ impl<B: Backend> Engine<B> {
 
     /// Removes an adapter no live sequence uses.
     pub fn unregister_adapter(&mut self, id: AdapterId) -> Result<()> {
-        let users = self.seqs.values().filter(|s| s.adapter == Some(id)).count();
+        let users = self.adapter_users(id);
         if users > 0 {
             return Err(RuntimeError::AdapterInUse(id, users));
         }
@@ -509,6 +507,7 @@ impl<B: Backend> Engine<B> {
             hashes: Vec::new(),
             chain: Some(0),
             cached_tokens: 0,
+            preempted: false,
         };
         self.seqs.insert(id, seq);
         Ok(self.share_cached_prefix(id))

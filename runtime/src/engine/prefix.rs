@@ -8,7 +8,7 @@
 //! the cache again, so its output stream neither repeats nor skips a token.
 use crate::backend::Backend;
 use crate::error::{Result, RuntimeError};
-use crate::ids::SeqId;
+use crate::ids::{AdapterId, SeqId};
 use crate::kv::prefix::extend_hashes;
 use crate::kv::{BlockAllocator, PrefixKey};
 
@@ -126,6 +126,7 @@ impl<B: Backend> Engine<B> {
         s.computed = 0;
         s.hashes.clear();
         s.chain = Some(0);
+        s.preempted = true;
         if s.generated() == 0 {
             s.prompt_scored.clear();
         }
@@ -139,12 +140,33 @@ impl<B: Backend> Engine<B> {
             .seqs
             .get(&id)
             .ok_or(RuntimeError::UnknownSequence(id))?;
-        if s.computed != 0 || !s.kv.is_empty() {
+        if !s.preempted {
             return Err(RuntimeError::InvalidPlan(format!(
                 "sequence {id} is not preempted"
             )));
         }
+        if let Some(a) = s.adapter {
+            // Its adapter may have left the device while it waited.
+            let dev = &self
+                .adapters
+                .get(&a)
+                .ok_or(RuntimeError::UnknownAdapter(a))?
+                .dev;
+            self.backend.promote_lora(dev);
+        }
+        if let Some(s) = self.seqs.get_mut(&id) {
+            s.preempted = false;
+        }
         Ok(self.share_cached_prefix(id))
+    }
+
+    /// Live sequences that compute with adapter `id` (preempted ones do not: they hold no
+    /// KV, and resuming needs the adapter registered again).
+    pub(super) fn adapter_users(&self, id: AdapterId) -> usize {
+        self.seqs
+            .values()
+            .filter(|s| s.adapter == Some(id) && !s.preempted)
+            .count()
     }
 
     /// Blocks only `seq` references (what preempting it gives back).

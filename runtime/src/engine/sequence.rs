@@ -105,6 +105,9 @@ pub(crate) struct Sequence {
     pub chain: Option<u64>,
     /// Prompt tokens its admission found cached (the last admission's, after a preemption).
     pub cached_tokens: usize,
+    /// Preempted and not resumed: it holds no KV and computes nothing, so its adapter may
+    /// leave the device meanwhile (it must be registered again to resume).
+    pub preempted: bool,
 }
 
 impl Sequence {

@@ -237,8 +237,8 @@ proptest! {
                         content.insert(s.kv.blocks()[i], (s.key, s.tokens[..(i + 1) * BS].to_vec()));
                     }
                     let hashes = chain_hashes(s.key, &s.tokens, BS);
-                    for i in s.registered..full {
-                        match a.register(&s.kv, i, hashes[i], s.key, &s.tokens[i * BS..(i + 1) * BS], s.parent) {
+                    for (i, &h) in hashes.iter().enumerate().take(full).skip(s.registered) {
+                        match a.register(&s.kv, i, h, s.key, &s.tokens[i * BS..(i + 1) * BS], s.parent) {
                             Some(p) => { s.parent = p; s.registered = i + 1; }
                             None => break,
                         }
