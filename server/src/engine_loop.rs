@@ -20,7 +20,7 @@ use thaw_runtime::ids::{AdapterId, SeqId};
 use thaw_runtime::sampling::SampledToken;
 use tokio::sync::mpsc as tmpsc;
 
-use crate::coldstart::{ColdDecision, ColdStartPolicy, CostModel};
+use crate::coldstart::{ColdStartPolicy, CostModel};
 use crate::error::ServerError;
 use crate::memory::apply::{apply, Upload};
 use crate::memory::loader::{FetchResult, Loader};
@@ -32,11 +32,14 @@ use crate::metrics::Metrics;
 use crate::perf::{StepShape, Tier};
 use crate::registry::AdapterLease;
 use crate::scheduler::{
-    Arrival, Gate, MemoryWait, MlqConfig, SchedConfig, SchedState, Scheduler, SchedulingPolicy,
-    SeqState,
+    Arrival, MemoryWait, MlqConfig, SchedConfig, SchedState, Scheduler, SchedulingPolicy, SeqState,
 };
 
+mod gate;
 mod kv;
+mod publish;
+
+use gate::cold_gate;
 
 /// The engine the server runs: the CPU or the CUDA backend, as `--device` chose.
 pub type ServeEngine = Engine<AnyBackend>;
@@ -745,6 +748,7 @@ impl Loop {
         };
         self.apply_memory(&plan, &wanted);
         self.engine.set_kv_capacity(self.mem.pool().kv_capacity());
+        self.reshare_held();
         self.probe_prefixes(&plan.admit);
         let free = self.engine.kv_usage().free_blocks();
         let engine = &self.engine;
@@ -1087,84 +1091,5 @@ impl Loop {
             }
         }
         (shape, ctx)
-    }
-
-    fn publish(&self) {
-        if self.stats.steps.load(Ordering::Relaxed).is_multiple_of(32) {
-            self.metrics
-                .sched
-                .publish(self.sched.snapshot(&self.state), self.cold.cost.snapshot());
-        }
-        {
-            let mut landing = self.stats.landing.lock().unwrap_or_else(|e| e.into_inner());
-            landing.retain(|id, v| match self.engine.adapter_landed(*id) {
-                Some((l, n)) if l < n => {
-                    *v = (l, n);
-                    true
-                }
-                _ => false,
-            });
-        }
-        self.stats.lora.publish(
-            self.state.running.iter().map(|s| s.adapter),
-            self.state.waiting.iter().map(|s| s.adapter),
-        );
-        *self.stats.cost.lock().unwrap_or_else(|e| e.into_inner()) =
-            Some(self.cold.cost.snapshot());
-        let kv = self.engine.kv_usage();
-        self.mem.publish(self.state.reserved_blocks, kv.used_blocks);
-        let prefix = self.engine.prefix_stats();
-        self.stats
-            .prefix_queries
-            .store(prefix.queries, Ordering::Relaxed);
-        self.stats.prefix_hits.store(prefix.hits, Ordering::Relaxed);
-        self.stats
-            .preemptions
-            .store(self.state.preemptions, Ordering::Relaxed);
-        self.stats
-            .running
-            .store(self.state.running.len(), Ordering::Relaxed);
-        self.stats
-            .kv_used_blocks
-            .store(kv.used_blocks, Ordering::Relaxed);
-        self.stats
-            .kv_total_blocks
-            .store(kv.total_blocks, Ordering::Relaxed);
-    }
-}
-
-/// The cold-start gate of one prefilling request: go when its adapter is resident (or it has
-/// none); otherwise as the policy says.
-fn cold_gate(engine: &ServeEngine, cold: &ColdStart, s: &SeqState, planned: usize) -> Gate {
-    let Some(id) = s.adapter else {
-        return Gate::Go;
-    };
-    let Some((landed, layers)) = engine.adapter_landed(id) else {
-        return Gate::Go; // not registered: admission fails with a clear error
-    };
-    if landed >= layers {
-        return Gate::Go;
-    }
-    match cold.policy {
-        ColdStartPolicy::Cached | ColdStartPolicy::CpuAssist => Gate::Go,
-        ColdStartPolicy::OnDemand => Gate::Hold,
-        ColdStartPolicy::Auto => {
-            let Some(adapter) = engine.adapter_host(id) else {
-                return Gate::Go;
-            };
-            let left = 1.0 - landed as f64 / layers.max(1) as f64;
-            let load_left = cold.cost.load_time(
-                (adapter.size_bytes_f32() as f64 * left) as u64,
-                engine.backend().link_backlog(),
-            );
-            let pending = s.pending();
-            match cold
-                .cost
-                .decide(adapter, pending, pending, planned, load_left)
-            {
-                ColdDecision::Wait => Gate::Hold,
-                ColdDecision::Assist { max_chunk } => Gate::Cap(max_chunk),
-            }
-        }
     }
 }

@@ -171,7 +171,9 @@ fn a_preempted_sequences_adapter_may_leave_and_come_back() {
     let ka = Some((AdapterId(1), Generation(1)));
     let mut plain = engine(&tm, 64, false);
     plain.register_adapter(AdapterId(1), a.clone()).unwrap();
-    plain.add_sequence(SeqId(1), params(&prompt, ka, 6)).unwrap();
+    plain
+        .add_sequence(SeqId(1), params(&prompt, ka, 6))
+        .unwrap();
     let want = run(&mut plain, SeqId(1), &[]);
 
     let mut e = engine(&tm, 64, true);
@@ -179,12 +181,22 @@ fn a_preempted_sequences_adapter_may_leave_and_come_back() {
     e.add_sequence(SeqId(1), params(&prompt, ka, 6)).unwrap();
     let mut got = Vec::new();
     for _ in 0..3 {
-        got.extend(step_all_pending(&mut e, SeqId(1), false).iter().map(|o| o.token.id));
+        got.extend(
+            step_all_pending(&mut e, SeqId(1), false)
+                .iter()
+                .map(|o| o.token.id),
+        );
     }
-    assert!(e.unregister_adapter(AdapterId(1)).is_err(), "a running sequence uses it");
+    assert!(
+        e.unregister_adapter(AdapterId(1)).is_err(),
+        "a running sequence uses it"
+    );
     e.preempt_sequence(SeqId(1)).unwrap();
     e.unregister_adapter(AdapterId(1)).unwrap();
-    assert!(e.resume_sequence(SeqId(1)).is_err(), "its adapter must be back first");
+    assert!(
+        e.resume_sequence(SeqId(1)).is_err(),
+        "its adapter must be back first"
+    );
     e.register_adapter(AdapterId(1), a).unwrap();
     e.resume_sequence(SeqId(1)).unwrap();
     got.extend(run(&mut e, SeqId(1), &[]));

@@ -169,6 +169,25 @@ impl<B: Backend> Engine<B> {
             .count()
     }
 
+    /// For an admitted sequence that has computed nothing yet (held while its adapter
+    /// streams in, or behind the token budget): shares what the cache holds for it now (a
+    /// request admitted beside others with the same prefix finds their blocks once written).
+    /// Returns its cached tokens (0 when it has started or shares nothing).
+    pub fn reshare_prefix(&mut self, seq: SeqId) -> usize {
+        match self.seqs.get(&seq) {
+            Some(s) if s.computed == 0 && s.kv.is_empty() && !s.preempted => {}
+            _ => return 0,
+        }
+        let queries = self.prefix_stats.queries;
+        let cached = self.share_cached_prefix(seq);
+        // Its tokens were counted as queried when it was admitted.
+        self.prefix_stats.queries = queries;
+        if let Some(s) = self.seqs.get_mut(&seq) {
+            s.cached_tokens = s.cached_tokens.max(cached);
+        }
+        cached
+    }
+
     /// Blocks only `seq` references (what preempting it gives back).
     pub fn exclusive_blocks(&self, seq: SeqId) -> Result<usize> {
         let s = self

@@ -98,6 +98,27 @@ impl Loop {
         tracing::debug!(seq = %id, "preempted: KV blocks given back, to be recomputed");
     }
 
+    /// Running requests that have computed nothing yet share what the cache now holds for
+    /// them (a burst admitted together, held while its adapter streams in, finds the blocks
+    /// the first of it wrote).
+    pub(super) fn reshare_held(&mut self) {
+        let mut changed = false;
+        for s in self.state.running.iter_mut().filter(|s| s.computed == 0) {
+            let cached = self.engine.reshare_prefix(s.id);
+            if cached > 0 {
+                s.computed = cached;
+                changed = true;
+                // Reported with the first token only (a resumed request sent it already).
+                if let Some(l) = self.live.get_mut(&s.id).filter(|l| l.last_token.is_none()) {
+                    l.cached_tokens = l.cached_tokens.max(cached);
+                }
+            }
+        }
+        if changed {
+            self.state.recount(&self.cfg);
+        }
+    }
+
     /// Sets each waiting request admission may take this step to the prefix the cache holds
     /// for it now, so it is planned (and charged) for the rest only.
     pub(super) fn probe_prefixes(&mut self, ids: &[SeqId]) {

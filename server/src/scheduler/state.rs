@@ -137,7 +137,7 @@ impl SchedState {
     }
 
     /// Recomputes [`Self::reserved_blocks`] (reservations change as sequences advance).
-    fn recount(&mut self, cfg: &SchedConfig) {
+    pub fn recount(&mut self, cfg: &SchedConfig) {
         self.reserved_blocks = self.running.iter().map(|s| s.reservation(cfg)).sum();
     }
 
