@@ -7,16 +7,19 @@ use std::time::Duration;
 use serde_json::{json, Value};
 use thaw_server::serve::{ServeConfig, Server};
 use thaw_tests::http::{call_router as call, complete_all, sse_data, ServeFixture};
+use thaw_tests::prom;
 
 /// Context of the fixture model: room for a 1,000-token prefix and a continuation.
 const CONTEXT: usize = 2048;
 
-/// The value of a protocol gauge or counter (labelled `engine`, `model_name`).
+/// The value of a protocol gauge or counter (one sample, labelled `engine`, `model_name`),
+/// from a well-formed exposition.
 fn vllm(metrics: &str, name: &str) -> f64 {
-    metrics
-        .lines()
-        .find(|l| l.starts_with(name) && l[name.len()..].starts_with('{'))
-        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+    let e = prom::parse(metrics).unwrap_or_else(|err| panic!("{err}\n{metrics}"));
+    e.values()
+        .flat_map(|f| &f.samples)
+        .find(|s| s.name == name)
+        .map(|s| s.value)
         .unwrap_or_else(|| panic!("{name} missing from /metrics:\n{metrics}"))
 }
 

@@ -74,6 +74,11 @@ impl OrderKeys {
         self.arrivals += 1;
         let k = (key, self.arrivals);
         self.keys.insert(s.id, k);
+        self.insert(state, s, k);
+    }
+
+    /// Inserts `s` (key `k`) before the first waiting request with a larger key.
+    fn insert(&self, state: &mut SchedState, s: SeqState, k: (i64, u64)) {
         let at = state
             .waiting
             .iter()
@@ -97,14 +102,7 @@ impl OrderKeys {
         let Some(s) = state.waiting.remove(i) else {
             return;
         };
-        let at = state
-            .waiting
-            .iter()
-            .position(|w| self.keys.get(&w.id).is_some_and(|&wk| wk > k));
-        match at {
-            Some(i) => state.waiting.insert(i, s),
-            None => state.waiting.push_back(s),
-        }
+        self.insert(state, s, k);
     }
 }
 
