@@ -20,7 +20,7 @@ use thaw_runtime::ids::{AdapterId, SeqId};
 use thaw_runtime::sampling::SampledToken;
 use tokio::sync::mpsc as tmpsc;
 
-use crate::coldstart::{ColdDecision, ColdStartPolicy, CostModel};
+use crate::coldstart::{ColdStartPolicy, CostModel};
 use crate::error::ServerError;
 use crate::memory::apply::{apply, Upload};
 use crate::memory::loader::{FetchResult, Loader};
@@ -32,9 +32,14 @@ use crate::metrics::Metrics;
 use crate::perf::{StepShape, Tier};
 use crate::registry::AdapterLease;
 use crate::scheduler::{
-    Arrival, Gate, MemoryWait, MlqConfig, SchedConfig, SchedState, Scheduler, SchedulingPolicy,
-    SeqState,
+    Arrival, MemoryWait, MlqConfig, SchedConfig, SchedState, Scheduler, SchedulingPolicy, SeqState,
 };
+
+mod gate;
+mod kv;
+mod publish;
+
+use gate::cold_gate;
 
 /// The engine the server runs: the CPU or the CUDA backend, as `--device` chose.
 pub type ServeEngine = Engine<AnyBackend>;
@@ -49,6 +54,8 @@ pub enum EngineEvent {
         /// With the first token of a request that asked for prompt logprobs: the scores of
         /// its prompt tokens after the first. Empty otherwise.
         prompt_logprobs: Vec<SampledToken>,
+        /// With the first token: prompt tokens the prefix cache held at admission (0 later).
+        cached_tokens: usize,
     },
     /// The request ended without finishing (shutdown timeout, engine failure); the message
     /// is safe to show to the client.
@@ -88,6 +95,11 @@ pub struct LoopStats {
     pub running: AtomicUsize,
     pub kv_used_blocks: AtomicUsize,
     pub kv_total_blocks: AtomicUsize,
+    /// `vllm:num_preemptions_total`.
+    pub preemptions: AtomicU64,
+    /// `vllm:prefix_cache_queries_total` and `vllm:prefix_cache_hits_total` (tokens).
+    pub prefix_queries: AtomicU64,
+    pub prefix_hits: AtomicU64,
     pub steps: AtomicU64,
     /// Nanoseconds the engine thread slept to pad steps to `--emulated-step-time`.
     pub emulated_pad_ns: AtomicU64,
@@ -273,6 +285,10 @@ struct Live {
     planned: Option<Instant>,
     /// What it waited for so far (until its first token).
     waits: Waits,
+    /// Preempted: the engine keeps its tokens, it waits to be resumed.
+    preempted: bool,
+    /// Prompt tokens found cached at its first admission, until sent with its first token.
+    cached_tokens: usize,
 }
 
 struct Loop {
@@ -529,6 +545,7 @@ impl Loop {
         let prompt_len = sub.params.prompt.len();
         let mut seq = SeqState::new(id, prompt_len, sub.params.max_new_tokens);
         seq.adapter = sub.params.adapter;
+        seq.priority = sub.priority;
         let mut missed = false;
         if let Some(a) = seq.adapter {
             let hit = self.mem.on_arrival(a);
@@ -541,7 +558,7 @@ impl Loop {
             // A request that could never fit beside its adapter is refused, not queued forever.
             let pages = self.mem.state(a).map_or(0, |s| s.pages);
             let pool = self.mem.pool();
-            let r = seq.reservation(&self.cfg);
+            let r = seq.worst_case_blocks(&self.cfg);
             let need = r + pages;
             if need > pool.total() || r > pool.kv_capacity_with(0) {
                 self.stats.waiting.fetch_sub(1, Ordering::SeqCst);
@@ -578,6 +595,8 @@ impl Loop {
                 missed,
                 planned: None,
                 waits: Waits::new(sub.arrived, reason),
+                preempted: false,
+                cached_tokens: 0,
             },
         );
     }
@@ -672,9 +691,10 @@ impl Loop {
         self.state.remove(id, &self.cfg);
         self.sched.remove(id);
         if let Some(l) = self.live.remove(&id) {
-            if l.running {
+            if l.running || l.preempted {
                 let _ = self.engine.remove_sequence(id);
-            } else {
+            }
+            if !l.running {
                 self.stats.waiting.fetch_sub(1, Ordering::SeqCst);
             }
             self.metrics.count_finished(reason);
@@ -709,6 +729,7 @@ impl Loop {
     fn step(&mut self) -> bool {
         let engine = &self.engine;
         self.mem.refresh_landed(|id| engine.adapter_landed(id));
+        self.make_room();
         let wanted = self.state.waiting_adapters();
         let cost = &self.cold.cost;
         let reload = |tier: Tier, bytes: u64| cost.load_time_from(tier, bytes, 0);
@@ -726,6 +747,9 @@ impl Loop {
             )
         };
         self.apply_memory(&plan, &wanted);
+        self.engine.set_kv_capacity(self.mem.pool().kv_capacity());
+        self.reshare_held();
+        self.probe_prefixes(&plan.admit);
         let free = self.engine.kv_usage().free_blocks();
         let engine = &self.engine;
         let cold = &self.cold;
@@ -752,20 +776,31 @@ impl Loop {
             if let Some(lease) = &l.lease {
                 self.mem.on_admit(lease.id(), l.missed);
             }
-            let params = l.params.take().unwrap_or_default();
-            if let Err(e) = self.engine.add_sequence(id, params) {
-                // Requests are validated before submission; this is a bug or a race with an
-                // adapter unload, so the client gets the reason and the log the details.
-                tracing::warn!(seq = %id, "engine refused a request: {e}");
-                let _ = l.events.send(EngineEvent::Aborted(format!(
-                    "the engine refused the request: {e}"
-                )));
-                l.running = false;
-                self.state.remove(id, &self.cfg);
-                self.sched.remove(id);
-                self.live.remove(&id);
-                self.metrics.count_finished("abort");
-                d.plan.items.retain(|it| it.seq != id);
+            let added = if l.preempted {
+                l.preempted = false;
+                self.engine.resume_sequence(id)
+            } else {
+                let params = l.params.take().unwrap_or_default();
+                self.engine
+                    .add_sequence(id, params)
+                    .inspect(|&c| l.cached_tokens = c)
+            };
+            match added {
+                Ok(cached) => kv::reconcile(&mut self.state, &mut d.plan, id, cached),
+                Err(e) => {
+                    // Requests are validated before submission; this is a bug or a race with an
+                    // adapter unload, so the client gets the reason and the log the details.
+                    tracing::warn!(seq = %id, "engine refused a request: {e}");
+                    let _ = l.events.send(EngineEvent::Aborted(format!(
+                        "the engine refused the request: {e}"
+                    )));
+                    l.running = false;
+                    self.state.remove(id, &self.cfg);
+                    self.sched.remove(id);
+                    self.live.remove(&id);
+                    self.metrics.count_finished("abort");
+                    d.plan.items.retain(|it| it.seq != id);
+                }
             }
         }
         self.classify_waits(&plan, &d.plan);
@@ -926,6 +961,7 @@ impl Loop {
                     token: o.token,
                     finish: o.finish,
                     prompt_logprobs: o.prompt_logprobs,
+                    cached_tokens: std::mem::take(&mut l.cached_tokens),
                 },
             ));
         }
@@ -1055,79 +1091,5 @@ impl Loop {
             }
         }
         (shape, ctx)
-    }
-
-    fn publish(&self) {
-        if self.stats.steps.load(Ordering::Relaxed).is_multiple_of(32) {
-            self.metrics
-                .sched
-                .publish(self.sched.snapshot(&self.state), self.cold.cost.snapshot());
-        }
-        {
-            let mut landing = self.stats.landing.lock().unwrap_or_else(|e| e.into_inner());
-            landing.retain(|id, v| match self.engine.adapter_landed(*id) {
-                Some((l, n)) if l < n => {
-                    *v = (l, n);
-                    true
-                }
-                _ => false,
-            });
-        }
-        self.stats.lora.publish(
-            self.state.running.iter().map(|s| s.adapter),
-            self.state.waiting.iter().map(|s| s.adapter),
-        );
-        *self.stats.cost.lock().unwrap_or_else(|e| e.into_inner()) =
-            Some(self.cold.cost.snapshot());
-        let kv = self.engine.kv_usage();
-        self.mem.publish(self.state.reserved_blocks, kv.used_blocks);
-        self.stats
-            .running
-            .store(self.state.running.len(), Ordering::Relaxed);
-        self.stats
-            .kv_used_blocks
-            .store(kv.used_blocks, Ordering::Relaxed);
-        self.stats
-            .kv_total_blocks
-            .store(kv.total_blocks, Ordering::Relaxed);
-    }
-}
-
-/// The cold-start gate of one prefilling request: go when its adapter is resident (or it has
-/// none); otherwise as the policy says.
-fn cold_gate(engine: &ServeEngine, cold: &ColdStart, s: &SeqState, planned: usize) -> Gate {
-    let Some(id) = s.adapter else {
-        return Gate::Go;
-    };
-    let Some((landed, layers)) = engine.adapter_landed(id) else {
-        return Gate::Go; // not registered: admission fails with a clear error
-    };
-    if landed >= layers {
-        return Gate::Go;
-    }
-    match cold.policy {
-        ColdStartPolicy::Cached | ColdStartPolicy::CpuAssist => Gate::Go,
-        ColdStartPolicy::OnDemand => Gate::Hold,
-        ColdStartPolicy::Auto => {
-            let Some(adapter) = engine.adapter_host(id) else {
-                return Gate::Go;
-            };
-            let pending = s.pending();
-            let case = crate::coldstart::ColdCase {
-                tier: crate::coldstart::ColdTier::Streaming {
-                    landed: landed as f64 / layers.max(1) as f64,
-                },
-                bytes: adapter.size_bytes_f32() as u64,
-                backlog: engine.backend().link_backlog(),
-                work: crate::coldstart::AssistWork::of(adapter),
-                prompt_left: pending,
-                cap: pending,
-                other_tokens: planned,
-            };
-            match cold.cost.decide_cold(&case).decision {
-                ColdDecision::Wait => Gate::Hold,
-                ColdDecision::Assist { max_chunk } => Gate::Cap(max_chunk),
-            }
-        }
     }
 }

@@ -8,6 +8,9 @@
 //! | `vllm:kv_cache_usage_perc` | gauge | KV blocks in use / KV blocks, a 0–1 fraction |
 //! | `vllm:gpu_cache_usage_perc` | gauge | the same, under the name older EPPs read |
 //! | `vllm:lora_requests_info` | gauge | Unix time of the last update of its label set |
+//! | `vllm:num_preemptions_total` | counter | running requests preempted (KV recomputed later) |
+//! | `vllm:prefix_cache_queries_total` | counter | prompt tokens looked up in the prefix cache |
+//! | `vllm:prefix_cache_hits_total` | counter | of those, tokens found cached |
 //!
 //! The first four carry vLLM's `model_name` and `engine` labels. `vllm:lora_requests_info`
 //! carries `max_lora` (`--max-loras`), `running_lora_adapters` and `waiting_lora_adapters`
@@ -169,6 +172,11 @@ pub struct ProtocolSnapshot<'a> {
     pub lora_series: Vec<LoraSeries>,
     /// Adapter names; ids without one (unloaded since) are left out of the labels.
     pub names: HashMap<AdapterId, &'a str>,
+    /// Running requests preempted since start.
+    pub preemptions: u64,
+    /// Prompt tokens looked up in the prefix cache, and of those found, since start.
+    pub prefix_queries: u64,
+    pub prefix_hits: u64,
 }
 
 fn join_names(ids: &[AdapterId], names: &HashMap<AdapterId, &str>) -> String {
@@ -211,6 +219,27 @@ pub fn render(out: &mut String, s: &ProtocolSnapshot<'_>) {
     for (name, help, v) in gauges {
         header(out, name, help, "gauge");
         sample(out, name, &labels, v);
+    }
+    let counters: [(&str, &str, u64); 3] = [
+        (
+            "vllm:num_preemptions_total",
+            "Cumulative number of preemption from the engine.",
+            s.preemptions,
+        ),
+        (
+            "vllm:prefix_cache_queries_total",
+            "Prefix cache queries, in terms of number of queried tokens.",
+            s.prefix_queries,
+        ),
+        (
+            "vllm:prefix_cache_hits_total",
+            "Prefix cache hits, in terms of number of cached tokens.",
+            s.prefix_hits,
+        ),
+    ];
+    for (name, help, v) in counters {
+        header(out, name, help, "counter");
+        sample(out, name, &labels, v as f64);
     }
     const INFO: &str = "vllm:lora_requests_info";
     header(out, INFO, "Running stats on lora requests.", "gauge");
@@ -340,10 +369,18 @@ mod tests {
             max_loras: 4,
             lora_series: a.series(),
             names,
+            preemptions: 7,
+            prefix_queries: 1000,
+            prefix_hits: 992,
         };
         let mut out = String::new();
         render(&mut out, &snap);
         assert!(out.contains("# TYPE vllm:lora_requests_info gauge\n"));
+        assert!(out.contains("# TYPE vllm:num_preemptions_total counter\n"));
+        assert!(out.contains("vllm:num_preemptions_total{engine=\"0\",model_name=\"base\"} 7\n"));
+        assert!(
+            out.contains("vllm:prefix_cache_hits_total{engine=\"0\",model_name=\"base\"} 992\n")
+        );
         assert!(out.contains("vllm:kv_cache_usage_perc{engine=\"0\",model_name=\"base\"} 0.25\n"));
         assert!(out.contains("vllm:num_requests_waiting{engine=\"0\",model_name=\"base\"} 3\n"));
         // Adapter 9 has no name (unloaded): it is left out of the labels.

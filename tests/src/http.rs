@@ -26,9 +26,18 @@ pub struct ServeFixture {
 impl ServeFixture {
     /// The test preset (small, fast) with adapters of `ranks` on all projections.
     pub fn new(ranks: &[usize]) -> Self {
+        Self::with_context(ranks, test_preset().max_position_embeddings)
+    }
+
+    /// [`Self::new`] with a context of `max_position_embeddings` tokens.
+    pub fn with_context(ranks: &[usize], max_position_embeddings: usize) -> Self {
         let dir = tempfile::tempdir().expect("tempdir");
         let model = dir.path().join("model");
-        gen::write_model(&test_preset(), &model, &GenModelOptions::default()).expect("gen-model");
+        let preset = gen::ModelPreset {
+            max_position_embeddings,
+            ..test_preset()
+        };
+        gen::write_model(&preset, &model, &GenModelOptions::default()).expect("gen-model");
         let mut adapters = Vec::new();
         for (i, r) in ranks.iter().enumerate() {
             let out = dir.path().join(format!("staging-{i}"));

@@ -34,11 +34,13 @@ use crate::sampling::{Sampler, SamplerScratch};
 mod assist;
 mod assist_device;
 mod forward;
+mod prefix;
 mod prompt;
 mod sequence;
 mod weights;
 
 pub use assist::AssistProfile;
+pub use prefix::PrefixStats;
 pub use sequence::{FinishReason, PlanItem, SeqOutput, SequenceParams, StepPlan};
 pub use weights::{HostLayer, HostModel};
 
@@ -63,6 +65,9 @@ pub struct EngineConfig {
     pub lora_kernel: LoraKernel,
     /// Seed for requests that bring none.
     pub seed: u64,
+    /// Reuse the KV of full blocks of an earlier request with the same prefix under the same
+    /// adapter generation (vLLM's automatic prefix caching, `--enable-prefix-caching`).
+    pub enable_prefix_caching: bool,
 }
 
 impl Default for EngineConfig {
@@ -75,6 +80,7 @@ impl Default for EngineConfig {
             max_context: None,
             lora_kernel: LoraKernel::Sgmv,
             seed: 0,
+            enable_prefix_caching: false,
         }
     }
 }
@@ -112,6 +118,7 @@ pub struct Engine<B: Backend> {
     prompt_rows: Vec<usize>,
     prompt_targets: Vec<(SeqId, u32)>,
     prompt_logits: Vec<f32>,
+    prefix_stats: PrefixStats,
 }
 
 /// A registered adapter: its host copy, its device slot, and its place in the host store
@@ -168,6 +175,7 @@ impl<B: Backend> Engine<B> {
             prompt_rows: Vec::new(),
             prompt_targets: Vec::new(),
             prompt_logits: Vec::new(),
+            prefix_stats: PrefixStats::default(),
         })
     }
 
@@ -269,11 +277,9 @@ impl<B: Backend> Engine<B> {
         host: Arc<LoraAdapter>,
         dev: B::Lora,
     ) -> Result<()> {
-        if self.seqs.values().any(|s| s.adapter == Some(id)) {
-            return Err(RuntimeError::AdapterInUse(
-                id,
-                self.seqs.values().filter(|s| s.adapter == Some(id)).count(),
-            ));
+        let users = self.adapter_users(id);
+        if users > 0 {
+            return Err(RuntimeError::AdapterInUse(id, users));
         }
         self.drop_from_store(id);
         // Landed adapters give their slots back first: the store holds only adapters still
@@ -431,11 +437,13 @@ impl<B: Backend> Engine<B> {
 
     /// Removes an adapter no live sequence uses.
     pub fn unregister_adapter(&mut self, id: AdapterId) -> Result<()> {
-        let users = self.seqs.values().filter(|s| s.adapter == Some(id)).count();
+        let users = self.adapter_users(id);
         if users > 0 {
             return Err(RuntimeError::AdapterInUse(id, users));
         }
         self.drop_from_store(id);
+        // Its cached KV was computed with weights that are going away.
+        self.blocks.forget_adapter(id);
         self.adapters
             .remove(&id)
             .map(|_| ())
@@ -446,8 +454,10 @@ impl<B: Backend> Engine<B> {
         self.adapters.contains_key(&id)
     }
 
-    /// Admits a sequence. KV blocks are taken lazily, step by step.
-    pub fn add_sequence(&mut self, id: SeqId, p: SequenceParams) -> Result<()> {
+    /// Admits a sequence. KV blocks are taken lazily, step by step; with prefix caching on,
+    /// the longest cached chain of its prompt's full blocks is shared at once. Returns the
+    /// prompt tokens found cached (not computed again).
+    pub fn add_sequence(&mut self, id: SeqId, p: SequenceParams) -> Result<usize> {
         if self.seqs.contains_key(&id) {
             return Err(RuntimeError::DuplicateSequence(id));
         }
@@ -494,6 +504,7 @@ impl<B: Backend> Engine<B> {
             self.backend.promote_lora(&a.dev);
         }
         self.next_seed = self.next_seed.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let prefix = self.prefix_key(&p);
         let seq = Sequence {
             prompt_len: p.prompt.len(),
             tokens: p.prompt,
@@ -504,11 +515,16 @@ impl<B: Backend> Engine<B> {
             stop_token_ids: p.stop_token_ids,
             ignore_eos: p.ignore_eos,
             kv: self.blocks.empty(),
+            prefix,
             prompt_logprobs: p.prompt_logprobs,
             prompt_scored: Vec::new(),
+            hashes: Vec::new(),
+            chain: Some(0),
+            cached_tokens: 0,
+            preempted: false,
         };
         self.seqs.insert(id, seq);
-        Ok(())
+        Ok(self.share_cached_prefix(id))
     }
 
     /// Drops a sequence (finished elsewhere, or cancelled), freeing its KV blocks.
@@ -590,6 +606,9 @@ impl<B: Backend> Engine<B> {
             rows_assisted: 0,
             on_pool: false,
         });
+        // The step writes its blocks from here on: nothing it registers or releases is shared
+        // or reused before `end_step` below.
+        self.blocks.begin_step();
         let ran = forward::run(
             &mut self.backend,
             &self.config,
@@ -605,9 +624,14 @@ impl<B: Backend> Engine<B> {
         if let (true, Some(pool)) = (cold, &self.pool) {
             pool.disarm();
         }
-        ran?;
+        if let Err(e) = ran {
+            self.blocks.end_step();
+            return Err(e);
+        }
         self.score_prompt();
-        Ok(self.advance(plan.return_logits))
+        let out = self.advance(plan.return_logits);
+        self.blocks.end_step();
+        Ok(out)
     }
 
     /// After the forward: advance every sequence, sample where the plan reached the end of
@@ -616,6 +640,7 @@ impl<B: Backend> Engine<B> {
         for (seq, slice) in self.seq_order.iter().zip(&self.layout.seqs) {
             let s = self.seqs.get_mut(seq).expect("planned sequences are live");
             s.computed += slice.rows.len();
+            prefix::register_full_blocks(&self.blocks, s);
         }
         let vocab = self.config.vocab_size;
         let eos = &self.config.eos_token_ids;

@@ -1,6 +1,6 @@
 //! What the engine knows about one sequence, and what a step plan and a step's output say.
-use crate::ids::{AdapterId, SeqId};
-use crate::kv::KvBlocks;
+use crate::ids::{AdapterId, Generation, SeqId};
+use crate::kv::{BlockHash, KvBlocks, PrefixKey};
 use crate::sampling::{SampledToken, Sampler, SamplingParams};
 
 /// Everything a request asks of the engine.
@@ -8,6 +8,9 @@ use crate::sampling::{SampledToken, Sampler, SamplingParams};
 pub struct SequenceParams {
     pub prompt: Vec<u32>,
     pub adapter: Option<AdapterId>,
+    /// The loaded generation of `adapter`: the prefix cache keys by (adapter, generation), so
+    /// KV computed under a replaced generation is never reused.
+    pub adapter_generation: Generation,
     pub sampling: SamplingParams,
     /// Upper bound on generated tokens.
     pub max_new_tokens: usize,
@@ -26,6 +29,7 @@ impl Default for SequenceParams {
         Self {
             prompt: Vec::new(),
             adapter: None,
+            adapter_generation: Generation::default(),
             sampling: SamplingParams::default(),
             max_new_tokens: 16,
             stop_token_ids: Vec::new(),
@@ -91,6 +95,19 @@ pub(crate) struct Sequence {
     pub prompt_logprobs: Option<usize>,
     /// Prompt tokens scored so far (chunk by chunk), handed out with the first output.
     pub prompt_scored: Vec<SampledToken>,
+    /// Its prefix-cache key; None when it neither reuses nor publishes cached blocks (prefix
+    /// caching off, or prompt logprobs asked for: every prompt token must be computed).
+    pub prefix: Option<PrefixKey>,
+    /// Hashes of its full blocks registered (or matched) so far.
+    pub hashes: Vec<BlockHash>,
+    /// The cache entry standing for its last registered block (0: none yet); None once its
+    /// chain stops being cacheable (a hash taken by other content).
+    pub chain: Option<u64>,
+    /// Prompt tokens its admission found cached (the last admission's, after a preemption).
+    pub cached_tokens: usize,
+    /// Preempted and not resumed: it holds no KV and computes nothing, so its adapter may
+    /// leave the device meanwhile (it must be registered again to resume).
+    pub preempted: bool,
 }
 
 impl Sequence {

@@ -9,6 +9,18 @@ pub fn calibrate<B>(engine: &mut thaw_runtime::engine::Engine<B>) -> thaw_runtim
 where
     B: thaw_runtime::backend::Backend + thaw_runtime::backend::any::HostLink,
 {
+    // The same prompt runs three times: each must be computed, not found in the prefix cache.
+    let caching = engine.engine_config().enable_prefix_caching;
+    engine.set_prefix_caching(false);
+    let measured = measure(engine);
+    engine.set_prefix_caching(caching);
+    measured
+}
+
+fn measure<B>(engine: &mut thaw_runtime::engine::Engine<B>) -> thaw_runtime::Result<PerfModel>
+where
+    B: thaw_runtime::backend::Backend + thaw_runtime::backend::any::HostLink,
+{
     use std::time::Instant;
     use thaw_runtime::engine::{PlanItem, SequenceParams, StepPlan};
     use thaw_runtime::ids::SeqId;

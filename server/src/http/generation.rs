@@ -53,6 +53,8 @@ pub struct Delta {
     /// the first ([`GenParams::prompt_logprobs`]).
     pub prompt: Vec<TokenInfo>,
     pub num_tokens: usize,
+    /// Prompt tokens the prefix cache held (with the first token only).
+    pub cached_tokens: usize,
     pub finish: Option<Finish>,
 }
 
@@ -67,6 +69,7 @@ pub struct ChoiceStream {
     held: String,
     logprobs: bool,
     pub completion_tokens: usize,
+    pub cached_tokens: usize,
 }
 
 /// Longest suffix of `text` that is a proper prefix of some stop string.
@@ -123,9 +126,12 @@ impl ChoiceStream {
                 token,
                 finish,
                 prompt_logprobs,
+                cached_tokens,
             } => {
                 self.completion_tokens += 1;
+                self.cached_tokens += cached_tokens;
                 d.num_tokens = 1;
+                d.cached_tokens = cached_tokens;
                 d.prompt = prompt_logprobs.iter().map(|t| self.token_info(t)).collect();
                 if self.logprobs {
                     d.tokens.push(self.token_info(&token));
@@ -185,6 +191,7 @@ impl ChoiceStream {
             }
         }
         c.completion_tokens = self.completion_tokens;
+        c.cached_tokens = self.cached_tokens;
         c
     }
 }
@@ -199,6 +206,8 @@ pub struct Collected {
     /// Scored prompt tokens after the first, when the request asked for them.
     pub prompt_logprobs: Vec<TokenInfo>,
     pub completion_tokens: usize,
+    /// Prompt tokens the prefix cache held when it was admitted.
+    pub cached_tokens: usize,
     pub finish: Option<Finish>,
 }
 
@@ -279,6 +288,10 @@ pub fn submit(
                 params: SequenceParams {
                     prompt: prompt.to_vec(),
                     adapter: lease.as_ref().map(|l| l.id()),
+                    adapter_generation: lease
+                        .as_ref()
+                        .map(|l| l.slot().generation)
+                        .unwrap_or_default(),
                     sampling,
                     max_new_tokens,
                     stop_token_ids: p.stop_token_ids.clone(),
@@ -299,6 +312,7 @@ pub fn submit(
                 held: String::new(),
                 logprobs: p.logprobs,
                 completion_tokens: 0,
+                cached_tokens: 0,
             });
         }
     }

@@ -120,6 +120,13 @@ pub struct Usage {
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
     pub total_tokens: usize,
+    pub prompt_tokens_details: PromptTokensDetails,
+}
+
+/// OpenAI's `usage.prompt_tokens_details`: prompt tokens served from the prefix cache.
+#[derive(Clone, Copy, Debug, Default, Serialize, PartialEq, Eq)]
+pub struct PromptTokensDetails {
+    pub cached_tokens: usize,
 }
 
 impl Usage {
@@ -128,7 +135,15 @@ impl Usage {
             prompt_tokens,
             completion_tokens,
             total_tokens: prompt_tokens + completion_tokens,
+            prompt_tokens_details: PromptTokensDetails::default(),
         }
+    }
+
+    /// With `cached_tokens` of the prompt tokens found in the prefix cache (summed over the
+    /// choices, so capped at the prompt tokens counted once).
+    pub fn cached(mut self, cached_tokens: usize) -> Self {
+        self.prompt_tokens_details.cached_tokens = cached_tokens.min(self.prompt_tokens);
+        self
     }
 }
 

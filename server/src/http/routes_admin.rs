@@ -223,6 +223,9 @@ pub async fn metrics(State(state): State<Arc<AppState>>) -> Response {
             max_loras: state.registry.limits.max_loras,
             lora_series: s.lora.series(),
             names: views.iter().map(|a| (a.id, a.name.as_str())).collect(),
+            preemptions: s.preemptions.load(Ordering::Relaxed),
+            prefix_queries: s.prefix_queries.load(Ordering::Relaxed),
+            prefix_hits: s.prefix_hits.load(Ordering::Relaxed),
         },
     );
     state.registry.board().stats.snapshot().render(&mut out);

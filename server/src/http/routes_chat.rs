@@ -129,12 +129,14 @@ pub async fn chat_completions(
                              "finish_reason": d.finish.as_ref().map(Finish::as_str)}],
             })
         };
-        let usage = p.include_usage.then_some(move |completion: usize| {
-            json!({
-                "id": id, "object": "chat.completion.chunk", "created": created, "model": model,
-                "choices": [], "usage": Usage::new(prompt_tokens, completion),
-            })
-        });
+        let usage = p
+            .include_usage
+            .then_some(move |completion: usize, cached: usize| {
+                json!({
+                    "id": id, "object": "chat.completion.chunk", "created": created, "model": model,
+                    "choices": [], "usage": Usage::new(prompt_tokens, completion).cached(cached),
+                })
+            });
         return Ok(stream_choices(choices, first, chunk, usage).into_response());
     }
 
@@ -147,6 +149,7 @@ pub async fn chat_completions(
         return Err(ServerError::Aborted(msg));
     }
     let completion_tokens: usize = done.iter().map(|c| c.completion_tokens).sum();
+    let cached_tokens: usize = done.iter().map(|c| c.cached_tokens).sum();
     let out: Vec<Value> = done
         .iter()
         .map(|c| {
@@ -164,7 +167,7 @@ pub async fn chat_completions(
         "created": created,
         "model": model,
         "choices": out,
-        "usage": Usage::new(prompt_tokens, completion_tokens),
+        "usage": Usage::new(prompt_tokens, completion_tokens).cached(cached_tokens),
     }))
     .into_response())
 }

@@ -159,8 +159,9 @@ pub struct AdmitPlan {
 pub fn predicted_steps(s: &SeqState, cfg: &SchedConfig) -> usize {
     let generated = s.total_tokens - s.prompt_len;
     if s.in_prefill() {
-        let chunks = (s.prompt_len - s.computed).div_ceil(cfg.max_num_batched_tokens.max(1));
-        chunks + s.max_new_tokens.saturating_sub(1)
+        // Its prompt, or after a preemption its prompt and output, in chunks; then the rest.
+        let chunks = s.pending().div_ceil(cfg.max_num_batched_tokens.max(1));
+        chunks + s.max_new_tokens.saturating_sub(generated + 1)
     } else {
         s.max_new_tokens.saturating_sub(generated)
     }
@@ -362,11 +363,15 @@ impl<'a> Work<'a> {
             .collect();
         rel.sort_by_key(|(k, _)| *k);
         let mut users = self.users.clone();
-        let (mut kv, mut seqs) = (self.kv, self.seqs);
+        // KV comes on demand: until it finishes, a running request may grow to its worst case,
+        // so the head's wait is bounded by that, not by what they hold now.
+        let worst = |s: &SeqState| s.worst_case_blocks(self.cfg).max(s.reservation(self.cfg));
+        let mut kv = self.kv.max(running.iter().map(|s| worst(s)).sum());
+        let mut seqs = self.seqs;
         let r = head.reservation(self.cfg);
         let pool = self.view.pool;
         for (steps, s) in rel {
-            kv -= s.reservation(self.cfg);
+            kv = kv.saturating_sub(worst(s));
             seqs -= 1;
             if let Some(a) = s.adapter {
                 if let Some(u) = users.get_mut(&a) {

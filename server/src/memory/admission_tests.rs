@@ -9,7 +9,10 @@ use super::admission::{
     admit, predicted_steps, AdapterState, Device, EvictionOrder, Limits, MemView,
 };
 use super::pool::{Layout, PagePool};
-use crate::scheduler::{plan_step_admitting, Gate, SchedConfig, SchedState, SeqState};
+use crate::scheduler::{
+    choose_preemptions, plan_step_admitting, runners, step_needs, Gate, SchedConfig, SchedState,
+    SeqState,
+};
 
 /// One request: (arrival step, prompt, max new tokens, adapter index or none).
 type Req = (usize, usize, usize, Option<u32>);
@@ -83,8 +86,44 @@ impl Sim {
         self
     }
 
+    /// Blocks on demand, as the engine loop makes room: when the running requests cannot
+    /// all get their next step's blocks, idle adapters leave first, then requests are
+    /// preempted.
+    fn make_room(&mut self) -> Result<(), TestCaseError> {
+        let used = |st: &SchedState| -> usize {
+            st.running
+                .iter()
+                .map(|s| self.cfg.blocks_for(s.computed))
+                .sum()
+        };
+        let need: usize = step_needs(&self.state, &self.cfg).iter().map(|n| n.1).sum();
+        let busy = self.state.running_adapters();
+        let mut idle: Vec<AdapterId> = self
+            .pool
+            .adapters()
+            .map(|(a, _)| a)
+            .filter(|a| !busy.contains(a))
+            .collect();
+        idle.sort_by_key(|a| (self.last_used.get(a).copied().unwrap_or(0), *a));
+        for v in idle {
+            if used(&self.state) + need <= self.pool.kv_capacity() {
+                break;
+            }
+            self.pool.remove(v);
+            self.adapters.get_mut(&v).unwrap().device = Device::Absent;
+            self.landing.remove(&v);
+        }
+        let free = self.pool.kv_capacity().saturating_sub(used(&self.state));
+        let run = runners(&self.state, &self.cfg, |s| s.held_blocks(&self.cfg));
+        for id in choose_preemptions(&run, free) {
+            prop_assert!(self.state.preempt(id, &self.cfg));
+        }
+        Ok(())
+    }
+
     /// One planning round plus one engine step; returns the admitted ids and the plan's head.
     fn step(&mut self, t: usize) -> Result<Stepped, TestCaseError> {
+        self.make_room()?;
         let mut order: Vec<AdapterId> = self
             .adapters
             .iter()
@@ -135,17 +174,34 @@ impl Sim {
             .iter()
             .map(|s| self.cfg.blocks_for(s.computed))
             .sum();
+        // What the engine has free: the blocks the adapters leave, less those held.
         let d = plan_step_admitting(
             &self.state,
             &self.cfg,
-            self.cfg.total_blocks - used,
+            self.pool.kv_capacity().saturating_sub(used),
             &|_: &SeqState, _| Gate::Go,
             &plan.admit,
             self.pool.kv_capacity(),
         );
         self.state.admit_ids(&d.admit, &self.cfg);
+        let step_blocks: usize = d
+            .plan
+            .items
+            .iter()
+            .map(|it| {
+                let s = self.state.running.iter().find(|s| s.id == it.seq).unwrap();
+                self.cfg.blocks_for(s.computed + it.num_tokens)
+            })
+            .sum();
+        let idle_blocks: usize = self
+            .state
+            .running
+            .iter()
+            .filter(|s| d.plan.items.iter().all(|it| it.seq != s.id))
+            .map(|s| self.cfg.blocks_for(s.computed))
+            .sum();
         prop_assert!(
-            self.state.reserved_blocks + self.pool.adapter_pages() <= self.pool.total(),
+            step_blocks + idle_blocks + self.pool.adapter_pages() <= self.pool.total(),
             "device memory over-committed"
         );
         let batch = self.state.running_adapters();
@@ -215,10 +271,13 @@ impl Sim {
     }
 
     /// Runs `reqs` to the end; returns each request's admission step. Checks that a head
-    /// blocked on memory is admitted within the bound predicted when it first blocked.
+    /// blocked on memory is admitted within the bound predicted when it first blocked, unless
+    /// a preemption since put work back ahead of it (the bound assumes the running batch runs
+    /// undisturbed).
     fn run(&mut self, reqs: &[Req], check_bound: bool) -> Result<Vec<usize>, TestCaseError> {
         let mut admitted = vec![usize::MAX; reqs.len()];
-        let mut deadline: HashMap<SeqId, usize> = HashMap::new();
+        // Head → (its bound's step, preemptions when it was predicted).
+        let mut deadline: HashMap<SeqId, (usize, u64)> = HashMap::new();
         let mut t = 0;
         while t < 10_000 {
             for (i, r) in reqs.iter().enumerate().filter(|(_, r)| r.0 == t) {
@@ -228,17 +287,26 @@ impl Sim {
             }
             let (ids, head) = self.step(t)?;
             for id in ids {
-                if let Some(a) = admitted.get_mut(id.0 as usize) {
-                    *a = t;
-                }
+                // A preempted request is admitted again later: its first admission counts.
+                let Some(a) = admitted
+                    .get_mut(id.0 as usize)
+                    .filter(|a| **a == usize::MAX)
+                else {
+                    continue;
+                };
+                *a = t;
                 if check_bound {
-                    if let Some(d) = deadline.get(&id) {
-                        prop_assert!(t <= *d, "head {id} admitted at {t}, bound was {d}");
+                    if let Some(&(d, p)) = deadline.get(&id) {
+                        let undisturbed = p == self.state.preemptions;
+                        prop_assert!(
+                            t <= d || !undisturbed,
+                            "head {id} admitted at {t}, bound was {d}"
+                        );
                     }
                 }
             }
             if let Some((h, b)) = head {
-                deadline.entry(h).or_insert(t + b);
+                deadline.entry(h).or_insert((t + b, self.state.preemptions));
             }
             t += 1;
             if self.state.is_idle() && reqs.iter().all(|r| r.0 < t) {
@@ -668,9 +736,12 @@ fn predicted_steps_counts_prefill_chunks_and_decode() {
     let c = cfg(10, 8);
     let mut s = SeqState::new(SeqId(0), 20, 5);
     assert_eq!(predicted_steps(&s, &c), 3 + 4);
-    s.computed = 20;
+    s.computed = 21;
     s.total_tokens = 22;
     assert_eq!(predicted_steps(&s, &c), 3);
+    // Preempted after two tokens: prompt and output again in 3 chunks, then 2 more tokens.
+    s.computed = 0;
+    assert_eq!(predicted_steps(&s, &c), 3 + 2);
 }
 
 /// The manager's eviction order is computed only when admission needs a victim, and then it

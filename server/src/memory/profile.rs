@@ -76,7 +76,10 @@ pub fn build_engine<B: Backend>(
     let block = cfg.kv_block_size.max(1);
     cfg.num_kv_blocks = prompts.iter().map(|l| l.div_ceil(block)).sum::<usize>() + 1;
     let vocab = model.config.vocab_size.max(1);
+    let caching = cfg.enable_prefix_caching;
     let mut engine = Engine::new(backend, model, cfg)?;
+    // A measurement, not a request: nothing of it is looked up in, or left in, the cache.
+    engine.set_prefix_caching(false);
     let seqs: Vec<SeqId> = (0..prompts.len() as u64)
         .map(|i| SeqId(PROFILE_SEQ.0 - i))
         .collect();
@@ -128,6 +131,7 @@ pub fn build_engine<B: Backend>(
         "device budget from the memory profile"
     );
     engine.resize_kv(pages)?;
+    engine.set_prefix_caching(caching);
     Ok((engine, pages))
 }
 

@@ -8,33 +8,21 @@
 //! behind the same state; [`SchedulingPolicy`] picks one.
 
 mod mlq;
-mod mlq_kmeans;
-mod mlq_predict;
-mod mlq_protect;
-mod mlq_quota;
-mod mlq_room;
-mod mlq_state;
-mod mlq_tpot;
-mod mlq_wait;
-mod mlq_wrs;
 mod ordering;
 mod policy;
+mod preempt;
 mod report;
 mod select;
 mod state;
 
-pub use mlq::{plan_mlq, MlqDecision, MlqInputs, TpotCap};
-pub use mlq_predict::{OutputPredictor, PredictorStats};
-pub use mlq_protect::{fit_steps, protected, Hold, Waiter};
-pub use mlq_state::{Entry, Mlq, MlqConfig};
-pub use mlq_tpot::step_budget_s;
-pub use mlq_wait::{predicted_wait_s, MemoryWait};
-pub use mlq_wrs::{RequestSize, WrsScales, WrsWeights};
+pub use mlq::{
+    fit_steps, plan_mlq, predicted_wait_s, protected, step_budget_s, Entry, Hold, MemoryWait, Mlq,
+    MlqConfig, MlqDecision, MlqInputs, OutputPredictor, PredictorStats, RequestSize, TpotCap,
+    Waiter, WrsScales, WrsWeights,
+};
 pub use ordering::{OrderKeys, SchedulingPolicy};
 pub use policy::{plan_step, plan_step_admitting, plan_step_gated, AdmitDecision, Decision, Gate};
+pub use preempt::{choose_preemptions, runners, step_needs, Runner};
 pub use report::SchedBoard;
 pub use select::{Arrival, QueueInfo, SchedSnapshot, Scheduler};
 pub use state::{SchedConfig, SchedState, SeqState};
-
-#[cfg(test)]
-mod mlq_tests;

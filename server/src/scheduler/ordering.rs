@@ -74,6 +74,11 @@ impl OrderKeys {
         self.arrivals += 1;
         let k = (key, self.arrivals);
         self.keys.insert(s.id, k);
+        self.insert(state, s, k);
+    }
+
+    /// Inserts `s` (key `k`) before the first waiting request with a larger key.
+    fn insert(&self, state: &mut SchedState, s: SeqState, k: (i64, u64)) {
         let at = state
             .waiting
             .iter()
@@ -86,6 +91,18 @@ impl OrderKeys {
 
     pub fn remove(&mut self, id: SeqId) {
         self.keys.remove(&id);
+    }
+
+    /// Puts waiting request `id` (preempted, back in the queue) where its key orders it.
+    pub fn reposition(&self, state: &mut SchedState, id: SeqId) {
+        let Some(&k) = self.keys.get(&id) else { return };
+        let Some(i) = state.waiting.iter().position(|w| w.id == id) else {
+            return;
+        };
+        let Some(s) = state.waiting.remove(i) else {
+            return;
+        };
+        self.insert(state, s, k);
     }
 }
 
@@ -100,6 +117,18 @@ mod tests {
         for (id, key) in [(1, 5), (2, 0), (3, 5), (4, -1), (5, 0)] {
             k.enqueue(&mut st, SeqState::new(SeqId(id), 4, 4), key);
         }
+        let order: Vec<u64> = st.waiting.iter().map(|s| s.id.0).collect();
+        assert_eq!(order, vec![4, 2, 5, 1, 3]);
+        // Running, then preempted: back where its key puts it, not at the front.
+        let cfg = crate::scheduler::SchedConfig {
+            max_num_seqs: 8,
+            max_num_batched_tokens: 64,
+            block_size: 4,
+            total_blocks: 64,
+        };
+        st.admit_ids(&[SeqId(1)], &cfg);
+        assert!(st.preempt(SeqId(1), &cfg));
+        k.reposition(&mut st, SeqId(1));
         let order: Vec<u64> = st.waiting.iter().map(|s| s.id.0).collect();
         assert_eq!(order, vec![4, 2, 5, 1, 3]);
     }

@@ -1,4 +1,4 @@
-//! FIFO with a token budget, a batch-size cap, chunked prefill and KV reservation — as a pure
+//! FIFO with a token budget, a batch-size cap, chunked prefill and on-demand KV — as a pure
 //! function of the scheduler state.
 use std::collections::HashSet;
 
@@ -131,8 +131,10 @@ fn plan_tokens<'a>(
         if budget == 0 || state.running.len() + admit.len() >= cfg.max_num_seqs {
             break;
         }
+        // On demand: the blocks of its first chunk (a cached prefix included: sharing an
+        // unreferenced cached block takes it out of the free pool), and a watermark left free.
         let r = s.reservation(cfg);
-        if reserved + r > kv_capacity {
+        if reserved + r + cfg.watermark() > kv_capacity {
             break;
         }
         let mut n = s.pending().min(budget);
@@ -141,8 +143,8 @@ fn plan_tokens<'a>(
             Gate::Hold => n = 0,
             Gate::Cap(c) => n = n.min(c),
         }
-        let blocks = s.blocks_needed(cfg, n);
-        if blocks > free {
+        let blocks = cfg.blocks_for(s.computed + n);
+        if blocks + cfg.watermark() > free {
             break;
         }
         reserved += r;
@@ -211,19 +213,22 @@ mod tests {
     }
 
     #[test]
-    fn fifo_head_blocks_on_kv_reservation() {
+    fn fifo_head_blocks_on_its_first_chunk() {
         let cfg = SchedConfig {
             total_blocks: 10,
             ..cfg()
         };
         let mut st = SchedState::default();
-        st.enqueue(SeqState::new(SeqId(1), 20, 12)); // 8 blocks
-        st.enqueue(SeqState::new(SeqId(2), 8, 8)); // 4 blocks: would not fit beside it
+        st.enqueue(SeqState::new(SeqId(1), 36, 400)); // first chunk of 32: 8 blocks
+        st.enqueue(SeqState::new(SeqId(2), 12, 400)); // 3 blocks: would not fit beside it
         st.enqueue(SeqState::new(SeqId(3), 1, 1)); // fits, but FIFO: waits behind 2
         let d = plan_step(&st, &cfg, 10);
         assert_eq!(d.admit, 1);
         st.admit(1, &cfg);
-        assert_eq!(st.reserved_blocks, 8);
+        assert_eq!(
+            st.reserved_blocks, 8,
+            "its chunk, not prompt + max_tokens (109)"
+        );
         assert!(st.remove(SeqId(1), &cfg));
         assert_eq!(st.reserved_blocks, 0);
         assert_eq!(plan_step(&st, &cfg, 10).admit, 2);
@@ -243,6 +248,12 @@ mod tests {
             prop_assert!(steps < 10_000, "no progress: {st:?}");
             let used: usize = st.running.iter().map(|s| cfg.blocks_for(s.computed)).sum();
             prop_assert!(used <= cfg.total_blocks);
+            // Blocks on demand: whoever cannot get its next blocks is preempted first.
+            let run = crate::scheduler::runners(&st, &cfg, |s| s.held_blocks(&cfg));
+            for id in crate::scheduler::choose_preemptions(&run, cfg.total_blocks - used) {
+                prop_assert!(st.preempt(id, &cfg));
+            }
+            let used: usize = st.running.iter().map(|s| cfg.blocks_for(s.computed)).sum();
             let d = plan_step(&st, &cfg, cfg.total_blocks - used);
             let total: usize = d.plan.items.iter().map(|i| i.num_tokens).sum();
             prop_assert!(total <= cfg.max_num_batched_tokens, "token budget exceeded");
@@ -252,7 +263,6 @@ mod tests {
                 "a non-idle state must make progress"
             );
             st.admit(d.admit, &cfg);
-            prop_assert!(st.reserved_blocks <= cfg.total_blocks, "KV over-committed");
             let planned: Vec<_> = d.plan.items.iter().map(|i| (i.seq, i.num_tokens)).collect();
             let mut sampled = Vec::new();
             let mut finished = Vec::new();

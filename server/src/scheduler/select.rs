@@ -7,13 +7,10 @@ use std::time::Instant;
 
 use thaw_runtime::ids::{AdapterId, SeqId};
 
-use super::mlq::{plan_mlq, MlqInputs, TpotCap};
-use super::mlq_predict::{OutputPredictor, PredictorStats};
-use super::mlq_protect::{fit_steps, protected, Hold, Waiter};
-use super::mlq_state::{Mlq, MlqConfig};
-use super::mlq_tpot::step_budget_s;
-use super::mlq_wait::{blocked_wait_s, MemoryWait};
-use super::mlq_wrs::RequestSize;
+use super::mlq::{
+    blocked_wait_s, fit_steps, plan_mlq, protected, step_budget_s, Hold, MemoryWait, Mlq,
+    MlqConfig, MlqInputs, OutputPredictor, PredictorStats, RequestSize, TpotCap, Waiter,
+};
 use super::ordering::{OrderKeys, SchedulingPolicy};
 use super::policy::{plan_step_admitting, AdmitDecision, Gate};
 use super::state::{SchedConfig, SchedState, SeqState};
@@ -122,7 +119,7 @@ impl Scheduler {
                 // What binds in the unified pool: its KV reservation, plus its adapter's pages
                 // when they must be found for it (an upper bound when several waiting
                 // requests bring the same absent adapter: each is charged).
-                let size = (seq.reservation(cfg) + arrival.adapter_pages) * cfg.block_size;
+                let size = (seq.worst_case_blocks(cfg) + arrival.adapter_pages) * cfg.block_size;
                 let service_s = perf.step_time(seq.prompt_len)
                     + predicted as f64 * perf.step_time(1)
                     + arrival.load_s;
@@ -134,7 +131,7 @@ impl Scheduler {
     }
 
     /// Under `mlq` (with [`MlqConfig::protect`]), picks the request to protect this step
-    /// (see [`super::mlq_protect`]): the oldest waiting request, when it is in a queue above
+    /// (see [`super::mlq::protect`]): the oldest waiting request, when it is in a queue above
     /// the fast lane and has waited the time the running batch is predicted to need to free
     /// its KV reservation out of `kv_capacity` blocks (running requests finish after their
     /// predicted output, one step per token, each step the perf model's time for the running
@@ -302,6 +299,17 @@ impl Scheduler {
         AdmitDecision {
             admit: d.admit_ids,
             plan: d.decision.plan,
+        }
+    }
+
+    /// A running request was preempted ([`SchedState::preempt`]): under `priority` and `sjf`
+    /// it goes back where its key orders it.
+    pub fn preempted(&self, state: &mut SchedState, id: SeqId) {
+        if matches!(
+            self.policy,
+            SchedulingPolicy::Priority | SchedulingPolicy::Sjf
+        ) {
+            self.keys.reposition(state, id);
         }
     }
 

@@ -1,4 +1,9 @@
-//! What the scheduler knows about each request: lengths, progress and KV reservation.
+//! What the scheduler knows about each request: lengths, progress and the KV blocks it holds.
+//!
+//! KV is taken on demand (vLLM V1): a sequence holds the blocks of the tokens it has computed
+//! and needs, to run, those of its next chunk ([`SeqState::reservation`]). When the pool runs
+//! out, a running sequence is preempted by recompute ([`SchedState::preempt`]): it goes back
+//! to the front of the queue with its tokens and resumes by prefilling prompt plus output.
 use std::collections::{HashSet, VecDeque};
 
 use thaw_runtime::ids::{AdapterId, SeqId};
@@ -21,6 +26,12 @@ impl SchedConfig {
     pub fn blocks_for(&self, tokens: usize) -> usize {
         tokens.div_ceil(self.block_size)
     }
+
+    /// Blocks a new request must leave free when admitted, so running sequences can grow a
+    /// while before anyone is preempted (vLLM's watermark: 1% of the cache).
+    pub fn watermark(&self) -> usize {
+        self.total_blocks / 100
+    }
 }
 
 /// One request (one engine sequence) as the scheduler sees it.
@@ -35,6 +46,9 @@ pub struct SeqState {
     pub computed: usize,
     /// The request's adapter (the cold-start gate looks at its residency).
     pub adapter: Option<AdapterId>,
+    /// vLLM's `priority` (lower first): a preemption takes the newest running request of the
+    /// highest value.
+    pub priority: i64,
 }
 
 impl SeqState {
@@ -46,6 +60,7 @@ impl SeqState {
             total_tokens: prompt_len,
             computed: 0,
             adapter: None,
+            priority: 0,
         }
     }
 
@@ -54,13 +69,28 @@ impl SeqState {
         self.total_tokens - self.computed
     }
 
+    /// Computing more than one token this time: its prompt, or after a preemption its
+    /// prompt and output again.
     pub fn in_prefill(&self) -> bool {
-        self.computed < self.prompt_len
+        self.computed < self.prompt_len || self.pending() > 1
     }
 
-    /// The most KV blocks this sequence can ever hold: admission reserves them all, so a
-    /// running sequence never waits for KV and the cache is never over-committed.
+    /// KV blocks it needs through its next step: those of the tokens it has computed plus
+    /// its next chunk (at most a step's token budget). What admission and the memory
+    /// manager charge it: blocks come on demand, never for `max_tokens` up front.
     pub fn reservation(&self, cfg: &SchedConfig) -> usize {
+        let next = self.pending().min(cfg.max_num_batched_tokens).max(1);
+        cfg.blocks_for((self.computed + next).min(self.total_tokens.max(self.computed + 1)))
+    }
+
+    /// Blocks of the tokens it has computed (what finishing or preemption gives back).
+    pub fn held_blocks(&self, cfg: &SchedConfig) -> usize {
+        cfg.blocks_for(self.computed)
+    }
+
+    /// The most KV blocks it can ever hold (prompt plus `max_tokens`): its size for the
+    /// multi-level queue's quotas, and the bound a request must fit the pool within.
+    pub fn worst_case_blocks(&self, cfg: &SchedConfig) -> usize {
         cfg.blocks_for(self.prompt_len + self.max_new_tokens)
     }
 
@@ -76,8 +106,10 @@ impl SeqState {
 pub struct SchedState {
     pub waiting: VecDeque<SeqState>,
     pub running: Vec<SeqState>,
-    /// Sum of the running sequences' reservations.
+    /// Sum of the running sequences' reservations (held blocks plus their next chunk's).
     pub reserved_blocks: usize,
+    /// Running sequences preempted so far.
+    pub preemptions: u64,
 }
 
 impl SchedState {
@@ -104,14 +136,40 @@ impl SchedState {
         self.waiting.push_back(s);
     }
 
+    /// Recomputes [`Self::reserved_blocks`] (reservations change as sequences advance).
+    pub fn recount(&mut self, cfg: &SchedConfig) {
+        self.reserved_blocks = self.running.iter().map(|s| s.reservation(cfg)).sum();
+    }
+
+    /// Preempts running sequence `id` by recompute: it drops its KV (computed 0), keeps its
+    /// tokens and goes back to its place in the queue — by arrival, so ahead of every request
+    /// that came after it (the front, unless older ones still wait; `priority` and `sjf`
+    /// reposition it by their keys). True if it was running.
+    pub fn preempt(&mut self, id: SeqId, cfg: &SchedConfig) -> bool {
+        let Some(i) = self.running.iter().position(|s| s.id == id) else {
+            return false;
+        };
+        let mut s = self.running.remove(i);
+        s.computed = 0;
+        let at = self
+            .waiting
+            .iter()
+            .position(|w| w.id > s.id)
+            .unwrap_or(self.waiting.len());
+        self.waiting.insert(at, s);
+        self.preemptions += 1;
+        self.recount(cfg);
+        true
+    }
+
     /// Moves the first `n` waiting requests to running (as a [`Decision`] said).
     pub fn admit(&mut self, n: usize, cfg: &SchedConfig) -> Vec<SeqId> {
         let mut ids = Vec::with_capacity(n);
         for s in self.waiting.drain(..n.min(self.waiting.len())) {
-            self.reserved_blocks += s.reservation(cfg);
             ids.push(s.id);
             self.running.push(s);
         }
+        self.recount(cfg);
         ids
     }
 
@@ -120,11 +178,11 @@ impl SchedState {
         for id in ids {
             if let Some(i) = self.waiting.iter().position(|s| s.id == *id) {
                 if let Some(s) = self.waiting.remove(i) {
-                    self.reserved_blocks += s.reservation(cfg);
                     self.running.push(s);
                 }
             }
         }
+        self.recount(cfg);
     }
 
     /// Records a computed step: `planned` tokens per sequence, then one sampled token per
@@ -149,13 +207,14 @@ impl SchedState {
         for id in finished {
             self.remove(*id, cfg);
         }
+        self.recount(cfg);
     }
 
     /// Drops a sequence wherever it is (finished, cancelled, failed); true if it was known.
     pub fn remove(&mut self, id: SeqId, cfg: &SchedConfig) -> bool {
         if let Some(i) = self.running.iter().position(|s| s.id == id) {
-            let s = self.running.remove(i);
-            self.reserved_blocks -= s.reservation(cfg);
+            self.running.remove(i);
+            self.recount(cfg);
             return true;
         }
         if let Some(i) = self.waiting.iter().position(|s| s.id == id) {

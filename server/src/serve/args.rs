@@ -106,6 +106,12 @@ pub struct ServeArgs {
     /// Requests behind a head that waits for device memory may start when predicted not to delay it (Chameleon's bypass, every policy); false keeps strict arrival order for memory, as S-LoRA's FIFO (true/false) [default: true].
     #[arg(long, value_name = "BOOL")]
     pub admission_bypass: Option<bool>,
+    /// Reuse the KV cache of a shared prompt prefix (full blocks, keyed by the adapter and its loaded generation; vLLM's automatic prefix caching) [default: on].
+    #[arg(long, overrides_with = "no_enable_prefix_caching")]
+    pub enable_prefix_caching: bool,
+    /// Turn automatic prefix caching off: every prompt is computed in full.
+    #[arg(long, overrides_with = "enable_prefix_caching")]
+    pub no_enable_prefix_caching: bool,
     /// Bandwidth of the emulated host→device link the CPU backend streams adapters over, GB/s [default: 25].
     #[arg(long, value_name = "GBPS")]
     pub emulated_link_gbps: Option<f64>,
@@ -274,6 +280,12 @@ impl ServeArgs {
                 .admission_bypass
                 .or(f.admission_bypass)
                 .unwrap_or(d.admission_bypass),
+            enable_prefix_caching: match (self.enable_prefix_caching, self.no_enable_prefix_caching)
+            {
+                (_, true) => false,
+                (true, false) => true,
+                (false, false) => f.enable_prefix_caching.unwrap_or(d.enable_prefix_caching),
+            },
             emulated_link_gbps: self
                 .emulated_link_gbps
                 .or(f.emulated_link_gbps)
@@ -438,5 +450,33 @@ mod tests {
             ..Default::default()
         };
         assert!(flag.resolve().unwrap().admission_bypass);
+    }
+
+    #[test]
+    fn prefix_caching_is_on_unless_the_file_or_the_flag_turns_it_off() {
+        use clap::Parser;
+        #[derive(Parser)]
+        struct Cli {
+            #[command(flatten)]
+            serve: ServeArgs,
+        }
+        let parse = |args: &[&str]| {
+            let mut v = vec!["thaw"];
+            v.extend_from_slice(args);
+            Cli::try_parse_from(v).unwrap().serve
+        };
+        let on = |a: ServeArgs| a.resolve().unwrap().enable_prefix_caching;
+        assert!(on(parse(&[])));
+        assert!(!on(parse(&["--no-enable-prefix-caching"])));
+        assert!(on(parse(&[
+            "--no-enable-prefix-caching",
+            "--enable-prefix-caching"
+        ])));
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("thaw.toml");
+        std::fs::write(&f, "enable_prefix_caching = false\n").unwrap();
+        let path = f.to_str().unwrap();
+        assert!(!on(parse(&["--config", path])));
+        assert!(on(parse(&["--config", path, "--enable-prefix-caching"])));
     }
 }

@@ -48,10 +48,12 @@ pub struct ServeConfig {
     pub tpot_slo_ms: Option<f64>,
     /// Milliseconds a request waits under mlq before it goes first (the starvation bound).
     pub mlq_max_wait_ms: f64,
-    /// Under mlq, protect the oldest large request (see `scheduler::mlq_protect`).
+    /// Under mlq, protect the oldest large request (see `scheduler::mlq::protect`).
     pub mlq_protect: bool,
     /// The memory layer's bounded bypass of a head waiting for memory (false: strict order).
     pub admission_bypass: bool,
+    /// Reuse the KV of cached prefixes, keyed by adapter generation (vLLM V1's default).
+    pub enable_prefix_caching: bool,
     pub emulated_link_gbps: f64,
     pub emulated_link_latency_us: f64,
     /// `--emulated-step-time`: a step never returns before this floor of its shape (bench-only;
@@ -102,6 +104,7 @@ impl Default for ServeConfig {
             mlq_max_wait_ms: 30_000.0,
             mlq_protect: true,
             admission_bypass: true,
+            enable_prefix_caching: true,
             emulated_link_gbps: 25.0,
             emulated_link_latency_us: 10.0,
             emulated_step_time: None,
@@ -159,6 +162,7 @@ pub struct FileConfig {
     pub mlq_max_wait_ms: Option<f64>,
     pub mlq_protect: Option<bool>,
     pub admission_bypass: Option<bool>,
+    pub enable_prefix_caching: Option<bool>,
     pub emulated_link_gbps: Option<f64>,
     pub emulated_link_latency_us: Option<f64>,
     pub lora_workers: Option<usize>,

@@ -116,6 +116,7 @@ impl Server {
                 LoraKernel::Sgmv
             },
             seed: config.seed,
+            enable_prefix_caching: config.enable_prefix_caching,
         };
         let metrics = Arc::new(Metrics::default());
         let cold_cfg = config.clone();

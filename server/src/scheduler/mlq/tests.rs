@@ -3,14 +3,14 @@
 use proptest::prelude::*;
 use thaw_runtime::ids::SeqId;
 
-use super::mlq::{plan_mlq, MlqDecision, MlqInputs, TpotCap};
-use super::mlq_protect::{fit_steps, protected, Hold, Waiter};
-use super::mlq_state::{Mlq, MlqConfig};
-use super::mlq_wrs::RequestSize;
-use super::policy::Gate;
-use super::state::{SchedConfig, SchedState, SeqState};
+use super::plan::{plan_mlq, MlqDecision, MlqInputs, TpotCap};
+use super::protect::{fit_steps, protected, Hold, Waiter};
+use super::state::{Mlq, MlqConfig};
+use super::wrs::RequestSize;
 use crate::memory::admission::predicted_steps;
 use crate::perf::PerfModel;
+use crate::scheduler::policy::Gate;
+use crate::scheduler::state::{SchedConfig, SchedState, SeqState};
 
 fn cfg() -> SchedConfig {
     SchedConfig {
@@ -24,7 +24,7 @@ fn cfg() -> SchedConfig {
 /// Files a request of `prompt` + `max` tokens with the queues and the state.
 fn add(st: &mut SchedState, mlq: &mut Mlq, cfg: &SchedConfig, id: u64, p: usize, m: usize, t: f64) {
     let s = SeqState::new(SeqId(id), p, m);
-    let size = s.reservation(cfg) * cfg.block_size;
+    let size = s.worst_case_blocks(cfg) * cfg.block_size;
     let req = RequestSize {
         input: p,
         predicted_output: m,
@@ -48,6 +48,15 @@ fn plain<'a>(free: usize, now: f64, wait: &'a dyn Fn(&SeqState) -> Option<f64>) 
     }
 }
 
+/// [`plain`] on a cache of `kv` blocks, all free: what binds is the blocks of each request's
+/// first chunk (KV comes on demand).
+fn tight<'a>(kv: usize, now: f64, wait: &'a dyn Fn(&SeqState) -> Option<f64>) -> MlqInputs<'a> {
+    MlqInputs {
+        kv_capacity: kv,
+        ..plain(kv, now, wait)
+    }
+}
+
 fn apply(st: &mut SchedState, mlq: &mut Mlq, cfg: &SchedConfig, d: &MlqDecision) {
     assert_eq!(d.decision.admit, d.admit_ids.len());
     st.admit_ids(&d.admit_ids, cfg);
@@ -61,7 +70,7 @@ fn two_queues(cfg: &SchedConfig) -> (SchedState, Mlq) {
     let mc = MlqConfig {
         warmup: 20,
         keep_min: true,
-        weights: super::WrsWeights {
+        weights: crate::scheduler::WrsWeights {
             max_input: 128,
             max_output: 128,
             ..Default::default()
@@ -86,17 +95,24 @@ fn two_queues(cfg: &SchedConfig) -> (SchedState, Mlq) {
 fn a_long_head_that_does_not_fit_does_not_block_the_short_lane() {
     let cfg = cfg();
     let (mut st, mut mlq) = two_queues(&cfg);
-    add(&mut st, &mut mlq, &cfg, 1, 40, 100, 1.0); // 35 blocks
-    add(&mut st, &mut mlq, &cfg, 2, 40, 100, 1.0); // 35 more: over the 64
+    add(&mut st, &mut mlq, &cfg, 1, 40, 100, 1.0); // its 40-token prompt: 10 blocks
+    add(&mut st, &mut mlq, &cfg, 2, 40, 100, 1.0); // 10 more: over a cache of 19
     add(&mut st, &mut mlq, &cfg, 3, 1, 2, 1.0);
     let none = |_: &SeqState| None;
-    let d = plan_mlq(&st, &cfg, &mlq, &plain(cfg.total_blocks, 1.0, &none));
+    let d = plan_mlq(&st, &cfg, &mlq, &tight(19, 1.0, &none));
     assert!(d.admit_ids.contains(&SeqId(3)), "{d:?}");
     assert!(d.admit_ids.contains(&SeqId(1)));
     assert!(!d.admit_ids.contains(&SeqId(2)));
     // FIFO admits 1 and blocks 3 behind 2.
-    let fifo = super::plan_step(&st, &cfg, cfg.total_blocks);
-    assert_eq!(fifo.admit, 1);
+    let fifo = crate::scheduler::plan_step_admitting(
+        &st,
+        &cfg,
+        19,
+        &|_, _| Gate::Go,
+        &[SeqId(1), SeqId(2), SeqId(3)],
+        19,
+    );
+    assert_eq!(fifo.admit, vec![SeqId(1)]);
 }
 
 #[test]
@@ -113,7 +129,7 @@ fn spare_quota_of_an_empty_queue_goes_to_the_others() {
     // Only long requests: beyond the long queue's quota, within the whole cache.
     // Quotas 79 and 177 tokens, minima 4 and 140: the short lane lends 75, the long one
     // its 37 above its minimum (two hold 136 of 177; the third goes on the spare, a fourth
-    // does not fit the KV).
+    // does not fit the 40 blocks of KV: each prompt takes 12).
     assert_eq!((q[0].min, q[1].min), (4, 140));
     for id in 1..=4 {
         // 17 blocks = 68 tokens; a long prompt, so it sizes with the long class (WRS is
@@ -121,7 +137,7 @@ fn spare_quota_of_an_empty_queue_goes_to_the_others() {
         add(&mut st, &mut mlq, &cfg, id, 48, 20, 1.0);
     }
     let none = |_: &SeqState| None;
-    let d = plan_mlq(&st, &cfg, &mlq, &plain(cfg.total_blocks, 1.0, &none));
+    let d = plan_mlq(&st, &cfg, &mlq, &tight(40, 1.0, &none));
     let long = mlq.queue(SeqId(1));
     assert_eq!(long, 1);
     assert_eq!(
@@ -180,18 +196,19 @@ fn overdue_requests_go_first_and_one_that_does_not_fit_keeps_the_step() {
     add(&mut st, &mut mlq, &cfg, 1, 4, 4, 100.0);
     add(&mut st, &mut mlq, &cfg, 2, 4, 4, 0.0);
     let none = |_: &SeqState| None;
-    let d = plan_mlq(&st, &cfg, &mlq, &plain(cfg.total_blocks, 100.0, &none));
+    let d = plan_mlq(&st, &cfg, &mlq, &tight(16, 100.0, &none));
     assert!(d.all_fit, "everything fits: fcfs order, {d:?}");
     assert_eq!(d.admit_ids, vec![SeqId(1), SeqId(2)]);
-    // Contention (5 does not fit beside the others): the overdue one first.
+    // Contention (5's first chunk, 16 blocks, does not fit beside the others in 16): the
+    // overdue one first.
     add(&mut st, &mut mlq, &cfg, 5, 200, 50, 100.0);
-    let d = plan_mlq(&st, &cfg, &mlq, &plain(cfg.total_blocks, 100.0, &none));
+    let d = plan_mlq(&st, &cfg, &mlq, &tight(16, 100.0, &none));
     assert!(!d.all_fit);
     assert_eq!(d.overdue, vec![SeqId(2)]);
     assert_eq!(d.admit_ids[..2], [SeqId(2), SeqId(1)], "{d:?}");
     // An overdue request that does not fit keeps the step for itself.
     add(&mut st, &mut mlq, &cfg, 3, 240, 16, 0.0);
-    let d = plan_mlq(&st, &cfg, &mlq, &plain(cfg.total_blocks, 100.0, &none));
+    let d = plan_mlq(&st, &cfg, &mlq, &tight(16, 100.0, &none));
     assert_eq!(d.reserved_for, Some(SeqId(3)));
     assert_eq!(d.admit_ids, vec![SeqId(2)], "{d:?}");
 }
@@ -207,16 +224,17 @@ fn a_request_to_wait_without_blocking_is_passed_over() {
     let fetching = |s: &SeqState| s.id == SeqId(1);
     let inp = MlqInputs {
         later: &fetching,
-        ..plain(cfg.total_blocks, 1.0, &none)
+        ..tight(17, 1.0, &none)
     };
     let d = plan_mlq(&st, &cfg, &mlq, &inp);
     assert!(d.all_fit);
     assert_eq!(d.admit_ids, vec![SeqId(2), SeqId(3), SeqId(4)]);
-    // Under contention too (a long request that does not fit the KV): the lane stays open.
+    // Under contention too (a long request whose first chunk does not fit the KV): the lane
+    // stays open.
     add(&mut st, &mut mlq, &cfg, 5, 200, 60, 1.0);
     let inp = MlqInputs {
         later: &fetching,
-        ..plain(cfg.total_blocks, 1.0, &none)
+        ..tight(17, 1.0, &none)
     };
     let d = plan_mlq(&st, &cfg, &mlq, &inp);
     assert!(!d.all_fit);
@@ -319,7 +337,7 @@ fn simulate(reqs: &[Req], cfg: SchedConfig, mc: MlqConfig) -> Result<(), TestCas
         for (i, r) in reqs.iter().enumerate() {
             if r.3 == t {
                 let s = SeqState::new(SeqId(i as u64), r.0, r.1);
-                let size = (s.reservation(&cfg) + adapter_charge(i)) * cfg.block_size;
+                let size = (s.worst_case_blocks(&cfg) + adapter_charge(i)) * cfg.block_size;
                 let req = RequestSize {
                     input: r.0,
                     predicted_output: r.1 / 2,
@@ -340,11 +358,17 @@ fn simulate(reqs: &[Req], cfg: SchedConfig, mc: MlqConfig) -> Result<(), TestCas
         };
         let later = |s: &SeqState| reqs[s.id.0 as usize].4 > now && s.id.0 % 2 == 1;
         let used: usize = st.running.iter().map(|s| cfg.blocks_for(s.computed)).sum();
-        // Adapters come and go in the same pool: what KV may reserve moves (never below what
-        // is reserved: the memory layer only evicts into free pages). The quotas split the
-        // whole pool, since sizes charge absent adapters' pages as well as KV.
+        // Adapters come and go in the same pool: what KV may hold moves (never below what is
+        // held: idle adapters are evicted before KV is preempted). The quotas split the whole
+        // pool, since sizes charge absent adapters' pages as well as KV.
         let adapters = ADAPTER_PAGES[(t / ADAPTER_PERIOD) % ADAPTER_PAGES.len()];
-        let kv_capacity = (cfg.total_blocks - adapters).max(st.reserved_blocks);
+        let kv_capacity = (cfg.total_blocks - adapters).max(used);
+        // Blocks on demand: whoever cannot get its next blocks is preempted first.
+        let run = crate::scheduler::runners(&st, &cfg, |s| s.held_blocks(&cfg));
+        for id in crate::scheduler::choose_preemptions(&run, kv_capacity - used) {
+            prop_assert!(st.preempt(id, &cfg));
+        }
+        let used: usize = st.running.iter().map(|s| cfg.blocks_for(s.computed)).sum();
         mlq.set_capacity(cfg.total_blocks * cfg.block_size);
         prop_assert_eq!(
             mlq.quotas().iter().map(|q| q.tokens).sum::<usize>(),
@@ -354,7 +378,7 @@ fn simulate(reqs: &[Req], cfg: SchedConfig, mc: MlqConfig) -> Result<(), TestCas
         let inp = MlqInputs {
             kv_capacity,
             later: &later,
-            ..plain(cfg.total_blocks - used, t as f64, &blocked)
+            ..plain(kv_capacity - used, t as f64, &blocked)
         };
         // The P99 rule (`mlq_protect`): the oldest large request, due once it has waited the
         // steps the running batch needs (at most its max tokens each) to free its reservation.
@@ -376,7 +400,7 @@ fn simulate(reqs: &[Req], cfg: SchedConfig, mc: MlqConfig) -> Result<(), TestCas
                     blocks: s.reservation(&cfg),
                 })
                 .collect();
-            let free = kv_capacity - st.reserved_blocks;
+            let free = kv_capacity.saturating_sub(st.reserved_blocks);
             let need = |id: SeqId| {
                 st.waiting
                     .iter()
@@ -401,8 +425,11 @@ fn simulate(reqs: &[Req], cfg: SchedConfig, mc: MlqConfig) -> Result<(), TestCas
             prop_assert!(oldest && mlq.queue(p) > 0, "only the oldest large one");
             // Placeable: it goes first, or nothing else is admitted past it.
             if blocked(s).is_none() && !later(s) {
+                // Admitted in the same step as everything else is not passed either (a
+                // preempted request back in the queue can stand before it).
                 prop_assert!(
                     d.admit_ids.first() == Some(&p)
+                        || (d.all_fit && d.admit_ids.contains(&p))
                         || (d.reserved_for == Some(p) && d.admit_ids.len() == d.overdue.len())
                         || d.admit_ids.is_empty(),
                     "the protected request was passed: {d:?}"
@@ -456,7 +483,7 @@ fn simulate(reqs: &[Req], cfg: SchedConfig, mc: MlqConfig) -> Result<(), TestCas
             prop_assert!(blocked(st.waiting.iter().find(|s| s.id == h).unwrap()).is_some());
         }
         for id in &d.admit_ids {
-            admitted[id.0 as usize] = Some(t);
+            admitted[id.0 as usize].get_or_insert(t);
             let s = st.waiting.iter().find(|s| s.id == *id).unwrap();
             prop_assert!(
                 blocked(s).is_none() && !later(s),
@@ -464,7 +491,6 @@ fn simulate(reqs: &[Req], cfg: SchedConfig, mc: MlqConfig) -> Result<(), TestCas
             );
         }
         apply(&mut st, &mut mlq, &cfg, &d);
-        prop_assert!(st.reserved_blocks <= kv_capacity, "KV over-committed");
         let planned: Vec<_> = items.iter().map(|i| (i.seq, i.num_tokens)).collect();
         let (mut sampled, mut finished) = (Vec::new(), Vec::new());
         for it in items {
@@ -483,7 +509,7 @@ fn simulate(reqs: &[Req], cfg: SchedConfig, mc: MlqConfig) -> Result<(), TestCas
         }
         st.on_step(&planned, &sampled, &finished, &cfg);
         let used: usize = st.running.iter().map(|s| cfg.blocks_for(s.computed)).sum();
-        prop_assert!(used <= cfg.total_blocks, "KV over-committed after the step");
+        prop_assert!(used <= kv_capacity, "KV over-committed after the step");
         t += 1;
     }
     // The starvation bound: nobody waits past max_wait plus the time to drain everything
@@ -528,7 +554,7 @@ proptest! {
             max_wait_s: max_wait,
             max_bypass,
             protect,
-            weights: super::WrsWeights { max_input: 64, max_output: 64, ..Default::default() },
+            weights: crate::scheduler::WrsWeights { max_input: 64, max_output: 64, ..Default::default() },
             ..Default::default()
         };
         simulate(&reqs, cfg, mc)?;
@@ -558,7 +584,7 @@ proptest! {
         };
         let mc = MlqConfig {
             warmup,
-            weights: super::WrsWeights { max_input: 64, max_output: 64, ..Default::default() },
+            weights: crate::scheduler::WrsWeights { max_input: 64, max_output: 64, ..Default::default() },
             ..Default::default()
         };
         let mut mlq = Mlq::new(mc, cfg.total_blocks * cfg.block_size);
@@ -567,7 +593,7 @@ proptest! {
             add(&mut st, &mut mlq, &cfg, i as u64, r.0, r.1, i as f64 * 0.1);
         }
         // The first ones already run (as fcfs admitted them).
-        let first = super::plan_step(&st, &cfg, cfg.total_blocks);
+        let first = crate::scheduler::plan_step(&st, &cfg, cfg.total_blocks);
         let n = first.admit.min(running);
         let ids: Vec<SeqId> = st.waiting.iter().take(n).map(|s| s.id).collect();
         st.admit_ids(&ids, &cfg);
@@ -578,7 +604,7 @@ proptest! {
         let later = |s: &SeqState| reqs[s.id.0 as usize].2;
         let placeable: Vec<SeqId> =
             st.waiting.iter().filter(|s| !later(s)).map(|s| s.id).collect();
-        let fcfs = super::plan_step_admitting(
+        let fcfs = crate::scheduler::plan_step_admitting(
             &st, &cfg, free, &|_, _| Gate::Go, &placeable, cfg.total_blocks,
         );
         let none = |_: &SeqState| None;

@@ -4,9 +4,9 @@ use std::collections::{HashMap, VecDeque};
 
 use thaw_runtime::ids::SeqId;
 
-use super::mlq_kmeans::{choose_queues, cutoffs, queue_of};
-use super::mlq_quota::{quotas, QueueLoad, Quota};
-use super::mlq_wrs::{RequestSize, WrsScales, WrsWeights};
+use super::kmeans::{choose_queues, cutoffs, queue_of};
+use super::quota::{quotas, QueueLoad, Quota};
+use super::wrs::{RequestSize, WrsScales, WrsWeights};
 
 /// Chameleon's scheduler knobs (§4.2) and Thaw's bounds around them.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -20,7 +20,7 @@ pub struct MlqConfig {
     pub warmup: usize,
     /// Recent arrivals the fit looks at.
     pub window: usize,
-    /// Elbow of the queue-count rule (see [`super::mlq_kmeans`]).
+    /// Elbow of the queue-count rule (see [`super::kmeans`]).
     pub elbow: f64,
     /// The TTFT SLO the quotas are sized for, seconds.
     pub slo_s: f64,
@@ -30,10 +30,10 @@ pub struct MlqConfig {
     /// Most younger requests that may bypass one adapter-blocked head.
     pub max_bypass: usize,
     /// An idle queue lends only its quota above its queueing-model minimum (see
-    /// [`super::mlq`]).
+    /// [`super::plan`]).
     pub keep_min: bool,
     /// Protect the oldest large request once it has waited its predicted drain time (see
-    /// [`super::mlq_protect`]).
+    /// [`super::protect`]).
     pub protect: bool,
 }
 
@@ -80,7 +80,7 @@ struct Recent {
     at_s: f64,
 }
 
-/// The queues' state. Waiting order itself stays in [`super::SchedState::waiting`].
+/// The queues' state. Waiting order itself stays in [`crate::scheduler::SchedState::waiting`].
 #[derive(Clone, Debug)]
 pub struct Mlq {
     pub cfg: MlqConfig,
@@ -96,7 +96,7 @@ pub struct Mlq {
     load: Vec<QueueLoad>,
     total_tokens: usize,
     fitted_at: Option<f64>,
-    /// The request [`super::mlq_protect`] protects this step.
+    /// The request [`super::protect`] protects this step.
     protected: Option<SeqId>,
 }
 
@@ -162,7 +162,7 @@ impl Mlq {
         );
     }
 
-    /// New scales from the window's means (see [`super::mlq_wrs`]), K-means over the recent
+    /// New scales from the window's means (see [`super::wrs`]), K-means over the recent
     /// sizes, cut-offs at the midpoints, quotas from the queueing model; every known request
     /// is re-sized with the new scales and moves to the queue its size now falls in (a
     /// running one's quota is then charged to its new queue).
@@ -267,7 +267,7 @@ impl Mlq {
         &self.scales
     }
 
-    /// Sets the request protected this step (see [`super::mlq_protect`]).
+    /// Sets the request protected this step (see [`super::protect`]).
     pub fn set_protected(&mut self, id: Option<SeqId>) {
         self.protected = id;
     }

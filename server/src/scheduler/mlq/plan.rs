@@ -1,6 +1,7 @@
 //! Chameleon's non-preemptive multi-level queue (§4.2) as a pure policy beside
-//! [`super::plan_step_gated`]: requests sit in queues by weighted request size; every step
-//! each queue admits from its head within its token quota ("Initial Request Admission"),
+//! [`crate::scheduler::plan_step_gated`]: requests sit in queues by weighted request size;
+//! every step each queue admits from its head within its token quota ("Initial Request
+//! Admission"),
 //! then the quota every queue left unused is offered to the queues that still have requests,
 //! from the smallest requests' queue down ("Redistribution of Spare Resources"; "if requests
 //! from a given queue still cannot be admitted due to insufficient tokens available, no
@@ -40,11 +41,11 @@
 use thaw_runtime::engine::StepPlan;
 use thaw_runtime::ids::SeqId;
 
-use super::mlq_room::{Refusal, Room};
-use super::mlq_state::Mlq;
-use super::policy::{Decision, Gate};
-use super::state::{SchedConfig, SchedState, SeqState};
+use super::room::{Refusal, Room};
+use super::state::Mlq;
 use crate::perf::{PerfModel, StepShape};
+use crate::scheduler::policy::{Decision, Gate};
+use crate::scheduler::state::{SchedConfig, SchedState, SeqState};
 
 /// The rank-aware cap's inputs.
 pub struct TpotCap<'a> {
@@ -52,7 +53,7 @@ pub struct TpotCap<'a> {
     /// A new request is admitted only if the decode step with it stays within this.
     pub slo_s: f64,
     /// Prefill chunks are cut so the predicted step stays within this
-    /// ([`super::mlq_tpot::step_budget_s`]: the running requests' slack, at least `slo_s`).
+    /// ([`super::tpot::step_budget_s`]: the running requests' slack, at least `slo_s`).
     pub step_budget_s: f64,
     pub rank: &'a dyn Fn(&SeqState) -> Option<usize>,
 }
@@ -64,7 +65,7 @@ pub struct MlqInputs<'a> {
     /// KV blocks all reservations may total (the cache less what adapters hold).
     pub kv_capacity: usize,
     pub now_s: f64,
-    /// The cold-start gate, as for [`super::plan_step_gated`].
+    /// The cold-start gate, as for [`crate::scheduler::plan_step_gated`].
     pub gate: &'a dyn Fn(&SeqState, usize) -> Gate,
     /// `Some(predicted seconds until it can be placed)` for a request that cannot be placed
     /// now and blocks its queue (the memory layer's head waiting for memory).

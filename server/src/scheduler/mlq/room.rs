@@ -3,10 +3,10 @@
 use thaw_runtime::engine::PlanItem;
 use thaw_runtime::ids::SeqId;
 
-use super::mlq::MlqInputs;
-use super::policy::Gate;
-use super::state::{SchedConfig, SeqState};
+use super::plan::MlqInputs;
 use crate::perf::StepShape;
+use crate::scheduler::policy::Gate;
+use crate::scheduler::state::{SchedConfig, SeqState};
 
 /// Why a waiting request was not admitted.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -65,8 +65,9 @@ impl Room<'_> {
         if self.budget == 0 || self.seqs >= self.cfg.max_num_seqs {
             return Err(Refusal::Full);
         }
+        // On demand: its first chunk's blocks and the watermark (see `plan_step`).
         let r = s.reservation(self.cfg);
-        if self.reserved + r > self.kv_capacity {
+        if self.reserved + r + self.cfg.watermark() > self.kv_capacity {
             return Err(Refusal::Blocked);
         }
         if let Some(t) = &inp.tpot {
@@ -83,10 +84,12 @@ impl Room<'_> {
             Gate::Cap(c) => n = n.min(c),
         }
         n = self.tpot_rows(inp, s, n);
-        if s.blocks_needed(self.cfg, n) > self.free {
+        if self.cfg.blocks_for(s.computed + n) + self.cfg.watermark() > self.free {
             return Err(Refusal::Blocked);
         }
         self.reserved += r;
+        // Its shared prefix counts too: taking a cached block takes it out of the free pool.
+        self.free -= self.cfg.blocks_for(s.computed);
         self.seqs += 1;
         let rank = self.rank(inp, s);
         self.decode.add(1, true, rank);
