@@ -29,7 +29,7 @@ use crate::memory::{
     admit, Board, Device, Limits, MemoryConfig, MemoryManager, Notice, NoticeSink,
 };
 use crate::metrics::Metrics;
-use crate::perf::{StepShape, Tier};
+use crate::perf::{Cause, StepShape, Stopwatch, Tier};
 use crate::registry::AdapterLease;
 use crate::scheduler::{
     Arrival, Gate, MemoryWait, MlqConfig, SchedConfig, SchedState, Scheduler, SchedulingPolicy,
@@ -98,6 +98,11 @@ pub struct LoopStats {
     pub landing: std::sync::Mutex<HashMap<AdapterId, (usize, usize)>>,
     /// Adapters of the running and the waiting requests (`vllm:lora_requests_info`).
     pub lora: crate::metrics_protocol::LoraActivity,
+    /// The one dtype the backend computes adapters from (set at start when it reads only
+    /// one): adapter reads convert to it on their own threads.
+    pub lora_dtype: std::sync::OnceLock<thaw_runtime::adapter::WeightDtype>,
+    /// The engine thread's time by cause (`thaw_engine_time_seconds_total`).
+    pub time: crate::perf::EngineTime,
     /// The performance model's fitted parameters as of the last step (`--dump-cost-model`).
     pub cost: std::sync::Mutex<Option<crate::perf::PerfSnapshot>>,
 }
@@ -220,9 +225,18 @@ pub fn start(
             Ok((engine, cfg)) => {
                 let (fetch_tx, fetch_rx) = cb::unbounded();
                 let threads = crate::memory::loader::default_threads();
-                let loader = Loader::start(engine.model_config().clone(), threads, move |id, r| {
-                    let _ = fetch_tx.send((id, r));
-                });
+                let dtype = engine.backend().lora_dtype();
+                if let Some(d) = dtype {
+                    let _ = st.lora_dtype.set(d);
+                }
+                let loader = Loader::start(
+                    engine.model_config().clone(),
+                    threads,
+                    dtype,
+                    move |id, r| {
+                        let _ = fetch_tx.send((id, r));
+                    },
+                );
                 let loader = match loader {
                     Ok(l) => l,
                     Err(e) => {
@@ -295,6 +309,8 @@ struct Loop {
     /// When the last timed step ended, idle or not (None before the first): the time since
     /// it tells the cost model whether the next step is one after idle.
     prev_step_end: Option<Instant>,
+    /// Charges the engine thread's time to what it does (see [`crate::perf::enginetime`]).
+    clock: Stopwatch,
     /// When the CPU LoRA workers were last supervised ([`WORKER_CHECK`]).
     tended: Instant,
     step_log: Option<crate::perf::StepLog>,
@@ -363,6 +379,7 @@ impl Loop {
             deadline: None,
             last_step_end: None,
             prev_step_end: None,
+            clock: Stopwatch::default(),
             tended: Instant::now(),
             stepped: HashSet::new(),
         }
@@ -428,7 +445,9 @@ impl Loop {
                 } else {
                     self.engine.pool().map(|_| WORKER_CHECK)
                 };
+                self.charge(Cause::Idle);
                 let w = Self::wait(&rx, &fetched, timeout);
+                self.charge(Cause::Schedule);
                 if matches!(w, Wake::Closed) || !self.on_wake(w) {
                     break;
                 }
@@ -467,7 +486,9 @@ impl Loop {
                 // Nothing could be planned (requests wait for adapters to be read or to land):
                 // wait for a command or a read rather than spin.
                 self.last_step_end = None;
+                self.charge(Cause::Idle);
                 let w = Self::wait(&rx, &fetched, Some(Duration::from_millis(2)));
+                self.charge(Cause::Schedule);
                 if !self.on_wake(w) {
                     self.abort_all(SHUTDOWN_MSG);
                     break;
@@ -595,11 +616,23 @@ impl Loop {
     /// A disk read finished: into the host tier, or every waiting request for it fails with
     /// the reason.
     fn on_fetched(&mut self, id: AdapterId, r: FetchResult) {
+        let prev = self.charge(Cause::Adapter);
+        self.take_fetched(id, r);
+        self.charge(prev);
+    }
+
+    /// Charges the engine thread's time since the last switch, then runs `c`; returns the
+    /// cause that ran.
+    fn charge(&mut self, c: Cause) -> Cause {
+        self.clock.switch(c, &self.stats.time)
+    }
+
+    fn take_fetched(&mut self, id: AdapterId, r: FetchResult) {
         let wanted = self.state.waiting_adapters();
         match r {
             Ok((adapter, secs)) => {
                 self.metrics.adapter_load.observe(secs);
-                self.observe_disk_read(adapter.size_bytes_f32() as u64, secs);
+                self.observe_disk_read(adapter.size_bytes() as u64, secs);
                 self.mem.on_fetched(id, Some(adapter), &wanted);
             }
             Err(msg) => {
@@ -643,6 +676,7 @@ impl Loop {
 
     /// Carries out a memory plan and watches the new adapters land.
     fn apply_memory(&mut self, plan: &crate::memory::AdmitPlan, wanted: &HashSet<AdapterId>) {
+        let prev = self.charge(Cause::Adapter);
         let upload = if self.cold.policy == ColdStartPolicy::Cached {
             Upload::Whole
         } else {
@@ -665,6 +699,7 @@ impl Loop {
                 }
             }
         }
+        self.charge(prev);
     }
 
     /// Forgets a request: out of the scheduler, out of the engine (frees KV), lease dropped.
@@ -805,7 +840,9 @@ impl Loop {
                 l.planned.get_or_insert(started);
             }
         }
-        let outputs = match self.engine.step(&d.plan) {
+        self.charge(Cause::Forward);
+        let stepped = self.engine.step(&d.plan);
+        let outputs = match stepped {
             Ok(o) => o,
             Err(e) => {
                 tracing::error!("engine step failed: {e}; aborting the step's requests");
@@ -817,6 +854,7 @@ impl Loop {
                     }
                     self.forget(it.seq, "abort");
                 }
+                self.charge(Cause::Schedule);
                 return true;
             }
         };
@@ -833,6 +871,7 @@ impl Loop {
             }
         }
         let elapsed = started.elapsed();
+        self.charge(Cause::Schedule);
         self.last_step_end = Some(started + elapsed);
         self.prev_step_end = self.last_step_end;
         self.stats.steps.fetch_add(1, Ordering::Relaxed);
@@ -847,6 +886,7 @@ impl Loop {
                 elapsed.as_secs_f64(),
                 gap.map(|g| g.as_secs_f64()),
                 idle,
+                self.clock.take_step(),
             );
         }
         if assisted == 0 {
@@ -1114,7 +1154,7 @@ fn cold_gate(engine: &ServeEngine, cold: &ColdStart, s: &SeqState, planned: usiz
             };
             let left = 1.0 - landed as f64 / layers.max(1) as f64;
             let load_left = cold.cost.load_time(
-                (adapter.size_bytes_f32() as f64 * left) as u64,
+                (adapter.size_bytes() as f64 * left) as u64,
                 engine.backend().link_backlog(),
             );
             let pending = s.pending();

@@ -275,7 +275,7 @@ fn landed_adapters_release_their_host_store_slots() {
         .map(|i| greedy(&mut oracle, i as u64, AdapterId(i as u32), &prompt))
         .collect();
     // Each adapter takes about 200 ms on the link, so the first step finds it streaming.
-    let bytes = adapters[0].size_bytes_f32() as f64;
+    let bytes = adapters[0].size_bytes() as f64;
     let link = LinkModel {
         gbps: bytes / 0.2 / 1e9,
         latency_us: 50.0,

@@ -756,7 +756,7 @@ impl<B: Backend> Engine<B> {
     }
 }
 
-/// Copies an adapter's factors into the shared host store (f32, the host copy's dtype).
+/// Copies an adapter's factors into the shared host store, in their stored dtype.
 fn host_store_insert(
     pool: &mut LoraPool,
     id: AdapterId,
@@ -770,9 +770,9 @@ fn host_store_insert(
             module: thaw_ipc::Module::ALL[m.index()],
             rank: w.rank as u32,
             scale: w.scale,
-            dtype: thaw_ipc::DType::F32,
-            a_bytes: bytemuck::cast_slice(&w.a),
-            b_bytes: bytemuck::cast_slice(&w.b),
+            dtype: ipc_dtype(w.a.dtype()),
+            a_bytes: w.a.bytes(),
+            b_bytes: w.b.bytes(),
         })
         .collect();
     pool.store_mut()
@@ -782,4 +782,13 @@ fn host_store_insert(
             &parts,
         )
         .map_err(|e| RuntimeError::Backend(format!("host adapter store: {e}")))
+}
+
+/// The host store's code for a stored dtype.
+fn ipc_dtype(d: crate::adapter::WeightDtype) -> thaw_ipc::DType {
+    match d {
+        crate::adapter::WeightDtype::F32 => thaw_ipc::DType::F32,
+        crate::adapter::WeightDtype::F16 => thaw_ipc::DType::F16,
+        crate::adapter::WeightDtype::Bf16 => thaw_ipc::DType::BF16,
+    }
 }

@@ -411,8 +411,8 @@ fn build_plan(
                         let (landed, layers) = engine.adapter_landed(id).unwrap_or((0, 1));
                         let left = 1.0 - landed as f64 / layers.max(1) as f64;
                         let backlog = engine.backend().link_backlog();
-                        let load_left = cost
-                            .load_time((adapter.size_bytes_f32() as f64 * left) as u64, backlog);
+                        let load_left =
+                            cost.load_time((adapter.size_bytes() as f64 * left) as u64, backlog);
                         match cost.decide(adapter, pending, cap, decode_tokens, load_left) {
                             ColdDecision::Wait => continue,
                             ColdDecision::Assist { max_chunk } => {
