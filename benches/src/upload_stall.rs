@@ -3,7 +3,8 @@
 //! A batch of decoding requests runs step after step on the CPU backend (emulated link). In
 //! *quiet* rounds nothing else happens; in *loading* rounds a distinct cold adapter is
 //! registered every `--every` steps, from the host tier (already in memory) or from disk (a
-//! loader thread reads it, as the server's does). The engine thread's time is charged by
+//! loader thread reads it, as the server's does). A step counts as "loading" when an adapter
+//! is being read or is still landing as it starts, "quiet" otherwise. The engine thread's time is charged by
 //! cause with the server's own stopwatch ([`thaw_server::perf::Stopwatch`]): "adapter" is
 //! what registering costs the engine thread, which with the upload pipeline is O(layers),
 //! not O(bytes). Rounds alternate (quiet, loading, quiet, …) so drift hits both alike.
@@ -95,11 +96,12 @@ impl Source {
     }
 }
 
-/// Step times and adapter work of one kind of round.
+/// Step times of the steps that ran while adapters loaded (or not), and the adapter work.
 #[derive(Default, Debug, Clone)]
 struct Phase {
     step_s: Vec<f64>,
     adapter_s: f64,
+    adapter_cpu_s: f64,
     loads: usize,
 }
 
@@ -125,10 +127,14 @@ pub struct StallRow {
     pub loads: usize,
     pub adapter_us_per_load: f64,
     pub adapter_us_per_layer: f64,
+    /// The engine thread's CPU time in adapter work, per load.
+    pub adapter_cpu_us_per_load: f64,
     pub quiet_tpot_ms: f64,
     pub loading_tpot_ms: f64,
     pub quiet_p50_ms: f64,
     pub loading_p50_ms: f64,
+    /// Steps that ran quiet, and while adapters loaded.
+    pub steps: (usize, usize),
 }
 
 impl StallRow {
@@ -242,6 +248,7 @@ fn run_source(
     let loader = {
         let (dirs, config) = (dirs.to_vec(), model.config.clone());
         std::thread::spawn(move || {
+            thaw_runtime::upload::lower_current_thread_priority();
             for i in job_rx {
                 if let Ok(a) = LoraAdapter::load(&dirs[i], &config) {
                     let _ = tx.send((i, Arc::new(a)));
@@ -249,24 +256,24 @@ fn run_source(
             }
         })
     };
-    let totals = EngineTime::default();
-    let mut clock = Stopwatch::new(Instant::now());
+    let mut clock = Clock::new();
     let (mut quiet, mut loading) = (Phase::default(), Phase::default());
     let mut next = 0usize;
     let mut ids = 1000u32..;
     let mut live: Vec<AdapterId> = Vec::new();
+    let mut pending = 0usize;
     let mut staging: Vec<u8> = Vec::new();
     for round in 0..2 * args.rounds {
         let is_loading = round % 2 == 1;
         for s in 0..args.steps {
-            let before = totals.seconds(Cause::Adapter);
             if is_loading && s % args.every == 0 {
                 match source {
                     Source::Disk => {
                         job_tx.send(next % dirs.len())?;
+                        pending += 1;
                     }
                     Source::Host | Source::PackOnEngine => {
-                        clock.switch(Cause::Adapter, &totals);
+                        clock.switch(Cause::Adapter);
                         let a = host[next % host.len()].clone();
                         if source == Source::PackOnEngine {
                             pack(&a, &mut staging);
@@ -274,22 +281,23 @@ fn run_source(
                         let id = AdapterId(ids.next().expect("unbounded"));
                         e.register_adapter_streaming(id, a)?;
                         live.push(id);
-                        clock.switch(Cause::Schedule, &totals);
+                        clock.switch(Cause::Schedule);
                     }
                 }
                 next += 1;
                 loading.loads += 1;
             }
             while let Ok((_, a)) = rx.try_recv() {
-                clock.switch(Cause::Adapter, &totals);
+                pending -= 1;
+                clock.switch(Cause::Adapter);
                 let id = AdapterId(ids.next().expect("unbounded"));
                 e.register_adapter_streaming(id, a)?;
                 live.push(id);
-                clock.switch(Cause::Schedule, &totals);
+                clock.switch(Cause::Schedule);
             }
             // Adapters fully landed leave again (the cache would evict them later): keeps
             // memory flat over a long run. Evicting is adapter work too.
-            clock.switch(Cause::Adapter, &totals);
+            clock.switch(Cause::Adapter);
             live.retain(|&id| {
                 let landed = e.adapter_landed(id).is_none_or(|(l, n)| l == n);
                 if landed {
@@ -297,20 +305,61 @@ fn run_source(
                 }
                 !landed
             });
-            clock.switch(Cause::Forward, &totals);
+            // A step runs "while adapters load" if one is being read or is still landing.
+            let busy = pending > 0 || !live.is_empty();
+            clock.switch(Cause::Forward);
             let t = Instant::now();
             e.step(&plan)?;
             let dt = t.elapsed().as_secs_f64();
-            clock.switch(Cause::Schedule, &totals);
-            let phase = if is_loading { &mut loading } else { &mut quiet };
+            clock.switch(Cause::Schedule);
+            let phase = if busy { &mut loading } else { &mut quiet };
             phase.step_s.push(dt);
-            phase.adapter_s += totals.seconds(Cause::Adapter) - before;
         }
+    }
+    // Reads still in flight: registered now (a quick run can outpace the disk).
+    while pending > 0 {
+        let (_, a) = rx.recv()?;
+        pending -= 1;
+        clock.switch(Cause::Adapter);
+        e.register_adapter_streaming(AdapterId(ids.next().expect("unbounded")), a)?;
+        clock.switch(Cause::Schedule);
     }
     drop(job_tx);
     let _ = loader.join();
-    // Disk loads may land after their round: their registration is still charged to loading.
+    // Every registration and eviction is charged to the loads that caused it.
+    clock.switch(Cause::Schedule);
+    loading.adapter_s = clock.totals.seconds(Cause::Adapter);
+    loading.adapter_cpu_s = clock.adapter_cpu.as_secs_f64();
     Ok((quiet, loading))
+}
+
+/// The server's stopwatch, plus the engine thread's CPU time in adapter work: wall time also
+/// counts the engine thread being preempted (a 2-core machine shares its cores with the
+/// pipeline's threads), CPU time only what the engine thread itself did.
+struct Clock {
+    totals: EngineTime,
+    watch: Stopwatch,
+    adapter_cpu: std::time::Duration,
+    mark: std::time::Duration,
+}
+
+impl Clock {
+    fn new() -> Self {
+        Self {
+            totals: EngineTime::default(),
+            watch: Stopwatch::new(Instant::now()),
+            adapter_cpu: std::time::Duration::ZERO,
+            mark: thaw_ipc::thread_cpu_time(),
+        }
+    }
+
+    fn switch(&mut self, to: Cause) {
+        let now = thaw_ipc::thread_cpu_time();
+        if self.watch.switch(to, &self.totals) == Cause::Adapter {
+            self.adapter_cpu += now.saturating_sub(self.mark);
+        }
+        self.mark = now;
+    }
 }
 
 /// The old CUDA path's host work, on the engine thread: every byte into a staging buffer.
@@ -343,7 +392,7 @@ pub fn run(args: &UploadStallArgs) -> anyhow::Result<(Vec<StallRow>, String)> {
     };
     std::fs::create_dir_all(&root)?;
     let loads = args.rounds * args.steps.div_ceil(args.every.max(1));
-    let count = loads.clamp(1, 32);
+    let count = loads.clamp(1, 16);
     let mut rows = Vec::new();
     for &rank in &args.ranks {
         let (model, dirs) = prepare(&args, &root, rank, count)?;
@@ -367,10 +416,12 @@ pub fn run(args: &UploadStallArgs) -> anyhow::Result<(Vec<StallRow>, String)> {
                 loads: loading.loads,
                 adapter_us_per_load: per_load * 1e6,
                 adapter_us_per_layer: per_load * 1e6 / layers as f64,
+                adapter_cpu_us_per_load: loading.adapter_cpu_s / loading.loads.max(1) as f64 * 1e6,
                 quiet_tpot_ms: quiet.mean() * 1e3,
                 loading_tpot_ms: loading.mean() * 1e3,
                 quiet_p50_ms: quiet.p50() * 1e3,
                 loading_p50_ms: loading.p50() * 1e3,
+                steps: (quiet.step_s.len(), loading.step_s.len()),
             });
         }
     }
@@ -384,19 +435,23 @@ pub fn run(args: &UploadStallArgs) -> anyhow::Result<(Vec<StallRow>, String)> {
     )?;
     writeln!(
         out,
-        "| rank | adapters from | MB each | loads | adapter work / load µs | / layer µs | TPOT quiet ms (p50) | TPOT loading ms (p50) | TPOT change |"
+        "| rank | adapters from | MB each | layers | loads | adapter work / load µs (CPU µs) | / layer µs | steps quiet / loading | TPOT quiet ms (p50) | TPOT loading ms (p50) | TPOT change |"
     )?;
-    writeln!(out, "|---|---|---|---|---|---|---|---|---|")?;
+    writeln!(out, "|---|---|---|---|---|---|---|---|---|---|---|")?;
     for r in &rows {
         writeln!(
             out,
-            "| {} | {} | {:.1} | {} | {:.0} | {:.1} | {:.3} ({:.3}) | {:.3} ({:.3}) | {:+.1}% |",
+            "| {} | {} | {:.1} | {} | {} | {:.0} ({:.0}) | {:.1} | {} / {} | {:.3} ({:.3}) | {:.3} ({:.3}) | {:+.1}% |",
             r.rank,
             r.source,
             r.adapter_mb,
+            r.layers,
             r.loads,
             r.adapter_us_per_load,
+            r.adapter_cpu_us_per_load,
             r.adapter_us_per_layer,
+            r.steps.0,
+            r.steps.1,
             r.quiet_tpot_ms,
             r.quiet_p50_ms,
             r.loading_tpot_ms,
@@ -433,10 +488,9 @@ mod tests {
         let (rows, text) = run(&cli.args).unwrap();
         assert_eq!(rows.len(), 3);
         for r in &rows {
-            assert!(
-                r.loads > 0 && r.quiet_tpot_ms > 0.0 && r.loading_tpot_ms > 0.0,
-                "{r:?}"
-            );
+            assert!(r.loads > 0 && r.steps.0 > 0 && r.steps.1 > 0, "{r:?}");
+            assert!(r.quiet_tpot_ms > 0.0 && r.loading_tpot_ms > 0.0, "{r:?}");
+            assert!(r.adapter_us_per_load > 0.0, "{r:?}");
             assert!(r.adapter_mb > 0.0);
         }
         assert!(text.contains("| 16 | disk |"), "{text}");

@@ -225,7 +225,7 @@ pub fn start(
             Ok((engine, cfg)) => {
                 let (fetch_tx, fetch_rx) = cb::unbounded();
                 let threads = crate::memory::loader::default_threads();
-                let dtype = engine.backend().lora_dtype();
+                let dtype = thaw_runtime::backend::Backend::lora_dtype(engine.backend());
                 if let Some(d) = dtype {
                     let _ = st.lora_dtype.set(d);
                 }

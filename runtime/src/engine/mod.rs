@@ -422,10 +422,15 @@ impl<B: Backend> Engine<B> {
             return Err(RuntimeError::AdapterInUse(id, users));
         }
         self.drop_from_store(id);
-        self.adapters
+        let a = self
+            .adapters
             .remove(&id)
-            .map(|_| ())
-            .ok_or(RuntimeError::UnknownAdapter(id))
+            .ok_or(RuntimeError::UnknownAdapter(id))?;
+        // The device copy first, then the host copy on the reaper thread: if this held the last
+        // reference, freeing tens of megabytes is not the engine thread's work.
+        drop(a.dev);
+        crate::upload::drop_later(a.host);
+        Ok(())
     }
 
     pub fn has_adapter(&self, id: AdapterId) -> bool {

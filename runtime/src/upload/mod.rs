@@ -12,13 +12,16 @@
 //! | `layout.rs` | an adapter's device image: factor offsets, layer ranges |
 //! | `device.rs` | what a backend supplies, and the CPU backend's emulated link |
 //! | `pipeline.rs` | the loader and copy threads |
+//! | `background.rs` | lower priority for host threads; dropping large host copies off the engine thread |
 mod arena;
+mod background;
 mod device;
 mod layout;
 mod pipeline;
 mod plan;
 
 pub use arena::{ArenaAlloc, ARENA_ALIGN};
+pub use background::{drop_later, lower_current_thread_priority, BACKGROUND_NICE};
 pub use device::{CopyDevice, EmulatedLink, PinnedMemory};
 pub use layout::{ImageLayout, Placed};
 pub use pipeline::{Landing, Upload, UploadPipeline, UploadStats};

@@ -117,6 +117,8 @@ impl<D: CopyDevice> UploadPipeline<D> {
             let s = shared.clone();
             std::thread::Builder::new().name(name).spawn(move || {
                 thaw_cpu_lora::float_current_thread();
+                // Host work that yields to the engine thread on a machine short of cores.
+                super::lower_current_thread_priority();
                 f(&s)
             })
         };

@@ -66,6 +66,7 @@ impl Loader {
             let spawned = std::thread::Builder::new()
                 .name(format!("thaw-loader-{i}"))
                 .spawn(move || {
+                    thaw_runtime::upload::lower_current_thread_priority();
                     for job in rx {
                         done(job.id, read(&job, &model, dtype));
                     }
