@@ -38,7 +38,10 @@ fn format(d: WeightDtype) -> FloatFormat {
 impl LoraTensor {
     /// Stored bytes of `dtype`; `None` if their length is not a whole number of elements.
     pub fn from_le_bytes(dtype: WeightDtype, bytes: Vec<u8>) -> Option<Self> {
-        (bytes.len() % dtype.size() == 0).then_some(Self { dtype, bytes })
+        bytes
+            .len()
+            .is_multiple_of(dtype.size())
+            .then_some(Self { dtype, bytes })
     }
 
     /// f32 values, stored as f32.

@@ -248,7 +248,13 @@ fn a_prefetch_yields_and_an_eviction_waits_for_the_copy() {
     assert_eq!((c.job, c.layer), (1, 0));
     assert_eq!(p.next_copy(), None, "one layer on the link");
     assert_eq!(p.demand_backlog(), 100);
-    p.submit(2, vec![0..50], 50, LoadPriority::Demand).unwrap();
+    p.submit(
+        2,
+        std::iter::once(0..50).collect(),
+        50,
+        LoadPriority::Demand,
+    )
+    .unwrap();
     // The demand load is encoded first, into its own space.
     let e2 = p.next_encode().unwrap();
     assert_eq!((e2.job, e2.arena.start), (2, 256));
@@ -256,7 +262,7 @@ fn a_prefetch_yields_and_an_eviction_waits_for_the_copy() {
     let e1 = p.next_encode().unwrap();
     assert_eq!((e1.job, e1.layer), (1, 1));
     p.encoded(1, 1);
-    assert_eq!(p.landed(1, 0).done, false);
+    assert!(!p.landed(1, 0).done);
     let c = p.next_copy().unwrap();
     assert_eq!(c.job, 2, "the demand load goes at the layer boundary");
     assert_eq!(
@@ -279,7 +285,12 @@ fn a_prefetch_yields_and_an_eviction_waits_for_the_copy() {
     );
     assert!(p.is_idle());
     assert_eq!(
-        p.submit(3, vec![0..5000], 5000, LoadPriority::Demand),
+        p.submit(
+            3,
+            std::iter::once(0..5000).collect(),
+            5000,
+            LoadPriority::Demand
+        ),
         Err(PlanError::TooLarge {
             bytes: 5000,
             capacity: 4096

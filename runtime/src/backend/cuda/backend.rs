@@ -12,7 +12,6 @@ use cudarc::driver::{CudaSlice, CudaStream};
 use thaw_kernels::cpu::{KvLayout, RopeTable};
 
 use super::encode::encode;
-use super::launch::copy_htod_async;
 use super::launch::{AttnShape, Gpu};
 use super::step::{AttnMeta, DevVec, LoraMeta};
 use super::upload::{CudaCopy, LayerLanding};
