@@ -210,7 +210,9 @@ impl<D: CopyDevice> Drop for UploadPipeline<D> {
 }
 
 /// Evicts uploads whose adapter the engine dropped (the pipeline holds the last reference);
-/// forgets those the plan is done with.
+/// forgets those the plan is done with, dropping them on the reaper thread: one may hold the
+/// last reference to a large host copy, and freeing it under the lock would stall the engine
+/// thread's next submit.
 fn reap<D: CopyDevice>(g: &mut State<D>) {
     let gone: Vec<JobId> = g
         .jobs
@@ -221,8 +223,16 @@ fn reap<D: CopyDevice>(g: &mut State<D>) {
     for id in gone {
         g.plan.evict(id);
     }
-    let State { plan, jobs, .. } = g;
-    jobs.retain(|id, _| plan.known(*id));
+    let done: Vec<JobId> = g
+        .jobs
+        .keys()
+        .copied()
+        .filter(|id| !g.plan.known(*id))
+        .collect();
+    if !done.is_empty() {
+        let gone: Vec<Upload<D>> = done.iter().filter_map(|id| g.jobs.remove(id)).collect();
+        super::drop_later(gone);
+    }
 }
 
 fn encode_loop<D: CopyDevice>(sh: &Shared<D>) {
