@@ -36,7 +36,11 @@ async fn a_bf16_adapter_is_served_and_reported_at_its_stored_size() {
     assert_eq!(2 * bf16_file, f32_file);
     let config = ModelConfig::from_dir(&fx.model_dir()).unwrap();
     let host = LoraAdapter::load(&written[0], &config).unwrap();
-    assert_eq!(host.size_bytes(), bf16_file, "the host copy is not the file's bytes");
+    assert_eq!(
+        host.size_bytes(),
+        bf16_file,
+        "the host copy is not the file's bytes"
+    );
 
     let server = Server::start(fx.config()).await.unwrap();
     let app = server.router();

@@ -39,15 +39,20 @@ impl PinnedMemory {
         }
     }
 
-    /// Anonymous memory mapped for `len` bytes: pages are committed as they are written, so a
-    /// large arena costs what its adapters fill. The CPU backend's arena; CUDA registers one.
+    /// Anonymous memory mapped for `len` bytes, reserving no swap: pages are committed as they
+    /// are written, so a large arena (a generous `--max-cpu-lora-bytes`) costs what its
+    /// adapters fill. The CPU backend's arena.
     pub fn anonymous(len: usize) -> Result<Self> {
-        let mut map = memmap2::MmapMut::map_anon(len.max(1)).map_err(|e| {
-            RuntimeError::Backend(format!(
-                "allocating the {len}-byte host upload arena failed ({e}); lower \
+        let mut map = memmap2::MmapOptions::new()
+            .len(len.max(1))
+            .no_reserve_swap()
+            .map_anon()
+            .map_err(|e| {
+                RuntimeError::Backend(format!(
+                    "allocating the {len}-byte host upload arena failed ({e}); lower \
                  --max-cpu-lora-bytes"
-            ))
-        })?;
+                ))
+            })?;
         let ptr = NonNull::new(map.as_mut_ptr()).expect("mmap returns a non-null address");
         // SAFETY: the mapping is `len` writable bytes that live as long as the owner (moving
         // an MmapMut does not move its pages), and only the pipeline touches it.
