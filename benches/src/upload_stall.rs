@@ -67,6 +67,10 @@ pub struct UploadStallArgs {
     /// Also run the old path: the engine thread copies every byte before queueing.
     #[arg(long)]
     pub pack_on_engine: bool,
+    /// Also run with a CPU LoRA worker attached (what `cpu-assist` and `auto` run with):
+    /// registering a streaming adapter then also copies it into the workers' host store.
+    #[arg(long)]
+    pub with_workers: bool,
     /// Where to generate the model and adapters (reused when present).
     #[arg(long)]
     pub workdir: Option<PathBuf>,
@@ -84,6 +88,8 @@ enum Source {
     Disk,
     /// Host tier, the engine thread copying every byte first (the old CUDA path).
     PackOnEngine,
+    /// Host tier, with a CPU LoRA worker pool attached (its host store takes a copy).
+    Workers,
 }
 
 impl Source {
@@ -92,6 +98,7 @@ impl Source {
             Source::Host => "host tier",
             Source::Disk => "disk",
             Source::PackOnEngine => "host, pack on engine thread",
+            Source::Workers => "host, CPU workers attached",
         }
     }
 }
@@ -219,6 +226,9 @@ fn run_source(
         ..Default::default()
     };
     let mut e = Engine::new(backend, model.clone(), cfg)?;
+    if source == Source::Workers {
+        e.attach_pool(worker_pool(model, host)?)?;
+    }
     let total_steps = 2 * args.rounds * args.steps + 1;
     let mut plan = StepPlan::default();
     for i in 0..args.running {
@@ -272,7 +282,7 @@ fn run_source(
                         job_tx.send(next % dirs.len())?;
                         pending += 1;
                     }
-                    Source::Host | Source::PackOnEngine => {
+                    Source::Host | Source::PackOnEngine | Source::Workers => {
                         clock.switch(Cause::Adapter);
                         let a = host[next % host.len()].clone();
                         if source == Source::PackOnEngine {
@@ -326,6 +336,9 @@ fn run_source(
     }
     drop(job_tx);
     let _ = loader.join();
+    if let Some(mut pool) = e.detach_pool() {
+        pool.shutdown();
+    }
     // Every registration and eviction is charged to the loads that caused it.
     clock.switch(Cause::Schedule);
     loading.adapter_s = clock.totals.seconds(Cause::Adapter);
@@ -360,6 +373,34 @@ impl Clock {
         }
         self.mark = now;
     }
+}
+
+/// One CPU LoRA worker (this executable's `lora-worker`) over a host store with room for a
+/// few adapters, as `thaw serve` starts for `cpu-assist`.
+fn worker_pool(
+    model: &HostModel,
+    host: &[Arc<LoraAdapter>],
+) -> anyhow::Result<thaw_cpu_lora::LoraPool> {
+    let per = host.iter().map(|a| a.size_bytes()).max().unwrap_or(0) as u64;
+    let store = thaw_ipc::HostStore::create(8 * per + (64 << 20), 64)?;
+    let c = &model.config;
+    let widest = c.hidden_size.max(c.intermediate_size).max(c.q_dim()) as u32;
+    Ok(thaw_cpu_lora::LoraPool::new(
+        thaw_cpu_lora::PoolConfig {
+            cores: Some(vec![1]),
+            pin: false,
+            program: Some(std::env::current_exe()?),
+            leading_args: vec!["lora-worker".into()],
+            exchange: thaw_ipc::ExchangeConfig {
+                max_rows: 512,
+                max_d_in: widest,
+                max_d_out: widest,
+                ..Default::default()
+            },
+            ..Default::default()
+        },
+        store,
+    )?)
 }
 
 /// The old CUDA path's host work, on the engine thread: every byte into a staging buffer.
@@ -403,6 +444,9 @@ pub fn run(args: &UploadStallArgs) -> anyhow::Result<(Vec<StallRow>, String)> {
         let mut sources = vec![Source::Host, Source::Disk];
         if args.pack_on_engine {
             sources.push(Source::PackOnEngine);
+        }
+        if args.with_workers {
+            sources.push(Source::Workers);
         }
         for source in sources {
             let (quiet, loading) = run_source(&args, &model, &dirs, &host, source)?;
