@@ -232,6 +232,35 @@ impl CpuBackend {
     }
 }
 
+/// `y[rows] += scale · x[rows] · Aᵀ · Bᵀ` for one adapter's factors, read in their stored
+/// dtype, accumulated in f32.
+fn add_delta(
+    s: &mut Scratch,
+    x: &[f32],
+    y: &mut [f32],
+    dims: LinearDims,
+    rows: Range<usize>,
+    w: &crate::adapter::LoraWeights,
+) {
+    let p = LoraProblem {
+        rows: rows.len(),
+        d_in: dims.d_in,
+        d_out: dims.d_out,
+        rank: w.rank,
+        scale: w.scale,
+    };
+    lora_delta(
+        &p,
+        &x[rows.start * dims.d_in..rows.end * dims.d_in],
+        w.a.mat(),
+        w.b.mat(),
+        &mut y[rows.start * dims.d_out..rows.end * dims.d_out],
+        true,
+        s,
+    )
+    .expect("LoRA shapes were validated when the adapter was loaded");
+}
+
 /// Calls `each(i, off, a, b)` for every weight `i` of a group (output widths `d_outs`,
 /// concatenated; weight `i` starts at `off`) whose columns meet `cols`, with `a..b` the
 /// overlap in concatenated columns.
@@ -473,23 +502,7 @@ impl Backend for CpuBackend {
                     let Some(w) = batch.adapters[*idx as usize].get(at.0 .0, at.1) else {
                         continue;
                     };
-                    let p = LoraProblem {
-                        rows: range.len(),
-                        d_in: dims.d_in,
-                        d_out: dims.d_out,
-                        rank: w.rank,
-                        scale: w.scale,
-                    };
-                    lora_delta(
-                        &p,
-                        &x[range.start * dims.d_in..range.end * dims.d_in],
-                        w.a.mat(),
-                        w.b.mat(),
-                        &mut y[range.start * dims.d_out..range.end * dims.d_out],
-                        true,
-                        &mut self.fused,
-                    )
-                    .expect("LoRA shapes were validated when the adapter was loaded");
+                    add_delta(&mut self.fused, x, y, dims, range.clone(), w);
                 }
             }
             LoraKernel::Bgmv => {
@@ -509,23 +522,7 @@ impl Backend for CpuBackend {
                     let Some(w) = batch.adapters[i as usize].get(at.0 .0, at.1) else {
                         continue;
                     };
-                    let p = LoraProblem {
-                        rows: run.len(),
-                        d_in: dims.d_in,
-                        d_out: dims.d_out,
-                        rank: w.rank,
-                        scale: w.scale,
-                    };
-                    lora_delta(
-                        &p,
-                        &x[run.start * dims.d_in..run.end * dims.d_in],
-                        w.a.mat(),
-                        w.b.mat(),
-                        &mut y[run.start * dims.d_out..run.end * dims.d_out],
-                        true,
-                        &mut self.fused,
-                    )
-                    .expect("LoRA shapes were validated when the adapter was loaded");
+                    add_delta(&mut self.fused, x, y, dims, run, w);
                 }
             }
         }
