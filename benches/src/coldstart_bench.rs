@@ -510,8 +510,7 @@ pub fn run(args: &ColdStartArgs) -> anyhow::Result<Vec<Experiment>> {
     let b = prepare(&args, &root, args.requests)?;
     let (prefill_s, per_token_s) = measure_prefill_s(&b, &args, args.prompt_median)?;
     let adapter_bytes =
-        thaw_runtime::adapter::LoraAdapter::load(&b.adapter_dirs[0], &b.model.config)?
-            .size_bytes_f32();
+        thaw_runtime::adapter::LoraAdapter::load(&b.adapter_dirs[0], &b.model.config)?.size_bytes();
     let gbps = adapter_bytes as f64 / prefill_s / 1e9;
     let link = LinkModel {
         gbps,

@@ -13,6 +13,7 @@ mod simulate;
 mod soak;
 mod soak_verdict;
 mod trace;
+mod upload_stall;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -38,6 +39,9 @@ enum Cmd {
     /// The four --cold-start policies on the engine (CPU backend, emulated link): TTFT/TPOT/E2E
     /// with overheads relative to `cached`.
     ColdStartEngine(coldstart_bench::ColdStartArgs),
+    /// TPOT of running requests while distinct cold adapters load (host tier and disk), and
+    /// the engine thread's adapter work per load and per layer (CPU backend, emulated link).
+    UploadStall(upload_stall::UploadStallArgs),
     /// Open-loop load against an OpenAI-compatible server: Poisson / gamma / trace arrivals,
     /// adapter popularity, TTFT / TPOT / E2E at the client; table, JSON and CDF plots.
     Load(load::LoadArgs),
@@ -107,6 +111,7 @@ fn main() -> anyhow::Result<()> {
             let ex = coldstart_bench::run(&args)?;
             println!("{}", coldstart_bench::table(&ex));
         }
+        Cmd::UploadStall(args) => print!("{}", upload_stall::run(&args)?.1),
         Cmd::Load(args) => print!("{}", load::run_load(&args)?),
         Cmd::ColdStart(args) => print!("{}", load::run_cold_start(&args)?),
         Cmd::Simulate(args) => print!("{}", simulate::run(&args)?.1),

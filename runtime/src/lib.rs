@@ -12,5 +12,6 @@ pub mod kv;
 pub mod model;
 pub mod residency;
 pub mod sampling;
+pub mod upload;
 
 pub use error::{Result, RuntimeError};

@@ -8,7 +8,7 @@
 //! carries that out, plans the step's tokens ([`crate::scheduler::plan_step_admitting`]), runs
 //! it and sends tokens.
 use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -29,7 +29,7 @@ use crate::memory::{
     admit, Board, Device, Limits, MemoryConfig, MemoryManager, Notice, NoticeSink,
 };
 use crate::metrics::Metrics;
-use crate::perf::{StepShape, Tier};
+use crate::perf::{Cause, StepShape, Stopwatch, Tier};
 use crate::registry::AdapterLease;
 use crate::scheduler::{
     Arrival, MemoryWait, MlqConfig, SchedConfig, SchedState, Scheduler, SchedulingPolicy, SeqState,
@@ -87,43 +87,7 @@ enum Command {
     Shutdown,
 }
 
-/// Numbers the loop publishes for /metrics and tests.
-#[derive(Debug, Default)]
-pub struct LoopStats {
-    /// Requests submitted and not yet admitted (the queue `--max-queued-requests` bounds).
-    pub waiting: AtomicUsize,
-    pub running: AtomicUsize,
-    pub kv_used_blocks: AtomicUsize,
-    pub kv_total_blocks: AtomicUsize,
-    /// `vllm:num_preemptions_total`.
-    pub preemptions: AtomicU64,
-    /// `vllm:prefix_cache_queries_total` and `vllm:prefix_cache_hits_total` (tokens).
-    pub prefix_queries: AtomicU64,
-    pub prefix_hits: AtomicU64,
-    pub steps: AtomicU64,
-    /// Nanoseconds the engine thread slept to pad steps to `--emulated-step-time`.
-    pub emulated_pad_ns: AtomicU64,
-    pub alive: AtomicBool,
-    /// Row·modules whose LoRA delta CPU assist computed.
-    pub cpu_assisted_rows: AtomicU64,
-    /// Per adapter still streaming: (landed layers, layers). Resident adapters are absent.
-    pub landing: std::sync::Mutex<HashMap<AdapterId, (usize, usize)>>,
-    /// Adapters of the running and the waiting requests (`vllm:lora_requests_info`).
-    pub lora: crate::metrics_protocol::LoraActivity,
-    /// The performance model's fitted parameters as of the last step (`--dump-cost-model`).
-    pub cost: std::sync::Mutex<Option<crate::perf::PerfSnapshot>>,
-}
-
-impl LoopStats {
-    /// Landed layers of a registered adapter, if it is still streaming.
-    pub fn landing(&self, id: AdapterId) -> Option<(usize, usize)> {
-        self.landing
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(&id)
-            .copied()
-    }
-}
+pub use crate::engine_stats::LoopStats;
 
 /// How the engine thread treats adapters that are not on the device.
 #[derive(Clone, Debug)]
@@ -232,9 +196,16 @@ pub fn start(
             Ok((engine, cfg)) => {
                 let (fetch_tx, fetch_rx) = cb::unbounded();
                 let threads = crate::memory::loader::default_threads();
-                let loader = Loader::start(engine.model_config().clone(), threads, move |id, r| {
-                    let _ = fetch_tx.send((id, r));
-                });
+                let dtype = thaw_runtime::backend::Backend::lora_dtype(engine.backend());
+                let _ = dtype.map(|d| st.lora_dtype.set(d));
+                let loader = Loader::start(
+                    engine.model_config().clone(),
+                    threads,
+                    dtype,
+                    move |id, r| {
+                        let _ = fetch_tx.send((id, r));
+                    },
+                );
                 let loader = match loader {
                     Ok(l) => l,
                     Err(e) => {
@@ -311,6 +282,8 @@ struct Loop {
     /// When the last timed step ended, idle or not (None before the first): the time since
     /// it tells the cost model whether the next step is one after idle.
     prev_step_end: Option<Instant>,
+    /// Charges the engine thread's time to what it does (see [`crate::perf::enginetime`]).
+    clock: Stopwatch,
     /// When the CPU LoRA workers were last supervised ([`WORKER_CHECK`]).
     tended: Instant,
     step_log: Option<crate::perf::StepLog>,
@@ -379,6 +352,7 @@ impl Loop {
             deadline: None,
             last_step_end: None,
             prev_step_end: None,
+            clock: Stopwatch::default(),
             tended: Instant::now(),
             stepped: HashSet::new(),
         }
@@ -444,7 +418,9 @@ impl Loop {
                 } else {
                     self.engine.pool().map(|_| WORKER_CHECK)
                 };
+                self.charge(Cause::Idle);
                 let w = Self::wait(&rx, &fetched, timeout);
+                self.charge(Cause::Schedule);
                 if matches!(w, Wake::Closed) || !self.on_wake(w) {
                     break;
                 }
@@ -483,7 +459,9 @@ impl Loop {
                 // Nothing could be planned (requests wait for adapters to be read or to land):
                 // wait for a command or a read rather than spin.
                 self.last_step_end = None;
+                self.charge(Cause::Idle);
                 let w = Self::wait(&rx, &fetched, Some(Duration::from_millis(2)));
+                self.charge(Cause::Schedule);
                 if !self.on_wake(w) {
                     self.abort_all(SHUTDOWN_MSG);
                     break;
@@ -614,11 +592,23 @@ impl Loop {
     /// A disk read finished: into the host tier, or every waiting request for it fails with
     /// the reason.
     fn on_fetched(&mut self, id: AdapterId, r: FetchResult) {
+        let prev = self.charge(Cause::Adapter);
+        self.take_fetched(id, r);
+        self.charge(prev);
+    }
+
+    /// Charges the engine thread's time since the last switch, then runs `c`; returns the
+    /// cause that ran.
+    fn charge(&mut self, c: Cause) -> Cause {
+        self.clock.switch(c, &self.stats.time)
+    }
+
+    fn take_fetched(&mut self, id: AdapterId, r: FetchResult) {
         let wanted = self.state.waiting_adapters();
         match r {
             Ok((adapter, secs)) => {
                 self.metrics.adapter_load.observe(secs);
-                self.observe_disk_read(adapter.size_bytes_f32() as u64, secs);
+                self.observe_disk_read(adapter.size_bytes() as u64, secs);
                 self.mem.on_fetched(id, Some(adapter), &wanted);
             }
             Err(msg) => {
@@ -662,6 +652,7 @@ impl Loop {
 
     /// Carries out a memory plan and watches the new adapters land.
     fn apply_memory(&mut self, plan: &crate::memory::AdmitPlan, wanted: &HashSet<AdapterId>) {
+        let prev = self.charge(Cause::Adapter);
         let upload = if self.cold.policy == ColdStartPolicy::Cached {
             Upload::Whole
         } else {
@@ -684,6 +675,7 @@ impl Loop {
                 }
             }
         }
+        self.charge(prev);
     }
 
     /// Forgets a request: out of the scheduler, out of the engine (frees KV), lease dropped.
@@ -840,7 +832,9 @@ impl Loop {
                 l.planned.get_or_insert(started);
             }
         }
-        let outputs = match self.engine.step(&d.plan) {
+        self.charge(Cause::Forward);
+        let stepped = self.engine.step(&d.plan);
+        let outputs = match stepped {
             Ok(o) => o,
             Err(e) => {
                 tracing::error!("engine step failed: {e}; aborting the step's requests");
@@ -852,6 +846,7 @@ impl Loop {
                     }
                     self.forget(it.seq, "abort");
                 }
+                self.charge(Cause::Schedule);
                 return true;
             }
         };
@@ -868,6 +863,7 @@ impl Loop {
             }
         }
         let elapsed = started.elapsed();
+        self.charge(Cause::Schedule);
         self.last_step_end = Some(started + elapsed);
         self.prev_step_end = self.last_step_end;
         self.stats.steps.fetch_add(1, Ordering::Relaxed);
@@ -882,6 +878,7 @@ impl Loop {
                 elapsed.as_secs_f64(),
                 gap.map(|g| g.as_secs_f64()),
                 idle,
+                self.clock.take_step(),
             );
         }
         if assisted == 0 {

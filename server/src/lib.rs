@@ -10,6 +10,7 @@ pub mod demo;
 pub mod deploy;
 pub mod emulated_step;
 pub mod engine_loop;
+pub mod engine_stats;
 pub mod error;
 pub mod gen;
 pub mod generate;

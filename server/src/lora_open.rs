@@ -208,7 +208,7 @@ pub(crate) mod tests {
         let adapter = acc.reader("x", &good)(&model).unwrap();
         let plain = LoraAdapter::load(&fixture().join("adapters/r4_qv"), &model).unwrap();
         assert_eq!(adapter.max_rank(), plain.max_rank());
-        assert_eq!(adapter.size_bytes_f32(), plain.size_bytes_f32());
+        assert_eq!(adapter.size_bytes(), plain.size_bytes());
 
         let mut swapped = Vec::new();
         // A file replaced by a link to a file outside.

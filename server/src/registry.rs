@@ -37,6 +37,9 @@ pub struct AdapterLimits {
     /// The `fixed-slots` baseline: refuse (429) a request whose adapter is not resident while
     /// every one of `--max-loras` slots is leased, as the server did before the pool.
     pub fixed_slots: bool,
+    /// The one dtype the backend computes adapters from, if it reads only one: reads convert
+    /// to it on the blocking pool, so sizes and the host tier hold what the device will.
+    pub lora_dtype: Option<thaw_runtime::adapter::WeightDtype>,
 }
 
 /// Per-adapter counters.
@@ -211,9 +214,15 @@ impl Registry {
     {
         let model = self.model.clone();
         let start = Instant::now();
-        let adapter = tokio::task::spawn_blocking(move || read(&model))
-            .await
-            .map_err(|e| ServerError::Internal(format!("adapter loader task failed: {e}")))??;
+        let dtype = self.limits.lora_dtype;
+        let adapter = tokio::task::spawn_blocking(move || {
+            read(&model).map(|a| match dtype {
+                Some(d) => a.into_dtype(d),
+                None => a,
+            })
+        })
+        .await
+        .map_err(|e| ServerError::Internal(format!("adapter loader task failed: {e}")))??;
         let rank = adapter.max_rank();
         if rank > self.limits.max_lora_rank {
             return Err(ServerError::RankTooLarge {
@@ -222,7 +231,7 @@ impl Registry {
                 max: self.limits.max_lora_rank,
             });
         }
-        let bytes = adapter.size_bytes_f32() as u64;
+        let bytes = adapter.size_bytes() as u64;
         if bytes >= self.limits.device_budget_bytes {
             return Err(ServerError::invalid(
                 "lora_path",
@@ -284,7 +293,7 @@ impl Registry {
                 rank: adapter.max_rank(),
                 targets: adapter.targets().iter().map(|m| m.hf_name()).collect(),
                 num_layers: adapter.num_layers(),
-                size_bytes: adapter.size_bytes_f32(),
+                size_bytes: adapter.size_bytes(),
                 created: unix_now(),
                 load_secs: secs,
                 leases: AtomicUsize::new(0),

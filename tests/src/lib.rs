@@ -77,6 +77,17 @@ impl TestModel {
 
     /// Writes one PEFT adapter with `rank` on `targets` and returns its directory.
     pub fn adapter_dir(&self, rank: usize, targets: &[&str], seed: u64) -> PathBuf {
+        self.adapter_dir_as(rank, targets, seed, None)
+    }
+
+    /// [`TestModel::adapter_dir`] with the weights saved in `dtype` (`None`: the model's).
+    pub fn adapter_dir_as(
+        &self,
+        rank: usize,
+        targets: &[&str],
+        seed: u64,
+        dtype: Option<gen::WeightDtype>,
+    ) -> PathBuf {
         let out = self.dir.path().join(format!("adapters-{seed}"));
         let opts = GenAdaptersOptions {
             model_dir: self.model_dir(),
@@ -85,6 +96,7 @@ impl TestModel {
             targets: targets.iter().map(|s| projection(s)).collect(),
             out_dir: out,
             seed,
+            dtype,
             ..Default::default()
         };
         let mut dirs = gen::write_adapters(&opts).expect("gen-adapters");

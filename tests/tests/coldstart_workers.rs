@@ -98,6 +98,13 @@ fn run(
 }
 
 fn setup() -> (TestModel, Vec<(PathBuf, StartTier)>) {
+    setup_as(None)
+}
+
+/// The four adapters saved in `dtype` (`None`: the model's).
+fn setup_as(
+    dtype: Option<thaw_server::gen::WeightDtype>,
+) -> (TestModel, Vec<(PathBuf, StartTier)>) {
     let tm = TestModel::llama(61);
     let adapters = [
         (16, &["q", "k", "v", "o"][..]),
@@ -109,7 +116,7 @@ fn setup() -> (TestModel, Vec<(PathBuf, StartTier)>) {
     .enumerate()
     .map(|(i, (r, t))| {
         (
-            tm.adapter_dir(*r, t, 900 + i as u64),
+            tm.adapter_dir_as(*r, t, 900 + i as u64, dtype),
             if i % 2 == 0 {
                 StartTier::Streaming
             } else {
@@ -142,6 +149,35 @@ fn worker_assisted_tokens_equal_cached() {
     }
     let mut pool = pool.unwrap();
     pool.shutdown();
+}
+
+/// The workers compute from the host store's bytes in the adapters' stored dtype: bf16
+/// adapters (2 bytes a weight in the store) give the cached oracle's tokens too.
+#[test]
+fn worker_assisted_tokens_equal_cached_for_bf16_adapters() {
+    let (tm, adapters) = setup_as(Some(thaw_server::gen::WeightDtype::Bf16));
+    let config = &tm.model.config;
+    for (dir, _) in &adapters {
+        let a = LoraAdapter::load(dir, config).unwrap();
+        assert_eq!(a.dtype(), thaw_runtime::adapter::WeightDtype::Bf16);
+    }
+    let (oracle, _) = run(&tm, &adapters, ColdStartPolicy::Cached, None, |_| {});
+    let (assisted, pool) = run(
+        &tm,
+        &adapters,
+        ColdStartPolicy::CpuAssist,
+        Some(pool(2)),
+        |_| {},
+    );
+    assert!(assisted.rows_assisted > 0, "the workers computed nothing");
+    for (i, (a, o)) in assisted.outcomes.iter().zip(&oracle.outcomes).enumerate() {
+        assert_eq!(a.error, None);
+        assert_eq!(
+            a.tokens, o.tokens,
+            "request {i}: bf16 worker tokens differ from cached"
+        );
+    }
+    pool.unwrap().shutdown();
 }
 
 #[test]
@@ -275,7 +311,7 @@ fn landed_adapters_release_their_host_store_slots() {
         .map(|i| greedy(&mut oracle, i as u64, AdapterId(i as u32), &prompt))
         .collect();
     // Each adapter takes about 200 ms on the link, so the first step finds it streaming.
-    let bytes = adapters[0].size_bytes_f32() as f64;
+    let bytes = adapters[0].size_bytes() as f64;
     let link = LinkModel {
         gbps: bytes / 0.2 / 1e9,
         latency_us: 50.0,

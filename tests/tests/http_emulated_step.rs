@@ -68,4 +68,20 @@ async fn padded_steps_take_the_floor_and_generate_the_same_tokens() {
         padded <= wall.as_secs_f64() + 1e-3,
         "{padded} s padded in {wall:?}"
     );
+    // The engine thread's time by cause: the padding is part of the forward step, and every
+    // cause is exported.
+    let cause = |c: &str| {
+        metric(
+            &metrics,
+            &format!("thaw_engine_time_seconds_total{{cause=\"{c}\"}}"),
+        )
+    };
+    let forward = cause("forward").unwrap();
+    assert!(
+        forward >= padded,
+        "forward {forward} s < padding {padded} s"
+    );
+    for c in ["adapter", "schedule", "idle"] {
+        assert!(cause(c).is_some_and(|s| s >= 0.0), "{c}: {metrics}");
+    }
 }

@@ -306,7 +306,10 @@ fn streaming_table(smoke: bool) -> Res<()> {
         "\n## H2D adapter streaming, rank 64, all 7 modules, {layers} layers, bf16 (median of 3)"
     );
     let a = adapter(&c, 64, &LoraModule::ALL, 77)?;
-    let bytes: usize = a.iter().map(|(_, _, w)| (w.a.len() + w.b.len()) * 2).sum();
+    let bytes: usize = a
+        .iter()
+        .map(|(_, _, w)| (w.a.numel() + w.b.numel()) * 2)
+        .sum();
     let (mut pack, mut copy) = (Vec::new(), Vec::new());
     for _ in 0..3 {
         let t0 = Instant::now();

@@ -1,6 +1,6 @@
 //! `adapter_model.safetensors` as PEFT `save_pretrained` writes it, validated against the base
 //! model: tensor `base_model.model.model.layers.{i}.{self_attn|mlp}.{x}_proj.lora_{A|B}.weight`,
-//! A `[r, d_in]`, B `[d_out, r]`, in F32/F16/BF16.
+//! A `[r, d_in]`, B `[d_out, r]`, in F32/F16/BF16, kept in that dtype ([`LoraTensor`]).
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -11,20 +11,29 @@ use safetensors::SafeTensors;
 use super::config::AdapterConfig;
 use super::error::AdapterError;
 use super::module::LoraModule;
-use crate::model::{view_to_f32, FileBytes, ModelConfig};
+use super::tensor::{LoraTensor, WeightDtype};
+use crate::model::{FileBytes, ModelConfig};
 
 /// The LoRA factors of one projection of one layer: delta(x) = scale * B (A x).
 #[derive(Clone, Debug, PartialEq)]
 pub struct LoraWeights {
     pub rank: usize,
     pub scale: f32,
-    /// `[rank, d_in]`, row-major.
-    pub a: Vec<f32>,
-    /// `[d_out, rank]`, row-major.
-    pub b: Vec<f32>,
+    /// `[rank, d_in]`, row-major, in the stored dtype.
+    pub a: LoraTensor,
+    /// `[d_out, rank]`, row-major, in the stored dtype.
+    pub b: LoraTensor,
 }
 
-/// A validated LoRA adapter in host memory, f32.
+impl LoraWeights {
+    /// Bytes of both factors as stored.
+    pub fn bytes(&self) -> usize {
+        self.a.bytes().len() + self.b.bytes().len()
+    }
+}
+
+/// A validated LoRA adapter in host memory, each factor in the dtype its file stores (or the
+/// one it was converted to once, see [`LoraAdapter::into_dtype`]).
 #[derive(Clone, Debug)]
 pub struct LoraAdapter {
     pub config: AdapterConfig,
@@ -169,8 +178,8 @@ impl LoraAdapter {
                 slots[m.index()] = Some(LoraWeights {
                     rank,
                     scale,
-                    a: to_f32(a_name, a)?,
-                    b: to_f32(b_name, b)?,
+                    a: stored(a_name, a)?,
+                    b: stored(b_name, b)?,
                 });
             }
         }
@@ -205,11 +214,35 @@ impl LoraAdapter {
         &self.targets
     }
 
-    /// Bytes the A and B factors take as f32.
-    pub fn size_bytes_f32(&self) -> usize {
+    /// Bytes the A and B factors take as stored: what the host tier, the copy and the device
+    /// pages hold (2 a weight for a bf16 adapter).
+    pub fn size_bytes(&self) -> usize {
+        self.iter().map(|(_, _, w)| w.bytes()).sum()
+    }
+
+    /// The dtype of the factors (the first one's; a file mixing dtypes is kept as it is, and
+    /// [`LoraAdapter::into_dtype`] makes it uniform). F32 for an empty adapter.
+    pub fn dtype(&self) -> WeightDtype {
         self.iter()
-            .map(|(_, _, w)| (w.a.len() + w.b.len()) * std::mem::size_of::<f32>())
-            .sum()
+            .next()
+            .map_or(WeightDtype::F32, |(_, _, w)| w.a.dtype())
+    }
+
+    /// Every factor stored in `to`: done once on a loader thread for a backend that computes
+    /// from one dtype only (the CUDA kernels read the backend's weight dtype), so nothing is
+    /// converted per load on the engine thread. A no-op where every factor is in `to`.
+    pub fn into_dtype(mut self, to: WeightDtype) -> Self {
+        for slots in &mut self.layers {
+            for w in slots.iter_mut().flatten() {
+                if w.a.dtype() != to {
+                    w.a = w.a.converted(to);
+                }
+                if w.b.dtype() != to {
+                    w.b = w.b.converted(to);
+                }
+            }
+        }
+        self
     }
 
     /// Every (layer, module, weights) present, layer-major.
@@ -252,19 +285,28 @@ fn check_shape(
     Ok(())
 }
 
-/// The tensor widened to f32; NaN or infinite weights are refused, since one would turn every
-/// logit of every request on the adapter into NaN.
-fn to_f32(name: &str, view: &TensorView<'_>) -> Result<Vec<f32>, AdapterError> {
-    let v = view_to_f32(view).map_err(|dtype| AdapterError::UnsupportedDtype {
-        tensor: name.to_string(),
-        dtype: format!("{dtype:?}"),
-    })?;
-    match v.iter().position(|x| !x.is_finite()) {
+/// The tensor's bytes in its stored dtype; NaN or infinite weights are refused, since one
+/// would turn every logit of every request on the adapter into NaN.
+fn stored(name: &str, view: &TensorView<'_>) -> Result<LoraTensor, AdapterError> {
+    let dtype = match view.dtype() {
+        safetensors::Dtype::F32 => WeightDtype::F32,
+        safetensors::Dtype::F16 => WeightDtype::F16,
+        safetensors::Dtype::BF16 => WeightDtype::Bf16,
+        other => {
+            return Err(AdapterError::UnsupportedDtype {
+                tensor: name.to_string(),
+                dtype: format!("{other:?}"),
+            })
+        }
+    };
+    let t = LoraTensor::from_le_bytes(dtype, view.data().to_vec())
+        .ok_or_else(|| unexpected(name, "its byte length is not a whole number of elements"))?;
+    match t.first_non_finite() {
         Some(index) => Err(AdapterError::NonFinite {
             tensor: name.to_string(),
             index,
         }),
-        None => Ok(v),
+        None => Ok(t),
     }
 }
 

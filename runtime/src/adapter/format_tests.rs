@@ -74,19 +74,18 @@ fn r4_qv_fixture_loads() {
     assert!(a.get(0, LoraModule::K).is_none() && a.get(2, LoraModule::Q).is_none());
     let v1 = a.get(1, LoraModule::V).unwrap();
     assert_eq!((v1.rank, v1.scale), (4, 2.0));
-    assert_eq!((v1.a.len(), v1.b.len()), (4 * 64, 32 * 4));
+    assert_eq!((v1.a.numel(), v1.b.numel()), (4 * 64, 32 * 4));
+    assert_eq!(v1.a.dtype(), WeightDtype::F32);
     // Values are the file's, unchanged.
     let raw = read_tensors(&fixtures::adapter("r4_qv").join("adapter_model.safetensors"));
     let b_raw = raw
         .iter()
         .find(|t| t.0 == "base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight")
         .unwrap();
-    assert_eq!(v1.b, f32s(&b_raw.3));
-    assert!(v1.a.iter().any(|&x| x != 0.0) && v1.b.iter().any(|&x| x != 0.0));
-    assert_eq!(
-        a.size_bytes_f32(),
-        2 * (4 * 64 + 64 * 4 + 4 * 64 + 32 * 4) * 4
-    );
+    assert_eq!(v1.b.to_f32(), f32s(&b_raw.3));
+    assert_eq!(v1.b.bytes(), &b_raw.3[..]);
+    assert!(v1.a.to_f32().iter().any(|&x| x != 0.0) && v1.b.to_f32().iter().any(|&x| x != 0.0));
+    assert_eq!(a.size_bytes(), 2 * (4 * 64 + 64 * 4 + 4 * 64 + 32 * 4) * 4);
 }
 
 #[test]
@@ -96,35 +95,88 @@ fn r8_all_rslora_fixture_loads() {
     assert_eq!(a.max_rank(), 8);
     for (_, m, w) in a.iter() {
         let (d_in, d_out) = model().module_shape(m);
-        assert_eq!((w.a.len(), w.b.len()), (8 * d_in, d_out * 8));
+        assert_eq!((w.a.numel(), w.b.numel()), (8 * d_in, d_out * 8));
         assert!((w.scale - 16.0 / 8f32.sqrt()).abs() < 1e-6);
     }
     assert_eq!(a.iter().count(), 14);
 }
 
-#[test]
-fn bf16_weights_and_default_infix_load() {
+/// The r4_qv fixture re-saved in `dtype` (each f32 rounded to nearest even), with the
+/// `.default` infix PEFT writes for named adapters.
+fn resaved(dtype: Dtype) -> tempfile::TempDir {
     let dir = fixtures::scratch_copy(&fixtures::adapter("r4_qv"));
-    let orig = load(dir.path()).unwrap();
     let converted: Vec<Owned> = read_tensors(&weights_path(&dir))
         .into_iter()
         .map(|(n, _, s, b)| {
-            let bf: Vec<u8> = f32s(&b)
-                .iter()
-                .flat_map(|x| half::bf16::from_f32(*x).to_le_bytes())
-                .collect();
-            (n.replace(".weight", ".default.weight"), Dtype::BF16, s, bf)
+            let f = f32s(&b);
+            let bytes: Vec<u8> = match dtype {
+                Dtype::BF16 => f
+                    .iter()
+                    .flat_map(|x| half::bf16::from_f32(*x).to_le_bytes())
+                    .collect(),
+                Dtype::F16 => f
+                    .iter()
+                    .flat_map(|x| half::f16::from_f32(*x).to_le_bytes())
+                    .collect(),
+                _ => b,
+            };
+            (n.replace(".weight", ".default.weight"), dtype, s, bytes)
         })
         .collect();
     write_tensors(&weights_path(&dir), &converted);
+    dir
+}
+
+#[test]
+fn bf16_weights_and_default_infix_load() {
+    let orig = load(&fixtures::adapter("r4_qv")).unwrap();
+    let dir = resaved(Dtype::BF16);
     let a = load(dir.path()).unwrap();
     let (x, y) = (
         orig.get(0, LoraModule::Q).unwrap(),
         a.get(0, LoraModule::Q).unwrap(),
     );
-    for (p, q) in x.a.iter().zip(&y.a) {
+    for (p, q) in x.a.to_f32().iter().zip(&y.a.to_f32()) {
         // bf16 keeps 8 significant bits: relative error at most 2^-8.
         assert!((p - q).abs() <= p.abs() / 256.0 + 1e-12);
+    }
+}
+
+/// A 2-byte adapter stays 2 bytes a weight (exactly the file's tensor bytes, half the f32
+/// copy's size); an f32 adapter converted once to bf16 holds the same bytes as the file saved
+/// in bf16; converting to the dtype it has already is a no-op.
+#[test]
+fn adapters_keep_their_stored_dtype_and_size() {
+    let f32a = load(&fixtures::adapter("r4_qv")).unwrap();
+    let f32_bytes = f32a.size_bytes();
+    assert_eq!(f32a.dtype(), WeightDtype::F32);
+    for (dtype, wd) in [
+        (Dtype::BF16, WeightDtype::Bf16),
+        (Dtype::F16, WeightDtype::F16),
+    ] {
+        let dir = resaved(dtype);
+        let a = load(dir.path()).unwrap();
+        assert_eq!(a.dtype(), wd);
+        assert_eq!(2 * a.size_bytes(), f32_bytes, "{dtype:?}");
+        let file: usize = read_tensors(&weights_path(&dir))
+            .iter()
+            .map(|t| t.3.len())
+            .sum();
+        assert_eq!(a.size_bytes(), file, "{dtype:?}: not the file's bytes");
+        for (_, _, w) in a.iter() {
+            assert_eq!((w.a.dtype(), w.b.dtype()), (wd, wd));
+            assert_eq!(w.bytes(), 2 * (w.a.numel() + w.b.numel()));
+        }
+        let converted = f32a.clone().into_dtype(wd);
+        assert_eq!(converted.size_bytes(), a.size_bytes());
+        for ((_, _, p), (_, _, q)) in converted.iter().zip(a.iter()) {
+            assert_eq!(
+                p, q,
+                "{dtype:?}: one conversion differs from the saved file"
+            );
+        }
+        let same = a.clone().into_dtype(wd);
+        assert!(same.iter().zip(a.iter()).all(|(p, q)| p == q));
     }
 }
 
@@ -157,7 +209,7 @@ fn rank_pattern_ranks_load() {
     let a = load(dir.path()).unwrap();
     let q0 = a.get(0, LoraModule::Q).unwrap();
     assert_eq!((q0.rank, q0.scale), (2, 4.0));
-    assert_eq!((q0.a.len(), q0.b.len()), (2 * 64, 64 * 2));
+    assert_eq!((q0.a.numel(), q0.b.numel()), (2 * 64, 64 * 2));
     assert_eq!(a.get(1, LoraModule::Q).unwrap().rank, 4);
     assert_eq!(a.get(1, LoraModule::V).unwrap().scale, 0.5);
 }

@@ -1,5 +1,5 @@
 //! PEFT LoRA adapters on disk: `adapter_config.json` and `adapter_model.safetensors` exactly as
-//! PEFT `save_pretrained` writes them, validated against the base model and widened to f32.
+//! PEFT `save_pretrained` writes them, validated against the base model and kept in their stored dtype.
 //! Owns parsing and validation; residency (host store, device slots) lives elsewhere.
 
 mod config;
@@ -7,9 +7,11 @@ mod error;
 mod format;
 mod module;
 mod targets;
+mod tensor;
 
 pub use config::AdapterConfig;
 pub use error::AdapterError;
 pub use format::{LoraAdapter, LoraWeights};
 pub use module::LoraModule;
 pub use targets::{FullMatch, TargetSpec};
+pub use tensor::{encode_into, LoraTensor, WeightDtype};

@@ -32,6 +32,8 @@ pub trait GpuExtras {
     fn check(&mut self) -> Result<()>;
     /// Free and total bytes of the device, as the driver reports them.
     fn memory_info(&self) -> Result<(u64, u64)>;
+    /// Allocates (and registers) the upload arena, `bytes`, and starts the upload pipeline.
+    fn start_upload(&mut self, bytes: usize) -> Result<()>;
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -43,6 +45,9 @@ impl GpuExtras for super::NoCuda {
         match *self {}
     }
     fn memory_info(&self) -> Result<(u64, u64)> {
+        match *self {}
+    }
+    fn start_upload(&mut self, _: usize) -> Result<()> {
         match *self {}
     }
 }
@@ -169,6 +174,19 @@ impl AnyBackend {
             )?))),
             #[cfg(not(feature = "cuda"))]
             Device::Cuda(d) => match *d {},
+        }
+    }
+
+    /// Allocates the upload arena once, at start-up: `bytes` (`--max-cpu-lora-bytes`) of
+    /// pinned host memory (registered with the driver on CUDA), and starts the upload
+    /// pipeline's loader and copy threads.
+    pub fn with_upload_arena(self, bytes: usize) -> Result<Self> {
+        match self {
+            Self::Cpu(b) => Ok(Self::Cpu(b.with_upload_arena(bytes)?)),
+            Self::Cuda(mut g) => {
+                g.start_upload(bytes)?;
+                Ok(Self::Cuda(g))
+            }
         }
     }
 
@@ -398,6 +416,13 @@ impl Backend for AnyBackend {
                 let inner = batch.with_adapters(&adapters);
                 g.lora(x.gpu(), y.gpu_mut(), dims, at, &inner);
             }
+        }
+    }
+
+    fn lora_dtype(&self) -> Option<crate::adapter::WeightDtype> {
+        match self {
+            Self::Cpu(b) => b.lora_dtype(),
+            Self::Cuda(g) => g.lora_dtype(),
         }
     }
 

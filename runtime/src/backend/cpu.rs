@@ -10,8 +10,8 @@
 use std::ops::Range;
 use std::sync::{Arc, Mutex, PoisonError};
 
-use thaw_cpu_lora::kernel::{lora_delta, LoraMat, LoraProblem, Scratch};
-use thaw_kernels::cpu::{self as k, HugeArena, KvLayout, LoraRef, RopeTable, WeightMatrix};
+use thaw_cpu_lora::kernel::{lora_delta, LoraProblem, Scratch};
+use thaw_kernels::cpu::{self as k, HugeArena, KvLayout, RopeTable, WeightMatrix};
 
 use super::cpu_fused;
 use super::cpu_par::{balance, linear_split, ComputePool, CpuThreads};
@@ -20,7 +20,8 @@ use crate::adapter::{LoraAdapter, LoraModule};
 use crate::error::Result;
 use crate::ids::LayerIdx;
 use crate::model::ModelConfig;
-use crate::residency::{CopyEngine, LinkModel, LoadPriority, LoraSlot};
+use crate::residency::{LinkModel, LoadPriority, LoraSlot};
+use crate::upload::{EmulatedLink, ImageLayout, Upload, UploadPipeline};
 
 /// A weight matrix in host memory, in its stored format (f32, f16, bf16 or ggml blocks);
 /// products accumulate in f32. `w.matmul_range` computes a slice of output columns, so a
@@ -58,13 +59,14 @@ pub struct CpuBackend {
     par: ComputePool,
     /// Column-split products with several rows land here before they are scattered.
     par_scratch: Vec<f32>,
-    lora_scratch: Vec<f32>,
     /// The shrink the threads of a decode group share (see [`cpu_fused`]).
     fused_shrink: cpu_fused::Shared,
-    bgmv_rows: Vec<Option<u32>>,
     fused: Scratch,
     link: LinkModel,
-    copy: Option<CopyEngine>,
+    /// The upload pipeline, its DMA emulated at `link` (started by the first stream, or at
+    /// start-up by [`CpuBackend::with_upload_arena`]).
+    upload: Option<UploadPipeline<EmulatedLink>>,
+    upload_arena: usize,
     /// Where uploaded weights are packed; `None` with `THAW_HUGEPAGES=0`. A mutex because
     /// uploads take `&self`; only model loading locks it.
     arena: Option<Mutex<HugeArena>>,
@@ -103,12 +105,11 @@ impl CpuBackend {
             attn_out_bounds: Vec::new(),
             par,
             par_scratch: Vec::new(),
-            lora_scratch: Vec::new(),
             fused_shrink: cpu_fused::Shared::default(),
-            bgmv_rows: Vec::new(),
             fused: Scratch::new(),
             link: LinkModel::default(),
-            copy: None,
+            upload: None,
+            upload_arena: DEFAULT_UPLOAD_ARENA,
             arena: hugepages_enabled().then(|| Mutex::new(HugeArena::new(true))),
         }
     }
@@ -119,19 +120,51 @@ impl CpuBackend {
         self
     }
 
+    /// Allocates the upload arena now, `bytes` of it (`--max-cpu-lora-bytes`), and starts
+    /// the pipeline's threads; after [`CpuBackend::with_link`].
+    pub fn with_upload_arena(mut self, bytes: usize) -> Result<Self> {
+        self.upload_arena = bytes;
+        self.upload = Some(self.start_upload()?);
+        Ok(self)
+    }
+
+    fn start_upload(&self) -> Result<UploadPipeline<EmulatedLink>> {
+        UploadPipeline::start(
+            EmulatedLink::new(self.link),
+            self.upload_arena,
+            UPLOAD_LOADERS,
+        )
+    }
+
+    /// The upload pipeline, if an adapter was streamed (or it was started at start-up).
+    pub fn upload(&self) -> Option<&UploadPipeline<EmulatedLink>> {
+        self.upload.as_ref()
+    }
+
     /// Bytes a demand load queued now waits behind on the emulated link: demand loads queued
     /// or in flight and the layer of a prefetch in flight (prefetches yield at each layer).
     pub fn link_backlog(&self) -> u64 {
-        self.copy.as_ref().map_or(0, CopyEngine::demand_backlog)
+        self.upload
+            .as_ref()
+            .map_or(0, UploadPipeline::demand_backlog)
     }
 
-    fn enqueue(&mut self, adapter: Arc<LoraAdapter>, p: LoadPriority) -> Arc<LoraSlot> {
-        let slot = Arc::new(LoraSlot::empty(adapter));
-        let link = self.link;
-        self.copy
-            .get_or_insert_with(|| CopyEngine::emulated(link))
-            .enqueue(slot.clone(), p);
-        slot
+    /// Queues `adapter` on the upload pipeline: O(layers) here (its image layout); loader
+    /// threads write its bytes into the arena and the copy thread lands its layers.
+    fn enqueue(&mut self, adapter: Arc<LoraAdapter>, p: LoadPriority) -> Result<Arc<LoraSlot>> {
+        if self.upload.is_none() {
+            self.upload = Some(self.start_upload()?);
+        }
+        let slot = Arc::new(LoraSlot::empty(adapter.clone()));
+        let up = Upload {
+            layout: ImageLayout::of(&adapter, None),
+            adapter,
+            dtype: None,
+            dst: Arc::new(()),
+            landing: slot.clone(),
+        };
+        self.upload.as_ref().expect("started above").submit(up, p)?;
+        Ok(slot)
     }
 
     pub fn link(&self) -> LinkModel {
@@ -199,13 +232,33 @@ impl CpuBackend {
     }
 }
 
-fn lora_ref(a: &LoraSlot, at: (LayerIdx, LoraModule)) -> Option<LoraRef<'_>> {
-    a.get(at.0 .0, at.1).map(|w| LoraRef {
-        a: &w.a,
-        b: &w.b,
+/// `y[rows] += scale · x[rows] · Aᵀ · Bᵀ` for one adapter's factors, read in their stored
+/// dtype, accumulated in f32.
+fn add_delta(
+    s: &mut Scratch,
+    x: &[f32],
+    y: &mut [f32],
+    dims: LinearDims,
+    rows: Range<usize>,
+    w: &crate::adapter::LoraWeights,
+) {
+    let p = LoraProblem {
+        rows: rows.len(),
+        d_in: dims.d_in,
+        d_out: dims.d_out,
         rank: w.rank,
         scale: w.scale,
-    })
+    };
+    lora_delta(
+        &p,
+        &x[rows.start * dims.d_in..rows.end * dims.d_in],
+        w.a.mat(),
+        w.b.mat(),
+        &mut y[rows.start * dims.d_out..rows.end * dims.d_out],
+        true,
+        s,
+    )
+    .expect("LoRA shapes were validated when the adapter was loaded");
 }
 
 /// Calls `each(i, off, a, b)` for every weight `i` of a group (output widths `d_outs`,
@@ -225,6 +278,13 @@ fn group_pieces(
         off += d;
     }
 }
+
+/// Arena of a pipeline started without [`CpuBackend::with_upload_arena`]: the default
+/// `--max-cpu-lora-bytes` (anonymous memory, committed only as adapters fill it).
+const DEFAULT_UPLOAD_ARENA: usize = 4 << 30;
+
+/// Loader threads of the CPU backend's upload pipeline.
+const UPLOAD_LOADERS: usize = 1;
 
 /// Most rows [`CpuBackend::linear_group`] splits as one op (decode steps); prompt chunks run
 /// each weight on its own (few, long ops).
@@ -281,16 +341,16 @@ impl Backend for CpuBackend {
     }
 
     fn stream_lora(&mut self, adapter: Arc<LoraAdapter>) -> Result<Arc<LoraSlot>> {
-        Ok(self.enqueue(adapter, LoadPriority::Demand))
+        self.enqueue(adapter, LoadPriority::Demand)
     }
 
     fn prefetch_lora(&mut self, adapter: Arc<LoraAdapter>) -> Result<Arc<LoraSlot>> {
-        Ok(self.enqueue(adapter, LoadPriority::Prefetch))
+        self.enqueue(adapter, LoadPriority::Prefetch)
     }
 
     fn promote_lora(&mut self, lora: &Arc<LoraSlot>) {
-        if let Some(c) = &self.copy {
-            c.promote(lora);
+        if let Some(u) = &self.upload {
+            u.promote(lora);
         }
     }
 
@@ -442,64 +502,28 @@ impl Backend for CpuBackend {
                     let Some(w) = batch.adapters[*idx as usize].get(at.0 .0, at.1) else {
                         continue;
                     };
-                    let p = LoraProblem {
-                        rows: range.len(),
-                        d_in: dims.d_in,
-                        d_out: dims.d_out,
-                        rank: w.rank,
-                        scale: w.scale,
-                    };
-                    lora_delta(
-                        &p,
-                        &x[range.start * dims.d_in..range.end * dims.d_in],
-                        LoraMat::from_f32(&w.a),
-                        LoraMat::from_f32(&w.b),
-                        &mut y[range.start * dims.d_out..range.end * dims.d_out],
-                        true,
-                        &mut self.fused,
-                    )
-                    .expect("LoRA shapes were validated when the adapter was loaded");
+                    add_delta(&mut self.fused, x, y, dims, range.clone(), w);
                 }
             }
             LoraKernel::Bgmv => {
-                // A handful of entries per (layer, module): the adapters of this step.
-                let mut refs: Vec<LoraRef<'_>> = Vec::with_capacity(batch.adapters.len());
-                let mut rows_idx = std::mem::take(&mut self.bgmv_rows);
-                rows_idx.clear();
-                // Map step-adapter index -> index among the adapters that target this module.
-                let mut local: Vec<Option<u32>> = Vec::with_capacity(batch.adapters.len());
-                let mut max_rank = 0;
-                for (i, a) in batch.adapters.iter().enumerate() {
-                    let on_device = batch.on_device(i as u32, at.0);
-                    match lora_ref(a, at).filter(|_| on_device) {
-                        Some(r) => {
-                            max_rank = max_rank.max(r.rank);
-                            local.push(Some(refs.len() as u32));
-                            refs.push(r);
-                        }
-                        None => local.push(None),
-                    }
+                // One kernel call per run of rows with the same adapter index, as BGMV runs
+                // each run of equal indices as one GEMM; the weights are read in their stored
+                // dtype, as on the SGMV path.
+                let mut start = 0;
+                let idx = &batch.layout.row_adapter;
+                while start < idx.len() {
+                    let first = idx[start];
+                    let len = idx[start..].iter().take_while(|&&i| i == first).count();
+                    let run = start..start + len;
+                    start += len;
+                    let Some(i) = first.filter(|&i| batch.on_device(i, at.0)) else {
+                        continue;
+                    };
+                    let Some(w) = batch.adapters[i as usize].get(at.0 .0, at.1) else {
+                        continue;
+                    };
+                    add_delta(&mut self.fused, x, y, dims, run, w);
                 }
-                if max_rank > 0 {
-                    rows_idx.extend(
-                        batch
-                            .layout
-                            .row_adapter
-                            .iter()
-                            .map(|i| i.and_then(|i| local[i as usize])),
-                    );
-                    k::bgmv(
-                        x,
-                        dims.d_in,
-                        &rows_idx,
-                        &refs,
-                        max_rank,
-                        y,
-                        dims.d_out,
-                        &mut self.lora_scratch,
-                    );
-                }
-                self.bgmv_rows = rows_idx;
             }
         }
     }

@@ -130,7 +130,8 @@ pub(super) fn plan<'a, const N: usize>(
             };
             // Shapes were validated when the adapter was loaded; a mismatch here (never
             // expected) takes the path that reports it.
-            let shapes_ok = w.a.len() == w.rank * s.dims.d_in && w.b.len() == s.dims.d_out * w.rank;
+            let shapes_ok =
+                w.a.numel() == w.rank * s.dims.d_in && w.b.numel() == s.dims.d_out * w.rank;
             if p.n == MAX_JOBS || w.rank == 0 || !shapes_ok {
                 return None;
             }
@@ -197,7 +198,7 @@ impl Shared {
                 lora_shrink(
                     &p,
                     &x[r0 * d_in..r1 * d_in],
-                    LoraMat::from_f32(&job.w.a),
+                    job.w.a.mat(),
                     ranks.clone(),
                     t,
                     s,
@@ -235,7 +236,12 @@ impl Shared {
             let p = job.problem(plan.sites[i].dims.d_in, n);
             let len = p.rows * p.rank;
             // `B` is `[d_out, rank]`: the rows of these columns are one contiguous slice.
-            let b = &job.w.b[cols.start * p.rank..cols.end * p.rank];
+            let bm = job.w.b.mat();
+            let es = bm.dtype.size();
+            let b = LoraMat {
+                dtype: bm.dtype,
+                bytes: &bm.bytes[cols.start * p.rank * es..cols.end * p.rank * es],
+            };
             let (r0, r1) = job.rows;
             LOCAL.with_borrow_mut(|(s, t)| {
                 let t = grow(t, len);
@@ -243,8 +249,7 @@ impl Shared {
                     *d = f32::from_bits(v.load(Relaxed));
                 }
                 let out = &mut piece[r0 * n..r1 * n];
-                lora_expand(&p, t, LoraMat::from_f32(b), out, true, s)
-                    .expect("shapes were checked by the plan");
+                lora_expand(&p, t, b, out, true, s).expect("shapes were checked by the plan");
             });
         }
     }
@@ -260,59 +265,24 @@ fn grow(v: &mut Vec<f32>, n: usize) -> &mut [f32] {
 #[cfg(test)]
 mod tests {
     use proptest::prelude::*;
-    use safetensors::{tensor::TensorView, Dtype, SafeTensors};
 
     use super::*;
-    use crate::adapter::{AdapterConfig, LoraAdapter, LoraModule};
+    use crate::adapter::{LoraModule, WeightDtype};
     use crate::backend::cpu::{CpuBackend, CpuLinear};
     use crate::backend::cpu_par::CpuThreads;
-    use crate::backend::{test_values, Backend, LinearDims, LoraLayout};
+    use crate::backend::{test_adapter, test_values, Backend, LinearDims, LoraLayout};
     use crate::ids::LayerIdx;
     use crate::model::{fixtures, ModelConfig};
 
-    /// A rank-`r` adapter on `targets` of every layer, random factors.
-    fn adapter(c: &ModelConfig, r: usize, targets: &[LoraModule], seed: u32) -> Arc<LoraSlot> {
-        let names: Vec<String> = targets
-            .iter()
-            .map(|m| format!("\"{}\"", m.hf_name()))
-            .collect();
-        let json = format!(
-            r#"{{"r":{r},"lora_alpha":{},"target_modules":[{}]}}"#,
-            3 * r,
-            names.join(",")
-        );
-        let mut rnd = test_values(seed);
-        let bytes = |v: Vec<f32>| -> Vec<u8> { v.iter().flat_map(|x| x.to_le_bytes()).collect() };
-        let mut bufs = Vec::new();
-        for l in 0..c.num_layers {
-            for &m in targets {
-                let (d_in, d_out) = c.module_shape(m);
-                let p = format!("base_model.model.{}", m.module_path(l));
-                bufs.push((
-                    format!("{p}.lora_A.weight"),
-                    vec![r, d_in],
-                    bytes(rnd(r * d_in)),
-                ));
-                bufs.push((
-                    format!("{p}.lora_B.weight"),
-                    vec![d_out, r],
-                    bytes(rnd(d_out * r)),
-                ));
-            }
-        }
-        let views: Vec<(String, TensorView<'_>)> = bufs
-            .iter()
-            .map(|(n, s, d)| {
-                (
-                    n.clone(),
-                    TensorView::new(Dtype::F32, s.clone(), d).unwrap(),
-                )
-            })
-            .collect();
-        let st = safetensors::serialize(views, None).unwrap();
-        let st = SafeTensors::deserialize(&st).unwrap();
-        let config = AdapterConfig::from_json(&json).unwrap();
-        let a = LoraAdapter::from_parts(config, &st, c).unwrap();
+    /// A rank-`r` adapter on `targets` of every layer, random factors, stored in `dtype`.
+    fn adapter(
+        c: &ModelConfig,
+        r: usize,
+        targets: &[LoraModule],
+        seed: u32,
+        dtype: WeightDtype,
+    ) -> Arc<LoraSlot> {
+        let a = test_adapter(c, r, targets, seed).into_dtype(dtype);
         Arc::new(LoraSlot::resident(Arc::new(a)))
     }
 
@@ -397,8 +367,8 @@ mod tests {
         #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
         /// Deltas added inside the column split equal, bit for bit, the base products followed
         /// by `lora_delta` over whole outputs — for 1–3 threads, 1–16 rows, adapters of rank 4
-        /// (fewer than the rows: the kernel's transpose path), 16 and 48 (its in-place path)
-        /// mixed in any row order with base-only rows, layers not landed yet (no delta: the
+        /// (fewer than the rows: the kernel's transpose path), 16 and 48 (its in-place path),
+        /// stored as f32, bf16 and f16 (column slices of a 2-byte `B` included), mixed in any row order with base-only rows, layers not landed yet (no delta: the
         /// CPU assist adds those), groups whose adapters target only some weights, and a bias.
         #[test]
         fn fused_deltas_equal_base_then_lora_delta(
@@ -411,9 +381,9 @@ mod tests {
             use LoraModule::*;
             let c = ModelConfig::from_dir(&fixtures::tiny_llama()).unwrap();
             let slots = [
-                adapter(&c, 4, &[Q, V], 1),
-                adapter(&c, 16, &LoraModule::ALL, 2),
-                adapter(&c, 48, &[K, O, Gate, Down], 3),
+                adapter(&c, 4, &[Q, V], 1, WeightDtype::F32),
+                adapter(&c, 16, &LoraModule::ALL, 2, WeightDtype::Bf16),
+                adapter(&c, 48, &[K, O, Gate, Down], 3, WeightDtype::F16),
             ];
             let adapters: Vec<&Arc<LoraSlot>> = slots.iter().collect();
             let row_adapter: Vec<Option<u32>> =
@@ -452,7 +422,11 @@ mod tests {
     fn plan_only_few_rows_with_a_landed_target() {
         use LoraModule::*;
         let c = ModelConfig::from_dir(&fixtures::tiny_llama()).unwrap();
-        let (r4, r16) = (adapter(&c, 4, &[Q, V], 9), adapter(&c, 16, &[V], 8));
+        let f32 = WeightDtype::F32;
+        let (r4, r16) = (
+            adapter(&c, 4, &[Q, V], 9, f32),
+            adapter(&c, 16, &[V], 8, f32),
+        );
         let adapters = [&r4, &r16];
         let site = |module| LoraSite {
             layer: LayerIdx(1),

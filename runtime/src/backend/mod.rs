@@ -189,6 +189,12 @@ pub trait Backend {
     }
     /// Layers of `lora` on the device now (`0..n` are usable).
     fn landed_layers(&self, lora: &Self::Lora) -> usize;
+    /// The one dtype this backend computes adapters from, if it reads only one (the CUDA
+    /// kernels read the weight dtype): loader threads convert adapters stored otherwise once,
+    /// off the engine thread. `None` (the default): every stored dtype is read in place.
+    fn lora_dtype(&self) -> Option<crate::adapter::WeightDtype> {
+        None
+    }
     fn alloc_kv_layer(&self, layout: KvLayout, num_blocks: usize) -> Result<Self::KvLayer>;
 
     /// out[r] = table[ids[r]].
@@ -459,3 +465,60 @@ pub(crate) fn test_values(mut seed: u32) -> impl FnMut(usize) -> Vec<f32> {
             .collect()
     }
 }
+
+/// A rank-`r` adapter on `targets` of every layer of `c`, random f32 factors from
+/// [`test_values`] (`seed`), alpha `3r`; for the backends' tests.
+#[cfg(test)]
+pub(crate) fn test_adapter(
+    c: &crate::model::ModelConfig,
+    r: usize,
+    targets: &[LoraModule],
+    seed: u32,
+) -> LoraAdapter {
+    use safetensors::{tensor::TensorView, Dtype, SafeTensors};
+    let names: Vec<String> = targets
+        .iter()
+        .map(|m| format!("\"{}\"", m.hf_name()))
+        .collect();
+    let json = format!(
+        r#"{{"r":{r},"lora_alpha":{},"target_modules":[{}]}}"#,
+        3 * r,
+        names.join(",")
+    );
+    let mut rnd = test_values(seed);
+    let bytes = |v: Vec<f32>| -> Vec<u8> { v.iter().flat_map(|x| x.to_le_bytes()).collect() };
+    let mut bufs = Vec::new();
+    for l in 0..c.num_layers {
+        for &m in targets {
+            let (d_in, d_out) = c.module_shape(m);
+            let p = format!("base_model.model.{}", m.module_path(l));
+            bufs.push((
+                format!("{p}.lora_A.weight"),
+                vec![r, d_in],
+                bytes(rnd(r * d_in)),
+            ));
+            bufs.push((
+                format!("{p}.lora_B.weight"),
+                vec![d_out, r],
+                bytes(rnd(d_out * r)),
+            ));
+        }
+    }
+    let views: Vec<(String, TensorView<'_>)> = bufs
+        .iter()
+        .map(|(n, s, d)| {
+            (
+                n.clone(),
+                TensorView::new(Dtype::F32, s.clone(), d).unwrap(),
+            )
+        })
+        .collect();
+    let st = safetensors::serialize(views, None).unwrap();
+    let st = SafeTensors::deserialize(&st).unwrap();
+    let config = crate::adapter::AdapterConfig::from_json(&json).unwrap();
+    LoraAdapter::from_parts(config, &st, c).unwrap()
+}
+
+#[cfg(test)]
+#[path = "stored_dtype_tests.rs"]
+mod stored_dtype_tests;

@@ -9,7 +9,7 @@ use std::ops::Range;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use thaw_cpu_lora::kernel::{lora_delta, LoraMat, LoraProblem, Scratch};
+use thaw_cpu_lora::kernel::{lora_delta, LoraProblem, Scratch};
 use thaw_cpu_lora::{LoraJob, LoraPool, Ticket};
 use thaw_ipc::{AdapterHandle, LayerIdx as IpcLayer, Module, ModuleMask};
 
@@ -238,8 +238,8 @@ impl Assist<'_> {
                 lora_delta(
                     &p,
                     &self.buf.input[s.packed.start * d_in..s.packed.end * d_in],
-                    LoraMat::from_f32(&w.a),
-                    LoraMat::from_f32(&w.b),
+                    w.a.mat(),
+                    w.b.mat(),
                     &mut self.buf.out[m.index()][s.packed.start * d..s.packed.end * d],
                     false,
                     &mut self.buf.scratch,

@@ -444,10 +444,15 @@ impl<B: Backend> Engine<B> {
         self.drop_from_store(id);
         // Its cached KV was computed with weights that are going away.
         self.blocks.forget_adapter(id);
-        self.adapters
+        let a = self
+            .adapters
             .remove(&id)
-            .map(|_| ())
-            .ok_or(RuntimeError::UnknownAdapter(id))
+            .ok_or(RuntimeError::UnknownAdapter(id))?;
+        // The device copy first, then the host copy on the reaper thread: if this held the last
+        // reference, freeing tens of megabytes is not the engine thread's work.
+        drop(a.dev);
+        crate::upload::drop_later(a.host);
+        Ok(())
     }
 
     pub fn has_adapter(&self, id: AdapterId) -> bool {
@@ -795,7 +800,7 @@ impl<B: Backend> Engine<B> {
     }
 }
 
-/// Copies an adapter's factors into the shared host store (f32, the host copy's dtype).
+/// Copies an adapter's factors into the shared host store, in their stored dtype.
 fn host_store_insert(
     pool: &mut LoraPool,
     id: AdapterId,
@@ -809,9 +814,9 @@ fn host_store_insert(
             module: thaw_ipc::Module::ALL[m.index()],
             rank: w.rank as u32,
             scale: w.scale,
-            dtype: thaw_ipc::DType::F32,
-            a_bytes: bytemuck::cast_slice(&w.a),
-            b_bytes: bytemuck::cast_slice(&w.b),
+            dtype: ipc_dtype(w.a.dtype()),
+            a_bytes: w.a.bytes(),
+            b_bytes: w.b.bytes(),
         })
         .collect();
     pool.store_mut()
@@ -821,4 +826,13 @@ fn host_store_insert(
             &parts,
         )
         .map_err(|e| RuntimeError::Backend(format!("host adapter store: {e}")))
+}
+
+/// The host store's code for a stored dtype.
+fn ipc_dtype(d: crate::adapter::WeightDtype) -> thaw_ipc::DType {
+    match d {
+        crate::adapter::WeightDtype::F32 => thaw_ipc::DType::F32,
+        crate::adapter::WeightDtype::F16 => thaw_ipc::DType::F16,
+        crate::adapter::WeightDtype::Bf16 => thaw_ipc::DType::BF16,
+    }
 }

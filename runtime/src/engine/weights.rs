@@ -150,9 +150,11 @@ impl HostModel {
             for m in LoraModule::ALL {
                 if let Some(l) = adapter.get(i, m) {
                     let (d_in, d_out) = self.config.module_shape(m);
+                    // The stored values, widened exactly: the oracle sees what kernels read.
+                    let (a, b) = (l.a.to_f32(), l.b.to_f32());
                     let lora = thaw_kernels::cpu::LoraRef {
-                        a: &l.a,
-                        b: &l.b,
+                        a: &a,
+                        b: &b,
                         rank: l.rank,
                         scale: l.scale,
                     };

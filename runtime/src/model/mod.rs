@@ -16,5 +16,4 @@ pub use config::{Architecture, ModelConfig};
 pub use error::ModelError;
 pub(crate) use mmap::FileBytes;
 pub use tokenizer::{IncrementalDecoder, Tokenizer};
-pub(crate) use weights::view_to_f32;
 pub use weights::{TensorF32, Weights};

@@ -1,9 +1,7 @@
-//! Adapter residency below the host tier: device slots filled layer by layer, and the copy
-//! engine that streams adapters into them over a (real or emulated) link, demand loads first.
+//! Adapter residency below the host tier: device slots filled layer by layer by the upload
+//! pipeline ([`crate::upload`]), demand loads first, over a (real or emulated) link.
 mod link;
-mod queue;
 mod slot;
 
-pub use link::{CopyEngine, LinkModel};
-pub use queue::{LinkQueue, LoadPriority};
+pub use link::{LinkModel, LoadPriority};
 pub use slot::{layer_bytes, DeviceResidency, LoraSlot};

@@ -79,9 +79,9 @@ impl LoraSlot {
         self.adapter.num_layers()
     }
 
-    /// Bytes the full slot occupies.
+    /// Bytes the full slot occupies (the adapter's stored bytes).
     pub fn bytes(&self) -> usize {
-        self.adapter.size_bytes_f32()
+        self.adapter.size_bytes()
     }
 
     pub fn residency(&self) -> DeviceResidency {
@@ -107,11 +107,11 @@ impl LoraSlot {
     }
 }
 
-/// Bytes of one layer's factors (what crosses the link for that layer), as f32.
+/// Bytes of one layer's factors as stored (what crosses the link for that layer).
 pub fn layer_bytes(adapter: &LoraAdapter, layer: usize) -> usize {
     LoraModule::ALL
         .iter()
         .filter_map(|&m| adapter.get(layer, m))
-        .map(|w| (w.a.len() + w.b.len()) * std::mem::size_of::<f32>())
+        .map(LoraWeights::bytes)
         .sum()
 }

@@ -45,7 +45,7 @@ impl AssistWork {
         let flops_per_row = thaw_runtime::adapter::LoraModule::ALL
             .iter()
             .filter_map(|&m| adapter.get(layer, m))
-            .map(|w| 2.0 * w.rank as f64 * ((w.a.len() + w.b.len()) / w.rank.max(1)) as f64)
+            .map(|w| 2.0 * w.rank as f64 * ((w.a.numel() + w.b.numel()) / w.rank.max(1)) as f64)
             .sum();
         Self { flops_per_row }
     }

@@ -414,7 +414,7 @@ fn build_plan(
                             tier: ColdTier::Streaming {
                                 landed: landed as f64 / layers.max(1) as f64,
                             },
-                            bytes: adapter.size_bytes_f32() as u64,
+                            bytes: adapter.size_bytes() as u64,
                             backlog: engine.backend().link_backlog(),
                             work: AssistWork::of(adapter),
                             prompt_left: pending,

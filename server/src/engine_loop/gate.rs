@@ -33,7 +33,7 @@ pub(super) fn cold_gate(
                 tier: crate::coldstart::ColdTier::Streaming {
                     landed: landed as f64 / layers.max(1) as f64,
                 },
-                bytes: adapter.size_bytes_f32() as u64,
+                bytes: adapter.size_bytes() as u64,
                 backlog: engine.backend().link_backlog(),
                 work: crate::coldstart::AssistWork::of(adapter),
                 prompt_left: pending,

@@ -211,6 +211,16 @@ pub async fn metrics(State(state): State<Arc<AppState>>) -> Response {
         metric_header(&mut out, name, help, kind);
         sample(&mut out, name, &[], v);
     }
+    let name = "thaw_engine_time_seconds_total";
+    metric_header(
+        &mut out,
+        name,
+        "Seconds the engine thread spent, by cause: forward steps, adapter work, scheduling, idle.",
+        "counter",
+    );
+    for c in crate::perf::Cause::ALL {
+        sample(&mut out, name, &[("cause", c.name())], s.time.seconds(c));
+    }
     render_adapters(&mut out, &views);
     crate::metrics_protocol::render(
         &mut out,

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Instant;
 
-use thaw_runtime::adapter::{AdapterError, LoraAdapter};
+use thaw_runtime::adapter::{AdapterError, LoraAdapter, WeightDtype};
 use thaw_runtime::ids::AdapterId;
 use thaw_runtime::model::ModelConfig;
 
@@ -48,10 +48,13 @@ pub fn default_threads() -> usize {
 }
 
 impl Loader {
-    /// Starts `threads` (at least one) reader threads.
+    /// Starts `threads` (at least one) reader threads. `dtype`: the one dtype the backend
+    /// computes adapters in, if it reads only one; each read converts to it on its loader
+    /// thread (see `LoraAdapter::into_dtype`), never on the engine thread.
     pub fn start(
         model: ModelConfig,
         threads: usize,
+        dtype: Option<WeightDtype>,
         done: impl Fn(AdapterId, FetchResult) + Send + Sync + 'static,
     ) -> std::io::Result<Self> {
         let (tx, rx) = crossbeam::channel::unbounded::<FetchJob>();
@@ -63,8 +66,9 @@ impl Loader {
             let spawned = std::thread::Builder::new()
                 .name(format!("thaw-loader-{i}"))
                 .spawn(move || {
+                    thaw_runtime::upload::lower_current_thread_priority();
                     for job in rx {
-                        done(job.id, read(&job, &model));
+                        done(job.id, read(&job, &model, dtype));
                     }
                 });
             match spawned {
@@ -121,16 +125,19 @@ fn shown(job: &FetchJob, p: &Path) -> PathBuf {
     }
 }
 
-fn read(job: &FetchJob, model: &ModelConfig) -> FetchResult {
+fn read(job: &FetchJob, model: &ModelConfig, dtype: Option<WeightDtype>) -> FetchResult {
     let start = Instant::now();
-    let a = read_adapter(job, model)?;
-    if a.size_bytes_f32() as u64 != job.bytes {
+    let mut a = read_adapter(job, model)?;
+    if let Some(d) = dtype {
+        a = a.into_dtype(d);
+    }
+    if a.size_bytes() as u64 != job.bytes {
         return Err(format!(
             "the adapter at {} changed on disk since it was loaded ({} bytes, now {}); load it \
              again under its name",
             shown(job, &job.path).display(),
             job.bytes,
-            a.size_bytes_f32()
+            a.size_bytes()
         ));
     }
     Ok((Arc::new(a), start.elapsed().as_secs_f64()))
@@ -164,21 +171,21 @@ mod tests {
         let root = std::fs::canonicalize(root).unwrap();
         let bytes = LoraAdapter::load(&root.join("a"), &model)
             .unwrap()
-            .size_bytes_f32() as u64;
+            .size_bytes() as u64;
         let job = FetchJob {
             id: AdapterId(7),
             path: root.join("a"),
             root: Some(root.clone()),
             bytes,
         };
-        let (a, _) = read(&job, &model).unwrap();
-        assert_eq!(a.size_bytes_f32() as u64, bytes);
+        let (a, _) = read(&job, &model, None).unwrap();
+        assert_eq!(a.size_bytes() as u64, bytes);
 
         let wrong = FetchJob {
             bytes: bytes + 1,
             ..job.clone()
         };
-        let e = read(&wrong, &model).unwrap_err();
+        let e = read(&wrong, &model, None).unwrap_err();
         assert!(
             e.contains("changed on disk") && e.contains("<lora-root>/a"),
             "{e}"
@@ -186,7 +193,7 @@ mod tests {
 
         std::fs::rename(root.join("a"), tmp.path().join("moved")).unwrap();
         std::os::unix::fs::symlink(&outside, root.join("a")).unwrap();
-        let e = read(&job, &model).unwrap_err();
+        let e = read(&job, &model, None).unwrap_err();
         assert!(
             e.contains("no longer inside the server's --lora-root"),
             "{e}"
@@ -194,7 +201,7 @@ mod tests {
         assert!(e.contains("<lora-root>/a"), "{e}");
         assert!(!e.contains(tmp.path().to_str().unwrap()), "{e}");
         let unconfined = FetchJob { root: None, ..job };
-        assert!(read(&unconfined, &model).is_ok());
+        assert!(read(&unconfined, &model, None).is_ok());
 
         // A file missing at re-read time: named relative to the root.
         std::fs::remove_file(root.join("a")).unwrap();
@@ -204,7 +211,7 @@ mod tests {
             root: Some(root.clone()),
             ..unconfined
         };
-        let e = read(&job, &model).unwrap_err();
+        let e = read(&job, &model, None).unwrap_err();
         assert!(e.contains("<lora-root>/a/adapter_model.safetensors"), "{e}");
         assert!(!e.contains(tmp.path().to_str().unwrap()), "{e}");
     }

@@ -195,8 +195,11 @@ impl MemoryManager {
     /// Forgets an adapter (unloaded, no request left); true if the engine still has it.
     pub fn forget(&mut self, id: AdapterId) -> bool {
         let was = self.pool.remove(id).is_some();
-        if let Some(e) = self.entries.remove(&id) {
+        if let Some(mut e) = self.entries.remove(&id) {
             self.tiers.remove(id, e.place());
+            if let Some(h) = e.host.take() {
+                thaw_runtime::upload::drop_later(h);
+            }
         }
         self.states.remove(&id);
         self.board.remove(id);
@@ -437,7 +440,12 @@ impl MemoryManager {
             if n <= self.cfg.host_max_adapters && b <= self.cfg.host_max_bytes {
                 break;
             }
-            self.update(id, |e| e.host = None);
+            // The host copy is freed on the reaper thread, not the engine thread's.
+            self.update(id, |e| {
+                if let Some(h) = e.host.take() {
+                    thaw_runtime::upload::drop_later(h);
+                }
+            });
             n -= 1;
             b -= bytes;
             self.board

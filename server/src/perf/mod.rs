@@ -4,11 +4,13 @@
 //! every step of the run, and the engine thread's time between steps. There is exactly one:
 //! the cold-start planner, the scheduler (kernel choice, the TPOT cap, request sizes) and
 //! `thaw-bench simulate` (through [`PerfSnapshot`]) all read the same fitted numbers.
+pub mod enginetime;
 mod fit;
 mod model;
 mod snapshot;
 pub mod steplog;
 
+pub use enginetime::{Cause, CauseTimes, EngineTime, Stopwatch};
 pub use fit::{ErrorStat, Sample, StepStats};
 pub use model::{PerfModel, StepShape, Tier};
 pub use snapshot::PerfSnapshot;

@@ -11,6 +11,7 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
 
+use super::enginetime::CauseTimes;
 use super::model::StepShape;
 
 /// One line of the log.
@@ -44,6 +45,10 @@ pub enum LogLine {
         /// previous step. Older logs lack it (false).
         #[serde(default)]
         after_idle: bool,
+        /// The engine thread's time by cause since the previous step line, this step's
+        /// forward included: a stall behind adapter work shows here. Older logs lack it.
+        #[serde(default)]
+        engine_time: Option<CauseTimes>,
     },
     /// A request's first token, Unix seconds.
     First {
@@ -106,6 +111,7 @@ impl StepLog {
         elapsed: f64,
         gap: Option<f64>,
         idle: Option<f64>,
+        engine_time: CauseTimes,
     ) {
         let line = LogLine::Step {
             t: self.unix(started),
@@ -122,6 +128,7 @@ impl StepLog {
             gap_s: gap,
             idle_s: idle,
             after_idle: shape.after_idle,
+            engine_time: Some(engine_time),
         };
         self.write(&line);
     }
@@ -202,6 +209,11 @@ mod tests {
                     0.01,
                     Some(2e-4),
                     Some(0.5),
+                    CauseTimes {
+                        forward_s: 0.01,
+                        adapter_s: i as f64 * 1e-6,
+                        ..Default::default()
+                    },
                 );
             }
             log.first(
@@ -222,19 +234,23 @@ mod tests {
                 bgmv,
                 idle_s,
                 after_idle,
+                engine_time,
                 ..
-            } => assert_eq!(
-                (
-                    *tokens,
-                    *decode,
-                    *rank_rows,
-                    *decode_ctx,
-                    *bgmv,
-                    *idle_s,
-                    *after_idle
-                ),
-                (43, 3, 48, 301, false, Some(0.5), false)
-            ),
+            } => {
+                assert_eq!(
+                    (
+                        *tokens,
+                        *decode,
+                        *rank_rows,
+                        *decode_ctx,
+                        *bgmv,
+                        *idle_s,
+                        *after_idle
+                    ),
+                    (43, 3, 48, 301, false, Some(0.5), false)
+                );
+                assert_eq!(engine_time.unwrap().adapter_s, 1e-6);
+            }
             l => panic!("{l:?}"),
         }
         match &lines[100] {
@@ -266,8 +282,11 @@ mod tests {
         .unwrap();
         match &read(&p).unwrap()[0] {
             LogLine::Step {
-                idle_s, after_idle, ..
-            } => assert_eq!((*idle_s, *after_idle), (None, false)),
+                idle_s,
+                after_idle,
+                engine_time,
+                ..
+            } => assert_eq!((*idle_s, *after_idle, *engine_time), (None, false, None)),
             l => panic!("{l:?}"),
         }
         std::fs::write(&p, "{\"kind\":\"nope\"}\n").unwrap();

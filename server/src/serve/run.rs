@@ -129,7 +129,11 @@ impl Server {
                     latency_us: cold_cfg.emulated_link_latency_us,
                 };
                 let device = cold_cfg.device.resolve()?;
-                let backend = AnyBackend::new(&device, &model.config, link)?;
+                // The upload arena is allocated (and pinned) once, here, sized like the host
+                // tier: loader threads write adapters into it, the copy thread drains it.
+                let arena = usize::try_from(cold_cfg.max_cpu_lora_bytes).unwrap_or(usize::MAX);
+                let backend =
+                    AnyBackend::new(&device, &model.config, link)?.with_upload_arena(arena)?;
                 // On CUDA (a device that reports its memory), --gpu-memory-utilization sizes
                 // the pool from a memory profile unless --num-gpu-blocks-override is given.
                 let sizing = cold_cfg
@@ -237,6 +241,7 @@ impl Server {
                 unload_wait: config.unload_timeout,
                 device_budget_bytes: (sched.total_blocks * block_bytes) as u64,
                 fixed_slots: config.adapter_eviction == EvictionPolicy::FixedSlots,
+                lora_dtype: engine.stats.lora_dtype.get().copied(),
             },
             metrics.clone(),
         ));
@@ -556,7 +561,7 @@ mod tests {
         let footprint = thaw_ipc::HostStore::footprint(
             config.num_layers as u32,
             a.iter()
-                .map(|(_, _, w)| ((w.a.len() * 4) as u64, (w.b.len() * 4) as u64)),
+                .map(|(_, _, w)| (w.a.bytes().len() as u64, w.b.bytes().len() as u64)),
         );
         assert_eq!(host_store_bytes(&config, 16, 1), footprint);
         assert_eq!(host_store_bytes(&config, 16, 3), 3 * footprint);

@@ -12,11 +12,12 @@ use cudarc::driver::{CudaSlice, CudaStream};
 use thaw_kernels::cpu::{KvLayout, RopeTable};
 
 use super::encode::encode;
-use super::launch::copy_htod_async;
 use super::launch::{AttnShape, Gpu};
 use super::step::{AttnMeta, DevVec, LoraMeta};
+use super::upload::{CudaCopy, LayerLanding};
 use super::weights::{
-    pack_lora, plan_lora, upload_bytes, upload_lora, CudaLinear, CudaLora, CudaVector,
+    finish_lora, plan_lora, upload_bytes, upload_lora, weight_dtype, CudaLinear, CudaLora,
+    CudaVector,
 };
 use super::{CudaError, DType};
 use crate::adapter::{LoraAdapter, LoraModule};
@@ -24,6 +25,8 @@ use crate::backend::{Backend, LinearDims, LoraBatch, LoraKernel, StepLayout};
 use crate::error::Result;
 use crate::ids::LayerIdx;
 use crate::model::ModelConfig;
+use crate::residency::LoadPriority;
+use crate::upload::{Upload, UploadPipeline};
 
 /// Device, dtypes.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -86,7 +89,8 @@ pub struct CudaBackend {
     /// Which step adapters the current LoRA metadata treats as on the device.
     lora_on_device: Vec<bool>,
     on_device_scratch: Vec<bool>,
-    copy: Option<Arc<CudaStream>>,
+    /// The upload pipeline adapters stream through (see [`CudaBackend::start_upload`]).
+    upload: Option<UploadPipeline<CudaCopy>>,
     pub(super) export_counter: CudaSlice<u32>,
     /// The worker pool's exchange, registered for the engine's assist path.
     pub(super) assist_ex: Option<super::exchange::EngineExchange>,
@@ -133,7 +137,7 @@ impl CudaBackend {
             host_rows: DevVec::new(),
             lora_on_device: Vec::new(),
             on_device_scratch: Vec::new(),
-            copy: None,
+            upload: None,
             export_counter,
             assist_ex: None,
             row_list: Vec::new(),
@@ -495,44 +499,58 @@ impl CudaBackend {
         }
     }
 
-    fn try_stream_lora(&mut self, adapter: &LoraAdapter) -> Result<CudaLora, CudaError> {
+    /// The upload pipeline, started (arena allocated and registered) on first use unless
+    /// [`CudaBackend::start_upload`] did it at start-up.
+    fn upload(&mut self) -> Result<&UploadPipeline<CudaCopy>> {
+        if self.upload.is_none() {
+            self.start_upload(DEFAULT_UPLOAD_ARENA)?;
+        }
+        Ok(self.upload.as_ref().expect("started above"))
+    }
+
+    /// Allocates the pinned upload arena (`bytes`, `--max-cpu-lora-bytes`), registers it with
+    /// the driver once, and starts the pipeline's threads.
+    pub fn start_upload(&mut self, bytes: usize) -> Result<()> {
+        let copy = CudaCopy::new(&self.gpu.ctx)?;
+        self.upload = Some(UploadPipeline::start(copy, bytes, UPLOAD_LOADERS)?);
+        Ok(())
+    }
+
+    /// Queues `adapter` on the upload pipeline. Here, on the engine thread: its layout
+    /// (O(layers)), a device allocation and the descriptor table; loader threads write its
+    /// bytes into the arena (in the weight dtype, converted there if the loader did not) and
+    /// the copy thread lands its layers.
+    fn try_stream_lora(
+        &mut self,
+        adapter: &Arc<LoraAdapter>,
+        class: LoadPriority,
+    ) -> Result<CudaLora> {
         let dt = self.gpu.weight_dtype;
         let plan = plan_lora(adapter, dt);
-        // Page-locked, portable, not write-combined staging: the DMA source.
-        // SAFETY: the allocation is fully written by pack_lora before any copy reads it.
-        let mut staging = unsafe {
-            self.gpu.ctx.alloc_pinned_with_flags::<u8>(
-                plan.total,
-                cudarc::driver::sys::CU_MEMHOSTALLOC_PORTABLE,
-            )
-        }?;
-        pack_lora(adapter, dt, &plan, staging.as_mut_slice()?);
-        let copy = match &self.copy {
-            Some(c) => c.clone(),
-            None => {
-                let c = self.gpu.ctx.new_stream()?;
-                self.copy = Some(c.clone());
-                c
-            }
-        };
-        let mut weights = copy.alloc_zeros::<u8>(plan.total)?;
-        let src = staging.as_ptr()?;
-        let mut events = Vec::with_capacity(plan.n_layers);
-        for l in 0..plan.n_layers {
-            let (start, end) = plan.layer_range(l);
-            if end > start {
-                // SAFETY: `staging` is page-locked, holds plan.total bytes and moves into the
-                // returned CudaLora, whose Drop waits for the last event before freeing it;
-                // `weights` holds plan.total bytes.
-                unsafe {
-                    copy_htod_async(&copy, &mut weights, start, src.add(start), end - start)
-                }?;
-            }
-            events.push(copy.record_event(None)?);
-        }
-        plan.finish(&self.gpu.stream, weights, events, Some(staging))
+        let stream = self.gpu.stream.clone();
+        let pipeline = self.upload()?;
+        let weights = Arc::new(pipeline.device().alloc(plan.total)?);
+        let landing = Arc::new(LayerLanding::default());
+        let lora = finish_lora(&plan, &stream, weights.clone(), Some(landing.clone()))?;
+        pipeline.submit(
+            Upload {
+                adapter: adapter.clone(),
+                layout: plan,
+                dtype: Some(weight_dtype(dt)),
+                dst: weights,
+                landing,
+            },
+            class,
+        )?;
+        Ok(lora)
     }
 }
+
+/// Arena of a pipeline started on first use: the default `--max-cpu-lora-bytes`.
+const DEFAULT_UPLOAD_ARENA: usize = 4 << 30;
+
+/// Loader threads of the CUDA backend's upload pipeline.
+const UPLOAD_LOADERS: usize = 2;
 
 /// Runs `$body` (a `Result<(), CudaError>`) unless an earlier op failed; keeps its error.
 macro_rules! op {
@@ -605,11 +623,25 @@ impl Backend for CudaBackend {
     }
 
     fn stream_lora(&mut self, adapter: Arc<LoraAdapter>) -> Result<CudaLora> {
-        Ok(self.try_stream_lora(&adapter)?)
+        self.try_stream_lora(&adapter, LoadPriority::Demand)
+    }
+
+    fn prefetch_lora(&mut self, adapter: Arc<LoraAdapter>) -> Result<CudaLora> {
+        self.try_stream_lora(&adapter, LoadPriority::Prefetch)
+    }
+
+    fn promote_lora(&mut self, lora: &CudaLora) {
+        if let (Some(u), Some(l)) = (&self.upload, &lora.landing) {
+            u.promote(l);
+        }
     }
 
     fn landed_layers(&self, lora: &CudaLora) -> usize {
         lora.landed_layers()
+    }
+
+    fn lora_dtype(&self) -> Option<crate::adapter::WeightDtype> {
+        Some(super::weights::weight_dtype(self.gpu.weight_dtype))
     }
 
     fn alloc_kv_layer(&self, layout: KvLayout, num_blocks: usize) -> Result<CudaKvLayer> {

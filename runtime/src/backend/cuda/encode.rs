@@ -2,37 +2,14 @@
 //! spread over the host's cores. On an H100 host the old per-element `flat_map` into a fresh
 //! `Vec` packed a rank-64 adapter at 0.8 GB/s against a 55 GB/s link: the host, not PCIe, was
 //! the cold start's bottleneck, and it ran on the engine thread.
-use half::{bf16, f16};
-
 use super::DType;
 
 /// Elements below which one thread converts alone (spawning costs more than it saves).
 const PARALLEL_MIN: usize = 1 << 20;
 
-/// Writes `src` in `dt` into `dst` (`src.len() * dt.size()` bytes).
+/// Writes `src` in `dt` into `dst` (`src.len() * dt.size()` bytes): the adapters' encoder.
 pub(super) fn encode_into(src: &[f32], dt: DType, dst: &mut [u8]) {
-    assert_eq!(
-        dst.len(),
-        src.len() * dt.size(),
-        "encode_into: size mismatch"
-    );
-    match dt {
-        DType::F32 => {
-            for (d, &x) in dst.chunks_exact_mut(4).zip(src) {
-                d.copy_from_slice(&x.to_le_bytes());
-            }
-        }
-        DType::Bf16 => {
-            for (d, &x) in dst.chunks_exact_mut(2).zip(src) {
-                d.copy_from_slice(&bf16::from_f32(x).to_le_bytes());
-            }
-        }
-        DType::F16 => {
-            for (d, &x) in dst.chunks_exact_mut(2).zip(src) {
-                d.copy_from_slice(&f16::from_f32(x).to_le_bytes());
-            }
-        }
-    }
+    crate::adapter::encode_into(src, super::weights::weight_dtype(dt), dst);
 }
 
 fn threads() -> usize {
@@ -86,6 +63,7 @@ pub(super) fn encode_jobs(jobs: Vec<(&[f32], &mut [u8])>, dt: DType) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use half::{bf16, f16};
 
     #[test]
     fn parallel_encode_matches_the_scalar_conversion() {

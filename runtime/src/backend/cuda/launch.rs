@@ -905,9 +905,11 @@ pub(super) unsafe fn host_unregister(ctx: &CudaContext, ptr: *mut u8) {
 /// # Safety
 /// `src..src+len` must be page-locked host memory that stays valid and unchanged until the copy
 /// completes (the caller records an event after it), and `dst` must hold at least `len` bytes.
+/// `dst` is shared: the caller guarantees no kernel reads the bytes written before the copy's
+/// event completed (the upload pipeline publishes a layer only after its event).
 pub(super) unsafe fn copy_htod_async(
     stream: &CudaStream,
-    dst: &mut CudaSlice<u8>,
+    dst: &CudaSlice<u8>,
     dst_off: usize,
     src: *const u8,
     len: usize,

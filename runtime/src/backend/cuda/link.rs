@@ -55,6 +55,10 @@ impl GpuExtras for CudaBackend {
         CudaBackend::check(self)
     }
 
+    fn start_upload(&mut self, bytes: usize) -> Result<()> {
+        CudaBackend::start_upload(self, bytes)
+    }
+
     fn memory_info(&self) -> Result<(u64, u64)> {
         // Waits for queued work first, so frees and allocations already issued are counted.
         self.stream().synchronize().map_err(CudaError::from)?;

@@ -1,7 +1,7 @@
 //! The CUDA backend (feature `cuda`): the [`Backend`](super::Backend) ops as NVRTC-compiled
 //! kernels from `thaw_kernels::cuda` plus cuBLAS GEMMs, on one compute stream; CPU-assist
-//! export / merge against the mapped exchange segment; layer-wise adapter streaming from the
-//! pinned host store on a copy stream.
+//! export / merge against the mapped exchange segment; layer-wise adapter streaming through
+//! the upload pipeline ([`crate::upload`]) on a copy stream of its own.
 //!
 //! cudarc loads libcuda, libnvrtc and libcublas at run time, so this builds with no CUDA
 //! installed; [`cuda_available`] checks for the driver before any CUDA call (cudarc panics on
@@ -16,7 +16,7 @@
 //! | `step.rs` | per-step device metadata (slots, block tables, segments), uploaded once per step |
 //! | `weights.rs` | weights, norms and LoRA descriptor tables on the device |
 //! | `exchange.rs` | fused export and stream-waited merge (CPU assist) |
-//! | `stream.rs` | pinned host store, layer-wise adapter streaming with per-layer events |
+//! | `upload.rs` | the upload pipeline's copy device: registered arena, copy stream, events |
 mod backend;
 mod encode;
 mod exchange;
@@ -25,15 +25,15 @@ mod launch;
 mod link;
 mod sgmv;
 mod step;
-mod stream;
+mod upload;
 mod weights;
 
 pub use backend::{CudaBackend, CudaConfig, CudaKvLayer};
 pub use exchange::MappedExchange;
 pub use flash::{AttnImpl, ATTN_IMPL_ENV};
 pub use sgmv::{LoraImpl, LORA_IMPL_ENV};
-pub use stream::{PinnedHostRegion, StreamingLora};
 pub use thaw_kernels::cuda::registry::DType;
+pub use upload::{CudaCopy, LayerLanding};
 pub use weights::{CudaLinear, CudaLora, CudaVector};
 
 use crate::error::RuntimeError;

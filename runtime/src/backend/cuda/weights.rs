@@ -3,15 +3,14 @@
 //! the SGMV / BGMV kernels index, so per-step metadata only names adapters, never factors.
 use std::sync::Arc;
 
-use std::sync::atomic::{AtomicUsize, Ordering};
-
 use bytemuck::{Pod, Zeroable};
-use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DeviceRepr, PinnedHostSlice};
+use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr};
 
 use super::encode::encode_jobs;
 use super::launch::dptr;
+use super::upload::LayerLanding;
 use super::{CudaError, DType};
-use crate::adapter::{LoraAdapter, LoraModule};
+use crate::adapter::{LoraAdapter, LoraModule, LoraTensor, WeightDtype};
 
 /// A `[d_out, d_in]` matrix (or the embedding table) with an optional bias.
 pub struct CudaLinear {
@@ -47,27 +46,16 @@ unsafe impl DeviceRepr for LoraSlot {}
 /// One adapter on the device.
 pub struct CudaLora {
     /// All factors, each 256-byte aligned.
-    pub(super) _weights: CudaSlice<u8>,
+    pub(super) _weights: Arc<CudaSlice<u8>>,
     /// `[n_layers * 7]` LoraSlot.
     pub(super) _table: CudaSlice<LoraSlot>,
     /// Host copy of the ranks, `[layer][module]` (0 = not targeted).
     pub(super) ranks: Vec<[u32; 7]>,
     pub(super) table_addr: u64,
-    /// Streamed adapters: one event per layer on the copy stream (empty = all resident).
-    pub(super) events: Vec<CudaEvent>,
-    /// Layers seen landed so far (a cache of the event polls).
-    pub(super) landed: AtomicUsize,
-    /// Page-locked source of a streamed adapter's copies, kept until they complete.
-    pub(super) _staging: Option<PinnedHostSlice<u8>>,
-}
-
-impl Drop for CudaLora {
-    fn drop(&mut self) {
-        // In-flight copies read `staging` and write `weights`: let them finish first.
-        if let Some(last) = self.events.last() {
-            let _ = last.synchronize();
-        }
-    }
+    /// A streamed adapter's landed layers, published by the upload pipeline's copy thread
+    /// after each layer's event (`None`: every layer resident). The pipeline holds `weights`
+    /// too until its last copy completed, so dropping this never frees memory a copy writes.
+    pub(super) landing: Option<Arc<LayerLanding>>,
 }
 
 impl CudaLora {
@@ -80,17 +68,11 @@ impl CudaLora {
         self.ranks.len()
     }
 
-    /// Layers `0..n` are on the device (polls the per-layer copy events; never blocks).
+    /// Layers `0..n` are on the device (an atomic the copy thread publishes; never blocks).
     pub fn landed_layers(&self) -> usize {
-        if self.events.is_empty() {
-            return self.ranks.len();
-        }
-        let mut n = self.landed.load(Ordering::Acquire);
-        while n < self.events.len() && self.events[n].is_complete() {
-            n += 1;
-        }
-        self.landed.store(n, Ordering::Release);
-        n
+        self.landing
+            .as_ref()
+            .map_or(self.ranks.len(), |l| l.landed())
     }
 }
 
@@ -105,143 +87,98 @@ pub(super) fn upload_bytes(
     Ok(stream.clone_htod(bytes)?)
 }
 
-fn align(x: usize) -> usize {
-    x.next_multiple_of(256)
-}
+/// Where each factor of an adapter goes in its single device allocation (the upload
+/// pipeline's image layout).
+pub(super) use crate::upload::{ImageLayout as LoraPlan, Placed};
 
-/// One (layer, module) pair of factors in an adapter's device allocation.
-#[derive(Copy, Clone, Debug)]
-pub(super) struct Placed {
-    pub layer: usize,
-    pub module: LoraModule,
-    pub rank: u32,
-    pub scale: f32,
-    /// Byte offsets of A and B.
-    pub a_off: usize,
-    pub b_off: usize,
-    pub b_len: usize,
-}
-
-/// Where each factor of an adapter goes in its single device allocation.
-pub(super) struct LoraPlan {
-    pub entries: Vec<Placed>,
-    pub total: usize,
-    pub n_layers: usize,
-}
-
-impl LoraPlan {
-    pub fn new(
-        n_layers: usize,
-        factors: impl Iterator<Item = (usize, LoraModule, u32, f32, usize, usize)>,
-    ) -> Self {
-        let mut entries = Vec::new();
-        let mut off = 0;
-        for (layer, m, rank, scale, a_len, b_len) in factors {
-            let a_off = off;
-            let b_off = align(a_off + a_len);
-            off = align(b_off + b_len);
-            entries.push(Placed {
-                layer,
-                module: m,
-                rank,
-                scale,
-                a_off,
-                b_off,
-                b_len,
-            });
-        }
-        Self {
-            entries,
-            total: off.max(256),
-            n_layers,
-        }
-    }
-
-    /// Bytes of layer `l`'s factors: `[start, end)` in the allocation (empty if none).
-    pub fn layer_range(&self, l: usize) -> (usize, usize) {
-        let mut it = self.entries.iter().filter(|e| e.layer == l);
-        let Some(first) = it.next() else {
-            return (0, 0);
-        };
-        let last = it.next_back().unwrap_or(first);
-        (first.a_off, last.b_off + last.b_len)
-    }
-
-    /// Uploads the descriptor table for factors placed in `weights` as planned.
-    pub fn finish(
-        &self,
-        stream: &Arc<CudaStream>,
-        weights: CudaSlice<u8>,
-        events: Vec<CudaEvent>,
-        staging: Option<PinnedHostSlice<u8>>,
-    ) -> Result<CudaLora, CudaError> {
-        let base = dptr(&weights, stream);
-        let mut slots = vec![LoraSlot::default(); self.n_layers.max(1) * 7];
-        let mut ranks = vec![[0u32; 7]; self.n_layers];
-        for &Placed {
-            layer,
-            module: m,
+/// Uploads the descriptor table for factors placed in `weights` as `plan` places them;
+/// `landing` tracks a streamed adapter's layers (`None`: every layer resident).
+pub(super) fn finish_lora(
+    plan: &LoraPlan,
+    stream: &Arc<CudaStream>,
+    weights: Arc<CudaSlice<u8>>,
+    landing: Option<Arc<LayerLanding>>,
+) -> Result<CudaLora, CudaError> {
+    let base = dptr(&*weights, stream);
+    let mut slots = vec![LoraSlot::default(); plan.n_layers.max(1) * 7];
+    let mut ranks = vec![[0u32; 7]; plan.n_layers];
+    for &Placed {
+        layer,
+        module: m,
+        rank,
+        scale,
+        a_off,
+        b_off,
+        ..
+    } in &plan.entries
+    {
+        slots[layer * 7 + m.index()] = LoraSlot {
+            a: base + a_off as u64,
+            b: base + b_off as u64,
             rank,
             scale,
-            a_off,
-            b_off,
-            ..
-        } in &self.entries
-        {
-            slots[layer * 7 + m.index()] = LoraSlot {
-                a: base + a_off as u64,
-                b: base + b_off as u64,
-                rank,
-                scale,
-                reserved: 0,
-            };
-            ranks[layer][m.index()] = rank;
-        }
-        let table = stream.clone_htod(&slots)?;
-        let table_addr = dptr(&table, stream);
-        Ok(CudaLora {
-            _weights: weights,
-            _table: table,
-            ranks,
-            table_addr,
-            events,
-            landed: AtomicUsize::new(0),
-            _staging: staging,
-        })
+            reserved: 0,
+        };
+        ranks[layer][m.index()] = rank;
     }
+    let table = stream.clone_htod(&slots)?;
+    let table_addr = dptr(&table, stream);
+    Ok(CudaLora {
+        _weights: weights,
+        _table: table,
+        ranks,
+        table_addr,
+        landing,
+    })
 }
 
 /// The plan for a host adapter in `dt`: factors layer by layer, layer 0 first.
 pub(super) fn plan_lora(adapter: &LoraAdapter, dt: DType) -> LoraPlan {
-    let es = dt.size();
-    LoraPlan::new(
-        adapter.num_layers(),
-        adapter
-            .iter()
-            .map(|(l, m, w)| (l, m, w.rank as u32, w.scale, w.a.len() * es, w.b.len() * es)),
-    )
+    LoraPlan::of(adapter, Some(weight_dtype(dt)))
 }
 
-/// Writes `adapter`'s factors in `dt` into `host` (`plan.total` bytes) as `plan` places them,
-/// converting on all cores.
+/// The runtime's name for a kernel dtype.
+pub(super) fn weight_dtype(dt: DType) -> WeightDtype {
+    match dt {
+        DType::F32 => WeightDtype::F32,
+        DType::F16 => WeightDtype::F16,
+        DType::Bf16 => WeightDtype::Bf16,
+    }
+}
+
+/// Writes `adapter`'s factors in `dt` into `host` (`plan.total` bytes) as `plan` places them:
+/// a copy of the stored bytes where they are in `dt` already (the loader converted them), a
+/// conversion otherwise.
 pub(super) fn pack_lora(adapter: &LoraAdapter, dt: DType, plan: &LoraPlan, host: &mut [u8]) {
-    let mut regions: Vec<(usize, &[f32])> = Vec::with_capacity(2 * plan.entries.len());
+    let mut regions: Vec<(usize, &LoraTensor)> = Vec::with_capacity(2 * plan.entries.len());
     for ((_, _, w), p) in adapter.iter().zip(&plan.entries) {
         regions.push((p.a_off, &w.a));
         regions.push((p.b_off, &w.b));
     }
     regions.sort_by_key(|r| r.0);
     // Carve `host` into the regions' disjoint destinations, in offset order.
-    let mut jobs = Vec::with_capacity(regions.len());
+    let want = weight_dtype(dt);
+    let mut widened: Vec<(Vec<f32>, &mut [u8])> = Vec::new();
     let (mut rest, mut at) = (host, 0usize);
     for (off, src) in regions {
+        let len = src.numel() * dt.size();
         let (_, tail) = std::mem::take(&mut rest).split_at_mut(off - at);
-        let (dst, tail) = tail.split_at_mut(src.len() * dt.size());
-        jobs.push((src, dst));
+        let (dst, tail) = tail.split_at_mut(len);
+        if src.dtype() == want {
+            dst.copy_from_slice(src.bytes());
+        } else {
+            widened.push((src.to_f32(), dst));
+        }
         rest = tail;
-        at = off + src.len() * dt.size();
+        at = off + len;
     }
-    encode_jobs(jobs, dt);
+    encode_jobs(
+        widened
+            .iter_mut()
+            .map(|(s, d)| (&s[..], &mut **d))
+            .collect(),
+        dt,
+    );
 }
 
 /// Converts a host adapter to `dt` and uploads it (synchronously on `stream`).
@@ -254,5 +191,5 @@ pub(super) fn upload_lora(
     let mut host = vec![0u8; plan.total];
     pack_lora(adapter, dt, &plan, &mut host);
     let weights = upload_bytes(stream, &host)?;
-    plan.finish(stream, weights, Vec::new(), None)
+    finish_lora(&plan, stream, Arc::new(weights), None)
 }

@@ -1,0 +1,542 @@
+//! `thaw-bench upload-stall`: does loading cold adapters slow the requests already running?
+//!
+//! A batch of decoding requests runs step after step on the CPU backend (emulated link). In
+//! *quiet* rounds nothing else happens; in *loading* rounds a distinct cold adapter is
+//! registered every `--every` steps, from the host tier (already in memory) or from disk (a
+//! loader thread reads it, as the server's does). A step counts as "loading" when an adapter
+//! is being read or is still landing as it starts, "quiet" otherwise. The engine thread's time is charged by
+//! cause with the server's own stopwatch ([`thaw_server::perf::Stopwatch`]): "adapter" is
+//! what registering costs the engine thread, which with the upload pipeline is O(layers),
+//! not O(bytes). Rounds alternate (quiet, loading, quiet, …) so drift hits both alike.
+//!
+//! `--pack-on-engine` adds the old CUDA path for contrast: the engine thread itself copies
+//! every byte of the adapter into a staging buffer before queueing it (what `try_stream_lora`
+//! did), so its stall shows on the CPU too. Figures are CPU-backend figures with an emulated
+//! link; the table says so.
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::Context;
+use thaw_runtime::adapter::LoraAdapter;
+use thaw_runtime::backend::cpu::CpuBackend;
+use thaw_runtime::backend::cpu_par::CpuThreads;
+use thaw_runtime::engine::{Engine, EngineConfig, HostModel, PlanItem, SequenceParams, StepPlan};
+use thaw_runtime::ids::{AdapterId, SeqId};
+use thaw_runtime::residency::LinkModel;
+use thaw_runtime::sampling::SamplingParams;
+use thaw_server::gen::{self, GenAdaptersOptions, GenModelOptions, Projection};
+use thaw_server::perf::{Cause, EngineTime, Stopwatch};
+
+/// Options of `thaw-bench upload-stall`.
+#[derive(clap::Args, Clone, Debug)]
+pub struct UploadStallArgs {
+    /// Model preset.
+    #[arg(long, default_value = "small")]
+    pub preset: String,
+    /// LoRA rank of the cold adapters (all seven projections).
+    #[arg(long, default_value_t = 512)]
+    pub rank: usize,
+    /// Ranks to compare (comma-separated); overrides --rank. The adapter work per adapter
+    /// stays flat across ranks when it is O(layers).
+    #[arg(long, value_delimiter = ',')]
+    pub ranks: Vec<usize>,
+    /// Stored dtype of the generated adapters: f32, f16 or bf16.
+    #[arg(long, default_value = "bf16")]
+    pub dtype: String,
+    /// Requests decoding in the background (one row each per step).
+    #[arg(long, default_value_t = 4)]
+    pub running: usize,
+    /// Steps per round.
+    #[arg(long, default_value_t = 48)]
+    pub steps: usize,
+    /// Rounds of each kind (quiet and loading alternate).
+    #[arg(long, default_value_t = 4)]
+    pub rounds: usize,
+    /// A cold adapter is registered every this many steps of a loading round.
+    #[arg(long, default_value_t = 4)]
+    pub every: usize,
+    /// Emulated host → device link, GB/s.
+    #[arg(long, default_value_t = 25.0)]
+    pub emulated_link_gbps: f64,
+    /// Threads the CPU backend computes the forward on. One leaves the other cores to the
+    /// pipeline's loader and copy threads, as a GPU server's engine thread leaves the host's.
+    #[arg(long, default_value_t = 1)]
+    pub compute_threads: usize,
+    /// Also run the old path: the engine thread copies every byte before queueing.
+    #[arg(long)]
+    pub pack_on_engine: bool,
+    /// Also run with a CPU LoRA worker attached (what `cpu-assist` and `auto` run with):
+    /// registering a streaming adapter then also copies it into the workers' host store.
+    #[arg(long)]
+    pub with_workers: bool,
+    /// Where to generate the model and adapters (reused when present).
+    #[arg(long)]
+    pub workdir: Option<PathBuf>,
+    /// A seconds-long version (tiny model, rank 16) for the test suite.
+    #[arg(long)]
+    pub quick: bool,
+}
+
+/// Where a loading round's adapters come from.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+enum Source {
+    /// In host memory already: registering is the whole cold start.
+    Host,
+    /// Read from disk by a loader thread, then registered.
+    Disk,
+    /// Host tier, the engine thread copying every byte first (the old CUDA path).
+    PackOnEngine,
+    /// Host tier, with a CPU LoRA worker pool attached (its host store takes a copy).
+    Workers,
+}
+
+impl Source {
+    fn name(self) -> &'static str {
+        match self {
+            Source::Host => "host tier",
+            Source::Disk => "disk",
+            Source::PackOnEngine => "host, pack on engine thread",
+            Source::Workers => "host, CPU workers attached",
+        }
+    }
+}
+
+/// Step times of the steps that ran while adapters loaded (or not), and the adapter work.
+#[derive(Default, Debug, Clone)]
+struct Phase {
+    step_s: Vec<f64>,
+    adapter_s: f64,
+    adapter_cpu_s: f64,
+    loads: usize,
+}
+
+impl Phase {
+    fn mean(&self) -> f64 {
+        self.step_s.iter().sum::<f64>() / self.step_s.len().max(1) as f64
+    }
+
+    fn p50(&self) -> f64 {
+        let mut v = self.step_s.clone();
+        v.sort_by(f64::total_cmp);
+        v.get(v.len() / 2).copied().unwrap_or(0.0)
+    }
+}
+
+/// One table row.
+#[derive(Debug, Clone)]
+pub struct StallRow {
+    pub rank: usize,
+    pub source: &'static str,
+    pub adapter_mb: f64,
+    pub layers: usize,
+    pub loads: usize,
+    pub adapter_us_per_load: f64,
+    pub adapter_us_per_layer: f64,
+    /// The engine thread's CPU time in adapter work, per load.
+    pub adapter_cpu_us_per_load: f64,
+    pub quiet_tpot_ms: f64,
+    pub loading_tpot_ms: f64,
+    pub quiet_p50_ms: f64,
+    pub loading_p50_ms: f64,
+    /// Steps that ran quiet, and while adapters loaded.
+    pub steps: (usize, usize),
+}
+
+impl StallRow {
+    /// Relative change of the mean TPOT while adapters load.
+    pub fn tpot_change(&self) -> f64 {
+        self.loading_tpot_ms / self.quiet_tpot_ms - 1.0
+    }
+}
+
+fn dtype(name: &str) -> anyhow::Result<gen::WeightDtype> {
+    Ok(match name {
+        "f32" => gen::WeightDtype::F32,
+        "f16" => gen::WeightDtype::F16,
+        "bf16" => gen::WeightDtype::Bf16,
+        _ => anyhow::bail!("unknown --dtype {name}; use f32, f16 or bf16"),
+    })
+}
+
+fn prepare(
+    args: &UploadStallArgs,
+    root: &Path,
+    rank: usize,
+    count: usize,
+) -> anyhow::Result<(HostModel, Vec<PathBuf>)> {
+    let preset =
+        gen::preset(&args.preset).with_context(|| format!("unknown --preset {}", args.preset))?;
+    let model_dir = root.join(format!("model-{}", args.preset));
+    if !model_dir.join("config.json").exists() {
+        gen::write_model(&preset, &model_dir, &GenModelOptions::default())?;
+    }
+    let dir = root.join(format!(
+        "adapters-{}-r{rank}-{}-all-{count}",
+        args.preset, args.dtype
+    ));
+    let mut dirs: Vec<PathBuf> = if dir.exists() {
+        std::fs::read_dir(&dir)?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .collect()
+    } else {
+        Vec::new()
+    };
+    if dirs.len() != count {
+        let _ = std::fs::remove_dir_all(&dir);
+        eprintln!(
+            "generating {count} rank-{rank} adapters into {}",
+            dir.display()
+        );
+        dirs = gen::write_adapters(&GenAdaptersOptions {
+            model_dir: model_dir.clone(),
+            out_dir: dir,
+            count,
+            ranks: vec![rank],
+            targets: Projection::ALL.to_vec(),
+            dtype: Some(dtype(&args.dtype)?),
+            ..Default::default()
+        })?;
+    }
+    dirs.sort();
+    Ok((HostModel::load(&model_dir)?, dirs))
+}
+
+/// Runs the background batch through quiet and loading rounds for one source.
+fn run_source(
+    args: &UploadStallArgs,
+    model: &HostModel,
+    dirs: &[PathBuf],
+    host: &[Arc<LoraAdapter>],
+    source: Source,
+) -> anyhow::Result<(Phase, Phase)> {
+    let link = LinkModel {
+        gbps: args.emulated_link_gbps,
+        latency_us: LinkModel::default().latency_us,
+    };
+    let backend =
+        CpuBackend::with_threads(&model.config, CpuThreads::unpinned(args.compute_threads))?
+            .with_link(link)
+            .with_upload_arena(
+                2 * host.iter().map(|a| a.size_bytes()).max().unwrap_or(0) + (64 << 20),
+            )?;
+    let cfg = EngineConfig {
+        num_kv_blocks: 2048,
+        ..Default::default()
+    };
+    let mut e = Engine::new(backend, model.clone(), cfg)?;
+    if source == Source::Workers {
+        e.attach_pool(worker_pool(model, host)?)?;
+    }
+    let total_steps = 2 * args.rounds * args.steps + 1;
+    let mut plan = StepPlan::default();
+    for i in 0..args.running {
+        let id = SeqId(i as u64 + 1);
+        e.add_sequence(
+            id,
+            SequenceParams {
+                prompt: (0..16).map(|t| (t * 7 + i as u32) % 100 + 3).collect(),
+                sampling: SamplingParams::default(),
+                max_new_tokens: total_steps + 32,
+                ignore_eos: true,
+                ..Default::default()
+            },
+        )?;
+        plan.items.push(PlanItem {
+            seq: id,
+            num_tokens: 16,
+        });
+    }
+    e.step(&plan)?; // prefill
+    for it in &mut plan.items {
+        it.num_tokens = 1;
+    }
+    // Disk reads on a loader thread, handed over as the server's loader does.
+    let (tx, rx) = std::sync::mpsc::channel::<(usize, Arc<LoraAdapter>)>();
+    let (job_tx, job_rx) = std::sync::mpsc::channel::<usize>();
+    let loader = {
+        let (dirs, config) = (dirs.to_vec(), model.config.clone());
+        std::thread::spawn(move || {
+            thaw_runtime::upload::lower_current_thread_priority();
+            for i in job_rx {
+                if let Ok(a) = LoraAdapter::load(&dirs[i], &config) {
+                    let _ = tx.send((i, Arc::new(a)));
+                }
+            }
+        })
+    };
+    let mut clock = Clock::new();
+    let (mut quiet, mut loading) = (Phase::default(), Phase::default());
+    let mut next = 0usize;
+    let mut ids = 1000u32..;
+    let mut live: Vec<AdapterId> = Vec::new();
+    let mut pending = 0usize;
+    let mut staging: Vec<u8> = Vec::new();
+    for round in 0..2 * args.rounds {
+        let is_loading = round % 2 == 1;
+        for s in 0..args.steps {
+            if is_loading && s % args.every == 0 {
+                match source {
+                    Source::Disk => {
+                        job_tx.send(next % dirs.len())?;
+                        pending += 1;
+                    }
+                    Source::Host | Source::PackOnEngine | Source::Workers => {
+                        clock.switch(Cause::Adapter);
+                        let a = host[next % host.len()].clone();
+                        if source == Source::PackOnEngine {
+                            pack(&a, &mut staging);
+                        }
+                        let id = AdapterId(ids.next().expect("unbounded"));
+                        e.register_adapter_streaming(id, a)?;
+                        live.push(id);
+                        clock.switch(Cause::Schedule);
+                    }
+                }
+                next += 1;
+                loading.loads += 1;
+            }
+            while let Ok((_, a)) = rx.try_recv() {
+                pending -= 1;
+                clock.switch(Cause::Adapter);
+                let id = AdapterId(ids.next().expect("unbounded"));
+                e.register_adapter_streaming(id, a)?;
+                live.push(id);
+                clock.switch(Cause::Schedule);
+            }
+            // Adapters fully landed leave again (the cache would evict them later): keeps
+            // memory flat over a long run. Evicting is adapter work too.
+            clock.switch(Cause::Adapter);
+            live.retain(|&id| {
+                let landed = e.adapter_landed(id).is_none_or(|(l, n)| l == n);
+                if landed {
+                    let _ = e.unregister_adapter(id);
+                }
+                !landed
+            });
+            // A step runs "while adapters load" if one is being read or is still landing.
+            let busy = pending > 0 || !live.is_empty();
+            clock.switch(Cause::Forward);
+            let t = Instant::now();
+            e.step(&plan)?;
+            let dt = t.elapsed().as_secs_f64();
+            clock.switch(Cause::Schedule);
+            let phase = if busy { &mut loading } else { &mut quiet };
+            phase.step_s.push(dt);
+        }
+    }
+    // Reads still in flight: registered now (a quick run can outpace the disk).
+    while pending > 0 {
+        let (_, a) = rx.recv()?;
+        pending -= 1;
+        clock.switch(Cause::Adapter);
+        e.register_adapter_streaming(AdapterId(ids.next().expect("unbounded")), a)?;
+        clock.switch(Cause::Schedule);
+    }
+    drop(job_tx);
+    let _ = loader.join();
+    if let Some(mut pool) = e.detach_pool() {
+        pool.shutdown();
+    }
+    // Every registration and eviction is charged to the loads that caused it.
+    clock.switch(Cause::Schedule);
+    loading.adapter_s = clock.totals.seconds(Cause::Adapter);
+    loading.adapter_cpu_s = clock.adapter_cpu.as_secs_f64();
+    Ok((quiet, loading))
+}
+
+/// The server's stopwatch, plus the engine thread's CPU time in adapter work: wall time also
+/// counts the engine thread being preempted (a 2-core machine shares its cores with the
+/// pipeline's threads), CPU time only what the engine thread itself did.
+struct Clock {
+    totals: EngineTime,
+    watch: Stopwatch,
+    adapter_cpu: std::time::Duration,
+    mark: std::time::Duration,
+}
+
+impl Clock {
+    fn new() -> Self {
+        Self {
+            totals: EngineTime::default(),
+            watch: Stopwatch::new(Instant::now()),
+            adapter_cpu: std::time::Duration::ZERO,
+            mark: thaw_ipc::thread_cpu_time(),
+        }
+    }
+
+    fn switch(&mut self, to: Cause) {
+        let now = thaw_ipc::thread_cpu_time();
+        if self.watch.switch(to, &self.totals) == Cause::Adapter {
+            self.adapter_cpu += now.saturating_sub(self.mark);
+        }
+        self.mark = now;
+    }
+}
+
+/// One CPU LoRA worker (this executable's `lora-worker`) over a host store with room for a
+/// few adapters, as `thaw serve` starts for `cpu-assist`.
+fn worker_pool(
+    model: &HostModel,
+    host: &[Arc<LoraAdapter>],
+) -> anyhow::Result<thaw_cpu_lora::LoraPool> {
+    let per = host.iter().map(|a| a.size_bytes()).max().unwrap_or(0) as u64;
+    let store = thaw_ipc::HostStore::create(8 * per + (64 << 20), 64)?;
+    let c = &model.config;
+    let widest = c.hidden_size.max(c.intermediate_size).max(c.q_dim()) as u32;
+    Ok(thaw_cpu_lora::LoraPool::new(
+        thaw_cpu_lora::PoolConfig {
+            cores: Some(vec![1]),
+            pin: false,
+            program: Some(std::env::current_exe()?),
+            leading_args: vec!["lora-worker".into()],
+            exchange: thaw_ipc::ExchangeConfig {
+                max_rows: 512,
+                max_d_in: widest,
+                max_d_out: widest,
+                ..Default::default()
+            },
+            ..Default::default()
+        },
+        store,
+    )?)
+}
+
+/// The old CUDA path's host work, on the engine thread: every byte into a staging buffer.
+fn pack(a: &LoraAdapter, staging: &mut Vec<u8>) {
+    staging.clear();
+    for (_, _, w) in a.iter() {
+        staging.extend_from_slice(w.a.bytes());
+        staging.extend_from_slice(w.b.bytes());
+    }
+    std::hint::black_box(&staging);
+}
+
+/// Runs the benchmark; returns the rows and the printed report.
+pub fn run(args: &UploadStallArgs) -> anyhow::Result<(Vec<StallRow>, String)> {
+    let mut args = args.clone();
+    if args.quick {
+        args.preset = "tiny".into();
+        args.ranks = vec![16];
+        args.steps = 8;
+        args.rounds = 1;
+        args.every = 2;
+        args.running = 2;
+    }
+    if args.ranks.is_empty() {
+        args.ranks = vec![args.rank];
+    }
+    let root = match &args.workdir {
+        Some(d) => d.clone(),
+        None => std::env::temp_dir().join("thaw-bench-upload-stall"),
+    };
+    std::fs::create_dir_all(&root)?;
+    let loads = args.rounds * args.steps.div_ceil(args.every.max(1));
+    let count = loads.clamp(1, 16);
+    let mut rows = Vec::new();
+    for &rank in &args.ranks {
+        let (model, dirs) = prepare(&args, &root, rank, count)?;
+        let host: Vec<Arc<LoraAdapter>> = dirs
+            .iter()
+            .map(|d| LoraAdapter::load(d, &model.config).map(Arc::new))
+            .collect::<Result<_, _>>()?;
+        let mut sources = vec![Source::Host, Source::Disk];
+        if args.pack_on_engine {
+            sources.push(Source::PackOnEngine);
+        }
+        if args.with_workers {
+            sources.push(Source::Workers);
+        }
+        for source in sources {
+            let (quiet, loading) = run_source(&args, &model, &dirs, &host, source)?;
+            let layers = model.config.num_layers;
+            let per_load = loading.adapter_s / loading.loads.max(1) as f64;
+            rows.push(StallRow {
+                rank,
+                source: source.name(),
+                adapter_mb: host[0].size_bytes() as f64 / 1e6,
+                layers,
+                loads: loading.loads,
+                adapter_us_per_load: per_load * 1e6,
+                adapter_us_per_layer: per_load * 1e6 / layers as f64,
+                adapter_cpu_us_per_load: loading.adapter_cpu_s / loading.loads.max(1) as f64 * 1e6,
+                quiet_tpot_ms: quiet.mean() * 1e3,
+                loading_tpot_ms: loading.mean() * 1e3,
+                quiet_p50_ms: quiet.p50() * 1e3,
+                loading_p50_ms: loading.p50() * 1e3,
+                steps: (quiet.step_s.len(), loading.step_s.len()),
+            });
+        }
+    }
+    let mut out = String::new();
+    writeln!(
+        out,
+        "\n## upload-stall: TPOT of {} running requests while distinct cold adapters load \
+         ({} preset, {} adapters on all 7 projections, link {} GB/s emulated, {} compute \
+         thread(s); CPU backend)\n",
+        args.running, args.preset, args.dtype, args.emulated_link_gbps, args.compute_threads
+    )?;
+    writeln!(
+        out,
+        "| rank | adapters from | MB each | layers | loads | adapter work / load µs (CPU µs) | / layer µs | steps quiet / loading | TPOT quiet ms (p50) | TPOT loading ms (p50) | TPOT change |"
+    )?;
+    writeln!(out, "|---|---|---|---|---|---|---|---|---|---|---|")?;
+    for r in &rows {
+        writeln!(
+            out,
+            "| {} | {} | {:.1} | {} | {} | {:.0} ({:.0}) | {:.1} | {} / {} | {:.3} ({:.3}) | {:.3} ({:.3}) | {:+.1}% |",
+            r.rank,
+            r.source,
+            r.adapter_mb,
+            r.layers,
+            r.loads,
+            r.adapter_us_per_load,
+            r.adapter_cpu_us_per_load,
+            r.adapter_us_per_layer,
+            r.steps.0,
+            r.steps.1,
+            r.quiet_tpot_ms,
+            r.quiet_p50_ms,
+            r.loading_tpot_ms,
+            r.loading_p50_ms,
+            r.tpot_change() * 1e2
+        )?;
+    }
+    Ok((rows, out))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: UploadStallArgs,
+    }
+
+    /// The quick run completes, registers adapters from both tiers and reports positive step
+    /// times (a smoke run so the benchmark does not rot; no time is asserted).
+    #[test]
+    fn quick_run_reports_both_tiers() {
+        let dir = tempfile::tempdir().unwrap();
+        let cli = Cli::parse_from([
+            "x",
+            "--quick",
+            "--pack-on-engine",
+            "--workdir",
+            dir.path().to_str().unwrap(),
+        ]);
+        let (rows, text) = run(&cli.args).unwrap();
+        assert_eq!(rows.len(), 3);
+        for r in &rows {
+            assert!(r.loads > 0 && r.steps.0 > 0 && r.steps.1 > 0, "{r:?}");
+            assert!(r.quiet_tpot_ms > 0.0 && r.loading_tpot_ms > 0.0, "{r:?}");
+            assert!(r.adapter_us_per_load > 0.0, "{r:?}");
+            assert!(r.adapter_mb > 0.0);
+        }
+        assert!(text.contains("| 16 | disk |"), "{text}");
+    }
+}

@@ -1,0 +1,178 @@
+//! One LoRA factor in its stored dtype: the bytes of the safetensors file, kept as they are from
+//! file to device (DESIGN §3). A bf16 adapter is 2 bytes a weight in the host tier, the
+//! device pages and the copy; kernels read the bytes in place and accumulate in f32.
+//!
+//! f32 is only widened for oracles and tests ([`LoraTensor::to_f32`]); a conversion to another
+//! dtype ([`LoraTensor::converted`]) happens once, on a loader thread, when a backend cannot
+//! read the stored one.
+use half::{bf16, f16};
+use thaw_cpu_lora::kernel::LoraMat;
+use thaw_kernels::cpu::{bytes_to_f32, FloatFormat};
+
+pub use thaw_cpu_lora::kernel::WeightDtype;
+
+/// A row-major factor: `numel` little-endian elements of `dtype`.
+#[derive(Clone, PartialEq)]
+pub struct LoraTensor {
+    dtype: WeightDtype,
+    bytes: Vec<u8>,
+}
+
+impl std::fmt::Debug for LoraTensor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LoraTensor")
+            .field("dtype", &self.dtype)
+            .field("numel", &self.numel())
+            .finish()
+    }
+}
+
+fn format(d: WeightDtype) -> FloatFormat {
+    match d {
+        WeightDtype::F32 => FloatFormat::F32,
+        WeightDtype::F16 => FloatFormat::F16,
+        WeightDtype::Bf16 => FloatFormat::BF16,
+    }
+}
+
+impl LoraTensor {
+    /// Stored bytes of `dtype`; `None` if their length is not a whole number of elements.
+    pub fn from_le_bytes(dtype: WeightDtype, bytes: Vec<u8>) -> Option<Self> {
+        bytes
+            .len()
+            .is_multiple_of(dtype.size())
+            .then_some(Self { dtype, bytes })
+    }
+
+    /// f32 values, stored as f32.
+    pub fn from_f32(v: &[f32]) -> Self {
+        Self {
+            dtype: WeightDtype::F32,
+            bytes: v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        }
+    }
+
+    /// f32 values stored in `dtype` (rounded to nearest even).
+    pub fn encode(v: &[f32], dtype: WeightDtype) -> Self {
+        let mut bytes = vec![0u8; v.len() * dtype.size()];
+        encode_into(v, dtype, &mut bytes);
+        Self { dtype, bytes }
+    }
+
+    pub fn dtype(&self) -> WeightDtype {
+        self.dtype
+    }
+
+    /// Elements.
+    pub fn numel(&self) -> usize {
+        self.bytes.len() / self.dtype.size()
+    }
+
+    /// The stored bytes (what the host store, the copy and the device hold).
+    pub fn bytes(&self) -> &[u8] {
+        &self.bytes
+    }
+
+    /// A view for the CPU LoRA kernels, which read any stored dtype in place.
+    pub fn mat(&self) -> LoraMat<'_> {
+        LoraMat {
+            dtype: self.dtype,
+            bytes: &self.bytes,
+        }
+    }
+
+    /// The values widened to f32 (exact for every stored dtype): for oracles and tests.
+    pub fn to_f32(&self) -> Vec<f32> {
+        let mut out = vec![0.0; self.numel()];
+        bytes_to_f32(format(self.dtype), &self.bytes, &mut out)
+            .expect("the length is a whole number of elements");
+        out
+    }
+
+    /// The same values stored in `to`; a no-op copy when the dtype already matches.
+    pub fn converted(&self, to: WeightDtype) -> Self {
+        if to == self.dtype {
+            return self.clone();
+        }
+        Self::encode(&self.to_f32(), to)
+    }
+
+    /// Index of the first NaN or infinite element.
+    pub fn first_non_finite(&self) -> Option<usize> {
+        let es = self.dtype.size();
+        self.bytes.chunks_exact(es).position(|b| match self.dtype {
+            WeightDtype::F32 => !f32::from_le_bytes([b[0], b[1], b[2], b[3]]).is_finite(),
+            WeightDtype::F16 => !f16::from_le_bytes([b[0], b[1]]).is_finite(),
+            WeightDtype::Bf16 => !bf16::from_le_bytes([b[0], b[1]]).is_finite(),
+        })
+    }
+}
+
+/// Writes `src` in `dt` into `dst` (`src.len() * dt.size()` bytes), rounding to nearest even.
+pub fn encode_into(src: &[f32], dt: WeightDtype, dst: &mut [u8]) {
+    assert_eq!(
+        dst.len(),
+        src.len() * dt.size(),
+        "encode_into: size mismatch"
+    );
+    match dt {
+        WeightDtype::F32 => {
+            for (d, &x) in dst.chunks_exact_mut(4).zip(src) {
+                d.copy_from_slice(&x.to_le_bytes());
+            }
+        }
+        WeightDtype::Bf16 => {
+            for (d, &x) in dst.chunks_exact_mut(2).zip(src) {
+                d.copy_from_slice(&bf16::from_f32(x).to_le_bytes());
+            }
+        }
+        WeightDtype::F16 => {
+            for (d, &x) in dst.chunks_exact_mut(2).zip(src) {
+                d.copy_from_slice(&f16::from_f32(x).to_le_bytes());
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn values(n: usize) -> Vec<f32> {
+        (0..n).map(|i| ((i as f32) * 0.37).sin() * 3.0).collect()
+    }
+
+    /// Byte counts follow the stored dtype; bf16/f16 round-trips are within half an ulp of the
+    /// f32 source (8 and 11 significant bits: 2⁻⁸ and 2⁻¹¹ relative), and f32 is exact.
+    #[test]
+    fn stored_dtypes_keep_their_size_and_round_to_nearest() {
+        let v = values(1000);
+        for (dt, rel) in [
+            (WeightDtype::F32, 0.0),
+            (WeightDtype::Bf16, 1.0 / 256.0),
+            (WeightDtype::F16, 1.0 / 2048.0),
+        ] {
+            let t = LoraTensor::encode(&v, dt);
+            assert_eq!(t.bytes().len(), v.len() * dt.size());
+            assert_eq!(t.numel(), v.len());
+            for (x, y) in v.iter().zip(t.to_f32()) {
+                assert!((x - y).abs() <= rel * x.abs(), "{dt:?}: {x} vs {y}");
+            }
+            assert_eq!(t.first_non_finite(), None);
+            assert_eq!(t.converted(dt), t);
+        }
+        let mut bad = v.clone();
+        bad[7] = f32::NAN;
+        assert_eq!(
+            LoraTensor::encode(&bad, WeightDtype::Bf16).first_non_finite(),
+            Some(7)
+        );
+        bad[7] = f32::INFINITY;
+        bad[3] = 1e6; // past f16's range: infinite once stored
+        assert_eq!(
+            LoraTensor::encode(&bad, WeightDtype::F16).first_non_finite(),
+            Some(3)
+        );
+        assert!(LoraTensor::from_le_bytes(WeightDtype::Bf16, vec![0; 3]).is_none());
+    }
+}

@@ -1,0 +1,28 @@
+//! One upload pipeline for every backend (DESIGN §3, §6): loader threads encode adapters
+//! layer by layer into a pinned host arena allocated once at start-up, one copy thread moves
+//! each encoded layer to the device and publishes it when its event completes, and the engine
+//! only polls landed layers. A backend supplies only [`CopyDevice`]: pinned memory, an async
+//! copy, an event query. The CPU backend's emulated link is this same pipeline with the DMA
+//! emulated ([`EmulatedLink`]), so a CPU benchmark pays every host cost a GPU pays.
+//!
+//! | file | job |
+//! | --- | --- |
+//! | `plan.rs` | the pure decisions: arena space, encode and copy order, eviction |
+//! | `arena.rs` | the arena's free list |
+//! | `layout.rs` | an adapter's device image: factor offsets, layer ranges |
+//! | `device.rs` | what a backend supplies, and the CPU backend's emulated link |
+//! | `pipeline.rs` | the loader and copy threads |
+//! | `background.rs` | lower priority for host threads; dropping large host copies off the engine thread |
+mod arena;
+mod background;
+mod device;
+mod layout;
+mod pipeline;
+mod plan;
+
+pub use arena::{ArenaAlloc, ARENA_ALIGN};
+pub use background::{drop_later, lower_current_thread_priority, BACKGROUND_NICE};
+pub use device::{CopyDevice, EmulatedLink, PinnedMemory};
+pub use layout::{ImageLayout, Placed};
+pub use pipeline::{Landing, Upload, UploadPipeline, UploadStats};
+pub use plan::{CopyTask, EncodeTask, JobId, Landed, PlanError, UploadPlan};

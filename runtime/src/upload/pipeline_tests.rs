@@ -1,0 +1,166 @@
+use std::time::Duration;
+
+use super::*;
+use crate::model::{fixtures, ModelConfig};
+use crate::residency::LinkModel;
+use crate::upload::device::EmulatedLink;
+
+/// Polls `done` every millisecond; panics after a minute (a hung pipeline thread).
+fn wait_for(what: &str, done: impl Fn() -> bool) {
+    let t = Instant::now();
+    while !done() {
+        assert!(
+            t.elapsed() < Duration::from_secs(60),
+            "{what} never happened"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// A device whose copies really copy, at once, into a host buffer: the image the GPU would get.
+struct MemCopy;
+
+impl CopyDevice for MemCopy {
+    type Dst = Mutex<Vec<u8>>;
+    type Event = ();
+
+    fn alloc_pinned(&self, bytes: usize) -> Result<PinnedMemory> {
+        PinnedMemory::anonymous(bytes)
+    }
+
+    unsafe fn copy_async(
+        &self,
+        src: *const u8,
+        len: usize,
+        dst: &Self::Dst,
+        off: usize,
+    ) -> Result<()> {
+        // SAFETY: per the trait's contract, `src..src+len` is valid and unchanged now.
+        let src = unsafe { std::slice::from_raw_parts(src, len) };
+        dst.lock().unwrap()[off..off + len].copy_from_slice(src);
+        Ok(())
+    }
+
+    fn query(&self, _: &()) -> bool {
+        true
+    }
+
+    fn wait(&self, _: &()) -> Result<()> {
+        Ok(())
+    }
+}
+
+fn config() -> ModelConfig {
+    ModelConfig::from_dir(&fixtures::tiny_llama()).unwrap()
+}
+
+/// The device image holds every factor's bytes where the layout puts them: as stored, or
+/// converted by a loader thread to the image's dtype.
+#[test]
+fn the_device_image_holds_the_stored_or_converted_bytes() {
+    let c = config();
+    let a = Arc::new(
+        crate::adapter::LoraAdapter::load(&fixtures::adapter("r8_all_rslora"), &c).unwrap(),
+    );
+    let p = UploadPipeline::start(MemCopy, 1 << 20, 2).unwrap();
+    for dtype in [None, Some(WeightDtype::Bf16)] {
+        let layout = ImageLayout::of(&a, dtype);
+        let dst = Arc::new(Mutex::new(vec![0u8; layout.total]));
+        let slot = Arc::new(LoraSlot::empty(a.clone()));
+        let up = Upload {
+            adapter: a.clone(),
+            layout: layout.clone(),
+            dtype,
+            dst: dst.clone(),
+            landing: slot.clone(),
+        };
+        p.submit(up, LoadPriority::Demand).unwrap();
+        wait_for("the upload", || slot.landed() == a.num_layers());
+        let img = dst.lock().unwrap();
+        for e in &layout.entries {
+            let w = a.get(e.layer, e.module).unwrap();
+            let want = match dtype {
+                Some(d) => w.b.converted(d),
+                None => w.b.clone(),
+            };
+            assert_eq!(&img[e.b_off..e.b_off + e.b_len], want.bytes(), "{dtype:?}");
+            let a_len = want.bytes().len() / w.b.numel() * w.a.numel();
+            let want_a = match dtype {
+                Some(d) => w.a.converted(d),
+                None => w.a.clone(),
+            };
+            assert_eq!(&img[e.a_off..e.a_off + a_len], want_a.bytes());
+        }
+        wait_for("the arena space", || p.arena_usage().0 == 0);
+    }
+    assert!(p.stats().encoded_bytes.load(Relaxed) > 0);
+}
+
+/// Over an emulated link: a demand load passes queued prefetches (which still land), a
+/// promoted prefetch goes next, and an adapter the engine drops mid-upload leaves the link
+/// and gives its arena space back.
+#[test]
+fn demand_loads_pass_queued_prefetches_which_still_land() {
+    let c = config();
+    let a = Arc::new(crate::adapter::LoraAdapter::load(&fixtures::adapter("r4_qv"), &c).unwrap());
+    // 3,584 bytes a layer at 20 kB/s: ~180 ms a layer (slow enough that a descheduled test
+    // thread does not miss an ordering), 2 layers an adapter.
+    let link = LinkModel {
+        gbps: 2e-5,
+        latency_us: 0.0,
+    };
+    let p = UploadPipeline::start(EmulatedLink::new(link), 1 << 20, 1).unwrap();
+    let enqueue = |class| {
+        let slot = Arc::new(LoraSlot::empty(a.clone()));
+        let up = Upload {
+            adapter: a.clone(),
+            layout: ImageLayout::of(&a, None),
+            dtype: None,
+            dst: Arc::new(()),
+            landing: slot.clone(),
+        };
+        p.submit(up, class).unwrap();
+        slot
+    };
+    let pre: Vec<Arc<LoraSlot>> = (0..4).map(|_| enqueue(LoadPriority::Prefetch)).collect();
+    let demand = enqueue(LoadPriority::Demand);
+    let landed = || pre.iter().map(|s| s.landed()).sum::<usize>();
+    let before = landed();
+    wait_for("the demand load", || demand.landed() == 2);
+    // At most the prefetch layer in flight when the demand load came landed meanwhile.
+    assert!(landed() <= before + 1, "{before} → {}", landed());
+    assert!(p.promote(&pre[3]));
+    assert!(!p.promote(&demand), "a landed demand load is no prefetch");
+    wait_for("the promoted prefetch", || pre[3].landed() == 2);
+    assert!(pre[1].landed() + pre[2].landed() <= 1);
+    let gone = Arc::downgrade(&pre[2]);
+    let [p0, p1, p2, p3]: [Arc<LoraSlot>; 4] = pre.try_into().unwrap();
+    drop(p2);
+    wait_for("the prefetches", || {
+        p0.landed() == 2 && p1.landed() == 2 && p.queued_bytes() == 0
+    });
+    assert_eq!(p3.landed(), 2);
+    wait_for("the dropped slot to leave", || gone.upgrade().is_none());
+    wait_for("the arena space", || p.arena_usage().0 == 0);
+    assert_eq!(p.demand_backlog(), 0);
+}
+
+/// An adapter larger than the whole arena is refused with what to do.
+#[test]
+fn an_adapter_larger_than_the_arena_is_refused() {
+    let c = config();
+    let a = Arc::new(
+        crate::adapter::LoraAdapter::load(&fixtures::adapter("r8_all_rslora"), &c).unwrap(),
+    );
+    let p = UploadPipeline::start(MemCopy, 4096, 1).unwrap();
+    let layout = ImageLayout::of(&a, None);
+    let up = Upload {
+        adapter: a.clone(),
+        dst: Arc::new(Mutex::new(vec![0; layout.total])),
+        layout,
+        dtype: None,
+        landing: Arc::new(LoraSlot::empty(a.clone())),
+    };
+    let e = p.submit(up, LoadPriority::Demand).unwrap_err().to_string();
+    assert!(e.contains("--max-cpu-lora-bytes"), "{e}");
+}
