@@ -558,7 +558,8 @@ impl Loop {
             // A request that could never fit beside its adapter is refused, not queued forever.
             let pages = self.mem.state(a).map_or(0, |s| s.pages);
             let pool = self.mem.pool();
-            let r = seq.worst_case_blocks(&self.cfg);
+            // With the watermark admission leaves free.
+            let r = seq.worst_case_blocks(&self.cfg) + self.cfg.watermark();
             let need = r + pages;
             if need > pool.total() || r > pool.kv_capacity_with(0) {
                 self.stats.waiting.fetch_sub(1, Ordering::SeqCst);
