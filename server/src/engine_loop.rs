@@ -736,7 +736,7 @@ impl Loop {
         let reload = |tier: Tier, bytes: u64| cost.load_time_from(tier, bytes, 0);
         let kv_now = self.mem.pool().kv_capacity();
         self.sched.protect(&self.state, &self.cfg, cost, kv_now);
-        let plan = {
+        let mut plan = {
             let view = self.mem.view(&wanted, &reload);
             admit(
                 self.sched.candidate_order(&self.state),
@@ -748,6 +748,7 @@ impl Loop {
             )
         };
         self.apply_memory(&plan, &wanted);
+        self.registered_only(&mut plan.admit);
         self.engine.set_kv_capacity(self.mem.pool().kv_capacity());
         self.reshare_held();
         self.probe_prefixes(&plan.admit);
@@ -792,6 +793,8 @@ impl Loop {
                     // Requests are validated before submission; this is a bug or a race with an
                     // adapter unload, so the client gets the reason and the log the details.
                     tracing::warn!(seq = %id, "engine refused a request: {e}");
+                    // A refused resume leaves the preempted sequence in the engine.
+                    let _ = self.engine.remove_sequence(id);
                     let _ = l.events.send(EngineEvent::Aborted(format!(
                         "the engine refused the request: {e}"
                     )));
