@@ -130,9 +130,8 @@ impl Loop {
             .iter()
             .filter(|s| admit.contains(&s.id))
             .filter(|s| {
-                s.adapter.is_some_and(|a| {
-                    !self.engine.has_adapter(a) && self.mem.state(a).is_some()
-                })
+                s.adapter
+                    .is_some_and(|a| !self.engine.has_adapter(a) && self.mem.state(a).is_some())
             })
             .map(|s| s.id)
             .collect();
