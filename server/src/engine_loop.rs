@@ -536,7 +536,8 @@ impl Loop {
             // A request that could never fit beside its adapter is refused, not queued forever.
             let pages = self.mem.state(a).map_or(0, |s| s.pages);
             let pool = self.mem.pool();
-            let r = seq.worst_case_blocks(&self.cfg);
+            // With the watermark admission leaves free.
+            let r = seq.worst_case_blocks(&self.cfg) + self.cfg.watermark();
             let need = r + pages;
             if need > pool.total() || r > pool.kv_capacity_with(0) {
                 self.stats.waiting.fetch_sub(1, Ordering::SeqCst);
@@ -727,7 +728,7 @@ impl Loop {
         let reload = |tier: Tier, bytes: u64| cost.load_time_from(tier, bytes, 0);
         let kv_now = self.mem.pool().kv_capacity();
         self.sched.protect(&self.state, &self.cfg, cost, kv_now);
-        let plan = {
+        let mut plan = {
             let view = self.mem.view(&wanted, &reload);
             admit(
                 self.sched.candidate_order(&self.state),
@@ -739,6 +740,7 @@ impl Loop {
             )
         };
         self.apply_memory(&plan, &wanted);
+        self.registered_only(&mut plan.admit);
         self.engine.set_kv_capacity(self.mem.pool().kv_capacity());
         self.reshare_held();
         self.probe_prefixes(&plan.admit);
@@ -783,6 +785,8 @@ impl Loop {
                     // Requests are validated before submission; this is a bug or a race with an
                     // adapter unload, so the client gets the reason and the log the details.
                     tracing::warn!(seq = %id, "engine refused a request: {e}");
+                    // A refused resume leaves the preempted sequence in the engine.
+                    let _ = self.engine.remove_sequence(id);
                     let _ = l.events.send(EngineEvent::Aborted(format!(
                         "the engine refused the request: {e}"
                     )));

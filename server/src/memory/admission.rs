@@ -294,12 +294,14 @@ impl<'a> Work<'a> {
         let mut any: Option<std::slice::Iter<'_, AdapterId>> = None;
         let mut streaming: Option<std::slice::Iter<'_, AdapterId>> = None;
         loop {
+            // The step planner admits it only with the watermark left free: room for both.
+            let kv = self.kv + r + self.cfg.watermark();
             let room = match load {
-                Some((_, p)) => pool.fits_with(p, self.kv + r, pages, counts),
+                Some((_, p)) => pool.fits_with(p, kv, pages, counts),
                 None => Ok(()),
             };
             let with = pages + load.map_or(0, |(_, p)| p);
-            if room.is_ok() && self.kv + r <= pool.kv_capacity_with(with) {
+            if room.is_ok() && kv <= pool.kv_capacity_with(with) {
                 return Ok(Need { r, load, evict });
             }
             let need_stream = matches!(room, Err(PoolError::Streaming(_)));
@@ -368,7 +370,7 @@ impl<'a> Work<'a> {
         let worst = |s: &SeqState| s.worst_case_blocks(self.cfg).max(s.reservation(self.cfg));
         let mut kv = self.kv.max(running.iter().map(|s| worst(s)).sum());
         let mut seqs = self.seqs;
-        let r = head.reservation(self.cfg);
+        let r = head.reservation(self.cfg) + self.cfg.watermark();
         let pool = self.view.pool;
         for (steps, s) in rel {
             kv = kv.saturating_sub(worst(s));
@@ -407,6 +409,8 @@ impl<'a> Work<'a> {
     /// that a head waiting for its fetch stops fitting.
     fn prefetch(&mut self, rest: &[&SeqState], head: Option<&SeqState>, plan: &mut AdmitPlan) {
         let pool = self.view.pool;
+        // Those admitted this step keep the watermark the step planner leaves free.
+        let wm = self.cfg.watermark();
         for s in head.iter().chain(rest) {
             let Some(a) = s.adapter else { continue };
             let Some(st) = self.view.adapters.get(&a).copied() else {
@@ -417,9 +421,9 @@ impl<'a> Work<'a> {
                 continue;
             }
             if pool
-                .fits_with(st.pages, self.kv, self.adapter_pages, self.counts)
+                .fits_with(st.pages, self.kv + wm, self.adapter_pages, self.counts)
                 .is_err()
-                || self.kv > pool.kv_capacity_with(self.adapter_pages + st.pages)
+                || self.kv + wm > pool.kv_capacity_with(self.adapter_pages + st.pages)
             {
                 continue;
             }

@@ -814,3 +814,25 @@ fn eviction_order_is_computed_only_when_a_victim_is_needed() {
     let _ = m.view(&wanted, &reload);
     assert!(!m.order_computed());
 }
+
+/// Admission makes room for the watermark the step planner leaves free (vLLM's 1% of the
+/// cache): a request whose first chunk fits the KV that idle adapters leave, but not with the
+/// watermark too, has an idle adapter evicted for it. Before, admission found it fitting
+/// (evicting nothing) and the planner refused it every step: with nothing running, nothing
+/// ever freed a block and the queue stalled (the is28 benchmark's never-finished requests).
+#[test]
+fn a_head_that_fits_only_without_the_watermark_gets_room() {
+    let c = cfg(100, 160);
+    assert_eq!(c.watermark(), 1);
+    let mut sim = Sim::new(c, lim(4, 8), &[(60, true)], 1);
+    // Adapter 0 (60 pages) is loaded for request 0 and stays, idle; request 1's first chunk
+    // is 40 blocks: exactly the KV capacity beside it.
+    let admitted = sim
+        .run(&[(0, 4, 1, Some(0)), (5, 160, 1, None)], false)
+        .unwrap();
+    assert_eq!(admitted, vec![0, 5]);
+    assert!(
+        !sim.pool.contains(AdapterId(0)),
+        "the idle adapter made room"
+    );
+}
