@@ -62,6 +62,10 @@ fn preempted_requests_over_many_adapters_all_finish_and_disconnects_leave_nothin
     let server = SocketServer::start(cfg);
     let addr = server.addr;
     let mut handles = Vec::new();
+    // All clients send at once, so the running requests outgrow the pool however slowly the
+    // threads start on a loaded machine (without it, a busy CI host spread the arrivals out
+    // and no request was ever preempted).
+    let start = std::sync::Arc::new(std::sync::Barrier::new(18));
     for i in 0..18usize {
         let model = fx.adapters[i % ADAPTERS].0.clone();
         let closer = i % 3 == 0;
@@ -71,7 +75,9 @@ fn preempted_requests_over_many_adapters_all_finish_and_disconnects_leave_nothin
         if !closer {
             body["max_tokens"] = json!(120);
         }
+        let start = start.clone();
         handles.push(std::thread::spawn(move || {
+            start.wait();
             (closer, stream(addr, &body, closer.then_some(6)))
         }));
     }
