@@ -97,7 +97,7 @@ fn naive(x: &[f32], w: &[f32], m: usize, k: usize, cols: std::ops::Range<usize>)
 
 /// A `[rows, cols]` matrix in `f` with random contents (float formats: random values;
 /// quantised formats: random blocks with sane f16 scales).
-fn random_matrix(f: WeightFormat, rows: usize, cols: usize, seed: u64) -> WeightMatrix {
+pub(super) fn random_matrix(f: WeightFormat, rows: usize, cols: usize, seed: u64) -> WeightMatrix {
     let mut r = rng(seed);
     if !f.is_quantized() {
         let w = WeightMatrix::from_f32(rand_vec(&mut r, rows * cols, 1.0), rows, cols);
