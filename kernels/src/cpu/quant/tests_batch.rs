@@ -4,7 +4,7 @@ use proptest::prelude::*;
 
 use super::tests::random_matrix;
 use super::*;
-use crate::cpu::simd::gemm_nt_available;
+use crate::cpu::simd::{bf16_dot_active, gemm_nt_available};
 use crate::cpu::testutil::{assert_close, rand_vec, rng};
 
 /// Each row of a decode batch (`m ≤ 16` rows) equals the one-row product bit for bit, for
@@ -47,6 +47,18 @@ fn equals_widened(fi: usize, m: usize, seed: u64) {
     let x = rand_vec(&mut rng(seed + 2), m * k, 1.0);
     let (mut got, mut want) = (vec![f32::NAN; m * n], vec![f32::NAN; m * n]);
     w.matmul(&x, m, &mut got);
+    if m > 16 && f == WeightFormat::BF16 && bf16_dot_active() {
+        // Prompt rows over bf16 weights multiply bf16-rounded activations (`vdpbf16ps`):
+        // the widened product of those, within the tolerance.
+        let xr: Vec<f32> = x
+            .iter()
+            .map(|&v| half::bf16::from_f32(v).to_f32())
+            .collect();
+        wide.matmul(&xr, m, &mut want);
+        let want: Vec<f64> = want.iter().map(|&v| v as f64).collect();
+        assert_close(&format!("{f} m={m} (bf16 pairs)"), &got, &want, 1e-5);
+        return;
+    }
     wide.matmul(&x, m, &mut want);
     if gemm_nt_available() {
         let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();

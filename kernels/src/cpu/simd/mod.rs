@@ -33,6 +33,8 @@ mod x86;
 #[cfg(target_arch = "x86_64")]
 mod x86_512;
 #[cfg(target_arch = "x86_64")]
+mod x86_512_bf16;
+#[cfg(target_arch = "x86_64")]
 mod x86_512_gemm;
 #[cfg(target_arch = "x86_64")]
 mod x86_512_kquant;
@@ -241,7 +243,9 @@ pub fn gemm_nt_f32_prompt(
 
 /// [`gemm_nt_f32_prompt`] over weights in any stored float format, widened while packed
 /// (once per call): every output equals the f32 prompt GEMM over the widened weight, bit for
-/// bit, so a bf16 model's prompt rows compute what its f32 copy computes.
+/// bit — except bf16 weights where [`bf16_dot_active`]: there the activation rows are rounded
+/// to bf16 and multiplied in bf16 pairs (`vdpbf16ps`, f32 sums: a bf16 model's arithmetic in
+/// PyTorch and llama.cpp), twice the products per instruction.
 pub fn gemm_nt_prompt(
     x: &[f32],
     w: FloatWeights<'_>,
@@ -251,12 +255,26 @@ pub fn gemm_nt_prompt(
 ) -> bool {
     #[cfg(target_arch = "x86_64")]
     if simd_level() == SimdLevel::Avx2 && prompt_gemm_on() {
+        if let (FloatWeights::BF16(wb), Some(z)) = (w, x86_512_bf16::Avx512Bf16::enabled()) {
+            z.gemm_nt_packed(x, wb, (m, k, n), out, ldo);
+            return true;
+        }
         if let Some(z) = x86_512::Avx512::enabled() {
             z.gemm_nt_packed(x, w, (m, k, n), out, ldo);
             return true;
         }
     }
     let _ = (x, w, m, k, n, out, ldo);
+    false
+}
+
+/// Whether [`gemm_nt_prompt`] multiplies bf16 weights with bf16-rounded activations
+/// (`vdpbf16ps`): AVX-512F in use, the CPU has AVX512-BF16 and `THAW_BF16_DOT` is not `0`.
+pub fn bf16_dot_active() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if simd_level() == SimdLevel::Avx2 && prompt_gemm_on() {
+        return x86_512_bf16::Avx512Bf16::enabled().is_some();
+    }
     false
 }
 

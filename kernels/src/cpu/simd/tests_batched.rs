@@ -73,6 +73,9 @@ fn check(
 ) {
     let x = rand_vec(&mut rng(seed ^ 0x5eed), m * k, 1.0);
     for (name, bits, wide) in weights(n, k, seed) {
+        if name == "bf16" && what == "gemm_nt_prompt" && bf16_dot_active() {
+            continue; // bf16 activations: `prompt_bf16_dot` checks it
+        }
         let (mut h, mut b) = (Vec::new(), Vec::new());
         let w = as_float(name, &bits, &mut h, &mut b);
         let ldo = n + 2;
@@ -131,6 +134,62 @@ fn prompt(m: usize, k: usize, n: usize, seed: u64) {
     );
 }
 
+/// With AVX512-BF16, the prompt kernel over bf16 weights multiplies the activations rounded
+/// to bf16 (nearest even): within the tolerance above of the f64 product of those rounded
+/// activations, and each output's bits depend only on its own two rows (the whole product
+/// equals each row computed alone, at a wider stride, padding untouched).
+fn prompt_bf16_dot(m: usize, k: usize, n: usize, seed: u64) {
+    if !bf16_dot_active() {
+        eprintln!("no AVX512-BF16 here (or THAW_BF16_DOT=0): the bf16-pair kernel is not checked");
+        return;
+    }
+    let x = rand_vec(&mut rng(seed ^ 0xb16), m * k, 1.0);
+    let [_, (_, bits, wide)] = weights(n, k, seed);
+    let w: Vec<bf16> = bits.iter().map(|&v| bf16::from_bits(v)).collect();
+    let ldo = n + 2;
+    let mut got = vec![f32::NAN; m * ldo];
+    assert!(gemm_nt_prompt(
+        &x,
+        FloatWeights::BF16(&w),
+        (m, k, n),
+        &mut got,
+        ldo
+    ));
+    for i in 0..m {
+        let xi = &x[i * k..(i + 1) * k];
+        let mut alone = vec![f32::NAN; n];
+        assert!(gemm_nt_prompt(
+            xi,
+            FloatWeights::BF16(&w),
+            (1, k, n),
+            &mut alone,
+            n
+        ));
+        for j in 0..n {
+            let wj = &wide[j * k..(j + 1) * k];
+            let xr = xi.iter().map(|&v| bf16::from_f32(v).to_f32());
+            let (want, mag) = xr.zip(wj).fold((0.0f64, 0.0f64), |(s, a), (xv, &wv)| {
+                let t = xv as f64 * wv as f64;
+                (s + t, a + t.abs())
+            });
+            let g = got[i * ldo + j];
+            assert!(
+                (g as f64 - want).abs() <= 1e-5 * mag + 1e-30,
+                "bf16 pairs {m}x{k}x{n} at ({i}, {j}): {g} vs {want}"
+            );
+            assert_eq!(
+                g.to_bits(),
+                alone[j].to_bits(),
+                "bf16 pairs: row {i} depends on its batch"
+            );
+        }
+        assert!(
+            got[i * ldo + n..(i + 1) * ldo].iter().all(|v| v.is_nan()),
+            "padding written"
+        );
+    }
+}
+
 #[test]
 fn batched_16bit_kernels_at_model_shapes() {
     in_place(16, 576, 20, 1); // a decode batch × q rows
@@ -139,6 +198,15 @@ fn batched_16bit_kernels_at_model_shapes() {
     prompt(64, 576, 50, 4); // a prompt chunk × a panel and a 2-column panel
     prompt(17, 1536, 9, 5); // × down rows: 10 k-blocks
     prompt(9, 0, 5, 6);
+    prompt_bf16_dot(64, 576, 50, 7); // two panels, 576 = 288 pairs: two KC blocks
+    prompt_bf16dot_tails();
+}
+
+/// Odd `k` (a lone last element), pair counts that are not multiples of 16, one column.
+fn prompt_bf16dot_tails() {
+    for (m, k, n) in [(3, 1, 1), (9, 33, 17), (17, 47, 49), (8, 0, 3)] {
+        prompt_bf16_dot(m, k, n, (m * k + n) as u64);
+    }
 }
 
 proptest! {
@@ -147,6 +215,11 @@ proptest! {
     #[test]
     fn in_place_16bit_any_shape(m in 1usize..18, k in 0usize..120, n in 1usize..10, seed in any::<u64>()) {
         in_place(m, k, n, seed);
+    }
+
+    #[test]
+    fn prompt_bf16_pairs_any_shape(m in 1usize..20, k in 0usize..400, n in 1usize..110, seed in any::<u64>()) {
+        prompt_bf16_dot(m, k, n, seed);
     }
 
     #[test]

@@ -86,7 +86,7 @@ impl Avx512 {
 }
 
 /// The `KC` blocks of `0..k`: near-equal, multiples of 16 but the last.
-fn kc_for(k: usize) -> usize {
+pub(super) fn kc_for(k: usize) -> usize {
     k.div_ceil(k.div_ceil(KC)).next_multiple_of(16)
 }
 
@@ -155,7 +155,7 @@ unsafe fn packed<const W: u8>(
 
 /// Lanes `0..n` of a 16-lane mask (`n ≥ 16`: all).
 #[inline(always)]
-fn lanes(n: usize) -> __mmask16 {
+pub(super) fn lanes(n: usize) -> __mmask16 {
     if n >= 16 {
         0xFFFF
     } else {
@@ -261,7 +261,7 @@ unsafe fn pack_panel<const W: u8>(w: *const u8, nc: usize, k: usize, panel: *mut
 /// The transpose of a 16 × 16 block held as 16 row vectors: `out[j][i] = r[i][j]`.
 #[inline]
 #[target_feature(enable = "avx512f,avx2,fma")]
-fn transpose16(r: [__m512; 16]) -> [__m512; 16] {
+pub(super) fn transpose16(r: [__m512; 16]) -> [__m512; 16] {
     // Stage 1: per 128-bit lane L, t[2i] = (a0 b0 a1 b1), t[2i+1] = (a2 b2 a3 b3) of rows
     // a = r[2i], b = r[2i+1] (elements 4L..4L+4).
     let mut t = [_mm512_setzero_ps(); 16];
