@@ -365,13 +365,15 @@ impl WeightMatrix {
             WeightData::Quant(..) => None,
         };
         // 16-bit floats on AVX-512: read in place, each weight vector widened once per
-        // register tile (decode rows) or once per call while packed (prompt rows), so a
-        // batch pays for the conversion once rather than per row.
+        // register tile (decode batches) or once per call while packed (prompt rows), so a
+        // batch pays for the conversion once rather than per row. One row keeps the AVX2 row
+        // dot (`decode_direct`; same bits): streaming one weight row at a time measured
+        // faster there in the engine (bf16 SmolLM2, 1 thread, this 2-core VM).
         if let Some(fw) = floats {
             let done = if m > SMALL_M {
                 gemm_nt_prompt(x, fw, (m, k, n), out, n)
             } else {
-                gemm_nt(x, fw, (m, k, n), out, n)
+                m >= 2 && gemm_nt(x, fw, (m, k, n), out, n)
             };
             if done {
                 return;
