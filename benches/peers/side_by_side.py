@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Side-by-side CPU serving benchmark: `thaw serve` vs llama.cpp's `llama-server`.
 
-Same real model (SmolLM2-135M-Instruct, f32 on both), same three LoRA adapters (PEFT for thaw,
+Same real model (SmolLM2-135M-Instruct, the same precision on both: f32, bf16, Q8_0 or
+Q4_K with --precisions), same three LoRA adapters (PEFT for thaw,
 GGUF LoRA for llama.cpp, picked per request through llama-server's `lora` field), 32 greedy
 output tokens with EOS ignored, over HTTP. Workloads (issue 15):
   single   1 request, 64-token prompt
@@ -16,7 +17,7 @@ Build the fixtures first (benches/peers/smollm2_hf.py) and llama-server (benches
 Usage:
   python3 benches/peers/side_by_side.py --thaw target/release/thaw \
       --llama-server /work/peers/llama-build/bin/llama-server --peers /work/peers/smollm2 \
-      --rounds 5 [--threads 2] [--q4]
+      --rounds 5 [--threads 2] [--precisions f32,bf16,q8_0,q4_k] [--q4]
 Only the Python standard library is needed.
 """
 import argparse
@@ -149,17 +150,21 @@ def server_args(doc, rounds):
     return p
 
 
-def main():
-    p = server_args(__doc__, 5)
-    p.add_argument("--workloads", default="single,mixed8,mixed16")
-    p.add_argument("--q4", action="store_true", help="also Q4_1 single stream (thaw serving the GGUF)")
-    p.add_argument("--machine", default="2-core VM, shared",
-                   help="printed above the table (e.g. '2-core VM, quiet' under /work/bin/quiet)")
-    a = p.parse_args()
-    wl = [w for w in WORKLOADS if w[0] in a.workloads.split(",")]
-    systems = [Thaw(a, f"{a.peers}/hf-f32", 18431), Llama(a, f"{a.peers}/gguf/model-f32.gguf", 18432)]
+# Per precision: (thaw's model, llama.cpp's GGUF), relative to --peers. The GGUFs other than
+# f32 and q4_1 come from llama-quantize (benches/peers/README.md).
+PRECISIONS = {
+    "f32": ("hf-f32", "gguf/model-f32.gguf"),
+    "bf16": ("hf-bf16", "gguf/model-bf16.gguf"),
+    "q8_0": ("gguf/model-q8_0.gguf", "gguf/model-q8_0.gguf"),
+    "q4_k": ("gguf/model-q4_k.gguf", "gguf/model-q4_k.gguf"),
+}
+
+
+def start_pair(a, prec, port):
+    thaw_model, gguf = PRECISIONS[prec]
+    systems = [Thaw(a, f"{a.peers}/{thaw_model}", port), Llama(a, f"{a.peers}/{gguf}", port + 1)]
     for s in systems:
-        print(f"# {s.name}: {s.cmd}", flush=True)
+        print(f"# {prec}: {s.name}: {s.cmd}", flush=True)
     # Warm-up (adapters loaded, pages touched) and a look at the text.
     for s in systems:
         for ad in ADAPTERS:
@@ -168,27 +173,49 @@ def main():
     for s in systems:
         if isinstance(s, Thaw):
             r = post(s.url + "/v1/completions", {"model": s_model(s), "prompt": msg, "max_tokens": 24, "temperature": 0})
-            print(f"# {s.name} greedy (base): {r['choices'][0]['text']!r}")
+            print(f"# {prec}: {s.name} greedy (base): {r['choices'][0]['text']!r}")
         else:
             r = post(s.url + "/completion", {"prompt": msg, "n_predict": 24, "temperature": 0, "top_k": 1,
                                              "lora": [{"id": i, "scale": 0.0} for i in range(3)]})
-            print(f"# {s.name} greedy (base): {r['content']!r}")
-    res = {(w[0], s.name): [] for w in wl for s in systems}
-    for rnd in range(a.rounds):
-        for wi, (name, n, plen) in enumerate(wl):
-            order = systems if (rnd + wi) % 2 == 0 else systems[::-1]
-            for s in order:
-                tps, toks, done, failed = run_workload(s, n, plen, seed=1000 * rnd + wi)
-                res[(name, s.name)].append((tps, done, failed))
-                print(f"round {rnd} {name:8} {s.name:10} {tps:7.1f} tok/s, {done} done, {failed} failed",
-                      flush=True)
-    q4 = None
-    if a.q4:
+            print(f"# {prec}: {s.name} greedy (base): {r['content']!r}")
+    return systems
+
+
+def main():
+    p = server_args(__doc__, 5)
+    p.add_argument("--workloads", default="single,mixed8,mixed16")
+    p.add_argument("--precisions", default="f32",
+                   help="comma list of " + ",".join(PRECISIONS) + " (one server pair at a time)")
+    p.add_argument("--q4", action="store_true", help="also Q4_1 single stream (thaw serving the GGUF)")
+    p.add_argument("--machine", default="2-core VM, shared",
+                   help="printed above the table (e.g. '2-core VM, quiet' under /work/bin/quiet)")
+    a = p.parse_args()
+    wl = [w for w in WORKLOADS if w[0] in a.workloads.split(",")]
+    precs = a.precisions.split(",")
+    for prec in precs:
+        if prec not in PRECISIONS:
+            sys.exit(f"--precisions: unknown {prec!r}; choose from {', '.join(PRECISIONS)}")
+    res = {}
+    for pi, prec in enumerate(precs):
+        systems = start_pair(a, prec, 18431 + 2 * pi)
+        for w in wl:
+            for s in systems:
+                res[(prec, w[0], s.name)] = []
+        for rnd in range(a.rounds):
+            for wi, (name, n, plen) in enumerate(wl):
+                order = systems if (rnd + wi) % 2 == 0 else systems[::-1]
+                for s in order:
+                    tps, toks, done, failed = run_workload(s, n, plen, seed=1000 * rnd + wi)
+                    res[(prec, name, s.name)].append((tps, done, failed))
+                    print(f"round {rnd} {prec:5} {name:8} {s.name:10} {tps:7.1f} tok/s, {done} done, {failed} failed",
+                          flush=True)
         for s in systems:
             s.proc.terminate()
             s.proc.wait()
-        q4s = [Thaw(a, f"{a.peers}/gguf/model-q4_1.gguf", 18433),
-               Llama(a, f"{a.peers}/gguf/model-q4_1.gguf", 18434, loras=False)]
+    q4 = None
+    if a.q4:
+        q4s = [Thaw(a, f"{a.peers}/gguf/model-q4_1.gguf", 18451),
+               Llama(a, f"{a.peers}/gguf/model-q4_1.gguf", 18452, loras=False)]
         q4 = {s.name: [] for s in q4s}
         for s in q4s:
             run_workload(s, 1, 8, 7, with_adapters=False)
@@ -198,21 +225,33 @@ def main():
                 q4[s.name].append((tps, done, failed))
                 print(f"round {rnd} q4_1     {s.name:10} {tps:7.1f} tok/s, {done} done, {failed} failed",
                       flush=True)
-        systems = q4s
+        for s in q4s:
+            s.proc.terminate()
     print(f"\n{a.machine}; {a.rounds} rounds, median tok/s (min-max); llama.cpp {a.threads} threads")
     print("tok/s cells: median (min-max) over rounds, then requests done/failed over all rounds; a row")
-    print("with failed requests is not a result (its ratio is left out).")
-    print("| workload | thaw serve | llama.cpp llama-server | thaw / llama.cpp |")
-    print("|---|---|---|---|")
-    label = {"single": "1 request, 64-token prompt, f32", "mixed8": "8 requests, 3 adapters mixed, f32",
-             "mixed16": "16 requests, 128-token prompts, 3 adapters mixed, f32"}
-    rows = [(label[w[0]], res[(w[0], "thaw serve")], res[(w[0], "llama.cpp")]) for w in wl]
+    print("with failed requests is not a result (its ratio is left out). 'vs own 1 request': the")
+    print("workload's median tok/s over the same system's single-request median at that precision.")
+    print("| precision | workload | thaw serve | llama.cpp llama-server | thaw / llama.cpp "
+          "| thaw vs own 1 request | llama.cpp vs own 1 request |")
+    print("|---|---|---|---|---|---|---|")
+    label = {"single": "1 request, 64-token prompt", "mixed8": "8 requests, 3 adapters mixed",
+             "mixed16": "16 requests, 128-token prompts, 3 adapters mixed"}
+    for prec in precs:
+        for w in wl:
+            t, l = res[(prec, w[0], "thaw serve")], res[(prec, w[0], "llama.cpp")]
+            own = [own_ratio(res.get((prec, w[0], sn)), res.get((prec, "single", sn)))
+                   for sn in ("thaw serve", "llama.cpp")]
+            print(f"| {prec} | {label[w[0]]} | {cell(t)} | {cell(l)} | {ratio(t, l)} | {own[0]} | {own[1]} |")
     if q4:
-        rows.append(("1 request, 64-token prompt, Q4_1 GGUF, no adapter", q4["thaw serve"], q4["llama.cpp"]))
-    for lab, t, l in rows:
-        print(f"| {lab} | {cell(t)} | {cell(l)} | {ratio(t, l)} |")
-    for s in systems:
-        s.proc.terminate()
+        t, l = q4["thaw serve"], q4["llama.cpp"]
+        print(f"| q4_1 | 1 request, 64-token prompt, no adapter | {cell(t)} | {cell(l)} | {ratio(t, l)} | | |")
+
+
+def own_ratio(runs, single):
+    """A workload's median tok/s over the same system's single-request median."""
+    if not runs or not single or any(r[2] for r in runs + single):
+        return "n/a"
+    return f"{statistics.median(r[0] for r in runs) / statistics.median(r[0] for r in single):.2f}x"
 
 
 def cell(runs):

@@ -92,7 +92,7 @@ pub fn run(a: &RealArgs) -> anyhow::Result<Vec<RealRow>> {
         .collect())
 }
 
-fn measure(
+pub(crate) fn measure(
     a: &RealArgs,
     model: &HostModel,
     adapters: &[Arc<LoraAdapter>],

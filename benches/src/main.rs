@@ -9,6 +9,7 @@ mod lora_bench;
 mod lora_decode;
 mod lora_socket;
 mod quant_bench;
+mod quant_step;
 mod simulate;
 mod soak;
 mod soak_verdict;
@@ -65,7 +66,8 @@ enum Cmd {
     /// requests, RSS, fds, shared-memory segments, KV blocks and leases.
     Soak(soak::SoakArgs),
     /// `y = x·Wᵀ` per stored weight format (f32, f16, bf16, Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) on
-    /// SmolLM2-135M's shapes, decode and prefill row counts, side by side.
+    /// SmolLM2-135M's shapes, decode and prefill row counts, side by side; with `--model`, the
+    /// whole engine per precision at batches 1/8/16 with mixed adapters (tok/s, vs batch 1).
     WeightFormats(quant_bench::WeightFormatsArgs),
     /// A CPU LoRA worker process (spawned by the benchmarks' pool).
     #[command(hide = true)]
@@ -119,6 +121,10 @@ fn main() -> anyhow::Result<()> {
         Cmd::Cache(args) => print!("{}", load::run_cache(&args)?),
         Cmd::CacheScale(args) => print!("{}", load::run_cache_scale(&args)?),
         Cmd::Soak(args) => print!("{}", soak::run(&args)?),
+        Cmd::WeightFormats(args) if !args.model.is_empty() => {
+            let rows = quant_step::run(&args)?;
+            print!("{}", quant_step::table(&args, &rows));
+        }
         Cmd::WeightFormats(args) => print!("{}", quant_bench::run(&args)?),
         Cmd::LoraWorker(args) => thaw_cpu_lora::worker_main(args)?,
         Cmd::LoraSocketWorker(args) => lora_socket::run_worker(&args)?,

@@ -2,6 +2,10 @@
 //! a real model (SmolLM2-135M: 576 ↔ 1536, and the 49152-row tied output head), decode
 //! (1 row) and prefill-sized row counts, interleaved format by format so machine noise hits
 //! all alike. Prints µs per product, effective weight GB/s and the speed relative to f32.
+//!
+//! With `--model` it measures the whole engine on a real model per stored precision instead
+//! (batches with mixed adapters, tok/s and each batch over batch 1): see [`crate::quant_step`].
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use clap::{Args, ValueEnum};
@@ -26,7 +30,7 @@ impl Simd {
 #[derive(Args, Debug, Clone)]
 pub struct WeightFormatsArgs {
     /// Rows of x (tokens in the step) to measure.
-    #[arg(long, value_delimiter = ',', default_values_t = vec![1, 8, 128])]
+    #[arg(long, value_delimiter = ',', default_values_t = vec![1, 8, 16, 128])]
     pub rows: Vec<usize>,
     /// Interleaved rounds; the median round is reported.
     #[arg(long, default_value_t = 7)]
@@ -38,6 +42,47 @@ pub struct WeightFormatsArgs {
     /// first level.
     #[arg(long, value_delimiter = ',', default_value = "portable,avx2")]
     pub simd: Vec<Simd>,
+    /// Whole-engine mode: a HF model directory or GGUF file (repeatable), measured as stored
+    /// with batches of `--batches` sequences instead of single products.
+    #[arg(long, value_name = "PATH")]
+    pub model: Vec<PathBuf>,
+    /// With --model: PEFT adapter directories, mixed round robin over the batch's sequences.
+    #[arg(long, value_name = "DIR")]
+    pub lora: Vec<PathBuf>,
+    /// With --model: also measure the first HF model re-encoded in these formats (f16, bf16,
+    /// q8_0, q4_0, q4_1).
+    #[arg(long, value_delimiter = ',')]
+    pub convert: Vec<String>,
+    /// With --model: sequences per batch.
+    #[arg(long, value_delimiter = ',', default_values_t = vec![1, 8, 16])]
+    pub batches: Vec<usize>,
+    /// With --model: prompt tokens per sequence.
+    #[arg(long, default_value_t = 64)]
+    pub prompt_len: usize,
+    /// With --model: decode steps per sequence.
+    #[arg(long, default_value_t = 32)]
+    pub decode_steps: usize,
+    /// With --model: CPU compute threads.
+    #[arg(long, default_value_t = 2)]
+    pub threads: usize,
+}
+
+impl Default for WeightFormatsArgs {
+    fn default() -> Self {
+        Self {
+            rows: vec![1, 8, 16, 128],
+            rounds: 7,
+            min_ms: 30,
+            simd: vec![Simd::Portable, Simd::Avx2],
+            model: Vec::new(),
+            lora: Vec::new(),
+            convert: Vec::new(),
+            batches: vec![1, 8, 16],
+            prompt_len: 64,
+            decode_steps: 32,
+            threads: 2,
+        }
+    }
 }
 
 /// (name, output rows, input cols) of the measured products.
@@ -73,9 +118,10 @@ pub fn run(args: &WeightFormatsArgs) -> anyhow::Result<String> {
         args.simd.iter().map(|s| s.level()).collect()
     };
     let mut out = format!(
-        "| shape | rows | format | kernels | bytes | µs/product | weight GB/s | vs f32 ({}) |\n\
-         |---|---|---|---|---|---|---|---|\n",
-        levels[0].name()
+        "| shape | rows | format | kernels | bytes | µs/product | weight GB/s | vs f32 ({}) | \
+         rows/s vs {} row(s) |\n|---|---|---|---|---|---|---|---|---|\n",
+        levels[0].name(),
+        args.rows.first().copied().unwrap_or(1)
     );
     let mut seed = 15u64;
     for (name, n, k) in SHAPES {
@@ -97,6 +143,9 @@ pub fn run(args: &WeightFormatsArgs) -> anyhow::Result<String> {
                 }
             })
             .collect();
+        // Each cell's time at the first row count: batching pays when m rows take less than
+        // m times as long.
+        let mut first: Vec<f64> = Vec::new();
         for &m in &args.rows {
             let x: Vec<f32> = (0..m * k).map(|_| lcg(&mut seed)).collect();
             let mut y = vec![0.0; m * n];
@@ -120,16 +169,21 @@ pub fn run(args: &WeightFormatsArgs) -> anyhow::Result<String> {
                     t[t.len() / 2]
                 })
                 .collect();
+            if first.is_empty() {
+                first = med.clone();
+            }
+            let m0 = args.rows[0].max(1) as f64;
             for (c, &(i, _)) in cells.iter().enumerate() {
                 let (w, t) = (&mats[i], med[c]);
                 out.push_str(&format!(
-                    "| {name} | {m} | {} | {} | {} | {:.1} | {:.2} | {:.2}x |\n",
+                    "| {name} | {m} | {} | {} | {} | {:.1} | {:.2} | {:.2}x | {:.2}x |\n",
                     w.format(),
                     used[c].name(),
                     w.storage_bytes(),
                     t * 1e6,
                     w.storage_bytes() as f64 / t / 1e9,
-                    med[0] / t
+                    med[0] / t,
+                    (m as f64 / t) / (m0 / first[c])
                 ));
             }
         }

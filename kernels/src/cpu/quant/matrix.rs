@@ -11,8 +11,9 @@ use super::WeightFormat;
 use crate::cpu::gemm::{dot, linear, GemmShape, SMALL_M};
 use crate::cpu::hostvec::HostVec;
 use crate::cpu::simd::{
-    dequantize_row, dot_rows_bf16, dot_rows_f16, gemm_nt_f32, gemv_q8, gemv_quant_f32,
-    q8_dot_supported, quantize_q8, Q8Block,
+    dequantize_row, dot_rows_bf16, dot_rows_f16, gemm_nt, gemm_nt_available, gemm_nt_f32,
+    gemm_nt_f32_prompt, gemm_nt_prompt, gemv_q8, gemv_quant_f32, q8_dot_supported, quantize_q8,
+    FloatWeights, Q8Block,
 };
 use crate::cpu::sys::{sgemm, HugeArena, MatMut, MatRef};
 use crate::error::KernelError;
@@ -49,6 +50,16 @@ thread_local! {
 /// Bytes of dequantised weight per tile in the many-rows (GEMM) path: a tile stays in L2
 /// while `matrixmultiply` packs it.
 const TILE_BYTES: usize = 256 << 10;
+
+/// Bytes of dequantised weight per tile for a decode batch: small enough to stay in L1/L2
+/// between being written and being read by every activation row.
+const DECODE_TILE_BYTES: usize = 32 << 10;
+
+/// From this many rows, a decode product over quantised weights dequantises a tile of weight
+/// rows once and runs the in-place f32 kernel over it for every row (the same arithmetic,
+/// bit for bit, as dequantising per row), instead of unpacking every block once per few
+/// activation rows.
+const DEQUANT_TILE_MIN_ROWS: usize = 4;
 
 /// Whether decode products over Q8_0/Q4_0/Q4_1 weights quantise the activations to Q8 and
 /// use integer dots, as ggml does (its `vec_dot_type` for these formats): 0 = not yet read
@@ -346,31 +357,46 @@ impl WeightMatrix {
             out.fill(0.0);
             return;
         }
-        if let WeightData::F32(w) = &self.data {
-            let w = &w[out_cols.start * k..out_cols.end * k];
-            return linear(x, w, out, GemmShape { m, k, n }, false);
+        let (c0, c1) = (out_cols.start * k, out_cols.end * k);
+        let floats = match &self.data {
+            WeightData::F32(w) => return linear(x, &w[c0..c1], out, GemmShape { m, k, n }, false),
+            WeightData::F16(w) => Some(FloatWeights::F16(&w[c0..c1])),
+            WeightData::BF16(w) => Some(FloatWeights::BF16(&w[c0..c1])),
+            WeightData::Quant(..) => None,
+        };
+        // 16-bit floats on AVX-512: read in place, each weight vector widened once per
+        // register tile (decode batches) or once per call while packed (prompt rows), so a
+        // batch pays for the conversion once rather than per row. One row keeps the AVX2 row
+        // dot (`decode_direct`; same bits): streaming one weight row at a time measured
+        // faster there in the engine (bf16 SmolLM2, 1 thread, this 2-core VM).
+        if let Some(fw) = floats {
+            let done = if m > SMALL_M {
+                gemm_nt_prompt(x, fw, (m, k, n), out, n)
+            } else {
+                m >= 2 && gemm_nt(x, fw, (m, k, n), out, n)
+            };
+            if done {
+                return;
+            }
         }
-        if m <= SMALL_M && self.decode_direct(x, m, out, out_cols.clone()) {
+        let f = self.format();
+        let batched = m >= DEQUANT_TILE_MIN_ROWS
+            && f.is_quantized()
+            && gemm_nt_available()
+            && !(q8_activations() && q8_dot_supported(f));
+        if m <= SMALL_M && !batched && self.decode_direct(x, m, out, out_cols.clone()) {
             return;
         }
         SCRATCH.with(|s| {
             let mut s = s.borrow_mut();
-            if m <= SMALL_M {
-                // Few rows (decode): stream each weight row once, widened into L1.
-                if s.len() < k {
-                    s.resize(k, 0.0);
-                }
-                let row = &mut s[..k];
-                for (jj, j) in out_cols.clone().enumerate() {
-                    self.row_to_f32(j, row);
-                    for i in 0..m {
-                        out[i * n + jj] = dot(&x[i * k..(i + 1) * k], row);
-                    }
-                }
-                return;
-            }
-            // Many rows (prefill): dequantise a tile of weight rows, then one GEMM per tile.
-            let tile = (TILE_BYTES / 4 / k.max(1)).clamp(8, n.max(8));
+            // Many rows, or a decode batch of quantised rows: dequantise a tile of weight rows
+            // once, then one product per tile over all the rows of `x`.
+            let tile_bytes = if m > SMALL_M {
+                TILE_BYTES
+            } else {
+                DECODE_TILE_BYTES
+            };
+            let tile = (tile_bytes / 4 / k.max(1)).clamp(8, n.max(8));
             if s.len() < tile * k {
                 s.resize(tile * k, 0.0);
             }
@@ -382,7 +408,24 @@ impl WeightMatrix {
                     self.row_to_f32(j0 + r, row);
                 }
                 let c0 = j0 - out_cols.start;
-                if gemm_nt_f32(x, t, (m, k, j1 - j0), &mut out[c0..], n) {
+                let o = &mut out[c0..];
+                let shape = (m, k, j1 - j0);
+                // Prompt rows on the packed GEMM (what the widened f32 weight computes, bit
+                // for bit); decode rows on the in-place kernel (the row dots' order, so a
+                // row's result does not depend on its batch).
+                if (m > SMALL_M && gemm_nt_f32_prompt(x, t, shape, o, n))
+                    || gemm_nt_f32(x, t, shape, o, n)
+                {
+                    j0 = j1;
+                    continue;
+                }
+                if m <= SMALL_M {
+                    // Few rows without AVX-512: each widened row dotted with every row of `x`.
+                    for (jj, row) in t.chunks_exact(k).enumerate() {
+                        for i in 0..m {
+                            o[i * n + jj] = dot(&x[i * k..(i + 1) * k], row);
+                        }
+                    }
                     j0 = j1;
                     continue;
                 }
@@ -404,7 +447,7 @@ impl WeightMatrix {
                     },
                     0.0,
                     MatMut {
-                        data: &mut out[c0..],
+                        data: o,
                         rs: n,
                         cs: 1,
                     },

@@ -11,6 +11,8 @@ mod format;
 mod matrix;
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_batch;
 
 pub(crate) use blocks::dequantize_block;
 pub use blocks::{dequantize_blocks, quantize_blocks};

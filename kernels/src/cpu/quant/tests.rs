@@ -3,7 +3,7 @@ use proptest::prelude::*;
 use rand::Rng;
 
 use super::*;
-use crate::cpu::simd::{q8_dot_supported, quantize_q8, Q8Block};
+use crate::cpu::simd::{bf16_dot_active, q8_dot_supported, quantize_q8, Q8Block};
 use crate::cpu::testutil::{assert_close, rand_vec, rng};
 
 const ROWS: usize = 3;
@@ -97,7 +97,7 @@ fn naive(x: &[f32], w: &[f32], m: usize, k: usize, cols: std::ops::Range<usize>)
 
 /// A `[rows, cols]` matrix in `f` with random contents (float formats: random values;
 /// quantised formats: random blocks with sane f16 scales).
-fn random_matrix(f: WeightFormat, rows: usize, cols: usize, seed: u64) -> WeightMatrix {
+pub(super) fn random_matrix(f: WeightFormat, rows: usize, cols: usize, seed: u64) -> WeightMatrix {
     let mut r = rng(seed);
     if !f.is_quantized() {
         let w = WeightMatrix::from_f32(rand_vec(&mut r, rows * cols, 1.0), rows, cols);
@@ -156,6 +156,11 @@ fn matmul_matches_dequantised_f32() {
                 // quantisation error bound against the original ones).
                 let xs = if m <= 16 && super::q8_activations() && q8_dot_supported(f) {
                     q8_rows(&x, k)
+                } else if m > 16 && f == WeightFormat::BF16 && bf16_dot_active() {
+                    // Prompt rows over bf16 weights multiply bf16-rounded activations.
+                    x.iter()
+                        .map(|&v| half::bf16::from_f32(v).to_f32())
+                        .collect()
                 } else {
                     x.clone()
                 };

@@ -10,6 +10,10 @@
 //! - [`gemv_quant_f32`]: Q8_0/Q4_0/Q4_1 weights × f32 activations, each block dequantised in
 //!   registers: exactly the dequantised-f32 model's arithmetic (the default decode path),
 //!   reading only the packed weights.
+//! - [`gemm_nt`] / [`gemm_nt_prompt`] (AVX-512F): whole products over f32, f16 or bf16 weights
+//!   read in place, each 16-bit weight vector widened once per register tile (decode batches)
+//!   or once per call while packed (prompt rows) and reused by every activation row; bit for
+//!   bit the row dots (decode) or the f32 prompt GEMM over the widened weight (prompt).
 //!
 //! Error of the Q8 path: an activation block `x_b` (32 values) is stored as `d_b·q` with
 //! `d_b = max|x_b| / 127` and `q = round(x / d_b)`, so `|x − d_b·q| ≤ d_b / 2` per element and
@@ -22,12 +26,18 @@
 mod portable;
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_batched;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 #[cfg(target_arch = "x86_64")]
 mod x86_512;
 #[cfg(target_arch = "x86_64")]
+mod x86_512_bf16;
+#[cfg(target_arch = "x86_64")]
 mod x86_512_gemm;
+#[cfg(target_arch = "x86_64")]
+mod x86_512_kquant;
 
 use std::sync::atomic::{AtomicU8, Ordering};
 
@@ -130,6 +140,45 @@ pub fn dot_rows_f32(x: &[f32], w: &[f32], out: &mut [f32]) {
     portable::rows(x, w.len(), out, |xr| portable::dot_f32(xr, w))
 }
 
+/// Weight rows (`[n, k]`, row-major) in a stored float format, read in place by
+/// [`gemm_nt`] and [`gemm_nt_prompt`], which widen them to f32 exactly.
+#[derive(Copy, Clone, Debug)]
+pub enum FloatWeights<'a> {
+    F32(&'a [f32]),
+    F16(&'a [f16]),
+    BF16(&'a [bf16]),
+}
+
+impl FloatWeights<'_> {
+    /// Elements.
+    pub fn len(&self) -> usize {
+        match self {
+            FloatWeights::F32(w) => w.len(),
+            FloatWeights::F16(w) => w.len(),
+            FloatWeights::BF16(w) => w.len(),
+        }
+    }
+
+    /// Whether there are no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The elements' little-endian bytes (what the kernels read).
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    fn as_bytes(&self) -> &[u8] {
+        // SAFETY: f32, f16 and bf16 are plain bytes (no padding, any bit pattern is a value
+        // of u8); the slice covers exactly the elements' memory.
+        unsafe {
+            match self {
+                FloatWeights::F32(w) => std::slice::from_raw_parts(w.as_ptr().cast(), w.len() * 4),
+                FloatWeights::F16(w) => std::slice::from_raw_parts(w.as_ptr().cast(), w.len() * 2),
+                FloatWeights::BF16(w) => std::slice::from_raw_parts(w.as_ptr().cast(), w.len() * 2),
+            }
+        }
+    }
+}
+
 /// `out[i·ldo + j] = x_i·w_j` for the `m` rows of `x` and the `n` rows of `w` (both
 /// `[_, k]`, read in place), each output summed exactly as [`dot_rows_f32`] sums it (so
 /// results do not depend on `m` or `n`). Runs on AVX-512F; returns false, doing nothing,
@@ -138,6 +187,29 @@ pub fn dot_rows_f32(x: &[f32], w: &[f32], out: &mut [f32]) {
 pub fn gemm_nt_f32(
     x: &[f32],
     w: &[f32],
+    shape: (usize, usize, usize),
+    out: &mut [f32],
+    ldo: usize,
+) -> bool {
+    gemm_nt(x, FloatWeights::F32(w), shape, out, ldo)
+}
+
+/// Whether [`gemm_nt`] runs here (AVX-512F at the AVX2 level, `THAW_AVX512` not `0`).
+pub fn gemm_nt_available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if simd_level() == SimdLevel::Avx2 {
+        return x86_512::Avx512::enabled().is_some();
+    }
+    false
+}
+
+/// [`gemm_nt_f32`] over weights in any stored float format: each output equals
+/// [`dot_rows_f32`] / [`dot_rows_f16`] / [`dot_rows_bf16`] of its two rows bit for bit, while
+/// a 16-bit weight vector is widened once per register tile (4 weight rows × 4 activation
+/// rows) rather than once per activation row.
+pub fn gemm_nt(
+    x: &[f32],
+    w: FloatWeights<'_>,
     (m, k, n): (usize, usize, usize),
     out: &mut [f32],
     ldo: usize,
@@ -145,7 +217,7 @@ pub fn gemm_nt_f32(
     #[cfg(target_arch = "x86_64")]
     if simd_level() == SimdLevel::Avx2 {
         if let Some(z) = x86_512::Avx512::enabled() {
-            z.gemm_nt_f32(x, w, (m, k, n), out, ldo);
+            z.gemm_nt(x, w, (m, k, n), out, ldo);
             return true;
         }
     }
@@ -162,18 +234,47 @@ pub fn gemm_nt_f32(
 pub fn gemm_nt_f32_prompt(
     x: &[f32],
     w: &[f32],
+    shape: (usize, usize, usize),
+    out: &mut [f32],
+    ldo: usize,
+) -> bool {
+    gemm_nt_prompt(x, FloatWeights::F32(w), shape, out, ldo)
+}
+
+/// [`gemm_nt_f32_prompt`] over weights in any stored float format, widened while packed
+/// (once per call): every output equals the f32 prompt GEMM over the widened weight, bit for
+/// bit — except bf16 weights where [`bf16_dot_active`]: there the activation rows are rounded
+/// to bf16 and multiplied in bf16 pairs (`vdpbf16ps`, f32 sums: a bf16 model's arithmetic in
+/// PyTorch and llama.cpp), twice the products per instruction.
+pub fn gemm_nt_prompt(
+    x: &[f32],
+    w: FloatWeights<'_>,
     (m, k, n): (usize, usize, usize),
     out: &mut [f32],
     ldo: usize,
 ) -> bool {
     #[cfg(target_arch = "x86_64")]
     if simd_level() == SimdLevel::Avx2 && prompt_gemm_on() {
+        if let (FloatWeights::BF16(wb), Some(z)) = (w, x86_512_bf16::Avx512Bf16::enabled()) {
+            z.gemm_nt_packed(x, wb, (m, k, n), out, ldo);
+            return true;
+        }
         if let Some(z) = x86_512::Avx512::enabled() {
             z.gemm_nt_packed(x, w, (m, k, n), out, ldo);
             return true;
         }
     }
     let _ = (x, w, m, k, n, out, ldo);
+    false
+}
+
+/// Whether [`gemm_nt_prompt`] multiplies bf16 weights with bf16-rounded activations
+/// (`vdpbf16ps`): AVX-512F in use, the CPU has AVX512-BF16 and `THAW_BF16_DOT` is not `0`.
+pub fn bf16_dot_active() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if simd_level() == SimdLevel::Avx2 && prompt_gemm_on() {
+        return x86_512_bf16::Avx512Bf16::enabled().is_some();
+    }
     false
 }
 
@@ -393,10 +494,17 @@ fn gemv_quant_f32_portable(
     }
 }
 
-/// Dequantises `w` (whole blocks of Q8_0, Q4_0 or Q4_1) into `out` (32 values a block),
-/// bit-identical to [`crate::cpu::quant::dequantize_blocks`] (AVX2 where available).
+/// Dequantises `w` (whole blocks of Q8_0, Q4_0 or Q4_1; or Q4_K where AVX-512F runs) into
+/// `out`, bit-identical to [`crate::cpu::quant::dequantize_blocks`] (AVX2 where available).
 /// Returns false for other formats, leaving `out` alone.
 pub fn dequantize_row(format: WeightFormat, w: &[u8], out: &mut [f32]) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if format == WeightFormat::Q4_K && simd_level() == SimdLevel::Avx2 {
+        if let Some(z) = x86_512::Avx512::enabled() {
+            z.dequantize_q4_k(w, out);
+            return true;
+        }
+    }
     if !q8_dot_supported(format) {
         return false;
     }

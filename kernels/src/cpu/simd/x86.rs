@@ -19,10 +19,10 @@ use crate::cpu::quant::WeightFormat;
 /// Activation rows per kernel call (4 rows × 2 accumulators + 2 weight vectors + a load).
 pub(super) const MR: usize = 4;
 
-/// Weight element types (const generic codes).
-const F32: u8 = 0;
-const F16: u8 = 1;
-const BF16: u8 = 2;
+/// Weight element types (const generic codes, shared with the AVX-512 kernels).
+pub(super) const F32: u8 = 0;
+pub(super) const F16: u8 = 1;
+pub(super) const BF16: u8 = 2;
 /// Quantised weight formats (const generic codes).
 const Q8_0: u8 = 0;
 const Q4_0: u8 = 1;
@@ -505,7 +505,7 @@ fn hsum(v: __m256) -> f32 {
 /// # Safety
 /// AVX2/F16C available; elements `i..i + 8` of `w` (type `W`) readable.
 #[inline(always)]
-unsafe fn load_w<const W: u8>(w: *const u8, i: usize) -> __m256 {
+pub(super) unsafe fn load_w<const W: u8>(w: *const u8, i: usize) -> __m256 {
     // SAFETY: the caller guarantees the 8 elements; the intrinsics need AVX2/F16C, which
     // every caller (a `#[target_feature]` kernel) has.
     unsafe {
@@ -525,7 +525,7 @@ unsafe fn load_w<const W: u8>(w: *const u8, i: usize) -> __m256 {
 /// # Safety
 /// Element `i` of `w` (type `W`) readable.
 #[inline(always)]
-unsafe fn w_at<const W: u8>(w: *const u8, i: usize) -> f32 {
+pub(super) unsafe fn w_at<const W: u8>(w: *const u8, i: usize) -> f32 {
     // SAFETY: the caller guarantees element `i`.
     unsafe {
         match W {

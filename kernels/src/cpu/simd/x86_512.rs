@@ -15,7 +15,8 @@
 use std::arch::x86_64::*;
 use std::sync::atomic::{AtomicU8, Ordering};
 
-use super::Q8_BLOCK;
+use super::x86::{load_w, w_at, BF16, F16, F32};
+use super::{FloatWeights, Q8_BLOCK};
 use crate::cpu::quant::WeightFormat;
 
 /// Quantised weight formats (const generic codes).
@@ -285,67 +286,109 @@ unsafe fn dequant_rows<const FMT: u8>(w: *const u8, kb: usize, out: *mut f32) {
     }
 }
 
-/// Weight rows and activation rows per tile of [`Avx512::gemm_nt_f32`] (16 accumulators,
-/// 4 weight vectors and one activation vector of the 32 registers).
 /// The bounds both `x_i·w_j` products rely on for their unchecked loads and stores: `x` holds
 /// `m` rows and `w` `n` rows of `k`, every output `i·ldo + j` (i < m, j < n) is inside `out`,
 /// and rows of `out` do not overlap.
 pub(super) fn check_gemm_nt(
     name: &str,
     x: &[f32],
-    w: &[f32],
+    w_len: usize,
     (m, k, n): (usize, usize, usize),
     out: &[f32],
     ldo: usize,
 ) {
-    assert!(
-        x.len() >= m * k && w.len() >= n * k,
-        "{name}: short operands"
-    );
+    assert!(x.len() >= m * k && w_len >= n * k, "{name}: short operands");
     assert!(m == 0 || n == 0 || (m - 1) * ldo + n <= out.len());
     assert!(m <= 1 || ldo >= n, "{name}: rows of out overlap");
 }
 
+/// Weight rows and activation rows per tile of [`Avx512::gemm_nt`] (16 accumulators,
+/// 4 weight vectors and one activation vector of the 32 registers).
 const GJ: usize = 4;
 const GR: usize = 4;
 
 impl Avx512 {
     /// `out[i·ldo + j] = x_i·w_j` for the `m` rows of `x` (`[m, k]`) and the `n` rows of `w`
-    /// (`[n, k]`), both read in place (no packing copy). Each output is summed exactly as
-    /// the AVX2 row dot (`x86::float_tile`) sums it — lanes 0–7 and 8–15 of one 16-lane
-    /// accumulator are its two 8-lane accumulators, then one masked 8-wide step, the
-    /// pairwise lane sum and the scalar tail — so a prompt row's product is bit-identical to
-    /// the same row's decode product, whatever `m`.
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn gemm_nt_f32(
+    /// (`[n, k]`, f32, f16 or bf16), both read in place (no packing copy). Each output is
+    /// summed exactly as the AVX2 row dot (`x86::float_tile`) sums it — lanes 0–7 and 8–15
+    /// of one 16-lane accumulator are its two 8-lane accumulators, then one masked 8-wide
+    /// step, the pairwise lane sum and the scalar tail — so a prompt row's product is
+    /// bit-identical to the same row's decode product, whatever `m`. A 16-bit weight vector
+    /// is widened once per tile and used for all of the tile's activation rows.
+    pub(super) fn gemm_nt(
         self,
         x: &[f32],
-        w: &[f32],
+        w: FloatWeights<'_>,
         (m, k, n): (usize, usize, usize),
         out: &mut [f32],
         ldo: usize,
     ) {
-        check_gemm_nt("gemm_nt_f32", x, w, (m, k, n), out, ldo);
-        // SAFETY: `self` proves the features; the asserts bound every row of `x` and `w` and
-        // every output `i·ldo + j` (i < m, j < n).
-        unsafe { gemm_nt(x.as_ptr(), w.as_ptr(), (m, k, n), out.as_mut_ptr(), ldo) }
+        check_gemm_nt("gemm_nt", x, w.len(), (m, k, n), out, ldo);
+        let (x, wp, o) = (x.as_ptr(), w.as_bytes().as_ptr(), out.as_mut_ptr());
+        // SAFETY: `self` proves the features; the asserts bound every row of `x` and `w`
+        // (`w`'s bytes hold `n·k` elements of its type) and every output `i·ldo + j`
+        // (i < m, j < n).
+        unsafe {
+            match w {
+                FloatWeights::F32(_) => gemm_nt_rows::<F32>(x, wp, (m, k, n), o, ldo),
+                FloatWeights::F16(_) => gemm_nt_rows::<F16>(x, wp, (m, k, n), o, ldo),
+                FloatWeights::BF16(_) => gemm_nt_rows::<BF16>(x, wp, (m, k, n), o, ldo),
+            }
+        }
+    }
+}
+
+/// Sixteen weight elements of type `W` at element `i` of `w`, widened to f32 (exactly: every
+/// f16 and bf16 value is an f32 value).
+///
+/// # Safety
+/// AVX-512F/F16C available; elements `i..i + 16` of `w` readable.
+#[inline(always)]
+pub(super) unsafe fn load16<const W: u8>(w: *const u8, i: usize) -> __m512 {
+    // SAFETY: the caller guarantees the 16 elements and the features.
+    unsafe {
+        match W {
+            F32 => _mm512_loadu_ps(w.cast::<f32>().add(i)),
+            F16 => _mm512_cvtph_ps(_mm256_loadu_si256(w.cast::<u16>().add(i).cast())),
+            _ => {
+                let h = _mm256_loadu_si256(w.cast::<u16>().add(i).cast());
+                _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
+            }
+        }
+    }
+}
+
+/// Eight weight elements of type `W` at element `i` of `w`, widened to f32 in lanes 0–7
+/// (lanes 8–15 zero).
+///
+/// # Safety
+/// AVX-512F/F16C available; elements `i..i + 8` of `w` readable.
+#[inline(always)]
+unsafe fn load8<const W: u8>(w: *const u8, i: usize) -> __m512 {
+    // SAFETY: the caller guarantees the 8 elements and the features.
+    unsafe {
+        match W {
+            F32 => _mm512_maskz_loadu_ps(0x00FF, w.cast::<f32>().add(i)),
+            _ => _mm512_zextps256_ps512(load_w::<W>(w, i)),
+        }
     }
 }
 
 /// # Safety
-/// AVX-512F available; `x` readable for `m·k` f32s, `w` for `n·k`, `out` writable at
-/// `i·ldo + j` for `i < m`, `j < n`.
+/// AVX-512F/F16C available; `x` readable for `m·k` f32s, `w` for `n·k` elements of type
+/// `W`, `out` writable at `i·ldo + j` for `i < m`, `j < n`.
 #[inline(never)]
 #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-unsafe fn gemm_nt(
+unsafe fn gemm_nt_rows<const W: u8>(
     x: *const f32,
-    w: *const f32,
+    w: *const u8,
     (m, k, n): (usize, usize, usize),
     out: *mut f32,
     ldo: usize,
 ) {
     // Weight rows outermost: a tile of GJ rows stays in L1 while every activation row
     // (the whole prompt chunk, in L2) streams past it.
+    let eb = elem_bytes(W);
     let mut j = 0;
     while j < n {
         let jn = (n - j).min(GJ);
@@ -355,11 +398,11 @@ unsafe fn gemm_nt(
             // SAFETY: weight rows `j..j + jn ≤ n`, activation rows `i..i + rn ≤ m` and the
             // outputs `(i + r)·ldo + j + jj`: inside the caller's guarantee.
             unsafe {
-                let (xi, wj, o) = (x.add(i * k), w.add(j * k), out.add(i * ldo + j));
+                let (xi, wj, o) = (x.add(i * k), w.add(j * k * eb), out.add(i * ldo + j));
                 macro_rules! go {
                     ($($J:literal, $R:literal);*) => {
                         match (jn, rn) {
-                            $(($J, $R) => nt_tile::<$J, $R>(xi, wj, k, o, ldo),)*
+                            $(($J, $R) => nt_tile::<W, $J, $R>(xi, wj, k, o, ldo),)*
                             _ => unreachable!(),
                         }
                     };
@@ -372,29 +415,38 @@ unsafe fn gemm_nt(
     }
 }
 
-/// One `R × J` tile of [`gemm_nt`]: rows `x[r·k..]` (r < R) against rows `w[jj·k..]`
-/// (jj < J), output at `out[r·ldo + jj]`.
+/// Bytes per element of a float weight type code.
+pub(super) const fn elem_bytes(w: u8) -> usize {
+    if w == F32 {
+        4
+    } else {
+        2
+    }
+}
+
+/// One `R × J` tile of [`gemm_nt_rows`]: rows `x[r·k..]` (r < R) against weight rows `jj`
+/// (jj < J, `k` elements of type `W` each), output at `out[r·ldo + jj]`.
 ///
 /// # Safety
-/// AVX-512F available; `x` readable for `R·k` f32s, `w` for `J·k`, `out` writable at
-/// `r·ldo + jj`.
+/// AVX-512F/F16C available; `x` readable for `R·k` f32s, `w` for `J·k` elements, `out`
+/// writable at `r·ldo + jj`.
 #[inline(always)]
-unsafe fn nt_tile<const J: usize, const R: usize>(
+unsafe fn nt_tile<const W: u8, const J: usize, const R: usize>(
     x: *const f32,
-    w: *const f32,
+    w: *const u8,
     k: usize,
     out: *mut f32,
     ldo: usize,
 ) {
     // SAFETY: every load reads elements `< k` of one of the R + J rows (`p + 16 ≤ k`,
-    // masked lanes `p..p + 8 ≤ k`, scalar `q < k`); stores hit the R × J outputs.
+    // `p + 8 ≤ k`, scalar `q < k`); stores hit the R × J outputs.
     unsafe {
         let mut acc = [[_mm512_setzero_ps(); R]; J];
         let mut p = 0;
         while p + 16 <= k {
             let mut wv = [_mm512_setzero_ps(); J];
             for jj in 0..J {
-                wv[jj] = _mm512_loadu_ps(w.add(jj * k + p));
+                wv[jj] = load16::<W>(w, jj * k + p);
             }
             for r in 0..R {
                 let xv = _mm512_loadu_ps(x.add(r * k + p));
@@ -408,7 +460,7 @@ unsafe fn nt_tile<const J: usize, const R: usize>(
             // The AVX2 kernel's single 8-wide step, into lanes 0–7 only.
             const LOW: __mmask16 = 0x00FF;
             for jj in 0..J {
-                let wv = _mm512_maskz_loadu_ps(LOW, w.add(jj * k + p));
+                let wv = load8::<W>(w, jj * k + p);
                 for r in 0..R {
                     let xv = _mm512_maskz_loadu_ps(LOW, x.add(r * k + p));
                     acc[jj][r] = _mm512_mask3_fmadd_ps(xv, wv, acc[jj][r], LOW);
@@ -420,7 +472,7 @@ unsafe fn nt_tile<const J: usize, const R: usize>(
             for r in 0..R {
                 let mut t = finish(acc[jj][r]);
                 for q in p..k {
-                    t += *x.add(r * k + q) * *w.add(jj * k + q);
+                    t += *x.add(r * k + q) * w_at::<W>(w, jj * k + q);
                 }
                 *out.add(r * ldo + jj) = t;
             }

@@ -19,7 +19,9 @@
 use std::arch::x86_64::*;
 use std::cell::RefCell;
 
-use super::x86_512::{check_gemm_nt, Avx512};
+use super::x86::{w_at, BF16, F16, F32};
+use super::x86_512::{check_gemm_nt, elem_bytes, load16, Avx512};
+use super::FloatWeights;
 
 /// Activation rows per register tile.
 pub(super) const MR: usize = 8;
@@ -37,16 +39,18 @@ thread_local! {
 
 impl Avx512 {
     /// `out[i·ldo + j] = x_i·w_j` for the `m` rows of `x` (`[m, k]`) and the `n` rows of `w`
-    /// (`[n, k]`); see the module note for the summation order.
+    /// (`[n, k]`, f32, f16 or bf16: 16-bit weights are widened while packed, once per
+    /// call); see the module note for the summation order, which makes every output equal
+    /// to the product with the weight widened to f32 first, bit for bit.
     pub(super) fn gemm_nt_packed(
         self,
         x: &[f32],
-        w: &[f32],
+        w: FloatWeights<'_>,
         (m, k, n): (usize, usize, usize),
         out: &mut [f32],
         ldo: usize,
     ) {
-        check_gemm_nt("gemm_nt_packed", x, w, (m, k, n), out, ldo);
+        check_gemm_nt("gemm_nt_packed", x, w.len(), (m, k, n), out, ldo);
         if m == 0 || n == 0 {
             return;
         }
@@ -61,35 +65,40 @@ impl Avx512 {
             if panel.len() < k * NR {
                 panel.resize(k * NR, 0.0);
             }
+            let (xp, wp, op, pp) = (
+                x.as_ptr(),
+                w.as_bytes().as_ptr(),
+                out.as_mut_ptr(),
+                panel.as_mut_ptr(),
+            );
             // SAFETY: `self` proves the features; the asserts bound every row of `x` and `w`
-            // and every output `i·ldo + j` (i < m, j < n); `panel` holds `k·NR` values.
+            // (`w`'s bytes hold `n·k` elements of its type) and every output `i·ldo + j`
+            // (i < m, j < n); `panel` holds `k·NR` values.
             unsafe {
-                packed(
-                    x.as_ptr(),
-                    w.as_ptr(),
-                    (m, k, n),
-                    out.as_mut_ptr(),
-                    ldo,
-                    panel.as_mut_ptr(),
-                )
+                match w {
+                    FloatWeights::F32(_) => packed::<F32>(xp, wp, (m, k, n), op, ldo, pp),
+                    FloatWeights::F16(_) => packed::<F16>(xp, wp, (m, k, n), op, ldo, pp),
+                    FloatWeights::BF16(_) => packed::<BF16>(xp, wp, (m, k, n), op, ldo, pp),
+                }
             }
         });
     }
 }
 
 /// The `KC` blocks of `0..k`: near-equal, multiples of 16 but the last.
-fn kc_for(k: usize) -> usize {
+pub(super) fn kc_for(k: usize) -> usize {
     k.div_ceil(k.div_ceil(KC)).next_multiple_of(16)
 }
 
 /// # Safety
-/// AVX-512F available; `x` readable for `m·k` f32s, `w` for `n·k`, `out` writable at
-/// `i·ldo + j` for `i < m`, `j < n`, `panel` writable for `k·NR`; `m, n, k > 0`.
+/// AVX-512F/F16C available; `x` readable for `m·k` f32s, `w` for `n·k` elements of type
+/// `W`, `out` writable at `i·ldo + j` for `i < m`, `j < n`, `panel` writable for `k·NR`;
+/// `m, n, k > 0`.
 #[inline(never)]
-#[target_feature(enable = "avx512f,avx2,fma")]
-unsafe fn packed(
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+unsafe fn packed<const W: u8>(
     x: *const f32,
-    w: *const f32,
+    w: *const u8,
     (m, k, n): (usize, usize, usize),
     out: *mut f32,
     ldo: usize,
@@ -101,17 +110,17 @@ unsafe fn packed(
     let mut j0 = 0;
     while j0 < n {
         let nc = (n - j0).min(NR);
-        // The next panel is rows `j0 + nc..`, contiguous: `next` f32s from `w + (j0 + nc)·k`.
-        let next = (n - j0 - nc).min(NR) * k;
-        let per_tile = next.div_ceil(16).div_ceil(tiles) * 16;
+        // The next panel is rows `j0 + nc..`, contiguous: `next` bytes from `w + (j0 + nc)·k`.
+        let next = (n - j0 - nc).min(NR) * k * elem_bytes(W);
+        let per_tile = next.div_ceil(64).div_ceil(tiles) * 64;
         let mut pf = 0;
         // SAFETY: weight rows `j0..j0 + nc ≤ n`, the panel's `k·NR` values, row blocks
         // `i0..i0 + R ≤ m`, reduction steps `p0..p0 + kb ≤ k` and the outputs
         // `(i0 + r)·ldo + j0 + c` (c < nc): inside the caller's guarantee; prefetches
         // touch rows `j0 + nc..n` only (and are hints: they never fault).
         unsafe {
-            pack_panel(w.add(j0 * k), nc, k, panel);
-            let wn = w.add((j0 + nc) * k);
+            pack_panel::<W>(w.add(j0 * k * elem_bytes(W)), nc, k, panel);
+            let wn = w.add((j0 + nc) * k * elem_bytes(W));
             let mut p0 = 0;
             while p0 < k {
                 let kb = (k - p0).min(kc);
@@ -122,7 +131,7 @@ unsafe fn packed(
                     let end = (pf + per_tile).min(next);
                     while pf < end {
                         _mm_prefetch::<_MM_HINT_T0>(wn.add(pf).cast());
-                        pf += 16;
+                        pf += 64;
                     }
                     let rn = (m - i0).min(MR);
                     let (a, c) = (x.add(i0 * k + p0), out.add(i0 * ldo + j0));
@@ -146,7 +155,7 @@ unsafe fn packed(
 
 /// Lanes `0..n` of a 16-lane mask (`n ≥ 16`: all).
 #[inline(always)]
-fn lanes(n: usize) -> __mmask16 {
+pub(super) fn lanes(n: usize) -> __mmask16 {
     if n >= 16 {
         0xFFFF
     } else {
@@ -210,25 +219,33 @@ unsafe fn tile<const R: usize>(
     }
 }
 
-/// Packs weight rows `0..nc` (`nc ≤ NR`, each `k` long) into `panel[p·NR + c] = w[c·k + p]`,
-/// columns `nc..NR` zero.
+/// Packs weight rows `0..nc` (`nc ≤ NR`, each `k` elements of type `W`) into
+/// `panel[p·NR + c] = w[c·k + p]` widened to f32, columns `nc..NR` zero.
 ///
 /// # Safety
-/// AVX-512F available; `w` readable for `nc·k` f32s, `panel` writable for `k·NR`.
+/// AVX-512F/F16C available; `w` readable for `nc·k` elements, `panel` writable for `k·NR`.
 #[inline]
-#[target_feature(enable = "avx512f,avx2,fma")]
-unsafe fn pack_panel(w: *const f32, nc: usize, k: usize, panel: *mut f32) {
-    // SAFETY: row `g·16 + t < nc` elements `p0..p0 + 16` (masked to `< k`), panel rows
-    // `p0 + e < k`, columns `g·16..g·16 + 16 ≤ NR`.
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+unsafe fn pack_panel<const W: u8>(w: *const u8, nc: usize, k: usize, panel: *mut f32) {
+    // SAFETY: row `g·16 + t < nc` elements `p0..p0 + 16` (or `p0..k` in the tail), panel
+    // rows `p0 + e < k`, columns `g·16..g·16 + 16 ≤ NR`.
     unsafe {
         for g in 0..NR / 16 {
             let mut p0 = 0;
             while p0 < k {
-                let pm = lanes(k - p0);
                 let mut r = [_mm512_setzero_ps(); 16];
                 for t in 0..16 {
                     if g * 16 + t < nc {
-                        r[t] = _mm512_maskz_loadu_ps(pm, w.add((g * 16 + t) * k + p0));
+                        let row = (g * 16 + t) * k;
+                        r[t] = if p0 + 16 <= k {
+                            load16::<W>(w, row + p0)
+                        } else {
+                            let mut v = [0.0f32; 16];
+                            for (e, ve) in v.iter_mut().enumerate().take(k - p0) {
+                                *ve = w_at::<W>(w, row + p0 + e);
+                            }
+                            _mm512_loadu_ps(v.as_ptr())
+                        };
                     }
                 }
                 let cols = transpose16(r);
@@ -244,7 +261,7 @@ unsafe fn pack_panel(w: *const f32, nc: usize, k: usize, panel: *mut f32) {
 /// The transpose of a 16 × 16 block held as 16 row vectors: `out[j][i] = r[i][j]`.
 #[inline]
 #[target_feature(enable = "avx512f,avx2,fma")]
-fn transpose16(r: [__m512; 16]) -> [__m512; 16] {
+pub(super) fn transpose16(r: [__m512; 16]) -> [__m512; 16] {
     // Stage 1: per 128-bit lane L, t[2i] = (a0 b0 a1 b1), t[2i+1] = (a2 b2 a3 b3) of rows
     // a = r[2i], b = r[2i+1] (elements 4L..4L+4).
     let mut t = [_mm512_setzero_ps(); 16];

@@ -1,0 +1,99 @@
+//! Batched products over every stored format: a decode row's result does not depend on its
+//! batch, and every product equals the one over the weight widened to f32.
+use proptest::prelude::*;
+
+use super::tests::random_matrix;
+use super::*;
+use crate::cpu::simd::{bf16_dot_active, gemm_nt_available};
+use crate::cpu::testutil::{assert_close, rand_vec, rng};
+
+/// Each row of a decode batch (`m ≤ 16` rows) equals the one-row product bit for bit, for
+/// every format: the batched kernels (a tile of dequantised rows shared by the batch, 16-bit
+/// weights widened once per register tile) sum each row as the single-row kernels do.
+fn decode_rows_are_batch_invariant(fi: usize, m: usize, seed: u64) {
+    let f = WeightFormat::ALL[fi];
+    let (n, k) = (20, 512);
+    let w = random_matrix(f, n, k, seed);
+    let x = rand_vec(&mut rng(seed + 1), m * k, 1.0);
+    let mut batch = vec![f32::NAN; m * n];
+    w.matmul(&x, m, &mut batch);
+    for i in 0..m {
+        let mut one = vec![f32::NAN; n];
+        w.matmul(&x[i * k..(i + 1) * k], 1, &mut one);
+        for j in 0..n {
+            assert_eq!(
+                batch[i * n + j].to_bits(),
+                one[j].to_bits(),
+                "{f} m={m} row {i} col {j}: {} vs {}",
+                batch[i * n + j],
+                one[j]
+            );
+        }
+    }
+}
+
+/// The product over a stored format equals the product over its f32 widening: bit for bit
+/// where the in-place and packed AVX-512 kernels run (both sides take the same kernel for
+/// the same `m`), else within the f32 accumulation tolerance of `quant::tests` (1e-5 of
+/// |y| + RMS(y)).
+fn equals_widened(fi: usize, m: usize, seed: u64) {
+    if q8_activations() {
+        return; // decode rows then multiply Q8-rounded activations (checked in `tests`)
+    }
+    let f = WeightFormat::ALL[fi];
+    let (n, k) = (37, 256);
+    let w = random_matrix(f, n, k, seed);
+    let wide = WeightMatrix::from_f32(w.to_f32(), n, k);
+    let x = rand_vec(&mut rng(seed + 2), m * k, 1.0);
+    let (mut got, mut want) = (vec![f32::NAN; m * n], vec![f32::NAN; m * n]);
+    w.matmul(&x, m, &mut got);
+    if m > 16 && f == WeightFormat::BF16 && bf16_dot_active() {
+        // Prompt rows over bf16 weights multiply bf16-rounded activations (`vdpbf16ps`):
+        // the widened product of those, within the tolerance.
+        let xr: Vec<f32> = x
+            .iter()
+            .map(|&v| half::bf16::from_f32(v).to_f32())
+            .collect();
+        wide.matmul(&xr, m, &mut want);
+        let want: Vec<f64> = want.iter().map(|&v| v as f64).collect();
+        assert_close(&format!("{f} m={m} (bf16 pairs)"), &got, &want, 1e-5);
+        return;
+    }
+    wide.matmul(&x, m, &mut want);
+    if gemm_nt_available() {
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&got), bits(&want), "{f} m={m}");
+    } else {
+        let want: Vec<f64> = want.iter().map(|&v| v as f64).collect();
+        assert_close(&format!("{f} m={m}"), &got, &want, 1e-5);
+    }
+}
+
+#[test]
+fn batched_formats_at_decode_and_prompt_sizes() {
+    for fi in 0..WeightFormat::ALL.len() {
+        for m in [1, 4, 16] {
+            if !q8_activations() {
+                decode_rows_are_batch_invariant(fi, m, 3);
+            }
+        }
+        for m in [1, 5, 16, 17, 40] {
+            equals_widened(fi, m, 4);
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(24))]
+
+    #[test]
+    fn decode_batches_any_format(fi in 0usize..8, m in 1usize..=16, seed in 0u64..1000) {
+        prop_assume!(!q8_activations());
+        decode_rows_are_batch_invariant(fi, m, seed);
+    }
+
+    #[test]
+    fn products_equal_widened_any_format(fi in 0usize..8, m in 1usize..40, seed in 0u64..1000) {
+        equals_widened(fi, m, seed);
+    }
+}

@@ -1,0 +1,284 @@
+//! The prompt GEMM over bf16 weights on CPUs with AVX512-BF16 (`vdpbf16ps`): the activation
+//! rows are rounded to bf16 (to nearest even, once per call), as a bf16 model computes in
+//! PyTorch and llama.cpp, and every instruction multiplies 32 bf16 pairs into 16 f32 sums —
+//! twice the products per instruction of the f32 FMA kernel. Same blocking as the f32 packed
+//! kernel (`x86_512_gemm`): a panel of [`NR`] weight rows packed once per call as bf16 pairs
+//! (`[k/2][NR]` 32-bit lanes, a 16 × 16 transpose), an [`MR`] × [`NR`] register tile that
+//! broadcasts one activation pair per row.
+//!
+//! Each output is one sequential chain over the pairs `p = 0..⌈k/2⌉` starting from zero
+//! (`acc = vdpbf16ps(acc, x pair, w pair)`, a `KC` block storing the partial sum and the next
+//! reloading it exactly), so its bits depend only on its own row of `x` and row of `w`, not
+//! on `m`, `n`, the tile or a split over threads. Every product of two bf16 values is exact
+//! in f32, so each step adds exact products, rounded to f32 (denormals flushed, as
+//! `vdpbf16ps` does).
+// Register tiles are indexed `acc[r][c]` in step with pointer offsets.
+#![allow(clippy::needless_range_loop)]
+
+use std::arch::x86_64::*;
+use std::cell::RefCell;
+use std::sync::atomic::{AtomicU8, Ordering};
+
+use half::bf16;
+
+use super::x86_512::{check_gemm_nt, Avx512};
+use super::x86_512_gemm::{kc_for, lanes, transpose16, MR, NR};
+
+thread_local! {
+    /// The packed weight panel (bf16 pairs) and the activations rounded to bf16 pairs, per
+    /// thread (grown, never shrunk: no allocation per call).
+    static SCRATCH: RefCell<(Vec<u32>, Vec<u32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+}
+
+/// Proof that this CPU has AVX512-BF16 (and AVX-512F).
+#[derive(Copy, Clone, Debug)]
+pub(super) struct Avx512Bf16 {
+    _detected: (),
+}
+
+/// 0 = not yet decided, 1 = off, 2 = on.
+static STATE: AtomicU8 = AtomicU8::new(0);
+
+impl Avx512Bf16 {
+    /// The token when AVX-512F is in use ([`Avx512::enabled`]), the CPU has AVX512-BF16
+    /// and the environment does not set `THAW_BF16_DOT=0` (read once; for A/B runs).
+    #[inline]
+    pub(super) fn enabled() -> Option<Self> {
+        match STATE.load(Ordering::Relaxed) {
+            1 => None,
+            2 => Some(Self { _detected: () }),
+            _ => {
+                let on = Avx512::enabled().is_some()
+                    && is_x86_feature_detected!("avx512bf16")
+                    && !crate::cpu::switched_off("THAW_BF16_DOT");
+                STATE.store(if on { 2 } else { 1 }, Ordering::Relaxed);
+                on.then_some(Self { _detected: () })
+            }
+        }
+    }
+
+    /// `out[i·ldo + j] = bf16(x_i)·w_j` for the `m` rows of `x` (`[m, k]`, rounded to bf16)
+    /// and the `n` bf16 rows of `w` (`[n, k]`); see the module note for the summation order.
+    pub(super) fn gemm_nt_packed(
+        self,
+        x: &[f32],
+        w: &[bf16],
+        (m, k, n): (usize, usize, usize),
+        out: &mut [f32],
+        ldo: usize,
+    ) {
+        check_gemm_nt("gemm_nt_bf16dot", x, w.len(), (m, k, n), out, ldo);
+        if m == 0 || n == 0 {
+            return;
+        }
+        if k == 0 {
+            for i in 0..m {
+                out[i * ldo..i * ldo + n].fill(0.0);
+            }
+            return;
+        }
+        let kp = k.div_ceil(2);
+        SCRATCH.with(|s| {
+            let (panel, xb) = &mut *s.borrow_mut();
+            if panel.len() < kp * NR {
+                panel.resize(kp * NR, 0);
+            }
+            if xb.len() < m * kp {
+                xb.resize(m * kp, 0);
+            }
+            for (row, pairs) in x[..m * k].chunks_exact(k).zip(xb.chunks_exact_mut(kp)) {
+                to_pairs(row, pairs);
+            }
+            // SAFETY: `self` proves AVX512-BF16 and AVX-512F; the asserts bound every row of
+            // `w` and every output `i·ldo + j` (i < m, j < n); `xb` holds `m` rows of `kp`
+            // pairs and `panel` `kp·NR` pairs.
+            unsafe {
+                packed(
+                    xb.as_ptr(),
+                    w.as_ptr().cast(),
+                    (m, k, n),
+                    out.as_mut_ptr(),
+                    ldo,
+                    panel.as_mut_ptr(),
+                )
+            }
+        });
+    }
+}
+
+/// `row` rounded to bf16 (nearest even), as pairs: pair `p` holds element `2p` in its low
+/// half and `2p + 1` (or zero past the end) in its high half.
+fn to_pairs(row: &[f32], pairs: &mut [u32]) {
+    for (p, out) in pairs.iter_mut().enumerate() {
+        let lo = bf16::from_f32(row[2 * p]).to_bits() as u32;
+        let hi = row
+            .get(2 * p + 1)
+            .map_or(0, |&v| bf16::from_f32(v).to_bits() as u32);
+        *out = lo | (hi << 16);
+    }
+}
+
+/// # Safety
+/// AVX512-BF16/AVX-512F available; `xb` readable for `m` rows of `⌈k/2⌉` pairs, `w` for
+/// `n·k` bf16s, `out` writable at `i·ldo + j` for `i < m`, `j < n`, `panel` writable for
+/// `⌈k/2⌉·NR` pairs; `m, n, k > 0`.
+#[inline(never)]
+#[target_feature(enable = "avx512f,avx512bf16,avx2,fma")]
+unsafe fn packed(
+    xb: *const u32,
+    w: *const u16,
+    (m, k, n): (usize, usize, usize),
+    out: *mut f32,
+    ldo: usize,
+    panel: *mut u32,
+) {
+    let kp = k.div_ceil(2);
+    let kc = kc_for(kp);
+    let tiles = kp.div_ceil(kc) * m.div_ceil(MR);
+    let mut j0 = 0;
+    while j0 < n {
+        let nc = (n - j0).min(NR);
+        // The next panel is rows `j0 + nc..`, contiguous: `next` bytes from `w + (j0 + nc)·k`.
+        let next = (n - j0 - nc).min(NR) * k * 2;
+        let per_tile = next.div_ceil(64).div_ceil(tiles) * 64;
+        let mut pf = 0;
+        // SAFETY: weight rows `j0..j0 + nc ≤ n`, the panel's `kp·NR` pairs, row blocks
+        // `i0..i0 + R ≤ m`, pair steps `p0..p0 + kb ≤ kp` and the outputs
+        // `(i0 + r)·ldo + j0 + c` (c < nc): inside the caller's guarantee; prefetches touch
+        // rows `j0 + nc..n` only (and are hints: they never fault).
+        unsafe {
+            pack_panel(w.add(j0 * k), nc, k, panel);
+            let wn = w.add((j0 + nc) * k).cast::<u8>();
+            let mut p0 = 0;
+            while p0 < kp {
+                let kb = (kp - p0).min(kc);
+                let first = p0 == 0;
+                let bp = panel.add(p0 * NR);
+                let mut i0 = 0;
+                while i0 < m {
+                    let end = (pf + per_tile).min(next);
+                    while pf < end {
+                        _mm_prefetch::<_MM_HINT_T0>(wn.add(pf).cast());
+                        pf += 64;
+                    }
+                    let rn = (m - i0).min(MR);
+                    let (a, c) = (xb.add(i0 * kp + p0), out.add(i0 * ldo + j0));
+                    macro_rules! go {
+                        ($($R:literal)*) => {
+                            match rn {
+                                $($R => tile::<$R>(a, kp, bp, kb, c, ldo, nc, first),)*
+                                _ => unreachable!(),
+                            }
+                        };
+                    }
+                    go!(8 7 6 5 4 3 2 1);
+                    i0 += rn;
+                }
+                p0 += kb;
+            }
+        }
+        j0 += nc;
+    }
+}
+
+/// One `R × NR` tile: `c[r·ldc + j] (+)= Σ_{p < kb} a[r·lda + p] · bp[p·NR + j]` (pairs of
+/// bf16, `vdpbf16ps`) for the first `nc` columns, in order of `p`; `first` starts from zero
+/// instead of `c`.
+///
+/// # Safety
+/// AVX512-BF16/AVX-512F available; `a` readable for `R` rows of `kb` pairs at stride `lda`,
+/// `bp` for `kb·NR` pairs, `c` readable and writable at `r·ldc + j` for `r < R`, `j < nc ≤ NR`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bf16,avx2,fma")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn tile<const R: usize>(
+    a: *const u32,
+    lda: usize,
+    bp: *const u32,
+    kb: usize,
+    c: *mut f32,
+    ldc: usize,
+    nc: usize,
+    first: bool,
+) {
+    let mask = [
+        lanes(nc),
+        lanes(nc.saturating_sub(16)),
+        lanes(nc.saturating_sub(32)),
+    ];
+    let bh = |v: __m512i| -> __m512bh {
+        // SAFETY: `__m512bh` is 32 bf16 values in the same 512 bits as `v`.
+        unsafe { std::mem::transmute::<__m512i, __m512bh>(v) }
+    };
+    // SAFETY: loads and stores stay inside the caller's guarantee (masked to `nc` columns).
+    unsafe {
+        let mut acc = [[_mm512_setzero_ps(); 3]; R];
+        if !first {
+            for r in 0..R {
+                for v in 0..3 {
+                    acc[r][v] = _mm512_maskz_loadu_ps(mask[v], c.add(r * ldc + 16 * v));
+                }
+            }
+        }
+        for p in 0..kb {
+            let b = bp.add(p * NR);
+            let (b0, b1, b2) = (
+                bh(_mm512_loadu_si512(b.cast())),
+                bh(_mm512_loadu_si512(b.add(16).cast())),
+                bh(_mm512_loadu_si512(b.add(32).cast())),
+            );
+            for r in 0..R {
+                let av = bh(_mm512_set1_epi32(*a.add(r * lda + p) as i32));
+                acc[r][0] = _mm512_dpbf16_ps(acc[r][0], av, b0);
+                acc[r][1] = _mm512_dpbf16_ps(acc[r][1], av, b1);
+                acc[r][2] = _mm512_dpbf16_ps(acc[r][2], av, b2);
+            }
+        }
+        for r in 0..R {
+            for v in 0..3 {
+                _mm512_mask_storeu_ps(c.add(r * ldc + 16 * v), mask[v], acc[r][v]);
+            }
+        }
+    }
+}
+
+/// Packs bf16 weight rows `0..nc` (`nc ≤ NR`, each `k` long) into
+/// `panel[p·NR + c] = (w[c·k + 2p], w[c·k + 2p + 1])` (a bf16 pair; zero past `k`), columns
+/// `nc..NR` zero.
+///
+/// # Safety
+/// AVX-512F available; `w` readable for `nc·k` bf16s, `panel` writable for `⌈k/2⌉·NR` pairs.
+#[inline]
+#[target_feature(enable = "avx512f,avx2,fma")]
+unsafe fn pack_panel(w: *const u16, nc: usize, k: usize, panel: *mut u32) {
+    let kp = k.div_ceil(2);
+    // SAFETY: row `g·16 + t < nc` elements `2·p0..2·p0 + 32` (or the scalar tail up to `k`),
+    // panel rows `p0 + e < kp`, columns `g·16..g·16 + 16 ≤ NR`.
+    unsafe {
+        for g in 0..NR / 16 {
+            let mut p0 = 0;
+            while p0 < kp {
+                let mut r = [_mm512_setzero_ps(); 16];
+                for t in 0..16 {
+                    if g * 16 + t < nc {
+                        let row = w.add((g * 16 + t) * k);
+                        r[t] = if 2 * p0 + 32 <= k {
+                            _mm512_loadu_ps(row.add(2 * p0).cast())
+                        } else {
+                            let mut v = [0u16; 32];
+                            for (e, ve) in v.iter_mut().enumerate().take(k - 2 * p0) {
+                                *ve = row.add(2 * p0 + e).read_unaligned();
+                            }
+                            _mm512_loadu_ps(v.as_ptr().cast())
+                        };
+                    }
+                }
+                let cols = transpose16(r);
+                for e in 0..(kp - p0).min(16) {
+                    _mm512_storeu_ps(panel.add((p0 + e) * NR + g * 16).cast(), cols[e]);
+                }
+                p0 += 16;
+            }
+        }
+    }
+}
