@@ -128,13 +128,17 @@ fn setup_as(
     (tm, adapters)
 }
 
-#[test]
-fn worker_assisted_tokens_equal_cached() {
-    let (tm, adapters) = setup();
-    let (oracle, _) = run(&tm, &adapters, ColdStartPolicy::Cached, None, |_| {});
+/// Runs the adapters once under `cached` (the oracle) and once assisted by two real workers,
+/// and asserts the workers computed rows and every request got the oracle's tokens.
+fn assert_worker_tokens_equal_cached(
+    tm: &TestModel,
+    adapters: &[(PathBuf, StartTier)],
+    what: &str,
+) {
+    let (oracle, _) = run(tm, adapters, ColdStartPolicy::Cached, None, |_| {});
     let (assisted, pool) = run(
-        &tm,
-        &adapters,
+        tm,
+        adapters,
         ColdStartPolicy::CpuAssist,
         Some(pool(2)),
         |_| {},
@@ -144,11 +148,16 @@ fn worker_assisted_tokens_equal_cached() {
         assert_eq!(a.error, None);
         assert_eq!(
             a.tokens, o.tokens,
-            "request {i}: worker-assisted tokens differ from cached"
+            "request {i}: {what} worker-assisted tokens differ from cached"
         );
     }
-    let mut pool = pool.unwrap();
-    pool.shutdown();
+    pool.expect("the assisted run had a pool").shutdown();
+}
+
+#[test]
+fn worker_assisted_tokens_equal_cached() {
+    let (tm, adapters) = setup();
+    assert_worker_tokens_equal_cached(&tm, &adapters, "f32");
 }
 
 /// The workers compute from the host store's bytes in the adapters' stored dtype: bf16
@@ -161,23 +170,7 @@ fn worker_assisted_tokens_equal_cached_for_bf16_adapters() {
         let a = LoraAdapter::load(dir, config).unwrap();
         assert_eq!(a.dtype(), thaw_runtime::adapter::WeightDtype::Bf16);
     }
-    let (oracle, _) = run(&tm, &adapters, ColdStartPolicy::Cached, None, |_| {});
-    let (assisted, pool) = run(
-        &tm,
-        &adapters,
-        ColdStartPolicy::CpuAssist,
-        Some(pool(2)),
-        |_| {},
-    );
-    assert!(assisted.rows_assisted > 0, "the workers computed nothing");
-    for (i, (a, o)) in assisted.outcomes.iter().zip(&oracle.outcomes).enumerate() {
-        assert_eq!(a.error, None);
-        assert_eq!(
-            a.tokens, o.tokens,
-            "request {i}: bf16 worker tokens differ from cached"
-        );
-    }
-    pool.unwrap().shutdown();
+    assert_worker_tokens_equal_cached(&tm, &adapters, "bf16");
 }
 
 #[test]
