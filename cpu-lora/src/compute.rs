@@ -1,5 +1,6 @@
 //! One worker's share of a step: for each of its jobs and each module, read the adapter's
-//! (layer, module) weights in place from the host store and write
+//! (layer, module) weights in place from the host store — or, for a file entry, from the
+//! adapter's memory-mapped file ([`crate::file_maps`]) — and write
 //! `Δ = scale · (x · Aᵀ) · Bᵀ` into the exchange. Used by the worker process and, for a dead
 //! worker's slice, by the engine standing in for it ([`crate::pool`]) — one code path.
 
@@ -7,6 +8,7 @@ use std::time::Instant;
 
 use thaw_ipc::{DType, Job, StepSeq, StoreReader, WorkerPort};
 
+use crate::file_maps::FileMaps;
 use crate::kernel::{lora_delta, LoraMat, LoraProblem, Scratch, WeightDtype};
 use crate::stats::WorkerStepStat;
 
@@ -29,6 +31,8 @@ pub struct ComputeState {
     x_packed: Vec<f32>,
     /// Δ rows at stride `d_out`, scattered to the exchange's wider stride.
     y_packed: Vec<f32>,
+    /// Adapter files mapped for the host store's file entries.
+    files: FileMaps,
 }
 
 /// Called after each (job, module) is written: the fault-injection hook of tests.
@@ -61,6 +65,7 @@ impl ComputeState {
         mut hook: Option<MidJobHook<'_>>,
     ) -> WorkerStepStat {
         let t0 = Instant::now();
+        self.files.tend(store);
         self.jobs.clear();
         self.jobs.extend(port.my_jobs());
         let cfg = *port.exchange().config();
@@ -80,7 +85,21 @@ impl ComputeState {
                     continue;
                 };
                 let view = store.view(job.adapter, job.layer, module);
-                let ok = view.as_ref().is_some_and(|v| {
+                let weights = match view.as_deref() {
+                    Some(w) => Some(*w),
+                    None => self
+                        .files
+                        .weights(store, job.adapter, job.layer, module)
+                        .unwrap_or_else(|e| {
+                            tracing::error!(
+                                adapter = job.adapter.id.0,
+                                layer = job.layer.0,
+                                "CPU LoRA from the adapter's file: {e}"
+                            );
+                            None
+                        }),
+                };
+                let ok = weights.as_ref().is_some_and(|v| {
                     let (d_in, d_out) = (v.d_in as usize, v.d_out as usize);
                     if d_in > sx || d_out > sy {
                         return false;

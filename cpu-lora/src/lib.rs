@@ -38,6 +38,7 @@ mod error;
 mod procs;
 mod sys;
 
+pub mod file_maps;
 pub mod pool;
 pub mod profile;
 pub mod stats;

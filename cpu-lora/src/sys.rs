@@ -1,5 +1,5 @@
 //! The crate's only `unsafe` outside the kernel: a `pre_exec` hook that ties a spawned
-//! worker's life to the engine's.
+//! worker's life to the engine's, and the read-only mapping of an adapter's file.
 
 use std::os::unix::process::CommandExt;
 use std::process::Command;
@@ -31,4 +31,18 @@ pub(crate) fn die_with_parent(cmd: &mut Command) {
             Ok(())
         });
     }
+}
+
+/// Maps `file` read-only and shared (the page cache's pages, no copy), `len` bytes.
+///
+/// The map is read-only, so this process never writes it; the hazard is another process
+/// truncating the file while it is mapped, after which a load beyond the new end raises
+/// SIGBUS. Callers check the file's length and identity against what the engine registered
+/// before mapping and again at every step ([`crate::file_maps`]); adapter files are
+/// immutable once written (PEFT writes a new file, and Thaw's docs say not to rewrite a file
+/// that is being served), so the remaining window is a file rewritten in place mid-step.
+pub(crate) fn map_readonly(file: &std::fs::File) -> std::io::Result<memmap2::Mmap> {
+    // SAFETY: read-only shared mapping of a file we hold open; see above for the only hazard
+    // (a truncation by another process), which the callers narrow to a mid-step rewrite.
+    unsafe { memmap2::MmapOptions::new().map(file) }
 }

@@ -62,7 +62,7 @@ pub use segment::{
     Segment, SegmentHeader, SegmentKind, CONFIG_WORDS, HEADER_LEN, LAYOUT_VERSION, MAGIC,
 };
 pub use store::{AdapterLease, LoraView, LoraWeights, StoreConfig, StoreReader};
-pub use store_writer::{HostStore, LayerModuleWeights};
+pub use store_writer::{FileSource, FileTensors, HostStore, LayerModuleWeights, ModuleShape};
 pub use sys::thread_cpu_time;
 pub use types::{
     AdapterHandle, AdapterId, DType, Generation, LayerIdx, Module, ModuleMask, ReaderSlot, StepSeq,

@@ -38,6 +38,12 @@ pub(crate) const WRITING: u32 = 1;
 pub(crate) const LIVE: u32 = 2;
 pub(crate) const RETIRED: u32 = 3;
 
+/// [`ModuleDesc::present`]: A and B are in the arena at `a_off`/`b_off` (segment offsets).
+pub(crate) const IN_ARENA: u32 = 1;
+/// [`ModuleDesc::present`]: A and B are in the adapter's safetensors file at `a_off`/`b_off`
+/// (file offsets; see `crate::store_file`).
+pub(crate) const IN_FILE: u32 = 2;
+
 const ENTRY: usize = 64;
 const E_STATE: usize = 0;
 const E_LAYERS: usize = 4;
@@ -166,10 +172,10 @@ impl<'a> LoraWeights<'a> {
 /// unchanged even if the writer removes it. Released on drop.
 #[derive(Debug)]
 pub struct AdapterLease<'a> {
-    store: &'a StoreReader,
+    pub(crate) store: &'a StoreReader,
     handle: AdapterHandle,
-    n_layers: u32,
-    block: (usize, usize),
+    pub(crate) n_layers: u32,
+    pub(crate) block: (usize, usize),
 }
 
 impl<'a> AdapterLease<'a> {
@@ -202,7 +208,8 @@ impl<'a> AdapterLease<'a> {
         // our lease is dropped; the descriptor table lies inside the block (checked below
         // for the weights, and by n_layers * 7 * DESC <= alloc_len at insert).
         let d = unsafe { map.slice::<ModuleDesc>(at, 1) }[0];
-        if d.present == 0 {
+        // Absent, or in the adapter's file rather than the arena (`crate::store_file`).
+        if d.present != IN_ARENA {
             return None;
         }
         let dtype = DType::from_code(d.dtype)?;

@@ -6,6 +6,10 @@
 use std::collections::HashMap;
 use std::ops::{Deref, Range};
 
+#[path = "store_file.rs"]
+mod file;
+pub use file::{FileSource, FileTensors, ModuleShape};
+
 use crate::alloc::{round_up, FreeList};
 use crate::error::{IpcError, Result};
 use crate::segment::{Segment, SegmentKind, HEADER_LEN};

@@ -1,5 +1,5 @@
 //! Turning a step's [`LoraJob`]s into the exchange's job table: shapes resolved from the host
-//! store and checked against the exchange, rows split across ready workers by the profile.
+//! store (arena or file entries) and checked against the exchange, rows split across ready workers by the profile.
 
 use thaw_ipc::{Job, WorkerId};
 
@@ -35,7 +35,8 @@ impl LoraPool {
                 n_modules: 0,
             };
             for m in j.modules.iter() {
-                let v = self.store.view(j.adapter, j.layer, m).ok_or_else(|| {
+                // From the arena or, for a file entry, the adapter's file.
+                let v = self.store.shape(j.adapter, j.layer, m).ok_or_else(|| {
                     bad(format!(
                         "adapter {} gen {} has no weights for layer {} {m:?} in the host store",
                         j.adapter.id.0, j.adapter.generation.0, j.layer.0
@@ -114,7 +115,7 @@ impl LoraPool {
             let v = first_key.expect("resolve checked at least one module");
             let scale = self
                 .store
-                .view(
+                .shape(
                     j.adapter,
                     j.layer,
                     j.modules.iter().next().expect("non-empty"),
