@@ -70,7 +70,7 @@ fn parse_name(name: &str) -> Option<(usize, LoraModule, Factor)> {
     Some((layer, module, factor))
 }
 
-fn unexpected(tensor: &str, reason: impl Into<String>) -> AdapterError {
+pub(super) fn unexpected(tensor: &str, reason: impl Into<String>) -> AdapterError {
     AdapterError::UnexpectedTensor {
         tensor: tensor.to_string(),
         reason: reason.into(),
@@ -87,21 +87,7 @@ impl LoraAdapter {
     /// Loads a PEFT adapter directory (`adapter_config.json` + `adapter_model.safetensors`) and
     /// validates it against the base model.
     pub fn load(dir: &Path, model: &ModelConfig) -> Result<Self, AdapterError> {
-        if !dir.is_dir() {
-            return Err(AdapterError::NotFound {
-                path: dir.to_path_buf(),
-            });
-        }
-        let config = AdapterConfig::from_file(&dir.join("adapter_config.json"))?;
-        let path = dir.join("adapter_model.safetensors");
-        if !path.is_file() {
-            let bin = dir.join("adapter_model.bin");
-            return Err(if bin.is_file() {
-                AdapterError::PickleWeights { path: bin }
-            } else {
-                AdapterError::MissingFile { path }
-            });
-        }
+        let (config, path) = open_dir(dir)?;
         let bytes = FileBytes::open(&path).map_err(|e| AdapterError::Io {
             path: path.clone(),
             reason: e.to_string(),
@@ -119,6 +105,17 @@ impl LoraAdapter {
         config: AdapterConfig,
         tensors: &SafeTensors<'_>,
         model: &ModelConfig,
+    ) -> Result<Self, AdapterError> {
+        Self::build(config, tensors, model, stored)
+    }
+
+    /// [`LoraAdapter::from_parts`] with `keep` making each validated factor's tensor (a copy,
+    /// or a view of the mapped file).
+    pub(super) fn build(
+        config: AdapterConfig,
+        tensors: &SafeTensors<'_>,
+        model: &ModelConfig,
+        keep: impl Fn(&str, &TensorView<'_>) -> Result<LoraTensor, AdapterError>,
     ) -> Result<Self, AdapterError> {
         let mut found: BTreeMap<(usize, LoraModule, Factor), (String, TensorView<'_>)> =
             BTreeMap::new();
@@ -178,8 +175,8 @@ impl LoraAdapter {
                 slots[m.index()] = Some(LoraWeights {
                     rank,
                     scale,
-                    a: stored(a_name, a)?,
-                    b: stored(b_name, b)?,
+                    a: keep(a_name, a)?,
+                    b: keep(b_name, b)?,
                 });
             }
         }
@@ -255,6 +252,27 @@ impl LoraAdapter {
     }
 }
 
+/// The adapter directory's parsed config and the path of its safetensors file, or what is
+/// missing.
+pub(super) fn open_dir(dir: &Path) -> Result<(AdapterConfig, std::path::PathBuf), AdapterError> {
+    if !dir.is_dir() {
+        return Err(AdapterError::NotFound {
+            path: dir.to_path_buf(),
+        });
+    }
+    let config = AdapterConfig::from_file(&dir.join("adapter_config.json"))?;
+    let path = dir.join("adapter_model.safetensors");
+    if !path.is_file() {
+        let bin = dir.join("adapter_model.bin");
+        return Err(if bin.is_file() {
+            AdapterError::PickleWeights { path: bin }
+        } else {
+            AdapterError::MissingFile { path }
+        });
+    }
+    Ok((config, path))
+}
+
 /// Checks a 2-D factor's shape; `rank_axis` is where the rank sits (0 for A, 1 for B).
 fn check_shape(
     tensor: &str,
@@ -287,7 +305,7 @@ fn check_shape(
 
 /// The tensor's bytes in its stored dtype; NaN or infinite weights are refused, since one
 /// would turn every logit of every request on the adapter into NaN.
-fn stored(name: &str, view: &TensorView<'_>) -> Result<LoraTensor, AdapterError> {
+pub(super) fn stored(name: &str, view: &TensorView<'_>) -> Result<LoraTensor, AdapterError> {
     let dtype = match view.dtype() {
         safetensors::Dtype::F32 => WeightDtype::F32,
         safetensors::Dtype::F16 => WeightDtype::F16,

@@ -5,6 +5,7 @@
 mod config;
 mod error;
 mod format;
+mod mapped;
 mod module;
 mod targets;
 mod tensor;
@@ -12,6 +13,7 @@ mod tensor;
 pub use config::AdapterConfig;
 pub use error::AdapterError;
 pub use format::{LoraAdapter, LoraWeights};
+pub use mapped::MappedFile;
 pub use module::LoraModule;
 pub use targets::{FullMatch, TargetSpec};
 pub use tensor::{encode_into, LoraTensor, WeightDtype};

@@ -11,11 +11,25 @@ use thaw_kernels::cpu::{bytes_to_f32, FloatFormat};
 
 pub use thaw_cpu_lora::kernel::WeightDtype;
 
-/// A row-major factor: `numel` little-endian elements of `dtype`.
-#[derive(Clone, PartialEq)]
+/// A row-major factor: `numel` little-endian elements of `dtype`, owned or read in place from
+/// the adapter's memory-mapped file ([`super::MappedFile`], the disk tier).
+#[derive(Clone)]
 pub struct LoraTensor {
     dtype: WeightDtype,
-    bytes: Vec<u8>,
+    bytes: Bytes,
+}
+
+#[derive(Clone)]
+enum Bytes {
+    Owned(Vec<u8>),
+    /// `range` of the mapped file (checked inside it when the tensor was made).
+    Mapped(std::sync::Arc<super::MappedFile>, std::ops::Range<usize>),
+}
+
+impl PartialEq for LoraTensor {
+    fn eq(&self, o: &Self) -> bool {
+        self.dtype == o.dtype && self.bytes() == o.bytes()
+    }
 }
 
 impl std::fmt::Debug for LoraTensor {
@@ -41,14 +55,17 @@ impl LoraTensor {
         bytes
             .len()
             .is_multiple_of(dtype.size())
-            .then_some(Self { dtype, bytes })
+            .then_some(Self {
+                dtype,
+                bytes: Bytes::Owned(bytes),
+            })
     }
 
     /// f32 values, stored as f32.
     pub fn from_f32(v: &[f32]) -> Self {
         Self {
             dtype: WeightDtype::F32,
-            bytes: v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            bytes: Bytes::Owned(v.iter().flat_map(|x| x.to_le_bytes()).collect()),
         }
     }
 
@@ -56,7 +73,10 @@ impl LoraTensor {
     pub fn encode(v: &[f32], dtype: WeightDtype) -> Self {
         let mut bytes = vec![0u8; v.len() * dtype.size()];
         encode_into(v, dtype, &mut bytes);
-        Self { dtype, bytes }
+        Self {
+            dtype,
+            bytes: Bytes::Owned(bytes),
+        }
     }
 
     pub fn dtype(&self) -> WeightDtype {
@@ -65,26 +85,54 @@ impl LoraTensor {
 
     /// Elements.
     pub fn numel(&self) -> usize {
-        self.bytes.len() / self.dtype.size()
+        self.bytes().len() / self.dtype.size()
     }
 
     /// The stored bytes (what the host store, the copy and the device hold).
     pub fn bytes(&self) -> &[u8] {
-        &self.bytes
+        match &self.bytes {
+            Bytes::Owned(v) => v,
+            Bytes::Mapped(f, r) => &f.bytes()[r.clone()],
+        }
+    }
+
+    /// `range` of `file` in `dtype`, read in place; `None` if the range is outside the file or
+    /// not a whole number of elements.
+    pub(crate) fn mapped(
+        dtype: WeightDtype,
+        file: std::sync::Arc<super::MappedFile>,
+        range: std::ops::Range<usize>,
+    ) -> Option<Self> {
+        (range.start <= range.end
+            && range.end <= file.bytes().len()
+            && range.len().is_multiple_of(dtype.size()))
+        .then_some(Self {
+            dtype,
+            bytes: Bytes::Mapped(file, range),
+        })
+    }
+
+    /// The file and byte range this tensor is read from, when it is read in place from its
+    /// adapter's file rather than held in memory.
+    pub fn file_range(&self) -> Option<(&std::sync::Arc<super::MappedFile>, std::ops::Range<usize>)> {
+        match &self.bytes {
+            Bytes::Owned(_) => None,
+            Bytes::Mapped(f, r) => Some((f, r.clone())),
+        }
     }
 
     /// A view for the CPU LoRA kernels, which read any stored dtype in place.
     pub fn mat(&self) -> LoraMat<'_> {
         LoraMat {
             dtype: self.dtype,
-            bytes: &self.bytes,
+            bytes: self.bytes(),
         }
     }
 
     /// The values widened to f32 (exact for every stored dtype): for oracles and tests.
     pub fn to_f32(&self) -> Vec<f32> {
         let mut out = vec![0.0; self.numel()];
-        bytes_to_f32(format(self.dtype), &self.bytes, &mut out)
+        bytes_to_f32(format(self.dtype), self.bytes(), &mut out)
             .expect("the length is a whole number of elements");
         out
     }
@@ -100,7 +148,7 @@ impl LoraTensor {
     /// Index of the first NaN or infinite element.
     pub fn first_non_finite(&self) -> Option<usize> {
         let es = self.dtype.size();
-        self.bytes.chunks_exact(es).position(|b| match self.dtype {
+        self.bytes().chunks_exact(es).position(|b| match self.dtype {
             WeightDtype::F32 => !f32::from_le_bytes([b[0], b[1], b[2], b[3]]).is_finite(),
             WeightDtype::F16 => !f16::from_le_bytes([b[0], b[1]]).is_finite(),
             WeightDtype::Bf16 => !bf16::from_le_bytes([b[0], b[1]]).is_finite(),

@@ -33,6 +33,18 @@ impl FileBytes {
     }
 }
 
+/// Maps an open file read-only without reading it: pages come in from the page cache (or
+/// the disk) as they are first touched, so mapping a large adapter costs microseconds and
+/// its layers are read in the order they are used (the disk tier, `crate::adapter::MappedFile`).
+pub(crate) fn map_lazily(file: &File) -> std::io::Result<Mmap> {
+    // SAFETY: as in `FileBytes::open`: read-only and private to this process; the hazard is
+    // another process truncating the file while it is mapped, which adapter files are not
+    // (immutable once written; the owner of the mapping checks the file's length and identity
+    // against what it registered, see `MappedFile`). Here the mapping lives until the adapter
+    // is unregistered, not for one load.
+    unsafe { memmap2::MmapOptions::new().map(file) }
+}
+
 impl Deref for FileBytes {
     type Target = [u8];
 

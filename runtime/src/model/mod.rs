@@ -14,6 +14,6 @@ mod weights;
 
 pub use config::{Architecture, ModelConfig};
 pub use error::ModelError;
-pub(crate) use mmap::FileBytes;
+pub(crate) use mmap::{map_lazily, FileBytes};
 pub use tokenizer::{IncrementalDecoder, Tokenizer};
 pub use weights::{TensorF32, Weights};
