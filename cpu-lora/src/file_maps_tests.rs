@@ -3,8 +3,8 @@ use std::io::Write;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use thaw_ipc::{
-    AdapterId, DType, FileSource, FileTensors, Generation, HostStore, LayerIdx,
-    LayerModuleWeights, Module, ModuleShape,
+    AdapterId, DType, FileSource, FileTensors, Generation, HostStore, LayerIdx, LayerModuleWeights,
+    Module, ModuleShape,
 };
 
 use super::*;
@@ -121,7 +121,10 @@ fn delta(w: &LoraWeights<'_>, x: &[f32]) -> Vec<f32> {
 /// is bit-identical to the same bytes read from the arena.
 #[test]
 fn deltas_from_the_file_match_the_oracle_and_the_arena() {
-    for (i, dt) in [DType::F32, DType::F16, DType::BF16].into_iter().enumerate() {
+    for (i, dt) in [DType::F32, DType::F16, DType::BF16]
+        .into_iter()
+        .enumerate()
+    {
         let fx = fixture(dt, 11 + i as u64);
         let mut store = HostStore::create(1 << 20, 4).unwrap();
         let fh = store
@@ -143,7 +146,9 @@ fn deltas_from_the_file_match_the_oracle_and_the_arena() {
             )
             .unwrap();
         let mut rng = ChaCha8Rng::seed_from_u64(99);
-        let x: Vec<f32> = (0..ROWS * D_IN).map(|_| rng.random_range(-2.0..2.0)).collect();
+        let x: Vec<f32> = (0..ROWS * D_IN)
+            .map(|_| rng.random_range(-2.0..2.0))
+            .collect();
         let mut maps = FileMaps::default();
         let w = maps
             .weights(&store, fh, LayerIdx(1), Module::V)
@@ -158,7 +163,11 @@ fn deltas_from_the_file_match_the_oracle_and_the_arena() {
         let (a, b) = (decode(&fx.a, dt), decode(&fx.b, dt));
         for r in 0..ROWS {
             let t: Vec<f64> = (0..RANK)
-                .map(|k| (0..D_IN).map(|c| f64::from(x[r * D_IN + c]) * a[k * D_IN + c]).sum())
+                .map(|k| {
+                    (0..D_IN)
+                        .map(|c| f64::from(x[r * D_IN + c]) * a[k * D_IN + c])
+                        .sum()
+                })
                 .collect();
             let want: Vec<f64> = (0..D_OUT)
                 .map(|o| 0.75 * (0..RANK).map(|k| t[k] * b[o * RANK + k]).sum::<f64>())
@@ -190,7 +199,10 @@ fn a_retired_entry_is_unmapped_and_a_changed_file_is_refused() {
         .insert_file(AdapterId(1), Generation(1), &fx.src, &[fx.tensors])
         .unwrap();
     let mut maps = FileMaps::default();
-    assert!(maps.weights(&store, h, LayerIdx(1), Module::V).unwrap().is_some());
+    assert!(maps
+        .weights(&store, h, LayerIdx(1), Module::V)
+        .unwrap()
+        .is_some());
     maps.tend(&store);
     assert_eq!(maps.len(), 1, "a live entry stays mapped");
     store.remove(h);
@@ -201,7 +213,10 @@ fn a_retired_entry_is_unmapped_and_a_changed_file_is_refused() {
     let h = store
         .insert_file(AdapterId(1), Generation(2), &fx.src, &[fx.tensors])
         .unwrap();
-    assert!(maps.weights(&store, h, LayerIdx(1), Module::V).unwrap().is_some());
+    assert!(maps
+        .weights(&store, h, LayerIdx(1), Module::V)
+        .unwrap()
+        .is_some());
     std::fs::OpenOptions::new()
         .write(true)
         .open(&fx.src.path)
@@ -209,9 +224,7 @@ fn a_retired_entry_is_unmapped_and_a_changed_file_is_refused() {
         .set_len(fx.src.len - 10)
         .unwrap();
     maps.tend(&store);
-    let e = maps
-        .weights(&store, h, LayerIdx(1), Module::V)
-        .unwrap_err();
+    let e = maps.weights(&store, h, LayerIdx(1), Module::V).unwrap_err();
     assert!(e.contains("changed length"), "{e}");
     // A new generation registered over the truncated file: refused before mapping.
     let h3 = store

@@ -29,9 +29,7 @@ use super::HostStore;
 use crate::alloc::round_up;
 use crate::error::{IpcError, Result};
 use crate::store::{AdapterLease, ModuleDesc, StoreReader, DESC, IN_FILE, LIVE, WRITING};
-use crate::types::{
-    AdapterHandle, AdapterId, DType, Generation, LayerIdx, Module, NUM_MODULES,
-};
+use crate::types::{AdapterHandle, AdapterId, DType, Generation, LayerIdx, Module, NUM_MODULES};
 
 const TRAILER_MAGIC: u64 = u64::from_le_bytes(*b"THAWFILE");
 /// Longest path a file entry stores (Linux's PATH_MAX).
@@ -331,9 +329,10 @@ impl AdapterLease<'_> {
     /// Whether this is a file entry: some (layer, module) lies in the file.
     pub fn is_file(&self) -> bool {
         (0..self.n_layers).any(|l| {
-            Module::ALL
-                .iter()
-                .any(|&m| self.desc(LayerIdx(l), m).is_some_and(|d| d.present == IN_FILE))
+            Module::ALL.iter().any(|&m| {
+                self.desc(LayerIdx(l), m)
+                    .is_some_and(|d| d.present == IN_FILE)
+            })
         })
     }
 
@@ -345,7 +344,12 @@ impl AdapterLease<'_> {
         let t = self.trailer()?;
         let at = self.block.0 + desc_bytes(self.n_layers) + TRAILER;
         // SAFETY: inside the leased, immutable block (`trailer` checked the path's end).
-        let path = unsafe { self.store.seg.mapping().slice::<u8>(at, t.path_len as usize) };
+        let path = unsafe {
+            self.store
+                .seg
+                .mapping()
+                .slice::<u8>(at, t.path_len as usize)
+        };
         Some(FileSource {
             path: PathBuf::from(std::ffi::OsString::from_vec(path.to_vec())),
             len: t.len,

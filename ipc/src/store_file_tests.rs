@@ -150,7 +150,10 @@ fn bad_file_entries_are_refused_with_the_reason() {
     };
     // B ends at 100 + 128 + 64 + 300 = 592 > 500.
     let e = err(&[tensor(0, Module::Q, 100, 528)], &src, &mut store);
-    assert!(e.contains("B bytes 528..592 lie outside the file's 500 bytes"), "{e}");
+    assert!(
+        e.contains("B bytes 528..592 lie outside the file's 500 bytes"),
+        "{e}"
+    );
     let e = err(&[tensor(0, Module::Q, u64::MAX - 10, 0)], &src, &mut store);
     assert!(e.contains("too large"), "{e}");
     let twice = [tensor(0, Module::Q, 0, 128), tensor(0, Module::Q, 0, 128)];

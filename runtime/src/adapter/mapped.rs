@@ -90,10 +90,11 @@ impl LoraAdapter {
             path: path.clone(),
             reason: e.to_string(),
         })?);
-        let tensors = SafeTensors::deserialize(file.bytes()).map_err(|e| AdapterError::Corrupt {
-            path: path.clone(),
-            reason: e.to_string(),
-        })?;
+        let tensors =
+            SafeTensors::deserialize(file.bytes()).map_err(|e| AdapterError::Corrupt {
+                path: path.clone(),
+                reason: e.to_string(),
+            })?;
         let base = file.bytes().as_ptr() as usize;
         Self::build(config, &tensors, model, |name, view| {
             let dtype = match view.dtype() {

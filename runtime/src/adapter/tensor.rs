@@ -52,13 +52,10 @@ fn format(d: WeightDtype) -> FloatFormat {
 impl LoraTensor {
     /// Stored bytes of `dtype`; `None` if their length is not a whole number of elements.
     pub fn from_le_bytes(dtype: WeightDtype, bytes: Vec<u8>) -> Option<Self> {
-        bytes
-            .len()
-            .is_multiple_of(dtype.size())
-            .then_some(Self {
-                dtype,
-                bytes: Bytes::Owned(bytes),
-            })
+        bytes.len().is_multiple_of(dtype.size()).then_some(Self {
+            dtype,
+            bytes: Bytes::Owned(bytes),
+        })
     }
 
     /// f32 values, stored as f32.
@@ -114,7 +111,9 @@ impl LoraTensor {
 
     /// The file and byte range this tensor is read from, when it is read in place from its
     /// adapter's file rather than held in memory.
-    pub fn file_range(&self) -> Option<(&std::sync::Arc<super::MappedFile>, std::ops::Range<usize>)> {
+    pub fn file_range(
+        &self,
+    ) -> Option<(&std::sync::Arc<super::MappedFile>, std::ops::Range<usize>)> {
         match &self.bytes {
             Bytes::Owned(_) => None,
             Bytes::Mapped(f, r) => Some((f, r.clone())),
@@ -148,11 +147,13 @@ impl LoraTensor {
     /// Index of the first NaN or infinite element.
     pub fn first_non_finite(&self) -> Option<usize> {
         let es = self.dtype.size();
-        self.bytes().chunks_exact(es).position(|b| match self.dtype {
-            WeightDtype::F32 => !f32::from_le_bytes([b[0], b[1], b[2], b[3]]).is_finite(),
-            WeightDtype::F16 => !f16::from_le_bytes([b[0], b[1]]).is_finite(),
-            WeightDtype::Bf16 => !bf16::from_le_bytes([b[0], b[1]]).is_finite(),
-        })
+        self.bytes()
+            .chunks_exact(es)
+            .position(|b| match self.dtype {
+                WeightDtype::F32 => !f32::from_le_bytes([b[0], b[1], b[2], b[3]]).is_finite(),
+                WeightDtype::F16 => !f16::from_le_bytes([b[0], b[1]]).is_finite(),
+                WeightDtype::Bf16 => !bf16::from_le_bytes([b[0], b[1]]).is_finite(),
+            })
     }
 }
 

@@ -34,6 +34,7 @@ use crate::sampling::{Sampler, SamplerScratch};
 mod assist;
 mod assist_device;
 mod forward;
+mod from_disk;
 mod prefix;
 mod prompt;
 mod sequence;
@@ -289,7 +290,7 @@ impl<B: Backend> Engine<B> {
         let store = match &mut self.pool {
             Some(pool) if streaming => {
                 self.generations += 1;
-                Some(host_store_insert(pool, id, self.generations, &host)?)
+                Some(from_disk::store_insert(pool, id, self.generations, &host)?)
             }
             _ => None,
         };
@@ -350,7 +351,7 @@ impl<B: Backend> Engine<B> {
                 continue;
             }
             self.generations += 1;
-            a.store = Some(host_store_insert(
+            a.store = Some(from_disk::store_insert(
                 &mut pool,
                 *id,
                 self.generations,

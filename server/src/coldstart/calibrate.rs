@@ -97,6 +97,9 @@ where
         link: engine.backend().link(),
         // The CUDA backend computes in bf16 from the f32 host copy; the CPU backend in f32.
         host_encode_bytes_per_s: encode_rate(engine.backend_name() == "cuda"),
+        // Workers read a disk-tier adapter from its mapped file (a host-store file entry) as
+        // soon as it is registered, without waiting for the read into the host tier.
+        assist_reads_disk: engine.pool().is_some(),
         // A few doorbell round trips per layer until assisted steps are measured.
         assist_layer_overhead_s: if cpu_overlaps { 100e-6 } else { 0.0 },
         alpha: 0.1,
@@ -202,6 +205,8 @@ mod tests {
             );
             assert!(m.layer_base_s.is_finite() && m.layer_base_s >= 0.0, "{m:?}");
             assert!(m.host_encode_bytes_per_s > 0.0, "{m:?}");
+            // No worker pool: CPU assist of a disk-tier adapter waits for the host tier.
+            assert!(!m.assist_reads_disk, "{m:?}");
             assert_eq!(engine.kv_usage().used_blocks, 0);
         }
     }

@@ -182,6 +182,15 @@ pub fn run(
             })
             .collect()
     };
+    // With workers to read it, a disk-tier adapter is registered from its mapped file when its
+    // first request arrives (the workers compute its layers from the file while the loader
+    // and the copy read it); the loader's full load then validates it and replaces the mapped
+    // host copy. Without workers, or when the policy waits for residency, it waits for the load.
+    let from_file = engine.pool().is_some()
+        && matches!(
+            cfg.policy,
+            ColdStartPolicy::CpuAssist | ColdStartPolicy::Auto
+        );
     let requester = loader.requester();
     let start = Instant::now();
     std::thread::scope(|scope| {
@@ -202,6 +211,16 @@ pub fn run(
             while next < requests.len() && requests[next].arrival <= now {
                 if let Some(a) = requests[next].adapter {
                     match state[a] {
+                        AdapterState::Disk if from_file => {
+                            state[a] = match register_mapped(engine, a, &adapters[a].0) {
+                                Ok(ad) => {
+                                    host[a] = Some(ad);
+                                    AdapterState::Ready
+                                }
+                                // The loader (queued already) reports what is wrong.
+                                Err(_) => AdapterState::Loading,
+                            };
+                        }
                         AdapterState::Disk => state[a] = AdapterState::Loading, // queued already
                         AdapterState::Host => {
                             let ad = host[a].clone().expect("host-tier adapters are loaded");
@@ -221,6 +240,22 @@ pub fn run(
                 next += 1;
             }
             for (a, r) in loader.finished() {
+                let id = AdapterId(a as u32);
+                if matches!(state[a], AdapterState::Ready) && engine.adapter_is_mapped(id) {
+                    // Served from its file since its request arrived: the full load is the
+                    // validation (finite weights) and becomes the engine's host copy.
+                    state[a] = match r.map_err(|e| e.to_string()).and_then(|ad| {
+                        engine
+                            .adopt_host_copy(id, ad.clone())
+                            .map_err(|e| e.to_string())?;
+                        host[a] = Some(ad);
+                        Ok(())
+                    }) {
+                        Ok(()) => AdapterState::Ready,
+                        Err(e) => AdapterState::Failed(e),
+                    };
+                    continue;
+                }
                 state[a] = match r.map_err(|e| e.to_string()).and_then(|ad| {
                     engine
                         .register_adapter_streaming(AdapterId(a as u32), ad.clone())
@@ -358,6 +393,19 @@ pub fn run(
     }
 }
 
+/// Maps adapter `a`'s file and registers it streaming, its host-store entry naming the file.
+fn register_mapped(
+    engine: &mut Engine<CpuBackend>,
+    a: usize,
+    dir: &std::path::Path,
+) -> Result<Arc<LoraAdapter>, String> {
+    let ad = Arc::new(LoraAdapter::map(dir, engine.model_config()).map_err(|e| e.to_string())?);
+    engine
+        .register_adapter_streaming(AdapterId(a as u32), ad.clone())
+        .map_err(|e| e.to_string())?;
+    Ok(ad)
+}
+
 /// FIFO with a token budget: every decode first, then prefill chunks in arrival order; a
 /// request whose adapter is not resident waits or runs per the policy.
 #[allow(clippy::too_many_arguments)]
@@ -410,10 +458,16 @@ fn build_plan(
                     ColdStartPolicy::Auto => {
                         let adapter = host[a].as_ref().expect("ready adapters have a host copy");
                         let (landed, layers) = engine.adapter_landed(id).unwrap_or((0, 1));
-                        let plan = cost.decide_cold(&ColdCase {
-                            tier: ColdTier::Streaming {
+                        // Still read from its file, nothing landed: the copy waits for the disk.
+                        let tier = if landed == 0 && engine.adapter_is_mapped(id) {
+                            ColdTier::Disk
+                        } else {
+                            ColdTier::Streaming {
                                 landed: landed as f64 / layers.max(1) as f64,
-                            },
+                            }
+                        };
+                        let plan = cost.decide_cold(&ColdCase {
+                            tier,
                             bytes: adapter.size_bytes() as u64,
                             backlog: engine.backend().link_backlog(),
                             work: AssistWork::of(adapter),

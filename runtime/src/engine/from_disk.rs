@@ -1,0 +1,68 @@
+//! Adapters served from the disk tier (issue 27): a [`LoraAdapter::map`]ped adapter is
+//! registered the moment its request arrives; its host-store entry names the file instead of
+//! holding a copy, so the CPU LoRA workers read each layer from the memory-mapped safetensors
+//! file while the upload pipeline reads the same pages into the arena and the device. As each
+//! layer lands the device computes it; once all have, the entry is released (and the workers
+//! unmap the file). When the loader's full load of the same file finishes, its owned copy
+//! replaces the mapped one as the engine's host copy ([`Engine::adopt_host_copy`]).
+use std::sync::Arc;
+
+use thaw_cpu_lora::LoraPool;
+use thaw_ipc::AdapterHandle;
+
+use super::Engine;
+use crate::adapter::LoraAdapter;
+use crate::backend::Backend;
+use crate::error::{Result, RuntimeError};
+use crate::ids::AdapterId;
+
+/// Puts an adapter in the workers' host store: a file entry (no copy) when its factors are
+/// read in place from its file, a copy of its factors otherwise.
+pub(super) fn store_insert(
+    pool: &mut LoraPool,
+    id: AdapterId,
+    generation: u32,
+    a: &LoraAdapter,
+) -> Result<AdapterHandle> {
+    let Some((source, tensors)) = a.file_source() else {
+        return super::host_store_insert(pool, id, generation, a);
+    };
+    pool.store_mut()
+        .insert_file(
+            thaw_ipc::AdapterId(id.0 as u64),
+            thaw_ipc::Generation(generation as u64),
+            &source,
+            &tensors,
+        )
+        .map_err(|e| RuntimeError::Backend(format!("host adapter store (file entry): {e}")))
+}
+
+impl<B: Backend> Engine<B> {
+    /// Replaces the host copy of adapter `id` — registered mapped from its file — with
+    /// `owned`, the loader's full load of the same file (same layers, modules, ranks, scales
+    /// and bytes), so the engine stops reading the file; sequences using the adapter carry on.
+    /// The workers' file entry and the device copy in flight are left as they are.
+    pub fn adopt_host_copy(&mut self, id: AdapterId, owned: Arc<LoraAdapter>) -> Result<()> {
+        let a = self
+            .adapters
+            .get_mut(&id)
+            .ok_or(RuntimeError::UnknownAdapter(id))?;
+        let same = a.host.num_layers() == owned.num_layers()
+            && a.host.iter().count() == owned.iter().count()
+            && a.host.iter().zip(owned.iter()).all(|(x, y)| x == y);
+        if !same {
+            return Err(RuntimeError::InvalidRequest(format!(
+                "adapter {id:?}: the loaded copy differs from the mapped file it replaces \
+                 (was the file rewritten?); unload and load the adapter again"
+            )));
+        }
+        let old = std::mem::replace(&mut a.host, owned);
+        crate::upload::drop_later(old);
+        Ok(())
+    }
+
+    /// Whether adapter `id`'s host copy is read in place from its mapped file.
+    pub fn adapter_is_mapped(&self, id: AdapterId) -> bool {
+        self.adapters.get(&id).is_some_and(|a| a.host.is_mapped())
+    }
+}
