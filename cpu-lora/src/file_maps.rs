@@ -92,15 +92,14 @@ impl FileMaps {
             return Ok(None);
         };
         let key = (handle.id, handle.generation);
-        if !self.maps.contains_key(&key) {
-            let mapped = lease
+        let m = self.maps.entry(key).or_insert_with(|| {
+            lease
                 .file_source()
                 .ok_or_else(|| "the host store's file entry names no file".to_string())
-                .and_then(|src| open(&src));
-            self.maps.insert(key, mapped);
-        }
+                .and_then(|src| open(&src))
+        });
         drop(lease);
-        let m = match &self.maps[&key] {
+        let m = match m {
             Ok(m) => m,
             Err(e) => return Err(e.clone()),
         };
