@@ -145,8 +145,10 @@ pub struct PerfModel {
     /// the 55 GB/s link, was most of a cold start (issue 27).
     pub host_encode_bytes_per_s: f64,
     /// Whether the CPU workers can compute an adapter's deltas from its file before the host
-    /// tier holds it (the memory-mapped safetensors, layer by layer); without, CPU assist of a
-    /// disk-tier adapter starts once the read and encode are done.
+    /// tier holds it (the memory-mapped safetensors, layer by layer: a host-store file entry,
+    /// `thaw_ipc::HostStore::insert_file`); without, CPU assist of a disk-tier adapter starts
+    /// once the read and encode are done. [`crate::coldstart::calibrate`] sets it when the
+    /// engine has CPU LoRA workers.
     pub assist_reads_disk: bool,
     /// Fixed cost CPU assist adds per layer of a step (exports, doorbells, waits, merges),
     /// learned from assisted steps.
