@@ -12,7 +12,10 @@
 //!   [`WaitStrategy::SpinThenFutex`] behind one interface.
 //! - [`HostStore`] / [`StoreReader`]: the host adapter store — an arena of adapter weights in
 //!   their stored dtype with an index keyed by (id, generation), written by one process and
-//!   read zero-copy under leases by any process.
+//!   read zero-copy under leases by any process. A *file entry*
+//!   ([`HostStore::insert_file`]) holds no weights but the adapter's safetensors file
+//!   (path, length, identity) and each (layer, module)'s offsets in it, validated against the
+//!   file's length: the disk tier, which readers map themselves (this crate opens no file).
 //!
 //! **Does not touch:** CUDA (the runtime registers [`Segment::base_addr`] as pinned memory
 //! and finds words through [`ExchangeLayout`]), LoRA math (`thaw-cpu-lora`), process

@@ -9,7 +9,15 @@
 //! check is that every weight is finite: that needs every byte, so the full load
 //! ([`LoraAdapter::load`], on a loader thread) runs alongside and its result is authoritative
 //! (a caller fails the adapter's requests if it finds a NaN, and swaps its owned copy in with
-//! `Engine::adopt_host_copy` otherwise, which unmaps the file in the engine).
+//! `Engine::adopt_host_copy` otherwise, which stops the engine's host copy reading the file).
+//!
+//! A mapped adapter keeps its file mapped while anything holds it: the upload pipeline until
+//! its copy is done, and on the CPU backend the "device" copy itself, which is the host copy it
+//! was registered with, until the adapter is unregistered. Like the base model's weights,
+//! adapter files must not be rewritten in place while they are served (PEFT and Thaw's tools
+//! write new files): a file truncated under a mapping faults on the next read of a lost page.
+//! The workers check the file's length and identity at every step and refuse a changed file
+//! with an error naming it (`thaw_cpu_lora::file_maps`).
 use std::fs::File;
 use std::path::Path;
 use std::sync::Arc;
