@@ -121,6 +121,43 @@ pub fn step_all_pending(e: &mut CpuEngine, seq: SeqId, return_logits: bool) -> V
     .expect("a single-sequence step")
 }
 
+/// Greedy tokens of `prompt` under `adapter` for one request alone (6 new tokens): its
+/// prefill in chunks of at most `chunk` tokens, then decode, one step each.
+pub fn greedy_alone(
+    e: &mut CpuEngine,
+    seq: SeqId,
+    adapter: thaw_runtime::ids::AdapterId,
+    prompt: &[u32],
+    chunk: usize,
+) -> Vec<u32> {
+    e.add_sequence(
+        seq,
+        thaw_runtime::engine::SequenceParams {
+            prompt: prompt.to_vec(),
+            adapter: Some(adapter),
+            sampling: thaw_runtime::sampling::SamplingParams::greedy(),
+            max_new_tokens: 6,
+            ignore_eos: true,
+            ..Default::default()
+        },
+    )
+    .expect("the sequence is admitted");
+    let mut tokens = Vec::new();
+    loop {
+        let num_tokens = e.pending_tokens(seq).expect("a live sequence").min(chunk);
+        let plan = StepPlan {
+            items: vec![PlanItem { seq, num_tokens }],
+            return_logits: false,
+        };
+        if let Some(o) = e.step(&plan).expect("a single-sequence step").first() {
+            tokens.push(o.token.id);
+            if o.finish.is_some() {
+                return tokens;
+            }
+        }
+    }
+}
+
 /// Normwise relative error ‖a − b‖ / ‖b‖ in f64.
 pub fn rel_err(a: &[f32], b: &[f32]) -> f64 {
     assert_eq!(a.len(), b.len(), "compared vectors differ in length");

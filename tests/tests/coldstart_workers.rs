@@ -8,7 +8,7 @@ use thaw_cpu_lora::{LoraPool, PoolConfig};
 use thaw_ipc::HostStore;
 use thaw_runtime::adapter::LoraAdapter;
 use thaw_runtime::backend::cpu::CpuBackend;
-use thaw_runtime::engine::{Engine, EngineConfig, PlanItem, SequenceParams, StepPlan};
+use thaw_runtime::engine::{Engine, EngineConfig};
 use thaw_runtime::ids::{AdapterId, SeqId};
 use thaw_runtime::residency::LinkModel;
 use thaw_runtime::sampling::SamplingParams;
@@ -230,36 +230,9 @@ fn killing_a_worker_mid_assist_keeps_every_token_right() {
     pool.shutdown();
 }
 
-/// Greedy tokens of `prompt` under adapter `a`, one request alone, prefill then decode.
+/// Greedy tokens of `prompt` under adapter `a`, one request alone.
 fn greedy(e: &mut Engine<CpuBackend>, seq: u64, a: AdapterId, prompt: &[u32]) -> Vec<u32> {
-    let seq = SeqId(seq);
-    e.add_sequence(
-        seq,
-        SequenceParams {
-            prompt: prompt.to_vec(),
-            adapter: Some(a),
-            sampling: SamplingParams::greedy(),
-            max_new_tokens: 6,
-            ignore_eos: true,
-            ..Default::default()
-        },
-    )
-    .unwrap();
-    let mut tokens = Vec::new();
-    loop {
-        let num_tokens = e.pending_tokens(seq).unwrap();
-        let plan = StepPlan {
-            items: vec![PlanItem { seq, num_tokens }],
-            return_logits: false,
-        };
-        let out = e.step(&plan).unwrap();
-        if let Some(o) = out.first() {
-            tokens.push(o.token.id);
-            if o.finish.is_some() {
-                return tokens;
-            }
-        }
-    }
+    thaw_tests::greedy_alone(e, SeqId(seq), a, prompt, usize::MAX)
 }
 
 /// Waits (up to 60 s, for a loaded machine) until every layer of `a` has landed.

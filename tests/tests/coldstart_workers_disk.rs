@@ -12,7 +12,7 @@ use thaw_cpu_lora::{LoraPool, PoolConfig};
 use thaw_ipc::HostStore;
 use thaw_runtime::adapter::LoraAdapter;
 use thaw_runtime::backend::cpu::CpuBackend;
-use thaw_runtime::engine::{Engine, EngineConfig, PlanItem, SequenceParams, StepPlan};
+use thaw_runtime::engine::{Engine, EngineConfig};
 use thaw_runtime::ids::{AdapterId, SeqId};
 use thaw_runtime::residency::LinkModel;
 use thaw_runtime::sampling::SamplingParams;
@@ -74,35 +74,9 @@ fn kill_worker_mid_assist(fault_dir: PathBuf) -> std::thread::JoinHandle<u32> {
     })
 }
 
-/// Greedy tokens of `prompt` under adapter `a`, prefill in chunks of 8, then decode.
+/// Greedy tokens of `prompt` under adapter `a`, one request alone.
 fn greedy(e: &mut Engine<CpuBackend>, seq: u64, a: AdapterId, prompt: &[u32]) -> Vec<u32> {
-    let seq = SeqId(seq);
-    e.add_sequence(
-        seq,
-        SequenceParams {
-            prompt: prompt.to_vec(),
-            adapter: Some(a),
-            sampling: SamplingParams::greedy(),
-            max_new_tokens: 6,
-            ignore_eos: true,
-            ..Default::default()
-        },
-    )
-    .unwrap();
-    let mut tokens = Vec::new();
-    loop {
-        let num_tokens = e.pending_tokens(seq).unwrap().min(8);
-        let plan = StepPlan {
-            items: vec![PlanItem { seq, num_tokens }],
-            return_logits: false,
-        };
-        if let Some(o) = e.step(&plan).unwrap().first() {
-            tokens.push(o.token.id);
-            if o.finish.is_some() {
-                return tokens;
-            }
-        }
-    }
+    thaw_tests::greedy_alone(e, SeqId(seq), a, prompt, 8)
 }
 
 /// Adapters of every stored dtype on all seven modules, registered straight from their files:

@@ -303,20 +303,23 @@ fn check_shape(
     Ok(())
 }
 
+/// The dtype a factor is stored in, if one the kernels read.
+pub(super) fn stored_dtype(name: &str, view: &TensorView<'_>) -> Result<WeightDtype, AdapterError> {
+    match view.dtype() {
+        safetensors::Dtype::F32 => Ok(WeightDtype::F32),
+        safetensors::Dtype::F16 => Ok(WeightDtype::F16),
+        safetensors::Dtype::BF16 => Ok(WeightDtype::Bf16),
+        other => Err(AdapterError::UnsupportedDtype {
+            tensor: name.to_string(),
+            dtype: format!("{other:?}"),
+        }),
+    }
+}
+
 /// The tensor's bytes in its stored dtype; NaN or infinite weights are refused, since one
 /// would turn every logit of every request on the adapter into NaN.
 pub(super) fn stored(name: &str, view: &TensorView<'_>) -> Result<LoraTensor, AdapterError> {
-    let dtype = match view.dtype() {
-        safetensors::Dtype::F32 => WeightDtype::F32,
-        safetensors::Dtype::F16 => WeightDtype::F16,
-        safetensors::Dtype::BF16 => WeightDtype::Bf16,
-        other => {
-            return Err(AdapterError::UnsupportedDtype {
-                tensor: name.to_string(),
-                dtype: format!("{other:?}"),
-            })
-        }
-    };
+    let dtype = stored_dtype(name, view)?;
     let t = LoraTensor::from_le_bytes(dtype, view.data().to_vec())
         .ok_or_else(|| unexpected(name, "its byte length is not a whole number of elements"))?;
     match t.first_non_finite() {

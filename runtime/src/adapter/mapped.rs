@@ -26,7 +26,7 @@ use safetensors::SafeTensors;
 use thaw_ipc::{FileSource, FileTensors, LayerIdx, Module, ModuleShape};
 
 use super::error::AdapterError;
-use super::format::{open_dir, unexpected};
+use super::format::{open_dir, stored_dtype, unexpected};
 use super::{LoraAdapter, LoraTensor, WeightDtype};
 use crate::model::ModelConfig;
 
@@ -105,17 +105,7 @@ impl LoraAdapter {
             })?;
         let base = file.bytes().as_ptr() as usize;
         Self::build(config, &tensors, model, |name, view| {
-            let dtype = match view.dtype() {
-                safetensors::Dtype::F32 => WeightDtype::F32,
-                safetensors::Dtype::F16 => WeightDtype::F16,
-                safetensors::Dtype::BF16 => WeightDtype::Bf16,
-                other => {
-                    return Err(AdapterError::UnsupportedDtype {
-                        tensor: name.to_string(),
-                        dtype: format!("{other:?}"),
-                    })
-                }
-            };
+            let dtype = stored_dtype(name, view)?;
             let start = view.data().as_ptr() as usize - base;
             LoraTensor::mapped(dtype, file.clone(), start..start + view.data().len())
                 .ok_or_else(|| unexpected(name, "its bytes are not whole elements inside the file"))
