@@ -382,6 +382,15 @@ impl StoreReader {
         })
     }
 
+    /// Whether `handle`'s adapter is published: `LIVE` under its id and generation. One
+    /// reserved and still filling ([`crate::HostStore::reserve`]) is not. O(1).
+    pub fn is_live(&self, handle: AdapterHandle) -> bool {
+        handle.slot < self.cfg.max_adapters
+            && self.state(handle.slot) == LIVE
+            && self.entry_u64(handle.slot, E_ID).load(SeqCst) == handle.id.0
+            && self.entry_u64(handle.slot, E_GEN).load(SeqCst) == handle.generation.0
+    }
+
     /// Takes a read lease on `handle`'s adapter; `None` if it is gone or being replaced.
     pub fn lease(&self, handle: AdapterHandle) -> Option<AdapterLease<'_>> {
         if handle.slot >= self.cfg.max_adapters {

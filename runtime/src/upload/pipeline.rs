@@ -210,7 +210,7 @@ impl<D: CopyDevice> Drop for UploadPipeline<D> {
 }
 
 /// Evicts uploads whose adapter the engine dropped (the pipeline holds the last reference);
-/// forgets those the plan is done with, dropping them on the reaper thread: one may hold the
+/// forgets those the plan is done with, dropping them on the background thread: one may hold the
 /// last reference to a large host copy, and freeing it under the lock would stall the engine
 /// thread's next submit.
 fn reap<D: CopyDevice>(g: &mut State<D>) {
