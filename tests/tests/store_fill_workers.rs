@@ -1,0 +1,100 @@
+//! With CPU LoRA workers attached, registering an adapter copies none of its bytes on the
+//! engine thread: the host-store entry is reserved there (O(layers)) and filled on the
+//! background thread, then published at the next step. Its own test binary, since it holds
+//! the process's one background thread.
+use std::sync::mpsc::channel;
+use std::time::{Duration, Instant};
+
+use thaw_ipc::HostStore;
+use thaw_runtime::backend::cpu::CpuBackend;
+use thaw_runtime::engine::{Engine, EngineConfig};
+use thaw_runtime::ids::AdapterId;
+use thaw_runtime::residency::LinkModel;
+use thaw_tests::TestModel;
+use workers_support::{greedy, pool_with};
+
+mod workers_support;
+
+fn store(e: &Engine<CpuBackend>) -> &HostStore {
+    e.pool().expect("a pool is attached").store()
+}
+
+/// While the fill waits, the workers cannot read the adapter: the engine assists its cold
+/// layers itself and the tokens are the cached oracle's; once the fill is published the
+/// workers take over, with the same tokens. Nothing is left reserved at the end.
+#[test]
+fn the_host_store_is_filled_off_the_engine_thread_and_published_at_a_step() {
+    let tm = TestModel::llama(71);
+    let cfg = tm.model.config.clone();
+    let all = ["q", "k", "v", "o", "gate", "up", "down"];
+    let adapter = tm.adapter(16, &all, 991);
+    let prompt: Vec<u32> = (0..20u32)
+        .map(|t| 3 + (t * 41) % (cfg.vocab_size as u32 - 3))
+        .collect();
+    let mut oracle = Engine::new(
+        CpuBackend::new(&cfg),
+        tm.model.clone(),
+        EngineConfig::default(),
+    )
+    .unwrap();
+    let id = AdapterId(0);
+    oracle.register_adapter(id, adapter.clone()).unwrap();
+    let want = greedy(&mut oracle, 1, id, &prompt);
+
+    // About 8 s on the link: the adapter streams through the whole test.
+    let link = LinkModel {
+        gbps: adapter.size_bytes() as f64 / 8.0 / 1e9,
+        latency_us: 50.0,
+    };
+    let mut e = Engine::new(
+        CpuBackend::new(&cfg).with_link(link),
+        tm.model.clone(),
+        EngineConfig::default(),
+    )
+    .unwrap();
+    e.attach_pool(pool_with(1, HostStore::create(64 << 20, 4).unwrap()))
+        .unwrap();
+    // Hold the background thread, so the fill queued behind this job waits.
+    let (started, wait_started) = channel();
+    let (release, held) = channel::<()>();
+    thaw_runtime::upload::run_later(move || {
+        started.send(()).unwrap();
+        let _ = held.recv();
+    });
+    wait_started.recv().unwrap();
+    e.register_adapter_streaming(id, adapter.clone()).unwrap();
+    assert_eq!(store(&e).pending_fills(), 1, "reserved, not filled");
+    assert!(store(&e).live_extents().is_empty(), "published before its fill");
+    assert_eq!(e.adapters_in_store(), 1);
+
+    let assisted = e.rows_assisted();
+    assert_eq!(greedy(&mut e, 2, id, &prompt), want, "assisted while filling");
+    assert!(e.rows_assisted() > assisted, "the cold layers were not assisted");
+    assert!(
+        e.pool().unwrap().last_assignments().is_empty(),
+        "the workers were given an adapter they cannot read yet"
+    );
+    assert!(!e.adapter_resident(id), "the adapter landed: the link is too fast");
+
+    drop(release);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while store(&e).live_extents().is_empty() {
+        assert!(Instant::now() < deadline, "the fill was never published");
+        std::thread::sleep(Duration::from_millis(1));
+        e.release_landed();
+    }
+    assert_eq!(store(&e).pending_fills(), 0);
+    assert_eq!(greedy(&mut e, 3, id, &prompt), want, "assisted by the workers");
+    assert!(
+        !e.pool().unwrap().last_assignments().is_empty(),
+        "the workers computed nothing once the adapter was published"
+    );
+    assert!(!e.adapter_resident(id), "the adapter landed: the link is too fast");
+
+    // Unregistered: the entry goes, and its space with it.
+    e.unregister_adapter(id).unwrap();
+    let s = store(&e);
+    assert!(s.live_extents().is_empty() && s.pending_fills() == 0);
+    assert_eq!(s.free_space().0, s.config().capacity_bytes);
+    e.detach_pool().unwrap().shutdown();
+}

@@ -1,0 +1,57 @@
+//! Helpers shared by the tests that run an engine with real CPU LoRA worker processes.
+use std::path::PathBuf;
+
+use thaw_cpu_lora::{LoraPool, PoolConfig};
+use thaw_ipc::HostStore;
+use thaw_runtime::backend::cpu::CpuBackend;
+use thaw_runtime::engine::{Engine, PlanItem, SequenceParams, StepPlan};
+use thaw_runtime::ids::{AdapterId, SeqId};
+use thaw_runtime::sampling::SamplingParams;
+
+/// A pool of `workers` test workers (`thaw-test-worker`, unpinned) over `store`.
+pub fn pool_with(workers: usize, store: HostStore) -> LoraPool {
+    LoraPool::new(
+        PoolConfig {
+            cores: Some((0..workers).collect()),
+            pin: false,
+            program: Some(PathBuf::from(env!("CARGO_BIN_EXE_thaw-test-worker"))),
+            leading_args: vec![],
+            calibration: vec![],
+            ..Default::default()
+        },
+        store,
+    )
+    .expect("worker pool starts")
+}
+
+/// Greedy tokens of `prompt` under adapter `a`, one request alone, prefill then decode.
+pub fn greedy(e: &mut Engine<CpuBackend>, seq: u64, a: AdapterId, prompt: &[u32]) -> Vec<u32> {
+    let seq = SeqId(seq);
+    e.add_sequence(
+        seq,
+        SequenceParams {
+            prompt: prompt.to_vec(),
+            adapter: Some(a),
+            sampling: SamplingParams::greedy(),
+            max_new_tokens: 6,
+            ignore_eos: true,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let mut tokens = Vec::new();
+    loop {
+        let num_tokens = e.pending_tokens(seq).unwrap();
+        let plan = StepPlan {
+            items: vec![PlanItem { seq, num_tokens }],
+            return_logits: false,
+        };
+        let out = e.step(&plan).unwrap();
+        if let Some(o) = out.first() {
+            tokens.push(o.token.id);
+            if o.finish.is_some() {
+                return tokens;
+            }
+        }
+    }
+}
