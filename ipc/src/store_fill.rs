@@ -22,8 +22,10 @@
 //! in the entry, so no lookup finds it.
 //!
 //! The token's status word is private to this process (readers never see it): `PENDING`
-//! until the fill stores `FILLED` (Release, after its last byte) or its drop stores
-//! `ABANDONED`; the writer reads it with Acquire before publishing.
+//! until the fill sets `FILLED` (Release, after its last byte) or its drop sets
+//! `ABANDONED`; the writer reads it with Acquire before publishing or freeing. Cancelling
+//! sets `CANCELLED`, which a fill checks before each (layer, module): one queued behind
+//! others and cancelled meanwhile (its adapter landed on the device first) copies nothing.
 use std::ops::Range;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
@@ -33,9 +35,12 @@ use crate::store_writer::LayerModuleWeights;
 use crate::sys::Mapping;
 use crate::types::{AdapterHandle, DType, LayerIdx, Module};
 
+/// Status bits. FILLED and ABANDONED are the token's last word (set once, by the token);
+/// CANCELLED is the writer's, asking a fill still queued or running to stop early.
 pub(crate) const PENDING: u32 = 0;
 pub(crate) const FILLED: u32 = 1;
 pub(crate) const ABANDONED: u32 = 2;
+pub(crate) const CANCELLED: u32 = 4;
 
 /// Where one (layer, module)'s factors go: what the reservation was sized for.
 #[derive(Debug, Clone)]
@@ -57,6 +62,8 @@ pub struct StoreFill {
     handle: AdapterHandle,
     places: Vec<Place>,
     status: Arc<AtomicU32>,
+    /// Set once FILLED is stored, so the drop does not abandon.
+    filled: bool,
 }
 
 impl std::fmt::Debug for StoreFill {
@@ -80,6 +87,7 @@ impl StoreFill {
             handle,
             places,
             status,
+            filled: false,
         }
     }
 
@@ -90,10 +98,14 @@ impl StoreFill {
 
     /// Copies every (layer, module)'s bytes into the reservation and marks it filled.
     /// `weights` must be what the reservation was made for (same order, shapes and dtypes);
-    /// anything else is an error and abandons the reservation, nothing published.
-    pub fn fill(self, weights: &[LayerModuleWeights<'_>]) -> Result<()> {
+    /// anything else is an error and abandons the reservation, nothing published. If the
+    /// writer cancelled the reservation, stops early (`Ok`): there is nothing to publish.
+    pub fn fill(mut self, weights: &[LayerModuleWeights<'_>]) -> Result<()> {
         self.check(weights)?;
         for (p, w) in self.places.iter().zip(weights) {
+            if self.status.load(Ordering::Acquire) & CANCELLED != 0 {
+                return Ok(()); // dropping `self` abandons it; the writer frees the space
+            }
             // SAFETY: `p.a`/`p.b` lie in the block the writer took from its free list for
             // this reservation alone (disjoint from every other block, live or reserved).
             // The entry is WRITING, so no reader leases it, and the writer neither reads nor
@@ -109,7 +121,8 @@ impl StoreFill {
             }
         }
         // Release: every byte above happens-before the writer's Acquire load that publishes.
-        self.status.store(FILLED, Ordering::Release);
+        self.status.fetch_or(FILLED, Ordering::Release);
+        self.filled = true;
         Ok(())
     }
 
@@ -147,9 +160,10 @@ impl StoreFill {
 
 impl Drop for StoreFill {
     fn drop(&mut self) {
-        // A fill that stored FILLED keeps it; any other exit abandons the reservation.
-        let _ = self
-            .status
-            .compare_exchange(PENDING, ABANDONED, Ordering::AcqRel, Ordering::Acquire);
+        // Any exit but a finished fill abandons the reservation. Release: no write of this
+        // token follows, so the writer may free the space once it reads this.
+        if !self.filled {
+            self.status.fetch_or(ABANDONED, Ordering::Release);
+        }
     }
 }

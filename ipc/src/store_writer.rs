@@ -267,11 +267,11 @@ impl HostStore {
             .filling
             .iter()
             .map(|(&slot, f)| (slot, f.status.load(Ordering::Acquire)))
-            .filter(|&(_, st)| st != fill::PENDING)
+            .filter(|&(_, st)| st & (fill::FILLED | fill::ABANDONED) != 0)
             .collect();
         for (slot, st) in done {
             let f = self.filling.remove(&slot).expect("listed above");
-            if st == fill::FILLED && !f.cancelled {
+            if st & fill::FILLED != 0 && !f.cancelled {
                 let h = f.handle;
                 self.reader
                     .set_entry(slot, LIVE, Some((h, f.n_layers, f.off, f.len)));
@@ -311,8 +311,10 @@ impl HostStore {
             if f.handle != handle || f.cancelled {
                 return false;
             }
-            // Its fill may still be writing: the space is freed once the token is gone.
+            // Its fill may still be writing: the space is freed once the token is gone. A
+            // fill that has not started yet skips the copy.
             f.cancelled = true;
+            f.status.fetch_or(fill::CANCELLED, Ordering::Release);
             self.settle();
             return true;
         }
