@@ -22,10 +22,12 @@
 //! in the entry, so no lookup finds it.
 //!
 //! The token's status word is private to this process (readers never see it): `PENDING`
-//! until the fill sets `FILLED` (Release, after its last byte) or its drop sets
-//! `ABANDONED`; the writer reads it with Acquire before publishing or freeing. Cancelling
-//! sets `CANCELLED`, which a fill checks before each (layer, module): one queued behind
-//! others and cancelled meanwhile (its adapter landed on the device first) copies nothing.
+//! until the fill sets `STARTED` (compare-exchange from exactly `PENDING`), then `FILLED`
+//! (Release, after its last byte), or its drop sets `ABANDONED`; the writer reads it with
+//! Acquire before publishing or freeing. Cancelling sets `CANCELLED`: a fill not yet started
+//! (queued behind others while its adapter landed on the device) can then never start, so
+//! its space is freed at once and it copies nothing; a running fill checks the bit before
+//! each (layer, module) and stops, and its space is freed when its token is gone.
 use std::ops::Range;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
@@ -35,12 +37,20 @@ use crate::store_writer::LayerModuleWeights;
 use crate::sys::Mapping;
 use crate::types::{AdapterHandle, DType, LayerIdx, Module};
 
-/// Status bits. FILLED and ABANDONED are the token's last word (set once, by the token);
-/// CANCELLED is the writer's, asking a fill still queued or running to stop early.
+/// Status bits. STARTED, FILLED and ABANDONED are the token's (FILLED or ABANDONED is its
+/// last word); CANCELLED is the writer's. A fill starts only from exactly PENDING, so once the
+/// writer has set CANCELLED on a status without STARTED, that token never writes a byte.
 pub(crate) const PENDING: u32 = 0;
 pub(crate) const FILLED: u32 = 1;
 pub(crate) const ABANDONED: u32 = 2;
 pub(crate) const CANCELLED: u32 = 4;
+pub(crate) const STARTED: u32 = 8;
+
+/// Whether the writer may free a reservation with status `st` (`cancelled`: it removed it):
+/// the token said its last word, or it was cancelled before its fill started.
+pub(crate) fn writer_may_free(st: u32, cancelled: bool) -> bool {
+    st & (FILLED | ABANDONED) != 0 || (cancelled && st & STARTED == 0)
+}
 
 /// Where one (layer, module)'s factors go: what the reservation was sized for.
 #[derive(Debug, Clone)]
@@ -102,15 +112,23 @@ impl StoreFill {
     /// writer cancelled the reservation, stops early (`Ok`): there is nothing to publish.
     pub fn fill(mut self, weights: &[LayerModuleWeights<'_>]) -> Result<()> {
         self.check(weights)?;
+        let start = self
+            .status
+            .compare_exchange(PENDING, STARTED, Ordering::AcqRel, Ordering::Acquire);
+        if start.is_err() {
+            // Cancelled before it started: the writer may have given the space away already.
+            return Ok(());
+        }
         for (p, w) in self.places.iter().zip(weights) {
             if self.status.load(Ordering::Acquire) & CANCELLED != 0 {
                 return Ok(()); // dropping `self` abandons it; the writer frees the space
             }
             // SAFETY: `p.a`/`p.b` lie in the block the writer took from its free list for
             // this reservation alone (disjoint from every other block, live or reserved).
-            // The entry is WRITING, so no reader leases it, and the writer neither reads nor
-            // frees the block until this token stores FILLED or ABANDONED (in `Drop`), which
-            // happens after these slices are gone. The mapping is kept alive by `self.map`.
+            // The entry is WRITING, so no reader leases it. The status holds STARTED (set
+            // above from exactly PENDING), so the writer neither reads nor frees the block
+            // until this token sets FILLED or ABANDONED (in `Drop`), after these slices are
+            // gone (`writer_may_free`). The mapping is kept alive by `self.map`.
             unsafe {
                 self.map
                     .slice_mut::<u8>(p.a.start, p.a.len())

@@ -259,15 +259,16 @@ impl HostStore {
     }
 
     /// Publishes every reservation whose fill finished (its entry becomes `LIVE`), frees
-    /// those abandoned or cancelled once their fill token is gone, and reclaims retired
+    /// those abandoned, and those cancelled once their fill cannot write any more, and reclaims retired
     /// adapters no reader leases. O(reservations + retired). Returns how many it published.
     pub fn settle(&mut self) -> usize {
         let mut published = 0;
         let done: Vec<(u32, u32)> = self
             .filling
             .iter()
-            .map(|(&slot, f)| (slot, f.status.load(Ordering::Acquire)))
-            .filter(|&(_, st)| st & (fill::FILLED | fill::ABANDONED) != 0)
+            .map(|(&slot, f)| (slot, f.status.load(Ordering::Acquire), f.cancelled))
+            .filter(|&(_, st, cancelled)| fill::writer_may_free(st, cancelled))
+            .map(|(slot, st, _)| (slot, st))
             .collect();
         for (slot, st) in done {
             let f = self.filling.remove(&slot).expect("listed above");
@@ -278,8 +279,8 @@ impl HostStore {
                 self.live.insert((h.id, h.generation), (slot, f.off, f.len));
                 published += 1;
             } else {
-                // Never published, so no reader ever held a lease that reached the bytes,
-                // and the token is gone: nobody writes them either.
+                // Never published, so no reader ever held a lease that reached the bytes;
+                // and the token said its last word or can never start: nobody writes them.
                 self.blocks.remove(&slot);
                 self.free.free(f.off, f.len);
                 self.reader.set_entry(slot, FREE, None);
@@ -311,10 +312,10 @@ impl HostStore {
             if f.handle != handle || f.cancelled {
                 return false;
             }
-            // Its fill may still be writing: the space is freed once the token is gone. A
-            // fill that has not started yet skips the copy.
+            // A fill not started yet never will: its space is freed below. One running may
+            // still be writing: its space is freed once its token is gone.
             f.cancelled = true;
-            f.status.fetch_or(fill::CANCELLED, Ordering::Release);
+            f.status.fetch_or(fill::CANCELLED, Ordering::AcqRel);
             self.settle();
             return true;
         }

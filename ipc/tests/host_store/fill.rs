@@ -76,19 +76,26 @@ fn abandoned_and_cancelled_reservations_free_their_space_once() {
     assert_eq!(store.settle(), 0);
     assert_eq!(store.pending_fills(), 0);
     assert_eq!(store.free_space().0, cap);
-    // Cancelled while its filler still holds the token: the space stays taken (the filler
-    // may be writing) until the token is gone, and the entry is never published.
-    let fill = store.reserve(AdapterId(1), Generation(2), &w.weights()).unwrap();
-    let h = fill.handle();
+    // Cancelled before its fill started: freed at once, and the late fill writes nothing
+    // (the space went to another adapter meanwhile, whose bytes stay intact).
+    let late = store.reserve(AdapterId(1), Generation(2), &w.weights()).unwrap();
+    let h = late.handle();
     assert!(store.remove(h));
     assert!(!store.remove(h), "cancelled twice");
-    store.settle();
-    assert!(store.free_space().0 < cap);
-    fill.fill(&w.weights()).unwrap();
-    assert_eq!(store.settle(), 0, "a cancelled reservation is not published");
-    unreadable(store.reader(), h);
     assert_eq!(store.free_space().0, cap);
     assert_eq!(store.pending_fills(), 0);
+    let other = make(8, 1, 2, &MODS, 8, (64, 64), DType::F32);
+    let o = store.insert(AdapterId(8), Generation(1), &other.weights()).unwrap();
+    late.fill(&w.weights()).unwrap();
+    assert_eq!(store.settle(), 0, "a cancelled reservation is not published");
+    unreadable(store.reader(), h);
+    for l in 0..2 {
+        for m in MODS {
+            assert!(check_view(&store, o, l, m), "the cancelled fill wrote into {o:?}");
+        }
+    }
+    assert!(store.remove(o));
+    assert_eq!(store.free_space().0, cap);
     // Both index slots are free again.
     let a = store.insert(AdapterId(5), Generation(1), &w.weights()).unwrap();
     let b = store.insert(AdapterId(6), Generation(1), &w.weights()).unwrap();
@@ -160,6 +167,7 @@ enum Op {
     Abandon(usize),
     Cancel(usize),
     Remove(usize),
+    LateFill(usize),
     Settle,
 }
 
@@ -170,6 +178,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => any::<usize>().prop_map(Op::Abandon),
         1 => any::<usize>().prop_map(Op::Cancel),
         2 => any::<usize>().prop_map(Op::Remove),
+        1 => any::<usize>().prop_map(Op::LateFill),
         2 => Just(Op::Settle),
     ]
 }
@@ -187,18 +196,19 @@ struct Pending {
 type Live = Vec<(AdapterHandle, super::Owned)>;
 
 /// What the writer's settle did (it also runs inside `reserve` and a cancelling `remove`):
-/// reservations filled and not cancelled went live; the others whose token is gone were
-/// freed. Returns how many went live.
+/// reservations filled and not cancelled went live; cancelled ones (their fills here never
+/// run concurrently, so never started) and abandoned ones were freed. Returns how many went
+/// live.
 fn absorb(pending: &mut Vec<Pending>, live: &mut Live) -> usize {
     let mut published = 0;
     for p in std::mem::take(pending) {
-        match (&p.fill, p.filled && !p.cancelled) {
-            (Some(_), _) => pending.push(p),
-            (None, true) => {
+        match (&p.fill, p.filled, p.cancelled) {
+            (_, _, true) | (None, false, _) => {}
+            (Some(_), _, false) => pending.push(p),
+            (None, true, false) => {
                 live.push((p.handle, p.w));
                 published += 1;
             }
-            (None, false) => {}
         }
     }
     published
@@ -214,6 +224,7 @@ proptest! {
         let cap = store.config().capacity_bytes;
         let mut pending: Vec<Pending> = Vec::new();
         let mut live: Live = Vec::new();
+        let mut late: Vec<(StoreFill, super::Owned)> = Vec::new();
         for (g, op) in ops.into_iter().enumerate() {
             let g = g as u64;
             match op {
@@ -241,6 +252,12 @@ proptest! {
                         p.filled = true;
                     }
                 }
+                Op::LateFill(i) if !late.is_empty() => {
+                    // A cancelled, freed reservation's fill runs late: it must not write.
+                    let n = late.len();
+                    let (fill, w) = late.swap_remove(i % n);
+                    fill.fill(&w.weights()).unwrap();
+                }
                 Op::Abandon(i) if !pending.is_empty() => {
                     let n = pending.len();
                     pending[i % n].fill.take();
@@ -251,6 +268,9 @@ proptest! {
                     if !p.cancelled {
                         prop_assert!(store.remove(p.handle));
                         p.cancelled = true;
+                        if let Some(fill) = p.fill.take() {
+                            late.push((fill, super::Owned { parts: p.w.parts.clone() }));
+                        }
                         absorb(&mut pending, &mut live);
                     }
                 }
