@@ -112,9 +112,9 @@ impl StoreFill {
     /// writer cancelled the reservation, stops early (`Ok`): there is nothing to publish.
     pub fn fill(mut self, weights: &[LayerModuleWeights<'_>]) -> Result<()> {
         self.check(weights)?;
-        let start = self
-            .status
-            .compare_exchange(PENDING, STARTED, Ordering::AcqRel, Ordering::Acquire);
+        let start =
+            self.status
+                .compare_exchange(PENDING, STARTED, Ordering::AcqRel, Ordering::Acquire);
         if start.is_err() {
             // Cancelled before it started: the writer may have given the space away already.
             return Ok(());

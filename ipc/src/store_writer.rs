@@ -337,12 +337,8 @@ impl HostStore {
         let mut i = 0;
         while i < self.retired.len() {
             let slot = self.retired[i];
-            let leased = (0..readers).any(|r| {
-                self.reader
-                    .lease_word_of(slot, r)
-                    .load(Ordering::SeqCst)
-                    != 0
-            });
+            let leased = (0..readers)
+                .any(|r| self.reader.lease_word_of(slot, r).load(Ordering::SeqCst) != 0);
             if leased {
                 i += 1;
                 continue;

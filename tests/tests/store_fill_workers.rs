@@ -64,17 +64,30 @@ fn the_host_store_is_filled_off_the_engine_thread_and_published_at_a_step() {
     wait_started.recv().unwrap();
     e.register_adapter_streaming(id, adapter.clone()).unwrap();
     assert_eq!(store(&e).pending_fills(), 1, "reserved, not filled");
-    assert!(store(&e).live_extents().is_empty(), "published before its fill");
+    assert!(
+        store(&e).live_extents().is_empty(),
+        "published before its fill"
+    );
     assert_eq!(e.adapters_in_store(), 1);
 
     let assisted = e.rows_assisted();
-    assert_eq!(greedy(&mut e, 2, id, &prompt), want, "assisted while filling");
-    assert!(e.rows_assisted() > assisted, "the cold layers were not assisted");
+    assert_eq!(
+        greedy(&mut e, 2, id, &prompt),
+        want,
+        "assisted while filling"
+    );
+    assert!(
+        e.rows_assisted() > assisted,
+        "the cold layers were not assisted"
+    );
     assert!(
         e.pool().unwrap().last_assignments().is_empty(),
         "the workers were given an adapter they cannot read yet"
     );
-    assert!(!e.adapter_resident(id), "the adapter landed: the link is too fast");
+    assert!(
+        !e.adapter_resident(id),
+        "the adapter landed: the link is too fast"
+    );
 
     drop(release);
     let deadline = Instant::now() + Duration::from_secs(60);
@@ -84,12 +97,19 @@ fn the_host_store_is_filled_off_the_engine_thread_and_published_at_a_step() {
         e.release_landed();
     }
     assert_eq!(store(&e).pending_fills(), 0);
-    assert_eq!(greedy(&mut e, 3, id, &prompt), want, "assisted by the workers");
+    assert_eq!(
+        greedy(&mut e, 3, id, &prompt),
+        want,
+        "assisted by the workers"
+    );
     assert!(
         !e.pool().unwrap().last_assignments().is_empty(),
         "the workers computed nothing once the adapter was published"
     );
-    assert!(!e.adapter_resident(id), "the adapter landed: the link is too fast");
+    assert!(
+        !e.adapter_resident(id),
+        "the adapter landed: the link is too fast"
+    );
 
     // Unregistered: the entry goes, and its space with it.
     e.unregister_adapter(id).unwrap();

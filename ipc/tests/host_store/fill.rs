@@ -26,13 +26,18 @@ fn a_reservation_is_unreadable_until_filled_and_settled() {
     let mut store = HostStore::create(1 << 20, 4).unwrap();
     let r = reader_of(&store, 1);
     let w = make(3, 9, 2, &MODS, 4, (16, 24), DType::BF16);
-    let fill = store.reserve(AdapterId(3), Generation(9), &w.weights()).unwrap();
+    let fill = store
+        .reserve(AdapterId(3), Generation(9), &w.weights())
+        .unwrap();
     let h = fill.handle();
     unreadable(&r, h);
     assert_eq!(store.pending_fills(), 1);
     assert!(store.live_extents().is_empty());
     let (free, _) = store.free_space();
-    assert!(free < store.config().capacity_bytes, "the space is taken at reserve");
+    assert!(
+        free < store.config().capacity_bytes,
+        "the space is taken at reserve"
+    );
     // The same (id, generation) cannot be reserved or inserted twice.
     assert!(matches!(
         store.reserve(AdapterId(3), Generation(9), &w.weights()),
@@ -70,7 +75,9 @@ fn abandoned_and_cancelled_reservations_free_their_space_once() {
     let cap = store.config().capacity_bytes;
     let w = make(1, 1, 2, &MODS, 8, (64, 64), DType::F32);
     // Abandoned: the token is dropped unfilled.
-    let fill = store.reserve(AdapterId(1), Generation(1), &w.weights()).unwrap();
+    let fill = store
+        .reserve(AdapterId(1), Generation(1), &w.weights())
+        .unwrap();
     drop(fill);
     assert_eq!(store.pending_fills(), 1, "freed only by the writer");
     assert_eq!(store.settle(), 0);
@@ -78,27 +85,42 @@ fn abandoned_and_cancelled_reservations_free_their_space_once() {
     assert_eq!(store.free_space().0, cap);
     // Cancelled before its fill started: freed at once, and the late fill writes nothing
     // (the space went to another adapter meanwhile, whose bytes stay intact).
-    let late = store.reserve(AdapterId(1), Generation(2), &w.weights()).unwrap();
+    let late = store
+        .reserve(AdapterId(1), Generation(2), &w.weights())
+        .unwrap();
     let h = late.handle();
     assert!(store.remove(h));
     assert!(!store.remove(h), "cancelled twice");
     assert_eq!(store.free_space().0, cap);
     assert_eq!(store.pending_fills(), 0);
     let other = make(8, 1, 2, &MODS, 8, (64, 64), DType::F32);
-    let o = store.insert(AdapterId(8), Generation(1), &other.weights()).unwrap();
+    let o = store
+        .insert(AdapterId(8), Generation(1), &other.weights())
+        .unwrap();
     late.fill(&w.weights()).unwrap();
-    assert_eq!(store.settle(), 0, "a cancelled reservation is not published");
+    assert_eq!(
+        store.settle(),
+        0,
+        "a cancelled reservation is not published"
+    );
     unreadable(store.reader(), h);
     for l in 0..2 {
         for m in MODS {
-            assert!(check_view(&store, o, l, m), "the cancelled fill wrote into {o:?}");
+            assert!(
+                check_view(&store, o, l, m),
+                "the cancelled fill wrote into {o:?}"
+            );
         }
     }
     assert!(store.remove(o));
     assert_eq!(store.free_space().0, cap);
     // Both index slots are free again.
-    let a = store.insert(AdapterId(5), Generation(1), &w.weights()).unwrap();
-    let b = store.insert(AdapterId(6), Generation(1), &w.weights()).unwrap();
+    let a = store
+        .insert(AdapterId(5), Generation(1), &w.weights())
+        .unwrap();
+    let b = store
+        .insert(AdapterId(6), Generation(1), &w.weights())
+        .unwrap();
     assert_ne!(a.slot, b.slot);
 }
 
@@ -107,11 +129,18 @@ fn a_fill_that_does_not_match_its_reservation_is_refused_and_abandoned() {
     let mut store = HostStore::create(1 << 20, 4).unwrap();
     let w = make(2, 1, 2, &MODS, 4, (16, 16), DType::F16);
     let other = make(2, 1, 2, &MODS, 4, (16, 32), DType::F16);
-    let fill = store.reserve(AdapterId(2), Generation(1), &w.weights()).unwrap();
+    let fill = store
+        .reserve(AdapterId(2), Generation(1), &w.weights())
+        .unwrap();
     let h = fill.handle();
     let e = fill.fill(&other.weights()).unwrap_err();
-    assert!(e.to_string().contains("does not match the reservation"), "{e}");
-    let fill = store.reserve(AdapterId(2), Generation(2), &w.weights()).unwrap();
+    assert!(
+        e.to_string().contains("does not match the reservation"),
+        "{e}"
+    );
+    let fill = store
+        .reserve(AdapterId(2), Generation(2), &w.weights())
+        .unwrap();
     let e = fill.fill(&w.weights()[1..]).unwrap_err();
     assert!(e.to_string().contains("made for 4"), "{e}");
     assert_eq!(store.settle(), 0);
@@ -127,7 +156,9 @@ fn readers_never_see_a_half_filled_adapter() {
     let reader = Arc::new(reader_of(&store, 1));
     for g in 0..12u64 {
         let w = make(4, g, 3, &MODS, 16, (128, 96), DType::BF16);
-        let fill = store.reserve(AdapterId(4), Generation(g), &w.weights()).unwrap();
+        let fill = store
+            .reserve(AdapterId(4), Generation(g), &w.weights())
+            .unwrap();
         let h = fill.handle();
         let stop = Arc::new(AtomicBool::new(false));
         let seen = Arc::new(AtomicU64::new(0));

@@ -98,6 +98,8 @@ pub struct Engine<B: Backend> {
     /// Adapters holding a slot of the pool's host store: those with a layer not yet landed
     /// when last looked at ([`Engine::release_landed`]).
     in_store: Vec<AdapterId>,
+    /// Streaming adapters the host store had no room for: reserved again at every step.
+    store_wanted: Vec<AdapterId>,
     assist_buf: AssistBuffers,
     generations: u32,
     seqs: HashMap<SeqId, Sequence>,
@@ -159,6 +161,7 @@ impl<B: Backend> Engine<B> {
             adapters: HashMap::new(),
             pool: None,
             in_store: Vec::new(),
+            store_wanted: Vec::new(),
             assist_buf: AssistBuffers::default(),
             generations: 0,
             seqs: HashMap::new(),
@@ -291,18 +294,21 @@ impl<B: Backend> Engine<B> {
                 self.generations += 1;
                 // O(layers) here; the bytes are copied on the background thread and the
                 // entry published at a later step (`release_landed`).
-                Some(crate::upload::reserve_and_fill_later(
-                    pool,
-                    id,
-                    self.generations,
-                    &host,
-                )?)
+                let h = crate::upload::reserve_and_fill_later(pool, id, self.generations, &host)?;
+                match h {
+                    Some(_) => self.in_store.push(id),
+                    None => {
+                        tracing::debug!(
+                            adapter = id.0,
+                            "host adapter store full: assisted on the engine thread until it has room"
+                        );
+                        self.store_wanted.push(id);
+                    }
+                }
+                h
             }
             _ => None,
         };
-        if store.is_some() {
-            self.in_store.push(id);
-        }
         self.adapters.insert(id, EngineAdapter { host, dev, store });
         Ok(())
     }
@@ -314,6 +320,7 @@ impl<B: Backend> Engine<B> {
             }
         }
         self.in_store.retain(|&x| x != id);
+        self.store_wanted.retain(|&x| x != id);
     }
 
     /// Gives back the host-store slot of every adapter whose layers have all landed; returns
@@ -323,7 +330,8 @@ impl<B: Backend> Engine<B> {
     /// adapter's bytes. Between steps no worker job is in flight; a job left by a failed step
     /// still holds its lease, and the store reuses the bytes only once that lease is dropped
     /// (the store's `RETIRED` state). Called at every step and before every insert; it also
-    /// publishes the host-store entries filled since the last call.
+    /// publishes the host-store entries filled since the last call, and reserves entries for
+    /// streaming adapters the store had no room for until now.
     pub fn release_landed(&mut self) -> usize {
         let Some(pool) = self.pool.as_mut() else {
             return 0;
@@ -344,7 +352,31 @@ impl<B: Backend> Engine<B> {
             }
             false
         });
-        before - self.in_store.len()
+        let released = before - self.in_store.len();
+        // Adapters the store had no room for: again now, unless they landed meanwhile.
+        let (in_store, generations) = (&mut self.in_store, &mut self.generations);
+        self.store_wanted.retain(|id| {
+            let Some(a) = adapters.get_mut(id) else {
+                return false;
+            };
+            if backend.landed_layers(&a.dev) >= a.host.num_layers() {
+                return false;
+            }
+            *generations += 1;
+            match crate::upload::reserve_and_fill_later(pool, *id, *generations, &a.host) {
+                Ok(Some(h)) => {
+                    a.store = Some(h);
+                    in_store.push(*id);
+                    false
+                }
+                Ok(None) => true,
+                Err(e) => {
+                    tracing::warn!(adapter = id.0, "host adapter store: {e}");
+                    false
+                }
+            }
+        });
+        released
     }
 
     /// Adapters holding a slot of the workers' host store (those still streaming).
@@ -360,13 +392,12 @@ impl<B: Backend> Engine<B> {
                 continue;
             }
             self.generations += 1;
-            a.store = Some(crate::upload::reserve_and_fill_later(
-                &mut pool,
-                *id,
-                self.generations,
-                &a.host,
-            )?);
-            self.in_store.push(*id);
+            a.store =
+                crate::upload::reserve_and_fill_later(&mut pool, *id, self.generations, &a.host)?;
+            match a.store {
+                Some(_) => self.in_store.push(*id),
+                None => self.store_wanted.push(*id),
+            }
         }
         // SAFETY: the pool, owner of the exchange's mapping, stays in `self.pool` until
         // `detach_pool`, which unmaps first; and `backend` is declared before `pool`, so on
@@ -410,6 +441,7 @@ impl<B: Backend> Engine<B> {
             }
         }
         self.in_store.clear();
+        self.store_wanted.clear();
         Some(pool)
     }
 
@@ -588,7 +620,8 @@ impl<B: Backend> Engine<B> {
             .step_adapter_ids
             .iter()
             .map(|id| {
-                let live = |h: &AdapterHandle| self.pool.as_ref().is_some_and(|p| p.store().is_live(*h));
+                let live =
+                    |h: &AdapterHandle| self.pool.as_ref().is_some_and(|p| p.store().is_live(*h));
                 self.adapters[id].store.filter(live)
             })
             .collect();

@@ -9,6 +9,17 @@
 //! Until an adapter's entry is published the workers cannot read it: a step with a cold
 //! layer of such an adapter computes its CPU deltas on the engine thread from the host copy
 //! (the no-pool path, same numerics), and the step after the fill hands them to the workers.
+//! The same holds for an adapter the store has no room for when it is registered (more
+//! adapters streaming at once than the store holds): the engine reserves again at each step
+//! until it has room or the adapter has landed, rather than refusing the adapter.
+//!
+//! What is still copied, all off the engine thread: the disk loader reads the safetensors
+//! file into the adapter's heap tensors (the host tier is those tensors), the upload
+//! pipeline's loader copies them into the pinned arena, and the background thread copies
+//! them into this store. The store and the arena are two memories because the arena holds
+//! the device image (the backend's dtype, the device layout) and the store the workers'
+//! (stored dtype, descriptor table): one memory for both would need the host tier itself
+//! to be store-backed tensors and the device image to be read from the store's layout.
 use std::sync::Arc;
 
 use thaw_cpu_lora::LoraPool;
@@ -21,24 +32,30 @@ use crate::ids::AdapterId;
 /// Reserves `a`'s entry in `pool`'s host store under (`id`, `generation`) on the calling
 /// thread (O(layers)) and queues the copy of its bytes on the background thread. The handle
 /// leases nothing until [`StoreReader::is_live`](thaw_ipc::StoreReader::is_live) says so.
+/// `None` when the store has no room now (more adapters streaming than it holds, or fills
+/// still running): the caller assists the adapter on the engine thread and asks again later.
 pub fn reserve_and_fill_later(
     pool: &mut LoraPool,
     id: AdapterId,
     generation: u32,
     a: &Arc<LoraAdapter>,
-) -> Result<AdapterHandle> {
-    let fill = pool
-        .store_mut()
-        .reserve(
-            thaw_ipc::AdapterId(id.0 as u64),
-            thaw_ipc::Generation(generation as u64),
-            &store_parts(a),
-        )
-        .map_err(|e| RuntimeError::Backend(format!("host adapter store: {e}")))?;
+) -> Result<Option<AdapterHandle>> {
+    let reserved = pool.store_mut().reserve(
+        thaw_ipc::AdapterId(id.0 as u64),
+        thaw_ipc::Generation(generation as u64),
+        &store_parts(a),
+    );
+    let fill = match reserved {
+        Ok(fill) => fill,
+        Err(thaw_ipc::IpcError::StoreFull { .. } | thaw_ipc::IpcError::IndexFull { .. }) => {
+            return Ok(None)
+        }
+        Err(e) => return Err(RuntimeError::Backend(format!("host adapter store: {e}"))),
+    };
     let handle = fill.handle();
     let a = a.clone();
     super::run_later(move || fill_now(fill, &a));
-    Ok(handle)
+    Ok(Some(handle))
 }
 
 /// Copies `a`'s bytes into its reservation. A failure abandons the reservation (the store
