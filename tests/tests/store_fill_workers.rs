@@ -118,3 +118,76 @@ fn the_host_store_is_filled_off_the_engine_thread_and_published_at_a_step() {
     assert_eq!(s.free_space().0, s.config().capacity_bytes);
     e.detach_pool().unwrap().shutdown();
 }
+
+/// A host store with room for one adapter and two streaming: the second is not refused but
+/// assisted on the engine thread (the cached oracle's tokens), and gets its entry at the
+/// first step after the first one leaves; the workers then assist it, with the same tokens.
+#[test]
+fn an_adapter_the_store_has_no_room_for_is_assisted_inline_until_it_has() {
+    let tm = TestModel::llama(73);
+    let cfg = tm.model.config.clone();
+    let all = ["q", "k", "v", "o", "gate", "up", "down"];
+    let adapters = [tm.adapter(16, &all, 993), tm.adapter(8, &all[..4], 994)];
+    let prompt: Vec<u32> = (0..18u32)
+        .map(|t| 3 + (t * 43) % (cfg.vocab_size as u32 - 3))
+        .collect();
+    let mut oracle = Engine::new(
+        CpuBackend::new(&cfg),
+        tm.model.clone(),
+        EngineConfig::default(),
+    )
+    .unwrap();
+    let (a, b) = (AdapterId(0), AdapterId(1));
+    oracle.register_adapter(b, adapters[1].clone()).unwrap();
+    let want = greedy(&mut oracle, 1, b, &prompt);
+
+    // About 8 s each on the link, one after the other: both stream through the test.
+    let link = LinkModel {
+        gbps: adapters[0].size_bytes() as f64 / 8.0 / 1e9,
+        latency_us: 50.0,
+    };
+    let mut e = Engine::new(
+        CpuBackend::new(&cfg).with_link(link),
+        tm.model.clone(),
+        EngineConfig::default(),
+    )
+    .unwrap();
+    e.attach_pool(pool_with(1, HostStore::create(64 << 20, 1).unwrap()))
+        .unwrap();
+    e.register_adapter_streaming(a, adapters[0].clone())
+        .unwrap();
+    e.register_adapter_streaming(b, adapters[1].clone())
+        .expect("registered without a host-store entry, not refused");
+    assert_eq!(e.adapters_in_store(), 1, "the store holds one");
+    assert_eq!(greedy(&mut e, 2, b, &prompt), want, "assisted inline");
+    assert!(
+        e.pool().unwrap().last_assignments().is_empty(),
+        "the workers were given an adapter not in the store"
+    );
+
+    e.unregister_adapter(a).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while store(&e).live_extents().is_empty() {
+        assert!(
+            Instant::now() < deadline,
+            "the second adapter never got its entry"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+        e.release_landed();
+    }
+    assert_eq!(e.adapters_in_store(), 1);
+    assert!(
+        !e.adapter_resident(b),
+        "the adapter landed: the link is too fast"
+    );
+    assert_eq!(
+        greedy(&mut e, 3, b, &prompt),
+        want,
+        "assisted by the workers"
+    );
+    assert!(
+        !e.pool().unwrap().last_assignments().is_empty(),
+        "the workers computed nothing once the adapter had its entry"
+    );
+    e.detach_pool().unwrap().shutdown();
+}
