@@ -7,11 +7,10 @@ use std::time::{Duration, Instant};
 
 use thaw_ipc::HostStore;
 use thaw_runtime::backend::cpu::CpuBackend;
-use thaw_runtime::engine::{Engine, EngineConfig};
+use thaw_runtime::engine::Engine;
 use thaw_runtime::ids::AdapterId;
-use thaw_runtime::residency::LinkModel;
 use thaw_tests::TestModel;
-use workers_support::{greedy, pool_with};
+use workers_support::{cached_greedy, greedy, pool_with, streaming_engine};
 
 mod workers_support;
 
@@ -31,29 +30,11 @@ fn the_host_store_is_filled_off_the_engine_thread_and_published_at_a_step() {
     let prompt: Vec<u32> = (0..20u32)
         .map(|t| 3 + (t * 41) % (cfg.vocab_size as u32 - 3))
         .collect();
-    let mut oracle = Engine::new(
-        CpuBackend::new(&cfg),
-        tm.model.clone(),
-        EngineConfig::default(),
-    )
-    .unwrap();
     let id = AdapterId(0);
-    oracle.register_adapter(id, adapter.clone()).unwrap();
-    let want = greedy(&mut oracle, 1, id, &prompt);
-
+    let want = cached_greedy(&tm, &adapter, &prompt);
     // About 8 s on the link: the adapter streams through the whole test.
-    let link = LinkModel {
-        gbps: adapter.size_bytes() as f64 / 8.0 / 1e9,
-        latency_us: 50.0,
-    };
-    let mut e = Engine::new(
-        CpuBackend::new(&cfg).with_link(link),
-        tm.model.clone(),
-        EngineConfig::default(),
-    )
-    .unwrap();
-    e.attach_pool(pool_with(1, HostStore::create(64 << 20, 4).unwrap()))
-        .unwrap();
+    let pool = pool_with(1, HostStore::create(64 << 20, 4).unwrap());
+    let mut e = streaming_engine(&tm, adapter.size_bytes(), 8.0, pool);
     // Hold the background thread, so the fill queued behind this job waits.
     let (started, wait_started) = channel();
     let (release, held) = channel::<()>();
@@ -131,29 +112,11 @@ fn an_adapter_the_store_has_no_room_for_is_assisted_inline_until_it_has() {
     let prompt: Vec<u32> = (0..18u32)
         .map(|t| 3 + (t * 43) % (cfg.vocab_size as u32 - 3))
         .collect();
-    let mut oracle = Engine::new(
-        CpuBackend::new(&cfg),
-        tm.model.clone(),
-        EngineConfig::default(),
-    )
-    .unwrap();
     let (a, b) = (AdapterId(0), AdapterId(1));
-    oracle.register_adapter(b, adapters[1].clone()).unwrap();
-    let want = greedy(&mut oracle, 1, b, &prompt);
-
+    let want = cached_greedy(&tm, &adapters[1], &prompt);
     // About 8 s each on the link, one after the other: both stream through the test.
-    let link = LinkModel {
-        gbps: adapters[0].size_bytes() as f64 / 8.0 / 1e9,
-        latency_us: 50.0,
-    };
-    let mut e = Engine::new(
-        CpuBackend::new(&cfg).with_link(link),
-        tm.model.clone(),
-        EngineConfig::default(),
-    )
-    .unwrap();
-    e.attach_pool(pool_with(1, HostStore::create(64 << 20, 1).unwrap()))
-        .unwrap();
+    let pool = pool_with(1, HostStore::create(64 << 20, 1).unwrap());
+    let mut e = streaming_engine(&tm, adapters[0].size_bytes(), 8.0, pool);
     e.register_adapter_streaming(a, adapters[0].clone())
         .unwrap();
     e.register_adapter_streaming(b, adapters[1].clone())
