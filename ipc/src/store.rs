@@ -21,7 +21,9 @@
 //! reads zero. In SeqCst order either the writer sees the reader's lease, or the reader sees
 //! `RETIRED` and never touches the bytes — so no reader ever sees a half-written or
 //! recycled adapter. Leases are counted per reader slot so the engine can drop those of a
-//! worker that died ([`crate::HostStore::release_reader`]).
+//! worker that died ([`crate::HostStore::release_reader`]). The writer may leave the filling
+//! of a `WRITING` block to another thread ([`crate::HostStore::reserve`]): the entry goes
+//! `LIVE` only once that thread said it wrote the last byte.
 
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::SeqCst};
 
