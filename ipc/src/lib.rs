@@ -50,6 +50,7 @@ mod error;
 mod exchange;
 mod segment;
 mod store;
+mod store_fill;
 mod store_writer;
 mod sys;
 mod types;
@@ -65,6 +66,7 @@ pub use segment::{
     Segment, SegmentHeader, SegmentKind, CONFIG_WORDS, HEADER_LEN, LAYOUT_VERSION, MAGIC,
 };
 pub use store::{AdapterLease, LoraView, LoraWeights, StoreConfig, StoreReader};
+pub use store_fill::StoreFill;
 pub use store_writer::{FileSource, FileTensors, HostStore, LayerModuleWeights, ModuleShape};
 pub use sys::thread_cpu_time;
 pub use types::{

@@ -12,6 +12,7 @@ use std::os::fd::{AsFd, BorrowedFd, OwnedFd, RawFd};
 use std::os::unix::fs::FileExt;
 use std::process::Command;
 use std::sync::atomic::{AtomicU32, AtomicU64};
+use std::sync::Arc;
 
 use bytemuck::{Pod, Zeroable};
 
@@ -68,7 +69,8 @@ pub struct SegmentHeader {
 
 /// A mapped, validated shared-memory segment. Dropping it unmaps and closes the fd.
 pub struct Segment {
-    map: Mapping,
+    /// Shared with the host store's fill tokens, which may outlive the segment's owner.
+    map: Arc<Mapping>,
     fd: OwnedFd,
     header: SegmentHeader,
 }
@@ -190,7 +192,7 @@ impl Segment {
                 header.payload_off
             )));
         }
-        let map = Mapping::map(fd.as_fd(), len)?;
+        let map = Arc::new(Mapping::map(fd.as_fd(), len)?);
         Ok(Self { map, fd, header })
     }
 
@@ -299,6 +301,11 @@ impl Segment {
 
     pub(crate) fn mapping(&self) -> &Mapping {
         &self.map
+    }
+
+    /// The mapping, kept alive by the caller too (a store fill running on another thread).
+    pub(crate) fn shared_mapping(&self) -> Arc<Mapping> {
+        self.map.clone()
     }
 
     /// Commits every page of the segment now (see `Mapping::populate_write`); false where

@@ -21,7 +21,9 @@
 //! reads zero. In SeqCst order either the writer sees the reader's lease, or the reader sees
 //! `RETIRED` and never touches the bytes — so no reader ever sees a half-written or
 //! recycled adapter. Leases are counted per reader slot so the engine can drop those of a
-//! worker that died ([`crate::HostStore::release_reader`]).
+//! worker that died ([`crate::HostStore::release_reader`]). The writer may leave the filling
+//! of a `WRITING` block to another thread ([`crate::HostStore::reserve`]): the entry goes
+//! `LIVE` only once that thread said it wrote the last byte.
 
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::SeqCst};
 
@@ -387,6 +389,15 @@ impl StoreReader {
                 _pad: 0,
             })
         })
+    }
+
+    /// Whether `handle`'s adapter is published: `LIVE` under its id and generation. One
+    /// reserved and still filling ([`crate::HostStore::reserve`]) is not. O(1).
+    pub fn is_live(&self, handle: AdapterHandle) -> bool {
+        handle.slot < self.cfg.max_adapters
+            && self.state(handle.slot) == LIVE
+            && self.entry_u64(handle.slot, E_ID).load(SeqCst) == handle.id.0
+            && self.entry_u64(handle.slot, E_GEN).load(SeqCst) == handle.generation.0
     }
 
     /// Takes a read lease on `handle`'s adapter; `None` if it is gone or being replaced.

@@ -1,10 +1,13 @@
 //! The host adapter store, writer side: the one process that inserts and removes adapters.
 //! Allocation is a first-fit free list with coalescing ([`crate::alloc`]) kept in this
 //! process's private memory; removal is deferred until every reader lease is gone (see the
-//! protocol in [`crate::store`]).
+//! protocol in [`crate::store`]). An insert can be split into reserve (here, O(layers)), fill
+//! (any thread) and publish (here, O(1)): see [`crate::store_fill`].
 
 use std::collections::HashMap;
 use std::ops::{Deref, Range};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
 
 #[path = "store_file.rs"]
 mod file;
@@ -16,6 +19,7 @@ use crate::segment::{Segment, SegmentKind, HEADER_LEN};
 use crate::store::{
     ModuleDesc, StoreConfig, StoreLayout, StoreReader, DESC, FREE, LIVE, RETIRED, WRITING,
 };
+use crate::store_fill::{self as fill, Place, StoreFill};
 use crate::types::{
     AdapterHandle, AdapterId, DType, Generation, LayerIdx, Module, ReaderSlot, NUM_MODULES,
 };
@@ -49,6 +53,21 @@ pub struct HostStore {
     retired: Vec<u32>,
     live: HashMap<(AdapterId, Generation), (u32, u64, u64)>,
     blocks: HashMap<u32, (u64, u64)>,
+    /// Reserved, not yet published, by slot.
+    filling: HashMap<u32, Filling>,
+}
+
+/// A reservation awaiting its fill ([`crate::store_fill`]).
+#[derive(Debug)]
+struct Filling {
+    handle: AdapterHandle,
+    n_layers: u32,
+    off: u64,
+    len: u64,
+    /// Written by the fill token; read here with Acquire.
+    status: Arc<AtomicU32>,
+    /// Removed before it was published: freed, not published, once the token is gone.
+    cancelled: bool,
 }
 
 impl Deref for HostStore {
@@ -86,6 +105,7 @@ impl HostStore {
             retired: Vec::new(),
             live: HashMap::new(),
             blocks: HashMap::new(),
+            filling: HashMap::new(),
         })
     }
 
@@ -108,13 +128,38 @@ impl HostStore {
     }
 
     /// Copies an adapter into the arena and publishes it. Reclaims retired adapters first.
+    /// The same as [`reserve`](Self::reserve), [`StoreFill::fill`] and
+    /// [`settle`](Self::settle) on the calling thread.
     pub fn insert(
         &mut self,
         id: AdapterId,
         generation: Generation,
         weights: &[LayerModuleWeights<'_>],
     ) -> Result<AdapterHandle> {
-        if self.live.contains_key(&(id, generation)) {
+        let fill = self.reserve(id, generation, weights)?;
+        let handle = fill.handle();
+        fill.fill(weights)?;
+        self.settle();
+        debug_assert!(self.live.contains_key(&(id, generation)));
+        Ok(handle)
+    }
+
+    /// Takes an index slot and an arena range for an adapter of `weights`' shapes (their
+    /// bytes are not read) and writes its descriptors: O(layers), no tensor bytes. The
+    /// returned token fills the bytes from any thread; the adapter is published (`LIVE`) at
+    /// the first [`settle`](Self::settle) after that. Until then it is invisible to readers
+    /// and lookups, and [`remove`](Self::remove) cancels it.
+    pub fn reserve(
+        &mut self,
+        id: AdapterId,
+        generation: Generation,
+        weights: &[LayerModuleWeights<'_>],
+    ) -> Result<StoreFill> {
+        let pending = self
+            .filling
+            .values()
+            .any(|f| !f.cancelled && (f.handle.id, f.handle.generation) == (id, generation));
+        if pending || self.live.contains_key(&(id, generation)) {
             return Err(IpcError::AlreadyPresent {
                 id: id.0,
                 generation: generation.0,
@@ -129,7 +174,7 @@ impl HostStore {
                 .iter()
                 .map(|w| (w.a_bytes.len() as u64, w.b_bytes.len() as u64)),
         );
-        self.reclaim();
+        self.settle();
         let slot = self.free_slots.pop().ok_or(IpcError::IndexFull {
             max: self.cfg.max_adapters,
         })?;
@@ -144,28 +189,30 @@ impl HostStore {
         let len = round_up(size);
         self.reader.set_entry(slot, WRITING, None);
         let base = self.reader.layout.arena + off as usize;
-        // SAFETY: [base, base+len) was just taken from the free list. A block returns to the
-        // free list only after its entry was RETIRED and every lease counter read zero, after
-        // which no reader can acquire it (they see a non-LIVE state first); and the entry now
-        // being filled is WRITING, so no reader touches the bytes until we store LIVE below.
-        // Nothing else in this process holds a slice of the block.
-        let block = unsafe {
+        // SAFETY: [base, base+desc_bytes) lies in [base, base+len), just taken from the free
+        // list. A block returns to the free list only after its entry was RETIRED and every
+        // lease counter read zero (no reader can acquire it then: they see a non-LIVE state
+        // first), or after its fill token was gone (no filler writes it then); and the entry
+        // is WRITING, so no reader touches the bytes until it is published. The fill token
+        // made below writes only the tensor ranges after the descriptor table.
+        let descs = unsafe {
             self.reader
                 .seg
                 .mapping()
-                .slice_mut::<u8>(base, len as usize)
+                .slice_mut::<u8>(base, desc_bytes as usize)
         };
         // Descriptors of absent (layer, module)s must read as zero; tensor bytes are all
-        // overwritten below, and the alignment padding between them is never read.
-        block[..desc_bytes as usize].fill(0);
-        let mut cursor = desc_bytes as usize;
+        // written by the fill, and the alignment padding between them is never read.
+        descs.fill(0);
+        let mut cursor = base + desc_bytes as usize;
+        let mut take = |n: usize| {
+            let at = cursor;
+            cursor += round_up(n as u64) as usize;
+            at..at + n
+        };
+        let mut places = Vec::with_capacity(weights.len());
         for (w, &(d_in, d_out)) in weights.iter().zip(&shapes) {
-            let mut put = |bytes: &[u8]| {
-                let at = cursor;
-                block[at..at + bytes.len()].copy_from_slice(bytes);
-                cursor += round_up(bytes.len() as u64) as usize;
-                (base + at) as u64
-            };
+            let (a, b) = (take(w.a_bytes.len()), take(w.b_bytes.len()));
             let desc = ModuleDesc {
                 present: 1,
                 rank: w.rank,
@@ -173,12 +220,20 @@ impl HostStore {
                 d_in,
                 d_out,
                 scale: w.scale,
-                a_off: put(w.a_bytes),
-                b_off: put(w.b_bytes),
+                a_off: a.start as u64,
+                b_off: b.start as u64,
                 _pad: 0,
             };
             let at = (w.layer.0 as usize * NUM_MODULES + w.module.index()) * DESC;
-            block[at..at + DESC].copy_from_slice(bytemuck::bytes_of(&desc));
+            descs[at..at + DESC].copy_from_slice(bytemuck::bytes_of(&desc));
+            places.push(Place {
+                layer: w.layer,
+                module: w.module,
+                rank: w.rank,
+                dtype: w.dtype,
+                a,
+                b,
+            });
         }
         let handle = AdapterHandle {
             id,
@@ -186,17 +241,88 @@ impl HostStore {
             slot,
             _pad: 0,
         };
-        self.reader
-            .set_entry(slot, LIVE, Some((handle, n_layers, off, len)));
-        self.live.insert((id, generation), (slot, off, len));
+        let status = Arc::new(AtomicU32::new(fill::PENDING));
+        self.filling.insert(
+            slot,
+            Filling {
+                handle,
+                n_layers,
+                off,
+                len,
+                status: status.clone(),
+                cancelled: false,
+            },
+        );
         self.blocks.insert(slot, (off, len));
-        Ok(handle)
+        Ok(StoreFill::new(
+            self.reader.seg.shared_mapping(),
+            handle,
+            places,
+            status,
+        ))
+    }
+
+    /// Publishes every reservation whose fill finished (its entry becomes `LIVE`), frees
+    /// those abandoned, and those cancelled once their fill cannot write any more, and reclaims retired
+    /// adapters no reader leases. O(reservations + retired). Returns how many it published.
+    pub fn settle(&mut self) -> usize {
+        let mut published = 0;
+        let done: Vec<(u32, u32)> = self
+            .filling
+            .iter()
+            .map(|(&slot, f)| (slot, f.status.load(Ordering::Acquire), f.cancelled))
+            .filter(|&(_, st, cancelled)| fill::writer_may_free(st, cancelled))
+            .map(|(slot, st, _)| (slot, st))
+            .collect();
+        for (slot, st) in done {
+            let f = self.filling.remove(&slot).expect("listed above");
+            if st & fill::FILLED != 0 && !f.cancelled {
+                let h = f.handle;
+                self.reader
+                    .set_entry(slot, LIVE, Some((h, f.n_layers, f.off, f.len)));
+                self.live.insert((h.id, h.generation), (slot, f.off, f.len));
+                published += 1;
+            } else {
+                // Never published, so no reader ever held a lease that reached the bytes;
+                // and the token said its last word or can never start: nobody writes them.
+                self.blocks.remove(&slot);
+                self.free.free(f.off, f.len);
+                self.reader.set_entry(slot, FREE, None);
+                self.free_slots.push(slot);
+            }
+        }
+        self.reclaim();
+        published
+    }
+
+    /// Reservations not yet published (filling, or cancelled and awaiting their filler).
+    pub fn pending_fills(&self) -> usize {
+        self.filling.len()
+    }
+
+    /// Reserved, unpublished adapters with their arena byte ranges (for stats and tests).
+    pub fn filling_extents(&self) -> Vec<(AdapterHandle, Range<u64>)> {
+        self.filling
+            .values()
+            .map(|f| (f.handle, f.off..f.off + f.len))
+            .collect()
     }
 
     /// Unpublishes an adapter: new lookups and leases fail at once; its bytes are reclaimed
     /// as soon as no reader holds a lease (now, or at a later insert/[`HostStore::reclaim`]).
     /// Returns false if `handle` was not live.
     pub fn remove(&mut self, handle: AdapterHandle) -> bool {
+        if let Some(f) = self.filling.get_mut(&handle.slot) {
+            if f.handle != handle || f.cancelled {
+                return false;
+            }
+            // A fill not started yet never will: its space is freed below. One running may
+            // still be writing: its space is freed once its token is gone.
+            f.cancelled = true;
+            f.status.fetch_or(fill::CANCELLED, Ordering::AcqRel);
+            self.settle();
+            return true;
+        }
         match self.live.get(&(handle.id, handle.generation)) {
             Some(&(slot, _, _)) if slot == handle.slot => {}
             _ => return false,
@@ -215,12 +341,8 @@ impl HostStore {
         let mut i = 0;
         while i < self.retired.len() {
             let slot = self.retired[i];
-            let leased = (0..readers).any(|r| {
-                self.reader
-                    .lease_word_of(slot, r)
-                    .load(std::sync::atomic::Ordering::SeqCst)
-                    != 0
-            });
+            let leased = (0..readers)
+                .any(|r| self.reader.lease_word_of(slot, r).load(Ordering::SeqCst) != 0);
             if leased {
                 i += 1;
                 continue;
@@ -246,7 +368,7 @@ impl HostStore {
         for slot in 0..self.cfg.max_adapters {
             self.reader
                 .lease_word_of(slot, reader.0)
-                .store(0, std::sync::atomic::Ordering::SeqCst);
+                .store(0, Ordering::SeqCst);
         }
         self.reclaim();
         Ok(())

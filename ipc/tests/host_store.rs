@@ -3,6 +3,8 @@
 //! insert/remove sequences.
 
 mod common;
+#[path = "host_store/fill.rs"]
+mod fill;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};

@@ -4,39 +4,27 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use thaw_cpu_lora::{LoraPool, PoolConfig};
+use thaw_cpu_lora::LoraPool;
 use thaw_ipc::HostStore;
 use thaw_runtime::adapter::LoraAdapter;
 use thaw_runtime::backend::cpu::CpuBackend;
 use thaw_runtime::engine::{Engine, EngineConfig};
-use thaw_runtime::ids::{AdapterId, SeqId};
+use thaw_runtime::ids::AdapterId;
 use thaw_runtime::residency::LinkModel;
 use thaw_runtime::sampling::SamplingParams;
 use thaw_server::coldstart::{
     self, calibrate, ColdStartPolicy, DriverConfig, Request, RunReport, StartTier,
 };
 use thaw_tests::TestModel;
+use workers_support::{greedy, pool_with};
+
+mod workers_support;
 
 fn pool(workers: usize) -> LoraPool {
     pool_with(
         workers,
         HostStore::create(64 << 20, 64).expect("host store"),
     )
-}
-
-fn pool_with(workers: usize, store: HostStore) -> LoraPool {
-    LoraPool::new(
-        PoolConfig {
-            cores: Some((0..workers).collect()),
-            pin: false,
-            program: Some(PathBuf::from(env!("CARGO_BIN_EXE_thaw-test-worker"))),
-            leading_args: vec![],
-            calibration: vec![],
-            ..Default::default()
-        },
-        store,
-    )
-    .expect("worker pool starts")
 }
 
 fn requests(vocab: usize) -> Vec<Request> {
@@ -228,11 +216,6 @@ fn killing_a_worker_mid_assist_keeps_every_token_right() {
         "no worker was respawned"
     );
     pool.shutdown();
-}
-
-/// Greedy tokens of `prompt` under adapter `a`, one request alone.
-fn greedy(e: &mut Engine<CpuBackend>, seq: u64, a: AdapterId, prompt: &[u32]) -> Vec<u32> {
-    thaw_tests::greedy_alone(e, SeqId(seq), a, prompt, usize::MAX)
 }
 
 /// Waits (up to 60 s, for a loaded machine) until every layer of `a` has landed.

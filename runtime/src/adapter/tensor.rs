@@ -144,6 +144,34 @@ impl LoraTensor {
         Self::encode(&self.to_f32(), to)
     }
 
+    /// Writes the values stored in `to` into `dst` (`numel * to.size()` bytes): the same
+    /// bytes as [`LoraTensor::converted`], without a heap copy (widened a chunk at a time on
+    /// the stack), so a loader thread encodes straight into the pinned arena.
+    pub fn convert_into(&self, to: WeightDtype, dst: &mut [u8]) {
+        assert_eq!(
+            dst.len(),
+            self.numel() * to.size(),
+            "convert_into: size mismatch"
+        );
+        if to == self.dtype {
+            dst.copy_from_slice(self.bytes());
+            return;
+        }
+        const CHUNK: usize = 1024;
+        let mut wide = [0.0f32; CHUNK];
+        let (from, into) = (self.dtype.size(), to.size());
+        for (src, out) in self
+            .bytes()
+            .chunks(CHUNK * from)
+            .zip(dst.chunks_mut(CHUNK * into))
+        {
+            let n = src.len() / from;
+            bytes_to_f32(format(self.dtype), src, &mut wide[..n])
+                .expect("the length is a whole number of elements");
+            encode_into(&wide[..n], to, out);
+        }
+    }
+
     /// Index of the first NaN or infinite element.
     pub fn first_non_finite(&self) -> Option<usize> {
         let es = self.dtype.size();
@@ -189,6 +217,23 @@ mod tests {
 
     fn values(n: usize) -> Vec<f32> {
         (0..n).map(|i| ((i as f32) * 0.37).sin() * 3.0).collect()
+    }
+
+    /// Converting straight into a buffer gives the bytes of a converted copy, for every pair
+    /// of dtypes and lengths around the chunk size.
+    #[test]
+    fn convert_into_matches_converted() {
+        let all = [WeightDtype::F32, WeightDtype::Bf16, WeightDtype::F16];
+        for n in [1, 1023, 1024, 1025, 3000] {
+            for from in all {
+                let t = LoraTensor::encode(&values(n), from);
+                for to in all {
+                    let mut out = vec![0u8; n * to.size()];
+                    t.convert_into(to, &mut out);
+                    assert_eq!(out, t.converted(to).bytes(), "{from:?} -> {to:?}, {n}");
+                }
+            }
+        }
     }
 
     /// Byte counts follow the stored dtype; bf16/f16 round-trips are within half an ulp of the

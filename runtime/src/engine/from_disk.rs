@@ -17,24 +17,32 @@ use crate::error::{Result, RuntimeError};
 use crate::ids::AdapterId;
 
 /// Puts an adapter in the workers' host store: a file entry (no copy) when its factors are
-/// read in place from its file, a copy of its factors otherwise.
+/// read in place from its file; otherwise a reservation whose bytes a background thread copies
+/// (O(layers) here, [`crate::upload::reserve_and_fill_later`]). `None` when the store has no
+/// room now: the adapter is assisted on the engine thread until it has.
 pub(super) fn store_insert(
     pool: &mut LoraPool,
     id: AdapterId,
     generation: u32,
-    a: &LoraAdapter,
-) -> Result<AdapterHandle> {
+    a: &Arc<LoraAdapter>,
+) -> Result<Option<AdapterHandle>> {
     let Some((source, tensors)) = a.file_source() else {
-        return super::host_store_insert(pool, id, generation, a);
+        return crate::upload::reserve_and_fill_later(pool, id, generation, a);
     };
-    pool.store_mut()
-        .insert_file(
-            thaw_ipc::AdapterId(id.0 as u64),
-            thaw_ipc::Generation(generation as u64),
-            &source,
-            &tensors,
-        )
-        .map_err(|e| RuntimeError::Backend(format!("host adapter store (file entry): {e}")))
+    match pool.store_mut().insert_file(
+        thaw_ipc::AdapterId(id.0 as u64),
+        thaw_ipc::Generation(generation as u64),
+        &source,
+        &tensors,
+    ) {
+        Ok(h) => Ok(Some(h)),
+        Err(thaw_ipc::IpcError::StoreFull { .. } | thaw_ipc::IpcError::IndexFull { .. }) => {
+            Ok(None)
+        }
+        Err(e) => Err(RuntimeError::Backend(format!(
+            "host adapter store (file entry): {e}"
+        ))),
+    }
 }
 
 impl<B: Backend> Engine<B> {

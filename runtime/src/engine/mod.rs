@@ -99,6 +99,8 @@ pub struct Engine<B: Backend> {
     /// Adapters holding a slot of the pool's host store: those with a layer not yet landed
     /// when last looked at ([`Engine::release_landed`]).
     in_store: Vec<AdapterId>,
+    /// Streaming adapters the host store had no room for: reserved again at every step.
+    store_wanted: Vec<AdapterId>,
     assist_buf: AssistBuffers,
     generations: u32,
     seqs: HashMap<SeqId, Sequence>,
@@ -160,6 +162,7 @@ impl<B: Backend> Engine<B> {
             adapters: HashMap::new(),
             pool: None,
             in_store: Vec::new(),
+            store_wanted: Vec::new(),
             assist_buf: AssistBuffers::default(),
             generations: 0,
             seqs: HashMap::new(),
@@ -290,13 +293,23 @@ impl<B: Backend> Engine<B> {
         let store = match &mut self.pool {
             Some(pool) if streaming => {
                 self.generations += 1;
-                Some(from_disk::store_insert(pool, id, self.generations, &host)?)
+                // O(layers) here; the bytes are copied on the background thread and the
+                // entry published at a later step (`release_landed`).
+                let h = from_disk::store_insert(pool, id, self.generations, &host)?;
+                match h {
+                    Some(_) => self.in_store.push(id),
+                    None => {
+                        tracing::debug!(
+                            adapter = id.0,
+                            "host adapter store full: assisted on the engine thread until it has room"
+                        );
+                        self.store_wanted.push(id);
+                    }
+                }
+                h
             }
             _ => None,
         };
-        if store.is_some() {
-            self.in_store.push(id);
-        }
         self.adapters.insert(id, EngineAdapter { host, dev, store });
         Ok(())
     }
@@ -308,6 +321,7 @@ impl<B: Backend> Engine<B> {
             }
         }
         self.in_store.retain(|&x| x != id);
+        self.store_wanted.retain(|&x| x != id);
     }
 
     /// Gives back the host-store slot of every adapter whose layers have all landed; returns
@@ -316,11 +330,15 @@ impl<B: Backend> Engine<B> {
     /// the adapter anew under a new generation, so a stale handle never leases another
     /// adapter's bytes. Between steps no worker job is in flight; a job left by a failed step
     /// still holds its lease, and the store reuses the bytes only once that lease is dropped
-    /// (the store's `RETIRED` state). Called at every step and before every insert.
+    /// (the store's `RETIRED` state). Called at every step and before every insert; it also
+    /// publishes the host-store entries filled since the last call, and reserves entries for
+    /// streaming adapters the store had no room for until now.
     pub fn release_landed(&mut self) -> usize {
         let Some(pool) = self.pool.as_mut() else {
             return 0;
         };
+        // Host-store entries whose bytes the background thread finished copying go live.
+        pool.store_mut().settle();
         let before = self.in_store.len();
         let (adapters, backend) = (&mut self.adapters, &self.backend);
         self.in_store.retain(|id| {
@@ -335,7 +353,31 @@ impl<B: Backend> Engine<B> {
             }
             false
         });
-        before - self.in_store.len()
+        let released = before - self.in_store.len();
+        // Adapters the store had no room for: again now, unless they landed meanwhile.
+        let (in_store, generations) = (&mut self.in_store, &mut self.generations);
+        self.store_wanted.retain(|id| {
+            let Some(a) = adapters.get_mut(id) else {
+                return false;
+            };
+            if backend.landed_layers(&a.dev) >= a.host.num_layers() {
+                return false;
+            }
+            *generations += 1;
+            match from_disk::store_insert(pool, *id, *generations, &a.host) {
+                Ok(Some(h)) => {
+                    a.store = Some(h);
+                    in_store.push(*id);
+                    false
+                }
+                Ok(None) => true,
+                Err(e) => {
+                    tracing::warn!(adapter = id.0, "host adapter store: {e}");
+                    false
+                }
+            }
+        });
+        released
     }
 
     /// Adapters holding a slot of the workers' host store (those still streaming).
@@ -351,13 +393,11 @@ impl<B: Backend> Engine<B> {
                 continue;
             }
             self.generations += 1;
-            a.store = Some(from_disk::store_insert(
-                &mut pool,
-                *id,
-                self.generations,
-                &a.host,
-            )?);
-            self.in_store.push(*id);
+            a.store = from_disk::store_insert(&mut pool, *id, self.generations, &a.host)?;
+            match a.store {
+                Some(_) => self.in_store.push(*id),
+                None => self.store_wanted.push(*id),
+            }
         }
         // SAFETY: the pool, owner of the exchange's mapping, stays in `self.pool` until
         // `detach_pool`, which unmaps first; and `backend` is declared before `pool`, so on
@@ -401,6 +441,7 @@ impl<B: Backend> Engine<B> {
             }
         }
         self.in_store.clear();
+        self.store_wanted.clear();
         Some(pool)
     }
 
@@ -449,7 +490,7 @@ impl<B: Backend> Engine<B> {
             .adapters
             .remove(&id)
             .ok_or(RuntimeError::UnknownAdapter(id))?;
-        // The device copy first, then the host copy on the reaper thread: if this held the last
+        // The device copy first, then the host copy on the background thread: if this held the last
         // reference, freeing tens of megabytes is not the engine thread's work.
         drop(a.dev);
         crate::upload::drop_later(a.host);
@@ -574,16 +615,30 @@ impl<B: Backend> Engine<B> {
             .iter()
             .map(|id| &self.adapters[id].host)
             .collect();
+        // Only published entries: one still being filled cannot be leased by the workers.
         let handles: Vec<Option<AdapterHandle>> = self
             .step_adapter_ids
             .iter()
-            .map(|id| self.adapters[id].store)
+            .map(|id| {
+                let live =
+                    |h: &AdapterHandle| self.pool.as_ref().is_some_and(|p| p.store().is_live(*h));
+                self.adapters[id].store.filter(live)
+            })
             .collect();
         // Which layers are on the device is decided once, at the start of the step.
         self.landed.clear();
         self.landed
             .extend(adapters.iter().map(|a| self.backend.landed_layers(a)));
         let cold = self.landed.iter().any(|&l| l < self.config.num_layers);
+        // The workers assist this step only if every cold adapter is readable in the host
+        // store; otherwise (an entry still filling, for a step or a few) the engine thread
+        // computes the cold deltas from the host copies, as without a pool.
+        let on_pool = self.pool.is_some()
+            && self
+                .landed
+                .iter()
+                .zip(&handles)
+                .all(|(&l, h)| l >= self.config.num_layers || h.is_some());
         let lora = LoraBatch {
             kernel: self.cfg.lora_kernel,
             layout: &self.lora_layout,
@@ -592,20 +647,20 @@ impl<B: Backend> Engine<B> {
         };
         // Workers spin instead of sleeping while a step has CPU work: a futex wake per layer
         // and input would cost more than the work itself.
-        if let (true, Some(pool)) = (cold, &self.pool) {
+        if let (true, true, Some(pool)) = (cold, on_pool, &self.pool) {
             pool.arm();
         }
         // The workers' cores are busy while they assist: the backend computes alone then,
         // and on every core otherwise (inline assist runs on the engine thread itself).
-        self.backend.set_cpu_assist(cold && self.pool.is_some());
+        self.backend.set_cpu_assist(cold && on_pool);
         let mut assist = cold.then(|| Assist {
             path: match &mut self.pool {
-                Some(pool) => AssistPath::Pool {
+                Some(pool) if on_pool => AssistPath::Pool {
                     pool,
                     handles: &handles,
                     ticket: None,
                 },
-                None => AssistPath::Inline,
+                _ => AssistPath::Inline,
             },
             host: &host,
             buf: &mut self.assist_buf,
@@ -627,7 +682,7 @@ impl<B: Backend> Engine<B> {
             &mut self.logits,
         );
         self.rows_assisted += assist.map_or(0, |a| a.rows_assisted as u64);
-        if let (true, Some(pool)) = (cold, &self.pool) {
+        if let (true, true, Some(pool)) = (cold, on_pool, &self.pool) {
             pool.disarm();
         }
         if let Err(e) = ran {
@@ -798,42 +853,5 @@ impl<B: Backend> Engine<B> {
         }
         self.step_adapter_ids = step_adapters;
         Ok(())
-    }
-}
-
-/// Copies an adapter's factors into the shared host store, in their stored dtype.
-fn host_store_insert(
-    pool: &mut LoraPool,
-    id: AdapterId,
-    generation: u32,
-    a: &LoraAdapter,
-) -> Result<AdapterHandle> {
-    let parts: Vec<thaw_ipc::LayerModuleWeights<'_>> = a
-        .iter()
-        .map(|(layer, m, w)| thaw_ipc::LayerModuleWeights {
-            layer: thaw_ipc::LayerIdx(layer as u32),
-            module: thaw_ipc::Module::ALL[m.index()],
-            rank: w.rank as u32,
-            scale: w.scale,
-            dtype: ipc_dtype(w.a.dtype()),
-            a_bytes: w.a.bytes(),
-            b_bytes: w.b.bytes(),
-        })
-        .collect();
-    pool.store_mut()
-        .insert(
-            thaw_ipc::AdapterId(id.0 as u64),
-            thaw_ipc::Generation(generation as u64),
-            &parts,
-        )
-        .map_err(|e| RuntimeError::Backend(format!("host adapter store: {e}")))
-}
-
-/// The host store's code for a stored dtype.
-fn ipc_dtype(d: crate::adapter::WeightDtype) -> thaw_ipc::DType {
-    match d {
-        crate::adapter::WeightDtype::F32 => thaw_ipc::DType::F32,
-        crate::adapter::WeightDtype::F16 => thaw_ipc::DType::F16,
-        crate::adapter::WeightDtype::Bf16 => thaw_ipc::DType::BF16,
     }
 }

@@ -1,12 +1,13 @@
 //! Keeping host work proportional to an adapter's bytes away from the engine thread: the
 //! pipeline's (and the disk loader's) threads run at a lower scheduling priority, so on a
 //! machine short of cores they yield to the engine thread rather than stretch a step; and the
-//! last reference to a large host copy is dropped on a reaper thread, since unmapping tens of
-//! megabytes costs the thread that frees them.
+//! last reference to a large host copy is dropped, and the workers' host store is filled
+//! ([`super::store_fill`]), on one background thread, since unmapping or copying tens of
+//! megabytes costs the thread that does it.
 use std::sync::mpsc::{channel, Sender};
 use std::sync::{Mutex, OnceLock};
 
-/// Nice value of background host threads (loader, copy, reaper): below the engine thread's.
+/// Nice value of background host threads (loader, copy, background): below the engine thread's.
 pub const BACKGROUND_NICE: i32 = 10;
 
 /// Lowers the calling thread's scheduling priority to [`BACKGROUND_NICE`] (Linux: nice is
@@ -22,18 +23,18 @@ pub fn lower_current_thread_priority() {
     }
 }
 
-type Boxed = Box<dyn Send>;
+type Job = Box<dyn FnOnce() + Send>;
 
-fn reaper() -> Option<Sender<Boxed>> {
-    static TX: OnceLock<Option<Mutex<Sender<Boxed>>>> = OnceLock::new();
+fn background() -> Option<Sender<Job>> {
+    static TX: OnceLock<Option<Mutex<Sender<Job>>>> = OnceLock::new();
     let tx = TX.get_or_init(|| {
-        let (tx, rx) = channel::<Boxed>();
+        let (tx, rx) = channel::<Job>();
         let spawned = std::thread::Builder::new()
-            .name("thaw-reaper".into())
+            .name("thaw-background".into())
             .spawn(move || {
                 lower_current_thread_priority();
-                for v in rx {
-                    drop(v);
+                for job in rx {
+                    job();
                 }
             });
         spawned.ok().map(|_| Mutex::new(tx))
@@ -42,16 +43,23 @@ fn reaper() -> Option<Sender<Boxed>> {
         .map(|m| m.lock().unwrap_or_else(|e| e.into_inner()).clone())
 }
 
-/// Drops `v` on the reaper thread (inline if it cannot be started).
-pub fn drop_later<T: Send + 'static>(v: T) {
-    match reaper() {
+/// Runs `f` on the background thread, after the jobs queued before it (inline if the thread
+/// cannot be started). For host work proportional to an adapter's bytes that the engine
+/// thread must not do: freeing a large copy, filling the workers' host store.
+pub fn run_later(f: impl FnOnce() + Send + 'static) {
+    match background() {
         Some(tx) => {
-            if let Err(e) = tx.send(Box::new(v)) {
-                drop(e.0);
+            if let Err(e) = tx.send(Box::new(f)) {
+                (e.0)();
             }
         }
-        None => drop(v),
+        None => f(),
     }
+}
+
+/// Drops `v` on the background thread (inline if it cannot be started).
+pub fn drop_later<T: Send + 'static>(v: T) {
+    run_later(move || drop(v));
 }
 
 #[cfg(test)]
@@ -71,7 +79,7 @@ mod tests {
     }
 
     #[test]
-    fn values_are_dropped_on_the_reaper_thread() {
+    fn values_are_dropped_on_the_background_thread() {
         let done = Arc::new(AtomicBool::new(false));
         drop_later(Flag(done.clone(), std::thread::current().id()));
         let t = std::time::Instant::now();

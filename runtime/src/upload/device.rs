@@ -72,23 +72,11 @@ impl PinnedMemory {
         self.ptr.as_ptr()
     }
 
-    /// Copies `src` into the arena at `off`.
-    ///
-    /// # Safety
-    /// `off..off+src.len()` must be inside the arena and, per the plan, written by this thread
-    /// alone and read by nobody until the write is reported done.
-    pub(super) unsafe fn write(&self, off: usize, src: &[u8]) {
-        assert!(off + src.len() <= self.len, "arena write out of bounds");
-        // SAFETY: in bounds (checked); exclusive per this function's contract.
-        unsafe {
-            std::ptr::copy_nonoverlapping(src.as_ptr(), self.ptr.as_ptr().add(off), src.len())
-        };
-    }
-
     /// `len` bytes of the arena at `off`, mutable.
     ///
     /// # Safety
-    /// As for [`PinnedMemory::write`].
+    /// `off..off+len` must be inside the arena and, per the plan, written by this thread
+    /// alone and read by nobody until the write is reported done.
     #[allow(clippy::mut_from_ref)]
     pub(super) unsafe fn slice_mut(&self, off: usize, len: usize) -> &mut [u8] {
         assert!(off + len <= self.len, "arena write out of bounds");

@@ -12,17 +12,20 @@
 //! | `layout.rs` | an adapter's device image: factor offsets, layer ranges |
 //! | `device.rs` | what a backend supplies, and the CPU backend's emulated link |
 //! | `pipeline.rs` | the loader and copy threads |
-//! | `background.rs` | lower priority for host threads; dropping large host copies off the engine thread |
+//! | `background.rs` | lower priority for host threads; host work (freeing, filling) off the engine thread |
+//! | `store_fill.rs` | the workers' host store: reserved on the engine thread, filled on the background one |
 mod arena;
 mod background;
 mod device;
 mod layout;
 mod pipeline;
 mod plan;
+mod store_fill;
 
 pub use arena::{ArenaAlloc, ARENA_ALIGN};
-pub use background::{drop_later, lower_current_thread_priority, BACKGROUND_NICE};
+pub use background::{drop_later, lower_current_thread_priority, run_later, BACKGROUND_NICE};
 pub use device::{CopyDevice, EmulatedLink, PinnedMemory};
 pub use layout::{ImageLayout, Placed};
 pub use pipeline::{Landing, Upload, UploadPipeline, UploadStats};
 pub use plan::{CopyTask, EncodeTask, JobId, Landed, PlanError, UploadPlan};
+pub use store_fill::reserve_and_fill_later;

@@ -12,7 +12,7 @@ use std::time::Instant;
 use super::device::{CopyDevice, PinnedMemory};
 use super::layout::{ImageLayout, Placed};
 use super::plan::{JobId, UploadPlan};
-use crate::adapter::{encode_into, LoraAdapter, LoraTensor, WeightDtype};
+use crate::adapter::{LoraAdapter, LoraTensor, WeightDtype};
 use crate::error::{Result, RuntimeError};
 use crate::residency::{LoadPriority, LoraSlot};
 
@@ -210,7 +210,7 @@ impl<D: CopyDevice> Drop for UploadPipeline<D> {
 }
 
 /// Evicts uploads whose adapter the engine dropped (the pipeline holds the last reference);
-/// forgets those the plan is done with, dropping them on the reaper thread: one may hold the
+/// forgets those the plan is done with, dropping them on the background thread: one may hold the
 /// last reference to a large host copy, and freeing it under the lock would stall the engine
 /// thread's next submit.
 fn reap<D: CopyDevice>(g: &mut State<D>) {
@@ -293,19 +293,11 @@ unsafe fn write_factor(
     t: &LoraTensor,
     dtype: Option<WeightDtype>,
 ) -> usize {
-    match dtype {
-        Some(d) if d != t.dtype() => {
-            let len = t.numel() * d.size();
-            // SAFETY: per this function's contract.
-            encode_into(&t.to_f32(), d, unsafe { arena.slice_mut(off, len) });
-            len
-        }
-        _ => {
-            // SAFETY: per this function's contract.
-            unsafe { arena.write(off, t.bytes()) };
-            t.bytes().len()
-        }
-    }
+    let to = dtype.unwrap_or(t.dtype());
+    let len = t.numel() * to.size();
+    // SAFETY: per this function's contract.
+    t.convert_into(to, unsafe { arena.slice_mut(off, len) });
+    len
 }
 
 fn copy_loop<D: CopyDevice>(sh: &Shared<D>) {
