@@ -199,6 +199,11 @@ impl CudaBackend {
         self.fresh = Fresh::default();
     }
 
+    /// The dtypes weights (and adapters) and the KV cache are held in on the device.
+    pub fn dtypes(&self) -> (DType, DType) {
+        (self.gpu.weight_dtype, self.gpu.kv_dtype)
+    }
+
     /// Waits for all queued work.
     pub fn synchronize(&mut self) -> Result<()> {
         let r = self.gpu.stream.synchronize().map_err(CudaError::from);
