@@ -110,6 +110,7 @@ impl GpuArgs {
         if self.quick {
             Self {
                 device: self.device,
+                model: self.model.clone(),
                 workdir: self.workdir.clone(),
                 ..Self::quick()
             }
