@@ -554,6 +554,38 @@ impl Backend for AnyBackend {
         }
     }
 
+    fn add_rms_norm(
+        &mut self,
+        residual: &mut AnyBuf,
+        x: &AnyBuf,
+        w: &AnyVector,
+        eps: f32,
+        rows: usize,
+        width: usize,
+        out: &mut AnyBuf,
+    ) {
+        match self {
+            Self::Cpu(b) => b.add_rms_norm(
+                residual.cpu_mut(),
+                x.cpu(),
+                w.cpu(),
+                eps,
+                rows,
+                width,
+                out.cpu_mut(),
+            ),
+            Self::Cuda(g) => g.add_rms_norm(
+                residual.gpu_mut(),
+                x.gpu(),
+                w.gpu(),
+                eps,
+                rows,
+                width,
+                out.gpu_mut(),
+            ),
+        }
+    }
+
     fn swiglu(&mut self, gate: &AnyBuf, up: &AnyBuf, len: usize, out: &mut AnyBuf) {
         match self {
             Self::Cpu(b) => b.swiglu(gate.cpu(), up.cpu(), len, out.cpu_mut()),
