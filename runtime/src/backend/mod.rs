@@ -22,6 +22,7 @@ mod cpu_pool;
 pub mod cuda;
 #[cfg(not(feature = "cuda"))]
 mod nocuda;
+pub mod graph_plan;
 pub mod step_meta;
 
 /// Which batched-LoRA formulation a step uses (Punica's SGMV or S-LoRA/CaraServe's BGMV).
