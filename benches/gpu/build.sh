@@ -35,7 +35,7 @@ cargo build --profile "$profile" -p thaw-server -p thaw-bench "${server_features
 cp "$target/$dir/thaw" "$target/$dir/thaw-bench" "$out/"
 # The test executables' names carry a hash: ask cargo for them.
 cargo test --profile "$profile" --no-run -p thaw-tests "${test_features[@]}" \
-  --test cuda_parity --test cuda_exchange --test cuda_fused --message-format=json 2>/dev/null |
+  --test cuda_parity --test cuda_exchange --message-format=json 2>/dev/null |
   python3 -c '
 import json, shutil, sys
 for line in sys.stdin:
@@ -45,7 +45,7 @@ for line in sys.stdin:
         continue
     exe = m.get("executable")
     name = (m.get("target") or {}).get("name")
-    if exe and name in ("cuda_parity", "cuda_exchange", "cuda_fused"):
+    if exe and name in ("cuda_parity", "cuda_exchange"):
         shutil.copy(exe, sys.argv[1] + "/" + name)
         print("copied", name)
 ' "$out"
@@ -54,7 +54,7 @@ if [ "$cuda" = 1 ]; then
   cargo build --profile "$profile" -p thaw-runtime --features cuda --example cuda_bench
   cp "$target/$dir/examples/cuda_bench" "$out/"
 fi
-strip "$out"/thaw "$out"/thaw-bench "$out"/cuda_parity "$out"/cuda_exchange "$out"/cuda_fused "$out"/cuda_bench 2>/dev/null || true
+strip "$out"/thaw "$out"/thaw-bench "$out"/cuda_parity "$out"/cuda_exchange "$out"/cuda_bench 2>/dev/null || true
 {
   echo "commit $(git rev-parse --short=12 HEAD)$(git diff --quiet HEAD -- . ':!gpu-bin' || echo -dirty)"
   echo "built $(date -u +%Y-%m-%dT%H:%MZ)"

@@ -220,13 +220,6 @@ tar czf "$O/runs.tgz" -C "$O" runs 2>/dev/null
 # table, then the same model in transformers + PyTorch (static cache) when torch imports
 # (THAW_PEER_PYTHON names its python; skipped with a note otherwise). Extra thaw-bench gpu
 # flags: THAW_GPU_BENCH_ARGS (e.g. "--peak-gbs 2976 --peak-tflops 798").
-if [ "$DEV" = cuda ] && [ -x "$BIN/cuda_fused" ]; then
-  # The fused kernels (THAW_CUDA_FUSED=1) against their CPU twins and the unfused kernels.
-  THAW_REQUIRE_GPU=1 timeout 60 "$BIN/cuda_fused" --test-threads=1 --nocapture \
-    >"$O/parity-cuda_fused.log" 2>&1
-  echo "cuda_fused: rc=$?"
-  grep -E "^test |test result" "$O/parity-cuda_fused.log" | tail -4
-fi
 el "issue 29: thaw-bench gpu on $MD"
 if [ "$DEV" = cuda ]; then
   GB_ARGS=(--device cuda) PEER_ARGS=(--device cuda) GB_T=420 PEER_T=420

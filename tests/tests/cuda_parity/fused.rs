@@ -1,41 +1,19 @@
 //! The fused CUDA kernels (issue 29, `THAW_CUDA_FUSED=1`) against their CPU twins and against
 //! the unfused kernels: residual add + RMSNorm, SwiGLU with the down projection's 16-bit input
-//! written beside it, and whole engine steps (same greedy tokens, same logits). Build with
-//! `--features cuda`; without a GPU every test prints a skip and passes, unless
-//! `THAW_REQUIRE_GPU=1`.
+//! written beside it, and whole engine steps (same greedy tokens, same logits). Part of
+//! `cuda_parity` (its helpers, its GPU skip rules).
 //!
-//! Tolerances: against the CPU twins as `cuda_parity` (f32 ≤ 1e-4, bf16 ≤ 1e-2); fused against
+//! Tolerances: against the CPU twins as the rest of `cuda_parity`; fused against
 //! unfused on the GPU: equal bit for bit (the fused kernels do the same f32 operations in the
 //! same order, and the 16-bit copy is the same round-to-nearest-even of the same value).
-#![cfg(feature = "cuda")]
-
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use thaw_runtime::backend::cuda::{CudaBackend, CudaConfig, DType};
+use thaw_runtime::backend::cuda::CudaBackend;
 use thaw_runtime::backend::Backend;
-use thaw_runtime::engine::{Engine, EngineConfig, PlanItem, SequenceParams, StepPlan};
-use thaw_runtime::ids::SeqId;
-use thaw_tests::{rel_err, TestModel};
+use thaw_runtime::engine::{Engine, EngineConfig};
+use thaw_tests::TestModel;
 
-const CONFIGS: [(DType, f64); 2] = [(DType::F32, 1e-4), (DType::Bf16, 1e-2)];
-
-fn cfg(dt: DType) -> CudaConfig {
-    CudaConfig {
-        weight_dtype: dt,
-        kv_dtype: dt,
-        ..Default::default()
-    }
-}
-
-fn rand_vec(rng: &mut ChaCha8Rng, n: usize, scale: f32) -> Vec<f32> {
-    (0..n).map(|_| rng.random_range(-scale..scale)).collect()
-}
-
-fn check(what: &str, dt: DType, tol: f64, got: &[f32], want: &[f32]) {
-    let e = rel_err(got, want);
-    println!("{what:<32} {dt:?}: rel err {e:.2e} (tol {tol:.0e})");
-    assert!(e <= tol, "{what} ({dt:?}): rel err {e:e} > {tol:e}");
-}
+use super::{cfg, check, rand_vec, CONFIGS};
 
 #[test]
 fn fused_add_rms_norm_and_swiglu_match_cpu_and_unfused() {
@@ -118,7 +96,8 @@ fn fused_add_rms_norm_and_swiglu_match_cpu_and_unfused() {
     }
 }
 
-/// Whole steps: the fused engine's greedy tokens and logits equal the unfused engine's.
+/// Whole steps: the fused engine's greedy tokens and logits equal the unfused engine's
+/// (the same prefill + decode run as `cuda_parity`'s engine oracle).
 #[test]
 fn fused_engine_steps_equal_unfused() {
     if !thaw_tests::gpu_or_skip() {
@@ -136,39 +115,13 @@ fn fused_engine_steps_equal_unfused() {
             let mut b = CudaBackend::new(&tm.model.config, &cfg(dt)).unwrap();
             b.set_fused(fused).unwrap();
             let mut e = Engine::new(b, tm.model.clone(), EngineConfig::default()).unwrap();
-            for (i, p) in prompts.iter().enumerate() {
-                e.add_sequence(
-                    SeqId(i as u64),
-                    SequenceParams {
-                        prompt: p.clone(),
-                        max_new_tokens: 8,
-                        ignore_eos: true,
-                        ..Default::default()
-                    },
-                )
-                .unwrap();
-            }
-            let mut out = Vec::new();
-            for s in 0..5 {
-                let plan = StepPlan {
-                    items: (0..prompts.len())
-                        .map(|i| PlanItem {
-                            seq: SeqId(i as u64),
-                            num_tokens: if s == 0 { prompts[i].len() } else { 1 },
-                        })
-                        .collect(),
-                    return_logits: true,
-                };
-                for o in e.step(&plan).unwrap() {
-                    out.push((o.seq, o.token.id, o.logits.unwrap_or_default()));
-                }
-            }
-            results.push(out);
+            // Prefill, then decodes: step 0 and 1 logits, 4 greedy tokens per sequence.
+            results.push(super::run(&mut e, &[None; 3], &prompts));
         }
         assert_eq!(
             results[0], results[1],
             "{dt:?}: fused and unfused engines differ"
         );
-        println!("{dt:?}: fused engine equals unfused over 5 steps");
+        println!("{dt:?}: fused engine equals unfused over 4 steps");
     }
 }
