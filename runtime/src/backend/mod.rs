@@ -20,9 +20,9 @@ pub mod cpu_par;
 mod cpu_pool;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod graph_plan;
 #[cfg(not(feature = "cuda"))]
 mod nocuda;
-pub mod graph_plan;
 pub mod step_meta;
 
 /// Which batched-LoRA formulation a step uses (Punica's SGMV or S-LoRA/CaraServe's BGMV).
