@@ -214,4 +214,37 @@ cp "$O/tables.md" "$O/results-section.md"
 { echo; cat "$O/tables.md"; } >>"$RESULTS"
 echo "appended to $RESULTS"
 tar czf "$O/runs.tgz" -C "$O" runs 2>/dev/null
+# === issue 29: GPU speed (thaw-bench gpu + the transformers peer) =========================
+# One block, kept apart from the cold-start steps above: decode tok/s and achieved bandwidth
+# at batch 1/8/32/64 with 0, 1 and N adapters (ranks 16, 64), prefill TFLOP/s, the SGMV/BGMV
+# table, then the same model in transformers + PyTorch (static cache) when torch imports
+# (THAW_PEER_PYTHON names its python; skipped with a note otherwise). Extra thaw-bench gpu
+# flags: THAW_GPU_BENCH_ARGS (e.g. "--peak-gbs 2976 --peak-tflops 798").
+el "issue 29: thaw-bench gpu on $MD"
+if [ "$DEV" = cuda ]; then
+  GB_ARGS=(--device cuda) PEER_ARGS=(--device cuda) GB_T=420 PEER_T=420
+else
+  GB_ARGS=(--device cpu --quick) GB_T=120 PEER_T=300
+  PEER_ARGS=(--device cpu --batches 1,4 --prompt-len 16 --decode-steps 2 --prefill-tokens 16,64 --reps 1)
+fi
+# shellcheck disable=SC2086
+timeout "$GB_T" "$BIN/thaw-bench" gpu --model "$MD" --workdir "$WORK" "${GB_ARGS[@]}" \
+  ${THAW_GPU_BENCH_ARGS:-} >"$O/gpu-bench.md" 2>"$O/gpu-bench.log"
+echo "thaw-bench gpu: rc=$?"
+cat "$O/gpu-bench.md"
+PEER_PY=${THAW_PEER_PYTHON:-python3}
+if "$PEER_PY" -c 'import torch, transformers' 2>/dev/null; then
+  el "issue 29: transformers peer"
+  timeout "$PEER_T" "$PEER_PY" "$root/benches/peers/transformers_gpu.py" --model "$MD" \
+    "${PEER_ARGS[@]}" >"$O/gpu-peer.md" 2>"$O/gpu-peer.log"
+  echo "transformers peer: rc=$?"
+  cat "$O/gpu-peer.md"
+else
+  echo "transformers peer skipped: $PEER_PY cannot import torch and transformers" \
+    "(pip install torch transformers safetensors, or set THAW_PEER_PYTHON)" | tee "$O/gpu-peer.md"
+fi
+{ echo; echo "## Issue 29: thaw-bench gpu and the transformers peer ($(date -u +%Y-%m-%d), $BUILD)";
+  echo "Device: $GPU"; echo; cat "$O/gpu-bench.md"; echo; cat "$O/gpu-peer.md"; } >>"$RESULTS"
+el "issue 29: appended to $RESULTS"
+# === end issue 29 ============================================================================
 el "done"

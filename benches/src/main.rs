@@ -4,6 +4,7 @@ use clap::{Parser, Subcommand};
 mod coldstart_bench;
 mod engine_bench;
 mod engine_real;
+mod gpu;
 mod load;
 mod lora_bench;
 mod lora_decode;
@@ -28,6 +29,10 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Cmd {
+    /// GPU speed (issue 29): decode tok/s and achieved bandwidth at batch 1/8/32/64 with 0, 1
+    /// and N adapters, prefill TFLOP/s, the SGMV/BGMV table, against the device's roofline.
+    /// `--device cpu --quick` runs a seconds-long version on the CPU backend.
+    Gpu(Box<gpu::GpuArgs>),
     /// CPU engine prefill/decode throughput with 0, 1 and N distinct adapters in the batch.
     Engine(engine_bench::EngineBenchArgs),
     /// One-sequence decode step on a real model, step by step in one process: the base model,
@@ -96,6 +101,10 @@ fn main() -> anyhow::Result<()> {
         Cmd::Engine(args) => {
             let rows = engine_bench::run(&args)?;
             println!("{}", engine_bench::table(&args, &rows));
+        }
+        Cmd::Gpu(args) => {
+            let report = gpu::run(&args)?;
+            print!("{}", gpu::table(&args, &report));
         }
         Cmd::LoraDecode(args) => {
             let ms = lora_decode::run(&args)?;

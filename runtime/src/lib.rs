@@ -9,6 +9,7 @@ pub mod engine;
 pub mod error;
 pub mod ids;
 pub mod kv;
+pub mod microbench;
 pub mod model;
 pub mod residency;
 pub mod sampling;

@@ -23,6 +23,9 @@ use thaw_runtime::engine::{Engine, EngineConfig, HostModel, PlanItem, SequencePa
 use thaw_runtime::ids::{AdapterId, LayerIdx, SeqId};
 use thaw_tests::{cpu_engine, rel_err, TestModel};
 
+#[path = "cuda_parity/fused.rs"]
+mod fused;
+
 fn gpu() -> bool {
     thaw_tests::gpu_or_skip()
 }

@@ -22,6 +22,27 @@ pub fn swiglu(gate: &[f32], up: &[f32], out: &mut [f32]) {
     }
 }
 
+/// [`swiglu`] that also writes its output in a 16-bit `format` (round to nearest even): the
+/// CPU twin of CUDA's `swiglu_x16_*` (issue 29), whose 16-bit copy is the down projection's
+/// GEMM input. `out16` holds the bit patterns.
+pub fn swiglu_x16(
+    gate: &[f32],
+    up: &[f32],
+    out: &mut [f32],
+    out16: &mut [u16],
+    format: crate::cpu::FloatFormat,
+) {
+    swiglu(gate, up, out);
+    assert_eq!(out16.len(), out.len(), "swiglu_x16: out16 length");
+    for (o, &v) in out16.iter_mut().zip(out.iter()) {
+        *o = match format {
+            crate::cpu::FloatFormat::BF16 => half::bf16::from_f32(v).to_bits(),
+            crate::cpu::FloatFormat::F16 => half::f16::from_f32(v).to_bits(),
+            crate::cpu::FloatFormat::F32 => panic!("swiglu_x16: f32 has no 16-bit copy"),
+        };
+    }
+}
+
 /// Numerically stable softmax of `x` (any length) in place: subtracts the max before `exp`,
 /// sums in f64. Entries equal to `-inf` get probability 0; an all-`-inf` input gives NaNs.
 pub fn softmax_in_place(x: &mut [f32]) {
@@ -65,6 +86,33 @@ pub fn add_in_place(y: &mut [f32], x: &[f32]) {
 mod tests {
     use super::*;
     use crate::cpu::testutil::{assert_close, rand_vec, rng};
+
+    /// The 16-bit copy is the f32 output rounded once: within half a unit in the last place
+    /// (2⁻⁸ relative for bf16, 2⁻¹¹ for f16 in the normal range), and the f32 output is
+    /// `swiglu`'s exactly.
+    #[test]
+    fn swiglu_x16_rounds_swiglu_once() {
+        let mut r = rng(21);
+        let (g, u) = (rand_vec(&mut r, 999, 6.0), rand_vec(&mut r, 999, 3.0));
+        let mut want = vec![0.0; 999];
+        swiglu(&g, &u, &mut want);
+        for (format, tol) in [
+            (crate::cpu::FloatFormat::BF16, 1.0 / 256.0),
+            (crate::cpu::FloatFormat::F16, 1.0 / 2048.0),
+        ] {
+            let (mut out, mut out16) = (vec![0.0; 999], vec![0u16; 999]);
+            swiglu_x16(&g, &u, &mut out, &mut out16, format);
+            assert_eq!(out, want);
+            let bytes: Vec<u8> = out16.iter().flat_map(|v| v.to_le_bytes()).collect();
+            let mut back = vec![0.0; 999];
+            crate::cpu::bytes_to_f32(format, &bytes, &mut back).unwrap();
+            for (b, w) in back.iter().zip(&want) {
+                if w.abs() > 1e-3 {
+                    assert!(((b - w) / w).abs() <= tol, "{format:?}: {b} vs {w}");
+                }
+            }
+        }
+    }
 
     #[test]
     fn swiglu_matches_f64() {

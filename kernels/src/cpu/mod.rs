@@ -14,7 +14,7 @@ mod sys;
 #[cfg(test)]
 mod testutil;
 
-pub use activation::{add_in_place, log_softmax_in_place, softmax_in_place, swiglu};
+pub use activation::{add_in_place, log_softmax_in_place, softmax_in_place, swiglu, swiglu_x16};
 pub use attention::{paged_attention, write_kv, KvLayout};
 pub use convert::{bf16_bytes_to_f32, bytes_to_f32, f16_bytes_to_f32, FloatFormat};
 pub use gemm::{add_bias, linear, linear_scaled, matmul, matmul_scaled, GemmShape, ROW_SPLIT_MIN};
@@ -23,7 +23,7 @@ pub use lora::{
     bgmv, bgmv_expand, bgmv_shrink, merge_lora_into, sgmv, sgmv_expand, sgmv_scratch_len,
     sgmv_shrink, LoraRef, LoraSegment,
 };
-pub use norm::rms_norm;
+pub use norm::{add_rms_norm, rms_norm};
 pub use quant::{q8_activations, set_q8_activations, WeightData, WeightFormat, WeightMatrix};
 pub use rope::{RopeScaling, RopeTable};
 pub use simd::{set_simd_level, simd_level, SimdLevel};

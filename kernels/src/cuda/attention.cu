@@ -29,12 +29,6 @@ __device__ void write_kv(const float* __restrict__ k, const float* __restrict__ 
     }
 }
 
-// Offset of position `pos`'s [n_kv_heads, head_dim] row in the cache.
-__device__ __forceinline__ long kv_offset(const u32* table, int pos, int block_size,
-                                          int token_len) {
-    return ((long)table[pos / block_size] * block_size + pos % block_size) * token_len;
-}
-
 // Decode (one query row per sequence): one block per (listed row, query head); warps take keys
 // round-robin with their own online softmax, then merge through shared memory.
 // row_meta[3i..3i+3] = (offset of the row's block table in `block_tables`, position, row of q /
@@ -47,7 +41,7 @@ __device__ void attn_decode(const float* __restrict__ q, const T* __restrict__ k
                             int window, float scale) {
     const int i = blockIdx.x, h = blockIdx.y;
     if (i >= rows) return;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int warp = threadIdx.x >> 5;
     const int kvh = h / (n_heads / n_kv_heads);
     const int token_len = n_kv_heads * head_dim;
     const u32* table = block_tables + row_meta[3 * i];
@@ -55,60 +49,16 @@ __device__ void attn_decode(const float* __restrict__ q, const T* __restrict__ k
     const long r = row_meta[3 * i + 2];
     const int lo = window > 0 ? max(0, pos + 1 - window) : 0;
 
-    const float* qr = q + (r * n_heads + h) * head_dim;
     float qv[THAW_HD_PER_LANE], acc[THAW_HD_PER_LANE];
-#pragma unroll
-    for (int e = 0; e < THAW_HD_PER_LANE; ++e) {
-        const int j = lane + 32 * e;
-        qv[e] = j < head_dim ? qr[j] * scale : 0.0f;
-        acc[e] = 0.0f;
-    }
+    attn_load_q<THAW_HD_PER_LANE>(q + (r * n_heads + h) * head_dim, head_dim, scale, qv, acc);
     float m = -THAW_INF, l = 0.0f;
-    for (int p = lo + warp; p <= pos; p += THAW_ATTN_WARPS) {
-        const long off = kv_offset(table, p, block_size, token_len) + (long)kvh * head_dim;
-        float dot = 0.0f;
-#pragma unroll
-        for (int e = 0; e < THAW_HD_PER_LANE; ++e) {
-            const int j = lane + 32 * e;
-            if (j < head_dim) dot += qv[e] * to_f32(kc[off + j]);
-        }
-        const float s = warp_sum(dot);
-        const float m_new = fmaxf(m, s);
-        const float corr = expf(m - m_new), pe = expf(s - m_new);
-        l = l * corr + pe;
-#pragma unroll
-        for (int e = 0; e < THAW_HD_PER_LANE; ++e) {
-            const int j = lane + 32 * e;
-            const float vj = j < head_dim ? to_f32(vc[off + j]) : 0.0f;
-            acc[e] = acc[e] * corr + pe * vj;
-        }
-        m = m_new;
-    }
-
-    __shared__ float sm_m[THAW_ATTN_WARPS], sm_l[THAW_ATTN_WARPS];
-    __shared__ float sm_acc[THAW_ATTN_WARPS][THAW_MAX_HEAD_DIM];
-    if (lane == 0) {
-        sm_m[warp] = m;
-        sm_l[warp] = l;
-    }
-#pragma unroll
-    for (int e = 0; e < THAW_HD_PER_LANE; ++e) {
-        const int j = lane + 32 * e;
-        if (j < head_dim) sm_acc[warp][j] = acc[e];
-    }
-    __syncthreads();
-    float mx = -THAW_INF;
-    for (int w = 0; w < THAW_ATTN_WARPS; ++w) mx = fmaxf(mx, sm_m[w]);
-    float denom = 0.0f;
-    for (int w = 0; w < THAW_ATTN_WARPS; ++w)
-        if (sm_m[w] > -THAW_INF) denom += sm_l[w] * expf(sm_m[w] - mx);
+    attn_warp_keys<THAW_HD_PER_LANE, T>(qv, kc, vc, table, block_size, token_len,
+                                        (long)kvh * head_dim, head_dim, lo + warp, pos + 1,
+                                        THAW_ATTN_WARPS, m, l, acc);
     float* orow = out + (r * n_heads + h) * head_dim;
-    for (int j = threadIdx.x; j < head_dim; j += blockDim.x) {
-        float s = 0.0f;
-        for (int w = 0; w < THAW_ATTN_WARPS; ++w)
-            if (sm_m[w] > -THAW_INF) s += sm_acc[w][j] * expf(sm_m[w] - mx);
-        orow[j] = s / denom;
-    }
+    float mx, denom;
+    attn_merge_warps<THAW_ATTN_WARPS, THAW_HD_PER_LANE>(
+        m, l, acc, head_dim, mx, denom, [&](int j, float s) { orow[j] = s / denom; });
 }
 
 // Prefill: one block per (tile of up to THAW_PREFILL_Q consecutive query rows of one sequence,

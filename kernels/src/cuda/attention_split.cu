@@ -28,7 +28,7 @@ __device__ void attn_decode_split(const float* __restrict__ q, const T* __restri
                                   float scale, int splits, int chunk) {
     const int i = blockIdx.x, h = blockIdx.y, sp = blockIdx.z;
     if (i >= rows || sp >= splits) return;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int warp = threadIdx.x >> 5;
     const int kvh = h / (n_heads / n_kv_heads);
     const int token_len = n_kv_heads * head_dim;
     const u32* table = block_tables + row_meta[3 * i];
@@ -38,73 +38,22 @@ __device__ void attn_decode_split(const float* __restrict__ q, const T* __restri
     const int p0 = lo + sp * chunk, p1 = min(pos + 1, p0 + chunk);
     const long part = ((long)i * n_heads + h) * splits + sp;
 
-    const float* qr = q + (r * n_heads + h) * head_dim;
     float qv[THAW_SPLIT_HD_PER_LANE], acc[THAW_SPLIT_HD_PER_LANE];
-#pragma unroll
-    for (int e = 0; e < THAW_SPLIT_HD_PER_LANE; ++e) {
-        const int j = lane + 32 * e;
-        qv[e] = j < head_dim ? qr[j] * scale : 0.0f;
-        acc[e] = 0.0f;
-    }
+    attn_load_q<THAW_SPLIT_HD_PER_LANE>(q + (r * n_heads + h) * head_dim, head_dim, scale, qv,
+                                        acc);
     float m = -THAW_INF, l = 0.0f;
-    for (int p = p0 + warp; p < p1; p += THAW_SPLIT_WARPS) {
-        const long off = ((long)table[p / block_size] * block_size + p % block_size) * token_len +
-                         (long)kvh * head_dim;
-        float dot = 0.0f;
-#pragma unroll
-        for (int e = 0; e < THAW_SPLIT_HD_PER_LANE; ++e) {
-            const int j = lane + 32 * e;
-            if (j < head_dim) dot += qv[e] * to_f32(kc[off + j]);
-        }
-        const float s = warp_sum(dot);
-        const float m_new = fmaxf(m, s);
-        const float corr = expf(m - m_new), pe = expf(s - m_new);
-        l = l * corr + pe;
-#pragma unroll
-        for (int e = 0; e < THAW_SPLIT_HD_PER_LANE; ++e) {
-            const int j = lane + 32 * e;
-            const float vj = j < head_dim ? to_f32(vc[off + j]) : 0.0f;
-            acc[e] = acc[e] * corr + pe * vj;
-        }
-        m = m_new;
-    }
-
-    __shared__ float sm_m[THAW_SPLIT_WARPS], sm_l[THAW_SPLIT_WARPS];
-    __shared__ float sm_acc[THAW_SPLIT_WARPS][THAW_SPLIT_MAX_HEAD_DIM];
-    if (lane == 0) {
-        sm_m[warp] = m;
-        sm_l[warp] = l;
-    }
-#pragma unroll
-    for (int e = 0; e < THAW_SPLIT_HD_PER_LANE; ++e) {
-        const int j = lane + 32 * e;
-        if (j < head_dim) sm_acc[warp][j] = acc[e];
-    }
-    __syncthreads();
-    float mx = -THAW_INF;
-    for (int w = 0; w < THAW_SPLIT_WARPS; ++w) mx = fmaxf(mx, sm_m[w]);
+    attn_warp_keys<THAW_SPLIT_HD_PER_LANE, T>(qv, kc, vc, table, block_size, token_len,
+                                              (long)kvh * head_dim, head_dim, p0 + warp, p1,
+                                              THAW_SPLIT_WARPS, m, l, acc);
+    // An empty split (the context ends before it starts) merges to m = -inf, l = 0, acc = 0,
+    // which the reduce skips.
     float* pa = part_acc + part * head_dim;
-    if (mx == -THAW_INF) {
-        // An empty split (the context ends before it starts).
-        if (threadIdx.x == 0) {
-            part_ml[2 * part] = -THAW_INF;
-            part_ml[2 * part + 1] = 0.0f;
-        }
-        for (int j = threadIdx.x; j < head_dim; j += blockDim.x) pa[j] = 0.0f;
-        return;
-    }
+    float mx, denom;
+    attn_merge_warps<THAW_SPLIT_WARPS, THAW_SPLIT_HD_PER_LANE>(
+        m, l, acc, head_dim, mx, denom, [&](int j, float s) { pa[j] = s; });
     if (threadIdx.x == 0) {
-        float denom = 0.0f;
-        for (int w = 0; w < THAW_SPLIT_WARPS; ++w)
-            if (sm_m[w] > -THAW_INF) denom += sm_l[w] * expf(sm_m[w] - mx);
         part_ml[2 * part] = mx;
         part_ml[2 * part + 1] = denom;
-    }
-    for (int j = threadIdx.x; j < head_dim; j += blockDim.x) {
-        float s = 0.0f;
-        for (int w = 0; w < THAW_SPLIT_WARPS; ++w)
-            if (sm_m[w] > -THAW_INF) s += sm_acc[w][j] * expf(sm_m[w] - mx);
-        pa[j] = s;
     }
 }
 

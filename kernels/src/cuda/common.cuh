@@ -69,6 +69,95 @@ __device__ __forceinline__ float block_sum(float v) {
     return warp_sum(t);
 }
 
+// ---- Online-softmax attention over the paged cache, shared by attention.cu's decode and
+// attention_split.cu (flash-decoding). Each lane of a warp holds HPL = max_head_dim / 32 values
+// of the query row and of the output accumulator (elements lane, lane + 32, ...).
+
+// Offset of position `pos`'s [n_kv_heads, head_dim] row in a paged cache whose block table is
+// `table` (cache layout [num_blocks, block_size, n_kv_heads, head_dim]).
+__device__ __forceinline__ long kv_offset(const u32* table, int pos, int block_size,
+                                          int token_len) {
+    return ((long)table[pos / block_size] * block_size + pos % block_size) * token_len;
+}
+
+// This lane's share of query row `qr`, pre-scaled, and a zeroed accumulator.
+template <int HPL>
+__device__ __forceinline__ void attn_load_q(const float* __restrict__ qr, int head_dim,
+                                            float scale, float (&qv)[HPL], float (&acc)[HPL]) {
+#pragma unroll
+    for (int e = 0; e < HPL; ++e) {
+        const int j = (threadIdx.x & 31) + 32 * e;
+        qv[e] = j < head_dim ? qr[j] * scale : 0.0f;
+        acc[e] = 0.0f;
+    }
+}
+
+// One warp's online softmax over keys p = first, first + stride, ... < end of one KV head
+// (`head_off` = kv head · head_dim): running max m, running sum l, unnormalised acc.
+template <int HPL, typename T>
+__device__ __forceinline__ void attn_warp_keys(const float (&qv)[HPL], const T* __restrict__ kc,
+                                               const T* __restrict__ vc,
+                                               const u32* __restrict__ table, int block_size,
+                                               int token_len, long head_off, int head_dim,
+                                               int first, int end, int stride, float& m,
+                                               float& l, float (&acc)[HPL]) {
+    const int lane = threadIdx.x & 31;
+    for (int p = first; p < end; p += stride) {
+        const long off = kv_offset(table, p, block_size, token_len) + head_off;
+        float dot = 0.0f;
+#pragma unroll
+        for (int e = 0; e < HPL; ++e) {
+            const int j = lane + 32 * e;
+            if (j < head_dim) dot += qv[e] * to_f32(kc[off + j]);
+        }
+        const float s = warp_sum(dot);
+        const float m_new = fmaxf(m, s);
+        const float corr = expf(m - m_new), pe = expf(s - m_new);
+        l = l * corr + pe;
+#pragma unroll
+        for (int e = 0; e < HPL; ++e) {
+            const int j = lane + 32 * e;
+            const float vj = j < head_dim ? to_f32(vc[off + j]) : 0.0f;
+            acc[e] = acc[e] * corr + pe * vj;
+        }
+        m = m_new;
+    }
+}
+
+// Merges the WARPS warps' (m, l, acc) of one block through shared memory: every thread gets
+// mx = max_w m_w and denom = Σ_w l_w e^(m_w - mx); then emit(j, Σ_w acc_w[j] e^(m_w - mx)) runs
+// for j = threadIdx.x, + blockDim.x, ... < head_dim. Warps that saw no key (m = -inf) are
+// skipped; if none did, mx = -inf, denom = 0 and every emitted sum is 0.
+template <int WARPS, int HPL, typename Emit>
+__device__ __forceinline__ void attn_merge_warps(float m, float l, const float (&acc)[HPL],
+                                                 int head_dim, float& mx, float& denom,
+                                                 Emit emit) {
+    __shared__ float sm_m[WARPS], sm_l[WARPS];
+    __shared__ float sm_acc[WARPS][32 * HPL];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) {
+        sm_m[warp] = m;
+        sm_l[warp] = l;
+    }
+#pragma unroll
+    for (int e = 0; e < HPL; ++e) {
+        const int j = lane + 32 * e;
+        if (j < head_dim) sm_acc[warp][j] = acc[e];
+    }
+    __syncthreads();
+    mx = -THAW_INF;
+    for (int w = 0; w < WARPS; ++w) mx = fmaxf(mx, sm_m[w]);
+    denom = 0.0f;
+    for (int w = 0; w < WARPS; ++w)
+        if (sm_m[w] > -THAW_INF) denom += sm_l[w] * expf(sm_m[w] - mx);
+    for (int j = threadIdx.x; j < head_dim; j += blockDim.x) {
+        float s = 0.0f;
+        for (int w = 0; w < WARPS; ++w)
+            if (sm_m[w] > -THAW_INF) s += sm_acc[w][j] * expf(sm_m[w] - mx);
+        emit(j, s);
+    }
+}
+
 // One adapter's (layer, module) factors as the device sees them: `a` is [rank, d_in], `b` is
 // [d_out, rank], both of the kernel's weight dtype. rank 0 = the adapter does not target the
 // module. Mirrors `LoraSlot` in runtime/src/backend/cuda/weights.rs (32 bytes).

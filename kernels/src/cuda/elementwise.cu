@@ -75,3 +75,30 @@ extern "C" __global__ void gather_rows_f32(const float* __restrict__ x, const u3
     float* dst = out + (long)i * width;
     for (int j = threadIdx.x; j < width; j += blockDim.x) dst[j] = src[j];
 }
+
+// Fused SwiGLU + the down projection's input cast (issue 29), opt-in with THAW_CUDA_FUSED=1:
+// out[i] = silu(gate[i]) * up[i] as swiglu_f32 computes it, and out16[i] = the same value in
+// the weight dtype, which the down GEMM reads directly instead of running cast_f32_to_T over
+// `out` (one launch and one f32 read of the intermediate activations saved). The f32 `out`
+// stays: LoRA and the CPU-assist export read it. CPU twin: cpu::swiglu, then the dtype's
+// round-to-nearest-even (half::bf16::from_f32 / half::f16::from_f32).
+template <typename T>
+__device__ void swiglu_x16(const float* __restrict__ gate, const float* __restrict__ up,
+                           float* __restrict__ out, T* __restrict__ out16, long n) {
+    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n;
+         i += (long)gridDim.x * blockDim.x) {
+        const float g = gate[i];
+        const float v = g / (1.0f + expf(-g)) * up[i];
+        out[i] = v;
+        out16[i] = from_f32<T>(v);
+    }
+}
+
+extern "C" __global__ void swiglu_x16_bf16(const float* gate, const float* up, float* out,
+                                           bf16_t* out16, long n) {
+    swiglu_x16<bf16_t>(gate, up, out, out16, n);
+}
+extern "C" __global__ void swiglu_x16_f16(const float* gate, const float* up, float* out,
+                                          f16_t* out16, long n) {
+    swiglu_x16<f16_t>(gate, up, out, out16, n);
+}

@@ -22,3 +22,37 @@ __device__ void rms_norm(const float* __restrict__ x, const T* __restrict__ w,
         rms_norm<T>(x, w, out, rows, d, eps);                                              \
     }
 THAW_FOR_EACH_DTYPE(THAW_NORM)
+
+// Fused residual add + RMSNorm (issue 29; vLLM's fused_add_rms_norm), opt-in with
+// THAW_CUDA_FUSED=1. CPU twin: kernels/src/cpu/norm.rs (add_rms_norm).
+// residual[r, :] += x[r, :]; out[r, :] = rms_norm(residual[r, :]) * w. One block per row: the
+// sum lands in registers and shared memory, so the residual row is read once and written once
+// instead of add (read 2, write 1) then norm (read 1). Bit for bit add then rms_norm: the same
+// f32 sums in the same order per thread and the same block reduction.
+template <typename T>
+__device__ void add_rms_norm(float* __restrict__ residual, const float* __restrict__ x,
+                             const T* __restrict__ w, float* __restrict__ out, int rows, int d,
+                             float eps) {
+    const int r = blockIdx.x;
+    if (r >= rows) return;
+    float* hr = residual + (long)r * d;
+    const float* xr = x + (long)r * d;
+    float* orow = out + (long)r * d;
+    float ss = 0.0f;
+    for (int j = threadIdx.x; j < d; j += blockDim.x) {
+        const float v = hr[j] + xr[j];
+        hr[j] = v;
+        ss += v * v;
+    }
+    ss = block_sum(ss);
+    const float inv = rsqrtf(ss / (float)d + eps);
+    // Each thread reads back only the elements it wrote: no barrier needed.
+    for (int j = threadIdx.x; j < d; j += blockDim.x) orow[j] = hr[j] * inv * to_f32(w[j]);
+}
+
+#define THAW_ADD_NORM(T, S)                                                                \
+    extern "C" __global__ void add_rms_norm_##S(float* residual, const float* x, const T* w, \
+                                                float* out, int rows, int d, float eps) {  \
+        add_rms_norm<T>(residual, x, w, out, rows, d, eps);                                \
+    }
+THAW_FOR_EACH_DTYPE(THAW_ADD_NORM)

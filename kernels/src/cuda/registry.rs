@@ -79,14 +79,16 @@ pub const ELEMENTWISE: KernelSource = KernelSource {
         "residual_add_f32",
         "swiglu_f32",
         "gather_rows_f32",
+        "swiglu_x16_bf16",
+        "swiglu_x16_f16",
     ],
 };
 
-/// RMSNorm.
+/// RMSNorm, and residual add + RMSNorm fused (`THAW_CUDA_FUSED=1`, issue 29).
 pub const NORM: KernelSource = KernelSource {
     name: "norm",
     source: include_str!("norm.cu"),
-    entry_points: dtypes!("rms_norm"),
+    entry_points: dtypes!("rms_norm", "add_rms_norm"),
 };
 
 /// Rotary embedding.

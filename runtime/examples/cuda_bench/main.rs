@@ -11,18 +11,23 @@
 mod decode_attn;
 mod prefill;
 
-use std::sync::Arc;
 use std::time::Instant;
 
-use safetensors::tensor::{Dtype, TensorView};
 use thaw_ipc::{Exchange, ExchangeConfig, StepSeq, WorkerId, WORKER_RESULT};
-use thaw_runtime::adapter::{AdapterConfig, LoraAdapter, LoraModule};
+use thaw_runtime::adapter::LoraModule;
 use thaw_runtime::backend::cuda::{
     cuda_available, CudaBackend, CudaConfig, CudaLora, DType, LoraImpl,
 };
-use thaw_runtime::backend::{Backend, LinearDims, LoraBatch, LoraKernel, LoraLayout};
-use thaw_runtime::ids::LayerIdx;
+use thaw_runtime::backend::{Backend, LinearDims, LoraKernel};
+use thaw_runtime::microbench::fill;
+use thaw_runtime::microbench::{
+    run_lora_case, synthetic_adapter, ElemSizes, LoraCase, Popularity, LORA_TABLE_HEADER,
+};
 use thaw_runtime::model::ModelConfig;
+use thaw_runtime::RuntimeError;
+
+/// bf16 adapters (the default weight dtype), f32 activations.
+const ELEMS: ElemSizes = ElemSizes { adapter: 2, act: 4 };
 
 type Res<T> = Result<T, Box<dyn std::error::Error>>;
 
@@ -33,63 +38,6 @@ fn model_config(layers: usize) -> Res<ModelConfig> {
         "num_hidden_layers":{layers},"vocab_size":32000,"rms_norm_eps":1e-5,"rope_theta":500000.0,
         "max_position_embeddings":8192}}"#
     ))?)
-}
-
-/// Cheap deterministic values (an LCG): generating hundreds of MB with `rand` is slower than
-/// the benchmark.
-fn fill(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed
-        .wrapping_mul(6364136223846793005)
-        .wrapping_add(1442695040888963407);
-    (0..n)
-        .map(|_| {
-            s = s
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.02
-        })
-        .collect()
-}
-
-/// A PEFT adapter of `rank` on `targets` for every layer of `c`, built in memory.
-fn adapter(
-    c: &ModelConfig,
-    rank: usize,
-    targets: &[LoraModule],
-    seed: u64,
-) -> Res<Arc<LoraAdapter>> {
-    let names: Vec<String> = targets
-        .iter()
-        .map(|m| format!("\"{}\"", m.hf_name()))
-        .collect();
-    let cfg = AdapterConfig::from_json(&format!(
-        r#"{{"r":{rank},"lora_alpha":{},"target_modules":[{}]}}"#,
-        2 * rank,
-        names.join(",")
-    ))?;
-    let mut bufs = Vec::new();
-    for l in 0..c.num_layers {
-        for &m in targets {
-            let (d_in, d_out) = c.module_shape(m);
-            let p = format!("base_model.model.{}", m.module_path(l));
-            let a: Vec<u8> =
-                bytemuck_bytes(&fill(rank * d_in, seed + l as u64 * 7 + m.index() as u64));
-            let b: Vec<u8> = bytemuck_bytes(&fill(d_out * rank, seed + 1000 + l as u64));
-            bufs.push((format!("{p}.lora_A.weight"), vec![rank, d_in], a));
-            bufs.push((format!("{p}.lora_B.weight"), vec![d_out, rank], b));
-        }
-    }
-    let views: Vec<(String, TensorView<'_>)> = bufs
-        .iter()
-        .map(|(n, s, d)| Ok((n.clone(), TensorView::new(Dtype::F32, s.clone(), d)?)))
-        .collect::<Res<_>>()?;
-    let bytes = safetensors::serialize(views, None)?;
-    let st = safetensors::SafeTensors::deserialize(&bytes)?;
-    Ok(Arc::new(LoraAdapter::from_parts(cfg, &st, c)?))
-}
-
-fn bytemuck_bytes(v: &[f32]) -> Vec<u8> {
-    v.iter().flat_map(|x| x.to_le_bytes()).collect()
 }
 
 /// Median of `iters` timed runs of `f` on the backend's stream, in µs (events around each).
@@ -111,27 +59,6 @@ fn time_us(g: &mut CudaBackend, iters: usize, mut f: impl FnMut(&mut CudaBackend
 
 fn cudarc_flags() -> cudarc::driver::sys::CUevent_flags {
     cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT
-}
-
-/// Row → adapter index for a popularity pattern over `pool` adapters, rows grouped.
-fn assign(pattern: &str, batch: usize, pool: usize, seed: u64) -> Vec<u32> {
-    let r = fill(batch, seed);
-    let mut v: Vec<u32> = (0..batch)
-        .map(|i| match pattern {
-            "distinct" => (i % pool) as u32,
-            "identical" => 0,
-            "uniform" => {
-                (((r[i] + 0.01) / 0.02) * pool as f32).clamp(0.0, pool as f32 - 1.0) as u32
-            }
-            // Zipf-like, α≈1.5: inverse-CDF of a power law on (0,1].
-            _ => {
-                let u = ((r[i] + 0.01) / 0.02).clamp(1e-6, 1.0);
-                ((u.powf(-2.0) - 1.0) as usize).min(pool - 1) as u32
-            }
-        })
-        .collect();
-    v.sort_unstable();
-    v
 }
 
 /// Device-to-device copy bandwidth of a 1 GiB buffer, counting bytes read plus written: the
@@ -159,7 +86,7 @@ fn lora_tables(smoke: bool) -> Res<()> {
     println!("device-to-device copy peak (1 GiB, read + write): {peak:.0} GB/s");
     println!("\n## SGMV / BGMV, q_proj 4096→4096, one layer (kernels only, median of 20; GB/s = distinct adapter bytes + x/y over time)");
     println!("(impl: Classic = lora.cu, the default; Punica = lora_punica.cu, THAW_CUDA_LORA_IMPL=punica)");
-    println!("| impl | kernel | rank | batch | popularity | µs | GB/s | % of copy peak |\n|---|---|---|---|---|---|---|---|");
+    println!("{LORA_TABLE_HEADER}");
     let ranks: &[usize] = if smoke { &[16] } else { &[8, 16, 32, 64, 128] };
     let batches: &[usize] = if smoke {
         &[1, 8]
@@ -173,8 +100,13 @@ fn lora_tables(smoke: bool) -> Res<()> {
     for &rank in ranks {
         let adapters: Vec<CudaLora> = (0..pool)
             .map(|i| {
-                g.upload_lora(adapter(&c, rank, &[LoraModule::Q], 10 + i as u64)?)
-                    .map_err(Into::into)
+                g.upload_lora(synthetic_adapter(
+                    &c,
+                    rank,
+                    &[LoraModule::Q],
+                    10 + i as u64,
+                )?)
+                .map_err(Into::into)
             })
             .collect::<Res<_>>()?;
         for (imp, kernel) in [LoraImpl::Classic, LoraImpl::PUNICA]
@@ -183,44 +115,23 @@ fn lora_tables(smoke: bool) -> Res<()> {
         {
             g.set_lora_impl(imp)?;
             for &batch in batches {
-                for pattern in ["distinct", "uniform", "skewed", "identical"] {
-                    let rows = assign(pattern, batch, pool, batch as u64 * 31 + rank as u64);
-                    let mut used: Vec<u32> = rows.clone();
-                    used.dedup();
-                    let refs: Vec<&CudaLora> =
-                        used.iter().map(|&i| &adapters[i as usize]).collect();
-                    let mut layout = LoraLayout::default();
-                    for (k, &a) in used.iter().enumerate() {
-                        let s = rows.iter().position(|&r| r == a).unwrap_or(0);
-                        let e = rows.iter().rposition(|&r| r == a).map_or(0, |p| p + 1);
-                        layout.segments.push((s..e, k as u32));
-                    }
-                    layout.row_adapter = rows
-                        .iter()
-                        .map(|&a| used.iter().position(|&u| u == a).map(|k| k as u32))
-                        .collect();
-                    let landed = vec![usize::MAX; refs.len()];
-                    let dims = LinearDims { d_in, d_out };
+                for popularity in Popularity::ALL {
+                    let case = LoraCase {
+                        kernel,
+                        rank,
+                        batch,
+                        popularity,
+                        dims: LinearDims { d_in, d_out },
+                    };
                     // A new step: time_us's warm-up call uploads this layout's segment
                     // metadata (once per step in the engine, shared by every layer); the timed
                     // calls are the kernels alone.
-                    g.begin_step();
-                    let us = time_us(&mut g, 20, |g| {
-                        let batch_ref = LoraBatch {
-                            kernel,
-                            layout: &layout,
-                            adapters: &refs,
-                            landed: &landed,
-                        };
-                        g.lora(&x, &mut y, dims, (LayerIdx(0), LoraModule::Q), &batch_ref);
-                    })?;
-                    let bytes =
-                        used.len() * rank * (d_in + d_out) * 2 + batch * (d_in + 2 * d_out) * 4;
-                    let gbs = bytes as f64 / us / 1e3;
-                    println!(
-                        "| {imp:?} | {kernel:?} | {rank} | {batch} | {pattern} | {us:.1} | {gbs:.0} | {:.0}% |",
-                        gbs / peak * 100.0
-                    );
+                    let r =
+                        run_lora_case(&mut g, &x, &mut y, &adapters, case, ELEMS, &mut |g, f| {
+                            g.begin_step();
+                            time_us(g, 20, f).map_err(|e| RuntimeError::Backend(e.to_string()))
+                        })?;
+                    println!("{}", r.markdown_row(&format!("{imp:?}"), peak));
                 }
             }
         }
@@ -305,7 +216,7 @@ fn streaming_table(smoke: bool) -> Res<()> {
     println!(
         "\n## H2D adapter streaming, rank 64, all 7 modules, {layers} layers, bf16 (median of 3)"
     );
-    let a = adapter(&c, 64, &LoraModule::ALL, 77)?;
+    let a = synthetic_adapter(&c, 64, &LoraModule::ALL, 77)?;
     let bytes: usize = a
         .iter()
         .map(|(_, _, w)| (w.a.numel() + w.b.numel()) * 2)

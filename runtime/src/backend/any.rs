@@ -224,6 +224,47 @@ impl AnyBackend {
             Self::Cuda(g) => g.check(),
         }
     }
+
+    /// Waits until every queued op has run (the CPU backend's ops run when called), then
+    /// [`AnyBackend::check`]s: what a benchmark's wall clock needs around device work.
+    pub fn synchronize(&mut self) -> Result<()> {
+        match self {
+            Self::Cpu(_) => Ok(()),
+            #[cfg(feature = "cuda")]
+            Self::Cuda(g) => g.synchronize(),
+            #[cfg(not(feature = "cuda"))]
+            Self::Cuda(g) => match **g {},
+        }
+    }
+
+    /// Marks the per-step device metadata stale for callers that drive single ops (a forward's
+    /// `embed` does it): see `CudaBackend::begin_step`. Nothing to do on the CPU.
+    pub fn begin_step(&mut self) {
+        match self {
+            Self::Cpu(_) => {}
+            #[cfg(feature = "cuda")]
+            Self::Cuda(g) => g.begin_step(),
+            #[cfg(not(feature = "cuda"))]
+            Self::Cuda(g) => match **g {},
+        }
+    }
+
+    /// Bytes per element of the weights (matrices and adapters) and of the KV cache as this
+    /// backend holds them, for bandwidth accounting: the CUDA backend converts both to its
+    /// configured dtypes (bf16 by default); the CPU backend keeps the model's stored format
+    /// (`None`: ask the model) and an f32 KV cache.
+    pub fn element_bytes(&self) -> (Option<usize>, usize) {
+        match self {
+            Self::Cpu(_) => (None, 4),
+            #[cfg(feature = "cuda")]
+            Self::Cuda(g) => {
+                let (w, kv) = g.dtypes();
+                (Some(w.size()), kv.size())
+            }
+            #[cfg(not(feature = "cuda"))]
+            Self::Cuda(g) => match **g {},
+        }
+    }
 }
 
 fn cpu_loras<'a>(b: &LoraBatch<'a, AnyLora>) -> Vec<&'a <CpuBackend as Backend>::Lora> {
@@ -510,6 +551,38 @@ impl Backend for AnyBackend {
             Self::Cuda(g) => {
                 g.attention(q.gpu(), k.gpu(), v.gpu(), kv.gpu_mut(), step, out.gpu_mut())
             }
+        }
+    }
+
+    fn add_rms_norm(
+        &mut self,
+        residual: &mut AnyBuf,
+        x: &AnyBuf,
+        w: &AnyVector,
+        eps: f32,
+        rows: usize,
+        width: usize,
+        out: &mut AnyBuf,
+    ) {
+        match self {
+            Self::Cpu(b) => b.add_rms_norm(
+                residual.cpu_mut(),
+                x.cpu(),
+                w.cpu(),
+                eps,
+                rows,
+                width,
+                out.cpu_mut(),
+            ),
+            Self::Cuda(g) => g.add_rms_norm(
+                residual.gpu_mut(),
+                x.gpu(),
+                w.gpu(),
+                eps,
+                rows,
+                width,
+                out.gpu_mut(),
+            ),
         }
     }
 

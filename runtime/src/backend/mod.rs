@@ -20,6 +20,7 @@ pub mod cpu_par;
 mod cpu_pool;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod graph_plan;
 #[cfg(not(feature = "cuda"))]
 mod nocuda;
 pub mod step_meta;
@@ -267,6 +268,24 @@ pub trait Backend {
         step: &StepLayout,
         out: &mut Self::Buf,
     );
+    /// `residual += x`, then `out = rms_norm(residual)` with `w`, over `rows` rows of `width`:
+    /// the residual stream's add and the next block's norm as one op, which a backend may fuse
+    /// (CUDA with `THAW_CUDA_FUSED=1`). The default runs [`Backend::add`] then
+    /// [`Backend::rms_norm`].
+    #[allow(clippy::too_many_arguments)]
+    fn add_rms_norm(
+        &mut self,
+        residual: &mut Self::Buf,
+        x: &Self::Buf,
+        w: &Self::Vector,
+        eps: f32,
+        rows: usize,
+        width: usize,
+        out: &mut Self::Buf,
+    ) {
+        self.add(residual, x, rows * width);
+        self.rms_norm(residual, w, eps, rows, out);
+    }
     /// out = silu(gate) * up over `len` elements.
     fn swiglu(&mut self, gate: &Self::Buf, up: &Self::Buf, len: usize, out: &mut Self::Buf);
     /// y += x over `len` elements.

@@ -212,12 +212,16 @@ pub(crate) fn run<B: Backend>(
     let hidden = c.hidden_size;
     let mut cold = Vec::new();
     b.embed(&m.embed, &step.token_ids, &mut ws.h);
+    let eps = c.rms_norm_eps;
+    if let Some(first) = m.layers.first() {
+        b.rms_norm(&ws.h, &first.input_norm, eps, rows, &mut ws.x);
+    }
     for (i, (layer, kv)) in m.layers.iter().zip(kv.iter_mut()).enumerate() {
         let l = LayerIdx(i);
         let p = &layer.proj;
         use LoraModule::*;
-        // Attention block. One normed input feeds q, k and v: one export on the assist path.
-        b.rms_norm(&ws.h, &layer.input_norm, c.rms_norm_eps, rows, &mut ws.x);
+        // Attention block; `ws.x` holds its normed input (the previous layer's last op, or the
+        // norm above). One normed input feeds q, k and v: one export on the assist path.
         let g = [Q, K, V];
         let cpu = begin_assist(b, c, &ws.x, i, &g, lora, &mut assist, &mut cold)?;
         let qkv = [&mut ws.q, &mut ws.k, &mut ws.v];
@@ -234,9 +238,16 @@ pub(crate) fn run<B: Backend>(
         if let Some(t) = cpu {
             end_assist(b, c, i, &[O], &mut [&mut ws.o], &mut assist, &cold, t)?;
         }
-        b.add(&mut ws.h, &ws.o, rows * hidden);
-        // MLP block (SwiGLU).
-        b.rms_norm(&ws.h, &layer.post_norm, c.rms_norm_eps, rows, &mut ws.x);
+        // The residual add and the MLP block's norm: one op a backend may fuse.
+        b.add_rms_norm(
+            &mut ws.h,
+            &ws.o,
+            &layer.post_norm,
+            eps,
+            rows,
+            hidden,
+            &mut ws.x,
+        );
         let g = [Gate, Up];
         let cpu = begin_assist(b, c, &ws.x, i, &g, lora, &mut assist, &mut cold)?;
         let gate_up = [&mut ws.gate, &mut ws.up];
@@ -251,7 +262,19 @@ pub(crate) fn run<B: Backend>(
         if let Some(t) = cpu {
             end_assist(b, c, i, &[Down], &mut [&mut ws.o], &mut assist, &cold, t)?;
         }
-        b.add(&mut ws.h, &ws.o, rows * hidden);
+        // The residual add, fused with the next layer's input norm where there is one.
+        match m.layers.get(i + 1) {
+            Some(next) => b.add_rms_norm(
+                &mut ws.h,
+                &ws.o,
+                &next.input_norm,
+                eps,
+                rows,
+                hidden,
+                &mut ws.x,
+            ),
+            None => b.add(&mut ws.h, &ws.o, rows * hidden),
+        }
     }
     self::logits(b, c, m, ws, &step.logit_rows, logits);
     Ok(())

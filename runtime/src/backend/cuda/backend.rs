@@ -80,6 +80,11 @@ pub struct CudaBackend {
     attn: AttnMeta,
     lora_meta: LoraMeta,
     x16: Option<CudaSlice<u16>>,
+    /// Which buffer `x16` mirrors after a fused SwiGLU (`fused.rs`).
+    pub(super) x16_tag: Option<super::fused::X16Tag>,
+    /// Ops run so far (every trait op counts one): an [`X16Tag`](super::fused::X16Tag) serves
+    /// only the op right after it.
+    ops: u64,
     lora_v: Option<CudaSlice<f32>>,
     logits_dev: Option<CudaSlice<f32>>,
     pub(super) export_idx: DevVec<u32>,
@@ -130,6 +135,8 @@ impl CudaBackend {
             attn: AttnMeta::new(),
             lora_meta: LoraMeta::new(),
             x16: None,
+            x16_tag: None,
+            ops: 0,
             lora_v: None,
             logits_dev: None,
             export_idx: DevVec::new(),
@@ -197,6 +204,11 @@ impl CudaBackend {
     /// last step's metadata, adapter table addresses included.
     pub fn begin_step(&mut self) {
         self.fresh = Fresh::default();
+    }
+
+    /// The dtypes weights (and adapters) and the KV cache are held in on the device.
+    pub fn dtypes(&self) -> (DType, DType) {
+        (self.gpu.weight_dtype, self.gpu.kv_dtype)
     }
 
     /// Waits for all queued work.
@@ -362,8 +374,16 @@ impl CudaBackend {
         rows: usize,
         out: &mut CudaSlice<f32>,
     ) -> Result<(), CudaError> {
-        self.gpu
-            .linear(x, &w.w, rows, w.d_in, w.d_out, out, &mut self.x16)?;
+        let tag = self.x16_tag.take();
+        let served = tag.is_some_and(|t| t.serves(self.gpu.p(x), rows * w.d_in, self.ops));
+        match (&self.x16, served) {
+            (Some(x16), true) => self
+                .gpu
+                .linear_from_x16(x16, &w.w, rows, w.d_in, w.d_out, out)?,
+            _ => self
+                .gpu
+                .linear(x, &w.w, rows, w.d_in, w.d_out, out, &mut self.x16)?,
+        }
         if let Some(b) = &w.bias {
             self.gpu.add_bias(out, b, rows, w.d_out)?;
         }
@@ -555,6 +575,7 @@ const UPLOAD_LOADERS: usize = 2;
 /// Runs `$body` (a `Result<(), CudaError>`) unless an earlier op failed; keeps its error.
 macro_rules! op {
     ($self:ident, $body:expr) => {{
+        $self.ops += 1;
         if !$self.failed() {
             let r = $body;
             $self.record(r);
@@ -734,7 +755,44 @@ impl Backend for CudaBackend {
         len: usize,
         out: &mut CudaSlice<f32>,
     ) {
-        op!(self, self.gpu.swiglu(gate, up, out, len));
+        op!(self, {
+            if self.gpu.fuses_swiglu() {
+                let r = self.gpu.swiglu_x16(gate, up, out, &mut self.x16, len);
+                if r.is_ok() {
+                    self.x16_tag = Some(super::fused::X16Tag {
+                        ptr: self.gpu.p(out),
+                        len,
+                        at: self.ops,
+                    });
+                }
+                r
+            } else {
+                self.gpu.swiglu(gate, up, out, len)
+            }
+        });
+    }
+
+    fn add_rms_norm(
+        &mut self,
+        residual: &mut CudaSlice<f32>,
+        x: &CudaSlice<f32>,
+        w: &CudaVector,
+        eps: f32,
+        rows: usize,
+        width: usize,
+        out: &mut CudaSlice<f32>,
+    ) {
+        if self.gpu.fused.is_none() {
+            self.add(residual, x, rows * width);
+            self.rms_norm(residual, w, eps, rows, out);
+            return;
+        }
+        debug_assert_eq!(w.len, width, "add_rms_norm: norm width");
+        op!(
+            self,
+            self.gpu
+                .add_rms_norm(residual, x, &w.v, out, rows, w.len, eps)
+        );
     }
 
     fn add(&mut self, y: &mut CudaSlice<f32>, x: &CudaSlice<f32>, len: usize) {

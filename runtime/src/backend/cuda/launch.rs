@@ -26,7 +26,7 @@ pub(super) fn int(n: usize, what: &str) -> i32 {
     i32::try_from(n).unwrap_or_else(|_| panic!("{what} = {n} does not fit a kernel's int"))
 }
 
-fn blocks(n: usize, per: u32, cap: u32) -> u32 {
+pub(super) fn blocks(n: usize, per: u32, cap: u32) -> u32 {
     (n.div_ceil(per as usize) as u32).clamp(1, cap)
 }
 
@@ -121,6 +121,8 @@ pub(super) struct Gpu {
     pub punica: Option<super::sgmv::Punica>,
     /// Flash-decoding, when selected (`flash.rs`); `None` = `attention.cu`'s decode.
     pub flash: Option<super::flash::FlashDecode>,
+    /// Fused add + RMSNorm and SwiGLU + cast, when selected (`fused.rs`).
+    pub fused: Option<super::fused::Fused>,
 }
 
 impl Gpu {
@@ -139,9 +141,11 @@ impl Gpu {
         let k = Kernels::load(&ctx, weight_dtype, kv_dtype)?;
         let punica = super::sgmv::Punica::from_env(&ctx, weight_dtype)?;
         let flash = super::flash::FlashDecode::from_env(&ctx, kv_dtype)?;
+        let fused = super::fused::Fused::from_env(&ctx, weight_dtype)?;
         Ok(Self {
             punica,
             flash,
+            fused,
             ctx,
             stream,
             blas,
@@ -331,12 +335,29 @@ impl Gpu {
                 (t, xb)
             }
         };
+        self.gemm(a_type, b_ptr, w, rows, d_in, d_out, out)
+    }
+
+    /// The cuBLAS product of [`Gpu::linear`]: out[rows, d_out] = B[rows, d_in] · Wᵀ with B at
+    /// device address `b_ptr` of `a_type` (the weight dtype's, or f32 for f32 weights).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn gemm(
+        &self,
+        a_type: blas_sys::cudaDataType,
+        b_ptr: u64,
+        w: &CudaSlice<u8>,
+        rows: usize,
+        d_in: usize,
+        d_out: usize,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
         let (alpha, beta) = (1.0f32, 0.0f32);
         // Row-major y = x·Wᵀ is column-major yᵀ = W·xᵀ: W read column-major is [d_in, d_out]
         // (transposed: op T), xᵀ is [d_in, rows] (op N), yᵀ is [d_out, rows].
-        // SAFETY: the handle is bound to our stream; A = W holds d_out × d_in, B = x (or its
-        // cast) holds rows × d_in, C = out holds rows × d_out elements (checked above); the
-        // type triple (16BF|16F|32F, same, 32F) with COMPUTE_32F is a supported GemmEx combo.
+        // SAFETY: the handle is bound to our stream; A = W holds d_out × d_in, B (`b_ptr`, the
+        // callers' x or its cast) holds rows × d_in, C = out holds rows × d_out elements
+        // (checked by the callers); the type triple (16BF|16F|32F, same, 32F) with
+        // COMPUTE_32F is a supported GemmEx combo.
         unsafe {
             blas::gemm_ex(
                 *self.blas.handle(),

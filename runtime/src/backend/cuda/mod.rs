@@ -10,6 +10,7 @@
 //! | file | job |
 //! | --- | --- |
 //! | `flash.rs` | flash-decoding launches (opt-in: `THAW_CUDA_ATTN_IMPL=split`) |
+//! | `fused.rs` | fused add + RMSNorm and SwiGLU + cast (opt-in: `THAW_CUDA_FUSED=1`) |
 //! | `launch.rs` | every raw CUDA call: launches, cuBLAS, stream waits, host registration |
 //! | `backend.rs` | [`CudaBackend`]: the trait ops |
 //! | `sgmv.rs` | the Punica-shaped SGMV / BGMV launches (opt-in: `THAW_CUDA_LORA_IMPL=punica`) |
@@ -21,6 +22,7 @@ mod backend;
 mod encode;
 mod exchange;
 mod flash;
+mod fused;
 mod launch;
 mod link;
 mod sgmv;
@@ -31,6 +33,7 @@ mod weights;
 pub use backend::{CudaBackend, CudaConfig, CudaKvLayer};
 pub use exchange::MappedExchange;
 pub use flash::{AttnImpl, ATTN_IMPL_ENV};
+pub use fused::{parse_fused, FUSED_ENV};
 pub use sgmv::{LoraImpl, LORA_IMPL_ENV};
 pub use thaw_kernels::cuda::registry::DType;
 pub use upload::{CudaCopy, LayerLanding};

@@ -1,0 +1,362 @@
+//! The engine's decode and prefill rows of `thaw-bench gpu`: one engine for the whole run
+//! (the model uploaded once, every adapter registered once), sequences added and removed per
+//! row.
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::Context;
+use thaw_runtime::adapter::LoraAdapter;
+use thaw_runtime::backend::any::AnyBackend;
+use thaw_runtime::backend::Device;
+use thaw_runtime::engine::{Engine, EngineConfig, HostModel, PlanItem, SequenceParams, StepPlan};
+use thaw_runtime::ids::{AdapterId, SeqId};
+use thaw_runtime::model::ModelConfig;
+use thaw_runtime::residency::LinkModel;
+use thaw_server::gen::{self, GenAdaptersOptions, GenModelOptions};
+
+use super::roofline::{decode_traffic, model_matrix_elems, prefill_flops, ElemBytes, StepTraffic};
+use super::GpuArgs;
+
+/// Which adapters a decode row's batch uses.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum Mix {
+    /// The base model only.
+    Base,
+    /// Every sequence on one adapter.
+    One { rank: usize },
+    /// Sequence `i` on adapter `i`: `n` distinct adapters.
+    Distinct { n: usize, rank: usize },
+}
+
+impl Mix {
+    pub fn label(self) -> String {
+        match self {
+            Mix::Base => "0".into(),
+            Mix::One { .. } => "1".into(),
+            Mix::Distinct { n, .. } => format!("{n} distinct"),
+        }
+    }
+
+    pub fn rank(self) -> Option<usize> {
+        match self {
+            Mix::Base => None,
+            Mix::One { rank } | Mix::Distinct { rank, .. } => Some(rank),
+        }
+    }
+
+    /// The mixes of one batch size: base, then per rank one adapter and (batch > 1) one per
+    /// sequence.
+    pub fn for_batch(batch: usize, ranks: &[usize]) -> Vec<Mix> {
+        let mut v = vec![Mix::Base];
+        for &rank in ranks {
+            v.push(Mix::One { rank });
+            if batch > 1 {
+                v.push(Mix::Distinct { n: batch, rank });
+            }
+        }
+        v
+    }
+}
+
+/// One decode row.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DecodeRow {
+    pub batch: usize,
+    pub mix: Mix,
+    /// Mean wall time of a timed step.
+    pub step_ms: f64,
+    pub tok_s: f64,
+    /// Mean bytes a timed step reads.
+    pub traffic: StepTraffic,
+}
+
+impl DecodeRow {
+    /// Achieved bandwidth: the bytes a step must read over its time.
+    pub fn gbs(&self) -> f64 {
+        self.traffic.total() / (self.step_ms * 1e-3) / 1e9
+    }
+}
+
+/// One prefill row.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PrefillRow {
+    pub tokens: usize,
+    pub ms: f64,
+    pub flops: f64,
+}
+
+impl PrefillRow {
+    pub fn tflops(&self) -> f64 {
+        self.flops / (self.ms * 1e-3) / 1e12
+    }
+}
+
+/// The model directory: --model, or the preset generated under `root` (reused when there).
+pub fn model_dir(args: &GpuArgs, root: &Path) -> anyhow::Result<PathBuf> {
+    if let Some(m) = &args.model {
+        return Ok(m.clone());
+    }
+    let preset = gen::preset(&args.preset).with_context(|| {
+        format!(
+            "unknown preset {}; try one of {:?}",
+            args.preset,
+            gen::PRESET_NAMES
+        )
+    })?;
+    let dir = root.join(format!("model-{}", args.preset));
+    if !dir.join("config.json").exists() {
+        gen::write_model(&preset, &dir, &GenModelOptions::default())?;
+    }
+    Ok(dir)
+}
+
+/// `count` adapters of `rank` on the targets, generated under `root` (reused when there).
+fn adapters(
+    args: &GpuArgs,
+    model_dir: &Path,
+    root: &Path,
+    config: &ModelConfig,
+    rank: usize,
+    count: usize,
+) -> anyhow::Result<Vec<Arc<LoraAdapter>>> {
+    let targets: Vec<String> = args
+        .targets
+        .iter()
+        .map(|t| format!("{t:?}").to_lowercase())
+        .collect();
+    let out = root.join(format!("gpu-adapters-r{rank}-{}", targets.join("")));
+    let opts = GenAdaptersOptions {
+        model_dir: model_dir.to_path_buf(),
+        out_dir: out.clone(),
+        count,
+        ranks: vec![rank],
+        targets: args.targets.clone(),
+        ..Default::default()
+    };
+    let dirs: Vec<PathBuf> = (0..count)
+        .map(|i| out.join(gen::adapter_name(i, rank)))
+        .collect();
+    if !dirs
+        .iter()
+        .all(|d| d.join("adapter_model.safetensors").exists())
+    {
+        gen::write_adapters(&opts)?;
+    }
+    dirs.iter()
+        .map(|d| Ok(Arc::new(LoraAdapter::load(d, config)?)))
+        .collect()
+}
+
+/// Runs the decode rows, then the prefill rows, on one engine.
+pub fn run(
+    args: &GpuArgs,
+    device: &Device,
+    model_dir: &Path,
+    root: &Path,
+) -> anyhow::Result<(Vec<DecodeRow>, Vec<PrefillRow>)> {
+    let host = HostModel::load(model_dir)?;
+    let config = host.config.clone();
+    let max_batch = args.batches.iter().copied().max().unwrap_or(1);
+    let max_prefill = args.prefill_tokens.iter().copied().max().unwrap_or(0);
+    let backend = AnyBackend::new(device, &config, LinkModel::default())?;
+    let (dev_weight, kv_elem) = backend.element_bytes();
+    let weight_elem = dev_weight.map_or_else(
+        || host.weight_bytes() as f64 / model_matrix_elems(&config) as f64,
+        |w| w as f64,
+    );
+    let e = ElemBytes {
+        weight: weight_elem,
+        kv: kv_elem,
+    };
+    let block = 16;
+    let per_seq = args.prompt_len + args.decode_steps + 4;
+    let cfg = EngineConfig {
+        kv_block_size: block,
+        num_kv_blocks: (max_batch * per_seq.div_ceil(block)).max((max_prefill + 2).div_ceil(block)),
+        max_batch_tokens: max_prefill.max(args.prompt_len).max(max_batch),
+        max_batch_seqs: max_batch,
+        max_context: Some(per_seq.max(max_prefill + 2)),
+        ..Default::default()
+    };
+    let mut engine = Engine::new(backend, host, cfg)?;
+    // Adapter ids: rank index × max_batch + i.
+    let mut by_rank = Vec::new();
+    for (ri, &rank) in args.ranks.iter().enumerate() {
+        let list = adapters(args, model_dir, root, &config, rank, max_batch)?;
+        for (i, a) in list.iter().enumerate() {
+            engine.register_adapter(AdapterId((ri * max_batch + i) as u32), a.clone())?;
+        }
+        by_rank.push(list);
+    }
+    // As the device holds them: converted to the weight dtype (CUDA) or as stored (CPU).
+    let adapter_bytes = |a: &LoraAdapter| match dev_weight {
+        Some(w) => a
+            .iter()
+            .map(|(_, _, l)| ((l.a.numel() + l.b.numel()) * w) as f64)
+            .sum::<f64>(),
+        None => a.size_bytes() as f64,
+    };
+    let mut next_seq = 0u64;
+    // Warm-up: first-use compilation, cuBLAS handles, allocator.
+    decode_row(
+        &mut engine,
+        args,
+        1,
+        Mix::Base,
+        &config,
+        e,
+        &|_| 0.0,
+        &mut next_seq,
+    )?;
+    let mut decode = Vec::new();
+    for &batch in &args.batches {
+        for mix in Mix::for_batch(batch, &args.ranks) {
+            let ri = mix
+                .rank()
+                .and_then(|r| args.ranks.iter().position(|&x| x == r));
+            let bytes_of = |a: u32| {
+                ri.map_or(0.0, |ri| {
+                    adapter_bytes(&by_rank[ri][a as usize - ri * max_batch])
+                })
+            };
+            decode.push(decode_row(
+                &mut engine,
+                args,
+                batch,
+                mix,
+                &config,
+                e,
+                &|a| bytes_of(a),
+                &mut next_seq,
+            )?);
+        }
+    }
+    let mut prefill = Vec::new();
+    for &tokens in &args.prefill_tokens {
+        let mut t = Vec::new();
+        for rep in 0..=args.reps.max(1) {
+            let seq = SeqId(next_seq);
+            next_seq += 1;
+            engine.add_sequence(
+                seq,
+                SequenceParams {
+                    prompt: prompt(&config, tokens, seq.0),
+                    max_new_tokens: 2,
+                    ignore_eos: true,
+                    ..Default::default()
+                },
+            )?;
+            let t0 = Instant::now();
+            engine.step(&plan(&[seq], tokens))?;
+            let ms = t0.elapsed().as_secs_f64() * 1e3;
+            let _ = engine.remove_sequence(seq);
+            if rep > 0 {
+                t.push(ms);
+            }
+        }
+        t.sort_by(f64::total_cmp);
+        prefill.push(PrefillRow {
+            tokens,
+            ms: t[t.len() / 2],
+            flops: prefill_flops(&config, tokens),
+        });
+    }
+    Ok((decode, prefill))
+}
+
+fn prompt(c: &ModelConfig, len: usize, seed: u64) -> Vec<u32> {
+    let v = c.vocab_size as u64;
+    (0..len as u64)
+        .map(|i| (3 + (seed * 7919 + i * 104_729) % (v - 3)) as u32)
+        .collect()
+}
+
+fn plan(seqs: &[SeqId], n: usize) -> StepPlan {
+    StepPlan {
+        items: seqs
+            .iter()
+            .map(|&seq| PlanItem { seq, num_tokens: n })
+            .collect(),
+        return_logits: false,
+    }
+}
+
+/// Prefills `batch` sequences (in steps of at most the engine's token budget), runs 2
+/// warm-up decode steps, then times `args.decode_steps` steps.
+#[allow(clippy::too_many_arguments)]
+fn decode_row(
+    engine: &mut Engine<AnyBackend>,
+    args: &GpuArgs,
+    batch: usize,
+    mix: Mix,
+    c: &ModelConfig,
+    e: ElemBytes,
+    adapter_bytes: &dyn Fn(u32) -> f64,
+    next_seq: &mut u64,
+) -> anyhow::Result<DecodeRow> {
+    let ri = mix.rank().map(|r| args.ranks.iter().position(|&x| x == r));
+    let base_id = |ri: usize| ri * args.batches.iter().copied().max().unwrap_or(1);
+    let adapter_of = |s: usize| -> Option<u32> {
+        match (mix, ri.flatten()) {
+            (Mix::Base, _) | (_, None) => None,
+            (Mix::One { .. }, Some(ri)) => Some(base_id(ri) as u32),
+            (Mix::Distinct { .. }, Some(ri)) => Some((base_id(ri) + s) as u32),
+        }
+    };
+    let seqs: Vec<SeqId> = (0..batch).map(|i| SeqId(*next_seq + i as u64)).collect();
+    *next_seq += batch as u64;
+    for (s, &id) in seqs.iter().enumerate() {
+        engine.add_sequence(
+            id,
+            SequenceParams {
+                prompt: prompt(c, args.prompt_len, id.0),
+                adapter: adapter_of(s).map(AdapterId),
+                max_new_tokens: args.decode_steps + 4,
+                ignore_eos: true,
+                ..Default::default()
+            },
+        )?;
+    }
+    let budget = engine.engine_config().max_batch_tokens;
+    let per_step = (budget / args.prompt_len).max(1);
+    for chunk in seqs.chunks(per_step) {
+        engine.step(&plan(chunk, args.prompt_len))?;
+    }
+    for _ in 0..2 {
+        engine.step(&plan(&seqs, 1))?;
+    }
+    let mut distinct: Vec<u32> = (0..batch).filter_map(adapter_of).collect();
+    distinct.dedup();
+    let adapters: f64 = distinct.iter().map(|&a| adapter_bytes(a)).sum();
+    let step_plan = plan(&seqs, 1);
+    let t0 = Instant::now();
+    for _ in 0..args.decode_steps {
+        engine.step(&step_plan)?;
+    }
+    let secs = t0.elapsed().as_secs_f64();
+    let mut traffic = StepTraffic::default();
+    for step in 0..args.decode_steps {
+        // The prompt, the first sampled token, 2 warm-up tokens, then this step's.
+        let ctx = vec![args.prompt_len + 3 + step; batch];
+        let t = decode_traffic(c, e, &ctx, adapters);
+        traffic.weights += t.weights;
+        traffic.adapters += t.adapters;
+        traffic.kv += t.kv;
+    }
+    for id in seqs {
+        let _ = engine.remove_sequence(id);
+    }
+    let n = args.decode_steps as f64;
+    Ok(DecodeRow {
+        batch,
+        mix,
+        step_ms: secs * 1e3 / n,
+        tok_s: (batch * args.decode_steps) as f64 / secs,
+        traffic: StepTraffic {
+            weights: traffic.weights / n,
+            adapters: traffic.adapters / n,
+            kv: traffic.kv / n,
+        },
+    })
+}

@@ -1,0 +1,178 @@
+//! The roofline inputs (the backend's copy bandwidth and GEMM rate, unless given) and the
+//! SGMV / BGMV table, on a one-layer backend of the model's shape.
+use std::time::Instant;
+
+use thaw_runtime::adapter::LoraModule;
+use thaw_runtime::backend::any::AnyBackend;
+use thaw_runtime::backend::{Backend, Device, LinearDims, LoraKernel};
+use thaw_runtime::microbench::{
+    fill, run_lora_case, synthetic_adapter, ElemSizes, LoraCase, LoraCaseResult, Popularity,
+};
+use thaw_runtime::model::ModelConfig;
+use thaw_runtime::residency::LinkModel;
+
+use super::GpuArgs;
+
+/// The roofline the report's ratios divide by, and where each figure came from.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Peaks {
+    pub gbs: f64,
+    pub gbs_source: String,
+    pub tflops: f64,
+    pub tflops_source: String,
+}
+
+/// µs per call of `f`: one warm-up call, then the median over 5 rounds of `iters` back-to-back
+/// calls each, timed by the wall clock between two synchronisations.
+pub fn wall_us(
+    b: &mut AnyBackend,
+    iters: usize,
+    f: &mut dyn FnMut(&mut AnyBackend),
+) -> thaw_runtime::Result<f64> {
+    f(b);
+    b.synchronize()?;
+    let mut t = Vec::with_capacity(5);
+    for _ in 0..5 {
+        let t0 = Instant::now();
+        for _ in 0..iters {
+            f(b);
+        }
+        b.synchronize()?;
+        t.push(t0.elapsed().as_secs_f64() * 1e6 / iters as f64);
+    }
+    t.sort_by(f64::total_cmp);
+    Ok(t[t.len() / 2])
+}
+
+/// Measures (or takes) the roofline and runs the SGMV / BGMV table; returns them with the
+/// LoRA implementation's name and the device's.
+pub fn measure(
+    args: &GpuArgs,
+    device: &Device,
+    model: &ModelConfig,
+) -> anyhow::Result<(Peaks, Vec<LoraCaseResult>, String, String)> {
+    let mut c = model.clone();
+    c.num_layers = 1;
+    let mut b = AnyBackend::new(device, &c, LinkModel::default())?;
+    let on_gpu = matches!(b, AnyBackend::Cuda(_));
+    let name = match device {
+        Device::Cpu => format!(
+            "CPU backend, {} threads",
+            std::thread::available_parallelism().map_or(1, |n| n.get())
+        ),
+        #[allow(unreachable_patterns)]
+        Device::Cuda(d) => format!("{d:?}"),
+    };
+    let (gbs, gbs_source) = match args.peak_gbs {
+        Some(g) => (g, "--peak-gbs".to_string()),
+        None => {
+            let mib = if on_gpu { 1024 } else { 64 };
+            (
+                copy_gbs(&mut b, mib)?,
+                format!("measured: row copy of {mib} MiB, read + write"),
+            )
+        }
+    };
+    let (tflops, tflops_source) = match args.peak_tflops {
+        Some(t) => (t, "--peak-tflops".to_string()),
+        None => {
+            let d = if on_gpu { 8192 } else { 256 };
+            (
+                gemm_tflops(&mut b, d)?,
+                format!("measured: the backend's linear(), {d}×{d}×{d}"),
+            )
+        }
+    };
+    let peaks = Peaks {
+        gbs,
+        gbs_source,
+        tflops,
+        tflops_source,
+    };
+    let lora_impl = if on_gpu {
+        std::env::var("THAW_CUDA_LORA_IMPL").unwrap_or_else(|_| "classic".into())
+    } else {
+        "cpu".into()
+    };
+    let lora = lora_table(args, &mut b, &c, on_gpu)?;
+    Ok((peaks, lora, lora_impl, name))
+}
+
+/// GB/s of the backend's row copy (`gather_rows` of every row), counting bytes read and
+/// written: the bandwidth any kernel that streams memory can hope for.
+fn copy_gbs(b: &mut AnyBackend, mib: usize) -> anyhow::Result<f64> {
+    let width = 4096;
+    let rows = (mib << 20) / 4 / width;
+    let x = b.alloc(rows * width)?;
+    let mut out = b.alloc(rows * width)?;
+    let all: Vec<usize> = (0..rows).collect();
+    let us = wall_us(b, 4, &mut |b| b.gather_rows(&x, width, &all, &mut out))?;
+    Ok(2.0 * (rows * width * 4) as f64 / us / 1e3)
+}
+
+/// TFLOP/s of the backend's `linear` on a `d × d` weight and `d` rows.
+fn gemm_tflops(b: &mut AnyBackend, d: usize) -> anyhow::Result<f64> {
+    let w = b.upload_linear(fill(d * d, 11), d, d, None)?;
+    let x = b.alloc(d * d)?;
+    let mut out = b.alloc(d * d)?;
+    let us = wall_us(b, 3, &mut |b| b.linear(&x, &w, d, &mut out))?;
+    Ok(2.0 * (d as f64).powi(3) / us / 1e6)
+}
+
+/// The SGMV / BGMV table: q_proj of the model's shape, a pool of adapters per rank.
+fn lora_table(
+    args: &GpuArgs,
+    b: &mut AnyBackend,
+    c: &ModelConfig,
+    on_gpu: bool,
+) -> anyhow::Result<Vec<LoraCaseResult>> {
+    let Some(&max_batch) = args.lora_batches.iter().max() else {
+        return Ok(Vec::new());
+    };
+    let (d_in, d_out) = c.module_shape(LoraModule::Q);
+    let pool = max_batch.max(1);
+    // Activations: rows of `fill`, gathered from a table (the trait uploads no activations).
+    let table = b.upload_linear(fill(max_batch * d_in, 1), max_batch, d_in, None)?;
+    let mut xs = b.alloc(max_batch * d_in)?;
+    let ids: Vec<u32> = (0..max_batch as u32).collect();
+    b.embed(&table, &ids, &mut xs);
+    let mut y = b.alloc(max_batch * d_out)?;
+    // Adapters are built in f32: the CPU backend keeps them so, CUDA converts them.
+    let e = ElemSizes {
+        adapter: b.element_bytes().0.unwrap_or(4),
+        act: 4,
+    };
+    let mut out = Vec::new();
+    for &rank in &args.lora_ranks {
+        let adapters = (0..pool)
+            .map(|i| b.upload_lora(synthetic_adapter(c, rank, &[LoraModule::Q], 10 + i as u64)?))
+            .collect::<thaw_runtime::Result<Vec<_>>>()?;
+        for kernel in [LoraKernel::Sgmv, LoraKernel::Bgmv] {
+            for &batch in &args.lora_batches {
+                for popularity in Popularity::ALL {
+                    let case = LoraCase {
+                        kernel,
+                        rank,
+                        batch,
+                        popularity,
+                        dims: LinearDims { d_in, d_out },
+                    };
+                    let iters = if on_gpu { 20 } else { 2 };
+                    out.push(run_lora_case(
+                        b,
+                        &xs,
+                        &mut y,
+                        &adapters,
+                        case,
+                        e,
+                        &mut |b, f| {
+                            b.begin_step();
+                            wall_us(b, iters, f)
+                        },
+                    )?);
+                }
+            }
+        }
+    }
+    Ok(out)
+}

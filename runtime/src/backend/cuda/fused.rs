@@ -1,0 +1,260 @@
+//! Fused elementwise kernels (issue 29), opt-in until a GPU run verifies them:
+//! `THAW_CUDA_FUSED=1` (read when the backend is created) or [`CudaBackend::set_fused`].
+//!
+//! - `add_rms_norm_T` (`norm.cu`): the residual add and the next block's RMSNorm in one pass
+//!   over each row ([`Backend::add_rms_norm`](crate::backend::Backend::add_rms_norm)); bit for
+//!   bit the two kernels it replaces.
+//! - `swiglu_x16_T` (`elementwise.cu`): SwiGLU that also writes its output in the weight dtype,
+//!   so the down projection's GEMM reads it without a separate cast kernel. The backend records
+//!   which buffer the 16-bit copy mirrors ([`X16Tag`]); the next op, if it is a `linear` over
+//!   exactly that buffer, skips its cast. Any other op in between voids the tag.
+//!
+//! CPU twins: `thaw_kernels::cpu::{add_rms_norm, swiglu_x16}`.
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, CudaFunction, CudaSlice};
+use thaw_kernels::cuda::registry::DType;
+use thaw_kernels::cuda::KernelCache;
+
+use super::launch::{blocks, int, launch, Gpu};
+use super::{CudaBackend, CudaError};
+use crate::error::Result;
+
+/// The environment variable that turns the fused kernels on: `1` (or `true`, `on`); `0` or
+/// unset keeps the separate kernels.
+pub const FUSED_ENV: &str = "THAW_CUDA_FUSED";
+
+/// Parses [`FUSED_ENV`]'s value.
+pub fn parse_fused(s: &str) -> Result<bool, String> {
+    match s.trim().to_ascii_lowercase().as_str() {
+        "" | "0" | "false" | "off" | "no" => Ok(false),
+        "1" | "true" | "on" | "yes" => Ok(true),
+        other => Err(format!(
+            "{FUSED_ENV}={other:?} is not a switch; use 1 to fuse add + RMSNorm and SwiGLU + \
+             cast, or 0"
+        )),
+    }
+}
+
+/// Which buffer the 16-bit GEMM input scratch mirrors, and when that was written: valid for
+/// the op that directly follows (op count `at + 1`) if it reads the same `ptr` and `len`.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub(super) struct X16Tag {
+    pub ptr: u64,
+    pub len: usize,
+    pub at: u64,
+}
+
+impl X16Tag {
+    /// Whether a linear over (`ptr`, `len`), running as op number `op`, may read the scratch.
+    pub fn serves(&self, ptr: u64, len: usize, op: u64) -> bool {
+        self.ptr == ptr && self.len == len && self.at + 1 == op
+    }
+}
+
+/// The resolved fused kernels for one weight dtype.
+pub(crate) struct Fused {
+    add_norm: CudaFunction,
+    /// None for f32 weights (no cast to fuse).
+    swiglu16: Option<CudaFunction>,
+}
+
+impl Fused {
+    fn load(ctx: &Arc<CudaContext>, w: DType) -> Result<Self, CudaError> {
+        let cache = KernelCache::global();
+        let f = |name: &str| cache.function(ctx, name).map_err(CudaError::from);
+        Ok(Self {
+            add_norm: f(&format!("add_rms_norm_{}", w.suffix()))?,
+            swiglu16: match w {
+                DType::F32 => None,
+                DType::Bf16 | DType::F16 => Some(f(&format!("swiglu_x16_{}", w.suffix()))?),
+            },
+        })
+    }
+
+    /// The kernels [`FUSED_ENV`] asks for, if any.
+    pub(super) fn from_env(ctx: &Arc<CudaContext>, w: DType) -> Result<Option<Self>, CudaError> {
+        let v = std::env::var(FUSED_ENV).unwrap_or_default();
+        if parse_fused(&v).map_err(CudaError::Unsupported)? {
+            Ok(Some(Self::load(ctx, w)?))
+        } else {
+            Ok(None)
+        }
+    }
+}
+
+impl Gpu {
+    /// residual += x; out = rms_norm(residual) · w, `rows` rows of `d` (fused kernel).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn add_rms_norm(
+        &self,
+        residual: &mut CudaSlice<f32>,
+        x: &CudaSlice<f32>,
+        w: &CudaSlice<u8>,
+        out: &mut CudaSlice<f32>,
+        rows: usize,
+        d: usize,
+        eps: f32,
+    ) -> Result<(), CudaError> {
+        let Some(fu) = &self.fused else {
+            return Err(CudaError::Unsupported(
+                "fused kernels are not loaded".into(),
+            ));
+        };
+        let n = rows * d;
+        assert!(
+            residual.len() >= n && x.len() >= n && out.len() >= n,
+            "add_rms_norm: buffers too small"
+        );
+        assert!(
+            w.len() >= d * self.weight_dtype.size(),
+            "add_rms_norm: weight too small"
+        );
+        if rows == 0 {
+            return Ok(());
+        }
+        // SAFETY: add_rms_norm_T(float*, const float*, const T*, float*, int, int, float); one
+        // block of 256 threads per row, as rms_norm (block_sum needs a multiple of 32); the
+        // buffers hold rows × d values and w holds d weights (checked above).
+        unsafe {
+            launch!(
+                self,
+                &fu.add_norm,
+                (rows as u32, 1, 1),
+                256,
+                [
+                    self.p(residual),
+                    self.p(x),
+                    self.p(w),
+                    self.p(out),
+                    int(rows, "rows"),
+                    int(d, "d"),
+                    eps
+                ]
+            )
+        }
+    }
+
+    /// out = silu(gate) · up, and the same values in the weight dtype into `x16` (grown as
+    /// needed). Err when the weights are f32 (nothing to cast).
+    pub(super) fn swiglu_x16(
+        &self,
+        gate: &CudaSlice<f32>,
+        up: &CudaSlice<f32>,
+        out: &mut CudaSlice<f32>,
+        x16: &mut Option<CudaSlice<u16>>,
+        n: usize,
+    ) -> Result<(), CudaError> {
+        let Some(func) = self.fused.as_ref().and_then(|f| f.swiglu16.as_ref()) else {
+            return Err(CudaError::Unsupported(
+                "swiglu_x16 needs 16-bit weights and the fused kernels".into(),
+            ));
+        };
+        assert!(
+            gate.len() >= n && up.len() >= n && out.len() >= n,
+            "swiglu_x16: buffers too small"
+        );
+        if x16.as_ref().is_none_or(|b| b.len() < n) {
+            // SAFETY: fully written by the kernel below before any read.
+            *x16 = Some(unsafe { self.stream.alloc::<u16>(n.max(1)) }?);
+        }
+        let xb = x16.as_ref().map(|b| self.p(b)).unwrap_or(0);
+        // SAFETY: swiglu_x16_T(const float*, const float*, float*, T*, long); gate, up and out
+        // hold n f32, x16 at least n 16-bit elements (grown above).
+        unsafe {
+            launch!(
+                self,
+                func,
+                (blocks(n, 256, 4096), 1, 1),
+                256,
+                [self.p(gate), self.p(up), self.p(out), xb, n as i64]
+            )
+        }
+    }
+
+    /// [`Gpu::linear`] whose input's 16-bit cast is already in `x16` (a served [`X16Tag`]).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn linear_from_x16(
+        &self,
+        x16: &CudaSlice<u16>,
+        w: &CudaSlice<u8>,
+        rows: usize,
+        d_in: usize,
+        d_out: usize,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        use cudarc::cublas::sys::cudaDataType;
+        let a_type = match self.weight_dtype {
+            DType::Bf16 => cudaDataType::CUDA_R_16BF,
+            DType::F16 => cudaDataType::CUDA_R_16F,
+            DType::F32 => {
+                return Err(CudaError::Unsupported(
+                    "f32 weights take no 16-bit input".into(),
+                ))
+            }
+        };
+        assert!(
+            x16.len() >= rows * d_in && out.len() >= rows * d_out,
+            "linear_from_x16: buffers too small"
+        );
+        assert!(
+            w.len() >= d_in * d_out * self.weight_dtype.size(),
+            "linear_from_x16: weight too small"
+        );
+        if rows == 0 {
+            return Ok(());
+        }
+        self.gemm(a_type, self.p(x16), w, rows, d_in, d_out, out)
+    }
+
+    /// Whether the SwiGLU + cast kernel is loaded (16-bit weights, fused on).
+    pub(super) fn fuses_swiglu(&self) -> bool {
+        self.fused.as_ref().is_some_and(|f| f.swiglu16.is_some())
+    }
+}
+
+impl CudaBackend {
+    /// Switches the fused kernels on or off (tests, benchmarks); compiles on first use.
+    pub fn set_fused(&mut self, on: bool) -> Result<()> {
+        self.gpu.fused = if on {
+            Some(Fused::load(&self.gpu.ctx, self.gpu.weight_dtype)?)
+        } else {
+            None
+        };
+        self.x16_tag = None;
+        Ok(())
+    }
+
+    /// Whether the fused kernels are in use.
+    pub fn fused(&self) -> bool {
+        self.gpu.fused.is_some()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_env_value_parses_or_says_what_to_use() {
+        assert_eq!(parse_fused(""), Ok(false));
+        assert_eq!(parse_fused("1"), Ok(true));
+        assert_eq!(parse_fused(" On "), Ok(true));
+        assert_eq!(parse_fused("0"), Ok(false));
+        let e = parse_fused("fast").unwrap_err();
+        assert!(e.contains(FUSED_ENV) && e.contains("use 1"), "{e}");
+    }
+
+    #[test]
+    fn a_tag_serves_only_the_next_op_over_the_same_buffer() {
+        let t = X16Tag {
+            ptr: 0x1000,
+            len: 64,
+            at: 7,
+        };
+        assert!(t.serves(0x1000, 64, 8));
+        assert!(!t.serves(0x1000, 64, 9), "another op ran in between");
+        assert!(!t.serves(0x2000, 64, 8), "another buffer");
+        assert!(!t.serves(0x1000, 32, 8), "another length");
+    }
+}
