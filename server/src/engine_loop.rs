@@ -668,14 +668,14 @@ impl Loop {
             wanted,
             Some(&self.loader),
         );
-        if upload == Upload::Stream {
-            let mut landing = self.stats.landing.lock().unwrap_or_else(|e| e.into_inner());
-            for id in registered {
-                if let Some(l) = self.engine.adapter_landed(id) {
-                    landing.insert(id, l);
-                }
+        // Whole uploads land asynchronously too on a GPU (the same pipeline): watch both.
+        let mut landing = self.stats.landing.lock().unwrap_or_else(|e| e.into_inner());
+        for id in registered {
+            if let Some(l) = self.engine.adapter_landed(id) {
+                landing.insert(id, l);
             }
         }
+        drop(landing);
         self.charge(prev);
     }
 

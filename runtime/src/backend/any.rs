@@ -34,6 +34,8 @@ pub trait GpuExtras {
     fn memory_info(&self) -> Result<(u64, u64)>;
     /// Allocates (and registers) the upload arena, `bytes`, and starts the upload pipeline.
     fn start_upload(&mut self, bytes: usize) -> Result<()>;
+    /// Bytes a demand load queued now waits behind on the copy stream.
+    fn link_backlog(&self) -> u64;
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -48,6 +50,9 @@ impl GpuExtras for super::NoCuda {
         match *self {}
     }
     fn start_upload(&mut self, _: usize) -> Result<()> {
+        match *self {}
+    }
+    fn link_backlog(&self) -> u64 {
         match *self {}
     }
 }
@@ -199,12 +204,12 @@ impl AnyBackend {
         }
     }
 
-    /// Bytes a demand load queued now waits behind on the emulated link (prefetches yield to
-    /// it); the CUDA copy engine keeps no count: 0.
+    /// Bytes a demand load queued now waits behind on the link (prefetches yield to it): the
+    /// upload pipeline's queue, emulated link or CUDA copy stream alike.
     pub fn link_backlog(&self) -> u64 {
         match self {
             Self::Cpu(b) => b.link_backlog(),
-            Self::Cuda(_) => 0,
+            Self::Cuda(g) => GpuExtras::link_backlog(&**g),
         }
     }
 
@@ -416,6 +421,13 @@ impl Backend for AnyBackend {
                 let inner = batch.with_adapters(&adapters);
                 g.lora(x.gpu(), y.gpu_mut(), dims, at, &inner);
             }
+        }
+    }
+
+    fn kv_elem_bytes(&self) -> usize {
+        match self {
+            Self::Cpu(b) => b.kv_elem_bytes(),
+            Self::Cuda(g) => g.kv_elem_bytes(),
         }
     }
 

@@ -195,6 +195,10 @@ pub trait Backend {
     fn lora_dtype(&self) -> Option<crate::adapter::WeightDtype> {
         None
     }
+    /// Bytes of one element of the paged KV cache this backend allocates (f32 on the CPU,
+    /// the KV dtype on CUDA): what a page of the device budget (one KV block of every layer)
+    /// is sized by.
+    fn kv_elem_bytes(&self) -> usize;
     fn alloc_kv_layer(&self, layout: KvLayout, num_blocks: usize) -> Result<Self::KvLayer>;
 
     /// out[r] = table[ids[r]].

@@ -245,11 +245,38 @@ impl<B: Backend> Engine<B> {
             .saturating_sub(s.kv.len()))
     }
 
-    /// Makes an adapter available to sequences with every layer already on the device
-    /// (the `cached` oracle, and the plain CPU backend).
+    /// Makes an adapter available to sequences, copied whole to the device (the `cached`
+    /// oracle, and the plain CPU backend). On the CPU backend it is resident at once; on a
+    /// GPU its bytes go through the upload pipeline like a streamed adapter's (the engine
+    /// thread never packs them), so its layers land shortly after: the `cached` policy holds
+    /// its requests until they have, and [`Engine::wait_adapters_landed`] waits for them.
     pub fn register_adapter(&mut self, id: AdapterId, adapter: Arc<LoraAdapter>) -> Result<()> {
         let dev = self.backend.upload_lora(adapter.clone())?;
         self.insert_adapter(id, adapter, dev)
+    }
+
+    /// Blocks until every layer of every registered adapter is on the device, or `timeout`
+    /// passes (tests and benchmarks that need resident adapters; the serving loop never waits).
+    pub fn wait_adapters_landed(&self, timeout: std::time::Duration) -> Result<()> {
+        let t0 = std::time::Instant::now();
+        loop {
+            let pending = self
+                .adapters
+                .iter()
+                .find(|(_, a)| self.backend.landed_layers(&a.dev) < a.host.num_layers());
+            let Some((id, a)) = pending else {
+                return Ok(());
+            };
+            if t0.elapsed() > timeout {
+                return Err(RuntimeError::Backend(format!(
+                    "adapter {id}'s layers did not all land within {timeout:?} ({} of {}); a \
+                     copy failed or the copy stream is stuck (see the log)",
+                    self.backend.landed_layers(&a.dev),
+                    a.host.num_layers()
+                )));
+            }
+            std::thread::sleep(std::time::Duration::from_micros(200));
+        }
     }
 
     /// Makes an adapter available at once while its copy engine streams it to the device,

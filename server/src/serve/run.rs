@@ -13,10 +13,10 @@ use thaw_runtime::residency::LinkModel;
 
 use crate::coldstart::ColdStartPolicy;
 use crate::engine_loop::{ColdStart, LoopConfig};
-use crate::memory::budget::DeviceMemory;
+use crate::memory::budget::{kv_page_bytes, DeviceMemory};
 use crate::memory::profile::{build_engine, Sizing};
 use crate::memory::{Board, EvictionPolicy, Limits, MemoryConfig};
-use thaw_runtime::backend::LoraKernel;
+use thaw_runtime::backend::{Backend, LoraKernel};
 use thaw_runtime::engine::{EngineConfig, HostModel};
 
 use super::config::ServeConfig;
@@ -80,33 +80,28 @@ impl Server {
             None => mc.max_position_embeddings,
         };
         let bs = config.block_size;
-        let block_bytes = (mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * bs * 4).max(1);
-        // One pool of pages (a KV block each) for KV and adapters: --num-gpu-blocks-override
-        // pages, or the device budget in pages (on CUDA, the engine thread sizes it instead).
-        let num_blocks = config
-            .num_gpu_blocks_override
-            .unwrap_or_else(|| (config.device_memory_bytes / block_bytes as u64) as usize);
-        let budget_fits = move |blocks: usize| {
+        let budget_fits = move |blocks: usize, page_bytes: u64| {
             anyhow::ensure!(
                 blocks >= max_model_len.div_ceil(bs),
-                "the device budget ({blocks} KV blocks of {block_bytes} bytes) cannot hold one \
+                "the device budget ({blocks} KV blocks of {page_bytes} bytes) cannot hold one \
                  sequence of --max-model-len {max_model_len}; raise --device-memory-bytes \
                  (--gpu-memory-utilization on CUDA) or lower --max-model-len"
             );
             Ok(())
         };
-        if config.device == thaw_runtime::backend::DeviceKind::Cpu {
-            budget_fits(num_blocks)?;
-        }
+        // A page's bytes depend on the backend's KV element (f32 on the CPU, bf16 on CUDA):
+        // the engine thread sizes it once the backend exists and reports it here.
+        let page_bytes_out = Arc::new(std::sync::OnceLock::<u64>::new());
+        let page_bytes_set = page_bytes_out.clone();
         let sched = SchedConfig {
             max_num_seqs: config.max_num_seqs,
             max_num_batched_tokens: config.max_num_batched_tokens,
             block_size: bs,
-            total_blocks: num_blocks,
+            total_blocks: 0,
         };
         let ecfg = EngineConfig {
             kv_block_size: bs,
-            num_kv_blocks: num_blocks,
+            num_kv_blocks: 0,
             max_batch_tokens: config.max_num_batched_tokens,
             max_batch_seqs: config.max_num_seqs,
             max_context: Some(max_model_len),
@@ -134,6 +129,17 @@ impl Server {
                 let arena = usize::try_from(cold_cfg.max_cpu_lora_bytes).unwrap_or(usize::MAX);
                 let backend =
                     AnyBackend::new(&device, &model.config, link)?.with_upload_arena(arena)?;
+                let block_bytes = kv_page_bytes(&model.config, bs, backend.kv_elem_bytes());
+                let _ = page_bytes_set.set(block_bytes);
+                // One pool of pages (a KV block each) for KV and adapters:
+                // --num-gpu-blocks-override pages, or the device budget in pages (on CUDA the
+                // memory profile below sizes it instead).
+                let ecfg = EngineConfig {
+                    num_kv_blocks: cold_cfg
+                        .num_gpu_blocks_override
+                        .unwrap_or((cold_cfg.device_memory_bytes / block_bytes) as usize),
+                    ..ecfg
+                };
                 // On CUDA (a device that reports its memory), --gpu-memory-utilization sizes
                 // the pool from a memory profile unless --num-gpu-blocks-override is given.
                 let sizing = cold_cfg
@@ -141,7 +147,7 @@ impl Server {
                     .is_none()
                     .then_some(Sizing {
                         utilization: cold_cfg.gpu_memory_utilization,
-                        page_bytes: block_bytes as u64,
+                        page_bytes: block_bytes,
                         min_pages: max_model_len.div_ceil(bs),
                     });
                 let (mut engine, num_blocks) =
@@ -149,7 +155,7 @@ impl Server {
                         Ok(b.memory_info()?
                             .map(|(free, total)| DeviceMemory { free, total }))
                     })?;
-                budget_fits(num_blocks)?;
+                budget_fits(num_blocks, block_bytes)?;
                 let sched = SchedConfig {
                     total_blocks: num_blocks,
                     ..sched
@@ -178,7 +184,7 @@ impl Server {
                     cost,
                 };
                 let memory = MemoryConfig {
-                    page_bytes: block_bytes as u64,
+                    page_bytes: block_bytes,
                     total_pages: num_blocks,
                     policy: cold_cfg.adapter_eviction,
                     max_loras: cold_cfg.max_loras,
@@ -239,7 +245,8 @@ impl Server {
                 max_loras: config.max_loras,
                 max_cpu_loras: config.max_cpu_loras,
                 unload_wait: config.unload_timeout,
-                device_budget_bytes: (sched.total_blocks * block_bytes) as u64,
+                device_budget_bytes: sched.total_blocks as u64
+                    * page_bytes_out.get().copied().unwrap_or(0),
                 fixed_slots: config.adapter_eviction == EvictionPolicy::FixedSlots,
                 lora_dtype: engine.stats.lora_dtype.get().copied(),
             },

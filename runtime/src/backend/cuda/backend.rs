@@ -4,7 +4,7 @@
 //! first error is kept (later ops of the step are skipped) and [`CudaBackend::check`] returns
 //! it; `logits`, the one op whose output the host reads, panics with it rather than hand back
 //! logits that were never computed.
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use std::ops::Range;
 
@@ -16,8 +16,7 @@ use super::launch::{AttnShape, Gpu};
 use super::step::{AttnMeta, DevVec, LoraMeta};
 use super::upload::{CudaCopy, LayerLanding};
 use super::weights::{
-    finish_lora, plan_lora, upload_bytes, upload_lora, weight_dtype, CudaLinear, CudaLora,
-    CudaVector,
+    finish_lora, plan_lora, upload_bytes, weight_dtype, CudaLinear, CudaLora, CudaVector,
 };
 use super::{CudaError, DType};
 use crate::adapter::{LoraAdapter, LoraModule};
@@ -89,8 +88,9 @@ pub struct CudaBackend {
     /// Which step adapters the current LoRA metadata treats as on the device.
     lora_on_device: Vec<bool>,
     on_device_scratch: Vec<bool>,
-    /// The upload pipeline adapters stream through (see [`CudaBackend::start_upload`]).
-    upload: Option<UploadPipeline<CudaCopy>>,
+    /// The upload pipeline every adapter goes through, `cached` ones included (see
+    /// [`CudaBackend::start_upload`]); set once, on first use if not at start-up.
+    upload: OnceLock<UploadPipeline<CudaCopy>>,
     pub(super) export_counter: CudaSlice<u32>,
     /// The worker pool's exchange, registered for the engine's assist path.
     pub(super) assist_ex: Option<super::exchange::EngineExchange>,
@@ -137,7 +137,7 @@ impl CudaBackend {
             host_rows: DevVec::new(),
             lora_on_device: Vec::new(),
             on_device_scratch: Vec::new(),
-            upload: None,
+            upload: OnceLock::new(),
             export_counter,
             assist_ex: None,
             row_list: Vec::new(),
@@ -501,37 +501,51 @@ impl CudaBackend {
 
     /// The upload pipeline, started (arena allocated and registered) on first use unless
     /// [`CudaBackend::start_upload`] did it at start-up.
-    fn upload(&mut self) -> Result<&UploadPipeline<CudaCopy>> {
-        if self.upload.is_none() {
-            self.start_upload(DEFAULT_UPLOAD_ARENA)?;
+    fn upload(&self) -> Result<&UploadPipeline<CudaCopy>> {
+        if let Some(p) = self.upload.get() {
+            return Ok(p);
         }
-        Ok(self.upload.as_ref().expect("started above"))
+        let copy = CudaCopy::new(&self.gpu.ctx)?;
+        let started = UploadPipeline::start(copy, DEFAULT_UPLOAD_ARENA, UPLOAD_LOADERS)?;
+        // The backend is used from one thread (`&self` here only because `upload_lora` takes
+        // it), so nobody set it meanwhile; if someone had, theirs is kept and ours dropped.
+        Ok(self.upload.get_or_init(|| started))
     }
 
     /// Allocates the pinned upload arena (`bytes`, `--max-cpu-lora-bytes`), registers it with
-    /// the driver once, and starts the pipeline's threads.
+    /// the driver once, and starts the pipeline's threads (replacing one started on first use).
     pub fn start_upload(&mut self, bytes: usize) -> Result<()> {
         let copy = CudaCopy::new(&self.gpu.ctx)?;
-        self.upload = Some(UploadPipeline::start(copy, bytes, UPLOAD_LOADERS)?);
+        self.upload = OnceLock::from(UploadPipeline::start(copy, bytes, UPLOAD_LOADERS)?);
         Ok(())
     }
 
-    /// Queues `adapter` on the upload pipeline. Here, on the engine thread: its layout
-    /// (O(layers)), a device allocation and the descriptor table; loader threads write its
-    /// bytes into the arena (in the weight dtype, converted there if the loader did not) and
-    /// the copy thread lands its layers.
-    fn try_stream_lora(
-        &mut self,
-        adapter: &Arc<LoraAdapter>,
-        class: LoadPriority,
-    ) -> Result<CudaLora> {
+    /// Queues `adapter` on the upload pipeline at `class`. Here, on the engine thread: its
+    /// layout (O(layers)), a device allocation and the descriptor table; loader threads write
+    /// its bytes into the pinned arena (in the weight dtype, converted there if the loader did
+    /// not), the copy thread copies each layer on the copy stream and publishes it after the
+    /// layer's event. Nothing proportional to the adapter's bytes runs here.
+    fn try_stream_lora(&self, adapter: &Arc<LoraAdapter>, class: LoadPriority) -> Result<CudaLora> {
+        let max = thaw_kernels::cuda::registry::shape::MAX_LORA_RANK;
+        if adapter.max_rank() > max {
+            return Err(CudaError::Unsupported(format!(
+                "adapter rank {} is above the CUDA LoRA kernels' limit of {max}; use an adapter \
+                 of rank {max} or less",
+                adapter.max_rank()
+            ))
+            .into());
+        }
         let dt = self.gpu.weight_dtype;
         let plan = plan_lora(adapter, dt);
-        let stream = self.gpu.stream.clone();
         let pipeline = self.upload()?;
         let weights = Arc::new(pipeline.device().alloc(plan.total)?);
         let landing = Arc::new(LayerLanding::default());
-        let lora = finish_lora(&plan, &stream, weights.clone(), Some(landing.clone()))?;
+        let lora = finish_lora(
+            &plan,
+            &self.gpu.stream,
+            weights.clone(),
+            Some(landing.clone()),
+        )?;
         pipeline.submit(
             Upload {
                 adapter: adapter.clone(),
@@ -543,6 +557,37 @@ impl CudaBackend {
             class,
         )?;
         Ok(lora)
+    }
+
+    /// Bytes a demand load queued now waits behind on the copy stream (0 before any upload).
+    pub fn link_backlog(&self) -> u64 {
+        self.upload.get().map_or(0, UploadPipeline::demand_backlog)
+    }
+
+    /// Blocks until every layer of `lora` is on the device, or `timeout` passes (tests and
+    /// benchmarks that time resident adapters; the serving loop never waits).
+    pub fn wait_landed(&self, lora: &CudaLora, timeout: std::time::Duration) -> Result<()> {
+        let t0 = std::time::Instant::now();
+        loop {
+            if lora.landed_layers() >= lora.num_layers() {
+                return Ok(());
+            }
+            if lora.landing.as_ref().is_some_and(|l| l.failed()) {
+                return Err(CudaError::Unsupported(
+                    "copying the adapter to the device failed (see the log)".into(),
+                )
+                .into());
+            }
+            if t0.elapsed() > timeout {
+                return Err(CudaError::Unsupported(format!(
+                    "the adapter's layers did not land within {timeout:?} ({} of {})",
+                    lora.landed_layers(),
+                    lora.num_layers()
+                ))
+                .into());
+            }
+            std::thread::sleep(std::time::Duration::from_micros(200));
+        }
     }
 }
 
@@ -606,20 +651,11 @@ impl Backend for CudaBackend {
         })
     }
 
+    /// The `cached` path: the same pipeline as a streamed adapter, at demand priority. The
+    /// adapter's layers land asynchronously; the `cached` policy holds its requests until they
+    /// have (and [`CudaBackend::wait_landed`] waits for them in tests).
     fn upload_lora(&self, adapter: Arc<LoraAdapter>) -> Result<CudaLora> {
-        let max = thaw_kernels::cuda::registry::shape::MAX_LORA_RANK;
-        if adapter.max_rank() > max {
-            return Err(CudaError::Unsupported(format!(
-                "adapter rank {} is above the CUDA LoRA kernels' limit of {max}",
-                adapter.max_rank()
-            ))
-            .into());
-        }
-        Ok(upload_lora(
-            &self.gpu.stream,
-            &adapter,
-            self.gpu.weight_dtype,
-        )?)
+        self.try_stream_lora(&adapter, LoadPriority::Demand)
     }
 
     fn stream_lora(&mut self, adapter: Arc<LoraAdapter>) -> Result<CudaLora> {
@@ -631,7 +667,7 @@ impl Backend for CudaBackend {
     }
 
     fn promote_lora(&mut self, lora: &CudaLora) {
-        if let (Some(u), Some(l)) = (&self.upload, &lora.landing) {
+        if let (Some(u), Some(l)) = (self.upload.get(), &lora.landing) {
             u.promote(l);
         }
     }
@@ -644,8 +680,12 @@ impl Backend for CudaBackend {
         Some(super::weights::weight_dtype(self.gpu.weight_dtype))
     }
 
+    fn kv_elem_bytes(&self) -> usize {
+        self.gpu.kv_dtype.size()
+    }
+
     fn alloc_kv_layer(&self, layout: KvLayout, num_blocks: usize) -> Result<CudaKvLayer> {
-        let bytes = (layout.block_len() * num_blocks * self.gpu.kv_dtype.size()).max(1);
+        let bytes = (layout.block_len() * num_blocks * self.kv_elem_bytes()).max(1);
         let s = &self.gpu.stream;
         Ok(CudaKvLayer {
             k: s.alloc_zeros::<u8>(bytes).map_err(CudaError::from)?,
