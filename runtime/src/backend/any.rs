@@ -12,7 +12,7 @@ use std::sync::Arc;
 use thaw_kernels::cpu::KvLayout;
 
 use super::cpu::CpuBackend;
-use super::{Backend, Device, LinearDims, LoraBatch, LoraSite, StepLayout};
+use super::{Backend, Device, LinearDims, LoraBatch, LoraLoad, LoraSite, PagePlace, StepLayout};
 use crate::adapter::{LoraAdapter, LoraModule};
 use crate::error::Result;
 use crate::ids::LayerIdx;
@@ -324,6 +324,32 @@ impl Backend for AnyBackend {
             Self::Cpu(b) => b.landed_layers(lora.cpu()),
             Self::Cuda(g) => g.landed_layers(lora.gpu()),
         }
+    }
+
+    fn lora_pages(&self, adapter: &LoraAdapter, layout: KvLayout) -> Option<usize> {
+        match self {
+            Self::Cpu(b) => b.lora_pages(adapter, layout),
+            Self::Cuda(g) => g.lora_pages(adapter, layout),
+        }
+    }
+
+    fn load_lora_paged(
+        &mut self,
+        adapter: Arc<LoraAdapter>,
+        load: LoraLoad,
+        place: PagePlace<'_, AnyKvLayer>,
+    ) -> Result<AnyLora> {
+        let PagePlace { kv, lease } = place;
+        Ok(match self {
+            Self::Cpu(b) => {
+                let kv = kv.into_iter().map(AnyKvLayer::cpu).collect();
+                AnyLora::Cpu(b.load_lora_paged(adapter, load, PagePlace { kv, lease })?)
+            }
+            Self::Cuda(g) => {
+                let kv = kv.into_iter().map(AnyKvLayer::gpu).collect();
+                AnyLora::Cuda(g.load_lora_paged(adapter, load, PagePlace { kv, lease })?)
+            }
+        })
     }
 
     fn alloc_kv_layer(&self, layout: KvLayout, num_blocks: usize) -> Result<AnyKvLayer> {

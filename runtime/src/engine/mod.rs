@@ -24,16 +24,18 @@ use thaw_ipc::AdapterHandle;
 use thaw_kernels::cpu::KvLayout;
 
 use crate::adapter::LoraAdapter;
-use crate::backend::{Backend, LoraBatch, LoraKernel, LoraLayout, StepLayout};
+use crate::backend::{Backend, LoraBatch, LoraKernel, LoraLayout, LoraLoad, StepLayout};
 use crate::error::{Result, RuntimeError};
 use crate::ids::{AdapterId, SeqId};
 use crate::kv::{BlockAllocator, KvUsage};
 use crate::model::ModelConfig;
+use crate::residency::LoadPriority;
 use crate::sampling::{Sampler, SamplerScratch};
 
 mod assist;
 mod assist_device;
 mod forward;
+mod paged;
 mod prefix;
 mod prompt;
 mod sequence;
@@ -218,6 +220,14 @@ impl<B: Backend> Engine<B> {
                 self.seqs.len()
             )));
         }
+        // Adapter images placed in the KV buffers would lose their memory.
+        if self.blocks.adapter_blocks() > 0 {
+            return Err(RuntimeError::InvalidRequest(format!(
+                "cannot resize the KV cache while adapters hold {} of its blocks; unregister \
+                 them first",
+                self.blocks.adapter_blocks()
+            )));
+        }
         let layout = KvLayout {
             block_size: self.cfg.kv_block_size,
             num_kv_heads: self.config.num_kv_heads,
@@ -251,7 +261,7 @@ impl<B: Backend> Engine<B> {
     /// thread never packs them), so its layers land shortly after: the `cached` policy holds
     /// its requests until they have, and [`Engine::wait_adapters_landed`] waits for them.
     pub fn register_adapter(&mut self, id: AdapterId, adapter: Arc<LoraAdapter>) -> Result<()> {
-        let dev = self.backend.upload_lora(adapter.clone())?;
+        let dev = self.device_lora(&adapter, LoraLoad::Whole)?;
         self.insert_adapter(id, adapter, dev)
     }
 
@@ -286,7 +296,7 @@ impl<B: Backend> Engine<B> {
         id: AdapterId,
         adapter: Arc<LoraAdapter>,
     ) -> Result<()> {
-        let dev = self.backend.stream_lora(adapter.clone())?;
+        let dev = self.device_lora(&adapter, LoraLoad::Stream(LoadPriority::Demand))?;
         self.insert_adapter(id, adapter, dev)
     }
 
@@ -294,7 +304,7 @@ impl<B: Backend> Engine<B> {
     /// copy yields the link to every demand load until a sequence uses it
     /// ([`Engine::add_sequence`] promotes it).
     pub fn prefetch_adapter(&mut self, id: AdapterId, adapter: Arc<LoraAdapter>) -> Result<()> {
-        let dev = self.backend.prefetch_lora(adapter.clone())?;
+        let dev = self.device_lora(&adapter, LoraLoad::Stream(LoadPriority::Prefetch))?;
         self.insert_adapter(id, adapter, dev)
     }
 

@@ -144,6 +144,19 @@ impl MemoryManager {
         self.entries.contains_key(&id)
     }
 
+    /// Pages adapter `id` takes on the device: as placed by the engine in the unified pool, a
+    /// whole (current) slot in `fixed-slots`; `None` for an unknown adapter.
+    pub fn device_pages(&self, id: AdapterId) -> Option<usize> {
+        self.entries.get(&id).map(|e| self.entry_pages(e))
+    }
+
+    fn entry_pages(&self, e: &Entry) -> usize {
+        match self.pool.layout() {
+            crate::memory::Layout::Unified { .. } => e.state.pages,
+            crate::memory::Layout::FixedSlots { .. } => self.pool.pages_for(e.meta.bytes),
+        }
+    }
+
     pub fn state(&self, id: AdapterId) -> Option<AdapterState> {
         self.states.get(&id).copied()
     }
@@ -166,10 +179,27 @@ impl MemoryManager {
     /// A new adapter; `host` is its parsed copy if the caller has one (kept if the host tier
     /// has room, so a first request need not read the disk again).
     pub fn register(&mut self, meta: AdapterMeta, host: Option<Arc<LoraAdapter>>) {
+        self.register_placed(meta, host, None);
+    }
+
+    /// [`MemoryManager::register`] for an adapter the engine places in `device_pages` pages
+    /// of the budget ([`thaw_runtime::engine::Engine::adapter_pages`]: on CUDA its image in
+    /// KV blocks, which may take a page more than its bytes over the page size), so the
+    /// pool counts the pages the engine really takes.
+    pub fn register_placed(
+        &mut self,
+        meta: AdapterMeta,
+        host: Option<Arc<LoraAdapter>>,
+        device_pages: Option<usize>,
+    ) {
         let id = meta.id;
         self.pool.note_adapter(meta.bytes);
+        let pages = match (self.pool.layout(), device_pages) {
+            (crate::memory::Layout::Unified { .. }, Some(p)) => p.max(1),
+            _ => self.pool.pages_for(meta.bytes),
+        };
         let state = AdapterState {
-            pages: self.pool.pages_for(meta.bytes),
+            pages,
             device: Device::Absent,
             in_host: host.is_some(),
         };
@@ -299,7 +329,7 @@ impl MemoryManager {
                     },
                     e.meta.bytes,
                 ),
-                pages: self.pool.pages_for(e.meta.bytes),
+                pages: self.entry_pages(e),
                 queued: wanted.contains(&e.meta.id),
             })
             .collect();

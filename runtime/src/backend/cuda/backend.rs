@@ -12,15 +12,17 @@ use cudarc::driver::{CudaSlice, CudaStream};
 use thaw_kernels::cpu::{KvLayout, RopeTable};
 
 use super::encode::encode;
+use super::launch::dptr;
 use super::launch::{AttnShape, Gpu};
 use super::step::{AttnMeta, DevVec, LoraMeta};
+use super::upload::CudaDst;
 use super::upload::{CudaCopy, LayerLanding};
 use super::weights::{
-    finish_lora, plan_lora, upload_bytes, weight_dtype, CudaLinear, CudaLora, CudaVector,
+    finish_lora, plan_lora, upload_bytes, weight_dtype, CudaLinear, CudaLora, CudaVector, LoraPlan,
 };
 use super::{CudaError, DType};
 use crate::adapter::{LoraAdapter, LoraModule};
-use crate::backend::{Backend, LinearDims, LoraBatch, LoraKernel, StepLayout};
+use crate::backend::{Backend, LinearDims, LoraBatch, LoraKernel, LoraLoad, PagePlace, StepLayout};
 use crate::error::Result;
 use crate::ids::LayerIdx;
 use crate::model::ModelConfig;
@@ -520,12 +522,18 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// Queues `adapter` on the upload pipeline at `class`. Here, on the engine thread: its
-    /// layout (O(layers)), a device allocation and the descriptor table; loader threads write
-    /// its bytes into the pinned arena (in the weight dtype, converted there if the loader did
+    /// Queues `adapter` on the upload pipeline at `class`, into the run of KV blocks `place`
+    /// holds or, without one, into an allocation of its own. Here, on the engine thread: its
+    /// layout (O(layers)), the destination and the descriptor table; loader threads write its
+    /// bytes into the pinned arena (in the weight dtype, converted there if the loader did
     /// not), the copy thread copies each layer on the copy stream and publishes it after the
     /// layer's event. Nothing proportional to the adapter's bytes runs here.
-    fn try_stream_lora(&self, adapter: &Arc<LoraAdapter>, class: LoadPriority) -> Result<CudaLora> {
+    fn try_stream_lora(
+        &self,
+        adapter: &Arc<LoraAdapter>,
+        class: LoadPriority,
+        place: Option<PagePlace<'_, CudaKvLayer>>,
+    ) -> Result<CudaLora> {
         let max = thaw_kernels::cuda::registry::shape::MAX_LORA_RANK;
         if adapter.max_rank() > max {
             return Err(CudaError::Unsupported(format!(
@@ -536,9 +544,16 @@ impl CudaBackend {
             .into());
         }
         let dt = self.gpu.weight_dtype;
-        let plan = plan_lora(adapter, dt);
         let pipeline = self.upload()?;
-        let weights = Arc::new(pipeline.device().alloc(plan.total)?);
+        let (plan, weights) = match place {
+            None => {
+                let plan = plan_lora(adapter, dt);
+                let w = pipeline.device().alloc(plan.total)?;
+                (plan, w)
+            }
+            Some(p) => self.paged_dst(adapter, p, pipeline.device().stream())?,
+        };
+        let weights = Arc::new(weights);
         let landing = Arc::new(LayerLanding::default());
         let lora = finish_lora(
             &plan,
@@ -557,6 +572,53 @@ impl CudaBackend {
             class,
         )?;
         Ok(lora)
+    }
+
+    /// KV-block chunk bytes (one layer's K or V block) of `layout` in this backend's KV dtype.
+    fn kv_chunk(&self, layout: KvLayout) -> usize {
+        layout.block_len() * self.gpu.kv_dtype.size()
+    }
+
+    /// The paged image of `adapter` and its destination: in each layer's K and V buffers, the
+    /// blocks of `place`'s run.
+    fn paged_dst(
+        &self,
+        adapter: &LoraAdapter,
+        place: PagePlace<'_, CudaKvLayer>,
+        stream: &CudaStream,
+    ) -> Result<(LoraPlan, CudaDst)> {
+        let PagePlace { kv, lease } = place;
+        let bad = |what: String| -> crate::error::RuntimeError {
+            CudaError::Unsupported(format!("placing an adapter in KV blocks: {what}")).into()
+        };
+        let first = kv.first().ok_or_else(|| bad("no KV cache".into()))?;
+        let chunk = self.kv_chunk(first.layout);
+        let dt = weight_dtype(self.gpu.weight_dtype);
+        let (n, plan) = LoraPlan::of_paged(adapter, Some(dt), chunk)
+            .ok_or_else(|| bad(format!("blocks of {chunk} bytes hold no paged image")))?;
+        let run = lease.run();
+        if run.len() != n || kv.len() != plan.n_layers || kv.iter().any(|l| run.end > l.num_blocks)
+        {
+            return Err(bad(format!(
+                "{} blocks at {run:?} of {} layers for an image of {n} pages and {} layers",
+                run.len(),
+                kv.len(),
+                plan.n_layers
+            )));
+        }
+        let start = (run.start * chunk) as u64;
+        let regions = kv
+            .iter()
+            .flat_map(|l| [dptr(&l.k, stream) + start, dptr(&l.v, stream) + start])
+            .collect();
+        Ok((
+            plan,
+            CudaDst::Paged {
+                regions,
+                region_len: n * chunk,
+                _lease: lease,
+            },
+        ))
     }
 
     /// Bytes a demand load queued now waits behind on the copy stream (0 before any upload).
@@ -655,15 +717,37 @@ impl Backend for CudaBackend {
     /// adapter's layers land asynchronously; the `cached` policy holds its requests until they
     /// have (and [`CudaBackend::wait_landed`] waits for them in tests).
     fn upload_lora(&self, adapter: Arc<LoraAdapter>) -> Result<CudaLora> {
-        self.try_stream_lora(&adapter, LoadPriority::Demand)
+        self.try_stream_lora(&adapter, LoadPriority::Demand, None)
     }
 
     fn stream_lora(&mut self, adapter: Arc<LoraAdapter>) -> Result<CudaLora> {
-        self.try_stream_lora(&adapter, LoadPriority::Demand)
+        self.try_stream_lora(&adapter, LoadPriority::Demand, None)
     }
 
     fn prefetch_lora(&mut self, adapter: Arc<LoraAdapter>) -> Result<CudaLora> {
-        self.try_stream_lora(&adapter, LoadPriority::Prefetch)
+        self.try_stream_lora(&adapter, LoadPriority::Prefetch, None)
+    }
+
+    /// Adapter images live in the KV cache's blocks (the one device budget), not in
+    /// allocations of their own; `None` (an allocation of its own) only where the KV block's
+    /// bytes are off the 256-byte grid.
+    fn lora_pages(&self, adapter: &LoraAdapter, layout: KvLayout) -> Option<usize> {
+        let dt = weight_dtype(self.gpu.weight_dtype);
+        LoraPlan::of_paged(adapter, Some(dt), self.kv_chunk(layout)).map(|(n, _)| n)
+    }
+
+    fn load_lora_paged(
+        &mut self,
+        adapter: Arc<LoraAdapter>,
+        load: LoraLoad,
+        place: PagePlace<'_, CudaKvLayer>,
+    ) -> Result<CudaLora> {
+        // `cached` (Whole) goes through the same pipeline at demand priority.
+        let class = match load {
+            LoraLoad::Whole => LoadPriority::Demand,
+            LoraLoad::Stream(c) => c,
+        };
+        self.try_stream_lora(&adapter, class, Some(place))
     }
 
     fn promote_lora(&mut self, lora: &CudaLora) {

@@ -7,7 +7,7 @@ use bytemuck::{Pod, Zeroable};
 use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr};
 
 use super::launch::dptr;
-use super::upload::LayerLanding;
+use super::upload::{CudaDst, LayerLanding};
 use super::{CudaError, DType};
 use crate::adapter::{LoraAdapter, LoraModule, WeightDtype};
 
@@ -44,8 +44,8 @@ unsafe impl DeviceRepr for LoraSlot {}
 
 /// One adapter on the device.
 pub struct CudaLora {
-    /// All factors, each 256-byte aligned.
-    pub(super) _weights: Arc<CudaSlice<u8>>,
+    /// All factors, each 256-byte aligned: an allocation, or a run of KV blocks.
+    pub(super) _weights: Arc<CudaDst>,
     /// `[n_layers * 7]` LoraSlot.
     pub(super) _table: CudaSlice<LoraSlot>,
     /// Host copy of the ranks, `[layer][module]` (0 = not targeted).
@@ -95,10 +95,10 @@ pub(super) use crate::upload::{ImageLayout as LoraPlan, Placed};
 pub(super) fn finish_lora(
     plan: &LoraPlan,
     stream: &Arc<CudaStream>,
-    weights: Arc<CudaSlice<u8>>,
+    weights: Arc<CudaDst>,
     landing: Option<Arc<LayerLanding>>,
 ) -> Result<CudaLora, CudaError> {
-    let base = dptr(&*weights, stream);
+    let at = |off: usize| weights.addr(stream, off);
     let mut slots = vec![LoraSlot::default(); plan.n_layers.max(1) * 7];
     let mut ranks = vec![[0u32; 7]; plan.n_layers];
     for &Placed {
@@ -112,8 +112,8 @@ pub(super) fn finish_lora(
     } in &plan.entries
     {
         slots[layer * 7 + m.index()] = LoraSlot {
-            a: base + a_off as u64,
-            b: base + b_off as u64,
+            a: at(a_off),
+            b: at(b_off),
             rank,
             scale,
             reserved: 0,
