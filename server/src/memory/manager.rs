@@ -592,6 +592,33 @@ mod tests {
         );
     }
 
+    /// An adapter the engine places in more pages than its bytes over the page size (CUDA's
+    /// paged image) is counted at the engine's pages, in the pool and in eviction's view; in
+    /// `fixed-slots` a slot stays a slot.
+    #[test]
+    fn pages_are_the_engines_when_it_places_the_adapter() {
+        let mut m = mgr();
+        m.register_placed(meta(1, 2_100, 0.001), None, Some(7));
+        m.register_placed(meta(2, 2_100, 0.001), None, None);
+        assert_eq!(m.state(AdapterId(1)).unwrap().pages, 7);
+        assert_eq!(m.device_pages(AdapterId(1)), Some(7));
+        assert_eq!(m.device_pages(AdapterId(2)), Some(m.pages_for(2_100)));
+        m.on_registered(AdapterId(1), 0, false).unwrap();
+        assert_eq!(m.pool().adapter_pages(), 7);
+        let mut slots = MemoryManager::new(
+            MemoryConfig {
+                policy: EvictionPolicy::FixedSlots,
+                ..mgr().cfg
+            },
+            Arc::new(Board::default()),
+        );
+        slots.register_placed(meta(1, 2_100, 0.001), None, Some(7));
+        assert_eq!(
+            slots.device_pages(AdapterId(1)),
+            Some(slots.pages_for(2_100))
+        );
+    }
+
     #[test]
     fn published_split_counts_each_tier_once() {
         let mut m = mgr();
