@@ -146,6 +146,19 @@ pub enum LoraLoad {
     Stream(crate::residency::LoadPriority),
 }
 
+/// Loads `adapter` as `load` says, into memory of the backend's own (not KV blocks).
+pub fn load_lora<B: Backend + ?Sized>(
+    b: &mut B,
+    adapter: std::sync::Arc<LoraAdapter>,
+    load: LoraLoad,
+) -> Result<B::Lora> {
+    match load {
+        LoraLoad::Whole => b.upload_lora(adapter),
+        LoraLoad::Stream(crate::residency::LoadPriority::Prefetch) => b.prefetch_lora(adapter),
+        LoraLoad::Stream(_) => b.stream_lora(adapter),
+    }
+}
+
 /// Where the engine put an adapter's device image: a run of KV blocks (pages of the one device
 /// budget) in every layer's K and V buffers. `lease` keeps the blocks from sequences until it
 /// is dropped: the backend keeps it with the adapter's device copy and with every copy still
@@ -225,13 +238,7 @@ pub trait Backend {
         place: PagePlace<'_, Self::KvLayer>,
     ) -> Result<Self::Lora> {
         drop(place);
-        match load {
-            LoraLoad::Whole => self.upload_lora(adapter),
-            LoraLoad::Stream(crate::residency::LoadPriority::Prefetch) => {
-                self.prefetch_lora(adapter)
-            }
-            LoraLoad::Stream(_) => self.stream_lora(adapter),
-        }
+        load_lora(self, adapter, load)
     }
     /// The one dtype this backend computes adapters from, if it reads only one (the CUDA
     /// kernels read the weight dtype): loader threads convert adapters stored otherwise once,

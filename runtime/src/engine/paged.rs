@@ -45,13 +45,7 @@ impl<B: Backend> Engine<B> {
         load: LoraLoad,
     ) -> Result<B::Lora> {
         let Some(n) = self.backend.lora_pages(adapter, self.kv_layout()) else {
-            return match load {
-                LoraLoad::Whole => self.backend.upload_lora(adapter.clone()),
-                LoraLoad::Stream(crate::residency::LoadPriority::Prefetch) => {
-                    self.backend.prefetch_lora(adapter.clone())
-                }
-                LoraLoad::Stream(_) => self.backend.stream_lora(adapter.clone()),
-            };
+            return crate::backend::load_lora(&mut self.backend, adapter.clone(), load);
         };
         let owner = NEXT_OWNER.fetch_add(1, Ordering::Relaxed);
         let lease = self.blocks.assign_adapter(owner, n)?;
