@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The tables of benches/gpu/run.sh, in the format of benches/results/cuda-h100.md.
 
-Reads RUNS/<policy>/{serve.log, cost.steps.jsonl, disk/, host/} and RUNS/decode-*/ as run.sh
+Reads RUNS/<policy>/{serve.log, cost.steps.jsonl, host/, disk/} and RUNS/decode-b<N>/ as run.sh
 leaves them; prints markdown. Each pass directory holds the client's load.json, the server
 log's line range of the pass (log-from, log-to), its wall-clock window (t-start, t-end) and
 thaw_cpu_assisted_rows_total before and after it.
@@ -152,8 +152,8 @@ def main():
         "",
     ]
     for tier, title in (
-        ("disk", "Adapters start on disk (page cache warm): the first pass of each server"),
-        ("host", "Adapters start in host memory (CaraServe's setting): the same requests again"),
+        ("host", "Adapters start in host memory (CaraServe's setting): the first pass of each server"),
+        ("disk", "Adapters start on disk (page cache warm): the second pass, other adapters"),
     ):
         out += [
             f"### {title}",
@@ -168,18 +168,25 @@ def main():
     out += [
         "### Decode, base model, server started with default flags",
         "",
-        "| run | output tokens | TPOT mean ms | tok/s per stream | output tok/s |",
-        "|---|---|---|---|---|",
+        "| batch | requests done | output tokens | TPOT mean ms | tok/s per stream | output tok/s |",
+        "|---|---|---|---|---|---|",
     ]
-    for name, label in (("decode-1", "one stream"), ("decode-batch", "a burst of requests")):
-        s = summary(os.path.join(a.runs, name))
+    batches = sorted(
+        int(d[len("decode-b"):])
+        for d in os.listdir(a.runs)
+        if d.startswith("decode-b") and d[len("decode-b"):].isdigit()
+    ) if os.path.isdir(a.runs) else []
+    if not batches:
+        out.append("| — | no result | | | | |")
+    for b in batches:
+        s = summary(os.path.join(a.runs, f"decode-b{b}"))
         if s is None:
-            out.append(f"| {label} | no result | | | |")
+            out.append(f"| {b} | no result (see decode-b{b}/load.out) | | | | |")
             continue
         tpot = s["tpot"]["mean"]
         per = f"{1 / tpot:.1f}" if tpot > 0 else "—"
         out.append(
-            f"| {label} ({s['completed']}/{s['sent']} requests) | "
+            f"| {b} | {s['completed']}/{s['sent']} | "
             f"{s['output_tokens_per_s'] * s['wall_s']:.0f} | {ms(tpot)} | {per} "
             f"| {s['output_tokens_per_s']:.1f} |"
         )

@@ -493,7 +493,8 @@ impl Loop {
             }) => {
                 let id = meta.id;
                 self.observe_disk_read(meta.bytes, meta.disk_secs);
-                self.mem.register(meta, host);
+                let pages = host.as_deref().and_then(|h| self.engine.adapter_pages(h));
+                self.mem.register_placed(meta, host, pages);
                 // The no-cache baseline keeps nothing no request uses, warm adapters included.
                 if warm && self.limits.keep_idle {
                     let plan = crate::memory::AdmitPlan {
@@ -668,14 +669,14 @@ impl Loop {
             wanted,
             Some(&self.loader),
         );
-        if upload == Upload::Stream {
-            let mut landing = self.stats.landing.lock().unwrap_or_else(|e| e.into_inner());
-            for id in registered {
-                if let Some(l) = self.engine.adapter_landed(id) {
-                    landing.insert(id, l);
-                }
+        // Whole uploads land asynchronously too on a GPU (the same pipeline): watch both.
+        let mut landing = self.stats.landing.lock().unwrap_or_else(|e| e.into_inner());
+        for id in registered {
+            if let Some(l) = self.engine.adapter_landed(id) {
+                landing.insert(id, l);
             }
         }
+        drop(landing);
         self.charge(prev);
     }
 
@@ -1034,7 +1035,7 @@ impl Loop {
     fn absent_pages(&self, id: AdapterId) -> usize {
         match self.mem.state(id) {
             Some(s) if s.device != Device::Absent => 0,
-            _ => self.mem.bytes(id).map_or(0, |b| self.mem.pages_for(b)),
+            _ => self.mem.device_pages(id).unwrap_or(0),
         }
     }
 

@@ -234,3 +234,33 @@ fn broken_adapter_files_fail_only_their_requests() {
         }
     }
 }
+
+/// An adapter streamed over a slow emulated link has not landed right after registering;
+/// `wait_adapters_landed` returns once every layer has (and no sooner), and times out with an
+/// error that names the adapter while one is still streaming.
+#[test]
+fn wait_adapters_landed_waits_for_every_layer() {
+    let s = setup(11);
+    let a = std::sync::Arc::new(
+        thaw_runtime::adapter::LoraAdapter::load(&s.adapters[2].0, &s.tm.model.config).unwrap(),
+    );
+    // 8 MB/s: the rank-32 all-projection adapter takes tens of milliseconds to land.
+    let link = LinkModel {
+        gbps: 0.008,
+        latency_us: 50.0,
+    };
+    let backend = CpuBackend::new(&s.tm.model.config).with_link(link);
+    let mut e = Engine::new(backend, s.tm.model.clone(), EngineConfig::default()).unwrap();
+    let id = thaw_runtime::ids::AdapterId(3);
+    e.register_adapter_streaming(id, a).unwrap();
+    assert!(
+        !e.adapter_resident(id),
+        "landed before the link could carry it"
+    );
+    let err = e.wait_adapters_landed(Duration::ZERO).unwrap_err();
+    assert!(err.to_string().contains("did not all land"), "{err}");
+    e.wait_adapters_landed(Duration::from_secs(30)).unwrap();
+    assert!(e.adapter_resident(id));
+    let (landed, layers) = e.adapter_landed(id).unwrap();
+    assert_eq!(landed, layers);
+}

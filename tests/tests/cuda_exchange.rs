@@ -200,6 +200,9 @@ fn engine_assists_through_the_mapped_exchange() {
             .register_adapter(AdapterId(i as u32), a.clone())
             .unwrap();
     }
+    resident
+        .wait_adapters_landed(Duration::from_secs(60))
+        .unwrap();
     let want = greedy(&mut resident);
 
     let pool = LoraPool::new(

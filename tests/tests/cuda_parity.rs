@@ -374,6 +374,11 @@ fn sgmv_and_bgmv_match_cpu() {
             .iter()
             .map(|a| g.upload_lora(a.clone()).unwrap())
             .collect();
+        for l in &lg {
+            // Through the upload pipeline like any adapter: let every layer land first.
+            g.wait_landed(l, std::time::Duration::from_secs(60))
+                .unwrap();
+        }
         let (rc, rg): (Vec<_>, Vec<_>) = (lc.iter().collect(), lg.iter().collect());
         for kernel in [LoraKernel::Sgmv, LoraKernel::Bgmv] {
             for (landed, layer) in [(vec![99, 99, 99, 99], 0), (vec![99, 0, 99, 99], 0)] {
@@ -451,6 +456,11 @@ fn punica_sgmv_and_bgmv_match_cpu() {
             .iter()
             .map(|a| g.upload_lora(a.clone()).unwrap())
             .collect();
+        for l in &lg {
+            // Through the upload pipeline like any adapter: let every layer land first.
+            g.wait_landed(l, std::time::Duration::from_secs(60))
+                .unwrap();
+        }
         let (rc, rg): (Vec<_>, Vec<_>) = (lc.iter().collect(), lg.iter().collect());
         for imp in [LoraImpl::PUNICA, LoraImpl::Punica { max_k_chunk: 32 }] {
             g.set_lora_impl(imp).unwrap();
@@ -597,6 +607,8 @@ fn engine_merged_oracle_and_assisted_tokens_on_gpu() {
         for (i, a) in adapters.iter().enumerate() {
             e.register_adapter(AdapterId(i as u32), a.clone()).unwrap();
         }
+        e.wait_adapters_landed(std::time::Duration::from_secs(60))
+            .unwrap();
         let got = run(&mut e, &who, &prompts);
         for (i, a) in who.iter().enumerate() {
             let mut merged = tm.model.clone();
@@ -643,5 +655,43 @@ fn engine_merged_oracle_and_assisted_tokens_on_gpu() {
                 "seq {i}: assisted and resident greedy tokens differ"
             );
         }
+    }
+}
+
+/// The KV element the server sizes pages by is the one the CUDA KV cache allocates: 2 bytes
+/// in the default bf16 cache, 4 in an f32 one, and the device memory a KV layer takes is
+/// exactly its blocks in that element.
+#[test]
+fn kv_elem_bytes_is_what_the_kv_cache_allocates() {
+    assert_eq!(
+        CudaConfig::default().kv_dtype.size(),
+        2,
+        "the default KV is bf16"
+    );
+    if !gpu() {
+        return;
+    }
+    let m = shape();
+    let c = &m.config;
+    let layout = KvLayout {
+        block_size: 16,
+        num_kv_heads: c.num_kv_heads,
+        head_dim: c.head_dim,
+    };
+    for (dt, want) in [(DType::Bf16, 2), (DType::F32, 4)] {
+        let g = CudaBackend::new(c, &cfg(dt)).unwrap();
+        assert_eq!(g.kv_elem_bytes(), want);
+        let (free0, _) = g.stream().context().mem_get_info().unwrap();
+        let layer = g.alloc_kv_layer(layout, 4096).unwrap();
+        g.stream().synchronize().unwrap();
+        let (free1, _) = g.stream().context().mem_get_info().unwrap();
+        let bytes = 2 * 4096 * layout.block_len() * want;
+        // The driver rounds allocations up to its 2 MiB pages.
+        let took = free0.saturating_sub(free1);
+        assert!(
+            took >= bytes && took <= bytes + (4 << 20),
+            "{dt:?}: took {took} bytes for {bytes}"
+        );
+        assert_eq!(layer.num_blocks, 4096);
     }
 }

@@ -85,6 +85,11 @@ pub struct WorkloadArgs {
     /// Adapter popularity.
     #[arg(long, value_enum, default_value = "rank-power-law")]
     pub popularity: PopularityKind,
+    /// For --popularity distinct: the first request takes the adapter at this index of the
+    /// server's order (`GET /v1/models`), the next ones those after it, so two passes can
+    /// use disjoint adapters (e.g. ones in the host tier, then ones on disk).
+    #[arg(long, default_value_t = 0)]
+    pub first_adapter: usize,
     /// Zipf exponent for --popularity zipf.
     #[arg(long, default_value_t = 1.0)]
     pub zipf_alpha: f64,
@@ -135,6 +140,7 @@ impl Default for WorkloadArgs {
             token_rate: None,
             cv: 2.0,
             popularity: PopularityKind::RankPowerLaw,
+            first_adapter: 0,
             zipf_alpha: 1.0,
             rank_alpha: 1.0,
             lengths: LengthKind::Fixed,
@@ -320,7 +326,7 @@ fn popularity(
     );
     Ok(match args.popularity {
         PopularityKind::Base => unreachable!("handled above"),
-        PopularityKind::Distinct => (0..n).map(|i| Some(i % m)).collect(),
+        PopularityKind::Distinct => (0..n).map(|i| Some((args.first_adapter + i) % m)).collect(),
         PopularityKind::Uniform => (0..n).map(|_| Some(rng.random_range(0..m))).collect(),
         PopularityKind::Zipf => {
             let z = Zipf::new(m as f64, args.zipf_alpha)
@@ -558,6 +564,17 @@ mod tests {
         .unwrap();
         let ids: Vec<_> = d.iter().map(|r| r.adapter.unwrap()).collect();
         assert_eq!(ids, vec![0, 1, 2, 3, 0, 1]);
+        let from = plan(
+            &WorkloadArgs {
+                popularity: PopularityKind::Distinct,
+                first_adapter: 3,
+                ..args(6)
+            },
+            &s,
+        )
+        .unwrap();
+        let ids: Vec<_> = from.iter().map(|r| r.adapter.unwrap()).collect();
+        assert_eq!(ids, vec![3, 0, 1, 2, 3, 0]);
         let z = plan(
             &WorkloadArgs {
                 popularity: PopularityKind::Zipf,

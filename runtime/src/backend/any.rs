@@ -12,7 +12,7 @@ use std::sync::Arc;
 use thaw_kernels::cpu::KvLayout;
 
 use super::cpu::CpuBackend;
-use super::{Backend, Device, LinearDims, LoraBatch, LoraSite, StepLayout};
+use super::{Backend, Device, LinearDims, LoraBatch, LoraLoad, LoraSite, PagePlace, StepLayout};
 use crate::adapter::{LoraAdapter, LoraModule};
 use crate::error::Result;
 use crate::ids::LayerIdx;
@@ -34,6 +34,8 @@ pub trait GpuExtras {
     fn memory_info(&self) -> Result<(u64, u64)>;
     /// Allocates (and registers) the upload arena, `bytes`, and starts the upload pipeline.
     fn start_upload(&mut self, bytes: usize) -> Result<()>;
+    /// Bytes a demand load queued now waits behind on the copy stream.
+    fn link_backlog(&self) -> u64;
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -48,6 +50,9 @@ impl GpuExtras for super::NoCuda {
         match *self {}
     }
     fn start_upload(&mut self, _: usize) -> Result<()> {
+        match *self {}
+    }
+    fn link_backlog(&self) -> u64 {
         match *self {}
     }
 }
@@ -199,12 +204,12 @@ impl AnyBackend {
         }
     }
 
-    /// Bytes a demand load queued now waits behind on the emulated link (prefetches yield to
-    /// it); the CUDA copy engine keeps no count: 0.
+    /// Bytes a demand load queued now waits behind on the link (prefetches yield to it): the
+    /// upload pipeline's queue, emulated link or CUDA copy stream alike.
     pub fn link_backlog(&self) -> u64 {
         match self {
             Self::Cpu(b) => b.link_backlog(),
-            Self::Cuda(_) => 0,
+            Self::Cuda(g) => GpuExtras::link_backlog(&**g),
         }
     }
 
@@ -362,6 +367,32 @@ impl Backend for AnyBackend {
         }
     }
 
+    fn lora_pages(&self, adapter: &LoraAdapter, layout: KvLayout) -> Option<usize> {
+        match self {
+            Self::Cpu(b) => b.lora_pages(adapter, layout),
+            Self::Cuda(g) => g.lora_pages(adapter, layout),
+        }
+    }
+
+    fn load_lora_paged(
+        &mut self,
+        adapter: Arc<LoraAdapter>,
+        load: LoraLoad,
+        place: PagePlace<'_, AnyKvLayer>,
+    ) -> Result<AnyLora> {
+        let PagePlace { kv, lease } = place;
+        Ok(match self {
+            Self::Cpu(b) => {
+                let kv = kv.into_iter().map(AnyKvLayer::cpu).collect();
+                AnyLora::Cpu(b.load_lora_paged(adapter, load, PagePlace { kv, lease })?)
+            }
+            Self::Cuda(g) => {
+                let kv = kv.into_iter().map(AnyKvLayer::gpu).collect();
+                AnyLora::Cuda(g.load_lora_paged(adapter, load, PagePlace { kv, lease })?)
+            }
+        })
+    }
+
     fn alloc_kv_layer(&self, layout: KvLayout, num_blocks: usize) -> Result<AnyKvLayer> {
         Ok(match self {
             Self::Cpu(b) => AnyKvLayer::Cpu(b.alloc_kv_layer(layout, num_blocks)?),
@@ -457,6 +488,13 @@ impl Backend for AnyBackend {
                 let inner = batch.with_adapters(&adapters);
                 g.lora(x.gpu(), y.gpu_mut(), dims, at, &inner);
             }
+        }
+    }
+
+    fn kv_elem_bytes(&self) -> usize {
+        match self {
+            Self::Cpu(b) => b.kv_elem_bytes(),
+            Self::Cuda(g) => g.kv_elem_bytes(),
         }
     }
 

@@ -358,6 +358,10 @@ impl Backend for CpuBackend {
         lora.landed()
     }
 
+    fn kv_elem_bytes(&self) -> usize {
+        std::mem::size_of::<f32>()
+    }
+
     fn alloc_kv_layer(&self, layout: KvLayout, num_blocks: usize) -> Result<CpuKvLayer> {
         let len = layout.block_len() * num_blocks;
         Ok(CpuKvLayer {

@@ -138,6 +138,38 @@ impl<'a, L> LoraBatch<'a, L> {
     }
 }
 
+/// How an adapter goes to the device.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum LoraLoad {
+    /// Every layer, the `cached` path ([`Backend::upload_lora`]).
+    Whole,
+    /// Layer by layer at this priority ([`Backend::stream_lora`] / [`Backend::prefetch_lora`]).
+    Stream(crate::residency::LoadPriority),
+}
+
+/// Loads `adapter` as `load` says, into memory of the backend's own (not KV blocks).
+pub fn load_lora<B: Backend + ?Sized>(
+    b: &mut B,
+    adapter: std::sync::Arc<LoraAdapter>,
+    load: LoraLoad,
+) -> Result<B::Lora> {
+    match load {
+        LoraLoad::Whole => b.upload_lora(adapter),
+        LoraLoad::Stream(crate::residency::LoadPriority::Prefetch) => b.prefetch_lora(adapter),
+        LoraLoad::Stream(_) => b.stream_lora(adapter),
+    }
+}
+
+/// Where the engine put an adapter's device image: a run of KV blocks (pages of the one device
+/// budget) in every layer's K and V buffers. `lease` keeps the blocks from sequences until it
+/// is dropped: the backend keeps it with the adapter's device copy and with every copy still
+/// writing into those blocks, so they return to KV exactly once, after both are gone.
+pub struct PagePlace<'a, L> {
+    /// The KV cache, layer 0 first (the blocks live in these buffers).
+    pub kv: Vec<&'a L>,
+    pub lease: crate::kv::blocks::PageLease,
+}
+
 /// The ops of a Llama-family forward. Buffers hold f32 activations laid out row-major;
 /// every op reads and writes the first `rows * width` elements of its buffers.
 pub trait Backend {
@@ -190,12 +222,35 @@ pub trait Backend {
     }
     /// Layers of `lora` on the device now (`0..n` are usable).
     fn landed_layers(&self, lora: &Self::Lora) -> usize;
+    /// Pages of the device budget (KV blocks of `layout`, every layer) `adapter`'s image takes
+    /// when placed in the KV cache's own memory, or `None` where this backend keeps adapters
+    /// outside it (the default: the CPU backend's "device memory" is host memory).
+    fn lora_pages(&self, adapter: &LoraAdapter, layout: KvLayout) -> Option<usize> {
+        let _ = (adapter, layout);
+        None
+    }
+    /// Loads `adapter` into the run of KV blocks `place` holds (as many as
+    /// [`Backend::lora_pages`] said), as `load` says. Only called where `lora_pages` is
+    /// `Some`; the default gives the pages back and loads the adapter as usual.
+    fn load_lora_paged(
+        &mut self,
+        adapter: std::sync::Arc<LoraAdapter>,
+        load: LoraLoad,
+        place: PagePlace<'_, Self::KvLayer>,
+    ) -> Result<Self::Lora> {
+        drop(place);
+        load_lora(self, adapter, load)
+    }
     /// The one dtype this backend computes adapters from, if it reads only one (the CUDA
     /// kernels read the weight dtype): loader threads convert adapters stored otherwise once,
     /// off the engine thread. `None` (the default): every stored dtype is read in place.
     fn lora_dtype(&self) -> Option<crate::adapter::WeightDtype> {
         None
     }
+    /// Bytes of one element of the paged KV cache this backend allocates (f32 on the CPU,
+    /// the KV dtype on CUDA): what a page of the device budget (one KV block of every layer)
+    /// is sized by.
+    fn kv_elem_bytes(&self) -> usize;
     fn alloc_kv_layer(&self, layout: KvLayout, num_blocks: usize) -> Result<Self::KvLayer>;
 
     /// out[r] = table[ids[r]].

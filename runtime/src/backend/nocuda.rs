@@ -45,6 +45,9 @@ impl Backend for NoCuda {
     fn landed_layers(&self, _: &NoCuda) -> usize {
         match *self {}
     }
+    fn kv_elem_bytes(&self) -> usize {
+        match *self {}
+    }
     fn alloc_kv_layer(&self, _: KvLayout, _: usize) -> Result<NoCuda> {
         match *self {}
     }

@@ -24,17 +24,19 @@ use thaw_ipc::AdapterHandle;
 use thaw_kernels::cpu::KvLayout;
 
 use crate::adapter::LoraAdapter;
-use crate::backend::{Backend, LoraBatch, LoraKernel, LoraLayout, StepLayout};
+use crate::backend::{Backend, LoraBatch, LoraKernel, LoraLayout, LoraLoad, StepLayout};
 use crate::error::{Result, RuntimeError};
 use crate::ids::{AdapterId, SeqId};
 use crate::kv::{BlockAllocator, KvUsage};
 use crate::model::ModelConfig;
+use crate::residency::LoadPriority;
 use crate::sampling::{Sampler, SamplerScratch};
 
 mod assist;
 mod assist_device;
 mod forward;
 mod from_disk;
+mod paged;
 mod prefix;
 mod prompt;
 mod sequence;
@@ -222,6 +224,14 @@ impl<B: Backend> Engine<B> {
                 self.seqs.len()
             )));
         }
+        // Adapter images placed in the KV buffers would lose their memory.
+        if self.blocks.adapter_blocks() > 0 {
+            return Err(RuntimeError::InvalidRequest(format!(
+                "cannot resize the KV cache while adapters hold {} of its blocks; unregister \
+                 them first",
+                self.blocks.adapter_blocks()
+            )));
+        }
         let layout = KvLayout {
             block_size: self.cfg.kv_block_size,
             num_kv_heads: self.config.num_kv_heads,
@@ -249,11 +259,38 @@ impl<B: Backend> Engine<B> {
             .saturating_sub(s.kv.len()))
     }
 
-    /// Makes an adapter available to sequences with every layer already on the device
-    /// (the `cached` oracle, and the plain CPU backend).
+    /// Makes an adapter available to sequences, copied whole to the device (the `cached`
+    /// oracle, and the plain CPU backend). On the CPU backend it is resident at once; on a
+    /// GPU its bytes go through the upload pipeline like a streamed adapter's (the engine
+    /// thread never packs them), so its layers land shortly after: the `cached` policy holds
+    /// its requests until they have, and [`Engine::wait_adapters_landed`] waits for them.
     pub fn register_adapter(&mut self, id: AdapterId, adapter: Arc<LoraAdapter>) -> Result<()> {
-        let dev = self.backend.upload_lora(adapter.clone())?;
+        let dev = self.device_lora(&adapter, LoraLoad::Whole)?;
         self.insert_adapter(id, adapter, dev)
+    }
+
+    /// Blocks until every layer of every registered adapter is on the device, or `timeout`
+    /// passes (tests and benchmarks that need resident adapters; the serving loop never waits).
+    pub fn wait_adapters_landed(&self, timeout: std::time::Duration) -> Result<()> {
+        let t0 = std::time::Instant::now();
+        loop {
+            let pending = self
+                .adapters
+                .iter()
+                .find(|(_, a)| self.backend.landed_layers(&a.dev) < a.host.num_layers());
+            let Some((id, a)) = pending else {
+                return Ok(());
+            };
+            if t0.elapsed() > timeout {
+                return Err(RuntimeError::Backend(format!(
+                    "adapter {id}'s layers did not all land within {timeout:?} ({} of {}); a \
+                     copy failed or the copy stream is stuck (see the log)",
+                    self.backend.landed_layers(&a.dev),
+                    a.host.num_layers()
+                )));
+            }
+            std::thread::sleep(std::time::Duration::from_micros(200));
+        }
     }
 
     /// Makes an adapter available at once while its copy engine streams it to the device,
@@ -263,7 +300,7 @@ impl<B: Backend> Engine<B> {
         id: AdapterId,
         adapter: Arc<LoraAdapter>,
     ) -> Result<()> {
-        let dev = self.backend.stream_lora(adapter.clone())?;
+        let dev = self.device_lora(&adapter, LoraLoad::Stream(LoadPriority::Demand))?;
         self.insert_adapter(id, adapter, dev)
     }
 
@@ -271,7 +308,7 @@ impl<B: Backend> Engine<B> {
     /// copy yields the link to every demand load until a sequence uses it
     /// ([`Engine::add_sequence`] promotes it).
     pub fn prefetch_adapter(&mut self, id: AdapterId, adapter: Arc<LoraAdapter>) -> Result<()> {
-        let dev = self.backend.prefetch_lora(adapter.clone())?;
+        let dev = self.device_lora(&adapter, LoraLoad::Stream(LoadPriority::Prefetch))?;
         self.insert_adapter(id, adapter, dev)
     }
 

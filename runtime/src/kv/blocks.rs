@@ -14,7 +14,12 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard};
 
+pub use adapter_runs::PageLease;
+
 use super::prefix::{BlockHash, PrefixKey};
+
+#[path = "blocks_adapters.rs"]
+mod adapter_runs;
 use crate::error::{Result, RuntimeError};
 use crate::ids::{AdapterId, BlockIdx};
 
@@ -77,6 +82,8 @@ struct Pool {
     /// Registrations and releases held back until the open step ends.
     pending_register: Vec<(BlockIdx, Cached)>,
     pending_release: Vec<BlockIdx>,
+    /// Runs of blocks adapters' device images own (out of `empty` and `lru` while owned).
+    adapters: super::AdapterPages<u64>,
 }
 
 impl Pool {
@@ -199,6 +206,7 @@ impl BlockAllocator {
                 in_step: false,
                 pending_register: Vec::new(),
                 pending_release: Vec::new(),
+                adapters: super::AdapterPages::new(num_blocks),
             })),
             block_size,
         }

@@ -9,13 +9,17 @@
 //! - [`blocks`]: the pool — reference counts, blocks allocated on demand, unreferenced cached
 //!   blocks kept and evicted least recently used first, and a step fence so that no block is
 //!   shared or reused before the step writing it has finished.
+//! - [`adapter_pages`]: which pages (runs of blocks) adapters' device images occupy on a GPU,
+//!   so adapters live in the same budget as KV (pure, property-tested).
 //! - [`prefix`]: the hash chain over full blocks of token ids, keyed by the adapter and its
 //!   generation ([`PrefixKey`]): base-model requests share only with each other.
 //!
 //! What to admit, whom to preempt and when to evict adapters are the server's decisions; this
 //! module is the mechanism they drive.
+pub mod adapter_pages;
 pub mod blocks;
 pub mod prefix;
 
+pub use adapter_pages::{AdapterPages, PageError};
 pub use blocks::{BlockAllocator, KvBlocks, KvUsage};
 pub use prefix::{chain_hashes, BlockHash, PrefixKey};

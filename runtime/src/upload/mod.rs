@@ -9,7 +9,7 @@
 //! | --- | --- |
 //! | `plan.rs` | the pure decisions: arena space, encode and copy order, eviction |
 //! | `arena.rs` | the arena's free list |
-//! | `layout.rs` | an adapter's device image: factor offsets, layer ranges |
+//! | `layout.rs` | an adapter's device image: factor offsets, layer ranges; paged in the budget's pages |
 //! | `device.rs` | what a backend supplies, and the CPU backend's emulated link |
 //! | `pipeline.rs` | the loader and copy threads |
 //! | `background.rs` | lower priority for host threads; host work (freeing, filling) off the engine thread |
@@ -25,7 +25,7 @@ mod store_fill;
 pub use arena::{ArenaAlloc, ARENA_ALIGN};
 pub use background::{drop_later, lower_current_thread_priority, run_later, BACKGROUND_NICE};
 pub use device::{CopyDevice, EmulatedLink, PinnedMemory};
-pub use layout::{ImageLayout, Placed};
+pub use layout::{region_pieces, Factor, ImageLayout, Placed};
 pub use pipeline::{Landing, Upload, UploadPipeline, UploadStats};
 pub use plan::{CopyTask, EncodeTask, JobId, Landed, PlanError, UploadPlan};
 pub use store_fill::reserve_and_fill_later;

@@ -21,10 +21,9 @@ pub(super) fn cold_gate(
     if landed >= layers {
         return Gate::Go;
     }
-    match cold.policy {
-        ColdStartPolicy::Cached | ColdStartPolicy::CpuAssist => Gate::Go,
-        ColdStartPolicy::OnDemand => Gate::Hold,
-        ColdStartPolicy::Auto => {
+    match unlanded_gate(cold.policy) {
+        Some(g) => g,
+        None => {
             let Some(adapter) = engine.adapter_host(id) else {
                 return Gate::Go;
             };
@@ -45,5 +44,32 @@ pub(super) fn cold_gate(
                 ColdDecision::Assist { max_chunk } => Gate::Cap(max_chunk),
             }
         }
+    }
+}
+
+/// The gate of a request whose adapter has not fully landed, where the policy alone decides
+/// it; `None` for `auto`, which asks the cost model. `cached` waits: its adapters are copied
+/// whole (on a GPU through the same asynchronous pipeline as a streamed one, so a freshly
+/// registered one has not landed yet) and it never computes a delta on the CPU.
+fn unlanded_gate(policy: ColdStartPolicy) -> Option<Gate> {
+    match policy {
+        ColdStartPolicy::Cached | ColdStartPolicy::OnDemand => Some(Gate::Hold),
+        ColdStartPolicy::CpuAssist => Some(Gate::Go),
+        ColdStartPolicy::Auto => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Only `cpu-assist` runs a request before its adapter landed without asking the cost
+    /// model; `cached` and `on-demand` wait for the copy.
+    #[test]
+    fn unlanded_adapters_wait_unless_the_policy_assists() {
+        assert_eq!(unlanded_gate(ColdStartPolicy::Cached), Some(Gate::Hold));
+        assert_eq!(unlanded_gate(ColdStartPolicy::OnDemand), Some(Gate::Hold));
+        assert_eq!(unlanded_gate(ColdStartPolicy::CpuAssist), Some(Gate::Go));
+        assert_eq!(unlanded_gate(ColdStartPolicy::Auto), None);
     }
 }

@@ -46,6 +46,20 @@ pub enum BudgetError {
     },
 }
 
+/// Bytes of one page of the device budget: one KV block (`block_size` tokens) of every layer,
+/// K and V, in `kv_elem_bytes` a value: the backend's ([`Backend::kv_elem_bytes`]: f32 on the
+/// CPU, the bf16 KV cache on CUDA), so a page is what the KV cache really allocates per block.
+///
+/// [`Backend::kv_elem_bytes`]: thaw_runtime::backend::Backend::kv_elem_bytes
+pub fn kv_page_bytes(
+    c: &thaw_runtime::model::ModelConfig,
+    block_size: usize,
+    kv_elem_bytes: usize,
+) -> u64 {
+    let values = c.num_layers * 2 * c.num_kv_heads * c.head_dim * block_size;
+    (values as u64 * kv_elem_bytes as u64).max(1)
+}
+
 /// Bytes a profile took on the device beyond its own KV cache: what the free memory fell by
 /// from `before` to `after`, less the `profile_kv` bytes of KV the profiling engine allocated.
 pub fn profiled_bytes(before: DeviceMemory, after: DeviceMemory, profile_kv: u64) -> u64 {
@@ -96,6 +110,36 @@ mod tests {
     use proptest::prelude::*;
 
     const GIB: u64 = 1 << 30;
+
+    /// A page is one KV block of every layer in the backend's KV element: Llama-2-7B shapes
+    /// with 16-token blocks take 8 MiB a page in CUDA's bf16 and 16 MiB in the CPU backend's
+    /// f32, and the CPU backend's page is exactly what its KV cache allocates per block.
+    #[test]
+    fn a_page_is_one_kv_block_in_the_backends_element() {
+        use thaw_runtime::backend::{cpu::CpuBackend, Backend};
+        let p = crate::gen::preset("llama-7b-shape").unwrap();
+        let json = crate::gen::model_config(&p, p.default_dtype).to_string();
+        let c = thaw_runtime::model::ModelConfig::from_json(&json).unwrap();
+        assert_eq!(kv_page_bytes(&c, 16, 2), 8 << 20);
+        assert_eq!(kv_page_bytes(&c, 16, 4), 16 << 20);
+        let tiny = crate::gen::preset("tiny").unwrap();
+        let json = crate::gen::model_config(&tiny, tiny.default_dtype).to_string();
+        let c = thaw_runtime::model::ModelConfig::from_json(&json).unwrap();
+        let cpu = CpuBackend::new(&c);
+        assert_eq!(cpu.kv_elem_bytes(), 4);
+        let layout = thaw_kernels::cpu::KvLayout {
+            block_size: 16,
+            num_kv_heads: c.num_kv_heads,
+            head_dim: c.head_dim,
+        };
+        let blocks = 3;
+        let layer = cpu.alloc_kv_layer(layout, blocks).unwrap();
+        let allocated = c.num_layers * (layer.k.len() + layer.v.len()) * std::mem::size_of::<f32>();
+        assert_eq!(
+            allocated as u64,
+            blocks as u64 * kv_page_bytes(&c, 16, cpu.kv_elem_bytes())
+        );
+    }
 
     /// An 80 GiB device with 79 GiB free (the context's own share taken).
     fn h100() -> DeviceMemory {

@@ -144,6 +144,19 @@ impl MemoryManager {
         self.entries.contains_key(&id)
     }
 
+    /// Pages adapter `id` takes on the device: as placed by the engine in the unified pool, a
+    /// whole (current) slot in `fixed-slots`; `None` for an unknown adapter.
+    pub fn device_pages(&self, id: AdapterId) -> Option<usize> {
+        self.entries.get(&id).map(|e| self.entry_pages(e))
+    }
+
+    fn entry_pages(&self, e: &Entry) -> usize {
+        match self.pool.layout() {
+            crate::memory::Layout::Unified { .. } => e.state.pages,
+            crate::memory::Layout::FixedSlots { .. } => self.pool.pages_for(e.meta.bytes),
+        }
+    }
+
     pub fn state(&self, id: AdapterId) -> Option<AdapterState> {
         self.states.get(&id).copied()
     }
@@ -166,10 +179,27 @@ impl MemoryManager {
     /// A new adapter; `host` is its parsed copy if the caller has one (kept if the host tier
     /// has room, so a first request need not read the disk again).
     pub fn register(&mut self, meta: AdapterMeta, host: Option<Arc<LoraAdapter>>) {
+        self.register_placed(meta, host, None);
+    }
+
+    /// [`MemoryManager::register`] for an adapter the engine places in `device_pages` pages
+    /// of the budget ([`thaw_runtime::engine::Engine::adapter_pages`]: on CUDA its image in
+    /// KV blocks, which may take a page more than its bytes over the page size), so the
+    /// pool counts the pages the engine really takes.
+    pub fn register_placed(
+        &mut self,
+        meta: AdapterMeta,
+        host: Option<Arc<LoraAdapter>>,
+        device_pages: Option<usize>,
+    ) {
         let id = meta.id;
         self.pool.note_adapter(meta.bytes);
+        let pages = match (self.pool.layout(), device_pages) {
+            (crate::memory::Layout::Unified { .. }, Some(p)) => p.max(1),
+            _ => self.pool.pages_for(meta.bytes),
+        };
         let state = AdapterState {
-            pages: self.pool.pages_for(meta.bytes),
+            pages,
             device: Device::Absent,
             in_host: host.is_some(),
         };
@@ -299,7 +329,7 @@ impl MemoryManager {
                     },
                     e.meta.bytes,
                 ),
-                pages: self.pool.pages_for(e.meta.bytes),
+                pages: self.entry_pages(e),
                 queued: wanted.contains(&e.meta.id),
             })
             .collect();
@@ -559,6 +589,33 @@ mod tests {
         assert_eq!(
             m.compute_order(&wanted, &host_dear),
             vec![AdapterId(2), AdapterId(1)]
+        );
+    }
+
+    /// An adapter the engine places in more pages than its bytes over the page size (CUDA's
+    /// paged image) is counted at the engine's pages, in the pool and in eviction's view; in
+    /// `fixed-slots` a slot stays a slot.
+    #[test]
+    fn pages_are_the_engines_when_it_places_the_adapter() {
+        let mut m = mgr();
+        m.register_placed(meta(1, 2_100, 0.001), None, Some(7));
+        m.register_placed(meta(2, 2_100, 0.001), None, None);
+        assert_eq!(m.state(AdapterId(1)).unwrap().pages, 7);
+        assert_eq!(m.device_pages(AdapterId(1)), Some(7));
+        assert_eq!(m.device_pages(AdapterId(2)), Some(m.pages_for(2_100)));
+        m.on_registered(AdapterId(1), 0, false).unwrap();
+        assert_eq!(m.pool().adapter_pages(), 7);
+        let mut slots = MemoryManager::new(
+            MemoryConfig {
+                policy: EvictionPolicy::FixedSlots,
+                ..mgr().cfg
+            },
+            Arc::new(Board::default()),
+        );
+        slots.register_placed(meta(1, 2_100, 0.001), None, Some(7));
+        assert_eq!(
+            slots.device_pages(AdapterId(1)),
+            Some(slots.pages_for(2_100))
         );
     }
 

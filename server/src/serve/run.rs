@@ -13,10 +13,10 @@ use thaw_runtime::residency::LinkModel;
 
 use crate::coldstart::ColdStartPolicy;
 use crate::engine_loop::{ColdStart, LoopConfig};
-use crate::memory::budget::DeviceMemory;
+use crate::memory::budget::{kv_page_bytes, DeviceMemory};
 use crate::memory::profile::{build_engine, Sizing};
 use crate::memory::{Board, EvictionPolicy, Limits, MemoryConfig};
-use thaw_runtime::backend::LoraKernel;
+use thaw_runtime::backend::{Backend, LoraKernel};
 use thaw_runtime::engine::{EngineConfig, HostModel};
 
 use super::config::ServeConfig;
@@ -80,33 +80,28 @@ impl Server {
             None => mc.max_position_embeddings,
         };
         let bs = config.block_size;
-        let block_bytes = (mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * bs * 4).max(1);
-        // One pool of pages (a KV block each) for KV and adapters: --num-gpu-blocks-override
-        // pages, or the device budget in pages (on CUDA, the engine thread sizes it instead).
-        let num_blocks = config
-            .num_gpu_blocks_override
-            .unwrap_or_else(|| (config.device_memory_bytes / block_bytes as u64) as usize);
-        let budget_fits = move |blocks: usize| {
+        let budget_fits = move |blocks: usize, page_bytes: u64| {
             anyhow::ensure!(
                 blocks >= max_model_len.div_ceil(bs),
-                "the device budget ({blocks} KV blocks of {block_bytes} bytes) cannot hold one \
+                "the device budget ({blocks} KV blocks of {page_bytes} bytes) cannot hold one \
                  sequence of --max-model-len {max_model_len}; raise --device-memory-bytes \
                  (--gpu-memory-utilization on CUDA) or lower --max-model-len"
             );
             Ok(())
         };
-        if config.device == thaw_runtime::backend::DeviceKind::Cpu {
-            budget_fits(num_blocks)?;
-        }
+        // A page's bytes depend on the backend's KV element (f32 on the CPU, bf16 on CUDA):
+        // the engine thread sizes it once the backend exists and reports it here.
+        let page_bytes_out = Arc::new(std::sync::OnceLock::<u64>::new());
+        let page_bytes_set = page_bytes_out.clone();
         let sched = SchedConfig {
             max_num_seqs: config.max_num_seqs,
             max_num_batched_tokens: config.max_num_batched_tokens,
             block_size: bs,
-            total_blocks: num_blocks,
+            total_blocks: 0,
         };
         let ecfg = EngineConfig {
             kv_block_size: bs,
-            num_kv_blocks: num_blocks,
+            num_kv_blocks: 0,
             max_batch_tokens: config.max_num_batched_tokens,
             max_batch_seqs: config.max_num_seqs,
             max_context: Some(max_model_len),
@@ -134,6 +129,17 @@ impl Server {
                 let arena = usize::try_from(cold_cfg.max_cpu_lora_bytes).unwrap_or(usize::MAX);
                 let backend =
                     AnyBackend::new(&device, &model.config, link)?.with_upload_arena(arena)?;
+                let block_bytes = kv_page_bytes(&model.config, bs, backend.kv_elem_bytes());
+                let _ = page_bytes_set.set(block_bytes);
+                // One pool of pages (a KV block each) for KV and adapters:
+                // --num-gpu-blocks-override pages, or the device budget in pages (on CUDA the
+                // memory profile below sizes it instead).
+                let ecfg = EngineConfig {
+                    num_kv_blocks: cold_cfg
+                        .num_gpu_blocks_override
+                        .unwrap_or((cold_cfg.device_memory_bytes / block_bytes) as usize),
+                    ..ecfg
+                };
                 // On CUDA (a device that reports its memory), --gpu-memory-utilization sizes
                 // the pool from a memory profile unless --num-gpu-blocks-override is given.
                 let sizing = cold_cfg
@@ -141,7 +147,7 @@ impl Server {
                     .is_none()
                     .then_some(Sizing {
                         utilization: cold_cfg.gpu_memory_utilization,
-                        page_bytes: block_bytes as u64,
+                        page_bytes: block_bytes,
                         min_pages: max_model_len.div_ceil(bs),
                     });
                 let (mut engine, num_blocks) =
@@ -149,7 +155,7 @@ impl Server {
                         Ok(b.memory_info()?
                             .map(|(free, total)| DeviceMemory { free, total }))
                     })?;
-                budget_fits(num_blocks)?;
+                budget_fits(num_blocks, block_bytes)?;
                 let sched = SchedConfig {
                     total_blocks: num_blocks,
                     ..sched
@@ -178,7 +184,7 @@ impl Server {
                     cost,
                 };
                 let memory = MemoryConfig {
-                    page_bytes: block_bytes as u64,
+                    page_bytes: block_bytes,
                     total_pages: num_blocks,
                     policy: cold_cfg.adapter_eviction,
                     max_loras: cold_cfg.max_loras,
@@ -239,7 +245,8 @@ impl Server {
                 max_loras: config.max_loras,
                 max_cpu_loras: config.max_cpu_loras,
                 unload_wait: config.unload_timeout,
-                device_budget_bytes: (sched.total_blocks * block_bytes) as u64,
+                device_budget_bytes: sched.total_blocks as u64
+                    * page_bytes_out.get().copied().unwrap_or(0),
                 fixed_slots: config.adapter_eviction == EvictionPolicy::FixedSlots,
                 lora_dtype: engine.stats.lora_dtype.get().copied(),
             },
@@ -471,8 +478,22 @@ fn start_workers(
 ) -> anyhow::Result<thaw_cpu_lora::LoraPool> {
     let c = engine.model_config();
     let widest = c.hidden_size.max(c.intermediate_size).max(c.q_dim()) as u32;
+    // Adapters reach the store in the dtype the backend computes them from (CUDA's weight
+    // dtype: f32 files are converted on the loader threads), or as stored (CPU: f32 at most).
+    let elem = engine
+        .backend()
+        .lora_dtype()
+        .map_or(std::mem::size_of::<f32>(), |d| d.size());
     let store = thaw_ipc::HostStore::create(
-        host_store_bytes(c, cfg.max_lora_rank, cfg.max_cpu_loras),
+        host_store_bytes(
+            c,
+            StoreBound {
+                max_rank: cfg.max_lora_rank,
+                adapters: cfg.max_cpu_loras,
+                elem_bytes: elem,
+                host_tier_bytes: cfg.max_cpu_lora_bytes,
+            },
+        ),
         cfg.max_cpu_loras.max(1) as u32 + 8,
     )
     .context("creating the shared host adapter store")?;
@@ -500,24 +521,45 @@ fn start_workers(
     Ok(pool)
 }
 
+/// What bounds the workers' host store.
+#[derive(Copy, Clone, Debug)]
+struct StoreBound {
+    /// `--max-lora-rank`: the largest adapter accepted has it on every projection.
+    max_rank: usize,
+    /// `--max-cpu-loras`: adapters the store holds at once (those still streaming).
+    adapters: usize,
+    /// Bytes a weight of an adapter in the store: the backend's adapter dtype (2 on CUDA's
+    /// bf16), or 4 where adapters keep their stored dtype (an f32 file stays f32).
+    elem_bytes: usize,
+    /// `--max-cpu-lora-bytes`: the host tier's bound on adapter bytes.
+    host_tier_bytes: u64,
+}
+
 /// Arena bytes of the workers' host store: room for `adapters` of the largest adapter the
-/// server accepts (`max_rank` on every projection of every layer, f32 like the host copy), so
-/// no accepted adapter can be refused for size. The store is a sparse memfd: only the pages
-/// adapters fill are committed.
-fn host_store_bytes(c: &thaw_runtime::model::ModelConfig, max_rank: usize, adapters: usize) -> u64 {
-    let f32_bytes = |n: usize| (n * std::mem::size_of::<f32>()) as u64;
+/// server accepts (`max_rank` on every projection of every layer, in `elem_bytes` a weight),
+/// but no more than the host tier holds (`--max-cpu-lora-bytes`, plus each adapter's
+/// descriptors and alignment): the store holds only adapters still streaming, which the host
+/// tier holds too. Never below one largest adapter, so no accepted adapter is refused for
+/// size. The store is a sparse memfd: only the pages adapters fill are committed.
+fn host_store_bytes(c: &thaw_runtime::model::ModelConfig, b: StoreBound) -> u64 {
+    let bytes = |n: usize| (n * b.elem_bytes) as u64;
     let layer = thaw_runtime::adapter::LoraModule::ALL.map(|m| {
         let (d_in, d_out) = c.module_shape(m);
-        (f32_bytes(max_rank * d_in), f32_bytes(d_out * max_rank))
+        (bytes(b.max_rank * d_in), bytes(d_out * b.max_rank))
     });
-    let largest =
-        thaw_ipc::HostStore::footprint(c.num_layers as u32, (0..c.num_layers).flat_map(|_| layer));
-    largest * adapters.max(1) as u64
+    let n_layers = c.num_layers as u32;
+    let largest = thaw_ipc::HostStore::footprint(n_layers, (0..c.num_layers).flat_map(|_| layer));
+    // Descriptors plus the most alignment padding one adapter's factors can need.
+    let overhead =
+        thaw_ipc::HostStore::footprint(n_layers, (0..c.num_layers * layer.len()).map(|_| (1, 1)));
+    let adapters = b.adapters.max(1) as u64;
+    let by_tier = b.host_tier_bytes.saturating_add(adapters * overhead);
+    (largest * adapters).min(by_tier).max(largest)
 }
 
 #[cfg(test)]
 mod tests {
-    use super::{blocking_threads, host_store_bytes};
+    use super::{blocking_threads, host_store_bytes, StoreBound};
     use crate::gen::{model_config, preset, write_adapters, write_model, GenAdaptersOptions};
     use thaw_runtime::adapter::LoraAdapter;
     use thaw_runtime::model::ModelConfig;
@@ -535,6 +577,15 @@ mod tests {
         assert_eq!(blocking_threads(2), 4);
         assert_eq!(blocking_threads(6), 12);
         assert_eq!(blocking_threads(64), 16);
+    }
+
+    fn bound(max_rank: usize, adapters: usize, elem_bytes: usize, tier: u64) -> StoreBound {
+        StoreBound {
+            max_rank,
+            adapters,
+            elem_bytes,
+            host_tier_bytes: tier,
+        }
     }
 
     /// The bound is exactly the store footprint of a max-rank adapter on every projection.
@@ -558,23 +609,65 @@ mod tests {
             7 * config.num_layers,
             "not every projection"
         );
+        let elem = a.dtype().size();
         let footprint = thaw_ipc::HostStore::footprint(
             config.num_layers as u32,
             a.iter()
                 .map(|(_, _, w)| (w.a.bytes().len() as u64, w.b.bytes().len() as u64)),
         );
-        assert_eq!(host_store_bytes(&config, 16, 1), footprint);
-        assert_eq!(host_store_bytes(&config, 16, 3), 3 * footprint);
-        assert!(host_store_bytes(&config, 8, 1) < footprint);
+        let big = u64::MAX;
+        assert_eq!(
+            host_store_bytes(&config, bound(16, 1, elem, big)),
+            footprint
+        );
+        assert_eq!(
+            host_store_bytes(&config, bound(16, 3, elem, big)),
+            3 * footprint
+        );
+        assert!(host_store_bytes(&config, bound(8, 1, elem, big)) < footprint);
+        // The one adapter always fits, whatever the host tier's bound.
+        assert_eq!(host_store_bytes(&config, bound(16, 3, elem, 0)), footprint);
     }
 
-    /// Llama-2-7B shapes at rank 256 on every projection: about 2.5 GB per adapter. (A fixed
-    /// 64 MB per adapter refused even rank-16 all-projection adapters of a 7B model.)
+    /// Llama-2-7B shapes at rank 256 on every projection: about 2.5 GB per f32 adapter, half
+    /// that in CUDA's bf16. (A fixed 64 MB per adapter refused even rank-16 all-projection
+    /// adapters of a 7B model.) With the defaults (64 adapters, a 4 GiB host tier) the store
+    /// is the host tier's size plus descriptors and padding, not 64 × 2.5 GB.
     #[test]
     fn llama_7b_adapter_bound() {
         let c = config("llama-7b-shape");
-        let per = host_store_bytes(&c, 256, 1);
+        let big = u64::MAX;
+        let per = host_store_bytes(&c, bound(256, 1, 4, big));
         assert!((2_500_000_000..2_600_000_000).contains(&per), "{per}");
-        assert!(host_store_bytes(&c, 16, 1) > 64 << 20);
+        let bf16 = host_store_bytes(&c, bound(256, 1, 2, big));
+        assert!(
+            bf16 < per / 2 + (4 << 20) && bf16 > per / 2,
+            "{bf16} vs {per}"
+        );
+        assert!(host_store_bytes(&c, bound(16, 1, 4, big)) > 64 << 20);
+        let defaults = host_store_bytes(&c, bound(256, 64, 2, 4 << 30));
+        assert!(
+            defaults > 4 << 30 && defaults < (4 << 30) + 64 * (8 << 20),
+            "{defaults}"
+        );
+        assert!(defaults < 64 * bf16 / 8);
+    }
+
+    /// Property: the store holds one largest adapter, never more than `adapters` of them,
+    /// and never more than the host tier plus per-adapter overhead unless one adapter needs it;
+    /// halving the element never grows it.
+    #[test]
+    fn host_store_bound_properties() {
+        use proptest::prelude::*;
+        let c = config("tiny");
+        proptest!(|(rank in 1usize..64, n in 1usize..32, tier in 0u64..(64 << 20))| {
+            let one = host_store_bytes(&c, bound(rank, 1, 4, u64::MAX));
+            let got = host_store_bytes(&c, bound(rank, n, 4, tier));
+            prop_assert!(got >= one);
+            prop_assert!(got <= one * n as u64);
+            // A tiny-model adapter's descriptors and padding are well under 1 MiB.
+            prop_assert!(got <= one.max(tier + n as u64 * (1 << 20)));
+            prop_assert!(host_store_bytes(&c, bound(rank, n, 2, tier)) <= got);
+        });
     }
 }

@@ -4,7 +4,7 @@
 //! first error is kept (later ops of the step are skipped) and [`CudaBackend::check`] returns
 //! it; `logits`, the one op whose output the host reads, panics with it rather than hand back
 //! logits that were never computed.
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use std::ops::Range;
 
@@ -12,16 +12,17 @@ use cudarc::driver::{CudaSlice, CudaStream};
 use thaw_kernels::cpu::{KvLayout, RopeTable};
 
 use super::encode::encode;
+use super::launch::dptr;
 use super::launch::{AttnShape, Gpu};
 use super::step::{AttnMeta, DevVec, LoraMeta};
+use super::upload::CudaDst;
 use super::upload::{CudaCopy, LayerLanding};
 use super::weights::{
-    finish_lora, plan_lora, upload_bytes, upload_lora, weight_dtype, CudaLinear, CudaLora,
-    CudaVector,
+    finish_lora, plan_lora, upload_bytes, weight_dtype, CudaLinear, CudaLora, CudaVector, LoraPlan,
 };
 use super::{CudaError, DType};
 use crate::adapter::{LoraAdapter, LoraModule};
-use crate::backend::{Backend, LinearDims, LoraBatch, LoraKernel, StepLayout};
+use crate::backend::{Backend, LinearDims, LoraBatch, LoraKernel, LoraLoad, PagePlace, StepLayout};
 use crate::error::Result;
 use crate::ids::LayerIdx;
 use crate::model::ModelConfig;
@@ -94,8 +95,9 @@ pub struct CudaBackend {
     /// Which step adapters the current LoRA metadata treats as on the device.
     lora_on_device: Vec<bool>,
     on_device_scratch: Vec<bool>,
-    /// The upload pipeline adapters stream through (see [`CudaBackend::start_upload`]).
-    upload: Option<UploadPipeline<CudaCopy>>,
+    /// The upload pipeline every adapter goes through, `cached` ones included (see
+    /// [`CudaBackend::start_upload`]); set once, on first use if not at start-up.
+    upload: OnceLock<UploadPipeline<CudaCopy>>,
     pub(super) export_counter: CudaSlice<u32>,
     /// The worker pool's exchange, registered for the engine's assist path.
     pub(super) assist_ex: Option<super::exchange::EngineExchange>,
@@ -144,7 +146,7 @@ impl CudaBackend {
             host_rows: DevVec::new(),
             lora_on_device: Vec::new(),
             on_device_scratch: Vec::new(),
-            upload: None,
+            upload: OnceLock::new(),
             export_counter,
             assist_ex: None,
             row_list: Vec::new(),
@@ -521,37 +523,64 @@ impl CudaBackend {
 
     /// The upload pipeline, started (arena allocated and registered) on first use unless
     /// [`CudaBackend::start_upload`] did it at start-up.
-    fn upload(&mut self) -> Result<&UploadPipeline<CudaCopy>> {
-        if self.upload.is_none() {
-            self.start_upload(DEFAULT_UPLOAD_ARENA)?;
+    fn upload(&self) -> Result<&UploadPipeline<CudaCopy>> {
+        if let Some(p) = self.upload.get() {
+            return Ok(p);
         }
-        Ok(self.upload.as_ref().expect("started above"))
+        let copy = CudaCopy::new(&self.gpu.ctx)?;
+        let started = UploadPipeline::start(copy, DEFAULT_UPLOAD_ARENA, UPLOAD_LOADERS)?;
+        // The backend is used from one thread (`&self` here only because `upload_lora` takes
+        // it), so nobody set it meanwhile; if someone had, theirs is kept and ours dropped.
+        Ok(self.upload.get_or_init(|| started))
     }
 
     /// Allocates the pinned upload arena (`bytes`, `--max-cpu-lora-bytes`), registers it with
-    /// the driver once, and starts the pipeline's threads.
+    /// the driver once, and starts the pipeline's threads (replacing one started on first use).
     pub fn start_upload(&mut self, bytes: usize) -> Result<()> {
         let copy = CudaCopy::new(&self.gpu.ctx)?;
-        self.upload = Some(UploadPipeline::start(copy, bytes, UPLOAD_LOADERS)?);
+        self.upload = OnceLock::from(UploadPipeline::start(copy, bytes, UPLOAD_LOADERS)?);
         Ok(())
     }
 
-    /// Queues `adapter` on the upload pipeline. Here, on the engine thread: its layout
-    /// (O(layers)), a device allocation and the descriptor table; loader threads write its
-    /// bytes into the arena (in the weight dtype, converted there if the loader did not) and
-    /// the copy thread lands its layers.
+    /// Queues `adapter` on the upload pipeline at `class`, into the run of KV blocks `place`
+    /// holds or, without one, into an allocation of its own. Here, on the engine thread: its
+    /// layout (O(layers)), the destination and the descriptor table; loader threads write its
+    /// bytes into the pinned arena (in the weight dtype, converted there if the loader did
+    /// not), the copy thread copies each layer on the copy stream and publishes it after the
+    /// layer's event. Nothing proportional to the adapter's bytes runs here.
     fn try_stream_lora(
-        &mut self,
+        &self,
         adapter: &Arc<LoraAdapter>,
         class: LoadPriority,
+        place: Option<PagePlace<'_, CudaKvLayer>>,
     ) -> Result<CudaLora> {
+        let max = thaw_kernels::cuda::registry::shape::MAX_LORA_RANK;
+        if adapter.max_rank() > max {
+            return Err(CudaError::Unsupported(format!(
+                "adapter rank {} is above the CUDA LoRA kernels' limit of {max}; use an adapter \
+                 of rank {max} or less",
+                adapter.max_rank()
+            ))
+            .into());
+        }
         let dt = self.gpu.weight_dtype;
-        let plan = plan_lora(adapter, dt);
-        let stream = self.gpu.stream.clone();
         let pipeline = self.upload()?;
-        let weights = Arc::new(pipeline.device().alloc(plan.total)?);
+        let (plan, weights) = match place {
+            None => {
+                let plan = plan_lora(adapter, dt);
+                let w = pipeline.device().alloc(plan.total)?;
+                (plan, w)
+            }
+            Some(p) => self.paged_dst(adapter, p, pipeline.device().stream())?,
+        };
+        let weights = Arc::new(weights);
         let landing = Arc::new(LayerLanding::default());
-        let lora = finish_lora(&plan, &stream, weights.clone(), Some(landing.clone()))?;
+        let lora = finish_lora(
+            &plan,
+            &self.gpu.stream,
+            weights.clone(),
+            Some(landing.clone()),
+        )?;
         pipeline.submit(
             Upload {
                 adapter: adapter.clone(),
@@ -563,6 +592,84 @@ impl CudaBackend {
             class,
         )?;
         Ok(lora)
+    }
+
+    /// KV-block chunk bytes (one layer's K or V block) of `layout` in this backend's KV dtype.
+    fn kv_chunk(&self, layout: KvLayout) -> usize {
+        layout.block_len() * self.gpu.kv_dtype.size()
+    }
+
+    /// The paged image of `adapter` and its destination: in each layer's K and V buffers, the
+    /// blocks of `place`'s run.
+    fn paged_dst(
+        &self,
+        adapter: &LoraAdapter,
+        place: PagePlace<'_, CudaKvLayer>,
+        stream: &CudaStream,
+    ) -> Result<(LoraPlan, CudaDst)> {
+        let PagePlace { kv, lease } = place;
+        let bad = |what: String| -> crate::error::RuntimeError {
+            CudaError::Unsupported(format!("placing an adapter in KV blocks: {what}")).into()
+        };
+        let first = kv.first().ok_or_else(|| bad("no KV cache".into()))?;
+        let chunk = self.kv_chunk(first.layout);
+        let dt = weight_dtype(self.gpu.weight_dtype);
+        let (n, plan) = LoraPlan::of_paged(adapter, Some(dt), chunk)
+            .ok_or_else(|| bad(format!("blocks of {chunk} bytes hold no paged image")))?;
+        let run = lease.run();
+        if run.len() != n || kv.len() != plan.n_layers || kv.iter().any(|l| run.end > l.num_blocks)
+        {
+            return Err(bad(format!(
+                "{} blocks at {run:?} of {} layers for an image of {n} pages and {} layers",
+                run.len(),
+                kv.len(),
+                plan.n_layers
+            )));
+        }
+        let start = (run.start * chunk) as u64;
+        let regions = kv
+            .iter()
+            .flat_map(|l| [dptr(&l.k, stream) + start, dptr(&l.v, stream) + start])
+            .collect();
+        Ok((
+            plan,
+            CudaDst::Paged {
+                regions,
+                region_len: n * chunk,
+                _lease: lease,
+            },
+        ))
+    }
+
+    /// Bytes a demand load queued now waits behind on the copy stream (0 before any upload).
+    pub fn link_backlog(&self) -> u64 {
+        self.upload.get().map_or(0, UploadPipeline::demand_backlog)
+    }
+
+    /// Blocks until every layer of `lora` is on the device, or `timeout` passes (tests and
+    /// benchmarks that time resident adapters; the serving loop never waits).
+    pub fn wait_landed(&self, lora: &CudaLora, timeout: std::time::Duration) -> Result<()> {
+        let t0 = std::time::Instant::now();
+        loop {
+            if lora.landed_layers() >= lora.num_layers() {
+                return Ok(());
+            }
+            if lora.landing.as_ref().is_some_and(|l| l.failed()) {
+                return Err(CudaError::Unsupported(
+                    "copying the adapter to the device failed (see the log)".into(),
+                )
+                .into());
+            }
+            if t0.elapsed() > timeout {
+                return Err(CudaError::Unsupported(format!(
+                    "the adapter's layers did not land within {timeout:?} ({} of {})",
+                    lora.landed_layers(),
+                    lora.num_layers()
+                ))
+                .into());
+            }
+            std::thread::sleep(std::time::Duration::from_micros(200));
+        }
     }
 }
 
@@ -627,32 +734,45 @@ impl Backend for CudaBackend {
         })
     }
 
+    /// The `cached` path: the same pipeline as a streamed adapter, at demand priority. The
+    /// adapter's layers land asynchronously; the `cached` policy holds its requests until they
+    /// have (and [`CudaBackend::wait_landed`] waits for them in tests).
     fn upload_lora(&self, adapter: Arc<LoraAdapter>) -> Result<CudaLora> {
-        let max = thaw_kernels::cuda::registry::shape::MAX_LORA_RANK;
-        if adapter.max_rank() > max {
-            return Err(CudaError::Unsupported(format!(
-                "adapter rank {} is above the CUDA LoRA kernels' limit of {max}",
-                adapter.max_rank()
-            ))
-            .into());
-        }
-        Ok(upload_lora(
-            &self.gpu.stream,
-            &adapter,
-            self.gpu.weight_dtype,
-        )?)
+        self.try_stream_lora(&adapter, LoadPriority::Demand, None)
     }
 
     fn stream_lora(&mut self, adapter: Arc<LoraAdapter>) -> Result<CudaLora> {
-        self.try_stream_lora(&adapter, LoadPriority::Demand)
+        self.try_stream_lora(&adapter, LoadPriority::Demand, None)
     }
 
     fn prefetch_lora(&mut self, adapter: Arc<LoraAdapter>) -> Result<CudaLora> {
-        self.try_stream_lora(&adapter, LoadPriority::Prefetch)
+        self.try_stream_lora(&adapter, LoadPriority::Prefetch, None)
+    }
+
+    /// Adapter images live in the KV cache's blocks (the one device budget), not in
+    /// allocations of their own; `None` (an allocation of its own) only where the KV block's
+    /// bytes are off the 256-byte grid.
+    fn lora_pages(&self, adapter: &LoraAdapter, layout: KvLayout) -> Option<usize> {
+        let dt = weight_dtype(self.gpu.weight_dtype);
+        LoraPlan::of_paged(adapter, Some(dt), self.kv_chunk(layout)).map(|(n, _)| n)
+    }
+
+    fn load_lora_paged(
+        &mut self,
+        adapter: Arc<LoraAdapter>,
+        load: LoraLoad,
+        place: PagePlace<'_, CudaKvLayer>,
+    ) -> Result<CudaLora> {
+        // `cached` (Whole) goes through the same pipeline at demand priority.
+        let class = match load {
+            LoraLoad::Whole => LoadPriority::Demand,
+            LoraLoad::Stream(c) => c,
+        };
+        self.try_stream_lora(&adapter, class, Some(place))
     }
 
     fn promote_lora(&mut self, lora: &CudaLora) {
-        if let (Some(u), Some(l)) = (&self.upload, &lora.landing) {
+        if let (Some(u), Some(l)) = (self.upload.get(), &lora.landing) {
             u.promote(l);
         }
     }
@@ -665,8 +785,12 @@ impl Backend for CudaBackend {
         Some(super::weights::weight_dtype(self.gpu.weight_dtype))
     }
 
+    fn kv_elem_bytes(&self) -> usize {
+        self.gpu.kv_dtype.size()
+    }
+
     fn alloc_kv_layer(&self, layout: KvLayout, num_blocks: usize) -> Result<CudaKvLayer> {
-        let bytes = (layout.block_len() * num_blocks * self.gpu.kv_dtype.size()).max(1);
+        let bytes = (layout.block_len() * num_blocks * self.kv_elem_bytes()).max(1);
         let s = &self.gpu.stream;
         Ok(CudaKvLayer {
             k: s.alloc_zeros::<u8>(bytes).map_err(CudaError::from)?,

@@ -941,6 +941,22 @@ pub(super) unsafe fn copy_htod_async(
     );
     let d = dptr(dst, stream) + dst_off as u64;
     // SAFETY: per this function's contract.
-    unsafe { sys::cuMemcpyHtoDAsync_v2(d, src.cast(), len, stream.cu_stream()) }.result()?;
+    unsafe { copy_htod_async_to(stream, d, src, len) }
+}
+
+/// [`copy_htod_async`] to a raw device address (a range of blocks in a KV buffer that an
+/// adapter's image owns).
+///
+/// # Safety
+/// As [`copy_htod_async`], and `dst..dst+len` must be device memory of this context that
+/// stays allocated, and is written by nothing else, until the copy completes.
+pub(super) unsafe fn copy_htod_async_to(
+    stream: &CudaStream,
+    dst: u64,
+    src: *const u8,
+    len: usize,
+) -> Result<(), CudaError> {
+    // SAFETY: per this function's contract.
+    unsafe { sys::cuMemcpyHtoDAsync_v2(dst, src.cast(), len, stream.cu_stream()) }.result()?;
     Ok(())
 }

@@ -59,6 +59,10 @@ impl GpuExtras for CudaBackend {
         CudaBackend::start_upload(self, bytes)
     }
 
+    fn link_backlog(&self) -> u64 {
+        CudaBackend::link_backlog(self)
+    }
+
     fn memory_info(&self) -> Result<(u64, u64)> {
         // Waits for queued work first, so frees and allocations already issued are counted.
         self.stream().synchronize().map_err(CudaError::from)?;

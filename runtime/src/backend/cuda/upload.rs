@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream};
 
-use super::launch::{copy_htod_async, host_register, host_unregister};
+use super::launch::{copy_htod_async, copy_htod_async_to, host_register, host_unregister};
 use super::CudaError;
 use crate::error::{Result, RuntimeError};
 use crate::upload::{CopyDevice, Landing, PinnedMemory};
@@ -59,8 +59,59 @@ impl CudaCopy {
 
     /// Device memory for an adapter image, allocated on the copy stream (so its free is
     /// ordered after the copies that fill it).
-    pub fn alloc(&self, bytes: usize) -> Result<CudaSlice<u8>, CudaError> {
-        Ok(self.stream.alloc_zeros::<u8>(bytes.max(1))?)
+    pub fn alloc(&self, bytes: usize) -> Result<CudaDst, CudaError> {
+        Ok(CudaDst::Alloc(self.stream.alloc_zeros::<u8>(bytes.max(1))?))
+    }
+
+    /// The copy stream (device addresses of allocations are read on it).
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+}
+
+/// Where an adapter's image lives on the device.
+pub enum CudaDst {
+    /// An allocation of its own (the image as one range).
+    Alloc(CudaSlice<u8>),
+    /// A run of KV blocks ([`crate::upload::ImageLayout::paged`]): the virtual image's region
+    /// `r` (`region_len` bytes at `r × region_len`) is the `region_len` bytes at
+    /// `regions[r]`, inside layer `r / 2`'s K (even `r`) or V buffer. The lease keeps the
+    /// blocks from sequences while this lives, and the engine's KV buffers outlive the
+    /// backend, whose upload pipeline finishes every copy before it stops.
+    Paged {
+        regions: Vec<u64>,
+        region_len: usize,
+        _lease: crate::kv::blocks::PageLease,
+    },
+}
+
+impl CudaDst {
+    /// The device address of byte `off` of the image.
+    pub fn addr(&self, stream: &CudaStream, off: usize) -> u64 {
+        match self {
+            Self::Alloc(s) => super::launch::dptr(s, stream) + off as u64,
+            Self::Paged {
+                regions,
+                region_len,
+                ..
+            } => regions[off / region_len] + (off % region_len) as u64,
+        }
+    }
+
+    /// Bytes of the (virtual) image.
+    pub fn len(&self) -> usize {
+        match self {
+            Self::Alloc(s) => s.len(),
+            Self::Paged {
+                regions,
+                region_len,
+                ..
+            } => regions.len() * region_len,
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
     }
 }
 
@@ -88,7 +139,7 @@ impl Drop for Registered {
 }
 
 impl CopyDevice for CudaCopy {
-    type Dst = CudaSlice<u8>;
+    type Dst = CudaDst;
     type Event = CudaEvent;
 
     fn alloc_pinned(&self, bytes: usize) -> Result<PinnedMemory> {
@@ -117,14 +168,29 @@ impl CopyDevice for CudaCopy {
         &self,
         src: *const u8,
         len: usize,
-        dst: &CudaSlice<u8>,
+        dst: &CudaDst,
         offset: usize,
     ) -> Result<CudaEvent> {
         self.ctx.bind_to_thread().map_err(CudaError::from)?;
-        if len > 0 {
-            // SAFETY: per the trait's contract, `src..src+len` lies in the registered arena and
-            // stays unchanged until the event below completes; `dst` holds offset + len bytes.
-            unsafe { copy_htod_async(&self.stream, dst, offset, src, len) }?;
+        match dst {
+            CudaDst::Alloc(d) if len > 0 => {
+                // SAFETY: per the trait's contract, `src..src+len` lies in the registered arena
+                // and stays unchanged until the event below completes; `d` holds offset + len
+                // bytes.
+                unsafe { copy_htod_async(&self.stream, d, offset, src, len) }?;
+            }
+            CudaDst::Alloc(_) => {}
+            CudaDst::Paged { region_len, .. } => {
+                assert!(offset + len <= dst.len(), "copy past the adapter's blocks");
+                for (at, n) in crate::upload::region_pieces(offset, len, *region_len) {
+                    let to = dst.addr(&self.stream, at);
+                    // SAFETY: the arena range as above (`at - offset` stays inside it); `to`
+                    // lies in the adapter's own run of KV blocks (one region, per `pieces`),
+                    // which its lease keeps from sequences and which outlives this copy (the
+                    // pipeline holds `dst` until the event completes).
+                    unsafe { copy_htod_async_to(&self.stream, to, src.add(at - offset), n) }?;
+                }
+            }
         }
         Ok(self.stream.record_event(None).map_err(CudaError::from)?)
     }

@@ -6,11 +6,10 @@ use std::sync::Arc;
 use bytemuck::{Pod, Zeroable};
 use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr};
 
-use super::encode::encode_jobs;
 use super::launch::dptr;
-use super::upload::LayerLanding;
+use super::upload::{CudaDst, LayerLanding};
 use super::{CudaError, DType};
-use crate::adapter::{LoraAdapter, LoraModule, LoraTensor, WeightDtype};
+use crate::adapter::{LoraAdapter, LoraModule, WeightDtype};
 
 /// A `[d_out, d_in]` matrix (or the embedding table) with an optional bias.
 pub struct CudaLinear {
@@ -45,8 +44,8 @@ unsafe impl DeviceRepr for LoraSlot {}
 
 /// One adapter on the device.
 pub struct CudaLora {
-    /// All factors, each 256-byte aligned.
-    pub(super) _weights: Arc<CudaSlice<u8>>,
+    /// All factors, each 256-byte aligned: an allocation, or a run of KV blocks.
+    pub(super) _weights: Arc<CudaDst>,
     /// `[n_layers * 7]` LoraSlot.
     pub(super) _table: CudaSlice<LoraSlot>,
     /// Host copy of the ranks, `[layer][module]` (0 = not targeted).
@@ -96,10 +95,10 @@ pub(super) use crate::upload::{ImageLayout as LoraPlan, Placed};
 pub(super) fn finish_lora(
     plan: &LoraPlan,
     stream: &Arc<CudaStream>,
-    weights: Arc<CudaSlice<u8>>,
+    weights: Arc<CudaDst>,
     landing: Option<Arc<LayerLanding>>,
 ) -> Result<CudaLora, CudaError> {
-    let base = dptr(&*weights, stream);
+    let at = |off: usize| weights.addr(stream, off);
     let mut slots = vec![LoraSlot::default(); plan.n_layers.max(1) * 7];
     let mut ranks = vec![[0u32; 7]; plan.n_layers];
     for &Placed {
@@ -113,8 +112,8 @@ pub(super) fn finish_lora(
     } in &plan.entries
     {
         slots[layer * 7 + m.index()] = LoraSlot {
-            a: base + a_off as u64,
-            b: base + b_off as u64,
+            a: at(a_off),
+            b: at(b_off),
             rank,
             scale,
             reserved: 0,
@@ -144,52 +143,4 @@ pub(super) fn weight_dtype(dt: DType) -> WeightDtype {
         DType::F16 => WeightDtype::F16,
         DType::Bf16 => WeightDtype::Bf16,
     }
-}
-
-/// Writes `adapter`'s factors in `dt` into `host` (`plan.total` bytes) as `plan` places them:
-/// a copy of the stored bytes where they are in `dt` already (the loader converted them), a
-/// conversion otherwise.
-pub(super) fn pack_lora(adapter: &LoraAdapter, dt: DType, plan: &LoraPlan, host: &mut [u8]) {
-    let mut regions: Vec<(usize, &LoraTensor)> = Vec::with_capacity(2 * plan.entries.len());
-    for ((_, _, w), p) in adapter.iter().zip(&plan.entries) {
-        regions.push((p.a_off, &w.a));
-        regions.push((p.b_off, &w.b));
-    }
-    regions.sort_by_key(|r| r.0);
-    // Carve `host` into the regions' disjoint destinations, in offset order.
-    let want = weight_dtype(dt);
-    let mut widened: Vec<(Vec<f32>, &mut [u8])> = Vec::new();
-    let (mut rest, mut at) = (host, 0usize);
-    for (off, src) in regions {
-        let len = src.numel() * dt.size();
-        let (_, tail) = std::mem::take(&mut rest).split_at_mut(off - at);
-        let (dst, tail) = tail.split_at_mut(len);
-        if src.dtype() == want {
-            dst.copy_from_slice(src.bytes());
-        } else {
-            widened.push((src.to_f32(), dst));
-        }
-        rest = tail;
-        at = off + len;
-    }
-    encode_jobs(
-        widened
-            .iter_mut()
-            .map(|(s, d)| (&s[..], &mut **d))
-            .collect(),
-        dt,
-    );
-}
-
-/// Converts a host adapter to `dt` and uploads it (synchronously on `stream`).
-pub(super) fn upload_lora(
-    stream: &Arc<CudaStream>,
-    adapter: &LoraAdapter,
-    dt: DType,
-) -> Result<CudaLora, CudaError> {
-    let plan = plan_lora(adapter, dt);
-    let mut host = vec![0u8; plan.total];
-    pack_lora(adapter, dt, &plan, &mut host);
-    let weights = upload_bytes(stream, &host)?;
-    finish_lora(&plan, stream, Arc::new(weights), None)
 }
