@@ -327,6 +327,7 @@ pub(super) fn cfg(total: usize, budget: usize) -> SchedConfig {
         max_num_batched_tokens: budget,
         block_size: 4,
         total_blocks: total,
+        kv_reservation: crate::scheduler::KvReservation::OnDemand,
     }
 }
 
