@@ -51,8 +51,10 @@ impl OpenAiClient {
         let _: Uri = base.parse().with_context(|| format!("--url {base_url}"))?;
         let mut conn = HttpConnector::new();
         conn.set_nodelay(true);
+        // Idle connections go before a server's keep-alive timeout closes them (llama.cpp's
+        // llama-server: 5 s), so a request is never sent on a connection the server has closed.
         let http = Client::builder(TokioExecutor::new())
-            .pool_idle_timeout(Duration::from_secs(30))
+            .pool_idle_timeout(Duration::from_secs(2))
             .build(conn);
         Ok(Self {
             base,
@@ -63,6 +65,13 @@ impl OpenAiClient {
 
     pub fn base_url(&self) -> &str {
         &self.base
+    }
+
+    /// The same server over a pool of its own connections (a `/metrics` poller must not use
+    /// up the per-connection request count some servers keep, llama-server's 100, on the
+    /// connections requests use).
+    pub fn fresh(&self) -> anyhow::Result<Self> {
+        Self::new(&self.base, self.api_key.clone())
     }
 
     fn request(&self, method: Method, path: &str, body: Option<&Value>) -> Request<Full<Bytes>> {

@@ -199,7 +199,7 @@ pub async fn run(
         "--rates must be positive"
     );
     rates.sort_by(f64::total_cmp);
-    let client_arc = Arc::new(client.clone());
+    let client_arc = Arc::new(client.fresh()?);
     let mut runs = Vec::new();
     for (i, &rate) in rates.iter().enumerate() {
         // Each rate sends other requests (seed + i): a server with a prefix cache must not
