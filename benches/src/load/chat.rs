@@ -500,7 +500,10 @@ mod tests {
                 for output in [1usize, 7, 300] {
                     let (p, o) = fit_message(prompt, output, ctx);
                     assert!(p >= 1 && o >= 1 && p <= prompt.max(1) && o <= output);
-                    assert!(p + slack(p) + o <= ctx, "{prompt}+{output} in {ctx}: {p}+{o}");
+                    assert!(
+                        p + slack(p) + o <= ctx,
+                        "{prompt}+{output} in {ctx}: {p}+{o}"
+                    );
                     if prompt + slack(prompt) + output <= ctx {
                         assert_eq!((p, o), (prompt, output), "what fits is left alone");
                     }

@@ -206,7 +206,10 @@ mod tests {
         }
         assert_eq!(plan_step(&st, &on_demand, 48).admit, 8);
         let d = plan_step(&st, &baseline, 48);
-        assert_eq!(d.admit, 1, "one worst case (32 blocks) leaves too little for another");
+        assert_eq!(
+            d.admit, 1,
+            "one worst case (32 blocks) leaves too little for another"
+        );
         let s = &st.waiting[0];
         assert_eq!(s.reservation(&baseline), s.worst_case_blocks(&baseline));
         assert_eq!(s.reservation(&baseline), 32);
