@@ -26,7 +26,8 @@ use crate::memory::apply::{apply, Upload};
 use crate::memory::loader::{FetchResult, Loader};
 use crate::memory::waits::{classify, Moment, WaitReason, Waits, LOG_TARGET};
 use crate::memory::{
-    admit, Board, Device, Limits, MemoryConfig, MemoryManager, Notice, NoticeSink,
+    admit, Board, Device, Limits, MemView, MemoryConfig, MemoryManager, Notice, NoticeSink,
+    Registered,
 };
 use crate::metrics::Metrics;
 use crate::perf::{Cause, StepShape, Stopwatch, Tier};
@@ -729,8 +730,13 @@ impl Loop {
         let reload = |tier: Tier, bytes: u64| cost.load_time_from(tier, bytes, 0);
         let kv_now = self.mem.pool().kv_capacity();
         self.sched.protect(&self.state, &self.cfg, cost, kv_now);
-        let mut plan = {
-            let view = self.mem.view(&wanted, &reload);
+        let plan = {
+            let engine = &self.engine;
+            let registered = |a: AdapterId| engine.has_adapter(a);
+            let view = MemView {
+                registered: Registered::Engine(&registered),
+                ..self.mem.view(&wanted, &reload)
+            };
             admit(
                 self.sched.candidate_order(&self.state),
                 &self.state.running,
@@ -741,7 +747,6 @@ impl Loop {
             )
         };
         self.apply_memory(&plan, &wanted);
-        self.registered_only(&mut plan.admit);
         self.engine.set_kv_capacity(self.mem.pool().kv_capacity());
         self.reshare_held();
         self.probe_prefixes(&plan.admit);

@@ -87,6 +87,19 @@ fn slack(tokens: usize) -> usize {
     TEMPLATE_SLACK + tokens / 32
 }
 
+/// A one-message request of `prompt` + `output` planned tokens, cut to fit a `ctx`-token
+/// context with the template's room ([`slack`]): the prompt first down to what leaves one
+/// output token, then the output to what the prompt leaves.
+pub fn fit_message(prompt: usize, output: usize, ctx: usize) -> (usize, usize) {
+    // The template's room grows by one token per 32, so a few dozen steps at most.
+    let mut p = prompt.clamp(1, ctx.max(1));
+    while p > 1 && p + slack(p) + 1 > ctx {
+        p -= 1;
+    }
+    let o = output.min(ctx.saturating_sub(p + slack(p))).max(1);
+    (p, o)
+}
+
 /// One turn of a conversation.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Turn {
@@ -95,6 +108,8 @@ pub struct Turn {
     pub user: String,
     pub user_tokens: usize,
     pub output_len: usize,
+    /// Its planned prompt or output was cut so that the message fits the server's context.
+    pub clipped: bool,
     /// Wait after the previous answer, seconds (0 for the first turn).
     pub think_s: f64,
 }
@@ -129,14 +144,16 @@ pub fn plan(
     );
     let mut planned = workload::plan(w, server)?;
     let system = chat.multi_turn && chat.system_prompt_len > 0;
+    let mut clipped = vec![false; planned.len()];
     if let (1, false, Some(ctx)) = (t, system, server.max_model_len) {
-        // One message: leave the chat template room (the plan fits prompt + output to the
-        // context exactly, as for token-id prompts).
-        for p in &mut planned {
-            p.output_len = p
-                .output_len
-                .min(ctx.saturating_sub(p.prompt_len + slack(p.prompt_len)))
-                .max(1);
+        // One message: the plan fits prompt + output to the context exactly, as for token-id
+        // prompts; a message also carries the chat template and re-tokenizes a little longer,
+        // so clip its prompt, then its output, to leave that room (as vLLM's benchmark fits
+        // its datasets to the served model's context), and count what was clipped.
+        for (p, c) in planned.iter_mut().zip(&mut clipped) {
+            let (prompt, output) = fit_message(p.prompt_len, p.output_len, ctx);
+            *c = (prompt, output) != (p.prompt_len, p.output_len);
+            (p.prompt_len, p.output_len) = (prompt, output);
         }
     }
     if let (true, Some(ctx)) = (chat.multi_turn && t > 1 || system, server.max_model_len) {
@@ -194,6 +211,7 @@ pub fn plan(
                 user: users[p.id].clone(),
                 user_tokens: p.prompt_len,
                 output_len: p.output_len,
+                clipped: clipped[k * t + j],
                 think_s: match (&think, j) {
                     (Some(e), j) if j > 0 => e.sample(&mut rng),
                     _ => 0.0,
@@ -473,5 +491,48 @@ mod tests {
             .iter()
             .all(|c| c.system.is_none() && c.turns.len() == 1));
         assert_eq!(messages(&convs[0], &[], 0).len(), 1);
+    }
+
+    #[test]
+    fn a_message_is_clipped_to_the_context_with_the_templates_room() {
+        for ctx in [16usize, 64, 512, 2048, 4096] {
+            for prompt in [1usize, 2, 15, 100, 511, 1000, 2025, 2047, 2048, 5000] {
+                for output in [1usize, 7, 300] {
+                    let (p, o) = fit_message(prompt, output, ctx);
+                    assert!(p >= 1 && o >= 1 && p <= prompt.max(1) && o <= output);
+                    assert!(
+                        p + slack(p) + o <= ctx,
+                        "{prompt}+{output} in {ctx}: {p}+{o}"
+                    );
+                    if prompt + slack(prompt) + output <= ctx {
+                        assert_eq!((p, o), (prompt, output), "what fits is left alone");
+                    }
+                    // Not clipped further than needed: one more prompt token would not fit
+                    // beside one output token.
+                    if p < prompt {
+                        assert!(p + 1 + slack(p + 1) + 1 > ctx, "{prompt} in {ctx}: {p}");
+                    }
+                }
+            }
+        }
+        // The plan of a one-message workload marks what it clipped.
+        let one = ChatArgs {
+            multi_turn: false,
+            no_max_tokens: true,
+            ..multi()
+        };
+        let long = WorkloadArgs {
+            prompt_len: 2040,
+            output_len: 100,
+            ..w(3)
+        };
+        let convs = plan(&one, &long, &server(2, 2048), &PromptSource::random(), 1).unwrap();
+        for c in &convs {
+            let t = &c.turns[0];
+            assert!(t.clipped);
+            assert!(t.user_tokens + slack(t.user_tokens) + t.output_len <= 2048);
+        }
+        let short = plan(&one, &w(3), &server(2, 2048), &PromptSource::random(), 1).unwrap();
+        assert!(short.iter().all(|c| !c.turns[0].clipped));
     }
 }

@@ -42,6 +42,13 @@ pub struct LoadArgs {
     /// model's `root` directory when the server is local, else random byte-token ids].
     #[arg(long)]
     pub tokenizer: Option<PathBuf>,
+    /// The served model's context in tokens, for servers whose `/v1/models` does not report
+    /// `max_model_len` (llama.cpp's `llama-server`), or to fit requests into less: trace
+    /// lengths are scaled into it and each request's prompt and output clipped to it, with
+    /// room for the chat template in the chat workloads [default: the server's
+    /// `max_model_len`].
+    #[arg(long)]
+    pub max_model_len: Option<usize>,
     /// Directory for the JSON report and the CDF plots.
     #[arg(long, default_value = "thaw-bench-results")]
     pub out: PathBuf,
@@ -173,7 +180,11 @@ pub fn run(args: &LoadArgs) -> anyhow::Result<String> {
                     .with_context(|| format!("is a server running at {}?", c.base_url()))?,
             );
         }
-        let server = infos.swap_remove(0);
+        let mut server = infos.swap_remove(0);
+        if let Some(n) = args.max_model_len {
+            anyhow::ensure!(n >= 16, "--max-model-len must be at least 16 tokens");
+            server.max_model_len = Some(server.max_model_len.map_or(n, |m| m.min(n)));
+        }
         for (c, other) in clients[1..].iter().zip(&infos) {
             anyhow::ensure!(
                 other.adapters == server.adapters,

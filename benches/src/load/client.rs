@@ -32,6 +32,14 @@ pub struct Timing {
     pub error: Option<String>,
 }
 
+/// Whether `e` is a connection the server closed before it answered (a kept-alive one it had
+/// finished with): the request was not served, so sending it again is safe.
+fn closed_unanswered(e: &hyper_util::client::legacy::Error) -> bool {
+    std::error::Error::source(e)
+        .and_then(|s| s.downcast_ref::<hyper::Error>())
+        .is_some_and(|h| h.is_incomplete_message() || h.is_canceled())
+}
+
 /// Client for one server base URL such as `http://127.0.0.1:8000`.
 #[derive(Clone)]
 pub struct OpenAiClient {
@@ -51,8 +59,10 @@ impl OpenAiClient {
         let _: Uri = base.parse().with_context(|| format!("--url {base_url}"))?;
         let mut conn = HttpConnector::new();
         conn.set_nodelay(true);
+        // Idle connections go before a server's keep-alive timeout closes them (llama.cpp's
+        // llama-server: 5 s), so a request is never sent on a connection the server has closed.
         let http = Client::builder(TokioExecutor::new())
-            .pool_idle_timeout(Duration::from_secs(30))
+            .pool_idle_timeout(Duration::from_secs(2))
             .build(conn);
         Ok(Self {
             base,
@@ -63,6 +73,13 @@ impl OpenAiClient {
 
     pub fn base_url(&self) -> &str {
         &self.base
+    }
+
+    /// The same server over a pool of its own connections (a `/metrics` poller must not use
+    /// up the per-connection request count some servers keep, llama-server's 100, on the
+    /// connections requests use).
+    pub fn fresh(&self) -> anyhow::Result<Self> {
+        Self::new(&self.base, self.api_key.clone())
     }
 
     fn request(&self, method: Method, path: &str, body: Option<&Value>) -> Request<Full<Bytes>> {
@@ -178,9 +195,9 @@ impl OpenAiClient {
         stop_after: Option<usize>,
         timeout: Duration,
     ) -> Timing {
-        let req = self.request(Method::POST, path, Some(body));
         let start = Instant::now();
-        match tokio::time::timeout(timeout, self.stream(req, start, stop_after)).await {
+        let make = || self.request(Method::POST, path, Some(body));
+        match tokio::time::timeout(timeout, self.stream(make, start, stop_after)).await {
             Ok(t) => t,
             Err(_) => Timing {
                 error: Some(format!("timed out after {:.0} s", timeout.as_secs_f64())),
@@ -189,14 +206,22 @@ impl OpenAiClient {
         }
     }
 
+    /// Sends `make()`'s request and reads its stream. A request the server never answered
+    /// because it closed a kept-alive connection as the request went out (llama-server does
+    /// after a streamed answer) is sent once more on a new connection.
     async fn stream(
         &self,
-        req: Request<Full<Bytes>>,
+        make: impl Fn() -> Request<Full<Bytes>>,
         start: Instant,
         stop_after: Option<usize>,
     ) -> Timing {
         let mut t = Timing::default();
-        let resp = match self.http.request(req).await {
+        let resp = match self.http.request(make()).await {
+            Ok(r) => Ok(r),
+            Err(e) if closed_unanswered(&e) => self.http.request(make()).await,
+            Err(e) => Err(e),
+        };
+        let resp = match resp {
             Ok(r) => r,
             Err(e) => {
                 t.error = Some(format!("connection: {e}"));

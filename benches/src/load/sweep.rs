@@ -37,6 +37,9 @@ pub struct RateRun {
     pub peaks: Peaks,
     /// TTFT of each turn index (multi-turn), over the completed requests.
     pub ttft_by_turn: Vec<Stats>,
+    /// Requests whose prompt or output was cut to fit the server's context (one-message chat
+    /// workloads; see `chat::fit_message`).
+    pub clipped: usize,
     pub records: Vec<RequestRecord>,
 }
 
@@ -196,7 +199,7 @@ pub async fn run(
         "--rates must be positive"
     );
     rates.sort_by(f64::total_cmp);
-    let client_arc = Arc::new(client.clone());
+    let client_arc = Arc::new(client.fresh()?);
     let mut runs = Vec::new();
     for (i, &rate) in rates.iter().enumerate() {
         // Each rate sends other requests (seed + i): a server with a prefix cache must not
@@ -222,8 +225,14 @@ pub async fn run(
             Duration::from_millis(100),
             stop_rx,
         ));
+        let mut clipped = 0;
         let (records, summary) = if args.chat.any() {
             let convs = chat::plan(&args.chat, &w, server, prompts, workload.seed)?;
+            clipped = convs
+                .iter()
+                .flat_map(|c| &c.turns)
+                .filter(|t| t.clipped)
+                .count();
             let (records, wall) = chat::run(client, server, &args.chat, &convs, &opts).await;
             let summary = Summary::of(&records, wall.as_secs_f64());
             (records, summary)
@@ -248,6 +257,7 @@ pub async fn run(
             counters,
             peaks,
             ttft_by_turn: ttft_by_turn(&records, args.chat.turns()),
+            clipped,
             summary,
             records,
         });
@@ -325,6 +335,17 @@ pub async fn run(
         },
     );
     s.push_str(&table(&runs, slo_s));
+    for r in runs.iter().filter(|r| r.clipped > 0) {
+        let _ = writeln!(
+            s,
+            "at {:.2} req/s: {} of {} requests clipped to the server's {}-token context \
+             (prompt, then output, with room for the chat template)",
+            r.rate,
+            r.clipped,
+            r.summary.sent,
+            server.max_model_len.unwrap_or(0)
+        );
+    }
     for r in &runs {
         for e in &r.summary.errors {
             let _ = writeln!(s, "at {:.2} req/s: error: {e}", r.rate);

@@ -119,28 +119,6 @@ impl Loop {
         }
     }
 
-    /// Keeps in `admit` only requests whose adapter is registered with the engine (or unknown
-    /// to the memory manager: the engine then refuses it with a clear error). A load the plan
-    /// counted on can still be skipped (its pages not free yet); its requests wait for the next
-    /// plan instead of failing, so a preempted request never resumes without its adapter.
-    pub(super) fn registered_only(&self, admit: &mut Vec<SeqId>) {
-        let missing: HashSet<SeqId> = self
-            .state
-            .waiting
-            .iter()
-            .filter(|s| admit.contains(&s.id))
-            .filter(|s| {
-                s.adapter
-                    .is_some_and(|a| !self.engine.has_adapter(a) && self.mem.state(a).is_some())
-            })
-            .map(|s| s.id)
-            .collect();
-        if !missing.is_empty() {
-            tracing::debug!(?missing, "their adapters are not registered yet: they wait");
-            admit.retain(|id| !missing.contains(id));
-        }
-    }
-
     /// Sets each waiting request admission may take this step to the prefix the cache holds
     /// for it now, so it is planned (and charged) for the rest only.
     pub(super) fn probe_prefixes(&mut self, ids: &[SeqId]) {

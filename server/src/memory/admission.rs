@@ -59,6 +59,38 @@ pub struct MemView<'a> {
     pub adapters: &'a HashMap<AdapterId, AdapterState>,
     /// Adapters on the device, most evictable first (the eviction policy's order).
     pub eviction_order: EvictionOrder<'a>,
+    /// Which adapters the engine has registered.
+    pub registered: Registered<'a>,
+}
+
+/// Which adapters the engine has registered. Admission counts an adapter the memory manager
+/// places on the device as usable only if the engine has it too: a request is admitted only
+/// when its adapter is registered, or loaded by the plan that admits it, so the engine never
+/// refuses it (a resumed request included) and nothing admitted is sent back to wait.
+#[derive(Clone, Copy)]
+pub enum Registered<'a> {
+    /// The engine has exactly what the memory manager places on the device (simulations).
+    AsTracked,
+    /// Asks the engine.
+    Engine(&'a dyn Fn(AdapterId) -> bool),
+}
+
+impl Registered<'_> {
+    fn has(self, a: AdapterId) -> bool {
+        match self {
+            Self::AsTracked => true,
+            Self::Engine(f) => f(a),
+        }
+    }
+}
+
+impl std::fmt::Debug for Registered<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::AsTracked => "AsTracked",
+            Self::Engine(_) => "Engine",
+        })
+    }
 }
 
 /// The eviction order, given or computed on first use. Scoring and sorting every
@@ -200,6 +232,10 @@ enum Block {
     Memory,
     /// Its adapter is only on disk.
     Fetch,
+    /// The memory manager places its adapter on the device but the engine does not have it
+    /// (an unload racing the plan): it waits, without holding up those behind it, until the
+    /// two agree again.
+    Unregistered,
 }
 
 impl<'a> Work<'a> {
@@ -236,6 +272,15 @@ impl<'a> Work<'a> {
                     .is_some_and(|s| s.device != Device::Absent))
     }
 
+    /// Whether the memory manager places `a` on the device (as this plan leaves it) but the
+    /// engine does not have it.
+    fn stale(&self, a: AdapterId) -> bool {
+        self.view.adapters.contains_key(&a)
+            && self.on_device(a)
+            && !self.loaded.contains(&a)
+            && !self.view.registered.has(a)
+    }
+
     fn pages(&self, a: AdapterId) -> usize {
         self.view.adapters.get(&a).map_or(0, |s| s.pages)
     }
@@ -260,6 +305,9 @@ impl<'a> Work<'a> {
 
     /// What `s` needs now, or why it must wait; `fetched` counts as in the host tier.
     fn need(&self, s: &SeqState, lim: &Limits, fetched: Option<AdapterId>) -> Result<Need, Block> {
+        if s.adapter.is_some_and(|a| self.stale(a)) {
+            return Err(Block::Unregistered);
+        }
         if self.seqs >= lim.max_num_seqs {
             return Err(Block::Batch);
         }
@@ -485,9 +533,10 @@ pub fn admit<'a>(
                     w.commit(s, n, &mut plan);
                     admitted.push(s);
                 }
+                Err(Block::Unregistered) => rest.push(s),
                 Err(why) => {
                     let bound = match why {
-                        Block::Fetch => None,
+                        Block::Fetch | Block::Unregistered => None,
                         Block::Memory | Block::Batch => {
                             let run: Vec<&SeqState> =
                                 running.iter().chain(admitted.iter().copied()).collect();

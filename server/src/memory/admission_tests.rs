@@ -6,7 +6,7 @@ use proptest::prelude::*;
 use thaw_runtime::ids::{AdapterId, SeqId};
 
 use super::admission::{
-    admit, predicted_steps, AdapterState, Device, EvictionOrder, Limits, MemView,
+    admit, predicted_steps, AdapterState, Device, EvictionOrder, Limits, MemView, Registered,
 };
 use super::pool::{Layout, PagePool};
 use crate::scheduler::{
@@ -135,6 +135,7 @@ impl Sim {
             pool: &self.pool,
             adapters: &self.adapters,
             eviction_order: EvictionOrder::Fixed(&order),
+            registered: Registered::AsTracked,
         };
         let plan = admit(
             &self.state.waiting,
@@ -326,6 +327,7 @@ pub(super) fn cfg(total: usize, budget: usize) -> SchedConfig {
         max_num_batched_tokens: budget,
         block_size: 4,
         total_blocks: total,
+        kv_reservation: crate::scheduler::KvReservation::OnDemand,
     }
 }
 
@@ -340,6 +342,7 @@ pub(super) fn lim(max_loras: usize, max_num_seqs: usize) -> Limits {
 }
 
 /// One step's state for a plan-level test: adapters in tiers, running and waiting requests.
+#[derive(Clone)]
 pub(super) struct Snapshot {
     pub pool: PagePool,
     pub adapters: HashMap<AdapterId, AdapterState>,
@@ -573,6 +576,7 @@ fn a_full_batch_still_reads_and_prefetches_queued_adapters() {
         pool: &pool,
         adapters: &adapters,
         eviction_order: EvictionOrder::Fixed(&order),
+        registered: Registered::AsTracked,
     };
     let plan = admit(&waiting, &running, reserved, &c, view, &lim(1, 8));
     assert!(plan.admit.is_empty(), "one adapter per batch: all wait");
@@ -610,7 +614,7 @@ proptest! {
         let reserved: usize = running.iter().map(|s| s.reservation(&c)).sum();
         let pinned: usize = running.iter().map(|s| adapters[&s.adapter.unwrap()].pages).sum();
         let req = SeqState::new(SeqId(1), prompt, 4);
-        let view = MemView { pool: &pool, adapters: &adapters, eviction_order: EvictionOrder::Fixed(&order) };
+        let view = MemView { pool: &pool, adapters: &adapters, eviction_order: EvictionOrder::Fixed(&order), registered: Registered::AsTracked };
         let plan = admit([&req], &running, reserved, &c, view, &lim(16, 16));
         let fits = reserved + pinned + req.reservation(&c) <= total;
         prop_assert_eq!(plan.admit == vec![SeqId(1)], fits);
@@ -706,7 +710,7 @@ proptest! {
         let c = cfg(total, 64);
         let Snapshot { pool, adapters, order, running: run, reserved, waiting: wait } =
             snapshot(&c, &tiers, &running, &waiting);
-        let view = MemView { pool: &pool, adapters: &adapters, eviction_order: EvictionOrder::Fixed(&order) };
+        let view = MemView { pool: &pool, adapters: &adapters, eviction_order: EvictionOrder::Fixed(&order), registered: Registered::AsTracked };
         let l = Limits { bypass, ..lim(max_loras, max_seqs) };
         let plan = admit(&wait, &run, reserved, &c, view, &l);
         let mut want = Vec::new();
@@ -807,6 +811,7 @@ fn eviction_order_is_computed_only_when_a_victim_is_needed() {
         pool: m.pool(),
         adapters: &states,
         eviction_order: EvictionOrder::Fixed(&order),
+        registered: Registered::AsTracked,
     };
     let fixed = admit([&big], &[], 0, &c, view, &lim(16, 16));
     assert_eq!((lazy.admit, lazy.evict), (fixed.admit, fixed.evict));

@@ -5,6 +5,7 @@ use std::collections::HashSet;
 
 use thaw_runtime::backend::Backend;
 use thaw_runtime::engine::Engine;
+use thaw_runtime::error::RuntimeError;
 use thaw_runtime::ids::AdapterId;
 
 use super::admission::AdmitPlan;
@@ -32,7 +33,8 @@ pub fn apply<B: Backend>(
 ) -> Vec<AdapterId> {
     for &v in &plan.evict {
         match engine.unregister_adapter(v) {
-            Ok(()) => mgr.on_evicted(v, wanted),
+            // The engine does not have it: its pages are free all the same.
+            Ok(()) | Err(RuntimeError::UnknownAdapter(_)) => mgr.on_evicted(v, wanted),
             Err(e) => tracing::warn!("evicting adapter {v}: {e}"),
         }
     }

@@ -11,7 +11,7 @@ use std::time::Instant;
 use thaw_runtime::adapter::LoraAdapter;
 use thaw_runtime::ids::AdapterId;
 
-use super::admission::{AdapterState, Device, EvictionOrder, MemView};
+use super::admission::{AdapterState, Device, EvictionOrder, MemView, Registered};
 use super::board::{Board, Residence, Tier as Placed};
 use super::eviction::{order, Candidate, Decayed, EvictionPolicy};
 use super::pool::{Layout, PagePool, PoolError};
@@ -289,6 +289,7 @@ impl MemoryManager {
                 wanted,
                 reload,
             },
+            registered: Registered::AsTracked,
         }
     }
 

@@ -28,6 +28,8 @@ pub mod tiers;
 pub mod waits;
 
 #[cfg(test)]
+mod admission_engine_tests;
+#[cfg(test)]
 mod admission_tests;
 #[cfg(test)]
 mod nocache_tests;
@@ -38,7 +40,7 @@ use thaw_runtime::adapter::LoraAdapter;
 use thaw_runtime::ids::AdapterId;
 
 pub use admission::{
-    admit, AdapterState, AdmitPlan, Device, EvictionOrder, HeadWait, Limits, MemView,
+    admit, AdapterState, AdmitPlan, Device, EvictionOrder, HeadWait, Limits, MemView, Registered,
 };
 pub use board::{Board, MemorySnapshot, Residence, Tier};
 pub use eviction::EvictionPolicy;

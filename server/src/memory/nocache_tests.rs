@@ -6,7 +6,7 @@ use std::collections::HashSet;
 use proptest::prelude::*;
 use thaw_runtime::ids::AdapterId;
 
-use super::admission::{admit, EvictionOrder, Limits, MemView};
+use super::admission::{admit, EvictionOrder, Limits, MemView, Registered};
 use super::admission_tests::{cfg, lim, snapshot, Snapshot};
 use super::eviction::EvictionPolicy;
 
@@ -25,7 +25,7 @@ proptest! {
         let c = cfg(total, 64);
         let Snapshot { pool, adapters, order, running, reserved, waiting } =
             snapshot(&c, &tiers, &running, &waiting);
-        let view = MemView { pool: &pool, adapters: &adapters, eviction_order: EvictionOrder::Fixed(&order) };
+        let view = MemView { pool: &pool, adapters: &adapters, eviction_order: EvictionOrder::Fixed(&order), registered: Registered::AsTracked };
         let with = |keep_idle| Limits { bypass, prefetch, keep_idle, ..lim(max_loras, max_seqs) };
         let cached = admit(&waiting, &running, reserved, &c, view, &with(true));
         // Every policy but no-cache plans with idle adapters kept: exactly the cached plan.
@@ -95,6 +95,7 @@ fn no_cache_drops_only_the_idle_unwanted() {
         pool: &s.pool,
         adapters: &s.adapters,
         eviction_order: EvictionOrder::Fixed(&s.order),
+        registered: Registered::AsTracked,
     };
     let l = Limits {
         keep_idle: false,

@@ -25,4 +25,4 @@ pub use policy::{plan_step, plan_step_admitting, plan_step_gated, AdmitDecision,
 pub use preempt::{choose_preemptions, runners, step_needs, Runner};
 pub use report::SchedBoard;
 pub use select::{Arrival, QueueInfo, SchedSnapshot, Scheduler};
-pub use state::{SchedConfig, SchedState, SeqState};
+pub use state::{KvReservation, SchedConfig, SchedState, SeqState};

@@ -125,6 +125,7 @@ mod tests {
             max_num_batched_tokens: 64,
             block_size: 4,
             total_blocks: 64,
+            kv_reservation: crate::scheduler::KvReservation::OnDemand,
         };
         st.admit_ids(&[SeqId(1)], &cfg);
         assert!(st.preempt(SeqId(1), &cfg));

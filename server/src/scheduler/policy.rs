@@ -180,7 +180,46 @@ mod tests {
             max_num_batched_tokens: 32,
             block_size: 4,
             total_blocks: 40,
+            kv_reservation: crate::scheduler::KvReservation::OnDemand,
         }
+    }
+
+    /// Eight chat requests without `max_tokens` (each may grow to the whole 128-token
+    /// context): on demand they all start on a 48-block pool that holds their prompts; the
+    /// `max-tokens` baseline reserves each one's worst case, so only one fits at a time and
+    /// the others wait — and none ever needs a block it was not charged.
+    #[test]
+    fn the_max_tokens_baseline_reserves_the_worst_case_and_on_demand_does_not() {
+        let on_demand = SchedConfig {
+            max_num_seqs: 16,
+            max_num_batched_tokens: 256,
+            total_blocks: 48,
+            ..cfg()
+        };
+        let baseline = SchedConfig {
+            kv_reservation: crate::scheduler::KvReservation::MaxTokens,
+            ..on_demand
+        };
+        let mut st = SchedState::default();
+        for i in 0..8 {
+            st.enqueue(SeqState::new(SeqId(i), 20, 108));
+        }
+        assert_eq!(plan_step(&st, &on_demand, 48).admit, 8);
+        let d = plan_step(&st, &baseline, 48);
+        assert_eq!(
+            d.admit, 1,
+            "one worst case (32 blocks) leaves too little for another"
+        );
+        let s = &st.waiting[0];
+        assert_eq!(s.reservation(&baseline), s.worst_case_blocks(&baseline));
+        assert_eq!(s.reservation(&baseline), 32);
+        assert_eq!(s.reservation(&on_demand), 5);
+        // As it runs, the baseline's charge covers every block it will hold.
+        let mut grown = s.clone();
+        grown.computed = 127;
+        grown.total_tokens = 128;
+        assert!(grown.reservation(&baseline) >= grown.held_blocks(&baseline));
+        assert_eq!(grown.reservation(&baseline), 32);
     }
 
     #[test]
@@ -301,6 +340,7 @@ mod tests {
                 max_num_batched_tokens: budget,
                 block_size: 4,
                 total_blocks: 20,
+                kv_reservation: crate::scheduler::KvReservation::OnDemand,
             };
             let reqs: Vec<_> = reqs
                 .into_iter()

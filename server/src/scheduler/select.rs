@@ -381,6 +381,7 @@ mod tests {
             max_num_batched_tokens: 64,
             block_size: 4,
             total_blocks: 64,
+            kv_reservation: crate::scheduler::KvReservation::OnDemand,
         }
     }
 

@@ -8,6 +8,31 @@ use std::collections::{HashSet, VecDeque};
 
 use thaw_runtime::ids::{AdapterId, SeqId};
 
+/// How a request's KV is charged (`--kv-reservation`).
+#[derive(
+    Clone,
+    Copy,
+    Debug,
+    Default,
+    PartialEq,
+    Eq,
+    clap::ValueEnum,
+    serde::Serialize,
+    serde::Deserialize,
+)]
+#[serde(rename_all = "kebab-case")]
+pub enum KvReservation {
+    /// Blocks as tokens are computed: a request is charged the blocks it holds plus its next
+    /// chunk's, and a running request that cannot get its next block is preempted by
+    /// recompute (vLLM V1).
+    #[default]
+    OnDemand,
+    /// Benchmark baseline only: every request reserves prompt + `max_tokens` (the rest of the
+    /// context when it sends none) at admission and is never preempted — Thaw's admission
+    /// before on-demand blocks, kept to measure what they gain.
+    MaxTokens,
+}
+
 /// Limits the policy plans within.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SchedConfig {
@@ -19,6 +44,8 @@ pub struct SchedConfig {
     pub block_size: usize,
     /// KV blocks in the engine.
     pub total_blocks: usize,
+    /// How admission charges a request's KV.
+    pub kv_reservation: KvReservation,
 }
 
 impl SchedConfig {
@@ -78,9 +105,15 @@ impl SeqState {
     /// KV blocks it needs through its next step: those of the tokens it has computed plus
     /// its next chunk (at most a step's token budget). What admission and the memory
     /// manager charge it: blocks come on demand, never for `max_tokens` up front.
+    /// Under the `max-tokens` baseline, its worst case ([`Self::worst_case_blocks`]) instead.
     pub fn reservation(&self, cfg: &SchedConfig) -> usize {
         let next = self.pending().min(cfg.max_num_batched_tokens).max(1);
-        cfg.blocks_for((self.computed + next).min(self.total_tokens.max(self.computed + 1)))
+        let now =
+            cfg.blocks_for((self.computed + next).min(self.total_tokens.max(self.computed + 1)));
+        match cfg.kv_reservation {
+            KvReservation::OnDemand => now,
+            KvReservation::MaxTokens => now.max(self.worst_case_blocks(cfg)),
+        }
     }
 
     /// Blocks of the tokens it has computed (what finishing or preemption gives back).

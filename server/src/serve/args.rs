@@ -112,6 +112,13 @@ pub struct ServeArgs {
     /// Turn automatic prefix caching off: every prompt is computed in full.
     #[arg(long, overrides_with = "enable_prefix_caching")]
     pub no_enable_prefix_caching: bool,
+    /// Benchmark baseline, not for serving: `max-tokens` reserves every request's prompt +
+    /// `max_tokens` (the rest of the context when it sends none) at admission and never
+    /// preempts, as Thaw did before KV blocks on demand, to measure what on-demand blocks
+    /// gain; `on-demand` takes blocks as tokens are computed and preempts by recompute when
+    /// they run out (vLLM V1) [default: on-demand].
+    #[arg(long, value_enum)]
+    pub kv_reservation: Option<crate::scheduler::KvReservation>,
     /// Bandwidth of the emulated host→device link the CPU backend streams adapters over, GB/s [default: 25].
     #[arg(long, value_name = "GBPS")]
     pub emulated_link_gbps: Option<f64>,
@@ -286,6 +293,10 @@ impl ServeArgs {
                 (true, false) => true,
                 (false, false) => f.enable_prefix_caching.unwrap_or(d.enable_prefix_caching),
             },
+            kv_reservation: self
+                .kv_reservation
+                .or(f.kv_reservation)
+                .unwrap_or(d.kv_reservation),
             emulated_link_gbps: self
                 .emulated_link_gbps
                 .or(f.emulated_link_gbps)

@@ -54,6 +54,8 @@ pub struct ServeConfig {
     pub admission_bypass: bool,
     /// Reuse the KV of cached prefixes, keyed by adapter generation (vLLM V1's default).
     pub enable_prefix_caching: bool,
+    /// How admission charges KV: on demand (default) or the `max-tokens` benchmark baseline.
+    pub kv_reservation: crate::scheduler::KvReservation,
     pub emulated_link_gbps: f64,
     pub emulated_link_latency_us: f64,
     /// `--emulated-step-time`: a step never returns before this floor of its shape (bench-only;
@@ -105,6 +107,7 @@ impl Default for ServeConfig {
             mlq_protect: true,
             admission_bypass: true,
             enable_prefix_caching: true,
+            kv_reservation: crate::scheduler::KvReservation::OnDemand,
             emulated_link_gbps: 25.0,
             emulated_link_latency_us: 10.0,
             emulated_step_time: None,
@@ -163,6 +166,7 @@ pub struct FileConfig {
     pub mlq_protect: Option<bool>,
     pub admission_bypass: Option<bool>,
     pub enable_prefix_caching: Option<bool>,
+    pub kv_reservation: Option<crate::scheduler::KvReservation>,
     pub emulated_link_gbps: Option<f64>,
     pub emulated_link_latency_us: Option<f64>,
     pub lora_workers: Option<usize>,

@@ -98,6 +98,7 @@ impl Server {
             max_num_batched_tokens: config.max_num_batched_tokens,
             block_size: bs,
             total_blocks: 0,
+            kv_reservation: config.kv_reservation,
         };
         let ecfg = EngineConfig {
             kv_block_size: bs,

@@ -18,6 +18,7 @@ fn cfg() -> SchedConfig {
         max_num_batched_tokens: 64,
         block_size: 4,
         total_blocks: 64,
+        kv_reservation: crate::scheduler::KvReservation::OnDemand,
     }
 }
 
@@ -542,6 +543,7 @@ proptest! {
             max_num_batched_tokens: budget,
             block_size: 4,
             total_blocks: 40,
+            kv_reservation: crate::scheduler::KvReservation::OnDemand,
         };
         let reqs: Vec<Req> = reqs
             .into_iter()
@@ -581,6 +583,7 @@ proptest! {
             max_num_batched_tokens: budget,
             block_size: 4,
             total_blocks: blocks,
+            kv_reservation: crate::scheduler::KvReservation::OnDemand,
         };
         let mc = MlqConfig {
             warmup,
