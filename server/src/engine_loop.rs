@@ -680,7 +680,14 @@ impl Loop {
             let assist = |id, a: &_| gate::assists_from_disk(engine, cold, state, id, a);
             let dtype = thaw_runtime::backend::Backend::lora_dtype(engine.backend());
             let model = engine.model_config();
-            crate::memory::mapped::map_fetches(&mut self.mem, &plan.fetch, model, dtype, wanted, assist);
+            crate::memory::mapped::map_fetches(
+                &mut self.mem,
+                &plan.fetch,
+                model,
+                dtype,
+                wanted,
+                assist,
+            );
         }
         if upload == Upload::Stream {
             let mut landing = self.stats.landing.lock().unwrap_or_else(|e| e.into_inner());

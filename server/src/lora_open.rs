@@ -58,11 +58,7 @@ fn open_dir(root: &Path, dir: &Path) -> Result<OwnedFd, OpenError> {
 
 /// Regular file `name` in `dir_fd`, opened without following a link; `None` when it does not
 /// exist.
-fn open_file(
-    dir_fd: &OwnedFd,
-    dir: &Path,
-    name: &str,
-) -> Result<Option<std::fs::File>, OpenError> {
+fn open_file(dir_fd: &OwnedFd, dir: &Path, name: &str) -> Result<Option<std::fs::File>, OpenError> {
     let path = dir.join(name);
     let fd = match open_at(Some(dir_fd), Path::new(name), OFlag::O_RDONLY) {
         Ok(fd) => fd,

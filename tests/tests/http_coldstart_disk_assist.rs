@@ -49,7 +49,13 @@ fn complete(addr: SocketAddr, a: usize) -> (u16, String) {
     let r = post(addr, "/v1/completions", &body);
     if r.status == 200 {
         let v: Value = r.json();
-        (r.status, v["choices"][0]["text"].as_str().unwrap_or_default().to_string())
+        (
+            r.status,
+            v["choices"][0]["text"]
+                .as_str()
+                .unwrap_or_default()
+                .to_string(),
+        )
     } else {
         (r.status, r.text())
     }
@@ -76,6 +82,26 @@ fn run(addr: SocketAddr, adapters: &[usize]) -> Vec<(u16, String)> {
     all.into_iter().map(|(_, r)| r).collect()
 }
 
+/// The lowest-numbered adapter only on disk (per `/v1/models`).
+fn on_disk(addr: SocketAddr) -> usize {
+    let v: Value = get(addr, "/v1/models").json();
+    v["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|m| m["tier"] == "disk")
+        .filter_map(|m| {
+            m["id"]
+                .as_str()?
+                .strip_prefix("adapter-")?
+                .get(..3)?
+                .parse()
+                .ok()
+        })
+        .min()
+        .unwrap_or_else(|| panic!("an adapter on disk: {v}"))
+}
+
 /// Makes the first weights of `dir`'s safetensors file NaN (0xFF bytes are NaN in f32, f16
 /// and bf16), keeping its header, so mapping it succeeds and only the full read fails.
 fn poison(dir: &Path) {
@@ -85,10 +111,15 @@ fn poison(dir: &Path) {
     for b in &mut bytes[8 + header..8 + header + 16] {
         *b = 0xFF;
     }
-    // A new file in its place (adapter files are never rewritten in place while served).
+    replace(dir, &bytes);
+}
+
+/// Puts `bytes` in place of `dir`'s safetensors file as a new file (adapter files are never
+/// rewritten in place while served).
+fn replace(dir: &Path, bytes: &[u8]) {
     let tmp = dir.join("adapter_model.safetensors.new");
-    std::fs::write(&tmp, &bytes).unwrap();
-    std::fs::rename(&tmp, &path).unwrap();
+    std::fs::write(&tmp, bytes).unwrap();
+    std::fs::rename(&tmp, dir.join("adapter_model.safetensors")).unwrap();
 }
 
 #[test]
@@ -131,7 +162,10 @@ fn cpu_assist_serves_disk_adapters_from_their_files() {
         for (a, (g, w)) in got.iter().zip(&want).enumerate() {
             assert_eq!(w.0, 200, "cached adapter {a} failed: {}", w.1);
             assert_eq!(g.0, 200, "adapter {a} failed: {}", g.1);
-            assert_eq!(g.1, w.1, "adapter {a}: tokens differ from the cached server");
+            assert_eq!(
+                g.1, w.1,
+                "adapter {a}: tokens differ from the cached server"
+            );
         }
         let m = get(addr, "/metrics").text();
         let maps = metric(&m, "thaw_adapter_disk_maps_total").unwrap();
@@ -145,15 +179,28 @@ fn cpu_assist_serves_disk_adapters_from_their_files() {
 
     // A NaN only the full read sees: the request fails as an on-demand server fails it, and
     // the adapter's pages go back (the next request runs, and the adapter holds none).
-    poison(&dir.path().join("adapters/adapter-000-r8"));
-    let expected = {
-        let (_s, addr) = start(
-            dir.path(),
-            &["--cold-start", "on-demand", "--max-cpu-loras", "1"],
-        );
-        complete(addr, 0)
+    // (Start-up validates every adapter, so each server starts clean and the file is
+    // poisoned under it.)
+    let on_demand = [
+        "--cold-start",
+        "on-demand",
+        "--max-loras",
+        "2",
+        "--max-cpu-loras",
+        "1",
+    ];
+    let (p, expected, clean) = {
+        let (_s, addr) = start(dir.path(), &on_demand);
+        let p = on_disk(addr);
+        let poisoned = dir.path().join(format!("adapters/adapter-{p:03}-r8"));
+        let clean = std::fs::read(poisoned.join("adapter_model.safetensors")).unwrap();
+        poison(&poisoned);
+        let r = complete(addr, p);
+        replace(&poisoned, &clean);
+        (p, r, clean)
     };
     assert_ne!(expected.0, 200, "the poisoned adapter fails on demand");
+    let poisoned = dir.path().join(format!("adapters/adapter-{p:03}-r8"));
     // Two device slots, so the poisoned adapter evicts nothing: had it stayed, the device
     // would hold one adapter (and its pages) more than before its request.
     let mut fail_args = disk_args;
@@ -162,7 +209,10 @@ fn cpu_assist_serves_disk_adapters_from_their_files() {
     let before = get(addr, "/metrics").text();
     let device = |m: &str| metric(m, "thaw_adapters{tier=\"device\"}").unwrap();
     let pages = |m: &str| metric(m, "thaw_device_memory_used_bytes{use=\"adapters\"}").unwrap();
-    let got = complete(addr, 0);
+    assert_eq!(on_disk(addr), p, "the same adapter starts on disk");
+    poison(&poisoned);
+    let got = complete(addr, p);
+    replace(&poisoned, &clean);
     assert_eq!(got, expected, "same status and error as on-demand");
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
     let m = loop {
@@ -182,6 +232,10 @@ fn cpu_assist_serves_disk_adapters_from_their_files() {
         device(&m) <= device(&before) && pages(&m) <= pages(&before),
         "the failed adapter left the device and its pages went back: before {before}\nafter {m}"
     );
-    let next = complete(addr, 1);
-    assert_eq!(next, want[1], "the server still serves other adapters");
+    let other = (p + 1) % ADAPTERS;
+    assert_eq!(
+        complete(addr, other),
+        want[other],
+        "the server still serves other adapters"
+    );
 }
