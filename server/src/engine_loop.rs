@@ -608,6 +608,10 @@ impl Loop {
 
     fn take_fetched(&mut self, id: AdapterId, r: FetchResult) {
         let wanted = self.state.waiting_adapters();
+        // Served from its mapped file meanwhile: the read's copy replaces the mapped one.
+        let r = r.and_then(|(a, secs)| {
+            crate::memory::mapped::adopt(&mut self.engine, id, &a).map(|()| (a, secs))
+        });
         match r {
             Ok((adapter, secs)) => {
                 self.metrics.adapter_load.observe(secs);
@@ -616,11 +620,12 @@ impl Loop {
             }
             Err(msg) => {
                 tracing::warn!("adapter {id}: {msg}");
-                self.mem.on_fetched(id, None, &wanted);
+                // Running requests too: one served from the mapped file fails with the read.
                 let victims: Vec<SeqId> = self
                     .state
                     .waiting
                     .iter()
+                    .chain(&self.state.running)
                     .filter(|s| s.adapter == Some(id))
                     .map(|s| s.id)
                     .collect();
@@ -631,6 +636,8 @@ impl Loop {
                         let _ = tx.send(EngineEvent::Aborted(msg.clone()));
                     }
                 }
+                crate::memory::mapped::drop_mapped(&mut self.engine, &mut self.mem, id, &wanted);
+                self.mem.on_fetched(id, None, &wanted);
             }
         }
     }
@@ -670,6 +677,20 @@ impl Loop {
             wanted,
             Some(&self.loader),
         );
+        if upload == Upload::Stream && self.engine.pool().is_some() {
+            let (engine, cold, state) = (&self.engine, &self.cold, &self.state);
+            let assist = |id, a: &_| gate::assists_from_disk(engine, cold, state, id, a);
+            let dtype = thaw_runtime::backend::Backend::lora_dtype(engine.backend());
+            let model = engine.model_config();
+            crate::memory::mapped::map_fetches(
+                &mut self.mem,
+                &plan.fetch,
+                model,
+                dtype,
+                wanted,
+                assist,
+            );
+        }
         // Whole uploads land asynchronously too on a GPU (the same pipeline): watch both.
         let mut landing = self.stats.landing.lock().unwrap_or_else(|e| e.into_inner());
         for id in registered {

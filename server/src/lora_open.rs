@@ -11,12 +11,13 @@
 use std::io::Read;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::path::{Component, Path, PathBuf};
+use std::sync::Arc;
 
 use nix::errno::Errno;
 use nix::fcntl::{openat, OFlag};
 use nix::sys::stat::Mode;
 use safetensors::SafeTensors;
-use thaw_runtime::adapter::{AdapterConfig, AdapterError, LoraAdapter};
+use thaw_runtime::adapter::{AdapterConfig, AdapterError, LoraAdapter, MappedFile};
 use thaw_runtime::model::ModelConfig;
 
 /// Why a confined read failed.
@@ -55,33 +56,42 @@ fn open_dir(root: &Path, dir: &Path) -> Result<OwnedFd, OpenError> {
     Ok(fd)
 }
 
-/// The bytes of regular file `name` in `dir_fd`; `None` when it does not exist.
-fn read_file(dir_fd: &OwnedFd, dir: &Path, name: &str) -> Result<Option<Vec<u8>>, OpenError> {
+/// Regular file `name` in `dir_fd`, opened without following a link; `None` when it does not
+/// exist.
+fn open_file(dir_fd: &OwnedFd, dir: &Path, name: &str) -> Result<Option<std::fs::File>, OpenError> {
     let path = dir.join(name);
     let fd = match open_at(Some(dir_fd), Path::new(name), OFlag::O_RDONLY) {
         Ok(fd) => fd,
         Err(Errno::ENOENT) => return Ok(None),
         // ELOOP: the file is a symlink. Whatever it points at is outside knowledge.
         Err(Errno::ELOOP) => return Err(OpenError::Outside),
-        Err(e) => {
-            return Err(OpenError::Adapter(AdapterError::Io {
-                path,
-                reason: e.to_string(),
-            }))
-        }
+        Err(e) => return Err(io_error(&path, e.to_string())),
     };
-    let mut file = std::fs::File::from(fd);
-    let io = |e: std::io::Error| {
-        OpenError::Adapter(AdapterError::Io {
-            path: path.clone(),
-            reason: e.to_string(),
-        })
-    };
-    if !file.metadata().map_err(io)?.is_file() {
-        return Err(io(std::io::Error::other("not a regular file")));
+    let file = std::fs::File::from(fd);
+    let meta = file
+        .metadata()
+        .map_err(|e| io_error(&path, e.to_string()))?;
+    if !meta.is_file() {
+        return Err(io_error(&path, "not a regular file".into()));
     }
+    Ok(Some(file))
+}
+
+fn io_error(path: &Path, reason: String) -> OpenError {
+    OpenError::Adapter(AdapterError::Io {
+        path: path.to_path_buf(),
+        reason,
+    })
+}
+
+/// The bytes of regular file `name` in `dir_fd`; `None` when it does not exist.
+fn read_file(dir_fd: &OwnedFd, dir: &Path, name: &str) -> Result<Option<Vec<u8>>, OpenError> {
+    let Some(mut file) = open_file(dir_fd, dir, name)? else {
+        return Ok(None);
+    };
     let mut bytes = Vec::new();
-    file.read_to_end(&mut bytes).map_err(io)?;
+    file.read_to_end(&mut bytes)
+        .map_err(|e| io_error(&dir.join(name), e.to_string()))?;
     Ok(Some(bytes))
 }
 
@@ -113,6 +123,47 @@ pub fn relative(root: &Path, e: AdapterError) -> AdapterError {
     }
 }
 
+const CONFIG: &str = "adapter_config.json";
+const WEIGHTS: &str = "adapter_model.safetensors";
+
+/// The adapter config in `fd` (the opened `dir`).
+fn read_config(fd: &OwnedFd, dir: &Path) -> Result<AdapterConfig, OpenError> {
+    let config_path = dir.join(CONFIG);
+    let config = read_file(fd, dir, CONFIG)?.ok_or_else(|| {
+        OpenError::Adapter(AdapterError::MissingFile {
+            path: config_path.clone(),
+        })
+    })?;
+    let text = String::from_utf8(config).map_err(|e| {
+        OpenError::Adapter(AdapterError::ConfigNotJson {
+            path: config_path.clone(),
+            reason: e.to_string(),
+        })
+    })?;
+    AdapterConfig::from_json(&text).map_err(|e| {
+        OpenError::Adapter(match e {
+            AdapterError::ConfigNotJson { reason, .. } => AdapterError::ConfigNotJson {
+                path: config_path.clone(),
+                reason,
+            },
+            e => e,
+        })
+    })
+}
+
+/// The error for a directory without a safetensors file: pickle weights, or missing.
+fn no_weights(fd: &OwnedFd, dir: &Path) -> OpenError {
+    let bin = "adapter_model.bin";
+    OpenError::Adapter(match open_at(Some(fd), Path::new(bin), OFlag::O_RDONLY) {
+        Ok(_) => AdapterError::PickleWeights {
+            path: dir.join(bin),
+        },
+        Err(_) => AdapterError::MissingFile {
+            path: dir.join(WEIGHTS),
+        },
+    })
+}
+
 /// Reads and validates the adapter in `dir` (canonical, under `root`) with no path lookup
 /// that could follow a link out of the root.
 pub fn load_confined(
@@ -121,48 +172,41 @@ pub fn load_confined(
     model: &ModelConfig,
 ) -> Result<LoraAdapter, OpenError> {
     let fd = open_dir(root, dir)?;
-    let missing = |name: &str| {
-        OpenError::Adapter(AdapterError::MissingFile {
-            path: dir.join(name),
-        })
-    };
-    let config = read_file(&fd, dir, "adapter_config.json")?
-        .ok_or_else(|| missing("adapter_config.json"))?;
-    let config_path = dir.join("adapter_config.json");
-    let text = String::from_utf8(config).map_err(|e| {
-        OpenError::Adapter(AdapterError::ConfigNotJson {
-            path: config_path.clone(),
-            reason: e.to_string(),
-        })
-    })?;
-    let config = AdapterConfig::from_json(&text).map_err(|e| {
-        OpenError::Adapter(match e {
-            AdapterError::ConfigNotJson { reason, .. } => AdapterError::ConfigNotJson {
-                path: config_path.clone(),
-                reason,
-            },
-            e => e,
-        })
-    })?;
-    let weights_path = dir.join("adapter_model.safetensors");
-    let Some(weights) = read_file(&fd, dir, "adapter_model.safetensors")? else {
-        let bin = "adapter_model.bin";
-        return Err(OpenError::Adapter(
-            match open_at(Some(&fd), Path::new(bin), OFlag::O_RDONLY) {
-                Ok(_) => AdapterError::PickleWeights {
-                    path: dir.join(bin),
-                },
-                Err(_) => AdapterError::MissingFile { path: weights_path },
-            },
-        ));
+    let config = read_config(&fd, dir)?;
+    let Some(weights) = read_file(&fd, dir, WEIGHTS)? else {
+        return Err(no_weights(&fd, dir));
     };
     let tensors = SafeTensors::deserialize(&weights).map_err(|e| {
         OpenError::Adapter(AdapterError::Corrupt {
-            path: weights_path,
+            path: dir.join(WEIGHTS),
             reason: e.to_string(),
         })
     })?;
     LoraAdapter::from_parts(config, &tensors, model).map_err(OpenError::Adapter)
+}
+
+/// [`LoraAdapter::map`] confined like [`load_confined`]: the safetensors file is opened
+/// through the same link-refusing walk and mapped from that descriptor, its real path checked
+/// to be under `root` (the CPU LoRA workers reopen it there and refuse a file that is not the
+/// one mapped, by device and inode).
+pub fn map_confined(
+    root: &Path,
+    dir: &Path,
+    model: &ModelConfig,
+) -> Result<LoraAdapter, OpenError> {
+    let fd = open_dir(root, dir)?;
+    let config = read_config(&fd, dir)?;
+    let path = dir.join(WEIGHTS);
+    let Some(file) = open_file(&fd, dir, WEIGHTS)? else {
+        return Err(no_weights(&fd, dir));
+    };
+    let real = std::fs::read_link(format!("/proc/self/fd/{}", file.as_raw_fd()))
+        .map_err(|_| OpenError::Outside)?;
+    if !real.starts_with(root) {
+        return Err(OpenError::Outside);
+    }
+    let mapped = MappedFile::from_file(file, real).map_err(|e| io_error(&path, e.to_string()))?;
+    LoraAdapter::map_file(config, Arc::new(mapped), &path, model).map_err(OpenError::Adapter)
 }
 
 #[cfg(test)]
@@ -250,7 +294,14 @@ pub(crate) mod tests {
         }
         // parent_swap/a → tmp, so parent_swap/a/b would need tmp/b: make it a real adapter.
         copy_adapter(&tmp.path().join("b"));
+        let real_root = std::fs::canonicalize(&root).unwrap();
+        let mapped = map_confined(&real_root, &good, &model).unwrap();
+        assert!(mapped.is_mapped());
+        assert_eq!(mapped.size_bytes(), plain.size_bytes());
         for d in swapped {
+            // Mapping goes through the same walk: refused too, never mapped from outside.
+            let m = map_confined(&real_root, &d, &model);
+            assert!(matches!(m, Err(OpenError::Outside)), "{}", d.display());
             let e = acc.reader("x", &d)(&model).unwrap_err();
             assert_eq!(e.status(), 403, "{}: {e}", d.display());
             assert_eq!(e.to_string(), outside_msg, "{}", d.display());
@@ -258,6 +309,11 @@ pub(crate) mod tests {
         // A file missing at read time is a 404-class error naming the path relative to the root.
         let d = checked("good");
         std::fs::remove_file(d.join("adapter_model.safetensors")).unwrap();
+        let m = map_confined(&real_root, &d, &model);
+        let Err(OpenError::Adapter(AdapterError::MissingFile { path })) = m else {
+            panic!("{m:?}")
+        };
+        assert_eq!(path, d.join("adapter_model.safetensors"));
         let e = acc.reader("x", &d)(&model).unwrap_err();
         let msg = e.to_string();
         assert!(

@@ -47,10 +47,19 @@ impl std::fmt::Debug for MappedFile {
 impl MappedFile {
     /// Opens and maps `path` (no page is read yet); records its length, device and inode.
     pub fn open(path: &Path) -> std::io::Result<Self> {
-        use std::os::unix::fs::MetadataExt;
         let path = std::fs::canonicalize(path)?;
         let file = File::open(&path)?;
+        Self::from_file(file, path)
+    }
+
+    /// Maps `file`, already open (for instance through a confined `openat` walk), whose real
+    /// path is `path` (canonical; the workers reopen it there and check it is the same file).
+    pub fn from_file(file: File, path: std::path::PathBuf) -> std::io::Result<Self> {
+        use std::os::unix::fs::MetadataExt;
         let meta = file.metadata()?;
+        if !meta.is_file() {
+            return Err(std::io::Error::other("not a regular file"));
+        }
         if meta.len() == 0 {
             return Err(std::io::Error::new(
                 std::io::ErrorKind::InvalidData,
@@ -94,10 +103,22 @@ impl LoraAdapter {
     /// checked to be finite (see the module docs), and nothing but the header is read.
     pub fn map(dir: &Path, model: &ModelConfig) -> Result<Self, AdapterError> {
         let (config, path) = open_dir(dir)?;
-        let file = Arc::new(MappedFile::open(&path).map_err(|e| AdapterError::Io {
+        let file = MappedFile::open(&path).map_err(|e| AdapterError::Io {
             path: path.clone(),
             reason: e.to_string(),
-        })?);
+        })?;
+        Self::map_file(config, Arc::new(file), &path, model)
+    }
+
+    /// [`Self::map`] of an adapter whose config is read and whose safetensors file is mapped
+    /// already; `path` names the file in errors.
+    pub fn map_file(
+        config: super::AdapterConfig,
+        file: Arc<MappedFile>,
+        path: &Path,
+        model: &ModelConfig,
+    ) -> Result<Self, AdapterError> {
+        let path = path.to_path_buf();
         let tensors =
             SafeTensors::deserialize(file.bytes()).map_err(|e| AdapterError::Corrupt {
                 path: path.clone(),

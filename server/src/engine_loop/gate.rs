@@ -1,6 +1,9 @@
 //! The cold-start gate the step planner consults for each prefilling request.
-use crate::coldstart::{ColdDecision, ColdStartPolicy};
-use crate::scheduler::{Gate, SeqState};
+use thaw_runtime::adapter::LoraAdapter;
+use thaw_runtime::ids::AdapterId;
+
+use crate::coldstart::{AssistWork, ColdCase, ColdDecision, ColdStartPolicy, ColdTier};
+use crate::scheduler::{Gate, SchedState, SeqState};
 
 use super::{ColdStart, ServeEngine};
 
@@ -28,13 +31,19 @@ pub(super) fn cold_gate(
                 return Gate::Go;
             };
             let pending = s.pending();
-            let case = crate::coldstart::ColdCase {
-                tier: crate::coldstart::ColdTier::Streaming {
+            // Still read from its mapped file, nothing landed: the copy waits for the disk.
+            let tier = if landed == 0 && engine.adapter_is_mapped(id) {
+                ColdTier::Disk
+            } else {
+                ColdTier::Streaming {
                     landed: landed as f64 / layers.max(1) as f64,
-                },
+                }
+            };
+            let case = ColdCase {
+                tier,
                 bytes: adapter.size_bytes() as u64,
                 backlog: engine.backend().link_backlog(),
-                work: crate::coldstart::AssistWork::of(adapter),
+                work: AssistWork::of(adapter),
                 prompt_left: pending,
                 cap: pending,
                 other_tokens: planned,
@@ -43,6 +52,41 @@ pub(super) fn cold_gate(
                 ColdDecision::Wait => Gate::Hold,
                 ColdDecision::Assist { max_chunk } => Gate::Cap(max_chunk),
             }
+        }
+    }
+}
+
+/// Whether adapter `id`, only on disk and mapped as `a`, is served from its file while it is
+/// read (see [`crate::memory::mapped`]): always under `cpu-assist`; under `auto` when the cost
+/// model would assist the first waiting request for it from the disk tier; never otherwise.
+pub(super) fn assists_from_disk(
+    engine: &ServeEngine,
+    cold: &ColdStart,
+    state: &SchedState,
+    id: AdapterId,
+    a: &LoraAdapter,
+) -> bool {
+    match cold.policy {
+        ColdStartPolicy::CpuAssist => true,
+        ColdStartPolicy::Cached | ColdStartPolicy::OnDemand => false,
+        ColdStartPolicy::Auto => {
+            let Some(s) = state.waiting.iter().find(|s| s.adapter == Some(id)) else {
+                return false;
+            };
+            let pending = s.pending();
+            let case = ColdCase {
+                tier: ColdTier::Disk,
+                bytes: a.size_bytes() as u64,
+                backlog: engine.backend().link_backlog(),
+                work: AssistWork::of(a),
+                prompt_left: pending,
+                cap: pending,
+                other_tokens: state.running.len(),
+            };
+            matches!(
+                cold.cost.decide_cold(&case).decision,
+                ColdDecision::Assist { .. }
+            )
         }
     }
 }

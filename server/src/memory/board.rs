@@ -86,6 +86,8 @@ stats!(
     prefetch_hits,
     /// Disk reads of adapters (start-up loads excluded).
     fetches,
+    /// Adapters served from their mapped files while their disk read ran.
+    mapped,
 );
 
 /// The published state.
@@ -166,7 +168,7 @@ impl MemorySnapshot {
             ),
             ("thaw_adapter_tier_bytes", "", &[("tier", "host")], self.host_bytes as f64),
         ];
-        let counters: [Series<u64>; 8] = [
+        let counters: [Series<u64>; 9] = [
             (
                 "thaw_adapter_cache_lookups_total",
                 "Requests by whether their adapter was on the device when they arrived.",
@@ -199,6 +201,12 @@ impl MemorySnapshot {
                 "Adapters read from disk into the host tier after start-up.",
                 &[],
                 self.fetches,
+            ),
+            (
+                "thaw_adapter_disk_maps_total",
+                "Adapters registered from their memory-mapped files while being read from disk (CPU assist from the disk tier).",
+                &[],
+                self.mapped,
             ),
         ];
         let kinds = gauges

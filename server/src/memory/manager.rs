@@ -429,6 +429,29 @@ impl MemoryManager {
         Some(e.meta.path.clone())
     }
 
+    /// While `id` is being read from disk and has no host copy: its directory, root and bytes.
+    pub fn disk_only_read(&self, id: AdapterId) -> Option<(PathBuf, Option<PathBuf>, u64)> {
+        let e = self.entries.get(&id)?;
+        (e.fetching && e.host.is_none())
+            .then(|| (e.meta.path.clone(), e.meta.root.clone(), e.meta.bytes))
+    }
+
+    /// `id`, being read, is served from its mapped file meanwhile: `host` is its host copy
+    /// until the read lands ([`Self::on_fetched`] replaces it, or drops it on failure).
+    pub fn on_mapped(
+        &mut self,
+        id: AdapterId,
+        host: Arc<LoraAdapter>,
+        wanted: &HashSet<AdapterId>,
+    ) {
+        if !self.update(id, |e| e.host = Some(host)) {
+            return;
+        }
+        self.board.stats.mapped.fetch_add(1, Ordering::Relaxed);
+        self.trim_host(wanted);
+        self.publish_one(id);
+    }
+
     /// Expected bytes of `id`'s weights (a fetched copy must match).
     pub fn bytes(&self, id: AdapterId) -> Option<u64> {
         self.entries.get(&id).map(|e| e.meta.bytes)

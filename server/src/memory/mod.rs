@@ -21,6 +21,7 @@ pub mod budget;
 pub mod eviction;
 pub mod loader;
 pub mod manager;
+pub mod mapped;
 pub mod nocache;
 pub mod pool;
 pub mod profile;
