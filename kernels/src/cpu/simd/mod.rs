@@ -14,6 +14,9 @@
 //!   read in place, each 16-bit weight vector widened once per register tile (decode batches)
 //!   or once per call while packed (prompt rows) and reused by every activation row; bit for
 //!   bit the row dots (decode) or the f32 prompt GEMM over the widened weight (prompt).
+//! - [`gemm_nt_vnni`] (AVX512-VNNI): Q8_0 and Q4_K weights × activations quantised to Q8 once
+//!   per call, integer dots (`vpdpbusd`) for every row count, as llama.cpp computes them; on by
+//!   default where the CPU has it (`THAW_VNNI_DOT=0` or [`set_vnni_dot`] turn it off).
 //!
 //! Error of the Q8 path: an activation block `x_b` (32 values) is stored as `d_b·q` with
 //! `d_b = max|x_b| / 127` and `q = round(x / d_b)`, so `|x − d_b·q| ≤ d_b / 2` per element and
@@ -28,6 +31,8 @@ mod portable;
 mod tests;
 #[cfg(test)]
 mod tests_batched;
+#[cfg(test)]
+mod tests_vnni;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 #[cfg(target_arch = "x86_64")]
@@ -38,6 +43,8 @@ mod x86_512_bf16;
 mod x86_512_gemm;
 #[cfg(target_arch = "x86_64")]
 mod x86_512_kquant;
+#[cfg(target_arch = "x86_64")]
+mod x86_512_vnni;
 
 use std::sync::atomic::{AtomicU8, Ordering};
 
@@ -265,6 +272,59 @@ pub fn gemm_nt_prompt(
         }
     }
     let _ = (x, w, m, k, n, out, ldo);
+    false
+}
+
+/// Whether [`gemm_nt_vnni`] runs for weights of `format`: Q8_0 or Q4_K, AVX-512F in use, the
+/// CPU has AVX512-VNNI and AVX512-BW, and neither `THAW_VNNI_DOT=0` nor [`set_vnni_dot`]
+/// turned it off.
+pub fn vnni_dot_active(format: WeightFormat) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if simd_level() == SimdLevel::Avx2 && matches!(format, WeightFormat::Q8_0 | WeightFormat::Q4_K)
+    {
+        return x86_512_vnni::Avx512Vnni::enabled().is_some();
+    }
+    let _ = format;
+    false
+}
+
+/// Turns [`gemm_nt_vnni`] on (where the CPU has it) or off for the whole process, for
+/// benchmarks and tests that compare it with the f32-activation path; returns whether it was
+/// on.
+pub fn set_vnni_dot(on: bool) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return x86_512_vnni::Avx512Vnni::set(on);
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = on;
+        false
+    }
+}
+
+/// `out[i·ldo + j] = q8(x_i)·w_j` for the `m` rows of `x` (`[m, k]`) and the `n` weight rows
+/// packed in `w` (whole Q8_0 or Q4_K blocks, `k` values a row), as llama.cpp computes it:
+/// each activation row quantised once per call by [`quantize_q8`], an exact integer dot per
+/// 32-value block (`vpdpbusd`), scaled in f32 by the weight block's scale (and, for Q4_K,
+/// less its minimum times the activation block's sum). One kernel for every `m`: each
+/// output's bits depend only on its own two rows. Error against the f32 product with the
+/// dequantised weight: the activation rounding `Σ_b (d_b / 2)·‖w_b‖₁` plus f32 rounding.
+/// Returns false, doing nothing, where [`vnni_dot_active`] is false.
+pub fn gemm_nt_vnni(
+    format: WeightFormat,
+    w: &[u8],
+    x: &[f32],
+    (m, k, n): (usize, usize, usize),
+    out: &mut [f32],
+    ldo: usize,
+) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if vnni_dot_active(format) {
+        if let Some(z) = x86_512_vnni::Avx512Vnni::enabled() {
+            z.gemm_nt(format, w, x, (m, k, n), out, ldo);
+            return true;
+        }
+    }
+    let _ = (format, w, x, m, k, n, out, ldo);
     false
 }
 

@@ -29,7 +29,7 @@ impl Avx512 {
 
 /// ggml's `get_scale_min_k4`: the 6-bit scale and min of sub-block `j` (0..8).
 #[inline(always)]
-fn scale_min(j: usize, q: &[u8; 12]) -> (u8, u8) {
+pub(super) fn scale_min(j: usize, q: &[u8; 12]) -> (u8, u8) {
     if j < 4 {
         (q[j] & 63, q[j + 4] & 63)
     } else {
