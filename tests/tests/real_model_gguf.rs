@@ -4,7 +4,9 @@
 //! same weights dequantised to f32; alone and batched with others, with Q8 activations (the
 //! opt-in path, as llama.cpp) and with f32 ones (the default). Runs when `THAW_SMOLLM2_GGUF` names the file (`.ci/run`
 //! downloads it); skips otherwise.
-use thaw_kernels::cpu::simd::{dot_rows_q8, quantize_q8, Q8Block, Q8_BLOCK};
+use thaw_kernels::cpu::simd::{
+    dot_rows_q8, quantize_q8, set_vnni_dot, vnni_dot_active, Q8Block, Q8_BLOCK,
+};
 use thaw_kernels::cpu::{set_q8_activations, WeightData, WeightFormat, WeightMatrix};
 use thaw_runtime::engine::{EngineConfig, HostModel, PlanItem, SequenceParams, StepPlan};
 use thaw_runtime::ids::SeqId;
@@ -237,4 +239,96 @@ fn q8_vs_exact(w: &WeightMatrix, x: &[f32], what: &str) -> (f64, Vec<f64>) {
         exact.push(want);
     }
     ((d2 / y2.max(f64::MIN_POSITIVE)).sqrt(), exact)
+}
+
+/// What llama.cpp's `llama-server` (the one vendored in llama-cpp-python 0.3, built with
+/// `GGML_NATIVE` on an AVX512-VNNI CPU; `benches/peers/setup.sh`) answers to [`PROMPT`] with
+/// 8 greedy tokens on SmolLM2-135M-Instruct GGUFs made by `llama-quantize`, by the formats of
+/// their projections: it multiplies Q8-quantised activations, and its text is the oracle for
+/// Thaw's VNNI path. (Its f32 GGUF answers [`EXPECTED`]. Q4_1 alone is not an oracle: there
+/// llama.cpp rounds the activation blocks' scales and sums to f16 (`Q8_1`), and its text,
+/// "L'Étoile, la Mar", parts from Thaw's English after the first token.)
+const LLAMA_CPP: [(&str, &str); 2] = [
+    ("Q8_0", "L'Étoile, la Cit"),
+    ("Q4_1 75% + Q4_K 25%", "L'Étoile (The Lion"),
+];
+
+/// The formats of a model's projections by share of their elements (`Q4_1 75% + Q4_K 25%`).
+fn format_mix(model: &HostModel) -> String {
+    let mut by: Vec<(WeightFormat, usize)> = Vec::new();
+    for w in model.layers.iter().flat_map(|l| l.proj.iter()) {
+        match by.iter_mut().find(|(f, _)| *f == w.format()) {
+            Some((_, n)) => *n += w.rows() * w.cols(),
+            None => by.push((w.format(), w.rows() * w.cols())),
+        }
+    }
+    by.sort_by_key(|&(_, n)| std::cmp::Reverse(n));
+    let total: usize = by.iter().map(|(_, n)| n).sum();
+    match &by[..] {
+        [(f, _)] => f.name().to_string(),
+        _ => by
+            .iter()
+            .map(|(f, n)| format!("{} {:.0}%", f.name(), 100.0 * *n as f64 / total as f64))
+            .collect::<Vec<_>>()
+            .join(" + "),
+    }
+}
+
+/// SmolLM2-135M GGUFs made by `llama-quantize` (`THAW_SMOLLM2_GGUF_MORE`: paths separated by
+/// `:`, e.g. its Q8_0 and Q4_K_S files; skips when unset; `.ci/run` does not set it). With Q8
+/// activations (the default for Q8_0 and Q4_K where the CPU has AVX512-VNNI; Q4_1 joins with
+/// `set_q8_activations`) the greedy text is llama.cpp's ([`LLAMA_CPP`]), and alone and batched
+/// with two others the tokens agree exactly. With VNNI and Q8 activations off the tokens are
+/// the dequantised f32 model's, and the text is [`EXPECTED`].
+#[test]
+fn smollm2_gguf_greedy_text_is_llama_cpp_with_q8_activations() {
+    let Some(paths) = std::env::var_os("THAW_SMOLLM2_GGUF_MORE") else {
+        eprintln!("skipping: set THAW_SMOLLM2_GGUF_MORE to SmolLM2 GGUF files (':'-separated)");
+        return;
+    };
+    for path in std::env::split_paths(&paths) {
+        let (model, tok) = HostModel::load_with_tokenizer(&path).expect("the GGUF loads");
+        let mix = format_mix(&model);
+        let name = format!("{} ({mix})", path.display());
+        let prompt = chat_prompt(&tok, PROMPT);
+        let others = [
+            chat_prompt(&tok, "Name three colours."),
+            chat_prompt(&tok, "Write one sentence about the sea."),
+        ];
+        let batch = [others[0].clone(), prompt.clone(), others[1].clone()];
+        set_q8_activations(true);
+        let q8_everywhere = model
+            .layers
+            .iter()
+            .flat_map(|l| l.proj.iter())
+            .all(|w| vnni_dot_active(w.format()));
+        let alone = greedy(model.clone(), std::slice::from_ref(&prompt)).remove(0);
+        let batched = greedy(model.clone(), &batch);
+        set_q8_activations(false);
+        set_vnni_dot(false);
+        let direct = greedy(model.clone(), std::slice::from_ref(&prompt)).remove(0);
+        let mut f32_model = model;
+        f32_model.convert_weights(WeightFormat::F32).unwrap();
+        let dequantised = greedy(f32_model, std::slice::from_ref(&prompt)).remove(0);
+        set_vnni_dot(true);
+        let (text, f32_text) = (
+            tok.decode(&alone, true).unwrap(),
+            tok.decode(&direct, true).unwrap(),
+        );
+        eprintln!("{name}: Q8 activations {text:?}, f32 activations {f32_text:?}");
+        assert_eq!(batched[1], alone, "{name}: batch of 1 vs batched");
+        assert_eq!(
+            dequantised, direct,
+            "{name}: f32 activations vs dequantised f32"
+        );
+        assert!(f32_text.starts_with(EXPECTED), "{name}: {f32_text:?}");
+        if !q8_everywhere {
+            eprintln!("{name}: no AVX512-VNNI here; llama.cpp's text not compared");
+            continue;
+        }
+        match LLAMA_CPP.iter().find(|(m, _)| *m == mix) {
+            Some((_, want)) => assert_eq!(text, *want, "{name}: Q8 activations vs llama.cpp"),
+            None => eprintln!("{name}: no llama.cpp text recorded for {mix}"),
+        }
+    }
 }

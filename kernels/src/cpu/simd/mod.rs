@@ -14,9 +14,10 @@
 //!   read in place, each 16-bit weight vector widened once per register tile (decode batches)
 //!   or once per call while packed (prompt rows) and reused by every activation row; bit for
 //!   bit the row dots (decode) or the f32 prompt GEMM over the widened weight (prompt).
-//! - [`gemm_nt_vnni`] (AVX512-VNNI): Q8_0 and Q4_K weights × activations quantised to Q8 once
-//!   per call, integer dots (`vpdpbusd`) for every row count, as llama.cpp computes them; on by
-//!   default where the CPU has it (`THAW_VNNI_DOT=0` or [`set_vnni_dot`] turn it off).
+//! - [`gemm_nt_vnni`] (AVX512-VNNI): Q8_0 and Q4_K weights (Q4_1 too where
+//!   `THAW_Q8_ACTIVATIONS=1`) × activations quantised to Q8 once per call, integer dots
+//!   (`vpdpbusd`) for every row count, as llama.cpp computes them; on by default where the CPU
+//!   has it (`THAW_VNNI_DOT=0` or [`set_vnni_dot`] turn it off).
 //!
 //! Error of the Q8 path: an activation block `x_b` (32 values) is stored as `d_b·q` with
 //! `d_b = max|x_b| / 127` and `q = round(x / d_b)`, so `|x − d_b·q| ≤ d_b / 2` per element and
@@ -275,14 +276,19 @@ pub fn gemm_nt_prompt(
     false
 }
 
-/// Whether [`gemm_nt_vnni`] runs for weights of `format`: Q8_0 or Q4_K, AVX-512F in use, the
-/// CPU has AVX512-VNNI and AVX512-BW, and neither `THAW_VNNI_DOT=0` nor [`set_vnni_dot`]
-/// turned it off.
+/// Whether [`gemm_nt_vnni`] runs for weights of `format`: Q8_0 or Q4_K (or Q4_1 where
+/// [`crate::cpu::q8_activations`] opted in: its Q8 rounding flips SmolLM2's greedy answer, see
+/// `quant::matrix`), AVX-512F in use, the CPU has AVX512-VNNI and AVX512-BW, and neither
+/// `THAW_VNNI_DOT=0` nor [`set_vnni_dot`] turned it off.
 pub fn vnni_dot_active(format: WeightFormat) -> bool {
     #[cfg(target_arch = "x86_64")]
-    if simd_level() == SimdLevel::Avx2 && matches!(format, WeightFormat::Q8_0 | WeightFormat::Q4_K)
-    {
-        return x86_512_vnni::Avx512Vnni::enabled().is_some();
+    if simd_level() == SimdLevel::Avx2 {
+        let wanted = match format {
+            WeightFormat::Q8_0 | WeightFormat::Q4_K => true,
+            WeightFormat::Q4_1 => crate::cpu::quant::q8_activations(),
+            _ => false,
+        };
+        return wanted && x86_512_vnni::Avx512Vnni::enabled().is_some();
     }
     let _ = format;
     false
@@ -302,10 +308,10 @@ pub fn set_vnni_dot(on: bool) -> bool {
 }
 
 /// `out[i·ldo + j] = q8(x_i)·w_j` for the `m` rows of `x` (`[m, k]`) and the `n` weight rows
-/// packed in `w` (whole Q8_0 or Q4_K blocks, `k` values a row), as llama.cpp computes it:
+/// packed in `w` (whole Q8_0, Q4_K or Q4_1 blocks, `k` values a row), as llama.cpp computes it:
 /// each activation row quantised once per call by [`quantize_q8`], an exact integer dot per
-/// 32-value block (`vpdpbusd`), scaled in f32 by the weight block's scale (and, for Q4_K,
-/// less its minimum times the activation block's sum). One kernel for every `m`: each
+/// 32-value block (`vpdpbusd`), scaled in f32 by the weight block's scale (and, for Q4_K and
+/// Q4_1, plus its minimum term times the activation block's sum). One kernel for every `m`: each
 /// output's bits depend only on its own two rows. Error against the f32 product with the
 /// dequantised weight: the activation rounding `Σ_b (d_b / 2)·‖w_b‖₁` plus f32 rounding.
 /// Returns false, doing nothing, where [`vnni_dot_active`] is false.

@@ -1,4 +1,4 @@
-//! [`gemm_nt_vnni`] (Q8_0 and Q4_K on AVX512-VNNI) against the scalar path: the weights
+//! [`gemm_nt_vnni`]'s kernel (Q8_0, Q4_K and Q4_1 on AVX512-VNNI) against the scalar path: the weights
 //! dequantised by the scalar dequantiser (`quant::dequantize_blocks`) times the activations
 //! quantised by [`quantize_q8`] and dequantised, summed in f64.
 //!
@@ -18,10 +18,10 @@ use crate::cpu::quant::dequantize_blocks;
 use crate::cpu::testutil::{rand_vec, rng};
 
 const TOL: f64 = 1e-5;
-const FORMATS: [WeightFormat; 2] = [WeightFormat::Q8_0, WeightFormat::Q4_K];
+const FORMATS: [WeightFormat; 3] = [WeightFormat::Q8_0, WeightFormat::Q4_K, WeightFormat::Q4_1];
 
-/// `n` rows of `k` in `f` (Q8_0 or Q4_K): random codes and scales, sane f16 scales (and a
-/// Q4_K row's minimum scale of either sign).
+/// `n` rows of `k` in `f` (Q8_0, Q4_K or Q4_1): random codes, sane f16 scales (and a
+/// minimum of either sign).
 fn weights(f: WeightFormat, n: usize, k: usize, seed: u64) -> Vec<u8> {
     let mut r = rng(seed);
     let mut b = vec![0u8; f.bytes_for(n * k).unwrap()];
@@ -29,7 +29,7 @@ fn weights(f: WeightFormat, n: usize, k: usize, seed: u64) -> Vec<u8> {
     for blk in b.chunks_exact_mut(f.block_bytes()) {
         let d = f16::from_f32(r.random_range(1e-3..0.05f32));
         blk[..2].copy_from_slice(&d.to_bits().to_le_bytes());
-        if f == WeightFormat::Q4_K {
+        if f != WeightFormat::Q8_0 {
             let m = f16::from_f32(r.random_range(-0.02..0.02f32));
             blk[2..4].copy_from_slice(&m.to_bits().to_le_bytes());
         }
@@ -48,14 +48,33 @@ fn activations(m: usize, k: usize, seed: u64) -> Vec<f32> {
     x
 }
 
-/// Checks every output of `gemm_nt_vnni(f, w, x, (m, k, n))` (at stride `ldo = n + 3`, the
-/// gap untouched) against the scalar path; returns false where the kernel does not run.
+/// The kernel itself (Q4_1 included, which [`gemm_nt_vnni`] takes only where Q8 activations
+/// are opted in); false where the CPU lacks it or `THAW_VNNI_DOT=0`.
+fn vnni(
+    f: WeightFormat,
+    w: &[u8],
+    x: &[f32],
+    shape: (usize, usize, usize),
+    out: &mut [f32],
+    ldo: usize,
+) -> bool {
+    match x86_512_vnni::Avx512Vnni::enabled() {
+        Some(z) if gemm_nt_available() => {
+            z.gemm_nt(f, w, x, shape, out, ldo);
+            true
+        }
+        _ => false,
+    }
+}
+
+/// Checks every output of the kernel for `(m, k, n)` (at stride `ldo = n + 3`, the gap
+/// untouched) against the scalar path; returns false where the kernel does not run.
 fn check(f: WeightFormat, (m, k, n): (usize, usize, usize), seed: u64) -> bool {
     let w = weights(f, n, k, seed);
     let x = activations(m, k, seed ^ 0x5eed);
     let ldo = n + 3;
     let mut got = vec![f32::NAN; m * ldo];
-    if !gemm_nt_vnni(f, &w, &x, (m, k, n), &mut got, ldo) {
+    if !vnni(f, &w, &x, (m, k, n), &mut got, ldo) {
         return false;
     }
     let mut wf = vec![0.0f32; n * k];
@@ -100,14 +119,7 @@ fn check(f: WeightFormat, (m, k, n): (usize, usize, usize), seed: u64) -> bool {
     // Each row alone computes its batch's result bit for bit.
     for i in [0, m / 2, m - 1] {
         let mut one = vec![f32::NAN; n];
-        assert!(gemm_nt_vnni(
-            f,
-            &w,
-            &x[i * k..(i + 1) * k],
-            (1, k, n),
-            &mut one,
-            n
-        ));
+        assert!(vnni(f, &w, &x[i * k..(i + 1) * k], (1, k, n), &mut one, n));
         for j in 0..n {
             assert_eq!(
                 one[j].to_bits(),
@@ -151,16 +163,17 @@ proptest! {
 
     #[test]
     fn vnni_products_any_shape(
-        q4k in any::<bool>(),
+        fi in 0usize..3,
         m in 1usize..20,
         blocks in 1usize..50,
         n in 1usize..110,
         seed in any::<u64>(),
     ) {
-        let (f, k) = if q4k {
-            (WeightFormat::Q4_K, 256 * blocks.div_ceil(8))
+        let f = FORMATS[fi];
+        let k = if f == WeightFormat::Q4_K {
+            256 * blocks.div_ceil(8)
         } else {
-            (WeightFormat::Q8_0, 32 * blocks)
+            32 * blocks
         };
         check(f, (m, k, n), seed);
     }

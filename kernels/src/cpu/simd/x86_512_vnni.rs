@@ -1,5 +1,5 @@
-//! Q8_0 and Q4_K products on 8-bit activations with AVX512-VNNI (`vpdpbusd`), as llama.cpp
-//! computes them: each activation row is quantised once per call to 32-value Q8 blocks
+//! Q8_0, Q4_K (and, opted in, Q4_1) products on 8-bit activations with AVX512-VNNI
+//! (`vpdpbusd`), as llama.cpp computes them: each activation row is quantised once per call to 32-value Q8 blocks
 //! ([`super::quantize_q8`]: `x ≈ d·q`, `q ∈ [−127, 127]`), every weight block is an integer
 //! dot with the activation block (exact in i32) and one f32 step scales it by the two block
 //! scales. One kernel serves decode batches and prompt rows (and a single row), so a row's
@@ -8,17 +8,18 @@
 //! Layout: the packed panel driver of the prompt GEMM ([`drive_panels`]) over reduction steps
 //! of 4 values. A panel of [`NR`] weight rows is packed once per call as `[step][NR]` 32-bit
 //! lanes, each holding 4 consecutive weight codes of one row (a 16 × 16 transpose of 4-byte
-//! groups), with per (block, row) f32 scales, and for Q4_K the scaled minimums. A register
+//! groups), with per (block, row) f32 scales, and for Q4_K/Q4_1 the scaled minimums. A register
 //! tile of up to [`VR`] activation rows × 48 weight rows broadcasts 4 activation codes per
 //! row against three 16-lane weight vectors: 64 products per instruction.
 //!
 //! `vpdpbusd` multiplies unsigned by signed bytes. The activation codes are stored offset by
 //! 128 (`q ^ 0x80`, unsigned) and the weight codes stay signed (Q8_0) or are the 4-bit codes
-//! `0..15` (Q4_K); each block's integer sum starts from `−128·Σw` of its weight block (from the
+//! `0..15` (Q4_K, Q4_1); each block's integer sum starts from `−128·Σw` of its weight block (from the
 //! pack), so it ends at exactly `Σ q·w` (|sum| < 2²⁴: its f32 conversion is exact).
 //!
 //! Per output, in order of the blocks `b`: `acc = fma(f32(Σ q·w) · d_x, d_w, acc)`, and for
-//! Q4_K then `acc = acc − m_w · s_x` (`d_w = d·sc_j`, `m_w = dmin·m_j`, `s_x = d_x·Σq`), the
+//! Q4_K/Q4_1 then `acc = acc − m_w · s_x` (Q4_K: `d_w = d·sc_j`, `m_w = dmin·m_j`; Q4_1:
+//! `d_w = d`, `m_w = −m`; `s_x = d_x·Σq`), the
 //! sum starting from zero and stored/reloaded exactly at the driver's block boundaries, so
 //! every output's bits depend only on its own two rows. The error against the f32 product with
 //! the dequantised weights is the activation rounding `Σ_b (d_b / 2)·‖w_b‖₁` plus f32 rounding
@@ -44,6 +45,11 @@ use crate::cpu::quant::WeightFormat;
 const VR: usize = 4;
 /// Reduction steps (of 4 values) per 32-value block.
 const STEPS: usize = Q8_BLOCK / 4;
+
+/// Weight formats (const generic codes).
+const Q8_0: u8 = 0;
+const Q4_K: u8 = 1;
+const Q4_1: u8 = 2;
 
 /// Proof that this CPU has AVX512-VNNI and AVX512-BW (and AVX-512F).
 #[derive(Copy, Clone, Debug)]
@@ -117,8 +123,8 @@ impl Avx512Vnni {
     }
 
     /// `out[i·ldo + j] = q8(x_i)·w_j` for the `m` rows of `x` (`[m, k]`) and the `n` rows of
-    /// `w` (whole blocks of `format`, Q8_0 or Q4_K); see the module note. Q8_0 leaves the
-    /// panel's minimums unused.
+    /// `w` (whole blocks of `format`: Q8_0, Q4_K or Q4_1); see the module note. Q8_0 leaves
+    /// the panel's minimums unused.
     pub(super) fn gemm_nt(
         self,
         format: WeightFormat,
@@ -129,7 +135,10 @@ impl Avx512Vnni {
         ldo: usize,
     ) {
         assert!(
-            matches!(format, WeightFormat::Q8_0 | WeightFormat::Q4_K),
+            matches!(
+                format,
+                WeightFormat::Q8_0 | WeightFormat::Q4_K | WeightFormat::Q4_1
+            ),
             "gemm_nt_vnni: {} weights",
             format.name()
         );
@@ -172,8 +181,9 @@ impl Avx512Vnni {
             // `m` rows of `kb` blocks and the panel `k/4·NR` groups and `kb·NR` scales.
             unsafe {
                 match format {
-                    WeightFormat::Q8_0 => run::<false>(kern, (m, k, n)),
-                    _ => run::<true>(kern, (m, k, n)),
+                    WeightFormat::Q8_0 => run::<Q8_0>(kern, (m, k, n)),
+                    WeightFormat::Q4_1 => run::<Q4_1>(kern, (m, k, n)),
+                    _ => run::<Q4_K>(kern, (m, k, n)),
                 }
             }
         });
@@ -181,7 +191,6 @@ impl Avx512Vnni {
 }
 
 /// The VNNI kernel over one product: pointers as [`Avx512Vnni::gemm_nt`] sets them up;
-/// `K4` for Q4_K weights (else Q8_0).
 struct Vnni {
     x: *const Q8Block,
     kb: usize,
@@ -200,18 +209,18 @@ struct Vnni {
 /// and `out` as [`Avx512Vnni::gemm_nt`] checks; `m, n, k > 0`.
 #[inline(never)]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
-unsafe fn run<const K4: bool>(mut kern: Vnni, (m, k, n): (usize, usize, usize)) {
+unsafe fn run<const F: u8>(mut kern: Vnni, (m, k, n): (usize, usize, usize)) {
     let (w, rb) = (kern.w, kern.rb);
-    let mut k4 = Kern::<K4>(&mut kern);
+    let mut k4 = Kern::<F>(&mut kern);
     // SAFETY: the kernel is built over this product (`k/4` steps); the caller's guarantee
     // is the driver's.
     unsafe { drive_panels(&mut k4, (m, k / 4, n), w, rb) }
 }
 
-/// [`Vnni`] for one weight format.
-struct Kern<'a, const K4: bool>(&'a mut Vnni);
+/// [`Vnni`] for one weight format (`F`: [`Q8_0`], [`Q4_K`] or [`Q4_1`]).
+struct Kern<'a, const F: u8>(&'a mut Vnni);
 
-impl<const K4: bool> PanelKernel for Kern<'_, K4> {
+impl<const F: u8> PanelKernel for Kern<'_, F> {
     #[inline(always)]
     unsafe fn pack(&mut self, j0: usize, nc: usize) {
         let v = &*self.0;
@@ -220,10 +229,9 @@ impl<const K4: bool> PanelKernel for Kern<'_, K4> {
         unsafe {
             let w = v.w.add(j0 * v.rb);
             let p = (v.q, v.start, v.scale, v.min);
-            if K4 {
-                pack_q4_k(w, v.rb, nc, v.kb, p)
-            } else {
-                pack_q8_0(w, v.rb, nc, v.kb, p)
+            match F {
+                Q4_K => pack_q4_k(w, v.rb, nc, v.kb, p),
+                _ => pack_32::<F>(w, v.rb, nc, v.kb, p),
             }
         }
     }
@@ -252,10 +260,10 @@ impl<const K4: bool> PanelKernel for Kern<'_, K4> {
                     ldc: v.ldo,
                 };
                 match rn {
-                    4 => tile::<4, K4>(t, at),
-                    3 => tile::<3, K4>(t, at),
-                    2 => tile::<2, K4>(t, at),
-                    _ => tile::<1, K4>(t, at),
+                    4 => tile::<4, F>(t, at),
+                    3 => tile::<3, F>(t, at),
+                    2 => tile::<2, F>(t, at),
+                    _ => tile::<1, F>(t, at),
                 }
             }
             r0 += rn;
@@ -287,7 +295,7 @@ struct Tile {
 /// `j < at.nc ≤ NR`.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
-unsafe fn tile<const R: usize, const K4: bool>(t: Tile, at: TileAt) {
+unsafe fn tile<const R: usize, const F: u8>(t: Tile, at: TileAt) {
     let mask = col_masks(at.nc);
     // SAFETY: loads and stores stay inside the caller's guarantee (masked to `nc` columns).
     unsafe {
@@ -324,7 +332,7 @@ unsafe fn tile<const R: usize, const K4: bool>(t: Tile, at: TileAt) {
                 for v in 0..3 {
                     let p = _mm512_mul_ps(_mm512_cvtepi32_ps(isum[r][v]), dx);
                     acc[r][v] = _mm512_fmadd_ps(p, _mm512_loadu_ps(scale.add(16 * v)), acc[r][v]);
-                    if K4 {
+                    if F != Q8_0 {
                         let mv = _mm512_loadu_ps(min.add(16 * v));
                         acc[r][v] = _mm512_fnmadd_ps(mv, _mm512_set1_ps(xb.s), acc[r][v]);
                     }
@@ -369,17 +377,34 @@ unsafe fn store_codes(
     }
 }
 
-/// Packs `nc ≤ NR` Q8_0 rows (`rb` bytes each, `kb` blocks) into the panel; columns
-/// `nc..NR` get zero codes and scales.
+/// Packs `nc ≤ NR` rows of a 32-value format `F` (Q8_0 or Q4_1; `rb` bytes each, `kb`
+/// blocks) into the panel: Q8_0's codes as they are and its scale `d`; Q4_1's 4-bit codes,
+/// its scale `d` and minimum `−m` (a Q4_1 value is `d·q + m`). Columns `nc..NR` get zero
+/// codes and scales.
 ///
 /// # Safety
 /// AVX512-VNNI/BW/F, F16C available; `w` readable for `nc` rows of `rb` bytes, the panel
 /// writable for `8·kb·NR` groups and `kb·NR` scales.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
-unsafe fn pack_q8_0(w: *const u8, rb: usize, nc: usize, kb: usize, p: PanelPtrs) {
-    const BB: usize = 34;
-    // SAFETY: rows `16g + t < nc`, blocks `b, b + 1 < kb` (codes at bytes 2..34 of a block),
+unsafe fn pack_32<const F: u8>(w: *const u8, rb: usize, nc: usize, kb: usize, p: PanelPtrs) {
+    let bb = if F == Q8_0 { 34 } else { 20 };
+    let low = _mm_set1_epi8(0xF);
+    // Block `b`'s 32 codes at `blk`, in order.
+    let codes = |blk: *const u8| -> __m256i {
+        // SAFETY: codes at bytes 2..34 (Q8_0) or 4..20 (Q4_1) of the caller's block.
+        unsafe {
+            if F == Q8_0 {
+                _mm256_loadu_si256(blk.add(2).cast())
+            } else {
+                let v = _mm_loadu_si128(blk.add(4).cast());
+                let lo = _mm_and_si128(v, low);
+                let hi = _mm_and_si128(_mm_srli_epi16::<4>(v), low);
+                _mm256_inserti128_si256::<1>(_mm256_castsi128_si256(lo), hi)
+            }
+        }
+    };
+    // SAFETY: rows `16g + t < nc`, blocks `b, b + 1 < kb` (scales at bytes 0..4 of a block),
     // panel blocks `b, b + 1` and columns `16g..16g + 16 ≤ NR`.
     unsafe {
         for g in 0..NR / 16 {
@@ -387,28 +412,35 @@ unsafe fn pack_q8_0(w: *const u8, rb: usize, nc: usize, kb: usize, p: PanelPtrs)
             while b < kb {
                 let both = b + 1 < kb;
                 let mut r = [_mm512_setzero_ps(); 16];
-                let mut d = [0u16; 32];
+                let (mut d, mut m) = ([0u16; 32], [0u16; 32]);
                 for t in 0..16 {
                     if g * 16 + t < nc {
-                        let row = w.add((g * 16 + t) * rb + b * BB);
-                        let lo = _mm256_loadu_si256(row.add(2).cast());
+                        let blk = w.add((g * 16 + t) * rb + b * bb);
                         let hi = if both {
-                            d[16 + t] = row.add(BB).cast::<u16>().read_unaligned();
-                            _mm256_loadu_si256(row.add(BB + 2).cast())
+                            d[16 + t] = blk.add(bb).cast::<u16>().read_unaligned();
+                            m[16 + t] = blk.add(bb + 2).cast::<u16>().read_unaligned();
+                            codes(blk.add(bb))
                         } else {
                             _mm256_setzero_si256()
                         };
-                        d[t] = row.cast::<u16>().read_unaligned();
+                        d[t] = blk.cast::<u16>().read_unaligned();
+                        m[t] = blk.add(2).cast::<u16>().read_unaligned();
                         r[t] = _mm512_castsi512_ps(_mm512_inserti64x4::<1>(
-                            _mm512_castsi256_si512(lo),
+                            _mm512_castsi256_si512(codes(blk)),
                             hi,
                         ));
                     }
                 }
                 store_codes(transpose16(r), (p.0, p.1), b, g, both);
                 for h in 0..1 + both as usize {
-                    let dv = _mm512_cvtph_ps(_mm256_loadu_si256(d.as_ptr().add(16 * h).cast()));
-                    _mm512_storeu_ps(p.2.add((b + h) * NR + 16 * g), dv);
+                    let half = |v: &[u16; 32]| {
+                        _mm512_cvtph_ps(_mm256_loadu_si256(v.as_ptr().add(16 * h).cast()))
+                    };
+                    _mm512_storeu_ps(p.2.add((b + h) * NR + 16 * g), half(&d));
+                    if F == Q4_1 {
+                        let neg = _mm512_sub_ps(_mm512_setzero_ps(), half(&m));
+                        _mm512_storeu_ps(p.3.add((b + h) * NR + 16 * g), neg);
+                    }
                 }
                 b += 2;
             }
@@ -421,7 +453,7 @@ unsafe fn pack_q8_0(w: *const u8, rb: usize, nc: usize, kb: usize, p: PanelPtrs)
 /// the scalar dequantiser rounds them); columns `nc..NR` get zero codes and scales.
 ///
 /// # Safety
-/// As [`pack_q8_0`], for Q4_K rows.
+/// As [`pack_32`], for Q4_K rows.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
 unsafe fn pack_q4_k(w: *const u8, rb: usize, nc: usize, kb: usize, p: PanelPtrs) {
