@@ -19,6 +19,14 @@ const PROMPT: &str = "What is the capital of France?";
 /// Greedy continuation of [`PROMPT`] on every path (checked by hand to be sensible English).
 const EXPECTED: &str = "The capital of France is Paris.";
 
+/// Held by the tests that flip the process-wide kernel switches (`set_q8_activations`,
+/// `set_vnni_dot`), so one test's setting is not another's.
+static SWITCHES: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn switches() -> std::sync::MutexGuard<'static, ()> {
+    SWITCHES.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 fn model() -> Option<(HostModel, Tokenizer)> {
     let Some(path) = std::env::var_os("THAW_SMOLLM2_GGUF") else {
         eprintln!("skipping: set THAW_SMOLLM2_GGUF to SmolLM2-135M-Instruct.Q4_1.gguf");
@@ -90,6 +98,7 @@ fn greedy(model: HostModel, prompts: &[Vec<u32>]) -> Vec<Vec<u32>> {
 #[test]
 fn smollm2_q4_1_greedy_text_is_stable_english_on_every_cpu_path() {
     let Some((model, tok)) = model() else { return };
+    let _switches = switches();
     assert_eq!(model.config.num_layers, 30);
     assert!(model.lm_head.is_none(), "SmolLM2 ties its embeddings");
     let formats: Vec<_> = model.layers[0].proj.iter().map(|p| p.format()).collect();
@@ -286,6 +295,7 @@ fn smollm2_gguf_greedy_text_is_llama_cpp_with_q8_activations() {
         eprintln!("skipping: set THAW_SMOLLM2_GGUF_MORE to SmolLM2 GGUF files (':'-separated)");
         return;
     };
+    let _switches = switches();
     for path in std::env::split_paths(&paths) {
         let (model, tok) = HostModel::load_with_tokenizer(&path).expect("the GGUF loads");
         let mix = format_mix(&model);
