@@ -560,14 +560,18 @@ fn gemv_quant_f32_portable(
     }
 }
 
-/// Dequantises `w` (whole blocks of Q8_0, Q4_0 or Q4_1; or Q4_K where AVX-512F runs) into
+/// Dequantises `w` (whole blocks of Q8_0, Q4_0 or Q4_1; or Q4_K and Q6_K where AVX-512F runs) into
 /// `out`, bit-identical to [`crate::cpu::quant::dequantize_blocks`] (AVX2 where available).
 /// Returns false for other formats, leaving `out` alone.
 pub fn dequantize_row(format: WeightFormat, w: &[u8], out: &mut [f32]) -> bool {
     #[cfg(target_arch = "x86_64")]
-    if format == WeightFormat::Q4_K && simd_level() == SimdLevel::Avx2 {
+    if matches!(format, WeightFormat::Q4_K | WeightFormat::Q6_K) && simd_level() == SimdLevel::Avx2
+    {
         if let Some(z) = x86_512::Avx512::enabled() {
-            z.dequantize_q4_k(w, out);
+            match format {
+                WeightFormat::Q4_K => z.dequantize_q4_k(w, out),
+                _ => z.dequantize_q6_k(w, out),
+            }
             return true;
         }
     }
