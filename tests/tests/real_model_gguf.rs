@@ -274,27 +274,6 @@ const LLAMA_CPP: [(&str, &str); 2] = [
     ("Q4_1 75% + Q4_K 25%", "L'Étoile (The Lion"),
 ];
 
-/// The formats of a model's projections by share of their elements (`Q4_1 75% + Q4_K 25%`).
-fn format_mix(model: &HostModel) -> String {
-    let mut by: Vec<(WeightFormat, usize)> = Vec::new();
-    for w in model.layers.iter().flat_map(|l| l.proj.iter()) {
-        match by.iter_mut().find(|(f, _)| *f == w.format()) {
-            Some((_, n)) => *n += w.rows() * w.cols(),
-            None => by.push((w.format(), w.rows() * w.cols())),
-        }
-    }
-    by.sort_by_key(|&(_, n)| std::cmp::Reverse(n));
-    let total: usize = by.iter().map(|(_, n)| n).sum();
-    match &by[..] {
-        [(f, _)] => f.name().to_string(),
-        _ => by
-            .iter()
-            .map(|(f, n)| format!("{} {:.0}%", f.name(), 100.0 * *n as f64 / total as f64))
-            .collect::<Vec<_>>()
-            .join(" + "),
-    }
-}
-
 /// SmolLM2-135M GGUFs made by `llama-quantize` (`THAW_SMOLLM2_GGUF_MORE`: paths separated by
 /// `:`, e.g. its Q8_0 and Q4_K_S files; skips when unset; `.ci/run` does not set it). With Q8
 /// activations (the default for Q8_0 and Q4_K where the CPU has AVX512-VNNI; Q4_1 joins with
@@ -310,7 +289,7 @@ fn smollm2_gguf_greedy_text_is_llama_cpp_with_q8_activations() {
     let _switches = switches();
     for path in std::env::split_paths(&paths) {
         let (model, tok) = HostModel::load_with_tokenizer(&path).expect("the GGUF loads");
-        let mix = format_mix(&model);
+        let mix = model.format_mix();
         let name = format!("{} ({mix})", path.display());
         let prompt = chat_prompt(&tok, PROMPT);
         let others = [

@@ -347,18 +347,25 @@ pub fn bf16_dot_active() -> bool {
 /// 0 = not yet read, 1 = off, 2 = on.
 static PROMPT_GEMM: AtomicU8 = AtomicU8::new(0);
 
-/// Whether the environment leaves [`gemm_nt_f32_prompt`] on (`THAW_PROMPT_GEMM=0` turns it
-/// off; read once, for A/B runs of one binary).
-fn prompt_gemm_on() -> bool {
-    match PROMPT_GEMM.load(Ordering::Relaxed) {
+/// A process-wide switch decided once: `state` 0 = not yet (then `decide` settles it), 1 =
+/// off, 2 = on.
+#[inline]
+fn decided_once(state: &AtomicU8, decide: impl FnOnce() -> bool) -> bool {
+    match state.load(Ordering::Relaxed) {
         1 => false,
         2 => true,
         _ => {
-            let on = !super::switched_off("THAW_PROMPT_GEMM");
-            PROMPT_GEMM.store(if on { 2 } else { 1 }, Ordering::Relaxed);
+            let on = decide();
+            state.store(if on { 2 } else { 1 }, Ordering::Relaxed);
             on
         }
     }
+}
+
+/// Whether the environment leaves [`gemm_nt_f32_prompt`] on (`THAW_PROMPT_GEMM=0` turns it
+/// off; read once, for A/B runs of one binary).
+fn prompt_gemm_on() -> bool {
+    decided_once(&PROMPT_GEMM, || !super::switched_off("THAW_PROMPT_GEMM"))
 }
 
 /// As [`dot_rows_f32`] with `w` stored as f16.

@@ -17,7 +17,7 @@
 
 use std::arch::x86_64::*;
 use std::cell::RefCell;
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::AtomicU8;
 
 use half::bf16;
 
@@ -47,17 +47,12 @@ impl Avx512Bf16 {
     /// and the environment does not set `THAW_BF16_DOT=0` (read once; for A/B runs).
     #[inline]
     pub(super) fn enabled() -> Option<Self> {
-        match STATE.load(Ordering::Relaxed) {
-            1 => None,
-            2 => Some(Self { _detected: () }),
-            _ => {
-                let on = Avx512::enabled().is_some()
-                    && is_x86_feature_detected!("avx512bf16")
-                    && !crate::cpu::switched_off("THAW_BF16_DOT");
-                STATE.store(if on { 2 } else { 1 }, Ordering::Relaxed);
-                on.then_some(Self { _detected: () })
-            }
-        }
+        let on = super::decided_once(&STATE, || {
+            Avx512::enabled().is_some()
+                && is_x86_feature_detected!("avx512bf16")
+                && !crate::cpu::switched_off("THAW_BF16_DOT")
+        });
+        on.then_some(Self { _detected: () })
     }
 
     /// `out[i·ldo + j] = bf16(x_i)·w_j` for the `m` rows of `x` (`[m, k]`, rounded to bf16)

@@ -103,15 +103,10 @@ impl Avx512Vnni {
     /// or [`Self::set`] turned it off.
     #[inline]
     pub(super) fn enabled() -> Option<Self> {
-        match STATE.load(Ordering::Relaxed) {
-            1 => None,
-            2 => Some(Self { _detected: () }),
-            _ => {
-                let on = detect() && !crate::cpu::switched_off("THAW_VNNI_DOT");
-                STATE.store(if on { 2 } else { 1 }, Ordering::Relaxed);
-                on.then_some(Self { _detected: () })
-            }
-        }
+        let on = super::decided_once(&STATE, || {
+            detect() && !crate::cpu::switched_off("THAW_VNNI_DOT")
+        });
+        on.then_some(Self { _detected: () })
     }
 
     /// Turns the kernel on (where the CPU has it) or off for the whole process; returns
