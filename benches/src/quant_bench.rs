@@ -2,6 +2,8 @@
 //! a real model (SmolLM2-135M: 576 ↔ 1536, and the 49152-row tied output head), decode
 //! (1 row) and prefill-sized row counts, interleaved format by format so machine noise hits
 //! all alike. Prints µs per product, effective weight GB/s and the speed relative to f32.
+//! Q8_0 and Q4_K run twice where the CPU has AVX512-VNNI: on Q8 activations with `vpdpbusd`
+//! (the default, kernels `avx512-vnni`) and on f32 activations (`set_vnni_dot(false)`).
 //!
 //! With `--model` it measures the whole engine on a real model per stored precision instead
 //! (batches with mixed adapters, tok/s and each batch over batch 1): see [`crate::quant_step`].
@@ -9,6 +11,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use clap::{Args, ValueEnum};
+use thaw_kernels::cpu::simd::{set_vnni_dot, vnni_dot_active};
 use thaw_kernels::cpu::{set_simd_level, SimdLevel, WeightFormat, WeightMatrix};
 
 /// Decode kernels to measure (`avx2` runs portable on CPUs without AVX2/FMA/F16C).
@@ -149,19 +152,31 @@ pub fn run(args: &WeightFormatsArgs) -> anyhow::Result<String> {
         for &m in &args.rows {
             let x: Vec<f32> = (0..m * k).map(|_| lcg(&mut seed)).collect();
             let mut y = vec![0.0; m * n];
-            let cells: Vec<(usize, SimdLevel)> = (0..mats.len())
+            // (matrix, level, VNNI): the VNNI cell too where it applies.
+            let vnni = |i: usize, l: SimdLevel| {
+                set_simd_level(l) == SimdLevel::Avx2 && vnni_dot_active(mats[i].format())
+            };
+            let cells: Vec<(usize, SimdLevel, bool)> = (0..mats.len())
                 .flat_map(|i| levels.iter().map(move |&l| (i, l)))
+                .flat_map(|(i, l)| {
+                    let both = vnni(i, l);
+                    [(i, l, false)]
+                        .into_iter()
+                        .chain(both.then_some((i, l, true)))
+                })
                 .collect();
             let mut times = vec![Vec::new(); cells.len()];
             let mut used = vec![SimdLevel::Portable; cells.len()];
             for _ in 0..args.rounds {
-                for (c, &(i, l)) in cells.iter().enumerate() {
+                for (c, &(i, l, v)) in cells.iter().enumerate() {
                     used[c] = set_simd_level(l);
+                    set_vnni_dot(v);
                     let min = Duration::from_millis(args.min_ms);
                     times[c].push(time_one(&mats[i], &x, m, &mut y, min));
                 }
             }
             set_simd_level(SimdLevel::Avx2);
+            set_vnni_dot(true);
             let med: Vec<f64> = times
                 .iter_mut()
                 .map(|t| {
@@ -173,12 +188,13 @@ pub fn run(args: &WeightFormatsArgs) -> anyhow::Result<String> {
                 first = med.clone();
             }
             let m0 = args.rows[0].max(1) as f64;
-            for (c, &(i, _)) in cells.iter().enumerate() {
+            for (c, &(i, _, v)) in cells.iter().enumerate() {
                 let (w, t) = (&mats[i], med[c]);
+                let kernels = if v { "avx512-vnni" } else { used[c].name() };
                 out.push_str(&format!(
                     "| {name} | {m} | {} | {} | {} | {:.1} | {:.2} | {:.2}x | {:.2}x |\n",
                     w.format(),
-                    used[c].name(),
+                    kernels,
                     w.storage_bytes(),
                     t * 1e6,
                     w.storage_bytes() as f64 / t / 1e9,

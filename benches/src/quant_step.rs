@@ -25,27 +25,6 @@ struct Subject {
     adapters: Vec<Arc<LoraAdapter>>,
 }
 
-/// The weight formats of the layers' projections, by share of their bytes (e.g.
-/// `Q4_K 25% + Q4_1 75%`), or the one format.
-pub fn format_mix(model: &HostModel) -> String {
-    let mut by: Vec<(WeightFormat, usize)> = Vec::new();
-    for w in model.layers.iter().flat_map(|l| l.proj.iter()) {
-        match by.iter_mut().find(|(f, _)| *f == w.format()) {
-            Some((_, n)) => *n += w.rows() * w.cols(),
-            None => by.push((w.format(), w.rows() * w.cols())),
-        }
-    }
-    by.sort_by_key(|&(_, n)| std::cmp::Reverse(n));
-    if by.len() == 1 {
-        return by[0].0.name().to_string();
-    }
-    let total: usize = by.iter().map(|(_, n)| n).sum();
-    by.iter()
-        .map(|(f, n)| format!("{} {:.0}%", f.name(), 100.0 * *n as f64 / total as f64))
-        .collect::<Vec<_>>()
-        .join(" + ")
-}
-
 fn parse_format(s: &str) -> anyhow::Result<WeightFormat> {
     WeightFormat::ALL
         .into_iter()
@@ -73,14 +52,14 @@ fn subjects(a: &WeightFormatsArgs) -> anyhow::Result<Vec<Subject>> {
                 let mut m = model.clone();
                 m.convert_weights(parse_format(f)?)?;
                 out.push(Subject {
-                    label: format!("{name} → {}", format_mix(&m)),
+                    label: format!("{name} → {}", m.format_mix()),
                     model: m,
                     adapters: adapters.clone(),
                 });
             }
         }
         out.push(Subject {
-            label: format!("{name} ({})", format_mix(&model)),
+            label: format!("{name} ({})", model.format_mix()),
             model,
             adapters,
         });

@@ -1,13 +1,16 @@
 //! Times the f32 prompt GEMM `y = x · wᵀ` per call at SmolLM2-135M's per-thread shapes (a
 //! 64-token prompt, each of 2 threads computing half the output columns), one thread: the
 //! in-place dot kernel (`gemm_nt_f32`, the decode path) against the packed prompt kernel
-//! (`gemm_nt_f32_prompt`, what `linear` takes for more than 16 rows). Weights rotate through
+//! (`gemm_nt_f32_prompt`, what `linear` takes for more than 16 rows), and the packed kernel
+//! over the same weights stored as bf16 (`gemm_nt_prompt`: `vdpbf16ps` pairs where the CPU has
+//! AVX512-BF16, else widened while packed). Weights rotate through
 //! 256 MiB of copies so each call reads its weight from memory, as a prefill does.
 //!
 //! `cargo run --release -p thaw-kernels --example prompt_gemm [reps]`
 use std::time::Instant;
 
-use thaw_kernels::cpu::simd::{gemm_nt_f32, gemm_nt_f32_prompt};
+use half::bf16;
+use thaw_kernels::cpu::simd::{gemm_nt_f32, gemm_nt_f32_prompt, gemm_nt_prompt, FloatWeights};
 
 /// GFLOP/s of a register-only loop of independent 16-lane FMAs (24 chains): this core's
 /// peak for the f32 GEMM, whatever its clock.
@@ -41,6 +44,14 @@ fn fma_peak() -> f64 {
     (iters * 24 * 32) as f64 / best / 1e9
 }
 
+/// The kernels compared.
+#[derive(Copy, Clone)]
+enum Kernel {
+    Dot,
+    Packed,
+    PackedBf16,
+}
+
 fn main() {
     #[cfg(target_arch = "x86_64")]
     println!("one core's FMA peak: {:.1} GFLOP/s", fma_peak());
@@ -59,8 +70,8 @@ fn main() {
         (17, 576, 288, "q/o half, 17 rows"),
         (128, 576, 288, "q/o half, 128 rows"),
     ];
-    println!("| m | k | n | shape | dot kernel µs | packed µs | dot GFLOP/s | packed GFLOP/s | packed ÷ dot time |");
-    println!("|---|---|---|---|---|---|---|---|---|");
+    println!("| m | k | n | shape | dot kernel µs | packed µs | bf16 packed µs | dot GFLOP/s | packed GFLOP/s | bf16 packed GFLOP/s | packed ÷ dot time |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|");
     let mut seed = 0x2545_f491_u32;
     let mut rnd = move || {
         seed ^= seed << 13;
@@ -78,18 +89,26 @@ fn main() {
         let ws: Vec<Vec<f32>> = (0..copies)
             .map(|_| (0..n * k).map(|_| rnd()).collect())
             .collect();
+        let ws16: Vec<Vec<bf16>> = ws
+            .iter()
+            .take((copies / 2).max(1))
+            .map(|w| w.iter().map(|&v| bf16::from_f32(v)).collect())
+            .collect();
         let mut y = vec![0.0f32; m * n];
-        let mut time = |packed: bool| {
+        let mut time = |kernel: Kernel| {
             let mut best = f64::MAX;
             // Best of 3 passes of `reps` calls (the median-free minimum: neighbours only slow).
             for _ in 0..1 {
                 let t = Instant::now();
                 for r in 0..reps {
                     let w = &ws[r % copies];
-                    let ok = if packed {
-                        gemm_nt_f32_prompt(&x, w, (m, k, n), &mut y, n)
-                    } else {
-                        gemm_nt_f32(&x, w, (m, k, n), &mut y, n)
+                    let ok = match kernel {
+                        Kernel::Dot => gemm_nt_f32(&x, w, (m, k, n), &mut y, n),
+                        Kernel::Packed => gemm_nt_f32_prompt(&x, w, (m, k, n), &mut y, n),
+                        Kernel::PackedBf16 => {
+                            let w = FloatWeights::BF16(&ws16[r % ws16.len()]);
+                            gemm_nt_prompt(&x, w, (m, k, n), &mut y, n)
+                        }
                     };
                     assert!(ok, "no AVX-512F here");
                 }
@@ -97,19 +116,22 @@ fn main() {
             }
             best
         };
-        let (mut dot, mut packed) = (f64::MAX, f64::MAX);
+        let (mut dot, mut packed, mut pbf) = (f64::MAX, f64::MAX, f64::MAX);
         // Alternated passes, the best of each (neighbours only slow a pass down).
         for _ in 0..4 {
-            dot = dot.min(time(false));
-            packed = packed.min(time(true));
+            dot = dot.min(time(Kernel::Dot));
+            packed = packed.min(time(Kernel::Packed));
+            pbf = pbf.min(time(Kernel::PackedBf16));
         }
         let flop = 2.0 * (m * k * n) as f64;
         println!(
-            "| {m} | {k} | {n} | {what} | {:.1} | {:.1} | {:.1} | {:.1} | {:.2} |",
+            "| {m} | {k} | {n} | {what} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.2} |",
             dot * 1e6,
             packed * 1e6,
+            pbf * 1e6,
             flop / dot / 1e9,
             flop / packed / 1e9,
+            flop / pbf / 1e9,
             packed / dot
         );
     }

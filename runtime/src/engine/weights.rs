@@ -132,6 +132,29 @@ impl HostModel {
         Ok(())
     }
 
+    /// The weight formats of the layers' projections by share of their elements (e.g.
+    /// `Q4_1 75% + Q4_K 25%`), or the one format: how a GGUF from `llama-quantize` (which
+    /// keeps some tensors at another type) is labelled in reports.
+    pub fn format_mix(&self) -> String {
+        use thaw_kernels::cpu::WeightFormat;
+        let mut by: Vec<(WeightFormat, usize)> = Vec::new();
+        for w in self.layers.iter().flat_map(|l| l.proj.iter()) {
+            match by.iter_mut().find(|(f, _)| *f == w.format()) {
+                Some((_, n)) => *n += w.rows() * w.cols(),
+                None => by.push((w.format(), w.rows() * w.cols())),
+            }
+        }
+        by.sort_by_key(|&(_, n)| std::cmp::Reverse(n));
+        if by.len() == 1 {
+            return by[0].0.name().to_string();
+        }
+        let total: usize = by.iter().map(|(_, n)| n).sum();
+        by.iter()
+            .map(|(f, n)| format!("{} {:.0}%", f.name(), 100.0 * *n as f64 / total as f64))
+            .collect::<Vec<_>>()
+            .join(" + ")
+    }
+
     /// Bytes the matrices take in memory as stored.
     pub fn weight_bytes(&self) -> usize {
         let layers: usize = self

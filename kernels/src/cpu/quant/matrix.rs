@@ -12,8 +12,8 @@ use crate::cpu::gemm::{dot, linear, GemmShape, SMALL_M};
 use crate::cpu::hostvec::HostVec;
 use crate::cpu::simd::{
     dequantize_row, dot_rows_bf16, dot_rows_f16, gemm_nt, gemm_nt_available, gemm_nt_f32,
-    gemm_nt_f32_prompt, gemm_nt_prompt, gemv_q8, gemv_quant_f32, q8_dot_supported, quantize_q8,
-    FloatWeights, Q8Block,
+    gemm_nt_f32_prompt, gemm_nt_prompt, gemm_nt_vnni, gemv_q8, gemv_quant_f32, q8_dot_supported,
+    quantize_q8, FloatWeights, Q8Block,
 };
 use crate::cpu::sys::{sgemm, HugeArena, MatMut, MatRef};
 use crate::error::KernelError;
@@ -356,6 +356,16 @@ impl WeightMatrix {
         if k == 0 {
             out.fill(0.0);
             return;
+        }
+        // Q8_0/Q4_K on AVX512-VNNI: activations quantised to Q8 once per call and integer
+        // dots, as llama.cpp computes them; one kernel for every `m` (a decode row's result
+        // does not depend on its batch).
+        if let WeightData::Quant(f, b) = &self.data {
+            let rb = k / f.block_elems() * f.block_bytes();
+            let w = &b[out_cols.start * rb..out_cols.end * rb];
+            if gemm_nt_vnni(*f, w, x, (m, k, n), out, n) {
+                return;
+            }
         }
         let (c0, c1) = (out_cols.start * k, out_cols.end * k);
         let floats = match &self.data {

@@ -3,7 +3,7 @@ use proptest::prelude::*;
 use rand::Rng;
 
 use super::*;
-use crate::cpu::simd::{bf16_dot_active, q8_dot_supported, quantize_q8, Q8Block};
+use crate::cpu::simd::{bf16_dot_active, q8_dot_supported, quantize_q8, vnni_dot_active, Q8Block};
 use crate::cpu::testutil::{assert_close, rand_vec, rng};
 
 const ROWS: usize = 3;
@@ -121,7 +121,7 @@ pub(super) fn random_matrix(f: WeightFormat, rows: usize, cols: usize, seed: u64
 }
 
 /// Rows of `x` (`k` wide) as the Q8 decode path sees them: quantised and dequantised.
-fn q8_rows(x: &[f32], k: usize) -> Vec<f32> {
+pub(super) fn q8_rows(x: &[f32], k: usize) -> Vec<f32> {
     let mut q = vec![Q8Block::default(); k / 32];
     let mut out = Vec::with_capacity(x.len());
     for row in x.chunks_exact(k) {
@@ -154,7 +154,10 @@ fn matmul_matches_dequantised_f32() {
                 // Decode rows over Q8_0/Q4_0/Q4_1 multiply Q8-quantised activations (integer
                 // dots, exact): the oracle uses those activations (`simd::tests` checks the
                 // quantisation error bound against the original ones).
-                let xs = if m <= 16 && super::q8_activations() && q8_dot_supported(f) {
+                // Q8_0/Q4_K on AVX512-VNNI multiply Q8-quantised activations at every `m`.
+                let q8 = vnni_dot_active(f)
+                    || (m <= 16 && super::q8_activations() && q8_dot_supported(f));
+                let xs = if q8 {
                     q8_rows(&x, k)
                 } else if m > 16 && f == WeightFormat::BF16 && bf16_dot_active() {
                     // Prompt rows over bf16 weights multiply bf16-rounded activations.

@@ -2,9 +2,9 @@
 //! batch, and every product equals the one over the weight widened to f32.
 use proptest::prelude::*;
 
-use super::tests::random_matrix;
+use super::tests::{q8_rows, random_matrix};
 use super::*;
-use crate::cpu::simd::{bf16_dot_active, gemm_nt_available};
+use crate::cpu::simd::{bf16_dot_active, gemm_nt_available, vnni_dot_active};
 use crate::cpu::testutil::{assert_close, rand_vec, rng};
 
 /// Each row of a decode batch (`m ≤ 16` rows) equals the one-row product bit for bit, for
@@ -35,7 +35,8 @@ fn decode_rows_are_batch_invariant(fi: usize, m: usize, seed: u64) {
 /// The product over a stored format equals the product over its f32 widening: bit for bit
 /// where the in-place and packed AVX-512 kernels run (both sides take the same kernel for
 /// the same `m`), else within the f32 accumulation tolerance of `quant::tests` (1e-5 of
-/// |y| + RMS(y)).
+/// |y| + RMS(y)); Q8_0/Q4_K on AVX512-VNNI against the widened product of the Q8-rounded
+/// activations, within that tolerance.
 fn equals_widened(fi: usize, m: usize, seed: u64) {
     if q8_activations() {
         return; // decode rows then multiply Q8-rounded activations (checked in `tests`)
@@ -47,6 +48,19 @@ fn equals_widened(fi: usize, m: usize, seed: u64) {
     let x = rand_vec(&mut rng(seed + 2), m * k, 1.0);
     let (mut got, mut want) = (vec![f32::NAN; m * n], vec![f32::NAN; m * n]);
     w.matmul(&x, m, &mut got);
+    if vnni_dot_active(f) {
+        // Q8_0/Q4_K on AVX512-VNNI multiply Q8-quantised activations (integer dots, exact):
+        // the widened product of those, within the tolerance.
+        wide.matmul(&q8_rows(&x, k), m, &mut want);
+        let want: Vec<f64> = want.iter().map(|&v| v as f64).collect();
+        assert_close(
+            &format!("{f} m={m} (VNNI, Q8 activations)"),
+            &got,
+            &want,
+            1e-5,
+        );
+        return;
+    }
     if m > 16 && f == WeightFormat::BF16 && bf16_dot_active() {
         // Prompt rows over bf16 weights multiply bf16-rounded activations (`vdpbf16ps`):
         // the widened product of those, within the tolerance.

@@ -14,6 +14,10 @@
 //!   read in place, each 16-bit weight vector widened once per register tile (decode batches)
 //!   or once per call while packed (prompt rows) and reused by every activation row; bit for
 //!   bit the row dots (decode) or the f32 prompt GEMM over the widened weight (prompt).
+//! - [`gemm_nt_vnni`] (AVX512-VNNI): Q8_0 and Q4_K weights (Q4_1 too where
+//!   `THAW_Q8_ACTIVATIONS=1`) × activations quantised to Q8 once per call, integer dots
+//!   (`vpdpbusd`) for every row count, as llama.cpp computes them; on by default where the CPU
+//!   has it (`THAW_VNNI_DOT=0` or [`set_vnni_dot`] turn it off).
 //!
 //! Error of the Q8 path: an activation block `x_b` (32 values) is stored as `d_b·q` with
 //! `d_b = max|x_b| / 127` and `q = round(x / d_b)`, so `|x − d_b·q| ≤ d_b / 2` per element and
@@ -28,6 +32,8 @@ mod portable;
 mod tests;
 #[cfg(test)]
 mod tests_batched;
+#[cfg(test)]
+mod tests_vnni;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 #[cfg(target_arch = "x86_64")]
@@ -38,6 +44,8 @@ mod x86_512_bf16;
 mod x86_512_gemm;
 #[cfg(target_arch = "x86_64")]
 mod x86_512_kquant;
+#[cfg(target_arch = "x86_64")]
+mod x86_512_vnni;
 
 use std::sync::atomic::{AtomicU8, Ordering};
 
@@ -268,6 +276,64 @@ pub fn gemm_nt_prompt(
     false
 }
 
+/// Whether [`gemm_nt_vnni`] runs for weights of `format`: Q8_0 or Q4_K (or Q4_1 where
+/// [`crate::cpu::q8_activations`] opted in: its Q8 rounding flips SmolLM2's greedy answer, see
+/// `quant::matrix`), AVX-512F in use, the CPU has AVX512-VNNI and AVX512-BW, and neither
+/// `THAW_VNNI_DOT=0` nor [`set_vnni_dot`] turned it off.
+pub fn vnni_dot_active(format: WeightFormat) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if simd_level() == SimdLevel::Avx2 {
+        let wanted = match format {
+            WeightFormat::Q8_0 | WeightFormat::Q4_K => true,
+            WeightFormat::Q4_1 => crate::cpu::quant::q8_activations(),
+            _ => false,
+        };
+        return wanted && x86_512_vnni::Avx512Vnni::enabled().is_some();
+    }
+    let _ = format;
+    false
+}
+
+/// Turns [`gemm_nt_vnni`] on (where the CPU has it) or off for the whole process, for
+/// benchmarks and tests that compare it with the f32-activation path; returns whether it was
+/// on.
+pub fn set_vnni_dot(on: bool) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return x86_512_vnni::Avx512Vnni::set(on);
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = on;
+        false
+    }
+}
+
+/// `out[i·ldo + j] = q8(x_i)·w_j` for the `m` rows of `x` (`[m, k]`) and the `n` weight rows
+/// packed in `w` (whole Q8_0, Q4_K or Q4_1 blocks, `k` values a row), as llama.cpp computes it:
+/// each activation row quantised once per call by [`quantize_q8`], an exact integer dot per
+/// 32-value block (`vpdpbusd`), scaled in f32 by the weight block's scale (and, for Q4_K and
+/// Q4_1, plus its minimum term times the activation block's sum). One kernel for every `m`: each
+/// output's bits depend only on its own two rows. Error against the f32 product with the
+/// dequantised weight: the activation rounding `Σ_b (d_b / 2)·‖w_b‖₁` plus f32 rounding.
+/// Returns false, doing nothing, where [`vnni_dot_active`] is false.
+pub fn gemm_nt_vnni(
+    format: WeightFormat,
+    w: &[u8],
+    x: &[f32],
+    (m, k, n): (usize, usize, usize),
+    out: &mut [f32],
+    ldo: usize,
+) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if vnni_dot_active(format) {
+        if let Some(z) = x86_512_vnni::Avx512Vnni::enabled() {
+            z.gemm_nt(format, w, x, (m, k, n), out, ldo);
+            return true;
+        }
+    }
+    let _ = (format, w, x, m, k, n, out, ldo);
+    false
+}
+
 /// Whether [`gemm_nt_prompt`] multiplies bf16 weights with bf16-rounded activations
 /// (`vdpbf16ps`): AVX-512F in use, the CPU has AVX512-BF16 and `THAW_BF16_DOT` is not `0`.
 pub fn bf16_dot_active() -> bool {
@@ -281,18 +347,25 @@ pub fn bf16_dot_active() -> bool {
 /// 0 = not yet read, 1 = off, 2 = on.
 static PROMPT_GEMM: AtomicU8 = AtomicU8::new(0);
 
-/// Whether the environment leaves [`gemm_nt_f32_prompt`] on (`THAW_PROMPT_GEMM=0` turns it
-/// off; read once, for A/B runs of one binary).
-fn prompt_gemm_on() -> bool {
-    match PROMPT_GEMM.load(Ordering::Relaxed) {
+/// A process-wide switch decided once: `state` 0 = not yet (then `decide` settles it), 1 =
+/// off, 2 = on.
+#[inline]
+fn decided_once(state: &AtomicU8, decide: impl FnOnce() -> bool) -> bool {
+    match state.load(Ordering::Relaxed) {
         1 => false,
         2 => true,
         _ => {
-            let on = !super::switched_off("THAW_PROMPT_GEMM");
-            PROMPT_GEMM.store(if on { 2 } else { 1 }, Ordering::Relaxed);
+            let on = decide();
+            state.store(if on { 2 } else { 1 }, Ordering::Relaxed);
             on
         }
     }
+}
+
+/// Whether the environment leaves [`gemm_nt_f32_prompt`] on (`THAW_PROMPT_GEMM=0` turns it
+/// off; read once, for A/B runs of one binary).
+fn prompt_gemm_on() -> bool {
+    decided_once(&PROMPT_GEMM, || !super::switched_off("THAW_PROMPT_GEMM"))
 }
 
 /// As [`dot_rows_f32`] with `w` stored as f16.
@@ -494,14 +567,18 @@ fn gemv_quant_f32_portable(
     }
 }
 
-/// Dequantises `w` (whole blocks of Q8_0, Q4_0 or Q4_1; or Q4_K where AVX-512F runs) into
+/// Dequantises `w` (whole blocks of Q8_0, Q4_0 or Q4_1; or Q4_K and Q6_K where AVX-512F runs) into
 /// `out`, bit-identical to [`crate::cpu::quant::dequantize_blocks`] (AVX2 where available).
 /// Returns false for other formats, leaving `out` alone.
 pub fn dequantize_row(format: WeightFormat, w: &[u8], out: &mut [f32]) -> bool {
     #[cfg(target_arch = "x86_64")]
-    if format == WeightFormat::Q4_K && simd_level() == SimdLevel::Avx2 {
+    if matches!(format, WeightFormat::Q4_K | WeightFormat::Q6_K) && simd_level() == SimdLevel::Avx2
+    {
         if let Some(z) = x86_512::Avx512::enabled() {
-            z.dequantize_q4_k(w, out);
+            match format {
+                WeightFormat::Q4_K => z.dequantize_q4_k(w, out),
+                _ => z.dequantize_q6_k(w, out),
+            }
             return true;
         }
     }

@@ -228,34 +228,42 @@ proptest! {
     }
 }
 
-/// Q4_K rows dequantised by [`dequantize_row`] (AVX-512F where it runs) equal the scalar
-/// dequantiser bit for bit: random codes and 6-bit scales/mins, sane f16 `d`/`dmin`.
-fn q4_k_row_equals_scalar(blocks: usize, seed: u64) {
+/// Q4_K and Q6_K rows dequantised by [`dequantize_row`] (AVX-512F where it runs) equal the
+/// scalar dequantiser bit for bit: random codes and scales, sane f16 scales (Q4_K's `d` and
+/// `dmin` at bytes 0 and 2, Q6_K's `d` at byte 208).
+fn k_quant_row_equals_scalar(f: WeightFormat, blocks: usize, seed: u64) {
     use rand::Rng;
     let mut r = rng(seed);
-    let mut w: Vec<u8> = (0..blocks * 144).map(|_| r.random()).collect();
-    for b in w.chunks_exact_mut(144) {
-        for at in [0, 2] {
+    let bb = f.block_bytes();
+    let mut w: Vec<u8> = (0..blocks * bb).map(|_| r.random()).collect();
+    let scales: &[usize] = if f == WeightFormat::Q4_K {
+        &[0, 2]
+    } else {
+        &[208]
+    };
+    for b in w.chunks_exact_mut(bb) {
+        for &at in scales {
             let v = f16::from_f32(r.random_range(-0.05f32..0.05));
             b[at..at + 2].copy_from_slice(&v.to_bits().to_le_bytes());
         }
     }
     let mut want = vec![0.0f32; blocks * 256];
-    crate::cpu::quant::dequantize_blocks(WeightFormat::Q4_K, &w, &mut want).unwrap();
+    crate::cpu::quant::dequantize_blocks(f, &w, &mut want).unwrap();
     let mut got = vec![f32::NAN; blocks * 256];
-    if !dequantize_row(WeightFormat::Q4_K, &w, &mut got) {
-        eprintln!("no AVX-512F here: the Q4_K row dequantiser is not checked");
+    if !dequantize_row(f, &w, &mut got) {
+        eprintln!("no AVX-512F here: the {f} row dequantiser is not checked");
         return;
     }
     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-    assert_eq!(bits(&got), bits(&want), "Q4_K, {blocks} blocks");
+    assert_eq!(bits(&got), bits(&want), "{f}, {blocks} blocks");
 }
 
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(32))]
 
     #[test]
-    fn q4_k_rows_any_length(blocks in 0usize..8, seed in any::<u64>()) {
-        q4_k_row_equals_scalar(blocks, seed);
+    fn k_quant_rows_any_length(q6 in any::<bool>(), blocks in 0usize..8, seed in any::<u64>()) {
+        let f = if q6 { WeightFormat::Q6_K } else { WeightFormat::Q4_K };
+        k_quant_row_equals_scalar(f, blocks, seed);
     }
 }

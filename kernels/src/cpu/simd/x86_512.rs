@@ -13,7 +13,7 @@
 #![allow(clippy::needless_range_loop)]
 
 use std::arch::x86_64::*;
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::AtomicU8;
 
 use super::x86::{load_w, w_at, BF16, F16, F32};
 use super::{FloatWeights, Q8_BLOCK};
@@ -51,16 +51,10 @@ impl Avx512 {
     /// `THAW_AVX512=0` (read once; for A/B runs of the same binary).
     #[inline]
     pub(super) fn enabled() -> Option<Self> {
-        match STATE.load(Ordering::Relaxed) {
-            1 => None,
-            2 => Some(Self { _detected: () }),
-            _ => {
-                let off = crate::cpu::switched_off("THAW_AVX512");
-                let t = if off { None } else { Self::detect() };
-                STATE.store(if t.is_some() { 2 } else { 1 }, Ordering::Relaxed);
-                t
-            }
-        }
+        let on = super::decided_once(&STATE, || {
+            !crate::cpu::switched_off("THAW_AVX512") && Self::detect().is_some()
+        });
+        on.then_some(Self { _detected: () })
     }
 
     /// [`super::gemv_quant_f32`] for Q8_0/Q4_0/Q4_1 (arguments checked by the caller, see

@@ -3,7 +3,7 @@
 //! PyTorch and llama.cpp, and every instruction multiplies 32 bf16 pairs into 16 f32 sums —
 //! twice the products per instruction of the f32 FMA kernel. Same blocking as the f32 packed
 //! kernel (`x86_512_gemm`): a panel of [`NR`] weight rows packed once per call as bf16 pairs
-//! (`[k/2][NR]` 32-bit lanes, a 16 × 16 transpose), an [`MR`] × [`NR`] register tile that
+//! (`[k/2][NR]` 32-bit lanes, a 16 × 16 transpose), an `MR` × [`NR`] register tile that
 //! broadcasts one activation pair per row.
 //!
 //! Each output is one sequential chain over the pairs `p = 0..⌈k/2⌉` starting from zero
@@ -17,12 +17,15 @@
 
 use std::arch::x86_64::*;
 use std::cell::RefCell;
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::AtomicU8;
 
 use half::bf16;
 
-use super::x86_512::{check_gemm_nt, Avx512};
-use super::x86_512_gemm::{kc_for, lanes, transpose16, MR, NR};
+use super::x86_512::Avx512;
+use super::x86_512_gemm::{
+    col_masks, drive_panels, load_tile, store_tile, transpose16, trivial_product, PanelKernel,
+    TileAt, NR,
+};
 
 thread_local! {
     /// The packed weight panel (bf16 pairs) and the activations rounded to bf16 pairs, per
@@ -44,17 +47,12 @@ impl Avx512Bf16 {
     /// and the environment does not set `THAW_BF16_DOT=0` (read once; for A/B runs).
     #[inline]
     pub(super) fn enabled() -> Option<Self> {
-        match STATE.load(Ordering::Relaxed) {
-            1 => None,
-            2 => Some(Self { _detected: () }),
-            _ => {
-                let on = Avx512::enabled().is_some()
-                    && is_x86_feature_detected!("avx512bf16")
-                    && !crate::cpu::switched_off("THAW_BF16_DOT");
-                STATE.store(if on { 2 } else { 1 }, Ordering::Relaxed);
-                on.then_some(Self { _detected: () })
-            }
-        }
+        let on = super::decided_once(&STATE, || {
+            Avx512::enabled().is_some()
+                && is_x86_feature_detected!("avx512bf16")
+                && !crate::cpu::switched_off("THAW_BF16_DOT")
+        });
+        on.then_some(Self { _detected: () })
     }
 
     /// `out[i·ldo + j] = bf16(x_i)·w_j` for the `m` rows of `x` (`[m, k]`, rounded to bf16)
@@ -67,14 +65,7 @@ impl Avx512Bf16 {
         out: &mut [f32],
         ldo: usize,
     ) {
-        check_gemm_nt("gemm_nt_bf16dot", x, w.len(), (m, k, n), out, ldo);
-        if m == 0 || n == 0 {
-            return;
-        }
-        if k == 0 {
-            for i in 0..m {
-                out[i * ldo..i * ldo + n].fill(0.0);
-            }
+        if trivial_product("gemm_nt_bf16dot", x, w.len(), (m, k, n), out, ldo) {
             return;
         }
         let kp = k.div_ceil(2);
@@ -118,6 +109,37 @@ fn to_pairs(row: &[f32], pairs: &mut [u32]) {
     }
 }
 
+/// The bf16-pair kernel: pointers as [`packed`] receives them.
+struct Pairs {
+    xb: *const u32,
+    w: *const u16,
+    k: usize,
+    out: *mut f32,
+    ldo: usize,
+    panel: *mut u32,
+}
+
+impl PanelKernel for Pairs {
+    #[inline(always)]
+    unsafe fn pack(&mut self, j0: usize, nc: usize) {
+        // SAFETY: rows `j0..j0 + nc` of the `n·k` bf16s, the `⌈k/2⌉·NR` panel: the caller's
+        // guarantee, which [`packed`]'s covers.
+        unsafe { pack_panel(self.w.add(j0 * self.k), nc, self.k, self.panel) }
+    }
+
+    #[inline(always)]
+    unsafe fn tile<const R: usize>(&mut self, at: TileAt) {
+        let (kp, ldo, TileAt { i0, p0, j0, .. }) = (self.k.div_ceil(2), self.ldo, at);
+        // SAFETY: rows `i0..i0 + R ≤ m` of `xb` from pair `p0`, the panel's pairs
+        // `p0..p0 + kb ≤ ⌈k/2⌉`, outputs `(i0 + r)·ldo + j0 + c` (c < nc): the caller's
+        // guarantee.
+        unsafe {
+            let (a, c) = (self.xb.add(i0 * kp + p0), self.out.add(i0 * ldo + j0));
+            tile::<R>(a, kp, self.panel.add(p0 * NR), c, ldo, at)
+        }
+    }
+}
+
 /// # Safety
 /// AVX512-BF16/AVX-512F available; `xb` readable for `m` rows of `⌈k/2⌉` pairs, `w` for
 /// `n·k` bf16s, `out` writable at `i·ldo + j` for `i < m`, `j < n`, `panel` writable for
@@ -132,53 +154,17 @@ unsafe fn packed(
     ldo: usize,
     panel: *mut u32,
 ) {
-    let kp = k.div_ceil(2);
-    let kc = kc_for(kp);
-    let tiles = kp.div_ceil(kc) * m.div_ceil(MR);
-    let mut j0 = 0;
-    while j0 < n {
-        let nc = (n - j0).min(NR);
-        // The next panel is rows `j0 + nc..`, contiguous: `next` bytes from `w + (j0 + nc)·k`.
-        let next = (n - j0 - nc).min(NR) * k * 2;
-        let per_tile = next.div_ceil(64).div_ceil(tiles) * 64;
-        let mut pf = 0;
-        // SAFETY: weight rows `j0..j0 + nc ≤ n`, the panel's `kp·NR` pairs, row blocks
-        // `i0..i0 + R ≤ m`, pair steps `p0..p0 + kb ≤ kp` and the outputs
-        // `(i0 + r)·ldo + j0 + c` (c < nc): inside the caller's guarantee; prefetches touch
-        // rows `j0 + nc..n` only (and are hints: they never fault).
-        unsafe {
-            pack_panel(w.add(j0 * k), nc, k, panel);
-            let wn = w.add((j0 + nc) * k).cast::<u8>();
-            let mut p0 = 0;
-            while p0 < kp {
-                let kb = (kp - p0).min(kc);
-                let first = p0 == 0;
-                let bp = panel.add(p0 * NR);
-                let mut i0 = 0;
-                while i0 < m {
-                    let end = (pf + per_tile).min(next);
-                    while pf < end {
-                        _mm_prefetch::<_MM_HINT_T0>(wn.add(pf).cast());
-                        pf += 64;
-                    }
-                    let rn = (m - i0).min(MR);
-                    let (a, c) = (xb.add(i0 * kp + p0), out.add(i0 * ldo + j0));
-                    macro_rules! go {
-                        ($($R:literal)*) => {
-                            match rn {
-                                $($R => tile::<$R>(a, kp, bp, kb, c, ldo, nc, first),)*
-                                _ => unreachable!(),
-                            }
-                        };
-                    }
-                    go!(8 7 6 5 4 3 2 1);
-                    i0 += rn;
-                }
-                p0 += kb;
-            }
-        }
-        j0 += nc;
-    }
+    let mut kern = Pairs {
+        xb,
+        w,
+        k,
+        out,
+        ldo,
+        panel,
+    };
+    // SAFETY: the kernel is built over this product (`⌈k/2⌉` pair steps); the caller's
+    // guarantee is the driver's.
+    unsafe { drive_panels(&mut kern, (m, k.div_ceil(2), n), w.cast(), k * 2) }
 }
 
 /// One `R × NR` tile: `c[r·ldc + j] (+)= Σ_{p < kb} a[r·lda + p] · bp[p·NR + j]` (pairs of
@@ -190,36 +176,22 @@ unsafe fn packed(
 /// `bp` for `kb·NR` pairs, `c` readable and writable at `r·ldc + j` for `r < R`, `j < nc ≤ NR`.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bf16,avx2,fma")]
-#[allow(clippy::too_many_arguments)]
 unsafe fn tile<const R: usize>(
     a: *const u32,
     lda: usize,
     bp: *const u32,
-    kb: usize,
     c: *mut f32,
     ldc: usize,
-    nc: usize,
-    first: bool,
+    TileAt { kb, nc, first, .. }: TileAt,
 ) {
-    let mask = [
-        lanes(nc),
-        lanes(nc.saturating_sub(16)),
-        lanes(nc.saturating_sub(32)),
-    ];
+    let mask = col_masks(nc);
     let bh = |v: __m512i| -> __m512bh {
         // SAFETY: `__m512bh` is 32 bf16 values in the same 512 bits as `v`.
         unsafe { std::mem::transmute::<__m512i, __m512bh>(v) }
     };
     // SAFETY: loads and stores stay inside the caller's guarantee (masked to `nc` columns).
     unsafe {
-        let mut acc = [[_mm512_setzero_ps(); 3]; R];
-        if !first {
-            for r in 0..R {
-                for v in 0..3 {
-                    acc[r][v] = _mm512_maskz_loadu_ps(mask[v], c.add(r * ldc + 16 * v));
-                }
-            }
-        }
+        let mut acc = load_tile::<R>(c, ldc, mask, first);
         for p in 0..kb {
             let b = bp.add(p * NR);
             let (b0, b1, b2) = (
@@ -234,11 +206,7 @@ unsafe fn tile<const R: usize>(
                 acc[r][2] = _mm512_dpbf16_ps(acc[r][2], av, b2);
             }
         }
-        for r in 0..R {
-            for v in 0..3 {
-                _mm512_mask_storeu_ps(c.add(r * ldc + 16 * v), mask[v], acc[r][v]);
-            }
-        }
+        store_tile::<R>(c, ldc, mask, &acc);
     }
 }
 

@@ -50,14 +50,7 @@ impl Avx512 {
         out: &mut [f32],
         ldo: usize,
     ) {
-        check_gemm_nt("gemm_nt_packed", x, w.len(), (m, k, n), out, ldo);
-        if m == 0 || n == 0 {
-            return;
-        }
-        if k == 0 {
-            for i in 0..m {
-                out[i * ldo..i * ldo + n].fill(0.0);
-            }
+        if trivial_product("gemm_nt_packed", x, w.len(), (m, k, n), out, ldo) {
             return;
         }
         PANEL.with(|p| {
@@ -85,9 +78,167 @@ impl Avx512 {
     }
 }
 
+/// Checks a packed product's operands ([`check_gemm_nt`]) and settles the products with no
+/// work: true (done) when `m` or `n` is zero, or when `k` is (the outputs are zeroed).
+pub(super) fn trivial_product(
+    name: &str,
+    x: &[f32],
+    w_len: usize,
+    (m, k, n): (usize, usize, usize),
+    out: &mut [f32],
+    ldo: usize,
+) -> bool {
+    check_gemm_nt(name, x, w_len, (m, k, n), out, ldo);
+    if m > 0 && n > 0 && k == 0 {
+        for i in 0..m {
+            out[i * ldo..i * ldo + n].fill(0.0);
+        }
+    }
+    m == 0 || n == 0 || k == 0
+}
+
 /// The `KC` blocks of `0..k`: near-equal, multiples of 16 but the last.
 pub(super) fn kc_for(k: usize) -> usize {
     k.div_ceil(k.div_ceil(KC)).next_multiple_of(16)
+}
+
+/// What a packed prompt GEMM plugs into [`drive_panels`]: how to pack a panel of weight rows
+/// and how to run one register tile over the packed panel. The f32/f16/bf16-widening kernel
+/// here and the bf16-pair kernel (`x86_512_bf16`) share the loop and differ only in these.
+pub(super) trait PanelKernel {
+    /// Packs weight rows `j0..j0 + nc` (`nc ≤ NR`) into the panel.
+    ///
+    /// # Safety
+    /// The rows are inside the weight the kernel was built over.
+    unsafe fn pack(&mut self, j0: usize, nc: usize);
+
+    /// One `R × NR` tile over the packed panel, at `at` (activation rows `at.i0..at.i0 + R`).
+    ///
+    /// # Safety
+    /// Rows, steps and columns are inside the product the kernel was built over, and the
+    /// panel holds rows `at.j0..at.j0 + at.nc` (packed by [`Self::pack`]).
+    unsafe fn tile<const R: usize>(&mut self, at: TileAt);
+}
+
+/// Where a tile of [`drive_panels`] falls: activation rows from `i0`, reduction steps
+/// `p0..p0 + kb`, output columns `j0..j0 + nc` (`nc ≤ NR`); `first` when `p0 == 0` (the sums
+/// start from zero instead of the outputs).
+#[derive(Copy, Clone, Debug)]
+pub(super) struct TileAt {
+    pub i0: usize,
+    pub p0: usize,
+    pub kb: usize,
+    pub j0: usize,
+    pub nc: usize,
+    pub first: bool,
+}
+
+/// The panel loop of a packed prompt GEMM over `m` activation rows, `depth` reduction steps
+/// (values, or pairs of values) and `n` weight rows of `row_bytes` bytes each at `w`: a panel
+/// of [`NR`] weight rows is packed, then its [`kc_for`] blocks of steps pass every [`MR`]-row
+/// block of activations, while the next panel's rows (contiguous) are prefetched, a share
+/// per tile.
+///
+/// # Safety
+/// `kern` is built over these `m`, `depth`, `n`, and `w` is readable for `n·row_bytes`
+/// bytes; `m, n, depth > 0`.
+#[inline(always)]
+pub(super) unsafe fn drive_panels<K: PanelKernel>(
+    kern: &mut K,
+    (m, depth, n): (usize, usize, usize),
+    w: *const u8,
+    row_bytes: usize,
+) {
+    let kc = kc_for(depth);
+    // Tile calls per panel, over which the next panel's weight rows are prefetched.
+    let tiles = depth.div_ceil(kc) * m.div_ceil(MR);
+    let mut j0 = 0;
+    while j0 < n {
+        let nc = (n - j0).min(NR);
+        // The next panel is rows `j0 + nc..`, contiguous: `next` bytes from `w + (j0 + nc)·row`.
+        let next = (n - j0 - nc).min(NR) * row_bytes;
+        let per_tile = next.div_ceil(64).div_ceil(tiles) * 64;
+        let mut pf = 0;
+        // SAFETY: weight rows `j0..j0 + nc ≤ n`, row blocks `i0..i0 + R ≤ m` and steps
+        // `p0..p0 + kb ≤ depth`: inside the caller's guarantee; prefetches touch rows
+        // `j0 + nc..n` only (and are hints: they never fault).
+        unsafe {
+            kern.pack(j0, nc);
+            let wn = w.add((j0 + nc) * row_bytes);
+            let mut p0 = 0;
+            while p0 < depth {
+                let kb = (depth - p0).min(kc);
+                let first = p0 == 0;
+                let mut i0 = 0;
+                while i0 < m {
+                    let end = (pf + per_tile).min(next);
+                    while pf < end {
+                        _mm_prefetch::<_MM_HINT_T0>(wn.add(pf).cast());
+                        pf += 64;
+                    }
+                    let rn = (m - i0).min(MR);
+                    let at = TileAt {
+                        i0,
+                        p0,
+                        kb,
+                        j0,
+                        nc,
+                        first,
+                    };
+                    macro_rules! go {
+                        ($($R:literal)*) => {
+                            match rn {
+                                $($R => kern.tile::<$R>(at),)*
+                                _ => unreachable!(),
+                            }
+                        };
+                    }
+                    go!(8 7 6 5 4 3 2 1);
+                    i0 += rn;
+                }
+                p0 += kb;
+            }
+        }
+        j0 += nc;
+    }
+}
+
+/// The f32 kernel over weights of type `W` (widened while packed): pointers as
+/// [`packed`] receives them.
+struct Widening<const W: u8> {
+    x: *const f32,
+    w: *const u8,
+    k: usize,
+    out: *mut f32,
+    ldo: usize,
+    panel: *mut f32,
+}
+
+impl<const W: u8> PanelKernel for Widening<W> {
+    #[inline(always)]
+    unsafe fn pack(&mut self, j0: usize, nc: usize) {
+        // SAFETY: rows `j0..j0 + nc` of the `n·k`-element weight, the `k·NR` panel: the
+        // caller's guarantee, which [`packed`]'s covers.
+        unsafe {
+            pack_panel::<W>(
+                self.w.add(j0 * self.k * elem_bytes(W)),
+                nc,
+                self.k,
+                self.panel,
+            )
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn tile<const R: usize>(&mut self, at: TileAt) {
+        let (k, ldo, TileAt { i0, p0, j0, .. }) = (self.k, self.ldo, at);
+        // SAFETY: rows `i0..i0 + R ≤ m` of `x` from step `p0`, the panel's steps
+        // `p0..p0 + kb ≤ k`, outputs `(i0 + r)·ldo + j0 + c` (c < nc): the caller's guarantee.
+        unsafe {
+            let (a, c) = (self.x.add(i0 * k + p0), self.out.add(i0 * ldo + j0));
+            tile::<R>(a, k, self.panel.add(p0 * NR), c, ldo, at)
+        }
+    }
 }
 
 /// # Safety
@@ -104,53 +255,16 @@ unsafe fn packed<const W: u8>(
     ldo: usize,
     panel: *mut f32,
 ) {
-    let kc = kc_for(k);
-    // Tile calls per panel, over which the next panel's weight rows are prefetched.
-    let tiles = k.div_ceil(kc) * m.div_ceil(MR);
-    let mut j0 = 0;
-    while j0 < n {
-        let nc = (n - j0).min(NR);
-        // The next panel is rows `j0 + nc..`, contiguous: `next` bytes from `w + (j0 + nc)·k`.
-        let next = (n - j0 - nc).min(NR) * k * elem_bytes(W);
-        let per_tile = next.div_ceil(64).div_ceil(tiles) * 64;
-        let mut pf = 0;
-        // SAFETY: weight rows `j0..j0 + nc ≤ n`, the panel's `k·NR` values, row blocks
-        // `i0..i0 + R ≤ m`, reduction steps `p0..p0 + kb ≤ k` and the outputs
-        // `(i0 + r)·ldo + j0 + c` (c < nc): inside the caller's guarantee; prefetches
-        // touch rows `j0 + nc..n` only (and are hints: they never fault).
-        unsafe {
-            pack_panel::<W>(w.add(j0 * k * elem_bytes(W)), nc, k, panel);
-            let wn = w.add((j0 + nc) * k * elem_bytes(W));
-            let mut p0 = 0;
-            while p0 < k {
-                let kb = (k - p0).min(kc);
-                let first = p0 == 0;
-                let bp = panel.add(p0 * NR);
-                let mut i0 = 0;
-                while i0 < m {
-                    let end = (pf + per_tile).min(next);
-                    while pf < end {
-                        _mm_prefetch::<_MM_HINT_T0>(wn.add(pf).cast());
-                        pf += 64;
-                    }
-                    let rn = (m - i0).min(MR);
-                    let (a, c) = (x.add(i0 * k + p0), out.add(i0 * ldo + j0));
-                    macro_rules! go {
-                        ($($R:literal)*) => {
-                            match rn {
-                                $($R => tile::<$R>(a, k, bp, kb, c, ldo, nc, first),)*
-                                _ => unreachable!(),
-                            }
-                        };
-                    }
-                    go!(8 7 6 5 4 3 2 1);
-                    i0 += rn;
-                }
-                p0 += kb;
-            }
-        }
-        j0 += nc;
-    }
+    let mut kern = Widening::<W> {
+        x,
+        w,
+        k,
+        out,
+        ldo,
+        panel,
+    };
+    // SAFETY: the kernel is built over this product; the caller's guarantee is the driver's.
+    unsafe { drive_panels(&mut kern, (m, k, n), w, k * elem_bytes(W)) }
 }
 
 /// Lanes `0..n` of a 16-lane mask (`n ≥ 16`: all).
@@ -163,6 +277,62 @@ pub(super) fn lanes(n: usize) -> __mmask16 {
     }
 }
 
+/// The masks of an `R × NR` tile's three 16-lane column vectors for its first `nc` columns.
+#[inline(always)]
+pub(super) fn col_masks(nc: usize) -> [__mmask16; 3] {
+    [
+        lanes(nc),
+        lanes(nc.saturating_sub(16)),
+        lanes(nc.saturating_sub(32)),
+    ]
+}
+
+/// An `R × NR` tile's accumulators: zero when `first`, else the outputs `c[r·ldc + j]`
+/// (masked to the columns of `mask`).
+///
+/// # Safety
+/// AVX-512F available; unless `first`, `c` readable at `r·ldc + j` for `r < R` and the
+/// columns `j` of `mask`.
+#[inline]
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn load_tile<const R: usize>(
+    c: *const f32,
+    ldc: usize,
+    mask: [__mmask16; 3],
+    first: bool,
+) -> [[__m512; 3]; R] {
+    let mut acc = [[_mm512_setzero_ps(); 3]; R];
+    if !first {
+        for r in 0..R {
+            for v in 0..3 {
+                // SAFETY: masked to the caller's columns of row `r`.
+                acc[r][v] = unsafe { _mm512_maskz_loadu_ps(mask[v], c.add(r * ldc + 16 * v)) };
+            }
+        }
+    }
+    acc
+}
+
+/// Stores an `R × NR` tile's accumulators into `c[r·ldc + j]` (masked to `mask`'s columns).
+///
+/// # Safety
+/// AVX-512F available; `c` writable at `r·ldc + j` for `r < R` and the columns of `mask`.
+#[inline]
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn store_tile<const R: usize>(
+    c: *mut f32,
+    ldc: usize,
+    mask: [__mmask16; 3],
+    acc: &[[__m512; 3]; R],
+) {
+    for r in 0..R {
+        for v in 0..3 {
+            // SAFETY: masked to the caller's columns of row `r`.
+            unsafe { _mm512_mask_storeu_ps(c.add(r * ldc + 16 * v), mask[v], acc[r][v]) };
+        }
+    }
+}
+
 /// One `R × NR` tile: `c[r·ldc + j] (+)= Σ_{p < kb} a[r·lda + p] · bp[p·NR + j]` for the
 /// first `nc` columns, in order of `p`; `first` starts from zero instead of `c`.
 ///
@@ -171,32 +341,18 @@ pub(super) fn lanes(n: usize) -> __mmask16 {
 /// `kb·NR`, `c` readable and writable at `r·ldc + j` for `r < R`, `j < nc ≤ NR`.
 #[inline]
 #[target_feature(enable = "avx512f,avx2,fma")]
-#[allow(clippy::too_many_arguments)]
 unsafe fn tile<const R: usize>(
     a: *const f32,
     lda: usize,
     bp: *const f32,
-    kb: usize,
     c: *mut f32,
     ldc: usize,
-    nc: usize,
-    first: bool,
+    TileAt { kb, nc, first, .. }: TileAt,
 ) {
-    let mask = [
-        lanes(nc),
-        lanes(nc.saturating_sub(16)),
-        lanes(nc.saturating_sub(32)),
-    ];
+    let mask = col_masks(nc);
     // SAFETY: loads and stores stay inside the caller's guarantee (masked to `nc` columns).
     unsafe {
-        let mut acc = [[_mm512_setzero_ps(); 3]; R];
-        if !first {
-            for r in 0..R {
-                for v in 0..3 {
-                    acc[r][v] = _mm512_maskz_loadu_ps(mask[v], c.add(r * ldc + 16 * v));
-                }
-            }
-        }
+        let mut acc = load_tile::<R>(c, ldc, mask, first);
         for p in 0..kb {
             let b = bp.add(p * NR);
             let (b0, b1, b2) = (
@@ -211,11 +367,7 @@ unsafe fn tile<const R: usize>(
                 acc[r][2] = _mm512_fmadd_ps(av, b2, acc[r][2]);
             }
         }
-        for r in 0..R {
-            for v in 0..3 {
-                _mm512_mask_storeu_ps(c.add(r * ldc + 16 * v), mask[v], acc[r][v]);
-            }
-        }
+        store_tile::<R>(c, ldc, mask, &acc);
     }
 }
 
