@@ -28,7 +28,7 @@ use bytemuck::{Pod, Zeroable};
 use super::HostStore;
 use crate::alloc::round_up;
 use crate::error::{IpcError, Result};
-use crate::store::{AdapterLease, ModuleDesc, StoreReader, DESC, IN_FILE, LIVE, WRITING};
+use crate::store::{AdapterLease, ModuleDesc, StoreReader, DESC, IN_FILE, LIVE};
 use crate::types::{AdapterHandle, AdapterId, DType, Generation, LayerIdx, Module, NUM_MODULES};
 
 const TRAILER_MAGIC: u64 = u64::from_le_bytes(*b"THAWFILE");
@@ -209,19 +209,7 @@ impl HostStore {
         let table = desc_bytes(n_layers);
         let size = (table + TRAILER + path.len()) as u64;
         self.reclaim();
-        let slot = self.free_slots.pop().ok_or(IpcError::IndexFull {
-            max: self.cfg.max_adapters,
-        })?;
-        let Some(off) = self.free.alloc(size) else {
-            self.free_slots.push(slot);
-            return Err(IpcError::StoreFull {
-                needed: round_up(size),
-                largest: self.free.largest(),
-                capacity: self.free.capacity(),
-            });
-        };
-        let len = round_up(size);
-        self.reader.set_entry(slot, WRITING, None);
+        let (slot, off, len) = self.take_entry(size)?;
         let base = self.reader.layout.arena + off as usize;
         // SAFETY: as in `insert`: [base, base+len) was just taken from the free list, its
         // entry is WRITING so no reader reaches it before the LIVE store below, and nothing

@@ -175,19 +175,7 @@ impl HostStore {
                 .map(|w| (w.a_bytes.len() as u64, w.b_bytes.len() as u64)),
         );
         self.settle();
-        let slot = self.free_slots.pop().ok_or(IpcError::IndexFull {
-            max: self.cfg.max_adapters,
-        })?;
-        let Some(off) = self.free.alloc(size) else {
-            self.free_slots.push(slot);
-            return Err(IpcError::StoreFull {
-                needed: round_up(size),
-                largest: self.free.largest(),
-                capacity: self.free.capacity(),
-            });
-        };
-        let len = round_up(size);
-        self.reader.set_entry(slot, WRITING, None);
+        let (slot, off, len) = self.take_entry(size)?;
         let base = self.reader.layout.arena + off as usize;
         // SAFETY: [base, base+desc_bytes) lies in [base, base+len), just taken from the free
         // list. A block returns to the free list only after its entry was RETIRED and every
@@ -260,6 +248,26 @@ impl HostStore {
             places,
             status,
         ))
+    }
+
+    /// Takes an index slot and `size` bytes of the arena for a new entry and marks the entry
+    /// WRITING, so no reader reaches it until it is published: `(slot, offset, length)` with
+    /// the length rounded up as the free list takes it. Gives the slot back if the arena has
+    /// no such range.
+    pub(crate) fn take_entry(&mut self, size: u64) -> Result<(u32, u64, u64)> {
+        let slot = self.free_slots.pop().ok_or(IpcError::IndexFull {
+            max: self.cfg.max_adapters,
+        })?;
+        let Some(off) = self.free.alloc(size) else {
+            self.free_slots.push(slot);
+            return Err(IpcError::StoreFull {
+                needed: round_up(size),
+                largest: self.free.largest(),
+                capacity: self.free.capacity(),
+            });
+        };
+        self.reader.set_entry(slot, WRITING, None);
+        Ok((slot, off, round_up(size)))
     }
 
     /// Publishes every reservation whose fill finished (its entry becomes `LIVE`), frees
