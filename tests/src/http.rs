@@ -367,6 +367,38 @@ pub fn banner_address(child: &mut std::process::Child) -> SocketAddr {
     addr
 }
 
+/// A `thaw serve` child process, killed and reaped when dropped.
+pub struct ServeChild(pub std::process::Child);
+
+impl Drop for ServeChild {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Spawns `thaw serve --port 0 --served-model-name base --model MODEL --lora-dir ADAPTERS ARGS`
+/// and waits for its banner: the child (killed on drop) and its address.
+pub fn spawn_serve(
+    model: &std::path::Path,
+    adapters: &std::path::Path,
+    args: &[&str],
+) -> (ServeChild, SocketAddr) {
+    let mut child = std::process::Command::new(thaw_binary())
+        .args(["serve", "--port", "0", "--served-model-name", "base"])
+        .arg("--model")
+        .arg(model)
+        .arg("--lora-dir")
+        .arg(adapters)
+        .args(args)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("spawn thaw serve");
+    let addr = banner_address(&mut child);
+    (ServeChild(child), addr)
+}
+
 /// The `thaw` binary next to this test executable (`target/<profile>/thaw`), built with
 /// `cargo build -p thaw-server --bin thaw` first if it is not there yet. `.ci/run` builds it
 /// before the tests, and `cargo test --workspace` builds it as part of thaw-server.

@@ -7,40 +7,18 @@
 //! landed, is `coldstart_workers::landed_adapters_release_their_host_store_slots`.)
 use std::net::SocketAddr;
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
 
 use serde_json::{json, Value};
 use thaw_server::gen::{self, GenAdaptersOptions, GenModelOptions, Projection};
-use thaw_tests::http::{banner_address, get, metric, post, thaw_binary};
+use thaw_tests::http::{get, metric, post, spawn_serve, ServeChild};
 use thaw_tests::test_preset;
 
 const ADAPTERS: usize = 24;
 const MAX_CPU_LORAS: usize = 4;
 const CLIENTS: usize = 8;
 
-struct Serve(Child);
-
-impl Drop for Serve {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn start(dir: &Path, args: &[&str]) -> (Serve, SocketAddr) {
-    let mut child = Command::new(thaw_binary())
-        .args(["serve", "--port", "0", "--served-model-name", "base"])
-        .arg("--model")
-        .arg(dir.join("model"))
-        .arg("--lora-dir")
-        .arg(dir.join("adapters"))
-        .args(args)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("spawn thaw serve");
-    let addr = banner_address(&mut child);
-    (Serve(child), addr)
+fn start(dir: &Path, args: &[&str]) -> (ServeChild, SocketAddr) {
+    spawn_serve(&dir.join("model"), &dir.join("adapters"), args)
 }
 
 /// Every adapter once from one client (each lands before the next is loaded), then every

@@ -3,29 +3,19 @@
 //! silently shrink until the next LoRA request happens to need a worker. Then the server
 //! still answers an adapter request, through the replacement.
 use std::net::SocketAddr;
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::json;
 use thaw_server::gen::{self, GenAdaptersOptions, GenModelOptions, Projection};
 use thaw_server::procfs;
-use thaw_tests::http::{banner_address, request, thaw_binary};
+use thaw_tests::http::{request, spawn_serve, ServeChild};
 use thaw_tests::test_preset;
 
 /// How long a replacement may take: the loop checks every 250 ms and a worker starts in well
 /// under a second; the rest is slack for a loaded CI machine.
 const REPLACED_WITHIN: Duration = Duration::from_secs(10);
 
-struct Serve(Child);
-
-impl Drop for Serve {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn start(dir: &std::path::Path) -> (Serve, SocketAddr) {
+fn start(dir: &std::path::Path) -> (ServeChild, SocketAddr) {
     let model = dir.join("model");
     gen::write_model(&test_preset(), &model, &GenModelOptions::default()).expect("gen-model");
     gen::write_adapters(&GenAdaptersOptions {
@@ -38,20 +28,11 @@ fn start(dir: &std::path::Path) -> (Serve, SocketAddr) {
         ..Default::default()
     })
     .expect("gen-adapters");
-    let mut child = Command::new(thaw_binary())
-        .args(["serve", "--port", "0", "--served-model-name", "base"])
-        .arg("--model")
-        .arg(&model)
-        .arg("--lora-dir")
-        .arg(dir.join("adapters"))
-        .args(["--lora-workers", "1", "--cold-start", "cpu-assist"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("spawn thaw serve");
-    let addr = banner_address(&mut child);
-    let serve = Serve(child);
-    (serve, addr)
+    spawn_serve(
+        &model,
+        &dir.join("adapters"),
+        &["--lora-workers", "1", "--cold-start", "cpu-assist"],
+    )
 }
 
 /// Polls until `pid` has exactly one live child other than `old`; its pid, or what was seen.
