@@ -9,6 +9,7 @@ mod lora;
 mod norm;
 pub mod quant;
 mod rope;
+mod split_softmax;
 pub mod simd;
 mod sys;
 #[cfg(test)]
@@ -26,6 +27,7 @@ pub use lora::{
 pub use norm::{add_rms_norm, rms_norm};
 pub use quant::{q8_activations, set_q8_activations, WeightData, WeightFormat, WeightMatrix};
 pub use rope::{RopeScaling, RopeTable};
+pub use split_softmax::{merge_partials, partial_softmax, SoftmaxPartial};
 pub use simd::{set_simd_level, simd_level, SimdLevel};
 pub use sys::{HugeArena, HugeSlice, HUGE_PAGE};
 

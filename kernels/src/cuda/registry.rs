@@ -119,6 +119,22 @@ pub const ATTENTION_SPLIT: KernelSource = KernelSource {
     ],
 };
 
+/// Prefill attention on the tensor cores (issue 29): mma.sync on a bf16 or f16 cache, head_dim
+/// 32, 64 or 128 ([`super::prefill_tc_plan`]). Selected at run time (`THAW_CUDA_TC_PREFILL=1`);
+/// `attention.cu`'s prefill stays the default until a GPU run verifies it.
+pub const ATTENTION_PREFILL_TC: KernelSource = KernelSource {
+    name: "attention_prefill_tc",
+    source: include_str!("attention_prefill_tc.cu"),
+    entry_points: &[
+        "attn_prefill_tc32_bf16",
+        "attn_prefill_tc64_bf16",
+        "attn_prefill_tc128_bf16",
+        "attn_prefill_tc32_f16",
+        "attn_prefill_tc64_f16",
+        "attn_prefill_tc128_f16",
+    ],
+};
+
 /// SGMV / BGMV shrink and expand.
 pub const LORA: KernelSource = KernelSource {
     name: "lora",
@@ -154,6 +170,7 @@ pub const KERNELS: &[KernelSource] = &[
     ROPE,
     ATTENTION,
     ATTENTION_SPLIT,
+    ATTENTION_PREFILL_TC,
     LORA,
     LORA_PUNICA,
     EXCHANGE,

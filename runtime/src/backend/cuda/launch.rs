@@ -123,6 +123,9 @@ pub(super) struct Gpu {
     pub flash: Option<super::flash::FlashDecode>,
     /// Fused add + RMSNorm and SwiGLU + cast, when selected (`fused.rs`).
     pub fused: Option<super::fused::Fused>,
+    /// Prefill attention on the tensor cores, when selected and served
+    /// (`attn_prefill_tc.rs`); `None` = `attention.cu`'s prefill.
+    pub tc_prefill: Option<super::attn_prefill_tc::TcPrefill>,
 }
 
 impl Gpu {
@@ -146,6 +149,7 @@ impl Gpu {
             punica,
             flash,
             fused,
+            tc_prefill: None,
             ctx,
             stream,
             blas,

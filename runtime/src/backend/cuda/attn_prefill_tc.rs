@@ -1,0 +1,179 @@
+//! Prefill attention on the tensor cores (`thaw-kernels/src/cuda/attention_prefill_tc.cu`,
+//! issue 29). Opt-in until a GPU run verifies it: `THAW_CUDA_TC_PREFILL=1` (read when the
+//! backend is created) or [`CudaBackend::set_tc_prefill`]; `attention.cu`'s prefill stays the
+//! default. It serves a bf16 or f16 KV cache with heads of 32, 64 or 128
+//! ([`prefill_tc_plan::entry_point`]); for any other shape the switch is accepted and the
+//! classic kernel keeps running (eager fallback), which [`CudaBackend::tc_prefill`] reports.
+//! The step metadata's prefill tiles are cut to the kernel's query tile
+//! ([`prefill_tc_plan::tile_rows`]); decode rows are unaffected.
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, CudaFunction, CudaSlice};
+use thaw_kernels::cuda::prefill_tc_plan::{self, WARPS};
+use thaw_kernels::cuda::registry::DType;
+use thaw_kernels::cuda::KernelCache;
+
+use super::launch::{int, launch, AttnShape, Gpu};
+use super::{CudaBackend, CudaError};
+use crate::error::Result;
+
+/// The environment variable that turns the tensor-core prefill on: `1` (or `true`, `on`); `0`
+/// or unset keeps `attention.cu`'s prefill.
+pub const TC_PREFILL_ENV: &str = "THAW_CUDA_TC_PREFILL";
+
+/// Parses an on/off switch read from the environment variable `env`; `on` says what 1 does.
+pub fn parse_switch(env: &str, on: &str, s: &str) -> Result<bool, String> {
+    match s.trim().to_ascii_lowercase().as_str() {
+        "" | "0" | "false" | "off" | "no" => Ok(false),
+        "1" | "true" | "on" | "yes" => Ok(true),
+        other => Err(format!(
+            "{env}={other:?} is not a switch; use 1 to {on}, or 0"
+        )),
+    }
+}
+
+/// The resolved tensor-core prefill kernel for one (KV dtype, head_dim).
+pub(crate) struct TcPrefill {
+    func: CudaFunction,
+    head_dim: usize,
+}
+
+impl TcPrefill {
+    /// The kernel for `kv` and `head_dim`, or `None` when the tensor-core kernel does not serve
+    /// that shape.
+    fn load(ctx: &Arc<CudaContext>, kv: DType, head_dim: usize) -> Result<Option<Self>, CudaError> {
+        let Some(name) = prefill_tc_plan::entry_point(kv, head_dim) else {
+            return Ok(None);
+        };
+        let func = KernelCache::global()
+            .function(ctx, &name)
+            .map_err(CudaError::from)?;
+        Ok(Some(Self { func, head_dim }))
+    }
+
+    /// The kernel [`TC_PREFILL_ENV`] asks for, if it serves this shape.
+    pub(super) fn from_env(
+        ctx: &Arc<CudaContext>,
+        kv: DType,
+        head_dim: usize,
+    ) -> Result<Option<Self>, CudaError> {
+        let v = std::env::var(TC_PREFILL_ENV).unwrap_or_default();
+        let on = parse_switch(TC_PREFILL_ENV, "run prefill attention on the tensor cores", &v)
+            .map_err(CudaError::Unsupported)?;
+        if !on {
+            return Ok(None);
+        }
+        let k = Self::load(ctx, kv, head_dim)?;
+        if k.is_none() {
+            tracing::info!(
+                "{TC_PREFILL_ENV}=1: no tensor-core prefill for a {kv:?} KV cache with head_dim \
+                 {head_dim} (bf16/f16, 32, 64 or 128); the classic prefill runs"
+            );
+        }
+        Ok(k)
+    }
+}
+
+impl Gpu {
+    /// Rows per prefill tile the step metadata is cut into for the prefill kernel in use.
+    pub(super) fn prefill_tile_rows(&self) -> usize {
+        prefill_tc_plan::tile_rows(self.tc_prefill.is_some())
+    }
+
+    /// Prefill attention over `n_tiles` tiles (4 u32 each, ≤ [`prefill_tc_plan::Q_TILE`] rows) on the tensor
+    /// cores; same arguments as [`Gpu::attn_prefill`].
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn attn_prefill_tc(
+        &self,
+        q: &CudaSlice<f32>,
+        (kc, vc): (&CudaSlice<u8>, &CudaSlice<u8>),
+        out: &mut CudaSlice<f32>,
+        tables: &CudaSlice<u32>,
+        tiles: &CudaSlice<u32>,
+        n_tiles: usize,
+        s: AttnShape,
+    ) -> Result<(), CudaError> {
+        let tc = self
+            .tc_prefill
+            .as_ref()
+            .expect("attn_prefill_tc called without the tensor-core kernel loaded");
+        assert_eq!(s.head_dim, tc.head_dim, "the kernel was loaded for another head_dim");
+        assert!(tiles.len() >= 4 * n_tiles);
+        // 16-byte K/V loads: the caches start 16-byte aligned (rows are head_dim · 2 bytes, a
+        // multiple of 16 for the head dims served).
+        assert!(
+            self.p(kc) % 16 == 0 && self.p(vc) % 16 == 0,
+            "KV cache not 16-byte aligned"
+        );
+        if n_tiles == 0 {
+            return Ok(());
+        }
+        // SAFETY: attn_prefill_tcHD_T(q, kc, vc, out, block_tables, tiles, int n_tiles, int
+        // n_heads, int n_kv_heads, int head_dim, int block_size, int window, float scale), the
+        // signature of attn_prefill_T. The tiles were cut by step.rs from the StepLayout whose
+        // K/V were written, with prefill_tile_rows() = Q_TILE rows at most (the block's query
+        // tile), every table entry and row in range as for attn_prefill; head_dim equals the
+        // instantiation's HD (asserted above; the kernel traps otherwise); the caches are
+        // 16-byte aligned (asserted) for its uint4 loads; blockDim = 32 · WARPS as compiled,
+        // its shared memory is static (prefill_tc_plan::smem_bytes ≤ 48 KiB).
+        unsafe {
+            launch!(
+                self,
+                &tc.func,
+                prefill_tc_plan::grid(n_tiles, s.n_heads),
+                32 * WARPS as u32,
+                [
+                    self.p(q),
+                    self.p(kc),
+                    self.p(vc),
+                    self.p(out),
+                    self.p(tables),
+                    self.p(tiles),
+                    int(n_tiles, "n_tiles"),
+                    int(s.n_heads, "n_heads"),
+                    int(s.n_kv_heads, "n_kv_heads"),
+                    int(s.head_dim, "head_dim"),
+                    int(s.block_size, "block_size"),
+                    int(s.window, "window"),
+                    s.scale
+                ]
+            )
+        }
+    }
+}
+
+impl CudaBackend {
+    /// Switches prefill attention to the tensor-core kernel (`on`) or back (tests,
+    /// benchmarks); compiles on first use. Returns whether the tensor-core kernel now runs:
+    /// `false` with `on` when it does not serve this backend's KV dtype and head_dim.
+    pub fn set_tc_prefill(&mut self, on: bool) -> Result<bool> {
+        self.gpu.tc_prefill = if on {
+            TcPrefill::load(&self.gpu.ctx, self.gpu.kv_dtype, self.head_dim)?
+        } else {
+            None
+        };
+        // The next step rebuilds its metadata with the new tile size.
+        self.begin_step();
+        Ok(self.tc_prefill())
+    }
+
+    /// Whether prefill attention runs on the tensor-core kernel.
+    pub fn tc_prefill(&self) -> bool {
+        self.gpu.tc_prefill.is_some()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_switch_parses_or_says_what_to_use() {
+        let p = |s| parse_switch(TC_PREFILL_ENV, "do it", s);
+        assert_eq!(p(""), Ok(false));
+        assert_eq!(p(" ON "), Ok(true));
+        assert_eq!(p("0"), Ok(false));
+        let e = p("fast").unwrap_err();
+        assert!(e.contains(TC_PREFILL_ENV) && e.contains("use 1 to do it"), "{e}");
+    }
+}
