@@ -9,8 +9,8 @@ mod lora;
 mod norm;
 pub mod quant;
 mod rope;
-mod split_softmax;
 pub mod simd;
+mod split_softmax;
 mod sys;
 #[cfg(test)]
 mod testutil;
@@ -27,8 +27,8 @@ pub use lora::{
 pub use norm::{add_rms_norm, rms_norm};
 pub use quant::{q8_activations, set_q8_activations, WeightData, WeightFormat, WeightMatrix};
 pub use rope::{RopeScaling, RopeTable};
-pub use split_softmax::{merge_partials, partial_softmax, SoftmaxPartial};
 pub use simd::{set_simd_level, simd_level, SimdLevel};
+pub use split_softmax::{merge_partials, partial_softmax, SoftmaxPartial};
 pub use sys::{HugeArena, HugeSlice, HUGE_PAGE};
 
 /// Whether the environment turns a speed-up off: `var` set to `0` (`THAW_AVX512`,

@@ -28,7 +28,11 @@ pub struct SoftmaxPartial {
 pub fn partial_softmax(q: &[f32], keys: &[f32], values: &[f32], scale: f32) -> SoftmaxPartial {
     let d = q.len();
     assert!(d > 0, "partial_softmax: empty query");
-    assert_eq!(keys.len(), values.len(), "partial_softmax: keys and values differ");
+    assert_eq!(
+        keys.len(),
+        values.len(),
+        "partial_softmax: keys and values differ"
+    );
     assert_eq!(keys.len() % d, 0, "partial_softmax: keys are not [n, {d}]");
     let mut p = SoftmaxPartial {
         m: f32::NEG_INFINITY,
@@ -114,7 +118,13 @@ mod tests {
 
     /// Merges the partials of `keys` cut at `cuts` (sorted, in 0..=n; repeated cuts make
     /// empty partitions).
-    fn split_merge(q: &[f32], keys: &[f32], values: &[f32], scale: f32, cuts: &[usize]) -> Vec<f32> {
+    fn split_merge(
+        q: &[f32],
+        keys: &[f32],
+        values: &[f32],
+        scale: f32,
+        cuts: &[usize],
+    ) -> Vec<f32> {
         let d = q.len();
         let n = keys.len() / d;
         let mut bounds = vec![0];

@@ -217,11 +217,19 @@ mod tests {
                             return f32::NEG_INFINITY;
                         }
                         let kr = &k[key * d..(key + 1) * d];
-                        qs[qi * d..(qi + 1) * d].iter().zip(kr).map(|(a, b)| a * b).sum()
+                        qs[qi * d..(qi + 1) * d]
+                            .iter()
+                            .zip(kr)
+                            .map(|(a, b)| a * b)
+                            .sum()
                     })
                     .collect();
                 let mn = s.iter().copied().fold(m[qi], f32::max);
-                let corr = if mn == f32::NEG_INFINITY { 1.0 } else { (m[qi] - mn).exp() };
+                let corr = if mn == f32::NEG_INFINITY {
+                    1.0
+                } else {
+                    (m[qi] - mn).exp()
+                };
                 m[qi] = mn;
                 l[qi] *= corr;
                 let o = &mut out[qi * d..(qi + 1) * d];

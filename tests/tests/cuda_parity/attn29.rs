@@ -104,7 +104,10 @@ fn split_decode_and_tc_prefill_engine_matches_cpu_and_classic() {
                 "{dt:?} seq {i}: greedy tokens differ from today's kernels"
             );
             if dt == DType::F32 {
-                assert_eq!(got.2, w.2, "seq {i}: greedy tokens differ from the CPU engine");
+                assert_eq!(
+                    got.2, w.2,
+                    "seq {i}: greedy tokens differ from the CPU engine"
+                );
             }
         }
         println!("{dt:?}: split decode + tc prefill engine matches over 4 steps");

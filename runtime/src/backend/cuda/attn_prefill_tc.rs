@@ -58,8 +58,12 @@ impl TcPrefill {
         head_dim: usize,
     ) -> Result<Option<Self>, CudaError> {
         let v = std::env::var(TC_PREFILL_ENV).unwrap_or_default();
-        let on = parse_switch(TC_PREFILL_ENV, "run prefill attention on the tensor cores", &v)
-            .map_err(CudaError::Unsupported)?;
+        let on = parse_switch(
+            TC_PREFILL_ENV,
+            "run prefill attention on the tensor cores",
+            &v,
+        )
+        .map_err(CudaError::Unsupported)?;
         if !on {
             return Ok(None);
         }
@@ -97,12 +101,15 @@ impl Gpu {
             .tc_prefill
             .as_ref()
             .expect("attn_prefill_tc called without the tensor-core kernel loaded");
-        assert_eq!(s.head_dim, tc.head_dim, "the kernel was loaded for another head_dim");
+        assert_eq!(
+            s.head_dim, tc.head_dim,
+            "the kernel was loaded for another head_dim"
+        );
         assert!(tiles.len() >= 4 * n_tiles);
         // 16-byte K/V loads: the caches start 16-byte aligned (rows are head_dim · 2 bytes, a
         // multiple of 16 for the head dims served).
         assert!(
-            self.p(kc) % 16 == 0 && self.p(vc) % 16 == 0,
+            self.p(kc).is_multiple_of(16) && self.p(vc).is_multiple_of(16),
             "KV cache not 16-byte aligned"
         );
         if n_tiles == 0 {
@@ -174,6 +181,9 @@ mod tests {
         assert_eq!(p(" ON "), Ok(true));
         assert_eq!(p("0"), Ok(false));
         let e = p("fast").unwrap_err();
-        assert!(e.contains(TC_PREFILL_ENV) && e.contains("use 1 to do it"), "{e}");
+        assert!(
+            e.contains(TC_PREFILL_ENV) && e.contains("use 1 to do it"),
+            "{e}"
+        );
     }
 }

@@ -121,7 +121,8 @@ impl CudaBackend {
             )));
         }
         let mut gpu = Gpu::new(cfg.ordinal, cfg.weight_dtype, cfg.kv_dtype)?;
-        gpu.tc_prefill = super::attn_prefill_tc::TcPrefill::from_env(&gpu.ctx, cfg.kv_dtype, c.head_dim)?;
+        gpu.tc_prefill =
+            super::attn_prefill_tc::TcPrefill::from_env(&gpu.ctx, cfg.kv_dtype, c.head_dim)?;
         let rope = RopeTable::new(c.head_dim, c.rope_theta, &c.rope_scaling);
         let inv_freq = gpu.stream.clone_htod(rope.inv_freq())?;
         let export_counter = gpu.stream.alloc_zeros::<u32>(1)?;
