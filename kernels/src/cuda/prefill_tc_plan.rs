@@ -107,19 +107,11 @@ mod tests {
 
     #[test]
     fn the_constants_are_the_sources_defines() {
-        let src = ATTENTION_PREFILL_TC.source;
-        let define = |name: &str| -> usize {
-            src.lines()
-                .find_map(|l| l.strip_prefix(&format!("#define {name} ")))
-                .unwrap_or_else(|| panic!("#define {name} not found"))
-                .trim()
-                .parse()
-                .unwrap_or_else(|e| panic!("#define {name}: {e}"))
-        };
-        assert_eq!(define("THAW_TC_WARPS"), WARPS);
-        assert_eq!(define("THAW_TC_Q"), Q_TILE);
-        assert_eq!(define("THAW_TC_KC"), KEY_TILE);
-        assert_eq!(define("THAW_TC_PAD"), PAD);
+        let define = |name| super::super::registry::define(ATTENTION_PREFILL_TC.source, name);
+        assert_eq!(define("THAW_TC_WARPS"), WARPS as u64);
+        assert_eq!(define("THAW_TC_Q"), Q_TILE as u64);
+        assert_eq!(define("THAW_TC_KC"), KEY_TILE as u64);
+        assert_eq!(define("THAW_TC_PAD"), PAD as u64);
     }
 
     #[test]

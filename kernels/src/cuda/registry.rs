@@ -258,6 +258,17 @@ pub fn nvrtc_options(arch: GpuArch, target: Target) -> Vec<String> {
     ]
 }
 
+/// The value of `#define NAME value` in `src` (tests: host constants against the sources).
+#[cfg(test)]
+pub(crate) fn define(src: &str, name: &str) -> u64 {
+    src.lines()
+        .find_map(|l| l.strip_prefix(&format!("#define {name} ")))
+        .unwrap_or_else(|| panic!("#define {name} not found"))
+        .trim()
+        .parse()
+        .unwrap_or_else(|e| panic!("#define {name}: {e}"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -282,14 +293,6 @@ mod tests {
     /// The host launches with `shape`'s constants: each must equal the source's `#define`.
     #[test]
     fn shape_constants_match_the_sources_defines() {
-        let define = |src: &str, name: &str| -> u64 {
-            src.lines()
-                .find_map(|l| l.strip_prefix(&format!("#define {name} ")))
-                .unwrap_or_else(|| panic!("#define {name} not found"))
-                .trim()
-                .parse()
-                .unwrap_or_else(|e| panic!("#define {name}: {e}"))
-        };
         let p = LORA_PUNICA.source;
         assert_eq!(define(p, "PUNICA_THREADS"), shape::PUNICA_THREADS as u64);
         assert_eq!(define(p, "PUNICA_ROWS"), shape::PUNICA_ROWS as u64);

@@ -13,7 +13,7 @@ use thaw_kernels::cuda::prefill_tc_plan::{self, WARPS};
 use thaw_kernels::cuda::registry::DType;
 use thaw_kernels::cuda::KernelCache;
 
-use super::launch::{int, launch, AttnShape, Gpu};
+use super::launch::{AttnShape, Gpu, PrefillKernel};
 use super::{CudaBackend, CudaError};
 use crate::error::Result;
 
@@ -105,47 +105,22 @@ impl Gpu {
             s.head_dim, tc.head_dim,
             "the kernel was loaded for another head_dim"
         );
-        assert!(tiles.len() >= 4 * n_tiles);
         // 16-byte K/V loads: the caches start 16-byte aligned (rows are head_dim · 2 bytes, a
         // multiple of 16 for the head dims served).
         assert!(
             self.p(kc).is_multiple_of(16) && self.p(vc).is_multiple_of(16),
             "KV cache not 16-byte aligned"
         );
-        if n_tiles == 0 {
-            return Ok(());
-        }
-        // SAFETY: attn_prefill_tcHD_T(q, kc, vc, out, block_tables, tiles, int n_tiles, int
-        // n_heads, int n_kv_heads, int head_dim, int block_size, int window, float scale), the
-        // signature of attn_prefill_T. The tiles were cut by step.rs from the StepLayout whose
-        // K/V were written, with prefill_tile_rows() = Q_TILE rows at most (the block's query
-        // tile), every table entry and row in range as for attn_prefill; head_dim equals the
-        // instantiation's HD (asserted above; the kernel traps otherwise); the caches are
-        // 16-byte aligned (asserted) for its uint4 loads; blockDim = 32 · WARPS as compiled,
-        // its shared memory is static (prefill_tc_plan::smem_bytes ≤ 48 KiB).
-        unsafe {
-            launch!(
-                self,
-                &tc.func,
-                prefill_tc_plan::grid(n_tiles, s.n_heads),
-                32 * WARPS as u32,
-                [
-                    self.p(q),
-                    self.p(kc),
-                    self.p(vc),
-                    self.p(out),
-                    self.p(tables),
-                    self.p(tiles),
-                    int(n_tiles, "n_tiles"),
-                    int(s.n_heads, "n_heads"),
-                    int(s.n_kv_heads, "n_kv_heads"),
-                    int(s.head_dim, "head_dim"),
-                    int(s.block_size, "block_size"),
-                    int(s.window, "window"),
-                    s.scale
-                ]
-            )
-        }
+        let k = PrefillKernel {
+            func: &tc.func,
+            block: 32 * WARPS as u32,
+        };
+        // SAFETY: attn_prefill_tcHD_T has attn_prefill_T's signature (attention_prefill_tc.cu)
+        // and is compiled for blockDim 32 · WARPS with a static shared-memory tile of Q_TILE
+        // query rows, the tile size step.rs cuts with while this kernel is loaded
+        // (prefill_tile_rows); head_dim equals its HD (asserted above; the kernel traps
+        // otherwise) and the caches are 16-byte aligned (asserted) for its uint4 loads.
+        unsafe { self.launch_prefill(k, q, (kc, vc), out, (tables, tiles, n_tiles), s) }
     }
 }
 
