@@ -55,7 +55,7 @@ ON=(THAW_CUDA_ATTN_IMPL=split THAW_CUDA_TC_PREFILL=1)
 # --- 1. parity with both kernels on ----------------------------------------------------------
 lim=$(cap 120)
 if [ ! -x "$BIN/cuda_parity" ]; then
-  echo "cuda_parity: missing from $BIN (benches/gpu/build.sh --cuda ships it)"
+  echo "cuda_parity: missing from $BIN (benches/gpu/build.sh ships it)"
 elif [ "$lim" -lt 20 ]; then
   echo "cuda_parity: skipped, out of time (budget ${BUDGET_S}s)"
 else
@@ -86,23 +86,25 @@ if [ -z "$MD" ]; then
       { echo "gen-model failed:"; tail -5 "$O/attn29-gen.log"; exit 1; }
   fi
 fi
-for mode in off on; do
-  # Half of what is left for the first run, the rest for the second.
-  if [ "$mode" = off ]; then lim=$(cap $(( (BUDGET_S - ($(date +%s) - t0)) / 2 ))); else lim=$(cap 600); fi
-  if [ "$lim" -lt 30 ]; then
-    echo "thaw-bench gpu ($mode): skipped, out of time (budget ${BUDGET_S}s)"
-    continue
-  fi
-  envs=()
-  [ "$mode" = on ] && envs=("${ON[@]}")
-  el "thaw-bench gpu, attention kernels $mode ${envs[*]} (limit ${lim}s)"
-  # shellcheck disable=SC2086
-  env "${envs[@]}" timeout "$lim" "$BIN/thaw-bench" gpu --model "$MD" --workdir "$WORK" \
-    --device cuda --batches 1,8 --ranks 16 --prompt-len "$PROMPT" --decode-steps 16 \
-    --prefill-tokens 128,2048 --reps 2 --lora-batches 1 --lora-ranks 16 \
-    ${THAW_GPU_BENCH_ARGS:-} >"$O/attn29-gpu-$mode.md" 2>"$O/attn29-gpu-$mode.log"
-  echo "thaw-bench gpu ($mode): rc=$?"
-  echo "### Attention kernels $mode (${envs[*]:-the defaults}), decode after a $PROMPT-token prompt"
-  cat "$O/attn29-gpu-$mode.md"
-done
+# The two runs share what is left, half each; both or neither (one alone compares nothing).
+each=$(( (BUDGET_S - ($(date +%s) - t0)) / 2 ))
+if [ ! -x "$BIN/thaw-bench" ]; then
+  echo "thaw-bench gpu: missing from $BIN (benches/gpu/build.sh ships it)"
+elif [ "$each" -lt 30 ]; then
+  echo "thaw-bench gpu off/on: skipped, under 2 × 30 s left (budget ${BUDGET_S}s)"
+else
+  for mode in off on; do
+    envs=()
+    [ "$mode" = on ] && envs=("${ON[@]}")
+    el "thaw-bench gpu, attention kernels $mode ${envs[*]} (limit ${each}s)"
+    # shellcheck disable=SC2086
+    env "${envs[@]}" timeout "$each" "$BIN/thaw-bench" gpu --model "$MD" --workdir "$WORK" \
+      --device cuda --batches 1,8 --ranks 16 --prompt-len "$PROMPT" --decode-steps 16 \
+      --prefill-tokens 128,2048 --reps 2 --lora-batches 1 --lora-ranks 16 \
+      ${THAW_GPU_BENCH_ARGS:-} >"$O/attn29-gpu-$mode.md" 2>"$O/attn29-gpu-$mode.log"
+    echo "thaw-bench gpu ($mode): rc=$?"
+    echo "### Attention kernels $mode (${envs[*]:-the defaults}), decode after a $PROMPT-token prompt"
+    cat "$O/attn29-gpu-$mode.md"
+  done
+fi
 el "done (budget ${BUDGET_S}s)"
