@@ -123,9 +123,12 @@ __device__ void attn_prefill_tc(const float* __restrict__ q, const T* __restrict
     for (int c0 = lo; c0 <= last; c0 += THAW_TC_KC) {
         __syncthreads();  // every warp is done with the previous key tile
         // Stage K [key][d] and V transposed [d][key], 8 values (16 bytes) per load; keys past
-        // `last` are zero (their P is 0, and 0 · a stale NaN would not be).
+        // `last` are zero (their P is 0, and 0 · a stale NaN would not be). The 32 lanes of a
+        // warp take 32 keys of one 8-value column chunk: the transposed V stores of a warp then
+        // fill one contiguous vt row (no bank conflict), and the 16-byte K stores of each
+        // quarter-warp (8 keys) land in distinct banks (prefill_tc_plan's bank test).
         for (int idx = threadIdx.x; idx < THAW_TC_KC * (HD / 8); idx += blockDim.x) {
-            const int kk = idx / (HD / 8), d8 = (idx % (HD / 8)) * 8;
+            const int kk = idx % THAW_TC_KC, d8 = (idx / THAW_TC_KC) * 8;
             const int p = c0 + kk;
             uint4 kv4 = make_uint4(0, 0, 0, 0), vv4 = make_uint4(0, 0, 0, 0);
             if (p <= last) {

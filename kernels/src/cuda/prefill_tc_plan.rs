@@ -169,6 +169,42 @@ mod tests {
         assert_eq!(grid(5, 32), (5, 32, 1));
     }
 
+    /// The shared-memory bank (32 banks of 4 bytes) of a byte offset.
+    fn bank(byte: usize) -> usize {
+        (byte / 4) % 32
+    }
+
+    /// The kernel's shared-memory accesses are free of bank conflicts: each warp's mma fragment
+    /// loads (lane 4g + c reads 4 bytes at row g, column 2c of a qs / ks / vt tile) touch 32
+    /// distinct banks, and each quarter-warp's 16-byte K staging stores (8 consecutive keys,
+    /// one column chunk) cover 32 distinct banks.
+    #[test]
+    fn shared_memory_accesses_are_bank_conflict_free() {
+        assert_eq!(
+            KEY_TILE, 32,
+            "one staging column chunk per warp of 32 lanes"
+        );
+        for hd in HEAD_DIMS {
+            let (row, vrow) = ((hd + PAD) * 2, (KEY_TILE + PAD) * 2);
+            for stride in [row, vrow] {
+                let banks: std::collections::HashSet<usize> = (0..32)
+                    .map(|lane| bank((lane / 4) * stride + 4 * (lane % 4)))
+                    .collect();
+                assert_eq!(
+                    banks.len(),
+                    32,
+                    "head_dim {hd}: fragment loads, stride {stride}"
+                );
+            }
+            for kk0 in (0..KEY_TILE).step_by(8) {
+                let banks: std::collections::HashSet<usize> = (kk0..kk0 + 8)
+                    .flat_map(|kk| (0..16).step_by(4).map(move |b| bank(kk * row + b)))
+                    .collect();
+                assert_eq!(banks.len(), 32, "head_dim {hd}: K stores of keys {kk0}..");
+            }
+        }
+    }
+
     #[test]
     fn flops_count_the_causal_triangle() {
         // 2 rows at positions 0, 1: 1 + 2 keys · 4 · head_dim.
