@@ -341,8 +341,21 @@ else
   echo "transformers peer skipped: $PEER_PY cannot import torch and transformers" \
     "(pip install torch transformers safetensors, or set THAW_PEER_PYTHON)" | tee "$O/gpu-peer.md"
 fi
+# Issue 29's attention kernels (flash-decoding, tensor-core prefill; opt-in): parity with both
+# on, the kernel tables, decode tok/s at a 2048-token context and prefill TFLOP/s off then on
+# (benches/gpu/attn29.sh, which runs alone on a short lease).
+A29_T=$(cap 300 0)
+if [ "$DEV" = cuda ] && [ "$A29_T" -ge 30 ]; then
+  el "issue 29: attention kernels (attn29.sh, budget ${A29_T}s)"
+  "$here/attn29.sh" --bin "$BIN" --out "$O" --model "$MD" --workdir "$WORK" --budget "$A29_T" \
+    >"$O/attn29.md" 2>&1
+  cat "$O/attn29.md"
+else
+  echo "issue 29 attention kernels: skipped (CPU backend, or under 30 s left)" | tee "$O/attn29.md"
+fi
 { echo; echo "## Issue 29: thaw-bench gpu and the transformers peer ($(date -u +%Y-%m-%d), $BUILD)";
-  echo "Device: $GPU"; echo; cat "$O/gpu-bench.md"; echo; cat "$O/gpu-peer.md"; } >>"$RESULTS"
+  echo "Device: $GPU"; echo; cat "$O/gpu-bench.md"; echo; cat "$O/gpu-peer.md";
+  echo; echo "### Attention kernels (attn29.sh)"; echo; cat "$O/attn29.md"; } >>"$RESULTS"
 el "issue 29: appended to $RESULTS"
 # === end issue 29 ============================================================================
 el "done (budget ${BUDGET_S}s)"

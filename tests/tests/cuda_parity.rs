@@ -23,6 +23,8 @@ use thaw_runtime::engine::{Engine, EngineConfig, HostModel, PlanItem, SequencePa
 use thaw_runtime::ids::{AdapterId, LayerIdx, SeqId};
 use thaw_tests::{cpu_engine, rel_err, TestModel};
 
+#[path = "cuda_parity/attn29.rs"]
+mod attn29;
 #[path = "cuda_parity/fused.rs"]
 mod fused;
 
@@ -167,11 +169,16 @@ fn elementwise_norm_linear_rope_match_cpu() {
 
 /// A mixed step: two prefill chunks (one continuing at position 21) and three decodes.
 fn mixed_step(block_size: usize) -> (StepLayout, usize) {
-    let lens = [(0usize, 19usize), (21, 40), (30, 1), (5, 1), (0, 1)];
+    step_of(&[(0, 19), (21, 40), (30, 1), (5, 1), (0, 1)], block_size)
+}
+
+/// A step of sequences given as (start position, rows) over scattered physical blocks; the
+/// number of blocks it names.
+fn step_of(lens: &[(usize, usize)], block_size: usize) -> (StepLayout, usize) {
     let mut step = StepLayout::default();
     let mut next_block = 0u32;
     let mut row = 0;
-    for (start, n) in lens {
+    for &(start, n) in lens {
         let blocks = (start + n).div_ceil(block_size);
         let b0 = step.block_tables.len();
         // Scattered physical blocks: reversed and offset, so a table bug shows.
@@ -193,10 +200,75 @@ fn mixed_step(block_size: usize) -> (StepLayout, usize) {
     (step, next_block as usize)
 }
 
+/// Attention of `step` (after a first step that fills every sequence's earlier context) on
+/// the CPU and on a CUDA backend that `setup` configured; checks the second step's outputs
+/// within `tol`.
+fn attention_vs_cpu(
+    c: &thaw_runtime::model::ModelConfig,
+    (dt, tol): (DType, f64),
+    (step, nb): (&StepLayout, usize),
+    block_size: usize,
+    what: &str,
+    setup: impl Fn(&mut CudaBackend),
+) {
+    let mut rng = ChaCha8Rng::seed_from_u64(2);
+    let mut cpu = CpuBackend::new(c);
+    let mut g = CudaBackend::new(c, &cfg(dt)).unwrap();
+    setup(&mut g);
+    let layout = KvLayout {
+        block_size,
+        num_kv_heads: c.num_kv_heads,
+        head_dim: c.head_dim,
+    };
+    let rows = step.rows();
+    let (qw, kw) = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim);
+    // Earlier context: fill the cache through a first "step" of the prefixes.
+    let mut kvc = cpu.alloc_kv_layer(layout, nb).unwrap();
+    let mut kvg = g.alloc_kv_layer(layout, nb).unwrap();
+    let mut pre = StepLayout::default();
+    for s in &step.seqs {
+        if s.start_pos == 0 {
+            continue;
+        }
+        let r0 = pre.token_ids.len();
+        pre.seqs.push(SeqSlice {
+            rows: r0..r0 + s.start_pos,
+            start_pos: 0,
+            blocks: s.blocks.clone(),
+        });
+        pre.token_ids.extend(std::iter::repeat_n(1, s.start_pos));
+        pre.positions.extend(0..s.start_pos);
+    }
+    pre.block_tables = step.block_tables.clone();
+    for st in [&pre, step] {
+        let n = st.rows();
+        let q = rand_vec(&mut rng, n * qw, 1.0);
+        let k = rand_vec(&mut rng, n * kw, 1.0);
+        let v = rand_vec(&mut rng, n * kw, 1.0);
+        let mut oc = vec![0.0; n * qw];
+        cpu.attention(&q, &k, &v, &mut kvc, st, &mut oc);
+        let (qg, kg, vg) = (
+            g.upload_f32(&q).unwrap(),
+            g.upload_f32(&k).unwrap(),
+            g.upload_f32(&v).unwrap(),
+        );
+        let mut og = g.alloc(n * qw).unwrap();
+        // embed marks a new step for the backend's per-step metadata.
+        let table = g.upload_linear(vec![0.0; 4], 2, 2, None).unwrap();
+        let mut scratch = g.alloc(n * 2).unwrap();
+        g.embed(&table, &vec![0; n], &mut scratch);
+        g.attention(&qg, &kg, &vg, &mut kvg, st, &mut og);
+        if std::ptr::eq(st, step) {
+            check(what, dt, tol, &g.download_f32(&og, rows * qw).unwrap(), &oc);
+        }
+    }
+    g.check().unwrap();
+}
+
 /// Decode through `attention.cu` and through flash-decoding (`attention_split.cu`, issue 29),
-/// the latter with its default chunking (one split at these lengths) and with 4-position chunks
-/// (7 splits of the 31-position context without a window; the shorter contexts leave some of
-/// them empty).
+/// the latter with its default chunking (one split at these lengths: the plan falls back to
+/// `attention.cu`'s kernel) and with 4-position chunks (7 splits of the 31-position context
+/// without a window; the shorter contexts leave some of them empty).
 #[test]
 fn paged_attention_prefill_and_decode_match_cpu() {
     if !gpu() {
@@ -209,73 +281,18 @@ fn paged_attention_prefill_and_decode_match_cpu() {
         AttnImpl::SPLIT,
         AttnImpl::Split { min_chunk: 4 },
     ];
+    let (step, nb) = mixed_step(8);
     for (window, imp) in [None, Some(7)]
         .into_iter()
         .flat_map(|w| impls.map(|i| (w, i)))
     {
         c.sliding_window = window;
-        let mut rng = ChaCha8Rng::seed_from_u64(2);
-        for (dt, tol) in CONFIGS {
-            let mut cpu = CpuBackend::new(&c);
-            let mut g = CudaBackend::new(&c, &cfg(dt)).unwrap();
-            g.set_attn_impl(imp).unwrap();
-            assert_eq!(g.attn_impl(), imp);
-            let layout = KvLayout {
-                block_size: 8,
-                num_kv_heads: c.num_kv_heads,
-                head_dim: c.head_dim,
-            };
-            let (step, nb) = mixed_step(layout.block_size);
-            let rows = step.rows();
-            let (qw, kw) = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim);
-            // Earlier context: fill the cache through a first "step" of the prefixes.
-            let mut kvc = cpu.alloc_kv_layer(layout, nb).unwrap();
-            let mut kvg = g.alloc_kv_layer(layout, nb).unwrap();
-            let mut pre = StepLayout::default();
-            for s in &step.seqs {
-                if s.start_pos == 0 {
-                    continue;
-                }
-                let r0 = pre.token_ids.len();
-                pre.seqs.push(SeqSlice {
-                    rows: r0..r0 + s.start_pos,
-                    start_pos: 0,
-                    blocks: s.blocks.clone(),
-                });
-                pre.token_ids.extend(std::iter::repeat_n(1, s.start_pos));
-                pre.positions.extend(0..s.start_pos);
-            }
-            pre.block_tables = step.block_tables.clone();
-            for st in [&pre, &step] {
-                let n = st.rows();
-                let q = rand_vec(&mut rng, n * qw, 1.0);
-                let k = rand_vec(&mut rng, n * kw, 1.0);
-                let v = rand_vec(&mut rng, n * kw, 1.0);
-                let mut oc = vec![0.0; n * qw];
-                cpu.attention(&q, &k, &v, &mut kvc, st, &mut oc);
-                let (qg, kg, vg) = (
-                    g.upload_f32(&q).unwrap(),
-                    g.upload_f32(&k).unwrap(),
-                    g.upload_f32(&v).unwrap(),
-                );
-                let mut og = g.alloc(n * qw).unwrap();
-                // embed marks a new step for the backend's per-step metadata.
-                let table = g.upload_linear(vec![0.0; 4], 2, 2, None).unwrap();
-                let mut scratch = g.alloc(n * 2).unwrap();
-                g.embed(&table, &vec![0; n], &mut scratch);
-                g.attention(&qg, &kg, &vg, &mut kvg, st, &mut og);
-                if std::ptr::eq(st, &step) {
-                    let what = format!("attention {imp:?} window={window:?}");
-                    check(
-                        &what,
-                        dt,
-                        tol,
-                        &g.download_f32(&og, rows * qw).unwrap(),
-                        &oc,
-                    );
-                }
-            }
-            g.check().unwrap();
+        for dt in CONFIGS {
+            let what = format!("attention {imp:?} window={window:?}");
+            attention_vs_cpu(&c, dt, (&step, nb), 8, &what, |g| {
+                g.set_attn_impl(imp).unwrap();
+                assert_eq!(g.attn_impl(), imp);
+            });
         }
     }
 }

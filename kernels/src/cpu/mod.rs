@@ -10,6 +10,7 @@ mod norm;
 pub mod quant;
 mod rope;
 pub mod simd;
+mod split_softmax;
 mod sys;
 #[cfg(test)]
 mod testutil;
@@ -27,6 +28,7 @@ pub use norm::{add_rms_norm, rms_norm};
 pub use quant::{q8_activations, set_q8_activations, WeightData, WeightFormat, WeightMatrix};
 pub use rope::{RopeScaling, RopeTable};
 pub use simd::{set_simd_level, simd_level, SimdLevel};
+pub use split_softmax::{merge_partials, partial_softmax, SoftmaxPartial};
 pub use sys::{HugeArena, HugeSlice, HUGE_PAGE};
 
 /// Whether the environment turns a speed-up off: `var` set to `0` (`THAW_AVX512`,

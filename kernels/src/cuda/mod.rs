@@ -10,11 +10,13 @@
 //! | `rope.cu` | RoPE (rotate-half, host `inv_freq` table) | `cpu::RopeTable::apply` |
 //! | `attention.cu` | paged KV write, decode and tiled prefill attention (GQA, sliding window) | `cpu::{write_kv, paged_attention}` |
 //! | `attention_split.cu` | flash-decoding: decode attention split across blocks ([`decode_plan`]) + reduce | `cpu::paged_attention` |
+//! | `attention_prefill_tc.cu` | prefill attention on the tensor cores (mma.sync, bf16/f16 cache, head_dim 32/64/128; [`prefill_tc_plan`]) | `cpu::paged_attention` |
 //! | `lora.cu` | SGMV / BGMV shrink and expand | `cpu::{sgmv_*, bgmv_*}` |
 //! | `lora_punica.cu` | SGMV / BGMV in Punica's shape: split-K shrink ([`punica_plan`]), vector loads | `cpu::{sgmv_*, bgmv_*}` |
 //! | `exchange.cu` | fused export (copy + fence + sequence word), merge of CPU deltas | CPU backend copy + `Exchange::post_step` |
 
 pub mod decode_plan;
+pub mod prefill_tc_plan;
 pub mod punica_plan;
 pub mod registry;
 

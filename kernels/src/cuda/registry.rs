@@ -119,6 +119,22 @@ pub const ATTENTION_SPLIT: KernelSource = KernelSource {
     ],
 };
 
+/// Prefill attention on the tensor cores (issue 29): mma.sync on a bf16 or f16 cache, head_dim
+/// 32, 64 or 128 ([`super::prefill_tc_plan`]). Selected at run time (`THAW_CUDA_TC_PREFILL=1`);
+/// `attention.cu`'s prefill stays the default until a GPU run verifies it.
+pub const ATTENTION_PREFILL_TC: KernelSource = KernelSource {
+    name: "attention_prefill_tc",
+    source: include_str!("attention_prefill_tc.cu"),
+    entry_points: &[
+        "attn_prefill_tc32_bf16",
+        "attn_prefill_tc64_bf16",
+        "attn_prefill_tc128_bf16",
+        "attn_prefill_tc32_f16",
+        "attn_prefill_tc64_f16",
+        "attn_prefill_tc128_f16",
+    ],
+};
+
 /// SGMV / BGMV shrink and expand.
 pub const LORA: KernelSource = KernelSource {
     name: "lora",
@@ -154,6 +170,7 @@ pub const KERNELS: &[KernelSource] = &[
     ROPE,
     ATTENTION,
     ATTENTION_SPLIT,
+    ATTENTION_PREFILL_TC,
     LORA,
     LORA_PUNICA,
     EXCHANGE,
@@ -241,6 +258,17 @@ pub fn nvrtc_options(arch: GpuArch, target: Target) -> Vec<String> {
     ]
 }
 
+/// The value of `#define NAME value` in `src` (tests: host constants against the sources).
+#[cfg(test)]
+pub(crate) fn define(src: &str, name: &str) -> u64 {
+    src.lines()
+        .find_map(|l| l.strip_prefix(&format!("#define {name} ")))
+        .unwrap_or_else(|| panic!("#define {name} not found"))
+        .trim()
+        .parse()
+        .unwrap_or_else(|e| panic!("#define {name}: {e}"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -265,14 +293,6 @@ mod tests {
     /// The host launches with `shape`'s constants: each must equal the source's `#define`.
     #[test]
     fn shape_constants_match_the_sources_defines() {
-        let define = |src: &str, name: &str| -> u64 {
-            src.lines()
-                .find_map(|l| l.strip_prefix(&format!("#define {name} ")))
-                .unwrap_or_else(|| panic!("#define {name} not found"))
-                .trim()
-                .parse()
-                .unwrap_or_else(|e| panic!("#define {name}: {e}"))
-        };
         let p = LORA_PUNICA.source;
         assert_eq!(define(p, "PUNICA_THREADS"), shape::PUNICA_THREADS as u64);
         assert_eq!(define(p, "PUNICA_ROWS"), shape::PUNICA_ROWS as u64);

@@ -7,9 +7,14 @@
 //! ```text
 //! cargo run --release -p thaw-runtime --features cuda --example cuda_bench          # full
 //! cargo run --release -p thaw-runtime --features cuda --example cuda_bench -- --smoke
+//! cargo run --release -p thaw-runtime --features cuda --example cuda_bench -- --attn   # attention only
 //! ```
+//!
+//! `--attn`: only issue 29's attention tables, full size: decode attention (classic vs
+//! flash-decoding) and prefill attention (classic vs tensor cores, `prefill_attn.rs`).
 mod decode_attn;
 mod prefill;
+mod prefill_attn;
 
 use std::time::Instant;
 
@@ -267,12 +272,19 @@ fn main() -> Res<()> {
         println!("skipped: no NVIDIA GPU / libcuda on this machine");
         return Ok(());
     }
-    lora_tables(smoke)?;
+    let attn_only = std::env::args().any(|a| a == "--attn");
+    if !attn_only {
+        lora_tables(smoke)?;
+    }
     {
         let mut g = CudaBackend::new(&model_config(1)?, &CudaConfig::default())?;
         let peak = d2d_peak(&mut g)?;
         drop(g);
-        decode_attn::decode_attn_table(smoke, peak)?;
+        decode_attn::decode_attn_table(smoke && !attn_only, peak)?;
+    }
+    prefill_attn::prefill_attn_table(smoke && !attn_only)?;
+    if attn_only {
+        return Ok(());
     }
     exchange_tables(smoke)?;
     prefill::prefill_table(smoke)?;

@@ -72,7 +72,7 @@ pub struct CudaBackend {
     inv_freq: CudaSlice<f32>,
     n_heads: usize,
     n_kv_heads: usize,
-    head_dim: usize,
+    pub(super) head_dim: usize,
     window: usize,
     fresh: Fresh,
     ids: DevVec<u32>,
@@ -120,7 +120,9 @@ impl CudaBackend {
                 thaw_kernels::cuda::registry::shape::MAX_HEAD_DIM
             )));
         }
-        let gpu = Gpu::new(cfg.ordinal, cfg.weight_dtype, cfg.kv_dtype)?;
+        let mut gpu = Gpu::new(cfg.ordinal, cfg.weight_dtype, cfg.kv_dtype)?;
+        gpu.tc_prefill =
+            super::attn_prefill_tc::TcPrefill::from_env(&gpu.ctx, cfg.kv_dtype, c.head_dim)?;
         let rope = RopeTable::new(c.head_dim, c.rope_theta, &c.rope_scaling);
         let inv_freq = gpu.stream.clone_htod(rope.inv_freq())?;
         let export_counter = gpu.stream.alloc_zeros::<u32>(1)?;
@@ -326,8 +328,13 @@ impl CudaBackend {
         out: &mut CudaSlice<f32>,
     ) -> Result<(), CudaError> {
         if !self.fresh.attn {
-            self.attn
-                .build(&self.gpu.stream, step, kv.layout.block_size, kv.num_blocks)?;
+            let tile_rows = self.gpu.prefill_tile_rows();
+            self.attn.build(
+                &self.gpu.stream,
+                step,
+                (kv.layout.block_size, kv.num_blocks),
+                tile_rows,
+            )?;
             self.fresh.attn = true;
         }
         let rows = step.rows();
@@ -356,6 +363,17 @@ impl CudaBackend {
                 a.n_decode(),
                 s,
             )?;
+        }
+        if self.gpu.tc_prefill.is_some() {
+            return self.gpu.attn_prefill_tc(
+                q,
+                (&kv.k, &kv.v),
+                out,
+                a.tables.get(),
+                a.tiles.get(),
+                a.n_tiles(),
+                s,
+            );
         }
         self.gpu.attn_prefill(
             q,

@@ -3,7 +3,9 @@
 //! `THAW_CUDA_ATTN_IMPL=split` (read when the backend is created) or
 //! [`CudaBackend::set_attn_impl`]; `attention.cu`'s one-block-per-head decode stays the default.
 //! Reads the same per-step metadata ([`AttnMeta`], uploaded once per step); prefill rows are
-//! unaffected.
+//! unaffected. A step whose plan ([`DecodeSplit::plan`], a pure function of the longest context
+//! and of rows · heads against the SM count) makes one split falls back to `attention.cu`'s
+//! kernel.
 use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaFunction, CudaSlice};
@@ -138,6 +140,12 @@ impl Gpu {
             fd.sms,
             fd.min_chunk,
         );
+        if plan.splits == 1 {
+            // Short contexts, or enough (row, head) pairs to fill the GPU: one block per pair
+            // already, so attention.cu's kernel runs (no scratch, no reduce launch).
+            let (tables, row_meta) = (a.tables.get(), a.decode.get());
+            return self.attn_decode(q, kc, vc, out, tables, row_meta, n, s);
+        }
         let (acc_len, ml_len) = plan.scratch_len(pairs, s.head_dim);
         grow(self, &mut a.split_acc, acc_len)?;
         grow(self, &mut a.split_ml, ml_len)?;

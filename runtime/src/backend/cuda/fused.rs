@@ -26,14 +26,7 @@ pub const FUSED_ENV: &str = "THAW_CUDA_FUSED";
 
 /// Parses [`FUSED_ENV`]'s value.
 pub fn parse_fused(s: &str) -> Result<bool, String> {
-    match s.trim().to_ascii_lowercase().as_str() {
-        "" | "0" | "false" | "off" | "no" => Ok(false),
-        "1" | "true" | "on" | "yes" => Ok(true),
-        other => Err(format!(
-            "{FUSED_ENV}={other:?} is not a switch; use 1 to fuse add + RMSNorm and SwiGLU + \
-             cast, or 0"
-        )),
-    }
+    super::attn_prefill_tc::parse_switch(FUSED_ENV, "fuse add + RMSNorm and SwiGLU + cast", s)
 }
 
 /// Which buffer the 16-bit GEMM input scratch mirrors, and when that was written: valid for

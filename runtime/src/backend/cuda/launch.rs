@@ -109,6 +109,14 @@ pub(super) struct AttnShape {
     pub scale: f32,
 }
 
+/// A prefill attention kernel with `attn_prefill_T`'s signature and its launch shape.
+#[derive(Copy, Clone)]
+pub(super) struct PrefillKernel<'a> {
+    pub func: &'a CudaFunction,
+    /// Threads per block.
+    pub block: u32,
+}
+
 /// The context, the compute stream, cuBLAS and the resolved kernels.
 pub(super) struct Gpu {
     pub ctx: Arc<CudaContext>,
@@ -123,6 +131,9 @@ pub(super) struct Gpu {
     pub flash: Option<super::flash::FlashDecode>,
     /// Fused add + RMSNorm and SwiGLU + cast, when selected (`fused.rs`).
     pub fused: Option<super::fused::Fused>,
+    /// Prefill attention on the tensor cores, when selected and served
+    /// (`attn_prefill_tc.rs`); `None` = `attention.cu`'s prefill.
+    pub tc_prefill: Option<super::attn_prefill_tc::TcPrefill>,
 }
 
 impl Gpu {
@@ -146,6 +157,7 @@ impl Gpu {
             punica,
             flash,
             fused,
+            tc_prefill: None,
             ctx,
             stream,
             blas,
@@ -607,18 +619,43 @@ impl Gpu {
             s.head_dim,
             shape::MAX_HEAD_DIM
         );
+        let k = PrefillKernel {
+            func: &self.k.attn_prefill,
+            block: 32 * shape::ATTN_WARPS,
+        };
+        // SAFETY: attn_prefill_T is compiled for blockDim 32 · ATTN_WARPS and tiles of at most
+        // PREFILL_Q rows, the tile size step.rs cuts with when the tensor-core kernel is off.
+        unsafe { self.launch_prefill(k, q, (kc, vc), out, (tables, tiles, n_tiles), s) }
+    }
+
+    /// Launches a prefill attention kernel with `attn_prefill_T`'s signature (`attention.cu`'s,
+    /// or the tensor-core one, which shares it).
+    ///
+    /// # Safety
+    /// `k.func` has that signature, runs with `k.block` threads, serves tiles as long as the
+    /// metadata's (step.rs cuts them to the loaded kernel's tile) and serves `s.head_dim`.
+    pub(super) unsafe fn launch_prefill(
+        &self,
+        k: PrefillKernel<'_>,
+        q: &CudaSlice<f32>,
+        (kc, vc): (&CudaSlice<u8>, &CudaSlice<u8>),
+        out: &mut CudaSlice<f32>,
+        (tables, tiles, n_tiles): (&CudaSlice<u32>, &CudaSlice<u32>, usize),
+        s: AttnShape,
+    ) -> Result<(), CudaError> {
         assert!(tiles.len() >= 4 * n_tiles);
         if n_tiles == 0 {
             return Ok(());
         }
-        // SAFETY: attn_prefill_T(q, kc, vc, out, block_tables, tiles, int n_tiles, ...); as for
-        // decode, the tiles come from step.rs over the same StepLayout.
+        // SAFETY: the kernel's signature, block size, tile size and head_dim are the caller's
+        // (`# Safety`); the tiles and tables come from step.rs over the StepLayout whose K/V
+        // were written, so every table entry and row is in range, as for decode.
         unsafe {
             launch!(
                 self,
-                &self.k.attn_prefill,
+                k.func,
                 (n_tiles as u32, s.n_heads as u32, 1),
-                32 * shape::ATTN_WARPS,
+                k.block,
                 [
                     self.p(q),
                     self.p(kc),

@@ -9,6 +9,7 @@
 //!
 //! | file | job |
 //! | --- | --- |
+//! | `attn_prefill_tc.rs` | prefill attention on the tensor cores (opt-in: `THAW_CUDA_TC_PREFILL=1`) |
 //! | `flash.rs` | flash-decoding launches (opt-in: `THAW_CUDA_ATTN_IMPL=split`) |
 //! | `fused.rs` | fused add + RMSNorm and SwiGLU + cast (opt-in: `THAW_CUDA_FUSED=1`) |
 //! | `launch.rs` | every raw CUDA call: launches, cuBLAS, stream waits, host registration |
@@ -18,6 +19,7 @@
 //! | `weights.rs` | weights, norms and LoRA descriptor tables on the device |
 //! | `exchange.rs` | fused export and stream-waited merge (CPU assist) |
 //! | `upload.rs` | the upload pipeline's copy device: registered arena, copy stream, events |
+mod attn_prefill_tc;
 mod backend;
 mod encode;
 mod exchange;
@@ -30,6 +32,7 @@ mod step;
 mod upload;
 mod weights;
 
+pub use attn_prefill_tc::{parse_switch, TC_PREFILL_ENV};
 pub use backend::{CudaBackend, CudaConfig, CudaKvLayer};
 pub use exchange::MappedExchange;
 pub use flash::{AttnImpl, ATTN_IMPL_ENV};

@@ -5,7 +5,6 @@
 use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
-use thaw_kernels::cuda::registry::shape;
 
 use super::weights::CudaLora;
 use super::CudaError;
@@ -93,16 +92,17 @@ impl AttnMeta {
         self.host.n_tiles()
     }
 
-    /// Builds and uploads the metadata for `step`; `num_blocks` bounds every table entry.
+    /// Builds and uploads the metadata for `step`; `num_blocks` bounds every table entry;
+    /// prefill tiles of at most `tile_rows` rows (the prefill kernel's query tile).
     pub fn build(
         &mut self,
         stream: &Arc<CudaStream>,
         step: &StepLayout,
-        block_size: usize,
-        num_blocks: usize,
+        (block_size, num_blocks): (usize, usize),
+        tile_rows: usize,
     ) -> Result<(), CudaError> {
         let h = &mut self.host;
-        h.build(step, block_size, num_blocks, shape::PREFILL_Q);
+        h.build(step, block_size, num_blocks, tile_rows);
         self.slots.upload_slice(stream, &h.slots)?;
         self.tables.upload_slice(stream, &h.tables)?;
         self.decode.upload_slice(stream, &h.decode)?;

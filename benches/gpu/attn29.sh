@@ -1,0 +1,110 @@
+#!/usr/bin/env bash
+# Issue 29's attention kernels on the GPU machine, within one budget (--budget, default 300 s),
+# each step's timeout taken from what is left of it:
+#   1. the CUDA parity suite with both new kernels on for every backend it creates
+#      (THAW_CUDA_ATTN_IMPL=split THAW_CUDA_TC_PREFILL=1), against the CPU oracle, plus its
+#      attn29 tests (tensor-core prefill op by op; engine steps with greedy tokens identical to
+#      today's kernels);
+#   2. cuda_bench --attn: one layer's decode attention (classic vs flash-decoding, context
+#      512/2048/8192, batch 1/8/32) and prefill attention TFLOP/s (classic vs tensor cores, 128,
+#      512 and 2048 tokens, and 2048 after a 2048 prefix);
+#   3. thaw-bench gpu on the whole model, off then on: decode tokens/s at a long context
+#      (--prompt-len, default 2048) at batch 1 and 8, and prefill TFLOP/s at 128 and 2048 tokens.
+# run.sh's issue-29 block calls it with what is left of its budget; on a short lease run it alone
+# (it generates the model when --model is not given):
+#   benches/gpu/attn29.sh --bin gpu-bin --out "$OUT" [--model DIR] [--budget S] [--prompt-len N]
+set -uo pipefail
+
+here=$(cd "$(dirname "$0")" && pwd)
+root=$(cd "$here/../.." && pwd)
+BIN=$root/gpu-bin
+O=${OUT:-/tmp/out}
+WORK=${THAW_GPU_WORK:-/tmp/thaw-gpu-work}
+MD=
+BUDGET_S=300
+PROMPT=2048
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --bin) BIN=$2; shift 2 ;;
+    --out) O=$2; shift 2 ;;
+    --model) MD=$2; shift 2 ;;
+    --workdir) WORK=$2; shift 2 ;;
+    --budget) BUDGET_S=$2; shift 2 ;;
+    --prompt-len) PROMPT=$2; shift 2 ;;
+    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+    *) echo "unknown argument $1 (see --help)" >&2; exit 2 ;;
+  esac
+done
+mkdir -p "$O" "$WORK"
+if [ ! -x "$BIN/thaw-bench" ] && [ -f "$BIN/bin.tar.gz" ]; then
+  mkdir -p "$WORK/bin"
+  tar xzf "$BIN/bin.tar.gz" -C "$WORK/bin" || { echo "unpacking $BIN/bin.tar.gz failed" >&2; exit 2; }
+  BIN=$WORK/bin
+fi
+chmod +x "$BIN"/* 2>/dev/null
+export LD_LIBRARY_PATH=/usr/local/cuda/targets/x86_64-linux/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+t0=$(date +%s)
+el() { echo "[attn29 +$(($(date +%s) - t0))s] $*"; }
+# cap WANT: WANT seconds, or what is left of the budget if less (0: none)
+cap() {
+  local l=$((BUDGET_S - ($(date +%s) - t0)))
+  if [ "$l" -lt "$1" ]; then echo $((l > 0 ? l : 0)); else echo "$1"; fi
+}
+ON=(THAW_CUDA_ATTN_IMPL=split THAW_CUDA_TC_PREFILL=1)
+
+# --- 1. parity with both kernels on ----------------------------------------------------------
+lim=$(cap 120)
+if [ ! -x "$BIN/cuda_parity" ]; then
+  echo "cuda_parity: missing from $BIN (benches/gpu/build.sh ships it)"
+elif [ "$lim" -lt 20 ]; then
+  echo "cuda_parity: skipped, out of time (budget ${BUDGET_S}s)"
+else
+  el "cuda_parity with ${ON[*]} (limit ${lim}s)"
+  env "${ON[@]}" THAW_REQUIRE_GPU=1 timeout "$lim" "$BIN/cuda_parity" --test-threads=1 \
+    --nocapture >"$O/attn29-parity.log" 2>&1
+  echo "cuda_parity (split decode + tensor-core prefill on): rc=$? (limit ${lim}s)"
+  grep -E "^test |test result|^attention|^tc prefill|^engine split" "$O/attn29-parity.log" | tail -60
+fi
+
+# --- 2. kernel tables ------------------------------------------------------------------------
+lim=$(cap 60)
+if [ -x "$BIN/cuda_bench" ] && [ "$lim" -ge 15 ]; then
+  el "cuda_bench --attn (limit ${lim}s)"
+  timeout "$lim" "$BIN/cuda_bench" --attn >"$O/attn29-kernels.md" 2>&1
+  echo "cuda_bench --attn: rc=$?"
+  cat "$O/attn29-kernels.md"
+else
+  echo "cuda_bench --attn: skipped (missing or under 15 s left)"
+fi
+
+# --- 3. the whole model, off then on ---------------------------------------------------------
+if [ -z "$MD" ]; then
+  MD=$WORK/model-llama-7b-shape
+  if [ ! -f "$MD/config.json" ]; then
+    el "generating llama-7b-shape into $MD"
+    "$BIN/thaw" gen-model --preset llama-7b-shape --out "$MD" >"$O/attn29-gen.log" 2>&1 ||
+      { echo "gen-model failed:"; tail -5 "$O/attn29-gen.log"; exit 1; }
+  fi
+fi
+# The two runs share what is left, half each; both or neither (one alone compares nothing).
+each=$(( (BUDGET_S - ($(date +%s) - t0)) / 2 ))
+if [ ! -x "$BIN/thaw-bench" ]; then
+  echo "thaw-bench gpu: missing from $BIN (benches/gpu/build.sh ships it)"
+elif [ "$each" -lt 30 ]; then
+  echo "thaw-bench gpu off/on: skipped, under 2 × 30 s left (budget ${BUDGET_S}s)"
+else
+  for mode in off on; do
+    envs=()
+    [ "$mode" = on ] && envs=("${ON[@]}")
+    el "thaw-bench gpu, attention kernels $mode ${envs[*]} (limit ${each}s)"
+    # shellcheck disable=SC2086
+    env "${envs[@]}" timeout "$each" "$BIN/thaw-bench" gpu --model "$MD" --workdir "$WORK" \
+      --device cuda --batches 1,8 --ranks 16 --prompt-len "$PROMPT" --decode-steps 16 \
+      --prefill-tokens 128,2048 --reps 2 --lora-batches 1 --lora-ranks 16 \
+      ${THAW_GPU_BENCH_ARGS:-} >"$O/attn29-gpu-$mode.md" 2>"$O/attn29-gpu-$mode.log"
+    echo "thaw-bench gpu ($mode): rc=$?"
+    echo "### Attention kernels $mode (${envs[*]:-the defaults}), decode after a $PROMPT-token prompt"
+    cat "$O/attn29-gpu-$mode.md"
+  done
+fi
+el "done (budget ${BUDGET_S}s)"
