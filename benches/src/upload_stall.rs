@@ -378,7 +378,9 @@ fn run_source(
             let (t, cpu) = (Instant::now(), thaw_ipc::thread_cpu_time());
             e.step(&plan)?;
             let dt = t.elapsed().as_secs_f64();
-            let dcpu = thaw_ipc::thread_cpu_time().saturating_sub(cpu).as_secs_f64();
+            let dcpu = thaw_ipc::thread_cpu_time()
+                .saturating_sub(cpu)
+                .as_secs_f64();
             clock.switch(Cause::Schedule);
             let phase = if busy { &mut loading } else { &mut quiet };
             phase.step_s.push(dt);
@@ -546,10 +548,14 @@ pub fn run(args: &UploadStallArgs) -> anyhow::Result<(Vec<StallRow>, String)> {
         Some(r) => format!("a load {r}/s"),
         None => format!("a load every {} steps", args.every),
     };
-    let switches: Vec<String> = ["THAW_UPLOAD_ENCODE", "THAW_STORE_FILL", "THAW_UPLOAD_BUSY_SHARE"]
-        .iter()
-        .filter_map(|k| std::env::var(k).ok().map(|v| format!("{k}={v}")))
-        .collect();
+    let switches: Vec<String> = [
+        "THAW_UPLOAD_ENCODE",
+        "THAW_STORE_FILL",
+        "THAW_UPLOAD_BUSY_SHARE",
+    ]
+    .iter()
+    .filter_map(|k| std::env::var(k).ok().map(|v| format!("{k}={v}")))
+    .collect();
     writeln!(
         out,
         "\n## upload-stall: TPOT of {} running requests while distinct cold adapters load \
@@ -571,7 +577,10 @@ pub fn run(args: &UploadStallArgs) -> anyhow::Result<(Vec<StallRow>, String)> {
         out,
         "| rank | adapters from | MB each | layers | loads | adapter work / load µs (CPU µs) | / layer µs | steps quiet / loading | TPOT quiet ms (p50) | TPOT loading ms (p50) | TPOT change | step CPU ms quiet → loading (change) | load ms mean / p50 / max | unfinished |"
     )?;
-    writeln!(out, "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")?;
+    writeln!(
+        out,
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+    )?;
     for r in &rows {
         writeln!(
             out,

@@ -91,7 +91,13 @@ impl Pace {
     /// After `work` of paced work ending at `now`: when paced work may run again. Work done while
     /// no step runs owes nothing (and forgives what was owed: no step is slowed by it); work
     /// during a step owes `work · (1 − share) / share` of wall time without paced work.
-    pub fn charge(self, free_at: Duration, now: Duration, work: Duration, running: bool) -> Duration {
+    pub fn charge(
+        self,
+        free_at: Duration,
+        now: Duration,
+        work: Duration,
+        running: bool,
+    ) -> Duration {
         if !running || self.share >= 1.0 {
             return now;
         }
