@@ -7,7 +7,20 @@
 //! is being read or is still landing as it starts, "quiet" otherwise. The engine thread's time is charged by
 //! cause with the server's own stopwatch ([`thaw_server::perf::Stopwatch`]): "adapter" is
 //! what registering costs the engine thread, which with the upload pipeline is O(layers),
-//! not O(bytes). Rounds alternate (quiet, loading, quiet, …) so drift hits both alike.
+//! not O(bytes). Rounds go quiet, loading, loading, quiet, … so that drift (and the context,
+//! which grows every step) hits both kinds alike.
+//!
+//! Next to the TPOT change it reports each load's latency (from its start — registering, or
+//! asking the loader to read it — to its last layer landed, polled once a step), so pacing that
+//! starves loads shows: the CPU backend paces the pipeline's byte work against its steps
+//! (`thaw_runtime::upload::pace`, `THAW_UPLOAD_BUSY_SHARE`). `--loads-per-s` registers loads
+//! at a wall-clock rate instead of every `--every` steps (2: the GPU acceptance's distinct
+//! adapter per request at 2 req/s).
+//!
+//! Attribution switches (environment, read once): `THAW_UPLOAD_ENCODE=0` (the loader writes no
+//! image into the arena), `THAW_STORE_FILL=0` (the host store is never filled),
+//! `THAW_UPLOAD_BUSY_SHARE=1` (no pacing); the disk read is the "disk" row against the "host
+//! tier" row, the store fill the "CPU workers attached" row against it.
 //!
 //! `--pack-on-engine` adds the old CUDA path for contrast: the engine thread itself copies
 //! every byte of the adapter into a staging buffer before queueing it (what `try_stream_lora`
@@ -51,12 +64,16 @@ pub struct UploadStallArgs {
     /// Steps per round.
     #[arg(long, default_value_t = 48)]
     pub steps: usize,
-    /// Rounds of each kind (quiet and loading alternate).
+    /// Rounds of each kind (quiet, loading, loading, quiet, …).
     #[arg(long, default_value_t = 4)]
     pub rounds: usize,
     /// A cold adapter is registered every this many steps of a loading round.
     #[arg(long, default_value_t = 4)]
     pub every: usize,
+    /// Register cold adapters at this many a second (wall clock) in loading rounds instead of
+    /// every --every steps; 2 is the GPU acceptance's distinct adapter per request at 2 req/s.
+    #[arg(long)]
+    pub loads_per_s: Option<f64>,
     /// Emulated host → device link, GB/s.
     #[arg(long, default_value_t = 25.0)]
     pub emulated_link_gbps: f64,
@@ -107,9 +124,16 @@ impl Source {
 #[derive(Default, Debug, Clone)]
 struct Phase {
     step_s: Vec<f64>,
+    /// The engine thread's CPU time in each step: what a step costs while it runs, without
+    /// the time it waited for a core (other processes on a shared machine).
+    step_cpu_s: Vec<f64>,
     adapter_s: f64,
     adapter_cpu_s: f64,
     loads: usize,
+    /// Seconds from each finished load's start to its last layer landed.
+    load_s: Vec<f64>,
+    /// Loads still reading or landing when the run ended.
+    unfinished: usize,
 }
 
 impl Phase {
@@ -118,10 +142,18 @@ impl Phase {
     }
 
     fn p50(&self) -> f64 {
-        let mut v = self.step_s.clone();
-        v.sort_by(f64::total_cmp);
-        v.get(v.len() / 2).copied().unwrap_or(0.0)
+        median(&self.step_s)
     }
+
+    fn mean_cpu(&self) -> f64 {
+        self.step_cpu_s.iter().sum::<f64>() / self.step_cpu_s.len().max(1) as f64
+    }
+}
+
+fn median(v: &[f64]) -> f64 {
+    let mut v = v.to_vec();
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(0.0)
 }
 
 /// One table row.
@@ -142,12 +174,24 @@ pub struct StallRow {
     pub loading_p50_ms: f64,
     /// Steps that ran quiet, and while adapters loaded.
     pub steps: (usize, usize),
+    /// Mean engine-thread CPU time of a step, quiet and while adapters load, ms.
+    pub quiet_cpu_ms: f64,
+    pub loading_cpu_ms: f64,
+    /// Load latency (start to last layer landed) of the finished loads: mean, p50, max, ms.
+    pub load_ms: (f64, f64, f64),
+    /// Loads not finished when the run ended (pacing that starves loads shows here).
+    pub unfinished: usize,
 }
 
 impl StallRow {
     /// Relative change of the mean TPOT while adapters load.
     pub fn tpot_change(&self) -> f64 {
         self.loading_tpot_ms / self.quiet_tpot_ms - 1.0
+    }
+
+    /// Relative change of the engine thread's mean CPU time a step while adapters load.
+    pub fn cpu_change(&self) -> f64 {
+        self.loading_cpu_ms / self.quiet_cpu_ms - 1.0
     }
 }
 
@@ -253,15 +297,15 @@ fn run_source(
         it.num_tokens = 1;
     }
     // Disk reads on a loader thread, handed over as the server's loader does.
-    let (tx, rx) = std::sync::mpsc::channel::<(usize, Arc<LoraAdapter>)>();
-    let (job_tx, job_rx) = std::sync::mpsc::channel::<usize>();
+    let (tx, rx) = std::sync::mpsc::channel::<(Instant, Arc<LoraAdapter>)>();
+    let (job_tx, job_rx) = std::sync::mpsc::channel::<(usize, Instant)>();
     let loader = {
         let (dirs, config) = (dirs.to_vec(), model.config.clone());
         std::thread::spawn(move || {
             thaw_runtime::upload::lower_current_thread_priority();
-            for i in job_rx {
+            for (i, asked) in job_rx {
                 if let Ok(a) = LoraAdapter::load(&dirs[i], &config) {
-                    let _ = tx.send((i, Arc::new(a)));
+                    let _ = tx.send((asked, Arc::new(a)));
                 }
             }
         })
@@ -270,47 +314,60 @@ fn run_source(
     let (mut quiet, mut loading) = (Phase::default(), Phase::default());
     let mut next = 0usize;
     let mut ids = 1000u32..;
-    let mut live: Vec<AdapterId> = Vec::new();
+    // Registered adapters still landing, with when their load started.
+    let mut live: Vec<(AdapterId, Instant)> = Vec::new();
     let mut pending = 0usize;
     let mut staging: Vec<u8> = Vec::new();
     for round in 0..2 * args.rounds {
-        let is_loading = round % 2 == 1;
+        // Quiet, loading, loading, quiet, …: both kinds have the same mean position in the run.
+        // The context grows every step (attention and KV reads grow with it, ~1-3% a round
+        // here), so plain alternation would charge the loading rounds one round more of it.
+        let is_loading = matches!(round % 4, 1 | 2);
+        let (round_start, mut issued) = (Instant::now(), 0usize);
         for s in 0..args.steps {
-            if is_loading && s % args.every == 0 {
+            // Loads due now: every --every steps, or at --loads-per-s from the round's start.
+            let due = match args.loads_per_s {
+                Some(rate) => (round_start.elapsed().as_secs_f64() * rate) as usize + 1,
+                None => s / args.every.max(1) + 1,
+            };
+            while is_loading && issued < due {
+                issued += 1;
                 match source {
                     Source::Disk => {
-                        job_tx.send(next % dirs.len())?;
+                        job_tx.send((next % dirs.len(), Instant::now()))?;
                         pending += 1;
                     }
                     Source::Host | Source::PackOnEngine | Source::Workers => {
                         clock.switch(Cause::Adapter);
+                        let started = Instant::now();
                         let a = host[next % host.len()].clone();
                         if source == Source::PackOnEngine {
                             pack(&a, &mut staging);
                         }
                         let id = AdapterId(ids.next().expect("unbounded"));
                         e.register_adapter_streaming(id, a)?;
-                        live.push(id);
+                        live.push((id, started));
                         clock.switch(Cause::Schedule);
                     }
                 }
                 next += 1;
                 loading.loads += 1;
             }
-            while let Ok((_, a)) = rx.try_recv() {
+            while let Ok((asked, a)) = rx.try_recv() {
                 pending -= 1;
                 clock.switch(Cause::Adapter);
                 let id = AdapterId(ids.next().expect("unbounded"));
                 e.register_adapter_streaming(id, a)?;
-                live.push(id);
+                live.push((id, asked));
                 clock.switch(Cause::Schedule);
             }
             // Adapters fully landed leave again (the cache would evict them later): keeps
             // memory flat over a long run. Evicting is adapter work too.
             clock.switch(Cause::Adapter);
-            live.retain(|&id| {
+            live.retain(|&(id, started)| {
                 let landed = e.adapter_landed(id).is_none_or(|(l, n)| l == n);
                 if landed {
+                    loading.load_s.push(started.elapsed().as_secs_f64());
                     let _ = e.unregister_adapter(id);
                 }
                 !landed
@@ -318,15 +375,21 @@ fn run_source(
             // A step runs "while adapters load" if one is being read or is still landing.
             let busy = pending > 0 || !live.is_empty();
             clock.switch(Cause::Forward);
-            let t = Instant::now();
+            let (t, cpu) = (Instant::now(), thaw_ipc::thread_cpu_time());
             e.step(&plan)?;
             let dt = t.elapsed().as_secs_f64();
+            let dcpu = thaw_ipc::thread_cpu_time()
+                .saturating_sub(cpu)
+                .as_secs_f64();
             clock.switch(Cause::Schedule);
             let phase = if busy { &mut loading } else { &mut quiet };
             phase.step_s.push(dt);
+            phase.step_cpu_s.push(dcpu);
         }
     }
-    // Reads still in flight: registered now (a quick run can outpace the disk).
+    // Reads still in flight: registered now (a quick run can outpace the disk); they and the
+    // adapters still landing are the loads the run did not finish.
+    loading.unfinished = pending + live.len();
     while pending > 0 {
         let (_, a) = rx.recv()?;
         pending -= 1;
@@ -432,7 +495,10 @@ pub fn run(args: &UploadStallArgs) -> anyhow::Result<(Vec<StallRow>, String)> {
         None => std::env::temp_dir().join("thaw-bench-upload-stall"),
     };
     std::fs::create_dir_all(&root)?;
-    let loads = args.rounds * args.steps.div_ceil(args.every.max(1));
+    let loads = match args.loads_per_s {
+        Some(_) => 16,
+        None => args.rounds * args.steps.div_ceil(args.every.max(1)),
+    };
     let count = loads.clamp(1, 16);
     let mut rows = Vec::new();
     for &rank in &args.ranks {
@@ -466,26 +532,59 @@ pub fn run(args: &UploadStallArgs) -> anyhow::Result<(Vec<StallRow>, String)> {
                 quiet_p50_ms: quiet.p50() * 1e3,
                 loading_p50_ms: loading.p50() * 1e3,
                 steps: (quiet.step_s.len(), loading.step_s.len()),
+                quiet_cpu_ms: quiet.mean_cpu() * 1e3,
+                loading_cpu_ms: loading.mean_cpu() * 1e3,
+                load_ms: (
+                    loading.load_s.iter().sum::<f64>() / loading.load_s.len().max(1) as f64 * 1e3,
+                    median(&loading.load_s) * 1e3,
+                    loading.load_s.iter().copied().fold(0.0, f64::max) * 1e3,
+                ),
+                unfinished: loading.unfinished,
             });
         }
     }
     let mut out = String::new();
+    let schedule = match args.loads_per_s {
+        Some(r) => format!("a load {r}/s"),
+        None => format!("a load every {} steps", args.every),
+    };
+    let switches: Vec<String> = [
+        "THAW_UPLOAD_ENCODE",
+        "THAW_STORE_FILL",
+        "THAW_UPLOAD_BUSY_SHARE",
+    ]
+    .iter()
+    .filter_map(|k| std::env::var(k).ok().map(|v| format!("{k}={v}")))
+    .collect();
     writeln!(
         out,
         "\n## upload-stall: TPOT of {} running requests while distinct cold adapters load \
-         ({} preset, {} adapters on all 7 projections, link {} GB/s emulated, {} compute \
-         thread(s); CPU backend)\n",
-        args.running, args.preset, args.dtype, args.emulated_link_gbps, args.compute_threads
+         ({} preset, {} adapters on all 7 projections, {schedule}, link {} GB/s emulated, {} \
+         compute thread(s), byte work paced to {:.0}% of a step{}; CPU backend)\n",
+        args.running,
+        args.preset,
+        args.dtype,
+        args.emulated_link_gbps,
+        args.compute_threads,
+        thaw_runtime::upload::busy_pace().share() * 1e2,
+        if switches.is_empty() {
+            String::new()
+        } else {
+            format!(", {}", switches.join(" "))
+        }
     )?;
     writeln!(
         out,
-        "| rank | adapters from | MB each | layers | loads | adapter work / load µs (CPU µs) | / layer µs | steps quiet / loading | TPOT quiet ms (p50) | TPOT loading ms (p50) | TPOT change |"
+        "| rank | adapters from | MB each | layers | loads | adapter work / load µs (CPU µs) | / layer µs | steps quiet / loading | TPOT quiet ms (p50) | TPOT loading ms (p50) | TPOT change | step CPU ms quiet → loading (change) | load ms mean / p50 / max | unfinished |"
     )?;
-    writeln!(out, "|---|---|---|---|---|---|---|---|---|---|---|")?;
+    writeln!(
+        out,
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+    )?;
     for r in &rows {
         writeln!(
             out,
-            "| {} | {} | {:.1} | {} | {} | {:.0} ({:.0}) | {:.1} | {} / {} | {:.3} ({:.3}) | {:.3} ({:.3}) | {:+.1}% |",
+            "| {} | {} | {:.1} | {} | {} | {:.0} ({:.0}) | {:.1} | {} / {} | {:.3} ({:.3}) | {:.3} ({:.3}) | {:+.1}% | {:.3} → {:.3} ({:+.1}%) | {:.0} / {:.0} / {:.0} | {} |",
             r.rank,
             r.source,
             r.adapter_mb,
@@ -500,7 +599,14 @@ pub fn run(args: &UploadStallArgs) -> anyhow::Result<(Vec<StallRow>, String)> {
             r.quiet_p50_ms,
             r.loading_tpot_ms,
             r.loading_p50_ms,
-            r.tpot_change() * 1e2
+            r.tpot_change() * 1e2,
+            r.quiet_cpu_ms,
+            r.loading_cpu_ms,
+            r.cpu_change() * 1e2,
+            r.load_ms.0,
+            r.load_ms.1,
+            r.load_ms.2,
+            r.unfinished
         )?;
     }
     Ok((rows, out))
@@ -536,6 +642,9 @@ mod tests {
             assert!(r.quiet_tpot_ms > 0.0 && r.loading_tpot_ms > 0.0, "{r:?}");
             assert!(r.adapter_us_per_load > 0.0, "{r:?}");
             assert!(r.adapter_mb > 0.0);
+            assert!(r.unfinished <= r.loads, "{r:?}");
+            assert!(r.unfinished == r.loads || r.load_ms.0 > 0.0, "{r:?}");
+            assert!(r.load_ms.1 <= r.load_ms.2, "{r:?}");
         }
         assert!(text.contains("| 16 | disk |"), "{text}");
     }

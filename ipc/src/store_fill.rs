@@ -110,7 +110,17 @@ impl StoreFill {
     /// `weights` must be what the reservation was made for (same order, shapes and dtypes);
     /// anything else is an error and abandons the reservation, nothing published. If the
     /// writer cancelled the reservation, stops early (`Ok`): there is nothing to publish.
-    pub fn fill(mut self, weights: &[LayerModuleWeights<'_>]) -> Result<()> {
+    pub fn fill(self, weights: &[LayerModuleWeights<'_>]) -> Result<()> {
+        self.fill_with(weights, || {})
+    }
+
+    /// [`StoreFill::fill`], calling `between` after each (layer, module)'s bytes: the filling
+    /// thread paces itself there (a chunk of a few MB at most) against the host's other work.
+    pub fn fill_with(
+        mut self,
+        weights: &[LayerModuleWeights<'_>],
+        mut between: impl FnMut(),
+    ) -> Result<()> {
         self.check(weights)?;
         let start =
             self.status
@@ -137,6 +147,7 @@ impl StoreFill {
                     .slice_mut::<u8>(p.b.start, p.b.len())
                     .copy_from_slice(w.b_bytes);
             }
+            between();
         }
         // Release: every byte above happens-before the writer's Acquire load that publishes.
         self.status.fetch_or(FILLED, Ordering::Release);

@@ -512,6 +512,13 @@ impl Backend for AnyBackend {
         }
     }
 
+    fn step_running(&mut self, running: bool) {
+        match self {
+            Self::Cpu(b) => b.step_running(running),
+            Self::Cuda(g) => g.step_running(running),
+        }
+    }
+
     unsafe fn map_assist_exchange(&mut self, ex: &thaw_ipc::Exchange) -> Result<bool> {
         match self {
             // SAFETY: the caller's contract, forwarded.

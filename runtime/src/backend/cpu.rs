@@ -70,6 +70,8 @@ pub struct CpuBackend {
     /// Where uploaded weights are packed; `None` with `THAW_HUGEPAGES=0`. A mutex because
     /// uploads take `&self`; only model loading locks it.
     arena: Option<Mutex<HugeArena>>,
+    /// Marks a step computing on the host while it runs (see [`Backend::step_running`]).
+    step: Option<crate::upload::HostStep>,
 }
 
 /// Whether weights go to huge pages: unless `THAW_HUGEPAGES` is `0` (read per backend).
@@ -111,6 +113,7 @@ impl CpuBackend {
             upload: None,
             upload_arena: DEFAULT_UPLOAD_ARENA,
             arena: hugepages_enabled().then(|| Mutex::new(HugeArena::new(true))),
+            step: None,
         }
     }
 
@@ -688,6 +691,16 @@ impl Backend for CpuBackend {
     fn set_cpu_assist(&mut self, in_flight: bool) {
         self.par
             .set_active(if in_flight { 1 } else { self.par.max() });
+    }
+
+    fn step_running(&mut self, running: bool) {
+        // The host is this backend's device: the upload pipeline's loader and the host-store
+        // fill keep to their share of the host while the step computes (`upload::pace`).
+        match (running, self.step.is_some()) {
+            (true, false) => self.step = Some(crate::upload::host_step()),
+            (false, true) => self.step = None,
+            _ => {}
+        }
     }
 }
 

@@ -374,6 +374,12 @@ pub trait Backend {
     /// CPU backend then computes on the engine thread alone, and on every core otherwise.
     fn set_cpu_assist(&mut self, _in_flight: bool) {}
 
+    /// The engine calls it with `true` before a step's forward and `false` after. A backend
+    /// that computes on the host marks the step ([`crate::upload::host_step`]) so that host
+    /// work proportional to adapters' bytes (loading, filling) keeps to its share meanwhile;
+    /// a GPU computes from its own memory and marks nothing.
+    fn step_running(&mut self, _running: bool) {}
+
     /// Registers the CPU workers' exchange `ex` with the device so that the assist path's
     /// export and merge are device work queued on the stream (DESIGN §4): the fused
     /// copy-and-signal ([`Backend::export_rows_device`]) and a merge the stream holds until

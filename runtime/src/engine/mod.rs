@@ -707,6 +707,7 @@ impl<B: Backend> Engine<B> {
         // The step writes its blocks from here on: nothing it registers or releases is shared
         // or reused before `end_step` below.
         self.blocks.begin_step();
+        self.backend.step_running(true);
         let ran = forward::run(
             &mut self.backend,
             &self.config,
@@ -718,6 +719,7 @@ impl<B: Backend> Engine<B> {
             assist.as_mut(),
             &mut self.logits,
         );
+        self.backend.step_running(false);
         self.rows_assisted += assist.map_or(0, |a| a.rows_assisted as u64);
         if let (true, true, Some(pool)) = (cold, on_pool, &self.pool) {
             pool.disarm();

@@ -114,17 +114,29 @@ pub trait CopyDevice: Send + Sync + 'static {
 
     /// Blocks the calling (copy) thread until `event` completes.
     fn wait(&self, event: &Self::Event) -> Result<()>;
+
+    /// Whether loader threads write the device image into the arena (always, for a real
+    /// device: the copy reads it). Only the emulated link may skip it, for attribution runs.
+    fn writes_image(&self) -> bool {
+        true
+    }
 }
 
 /// The CPU backend's link: the DMA is emulated (each copy completes `latency + bytes /
-/// bandwidth` after the previous one, in wall-clock time, with no core burned), everything
-/// else is the real pipeline. "Device memory" is host memory, so a copy has no destination.
+/// bandwidth` after the previous one, in wall-clock time, with no core burned: a DMA costs the
+/// host no CPU), everything else is the real pipeline. "Device memory" is host memory (the CPU
+/// backend computes from the host copy), so a copy has no destination and copies no byte.
+///
+/// `THAW_UPLOAD_ENCODE=0` makes the loader threads skip writing the image into the arena (the
+/// one copy of an adapter's bytes a GPU host pays too): an attribution switch for
+/// `thaw-bench upload-stall`, never a configuration.
 #[derive(Debug)]
 pub struct EmulatedLink {
     link: LinkModel,
     /// When the last queued copy completes: copies are back to back on one link, and an idle
     /// link starts afresh.
     clock: std::sync::Mutex<Instant>,
+    write_image: bool,
 }
 
 impl EmulatedLink {
@@ -132,6 +144,7 @@ impl EmulatedLink {
         Self {
             link,
             clock: std::sync::Mutex::new(Instant::now()),
+            write_image: !thaw_kernels::cpu::switched_off("THAW_UPLOAD_ENCODE"),
         }
     }
 
@@ -170,5 +183,9 @@ impl CopyDevice for EmulatedLink {
             std::thread::sleep(*event - now);
         }
         Ok(())
+    }
+
+    fn writes_image(&self) -> bool {
+        self.write_image
     }
 }

@@ -14,10 +14,12 @@
 //! | `pipeline.rs` | the loader and copy threads |
 //! | `background.rs` | lower priority for host threads; host work (freeing, filling) off the engine thread |
 //! | `store_fill.rs` | the workers' host store: reserved on the engine thread, filled on the background one |
+//! | `pace.rs` | byte work paced against the steps running on the same host (CPU backend) |
 mod arena;
 mod background;
 mod device;
 mod layout;
+mod pace;
 mod pipeline;
 mod plan;
 mod store_fill;
@@ -26,6 +28,10 @@ pub use arena::{ArenaAlloc, ARENA_ALIGN};
 pub use background::{drop_later, lower_current_thread_priority, run_later, BACKGROUND_NICE};
 pub use device::{CopyDevice, EmulatedLink, PinnedMemory};
 pub use layout::{region_pieces, Factor, ImageLayout, Placed};
+pub use pace::{
+    after_chunk, busy_pace, host_step, host_step_running, publish_backlog, HostStep, Pace,
+    DEFAULT_BUSY_SHARE, MIN_BUSY_SHARE, PACED_DEADLINE,
+};
 pub use pipeline::{Landing, Upload, UploadPipeline, UploadStats};
 pub use plan::{CopyTask, EncodeTask, JobId, Landed, PlanError, UploadPlan};
 pub use store_fill::reserve_and_fill_later;

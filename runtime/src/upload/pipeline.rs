@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use super::device::{CopyDevice, PinnedMemory};
 use super::layout::{ImageLayout, Placed};
@@ -243,9 +243,11 @@ fn encode_loop<D: CopyDevice>(sh: &Shared<D>) {
         }
         reap(&mut g);
         let Some(t) = g.plan.next_encode() else {
+            publish_backlog(&sh.stats, g.plan.queued_bytes());
             g = sh.cv.wait(g).unwrap_or_else(|e| e.into_inner());
             continue;
         };
+        publish_backlog(&sh.stats, g.plan.queued_bytes());
         let job = &g.jobs[&t.job];
         let (adapter, dtype) = (job.adapter.clone(), job.dtype);
         let placed: Vec<Placed> = job
@@ -257,12 +259,13 @@ fn encode_loop<D: CopyDevice>(sh: &Shared<D>) {
             .collect();
         drop(g);
         let base = t.arena.start - t.image.start;
-        let t0 = Instant::now();
-        let mut bytes = 0;
-        for p in &placed {
+        let (mut bytes, mut work) = (0, Duration::ZERO);
+        let write = sh.device.writes_image();
+        for p in placed.iter().filter(|_| write) {
             let w = adapter
                 .get(p.layer, p.module)
                 .expect("the layout lists the adapter's own factors");
+            let t0 = Instant::now();
             // SAFETY: the plan gave this thread the job's layer range (`t.arena`) to write
             // alone, and every factor of the layer lies inside it (the layout's layer range
             // spans its factors); nobody reads it until `encoded` below.
@@ -270,16 +273,35 @@ fn encode_loop<D: CopyDevice>(sh: &Shared<D>) {
                 bytes += write_factor(&sh.arena, base + p.a_off, &w.a, dtype);
                 bytes += write_factor(&sh.arena, base + p.b_off, &w.b, dtype);
             }
+            // One factor (A and B, ≤ a few MB) is a chunk: the step running beside it, if the
+            // device computes on this host, gets the host back before the next (`pace`).
+            let dt = t0.elapsed();
+            work += dt;
+            super::pace::after_chunk(dt);
         }
         let s = &sh.stats;
-        s.encode_ns
-            .fetch_add(t0.elapsed().as_nanos() as u64, Relaxed);
+        s.encode_ns.fetch_add(work.as_nanos() as u64, Relaxed);
         s.encoded_bytes.fetch_add(bytes as u64, Relaxed);
         g = sh.lock();
         g.plan.encoded(t.job, t.layer);
         reap(&mut g);
         sh.cv.notify_all();
     }
+}
+
+/// Publishes the encode work queued (`queued` bytes at the rate measured so far; 4 GB/s before
+/// any), so the pace rises enough for it to drain ([`super::pace::publish_backlog`]).
+fn publish_backlog(stats: &UploadStats, queued: u64) {
+    let (ns, bytes) = (
+        stats.encode_ns.load(Relaxed),
+        stats.encoded_bytes.load(Relaxed),
+    );
+    let ns_per_byte = if ns > 0 && bytes > 0 {
+        ns as f64 / bytes as f64
+    } else {
+        0.25
+    };
+    super::pace::publish_backlog(Duration::from_nanos((queued as f64 * ns_per_byte) as u64));
 }
 
 /// Writes `t` (converted to `dtype` if it is stored otherwise) at arena offset `off`;

@@ -60,9 +60,23 @@ pub fn reserve_and_fill_later(
 
 /// Copies `a`'s bytes into its reservation. A failure abandons the reservation (the store
 /// frees it); the adapter's layers are then assisted on the engine thread until they land.
+///
+/// Each (layer, module) is a chunk paced against the steps running on this host
+/// ([`super::pace`]). `THAW_STORE_FILL=0` abandons every fill instead (the workers never read
+/// the entry; its layers are assisted on the engine thread): an attribution switch for
+/// `thaw-bench upload-stall`, never a configuration.
 fn fill_now(fill: StoreFill, a: &LoraAdapter) {
+    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    if *OFF.get_or_init(|| thaw_kernels::cpu::switched_off("THAW_STORE_FILL")) {
+        return;
+    }
     let handle = fill.handle();
-    if let Err(e) = fill.fill(&store_parts(a)) {
+    let mut t0 = std::time::Instant::now();
+    let paced = || {
+        super::pace::after_chunk(t0.elapsed());
+        t0 = std::time::Instant::now();
+    };
+    if let Err(e) = fill.fill_with(&store_parts(a), paced) {
         tracing::error!(?handle, "filling the host adapter store failed: {e}");
     }
 }
