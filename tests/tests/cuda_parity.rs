@@ -25,6 +25,8 @@ use thaw_tests::{cpu_engine, rel_err, TestModel};
 
 #[path = "cuda_parity/fused.rs"]
 mod fused;
+#[path = "cuda_parity/graphs.rs"]
+mod graphs;
 
 fn gpu() -> bool {
     thaw_tests::gpu_or_skip()

@@ -148,13 +148,14 @@ fn adapters(
         .collect()
 }
 
-/// Runs the decode rows, then the prefill rows, on one engine.
+/// Runs the decode rows (eager, then with CUDA graphs when `--cuda-graphs` and the backend
+/// has them), then the prefill rows, on one engine.
 pub fn run(
     args: &GpuArgs,
     device: &Device,
     model_dir: &Path,
     root: &Path,
-) -> anyhow::Result<(Vec<DecodeRow>, Vec<PrefillRow>)> {
+) -> anyhow::Result<(Vec<DecodeRow>, Vec<DecodeRow>, Vec<PrefillRow>)> {
     let host = HostModel::load(model_dir)?;
     let config = host.config.clone();
     let max_batch = args.batches.iter().copied().max().unwrap_or(1);
@@ -210,28 +211,44 @@ pub fn run(
         &mut next_seq,
     )?;
     let mut decode = Vec::new();
-    for &batch in &args.batches {
-        for mix in Mix::for_batch(batch, &args.ranks) {
-            let ri = mix
-                .rank()
-                .and_then(|r| args.ranks.iter().position(|&x| x == r));
-            let bytes_of = |a: u32| {
-                ri.map_or(0.0, |ri| {
-                    adapter_bytes(&by_rank[ri][a as usize - ri * max_batch])
-                })
-            };
-            decode.push(decode_row(
-                &mut engine,
-                args,
-                batch,
-                mix,
-                &config,
-                e,
-                &|a| bytes_of(a),
-                &mut next_seq,
-            )?);
+    let mut graph_decode = Vec::new();
+    // Eager first; then, with graphs on (the first two decode steps of each row, its untimed
+    // warm-up, warm up and capture its graph), the same rows again.
+    let has_graphs = args.cuda_graphs && engine.set_cuda_graphs(true);
+    for graphs in [false, true] {
+        if graphs && !has_graphs {
+            break;
+        }
+        engine.set_cuda_graphs(graphs);
+        let rows = if graphs {
+            &mut graph_decode
+        } else {
+            &mut decode
+        };
+        for &batch in &args.batches {
+            for mix in Mix::for_batch(batch, &args.ranks) {
+                let ri = mix
+                    .rank()
+                    .and_then(|r| args.ranks.iter().position(|&x| x == r));
+                let bytes_of = |a: u32| {
+                    ri.map_or(0.0, |ri| {
+                        adapter_bytes(&by_rank[ri][a as usize - ri * max_batch])
+                    })
+                };
+                rows.push(decode_row(
+                    &mut engine,
+                    args,
+                    batch,
+                    mix,
+                    &config,
+                    e,
+                    &|a| bytes_of(a),
+                    &mut next_seq,
+                )?);
+            }
         }
     }
+    engine.set_cuda_graphs(false);
     let mut prefill = Vec::new();
     for &tokens in &args.prefill_tokens {
         let mut t = Vec::new();
@@ -262,7 +279,7 @@ pub fn run(
             flops: prefill_flops(&config, tokens),
         });
     }
-    Ok((decode, prefill))
+    Ok((decode, graph_decode, prefill))
 }
 
 fn prompt(c: &ModelConfig, len: usize, seed: u64) -> Vec<u32> {
