@@ -69,8 +69,8 @@ fn padded_graph_steps_give_the_eager_tokens() {
         assert_eq!(stats.is_some(), graphs);
     }
     for (k, &b) in batches.iter().enumerate() {
-        for i in 0..b {
-            let (eager, graph) = (&runs[0][k][i], &runs[1][k][i]);
+        assert_eq!((runs[0][k].len(), runs[1][k].len()), (b, b));
+        for (i, (eager, graph)) in runs[0][k].iter().zip(&runs[1][k]).enumerate() {
             assert_eq!(
                 graph.tokens, eager.tokens,
                 "batch {b}, seq {i}: padded graph steps changed the greedy tokens"

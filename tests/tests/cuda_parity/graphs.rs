@@ -82,8 +82,8 @@ fn graph_captured_decode_gives_the_eager_tokens() {
             runs.push(per_batch);
         }
         for (k, &b) in batches.iter().chain(&batches).enumerate() {
-            for i in 0..b {
-                let (eager, graph) = (&runs[0][k][i], &runs[1][k][i]);
+            assert_eq!((runs[0][k].len(), runs[1][k].len()), (b, b));
+            for (i, (eager, graph)) in runs[0][k].iter().zip(&runs[1][k]).enumerate() {
                 check(
                     &format!("graph vs eager b{b} s{i}"),
                     dt,
