@@ -489,19 +489,20 @@ mod tests {
         assert!(flag.resolve().unwrap().admission_bypass);
     }
 
-    #[test]
-    fn prefix_caching_is_on_unless_the_file_or_the_flag_turns_it_off() {
+    /// `thaw serve`'s flags parsed from `args` (the command name is added).
+    fn parse_flags(args: &[&str]) -> Result<ServeArgs, clap::Error> {
         use clap::Parser;
         #[derive(Parser)]
         struct Cli {
             #[command(flatten)]
             serve: ServeArgs,
         }
-        let parse = |args: &[&str]| {
-            let mut v = vec!["thaw"];
-            v.extend_from_slice(args);
-            Cli::try_parse_from(v).unwrap().serve
-        };
+        Cli::try_parse_from(std::iter::once("thaw").chain(args.iter().copied())).map(|c| c.serve)
+    }
+
+    #[test]
+    fn prefix_caching_is_on_unless_the_file_or_the_flag_turns_it_off() {
+        let parse = |args: &[&str]| parse_flags(args).unwrap();
         let on = |a: ServeArgs| a.resolve().unwrap().enable_prefix_caching;
         assert!(on(parse(&[])));
         assert!(!on(parse(&["--no-enable-prefix-caching"])));
@@ -516,19 +517,10 @@ mod tests {
         assert!(!on(parse(&["--config", path])));
         assert!(on(parse(&["--config", path, "--enable-prefix-caching"])));
     }
+
     #[test]
     fn cuda_graphs_are_off_unless_asked_for_and_enforce_eager_wins() {
-        use clap::Parser;
-        #[derive(Parser)]
-        struct Cli {
-            #[command(flatten)]
-            serve: ServeArgs,
-        }
-        let parse = |args: &[&str]| {
-            let mut v = vec!["thaw"];
-            v.extend_from_slice(args);
-            Cli::try_parse_from(v).map(|c| c.serve)
-        };
+        let parse = parse_flags;
         let graphs = |args: &[&str]| {
             let c = parse(args).unwrap().resolve().unwrap();
             (c.cuda_graphs, c.cuda_graph_max_bs)
