@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check of issue 27 in under 8 minutes on one H100/H200, with no Rust and no network:
-#   1. the CUDA parity suite (cuda_parity, cuda_exchange);
+#   1. the CUDA parity suite (cuda_parity, cuda_exchange; cuda_parity includes issue 29's
+#      graph-captured against eager decode, graph_captured_decode_gives_the_eager_tokens);
 #   2. the cold-start tables, one server per policy (cached / on-demand / cpu-assist / auto):
 #      a pass whose adapters start in host memory (CaraServe's setting), then one whose
 #      adapters start on disk (page cache warm); TTFT, TPOT, done/failed, what a miss waited for
@@ -306,7 +307,8 @@ echo "appended to $RESULTS"
 tar czf "$O/runs.tgz" -C "$O" runs 2>/dev/null
 # === issue 29: GPU speed (thaw-bench gpu + the transformers peer) =========================
 # One block, kept apart from the cold-start steps above: decode tok/s and achieved bandwidth
-# at batch 1/8/32/64 with 0, 1 and N adapters (ranks 16, 64), prefill TFLOP/s, the SGMV/BGMV
+# at batch 1/8/32/64 with 0, 1 and N adapters (ranks 16, 64), the same decode rows again with
+# CUDA graphs (--cuda-graphs: graph vs eager tok/s), prefill TFLOP/s, the SGMV/BGMV
 # table, then the same model in transformers + PyTorch (static cache) when torch imports
 # (THAW_PEER_PYTHON names its python; skipped with a note otherwise). Extra thaw-bench gpu
 # flags: THAW_GPU_BENCH_ARGS (e.g. "--peak-gbs 2976 --peak-tflops 798").
@@ -314,9 +316,9 @@ el "issue 29: thaw-bench gpu on $MD"
 # Both steps take what is left of the one budget (THAW_GPU_BUDGET_S): on a short lease, run
 # this block on its own with a fresh budget in a second call.
 if [ "$DEV" = cuda ]; then
-  GB_ARGS=(--device cuda) PEER_ARGS=(--device cuda) GB_T=$(cap 240 60) PEER_T=$(cap 180 0)
+  GB_ARGS=(--device cuda --cuda-graphs) PEER_ARGS=(--device cuda) GB_T=$(cap 240 60) PEER_T=$(cap 180 0)
 else
-  GB_ARGS=(--device cpu --quick) GB_T=$(cap 120 30) PEER_T=$(cap 300 0)
+  GB_ARGS=(--device cpu --quick --cuda-graphs) GB_T=$(cap 120 30) PEER_T=$(cap 300 0)
   PEER_ARGS=(--device cpu --batches 1,4 --prompt-len 16 --decode-steps 2 --prefill-tokens 16,64 --reps 1)
 fi
 if [ "$GB_T" -gt 0 ]; then

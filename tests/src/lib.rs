@@ -177,6 +177,7 @@ pub fn projection(short: &str) -> Projection {
         .unwrap_or_else(|| panic!("no projection named {short}"))
 }
 
+pub mod graphs;
 pub mod http;
 pub mod prom;
 

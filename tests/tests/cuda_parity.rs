@@ -27,6 +27,8 @@ use thaw_tests::{cpu_engine, rel_err, TestModel};
 mod attn29;
 #[path = "cuda_parity/fused.rs"]
 mod fused;
+#[path = "cuda_parity/graphs.rs"]
+mod graphs;
 
 fn gpu() -> bool {
     thaw_tests::gpu_or_skip()

@@ -8,7 +8,7 @@ use std::time::Instant;
 use anyhow::Context;
 use thaw_runtime::adapter::LoraAdapter;
 use thaw_runtime::backend::any::AnyBackend;
-use thaw_runtime::backend::Device;
+use thaw_runtime::backend::{Backend, Device};
 use thaw_runtime::engine::{Engine, EngineConfig, HostModel, PlanItem, SequenceParams, StepPlan};
 use thaw_runtime::ids::{AdapterId, SeqId};
 use thaw_runtime::model::ModelConfig;
@@ -148,13 +148,14 @@ fn adapters(
         .collect()
 }
 
-/// Runs the decode rows, then the prefill rows, on one engine.
+/// Runs the decode rows (eager, then with CUDA graphs when `--cuda-graphs` and the backend
+/// has them), then the prefill rows, on one engine.
 pub fn run(
     args: &GpuArgs,
     device: &Device,
     model_dir: &Path,
     root: &Path,
-) -> anyhow::Result<(Vec<DecodeRow>, Vec<PrefillRow>)> {
+) -> anyhow::Result<(Vec<DecodeRow>, Vec<DecodeRow>, Vec<PrefillRow>)> {
     let host = HostModel::load(model_dir)?;
     let config = host.config.clone();
     let max_batch = args.batches.iter().copied().max().unwrap_or(1);
@@ -171,24 +172,42 @@ pub fn run(
     };
     let block = 16;
     let per_seq = args.prompt_len + args.decode_steps + 4;
+    // Adapter ids: rank index × max_batch + i.
+    let by_rank = args
+        .ranks
+        .iter()
+        .map(|&rank| adapters(args, model_dir, root, &config, rank, max_batch))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    // Where the backend places adapter images in KV blocks (CUDA), the pool holds them too.
+    let layout = thaw_kernels::cpu::KvLayout {
+        block_size: block,
+        num_kv_heads: config.num_kv_heads,
+        head_dim: config.head_dim,
+    };
+    let adapter_pages: usize = by_rank
+        .iter()
+        .flatten()
+        .map(|a| backend.lora_pages(a, layout).unwrap_or(0))
+        .sum();
     let cfg = EngineConfig {
         kv_block_size: block,
-        num_kv_blocks: (max_batch * per_seq.div_ceil(block)).max((max_prefill + 2).div_ceil(block)),
+        // One block more with --cuda-graphs: graph steps' padding rows write their KV into it.
+        num_kv_blocks: (max_batch * per_seq.div_ceil(block)).max((max_prefill + 2).div_ceil(block))
+            + adapter_pages
+            + usize::from(args.cuda_graphs),
         max_batch_tokens: max_prefill.max(args.prompt_len).max(max_batch),
         max_batch_seqs: max_batch,
         max_context: Some(per_seq.max(max_prefill + 2)),
         ..Default::default()
     };
     let mut engine = Engine::new(backend, host, cfg)?;
-    // Adapter ids: rank index × max_batch + i.
-    let mut by_rank = Vec::new();
-    for (ri, &rank) in args.ranks.iter().enumerate() {
-        let list = adapters(args, model_dir, root, &config, rank, max_batch)?;
+    for (ri, list) in by_rank.iter().enumerate() {
         for (i, a) in list.iter().enumerate() {
             engine.register_adapter(AdapterId((ri * max_batch + i) as u32), a.clone())?;
         }
-        by_rank.push(list);
     }
+    // Resident before any row is timed (a layer still streaming would be CPU-assisted).
+    engine.wait_adapters_landed(std::time::Duration::from_secs(120))?;
     // As the device holds them: converted to the weight dtype (CUDA) or as stored (CPU).
     let adapter_bytes = |a: &LoraAdapter| match dev_weight {
         Some(w) => a
@@ -210,28 +229,44 @@ pub fn run(
         &mut next_seq,
     )?;
     let mut decode = Vec::new();
-    for &batch in &args.batches {
-        for mix in Mix::for_batch(batch, &args.ranks) {
-            let ri = mix
-                .rank()
-                .and_then(|r| args.ranks.iter().position(|&x| x == r));
-            let bytes_of = |a: u32| {
-                ri.map_or(0.0, |ri| {
-                    adapter_bytes(&by_rank[ri][a as usize - ri * max_batch])
-                })
-            };
-            decode.push(decode_row(
-                &mut engine,
-                args,
-                batch,
-                mix,
-                &config,
-                e,
-                &|a| bytes_of(a),
-                &mut next_seq,
-            )?);
+    let mut graph_decode = Vec::new();
+    // Eager first; then, with graphs on (the first two decode steps of each row, its untimed
+    // warm-up, warm up and capture its graph), the same rows again.
+    let has_graphs = args.cuda_graphs && engine.set_cuda_graphs(true);
+    for graphs in [false, true] {
+        if graphs && !has_graphs {
+            break;
+        }
+        engine.set_cuda_graphs(graphs);
+        let rows = if graphs {
+            &mut graph_decode
+        } else {
+            &mut decode
+        };
+        for &batch in &args.batches {
+            for mix in Mix::for_batch(batch, &args.ranks) {
+                let ri = mix
+                    .rank()
+                    .and_then(|r| args.ranks.iter().position(|&x| x == r));
+                let bytes_of = |a: u32| {
+                    ri.map_or(0.0, |ri| {
+                        adapter_bytes(&by_rank[ri][a as usize - ri * max_batch])
+                    })
+                };
+                rows.push(decode_row(
+                    &mut engine,
+                    args,
+                    batch,
+                    mix,
+                    &config,
+                    e,
+                    &|a| bytes_of(a),
+                    &mut next_seq,
+                )?);
+            }
         }
     }
+    engine.set_cuda_graphs(false);
     let mut prefill = Vec::new();
     for &tokens in &args.prefill_tokens {
         let mut t = Vec::new();
@@ -262,7 +297,7 @@ pub fn run(
             flops: prefill_flops(&config, tokens),
         });
     }
-    Ok((decode, prefill))
+    Ok((decode, graph_decode, prefill))
 }
 
 fn prompt(c: &ModelConfig, len: usize, seed: u64) -> Vec<u32> {

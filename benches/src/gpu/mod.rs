@@ -81,6 +81,10 @@ pub struct GpuArgs {
     /// A seconds-long run on the tiny preset (CPU backend unless --device says otherwise).
     #[arg(long)]
     pub quick: bool,
+    /// Also time every decode row with CUDA graphs on (`thaw serve --cuda-graphs`) and print
+    /// graph against eager tokens/s (skipped on a backend without graphs).
+    #[arg(long)]
+    pub cuda_graphs: bool,
 }
 
 impl GpuArgs {
@@ -103,6 +107,7 @@ impl GpuArgs {
             lora_batches: vec![1, 4],
             lora_ranks: vec![16],
             quick: true,
+            cuda_graphs: false,
         }
     }
 
@@ -112,6 +117,7 @@ impl GpuArgs {
                 device: self.device,
                 model: self.model.clone(),
                 workdir: self.workdir.clone(),
+                cuda_graphs: self.cuda_graphs,
                 ..Self::quick()
             }
         } else {
@@ -131,6 +137,9 @@ pub struct GpuReport {
     pub lora_impl: String,
     pub lora: Vec<LoraCaseResult>,
     pub decode: Vec<DecodeRow>,
+    /// The decode rows again with CUDA graphs on (`--cuda-graphs`; empty otherwise, or where
+    /// the backend has no graphs).
+    pub graph_decode: Vec<DecodeRow>,
     pub prefill: Vec<PrefillRow>,
 }
 
@@ -155,7 +164,7 @@ pub fn run(args: &GpuArgs) -> anyhow::Result<GpuReport> {
     let model_dir = cases::model_dir(&args, &root)?;
     let config = thaw_runtime::model::ModelConfig::from_dir(&model_dir)?;
     let (peaks, lora, lora_impl, device_name) = peaks::measure(&args, &device, &config)?;
-    let (decode, prefill) = cases::run(&args, &device, &model_dir, &root)?;
+    let (decode, graph_decode, prefill) = cases::run(&args, &device, &model_dir, &root)?;
     Ok(GpuReport {
         device: device_name,
         model: format!(
@@ -168,6 +177,7 @@ pub fn run(args: &GpuArgs) -> anyhow::Result<GpuReport> {
         lora_impl,
         lora,
         decode,
+        graph_decode,
         prefill,
     })
 }
@@ -224,6 +234,9 @@ pub fn table(args: &GpuArgs, r: &GpuReport) -> String {
             d.gbs() / p.gbs * 100.0
         );
     }
+    if args.cuda_graphs {
+        let _ = writeln!(s, "{}", graph_table(r));
+    }
     let _ = writeln!(
         s,
         "\n### Prefill, one sequence, base model (median of {})",
@@ -248,6 +261,29 @@ pub fn table(args: &GpuArgs, r: &GpuReport) -> String {
     s
 }
 
+/// The decode rows with CUDA graphs against the eager ones (issue 29).
+fn graph_table(r: &GpuReport) -> String {
+    let mut s = String::from("\n### Decode with CUDA graphs vs eager (same rows, same engine)\n");
+    if r.graph_decode.is_empty() {
+        s.push_str("skipped: this backend has no CUDA graphs\n");
+        return s;
+    }
+    s.push_str("| batch | adapters | rank | eager tok/s | graph tok/s | graph ÷ eager |\n|---|---|---|---|---|---|\n");
+    for (e, g) in r.decode.iter().zip(&r.graph_decode) {
+        let _ = writeln!(
+            s,
+            "| {} | {} | {} | {:.1} | {:.1} | {:.2} |",
+            e.batch,
+            e.mix.label(),
+            e.mix.rank().map_or("-".into(), |r| r.to_string()),
+            e.tok_s,
+            g.tok_s,
+            g.tok_s / e.tok_s
+        );
+    }
+    s
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -256,8 +292,14 @@ mod tests {
     /// figure is positive and finite.
     #[test]
     fn quick_gpu_bench_on_the_cpu_backend_reports_every_table() {
-        let args = GpuArgs::quick();
+        let args = GpuArgs {
+            cuda_graphs: true,
+            ..GpuArgs::quick()
+        };
         let r = run(&args).unwrap();
+        // The CPU backend has no CUDA graphs: the graph rows are skipped, and say so.
+        assert!(r.graph_decode.is_empty());
+        assert!(table(&args, &r).contains("skipped: this backend has no CUDA graphs"));
         let pos = |v: f64| v.is_finite() && v > 0.0;
         assert!(pos(r.peaks.gbs) && pos(r.peaks.tflops));
         // Table rows: 1 rank × 2 batches × 2 kernels × 4 popularities.

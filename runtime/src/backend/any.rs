@@ -573,6 +573,46 @@ impl Backend for AnyBackend {
         }
     }
 
+    fn supports_graphs(&self) -> bool {
+        match self {
+            Self::Cpu(b) => b.supports_graphs(),
+            Self::Cuda(g) => g.supports_graphs(),
+        }
+    }
+
+    fn graph_begin(
+        &mut self,
+        key: super::GraphKey,
+        step: &StepLayout,
+        lora: &LoraBatch<'_, AnyLora>,
+        sizing: &super::graph_plan::GraphSizing,
+    ) -> Result<Option<super::GraphPhase>> {
+        match self {
+            Self::Cpu(b) => {
+                let adapters = cpu_loras(lora);
+                b.graph_begin(key, step, &lora.with_adapters(&adapters), sizing)
+            }
+            Self::Cuda(g) => {
+                let adapters = gpu_loras(lora);
+                g.graph_begin(key, step, &lora.with_adapters(&adapters), sizing)
+            }
+        }
+    }
+
+    fn graph_end(&mut self, out: &mut Vec<f32>, rows: usize) -> Result<bool> {
+        match self {
+            Self::Cpu(b) => b.graph_end(out, rows),
+            Self::Cuda(g) => g.graph_end(out, rows),
+        }
+    }
+
+    fn graph_reset(&mut self) {
+        match self {
+            Self::Cpu(b) => b.graph_reset(),
+            Self::Cuda(g) => g.graph_reset(),
+        }
+    }
+
     fn rope(&mut self, x: &mut AnyBuf, positions: &[usize], n_heads: usize) {
         match self {
             Self::Cpu(b) => b.rope(x.cpu_mut(), positions, n_heads),

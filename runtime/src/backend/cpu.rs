@@ -15,7 +15,7 @@ use thaw_kernels::cpu::{self as k, HugeArena, KvLayout, RopeTable, WeightMatrix}
 
 use super::cpu_fused;
 use super::cpu_par::{balance, linear_split, ComputePool, CpuThreads};
-use super::{Backend, LinearDims, LoraBatch, LoraKernel, LoraSite, StepLayout};
+use super::{Backend, GraphPhase, LinearDims, LoraBatch, LoraKernel, LoraSite, StepLayout};
 use crate::adapter::{LoraAdapter, LoraModule};
 use crate::error::Result;
 use crate::ids::LayerIdx;
@@ -72,6 +72,9 @@ pub struct CpuBackend {
     arena: Option<Mutex<HugeArena>>,
     /// Marks a step computing on the host while it runs (see [`Backend::step_running`]).
     step: Option<crate::upload::HostStep>,
+    /// Graph emulation ([`CpuBackend::set_graph_emulation`]): the bucket of the graph step in
+    /// progress, `Some(0)` between graph steps, `None` when off.
+    graph_bucket: Option<usize>,
 }
 
 /// Whether weights go to huge pages: unless `THAW_HUGEPAGES` is `0` (read per backend).
@@ -114,7 +117,15 @@ impl CpuBackend {
             upload_arena: DEFAULT_UPLOAD_ARENA,
             arena: hugepages_enabled().then(|| Mutex::new(HugeArena::new(true))),
             step: None,
+            graph_bucket: None,
         }
+    }
+
+    /// Takes part in the engine's CUDA-graph protocol without capturing anything (tests):
+    /// every graph step runs eagerly on its padded shape ([`GraphPhase::Warmup`]), so the
+    /// engine's padding is checked against unpadded steps where there is no GPU.
+    pub fn set_graph_emulation(&mut self, on: bool) {
+        self.graph_bucket = on.then_some(0);
     }
 
     /// Sets the emulated host → device link adapters stream over (before the first stream).
@@ -686,6 +697,32 @@ impl Backend for CpuBackend {
     fn logits(&mut self, x: &Vec<f32>, lm_head: &CpuLinear, rows: usize, out: &mut Vec<f32>) {
         out.resize(rows * lm_head.d_out, 0.0);
         self.linear(x, lm_head, rows, out);
+    }
+
+    fn supports_graphs(&self) -> bool {
+        self.graph_bucket.is_some()
+    }
+
+    fn graph_begin(
+        &mut self,
+        key: super::GraphKey,
+        _step: &StepLayout,
+        _lora: &LoraBatch<'_, Arc<LoraSlot>>,
+        _sizing: &super::graph_plan::GraphSizing,
+    ) -> Result<Option<GraphPhase>> {
+        Ok(self.graph_bucket.as_mut().map(|b| {
+            *b = key.bucket;
+            GraphPhase::Warmup
+        }))
+    }
+
+    /// The padded step's logits, less the padding rows'.
+    fn graph_end(&mut self, out: &mut Vec<f32>, rows: usize) -> Result<bool> {
+        if let Some(b) = self.graph_bucket.as_mut().filter(|b| **b > 0) {
+            out.truncate(out.len() / *b * rows);
+            *b = 0;
+        }
+        Ok(true)
     }
 
     fn set_cpu_assist(&mut self, in_flight: bool) {

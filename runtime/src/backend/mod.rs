@@ -21,6 +21,7 @@ mod cpu_pool;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod graph_plan;
+pub use graph_plan::{GraphKey, GraphPhase};
 #[cfg(not(feature = "cuda"))]
 mod nocuda;
 pub mod step_meta;
@@ -418,6 +419,38 @@ pub trait Backend {
         let _ = (seq, workers);
         Err(no_device_exchange())
     }
+    /// Whether decode steps can run as captured graphs ([`graph_plan`]; CUDA graphs). The
+    /// default (the CPU backend): no, and the engine never calls the `graph_*` ops.
+    fn supports_graphs(&self) -> bool {
+        false
+    }
+    /// Starts a graph step for `key` over `step`, already padded to `key.bucket` rows
+    /// ([`graph_plan::pad_step`]): writes the step's metadata into the persistent buffer every
+    /// graph reads, with one host → device copy. Returns the phase ([`graph_plan::next_phase`]):
+    /// after [`GraphPhase::Replay`] the graph has been launched and the engine runs no forward;
+    /// otherwise the engine runs the forward (whose ops then read the persistent metadata, and
+    /// under [`GraphPhase::Capture`] are recorded instead of run) and calls
+    /// [`Backend::graph_end`]. `None`: this key's capture failed before; run the step eagerly.
+    fn graph_begin(
+        &mut self,
+        key: GraphKey,
+        step: &StepLayout,
+        lora: &LoraBatch<'_, Self::Lora>,
+        sizing: &graph_plan::GraphSizing,
+    ) -> Result<Option<GraphPhase>> {
+        let _ = (key, step, lora, sizing);
+        Ok(None)
+    }
+    /// Ends the graph step [`Backend::graph_begin`] started: launches a graph just captured,
+    /// then copies the logits of the first `rows` rows (the real ones) into `out`. Returns
+    /// `false` when the capture failed: the key is then eager for good and the engine runs the
+    /// forward once more (eagerly, on the same padded step) and calls this again.
+    fn graph_end(&mut self, out: &mut Vec<f32>, rows: usize) -> Result<bool> {
+        let _ = (out, rows);
+        Ok(true)
+    }
+    /// Drops every captured graph and the persistent buffers' contents (graphs switched off).
+    fn graph_reset(&mut self) {}
     /// Queues the addition of `module`'s exchange deltas, packed rows `first..`, into rows
     /// `rows` of `y` (after [`Backend::wait_workers_device`] for their step).
     fn merge_rows_device(

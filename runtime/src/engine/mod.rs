@@ -36,6 +36,7 @@ mod assist;
 mod assist_device;
 mod forward;
 mod from_disk;
+mod graphs;
 mod paged;
 mod prefix;
 mod prompt;
@@ -43,6 +44,7 @@ mod sequence;
 mod weights;
 
 pub use assist::AssistProfile;
+pub use graphs::GraphStats;
 pub use prefix::PrefixStats;
 pub use sequence::{FinishReason, PlanItem, SeqOutput, SequenceParams, StepPlan};
 pub use weights::{HostLayer, HostModel};
@@ -71,6 +73,13 @@ pub struct EngineConfig {
     /// Reuse the KV of full blocks of an earlier request with the same prefix under the same
     /// adapter generation (vLLM's automatic prefix caching, `--enable-prefix-caching`).
     pub enable_prefix_caching: bool,
+    /// Decode steps as CUDA graphs captured per batch-size bucket, as vLLM does
+    /// (`thaw serve --cuda-graphs`; `--enforce-eager` keeps them off). Backends without
+    /// graphs (the CPU one) ignore it. See `backend::graph_plan`.
+    pub cuda_graphs: bool,
+    /// Largest decode batch captured (`--cuda-graph-max-bs`); `None`: `max_batch_seqs`.
+    /// Larger batches run eagerly.
+    pub cuda_graph_max_bs: Option<usize>,
 }
 
 impl Default for EngineConfig {
@@ -84,6 +93,8 @@ impl Default for EngineConfig {
             lora_kernel: LoraKernel::Sgmv,
             seed: 0,
             enable_prefix_caching: false,
+            cuda_graphs: false,
+            cuda_graph_max_bs: None,
         }
     }
 }
@@ -124,6 +135,8 @@ pub struct Engine<B: Backend> {
     prompt_targets: Vec<(SeqId, u32)>,
     prompt_logits: Vec<f32>,
     prefix_stats: PrefixStats,
+    /// CUDA-graph state, while graphs are on and the backend has them.
+    graphs: Option<graphs::EngineGraphs>,
 }
 
 /// A registered adapter: its host copy, its device slot, and its place in the host store
@@ -153,6 +166,9 @@ impl<B: Backend> Engine<B> {
             .collect::<Result<Vec<_>>>()?;
         let ws = Workspace::new(&backend, &config, &cfg)?;
         let model = DeviceModel::upload(&backend, model)?;
+        let max_context = graphs::max_context(&config, &cfg);
+        let graphs =
+            graphs::EngineGraphs::new(&backend, &config, &cfg, max_context, ws.logit_cap());
         Ok(Self {
             blocks: BlockAllocator::new(cfg.num_kv_blocks, cfg.kv_block_size),
             next_seed: cfg.seed,
@@ -182,6 +198,7 @@ impl<B: Backend> Engine<B> {
             prompt_targets: Vec::new(),
             prompt_logits: Vec::new(),
             prefix_stats: PrefixStats::default(),
+            graphs,
         })
     }
 
@@ -205,10 +222,7 @@ impl<B: Backend> Engine<B> {
 
     /// Largest total length (prompt + generated) a sequence may reach.
     pub fn max_context(&self) -> usize {
-        self.cfg
-            .max_context
-            .unwrap_or(self.config.max_position_embeddings)
-            .min(self.config.max_position_embeddings)
+        graphs::max_context(&self.config, &self.cfg)
     }
 
     pub fn kv_usage(&self) -> KvUsage {
@@ -244,6 +258,10 @@ impl<B: Backend> Engine<B> {
             .collect::<Result<Vec<_>>>()?;
         self.blocks = BlockAllocator::new(num_blocks, self.cfg.kv_block_size);
         self.cfg.num_kv_blocks = num_blocks;
+        if let Some(g) = &mut self.graphs {
+            g.kv_resized(num_blocks);
+            self.backend.graph_reset();
+        }
         Ok(())
     }
 
@@ -667,6 +685,14 @@ impl<B: Backend> Engine<B> {
         self.landed
             .extend(adapters.iter().map(|a| self.backend.landed_layers(a)));
         let cold = self.landed.iter().any(|&l| l < self.config.num_layers);
+        // A warm decode step that fits a captured batch size is padded to it (graphs on).
+        let max_rank = host.iter().map(|a| a.max_rank()).max().unwrap_or(0);
+        let scores = !self.prompt_rows.is_empty();
+        let graph = self.graphs.as_mut().and_then(|g| {
+            let facts = (cold, scores, max_rank);
+            let (layout, lora) = (&mut self.layout, &mut self.lora_layout);
+            g.plan(&self.blocks, layout, lora, facts).map(|k| (g, k))
+        });
         // The workers assist this step only if every cold adapter is readable in the host
         // store; otherwise (an entry still filling, for a step or a few) the engine thread
         // computes the cold deltas from the host copies, as without a pool.
@@ -708,17 +734,30 @@ impl<B: Backend> Engine<B> {
         // or reused before `end_step` below.
         self.blocks.begin_step();
         self.backend.step_running(true);
-        let ran = forward::run(
-            &mut self.backend,
-            &self.config,
-            &self.model,
-            &mut self.kv,
-            &mut self.ws,
-            &self.layout,
-            &lora,
-            assist.as_mut(),
-            &mut self.logits,
-        );
+        let ran = match graph {
+            Some((g, key)) => graphs::run(
+                g,
+                key,
+                &mut self.backend,
+                (&self.config, &self.model),
+                &mut self.kv,
+                &mut self.ws,
+                (&self.layout, &lora),
+                self.sample_order.len(),
+                &mut self.logits,
+            ),
+            None => forward::run(
+                &mut self.backend,
+                &self.config,
+                &self.model,
+                &mut self.kv,
+                &mut self.ws,
+                &self.layout,
+                &lora,
+                assist.as_mut(),
+                &mut self.logits,
+            ),
+        };
         self.backend.step_running(false);
         self.rows_assisted += assist.map_or(0, |a| a.rows_assisted as u64);
         if let (true, true, Some(pool)) = (cold, on_pool, &self.pool) {

@@ -112,6 +112,19 @@ pub struct ServeArgs {
     /// Turn automatic prefix caching off: every prompt is computed in full.
     #[arg(long, overrides_with = "enable_prefix_caching")]
     pub no_enable_prefix_caching: bool,
+    /// Run decode steps as CUDA graphs, captured per batch-size bucket (1, 2, 4, 8, 16, … up
+    /// to --cuda-graph-max-bs) on first use and replayed, as vLLM does; prefill, mixed and
+    /// CPU-assisted steps and larger batches stay eager (CUDA backend; ignored on the CPU)
+    /// [default: off until verified on a GPU; --enforce-eager].
+    #[arg(long, conflicts_with = "enforce_eager")]
+    pub cuda_graphs: bool,
+    /// Never capture CUDA graphs: every step runs eagerly (vLLM's flag) [the default].
+    #[arg(long)]
+    pub enforce_eager: bool,
+    /// Largest decode batch captured as a CUDA graph; larger batches run eagerly (SGLang's
+    /// flag) [default: --max-num-seqs, at most 512].
+    #[arg(long, value_name = "N")]
+    pub cuda_graph_max_bs: Option<usize>,
     /// Benchmark baseline, not for serving: `max-tokens` reserves every request's prompt +
     /// `max_tokens` (the rest of the context when it sends none) at admission and never
     /// preempts, as Thaw did before KV blocks on demand, to measure what on-demand blocks
@@ -293,6 +306,18 @@ impl ServeArgs {
                 (true, false) => true,
                 (false, false) => f.enable_prefix_caching.unwrap_or(d.enable_prefix_caching),
             },
+            cuda_graphs: match (self.cuda_graphs, self.enforce_eager) {
+                (_, true) => false,
+                (true, false) => true,
+                (false, false) => match (f.cuda_graphs, f.enforce_eager) {
+                    (Some(true), Some(true)) => anyhow::bail!(
+                        "the config file sets both cuda_graphs and enforce_eager; keep one"
+                    ),
+                    (_, Some(true)) => false,
+                    (g, _) => g.unwrap_or(d.cuda_graphs),
+                },
+            },
+            cuda_graph_max_bs: self.cuda_graph_max_bs.or(f.cuda_graph_max_bs),
             kv_reservation: self
                 .kv_reservation
                 .or(f.kv_reservation)
@@ -367,6 +392,7 @@ impl ServeArgs {
             ("max-num-batched-tokens", cfg.max_num_batched_tokens),
             ("block-size", cfg.block_size),
             ("max-lora-rank", cfg.max_lora_rank),
+            ("cuda-graph-max-bs", cfg.cuda_graph_max_bs.unwrap_or(1)),
         ] {
             anyhow::ensure!(v > 0, "--{name} must be at least 1");
         }
@@ -463,19 +489,20 @@ mod tests {
         assert!(flag.resolve().unwrap().admission_bypass);
     }
 
-    #[test]
-    fn prefix_caching_is_on_unless_the_file_or_the_flag_turns_it_off() {
+    /// `thaw serve`'s flags parsed from `args` (the command name is added).
+    fn parse_flags(args: &[&str]) -> Result<ServeArgs, clap::Error> {
         use clap::Parser;
         #[derive(Parser)]
         struct Cli {
             #[command(flatten)]
             serve: ServeArgs,
         }
-        let parse = |args: &[&str]| {
-            let mut v = vec!["thaw"];
-            v.extend_from_slice(args);
-            Cli::try_parse_from(v).unwrap().serve
-        };
+        Cli::try_parse_from(std::iter::once("thaw").chain(args.iter().copied())).map(|c| c.serve)
+    }
+
+    #[test]
+    fn prefix_caching_is_on_unless_the_file_or_the_flag_turns_it_off() {
+        let parse = |args: &[&str]| parse_flags(args).unwrap();
         let on = |a: ServeArgs| a.resolve().unwrap().enable_prefix_caching;
         assert!(on(parse(&[])));
         assert!(!on(parse(&["--no-enable-prefix-caching"])));
@@ -489,5 +516,39 @@ mod tests {
         let path = f.to_str().unwrap();
         assert!(!on(parse(&["--config", path])));
         assert!(on(parse(&["--config", path, "--enable-prefix-caching"])));
+    }
+
+    #[test]
+    fn cuda_graphs_are_off_unless_asked_for_and_enforce_eager_wins() {
+        let parse = parse_flags;
+        let graphs = |args: &[&str]| {
+            let c = parse(args).unwrap().resolve().unwrap();
+            (c.cuda_graphs, c.cuda_graph_max_bs)
+        };
+        assert_eq!(graphs(&[]), (false, None));
+        assert_eq!(graphs(&["--cuda-graphs"]), (true, None));
+        assert_eq!(graphs(&["--enforce-eager"]), (false, None));
+        assert_eq!(
+            graphs(&["--cuda-graphs", "--cuda-graph-max-bs", "32"]),
+            (true, Some(32))
+        );
+        assert!(parse(&["--cuda-graphs", "--enforce-eager"]).is_err());
+        let e = parse(&["--cuda-graph-max-bs", "0"])
+            .unwrap()
+            .resolve()
+            .unwrap_err();
+        assert!(e.to_string().contains("--cuda-graph-max-bs"), "{e}");
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("thaw.toml");
+        std::fs::write(&f, "cuda_graphs = true\ncuda_graph_max_bs = 8\n").unwrap();
+        let path = f.to_str().unwrap();
+        assert_eq!(graphs(&["--config", path]), (true, Some(8)));
+        assert_eq!(
+            graphs(&["--config", path, "--enforce-eager"]),
+            (false, Some(8))
+        );
+        std::fs::write(&f, "cuda_graphs = true\nenforce_eager = true\n").unwrap();
+        let e = parse(&["--config", path]).unwrap().resolve().unwrap_err();
+        assert!(e.to_string().contains("keep one"), "{e}");
     }
 }

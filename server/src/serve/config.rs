@@ -54,6 +54,10 @@ pub struct ServeConfig {
     pub admission_bypass: bool,
     /// Reuse the KV of cached prefixes, keyed by adapter generation (vLLM V1's default).
     pub enable_prefix_caching: bool,
+    /// Decode steps as CUDA graphs (`--cuda-graphs`; `--enforce-eager` keeps them off).
+    pub cuda_graphs: bool,
+    /// Largest decode batch captured; None: `max_num_seqs`.
+    pub cuda_graph_max_bs: Option<usize>,
     /// How admission charges KV: on demand (default) or the `max-tokens` benchmark baseline.
     pub kv_reservation: crate::scheduler::KvReservation,
     pub emulated_link_gbps: f64,
@@ -107,6 +111,8 @@ impl Default for ServeConfig {
             mlq_protect: true,
             admission_bypass: true,
             enable_prefix_caching: true,
+            cuda_graphs: false,
+            cuda_graph_max_bs: None,
             kv_reservation: crate::scheduler::KvReservation::OnDemand,
             emulated_link_gbps: 25.0,
             emulated_link_latency_us: 10.0,
@@ -166,6 +172,9 @@ pub struct FileConfig {
     pub mlq_protect: Option<bool>,
     pub admission_bypass: Option<bool>,
     pub enable_prefix_caching: Option<bool>,
+    pub cuda_graphs: Option<bool>,
+    pub enforce_eager: Option<bool>,
+    pub cuda_graph_max_bs: Option<usize>,
     pub kv_reservation: Option<crate::scheduler::KvReservation>,
     pub emulated_link_gbps: Option<f64>,
     pub emulated_link_latency_us: Option<f64>,

@@ -113,6 +113,8 @@ impl Server {
             },
             seed: config.seed,
             enable_prefix_caching: config.enable_prefix_caching,
+            cuda_graphs: config.cuda_graphs,
+            cuda_graph_max_bs: config.cuda_graph_max_bs,
         };
         let metrics = Arc::new(Metrics::default());
         let cold_cfg = config.clone();

@@ -4,6 +4,7 @@
 //! first error is kept (later ops of the step are skipped) and [`CudaBackend::check`] returns
 //! it; `logits`, the one op whose output the host reads, panics with it rather than hand back
 //! logits that were never computed.
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use std::ops::Range;
@@ -69,7 +70,7 @@ struct Fresh {
 /// The CUDA backend for one model shape on one device.
 pub struct CudaBackend {
     pub(super) gpu: Gpu,
-    inv_freq: CudaSlice<f32>,
+    pub(super) inv_freq: CudaSlice<f32>,
     n_heads: usize,
     n_kv_heads: usize,
     pub(super) head_dim: usize,
@@ -80,14 +81,14 @@ pub struct CudaBackend {
     gather: DevVec<u32>,
     attn: AttnMeta,
     lora_meta: LoraMeta,
-    x16: Option<CudaSlice<u16>>,
+    pub(super) x16: Option<CudaSlice<u16>>,
     /// Which buffer `x16` mirrors after a fused SwiGLU (`fused.rs`).
     pub(super) x16_tag: Option<super::fused::X16Tag>,
     /// Ops run so far (every trait op counts one): an [`X16Tag`](super::fused::X16Tag) serves
     /// only the op right after it.
     ops: u64,
-    lora_v: Option<CudaSlice<f32>>,
-    logits_dev: Option<CudaSlice<f32>>,
+    pub(super) lora_v: Option<CudaSlice<f32>>,
+    pub(super) logits_dev: Option<CudaSlice<f32>>,
     pub(super) export_idx: DevVec<u32>,
     pub(super) merge_idx: DevVec<u32>,
     /// Host rows staged for the trait's synchronous export / merge.
@@ -103,7 +104,11 @@ pub struct CudaBackend {
     pub(super) assist_ex: Option<super::exchange::EngineExchange>,
     /// Row indices of the assist path's export / merge (reused).
     pub(super) row_list: Vec<usize>,
-    error: Option<CudaError>,
+    pub(super) error: Option<CudaError>,
+    /// CUDA graphs of decode steps (`graph.rs`).
+    pub(super) graphs: super::graph::Graphs,
+    /// KV layers allocated so far: a captured graph holds the KV cache's addresses.
+    pub(super) kv_allocs: AtomicU64,
 }
 
 impl CudaBackend {
@@ -153,6 +158,8 @@ impl CudaBackend {
             assist_ex: None,
             row_list: Vec::new(),
             error: None,
+            graphs: Default::default(),
+            kv_allocs: AtomicU64::new(0),
             gpu,
         })
     }
@@ -261,6 +268,9 @@ impl CudaBackend {
         at: (LayerIdx, LoraModule),
         batch: &LoraBatch<'_, CudaLora>,
     ) -> Result<(), CudaError> {
+        if let Some(a) = self.graphs.active() {
+            return self.graph_lora(a, x, y, dims, at);
+        }
         // Adapters whose layer has not landed are computed elsewhere (CPU assist) this step.
         // The set only changes at layer boundaries, so metadata is rebuilt at most per layer.
         let mut on = std::mem::take(&mut self.on_device_scratch);
@@ -327,6 +337,17 @@ impl CudaBackend {
         step: &StepLayout,
         out: &mut CudaSlice<f32>,
     ) -> Result<(), CudaError> {
+        let s = AttnShape {
+            n_heads: self.n_heads,
+            n_kv_heads: self.n_kv_heads,
+            head_dim: self.head_dim,
+            block_size: kv.layout.block_size,
+            window: self.window,
+            scale: 1.0 / (self.head_dim as f32).sqrt(),
+        };
+        if let Some(a) = self.graphs.active() {
+            return self.graph_attention(a, (q, k, v), kv, out, s);
+        }
         if !self.fresh.attn {
             let tile_rows = self.gpu.prefill_tile_rows();
             self.attn.build(
@@ -341,14 +362,6 @@ impl CudaBackend {
         let tl = kv.layout.token_len();
         self.gpu
             .write_kv(k, v, &mut kv.k, &mut kv.v, self.attn.slots.get(), rows, tl)?;
-        let s = AttnShape {
-            n_heads: self.n_heads,
-            n_kv_heads: self.n_kv_heads,
-            head_dim: self.head_dim,
-            block_size: kv.layout.block_size,
-            window: self.window,
-            scale: 1.0 / (self.head_dim as f32).sqrt(),
-        };
         let a = &mut self.attn;
         if self.gpu.flash.is_some() {
             self.gpu.attn_decode_split(q, (&kv.k, &kv.v), out, a, s)?;
@@ -387,7 +400,7 @@ impl CudaBackend {
         )
     }
 
-    fn try_linear(
+    pub(super) fn try_linear(
         &mut self,
         x: &CudaSlice<f32>,
         w: &CudaLinear,
@@ -417,6 +430,9 @@ impl CudaBackend {
         rows: usize,
         out: &mut Vec<f32>,
     ) -> Result<(), CudaError> {
+        if let Some(a) = self.graphs.active() {
+            return self.graph_logits(a, x, head);
+        }
         let n = rows * head.d_out;
         out.resize(n, 0.0);
         if n == 0 {
@@ -809,6 +825,7 @@ impl Backend for CudaBackend {
 
     fn alloc_kv_layer(&self, layout: KvLayout, num_blocks: usize) -> Result<CudaKvLayer> {
         let bytes = (layout.block_len() * num_blocks * self.kv_elem_bytes()).max(1);
+        self.kv_allocs.fetch_add(1, Ordering::Relaxed);
         let s = &self.gpu.stream;
         Ok(CudaKvLayer {
             k: s.alloc_zeros::<u8>(bytes).map_err(CudaError::from)?,
@@ -821,6 +838,10 @@ impl Backend for CudaBackend {
     fn embed(&mut self, table: &CudaLinear, ids: &[u32], out: &mut CudaSlice<f32>) {
         // The first op of every forward: the step's metadata is stale from here on.
         self.begin_step();
+        if let Some(a) = self.graphs.active() {
+            op!(self, self.graph_embed(a, table, out));
+            return;
+        }
         op!(self, {
             self.ids.host.clear();
             self.ids.host.extend_from_slice(ids);
@@ -864,6 +885,10 @@ impl Backend for CudaBackend {
     }
 
     fn rope(&mut self, x: &mut CudaSlice<f32>, positions: &[usize], n_heads: usize) {
+        if let Some(a) = self.graphs.active() {
+            op!(self, self.graph_rope(a, x, n_heads));
+            return;
+        }
         op!(self, {
             self.ensure_positions(positions).and_then(|()| {
                 self.gpu.rope(
@@ -952,6 +977,10 @@ impl Backend for CudaBackend {
             rows.iter().all(|&r| (r + 1) * width <= x.len()),
             "gather_rows: a row lies outside x"
         );
+        if let Some(a) = self.graphs.active() {
+            op!(self, self.graph_gather(a, x, width, out));
+            return;
+        }
         op!(self, {
             self.gather.host.clear();
             self.gather.host.extend(rows.iter().map(|&r| r as u32));
@@ -1023,6 +1052,32 @@ impl Backend for CudaBackend {
         self.merge_rows_engine(y, width, module, rows, first)
     }
 
+    fn supports_graphs(&self) -> bool {
+        true
+    }
+
+    fn graph_begin(
+        &mut self,
+        key: crate::backend::GraphKey,
+        step: &StepLayout,
+        lora: &LoraBatch<'_, CudaLora>,
+        sizing: &crate::backend::graph_plan::GraphSizing,
+    ) -> Result<Option<crate::backend::GraphPhase>> {
+        let r = self.try_graph_begin(key, step, lora, sizing);
+        if r.is_err() {
+            self.graphs.active = None;
+        }
+        Ok(r?)
+    }
+
+    fn graph_end(&mut self, out: &mut Vec<f32>, rows: usize) -> Result<bool> {
+        Ok(self.try_graph_end(out, rows)?)
+    }
+
+    fn graph_reset(&mut self) {
+        self.graph_drop_all();
+    }
+
     fn logits(
         &mut self,
         x: &CudaSlice<f32>,
@@ -1031,6 +1086,10 @@ impl Backend for CudaBackend {
         out: &mut Vec<f32>,
     ) {
         op!(self, self.try_logits(x, lm_head, rows, out));
+        if self.graphs.active().is_some() {
+            // A graph step's errors (a failed capture among them) surface in `graph_end`.
+            return;
+        }
         if let Some(e) = &self.error {
             // The trait cannot return this; logits never computed must not be sampled from.
             panic!("CUDA backend failed during this step: {e}");

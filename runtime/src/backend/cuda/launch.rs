@@ -16,7 +16,7 @@ use thaw_kernels::cuda::KernelCache;
 use super::CudaError;
 
 /// Device address of a slice's first element.
-pub(super) fn dptr<T>(s: &CudaSlice<T>, stream: &CudaStream) -> u64 {
+pub(super) fn dptr<T>(s: &impl DevicePtr<T>, stream: &CudaStream) -> u64 {
     // Event tracking is disabled for the backend's context (see `Gpu::new`), so the returned
     // guard records nothing; ordering comes from the single compute stream.
     s.device_ptr(stream).0
@@ -167,7 +167,9 @@ impl Gpu {
         })
     }
 
-    pub fn p<T>(&self, s: &CudaSlice<T>) -> u64 {
+    /// Device address of a buffer or of a view into one (CUDA graphs read views of their
+    /// persistent metadata buffer, `graph.rs`).
+    pub fn p<T>(&self, s: &impl DevicePtr<T>) -> u64 {
         dptr(s, &self.stream)
     }
 
@@ -199,7 +201,7 @@ impl Gpu {
     pub fn embed(
         &self,
         table: &CudaSlice<u8>,
-        ids: &CudaSlice<u32>,
+        ids: &impl DevicePtr<u32>,
         out: &mut CudaSlice<f32>,
         rows: usize,
         hidden: usize,
@@ -442,7 +444,7 @@ impl Gpu {
     pub fn gather_rows(
         &self,
         x: &CudaSlice<f32>,
-        rows: &CudaSlice<u32>,
+        rows: &impl DevicePtr<u32>,
         n: usize,
         width: usize,
         out: &mut CudaSlice<f32>,
@@ -477,7 +479,7 @@ impl Gpu {
     pub fn rope(
         &self,
         x: &mut CudaSlice<f32>,
-        positions: &CudaSlice<u32>,
+        positions: &impl DevicePtr<u32>,
         inv_freq: &CudaSlice<f32>,
         tokens: usize,
         n_heads: usize,
@@ -519,7 +521,7 @@ impl Gpu {
         v: &CudaSlice<f32>,
         kc: &mut CudaSlice<u8>,
         vc: &mut CudaSlice<u8>,
-        slots: &CudaSlice<u32>,
+        slots: &impl DevicePtr<u32>,
         rows: usize,
         token_len: usize,
     ) -> Result<(), CudaError> {
@@ -556,8 +558,8 @@ impl Gpu {
         kc: &CudaSlice<u8>,
         vc: &CudaSlice<u8>,
         out: &mut CudaSlice<f32>,
-        tables: &CudaSlice<u32>,
-        row_meta: &CudaSlice<u32>,
+        tables: &impl DevicePtr<u32>,
+        row_meta: &impl DevicePtr<u32>,
         n: usize,
         s: AttnShape,
     ) -> Result<(), CudaError> {
@@ -752,7 +754,7 @@ impl Gpu {
         x: &CudaSlice<f32>,
         y: &mut CudaSlice<f32>,
         v: &mut CudaSlice<f32>,
-        row_tables: &CudaSlice<u64>,
+        row_tables: &impl DevicePtr<u64>,
         rows: usize,
         slot: usize,
         (d_in, d_out, max_rank): (usize, usize, usize),

@@ -12,6 +12,7 @@
 //! | `attn_prefill_tc.rs` | prefill attention on the tensor cores (opt-in: `THAW_CUDA_TC_PREFILL=1`) |
 //! | `flash.rs` | flash-decoding launches (opt-in: `THAW_CUDA_ATTN_IMPL=split`) |
 //! | `fused.rs` | fused add + RMSNorm and SwiGLU + cast (opt-in: `THAW_CUDA_FUSED=1`) |
+//! | `graph.rs` | CUDA graphs of decode steps: capture, replay, the persistent metadata buffer |
 //! | `launch.rs` | every raw CUDA call: launches, cuBLAS, stream waits, host registration |
 //! | `backend.rs` | [`CudaBackend`]: the trait ops |
 //! | `sgmv.rs` | the Punica-shaped SGMV / BGMV launches (opt-in: `THAW_CUDA_LORA_IMPL=punica`) |
@@ -25,6 +26,7 @@ mod encode;
 mod exchange;
 mod flash;
 mod fused;
+mod graph;
 mod launch;
 mod link;
 mod sgmv;
