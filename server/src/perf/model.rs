@@ -596,7 +596,7 @@ mod tests {
             m.disk_bytes_per_s > 1.1e7 && m.disk_bytes_per_s < 1e8,
             "{m:?}"
         );
-        let plain = 8.0 * (2e-4 + 2e-5 * 32.0);
+        let plain = 8.0 * (1e-4 + 1e-5 * 32.0);
         m.observe_assisted_step(
             32,
             Duration::from_secs_f64(2.0 * plain + 8e-3),
