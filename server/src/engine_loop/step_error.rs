@@ -4,7 +4,7 @@
 //! the adapter leaves the engine, and every other request stays where it was and runs in the
 //! next step. Any other failure aborts the step's requests.
 use thaw_runtime::engine::StepPlan;
-use thaw_runtime::ids::SeqId;
+use thaw_runtime::ids::{AdapterId, SeqId};
 use thaw_runtime::RuntimeError;
 
 use super::{EngineEvent, Loop};
@@ -23,33 +23,47 @@ impl Loop {
             }
             return;
         };
+        let name = self
+            .state
+            .waiting
+            .iter()
+            .chain(&self.state.running)
+            .find_map(|s| {
+                let l = self
+                    .live
+                    .get(&s.id)
+                    .filter(|_| s.adapter == Some(adapter))?;
+                Some(l.lease.as_ref()?.slot().name.clone())
+            });
+        tracing::error!(
+            adapter = adapter.0,
+            "{message}; failing the adapter's requests, the step's others run again"
+        );
+        let who = name.map_or_else(
+            || format!("adapter {}", adapter.0),
+            |n| format!("adapter `{n}`"),
+        );
+        self.fail_adapter_requests(adapter, &format!("{who} failed: {message}"));
+        let wanted = self.state.waiting_adapters();
+        crate::memory::mapped::drop_mapped(&mut self.engine, &mut self.mem, adapter, &wanted);
+    }
+
+    /// Fails every waiting and running request for adapter `id` with `msg`.
+    pub(super) fn fail_adapter_requests(&mut self, id: AdapterId, msg: &str) {
         let victims: Vec<SeqId> = self
             .state
             .waiting
             .iter()
             .chain(&self.state.running)
-            .filter(|s| s.adapter == Some(adapter))
+            .filter(|s| s.adapter == Some(id))
             .map(|s| s.id)
             .collect();
-        tracing::error!(
-            adapter = adapter.0,
-            failed = victims.len(),
-            "{message}; failing the adapter's requests, the step's others run again"
-        );
         for v in victims {
-            let Some(l) = self.live.get(&v) else {
-                continue;
-            };
-            let name = l.lease.as_ref().map(|a| a.slot().name.clone());
-            let tx = l.events.clone();
+            let tx = self.live.get(&v).map(|l| l.events.clone());
             self.forget(v, "abort");
-            let who = name.map_or_else(
-                || format!("adapter {}", adapter.0),
-                |n| format!("adapter `{n}`"),
-            );
-            let _ = tx.send(EngineEvent::Aborted(format!("{who} failed: {message}")));
+            if let Some(tx) = tx {
+                let _ = tx.send(EngineEvent::Aborted(msg.to_string()));
+            }
         }
-        let wanted = self.state.waiting_adapters();
-        crate::memory::mapped::drop_mapped(&mut self.engine, &mut self.mem, adapter, &wanted);
     }
 }
