@@ -118,6 +118,15 @@ pub struct PolicyRow {
     pub completed: usize,
     pub failed: usize,
     pub rows_assisted: u64,
+    /// Steps with a row whose adapter had not landed (computed with CPU assist).
+    pub assisted_steps: usize,
+    /// Adapters registered from their mapped files.
+    pub disk_maps: u64,
+    /// Requests whose adapter was not on the device when they arrived.
+    pub misses: usize,
+    /// What a miss waited for before its first token, means in seconds: disk, batch, copy
+    /// ([`coldstart::Outcome::waits`]).
+    pub miss_waits: [f64; 3],
 }
 
 /// One experiment: its setup line and its four rows.
@@ -168,7 +177,23 @@ fn summarize(policy: ColdStartPolicy, r: &RunReport) -> PolicyRow {
         completed: r.outcomes.iter().filter(|o| o.error.is_none()).count(),
         failed: r.outcomes.iter().filter(|o| o.error.is_some()).count(),
         rows_assisted: r.rows_assisted,
+        assisted_steps: r.steps.iter().filter(|s| s.cold).count(),
+        disk_maps: r.disk_maps,
+        misses: r.outcomes.iter().filter(|o| o.missed).count(),
+        miss_waits: miss_waits(r.outcomes.iter().filter(|o| o.missed)),
     }
+}
+
+/// Mean (disk, batch, copy) waits of `misses` that got a first token, seconds.
+fn miss_waits<'a>(misses: impl Iterator<Item = &'a coldstart::Outcome>) -> [f64; 3] {
+    let (mut sum, mut n) = ([0.0; 3], 0usize);
+    for (d, b, c) in misses.filter_map(|o| o.waits()) {
+        for (s, w) in sum.iter_mut().zip([d, b, c]) {
+            *s += w.as_secs_f64();
+        }
+        n += 1;
+    }
+    sum.map(|s| s / n.max(1) as f64)
 }
 
 /// The model, adapters and the worker executable for a run.
@@ -306,6 +331,8 @@ fn run_all(
             }
             pool.outcomes.extend(r.outcomes);
             pool.rows_assisted += r.rows_assisted;
+            pool.steps.extend(r.steps);
+            pool.disk_maps += r.disk_maps;
         }
     }
     Ok(policies
@@ -652,6 +679,19 @@ pub fn table(experiments: &[Experiment]) -> String {
                 r.rows_assisted
             );
         }
+        let _ = writeln!(
+            s,
+            "\n| policy | misses | a miss waited for (mean ms): disk / batch / copy | assisted steps | assisted rows | disk maps |"
+        );
+        let _ = writeln!(s, "|---|---|---|---|---|---|");
+        for r in &e.rows {
+            let [d, b, c] = r.miss_waits.map(|w| w * 1e3);
+            let _ = writeln!(
+                s,
+                "| {} | {} | {d:.1} / {b:.1} / {c:.1} | {} | {} | {} |",
+                r.policy, r.misses, r.assisted_steps, r.rows_assisted, r.disk_maps
+            );
+        }
     }
     s
 }
@@ -708,5 +748,19 @@ mod tests {
         }
         let t = table(&ex);
         assert!(t.contains("| cached |") && t.contains("| auto |"));
+        assert!(t.contains("a miss waited for"), "{t}");
+        // Every adapter starts on disk: every request of a policy that is not `cached` is a
+        // miss, and its waits add up to no more than its TTFT.
+        for r in ex[0]
+            .rows
+            .iter()
+            .filter(|r| r.policy != ColdStartPolicy::Cached)
+        {
+            assert_eq!(r.misses, 16, "{}", r.policy);
+            assert!(
+                r.miss_waits.iter().sum::<f64>() <= r.ttft_mean * 1.0001,
+                "{r:?}"
+            );
+        }
     }
 }

@@ -84,6 +84,21 @@ pub enum CpuLoraError {
         /// Number of (job, module) pairs that failed.
         failed: u32,
     },
+    /// A worker could not read an adapter's weights from its file (a disk-tier adapter served
+    /// from its memory-mapped safetensors file while it loads): the file was removed,
+    /// replaced, truncated or cannot be read. The step's requests for this adapter cannot run.
+    #[error(
+        "CPU LoRA workers could not read adapter {adapter} from its file: {reason}; requests \
+         using it fail until the file is restored and the adapter reloaded"
+    )]
+    AdapterFile {
+        /// Adapter id (the host store's).
+        adapter: u64,
+        /// The file the adapter was registered from.
+        path: std::path::PathBuf,
+        /// What is wrong with it (it names the path).
+        reason: String,
+    },
     /// A wait on process state failed.
     #[error("process management: {0}")]
     Process(#[source] std::io::Error),

@@ -121,8 +121,21 @@ impl FileMaps {
     }
 }
 
-/// Opens and maps the registered file after checking it is still the one registered.
-fn open(src: &thaw_ipc::FileSource) -> Result<Mapped, String> {
+/// Why `handle`'s adapter cannot be read from its file, if it is a file entry whose file is
+/// no longer the one registered (removed, replaced, truncated, unreadable): its path and the
+/// reason. `None` for an entry held in memory, a file that still checks out, or an entry
+/// already gone. The engine asks it when a worker reports failed jobs, to name the adapter,
+/// the file and what to do.
+pub fn diagnose(
+    store: &StoreReader,
+    handle: AdapterHandle,
+) -> Option<(std::path::PathBuf, String)> {
+    let src = store.lease(handle)?.file_source()?;
+    check(&src).err().map(|why| (src.path, why))
+}
+
+/// Opens the registered file after checking it is still the one registered.
+fn check(src: &thaw_ipc::FileSource) -> Result<File, String> {
     let what = |e: std::io::Error| format!("cannot read {}: {e}", src.path.display());
     let file = File::open(&src.path).map_err(what)?;
     let meta = file.metadata().map_err(what)?;
@@ -130,6 +143,13 @@ fn open(src: &thaw_ipc::FileSource) -> Result<Mapped, String> {
     if src.len == 0 {
         return Err(format!("{} is empty", src.path.display()));
     }
+    Ok(file)
+}
+
+/// Opens and maps the registered file after checking it is still the one registered.
+fn open(src: &thaw_ipc::FileSource) -> Result<Mapped, String> {
+    let what = |e: std::io::Error| format!("cannot read {}: {e}", src.path.display());
+    let file = check(src)?;
     let map = crate::sys::map_readonly(&file).map_err(what)?;
     if map.len() as u64 != src.len {
         return Err(format!(

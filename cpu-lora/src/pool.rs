@@ -41,6 +41,7 @@ use thaw_ipc::{
     WorkerId, WorkerMask,
 };
 
+mod diagnose;
 mod plan;
 mod recover;
 mod types;
@@ -498,7 +499,7 @@ impl LoraPool {
             }
         }
         match failed {
-            Some(e) => Err(e),
+            Some(e) => Err(self.explain(e)),
             None => Ok(report),
         }
     }

@@ -40,6 +40,10 @@ pub enum RuntimeError {
     TokenOutOfRange { id: u32, vocab: usize },
     #[error("backend error: {0}")]
     Backend(String),
+    /// A step could not read an adapter's weights (its file went bad while the workers read
+    /// it): the step did not advance; its other sequences can run again without this one's.
+    #[error("adapter {adapter}: {message}")]
+    AdapterUnreadable { adapter: AdapterId, message: String },
     #[error("weight conversion failed: {0}")]
     Weights(#[from] thaw_kernels::KernelError),
 }

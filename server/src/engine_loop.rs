@@ -37,6 +37,7 @@ mod gate;
 mod kv;
 mod publish;
 mod step;
+mod step_error;
 
 /// The engine the server runs: the CPU or the CUDA backend, as `--device` chose.
 pub type ServeEngine = Engine<AnyBackend>;
@@ -617,21 +618,7 @@ impl Loop {
             Err(msg) => {
                 tracing::warn!("adapter {id}: {msg}");
                 // Running requests too: one served from the mapped file fails with the read.
-                let victims: Vec<SeqId> = self
-                    .state
-                    .waiting
-                    .iter()
-                    .chain(&self.state.running)
-                    .filter(|s| s.adapter == Some(id))
-                    .map(|s| s.id)
-                    .collect();
-                for v in victims {
-                    let tx = self.live.get(&v).map(|l| l.events.clone());
-                    self.forget(v, "abort");
-                    if let Some(tx) = tx {
-                        let _ = tx.send(EngineEvent::Aborted(msg.clone()));
-                    }
-                }
+                self.fail_adapter_requests(id, &msg);
                 crate::memory::mapped::drop_mapped(&mut self.engine, &mut self.mem, id, &wanted);
                 self.mem.on_fetched(id, None, &wanted);
             }

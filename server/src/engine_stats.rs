@@ -24,6 +24,8 @@ pub struct LoopStats {
     pub alive: AtomicBool,
     /// Row·modules whose LoRA delta CPU assist computed.
     pub cpu_assisted_rows: AtomicU64,
+    /// Steps in which CPU assist computed a delta.
+    pub cpu_assisted_steps: AtomicU64,
     /// Per adapter still streaming: (landed layers, layers). Resident adapters are absent.
     pub landing: std::sync::Mutex<HashMap<AdapterId, (usize, usize)>>,
     /// Adapters of the running and the waiting requests (`vllm:lora_requests_info`).
@@ -38,6 +40,13 @@ pub struct LoopStats {
 }
 
 impl LoopStats {
+    /// Counts one step in which CPU assist computed `rows` row·modules.
+    pub fn count_assisted(&self, rows: u64) {
+        use std::sync::atomic::Ordering::Relaxed;
+        self.cpu_assisted_rows.fetch_add(rows, Relaxed);
+        self.cpu_assisted_steps.fetch_add(1, Relaxed);
+    }
+
     /// Landed layers of a registered adapter, if it is still streaming.
     pub fn landing(&self, id: AdapterId) -> Option<(usize, usize)> {
         self.landing

@@ -14,6 +14,7 @@ use thaw_server::gen::{self, GenAdaptersOptions, GenModelOptions, Projection};
 
 use super::cli::{measure, prompt_source, quick_workload, write_json};
 use super::client::OpenAiClient;
+use super::coldstart_metrics::{self, ServerColdStats};
 use super::launch::ServerLaunch;
 use super::plot::write_cdfs;
 use super::report::{overhead_table, Summary};
@@ -74,6 +75,8 @@ pub struct ColdStartHttpArgs {
 pub struct PolicyRun {
     pub policy: ColdStartPolicy,
     pub summary: Summary,
+    /// The server's cold-start counters at the end of the run (None: /metrics unread).
+    pub server: Option<ServerColdStats>,
     pub requests: Vec<RequestRecord>,
 }
 
@@ -384,7 +387,7 @@ pub fn run(args: &ColdStartHttpArgs) -> anyhow::Result<String> {
             &log,
             Duration::from_secs_f64(args.server.startup_timeout),
         )?;
-        let (records, summary) = rt.block_on(async {
+        let (records, summary, stats) = rt.block_on(async {
             let client = OpenAiClient::new(&server.url, None)?;
             let timeout = Duration::from_secs_f64(args.server.startup_timeout);
             let info = wait_ready(&client, &server.url, &log, timeout).await?;
@@ -403,7 +406,16 @@ pub fn run(args: &ColdStartHttpArgs) -> anyhow::Result<String> {
                 progress: !args.server.no_progress,
                 label: format!("{policy:>10}"),
             };
-            measure(&client, &info, &args.workload, &prompts, &opts).await
+            let (records, summary) =
+                measure(&client, &info, &args.workload, &prompts, &opts).await?;
+            let stats = match client.get_text("/metrics").await {
+                Ok(text) => Some(ServerColdStats::read(&text)),
+                Err(e) => {
+                    eprintln!("{policy}: /metrics unread: {e}");
+                    None
+                }
+            };
+            anyhow::Ok((records, summary, stats))
         })?;
         server.stop(Duration::from_secs(60))?;
         eprintln!(
@@ -413,6 +425,7 @@ pub fn run(args: &ColdStartHttpArgs) -> anyhow::Result<String> {
         runs.push(PolicyRun {
             policy: *policy,
             summary,
+            server: stats,
             requests: records,
         });
     }
@@ -456,6 +469,13 @@ pub fn run(args: &ColdStartHttpArgs) -> anyhow::Result<String> {
     let mut s =
         format!("{setup}\ntimes in ms at the client; overhead vs cached in parentheses\n\n");
     s.push_str(&overhead_table(&table_rows, "cached"));
+    s.push_str("\nfrom each server's /metrics at the end of its run:\n\n");
+    s.push_str(&coldstart_metrics::table(
+        &runs
+            .iter()
+            .map(|r| (r.policy.to_string(), r.server.as_ref()))
+            .collect::<Vec<_>>(),
+    ));
     for r in &runs {
         for e in &r.summary.errors {
             s.push_str(&format!("{}: error: {e}\n", r.policy));

@@ -8,6 +8,7 @@ mod chat;
 mod cli;
 mod client;
 mod coldstart;
+mod coldstart_metrics;
 mod launch;
 pub(crate) mod metrics;
 pub(crate) mod plot;

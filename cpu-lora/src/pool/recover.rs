@@ -45,10 +45,10 @@ impl LoraPool {
         port.complete();
         self.ex.reset_worker(w, seq)?;
         if stat.failed > 0 {
-            return Err(CpuLoraError::JobsFailed {
+            return Err(self.explain(CpuLoraError::JobsFailed {
                 worker: w,
                 failed: stat.failed,
-            });
+            }));
         }
         Ok(stat.rows)
     }

@@ -143,6 +143,20 @@ pub(super) fn pool_err(e: impl std::fmt::Display) -> RuntimeError {
     RuntimeError::Backend(format!("CPU LoRA workers: {e}"))
 }
 
+/// A failed wait for the workers' deltas: an adapter whose file they could not read is named
+/// (its requests fail, the step's others can run again); anything else is a backend error.
+pub(super) fn wait_err(e: thaw_cpu_lora::CpuLoraError) -> RuntimeError {
+    match e {
+        thaw_cpu_lora::CpuLoraError::AdapterFile { adapter, .. } => {
+            RuntimeError::AdapterUnreadable {
+                adapter: crate::ids::AdapterId(adapter as u32),
+                message: e.to_string(),
+            }
+        }
+        e => pool_err(e),
+    }
+}
+
 impl Assist<'_> {
     /// Where to export the `n` cold rows (`d_in` wide) of the next group: the workers'
     /// exchange when they can take it, else the engine's own buffer. Returns the buffer and
@@ -259,7 +273,7 @@ impl Assist<'_> {
             return Ok(());
         };
         let t0 = Instant::now();
-        pool.wait(t, t0 + ASSIST_DEADLINE).map_err(pool_err)?;
+        pool.wait(t, t0 + ASSIST_DEADLINE).map_err(wait_err)?;
         self.buf.profile.wait += t0.elapsed();
         Ok(())
     }

@@ -100,6 +100,7 @@ where
         // Workers read a disk-tier adapter from its mapped file (a host-store file entry) as
         // soon as it is registered, without waiting for the read into the host tier.
         assist_reads_disk: engine.pool().is_some(),
+        file_read_bytes_per_s: file_read_rate(),
         // A few doorbell round trips per layer until assisted steps are measured.
         assist_layer_overhead_s: if cpu_overlaps { 100e-6 } else { 0.0 },
         alpha: 0.1,
@@ -135,6 +136,43 @@ fn encode_rate(to_bf16: bool) -> f64 {
         best = best.min(t.elapsed().as_secs_f64());
     }
     (n * 4) as f64 / best.max(1e-9)
+}
+
+/// Bytes per second this process reads a file whose pages are in the page cache (as the CPU
+/// workers read a disk-tier adapter's file): a 16 MiB file written to the temporary
+/// directory, best of three reads; 0 (unmeasured) if it cannot be written.
+fn file_read_rate() -> f64 {
+    use std::io::{Read, Seek, Write};
+    use std::time::Instant;
+    let n = 16usize << 20;
+    let path = std::env::temp_dir().join(format!(
+        "thaw-calibrate-{}-{:?}",
+        std::process::id(),
+        std::thread::current().id()
+    ));
+    let measure = || -> std::io::Result<f64> {
+        let mut f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&path)?;
+        let data: Vec<u8> = (0..n).map(|i| (i * 7919 % 251) as u8).collect();
+        f.write_all(&data)?;
+        let mut buf = vec![0u8; n];
+        let mut best = f64::INFINITY;
+        for _ in 0..3 {
+            f.rewind()?;
+            let t = Instant::now();
+            f.read_exact(&mut buf)?;
+            std::hint::black_box(&mut buf);
+            best = best.min(t.elapsed().as_secs_f64());
+        }
+        Ok(n as f64 / best.max(1e-9))
+    };
+    let rate = measure().unwrap_or(0.0);
+    let _ = std::fs::remove_file(&path);
+    rate
 }
 
 /// FLOP/s of the LoRA kernel on this thread for a rank-16, 32-row problem of `hidden` width.
@@ -205,6 +243,7 @@ mod tests {
             );
             assert!(m.layer_base_s.is_finite() && m.layer_base_s >= 0.0, "{m:?}");
             assert!(m.host_encode_bytes_per_s > 0.0, "{m:?}");
+            assert!(m.file_read_bytes_per_s > 0.0, "{m:?}");
             // No worker pool: CPU assist of a disk-tier adapter waits for the host tier.
             assert!(!m.assist_reads_disk, "{m:?}");
             assert_eq!(engine.kv_usage().used_blocks, 0);

@@ -62,9 +62,12 @@ impl PerfModel {
         rows as f64 * w.flops_per_row / self.cpu_flops.max(1.0)
     }
 
-    /// A layer's time with CPU assist next to `dev` seconds of device work and `cpu` seconds
-    /// of CPU work: overlapped or not, plus the assist path's own overhead.
+    /// A layer's time with CPU assist next to `dev` seconds of device work (without assist)
+    /// and `cpu` seconds of CPU work: the device's work as assist stretches it
+    /// ([`PerfModel::assist_device_factor`]), overlapped with the CPU's or not, plus the
+    /// assist path's own overhead.
     pub fn assisted_layer_time(&self, dev: f64, cpu: f64) -> f64 {
+        let dev = dev * self.assist_device_factor.max(1.0);
         let t = if self.cpu_overlaps {
             dev.max(cpu)
         } else {
@@ -116,16 +119,40 @@ impl PerfModel {
         chunk: usize,
         other_tokens: usize,
     ) -> f64 {
-        let steps = prompt.div_ceil(chunk.max(1));
-        let mut t = 0.0;
+        self.assist_path(w, prompt, chunk, other_tokens, 0.0).0
+    }
+
+    /// The assisted prefill of `prompt` tokens in chunks of `chunk` next to `other_tokens`
+    /// rows: its time, and the time it adds to each of those steps over the same steps
+    /// without assist (what every co-batched request waits longer). `read_s`: what the
+    /// workers spend reading the adapter's bytes from its file on their first pass over the
+    /// layers (a share per layer of the first step; 0 when they read it from memory).
+    fn assist_path(
+        &self,
+        w: AssistWork,
+        prompt: usize,
+        chunk: usize,
+        other_tokens: usize,
+        read_s: f64,
+    ) -> (f64, f64) {
+        let layers = self.num_layers.max(1) as f64;
+        let (mut t, mut extra) = (0.0, 0.0);
         let mut left = prompt;
-        for _ in 0..steps {
-            let c = left.min(chunk);
+        let mut first = true;
+        while left > 0 {
+            let c = left.min(chunk.max(1));
             let dev = self.layer_time(other_tokens + c);
-            t += self.assisted_layer_time(dev, self.cpu_work_time(w, c)) * self.num_layers as f64;
+            let read = if std::mem::take(&mut first) {
+                read_s / layers
+            } else {
+                0.0
+            };
+            let layer = self.assisted_layer_time(dev, self.cpu_work_time(w, c) + read);
+            t += layer * layers;
+            extra += (layer - dev).max(0.0) * layers;
             left -= c;
         }
-        t
+        (t, extra)
     }
 
     fn prefill_time(&self, prompt: usize, cap: usize, other_tokens: usize) -> f64 {
@@ -139,9 +166,10 @@ impl PerfModel {
         t
     }
 
-    /// The `auto` policy: assist when its predicted TTFT beats waiting and its chunk keeps
-    /// co-batched decode within [`MAX_DECODE_SLOWDOWN`]; otherwise wait. The engine's gate
-    /// (through [`Self::decide_cold`]) and `thaw-bench simulate` both decide with this rule.
+    /// The `auto` rule for a request whose load finishes in `load_left_s` and whose CPU
+    /// assist could start now, next to `other_tokens` rows of `other_tokens` running
+    /// requests. The engine's gate (through [`Self::decide_cold`]) and `thaw-bench simulate`
+    /// both decide with [`Self::decide_times`].
     pub fn decide_work(
         &self,
         w: AssistWork,
@@ -150,41 +178,97 @@ impl PerfModel {
         other_tokens: usize,
         load_left_s: f64,
     ) -> ColdDecision {
-        self.decide_times(w, prompt_left, cap, other_tokens, load_left_s, 0.0)
-            .decision
+        self.decide_times(&ColdTimes {
+            work: w,
+            prompt_left,
+            cap,
+            other_tokens,
+            running: other_tokens,
+            decode_left: usize::MAX,
+            load_left_s,
+            assist_start_s: 0.0,
+            assist_read_s: 0.0,
+        })
+        .decision
     }
 
-    /// [`Self::decide_work`] when the CPU can start only `assist_start_s` from now (the bytes
-    /// it computes from are not in memory yet), with both predicted TTFTs.
-    pub fn decide_times(
-        &self,
-        w: AssistWork,
-        prompt_left: usize,
-        cap: usize,
-        other_tokens: usize,
-        load_left_s: f64,
-        assist_start_s: f64,
-    ) -> ColdPlan {
-        let wait = self.ttft_wait(prompt_left, cap, other_tokens, load_left_s);
-        let chunk = self.max_assist_chunk(w, other_tokens, cap.min(prompt_left));
+    /// The `auto` policy, a pure function of `t` and the model. Waiting costs the request
+    /// the load (`load_left_s`: the disk read and host encode when it is still on disk, the
+    /// copy) before its prefill; assisting starts its prefill when the workers can
+    /// (`assist_start_s`), in chunks whose CPU work per layer fits under the device's time
+    /// per layer with co-batched decode slowed by at most [`MAX_DECODE_SLOWDOWN`], each step
+    /// stretched by what the assist costs on this device (its overhead, the device's
+    /// slowdown, the workers' first read of the file). It assists only when the wait it
+    /// hides (the predicted TTFT saved, less what its own decode loses while its adapter is
+    /// still loading) exceeds what it costs the running batch: every running request waits
+    /// for each assisted step's extra time.
+    pub fn decide_times(&self, t: &ColdTimes) -> ColdPlan {
+        let wait = self.ttft_wait(t.prompt_left, t.cap, t.other_tokens, t.load_left_s);
+        let chunk = self.max_assist_chunk(t.work, t.other_tokens, t.cap.min(t.prompt_left));
         if chunk == 0 {
             return ColdPlan {
                 decision: ColdDecision::Wait,
                 wait_s: wait,
                 assist_s: None,
+                others_s: 0.0,
             };
         }
-        let assist = assist_start_s + self.ttft_assist(w, prompt_left, chunk, other_tokens);
+        let (path, extra) = self.assist_path(
+            t.work,
+            t.prompt_left,
+            chunk,
+            t.other_tokens,
+            t.assist_read_s.max(0.0),
+        );
+        let assist = t.assist_start_s.max(0.0) + path;
+        // Its adapter may still be loading when its prompt is done: its decode steps are
+        // assisted (and stretched, for it and for the running requests) until it lands.
+        let (dec_dev, dec_assisted) = {
+            let dev = self.layer_time(t.other_tokens + 1);
+            let layer = self.assisted_layer_time(dev, self.cpu_work_time(t.work, 1));
+            let layers = self.num_layers.max(1) as f64;
+            (dev * layers, layer * layers)
+        };
+        let decode_steps = ((t.load_left_s - assist) / dec_assisted.max(1e-9))
+            .max(0.0)
+            .min(t.decode_left as f64);
+        let decode_extra = decode_steps * (dec_assisted - dec_dev).max(0.0);
+        let others = t.running as f64 * (extra + decode_extra);
+        let hidden = wait - assist - decode_extra;
         ColdPlan {
-            decision: if assist <= wait {
+            decision: if hidden > others {
                 ColdDecision::Assist { max_chunk: chunk }
             } else {
                 ColdDecision::Wait
             },
             wait_s: wait,
             assist_s: Some(assist),
+            others_s: others,
         }
     }
+}
+
+/// What one `auto` decision weighs besides the model ([`PerfModel::decide_times`]).
+#[derive(Copy, Clone, Debug, PartialEq)]
+pub struct ColdTimes {
+    /// CPU work of assisting the adapter per prefill row and layer.
+    pub work: AssistWork,
+    /// Prompt tokens still to prefill.
+    pub prompt_left: usize,
+    /// Largest prefill chunk a step may give it.
+    pub cap: usize,
+    /// Rows of other requests in each step.
+    pub other_tokens: usize,
+    /// Requests already running: each waits for every step this one's prefill is in.
+    pub running: usize,
+    /// Decode steps it may run after its first token (its assisted decode ends there).
+    pub decode_left: usize,
+    /// Seconds until every layer of the adapter is on the device (the copy path's wait).
+    pub load_left_s: f64,
+    /// Seconds until the CPU workers can start on it.
+    pub assist_start_s: f64,
+    /// Seconds the workers spend reading its bytes from its file on the first pass.
+    pub assist_read_s: f64,
 }
 
 /// A cold-start decision with the predictions it was made from.
@@ -195,6 +279,8 @@ pub struct ColdPlan {
     pub wait_s: f64,
     /// Predicted TTFT with CPU assist (None: no chunk keeps co-batched decode in bounds).
     pub assist_s: Option<f64>,
+    /// Predicted seconds assisting adds to the running requests, summed over them.
+    pub others_s: f64,
 }
 
 #[cfg(test)]
@@ -216,8 +302,9 @@ mod tests {
 
     proptest! {
         /// The `auto` rule (one function for the engine and the simulator): an assisted
-        /// chunk is within the prompt and the cap, and a longer wait for the load never turns
-        /// an assist into a wait.
+        /// chunk is within the prompt and the cap; for a request alone in its step, a longer
+        /// wait for the load never turns an assist into a wait (beside running requests it
+        /// may: each assisted decode step while the adapter still loads costs them too).
         #[test]
         fn assist_chunks_are_bounded_and_monotone_in_the_load(
             flops_per_row in 1e3f64..1e8,
@@ -227,14 +314,36 @@ mod tests {
             load in 0.0f64..2.0,
             extra in 0.0f64..2.0,
             overlaps in any::<bool>(),
+            factor in 1.0f64..3.0,
         ) {
-            let m = model(overlaps);
+            let mut m = model(overlaps);
+            m.assist_device_factor = factor;
             let w = AssistWork { flops_per_row };
             if let ColdDecision::Assist { max_chunk } = m.decide_work(w, prompt, cap, other, load) {
                 prop_assert!(max_chunk >= 1 && max_chunk <= prompt.min(cap));
-                let later = m.decide_work(w, prompt, cap, other, load + extra);
+            }
+            if let ColdDecision::Assist { max_chunk } = m.decide_work(w, prompt, cap, 0, load) {
+                let later = m.decide_work(w, prompt, cap, 0, load + extra);
                 prop_assert_eq!(later, ColdDecision::Assist { max_chunk });
             }
+        }
+
+        /// What assist adds to a step is never negative, and grows with the device's
+        /// slowdown under assist.
+        #[test]
+        fn the_assist_stretch_grows_with_the_device_slowdown(
+            dev in 1e-6f64..1e-1,
+            cpu in 0.0f64..1e-1,
+            factor in 1.0f64..4.0,
+            more in 0.0f64..2.0,
+            overlaps in any::<bool>(),
+        ) {
+            let mut m = model(overlaps);
+            m.assist_device_factor = factor;
+            let t = m.assisted_layer_time(dev, cpu);
+            prop_assert!(t >= dev);
+            m.assist_device_factor = factor + more;
+            prop_assert!(m.assisted_layer_time(dev, cpu) >= t);
         }
     }
 }

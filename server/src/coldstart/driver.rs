@@ -61,9 +61,28 @@ pub struct Outcome {
     pub host_ready: Option<Duration>,
     /// From arrival until its first prefill chunk was planned.
     pub started: Option<Duration>,
+    /// Whether its adapter was not on the device when it arrived (a cold start).
+    pub missed: bool,
+    /// From arrival until every layer of its adapter was on the device.
+    pub landed: Option<Duration>,
 }
 
 impl Outcome {
+    /// What a miss waited for before its first token: (disk, batch, copy). Disk: until its
+    /// adapter was in the host tier (read, or mapped from its file); copy: then until its
+    /// adapter landed or its prefill started, whichever came first; batch: the rest (a place
+    /// in the batch, and computing its prompt) — the reasons of `thaw_request_wait_seconds`.
+    pub fn waits(&self) -> Option<(Duration, Duration, Duration)> {
+        let ttft = self.ttft?;
+        let disk = self.host_ready.unwrap_or(ttft).min(ttft);
+        let go = match (self.started, self.landed) {
+            (Some(s), Some(l)) => s.min(l),
+            (s, l) => s.or(l).unwrap_or(ttft),
+        };
+        let copy = go.min(ttft).saturating_sub(disk);
+        Some((disk, ttft - disk - copy, copy))
+    }
+
     /// Time per output token after the first.
     pub fn tpot(&self) -> Option<Duration> {
         let (t, e) = (self.ttft?, self.e2e?);
@@ -94,6 +113,8 @@ pub struct RunReport {
     pub steps: Vec<StepRecord>,
     /// Where the run's CPU-assisted steps spent the engine thread's time.
     pub assist: AssistProfile,
+    /// Adapters registered from their memory-mapped files (CPU assist from the disk tier).
+    pub disk_maps: u64,
 }
 
 /// One engine step: what it carried and how long it took.
@@ -192,6 +213,15 @@ pub fn run(
             ColdStartPolicy::CpuAssist | ColdStartPolicy::Auto
         );
     let requester = loader.requester();
+    let mut disk_maps = 0u64;
+    // When each adapter had every layer on the device, from the start of the run.
+    let mut landed_at: Vec<Option<Duration>> = (0..adapters.len())
+        .map(|i| {
+            engine
+                .adapter_resident(AdapterId(i as u32))
+                .then_some(Duration::ZERO)
+        })
+        .collect();
     let start = Instant::now();
     std::thread::scope(|scope| {
         scope.spawn(move || {
@@ -210,10 +240,12 @@ pub fn run(
             // Arrivals; a host-tier adapter's first request starts its copy to the device.
             while next < requests.len() && requests[next].arrival <= now {
                 if let Some(a) = requests[next].adapter {
+                    out[next].missed = landed_at[a].is_none();
                     match state[a] {
                         AdapterState::Disk if from_file => {
                             state[a] = match register_mapped(engine, a, &adapters[a].0) {
                                 Ok(ad) => {
+                                    disk_maps += 1;
                                     host[a] = Some(ad);
                                     AdapterState::Ready
                                 }
@@ -266,6 +298,14 @@ pub fn run(
                     Ok(()) => AdapterState::Ready,
                     Err(e) => AdapterState::Failed(e),
                 };
+            }
+            for (a, t) in landed_at.iter_mut().enumerate() {
+                if t.is_none()
+                    && matches!(state[a], AdapterState::Ready)
+                    && engine.adapter_resident(AdapterId(a as u32))
+                {
+                    *t = Some(now);
+                }
             }
             for l in queue.iter() {
                 let r = &requests[l.req];
@@ -373,6 +413,11 @@ pub fn run(
             }
         }
     });
+    for (o, r) in out.iter_mut().zip(requests) {
+        if let Some(t) = r.adapter.and_then(|a| landed_at[a]) {
+            o.landed = Some(t.saturating_sub(r.arrival));
+        }
+    }
     let predictions = predicted
         .iter()
         .zip(&out)
@@ -390,6 +435,7 @@ pub fn run(
         wall: start.elapsed(),
         steps,
         assist: engine.assist_profile().since(&assist_before),
+        disk_maps,
     }
 }
 
@@ -474,6 +520,8 @@ fn build_plan(
                             prompt_left: pending,
                             cap,
                             other_tokens: decode_tokens,
+                            running: decode_tokens,
+                            max_new_tokens: r.max_tokens,
                         });
                         match plan.decision {
                             ColdDecision::Wait => continue,
@@ -513,5 +561,51 @@ fn build_plan(
     StepPlan {
         items,
         return_logits: false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ms(v: u64) -> Option<Duration> {
+        Some(Duration::from_millis(v))
+    }
+
+    /// A miss's waits add up to its TTFT: the read, the copy until it landed or started (an
+    /// assisted prefill starts before it lands), and the rest in the batch.
+    #[test]
+    fn a_miss_waits_split_into_disk_batch_and_copy() {
+        let waited = Outcome {
+            ttft: ms(100),
+            host_ready: ms(20),
+            landed: ms(50),
+            started: ms(70),
+            ..Default::default()
+        };
+        assert_eq!(
+            waited.waits(),
+            Some((ms(20).unwrap(), ms(50).unwrap(), ms(30).unwrap()))
+        );
+        let assisted = Outcome {
+            started: ms(21),
+            ..waited.clone()
+        };
+        assert_eq!(
+            assisted.waits(),
+            Some((ms(20).unwrap(), ms(79).unwrap(), ms(1).unwrap()))
+        );
+        // No first token: no split; neither a landing nor a start recorded: the copy, all of
+        // it.
+        assert_eq!(Outcome::default().waits(), None);
+        let bare = Outcome {
+            ttft: ms(5),
+            host_ready: ms(0),
+            ..Default::default()
+        };
+        assert_eq!(
+            bare.waits(),
+            Some((Duration::ZERO, Duration::ZERO, ms(5).unwrap()))
+        );
     }
 }

@@ -10,7 +10,9 @@ mod policy;
 mod snapshot;
 
 pub use calibrate::calibrate;
-pub use cost::{AssistWork, ColdDecision, ColdPlan, CostModel, Prediction, MAX_DECODE_SLOWDOWN};
+pub use cost::{
+    AssistWork, ColdDecision, ColdPlan, ColdTimes, CostModel, Prediction, MAX_DECODE_SLOWDOWN,
+};
 pub use decide::{ColdCase, ColdTier};
 pub use driver::{run, DriverConfig, Outcome, Request, RunReport, StartTier, StepRecord};
 pub use loader::{Loaded, Loader};

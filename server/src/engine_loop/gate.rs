@@ -7,13 +7,15 @@ use crate::scheduler::{Gate, SchedState, SeqState};
 
 use super::{ColdStart, ServeEngine};
 
-/// The cold-start gate of one prefilling request: go when its adapter is resident (or it has
-/// none); otherwise as the policy says.
+/// The cold-start gate of one prefilling request next to `planned` rows of the step and
+/// `running` running requests: go when its adapter is resident (or it has none); otherwise as
+/// the policy says.
 pub(super) fn cold_gate(
     engine: &ServeEngine,
     cold: &ColdStart,
     s: &SeqState,
     planned: usize,
+    running: usize,
 ) -> Gate {
     let Some(id) = s.adapter else {
         return Gate::Go;
@@ -47,6 +49,8 @@ pub(super) fn cold_gate(
                 prompt_left: pending,
                 cap: pending,
                 other_tokens: planned,
+                running,
+                max_new_tokens: s.max_new_tokens,
             };
             match cold.cost.decide_cold(&case).decision {
                 ColdDecision::Wait => Gate::Hold,
@@ -82,6 +86,8 @@ pub(super) fn assists_from_disk(
                 prompt_left: pending,
                 cap: pending,
                 other_tokens: state.running.len(),
+                running: state.running.len(),
+                max_new_tokens: s.max_new_tokens,
             };
             matches!(
                 cold.cost.decide_cold(&case).decision,

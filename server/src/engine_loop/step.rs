@@ -51,7 +51,8 @@ impl Loop {
         let free = self.engine.kv_usage().free_blocks();
         let engine = &self.engine;
         let cold = &self.cold;
-        let gate = |s: &SeqState, planned: usize| cold_gate(engine, cold, s, planned);
+        let running = self.state.running.len();
+        let gate = |s: &SeqState, planned: usize| cold_gate(engine, cold, s, planned, running);
         let kv_capacity = self.mem.pool().kv_capacity();
         let waits = self.memory_wait(&plan);
         let mut d = self.sched.plan(
@@ -114,7 +115,6 @@ impl Loop {
                     == Some(s.blocks_needed(&self.cfg, it.num_tokens))
             })
         }));
-        let tokens: usize = d.plan.items.iter().map(|i| i.num_tokens).sum();
         let (mut shape, decode_ctx) = self.step_shape(&d.plan);
         let kernel = if self.auto_kernel {
             let step = self.stats.steps.load(Ordering::Relaxed);
@@ -145,15 +145,7 @@ impl Loop {
         let outputs = match stepped {
             Ok(o) => o,
             Err(e) => {
-                tracing::error!("engine step failed: {e}; aborting the step's requests");
-                for it in &d.plan.items {
-                    if let Some(l) = self.live.get(&it.seq) {
-                        let _ = l.events.send(EngineEvent::Aborted(
-                            "internal error while running the model; see the server log".into(),
-                        ));
-                    }
-                    self.forget(it.seq, "abort");
-                }
+                self.on_step_error(e, &d.plan);
                 self.charge(Cause::Schedule);
                 return true;
             }
@@ -200,10 +192,8 @@ impl Loop {
                 .overhead();
             self.cold
                 .cost
-                .observe_assisted_step(tokens, elapsed, overhead);
-            self.stats
-                .cpu_assisted_rows
-                .fetch_add(assisted, Ordering::Relaxed);
+                .observe_assisted_shape(&shape, kernel, elapsed, overhead);
+            self.stats.count_assisted(assisted);
         }
         let now = Instant::now();
         let planned: Vec<(SeqId, usize)> =

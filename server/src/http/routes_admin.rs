@@ -132,7 +132,7 @@ pub async fn metrics(State(state): State<Arc<AppState>>) -> Response {
         .filter(|a| a.tier == crate::registry::Tier::Device)
         .collect();
     let heap = crate::serve::idle_trim::heap_stats();
-    let gauges: [(&str, &str, f64); 13] = [
+    let gauges: [(&str, &str, f64); 14] = [
         (
             "thaw_num_requests_waiting",
             "Requests queued, not yet admitted.",
@@ -175,6 +175,11 @@ pub async fn metrics(State(state): State<Arc<AppState>>) -> Response {
             "thaw_cpu_assisted_rows_total",
             "Row·modules whose LoRA delta was computed on the CPU while the adapter streamed in.",
             s.cpu_assisted_rows.load(Ordering::Relaxed) as f64,
+        ),
+        (
+            "thaw_cpu_assisted_steps_total",
+            "Engine steps in which CPU LoRA assist computed a delta for an adapter not yet on the device.",
+            s.cpu_assisted_steps.load(Ordering::Relaxed) as f64,
         ),
         (
             "thaw_adapter_leases",

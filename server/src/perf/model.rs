@@ -153,6 +153,21 @@ pub struct PerfModel {
     /// Fixed cost CPU assist adds per layer of a step (exports, doorbells, waits, merges),
     /// learned from assisted steps.
     pub assist_layer_overhead_s: f64,
+    /// Device time of an assisted step over the same step's time without assist: what the
+    /// workers take from the device's own work. About 1 on a GPU; on the CPU backend the
+    /// workers' cores are the backend's, which then computes on the engine thread alone
+    /// (`Backend::set_cpu_assist`), so its steps stretch. Learned from assisted steps
+    /// ([`Self::observe_assisted_shape`]); 1 until one is seen.
+    pub assist_device_factor: f64,
+    /// Assisted steps behind [`Self::assist_device_factor`] and the overhead.
+    pub assisted_steps: u64,
+    /// Disk reads behind [`Self::disk_bytes_per_s`] (the first replaces the prior).
+    pub disk_reads: u64,
+    /// Rate at which a process reads an adapter file's pages in place (the page cache, as
+    /// the CPU workers read a disk-tier adapter's mapped file), bytes per second, measured at
+    /// start-up; 0 when unmeasured (then [`Self::disk_bytes_per_s`]). Unlike the loader's
+    /// read it has no parse, validation or conversion in it.
+    pub file_read_bytes_per_s: f64,
     /// EWMA weight of each new observation.
     pub alpha: f64,
     /// Moments of every step of the run the device-time model is fitted to by least squares.
@@ -186,6 +201,10 @@ impl Default for PerfModel {
             host_encode_bytes_per_s: 0.0,
             assist_reads_disk: false,
             assist_layer_overhead_s: 0.0,
+            assist_device_factor: 1.0,
+            assisted_steps: 0,
+            disk_reads: 0,
+            file_read_bytes_per_s: 0.0,
             alpha: 0.1,
             recent: StepStats::default(),
             error: ErrorStat::default(),
@@ -346,6 +365,14 @@ impl PerfModel {
         bytes as f64 / self.disk_bytes_per_s.max(1.0) + self.encode_time(bytes)
     }
 
+    /// Bytes per second the CPU workers read an adapter file in place: the measured page
+    /// rate, never slower than the loader's whole read.
+    pub fn file_read_rate(&self) -> f64 {
+        self.file_read_bytes_per_s
+            .max(self.disk_bytes_per_s)
+            .max(1.0)
+    }
+
     /// Host encode time of `bytes` (see [`Self::host_encode_bytes_per_s`]).
     pub fn encode_time(&self, bytes: u64) -> f64 {
         if self.host_encode_bytes_per_s > 0.0 {
@@ -383,26 +410,64 @@ impl PerfModel {
         self.recent.rms_rel(self.layer_base_s, &self.coef())
     }
 
-    /// Folds one disk → host read of `bytes` into the disk rate.
+    /// Folds one disk → host read of `bytes` into the disk rate: the first read replaces
+    /// the prior (a guess, not a measurement), later ones move it by [`Self::alpha`].
     pub fn observe_disk_load(&mut self, bytes: u64, elapsed: Duration) {
         let s = elapsed.as_secs_f64();
         if bytes == 0 || s <= 0.0 {
             return;
         }
         let rate = bytes as f64 / s;
-        self.disk_bytes_per_s += self.alpha * (rate - self.disk_bytes_per_s);
+        self.disk_reads += 1;
+        self.disk_bytes_per_s = if self.disk_reads == 1 {
+            rate
+        } else {
+            self.disk_bytes_per_s + self.alpha * (rate - self.disk_bytes_per_s)
+        };
     }
 
-    /// Folds one CPU-assisted step into the model: `overhead` is what the engine thread
-    /// spent on the assist path itself (exports, submits, waits for the workers, merges — as
-    /// the engine measured it), the rest of `elapsed` was device work for `tokens` rows.
+    /// Weight of the next observation of a learned assist cost: the mean of the first
+    /// `1/alpha` observations (so the first assisted step replaces the priors), then an EWMA.
+    fn assist_weight(&self) -> f64 {
+        (1.0 / self.assisted_steps as f64).max(self.alpha)
+    }
+
+    /// [`Self::observe_assisted_shape`] for a step of `tokens` prefill rows whose shape is
+    /// otherwise unknown.
     pub fn observe_assisted_step(&mut self, tokens: usize, elapsed: Duration, overhead: Duration) {
-        if self.num_layers == 0 {
+        let mut s = StepShape::default();
+        s.add(tokens, false, None);
+        self.observe_assisted_shape(&s, LoraKernel::Sgmv, elapsed, overhead);
+    }
+
+    /// Folds one CPU-assisted step of `shape` into the model: `overhead` is what the engine
+    /// thread spent on the assist path itself (exports, submits, waits for the workers,
+    /// merges — as the engine measured it) and teaches [`Self::assist_layer_overhead_s`]; the
+    /// rest of `elapsed`, against the device time the fit predicts for `shape`, teaches
+    /// [`Self::assist_device_factor`]. An assisted step does not move the device fit: its time
+    /// is the device's under assist, not the device's.
+    pub fn observe_assisted_shape(
+        &mut self,
+        shape: &StepShape,
+        kernel: LoraKernel,
+        elapsed: Duration,
+        overhead: Duration,
+    ) {
+        if self.num_layers == 0 || shape.tokens == 0 {
             return;
         }
-        let per_layer = overhead.as_secs_f64() / self.num_layers as f64;
-        self.assist_layer_overhead_s += self.alpha * (per_layer - self.assist_layer_overhead_s);
-        self.observe_step(tokens, elapsed.saturating_sub(overhead));
+        self.assisted_steps += 1;
+        let w = self.assist_weight();
+        let layers = self.num_layers as f64;
+        let per_layer = overhead.as_secs_f64() / layers;
+        self.assist_layer_overhead_s += w * (per_layer - self.assist_layer_overhead_s);
+        let plain = self.layer_time_shape(shape, kernel);
+        let device = elapsed.saturating_sub(overhead).as_secs_f64() / layers;
+        if plain > 0.0 && device > 0.0 {
+            // Bounded: one step preempted for a second must not teach a 100× slowdown.
+            let f = (device / plain).clamp(0.5, 8.0);
+            self.assist_device_factor += w * (f - self.assist_device_factor);
+        }
     }
 
     /// Folds one measured step of `tokens` rows whose shape is otherwise unknown.
@@ -482,23 +547,63 @@ mod tests {
         assert!((m.step_time(10) - 1.6e-3).abs() < 1e-12);
     }
 
+    /// Assisted steps teach the assist path's own overhead and how much the assist stretches
+    /// the device's work, and leave the device fit to the steps without assist.
     #[test]
-    fn assisted_steps_teach_the_overhead_and_the_device_time_apart() {
-        let mut m = model(true);
-        let device = 8.0 * (2e-4 + 2e-5 * 128.0);
-        let overhead = 8.0 * 3e-4;
-        for _ in 0..200 {
-            m.observe_assisted_step(
-                128,
-                Duration::from_secs_f64(device + overhead),
-                Duration::from_secs_f64(overhead),
+    fn assisted_steps_teach_the_overhead_and_the_device_slowdown_apart() {
+        for factor in [1.0, 1.8] {
+            let mut m = model(true);
+            let plain = |t: usize| 8.0 * (2e-4 + 2e-5 * t as f64);
+            let overhead = 8.0 * 3e-4;
+            for i in 0..200 {
+                let t = 64 + i % 64;
+                m.observe_assisted_step(
+                    t,
+                    Duration::from_secs_f64(plain(t) * factor + overhead),
+                    Duration::from_secs_f64(overhead),
+                );
+                m.observe_step(t, Duration::from_secs_f64(plain(t)));
+                m.observe_step(1, Duration::from_secs_f64(plain(1)));
+            }
+            assert!((m.assist_layer_overhead_s - 3e-4).abs() < 3e-6, "{m:?}");
+            assert!(
+                (m.assist_device_factor - factor).abs() / factor < 0.05,
+                "{factor}: {m:?}"
             );
-            m.observe_step(1, Duration::from_secs_f64(8.0 * (2e-4 + 2e-5)));
+            let want = 2e-4 + 2e-5 * 128.0;
+            let got = m.layer_time(128);
+            assert!((got - want).abs() / want < 0.05, "{got} vs {want}");
+            // What the model predicts an assisted layer costs: the device's stretched time
+            // (it outlasts this CPU work), plus the overhead.
+            let t = m.assisted_layer_time(want, 0.0);
+            assert!((t - (want * factor + 3e-4)).abs() / t < 0.06, "{t}");
         }
-        assert!((m.assist_layer_overhead_s - 3e-4).abs() < 3e-6, "{m:?}");
-        let want = 2e-4 + 2e-5 * 128.0;
-        let got = m.layer_time(128);
-        assert!((got - want).abs() / want < 0.05, "{got} vs {want}");
+    }
+
+    /// The first assisted step and the first disk read replace the priors; later ones move
+    /// the estimate without jumping to each new sample.
+    #[test]
+    fn the_first_measurements_replace_the_priors() {
+        let mut m = model(true);
+        m.assist_layer_overhead_s = 1e-4;
+        m.observe_disk_load(1 << 20, Duration::from_millis(100));
+        assert!(
+            (m.disk_bytes_per_s - (1 << 20) as f64 / 0.1).abs() < 1.0,
+            "{m:?}"
+        );
+        m.observe_disk_load(1 << 20, Duration::from_millis(10));
+        assert!(
+            m.disk_bytes_per_s > 1.1e7 && m.disk_bytes_per_s < 1e8,
+            "{m:?}"
+        );
+        let plain = 8.0 * (1e-4 + 1e-5 * 32.0);
+        m.observe_assisted_step(
+            32,
+            Duration::from_secs_f64(2.0 * plain + 8e-3),
+            Duration::from_millis(8),
+        );
+        assert!((m.assist_layer_overhead_s - 1e-3).abs() < 1e-9, "{m:?}");
+        assert!((m.assist_device_factor - 2.0).abs() < 1e-6, "{m:?}");
     }
 
     #[test]

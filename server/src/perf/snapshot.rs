@@ -26,6 +26,14 @@ pub struct PerfSnapshot {
     #[serde(default)]
     pub assist_reads_disk: bool,
     pub assist_layer_overhead_s: f64,
+    /// Device time of an assisted step over the same step without assist. Older dumps lack
+    /// it (1: assist does not slow the device).
+    #[serde(default = "one")]
+    pub assist_device_factor: f64,
+    /// Page-cache read rate of an adapter file in place, bytes per second. Older dumps lack
+    /// it (0: the disk rate).
+    #[serde(default)]
+    pub file_read_bytes_per_s: f64,
     /// How well the model predicted each step before it was measured (recent steps weigh
     /// most).
     pub error: ErrorStat,
@@ -51,6 +59,10 @@ pub struct PerfSnapshot {
     pub after_idle_gap_s: f64,
 }
 
+fn one() -> f64 {
+    1.0
+}
+
 fn default_after_idle_gap() -> f64 {
     PerfModel::AFTER_IDLE_GAP_S
 }
@@ -72,6 +84,8 @@ impl PerfModel {
             host_encode_bytes_per_s: self.host_encode_bytes_per_s,
             assist_reads_disk: self.assist_reads_disk,
             assist_layer_overhead_s: self.assist_layer_overhead_s,
+            assist_device_factor: self.assist_device_factor,
+            file_read_bytes_per_s: self.file_read_bytes_per_s,
             error: self.error,
             fit_rms_rel: self.fit_rms_rel().unwrap_or(0.0),
             step_overhead_s: self.step_overhead_s,
@@ -100,6 +114,8 @@ impl PerfModel {
             host_encode_bytes_per_s: s.host_encode_bytes_per_s,
             assist_reads_disk: s.assist_reads_disk,
             assist_layer_overhead_s: s.assist_layer_overhead_s,
+            assist_device_factor: s.assist_device_factor,
+            file_read_bytes_per_s: s.file_read_bytes_per_s,
             error: s.error,
             step_overhead_s: s.step_overhead_s,
             layer_per_prefill_s: s.layer_per_prefill_s,
