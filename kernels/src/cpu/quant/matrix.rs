@@ -13,7 +13,7 @@ use crate::cpu::hostvec::HostVec;
 use crate::cpu::simd::{
     dequantize_row, dot_rows_bf16, dot_rows_f16, gemm_nt, gemm_nt_available, gemm_nt_f32,
     gemm_nt_f32_prompt, gemm_nt_prompt, gemm_nt_vnni, gemv_q8, gemv_quant_f32, q8_dot_supported,
-    quantize_q8, FloatWeights, Q8Block,
+    quantize_q8, FloatWeights, Q8Block, PROMPT_PANEL_ROWS,
 };
 use crate::cpu::sys::{sgemm, HugeArena, MatMut, MatRef};
 use crate::error::KernelError;
@@ -406,7 +406,12 @@ impl WeightMatrix {
             } else {
                 DECODE_TILE_BYTES
             };
-            let tile = (tile_bytes / 4 / k.max(1)).clamp(8, n.max(8));
+            let mut tile = (tile_bytes / 4 / k.max(1)).clamp(8, n.max(8));
+            if m > SMALL_M {
+                // Whole panels of the prompt GEMM: a tile of 113 rows (k = 576) would run
+                // three 48-row panels for it, a quarter of their lanes idle.
+                tile = (tile / PROMPT_PANEL_ROWS).max(1) * PROMPT_PANEL_ROWS;
+            }
             if s.len() < tile * k {
                 s.resize(tile * k, 0.0);
             }

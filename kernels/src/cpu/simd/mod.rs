@@ -33,6 +33,8 @@ mod tests;
 #[cfg(test)]
 mod tests_batched;
 #[cfg(test)]
+mod tests_prompt;
+#[cfg(test)]
 mod tests_vnni;
 #[cfg(target_arch = "x86_64")]
 mod x86;
@@ -403,6 +405,12 @@ pub struct Q8Block {
     pub s: f32,
     pub qs: [i8; 32],
 }
+
+/// Weight rows per packed panel of the AVX-512 prompt GEMMs ([`gemm_nt_prompt`],
+/// [`gemm_nt_f32_prompt`]): a product over `n` weight rows computes `⌈n / 48⌉` whole panels,
+/// so callers that cut a weight into pieces (a dequantised tile at a time) cut it in
+/// multiples of this to waste no lanes.
+pub const PROMPT_PANEL_ROWS: usize = 48;
 
 /// Values per [`Q8Block`] (the block size of Q8_0/Q4_0/Q4_1).
 pub const Q8_BLOCK: usize = 32;
