@@ -296,6 +296,38 @@ pub fn vnni_dot_active(format: WeightFormat) -> bool {
     false
 }
 
+/// Whether [`gemm_nt_vnni_prompt`] runs for weights of `format`: where [`vnni_dot_active`]
+/// is, and for Q4_1 also where [`crate::cpu::q8_prompt`] is on (the default) and the VNNI
+/// kernel is in use.
+pub fn vnni_prompt_active(format: WeightFormat) -> bool {
+    vnni_dot_active(format)
+        || (format == WeightFormat::Q4_1
+            && crate::cpu::quant::q8_prompt()
+            && vnni_dot_active(WeightFormat::Q8_0))
+}
+
+/// [`gemm_nt_vnni`] for prompt rows (the caller's choice: more than 16 in the product): also
+/// Q4_1 weights where [`vnni_prompt_active`] says so. Returns false, doing nothing, where it
+/// does not.
+pub fn gemm_nt_vnni_prompt(
+    format: WeightFormat,
+    w: &[u8],
+    x: &[f32],
+    (m, k, n): (usize, usize, usize),
+    out: &mut [f32],
+    ldo: usize,
+) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if vnni_prompt_active(format) {
+        if let Some(z) = x86_512_vnni::Avx512Vnni::enabled() {
+            z.gemm_nt(format, w, x, (m, k, n), out, ldo);
+            return true;
+        }
+    }
+    let _ = (format, w, x, m, k, n, out, ldo);
+    false
+}
+
 /// Turns [`gemm_nt_vnni`] on (where the CPU has it) or off for the whole process, for
 /// benchmarks and tests that compare it with the f32-activation path; returns whether it was
 /// on.
