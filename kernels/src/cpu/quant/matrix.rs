@@ -12,8 +12,8 @@ use crate::cpu::gemm::{dot, linear, GemmShape, SMALL_M};
 use crate::cpu::hostvec::HostVec;
 use crate::cpu::simd::{
     dequantize_row, dot_rows_bf16, dot_rows_f16, gemm_nt, gemm_nt_available, gemm_nt_f32,
-    gemm_nt_f32_prompt, gemm_nt_prompt, gemm_nt_vnni, gemm_nt_vnni_prompt, gemv_q8, gemv_quant_f32, q8_dot_supported,
-    quantize_q8, FloatWeights, Q8Block, PROMPT_PANEL_ROWS,
+    gemm_nt_f32_prompt, gemm_nt_prompt, gemm_nt_vnni, gemm_nt_vnni_prompt, gemv_q8, gemv_quant_f32,
+    q8_dot_supported, quantize_q8, FloatWeights, Q8Block, PROMPT_PANEL_ROWS,
 };
 use crate::cpu::sys::{sgemm, HugeArena, MatMut, MatRef};
 use crate::error::KernelError;

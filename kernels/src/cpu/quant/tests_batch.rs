@@ -4,9 +4,7 @@ use proptest::prelude::*;
 
 use super::tests::{q8_rows, random_matrix};
 use super::*;
-use crate::cpu::simd::{
-    bf16_dot_active, gemm_nt_available, vnni_dot_active, vnni_prompt_active,
-};
+use crate::cpu::simd::{bf16_dot_active, gemm_nt_available, vnni_dot_active, vnni_prompt_active};
 use crate::cpu::testutil::{assert_close, rand_vec, rng};
 
 /// Each row of a decode batch (`m ≤ 16` rows) equals the one-row product bit for bit, for

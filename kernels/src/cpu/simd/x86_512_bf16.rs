@@ -120,7 +120,12 @@ pub(super) fn to_pairs(row: &[f32], pairs: &mut [u32]) {
 /// AVX-512F available.
 #[target_feature(enable = "avx512f,avx2")]
 pub(super) unsafe fn to_pairs_avx512(row: &[f32], pairs: &mut [u32]) {
-    assert_eq!(pairs.len(), row.len().div_ceil(2), "to_pairs: pairs for {} values", row.len());
+    assert_eq!(
+        pairs.len(),
+        row.len().div_ceil(2),
+        "to_pairs: pairs for {} values",
+        row.len()
+    );
     let full = row.len() / 16;
     let (one, half, abs, inf, quiet) = (
         _mm512_set1_epi32(1),
