@@ -15,7 +15,8 @@
 //!   or once per call while packed (prompt rows) and reused by every activation row; bit for
 //!   bit the row dots (decode) or the f32 prompt GEMM over the widened weight (prompt).
 //! - [`gemm_nt_vnni`] (AVX512-VNNI): Q8_0 and Q4_K weights (Q4_1 too where
-//!   `THAW_Q8_ACTIVATIONS=1`) × activations quantised to Q8 once per call, integer dots
+//!   `THAW_Q8_ACTIVATIONS=1`, and at prompt sizes by default: [`gemm_nt_vnni_prompt`])
+//!   × activations quantised to Q8 once per call, integer dots
 //!   (`vpdpbusd`) for every row count, as llama.cpp computes them; on by default where the CPU
 //!   has it (`THAW_VNNI_DOT=0` or [`set_vnni_dot`] turn it off).
 //!
