@@ -2,8 +2,9 @@
 //! a real model (SmolLM2-135M: 576 ↔ 1536, and the 49152-row tied output head), decode
 //! (1 row) and prefill-sized row counts, interleaved format by format so machine noise hits
 //! all alike. Prints µs per product, effective weight GB/s and the speed relative to f32.
-//! Q8_0 and Q4_K run twice where the CPU has AVX512-VNNI: on Q8 activations with `vpdpbusd`
-//! (the default, kernels `avx512-vnni`) and on f32 activations (`set_vnni_dot(false)`).
+//! Q8_0 and Q4_K (and Q4_1 at more than 16 rows, `q8_prompt`) run twice where the CPU has
+//! AVX512-VNNI: on Q8 activations with `vpdpbusd` (the default, kernels `avx512-vnni`) and on
+//! f32 activations (`set_vnni_dot(false)`).
 //!
 //! With `--model` it measures the whole engine on a real model per stored precision instead
 //! (batches with mixed adapters, tok/s and each batch over batch 1): see [`crate::quant_step`].
@@ -11,7 +12,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use clap::{Args, ValueEnum};
-use thaw_kernels::cpu::simd::{set_vnni_dot, vnni_dot_active};
+use thaw_kernels::cpu::simd::{set_vnni_dot, vnni_dot_active, vnni_prompt_active};
 use thaw_kernels::cpu::{set_simd_level, SimdLevel, WeightFormat, WeightMatrix};
 
 /// Decode kernels to measure (`avx2` runs portable on CPUs without AVX2/FMA/F16C).
@@ -152,9 +153,12 @@ pub fn run(args: &WeightFormatsArgs) -> anyhow::Result<String> {
         for &m in &args.rows {
             let x: Vec<f32> = (0..m * k).map(|_| lcg(&mut seed)).collect();
             let mut y = vec![0.0; m * n];
-            // (matrix, level, VNNI): the VNNI cell too where it applies.
+            // (matrix, level, VNNI): the VNNI cell too where it applies (Q4_1 at prompt sizes,
+            // `q8_prompt`).
             let vnni = |i: usize, l: SimdLevel| {
-                set_simd_level(l) == SimdLevel::Avx2 && vnni_dot_active(mats[i].format())
+                let f = mats[i].format();
+                set_simd_level(l) == SimdLevel::Avx2
+                    && (vnni_dot_active(f) || (m > 16 && vnni_prompt_active(f)))
             };
             let cells: Vec<(usize, SimdLevel, bool)> = (0..mats.len())
                 .flat_map(|i| levels.iter().map(move |&l| (i, l)))

@@ -110,6 +110,11 @@ pub fn run(a: &WeightFormatsArgs) -> anyhow::Result<Vec<StepRow>> {
                 let r = real(b);
                 let (p, d) = measure(&r, &s.model, &s.adapters, b, a.threads, round as u64)?;
                 let secs = (b * a.prompt_len) as f64 / p + (b * a.decode_steps) as f64 / d;
+                // Each cell as it lands (stderr), so a run stopped early still says something.
+                eprintln!(
+                    "round {round}: {} batch {b}: prefill {p:.0} tok/s, decode {d:.1} tok/s",
+                    s.label
+                );
                 let cell = &mut got[si][bi];
                 cell.0.push(p);
                 cell.1.push(d);

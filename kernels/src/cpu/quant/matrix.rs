@@ -12,8 +12,8 @@ use crate::cpu::gemm::{dot, linear, GemmShape, SMALL_M};
 use crate::cpu::hostvec::HostVec;
 use crate::cpu::simd::{
     dequantize_row, dot_rows_bf16, dot_rows_f16, gemm_nt, gemm_nt_available, gemm_nt_f32,
-    gemm_nt_f32_prompt, gemm_nt_prompt, gemm_nt_vnni, gemv_q8, gemv_quant_f32, q8_dot_supported,
-    quantize_q8, FloatWeights, Q8Block,
+    gemm_nt_f32_prompt, gemm_nt_prompt, gemm_nt_vnni, gemm_nt_vnni_prompt, gemv_q8, gemv_quant_f32,
+    q8_dot_supported, quantize_q8, FloatWeights, Q8Block, PROMPT_PANEL_ROWS,
 };
 use crate::cpu::sys::{sgemm, HugeArena, MatMut, MatRef};
 use crate::error::KernelError;
@@ -89,6 +89,38 @@ pub fn q8_activations() -> bool {
         _ => {
             let on = std::env::var("THAW_Q8_ACTIVATIONS").is_ok_and(|v| v == "1" || v == "on");
             Q8_ACTIVATIONS.store(if on { 2 } else { 1 }, Ordering::Relaxed);
+            on
+        }
+    }
+}
+
+/// Whether prompt rows (more than [`SMALL_M`] in one product) over Q4_1 weights quantise the
+/// activations to Q8 and take the VNNI integer kernel ([`gemm_nt_vnni_prompt`]) where the CPU
+/// has it: 0 = not yet read from the environment, 1 = off, 2 = on. On by default
+/// (`THAW_Q8_PROMPT=0` or [`set_q8_prompt`] turn it off): it is llama.cpp's arithmetic for
+/// these rows (ggml quantises the activations of a Q4_1 product to Q8_1 blocks whatever the
+/// row count), an integer dot runs 64 products per instruction against the f32 GEMM's 16, and
+/// a prompt is 128 of the 160 tokens a sequence computes in the side by side. Decode rows keep
+/// f32 activations ([`q8_activations`]): there each token's rounding steers the next pick.
+static Q8_PROMPT: AtomicU8 = AtomicU8::new(0);
+
+/// Turns the Q8-activation prompt path for Q4_1 weights on or off for the whole process
+/// (benchmarks and tests compare both); returns the previous setting.
+pub fn set_q8_prompt(on: bool) -> bool {
+    let prev = q8_prompt();
+    Q8_PROMPT.store(if on { 2 } else { 1 }, Ordering::Relaxed);
+    prev
+}
+
+/// Whether prompt rows over Q4_1 weights multiply Q8 activations (see [`set_q8_prompt`];
+/// initially from `THAW_Q8_PROMPT`, on unless `0`/`off`).
+pub fn q8_prompt() -> bool {
+    match Q8_PROMPT.load(Ordering::Relaxed) {
+        1 => false,
+        2 => true,
+        _ => {
+            let on = !std::env::var("THAW_Q8_PROMPT").is_ok_and(|v| v == "0" || v == "off");
+            Q8_PROMPT.store(if on { 2 } else { 1 }, Ordering::Relaxed);
             on
         }
     }
@@ -363,7 +395,9 @@ impl WeightMatrix {
         if let WeightData::Quant(f, b) = &self.data {
             let rb = k / f.block_elems() * f.block_bytes();
             let w = &b[out_cols.start * rb..out_cols.end * rb];
-            if gemm_nt_vnni(*f, w, x, (m, k, n), out, n) {
+            if gemm_nt_vnni(*f, w, x, (m, k, n), out, n)
+                || (m > SMALL_M && gemm_nt_vnni_prompt(*f, w, x, (m, k, n), out, n))
+            {
                 return;
             }
         }
@@ -406,7 +440,12 @@ impl WeightMatrix {
             } else {
                 DECODE_TILE_BYTES
             };
-            let tile = (tile_bytes / 4 / k.max(1)).clamp(8, n.max(8));
+            let mut tile = (tile_bytes / 4 / k.max(1)).clamp(8, n.max(8));
+            if m > SMALL_M {
+                // Whole panels of the prompt GEMM: a tile of 113 rows (k = 576) would run
+                // three 48-row panels for it, a quarter of their lanes idle.
+                tile = (tile / PROMPT_PANEL_ROWS).max(1) * PROMPT_PANEL_ROWS;
+            }
             if s.len() < tile * k {
                 s.resize(tile * k, 0.0);
             }

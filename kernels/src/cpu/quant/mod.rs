@@ -17,4 +17,6 @@ mod tests_batch;
 pub(crate) use blocks::dequantize_block;
 pub use blocks::{dequantize_blocks, quantize_blocks};
 pub use format::WeightFormat;
-pub use matrix::{q8_activations, set_q8_activations, WeightData, WeightMatrix};
+pub use matrix::{
+    q8_activations, q8_prompt, set_q8_activations, set_q8_prompt, WeightData, WeightMatrix,
+};

@@ -3,7 +3,9 @@ use proptest::prelude::*;
 use rand::Rng;
 
 use super::*;
-use crate::cpu::simd::{bf16_dot_active, q8_dot_supported, quantize_q8, vnni_dot_active, Q8Block};
+use crate::cpu::simd::{
+    bf16_dot_active, q8_dot_supported, quantize_q8, vnni_dot_active, vnni_prompt_active, Q8Block,
+};
 use crate::cpu::testutil::{assert_close, rand_vec, rng};
 
 const ROWS: usize = 3;
@@ -154,8 +156,10 @@ fn matmul_matches_dequantised_f32() {
                 // Decode rows over Q8_0/Q4_0/Q4_1 multiply Q8-quantised activations (integer
                 // dots, exact): the oracle uses those activations (`simd::tests` checks the
                 // quantisation error bound against the original ones).
-                // Q8_0/Q4_K on AVX512-VNNI multiply Q8-quantised activations at every `m`.
+                // Q8_0/Q4_K on AVX512-VNNI multiply Q8-quantised activations at every `m`,
+                // Q4_1 there at prompt sizes (`q8_prompt`).
                 let q8 = vnni_dot_active(f)
+                    || (m > 16 && vnni_prompt_active(f))
                     || (m <= 16 && super::q8_activations() && q8_dot_supported(f));
                 let xs = if q8 {
                     q8_rows(&x, k)

@@ -4,7 +4,7 @@ use proptest::prelude::*;
 
 use super::tests::{q8_rows, random_matrix};
 use super::*;
-use crate::cpu::simd::{bf16_dot_active, gemm_nt_available, vnni_dot_active};
+use crate::cpu::simd::{bf16_dot_active, gemm_nt_available, vnni_dot_active, vnni_prompt_active};
 use crate::cpu::testutil::{assert_close, rand_vec, rng};
 
 /// Each row of a decode batch (`m ≤ 16` rows) equals the one-row product bit for bit, for
@@ -48,7 +48,7 @@ fn equals_widened(fi: usize, m: usize, seed: u64) {
     let x = rand_vec(&mut rng(seed + 2), m * k, 1.0);
     let (mut got, mut want) = (vec![f32::NAN; m * n], vec![f32::NAN; m * n]);
     w.matmul(&x, m, &mut got);
-    if vnni_dot_active(f) {
+    if vnni_dot_active(f) || (m > 16 && vnni_prompt_active(f)) {
         // Q8_0/Q4_K on AVX512-VNNI multiply Q8-quantised activations (integer dots, exact):
         // the widened product of those, within the tolerance.
         wide.matmul(&q8_rows(&x, k), m, &mut want);
@@ -109,5 +109,36 @@ proptest! {
     #[test]
     fn products_equal_widened_any_format(fi in 0usize..8, m in 1usize..40, seed in 0u64..1000) {
         equals_widened(fi, m, seed);
+    }
+}
+
+/// Prompt rows over weights dequantised a tile at a time (Q4_0 always; Q4_1 where it is not
+/// on the VNNI prompt path) equal the product over the widened weight, bit for bit where the
+/// packed AVX-512 kernel runs, whatever the weight's row count: tiles are cut in whole
+/// prompt-GEMM panels ([`crate::cpu::simd::PROMPT_PANEL_ROWS`]), and a panel cut short
+/// (`n` not a multiple of 48, or below one tile) must still give every output its own
+/// row's sum. `k = 256` makes a tile of 240 weight rows, so `n = 300` spans two.
+#[test]
+fn prompt_tiles_equal_widened_at_any_row_count() {
+    for f in [WeightFormat::Q4_0, WeightFormat::Q4_1] {
+        if vnni_prompt_active(f) {
+            continue; // Q8 activations: `equals_widened` checks it within its tolerance
+        }
+        for (n, m) in [(47, 17), (48, 40), (49, 17), (241, 40), (300, 33)] {
+            let k = 256;
+            let w = random_matrix(f, n, k, n as u64);
+            let wide = WeightMatrix::from_f32(w.to_f32(), n, k);
+            let x = rand_vec(&mut rng(m as u64), m * k, 1.0);
+            let (mut got, mut want) = (vec![f32::NAN; m * n], vec![f32::NAN; m * n]);
+            w.matmul(&x, m, &mut got);
+            wide.matmul(&x, m, &mut want);
+            if gemm_nt_available() {
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&got), bits(&want), "{f} n={n} m={m}");
+            } else {
+                let want: Vec<f64> = want.iter().map(|&v| v as f64).collect();
+                assert_close(&format!("{f} n={n} m={m}"), &got, &want, 1e-5);
+            }
+        }
     }
 }

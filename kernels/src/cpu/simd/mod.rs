@@ -15,7 +15,8 @@
 //!   or once per call while packed (prompt rows) and reused by every activation row; bit for
 //!   bit the row dots (decode) or the f32 prompt GEMM over the widened weight (prompt).
 //! - [`gemm_nt_vnni`] (AVX512-VNNI): Q8_0 and Q4_K weights (Q4_1 too where
-//!   `THAW_Q8_ACTIVATIONS=1`) × activations quantised to Q8 once per call, integer dots
+//!   `THAW_Q8_ACTIVATIONS=1`, and at prompt sizes by default: [`gemm_nt_vnni_prompt`])
+//!   × activations quantised to Q8 once per call, integer dots
 //!   (`vpdpbusd`) for every row count, as llama.cpp computes them; on by default where the CPU
 //!   has it (`THAW_VNNI_DOT=0` or [`set_vnni_dot`] turn it off).
 //!
@@ -32,6 +33,8 @@ mod portable;
 mod tests;
 #[cfg(test)]
 mod tests_batched;
+#[cfg(test)]
+mod tests_prompt;
 #[cfg(test)]
 mod tests_vnni;
 #[cfg(target_arch = "x86_64")]
@@ -294,6 +297,38 @@ pub fn vnni_dot_active(format: WeightFormat) -> bool {
     false
 }
 
+/// Whether [`gemm_nt_vnni_prompt`] runs for weights of `format`: where [`vnni_dot_active`]
+/// is, and for Q4_1 also where [`crate::cpu::q8_prompt`] is on (the default) and the VNNI
+/// kernel is in use.
+pub fn vnni_prompt_active(format: WeightFormat) -> bool {
+    vnni_dot_active(format)
+        || (format == WeightFormat::Q4_1
+            && crate::cpu::quant::q8_prompt()
+            && vnni_dot_active(WeightFormat::Q8_0))
+}
+
+/// [`gemm_nt_vnni`] for prompt rows (the caller's choice: more than 16 in the product): also
+/// Q4_1 weights where [`vnni_prompt_active`] says so. Returns false, doing nothing, where it
+/// does not.
+pub fn gemm_nt_vnni_prompt(
+    format: WeightFormat,
+    w: &[u8],
+    x: &[f32],
+    (m, k, n): (usize, usize, usize),
+    out: &mut [f32],
+    ldo: usize,
+) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if vnni_prompt_active(format) {
+        if let Some(z) = x86_512_vnni::Avx512Vnni::enabled() {
+            z.gemm_nt(format, w, x, (m, k, n), out, ldo);
+            return true;
+        }
+    }
+    let _ = (format, w, x, m, k, n, out, ldo);
+    false
+}
+
 /// Turns [`gemm_nt_vnni`] on (where the CPU has it) or off for the whole process, for
 /// benchmarks and tests that compare it with the f32-activation path; returns whether it was
 /// on.
@@ -403,6 +438,12 @@ pub struct Q8Block {
     pub s: f32,
     pub qs: [i8; 32],
 }
+
+/// Weight rows per packed panel of the AVX-512 prompt GEMMs ([`gemm_nt_prompt`],
+/// [`gemm_nt_f32_prompt`]): a product over `n` weight rows computes `⌈n / 48⌉` whole panels,
+/// so callers that cut a weight into pieces (a dequantised tile at a time) cut it in
+/// multiples of this to waste no lanes.
+pub const PROMPT_PANEL_ROWS: usize = 48;
 
 /// Values per [`Q8Block`] (the block size of Q8_0/Q4_0/Q4_1).
 pub const Q8_BLOCK: usize = 32;

@@ -78,7 +78,8 @@ impl Avx512Bf16 {
                 xb.resize(m * kp, 0);
             }
             for (row, pairs) in x[..m * k].chunks_exact(k).zip(xb.chunks_exact_mut(kp)) {
-                to_pairs(row, pairs);
+                // SAFETY: `self` proves AVX-512F.
+                unsafe { to_pairs_avx512(row, pairs) };
             }
             // SAFETY: `self` proves AVX512-BF16 and AVX-512F; the asserts bound every row of
             // `w` and every output `i·ldo + j` (i < m, j < n); `xb` holds `m` rows of `kp`
@@ -99,7 +100,7 @@ impl Avx512Bf16 {
 
 /// `row` rounded to bf16 (nearest even), as pairs: pair `p` holds element `2p` in its low
 /// half and `2p + 1` (or zero past the end) in its high half.
-fn to_pairs(row: &[f32], pairs: &mut [u32]) {
+pub(super) fn to_pairs(row: &[f32], pairs: &mut [u32]) {
     for (p, out) in pairs.iter_mut().enumerate() {
         let lo = bf16::from_f32(row[2 * p]).to_bits() as u32;
         let hi = row
@@ -107,6 +108,49 @@ fn to_pairs(row: &[f32], pairs: &mut [u32]) {
             .map_or(0, |&v| bf16::from_f32(v).to_bits() as u32);
         *out = lo | (hi << 16);
     }
+}
+
+/// [`to_pairs`], 16 values per step: the same rounding (to nearest even; a NaN keeps its top
+/// bits and is made quiet) in integer lanes, bit for bit, then the 16 halves narrowed into 8
+/// pairs (`vpmovdw`: element `2p` lands in the low half of pair `p`). At prompt sizes the
+/// scalar loop cost about a tenth of the product itself (hundreds of millions of values per
+/// prefill of 2,048 tokens).
+///
+/// # Safety
+/// AVX-512F available.
+#[target_feature(enable = "avx512f,avx2")]
+pub(super) unsafe fn to_pairs_avx512(row: &[f32], pairs: &mut [u32]) {
+    assert_eq!(
+        pairs.len(),
+        row.len().div_ceil(2),
+        "to_pairs: pairs for {} values",
+        row.len()
+    );
+    let full = row.len() / 16;
+    let (one, half, abs, inf, quiet) = (
+        _mm512_set1_epi32(1),
+        _mm512_set1_epi32(0x7FFF),
+        _mm512_set1_epi32(0x7FFF_FFFF),
+        _mm512_set1_epi32(0x7F80_0000),
+        _mm512_set1_epi32(0x0040),
+    );
+    for c in 0..full {
+        // SAFETY: values `16c..16c + 16 ≤ row.len()`, pairs `8c..8c + 8 ≤ pairs.len()`.
+        unsafe {
+            let x = _mm512_loadu_si512(row.as_ptr().add(16 * c).cast());
+            let top = _mm512_srli_epi32::<16>(x);
+            // x + 0x7FFF + (bit 16 of x), then the top half: ties go to the even half.
+            let lsb = _mm512_and_si512(top, one);
+            let near = _mm512_srli_epi32::<16>(_mm512_add_epi32(x, _mm512_add_epi32(half, lsb)));
+            let nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(x, abs), inf);
+            let v = _mm512_mask_blend_epi32(nan, near, _mm512_or_si512(top, quiet));
+            _mm256_storeu_si256(
+                pairs.as_mut_ptr().add(8 * c).cast(),
+                _mm512_cvtepi32_epi16(v),
+            );
+        }
+    }
+    to_pairs(&row[16 * full..], &mut pairs[8 * full..]);
 }
 
 /// The bf16-pair kernel: pointers as [`packed`] receives them.

@@ -27,7 +27,7 @@ use super::FloatWeights;
 pub(super) const MR: usize = 8;
 /// Weight rows (output columns) per packed panel and register tile: three 16-lane vectors,
 /// so the tile is 24 accumulators.
-pub(super) const NR: usize = 48;
+pub(super) const NR: usize = super::PROMPT_PANEL_ROWS;
 /// Most reduction steps per block: a `KC × NR` packed slice (≤ 30 KiB) stays in L1 while the
 /// row blocks pass.
 const KC: usize = 160;
