@@ -234,7 +234,13 @@ fn vnni_extreme_codes() {
             }
         }
         let x: Vec<f32> = (0..m * k)
-            .map(|p| if p % 7 == 0 { -2.5 } else { ((p * 13) % 17) as f32 / 8.0 - 1.0 })
+            .map(|p| {
+                if p % 7 == 0 {
+                    -2.5
+                } else {
+                    ((p * 13) % 17) as f32 / 8.0 - 1.0
+                }
+            })
             .collect();
         if !check_with(f, &w, &x, (m, k, n)) {
             eprintln!("no AVX512-VNNI here (or THAW_VNNI_DOT=0): gemm_nt_vnni declined");

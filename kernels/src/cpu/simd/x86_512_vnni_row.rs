@@ -206,7 +206,7 @@ unsafe fn group_q4_1(
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 fn bits(v: __m256i, j: usize, extra: u32) -> __m256i {
-    { _mm256_srlv_epi32(v, _mm256_set1_epi32(8 * j as i32 + extra as i32)) }
+    _mm256_srlv_epi32(v, _mm256_set1_epi32(8 * j as i32 + extra as i32))
 }
 
 /// Eight Q4_K rows × `x`: per 256-value super-block, the eight sub-blocks' `d·sc_j` and
@@ -252,7 +252,8 @@ unsafe fn group_q4_k(
                     )
                 } else {
                     let jj = j - 4;
-                    let top = |q: __m256i| _mm256_slli_epi32::<4>(_mm256_and_si256(bits(q, jj, 6), two));
+                    let top =
+                        |q: __m256i| _mm256_slli_epi32::<4>(_mm256_and_si256(bits(q, jj, 6), two));
                     (
                         _mm256_or_si256(_mm256_and_si256(bits(q2, jj, 0), four), top(q0)),
                         _mm256_or_si256(_mm256_and_si256(bits(q2, jj, 4), four), top(q1)),
