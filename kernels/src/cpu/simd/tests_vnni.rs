@@ -141,8 +141,14 @@ fn check_with(f: WeightFormat, w: &[u8], x: &[f32], (m, k, n): (usize, usize, us
 fn vnni_products_at_model_shapes() {
     // SmolLM2-135M's projections (k = 576 / 1536) with decode and prompt row counts, and a
     // k spanning several driver blocks (Q4_K needs whole 256-value blocks).
-    let shapes: [(usize, usize, usize); 4] =
-        [(1, 576, 64), (16, 576, 100), (17, 1536, 50), (40, 4096, 20)];
+    // (3 rows: the in-place kernel row by row, outputs at a stride.)
+    let shapes: [(usize, usize, usize); 5] = [
+        (1, 576, 64),
+        (3, 1536, 37),
+        (16, 576, 100),
+        (17, 1536, 50),
+        (40, 4096, 20),
+    ];
     for f in FORMATS {
         for (m, k, n) in shapes {
             if f == WeightFormat::Q4_K && !k.is_multiple_of(256) {
@@ -168,12 +174,13 @@ fn vnni_products_at_model_shapes() {
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(32))]
 
-    /// One row against the scalar path and, bit for bit, against the same row in a packed
-    /// batch, for weight row counts leaving 1–8 rows in the row kernel's last group of eight.
+    /// One row (the in-place kernel) against the scalar path and, bit for bit, against the
+    /// same row in a batch of 4–7 (the packed panel), for weight row counts leaving 1–8 rows
+    /// in the row kernel's last group of eight.
     #[test]
     fn vnni_one_row_any_shape(
         fi in 0usize..3,
-        m in 2usize..6,
+        m in 4usize..8,
         blocks in 1usize..40,
         n in 1usize..30,
         seed in any::<u64>(),
@@ -212,7 +219,7 @@ proptest! {
 /// and stay within the scalar path's tolerance.
 #[test]
 fn vnni_extreme_codes() {
-    let (m, n) = (3, 19);
+    let (m, n) = (5, 19);
     for f in FORMATS {
         let k = if f == WeightFormat::Q4_K { 512 } else { 96 };
         let mut w = weights(f, n, k, 41);
