@@ -18,7 +18,7 @@
 //!   `THAW_Q8_ACTIVATIONS=1`) × activations quantised to Q8 once per call, integer dots
 //!   (`vpdpbusd`) for every row count, as llama.cpp computes them; on by default where the CPU
 //!   has it (`THAW_VNNI_DOT=0` or [`set_vnni_dot`] turn it off). Batches share a packed weight
-//!   panel; one row reads the weight in place, bit for bit the same result.
+//!   panel; up to 3 rows read the weight in place, bit for bit the same result.
 //!
 //! Error of the Q8 path: an activation block `x_b` (32 values) is stored as `d_b·q` with
 //! `d_b = max|x_b| / 127` and `q = round(x / d_b)`, so `|x − d_b·q| ≤ d_b / 2` per element and
@@ -315,7 +315,7 @@ pub fn set_vnni_dot(on: bool) -> bool {
 /// each activation row quantised once per call by [`quantize_q8`], an exact integer dot per
 /// 32-value block (`vpdpbusd`), scaled in f32 by the weight block's scale (and, for Q4_K and
 /// Q4_1, plus its minimum term times the activation block's sum). Every `m` the same arithmetic
-/// (one row reads the weight in place, batches share a packed panel): each output's bits
+/// (up to 3 rows read the weight in place, more share a packed panel): each output's bits
 /// depend only on its own two rows. Error against the f32 product with the
 /// dequantised weight: the activation rounding `Σ_b (d_b / 2)·‖w_b‖₁` plus f32 rounding.
 /// Returns false, doing nothing, where [`vnni_dot_active`] is false.
