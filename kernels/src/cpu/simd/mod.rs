@@ -18,7 +18,8 @@
 //!   `THAW_Q8_ACTIVATIONS=1`, and at prompt sizes by default: [`gemm_nt_vnni_prompt`])
 //!   × activations quantised to Q8 once per call, integer dots
 //!   (`vpdpbusd`) for every row count, as llama.cpp computes them; on by default where the CPU
-//!   has it (`THAW_VNNI_DOT=0` or [`set_vnni_dot`] turn it off).
+//!   has it (`THAW_VNNI_DOT=0` or [`set_vnni_dot`] turn it off). Batches share a packed weight
+//!   panel; up to 3 rows read the weight in place, bit for bit the same result.
 //!
 //! Error of the Q8 path: an activation block `x_b` (32 values) is stored as `d_b·q` with
 //! `d_b = max|x_b| / 127` and `q = round(x / d_b)`, so `|x − d_b·q| ≤ d_b / 2` per element and
@@ -49,6 +50,8 @@ mod x86_512_gemm;
 mod x86_512_kquant;
 #[cfg(target_arch = "x86_64")]
 mod x86_512_vnni;
+#[cfg(target_arch = "x86_64")]
+mod x86_512_vnni_row;
 
 use std::sync::atomic::{AtomicU8, Ordering};
 
@@ -281,7 +284,7 @@ pub fn gemm_nt_prompt(
 
 /// Whether [`gemm_nt_vnni`] runs for weights of `format`: Q8_0 or Q4_K (or Q4_1 where
 /// [`crate::cpu::q8_activations`] opted in: its Q8 rounding flips SmolLM2's greedy answer, see
-/// `quant::matrix`), AVX-512F in use, the CPU has AVX512-VNNI and AVX512-BW, and neither
+/// `quant::matrix`), AVX-512F in use, the CPU has AVX512-VNNI, AVX512-BW and AVX512-VL, and neither
 /// `THAW_VNNI_DOT=0` nor [`set_vnni_dot`] turned it off.
 pub fn vnni_dot_active(format: WeightFormat) -> bool {
     #[cfg(target_arch = "x86_64")]
@@ -346,8 +349,9 @@ pub fn set_vnni_dot(on: bool) -> bool {
 /// packed in `w` (whole Q8_0, Q4_K or Q4_1 blocks, `k` values a row), as llama.cpp computes it:
 /// each activation row quantised once per call by [`quantize_q8`], an exact integer dot per
 /// 32-value block (`vpdpbusd`), scaled in f32 by the weight block's scale (and, for Q4_K and
-/// Q4_1, plus its minimum term times the activation block's sum). One kernel for every `m`: each
-/// output's bits depend only on its own two rows. Error against the f32 product with the
+/// Q4_1, plus its minimum term times the activation block's sum). Every `m` the same arithmetic
+/// (up to 3 rows read the weight in place, more share a packed panel): each output's bits
+/// depend only on its own two rows. Error against the f32 product with the
 /// dequantised weight: the activation rounding `Σ_b (d_b / 2)·‖w_b‖₁` plus f32 rounding.
 /// Returns false, doing nothing, where [`vnni_dot_active`] is false.
 pub fn gemm_nt_vnni(

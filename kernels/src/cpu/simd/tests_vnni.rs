@@ -72,13 +72,18 @@ fn vnni(
 fn check(f: WeightFormat, (m, k, n): (usize, usize, usize), seed: u64) -> bool {
     let w = weights(f, n, k, seed);
     let x = activations(m, k, seed ^ 0x5eed);
+    check_with(f, &w, &x, (m, k, n))
+}
+
+/// [`check`] over given weights `w` (`n` rows of `k` in `f`) and activations `x` (`[m, k]`).
+fn check_with(f: WeightFormat, w: &[u8], x: &[f32], (m, k, n): (usize, usize, usize)) -> bool {
     let ldo = n + 3;
     let mut got = vec![f32::NAN; m * ldo];
-    if !vnni(f, &w, &x, (m, k, n), &mut got, ldo) {
+    if !vnni(f, w, x, (m, k, n), &mut got, ldo) {
         return false;
     }
     let mut wf = vec![0.0f32; n * k];
-    dequantize_blocks(f, &w, &mut wf).unwrap();
+    dequantize_blocks(f, w, &mut wf).unwrap();
     let kb = k / Q8_BLOCK;
     let mut q = vec![Q8Block::default(); kb];
     for i in 0..m {
@@ -116,10 +121,11 @@ fn check(f: WeightFormat, (m, k, n): (usize, usize, usize), seed: u64) -> bool {
             assert!(got[i * ldo + j].is_nan(), "{f}: gap ({i}, {j}) written");
         }
     }
-    // Each row alone computes its batch's result bit for bit.
+    // Each row alone (read in place, `x86_512_vnni_row`) computes its batch's result (the
+    // packed panel) bit for bit.
     for i in [0, m / 2, m - 1] {
         let mut one = vec![f32::NAN; n];
-        assert!(vnni(f, &w, &x[i * k..(i + 1) * k], (1, k, n), &mut one, n));
+        assert!(vnni(f, w, &x[i * k..(i + 1) * k], (1, k, n), &mut one, n));
         for j in 0..n {
             assert_eq!(
                 one[j].to_bits(),
@@ -135,8 +141,14 @@ fn check(f: WeightFormat, (m, k, n): (usize, usize, usize), seed: u64) -> bool {
 fn vnni_products_at_model_shapes() {
     // SmolLM2-135M's projections (k = 576 / 1536) with decode and prompt row counts, and a
     // k spanning several driver blocks (Q4_K needs whole 256-value blocks).
-    let shapes: [(usize, usize, usize); 4] =
-        [(1, 576, 64), (16, 576, 100), (17, 1536, 50), (40, 4096, 20)];
+    // (3 rows: the in-place kernel row by row, outputs at a stride.)
+    let shapes: [(usize, usize, usize); 5] = [
+        (1, 576, 64),
+        (3, 1536, 37),
+        (16, 576, 100),
+        (17, 1536, 50),
+        (40, 4096, 20),
+    ];
     for f in FORMATS {
         for (m, k, n) in shapes {
             if f == WeightFormat::Q4_K && !k.is_multiple_of(256) {
@@ -145,6 +157,7 @@ fn vnni_products_at_model_shapes() {
             if !check(f, (m, k, n), (m * 31 + n) as u64) {
                 let here = is_x86_feature_detected!("avx512vnni")
                     && is_x86_feature_detected!("avx512bw")
+                    && is_x86_feature_detected!("avx512vl")
                     && gemm_nt_available();
                 let off = crate::cpu::switched_off("THAW_VNNI_DOT");
                 assert!(
@@ -161,6 +174,27 @@ fn vnni_products_at_model_shapes() {
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(32))]
 
+    /// One row (the in-place kernel) against the scalar path and, bit for bit, against the
+    /// same row in a batch of 4–7 (the packed panel), for weight row counts leaving 1–8 rows
+    /// in the row kernel's last group of eight.
+    #[test]
+    fn vnni_one_row_any_shape(
+        fi in 0usize..3,
+        m in 4usize..8,
+        blocks in 1usize..40,
+        n in 1usize..30,
+        seed in any::<u64>(),
+    ) {
+        let f = FORMATS[fi];
+        let k = if f == WeightFormat::Q4_K {
+            256 * blocks.div_ceil(8)
+        } else {
+            32 * blocks
+        };
+        check(f, (1, k, n), seed);
+        check(f, (m, k, n), seed);
+    }
+
     #[test]
     fn vnni_products_any_shape(
         fi in 0usize..3,
@@ -176,5 +210,48 @@ proptest! {
             32 * blocks
         };
         check(f, (m, k, n), seed);
+    }
+}
+
+/// The codes at their extremes: Q8_0's −128 (the one code whose sign the row kernel cannot
+/// flip, so it takes `|w|`) and 127, the 4-bit codes 0 and 15, against activations whose
+/// blocks hit ±127; one row (in place) and its batch (packed) must still agree bit for bit
+/// and stay within the scalar path's tolerance.
+#[test]
+fn vnni_extreme_codes() {
+    let (m, n) = (5, 19);
+    for f in FORMATS {
+        let k = if f == WeightFormat::Q4_K { 512 } else { 96 };
+        let mut w = weights(f, n, k, 41);
+        let bb = f.block_bytes();
+        for (i, blk) in w.chunks_exact_mut(bb).enumerate() {
+            let codes = match f {
+                WeightFormat::Q8_0 => &mut blk[2..],
+                WeightFormat::Q4_1 => &mut blk[4..],
+                _ => &mut blk[16..],
+            };
+            for (p, c) in codes.iter_mut().enumerate() {
+                *c = match (f, (i + p) % 3) {
+                    (WeightFormat::Q8_0, 0) => 0x80, // −128
+                    (WeightFormat::Q8_0, 1) => 0x7f,
+                    (_, 0) => 0xff, // 15, 15
+                    (_, 1) => 0x0f, // 15, 0
+                    _ => *c,
+                };
+            }
+        }
+        let x: Vec<f32> = (0..m * k)
+            .map(|p| {
+                if p % 7 == 0 {
+                    -2.5
+                } else {
+                    ((p * 13) % 17) as f32 / 8.0 - 1.0
+                }
+            })
+            .collect();
+        if !check_with(f, &w, &x, (m, k, n)) {
+            eprintln!("no AVX512-VNNI here (or THAW_VNNI_DOT=0): gemm_nt_vnni declined");
+            return;
+        }
     }
 }

@@ -2,8 +2,9 @@
 //! (`vpdpbusd`), as llama.cpp computes them: each activation row is quantised once per call to 32-value Q8 blocks
 //! ([`super::quantize_q8`]: `x ≈ d·q`, `q ∈ [−127, 127]`), every weight block is an integer
 //! dot with the activation block (exact in i32) and one f32 step scales it by the two block
-//! scales. One kernel serves decode batches and prompt rows (and a single row), so a row's
-//! result never depends on its batch.
+//! scales. One kernel serves decode batches and prompt rows; up to [`ROW_KERNEL_MAX_M`] rows
+//! take the same arithmetic without the pack (`x86_512_vnni_row`), so a row's result never
+//! depends on its batch.
 //!
 //! Layout: the packed panel driver of the prompt GEMM ([`drive_panels`]) over reduction steps
 //! of 4 values. A panel of [`NR`] weight rows is packed once per call as `[step][NR]` 32-bit
@@ -43,15 +44,16 @@ use crate::cpu::quant::WeightFormat;
 /// Activation rows per register tile (12 f32 and 12 i32 accumulators, 3 weight vectors and
 /// one broadcast: 28 of the 32 registers).
 const VR: usize = 4;
+/// Most activation rows that take the in-place row kernel, each row on its own, instead of
+/// packing a panel: in the A/B of `benches/results/cpu-precisions.md` (2026-11-27) the pack
+/// cost about as much as 3.5–5 in-place rows on SmolLM2's projections (Q8_0 and Q4_K).
+const ROW_KERNEL_MAX_M: usize = 3;
 /// Reduction steps (of 4 values) per 32-value block.
 const STEPS: usize = Q8_BLOCK / 4;
 
-/// Weight formats (const generic codes).
-const Q8_0: u8 = 0;
-const Q4_K: u8 = 1;
-const Q4_1: u8 = 2;
+use super::x86_512_vnni_row::{row_product, Q4_1, Q4_K, Q8_0};
 
-/// Proof that this CPU has AVX512-VNNI and AVX512-BW (and AVX-512F).
+/// Proof that this CPU has AVX512-VNNI, AVX512-BW and AVX512-VL (and AVX-512F).
 #[derive(Copy, Clone, Debug)]
 pub(super) struct Avx512Vnni {
     _detected: (),
@@ -64,6 +66,7 @@ fn detect() -> bool {
     Avx512::enabled().is_some()
         && is_x86_feature_detected!("avx512vnni")
         && is_x86_feature_detected!("avx512bw")
+        && is_x86_feature_detected!("avx512vl")
 }
 
 thread_local! {
@@ -98,8 +101,8 @@ impl Panel {
 }
 
 impl Avx512Vnni {
-    /// The token when AVX-512F is in use ([`Avx512::enabled`]), the CPU has AVX512-VNNI and
-    /// AVX512-BW, and the environment does not set `THAW_VNNI_DOT=0` (read once; for A/B runs)
+    /// The token when AVX-512F is in use ([`Avx512::enabled`]), the CPU has AVX512-VNNI,
+    /// AVX512-BW and AVX512-VL, and the environment does not set `THAW_VNNI_DOT=0` (read once; for A/B runs)
     /// or [`Self::set`] turned it off.
     #[inline]
     pub(super) fn enabled() -> Option<Self> {
@@ -149,6 +152,32 @@ impl Avx512Vnni {
             let (xq, panel) = &mut *s.borrow_mut();
             if xq.len() < m * kb {
                 xq.resize(m * kb, Q8Block::default());
+            }
+            if m <= ROW_KERNEL_MAX_M {
+                // Too few rows to pay for the panel: the weight is read in place, once per
+                // row (`x86_512_vnni_row`, bit for bit this kernel's result).
+                assert!(
+                    rb <= i32::MAX as usize / 8,
+                    "gemm_nt_vnni: rows of {rb} bytes"
+                );
+                for i in 0..m {
+                    quantize_q8(&x[i * k..(i + 1) * k], &mut xq[..kb]);
+                    let (wp, xp) = (w.as_ptr(), xq.as_ptr());
+                    let op = out[i * ldo..].as_mut_ptr();
+                    // SAFETY: `self` proves the features (VL included); `w` holds `n` rows
+                    // of `rb` bytes of `format` (asserted), `xq` `kb` blocks quantised from
+                    // row `i` of `x` (codes in −127..=127), `out` at least `n` values from
+                    // `i·ldo` (`trivial_product`), `n, kb > 0` (not trivial) and
+                    // `8·rb ≤ i32::MAX` (asserted).
+                    unsafe {
+                        match format {
+                            WeightFormat::Q8_0 => row_product::<Q8_0>(wp, rb, n, xp, kb, op),
+                            WeightFormat::Q4_1 => row_product::<Q4_1>(wp, rb, n, xp, kb, op),
+                            _ => row_product::<Q4_K>(wp, rb, n, xp, kb, op),
+                        }
+                    }
+                }
+                return;
             }
             for (row, blocks) in x[..m * k].chunks_exact(k).zip(xq.chunks_exact_mut(kb)) {
                 quantize_q8(row, blocks);
