@@ -12,6 +12,7 @@ use thaw_runtime::ids::{AdapterId, SeqId};
 
 use super::gate::cold_gate;
 use super::{kv, EngineEvent, Loop};
+use crate::memory::apply::runnable_after_apply;
 use crate::memory::waits::{classify, Moment, WaitReason, LOG_TARGET};
 use crate::memory::{admit, MemView, Registered};
 use crate::perf::{Cause, StepShape, Tier};
@@ -28,7 +29,7 @@ impl Loop {
         let reload = |tier: Tier, bytes: u64| cost.load_time_from(tier, bytes, 0);
         let kv_now = self.mem.pool().kv_capacity();
         self.sched.protect(&self.state, &self.cfg, cost, kv_now);
-        let plan = {
+        let mut plan = {
             let engine = &self.engine;
             let registered = |a: AdapterId| engine.has_adapter(a);
             let view = MemView {
@@ -45,6 +46,13 @@ impl Loop {
             )
         };
         self.apply_memory(&plan, &wanted);
+        // A load the engine refused leaves its requests waiting (queued, not failed).
+        let (engine, waiting) = (&self.engine, &self.state.waiting);
+        runnable_after_apply(
+            &mut plan.admit,
+            |id| waiting.iter().find(|s| s.id == id).and_then(|s| s.adapter),
+            |a| engine.has_adapter(a),
+        );
         self.engine.set_kv_capacity(self.mem.pool().kv_capacity());
         self.reshare_held();
         self.probe_prefixes(&plan.admit);

@@ -83,3 +83,49 @@ pub fn apply<B: Backend>(
     }
     registered
 }
+
+/// Which of the requests admission chose may run after [`apply`]: those without an adapter or
+/// whose adapter the engine holds. A load the engine refused (no run of free pages while KV
+/// blocks in use split them) leaves its requests waiting, planned again at the next step:
+/// queued, never failed. `adapter_of` answers a waiting request's adapter.
+pub fn runnable_after_apply(
+    admit: &mut Vec<thaw_runtime::ids::SeqId>,
+    adapter_of: impl Fn(thaw_runtime::ids::SeqId) -> Option<AdapterId>,
+    registered: impl Fn(AdapterId) -> bool,
+) {
+    admit.retain(|&id| adapter_of(id).is_none_or(&registered));
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+    use thaw_runtime::ids::SeqId;
+
+    use super::*;
+
+    proptest! {
+        /// A request stays admitted exactly when it has no adapter or the engine holds its
+        /// adapter; the order of the admitted ones is kept.
+        #[test]
+        fn refused_loads_leave_their_requests_waiting(
+            reqs in prop::collection::vec(prop::option::of(0u32..6), 0..24),
+            held in prop::collection::vec(any::<bool>(), 6),
+        ) {
+            let ids: Vec<SeqId> = (0..reqs.len() as u64).map(SeqId).collect();
+            let adapter_of = |id: SeqId| reqs[id.0 as usize].map(AdapterId);
+            let registered = |a: AdapterId| held[a.0 as usize];
+            let mut admit = ids.clone();
+            runnable_after_apply(&mut admit, adapter_of, registered);
+            let want: Vec<SeqId> = ids
+                .into_iter()
+                .filter(|&id| adapter_of(id).is_none_or(registered))
+                .collect();
+            prop_assert_eq!(&admit, &want);
+            for id in admit {
+                if let Some(a) = adapter_of(id) {
+                    prop_assert!(held[a.0 as usize], "request {:?} admitted with adapter {:?} not held", id, a);
+                }
+            }
+        }
+    }
+}
