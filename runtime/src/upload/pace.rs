@@ -22,8 +22,10 @@ use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 /// The share of a running step's wall time that paced host work may take, unless
-/// `THAW_UPLOAD_BUSY_SHARE` says otherwise (`1` switches pacing off, for A/B runs).
-pub const DEFAULT_BUSY_SHARE: f64 = 0.1;
+/// `THAW_UPLOAD_BUSY_SHARE` says otherwise (e.g. `0.1` to pace, for A/B runs). Off (1) by
+/// default: on the quiet 2-core VM a 0.1 share made loads 3–14× slower without reliably
+/// lowering the running TPOT (`benches/results/upload-stall.md`, 2026-11-27 session 17).
+pub const DEFAULT_BUSY_SHARE: f64 = 1.0;
 
 /// The lowest share accepted: a load never takes more than 1 / this times its work.
 pub const MIN_BUSY_SHARE: f64 = 0.02;
