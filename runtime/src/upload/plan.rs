@@ -12,7 +12,7 @@
 //!   [`crate::residency::LoadPriority`]);
 //! * an adapter evicted mid-upload leaves the queues at once and frees its arena space exactly
 //!   once, when no loader thread writes it and no copy reads it any more.
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::ops::Range;
 
 use super::arena::ArenaAlloc;
@@ -61,10 +61,15 @@ struct Job {
     /// Order within its class (FIFO; a promotion takes a fresh number).
     seq: u64,
     arena: Option<Range<usize>>,
-    /// Layers `0..staged` are encoded in the arena.
+    /// Layers `0..staged` are encoded in the arena (the prefix the link may take).
     staged: usize,
-    /// A loader thread is encoding layer `staged` now.
-    encoding: bool,
+    /// Layers `0..handed` were handed to loader threads: several loader threads encode
+    /// layers of one adapter at once, so one adapter's encode is not one thread's memcpy.
+    handed: usize,
+    /// Layers at or past `staged` already encoded (they join the prefix in order).
+    ahead: BTreeSet<usize>,
+    /// Layers loader threads are encoding now.
+    encoding: usize,
     /// Layers `0..landed` are on the device.
     landed: usize,
     evicted: bool,
@@ -152,7 +157,9 @@ impl UploadPlan {
                 seq: self.next_seq,
                 arena: None,
                 staged: 0,
-                encoding: false,
+                handed: 0,
+                ahead: BTreeSet::new(),
+                encoding: 0,
                 landed: 0,
                 evicted: false,
             },
@@ -187,24 +194,27 @@ impl UploadPlan {
         ids.into_iter().map(|(_, id)| id).collect()
     }
 
-    /// The next layer a loader thread encodes: the first job in service order with a layer
-    /// left to encode and none being encoded, given arena space for its whole image first
-    /// (a job that does not fit now waits; later ones that fit go ahead).
+    /// The next layer a loader thread encodes: the next layer not yet handed out of the first
+    /// job in service order that has one, given arena space for its whole image first (a job
+    /// that does not fit now waits; later ones that fit go ahead). Layers are handed out in
+    /// order; loader threads may finish them out of order.
     pub fn next_encode(&mut self) -> Option<EncodeTask> {
         for id in self.order() {
             let j = self.jobs.get_mut(&id).expect("listed");
-            if j.encoding || j.staged == j.layers.len() {
+            if j.handed == j.layers.len() {
                 continue;
             }
             if j.arena.is_none() {
                 j.arena = self.arena.alloc(j.total);
             }
             let Some(space) = &j.arena else { continue };
-            j.encoding = true;
-            let image = j.layers[j.staged].clone();
+            let layer = j.handed;
+            j.handed += 1;
+            j.encoding += 1;
+            let image = j.layers[layer].clone();
             return Some(EncodeTask {
                 job: id,
-                layer: j.staged,
+                layer,
                 arena: space.start + image.start..space.start + image.end,
                 image,
             });
@@ -217,11 +227,14 @@ impl UploadPlan {
     pub fn encoded(&mut self, id: JobId, layer: usize) -> Option<Range<usize>> {
         let j = self.jobs.get_mut(&id).expect("encoded an unknown upload");
         assert!(
-            j.encoding && j.staged == layer,
-            "layer {layer} encoded out of turn"
+            j.encoding > 0 && layer >= j.staged && layer < j.handed && !j.ahead.contains(&layer),
+            "layer {layer} was not being encoded"
         );
-        j.encoding = false;
-        j.staged += 1;
+        j.encoding -= 1;
+        j.ahead.insert(layer);
+        while j.ahead.remove(&j.staged) {
+            j.staged += 1;
+        }
         self.reap(id)
     }
 
@@ -278,7 +291,7 @@ impl UploadPlan {
     /// Removes an evicted (or finished) job nobody touches any more, freeing its space once.
     fn reap(&mut self, id: JobId) -> Option<Range<usize>> {
         let j = &self.jobs[&id];
-        let busy = j.encoding || self.in_flight.is_some_and(|(f, _)| f == id);
+        let busy = j.encoding > 0 || self.in_flight.is_some_and(|(f, _)| f == id);
         if !j.evicted || busy {
             return None;
         }

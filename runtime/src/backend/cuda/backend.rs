@@ -711,7 +711,7 @@ impl CudaBackend {
 const DEFAULT_UPLOAD_ARENA: usize = 4 << 30;
 
 /// Loader threads of the CUDA backend's upload pipeline.
-const UPLOAD_LOADERS: usize = 2;
+const UPLOAD_LOADERS: usize = 4;
 
 /// Runs `$body` (a `Result<(), CudaError>`) unless an earlier op failed; keeps its error.
 macro_rules! op {
