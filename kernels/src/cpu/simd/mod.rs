@@ -321,15 +321,15 @@ pub fn gemm_nt_vnni_prompt(
     out: &mut [f32],
     ldo: usize,
 ) -> bool {
-    #[cfg(target_arch = "x86_64")]
-    if vnni_prompt_active(format) {
-        if let Some(z) = x86_512_vnni::Avx512Vnni::enabled() {
-            z.gemm_nt(format, w, x, (m, k, n), out, ldo);
-            return true;
-        }
-    }
-    let _ = (format, w, x, m, k, n, out, ldo);
-    false
+    vnni_gemm_if(
+        vnni_prompt_active(format),
+        format,
+        w,
+        x,
+        (m, k, n),
+        out,
+        ldo,
+    )
 }
 
 /// Turns [`gemm_nt_vnni`] on (where the CPU has it) or off for the whole process, for
@@ -362,14 +362,28 @@ pub fn gemm_nt_vnni(
     out: &mut [f32],
     ldo: usize,
 ) -> bool {
+    vnni_gemm_if(vnni_dot_active(format), format, w, x, (m, k, n), out, ldo)
+}
+
+/// The VNNI product of [`gemm_nt_vnni`] and [`gemm_nt_vnni_prompt`] where `active` (their
+/// switch) holds and the CPU has the kernel; false, doing nothing, otherwise.
+fn vnni_gemm_if(
+    active: bool,
+    format: WeightFormat,
+    w: &[u8],
+    x: &[f32],
+    (m, k, n): (usize, usize, usize),
+    out: &mut [f32],
+    ldo: usize,
+) -> bool {
     #[cfg(target_arch = "x86_64")]
-    if vnni_dot_active(format) {
+    if active {
         if let Some(z) = x86_512_vnni::Avx512Vnni::enabled() {
             z.gemm_nt(format, w, x, (m, k, n), out, ldo);
             return true;
         }
     }
-    let _ = (format, w, x, m, k, n, out, ldo);
+    let _ = (active, format, w, x, m, k, n, out, ldo);
     false
 }
 
