@@ -110,6 +110,18 @@ pub fn cpu_engine(model: HostModel, cfg: EngineConfig) -> CpuEngine {
     Engine::new(backend, model, cfg).expect("engine")
 }
 
+/// A CPU engine over `model` whose emulated link takes about `secs` seconds to carry
+/// `adapter_bytes` (50 µs latency): a step soon after registration finds the adapter still
+/// streaming, so the cold-start paths under test run.
+pub fn cpu_engine_slow_link(model: HostModel, adapter_bytes: f64, secs: f64) -> CpuEngine {
+    let link = thaw_runtime::residency::LinkModel {
+        gbps: adapter_bytes / secs / 1e9,
+        latency_us: 50.0,
+    };
+    let backend = CpuBackend::new(&model.config).with_link(link);
+    Engine::new(backend, model, EngineConfig::default()).expect("engine")
+}
+
 /// Runs one step that computes every pending token of `seq` (its whole remaining prompt, or
 /// its one decode token) and returns the step's outputs.
 pub fn step_all_pending(e: &mut CpuEngine, seq: SeqId, return_logits: bool) -> Vec<SeqOutput> {

@@ -11,7 +11,6 @@ use thaw_runtime::adapter::LoraAdapter;
 use thaw_runtime::backend::cpu::CpuBackend;
 use thaw_runtime::engine::{Engine, EngineConfig, PlanItem, SequenceParams, StepPlan};
 use thaw_runtime::ids::{AdapterId, SeqId};
-use thaw_runtime::residency::LinkModel;
 use thaw_runtime::sampling::SamplingParams;
 use thaw_runtime::RuntimeError;
 use thaw_server::gen::WeightDtype;
@@ -91,16 +90,7 @@ fn an_unreadable_adapter_file_fails_its_sequence_alone() {
         // The bad adapter takes about 5 s on the link: the step below finds it streaming and
         // has the worker compute it from its file.
         let bytes = good.size_bytes() as f64;
-        let link = LinkModel {
-            gbps: bytes / 5.0 / 1e9,
-            latency_us: 50.0,
-        };
-        let mut e = Engine::new(
-            CpuBackend::new(&cfg).with_link(link),
-            tm.model.clone(),
-            EngineConfig::default(),
-        )
-        .unwrap();
+        let mut e = thaw_tests::cpu_engine_slow_link(tm.model.clone(), bytes, 5.0);
         e.attach_pool(pool()).unwrap();
         let (ok, bad) = (AdapterId(0), AdapterId(1));
         e.register_adapter(ok, good.clone()).unwrap();

@@ -261,16 +261,7 @@ fn landed_adapters_release_their_host_store_slots() {
         .collect();
     // Each adapter takes about 200 ms on the link, so the first step finds it streaming.
     let bytes = adapters[0].size_bytes() as f64;
-    let link = LinkModel {
-        gbps: bytes / 0.2 / 1e9,
-        latency_us: 50.0,
-    };
-    let mut e = Engine::new(
-        CpuBackend::new(&cfg).with_link(link),
-        tm.model.clone(),
-        EngineConfig::default(),
-    )
-    .unwrap();
+    let mut e = thaw_tests::cpu_engine_slow_link(tm.model.clone(), bytes, 0.2);
     e.attach_pool(pool_with(
         1,
         HostStore::create(64 << 20, 2).expect("host store"),

@@ -115,16 +115,7 @@ fn a_worker_killed_mid_assist_from_the_disk_tier_keeps_every_greedy_token() {
 
     // Each adapter takes about 3 s on the link: every step below finds it streaming.
     let bytes = LoraAdapter::load(&dirs[0], &cfg).unwrap().size_bytes() as f64;
-    let link = LinkModel {
-        gbps: bytes / 3.0 / 1e9,
-        latency_us: 50.0,
-    };
-    let mut e = Engine::new(
-        CpuBackend::new(&cfg).with_link(link),
-        tm.model.clone(),
-        EngineConfig::default(),
-    )
-    .unwrap();
+    let mut e = thaw_tests::cpu_engine_slow_link(tm.model.clone(), bytes, 3.0);
     let faults = tempfile::tempdir().unwrap();
     e.attach_pool(stalling_pool(faults.path())).unwrap();
     for (i, dir) in dirs.iter().enumerate() {

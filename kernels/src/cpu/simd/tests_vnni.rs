@@ -171,6 +171,16 @@ fn vnni_products_at_model_shapes() {
     }
 }
 
+/// A row width of about `blocks` 32-value blocks that `f` stores whole (Q4_K: 256-value
+/// super-blocks).
+fn width(f: WeightFormat, blocks: usize) -> usize {
+    if f == WeightFormat::Q4_K {
+        256 * blocks.div_ceil(8)
+    } else {
+        32 * blocks
+    }
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(32))]
 
@@ -186,11 +196,7 @@ proptest! {
         seed in any::<u64>(),
     ) {
         let f = FORMATS[fi];
-        let k = if f == WeightFormat::Q4_K {
-            256 * blocks.div_ceil(8)
-        } else {
-            32 * blocks
-        };
+        let k = width(f, blocks);
         check(f, (1, k, n), seed);
         check(f, (m, k, n), seed);
     }
@@ -204,11 +210,7 @@ proptest! {
         seed in any::<u64>(),
     ) {
         let f = FORMATS[fi];
-        let k = if f == WeightFormat::Q4_K {
-            256 * blocks.div_ceil(8)
-        } else {
-            32 * blocks
-        };
+        let k = width(f, blocks);
         check(f, (m, k, n), seed);
     }
 }
