@@ -59,6 +59,13 @@ pub struct CudaKvLayer {
     pub num_blocks: usize,
 }
 
+impl CudaKvLayer {
+    /// Device bytes of the K (and of the V) tensor.
+    pub fn tensor_bytes(&self) -> (usize, usize) {
+        (self.k.len(), self.v.len())
+    }
+}
+
 /// Which per-step metadata is current (reset by `embed`, the first op of every forward).
 #[derive(Default)]
 struct Fresh {
