@@ -194,20 +194,17 @@ impl WeightMatrix {
                 got: bytes.len(),
             });
         }
-        let halves = || {
-            bytes
-                .chunks_exact(2)
-                .map(|b| u16::from_le_bytes([b[0], b[1]]))
-        };
+        // Little-endian bytes are the values' memory on every target we build (x86_64,
+        // aarch64): one copy of the bytes, whatever their alignment in the file.
+        const _: () = assert!(cfg!(target_endian = "little"));
         let data = match format {
-            WeightFormat::F32 => WeightData::F32(
-                bytes
-                    .chunks_exact(4)
-                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                    .collect(),
-            ),
-            WeightFormat::F16 => WeightData::F16(halves().map(f16::from_bits).collect()),
-            WeightFormat::BF16 => WeightData::BF16(halves().map(bf16::from_bits).collect()),
+            WeightFormat::F32 => WeightData::F32(bytemuck::pod_collect_to_vec(bytes).into()),
+            WeightFormat::F16 => {
+                WeightData::F16(bytemuck::pod_collect_to_vec::<u8, f16>(bytes).into())
+            }
+            WeightFormat::BF16 => {
+                WeightData::BF16(bytemuck::pod_collect_to_vec::<u8, bf16>(bytes).into())
+            }
             q => WeightData::Quant(q, bytes.to_vec().into()),
         };
         Self::new(data, rows, cols)

@@ -257,3 +257,41 @@ proptest! {
         assert_close("split", &got, &want, 1e-5);
     }
 }
+
+/// Float payloads are taken as their little-endian bytes at any alignment in the file (a
+/// safetensors tensor starts wherever the previous one ended): the same values as decoding
+/// each element.
+#[test]
+fn float_payloads_read_at_any_alignment() {
+    let mut r = rng(7);
+    let vals = rand_vec(&mut r, 2 * 24, 3.0);
+    for (format, width) in [
+        (WeightFormat::F32, 4usize),
+        (WeightFormat::F16, 2),
+        (WeightFormat::BF16, 2),
+    ] {
+        let le: Vec<u8> = vals
+            .iter()
+            .flat_map(|&v| match format {
+                WeightFormat::F32 => v.to_le_bytes().to_vec(),
+                WeightFormat::F16 => f16::from_f32(v).to_le_bytes().to_vec(),
+                _ => half::bf16::from_f32(v).to_le_bytes().to_vec(),
+            })
+            .collect();
+        let want: Vec<f32> = le
+            .chunks_exact(width)
+            .map(|b| match format {
+                WeightFormat::F32 => f32::from_le_bytes([b[0], b[1], b[2], b[3]]),
+                WeightFormat::F16 => f16::from_le_bytes([b[0], b[1]]).to_f32(),
+                _ => half::bf16::from_le_bytes([b[0], b[1]]).to_f32(),
+            })
+            .collect();
+        for skew in 0..4 {
+            let mut buf = vec![0xA5u8; skew];
+            buf.extend_from_slice(&le);
+            let m = WeightMatrix::from_bytes(format, &buf[skew..], 2, 24).unwrap();
+            assert_eq!(m.format(), format);
+            assert_eq!(m.to_f32(), want, "{format:?} at offset {skew}");
+        }
+    }
+}
