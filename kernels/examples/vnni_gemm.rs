@@ -2,7 +2,8 @@
 //! peaks measured in the same process (so the efficiency column survives a shared machine
 //! better than the µs): prompt rows (Q8 activations, `vpdpbusd`, 64 multiply-adds an
 //! instruction) and decode batches (Q8_0/Q4_K on `vpdpbusd`; Q4_1 on f32 activations, 16
-//! fused multiply-adds an instruction). Each cell is the best of alternated passes.
+//! fused multiply-adds an instruction). Each cell is the best of 5 passes of `reps` calls
+//! (default 3: short passes, so a neighbour's time slice rarely lands in the best one).
 //!
 //! `cargo run --release -p thaw-kernels --example vnni_gemm [reps]`
 use std::time::Instant;
@@ -38,9 +39,11 @@ fn peak(vnni: bool) -> f64 {
         _mm512_reduce_add_epi32(s) as i64 + _mm512_reduce_add_ps(f) as i64
     }
     assert!(is_x86_feature_detected!("avx512vnni"), "no AVX512-VNNI here");
-    let iters = 5_000_000;
+    // Short passes (about a millisecond), the best of many: on a shared machine a long pass
+    // is mostly someone else's time slice.
+    let iters = 100_000;
     let mut best = f64::MAX;
-    for _ in 0..3 {
+    for _ in 0..15 {
         let t = Instant::now();
         // SAFETY: AVX512-VNNI (and F, BW) detected above.
         std::hint::black_box(unsafe { run(iters, vnni) });
@@ -54,7 +57,7 @@ fn main() {
     let reps: usize = std::env::args()
         .nth(1)
         .and_then(|a| a.parse().ok())
-        .unwrap_or(20);
+        .unwrap_or(3);
     let mut seed = 0x2545_f491_u32;
     let mut rnd = move || {
         seed ^= seed << 13;
