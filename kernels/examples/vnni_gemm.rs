@@ -38,7 +38,10 @@ fn peak(vnni: bool) -> f64 {
         }
         _mm512_reduce_add_epi32(s) as i64 + _mm512_reduce_add_ps(f) as i64
     }
-    assert!(is_x86_feature_detected!("avx512vnni"), "no AVX512-VNNI here");
+    assert!(
+        is_x86_feature_detected!("avx512vnni"),
+        "no AVX512-VNNI here"
+    );
     // Short passes (about a millisecond), the best of many: on a shared machine a long pass
     // is mostly someone else's time slice.
     let iters = 100_000;
@@ -78,7 +81,13 @@ fn main() {
         let w = if f == WeightFormat::Q4_K {
             // Thaw's quantiser has no K-quants: random blocks cost the same to multiply.
             let bytes: Vec<u8> = (0..f.bytes_for(n * k).unwrap())
-                .map(|i| if i % 144 < 4 { 0x11 } else { (rnd() * 255.0) as u8 & 0x3f })
+                .map(|i| {
+                    if i % 144 < 4 {
+                        0x11
+                    } else {
+                        (rnd() * 255.0) as u8 & 0x3f
+                    }
+                })
                 .collect();
             WeightMatrix::from_bytes(f, &bytes, n, k).unwrap()
         } else {

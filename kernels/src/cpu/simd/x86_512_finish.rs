@@ -32,10 +32,7 @@ pub(super) fn finish_4x4(acc: &[[__m512; 4]; 4]) -> __m512 {
     });
     // Lanes i + 2: w[c] chunk q = [x[8c + q]'s two sums, x[8c + 4 + q]'s two sums].
     let w: [__m512; 2] = std::array::from_fn(|c| {
-        let (p, q) = (
-            _mm512_castps_pd(z[2 * c]),
-            _mm512_castps_pd(z[2 * c + 1]),
-        );
+        let (p, q) = (_mm512_castps_pd(z[2 * c]), _mm512_castps_pd(z[2 * c + 1]));
         _mm512_add_ps(
             _mm512_castpd_ps(_mm512_unpacklo_pd(p, q)),
             _mm512_castpd_ps(_mm512_unpackhi_pd(p, q)),
