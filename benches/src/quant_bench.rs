@@ -147,9 +147,11 @@ pub fn run(args: &WeightFormatsArgs) -> anyhow::Result<String> {
                 }
             })
             .collect();
-        // Each cell's time at the first row count: batching pays when m rows take less than
-        // m times as long.
-        let mut first: Vec<f64> = Vec::new();
+        // Each cell's time at the first row count, keyed by (matrix, level, VNNI): batching
+        // pays when m rows take less than m times as long. A VNNI cell that appears only at
+        // larger row counts (Q4_1 takes it at prompt sizes) is against the same matrix's
+        // f32-activation cell.
+        let mut first: Vec<((usize, SimdLevel, bool), f64)> = Vec::new();
         for &m in &args.rows {
             let x: Vec<f32> = (0..m * k).map(|_| lcg(&mut seed)).collect();
             let mut y = vec![0.0; m * n];
@@ -188,12 +190,17 @@ pub fn run(args: &WeightFormatsArgs) -> anyhow::Result<String> {
                     t[t.len() / 2]
                 })
                 .collect();
-            if first.is_empty() {
-                first = med.clone();
-            }
             let m0 = args.rows[0].max(1) as f64;
-            for (c, &(i, _, v)) in cells.iter().enumerate() {
+            for (c, &(i, l, v)) in cells.iter().enumerate() {
                 let (w, t) = (&mats[i], med[c]);
+                let found = {
+                    let at = |key| first.iter().find(|(k, _)| *k == key).map(|&(_, t0)| t0);
+                    at((i, l, v)).or_else(|| at((i, l, false)))
+                };
+                let t0 = found.unwrap_or_else(|| {
+                    first.push(((i, l, v), t * m0 / m as f64));
+                    t * m0 / m as f64
+                });
                 let kernels = if v { "avx512-vnni" } else { used[c].name() };
                 out.push_str(&format!(
                     "| {name} | {m} | {} | {} | {} | {:.1} | {:.2} | {:.2}x | {:.2}x |\n",
@@ -203,7 +210,7 @@ pub fn run(args: &WeightFormatsArgs) -> anyhow::Result<String> {
                     t * 1e6,
                     w.storage_bytes() as f64 / t / 1e9,
                     med[0] / t,
-                    (m as f64 / t) / (m0 / first[c])
+                    (m as f64 / t) / (m0 / t0)
                 ));
             }
         }

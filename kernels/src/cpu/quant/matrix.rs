@@ -55,6 +55,10 @@ const TILE_BYTES: usize = 256 << 10;
 /// between being written and being read by every activation row.
 const DECODE_TILE_BYTES: usize = 32 << 10;
 
+/// Weight rows per group of the AVX-512 decode kernel (`gemm_nt_f32`'s 4 × 4 tiles): a decode
+/// tile of dequantised rows is cut in whole groups.
+const DECODE_TILE_GROUP: usize = 4;
+
 /// From this many rows, a decode product over quantised weights dequantises a tile of weight
 /// rows once and runs the in-place f32 kernel over it for every row (the same arithmetic,
 /// bit for bit, as dequantising per row), instead of unpacking every block once per few
@@ -442,6 +446,10 @@ impl WeightMatrix {
                 // Whole panels of the prompt GEMM: a tile of 113 rows (k = 576) would run
                 // three 48-row panels for it, a quarter of their lanes idle.
                 tile = (tile / PROMPT_PANEL_ROWS).max(1) * PROMPT_PANEL_ROWS;
+            } else {
+                // Whole 4-row groups of the decode kernel (its 4 × 4 tiles sum their lanes
+                // together): 14 rows (k = 576) would end on a 2-row group.
+                tile = tile / DECODE_TILE_GROUP * DECODE_TILE_GROUP;
             }
             if s.len() < tile * k {
                 s.resize(tile * k, 0.0);

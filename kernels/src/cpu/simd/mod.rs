@@ -45,6 +45,8 @@ mod x86_512;
 #[cfg(target_arch = "x86_64")]
 mod x86_512_bf16;
 #[cfg(target_arch = "x86_64")]
+mod x86_512_finish;
+#[cfg(target_arch = "x86_64")]
 mod x86_512_gemm;
 #[cfg(target_arch = "x86_64")]
 mod x86_512_kquant;

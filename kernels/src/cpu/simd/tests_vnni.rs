@@ -257,3 +257,29 @@ fn vnni_extreme_codes() {
         }
     }
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(24))]
+
+    /// The Q4_K pack decodes 16 rows' sub-block scales and minimums at once (masked gathers,
+    /// 6-bit fields spread over the 12 scale bytes): any scale bytes (every other row given
+    /// ones, the rest random), any row count (partial groups of 16 and 48), against the
+    /// scalar path and, bit for bit, each row alone (the row kernel decodes them its own way).
+    #[test]
+    fn vnni_q4_k_pack_scales_any_bytes(
+        scales in proptest::array::uniform12(any::<u8>()),
+        n in 1usize..60,
+        m in 4usize..9,
+        seed in any::<u64>(),
+    ) {
+        let (f, k) = (WeightFormat::Q4_K, 512);
+        let mut w = weights(f, n, k, seed);
+        for (i, blk) in w.chunks_exact_mut(f.block_bytes()).enumerate() {
+            if i % 2 == 0 {
+                blk[4..16].copy_from_slice(&scales);
+            }
+        }
+        let x = activations(m, k, seed ^ 0x5eed);
+        check_with(f, &w, &x, (m, k, n));
+    }
+}

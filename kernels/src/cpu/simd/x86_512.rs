@@ -433,7 +433,8 @@ unsafe fn nt_tile<const W: u8, const J: usize, const R: usize>(
     ldo: usize,
 ) {
     // SAFETY: every load reads elements `< k` of one of the R + J rows (`p + 16 ≤ k`,
-    // `p + 8 ≤ k`, scalar `q < k`); stores hit the R × J outputs.
+    // `p + 8 ≤ k`, scalar `q < k`); stores hit the R × J outputs; the tile is viewed as
+    // `[[__m512; 4]; 4]` only where `J = R = 4` (the same type).
     unsafe {
         let mut acc = [[_mm512_setzero_ps(); R]; J];
         let mut p = 0;
@@ -461,6 +462,18 @@ unsafe fn nt_tile<const W: u8, const J: usize, const R: usize>(
                 }
             }
             p += 8;
+        }
+        if J == 4 && R == 4 && p == k {
+            // A whole tile and no scalar tail: the 16 lane sums at once (bit for bit
+            // `finish`'s), row `r`'s four outputs in lanes `4r..4r + 4`.
+            let a: &[[__m512; 4]; 4] = &*(&acc as *const [[__m512; R]; J]).cast();
+            let s = super::x86_512_finish::finish_4x4(a);
+            let mut v = [0.0f32; 16];
+            _mm512_storeu_ps(v.as_mut_ptr(), s);
+            for r in 0..4 {
+                std::ptr::copy_nonoverlapping(v.as_ptr().add(4 * r), out.add(r * ldo), 4);
+            }
+            return;
         }
         for jj in 0..J {
             for r in 0..R {

@@ -37,7 +37,6 @@ use super::x86_512_gemm::{
     col_masks, drive_panels, load_tile, store_tile, transpose16, trivial_product, PanelKernel,
     TileAt, NR,
 };
-use super::x86_512_kquant::scale_min;
 use super::{quantize_q8, Q8Block, Q8_BLOCK};
 use crate::cpu::quant::WeightFormat;
 
@@ -187,6 +186,11 @@ impl Avx512Vnni {
                     }
                 }
             }
+            // The Q4_K pack gathers 16 rows' scales at offsets up to `15·rb`.
+            assert!(
+                rb <= i32::MAX as usize / 16,
+                "gemm_nt_vnni: rows of {rb} bytes"
+            );
             panel.reserve(k);
             let kern = Vnni {
                 x: xq.as_ptr(),
@@ -201,8 +205,9 @@ impl Avx512Vnni {
                 min: panel.min.as_mut_ptr(),
             };
             // SAFETY: `self` proves the features; the asserts bound every row of `w` (`n`
-            // rows of `rb` bytes) and every output `i·ldo + j` (i < m, j < n); `xq` holds
-            // `m` rows of `kb` blocks and the panel `k/4·NR` groups and `kb·NR` scales.
+            // rows of `rb` bytes, `16·rb ≤ i32::MAX`) and every output `i·ldo + j` (i < m,
+            // j < n); `xq` holds `m` rows of `kb` blocks and the panel `k/4·NR` groups and
+            // `kb·NR` scales.
             unsafe {
                 match format {
                     WeightFormat::Q8_0 => run::<Q8_0>(kern, (m, k, n)),
@@ -504,27 +509,65 @@ unsafe fn pack_q4_k(w: *const u8, rb: usize, nc: usize, kb: usize, p: PanelPtrs)
                     }
                     store_codes(transpose16(r), (p.0, p.1), 8 * sb + 2 * c, g, true);
                 }
-                for t in 0..16 {
-                    let col = 16 * g + t;
-                    let (mut sc, mut mn) = ([0.0f32; 8], [0.0f32; 8]);
-                    if col < nc {
-                        let row = w.add(col * rb + sb * BB);
-                        let dm =
-                            _mm_cvtph_ps(_mm_cvtsi32_si128(row.cast::<i32>().read_unaligned()));
-                        let (d, dmin) = (_mm_cvtss_f32(dm), _mm_cvtss_f32(_mm_movehdup_ps(dm)));
-                        let scales: [u8; 12] = row.add(4).cast::<[u8; 12]>().read_unaligned();
-                        for j in 0..8 {
-                            let (s, m) = scale_min(j, &scales);
-                            sc[j] = d * s as f32;
-                            mn[j] = dmin * m as f32;
-                        }
-                    }
-                    for j in 0..8 {
-                        *p.2.add((8 * sb + j) * NR + col) = sc[j];
-                        *p.3.add((8 * sb + j) * NR + col) = mn[j];
-                    }
-                }
+                // Rows `16g..` may all be past `nc` (then nothing is read): a wrapping
+                // address, never dereferenced.
+                let hdr = w.wrapping_add(16 * g * rb + sb * BB);
+                let live = nc.saturating_sub(16 * g);
+                scales_q4_k(hdr, rb, live, p, 8 * sb * NR + 16 * g);
             }
+        }
+    }
+}
+
+/// The sub-block scales `d·sc_j` and minimums `dmin·m_j` (ggml's `get_scale_min_k4`) of one
+/// Q4_K super-block for 16 rows at once (lane `t` = row `t` at `w + t·rb`; rows `live..16`
+/// get zeros), stored at `p.2 + at + j·NR` and `p.3 + at + j·NR` (`j` = 0..8): each value is
+/// the scalar dequantiser's `d · f32(sc)` (one rounded product), as the row kernel computes it.
+///
+/// # Safety
+/// AVX512-F/BW, F16C available; the 16-byte super-block header (`d`, `dmin`, 12 scale bytes)
+/// of rows `t < live` readable at `w + t·rb`, `15·rb ≤ i32::MAX`; the panel writable at
+/// `at + j·NR..at + j·NR + 16` for `j < 8`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
+unsafe fn scales_q4_k(w: *const u8, rb: usize, live: usize, p: PanelPtrs, at: usize) {
+    let live = live.min(16);
+    let mask = ((1u32 << live) - 1) as __mmask16;
+    let idx = _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+        _mm512_set1_epi32(rb as i32),
+    );
+    let zero = _mm512_setzero_si512();
+    // SAFETY: lanes `t < live` read 4 bytes at `w + t·rb + off` (off + 4 ≤ 16, inside the
+    // header); other lanes are masked off and read nothing.
+    let gather = |off: usize| unsafe {
+        _mm512_mask_i32gather_epi32::<1>(zero, mask, idx, w.add(off).cast())
+    };
+    let (dm, q0, q1, q2) = (gather(0), gather(4), gather(8), gather(12));
+    let half = |v: __m512i| _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v));
+    let (d, dmin) = (half(dm), half(_mm512_srli_epi32::<16>(dm)));
+    let bits = |v: __m512i, shift: u32, keep: i32| {
+        _mm512_and_si512(
+            _mm512_srlv_epi32(v, _mm512_set1_epi32(shift as i32)),
+            _mm512_set1_epi32(keep),
+        )
+    };
+    for j in 0..8u32 {
+        let (s, m) = if j < 4 {
+            (bits(q0, 8 * j, 63), bits(q1, 8 * j, 63))
+        } else {
+            let jj = 8 * (j - 4);
+            let top = |q: __m512i| _mm512_slli_epi32::<4>(bits(q, jj + 6, 3));
+            (
+                _mm512_or_si512(bits(q2, jj, 0xF), top(q0)),
+                _mm512_or_si512(bits(q2, jj + 4, 0xF), top(q1)),
+            )
+        };
+        let o = at + j as usize * NR;
+        // SAFETY: 16 values at `at + j·NR`, the caller's guarantee.
+        unsafe {
+            _mm512_storeu_ps(p.2.add(o), _mm512_mul_ps(d, _mm512_cvtepi32_ps(s)));
+            _mm512_storeu_ps(p.3.add(o), _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(m)));
         }
     }
 }
