@@ -71,7 +71,7 @@ unsafe fn stream_body(dst: *mut u8, src: *const u8, len: usize) {
     debug_assert_eq!(dst as usize % 16, 0);
     let mut i = 0;
     while i + 64 <= len {
-        // SAFETY (all in this block): `i + 64 ≤ len`, so the four 16-byte loads and stores
+        // SAFETY: (every call in this block) `i + 64 ≤ len`, so the four 16-byte loads and stores
         // lie inside the ranges the caller vouched for; `dst + i` is 16-byte aligned (`dst`
         // is, and `i` is a multiple of 16). A prefetch of any address is harmless (it never
         // faults), so `wrapping_add` past the end is fine. SSE2 is part of x86-64.
