@@ -19,7 +19,9 @@
 //!
 //! Attribution switches (environment, read once): `THAW_UPLOAD_ENCODE=0` (the loader writes no
 //! image into the arena), `THAW_STORE_FILL=0` (the host store is never filled),
-//! `THAW_UPLOAD_BUSY_SHARE=1` (no pacing); the disk read is the "disk" row against the "host
+//! `THAW_UPLOAD_BUSY_SHARE=1` (no pacing), `THAW_UPLOAD_STREAMING=0` (the loader and the store
+//! fill copy through the caches instead of with non-temporal stores), `THAW_BACKGROUND_SCHED=idle`
+//! (the byte-moving threads at `SCHED_IDLE` instead of nice 10); the disk read is the "disk" row against the "host
 //! tier" row, the store fill the "CPU workers attached" row against it.
 //!
 //! `--pack-on-engine` adds the old CUDA path for contrast: the engine thread itself copies
@@ -552,6 +554,8 @@ pub fn run(args: &UploadStallArgs) -> anyhow::Result<(Vec<StallRow>, String)> {
         "THAW_UPLOAD_ENCODE",
         "THAW_STORE_FILL",
         "THAW_UPLOAD_BUSY_SHARE",
+        "THAW_UPLOAD_STREAMING",
+        "THAW_BACKGROUND_SCHED",
     ]
     .iter()
     .filter_map(|k| std::env::var(k).ok().map(|v| format!("{k}={v}")))

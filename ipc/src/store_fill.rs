@@ -117,8 +117,19 @@ impl StoreFill {
     /// [`StoreFill::fill`], calling `between` after each (layer, module)'s bytes: the filling
     /// thread paces itself there (a chunk of a few MB at most) against the host's other work.
     pub fn fill_with(
+        self,
+        weights: &[LayerModuleWeights<'_>],
+        between: impl FnMut(),
+    ) -> Result<()> {
+        self.fill_copying(weights, |d, s| d.copy_from_slice(s), between)
+    }
+
+    /// [`StoreFill::fill_with`], moving the bytes with `copy(dst, src)` (same lengths), which
+    /// must leave `dst` equal to `src`: e.g. a copy that bypasses the caches.
+    pub fn fill_copying(
         mut self,
         weights: &[LayerModuleWeights<'_>],
+        mut copy: impl FnMut(&mut [u8], &[u8]),
         mut between: impl FnMut(),
     ) -> Result<()> {
         self.check(weights)?;
@@ -140,12 +151,8 @@ impl StoreFill {
             // until this token sets FILLED or ABANDONED (in `Drop`), after these slices are
             // gone (`writer_may_free`). The mapping is kept alive by `self.map`.
             unsafe {
-                self.map
-                    .slice_mut::<u8>(p.a.start, p.a.len())
-                    .copy_from_slice(w.a_bytes);
-                self.map
-                    .slice_mut::<u8>(p.b.start, p.b.len())
-                    .copy_from_slice(w.b_bytes);
+                copy(self.map.slice_mut::<u8>(p.a.start, p.a.len()), w.a_bytes);
+                copy(self.map.slice_mut::<u8>(p.b.start, p.b.len()), w.b_bytes);
             }
             between();
         }

@@ -15,6 +15,7 @@
 //! | `background.rs` | lower priority for host threads; host work (freeing, filling) off the engine thread |
 //! | `store_fill.rs` | the workers' host store: reserved on the engine thread, filled on the background one |
 //! | `pace.rs` | byte work paced against the steps running on the same host (CPU backend) |
+//! | `stream.rs` | copies of adapter bytes that bypass the caches (non-temporal stores) |
 mod arena;
 mod background;
 mod device;
@@ -23,9 +24,13 @@ mod pace;
 mod pipeline;
 mod plan;
 mod store_fill;
+mod stream;
 
 pub use arena::{ArenaAlloc, ARENA_ALIGN};
-pub use background::{drop_later, lower_current_thread_priority, run_later, BACKGROUND_NICE};
+pub use background::{
+    byte_thread_sched, drop_later, lower_current_thread_priority, run_later, ByteThreadSched,
+    BACKGROUND_NICE,
+};
 pub use device::{CopyDevice, EmulatedLink, PinnedMemory};
 pub use layout::{region_pieces, Factor, ImageLayout, Placed};
 pub use pace::{
@@ -35,3 +40,4 @@ pub use pace::{
 pub use pipeline::{Landing, Upload, UploadPipeline, UploadStats};
 pub use plan::{CopyTask, EncodeTask, JobId, Landed, PlanError, UploadPlan};
 pub use store_fill::reserve_and_fill_later;
+pub use stream::{streaming_copy, use_streaming, STREAMING_MIN_BYTES};

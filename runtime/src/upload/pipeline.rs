@@ -318,7 +318,13 @@ unsafe fn write_factor(
     let to = dtype.unwrap_or(t.dtype());
     let len = t.numel() * to.size();
     // SAFETY: per this function's contract.
-    t.convert_into(to, unsafe { arena.slice_mut(off, len) });
+    let dst = unsafe { arena.slice_mut(off, len) };
+    if to == t.dtype() {
+        // Nobody on the host reads the image soon: keep it out of the caches (`stream`).
+        super::stream::streaming_copy(dst, t.bytes());
+    } else {
+        t.convert_into(to, dst);
+    }
     len
 }
 

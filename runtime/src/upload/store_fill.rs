@@ -76,7 +76,8 @@ fn fill_now(fill: StoreFill, a: &LoraAdapter) {
         super::pace::after_chunk(t0.elapsed());
         t0 = std::time::Instant::now();
     };
-    if let Err(e) = fill.fill_with(&store_parts(a), paced) {
+    // The workers read an entry long after its fill: keep it out of the caches (`stream`).
+    if let Err(e) = fill.fill_copying(&store_parts(a), super::streaming_copy, paced) {
         tracing::error!(?handle, "filling the host adapter store failed: {e}");
     }
 }
