@@ -366,8 +366,14 @@ fn a_prefetch_yields_and_an_eviction_waits_for_the_copy() {
     assert_eq!((c.job, c.layer), (1, 0));
     assert_eq!(p.next_copy(), None, "one layer on the link");
     assert_eq!(p.demand_backlog(), 100);
-    p.submit(2, 20, vec![0..50], 50, LoadPriority::Demand)
-        .unwrap();
+    p.submit(
+        2,
+        20,
+        std::iter::once(0..50).collect(),
+        50,
+        LoadPriority::Demand,
+    )
+    .unwrap();
     // The demand load is encoded first, into its own space.
     let e2 = p.next_encode().unwrap();
     assert_eq!((e2.key, e2.arena.start), (20, 256));
@@ -399,7 +405,13 @@ fn a_prefetch_yields_and_an_eviction_waits_for_the_copy() {
     assert!(p.is_idle());
     assert_eq!(p.arena_used(), 0);
     assert_eq!(
-        p.submit(3, 30, vec![0..5000], 5000, LoadPriority::Demand),
+        p.submit(
+            3,
+            30,
+            std::iter::once(0..5000).collect(),
+            5000,
+            LoadPriority::Demand
+        ),
         Err(PlanError::TooLarge {
             bytes: 5000,
             capacity: 4096
@@ -465,20 +477,23 @@ fn a_kept_image_is_copied_without_encoding_and_dropped_for_space() {
     let mut p = UploadPlan::new(4096);
     let layers = vec![0..100, 256..356];
     assert_eq!(p.stage(7, layers.clone(), 512), Ok(true));
-    p.submit(1, 8, vec![0..10], 10, LoadPriority::Demand)
-        .unwrap();
+    p.submit(
+        1,
+        8,
+        std::iter::once(0..10).collect(),
+        10,
+        LoadPriority::Demand,
+    )
+    .unwrap();
     assert_eq!(
         p.next_encode().unwrap().key,
         8,
         "staging waits behind uploads"
     );
     p.encoded(8, 0);
-    for l in 0..2 {
+    for (l, r) in layers.iter().enumerate() {
         let t = p.next_encode().unwrap();
-        assert_eq!(
-            (t.key, t.layer, t.arena.start),
-            (7, l, 256 + layers[l].start)
-        );
+        assert_eq!((t.key, t.layer, t.arena.start), (7, l, 256 + r.start));
         p.encoded(7, l);
     }
     assert_eq!(p.next_encode(), None);
@@ -492,12 +507,9 @@ fn a_kept_image_is_copied_without_encoding_and_dropped_for_space() {
         Ok(true)
     );
     assert_eq!(p.next_encode(), None);
-    for l in 0..2 {
+    for (l, r) in layers.iter().enumerate() {
         let c = p.next_copy().unwrap();
-        assert_eq!(
-            (c.job, c.layer, c.arena.start),
-            (2, l, 256 + layers[l].start)
-        );
+        assert_eq!((c.job, c.layer, c.arena.start), (2, l, 256 + r.start));
         assert_eq!(p.landed(2, l), l == 1);
     }
     // Evicted mid-copy: the image stays for the next upload.
@@ -516,7 +528,10 @@ fn a_kept_image_is_copied_without_encoding_and_dropped_for_space() {
     );
     p.evict(4);
     // A whole-arena image drops both, the least recently used (8) first.
-    assert_eq!(p.stage(9, vec![0..4096], 4096), Ok(true));
+    assert_eq!(
+        p.stage(9, std::iter::once(0..4096).collect(), 4096),
+        Ok(true)
+    );
     let t = p.next_encode().unwrap();
     assert_eq!((t.key, t.arena), (9, 0..4096));
     assert_eq!(p.take_freed(), vec![(8, Some(0..256)), (7, Some(256..768))]);

@@ -132,37 +132,6 @@ impl Board {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// The arena's bytes are published under the host tier's byte metric and their own.
-    #[test]
-    fn the_host_arena_is_rendered() {
-        let s = MemorySnapshot {
-            host_bytes: 7,
-            arena_capacity_bytes: 4096,
-            arena_used_bytes: 1024,
-            arena_retained_bytes: 768,
-            arena_encoded_bytes: 5000,
-            arena_reused_bytes: 3000,
-            ..Default::default()
-        };
-        let mut out = String::new();
-        s.render(&mut out);
-        for line in [
-            "thaw_adapter_tier_bytes{tier=\"host\"} 7",
-            "thaw_adapter_tier_bytes{tier=\"host_arena\"} 768",
-            "thaw_host_arena_bytes{use=\"capacity\"} 4096",
-            "thaw_host_arena_bytes{use=\"used\"} 1024",
-            "thaw_adapter_upload_bytes_total{source=\"encoded\"} 5000",
-            "thaw_adapter_upload_bytes_total{source=\"reused\"} 3000",
-        ] {
-            assert!(out.lines().any(|l| l == line), "{line} not in\n{out}");
-        }
-    }
-}
-
 /// A Prometheus series: name, help (empty after its first sample), labels, value.
 type Series<V> = (
     &'static str,
@@ -281,6 +250,37 @@ impl MemorySnapshot {
                 header(out, name, help, kind);
             }
             sample(out, name, labels, v);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The arena's bytes are published under the host tier's byte metric and their own.
+    #[test]
+    fn the_host_arena_is_rendered() {
+        let s = MemorySnapshot {
+            host_bytes: 7,
+            arena_capacity_bytes: 4096,
+            arena_used_bytes: 1024,
+            arena_retained_bytes: 768,
+            arena_encoded_bytes: 5000,
+            arena_reused_bytes: 3000,
+            ..Default::default()
+        };
+        let mut out = String::new();
+        s.render(&mut out);
+        for line in [
+            "thaw_adapter_tier_bytes{tier=\"host\"} 7",
+            "thaw_adapter_tier_bytes{tier=\"host_arena\"} 768",
+            "thaw_host_arena_bytes{use=\"capacity\"} 4096",
+            "thaw_host_arena_bytes{use=\"used\"} 1024",
+            "thaw_adapter_upload_bytes_total{source=\"encoded\"} 5000",
+            "thaw_adapter_upload_bytes_total{source=\"reused\"} 3000",
+        ] {
+            assert!(out.lines().any(|l| l == line), "{line} not in\n{out}");
         }
     }
 }
