@@ -17,11 +17,17 @@
 //! at a wall-clock rate instead of every `--every` steps (2: the GPU acceptance's distinct
 //! adapter per request at 2 req/s).
 //!
-//! Attribution switches (environment, read once): `THAW_UPLOAD_ENCODE=0` (the loader writes no
-//! image into the arena), `THAW_STORE_FILL=0` (the host store is never filled),
-//! `THAW_UPLOAD_BUSY_SHARE=1` (no pacing), `THAW_UPLOAD_STREAMING=0` (the loader and the store
-//! fill copy through the caches instead of with non-temporal stores), `THAW_BACKGROUND_SCHED=idle`
-//! (the byte-moving threads at `SCHED_IDLE` instead of nice 10); the disk read is the "disk" row against the "host
+//! The upload arena is sized to hold every host-tier adapter (`--max-cpu-lora-bytes` as a server
+//! sizes it for its host tier), and the host-tier adapters are staged into it before the run, as
+//! the server does when an adapter enters the host tier: a host-tier load then only copies.
+//!
+//! Attribution switches (environment, read once): `THAW_ARENA_KEEP=0` (no image kept or staged:
+//! every load encodes its adapter into the arena, as before the arena was the host tier's
+//! memory), `THAW_UPLOAD_ENCODE=0` (the loader writes no image into the arena),
+//! `THAW_STORE_FILL=0` (the host store is never filled), `THAW_UPLOAD_BUSY_SHARE=1` (no pacing),
+//! `THAW_UPLOAD_STREAMING=0` (the loader and the store fill copy through the caches instead of
+//! with non-temporal stores), `THAW_BACKGROUND_SCHED=idle` (the byte-moving threads at
+//! `SCHED_IDLE` instead of nice 10); the disk read is the "disk" row against the "host
 //! tier" row, the store fill the "CPU workers attached" row against it.
 //!
 //! `--pack-on-engine` adds the old CUDA path for contrast: the engine thread itself copies
@@ -37,6 +43,7 @@ use anyhow::Context;
 use thaw_runtime::adapter::LoraAdapter;
 use thaw_runtime::backend::cpu::CpuBackend;
 use thaw_runtime::backend::cpu_par::CpuThreads;
+use thaw_runtime::backend::Backend as _;
 use thaw_runtime::engine::{Engine, EngineConfig, HostModel, PlanItem, SequenceParams, StepPlan};
 use thaw_runtime::ids::{AdapterId, SeqId};
 use thaw_runtime::residency::LinkModel;
@@ -261,17 +268,32 @@ fn run_source(
         gbps: args.emulated_link_gbps,
         latency_us: LinkModel::default().latency_us,
     };
+    // Room for every host-tier adapter's image (256-byte alignment a factor), and
+    // the disk source's copies.
+    let images: usize = host
+        .iter()
+        .map(|a| a.size_bytes() + 512 * a.iter().count())
+        .sum();
     let backend =
         CpuBackend::with_threads(&model.config, CpuThreads::unpinned(args.compute_threads))?
             .with_link(link)
-            .with_upload_arena(
-                2 * host.iter().map(|a| a.size_bytes()).max().unwrap_or(0) + (64 << 20),
-            )?;
+            .with_upload_arena(2 * images + (64 << 20))?;
     let cfg = EngineConfig {
         num_kv_blocks: 2048,
         ..Default::default()
     };
     let mut e = Engine::new(backend, model.clone(), cfg)?;
+    if source != Source::Disk {
+        // In the host tier: their images are written into the arena before the run.
+        for a in host {
+            e.stage_adapter(a);
+        }
+        let t0 = Instant::now();
+        while e.backend().upload_arena().is_some_and(|u| !u.idle) {
+            anyhow::ensure!(t0.elapsed().as_secs() < 300, "staging the host tier hung");
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+    }
     if source == Source::Workers {
         e.attach_pool(worker_pool(model, host)?)?;
     }
@@ -551,6 +573,7 @@ pub fn run(args: &UploadStallArgs) -> anyhow::Result<(Vec<StallRow>, String)> {
         None => format!("a load every {} steps", args.every),
     };
     let switches: Vec<String> = [
+        "THAW_ARENA_KEEP",
         "THAW_UPLOAD_ENCODE",
         "THAW_STORE_FILL",
         "THAW_UPLOAD_BUSY_SHARE",

@@ -493,6 +493,7 @@ impl Loop {
                 self.observe_disk_read(meta.bytes, meta.disk_secs);
                 let pages = host.as_deref().and_then(|h| self.engine.adapter_pages(h));
                 self.mem.register_placed(meta, host, pages);
+                crate::memory::apply::stage_host(&self.mem, &mut self.engine, id);
                 // The no-cache baseline keeps nothing no request uses, warm adapters included.
                 if warm && self.limits.keep_idle {
                     let plan = crate::memory::AdmitPlan {
@@ -614,6 +615,7 @@ impl Loop {
                 self.metrics.adapter_load.observe(secs);
                 self.observe_disk_read(adapter.size_bytes() as u64, secs);
                 self.mem.on_fetched(id, Some(adapter), &wanted);
+                crate::memory::apply::stage_host(&self.mem, &mut self.engine, id);
             }
             Err(msg) => {
                 tracing::warn!("adapter {id}: {msg}");

@@ -70,4 +70,9 @@ async fn a_bf16_adapter_is_served_and_reported_at_its_stored_size() {
         on_device == bf16_file || on_device == bf16_file + f32_file,
         "{on_device} bytes on the device: neither the bf16 adapter nor both"
     );
+    // The pinned upload arena, the host tier's encoded images, is published too.
+    let arena = metric(&m, "thaw_host_arena_bytes{use=\"capacity\"}").unwrap();
+    let used = metric(&m, "thaw_host_arena_bytes{use=\"used\"}").unwrap();
+    let kept = metric(&m, "thaw_adapter_tier_bytes{tier=\"host_arena\"}").unwrap();
+    assert!(arena > 0.0 && kept <= used && used <= arena, "{m}");
 }

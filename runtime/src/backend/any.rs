@@ -498,6 +498,20 @@ impl Backend for AnyBackend {
         }
     }
 
+    fn stage_lora(&mut self, adapter: &Arc<LoraAdapter>, layout: KvLayout) {
+        match self {
+            Self::Cpu(b) => b.stage_lora(adapter, layout),
+            Self::Cuda(g) => g.stage_lora(adapter, layout),
+        }
+    }
+
+    fn upload_arena(&self) -> Option<crate::upload::ArenaUsage> {
+        match self {
+            Self::Cpu(b) => b.upload_arena(),
+            Self::Cuda(g) => g.upload_arena(),
+        }
+    }
+
     fn lora_dtype(&self) -> Option<crate::adapter::WeightDtype> {
         match self {
             Self::Cpu(b) => b.lora_dtype(),

@@ -372,6 +372,22 @@ impl Backend for CpuBackend {
         lora.landed()
     }
 
+    fn stage_lora(&mut self, adapter: &Arc<LoraAdapter>, _layout: KvLayout) {
+        if self.upload.is_none() {
+            match self.start_upload() {
+                Ok(p) => self.upload = Some(p),
+                Err(e) => return tracing::warn!("adapter upload pipeline: {e}"),
+            }
+        }
+        if let Some(u) = &self.upload {
+            u.stage(adapter, &ImageLayout::of(adapter, None), None);
+        }
+    }
+
+    fn upload_arena(&self) -> Option<crate::upload::ArenaUsage> {
+        self.upload.as_ref().map(UploadPipeline::arena_usage)
+    }
+
     fn kv_elem_bytes(&self) -> usize {
         std::mem::size_of::<f32>()
     }

@@ -242,6 +242,18 @@ pub trait Backend {
         drop(place);
         load_lora(self, adapter, load)
     }
+    /// `adapter` entered the host tier: where adapters go to the device through the upload
+    /// pipeline, its device image (as it would be placed in KV blocks of `layout`) is written
+    /// into the pinned arena now, by the loader threads behind every load, and kept while the
+    /// adapter lives, so a later load only copies. A no-op where nothing is uploaded (the
+    /// default).
+    fn stage_lora(&mut self, adapter: &std::sync::Arc<LoraAdapter>, layout: KvLayout) {
+        let _ = (adapter, layout);
+    }
+    /// The upload arena's bytes by use and the pipeline's encode work, once it is started.
+    fn upload_arena(&self) -> Option<crate::upload::ArenaUsage> {
+        None
+    }
     /// The one dtype this backend computes adapters from, if it reads only one (the CUDA
     /// kernels read the weight dtype): loader threads convert adapters stored otherwise once,
     /// off the engine thread. `None` (the default): every stored dtype is read in place.

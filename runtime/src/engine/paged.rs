@@ -32,6 +32,14 @@ impl<B: Backend> Engine<B> {
         self.backend.lora_pages(adapter, self.kv_layout())
     }
 
+    /// `adapter` entered the host tier: its device image is written into the upload arena
+    /// now, off the engine thread (O(layers) here), and kept while the adapter lives, so a
+    /// later load of it only copies ([`Backend::stage_lora`]).
+    pub fn stage_adapter(&mut self, adapter: &Arc<LoraAdapter>) {
+        let layout = self.kv_layout();
+        self.backend.stage_lora(adapter, layout);
+    }
+
     /// Blocks adapters' images hold now.
     pub fn adapter_blocks(&self) -> usize {
         self.blocks.adapter_blocks()

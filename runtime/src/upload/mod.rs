@@ -7,7 +7,7 @@
 //!
 //! | file | job |
 //! | --- | --- |
-//! | `plan.rs` | the pure decisions: arena space, encode and copy order, eviction |
+//! | `plan.rs` | the pure decisions: arena space, images kept for the host tier, encode and copy order, eviction |
 //! | `arena.rs` | the arena's free list |
 //! | `layout.rs` | an adapter's device image: factor offsets, layer ranges; paged in the budget's pages |
 //! | `device.rs` | what a backend supplies, and the CPU backend's emulated link |
@@ -37,7 +37,7 @@ pub use pace::{
     after_chunk, busy_pace, host_step, host_step_running, publish_backlog, HostStep, Pace,
     DEFAULT_BUSY_SHARE, MIN_BUSY_SHARE, PACED_DEADLINE,
 };
-pub use pipeline::{Landing, Upload, UploadPipeline, UploadStats};
-pub use plan::{CopyTask, EncodeTask, JobId, Landed, PlanError, UploadPlan};
+pub use pipeline::{ArenaUsage, Landing, Upload, UploadPipeline, UploadStats};
+pub use plan::{CopyTask, EncodeTask, ImageKey, JobId, PlanError, UploadPlan};
 pub use store_fill::reserve_and_fill_later;
 pub use stream::{streaming_copy, use_streaming, STREAMING_MIN_BYTES};

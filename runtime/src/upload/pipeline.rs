@@ -3,15 +3,24 @@
 //! waiting on the layer's event and then publishing it ([`Landing::land`]). The engine thread
 //! only submits (O(layers): the image layout) and polls landed counts; it never touches an
 //! adapter's bytes. Every decision is [`UploadPlan`]'s.
+//!
+//! The arena keeps each adapter's encoded image while the adapter lives (the host tier or the
+//! device holds it): the image is identified by the adapter (a weak reference, so the
+//! address is not reused meanwhile), its dtype and its layout. A later upload of the same image
+//! queues only its copies, and [`UploadPipeline::stage`] writes an image when its adapter
+//! enters the host tier, so a host-tier miss pays only the device copy. Once the adapter's last
+//! reference is gone, its image is freed. `THAW_ARENA_KEEP=0` frees each image when its
+//! upload is done and stages nothing (the arena as a staging buffer, as before): an attribution
+//! switch for benchmarks, never a configuration.
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use super::device::{CopyDevice, PinnedMemory};
 use super::layout::{ImageLayout, Placed};
-use super::plan::{JobId, UploadPlan};
+use super::plan::{ImageKey, JobId, UploadPlan};
 use crate::adapter::{LoraAdapter, LoraTensor, WeightDtype};
 use crate::error::{Result, RuntimeError};
 use crate::residency::{LoadPriority, LoraSlot};
@@ -57,13 +66,87 @@ pub struct UploadStats {
     /// Layers landed on the device, and their bytes.
     pub layers_copied: AtomicU64,
     pub copied_bytes: AtomicU64,
+    /// Uploads that found their adapter's image complete in the arena (no encode), and the
+    /// bytes of those images.
+    pub images_reused: AtomicU64,
+    pub reused_bytes: AtomicU64,
+}
+
+/// The arena's bytes by use.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct ArenaUsage {
+    pub capacity: usize,
+    /// Reserved: images being written or copied, and kept ones.
+    pub used: usize,
+    /// Complete images no upload uses now (the host tier's encoded adapters).
+    pub retained: usize,
+    /// Bytes loader threads encoded so far, and bytes of images uploads found complete.
+    pub encoded_bytes: u64,
+    pub reused_bytes: u64,
+    /// Nothing queued, being encoded or waiting to be staged.
+    pub idle: bool,
+}
+
+/// Where an image's bytes come from: its adapter (while it lives), dtype and layout.
+struct Source {
+    adapter: Weak<LoraAdapter>,
+    dtype: Option<WeightDtype>,
+    layout: ImageLayout,
+}
+
+impl Source {
+    fn is(&self, a: &Arc<LoraAdapter>, dtype: Option<WeightDtype>, layout: &ImageLayout) -> bool {
+        std::ptr::eq(self.adapter.as_ptr(), Arc::as_ptr(a))
+            && self.dtype == dtype
+            && self.layout == *layout
+    }
 }
 
 struct State<D: CopyDevice> {
     plan: UploadPlan,
     jobs: HashMap<JobId, Upload<D>>,
+    images: HashMap<ImageKey, Source>,
     next_id: JobId,
+    next_key: ImageKey,
+    /// Images are kept and reused (`THAW_ARENA_KEEP=0` turns it off).
+    keep: bool,
     closed: bool,
+}
+
+impl<D: CopyDevice> State<D> {
+    /// The key of `a`'s image in `layout` and `dtype`: the kept one, or a new one.
+    fn key(
+        &mut self,
+        a: &Arc<LoraAdapter>,
+        dtype: Option<WeightDtype>,
+        layout: &ImageLayout,
+    ) -> ImageKey {
+        let kept = self
+            .images
+            .iter()
+            .find(|(_, s)| self.keep && s.is(a, dtype, layout))
+            .map(|(&k, _)| k);
+        kept.unwrap_or_else(|| {
+            let k = self.next_key;
+            self.next_key += 1;
+            self.images.insert(
+                k,
+                Source {
+                    adapter: Arc::downgrade(a),
+                    dtype,
+                    layout: layout.clone(),
+                },
+            );
+            k
+        })
+    }
+
+    /// Forgets images the plan freed (a new one has made its key up afresh).
+    fn forget_freed(&mut self) {
+        for (k, _) in self.plan.take_freed() {
+            self.images.remove(&k);
+        }
+    }
 }
 
 struct Shared<D: CopyDevice> {
@@ -105,7 +188,10 @@ impl<D: CopyDevice> UploadPipeline<D> {
             state: Mutex::new(State {
                 plan: UploadPlan::new(arena.len()),
                 jobs: HashMap::new(),
+                images: HashMap::new(),
                 next_id: 0,
+                next_key: 0,
+                keep: !thaw_kernels::cpu::switched_off("THAW_ARENA_KEEP"),
                 closed: false,
             }),
             device,
@@ -145,20 +231,68 @@ impl<D: CopyDevice> UploadPipeline<D> {
         &self.shared.device
     }
 
-    /// Queues `up` behind the uploads of its class; O(layers) here, the bytes move on the
-    /// pipeline's threads.
+    /// Queues `up` behind the uploads of its class; O(layers + kept images) here, the bytes
+    /// move on the pipeline's threads. If the adapter's image is in the arena already, only
+    /// its copies are queued.
     pub fn submit(&self, up: Upload<D>, class: LoadPriority) -> Result<JobId> {
         let mut g = self.shared.lock();
+        g.forget_freed();
         let id = g.next_id;
         g.next_id += 1;
+        let key = g.key(&up.adapter, up.dtype, &up.layout);
         let layers = up.layout.layer_ranges();
-        g.plan
-            .submit(id, layers, up.layout.total, class)
-            .map_err(|e| RuntimeError::Backend(e.to_string()))?;
+        let submitted = g.plan.submit(id, key, layers, up.layout.total, class);
+        g.forget_freed();
+        let reused = submitted.map_err(|e| {
+            if !g.plan.has_image(key) {
+                g.images.remove(&key);
+            }
+            RuntimeError::Backend(e.to_string())
+        })?;
+        if !g.keep {
+            // Freed when this upload is done with it: the arena as a staging buffer.
+            g.plan.release(key);
+        }
+        if reused {
+            let s = &self.shared.stats;
+            s.images_reused.fetch_add(1, Relaxed);
+            s.reused_bytes.fetch_add(up.layout.total as u64, Relaxed);
+        }
         g.jobs.insert(id, up);
         drop(g);
         self.shared.cv.notify_all();
         Ok(id)
+    }
+
+    /// Writes `adapter`'s image (`layout`, `dtype`) into the arena behind every upload, so
+    /// that a later [`UploadPipeline::submit`] of it only copies: called when the adapter
+    /// enters the host tier. O(layers + kept images) here; the image is freed when the
+    /// adapter's last reference is gone. An adapter larger than the arena is not staged (its
+    /// upload says why).
+    pub fn stage(
+        &self,
+        adapter: &Arc<LoraAdapter>,
+        layout: &ImageLayout,
+        dtype: Option<WeightDtype>,
+    ) -> bool {
+        let mut g = self.shared.lock();
+        if !g.keep {
+            return false;
+        }
+        g.forget_freed();
+        let key = g.key(adapter, dtype, layout);
+        let queued = g
+            .plan
+            .stage(key, layout.layer_ranges(), layout.total)
+            .unwrap_or(false);
+        if !g.plan.has_image(key) {
+            g.images.remove(&key);
+        }
+        drop(g);
+        if queued {
+            self.shared.cv.notify_all();
+        }
+        queued
     }
 
     /// Makes the queued prefetch publishing to `landing` a demand load; false if there is none.
@@ -188,10 +322,18 @@ impl<D: CopyDevice> UploadPipeline<D> {
         self.shared.lock().plan.demand_backlog()
     }
 
-    /// Arena bytes reserved now, and the arena's size.
-    pub fn arena_usage(&self) -> (usize, usize) {
+    /// The arena's bytes by use.
+    pub fn arena_usage(&self) -> ArenaUsage {
         let g = self.shared.lock();
-        (g.plan.arena_used(), g.plan.capacity())
+        let s = &self.shared.stats;
+        ArenaUsage {
+            capacity: g.plan.capacity(),
+            used: g.plan.arena_used(),
+            retained: g.plan.retained_bytes(),
+            encoded_bytes: s.encoded_bytes.load(Relaxed),
+            reused_bytes: s.reused_bytes.load(Relaxed),
+            idle: g.plan.is_idle(),
+        }
     }
 
     pub fn stats(&self) -> &UploadStats {
@@ -209,10 +351,10 @@ impl<D: CopyDevice> Drop for UploadPipeline<D> {
     }
 }
 
-/// Evicts uploads whose adapter the engine dropped (the pipeline holds the last reference);
-/// forgets those the plan is done with, dropping them on the background thread: one may hold the
-/// last reference to a large host copy, and freeing it under the lock would stall the engine
-/// thread's next submit.
+/// Evicts uploads whose adapter the engine dropped (the pipeline holds the last reference)
+/// and releases images whose adapter is gone; forgets uploads the plan is done with, dropping
+/// them on the background thread: one may hold the last reference to a large host copy, and
+/// freeing it under the lock would stall the engine thread's next submit.
 fn reap<D: CopyDevice>(g: &mut State<D>) {
     let gone: Vec<JobId> = g
         .jobs
@@ -223,6 +365,16 @@ fn reap<D: CopyDevice>(g: &mut State<D>) {
     for id in gone {
         g.plan.evict(id);
     }
+    let dead: Vec<ImageKey> = g
+        .images
+        .iter()
+        .filter(|(_, s)| s.adapter.strong_count() == 0)
+        .map(|(&k, _)| k)
+        .collect();
+    for k in dead {
+        g.plan.release(k);
+    }
+    g.forget_freed();
     let done: Vec<JobId> = g
         .jobs
         .keys()
@@ -244,17 +396,24 @@ fn encode_loop<D: CopyDevice>(sh: &Shared<D>) {
         reap(&mut g);
         let Some(t) = g.plan.next_encode() else {
             publish_backlog(&sh.stats, g.plan.queued_bytes());
-            g = sh.cv.wait(g).unwrap_or_else(|e| e.into_inner());
+            // Woken by new work, or now and then to free the images of adapters dropped
+            // meanwhile (nothing signals a reference count reaching zero).
+            g = sh
+                .cv
+                .wait_timeout(g, IMAGE_REAP_PERIOD)
+                .map_or_else(|e| e.into_inner().0, |(g, _)| g);
             continue;
         };
         publish_backlog(&sh.stats, g.plan.queued_bytes());
-        let job = &g.jobs[&t.job];
-        let (adapter, dtype) = (job.adapter.clone(), job.dtype);
-        let placed: Vec<Placed> = job
+        let src = &g.images[&t.key];
+        // Gone meanwhile: nothing to write (the image is released at the next reap, and no
+        // upload reads it, since an upload holds its adapter).
+        let (adapter, dtype) = (src.adapter.upgrade(), src.dtype);
+        let placed: Vec<Placed> = src
             .layout
             .entries
             .iter()
-            .filter(|p| p.layer == t.layer)
+            .filter(|p| p.layer == t.layer && adapter.is_some())
             .copied()
             .collect();
         drop(g);
@@ -263,7 +422,8 @@ fn encode_loop<D: CopyDevice>(sh: &Shared<D>) {
         let write = sh.device.writes_image();
         for p in placed.iter().filter(|_| write) {
             let w = adapter
-                .get(p.layer, p.module)
+                .as_ref()
+                .and_then(|a| a.get(p.layer, p.module))
                 .expect("the layout lists the adapter's own factors");
             let t0 = Instant::now();
             // SAFETY: the plan gave this thread the job's layer range (`t.arena`) to write
@@ -282,12 +442,17 @@ fn encode_loop<D: CopyDevice>(sh: &Shared<D>) {
         let s = &sh.stats;
         s.encode_ns.fetch_add(work.as_nanos() as u64, Relaxed);
         s.encoded_bytes.fetch_add(bytes as u64, Relaxed);
+        // The last reference may be this one (the adapter dropped meanwhile): not under the lock.
+        drop(adapter);
         g = sh.lock();
-        g.plan.encoded(t.job, t.layer);
+        g.plan.encoded(t.key, t.layer);
         reap(&mut g);
         sh.cv.notify_all();
     }
 }
+
+/// How often an idle loader thread looks for images whose adapter is gone.
+const IMAGE_REAP_PERIOD: Duration = Duration::from_millis(100);
 
 /// Publishes the encode work queued (`queued` bytes at the rate measured so far; 4 GB/s before
 /// any), so the pace rises enough for it to drain ([`super::pace::publish_backlog`]).

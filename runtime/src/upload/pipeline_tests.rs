@@ -91,9 +91,19 @@ fn the_device_image_holds_the_stored_or_converted_bytes() {
             };
             assert_eq!(&img[e.a_off..e.a_off + a_len], want_a.bytes());
         }
-        wait_for("the arena space", || p.arena_usage().0 == 0);
+        wait_for("the upload's end", || {
+            p.arena_usage().retained == p.arena_usage().used
+        });
     }
     assert!(p.stats().encoded_bytes.load(Relaxed) > 0);
+    // Both images are kept while the adapter lives, and freed once it is gone.
+    assert_eq!(p.arena_usage().retained, p.arena_usage().used);
+    assert!(p.arena_usage().retained > 0);
+    drop(a);
+    wait_for("the images to be freed", || {
+        p.shared.cv.notify_all();
+        p.arena_usage().used == 0
+    });
 }
 
 /// Over an emulated link: a demand load passes queued prefetches (which still land), a
@@ -141,7 +151,15 @@ fn demand_loads_pass_queued_prefetches_which_still_land() {
     });
     assert_eq!(p3.landed(), 2);
     wait_for("the dropped slot to leave", || gone.upgrade().is_none());
-    wait_for("the arena space", || p.arena_usage().0 == 0);
+    // One image for all five uploads of the adapter: encoded once, kept while it lives.
+    let layout = ImageLayout::of(&a, None);
+    assert_eq!(p.arena_usage().used, layout.total.next_multiple_of(256));
+    assert_eq!(p.stats().encoded_bytes.load(Relaxed), a.size_bytes() as u64);
+    drop((p0, p1, p3, demand, a));
+    wait_for("the image to be freed", || {
+        p.shared.cv.notify_all();
+        p.arena_usage().used == 0
+    });
     assert_eq!(p.demand_backlog(), 0);
 }
 

@@ -15,8 +15,10 @@
 //!
 //! What is still copied, all off the engine thread: the disk loader reads the safetensors
 //! file into the adapter's heap tensors (the host tier is those tensors), the upload
-//! pipeline's loader copies them into the pinned arena, and the background thread copies
-//! them into this store. The store and the arena are two memories because the arena holds
+//! pipeline's loader copies them into the pinned arena once (when the adapter enters the host
+//! tier, or at its first load; the arena keeps that image while the adapter lives, so later
+//! loads only copy it to the device), and the background thread copies them into this store at
+//! each load. The store and the arena are two memories because the arena holds
 //! the device image (the backend's dtype, the device layout) and the store the workers'
 //! (stored dtype, descriptor table): one memory for both would need the host tier itself
 //! to be store-backed tensors and the device image to be read from the store's layout.

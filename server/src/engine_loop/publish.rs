@@ -2,6 +2,8 @@
 //! adapters still landing, the cost model and the memory budget's split.
 use std::sync::atomic::Ordering;
 
+use thaw_runtime::backend::Backend as _;
+
 use super::Loop;
 
 impl Loop {
@@ -30,6 +32,9 @@ impl Loop {
             Some(self.cold.cost.snapshot());
         let kv = self.engine.kv_usage();
         self.mem.publish(self.state.reserved_blocks, kv.used_blocks);
+        if let Some(u) = self.engine.backend().upload_arena() {
+            self.mem.publish_arena(u);
+        }
         let prefix = self.engine.prefix_stats();
         self.stats
             .prefix_queries

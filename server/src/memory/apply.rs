@@ -21,6 +21,16 @@ pub enum Upload {
     Stream,
 }
 
+/// `id` may have entered the host tier (registered with its weights, or read from disk): if the
+/// tier kept it, its device image is written into the engine's upload arena now, off the engine
+/// thread, so a later load of it only copies. The arena frees the image once the adapter's last
+/// reference (the host tier's, the device copy's) is gone.
+pub fn stage_host<B: Backend>(mgr: &MemoryManager, engine: &mut Engine<B>, id: AdapterId) {
+    if let Some(h) = mgr.host_copy(id) {
+        engine.stage_adapter(&h);
+    }
+}
+
 /// Applies `plan`; returns the adapters registered with the engine (to watch them land).
 pub fn apply<B: Backend>(
     mgr: &mut MemoryManager,

@@ -88,6 +88,14 @@ stats!(
     fetches,
     /// Adapters served from their mapped files while their disk read ran.
     mapped,
+    /// The pinned upload arena (`--max-cpu-lora-bytes`): its size, bytes reserved, and bytes
+    /// of complete images no load uses (the host tier's adapters, encoded for the device).
+    arena_capacity_bytes,
+    arena_used_bytes,
+    arena_retained_bytes,
+    /// Bytes loader threads encoded into the arena, and bytes of images loads found there.
+    arena_encoded_bytes,
+    arena_reused_bytes,
 );
 
 /// The published state.
@@ -137,7 +145,7 @@ impl MemorySnapshot {
     pub fn render(&self, out: &mut String) {
         use crate::metrics::{header, sample};
         let pb = self.page_bytes as f64;
-        let gauges: [Series<f64>; 9] = [
+        let gauges: [Series<f64>; 12] = [
             (
                 "thaw_device_memory_bytes",
                 "Device memory KV blocks and adapters share.",
@@ -167,8 +175,21 @@ impl MemorySnapshot {
                 self.device_bytes as f64,
             ),
             ("thaw_adapter_tier_bytes", "", &[("tier", "host")], self.host_bytes as f64),
+            (
+                "thaw_adapter_tier_bytes",
+                "",
+                &[("tier", "host_arena")],
+                self.arena_retained_bytes as f64,
+            ),
+            (
+                "thaw_host_arena_bytes",
+                "The pinned host upload arena (--max-cpu-lora-bytes): its size, and bytes reserved by adapter images (kept for the host tier, or being written or copied).",
+                &[("use", "capacity")],
+                self.arena_capacity_bytes as f64,
+            ),
+            ("thaw_host_arena_bytes", "", &[("use", "used")], self.arena_used_bytes as f64),
         ];
-        let counters: [Series<u64>; 9] = [
+        let counters: [Series<u64>; 11] = [
             (
                 "thaw_adapter_cache_lookups_total",
                 "Requests by whether their adapter was on the device when they arrived.",
@@ -208,6 +229,13 @@ impl MemorySnapshot {
                 &[],
                 self.mapped,
             ),
+            (
+                "thaw_adapter_upload_bytes_total",
+                "Adapter image bytes loads needed in the host arena: encoded by the loader threads, or found there already.",
+                &[("source", "encoded")],
+                self.arena_encoded_bytes,
+            ),
+            ("thaw_adapter_upload_bytes_total", "", &[("source", "reused")], self.arena_reused_bytes),
         ];
         let kinds = gauges
             .iter()
@@ -222,6 +250,37 @@ impl MemorySnapshot {
                 header(out, name, help, kind);
             }
             sample(out, name, labels, v);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The arena's bytes are published under the host tier's byte metric and their own.
+    #[test]
+    fn the_host_arena_is_rendered() {
+        let s = MemorySnapshot {
+            host_bytes: 7,
+            arena_capacity_bytes: 4096,
+            arena_used_bytes: 1024,
+            arena_retained_bytes: 768,
+            arena_encoded_bytes: 5000,
+            arena_reused_bytes: 3000,
+            ..Default::default()
+        };
+        let mut out = String::new();
+        s.render(&mut out);
+        for line in [
+            "thaw_adapter_tier_bytes{tier=\"host\"} 7",
+            "thaw_adapter_tier_bytes{tier=\"host_arena\"} 768",
+            "thaw_host_arena_bytes{use=\"capacity\"} 4096",
+            "thaw_host_arena_bytes{use=\"used\"} 1024",
+            "thaw_adapter_upload_bytes_total{source=\"encoded\"} 5000",
+            "thaw_adapter_upload_bytes_total{source=\"reused\"} 3000",
+        ] {
+            assert!(out.lines().any(|l| l == line), "{line} not in\n{out}");
         }
     }
 }

@@ -536,6 +536,17 @@ impl MemoryManager {
         );
     }
 
+    /// Publishes the upload arena's bytes (the host tier's encoded images among them).
+    pub fn publish_arena(&self, u: thaw_runtime::upload::ArenaUsage) {
+        let s = &self.board.stats;
+        let set = |a: &std::sync::atomic::AtomicU64, v: u64| a.store(v, Ordering::Relaxed);
+        set(&s.arena_capacity_bytes, u.capacity as u64);
+        set(&s.arena_used_bytes, u.used as u64);
+        set(&s.arena_retained_bytes, u.retained as u64);
+        set(&s.arena_encoded_bytes, u.encoded_bytes);
+        set(&s.arena_reused_bytes, u.reused_bytes);
+    }
+
     /// Publishes the budget's split; `kv_reserved` and `kv_used` are in pages.
     pub fn publish(&self, kv_reserved: usize, kv_used: usize) {
         let s = &self.board.stats;

@@ -851,6 +851,25 @@ impl Backend for CudaBackend {
         lora.landed_layers()
     }
 
+    fn stage_lora(&mut self, adapter: &Arc<LoraAdapter>, layout: KvLayout) {
+        // The image the engine's paged load of it would copy (`paged_dst`), so that load
+        // finds it complete and only copies.
+        let dt = weight_dtype(self.gpu.weight_dtype);
+        let Some((_, plan)) = LoraPlan::of_paged(adapter, Some(dt), self.kv_chunk(layout)) else {
+            return;
+        };
+        match self.upload() {
+            Ok(p) => {
+                p.stage(adapter, &plan, Some(dt));
+            }
+            Err(e) => tracing::warn!("adapter upload pipeline: {e}"),
+        }
+    }
+
+    fn upload_arena(&self) -> Option<crate::upload::ArenaUsage> {
+        self.upload.get().map(UploadPipeline::arena_usage)
+    }
+
     fn lora_dtype(&self) -> Option<crate::adapter::WeightDtype> {
         Some(super::weights::weight_dtype(self.gpu.weight_dtype))
     }
