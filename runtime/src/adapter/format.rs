@@ -372,8 +372,8 @@ fn finite(name: &str, t: LoraTensor) -> Result<LoraTensor, AdapterError> {
 }
 
 /// The whole file at `path`, read in up to `threads` parts at once (each of at least 16 MiB)
-/// into one buffer. The buffer starts as untouched zero pages, so the kernel commits each page
-/// as the read fills it: no page is written twice.
+/// into one buffer. A large buffer starts as untouched zero pages, so the kernel commits each
+/// page as the read fills it: no page is written twice.
 fn read_whole(path: &Path, threads: usize) -> std::io::Result<Vec<u8>> {
     use std::os::unix::fs::FileExt;
     const MIN_PART: usize = 16 << 20;

@@ -3,6 +3,7 @@ use thaw_runtime::adapter::LoraAdapter;
 use thaw_runtime::ids::AdapterId;
 
 use crate::coldstart::{AssistWork, ColdCase, ColdDecision, ColdStartPolicy, ColdTier};
+use crate::memory::loader::Loader;
 use crate::perf::DiskQueue;
 use crate::scheduler::{Gate, SchedState, SeqState};
 
@@ -66,13 +67,13 @@ pub(super) fn cold_gate(
 /// Whether adapter `id`, only on disk and mapped as `a`, is served from its file while it is
 /// read (see [`crate::memory::mapped`]): always under `cpu-assist`; under `auto` when the cost
 /// model would assist the first waiting request for it from the disk tier, its read waiting
-/// behind the loader's `reads` queued ahead of it; never otherwise.
+/// behind the reads `loader` has queued ahead of it; never otherwise.
 pub(super) fn assists_from_disk(
     engine: &ServeEngine,
     cold: &ColdStart,
     state: &SchedState,
+    loader: &Loader,
     (id, a): (AdapterId, &LoraAdapter),
-    reads: DiskQueue,
 ) -> bool {
     match cold.policy {
         ColdStartPolicy::CpuAssist => true,
@@ -86,7 +87,7 @@ pub(super) fn assists_from_disk(
                 tier: ColdTier::Disk,
                 bytes: a.size_bytes() as u64,
                 backlog: engine.backend().link_backlog(),
-                reads,
+                reads: loader.reads_ahead(id).unwrap_or_default(),
                 work: AssistWork::of(a),
                 prompt_left: pending,
                 cap: pending,
