@@ -77,10 +77,22 @@ pub struct ColdStartArgs {
     /// Policies to run (comma-separated); `cached` always runs, as the reference.
     #[arg(long, value_delimiter = ',', default_values_t = ColdStartPolicy::ALL)]
     pub policies: Vec<ColdStartPolicy>,
+    /// Disk → host loader threads (reads taken first in, first out) [default: as `thaw
+    /// serve`, the cores beside the engine's, 1 to 4].
+    #[arg(long)]
+    pub loader_threads: Option<usize>,
     /// Runs of every policy, interleaved (cached, on-demand, …, cached, on-demand, …), so a
     /// drift in the machine's speed hits every policy alike; the table pools all rounds.
     #[arg(long, default_value_t = 1)]
     pub rounds: usize,
+}
+
+impl ColdStartArgs {
+    fn loader_threads(&self) -> usize {
+        self.loader_threads
+            .unwrap_or_else(thaw_server::memory::loader::default_threads)
+            .max(1)
+    }
 }
 
 /// Where the benchmark's adapters start (`--start-tier`).
@@ -314,6 +326,7 @@ fn run_all(
                 policy,
                 max_chunk: args.max_chunk,
                 max_batch_tokens: args.max_chunk.max(512),
+                loader_threads: args.loader_threads(),
             };
             let r = coldstart::run(&mut e, &adapters, reqs, &cfg, &mut cost);
             if let Some(mut pool) = e.detach_pool() {
@@ -473,6 +486,7 @@ fn sustainable_rate(
         policy: ColdStartPolicy::Cached,
         max_chunk: args.max_chunk,
         max_batch_tokens: args.max_chunk.max(512),
+        loader_threads: args.loader_threads(),
     };
     let r = coldstart::run(&mut e, &adapters, &burst, &cfg, &mut cost);
     if let Some(mut pool) = e.detach_pool() {
@@ -734,6 +748,7 @@ mod tests {
             timeline: false,
             start_tier: StartFrom::Disk,
             rounds: 2,
+            loader_threads: Some(2),
         };
         let ex = run(&args).unwrap();
         assert_eq!(ex.len(), 1);

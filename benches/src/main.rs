@@ -1,6 +1,7 @@
 //! `thaw-bench`: Thaw's benchmarks. Each subcommand prints a table; none asserts a time.
 use clap::{Parser, Subcommand};
 
+mod adapter_load;
 mod coldstart_bench;
 mod engine_bench;
 mod engine_real;
@@ -45,6 +46,9 @@ enum Cmd {
     /// The four --cold-start policies on the engine (CPU backend, emulated link): TTFT/TPOT/E2E
     /// with overheads relative to `cached`.
     ColdStartEngine(coldstart_bench::ColdStartArgs),
+    /// The disk -> host read of adapters (`LoraAdapter::load`), alone and queued on 1…N
+    /// loader threads, page cache warm: ms per adapter and GB/s.
+    AdapterLoad(adapter_load::AdapterLoadArgs),
     /// TPOT of running requests while distinct cold adapters load (host tier and disk), and
     /// the engine thread's adapter work per load and per layer (CPU backend, emulated link).
     UploadStall(upload_stall::UploadStallArgs),
@@ -122,6 +126,7 @@ fn main() -> anyhow::Result<()> {
             let ex = coldstart_bench::run(&args)?;
             println!("{}", coldstart_bench::table(&ex));
         }
+        Cmd::AdapterLoad(args) => print!("{}", adapter_load::run(&args)?),
         Cmd::UploadStall(args) => print!("{}", upload_stall::run(&args)?.1),
         Cmd::Load(args) => print!("{}", load::run_load(&args)?),
         Cmd::ColdStart(args) => print!("{}", load::run_cold_start(&args)?),

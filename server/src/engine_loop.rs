@@ -663,8 +663,8 @@ impl Loop {
             Some(&self.loader),
         );
         if upload == Upload::Stream && self.engine.pool().is_some() {
-            let (engine, cold, state) = (&self.engine, &self.cold, &self.state);
-            let assist = |id, a: &_| gate::assists_from_disk(engine, cold, state, id, a);
+            let (engine, cold, state, l) = (&self.engine, &self.cold, &self.state, &self.loader);
+            let assist = |id, a: &_| gate::assists_from_disk(engine, cold, state, l, (id, a));
             let dtype = thaw_runtime::backend::Backend::lora_dtype(engine.backend());
             let model = engine.model_config();
             crate::memory::mapped::map_fetches(

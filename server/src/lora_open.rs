@@ -16,7 +16,6 @@ use std::sync::Arc;
 use nix::errno::Errno;
 use nix::fcntl::{openat, OFlag};
 use nix::sys::stat::Mode;
-use safetensors::SafeTensors;
 use thaw_runtime::adapter::{AdapterConfig, AdapterError, LoraAdapter, MappedFile};
 use thaw_runtime::model::ModelConfig;
 
@@ -176,13 +175,9 @@ pub fn load_confined(
     let Some(weights) = read_file(&fd, dir, WEIGHTS)? else {
         return Err(no_weights(&fd, dir));
     };
-    let tensors = SafeTensors::deserialize(&weights).map_err(|e| {
-        OpenError::Adapter(AdapterError::Corrupt {
-            path: dir.join(WEIGHTS),
-            reason: e.to_string(),
-        })
-    })?;
-    LoraAdapter::from_parts(config, &tensors, model).map_err(OpenError::Adapter)
+    // One read: the factors are ranges of these bytes, not copies.
+    LoraAdapter::from_file_bytes(config, weights, &dir.join(WEIGHTS), model)
+        .map_err(OpenError::Adapter)
 }
 
 /// [`LoraAdapter::map`] confined like [`load_confined`]: the safetensors file is opened

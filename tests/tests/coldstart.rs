@@ -91,6 +91,7 @@ fn run_policy(
             policy,
             max_chunk,
             max_batch_tokens: 256,
+            loader_threads: 2,
         },
         &mut cost,
     )

@@ -74,6 +74,7 @@ fn run(
         policy,
         max_chunk: 16,
         max_batch_tokens: 256,
+        loader_threads: 2,
     };
     let r = coldstart::run(
         &mut e,

@@ -221,6 +221,7 @@ fn disk_tier_cpu_assist_through_the_driver_matches_cached() {
             policy,
             max_chunk: 16,
             max_batch_tokens: 256,
+            loader_threads: 2,
         };
         let r = coldstart::run(&mut e, &adapters, &requests, &cfg, &mut cost);
         (r, e.detach_pool())

@@ -4,6 +4,7 @@
 
 use std::collections::BTreeMap;
 use std::path::Path;
+use std::sync::Arc;
 
 use safetensors::tensor::TensorView;
 use safetensors::SafeTensors;
@@ -12,7 +13,7 @@ use super::config::AdapterConfig;
 use super::error::AdapterError;
 use super::module::LoraModule;
 use super::tensor::{LoraTensor, WeightDtype};
-use crate::model::{FileBytes, ModelConfig};
+use crate::model::ModelConfig;
 
 /// The LoRA factors of one projection of one layer: delta(x) = scale * B (A x).
 #[derive(Clone, Debug, PartialEq)]
@@ -87,16 +88,50 @@ impl LoraAdapter {
     /// Loads a PEFT adapter directory (`adapter_config.json` + `adapter_model.safetensors`) and
     /// validates it against the base model.
     pub fn load(dir: &Path, model: &ModelConfig) -> Result<Self, AdapterError> {
+        Self::load_with(dir, model, 1)
+    }
+
+    /// [`Self::load`] reading the safetensors file in up to `threads` parts at once (parts of
+    /// at least 16 MiB): the file is read once, whole, into one buffer that its tensors are
+    /// ranges of ([`Self::from_file_bytes`]), in the dtype it stores — no copy per tensor, no
+    /// conversion.
+    pub fn load_with(
+        dir: &Path,
+        model: &ModelConfig,
+        threads: usize,
+    ) -> Result<Self, AdapterError> {
         let (config, path) = open_dir(dir)?;
-        let bytes = FileBytes::open(&path).map_err(|e| AdapterError::Io {
+        let bytes = read_whole(&path, threads).map_err(|e| AdapterError::Io {
             path: path.clone(),
             reason: e.to_string(),
         })?;
+        Self::from_file_bytes(config, bytes, &path, model)
+    }
+
+    /// Builds an adapter from the bytes of its safetensors file (`path` names it in errors),
+    /// validated like [`Self::from_parts`]; each factor is a range of `bytes`, which it keeps
+    /// (freed with the last factor), so nothing is copied.
+    pub fn from_file_bytes(
+        config: AdapterConfig,
+        bytes: Vec<u8>,
+        path: &Path,
+        model: &ModelConfig,
+    ) -> Result<Self, AdapterError> {
+        let bytes = Arc::new(bytes);
         let tensors = SafeTensors::deserialize(&bytes).map_err(|e| AdapterError::Corrupt {
-            path: path.clone(),
+            path: path.to_path_buf(),
             reason: e.to_string(),
         })?;
-        Self::from_parts(config, &tensors, model)
+        let base = bytes.as_ptr() as usize;
+        Self::build(config, &tensors, model, |name, view| {
+            let dtype = stored_dtype(name, view)?;
+            let start = view.data().as_ptr() as usize - base;
+            let t = LoraTensor::shared(dtype, &bytes, start..start + view.data().len())
+                .ok_or_else(|| {
+                    unexpected(name, "its byte length is not a whole number of elements")
+                })?;
+            finite(name, t)
+        })
     }
 
     /// Builds an adapter from a parsed config and safetensors file, validating every tensor
@@ -316,12 +351,17 @@ pub(super) fn stored_dtype(name: &str, view: &TensorView<'_>) -> Result<WeightDt
     }
 }
 
-/// The tensor's bytes in its stored dtype; NaN or infinite weights are refused, since one
-/// would turn every logit of every request on the adapter into NaN.
+/// The tensor's bytes in its stored dtype, copied; NaN or infinite weights are refused.
 pub(super) fn stored(name: &str, view: &TensorView<'_>) -> Result<LoraTensor, AdapterError> {
     let dtype = stored_dtype(name, view)?;
     let t = LoraTensor::from_le_bytes(dtype, view.data().to_vec())
         .ok_or_else(|| unexpected(name, "its byte length is not a whole number of elements"))?;
+    finite(name, t)
+}
+
+/// `t` if every weight is finite: a NaN or infinite one would turn every logit of every
+/// request on the adapter into NaN.
+fn finite(name: &str, t: LoraTensor) -> Result<LoraTensor, AdapterError> {
     match t.first_non_finite() {
         Some(index) => Err(AdapterError::NonFinite {
             tensor: name.to_string(),
@@ -329,6 +369,37 @@ pub(super) fn stored(name: &str, view: &TensorView<'_>) -> Result<LoraTensor, Ad
         }),
         None => Ok(t),
     }
+}
+
+/// The whole file at `path`, read in up to `threads` parts at once (each of at least 16 MiB)
+/// into one buffer. A large buffer starts as untouched zero pages, so the kernel commits each
+/// page as the read fills it: no page is written twice.
+fn read_whole(path: &Path, threads: usize) -> std::io::Result<Vec<u8>> {
+    use std::os::unix::fs::FileExt;
+    const MIN_PART: usize = 16 << 20;
+    let file = std::fs::File::open(path)?;
+    let len = usize::try_from(file.metadata()?.len()).map_err(std::io::Error::other)?;
+    let mut buf = vec![0u8; len];
+    let part = len
+        .div_ceil(threads.clamp(1, len.div_ceil(MIN_PART).max(1)))
+        .max(1);
+    std::thread::scope(|s| {
+        let mut parts = buf.chunks_mut(part).enumerate();
+        let first = parts.next();
+        let file = &file;
+        let rest: Vec<_> = parts
+            .map(|(i, p)| s.spawn(move || file.read_exact_at(p, (i * part) as u64)))
+            .collect();
+        let mut r = first.map_or(Ok(()), |(_, p)| file.read_exact_at(p, 0));
+        for h in rest {
+            let done = h
+                .join()
+                .unwrap_or_else(|_| Err(std::io::Error::other("a reader thread panicked")));
+            r = r.and(done);
+        }
+        r
+    })?;
+    Ok(buf)
 }
 
 #[cfg(test)]

@@ -186,6 +186,7 @@ impl PerfModel {
             running: other_tokens,
             decode_left: usize::MAX,
             load_left_s,
+            assist_load_left_s: load_left_s,
             assist_start_s: 0.0,
             assist_read_s: 0.0,
         })
@@ -229,7 +230,7 @@ impl PerfModel {
             let layers = self.num_layers.max(1) as f64;
             (dev * layers, layer * layers)
         };
-        let decode_steps = ((t.load_left_s - assist) / dec_assisted.max(1e-9))
+        let decode_steps = ((t.assist_load_left_s - assist) / dec_assisted.max(1e-9))
             .max(0.0)
             .min(t.decode_left as f64);
         let decode_extra = decode_steps * (dec_assisted - dec_dev).max(0.0);
@@ -265,6 +266,10 @@ pub struct ColdTimes {
     pub decode_left: usize,
     /// Seconds until every layer of the adapter is on the device (the copy path's wait).
     pub load_left_s: f64,
+    /// The same when it is assisted: shorter where assisting changes how it loads (a
+    /// disk-tier adapter served from its mapped file is copied from that file at once, not
+    /// after the loader's queue of reads).
+    pub assist_load_left_s: f64,
     /// Seconds until the CPU workers can start on it.
     pub assist_start_s: f64,
     /// Seconds the workers spend reading its bytes from its file on the first pass.

@@ -4,7 +4,7 @@
 //! one performance model ([`PerfModel`]). On an H100 (55 GB/s link) an adapter in host memory
 //! lands in a few ms and waiting wins; one still on disk costs a read and an encode first,
 //! which CPU assist hides when the workers can read the file.
-use crate::perf::{PerfModel, Tier};
+use crate::perf::{DiskQueue, PerfModel, Tier};
 
 use super::cost::{AssistWork, ColdPlan, ColdTimes};
 
@@ -27,6 +27,9 @@ pub struct ColdCase {
     pub bytes: u64,
     /// Bytes queued on the link ahead of it.
     pub backlog: u64,
+    /// The loader's reads ahead of its own, when it is on disk and waits for the loader
+    /// (nothing ahead where its read has not been queued behind others).
+    pub reads: DiskQueue,
     /// CPU work of assisting it per prefill row and layer.
     pub work: AssistWork,
     /// Prompt tokens still to prefill.
@@ -42,10 +45,13 @@ pub struct ColdCase {
 }
 
 impl PerfModel {
-    /// Seconds until every layer of the case's adapter is on the device.
+    /// Seconds until every layer of the case's adapter is on the device: from disk, after the
+    /// loader's reads queued ahead of it ([`PerfModel::queued_host_ready_time`]).
     pub fn landed_in(&self, c: &ColdCase) -> f64 {
         match c.tier {
-            ColdTier::Disk => self.load_time_from(Tier::Disk, c.bytes, c.backlog),
+            ColdTier::Disk => {
+                self.queued_host_ready_time(c.bytes, c.reads) + self.load_time(c.bytes, c.backlog)
+            }
             ColdTier::Host => self.load_time_from(Tier::Host, c.bytes, c.backlog),
             ColdTier::Streaming { landed } => {
                 let left = (1.0 - landed).clamp(0.0, 1.0);
@@ -62,8 +68,22 @@ impl PerfModel {
     /// (or from the file when they read it), after the read and encode otherwise.
     pub fn assist_starts_in(&self, c: &ColdCase) -> f64 {
         match c.tier {
-            ColdTier::Disk if !self.assist_reads_disk => self.host_ready_time(c.bytes),
+            ColdTier::Disk if !self.assist_reads_disk => {
+                self.queued_host_ready_time(c.bytes, c.reads)
+            }
             _ => 0.0,
+        }
+    }
+
+    /// Seconds until every layer is on the device when the case is assisted: from disk, with
+    /// workers that read the file, the adapter is served from its mapped file and copied from
+    /// it at once, so no read queued ahead of it delays that ([`Self::landed_in`] otherwise).
+    pub fn assisted_landed_in(&self, c: &ColdCase) -> f64 {
+        match c.tier {
+            ColdTier::Disk if self.assist_reads_disk => {
+                self.load_time_from(Tier::Disk, c.bytes, c.backlog)
+            }
+            _ => self.landed_in(c),
         }
     }
 
@@ -90,6 +110,7 @@ impl PerfModel {
             running: c.running,
             decode_left: c.max_new_tokens.saturating_sub(1),
             load_left_s: self.landed_in(c),
+            assist_load_left_s: self.assisted_landed_in(c),
             assist_start_s: self.assist_starts_in(c),
             assist_read_s: self.assist_read_time(c),
         })
@@ -156,6 +177,7 @@ mod tests {
             tier,
             bytes: bytes_7b(64),
             backlog: 0,
+            reads: DiskQueue::default(),
             work: work_7b(64.0),
             prompt_left: 128,
             cap: 2048,
@@ -208,6 +230,77 @@ mod tests {
         assert_eq!(p.decision, ColdDecision::Wait, "{p:?}");
     }
 
+    /// The H200 run of `benches/results/cuda-h100.md` §6 had every miss wait ~2.8 s for reads
+    /// queued ahead of its own. With a read of 50 ms and no host encode (the arena), a
+    /// request alone waits for its adapter when nothing is queued (the read and the copy
+    /// beat a CPU prefill of ~0.2 s); behind eight reads on one loader thread (~0.4 s more)
+    /// `auto` serves it from the file; four loader threads cut that queue to a quarter, and
+    /// it waits again.
+    #[test]
+    fn a_queue_of_disk_reads_is_assisted() {
+        let mut m = h100();
+        m.assist_reads_disk = true;
+        m.disk_bytes_per_s = bytes_7b(64) as f64 / 0.05;
+        m.host_encode_bytes_per_s = 0.0;
+        let c = case(ColdTier::Disk);
+        let alone = m.decide_cold(&c);
+        assert_eq!(alone.decision, ColdDecision::Wait, "{alone:?}");
+        let queued = ColdCase {
+            reads: DiskQueue {
+                ahead_bytes: 8 * bytes_7b(64),
+                readers: 1,
+            },
+            ..c
+        };
+        let p = m.decide_cold(&queued);
+        assert!(matches!(p.decision, ColdDecision::Assist { .. }), "{p:?}");
+        assert!(
+            (p.wait_s - alone.wait_s - 0.4).abs() < 1e-9,
+            "{alone:?} {p:?}"
+        );
+        assert_eq!(p.assist_s, alone.assist_s, "the file read does not queue");
+        let four = m.decide_cold(&ColdCase {
+            reads: DiskQueue {
+                readers: 4,
+                ..queued.reads
+            },
+            ..queued
+        });
+        assert!((four.wait_s - alone.wait_s - 0.1).abs() < 1e-9, "{four:?}");
+        assert_eq!(four.decision, ColdDecision::Wait, "{four:?}");
+    }
+
+    /// With the priors `calibrate` starts from on a GPU (100 µs of assist overhead a layer),
+    /// a request never assists while another decodes beside it, however long its read queue:
+    /// that overhead alone slows a ~0.4 ms decode layer past
+    /// [`MAX_DECODE_SLOWDOWN`](crate::coldstart::MAX_DECODE_SLOWDOWN). This
+    /// is what the queue cannot change (see the H200 run's 0 assisted steps).
+    #[test]
+    fn a_running_decode_blocks_assist_under_the_gpu_priors() {
+        let mut m = h100();
+        m.assist_reads_disk = true;
+        let c = ColdCase {
+            other_tokens: 1,
+            running: 1,
+            reads: DiskQueue {
+                ahead_bytes: 64 * bytes_7b(64),
+                readers: 1,
+            },
+            ..case(ColdTier::Disk)
+        };
+        let p = m.decide_cold(&c);
+        assert_eq!(
+            (p.decision, p.assist_s),
+            (ColdDecision::Wait, None),
+            "{p:?}"
+        );
+        m.assist_layer_overhead_s = 0.0;
+        assert!(matches!(
+            m.decide_cold(&c).decision,
+            ColdDecision::Assist { .. }
+        ));
+    }
+
     #[test]
     fn a_slow_emulated_link_assists_from_host_memory() {
         // The CPU backend's emulated PCIe-like link (0.03 GB/s): the copy, not the CPU, is
@@ -252,6 +345,7 @@ mod tests {
             tier: ColdTier::Disk,
             bytes: 7_300_000,
             backlog: 0,
+            reads: DiskQueue::default(),
             work: small_work,
             prompt_left: 64,
             cap: 64,
@@ -322,11 +416,14 @@ mod tests {
             landed in 0.0f64..1.0,
             t in 0u8..3,
             out in 1usize..256,
+            ahead in 0u64..8,
+            readers in 1usize..8,
         ) -> ColdCase {
             ColdCase {
                 tier: tier(t, landed),
                 bytes: bytes_7b(rank) / 4,
                 backlog: 0,
+                reads: DiskQueue { ahead_bytes: ahead * bytes_7b(rank) / 4, readers },
                 work: work_7b(rank as f64),
                 prompt_left: prompt,
                 cap: 512,
@@ -403,6 +500,57 @@ mod tests {
                 fast.link.gbps *= faster;
                 prop_assert_eq!(fast.decide_cold(&c).decision, ColdDecision::Wait);
             }
+        }
+
+        /// The loader's queue: more reads ahead of a disk-tier adapter's own, or fewer loader
+        /// threads to share them, never make `auto` less willing to assist (the copy path waits
+        /// longer; served from its mapped file, the assist path does not wait for the queue),
+        /// and never shorten the predicted wait. With workers that read the file the assist
+        /// prediction does not move at all.
+        #[test]
+        fn more_queued_reads_never_make_auto_less_willing_to_assist(
+            m in any_model(),
+            c in any_case(),
+            more in 1u64..20,
+            fewer in 0usize..8,
+        ) {
+            let c = ColdCase { tier: ColdTier::Disk, ..c };
+            let busier = ColdCase {
+                reads: DiskQueue {
+                    ahead_bytes: c.reads.ahead_bytes + more * c.bytes,
+                    readers: c.reads.readers.saturating_sub(fewer).max(1),
+                },
+                ..c
+            };
+            let (p, q) = (m.decide_cold(&c), m.decide_cold(&busier));
+            prop_assert!(q.wait_s >= p.wait_s, "{:?} -> {:?}", p, q);
+            if m.assist_reads_disk {
+                prop_assert_eq!(q.assist_s, p.assist_s);
+                prop_assert_eq!(q.others_s, p.others_s);
+            }
+            if matches!(p.decision, ColdDecision::Assist { .. }) && m.assist_reads_disk {
+                prop_assert_eq!(q.decision, p.decision);
+            }
+        }
+
+        /// The queue's share: its reads split over the loader threads, so `n` threads reading
+        /// `n` adapters ahead wait as long as one thread reading one (and an empty queue adds
+        /// nothing).
+        #[test]
+        fn reads_ahead_are_shared_by_the_loader_threads(
+            m in any_model(),
+            bytes in 1u64..1_000_000_000,
+            n in 1usize..16,
+        ) {
+            let alone = m.queued_host_ready_time(bytes, DiskQueue::default());
+            prop_assert!((alone - m.host_ready_time(bytes)).abs() <= 1e-12 * alone.max(1.0));
+            let one = m.queued_host_ready_time(bytes, DiskQueue { ahead_bytes: bytes, readers: 1 });
+            let many = m.queued_host_ready_time(
+                bytes,
+                DiskQueue { ahead_bytes: bytes * n as u64, readers: n },
+            );
+            prop_assert!((one - many).abs() <= 1e-9 * one, "{} vs {}", one, many);
+            prop_assert!((one - 2.0 * alone).abs() <= 1e-9 * one);
         }
 
         /// More running requests never turn a wait into an assist: they only add to its cost.

@@ -22,6 +22,7 @@ use super::cost::{AssistWork, ColdDecision, CostModel, Prediction};
 use super::decide::{ColdCase, ColdTier};
 use super::loader::Loader;
 use super::policy::ColdStartPolicy;
+use crate::perf::DiskQueue;
 
 /// Where an adapter starts a run.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -99,6 +100,9 @@ pub struct DriverConfig {
     pub max_chunk: usize,
     /// Token budget of a step.
     pub max_batch_tokens: usize,
+    /// Disk → host loader threads (`thaw serve` uses
+    /// [`crate::memory::loader::default_threads`]).
+    pub loader_threads: usize,
 }
 
 /// Everything a run produced.
@@ -154,7 +158,7 @@ pub fn run(
     cfg: &DriverConfig,
     cost: &mut CostModel,
 ) -> RunReport {
-    let loader = Loader::spawn(engine.model_config().clone());
+    let loader = Loader::spawn(engine.model_config().clone(), cfg.loader_threads);
     let mut state: Vec<AdapterState> = vec![AdapterState::Disk; adapters.len()];
     let mut host: Vec<Option<Arc<LoraAdapter>>> = vec![None; adapters.len()];
     // Initial tiers (the cached oracle makes everything resident up front).
@@ -529,6 +533,8 @@ fn build_plan(
                             tier,
                             bytes: adapter.size_bytes() as u64,
                             backlog: engine.backend().link_backlog(),
+                            // Served from its mapped file: the copy reads the file itself.
+                            reads: DiskQueue::default(),
                             work: AssistWork::of(adapter),
                             prompt_left: pending,
                             cap,

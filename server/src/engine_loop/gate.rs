@@ -3,6 +3,8 @@ use thaw_runtime::adapter::LoraAdapter;
 use thaw_runtime::ids::AdapterId;
 
 use crate::coldstart::{AssistWork, ColdCase, ColdDecision, ColdStartPolicy, ColdTier};
+use crate::memory::loader::Loader;
+use crate::perf::DiskQueue;
 use crate::scheduler::{Gate, SchedState, SeqState};
 
 use super::{ColdStart, ServeEngine};
@@ -33,7 +35,8 @@ pub(super) fn cold_gate(
                 return Gate::Go;
             };
             let pending = s.pending();
-            // Still read from its mapped file, nothing landed: the copy waits for the disk.
+            // Still read from its mapped file, nothing landed: the copy waits for the disk (its
+            // own read of the file, behind no loader queue).
             let tier = if landed == 0 && engine.adapter_is_mapped(id) {
                 ColdTier::Disk
             } else {
@@ -45,6 +48,7 @@ pub(super) fn cold_gate(
                 tier,
                 bytes: adapter.size_bytes() as u64,
                 backlog: engine.backend().link_backlog(),
+                reads: DiskQueue::default(),
                 work: AssistWork::of(adapter),
                 prompt_left: pending,
                 cap: pending,
@@ -62,13 +66,14 @@ pub(super) fn cold_gate(
 
 /// Whether adapter `id`, only on disk and mapped as `a`, is served from its file while it is
 /// read (see [`crate::memory::mapped`]): always under `cpu-assist`; under `auto` when the cost
-/// model would assist the first waiting request for it from the disk tier; never otherwise.
+/// model would assist the first waiting request for it from the disk tier, its read waiting
+/// behind the reads `loader` has queued ahead of it; never otherwise.
 pub(super) fn assists_from_disk(
     engine: &ServeEngine,
     cold: &ColdStart,
     state: &SchedState,
-    id: AdapterId,
-    a: &LoraAdapter,
+    loader: &Loader,
+    (id, a): (AdapterId, &LoraAdapter),
 ) -> bool {
     match cold.policy {
         ColdStartPolicy::CpuAssist => true,
@@ -82,6 +87,7 @@ pub(super) fn assists_from_disk(
                 tier: ColdTier::Disk,
                 bytes: a.size_bytes() as u64,
                 backlog: engine.backend().link_backlog(),
+                reads: loader.reads_ahead(id).unwrap_or_default(),
                 work: AssistWork::of(a),
                 prompt_left: pending,
                 cap: pending,

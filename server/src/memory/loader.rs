@@ -8,8 +8,9 @@
 //! as its first load ([`crate::lora_open::load_confined`]): a directory swapped for a link
 //! out of the root after the load is refused, and the requests waiting for it fail with that
 //! reason.
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
@@ -37,6 +38,40 @@ pub type FetchResult = Result<(Arc<LoraAdapter>, f64), String>;
 pub struct Loader {
     tx: Option<crossbeam::channel::Sender<FetchJob>>,
     threads: Vec<JoinHandle<()>>,
+    queue: Arc<Mutex<ReadQueue>>,
+}
+
+/// The reads queued or in flight, in the order they were queued (the threads take them first
+/// in, first out).
+#[derive(Default)]
+struct ReadQueue {
+    /// Reads queued so far: the next one's place.
+    next: u64,
+    /// Reads not finished: each one's place and bytes.
+    open: HashMap<AdapterId, (u64, u64)>,
+}
+
+impl ReadQueue {
+    fn push(&mut self, id: AdapterId, bytes: u64) {
+        self.open.insert(id, (self.next, bytes));
+        self.next += 1;
+    }
+
+    fn pop(&mut self, id: AdapterId) {
+        self.open.remove(&id);
+    }
+
+    /// Bytes of the reads queued before `id`'s and not finished (reads in flight count whole).
+    fn ahead(&self, id: AdapterId) -> Option<u64> {
+        let (place, _) = *self.open.get(&id)?;
+        Some(
+            self.open
+                .values()
+                .filter(|(p, _)| *p < place)
+                .map(|(_, b)| b)
+                .sum(),
+        )
+    }
 }
 
 /// Loader threads: the cores beside the engine's, at least one, at most four.
@@ -60,15 +95,19 @@ impl Loader {
         let (tx, rx) = crossbeam::channel::unbounded::<FetchJob>();
         let done = Arc::new(done);
         let model = Arc::new(model);
+        let queue = Arc::new(Mutex::new(ReadQueue::default()));
         let mut handles = Vec::new();
         for i in 0..threads.max(1) {
             let (rx, done, model) = (rx.clone(), done.clone(), model.clone());
+            let queue = queue.clone();
             let spawned = std::thread::Builder::new()
                 .name(format!("thaw-loader-{i}"))
                 .spawn(move || {
                     thaw_runtime::upload::lower_current_thread_priority();
                     for job in rx {
-                        done(job.id, read(&job, &model, dtype));
+                        let r = read(&job, &model, dtype);
+                        queue.lock().unwrap_or_else(|e| e.into_inner()).pop(job.id);
+                        done(job.id, r);
                     }
                 });
             match spawned {
@@ -81,12 +120,36 @@ impl Loader {
         Ok(Self {
             tx: Some(tx),
             threads: handles,
+            queue,
         })
     }
 
     /// Queues a read; false if the thread is gone.
     pub fn fetch(&self, job: FetchJob) -> bool {
-        self.tx.as_ref().is_some_and(|tx| tx.send(job).is_ok())
+        let mut q = self.queue.lock().unwrap_or_else(|e| e.into_inner());
+        q.push(job.id, job.bytes);
+        let sent = self
+            .tx
+            .as_ref()
+            .is_some_and(|tx| tx.send(job.clone()).is_ok());
+        if !sent {
+            q.pop(job.id);
+        }
+        sent
+    }
+
+    /// The reads ahead of `id`'s (queued before it, not finished) and the threads sharing
+    /// them, for the cold-start model; `None` once its read is done or if it was never queued.
+    pub fn reads_ahead(&self, id: AdapterId) -> Option<crate::perf::DiskQueue> {
+        let ahead = self
+            .queue
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .ahead(id)?;
+        Some(crate::perf::DiskQueue {
+            ahead_bytes: ahead,
+            readers: self.threads.len(),
+        })
     }
 }
 
@@ -155,6 +218,34 @@ impl Drop for Loader {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// Reads finish in any order: what is ahead of an open read is the bytes of the reads
+        /// queued before it and not finished, 0 once all of those are done; a finished read
+        /// has nothing ahead.
+        #[test]
+        fn reads_ahead_count_the_unfinished_reads_queued_before(
+            sizes in prop::collection::vec(1u64..1000, 1..12),
+            order in prop::collection::vec(any::<prop::sample::Index>(), 0..12),
+        ) {
+            let mut q = ReadQueue::default();
+            for (i, &b) in sizes.iter().enumerate() {
+                q.push(AdapterId(i as u32), b);
+            }
+            let mut done = vec![false; sizes.len()];
+            for ix in order {
+                let i = ix.index(sizes.len());
+                q.pop(AdapterId(i as u32));
+                done[i] = true;
+                for j in (0..sizes.len()).filter(|&j| !done[j]) {
+                    let open_before: u64 = (0..j).filter(|&k| !done[k]).map(|k| sizes[k]).sum();
+                    prop_assert_eq!(q.ahead(AdapterId(j as u32)), Some(open_before));
+                }
+                prop_assert_eq!(q.ahead(AdapterId(i as u32)), None);
+            }
+        }
+    }
     use crate::lora_open::tests::{copy_adapter, fixture};
 
     /// A re-read under a root goes through the confinement: fine while the directory is

@@ -12,6 +12,6 @@ pub mod steplog;
 
 pub use enginetime::{Cause, CauseTimes, EngineTime, Stopwatch};
 pub use fit::{ErrorStat, Sample, StepStats};
-pub use model::{PerfModel, StepShape, Tier};
+pub use model::{DiskQueue, PerfModel, StepShape, Tier};
 pub use snapshot::PerfSnapshot;
 pub use steplog::StepLog;

@@ -109,6 +109,16 @@ pub enum Tier {
     Disk,
 }
 
+/// The disk → host reads an adapter's own read waits behind (the loader threads take reads
+/// first in, first out).
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct DiskQueue {
+    /// Bytes of the reads queued or in flight ahead of it.
+    pub ahead_bytes: u64,
+    /// Loader threads reading them in parallel (0 counts as 1).
+    pub readers: usize,
+}
+
 /// Measured inputs of the model. Times in seconds, per layer where the name says so.
 #[derive(Clone, Debug, PartialEq)]
 pub struct PerfModel {
@@ -363,6 +373,14 @@ impl PerfModel {
     /// Time from disk to the host tier for an adapter of `bytes`: the read, then the encode.
     pub fn host_ready_time(&self, bytes: u64) -> f64 {
         bytes as f64 / self.disk_bytes_per_s.max(1.0) + self.encode_time(bytes)
+    }
+
+    /// Time from disk to the host tier for an adapter of `bytes` whose read is queued behind
+    /// `queue` (FIFO): its share of the reads ahead, which the loader threads share, then its
+    /// own read and encode. With nothing ahead, [`Self::host_ready_time`].
+    pub fn queued_host_ready_time(&self, bytes: u64, queue: DiskQueue) -> f64 {
+        self.host_ready_time(queue.ahead_bytes) / queue.readers.max(1) as f64
+            + self.host_ready_time(bytes)
     }
 
     /// Bytes per second the CPU workers read an adapter file in place: the measured page
