@@ -156,7 +156,7 @@ fn for_each_pos(
 ///
 /// With AVX-512F in use (the AVX2 level, `THAW_AVX512` and `THAW_TILED_ATTENTION` not `0`) a
 /// tile of query rows passes each key and value row once (`attention_tiled.rs`); otherwise one
-/// query token at a time (`attend_rows`). The two differ in rounding only.
+/// query token at a time (`attend_rows`). The two give the same bits.
 #[allow(clippy::too_many_arguments)]
 pub fn paged_attention(
     q: &[f32],

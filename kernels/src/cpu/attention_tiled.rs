@@ -1,25 +1,23 @@
 //! Causal GQA attention tiled for AVX-512F: the query rows of up to [`TILE_ROWS`] rows (whole
 //! tokens × the query heads of one kv head; a 128-token prompt chunk of SmolLM2 is 8 tiles of
 //! 16 tokens × 3 heads) are transposed into `[head_dim][rows]`, so each key row, read once per
-//! tile instead of once per token, scores 16 query rows per instruction (`q_r · k_j` as one
-//! fused multiply-add chain over `p = 0..head_dim`, broadcasting `k_j[p]`). The scores land as
-//! `[keys][rows]`; the softmax runs down each column (16 rows at once, a polynomial `exp`), and
-//! the weighted sum of the value rows runs [`PV_ROWS`] query rows × 64 lanes of `head_dim` per
+//! tile instead of once per token, scores 16 query rows per instruction (broadcasting
+//! `k_j[p]`). The scores land as `[keys][rows]`; the softmax runs down each column, and the
+//! weighted sum of the value rows runs [`PV_ROWS`] query rows × 64 lanes of `head_dim` per
 //! pass, again reading each value row once per pass instead of once per token.
 //!
-//! **Bits per query.** A query's scores, maximum, exponentials, sum and weighted sum are each a
-//! sequential chain over its own keys in position order, computed in one SIMD lane that no
-//! other query touches, so the result depends only on that query, its position and the cache:
-//! not on the tile, the chunk or the thread that ran it (a prefill row and a decode row at the
-//! same position agree bit for bit). The keys of a tile span the first row's window start to
-//! the last row's position; a row's keys outside its own range get a score of `-inf`, weight
-//! exactly `+0`, and add nothing to its sums (the cache rows in that range are positions some
-//! row of the tile attends to, so they are written and finite).
-//!
-//! Against the portable path (`attend_rows`: 8-lane partial dot products, `libm` `exp`,
-//! separate multiply and add) results differ in rounding only: a few f32 ulps per score and
-//! per weight (`exp` here is Cephes' polynomial, ≤ 2 ulp; `e^x` below `2^-126` is flushed to
-//! zero, where the portable path keeps a denormal that cannot move a sum ≥ 1).
+//! **Bits.** Every query's result is the portable path's (`attend_rows`) bit for bit: each
+//! query sits in one SIMD lane that no other query touches, and that lane repeats the portable
+//! arithmetic step for step — the dot product's eight partial sums (multiply, then add) added
+//! in order plus the `d mod 8` tail, times `scale`; the maximum; `f32::exp` (libm, called per
+//! lane); the sum of the weights from `f32`'s `Sum` start in key order; the weighted sum of the
+//! value rows from `+0` in key order (multiply, then add); times `1 / sum`. So a result depends
+//! only on its query, position and the cache — not on the tile, the chunk, the thread or the
+//! CPU's SIMD level — and a prefill row and a decode row at the same position agree. The keys
+//! of a tile span the first row's window start to the last row's position; a row's keys
+//! outside its own range score `-inf`, weigh exactly `+0` and leave its sums unchanged (the
+//! cache rows in that range are positions some row of the tile attends to, so they are
+//! written and finite).
 // Register tiles are indexed `acc[r][c]` in step with pointer offsets.
 #![allow(clippy::needless_range_loop)]
 
@@ -31,8 +29,13 @@ use crate::cpu::simd::{simd_level, SimdLevel};
 
 /// Most query rows per tile: three 16-lane vectors (16 tokens of 3 heads, 12 of 4, …).
 const TILE_ROWS: usize = 48;
-/// Keys scored per register tile (× up to 3 row vectors = 24 accumulators).
-const KEYS: usize = 8;
+/// What `f32`'s `Sum` starts from (`-0.0` in current Rust; `+0.0` before): the portable
+/// path's dot and softmax sums begin there, so these do too.
+pub(super) const SUM_START: f32 = {
+    // Not `iter::empty().sum()` (not const): the portable path's sums are `Iterator::sum`, and
+    // `sum_start_is_iterator_sum` (tests) checks this constant against it.
+    -0.0
+};
 /// Query rows per register tile of the weighted sum (× 4 vectors of `head_dim` = 24
 /// accumulators).
 const PV_ROWS: usize = 6;
@@ -217,13 +220,8 @@ unsafe fn tile(
             }
         }
         let mut keys = Positions::new(s.table, s.layout, lo);
-        let mut j = 0;
-        while j < span {
-            let jn = (span - j).min(KEYS);
-            let mut kp = [std::ptr::null::<f32>(); KEYS];
-            for kk in kp.iter_mut().take(jn) {
-                *kk = s.k[keys.next_off() + kd..][..d].as_ptr();
-            }
+        for j in 0..span {
+            let key = s.k[keys.next_off() + kd..][..d].as_ptr();
             let at = Scores {
                 qt: qt[16 * v0..].as_ptr(),
                 rp,
@@ -234,24 +232,15 @@ unsafe fn tile(
                 hi: hiv,
                 pt: pt[j * rp + 16 * v0..].as_mut_ptr(),
             };
-            // SAFETY: `kp[..jn]` point at `d` floats of key rows inside the cache; `qt` holds
-            // `d` rows of `rp ≥ 16·(v0 + nv)` lanes, `pt` rows `j..j + jn < span` of `rp`.
+            // SAFETY: `key` points at the `d` floats of a key row inside the cache; `qt` holds
+            // `d` rows of `rp ≥ 16·(v0 + nv)` lanes, `pt` row `j < span` of `rp`.
             unsafe {
-                macro_rules! go {
-                    ($($nv:literal)*) => {
-                        match (nv, jn == KEYS) {
-                            $(($nv, true) => scores::<$nv, KEYS>(&at, &kp),
-                              ($nv, false) => for (i, k) in kp[..jn].iter().enumerate() {
-                                  let at = Scores { j: at.j + i as i32, pt: at.pt.add(i * rp), ..at };
-                                  scores::<$nv, 1>(&at, &[*k]);
-                              },)*
-                            _ => unreachable!(),
-                        }
-                    };
+                match nv {
+                    1 => scores::<1>(&at, key),
+                    2 => scores::<2>(&at, key),
+                    _ => scores::<3>(&at, key),
                 }
-                go!(1 2 3);
             }
-            j += jn;
         }
         v0 += nv;
     }
@@ -318,46 +307,55 @@ struct Scores {
     pt: *mut f32,
 }
 
-/// `pt[jj·rp + 16v + l] = scale · Σ_p qt[p·rp + 16v + l] · k_jj[p]` for `J` keys and `NV` row
-/// vectors, `-inf` where the key is outside the lane's range.
+/// `pt[16v + l] = scale · (q · k)` for the `16·NV` query rows in lanes `l` of vectors `v`
+/// (`q[p] = qt[p·rp + 16v + l]`) and one key row `k`, `-inf` where the key is outside the
+/// lane's range. The dot is the portable path's, step for step: eight partial sums over
+/// `p ≡ 0..8 (mod 8)` (multiply, then add), added in order, plus the `d mod 8` tail.
 ///
 /// # Safety
-/// AVX-512F available; `keys[jj]` readable for `d` floats; `qt` for `d` rows of `16·NV` lanes
-/// at stride `rp`; `pt` writable for `J` rows of `16·NV` lanes at stride `rp`.
+/// AVX-512F available; `key` readable for `d` floats; `qt` for `d` rows of `16·NV` lanes at
+/// stride `rp`; `pt` writable for `16·NV` lanes.
 #[inline]
 #[target_feature(enable = "avx512f,avx2,fma")]
-unsafe fn scores<const NV: usize, const J: usize>(at: &Scores, keys: &[*const f32; J]) {
+unsafe fn scores<const NV: usize>(at: &Scores, key: *const f32) {
+    let d8 = at.d - at.d % 8;
     // SAFETY: reads and writes stay inside the caller's guarantee.
     unsafe {
-        let mut acc = [[_mm512_setzero_ps(); NV]; J];
-        for p in 0..at.d {
-            let row = at.qt.add(p * at.rp);
-            let mut qv = [_mm512_setzero_ps(); NV];
-            for v in 0..NV {
-                qv[v] = _mm512_loadu_ps(row.add(16 * v));
-            }
-            for jj in 0..J {
-                let b = _mm512_set1_ps(*keys[jj].add(p));
+        let q = |p: usize, v: usize| _mm512_loadu_ps(at.qt.add(p * at.rp + 16 * v));
+        let mut acc = [[_mm512_setzero_ps(); NV]; 8];
+        let mut c = 0;
+        while c < d8 {
+            for l in 0..8 {
+                let b = _mm512_set1_ps(*key.add(c + l));
                 for v in 0..NV {
-                    acc[jj][v] = _mm512_fmadd_ps(qv[v], b, acc[jj][v]);
+                    acc[l][v] = _mm512_add_ps(acc[l][v], _mm512_mul_ps(q(c + l, v), b));
                 }
             }
+            c += 8;
         }
+        let zero = _mm512_set1_ps(SUM_START);
         let (scale, ninf) = (_mm512_set1_ps(at.scale), _mm512_set1_ps(f32::NEG_INFINITY));
-        for jj in 0..J {
-            let jv = _mm512_set1_epi32(at.j + jj as i32);
-            for v in 0..NV {
-                let live =
-                    _mm512_cmple_epi32_mask(at.lo[v], jv) & _mm512_cmple_epi32_mask(jv, at.hi[v]);
-                let sv = _mm512_mask_mov_ps(ninf, live, _mm512_mul_ps(acc[jj][v], scale));
-                _mm512_storeu_ps(at.pt.add(jj * at.rp + 16 * v), sv);
+        let jv = _mm512_set1_epi32(at.j);
+        for v in 0..NV {
+            let mut dot = zero;
+            for l in 0..8 {
+                dot = _mm512_add_ps(dot, acc[l][v]);
             }
+            let mut tail = zero;
+            for p in d8..at.d {
+                tail = _mm512_add_ps(tail, _mm512_mul_ps(q(p, v), _mm512_set1_ps(*key.add(p))));
+            }
+            let sv = _mm512_mul_ps(_mm512_add_ps(dot, tail), scale);
+            let live =
+                _mm512_cmple_epi32_mask(at.lo[v], jv) & _mm512_cmple_epi32_mask(jv, at.hi[v]);
+            _mm512_storeu_ps(at.pt.add(16 * v), _mm512_mask_mov_ps(ninf, live, sv));
         }
     }
 }
 
-/// For each of the `rp` columns of `pt` (`span` rows): `p = e^(s - max s)` in place, and the
-/// column's `Σ p` (in row order) into `sums`.
+/// For each of the `rp` columns of `pt` (`span` rows): `p = e^(s - max s)` in place (`f32::exp`,
+/// as the portable path; a masked `-inf` gives `+0`), and the column's `Σ p` (in row order,
+/// from the start value of `f32`'s `Sum`) into `sums`.
 ///
 /// # Safety
 /// AVX-512F available; `pt` readable and writable for `span·rp` floats, `sums` for `rp`;
@@ -366,54 +364,27 @@ unsafe fn scores<const NV: usize, const J: usize>(at: &Scores, keys: &[*const f3
 unsafe fn softmax_columns(pt: *mut f32, span: usize, rp: usize, sums: *mut f32) {
     // SAFETY: every access is at `j·rp + 16v + lane` with `j < span`, `16v + 16 ≤ rp`.
     unsafe {
+        let mut e = [0.0f32; 16];
         for v in 0..rp / 16 {
             let col = pt.add(16 * v);
             let mut m = _mm512_set1_ps(f32::NEG_INFINITY);
             for j in 0..span {
                 m = _mm512_max_ps(m, _mm512_loadu_ps(col.add(j * rp)));
             }
-            let mut sum = _mm512_setzero_ps();
+            let mut sum = _mm512_set1_ps(SUM_START);
             for j in 0..span {
-                let e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(col.add(j * rp)), m));
-                _mm512_storeu_ps(col.add(j * rp), e);
-                sum = _mm512_add_ps(sum, e);
+                let x = _mm512_sub_ps(_mm512_loadu_ps(col.add(j * rp)), m);
+                _mm512_storeu_ps(e.as_mut_ptr(), x);
+                for x in e.iter_mut() {
+                    *x = x.exp();
+                }
+                let ev = _mm512_loadu_ps(e.as_ptr());
+                _mm512_storeu_ps(col.add(j * rp), ev);
+                sum = _mm512_add_ps(sum, ev);
             }
             _mm512_storeu_ps(sums.add(16 * v), sum);
         }
     }
-}
-
-/// `e^x` for `x ≤ 0` (a score minus its row's maximum), 16 lanes: Cephes' `expf` (`x = n·ln 2
-/// + r`, `|r| ≤ ln 2 / 2`, a degree-7 polynomial in `r`, scaled by `2^n`), within 2 ulp of
-/// `e^x`; `x < -87.33` (`e^x` below f32's normal range), `-inf` and NaN give `+0`.
-///
-/// # Safety
-/// AVX-512F available.
-#[inline]
-#[target_feature(enable = "avx512f,avx2,fma")]
-pub(super) unsafe fn exp_nonpositive(x: __m512) -> __m512 {
-    const LOW: f32 = -87.336_55;
-    let s = _mm512_set1_ps;
-    let live = _mm512_cmp_ps_mask::<_CMP_GE_OQ>(x, s(LOW));
-    let x = _mm512_max_ps(x, s(LOW));
-    let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
-        _mm512_mul_ps(x, s(std::f32::consts::LOG2_E)),
-    );
-    // r = x - n·ln 2, ln 2 in two parts so n·C1 is exact.
-    let r = _mm512_fnmadd_ps(n, s(0.693_359_4), x);
-    let r = _mm512_fnmadd_ps(n, s(-2.121_944_4e-4), r);
-    let mut y = s(1.987_569_1e-4);
-    for c in [
-        1.398_199_9e-3,
-        8.333_452e-3,
-        4.166_579_6e-2,
-        0.166_666_65,
-        0.5,
-    ] {
-        y = _mm512_fmadd_ps(y, r, s(c));
-    }
-    let y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, s(1.0)));
-    _mm512_maskz_mov_ps(live, _mm512_scalef_ps(y, n))
 }
 
 /// Where a weighted-sum register tile reads and writes.
@@ -459,7 +430,7 @@ unsafe fn weighted_sum<const R: usize>(mut at: Sums<'_>) {
             for i in 0..R {
                 let b = _mm512_set1_ps(*w.add(i));
                 for c in 0..4 {
-                    acc[i][c] = _mm512_fmadd_ps(b, vv[c], acc[i][c]);
+                    acc[i][c] = _mm512_add_ps(acc[i][c], _mm512_mul_ps(b, vv[c]));
                 }
             }
         }
