@@ -44,6 +44,46 @@ fn fma_peak() -> f64 {
     (iters * 24 * 32) as f64 / best / 1e9
 }
 
+/// GFLOP/s of a register-only loop of independent `vdpbf16ps` (24 chains, 32 bf16 products
+/// each): this core's peak for the bf16 prompt GEMM; `None` without AVX512-BF16.
+#[cfg(target_arch = "x86_64")]
+fn bf16_peak() -> Option<f64> {
+    use std::arch::x86_64::*;
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    fn run(iters: usize) -> f32 {
+        let mut acc = [_mm512_set1_ps(0.0); 24];
+        // SAFETY: `__m512bh` is 32 bf16 values in the same 512 bits.
+        let (a, b) = unsafe {
+            (
+                std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi16(0x3f80)),
+                std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi16(0x3380)),
+            )
+        };
+        for _ in 0..iters {
+            for v in acc.iter_mut() {
+                *v = _mm512_dpbf16_ps(*v, a, b);
+            }
+        }
+        let mut s = _mm512_setzero_ps();
+        for v in acc {
+            s = _mm512_add_ps(s, v);
+        }
+        _mm512_reduce_add_ps(s)
+    }
+    if !is_x86_feature_detected!("avx512bf16") {
+        return None;
+    }
+    let iters = 20_000_000;
+    let mut best = f64::MAX;
+    for _ in 0..3 {
+        let t = Instant::now();
+        // SAFETY: AVX512-BF16 (and so AVX-512F) was detected above.
+        std::hint::black_box(unsafe { run(iters) });
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    Some((iters * 24 * 64) as f64 / best / 1e9)
+}
+
 /// The kernels compared.
 #[derive(Copy, Clone)]
 enum Kernel {
@@ -54,7 +94,12 @@ enum Kernel {
 
 fn main() {
     #[cfg(target_arch = "x86_64")]
-    println!("one core's FMA peak: {:.1} GFLOP/s", fma_peak());
+    {
+        println!("one core's FMA peak: {:.1} GFLOP/s", fma_peak());
+        if let Some(p) = bf16_peak() {
+            println!("one core's vdpbf16ps peak: {p:.1} GFLOP/s");
+        }
+    }
     let reps: usize = std::env::args()
         .nth(1)
         .and_then(|a| a.parse().ok())
@@ -69,6 +114,13 @@ fn main() {
         (32, 576, 288, "q/o half, 32 rows"),
         (17, 576, 288, "q/o half, 17 rows"),
         (128, 576, 288, "q/o half, 128 rows"),
+        // A prefill step of 16 × 128-token prompts, rows split over 2 threads (1024 each) or
+        // chunked: whole weights.
+        (256, 576, 576, "q/o, 256 rows"),
+        (256, 576, 192, "k/v, 256 rows"),
+        (256, 576, 1536, "gate/up, 256 rows"),
+        (256, 1536, 576, "down, 256 rows"),
+        (1024, 576, 1536, "gate/up, 1024 rows"),
     ];
     println!("| m | k | n | shape | dot kernel µs | packed µs | bf16 packed µs | dot GFLOP/s | packed GFLOP/s | bf16 packed GFLOP/s | packed ÷ dot time |");
     println!("|---|---|---|---|---|---|---|---|---|---|---|");

@@ -346,3 +346,40 @@ fn smollm2_gguf_greedy_text_is_llama_cpp_with_q8_activations() {
         }
     }
 }
+
+/// SmolLM2-135M-Instruct in bf16 as Hugging Face ships it (`THAW_SMOLLM2_BF16`: its HF
+/// directory or bf16 GGUF; skips when unset). Where the CPU has AVX512-BF16 every product over
+/// its weights — prompt rows and decode rows alike — multiplies bf16-rounded activations
+/// (`vdpbf16ps`, as PyTorch and llama.cpp compute a bf16 model), and prompt attention runs
+/// tiled: the greedy text is still [`EXPECTED`], and alone and batched with two others the
+/// tokens agree exactly (no kernel's result depends on its batch).
+#[test]
+fn smollm2_bf16_greedy_text_alone_equals_batched() {
+    let Some(path) = std::env::var_os("THAW_SMOLLM2_BF16") else {
+        eprintln!("skipping: set THAW_SMOLLM2_BF16 to SmolLM2-135M-Instruct in bf16");
+        return;
+    };
+    let _switches = switches();
+    let (model, tok) =
+        HostModel::load_with_tokenizer(std::path::Path::new(&path)).expect("the model loads");
+    assert_eq!(model.format_mix(), "BF16", "{path:?} is not a bf16 model");
+    let prompt = chat_prompt(&tok, PROMPT);
+    let batch = [
+        chat_prompt(&tok, "Name three colours."),
+        prompt.clone(),
+        chat_prompt(&tok, "Write one sentence about the sea."),
+    ];
+    let alone = greedy(model.clone(), std::slice::from_ref(&prompt)).remove(0);
+    let batched = greedy(model, &batch);
+    let text = tok.decode(&alone, true).unwrap();
+    eprintln!(
+        "bf16 ({}): {text:?}",
+        if thaw_kernels::cpu::simd::bf16_dot_active() {
+            "vdpbf16ps"
+        } else {
+            "widened to f32"
+        }
+    );
+    assert_eq!(batched[1], alone, "bf16: batch of 1 vs batched");
+    assert!(text.starts_with(EXPECTED), "bf16: {text:?}");
+}

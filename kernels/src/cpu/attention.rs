@@ -150,9 +150,13 @@ fn for_each_pos(
 /// `sliding_window` is `Some(window)` (Mistral). `n_heads % num_kv_heads == 0`; head `h` uses
 /// kv head `h / (n_heads / num_kv_heads)`. `out` is `[tokens, n_heads, head_dim]`; `scale` is
 /// usually `1/sqrt(head_dim)`. Works for prefill chunks (`tokens > 1`, `start_pos > 0`) and
-/// decode (`tokens == 1`). Scores of the query heads sharing a kv head are computed together so
-/// each key and value row is read once per group; softmax is two-pass over `scratch`, which grows
-/// to `group · span` and is reused (no allocation once warm).
+/// decode (`tokens == 1`); every query's result depends only on its own query, position and
+/// keys, not on the chunk it comes in, bit for bit. `scratch` grows to what the call needs and
+/// is reused (no allocation once warm).
+///
+/// With AVX-512F in use (the AVX2 level, `THAW_AVX512` and `THAW_TILED_ATTENTION` not `0`) a
+/// tile of query rows passes each key and value row once (`attention_tiled.rs`); otherwise one
+/// query token at a time (`attend_rows`). The two give the same bits.
 #[allow(clippy::too_many_arguments)]
 pub fn paged_attention(
     q: &[f32],
@@ -205,20 +209,79 @@ pub fn paged_attention(
         block_table,
         start_pos + tokens,
     );
-    let group = n_heads / nkv;
-    let max_span = sliding_window.map_or(start_pos + tokens, |w| w.min(start_pos + tokens));
+    let seq = Seq {
+        q,
+        k: k_cache,
+        v: v_cache,
+        layout,
+        table: block_table,
+        start_pos,
+        n_heads,
+        scale,
+        window: sliding_window,
+    };
+    #[cfg(target_arch = "x86_64")]
+    if let Some(t) = tiled::Tiled::enabled() {
+        return t.attend(&seq, out, scratch);
+    }
+    attend_rows(&seq, out, scratch);
+}
+
+/// One sequence's attention call, checked by [`paged_attention`]: `q` is `[tokens, n_heads,
+/// head_dim]` for positions `start_pos ..`, and the cache holds positions `0 .. start_pos +
+/// tokens`.
+#[derive(Copy, Clone)]
+struct Seq<'a> {
+    q: &'a [f32],
+    k: &'a [f32],
+    v: &'a [f32],
+    layout: KvLayout,
+    table: &'a [u32],
+    start_pos: usize,
+    n_heads: usize,
+    scale: f32,
+    window: Option<usize>,
+}
+
+impl Seq<'_> {
+    fn tokens(&self) -> usize {
+        self.q.len() / (self.n_heads * self.layout.head_dim)
+    }
+
+    /// Query heads per kv head.
+    fn group(&self) -> usize {
+        self.n_heads / self.layout.num_kv_heads
+    }
+
+    /// The first position the query at `pos` attends to.
+    fn lo(&self, pos: usize) -> usize {
+        self.window.map_or(0, |w| (pos + 1).saturating_sub(w))
+    }
+}
+
+/// The portable path (and the oracle of the tiled one): one query token at a time, the
+/// scores of the query heads sharing a kv head computed together so each key and value row
+/// is read once per group and token; softmax is two-pass over `scratch`, which grows to
+/// `group · span` and is reused (no allocation once warm).
+fn attend_rows(s: &Seq<'_>, out: &mut [f32], scratch: &mut Vec<f32>) {
+    let (d, nkv, group) = (s.layout.head_dim, s.layout.num_kv_heads, s.group());
+    let (tokens, n_heads, scale) = (s.tokens(), s.n_heads, s.scale);
+    let (layout, block_table, k_cache, v_cache) = (s.layout, s.table, s.k, s.v);
+    let max_span = s
+        .window
+        .map_or(s.start_pos + tokens, |w| w.min(s.start_pos + tokens));
     if scratch.len() < group * max_span {
         scratch.resize(group * max_span, 0.0);
     }
 
     for t in 0..tokens {
-        let pos = start_pos + t;
-        let lo = sliding_window.map_or(0, |w| (pos + 1).saturating_sub(w));
+        let pos = s.start_pos + t;
+        let lo = s.lo(pos);
         let span = pos + 1 - lo;
         let row = t * n_heads * d;
         for kvh in 0..nkv {
             let heads = row + kvh * group * d..row + (kvh + 1) * group * d;
-            let qg = &q[heads.clone()];
+            let qg = &s.q[heads.clone()];
             let og = &mut out[heads];
             let scores = &mut scratch[..group * span];
             // Pass 1: scores[g, j] = scale · q_g · k_j.
@@ -254,6 +317,14 @@ fn softmax_unnormalised(s: &mut [f32]) {
     s.iter_mut().for_each(|v| *v = (*v - max).exp());
 }
 
+#[cfg(target_arch = "x86_64")]
+#[path = "attention_tiled.rs"]
+mod tiled;
+
 #[cfg(test)]
 #[path = "attention_tests.rs"]
 mod tests;
+
+#[cfg(all(test, target_arch = "x86_64"))]
+#[path = "attention_tiled_tests.rs"]
+mod tiled_tests;

@@ -6,7 +6,7 @@ use rand_chacha::ChaCha8Rng;
 /// Dense causal GQA attention in f64 over contiguous `k`, `v` (`[seq, nkv, d]`); `q` holds the
 /// queries for positions `start ..`.
 #[allow(clippy::too_many_arguments)]
-fn dense_ref(
+pub(super) fn dense_ref(
     q: &[f32],
     k: &[f32],
     v: &[f32],
@@ -50,19 +50,34 @@ fn dense_ref(
     out
 }
 
-struct Case {
-    seq: usize,
-    n_heads: usize,
-    layout: KvLayout,
-    q: Vec<f32>,
-    k: Vec<f32>,
-    v: Vec<f32>,
+/// [`paged_attention`]'s signature.
+pub(super) type Attend = fn(
+    &[f32],
+    &[f32],
+    &[f32],
+    KvLayout,
+    &[u32],
+    usize,
+    usize,
+    f32,
+    Option<usize>,
+    &mut [f32],
+    &mut Vec<f32>,
+);
+
+pub(super) struct Case {
+    pub seq: usize,
+    pub n_heads: usize,
+    pub layout: KvLayout,
+    pub q: Vec<f32>,
+    pub k: Vec<f32>,
+    pub v: Vec<f32>,
     table: Vec<u32>,
     num_blocks: usize,
 }
 
 impl Case {
-    fn new(
+    pub(super) fn new(
         r: &mut ChaCha8Rng,
         seq: usize,
         n_heads: usize,
@@ -100,6 +115,18 @@ impl Case {
 
     /// Runs the sequence in prefill chunks of `chunk` tokens, writing each chunk's K/V first.
     fn run_chunked(&self, r: &mut ChaCha8Rng, chunk: usize, window: Option<usize>) -> Vec<f32> {
+        self.run_with(r, chunk, window, paged_attention)
+    }
+
+    /// [`Self::run_chunked`] through `attend` (a function with [`paged_attention`]'s
+    /// signature).
+    pub(super) fn run_with(
+        &self,
+        r: &mut ChaCha8Rng,
+        chunk: usize,
+        window: Option<usize>,
+        attend: Attend,
+    ) -> Vec<f32> {
         let (mut kc, mut vc) = self.garbage_cache(r);
         let (qt, kt) = (self.n_heads * self.layout.head_dim, self.layout.token_len());
         let mut out = vec![f32::NAN; self.q.len()];
@@ -110,7 +137,7 @@ impl Case {
             let end = (start + chunk).min(self.seq);
             let (k, v) = (&self.k[start * kt..end * kt], &self.v[start * kt..end * kt]);
             write_kv(&mut kc, &mut vc, self.layout, &self.table, start, k, v);
-            paged_attention(
+            attend(
                 &self.q[start * qt..end * qt],
                 &kc,
                 &vc,

@@ -11,9 +11,9 @@ use super::WeightFormat;
 use crate::cpu::gemm::{dot, linear, GemmShape, SMALL_M};
 use crate::cpu::hostvec::HostVec;
 use crate::cpu::simd::{
-    dequantize_row, dot_rows_bf16, dot_rows_f16, gemm_nt, gemm_nt_available, gemm_nt_f32,
-    gemm_nt_f32_prompt, gemm_nt_prompt, gemm_nt_vnni, gemm_nt_vnni_prompt, gemv_q8, gemv_quant_f32,
-    q8_dot_supported, quantize_q8, FloatWeights, Q8Block, PROMPT_PANEL_ROWS,
+    dequantize_row, dot_rows_bf16, dot_rows_f16, gemm_nt, gemm_nt_available, gemm_nt_bf16_rows,
+    gemm_nt_f32, gemm_nt_f32_prompt, gemm_nt_prompt, gemm_nt_vnni, gemm_nt_vnni_prompt, gemv_q8,
+    gemv_quant_f32, q8_dot_supported, quantize_q8, FloatWeights, Q8Block, PROMPT_PANEL_ROWS,
 };
 use crate::cpu::sys::{sgemm, HugeArena, MatMut, MatRef};
 use crate::error::KernelError;
@@ -414,6 +414,12 @@ impl WeightMatrix {
         // batch pays for the conversion once rather than per row. One row keeps the AVX2 row
         // dot (`decode_direct`; same bits): streaming one weight row at a time measured
         // faster there in the engine (bf16 SmolLM2, 1 thread, this 2-core VM).
+        if let (WeightData::BF16(w), true) = (&self.data, m <= SMALL_M) {
+            // bf16 pairs (`vdpbf16ps`) for decode rows too, where the CPU has AVX512-BF16.
+            if gemm_nt_bf16_rows(x, &w[c0..c1], (m, k, n), out, n) {
+                return;
+            }
+        }
         if let Some(fw) = floats {
             let done = if m > SMALL_M {
                 gemm_nt_prompt(x, fw, (m, k, n), out, n)

@@ -163,8 +163,9 @@ fn matmul_matches_dequantised_f32() {
                     || (m <= 16 && super::q8_activations() && q8_dot_supported(f));
                 let xs = if q8 {
                     q8_rows(&x, k)
-                } else if m > 16 && f == WeightFormat::BF16 && bf16_dot_active() {
-                    // Prompt rows over bf16 weights multiply bf16-rounded activations.
+                } else if f == WeightFormat::BF16 && bf16_dot_active() && k % 2 == 0 {
+                    // Rows over bf16 weights multiply bf16-rounded activations (prompt and,
+                    // for even `k`, decode rows).
                     x.iter()
                         .map(|&v| half::bf16::from_f32(v).to_f32())
                         .collect()

@@ -61,9 +61,9 @@ fn equals_widened(fi: usize, m: usize, seed: u64) {
         );
         return;
     }
-    if m > 16 && f == WeightFormat::BF16 && bf16_dot_active() {
-        // Prompt rows over bf16 weights multiply bf16-rounded activations (`vdpbf16ps`):
-        // the widened product of those, within the tolerance.
+    if f == WeightFormat::BF16 && bf16_dot_active() && (m > 16 || k % 2 == 0) {
+        // Rows over bf16 weights multiply bf16-rounded activations (`vdpbf16ps`; decode rows
+        // for even `k`): the widened product of those, within the tolerance.
         let xr: Vec<f32> = x
             .iter()
             .map(|&v| half::bf16::from_f32(v).to_f32())

@@ -35,6 +35,8 @@ mod tests;
 #[cfg(test)]
 mod tests_batched;
 #[cfg(test)]
+mod tests_bf16_rows;
+#[cfg(test)]
 mod tests_prompt;
 #[cfg(test)]
 mod tests_vnni;
@@ -278,6 +280,29 @@ pub fn gemm_nt_prompt(
         if let Some(z) = x86_512::Avx512::enabled() {
             z.gemm_nt_packed(x, w, (m, k, n), out, ldo);
             return true;
+        }
+    }
+    let _ = (x, w, m, k, n, out, ldo);
+    false
+}
+
+/// `out[i·ldo + j] = bf16(x_i)·w_j` for decode-sized `m` over bf16 weights where
+/// [`bf16_dot_active`] (`vdpbf16ps` on the weight as stored, the activations rounded to bf16
+/// once per call: a bf16 model's arithmetic in PyTorch and llama.cpp, as the prompt rows of
+/// [`gemm_nt_prompt`]). Each output's bits depend only on its own two rows, so one row alone
+/// and in a batch agree. Returns false, doing nothing, where the kernel is off or `k` is odd
+/// (the caller then uses [`gemm_nt`] or its own path).
+pub fn gemm_nt_bf16_rows(
+    x: &[f32],
+    w: &[bf16],
+    (m, k, n): (usize, usize, usize),
+    out: &mut [f32],
+    ldo: usize,
+) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if simd_level() == SimdLevel::Avx2 {
+        if let Some(z) = x86_512_bf16::Avx512Bf16::enabled() {
+            return z.gemm_nt_rows(x, w, (m, k, n), out, ldo);
         }
     }
     let _ = (x, w, m, k, n, out, ldo);

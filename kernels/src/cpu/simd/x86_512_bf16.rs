@@ -294,3 +294,180 @@ unsafe fn pack_panel(w: *const u16, nc: usize, k: usize, panel: *mut u32) {
         }
     }
 }
+
+/// Weight rows per register tile of [`Avx512Bf16::gemm_nt_rows`].
+const RJ: usize = 4;
+/// Activation rows per register tile of [`Avx512Bf16::gemm_nt_rows`].
+const RR: usize = 4;
+
+impl Avx512Bf16 {
+    /// `out[i·ldo + j] = bf16(x_i)·w_j` for decode-sized `m` (one row up to a batch), the
+    /// weight read in place: an `RR × RJ` register tile of 16-lane accumulators, each step
+    /// one `vdpbf16ps` of 16 pairs of `x_i` (rounded to bf16 once per call) against 16 pairs
+    /// of `w_j` as stored — no widening, twice the products per instruction of the f32 FMA.
+    /// Lane `l` of output `(i, j)` sums the pairs `p ≡ l (mod 16)` in order of `p`, then the
+    /// 16 lanes are added in one fixed tree ([`lane_sum`]): every output's bits depend only
+    /// on its own two rows, not on `m`, `n`, the tile or a split over threads, so a decode
+    /// row gets the same result alone and in a batch. Returns false (doing nothing) for odd
+    /// `k` (a weight row would start inside a pair).
+    pub(super) fn gemm_nt_rows(
+        self,
+        x: &[f32],
+        w: &[bf16],
+        (m, k, n): (usize, usize, usize),
+        out: &mut [f32],
+        ldo: usize,
+    ) -> bool {
+        if k % 2 == 1 {
+            return false;
+        }
+        if trivial_product("gemm_nt_bf16rows", x, w.len(), (m, k, n), out, ldo) {
+            return true;
+        }
+        let kp = k / 2;
+        // Each row's pairs padded with zeros to whole 16-pair vectors.
+        let stride = kp.next_multiple_of(16);
+        SCRATCH.with(|s| {
+            let (_, xb) = &mut *s.borrow_mut();
+            if xb.len() < m * stride {
+                xb.resize(m * stride, 0);
+            }
+            for (row, pairs) in x[..m * k].chunks_exact(k).zip(xb.chunks_exact_mut(stride)) {
+                // SAFETY: `self` proves AVX-512F.
+                unsafe { to_pairs_avx512(row, &mut pairs[..kp]) };
+                pairs[kp..].fill(0);
+            }
+            // SAFETY: `self` proves AVX512-BF16 and AVX-512F; the asserts bound every row of
+            // `w` (`n·k` bf16s, `k` even) and every output `i·ldo + j` (i < m, j < n); `xb`
+            // holds `m` rows of `stride` pairs.
+            unsafe {
+                rows_kernel(
+                    xb.as_ptr(),
+                    stride,
+                    w.as_ptr().cast(),
+                    (m, kp, n),
+                    out.as_mut_ptr(),
+                    ldo,
+                )
+            }
+        });
+        true
+    }
+}
+
+/// The tiles of [`Avx512Bf16::gemm_nt_rows`]: weight rows outermost (a tile of `RJ` rows
+/// stays in L1 while every activation row passes it).
+///
+/// # Safety
+/// AVX512-BF16/AVX-512F available; `xb` readable for `m` rows of `stride ≥ kp` pairs (zero
+/// from `kp` on, `stride` a multiple of 16), `w` for `n` rows of `kp` pairs, `out` writable at
+/// `i·ldo + j` for `i < m`, `j < n`.
+#[inline(never)]
+#[target_feature(enable = "avx512f,avx512bf16,avx2,fma")]
+unsafe fn rows_kernel(
+    xb: *const u32,
+    stride: usize,
+    w: *const u32,
+    (m, kp, n): (usize, usize, usize),
+    out: *mut f32,
+    ldo: usize,
+) {
+    // One activation row streams one weight row at a time (from memory, four rows read side
+    // by side measured 1.2–2.2× slower, `examples/bf16_rows.rs`); batches share a tile of
+    // `RJ` weight rows. Each output's bits are the same either way.
+    let rj = if m == 1 { 1 } else { RJ };
+    let mut j = 0;
+    while j < n {
+        let jn = (n - j).min(rj);
+        let mut i = 0;
+        while i < m {
+            let rn = (m - i).min(RR);
+            // SAFETY: weight rows `j..j + jn ≤ n`, activation rows `i..i + rn ≤ m`, outputs
+            // `(i + r)·ldo + j + jj`: inside the caller's guarantee.
+            unsafe {
+                let (xi, wj, o) = (xb.add(i * stride), w.add(j * kp), out.add(i * ldo + j));
+                macro_rules! go {
+                    ($($J:literal, $R:literal);*) => {
+                        match (jn, rn) {
+                            $(($J, $R) => rows_tile::<$J, $R>(xi, stride, wj, kp, o, ldo),)*
+                            _ => unreachable!(),
+                        }
+                    };
+                }
+                go!(4,4; 4,3; 4,2; 4,1; 3,4; 3,3; 3,2; 3,1; 2,4; 2,3; 2,2; 2,1; 1,4; 1,3; 1,2; 1,1);
+            }
+            i += rn;
+        }
+        j += jn;
+    }
+}
+
+/// One `R × J` tile of [`rows_kernel`]: `out[r·ldo + jj] = Σ_p xb[r·stride + p] · w[jj·kp + p]`
+/// over bf16 pairs, lanes summed by [`lane_sum`].
+///
+/// # Safety
+/// AVX512-BF16/AVX-512F available; `xb` readable for `R` rows of `stride` pairs (a multiple
+/// of 16, zero from `kp`), `w` for `J` rows of `kp` pairs, `out` writable at `r·ldo + jj`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bf16,avx2,fma")]
+unsafe fn rows_tile<const J: usize, const R: usize>(
+    xb: *const u32,
+    stride: usize,
+    w: *const u32,
+    kp: usize,
+    out: *mut f32,
+    ldo: usize,
+) {
+    let bh = |v: __m512i| -> __m512bh {
+        // SAFETY: `__m512bh` is 32 bf16 values in the same 512 bits as `v`.
+        unsafe { std::mem::transmute::<__m512i, __m512bh>(v) }
+    };
+    // SAFETY: weight loads read pairs `< kp` of the J rows (the last step masked), activation
+    // loads pairs `< stride` of the R rows; stores hit the R × J outputs.
+    unsafe {
+        let mut acc = [[_mm512_setzero_ps(); R]; J];
+        let mut p = 0;
+        while p < kp {
+            let mask: __mmask16 = if p + 16 <= kp {
+                0xFFFF
+            } else {
+                (1u16 << (kp - p)) - 1
+            };
+            let mut wv = [bh(_mm512_setzero_si512()); J];
+            for jj in 0..J {
+                wv[jj] = bh(_mm512_maskz_loadu_epi32(mask, w.add(jj * kp + p).cast()));
+            }
+            for r in 0..R {
+                let xv = bh(_mm512_loadu_si512(xb.add(r * stride + p).cast()));
+                for jj in 0..J {
+                    acc[jj][r] = _mm512_dpbf16_ps(acc[jj][r], xv, wv[jj]);
+                }
+            }
+            p += 16;
+        }
+        for jj in 0..J {
+            for r in 0..R {
+                *out.add(r * ldo + jj) = lane_sum(acc[jj][r]);
+            }
+        }
+    }
+}
+
+/// The 16 lanes of `v` added in one fixed tree: halves, quarters, then pairs
+/// (`((l0 + l8) + (l4 + l12)) + …`), the same sequence wherever it is inlined.
+///
+/// # Safety
+/// AVX-512F available.
+#[inline]
+#[target_feature(enable = "avx512f,avx2")]
+unsafe fn lane_sum(v: __m512) -> f32 {
+    {
+        let h = _mm256_add_ps(
+            _mm512_castps512_ps256(v),
+            _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v))),
+        );
+        let q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps::<1>(h));
+        let d = _mm_add_ps(q, _mm_movehl_ps(q, q));
+        _mm_cvtss_f32(_mm_add_ss(d, _mm_shuffle_ps::<1>(d, d)))
+    }
+}
