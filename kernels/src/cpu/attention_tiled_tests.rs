@@ -38,45 +38,42 @@ fn seq<'a>(
     }
 }
 
-/// The portable path alone, with [`paged_attention`]'s signature.
-#[allow(clippy::too_many_arguments)]
-fn portable(
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    layout: KvLayout,
-    table: &[u32],
-    start_pos: usize,
-    n_heads: usize,
-    scale: f32,
-    window: Option<usize>,
-    out: &mut [f32],
-    scratch: &mut Vec<f32>,
-) {
-    let s = seq(q, k, v, layout, table, start_pos, n_heads, scale, window);
-    attend_rows(&s, out, scratch);
+/// A path over one [`Seq`] given [`paged_attention`]'s signature.
+macro_rules! with_paged_signature {
+    ($(#[$doc:meta])* $name:ident, $attend:expr) => {
+        $(#[$doc])*
+        #[allow(clippy::too_many_arguments)]
+        fn $name(
+            q: &[f32],
+            k: &[f32],
+            v: &[f32],
+            layout: KvLayout,
+            table: &[u32],
+            start_pos: usize,
+            n_heads: usize,
+            scale: f32,
+            window: Option<usize>,
+            out: &mut [f32],
+            scratch: &mut Vec<f32>,
+        ) {
+            let s = seq(q, k, v, layout, table, start_pos, n_heads, scale, window);
+            $attend(&s, out, scratch);
+        }
+    };
 }
 
-/// The tiled kernel alone (the caller checked [`Tiled::enabled`]).
-#[allow(clippy::too_many_arguments)]
-fn tiled(
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    layout: KvLayout,
-    table: &[u32],
-    start_pos: usize,
-    n_heads: usize,
-    scale: f32,
-    window: Option<usize>,
-    out: &mut [f32],
-    scratch: &mut Vec<f32>,
-) {
-    let s = seq(q, k, v, layout, table, start_pos, n_heads, scale, window);
-    Tiled::enabled()
+with_paged_signature!(
+    /// The portable path alone.
+    portable,
+    attend_rows
+);
+with_paged_signature!(
+    /// The tiled kernel alone (the caller checked [`Tiled::enabled`]).
+    tiled,
+    |s: &Seq<'_>, out: &mut [f32], scratch: &mut Vec<f32>| Tiled::enabled()
         .expect("tiled attention checked on")
-        .attend(&s, out, scratch);
-}
+        .attend(s, out, scratch)
+);
 
 fn have_tiled() -> bool {
     let on = Tiled::enabled().is_some();
