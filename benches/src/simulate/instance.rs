@@ -360,8 +360,19 @@ impl Instance {
             Some(t) if t <= 0.0 => Some((left.min(budget), false)),
             Some(t) => {
                 let other: usize = self.plan.iter().map(|p| p.1).sum();
+                // The planned requests' fewest output tokens left (the engine's
+                // `ColdCase::fewest_left`).
+                let fewest_left = self
+                    .plan
+                    .iter()
+                    .map(|p| {
+                        let r = &self.running[p.0];
+                        r.req.output.saturating_sub(r.generated)
+                    })
+                    .min()
+                    .unwrap_or(usize::MAX);
                 model
-                    .decide(left, other, s.req.rank, t)
+                    .decide(left, (other, fewest_left), s.req.rank, t)
                     .map(|c| (c.min(budget), true))
             }
             None => None,

@@ -134,13 +134,15 @@ impl InstanceModel {
     }
 
     /// The `auto` policy for a prefill of `prompt_left` tokens of a rank-`rank` adapter whose
-    /// load finishes in `load_left` seconds, next to `other_tokens` rows: Some(chunk) to start
-    /// now with CPU assist, None to wait. The engine's own rule ([`PerfModel::decide_work`]),
-    /// asked as the engine's gate asks it: the whole remaining prompt as the cap.
+    /// load finishes in `load_left` seconds, next to `other_tokens` rows of running requests
+    /// the nearest its end of which has `fewest_left` output tokens left: Some(chunk) to
+    /// start now with CPU assist, None to wait. The engine's own rule
+    /// ([`PerfModel::decide_work`]), asked as the engine's gate asks it: the whole remaining
+    /// prompt as the cap.
     pub fn decide(
         &self,
         prompt_left: usize,
-        other_tokens: usize,
+        (other_tokens, fewest_left): (usize, usize),
         rank: u32,
         load_left: f64,
     ) -> Option<usize> {
@@ -149,6 +151,7 @@ impl InstanceModel {
             prompt_left,
             prompt_left,
             other_tokens,
+            fewest_left,
             load_left,
         ) {
             ColdDecision::Wait => None,
@@ -215,9 +218,12 @@ pub(crate) mod tests {
         assert!(m.link_time(16) > m.link_time(8));
         assert!(m.disk_time(16) > m.disk_time(8));
         // Idle device: assisting beats waiting for a slow load.
-        assert!(m.decide(64, 0, 8, 1.0).is_some());
+        assert!(m.decide(64, (0, 0), 8, 1.0).is_some());
         // A load that is about to land: wait.
-        assert_eq!(m.decide(64, 0, 8, 0.0), None);
+        assert_eq!(m.decide(64, (0, 0), 8, 0.0), None);
+        // Next to a decode at its last token, a stretch of its one step is more than the
+        // budget of its time per token: wait.
+        assert_eq!(m.decide(64, (1, 1), 8, 1.0), None);
     }
 
     #[test]

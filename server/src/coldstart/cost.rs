@@ -1,15 +1,14 @@
 //! The cold-start decision (DESIGN §4) on the one performance model ([`PerfModel`]): CPU
 //! LoRA time, and for a cold request whether to wait for the load or assist with a prefill
-//! chunk sized so the CPU work per layer fits under the device's time per layer.
+//! chunk, weighed by the TTFT it saves against what it costs the running requests' time per
+//! token over the tokens they have left ([`super::amortize`]).
 use thaw_runtime::adapter::LoraAdapter;
 
+use super::amortize::{Stretch, MAX_TPOT_SLOWDOWN};
 use crate::perf::PerfModel;
 
 /// The cold-start planner's name for the one performance model.
 pub type CostModel = PerfModel;
-
-/// Largest predicted slowdown of co-batched decode that CPU assist may cause.
-pub const MAX_DECODE_SLOWDOWN: f64 = 0.05;
 
 /// What the policy does with a cold request this step.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -76,33 +75,28 @@ impl PerfModel {
         t + self.assist_layer_overhead_s
     }
 
-    /// Largest chunk whose CPU work per layer fits under the device's time per layer for a
-    /// step that also carries `other_tokens` rows of other requests.
-    pub fn max_assist_chunk(&self, w: AssistWork, other_tokens: usize, cap: usize) -> usize {
-        if cap == 0 {
-            return 0;
+    /// The prefill chunks `auto` weighs for a request (at most `cap`, at least 1): the cap
+    /// and its halvings, and the largest chunk whose CPU work per layer the device's work
+    /// hides (DESIGN §4's sizing) next to `other_tokens` rows. None of them depends on the
+    /// running requests or the assist's overhead, so neither can widen the choice.
+    fn assist_chunks(&self, w: AssistWork, other_tokens: usize, cap: usize) -> Vec<usize> {
+        let mut chunks = Vec::new();
+        let mut c = cap;
+        while c > 0 {
+            chunks.push(c);
+            c /= 2;
         }
-        let fits = |c: usize| {
-            let dev = self.layer_time(other_tokens + c);
-            // What co-batched requests see: the step's layer time with assist against
-            // without it (their decode would run alongside this chunk either way).
-            let with = self.assisted_layer_time(dev, self.cpu_work_time(w, c));
-            other_tokens == 0 || with <= dev * (1.0 + MAX_DECODE_SLOWDOWN)
-        };
-        if fits(cap) {
-            return cap;
-        }
-        // Bisection over the chunk size: cpu time grows linearly in c, device time too.
-        let (mut lo, mut hi) = (0usize, cap);
-        while lo + 1 < hi {
-            let mid = (lo + hi) / 2;
-            if fits(mid) {
-                lo = mid;
-            } else {
-                hi = mid;
+        // cpu(c) = k·c ≤ f·(base + a_tok·(other + c)) ⇔ c ≤ f·(base + a_tok·other)/(k − f·a_tok).
+        let k = self.cpu_work_time(w, 1);
+        let f = self.assist_device_factor.max(1.0);
+        let slack = k - f * self.layer_per_token_s;
+        if self.cpu_overlaps && slack > 0.0 {
+            let hidden = f * self.layer_time(other_tokens) / slack;
+            if hidden >= 1.0 && hidden < cap as f64 {
+                chunks.push(hidden as usize);
             }
         }
-        lo
+        chunks
     }
 
     /// Predicted TTFT of a cold request that waits for its load, then prefills in chunks of
@@ -123,10 +117,10 @@ impl PerfModel {
     }
 
     /// The assisted prefill of `prompt` tokens in chunks of `chunk` next to `other_tokens`
-    /// rows: its time, and the time it adds to each of those steps over the same steps
-    /// without assist (what every co-batched request waits longer). `read_s`: what the
-    /// workers spend reading the adapter's bytes from its file on their first pass over the
-    /// layers (a share per layer of the first step; 0 when they read it from memory).
+    /// rows: its time, and how it stretches each of those steps over the same steps without
+    /// assist (what every co-batched request waits longer). `read_s`: what the workers spend
+    /// reading the adapter's bytes from its file on their first pass over the layers (a share
+    /// per layer of the first step; 0 when they read it from memory).
     fn assist_path(
         &self,
         w: AssistWork,
@@ -134,25 +128,33 @@ impl PerfModel {
         chunk: usize,
         other_tokens: usize,
         read_s: f64,
-    ) -> (f64, f64) {
+    ) -> (f64, Stretch) {
         let layers = self.num_layers.max(1) as f64;
-        let (mut t, mut extra) = (0.0, 0.0);
-        let mut left = prompt;
-        let mut first = true;
-        while left > 0 {
-            let c = left.min(chunk.max(1));
-            let dev = self.layer_time(other_tokens + c);
-            let read = if std::mem::take(&mut first) {
-                read_s / layers
-            } else {
-                0.0
-            };
-            let layer = self.assisted_layer_time(dev, self.cpu_work_time(w, c) + read);
-            t += layer * layers;
-            extra += (layer - dev).max(0.0) * layers;
-            left -= c;
+        let mut stretch = Stretch::default();
+        if prompt == 0 {
+            return (0.0, stretch);
         }
-        (t, extra)
+        let c = chunk.clamp(1, prompt);
+        // One step of `rows` rows: its time and its extra time, both for the whole step.
+        let step = |rows: usize, read: f64| {
+            let dev = self.layer_time(other_tokens + rows);
+            let layer = self.assisted_layer_time(dev, self.cpu_work_time(w, rows) + read);
+            (layer * layers, (layer - dev).max(0.0) * layers)
+        };
+        // The first chunk (with the workers' read), the other full chunks, the remainder.
+        let (full, rest) = (prompt / c, prompt % c);
+        let first = step(c, read_s / layers);
+        let mid = step(c, 0.0);
+        let last = step(rest, 0.0);
+        let mids = (full - 1) as f64;
+        stretch.push(1.0, first.1);
+        stretch.push(mids, mid.1);
+        let mut t = first.0 + mids * mid.0;
+        if rest > 0 {
+            stretch.push(1.0, last.1);
+            t += last.0;
+        }
+        (t, stretch)
     }
 
     fn prefill_time(&self, prompt: usize, cap: usize, other_tokens: usize) -> f64 {
@@ -168,14 +170,16 @@ impl PerfModel {
 
     /// The `auto` rule for a request whose load finishes in `load_left_s` and whose CPU
     /// assist could start now, next to `other_tokens` rows of `other_tokens` running
-    /// requests. The engine's gate (through [`Self::decide_cold`]) and `thaw-bench simulate`
-    /// both decide with [`Self::decide_times`].
+    /// requests, the one nearest its end with `fewest_left` tokens left. The engine's gate
+    /// (through [`Self::decide_cold`]) and `thaw-bench simulate` both decide with
+    /// [`Self::decide_times`].
     pub fn decide_work(
         &self,
         w: AssistWork,
         prompt_left: usize,
         cap: usize,
         other_tokens: usize,
+        fewest_left: usize,
         load_left_s: f64,
     ) -> ColdDecision {
         self.decide_times(&ColdTimes {
@@ -184,6 +188,7 @@ impl PerfModel {
             cap,
             other_tokens,
             running: other_tokens,
+            fewest_left,
             decode_left: usize::MAX,
             load_left_s,
             assist_load_left_s: load_left_s,
@@ -196,56 +201,80 @@ impl PerfModel {
     /// The `auto` policy, a pure function of `t` and the model. Waiting costs the request
     /// the load (`load_left_s`: the disk read and host encode when it is still on disk, the
     /// copy) before its prefill; assisting starts its prefill when the workers can
-    /// (`assist_start_s`), in chunks whose CPU work per layer fits under the device's time
-    /// per layer with co-batched decode slowed by at most [`MAX_DECODE_SLOWDOWN`], each step
-    /// stretched by what the assist costs on this device (its overhead, the device's
-    /// slowdown, the workers' first read of the file). It assists only when the wait it
-    /// hides (the predicted TTFT saved, less what its own decode loses while its adapter is
-    /// still loading) exceeds what it costs the running batch: every running request waits
-    /// for each assisted step's extra time.
+    /// (`assist_start_s`), each step stretched by what the assist costs on this device (its
+    /// overhead, the CPU work the device does not hide, the device's slowdown, the workers'
+    /// first read of the file), and its decode steps too while its adapter still loads.
+    ///
+    /// For each chunk it weighs ([`Self::assist_chunks`]) two tests, both CaraServe's: the
+    /// running requests' time per token over the tokens they have left rises by at most
+    /// [`MAX_TPOT_SLOWDOWN`] ([`Stretch::worst_rise`]; the SLO), and the wait it hides (the
+    /// predicted TTFT saved, less what its own decode loses while its adapter loads) exceeds
+    /// what it costs them, every running request waiting for each stretched step (the cost
+    /// score). Of the chunks that pass both it takes the one that saves the most net of that
+    /// cost; with none it waits.
     pub fn decide_times(&self, t: &ColdTimes) -> ColdPlan {
         let wait = self.ttft_wait(t.prompt_left, t.cap, t.other_tokens, t.load_left_s);
-        let chunk = self.max_assist_chunk(t.work, t.other_tokens, t.cap.min(t.prompt_left));
-        if chunk == 0 {
-            return ColdPlan {
-                decision: ColdDecision::Wait,
-                wait_s: wait,
-                assist_s: None,
-                others_s: 0.0,
-            };
-        }
-        let (path, extra) = self.assist_path(
-            t.work,
-            t.prompt_left,
-            chunk,
-            t.other_tokens,
-            t.assist_read_s.max(0.0),
-        );
-        let assist = t.assist_start_s.max(0.0) + path;
-        // Its adapter may still be loading when its prompt is done: its decode steps are
-        // assisted (and stretched, for it and for the running requests) until it lands.
+        let mut plan = ColdPlan {
+            decision: ColdDecision::Wait,
+            wait_s: wait,
+            assist_s: None,
+            others_s: 0.0,
+            tpot_rise: 0.0,
+        };
+        // What a running request's token takes now: the step it is in, without the cold
+        // request, plus the loop's gap between steps.
+        let tpot = self.step_time(t.other_tokens.max(1)) + self.step_overhead_s;
+        // One assisted decode step of the cold request while its adapter still loads.
         let (dec_dev, dec_assisted) = {
             let dev = self.layer_time(t.other_tokens + 1);
             let layer = self.assisted_layer_time(dev, self.cpu_work_time(t.work, 1));
             let layers = self.num_layers.max(1) as f64;
             (dev * layers, layer * layers)
         };
-        let decode_steps = ((t.assist_load_left_s - assist) / dec_assisted.max(1e-9))
-            .max(0.0)
-            .min(t.decode_left as f64);
-        let decode_extra = decode_steps * (dec_assisted - dec_dev).max(0.0);
-        let others = t.running as f64 * (extra + decode_extra);
-        let hidden = wait - assist - decode_extra;
-        ColdPlan {
-            decision: if hidden > others {
-                ColdDecision::Assist { max_chunk: chunk }
+        let mut best = f64::NEG_INFINITY;
+        for chunk in self.assist_chunks(t.work, t.other_tokens, t.cap.min(t.prompt_left)) {
+            let (path, mut stretch) = self.assist_path(
+                t.work,
+                t.prompt_left,
+                chunk,
+                t.other_tokens,
+                t.assist_read_s.max(0.0),
+            );
+            let assist = t.assist_start_s.max(0.0) + path;
+            // Its adapter may still be loading when its prompt is done: its decode steps are
+            // assisted (and stretched, for it and for the running requests) until it lands.
+            let decode_steps = ((t.assist_load_left_s - assist) / dec_assisted.max(1e-9))
+                .max(0.0)
+                .min(t.decode_left as f64);
+            stretch.push(decode_steps, dec_assisted - dec_dev);
+            let decode_extra = decode_steps * (dec_assisted - dec_dev).max(0.0);
+            let rise = if t.running == 0 {
+                0.0
             } else {
-                ColdDecision::Wait
-            },
-            wait_s: wait,
-            assist_s: Some(assist),
-            others_s: others,
+                stretch.worst_rise(t.fewest_left, tpot)
+            };
+            if rise > MAX_TPOT_SLOWDOWN {
+                continue;
+            }
+            let others = t.running as f64 * stretch.total();
+            let net = wait - assist - decode_extra - others;
+            // Ties go to the larger chunk (weighed first).
+            if net > best {
+                best = net;
+                plan = ColdPlan {
+                    decision: if net > 0.0 {
+                        ColdDecision::Assist { max_chunk: chunk }
+                    } else {
+                        ColdDecision::Wait
+                    },
+                    assist_s: Some(assist),
+                    others_s: others,
+                    tpot_rise: rise,
+                    ..plan
+                };
+            }
         }
+        plan
     }
 }
 
@@ -262,6 +291,9 @@ pub struct ColdTimes {
     pub other_tokens: usize,
     /// Requests already running: each waits for every step this one's prefill is in.
     pub running: usize,
+    /// Output tokens left to the running request nearest its end: the one whose time per
+    /// token a stretched step raises most ([`Stretch::worst_rise`]). Unused with none running.
+    pub fewest_left: usize,
     /// Decode steps it may run after its first token (its assisted decode ends there).
     pub decode_left: usize,
     /// Seconds until every layer of the adapter is on the device (the copy path's wait).
@@ -282,10 +314,14 @@ pub struct ColdPlan {
     pub decision: ColdDecision,
     /// Predicted TTFT if the request waits for its load.
     pub wait_s: f64,
-    /// Predicted TTFT with CPU assist (None: no chunk keeps co-batched decode in bounds).
+    /// Predicted TTFT with CPU assist (None: no chunk keeps the running requests' time per
+    /// token within [`MAX_TPOT_SLOWDOWN`]).
     pub assist_s: Option<f64>,
     /// Predicted seconds assisting adds to the running requests, summed over them.
     pub others_s: f64,
+    /// Predicted rise of the worst-hit running request's time per token over the tokens it
+    /// has left ([`Stretch::worst_rise`]); 0 with none running or no chunk weighed.
+    pub tpot_rise: f64,
 }
 
 #[cfg(test)]
@@ -316,6 +352,7 @@ mod tests {
             prompt in 1usize..3000,
             cap in 1usize..2048,
             other in 0usize..64,
+            left in 0usize..4096,
             load in 0.0f64..2.0,
             extra in 0.0f64..2.0,
             overlaps in any::<bool>(),
@@ -324,11 +361,11 @@ mod tests {
             let mut m = model(overlaps);
             m.assist_device_factor = factor;
             let w = AssistWork { flops_per_row };
-            if let ColdDecision::Assist { max_chunk } = m.decide_work(w, prompt, cap, other, load) {
+            if let ColdDecision::Assist { max_chunk } = m.decide_work(w, prompt, cap, other, left, load) {
                 prop_assert!(max_chunk >= 1 && max_chunk <= prompt.min(cap));
             }
-            if let ColdDecision::Assist { max_chunk } = m.decide_work(w, prompt, cap, 0, load) {
-                let later = m.decide_work(w, prompt, cap, 0, load + extra);
+            if let ColdDecision::Assist { max_chunk } = m.decide_work(w, prompt, cap, 0, left, load) {
+                let later = m.decide_work(w, prompt, cap, 0, left, load + extra);
                 prop_assert_eq!(later, ColdDecision::Assist { max_chunk });
             }
         }

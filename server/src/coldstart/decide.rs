@@ -40,6 +40,9 @@ pub struct ColdCase {
     pub other_tokens: usize,
     /// Requests already running: each waits for every step the assist stretches.
     pub running: usize,
+    /// Output tokens left to the running request nearest its end, whose time per token a
+    /// stretched step raises most (see [`ColdTimes::fewest_left`]).
+    pub fewest_left: usize,
     /// Tokens it may still generate.
     pub max_new_tokens: usize,
 }
@@ -108,6 +111,7 @@ impl PerfModel {
             cap: c.cap,
             other_tokens: c.other_tokens,
             running: c.running,
+            fewest_left: c.fewest_left,
             decode_left: c.max_new_tokens.saturating_sub(1),
             load_left_s: self.landed_in(c),
             assist_load_left_s: self.assisted_landed_in(c),
@@ -183,6 +187,7 @@ mod tests {
             cap: 2048,
             other_tokens: 0,
             running: 0,
+            fewest_left: 0,
             max_new_tokens: 32,
         }
     }
@@ -215,12 +220,14 @@ mod tests {
         // 128 rows × 32 layers at 100 GFLOP/s takes ~175 ms, the workers' first read of the
         // file from the page cache ~34 ms of it.
         assert!(p.wait_s > 0.5 && p.assist_s.unwrap() < p.wait_s, "{p:?}");
-        // With eight requests decoding beside it, the assist path's 0.1 ms a layer alone
-        // would slow their 0.45 ms decode layers by more than MAX_DECODE_SLOWDOWN: no chunk
-        // fits, it waits.
+        // With eight requests decoding beside it, half-way through their 32 tokens: its
+        // cheapest stretch (chunks of 8: 16 steps 3.2 ms longer and the file read, ~0.12 s
+        // with its own assisted decode) spread over 16 tokens of 13.2 ms is a 58% rise of
+        // their TPOT, far past MAX_TPOT_SLOWDOWN: no chunk passes, it waits.
         let mut c = case(ColdTier::Disk);
         c.other_tokens = 8;
         c.running = 8;
+        c.fewest_left = 16;
         let busy = m.decide_cold(&c);
         assert_eq!(busy.decision, ColdDecision::Wait, "{busy:?}");
         assert_eq!(busy.assist_s, None, "{busy:?}");
@@ -270,18 +277,30 @@ mod tests {
         assert_eq!(four.decision, ColdDecision::Wait, "{four:?}");
     }
 
-    /// With the priors `calibrate` starts from on a GPU (100 µs of assist overhead a layer),
-    /// a request never assists while another decodes beside it, however long its read queue:
-    /// that overhead alone slows a ~0.4 ms decode layer past
-    /// [`MAX_DECODE_SLOWDOWN`](crate::coldstart::MAX_DECODE_SLOWDOWN). This
-    /// is what the queue cannot change (see the H200 run's 0 assisted steps).
+    /// With the priors `calibrate` starts from on a GPU (100 µs of assist overhead a layer,
+    /// against a 0.41 ms decode layer), a request behind a long queue of disk reads (64
+    /// adapters ahead: ~34 s) next to one running decode. What decides is what the assist
+    /// costs that decode over the tokens it has left ([`MAX_TPOT_SLOWDOWN`]):
+    /// - chunks of 11 (the largest whose CPU work, 11 × 42 µs, the device's 0.47 ms layer
+    ///   hides): 12 steps, each 3.2 ms longer (the overhead × 32 layers), the first also
+    ///   ~33 ms for the workers' read of the file; then ~17 assisted decode steps of its own,
+    ///   3.2 ms longer, until its adapter lands (~0.53 s after it arrives). ~0.126 s in all.
+    /// - 1,000 tokens left (13.2 s of decode): 0.126 / 13.2 = 0.96% ≤ 2%: it assists, and saves
+    ///   ~34 s of TTFT.
+    /// - 300 tokens left (3.96 s): 3.2% with chunks of 11, no chunk under 2%: it waits.
+    /// - Eight running requests at their last token: a 3.2 ms stretch on a 13.2 ms token
+    ///   alone is 24%: it waits, however long the queue.
+    ///
+    /// The bound per step this replaces (5% of a step) kept every such request waiting.
     #[test]
     fn a_running_decode_blocks_assist_under_the_gpu_priors() {
+        use crate::coldstart::MAX_TPOT_SLOWDOWN;
         let mut m = h100();
         m.assist_reads_disk = true;
         let c = ColdCase {
             other_tokens: 1,
             running: 1,
+            fewest_left: 1000,
             reads: DiskQueue {
                 ahead_bytes: 64 * bytes_7b(64),
                 readers: 1,
@@ -289,16 +308,29 @@ mod tests {
             ..case(ColdTier::Disk)
         };
         let p = m.decide_cold(&c);
-        assert_eq!(
-            (p.decision, p.assist_s),
-            (ColdDecision::Wait, None),
-            "{p:?}"
-        );
+        assert_eq!(p.decision, ColdDecision::Assist { max_chunk: 11 }, "{p:?}");
+        assert!(p.tpot_rise > 0.009 && p.tpot_rise < 0.01, "{p:?}");
+        assert!(p.wait_s > 34.0 && p.assist_s.unwrap() < 0.26, "{p:?}");
+        let nearer = ColdCase {
+            fewest_left: 300,
+            ..c
+        };
+        let p = m.decide_cold(&nearer);
+        assert_eq!((p.decision, p.assist_s), (ColdDecision::Wait, None), "{p:?}");
+        let last = ColdCase {
+            other_tokens: 8,
+            running: 8,
+            fewest_left: 1,
+            ..c
+        };
+        let p = m.decide_cold(&last);
+        assert_eq!((p.decision, p.assist_s), (ColdDecision::Wait, None), "{p:?}");
+        // Without the overhead the 300-token decode only pays the first step's read (~33 ms
+        // over 3.96 s: 0.8%): it assists.
         m.assist_layer_overhead_s = 0.0;
-        assert!(matches!(
-            m.decide_cold(&c).decision,
-            ColdDecision::Assist { .. }
-        ));
+        let p = m.decide_cold(&nearer);
+        assert!(matches!(p.decision, ColdDecision::Assist { .. }), "{p:?}");
+        assert!(p.tpot_rise <= MAX_TPOT_SLOWDOWN, "{p:?}");
     }
 
     #[test]
@@ -351,6 +383,7 @@ mod tests {
             cap: 64,
             other_tokens: 0,
             running: 0,
+            fewest_left: 0,
             max_new_tokens: 16,
         };
         let p = m.decide_cold(&c);
@@ -358,6 +391,7 @@ mod tests {
         let busy = ColdCase {
             other_tokens: 2,
             running: 2,
+            fewest_left: 100,
             ..c
         };
         assert_eq!(m.decide_cold(&busy).decision, ColdDecision::Wait);
@@ -418,6 +452,7 @@ mod tests {
             out in 1usize..256,
             ahead in 0u64..8,
             readers in 1usize..8,
+            left in 0usize..20_000,
         ) -> ColdCase {
             ColdCase {
                 tier: tier(t, landed),
@@ -429,14 +464,38 @@ mod tests {
                 cap: 512,
                 other_tokens: other,
                 running: other,
+                fewest_left: left,
                 max_new_tokens: out,
             }
         }
     }
 
+    /// The properties below are not vacuous: over their own inputs `auto` assists beside
+    /// running requests in a fair share of cases (and waits in others).
+    #[test]
+    fn the_properties_see_assists_beside_running_requests() {
+        use proptest::strategy::ValueTree;
+        let mut runner = proptest::test_runner::TestRunner::deterministic();
+        let (mut assists, mut waits, n) = (0, 0, 2000);
+        for _ in 0..n {
+            let m = any_model().new_tree(&mut runner).unwrap().current();
+            let c = any_case().new_tree(&mut runner).unwrap().current();
+            if c.running > 0 {
+                match m.decide_cold(&c).decision {
+                    ColdDecision::Assist { .. } => assists += 1,
+                    ColdDecision::Wait => waits += 1,
+                }
+            }
+        }
+        assert!(assists >= 20 && waits >= 20, "{assists} assists, {waits} waits of {n}");
+    }
+
     proptest! {
         /// An assist is never predicted slower than waiting, nor to cost the running requests
-        /// more than it saves, and its chunk fits the prompt and the cap.
+        /// more than it saves, nor to raise their time per token over the tokens they have
+        /// left past [`MAX_TPOT_SLOWDOWN`](crate::coldstart::MAX_TPOT_SLOWDOWN); its chunk
+        /// fits the prompt and the cap. A predicted TTFT no shorter than the wait's is never
+        /// an assist.
         #[test]
         fn an_assist_pays_for_itself(m in any_model(), c in any_case()) {
             let p = m.decide_cold(&c);
@@ -445,7 +504,87 @@ mod tests {
                 let assist = p.assist_s.unwrap();
                 prop_assert!(assist < p.wait_s);
                 prop_assert!(p.wait_s - assist > p.others_s);
+                prop_assert!(p.tpot_rise <= crate::coldstart::MAX_TPOT_SLOWDOWN, "{:?}", p);
+                if c.running == 0 {
+                    prop_assert_eq!(p.tpot_rise, 0.0);
+                }
             }
+            if p.assist_s.is_some_and(|a| a >= p.wait_s) {
+                prop_assert_eq!(p.decision, ColdDecision::Wait);
+            }
+        }
+
+        /// The amortized bound, checked against the stretch it is computed from: the plan's
+        /// chunk, replayed through the model, spreads over the fewest tokens left no more than
+        /// [`MAX_TPOT_SLOWDOWN`](crate::coldstart::MAX_TPOT_SLOWDOWN) of their time: the
+        /// extra seconds of the first `fewest_left` assisted steps alone (a lower bound of
+        /// what the plan predicts) stay within the budget of those tokens.
+        #[test]
+        fn an_admitted_assist_keeps_the_running_tpot_within_the_budget(
+            m in any_model(),
+            c in any_case(),
+        ) {
+            let p = m.decide_cold(&c);
+            if let (ColdDecision::Assist { max_chunk }, true) = (p.decision, c.running > 0) {
+                // Its first step alone: the longest of the prefill's (it carries the read).
+                let layers = m.num_layers as f64;
+                let rows = max_chunk.min(c.prompt_left);
+                let dev = m.layer_time(c.other_tokens + rows);
+                let read = m.assist_read_time(&c) / layers;
+                let first = (m.assisted_layer_time(dev, m.cpu_work_time(c.work, rows) + read)
+                    - dev) * layers;
+                let tpot = m.step_time(c.other_tokens.max(1)) + m.step_overhead_s;
+                let left = c.fewest_left.max(1) as f64;
+                prop_assert!(
+                    first / (left * tpot) <= crate::coldstart::MAX_TPOT_SLOWDOWN * (1.0 + 1e-9),
+                    "{:?}: first step {} s over {} tokens of {} s", p, first, left, tpot
+                );
+            }
+        }
+
+        /// A larger assist overhead never makes `auto` assist where it waited: every step it
+        /// stretches is stretched more, and the TTFT it saves is smaller.
+        #[test]
+        fn more_assist_overhead_never_starts_an_assist(
+            m in any_model(),
+            c in any_case(),
+            more in 0.0f64..1e-3,
+        ) {
+            if m.decide_cold(&c).decision == ColdDecision::Wait {
+                let mut costly = m.clone();
+                costly.assist_layer_overhead_s += more;
+                prop_assert_eq!(costly.decide_cold(&c).decision, ColdDecision::Wait);
+            }
+        }
+
+        /// The acceptance's host tier on an H100 (55 GB/s): with an assist overhead of at least
+        /// the prior (100 µs a layer, 3.2 ms a step of 32 layers) an adapter of up to 134 MB
+        /// (rank ≤ 64 on q, k, v, o of a 7B model) copies in less than one assisted step's
+        /// overhead, so `auto` copies, whatever the CPU, the device's step, the prompt and
+        /// the running requests.
+        #[test]
+        fn the_h100_host_tier_always_copies(
+            m in any_model(),
+            c in any_case(),
+            rank in 1u64..=64,
+            overhead in 100e-6f64..1e-3,
+            landed in 0.0f64..1.0,
+            streaming in any::<bool>(),
+        ) {
+            let m = PerfModel {
+                num_layers: LAYERS,
+                link: LinkModel { gbps: 55.0, latency_us: 10.0 },
+                assist_layer_overhead_s: overhead,
+                ..m
+            };
+            let c = ColdCase {
+                tier: if streaming { ColdTier::Streaming { landed } } else { ColdTier::Host },
+                bytes: bytes_7b(rank),
+                work: work_7b(rank as f64),
+                ..c
+            };
+            let p = m.decide_cold(&c);
+            prop_assert_eq!(p.decision, ColdDecision::Wait, "{:?}", p);
         }
 
         /// Cheap load ⇒ copy: a load that finishes before an assisted prefill has paid its
@@ -553,16 +692,28 @@ mod tests {
             prop_assert!((one - 2.0 * alone).abs() <= 1e-9 * one);
         }
 
-        /// More running requests never turn a wait into an assist: they only add to its cost.
+        /// More running requests never turn a wait into an assist: they only add to its cost,
+        /// and one nearer its end (fewer tokens left to spread a stretch over) only tightens
+        /// the bound on their time per token.
         #[test]
         fn more_running_requests_never_start_an_assist(
             m in any_model(),
             c in any_case(),
             more in 1usize..64,
+            newcomer_left in 0usize..20_000,
         ) {
             if m.decide_cold(&c).decision == ColdDecision::Wait {
                 let busier = ColdCase { running: c.running + more, ..c };
                 prop_assert_eq!(m.decide_cold(&busier).decision, ColdDecision::Wait);
+                let nearer = ColdCase {
+                    fewest_left: if c.running == 0 {
+                        newcomer_left
+                    } else {
+                        c.fewest_left.min(newcomer_left)
+                    },
+                    ..busier
+                };
+                prop_assert_eq!(m.decide_cold(&nearer).decision, ColdDecision::Wait);
             }
         }
     }

@@ -353,8 +353,8 @@ pub fn run(
                 engine,
                 requests,
                 &mut queue,
-                &state,
-                &host,
+                (&state, &host),
+                &out,
                 cfg,
                 cost,
                 &mut predicted,
@@ -470,14 +470,15 @@ fn register_mapped(
 }
 
 /// FIFO with a token budget: every decode first, then prefill chunks in arrival order; a
-/// request whose adapter is not resident waits or runs per the policy.
+/// request whose adapter is not resident waits or runs per the policy, asked again every step
+/// (an assist stops the step `auto`'s decision flips, and never runs a chunk above it).
 #[allow(clippy::too_many_arguments)]
 fn build_plan(
     engine: &mut Engine<CpuBackend>,
     requests: &[Request],
     queue: &mut VecDeque<Live>,
-    state: &[AdapterState],
-    host: &[Option<Arc<LoraAdapter>>],
+    (state, host): (&[AdapterState], &[Option<Arc<LoraAdapter>>]),
+    out: &[Outcome],
     cfg: &DriverConfig,
     cost: &CostModel,
     predicted: &mut [Option<f64>],
@@ -494,6 +495,16 @@ fn build_plan(
         }
     }
     let decode_tokens = items.len();
+    // The decoding requests' fewest output tokens left: what an assist's stretch is spread
+    // over (`ColdCase::fewest_left`).
+    let fewest_left = items
+        .iter()
+        .map(|it| {
+            let i = it.seq.0 as usize;
+            requests[i].max_tokens.saturating_sub(out[i].tokens.len())
+        })
+        .min()
+        .unwrap_or(usize::MAX);
     for l in queue.iter_mut() {
         if budget == 0 {
             break;
@@ -540,6 +551,7 @@ fn build_plan(
                             cap,
                             other_tokens: decode_tokens,
                             running: decode_tokens,
+                            fewest_left,
                             max_new_tokens: r.max_tokens,
                         });
                         match plan.decision {

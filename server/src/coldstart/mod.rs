@@ -1,6 +1,7 @@
 //! Cold-start hiding policy (DESIGN §4): the `--cold-start` policies, the cost model that
 //! drives `auto`, the loader thread (disk → host), and an engine-level driver that runs a
 //! timed request trace under a policy.
+mod amortize;
 mod calibrate;
 mod cost;
 mod decide;
@@ -9,10 +10,9 @@ mod loader;
 mod policy;
 mod snapshot;
 
+pub use amortize::{Stretch, MAX_TPOT_SLOWDOWN};
 pub use calibrate::calibrate;
-pub use cost::{
-    AssistWork, ColdDecision, ColdPlan, ColdTimes, CostModel, Prediction, MAX_DECODE_SLOWDOWN,
-};
+pub use cost::{AssistWork, ColdDecision, ColdPlan, ColdTimes, CostModel, Prediction};
 pub use decide::{ColdCase, ColdTier};
 pub use driver::{run, DriverConfig, Outcome, Request, RunReport, StartTier, StepRecord};
 pub use loader::{Loaded, Loader};

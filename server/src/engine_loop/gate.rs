@@ -1,6 +1,6 @@
 //! The cold-start gate the step planner consults for each prefilling request.
 use thaw_runtime::adapter::LoraAdapter;
-use thaw_runtime::ids::AdapterId;
+use thaw_runtime::ids::{AdapterId, SeqId};
 
 use crate::coldstart::{AssistWork, ColdCase, ColdDecision, ColdStartPolicy, ColdTier};
 use crate::memory::loader::Loader;
@@ -9,15 +9,17 @@ use crate::scheduler::{Gate, SchedState, SeqState};
 
 use super::{ColdStart, ServeEngine};
 
-/// The cold-start gate of one prefilling request next to `planned` rows of the step and
-/// `running` running requests: go when its adapter is resident (or it has none); otherwise as
-/// the policy says.
+/// The cold-start gate of one prefilling request next to `planned` rows of the step (of at
+/// most `max_batched` rows) and the `running` requests: go when its adapter is resident (or
+/// it has none); otherwise as the policy says. Asked again every step, so an assist stops
+/// the step its decision flips, and its chunk is never more than the decision's.
 pub(super) fn cold_gate(
     engine: &ServeEngine,
     cold: &ColdStart,
     s: &SeqState,
     planned: usize,
-    running: usize,
+    running: &[SeqState],
+    max_batched: usize,
 ) -> Gate {
     let Some(id) = s.adapter else {
         return Gate::Go;
@@ -44,6 +46,7 @@ pub(super) fn cold_gate(
                     landed: landed as f64 / layers.max(1) as f64,
                 }
             };
+            let (running, fewest_left) = beside(running, s.id);
             let case = ColdCase {
                 tier,
                 bytes: adapter.size_bytes() as u64,
@@ -51,9 +54,11 @@ pub(super) fn cold_gate(
                 reads: DiskQueue::default(),
                 work: AssistWork::of(adapter),
                 prompt_left: pending,
-                cap: pending,
+                // What this step can still give it: the decision sizes its chunks by it.
+                cap: pending.min(max_batched.saturating_sub(planned)),
                 other_tokens: planned,
                 running,
+                fewest_left,
                 max_new_tokens: s.max_new_tokens,
             };
             match cold.cost.decide_cold(&case).decision {
@@ -83,6 +88,7 @@ pub(super) fn assists_from_disk(
                 return false;
             };
             let pending = s.pending();
+            let (running, fewest_left) = beside(&state.running, s.id);
             let case = ColdCase {
                 tier: ColdTier::Disk,
                 bytes: a.size_bytes() as u64,
@@ -91,8 +97,9 @@ pub(super) fn assists_from_disk(
                 work: AssistWork::of(a),
                 prompt_left: pending,
                 cap: pending,
-                other_tokens: state.running.len(),
-                running: state.running.len(),
+                other_tokens: running,
+                running,
+                fewest_left,
                 max_new_tokens: s.max_new_tokens,
             };
             matches!(
@@ -101,6 +108,15 @@ pub(super) fn assists_from_disk(
             )
         }
     }
+}
+
+/// The requests running beside request `id`: how many, and the fewest output tokens one of
+/// them has left (what `auto` spreads an assist's stretch over; `usize::MAX` with none).
+fn beside(running: &[SeqState], id: SeqId) -> (usize, usize) {
+    running
+        .iter()
+        .filter(|r| r.id != id)
+        .fold((0, usize::MAX), |(n, f), r| (n + 1, f.min(r.tokens_left())))
 }
 
 /// The gate of a request whose adapter has not fully landed, where the policy alone decides
@@ -118,6 +134,23 @@ fn unlanded_gate(policy: ColdStartPolicy) -> Option<Gate> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `auto` spreads an assist's stretch over the running requests beside the cold one (not
+    /// itself), by the one with the fewest output tokens left.
+    #[test]
+    fn beside_counts_the_others_and_their_fewest_tokens_left() {
+        let seq = |id: u64, prompt: usize, max: usize, generated: usize| SeqState {
+            total_tokens: prompt + generated,
+            computed: prompt + generated - 1,
+            ..SeqState::new(SeqId(id), prompt, max)
+        };
+        let running = [seq(1, 16, 32, 30), seq(2, 128, 64, 0), seq(3, 8, 100, 10)];
+        assert_eq!(running[0].tokens_left(), 2);
+        assert_eq!(beside(&running, SeqId(2)), (2, 2));
+        assert_eq!(beside(&running, SeqId(1)), (2, 64));
+        assert_eq!(beside(&running, SeqId(9)), (3, 2));
+        assert_eq!(beside(&running[1..2], SeqId(2)), (0, usize::MAX));
+    }
 
     /// Only `cpu-assist` runs a request before its adapter landed without asking the cost
     /// model; `cached` and `on-demand` wait for the copy.

@@ -348,5 +348,68 @@ mod tests {
                 .collect();
             simulate(&reqs, cfg)?;
         }
+
+        /// The cold-start gate is applied as decided, every step: a prefill held runs no
+        /// tokens, a capped one no more than its cap (the `auto` decision's chunk), decode is
+        /// never gated, and the rows the gate is told are already planned are the step's rows
+        /// before that request's (what `auto` sizes its chunk next to).
+        #[test]
+        fn the_cold_start_gate_bounds_every_prefill_it_is_asked_about(
+            running in proptest::collection::vec((1usize..60, 0usize..60, 1usize..20), 0..6),
+            waiting in proptest::collection::vec(1usize..60, 0..6),
+            gates in proptest::collection::vec(0usize..40, 12),
+            budget in 1usize..96,
+        ) {
+            let cfg = SchedConfig {
+                max_num_seqs: 8,
+                max_num_batched_tokens: budget,
+                total_blocks: 400,
+                ..cfg()
+            };
+            let mut st = SchedState::default();
+            for (i, &(prompt, done, max)) in running.iter().enumerate() {
+                // `done` tokens computed: some still prefill, the rest decode.
+                let mut s = SeqState::new(SeqId(i as u64), prompt, max);
+                if done >= prompt {
+                    s.total_tokens = prompt + 1;
+                    s.computed = prompt;
+                } else {
+                    s.computed = done;
+                }
+                st.running.push(s);
+            }
+            for (i, &prompt) in waiting.iter().enumerate() {
+                st.waiting.push_back(SeqState::new(SeqId(100 + i as u64), prompt, 4));
+            }
+            // 0: hold, 1: go, c ≥ 2: at most c − 1 tokens.
+            let gate_of = |id: SeqId| gates[(id.0 % 100) as usize + 6 * usize::from(id.0 >= 100)];
+            let asked = std::cell::RefCell::new(Vec::new());
+            let gate = |s: &SeqState, planned: usize| {
+                asked.borrow_mut().push((s.id, planned));
+                match gate_of(s.id) {
+                    0 => Gate::Hold,
+                    1 => Gate::Go,
+                    c => Gate::Cap(c - 1),
+                }
+            };
+            let d = plan_step_gated(&st, &cfg, cfg.total_blocks, &gate);
+            let mut before = 0;
+            for it in &d.plan.items {
+                let s = st.running.iter().chain(&st.waiting).find(|s| s.id == it.seq).unwrap();
+                if s.in_prefill() {
+                    let at = asked.borrow().iter().find(|a| a.0 == it.seq).map(|a| a.1);
+                    prop_assert_eq!(at, Some(before), "asked with the rows planned before it");
+                    match gate_of(s.id) {
+                        0 => prop_assert!(false, "a held prefill ran {} tokens", it.num_tokens),
+                        1 => {}
+                        c => prop_assert!(it.num_tokens < c, "{} over its cap {}", it.num_tokens, c - 1),
+                    }
+                } else {
+                    prop_assert_eq!(it.num_tokens, 1);
+                    prop_assert!(asked.borrow().iter().all(|a| a.0 != it.seq), "decode gated");
+                }
+                before += it.num_tokens;
+            }
+        }
     }
 }

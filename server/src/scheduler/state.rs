@@ -96,6 +96,11 @@ impl SeqState {
         self.total_tokens - self.computed
     }
 
+    /// Output tokens it may still generate: its `max_tokens` less those it has generated.
+    pub fn tokens_left(&self) -> usize {
+        (self.prompt_len + self.max_new_tokens).saturating_sub(self.total_tokens)
+    }
+
     /// Computing more than one token this time: its prompt, or after a preemption its
     /// prompt and output again.
     pub fn in_prefill(&self) -> bool {
