@@ -409,17 +409,22 @@ mod tests {
         }
     }
 
+    /// A value between `lo` and `hi`, uniform in its logarithm: every magnitude as likely.
+    fn log(lo: f64, hi: f64) -> impl Strategy<Value = f64> {
+        (lo.ln()..hi.ln()).prop_map(f64::exp)
+    }
+
     prop_compose! {
         /// A performance model over measured costs of any magnitude.
         fn any_model()(
-            gbps in 0.001f64..100.0,
-            disk in 1e7f64..1e10,
-            file in 0.0f64..1e10,
-            encode in 0.0f64..1e10,
-            cpu in 1e9f64..1e12,
-            base in 1e-5f64..1e-2,
-            per_token in 1e-8f64..1e-4,
-            overhead in 1e-6f64..1e-3,
+            gbps in log(0.001, 100.0),
+            disk in log(1e7, 1e10),
+            file in prop_oneof![Just(0.0), log(1e7, 1e10)],
+            encode in prop_oneof![Just(0.0), log(1e7, 1e10)],
+            cpu in log(1e9, 1e12),
+            base in log(1e-5, 1e-2),
+            per_token in log(1e-8, 1e-4),
+            overhead in log(1e-6, 1e-3),
             factor in 1.0f64..3.0,
             reads_disk in any::<bool>(),
         ) -> PerfModel {
@@ -445,14 +450,14 @@ mod tests {
         /// A cold request of any size, alone in its step (`running` 0) or beside others.
         fn any_case()(
             rank in 1u64..256,
-            prompt in 1usize..2048,
+            prompt in log(1.0, 2048.0),
             other in 0usize..64,
             landed in 0.0f64..1.0,
             t in 0u8..3,
             out in 1usize..256,
             ahead in 0u64..8,
             readers in 1usize..8,
-            left in 0usize..20_000,
+            left in log(1.0, 1e5),
         ) -> ColdCase {
             ColdCase {
                 tier: tier(t, landed),
@@ -460,11 +465,11 @@ mod tests {
                 backlog: 0,
                 reads: DiskQueue { ahead_bytes: ahead * bytes_7b(rank) / 4, readers },
                 work: work_7b(rank as f64),
-                prompt_left: prompt,
+                prompt_left: prompt as usize,
                 cap: 512,
                 other_tokens: other,
                 running: other,
-                fewest_left: left,
+                fewest_left: left as usize,
                 max_new_tokens: out,
             }
         }
