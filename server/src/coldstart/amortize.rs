@@ -41,7 +41,10 @@ impl Stretch {
     /// either is not positive).
     pub fn push(&mut self, steps: f64, extra: f64) {
         if steps > 0.0 && extra > 0.0 {
-            assert!(self.len < self.runs.len(), "a stretch has at most four runs");
+            assert!(
+                self.len < self.runs.len(),
+                "a stretch has at most four runs"
+            );
             self.runs[self.len] = (steps, extra);
             self.len += 1;
         }

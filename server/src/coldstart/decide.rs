@@ -316,7 +316,11 @@ mod tests {
             ..c
         };
         let p = m.decide_cold(&nearer);
-        assert_eq!((p.decision, p.assist_s), (ColdDecision::Wait, None), "{p:?}");
+        assert_eq!(
+            (p.decision, p.assist_s),
+            (ColdDecision::Wait, None),
+            "{p:?}"
+        );
         let last = ColdCase {
             other_tokens: 8,
             running: 8,
@@ -324,7 +328,11 @@ mod tests {
             ..c
         };
         let p = m.decide_cold(&last);
-        assert_eq!((p.decision, p.assist_s), (ColdDecision::Wait, None), "{p:?}");
+        assert_eq!(
+            (p.decision, p.assist_s),
+            (ColdDecision::Wait, None),
+            "{p:?}"
+        );
         // Without the overhead the 300-token decode only pays the first step's read (~33 ms
         // over 3.96 s: 0.8%): it assists.
         m.assist_layer_overhead_s = 0.0;
@@ -492,7 +500,10 @@ mod tests {
                 }
             }
         }
-        assert!(assists >= 20 && waits >= 20, "{assists} assists, {waits} waits of {n}");
+        assert!(
+            assists >= 20 && waits >= 20,
+            "{assists} assists, {waits} waits of {n}"
+        );
     }
 
     proptest! {

@@ -60,8 +60,9 @@ impl Loop {
         let engine = &self.engine;
         let cold = &self.cold;
         let (running, max_batched) = (&self.state.running, self.cfg.max_num_batched_tokens);
-        let gate =
-            |s: &SeqState, planned: usize| cold_gate(engine, cold, s, planned, running, max_batched);
+        let gate = |s: &SeqState, planned: usize| {
+            cold_gate(engine, cold, s, planned, running, max_batched)
+        };
         let kv_capacity = self.mem.pool().kv_capacity();
         let waits = self.memory_wait(&plan);
         let mut d = self.sched.plan(
