@@ -84,7 +84,7 @@ pub fn apply<B: Backend>(
                     id: a,
                     path,
                     root,
-                    bytes,
+                    bytes: Some(bytes),
                 }) {
                     tracing::error!("the adapter loader thread has stopped");
                 }
