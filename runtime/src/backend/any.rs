@@ -498,7 +498,7 @@ impl Backend for AnyBackend {
         }
     }
 
-    fn stage_lora(&mut self, adapter: &Arc<LoraAdapter>, layout: KvLayout) {
+    fn stage_lora(&mut self, adapter: &Arc<LoraAdapter>, layout: KvLayout) -> usize {
         match self {
             Self::Cpu(b) => b.stage_lora(adapter, layout),
             Self::Cuda(g) => g.stage_lora(adapter, layout),

@@ -245,10 +245,11 @@ pub trait Backend {
     /// `adapter` entered the host tier: where adapters go to the device through the upload
     /// pipeline, its device image (as it would be placed in KV blocks of `layout`) is written
     /// into the pinned arena now, by the loader threads behind every load, and kept while the
-    /// adapter lives, so a later load only copies. A no-op where nothing is uploaded (the
-    /// default).
-    fn stage_lora(&mut self, adapter: &std::sync::Arc<LoraAdapter>, layout: KvLayout) {
+    /// adapter lives, so a later load only copies. Returns the arena bytes the image holds;
+    /// 0 where nothing is uploaded (the default) or the image was not staged.
+    fn stage_lora(&mut self, adapter: &std::sync::Arc<LoraAdapter>, layout: KvLayout) -> usize {
         let _ = (adapter, layout);
+        0
     }
     /// The upload arena's bytes by use and the pipeline's encode work, once it is started.
     fn upload_arena(&self) -> Option<crate::upload::ArenaUsage> {

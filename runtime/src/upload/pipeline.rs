@@ -268,16 +268,17 @@ impl<D: CopyDevice> UploadPipeline<D> {
     /// that a later [`UploadPipeline::submit`] of it only copies: called when the adapter
     /// enters the host tier. O(layers + kept images) here; the image is freed when the
     /// adapter's last reference is gone. An adapter larger than the arena is not staged (its
-    /// upload says why).
+    /// upload says why). Returns the arena bytes the image holds (0: not staged), which the
+    /// host tier counts as its own ([`super::ARENA_ALIGN`]-rounded, as the arena reserves it).
     pub fn stage(
         &self,
         adapter: &Arc<LoraAdapter>,
         layout: &ImageLayout,
         dtype: Option<WeightDtype>,
-    ) -> bool {
+    ) -> usize {
         let mut g = self.shared.lock();
         if !g.keep {
-            return false;
+            return 0;
         }
         g.forget_freed();
         let key = g.key(adapter, dtype, layout);
@@ -285,14 +286,19 @@ impl<D: CopyDevice> UploadPipeline<D> {
             .plan
             .stage(key, layout.layer_ranges(), layout.total)
             .unwrap_or(false);
-        if !g.plan.has_image(key) {
+        let held = g.plan.has_image(key);
+        if !held {
             g.images.remove(&key);
         }
         drop(g);
         if queued {
             self.shared.cv.notify_all();
         }
-        queued
+        if held {
+            image_bytes(layout.total)
+        } else {
+            0
+        }
     }
 
     /// Makes the queued prefetch publishing to `landing` a demand load; false if there is none.
@@ -449,6 +455,11 @@ fn encode_loop<D: CopyDevice>(sh: &Shared<D>) {
         reap(&mut g);
         sh.cv.notify_all();
     }
+}
+
+/// The arena bytes an image of `total` bytes reserves.
+fn image_bytes(total: usize) -> usize {
+    total.max(1).next_multiple_of(super::ARENA_ALIGN)
 }
 
 /// How often an idle loader thread looks for images whose adapter is gone.
