@@ -182,3 +182,50 @@ fn an_adapter_larger_than_the_arena_is_refused() {
     let e = p.submit(up, LoadPriority::Demand).unwrap_err().to_string();
     assert!(e.contains("--max-cpu-lora-bytes"), "{e}");
 }
+
+/// An upload of `a` (its own image, as stored) into a fresh device buffer, and its slot.
+fn upload_of(a: &Arc<crate::adapter::LoraAdapter>) -> (Upload<MemCopy>, Arc<LoraSlot>) {
+    let layout = ImageLayout::of(a, None);
+    let slot = Arc::new(LoraSlot::empty(a.clone()));
+    let up = Upload {
+        adapter: a.clone(),
+        dst: Arc::new(Mutex::new(vec![0; layout.total])),
+        layout,
+        dtype: None,
+        landing: slot.clone(),
+    };
+    (up, slot)
+}
+
+/// An adapter served from its mapped file whose last layer holds a NaN: the bad layer is never
+/// copied (each layer is checked whole before its copy is queued; those copied before the
+/// failure stay landed), the upload fails, its arena space comes back once, and the pipeline
+/// goes on with the next upload.
+#[test]
+fn a_mapped_layer_that_fails_its_check_fails_the_upload_and_frees_its_space() {
+    let c = config();
+    let (dir, last) = crate::upload::check::tests::poisoned_last_layer(&c);
+    let bad = Arc::new(crate::adapter::LoraAdapter::map(dir.path(), &c).unwrap());
+    let p = UploadPipeline::start(MemCopy, 1 << 20, 1).unwrap();
+    let (up, slot) = upload_of(&bad);
+    p.submit(up, LoadPriority::Demand).unwrap();
+    wait_for("the failure", || {
+        slot.residency() == crate::residency::DeviceResidency::Failed
+    });
+    wait_for("the space to come back", || {
+        p.shared.cv.notify_all();
+        p.arena_usage().used == 0 && p.arena_usage().idle
+    });
+    assert!(slot.landed() <= last, "the bad layer never lands");
+    assert_eq!(p.stats().encode_failures.load(Relaxed), 1);
+    let copied = p.stats().layers_copied.load(Relaxed);
+    assert_eq!(copied, slot.landed() as u64);
+    // The next upload (a sound copy of the adapter, mapped too) is served.
+    let good = Arc::new(
+        crate::adapter::LoraAdapter::map(&fixtures::adapter("r4_qv"), &c).unwrap(),
+    );
+    let (up, slot) = upload_of(&good);
+    p.submit(up, LoadPriority::Demand).unwrap();
+    wait_for("the sound upload", || slot.landed() == good.num_layers());
+    assert_eq!(p.stats().encode_failures.load(Relaxed), 1);
+}
