@@ -663,9 +663,9 @@ impl Loop {
             wanted,
             Some(&self.loader),
         );
-        if upload == Upload::Stream && self.engine.pool().is_some() {
+        if upload == Upload::Stream {
             let (engine, cold, state, l) = (&self.engine, &self.cold, &self.state, &self.loader);
-            let assist = |id, a: &_| gate::assists_from_disk(engine, cold, state, l, (id, a));
+            let assist = |id, a: &_| gate::serves_from_file(engine, cold, state, l, (id, a));
             let dtype = thaw_runtime::backend::Backend::lora_dtype(engine.backend());
             let model = engine.model_config();
             crate::memory::mapped::map_fetches(

@@ -372,6 +372,12 @@ impl Backend for CpuBackend {
         lora.landed()
     }
 
+    fn rebind_lora(&mut self, old: &Arc<LoraAdapter>, new: &Arc<LoraAdapter>) {
+        if let Some(u) = &self.upload {
+            u.rebind(old, new);
+        }
+    }
+
     fn stage_lora(&mut self, adapter: &Arc<LoraAdapter>, _layout: KvLayout) -> usize {
         if self.upload.is_none() {
             match self.start_upload() {

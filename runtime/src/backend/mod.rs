@@ -251,6 +251,16 @@ pub trait Backend {
         let _ = (adapter, layout);
         0
     }
+    /// `new` (the same bytes, held in memory) replaced `old` (read from its mapped file) as an
+    /// adapter's host copy: the upload arena keeps `old`'s images for `new`, so they are not
+    /// encoded again. A no-op where nothing is uploaded (the default).
+    fn rebind_lora(
+        &mut self,
+        old: &std::sync::Arc<LoraAdapter>,
+        new: &std::sync::Arc<LoraAdapter>,
+    ) {
+        let _ = (old, new);
+    }
     /// The upload arena's bytes by use and the pipeline's encode work, once it is started.
     fn upload_arena(&self) -> Option<crate::upload::ArenaUsage> {
         None

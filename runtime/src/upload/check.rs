@@ -52,12 +52,19 @@ pub(super) mod tests {
     /// The factors of layer `l` of `a`, as the loader thread encoding it lists them.
     pub(in crate::upload) fn layer(a: &LoraAdapter, l: usize) -> Vec<Placed> {
         let layout = ImageLayout::of(a, None);
-        layout.entries.iter().filter(|p| p.layer == l).copied().collect()
+        layout
+            .entries
+            .iter()
+            .filter(|p| p.layer == l)
+            .copied()
+            .collect()
     }
 
     /// A writable copy of the `r4_qv` fixture whose last layer's first factor holds a NaN
     /// (element 1), rewritten in place; returns the copy and the poisoned layer.
-    pub(in crate::upload) fn poisoned_last_layer(model: &ModelConfig) -> (tempfile::TempDir, usize) {
+    pub(in crate::upload) fn poisoned_last_layer(
+        model: &ModelConfig,
+    ) -> (tempfile::TempDir, usize) {
         let dir = fixtures::scratch_copy(&fixtures::adapter("r4_qv"));
         let clean = LoraAdapter::map(dir.path(), model).unwrap();
         let last = clean.num_layers() - 1;
@@ -94,14 +101,20 @@ pub(super) mod tests {
             assert_eq!(check_layer(&bad, &layer(&bad, l)), Ok(()), "layer {l}");
         }
         let e = check_layer(&bad, &layer(&bad, last)).unwrap_err();
-        assert!(e.contains(&format!("layer {last}")) && e.contains("NaN"), "{e}");
+        assert!(
+            e.contains(&format!("layer {last}")) && e.contains("NaN"),
+            "{e}"
+        );
         // Truncated under the mapping: refused from the file's length, no page read.
         let path = dir.path().join("adapter_model.safetensors");
         let len = std::fs::metadata(&path).unwrap().len();
         let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
         f.set_len(len / 2).unwrap();
         let e = check_layer(&bad, &layer(&bad, 0)).unwrap_err();
-        assert!(e.contains("truncated") && e.contains("reload the adapter"), "{e}");
+        assert!(
+            e.contains("truncated") && e.contains("reload the adapter"),
+            "{e}"
+        );
         let owned = LoraAdapter::load(&fixtures::adapter("r4_qv"), &model).unwrap();
         assert_eq!(check_layer(&owned, &layer(&owned, 0)), Ok(()));
     }

@@ -305,6 +305,20 @@ impl<D: CopyDevice> UploadPipeline<D> {
         }
     }
 
+    /// `new` replaces `old` as the adapter its images are encoded from: the loader's owned copy
+    /// of an adapter served from its mapped file, the same bytes (`Engine::adopt_host_copy`
+    /// checked that the file is the one mapped). The images stay for `new` — a later stage or
+    /// upload of it finds them — instead of being freed with `old` and encoded again.
+    /// O(kept images).
+    pub fn rebind(&self, old: &Arc<LoraAdapter>, new: &Arc<LoraAdapter>) {
+        let mut g = self.shared.lock();
+        for s in g.images.values_mut() {
+            if std::ptr::eq(s.adapter.as_ptr(), Arc::as_ptr(old)) {
+                s.adapter = Arc::downgrade(new);
+            }
+        }
+    }
+
     /// Makes the queued prefetch publishing to `landing` a demand load; false if there is none.
     pub fn promote<T: Landing>(&self, landing: &Arc<T>) -> bool {
         let mut g = self.shared.lock();

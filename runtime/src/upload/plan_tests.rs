@@ -13,7 +13,10 @@ const ADAPTERS: usize = 4;
 /// encoding a layer, start a copy, or land the copy in flight.
 #[derive(Clone, Debug)]
 enum Op {
-    Submit { a: usize, demand: bool },
+    Submit {
+        a: usize,
+        demand: bool,
+    },
     Stage(usize),
     Release(usize),
     Promote(usize),
@@ -245,7 +248,11 @@ fn step(p: &mut UploadPlan, s: &mut Seen, o: Op) -> Result<(), TestCaseError> {
                     s.encoded.insert((t.key, t.layer)),
                     "image layer encoded twice"
                 );
-                prop_assert!(!s.broken.contains(&t.key), "a broken image {} encoded", t.key);
+                prop_assert!(
+                    !s.broken.contains(&t.key),
+                    "a broken image {} encoded",
+                    t.key
+                );
                 // Layers are handed out in order (loader threads may finish them in any).
                 prop_assert!(t.layer == 0 || s.encoded.contains(&(t.key, t.layer - 1)));
                 let base = t.arena.start - t.image.start;

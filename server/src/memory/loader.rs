@@ -280,7 +280,10 @@ mod tests {
             bytes: None,
             ..job.clone()
         };
-        assert_eq!(read(&first, &model, None).unwrap().0.size_bytes() as u64, bytes);
+        assert_eq!(
+            read(&first, &model, None).unwrap().0.size_bytes() as u64,
+            bytes
+        );
 
         let wrong = FetchJob {
             bytes: Some(bytes + 1),

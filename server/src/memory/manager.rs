@@ -728,7 +728,11 @@ mod tests {
         };
         m.register(meta(1, b, 0.001), Some(a.clone()));
         m.register(meta(2, b, 0.001), Some(a.clone()));
-        assert_eq!(host_bytes(&m), (2, 2 * b), "heap copies only, before staging");
+        assert_eq!(
+            host_bytes(&m),
+            (2, 2 * b),
+            "heap copies only, before staging"
+        );
         let image = b.next_multiple_of(256);
         m.on_staged(AdapterId(1), image, &HashSet::new());
         assert_eq!(host_bytes(&m), (2, 2 * b + image), "within the bound");

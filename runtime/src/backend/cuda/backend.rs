@@ -851,6 +851,12 @@ impl Backend for CudaBackend {
         lora.landed_layers()
     }
 
+    fn rebind_lora(&mut self, old: &Arc<LoraAdapter>, new: &Arc<LoraAdapter>) {
+        if let Some(u) = self.upload.get() {
+            u.rebind(old, new);
+        }
+    }
+
     fn stage_lora(&mut self, adapter: &Arc<LoraAdapter>, layout: KvLayout) -> usize {
         // The image the engine's paged load of it would copy (`paged_dst`), so that load
         // finds it complete and only copies.
