@@ -58,7 +58,7 @@ fn a_reload_after_device_eviction_or_of_a_staged_adapter_encodes_nothing() {
     // Staged when it entered the host tier: encoded then, not when it is loaded.
     // It answers the arena bytes the image holds (what the host tier counts for it).
     let held = e.stage_adapter(&b);
-    assert!(held >= b.size_bytes() && held % 256 == 0, "{held}");
+    assert!(held >= b.size_bytes() && held.is_multiple_of(256), "{held}");
     let staged = wait_arena(&e, "the staging", |u| u.idle);
     assert_eq!(
         staged.used,
