@@ -1,7 +1,8 @@
 //! `thaw-bench adapter-load`: the disk → host read of PEFT adapters (`LoraAdapter::load`: parse,
 //! validate, copy into host memory), one adapter alone and a queue of them on 1…N loader
 //! threads, with the page cache warm (every file is read once before timing). What a request
-//! for a cold adapter on disk waits for before anything can be copied to the device.
+//! for a cold adapter on disk waits for before anything can be copied to the device; then one
+//! miss timed to its first and last layer on the device ([`crate::adapter_land`]).
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -39,6 +40,10 @@ pub struct AdapterLoadArgs {
     /// Loads queued at once in the queue table.
     #[arg(long, default_value_t = 8)]
     pub queue: usize,
+    /// Link rate of the disk -> device table (the upload pipeline's emulated DMA), GB/s; 0
+    /// leaves the table out.
+    #[arg(long, default_value_t = 55.0)]
+    pub link_gbps: f64,
     /// Where to write the model config and adapters (reused when present).
     #[arg(long, default_value = "/tmp/thaw-adapter-load")]
     pub workdir: PathBuf,
@@ -195,6 +200,9 @@ pub fn run(args: &AdapterLoadArgs) -> anyhow::Result<String> {
             s * 1e3 / args.queue as f64,
             mb * args.queue as f64 / 1e3 / s
         )?;
+    }
+    if args.link_gbps > 0.0 {
+        out += &crate::adapter_land::table(&model, &dirs, args.reps, args.link_gbps)?;
     }
     Ok(out)
 }

@@ -1,6 +1,7 @@
 //! `thaw-bench`: Thaw's benchmarks. Each subcommand prints a table; none asserts a time.
 use clap::{Parser, Subcommand};
 
+mod adapter_land;
 mod adapter_load;
 mod coldstart_bench;
 mod engine_bench;

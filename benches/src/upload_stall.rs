@@ -10,9 +10,14 @@
 //! not O(bytes). Rounds go quiet, loading, loading, quiet, … so that drift (and the context,
 //! which grows every step) hits both kinds alike.
 //!
+//! The "disk, layer by layer" row maps each file instead (header only) and registers it at
+//! once: the upload pipeline's loader threads read each layer from the file, check it (file
+//! unchanged, weights finite) and encode it into the arena, and its copy is queued as soon as
+//! that layer is in, so the first layers land while later ones are still read.
+//!
 //! Next to the TPOT change it reports each load's latency (from its start — registering, or
-//! asking the loader to read it — to its last layer landed, polled once a step), so pacing that
-//! starves loads shows: the CPU backend paces the pipeline's byte work against its steps
+//! asking the loader to read it — to its first and its last layer landed, polled once a step),
+//! so pacing that starves loads shows: the CPU backend paces the pipeline's byte work against its steps
 //! (`thaw_runtime::upload::pace`, `THAW_UPLOAD_BUSY_SHARE`). `--loads-per-s` registers loads
 //! at a wall-clock rate instead of every `--every` steps (2: the GPU acceptance's distinct
 //! adapter per request at 2 req/s).
@@ -112,6 +117,10 @@ enum Source {
     Host,
     /// Read from disk by a loader thread, then registered.
     Disk,
+    /// On disk, mapped by a loader thread (header only) and registered at once: the upload
+    /// pipeline's loader threads read each layer from the file, check it and encode it, and
+    /// its copy is queued as soon as it is in the arena.
+    DiskByLayer,
     /// Host tier, the engine thread copying every byte first (the old CUDA path).
     PackOnEngine,
     /// Host tier, with a CPU LoRA worker pool attached (its host store takes a copy).
@@ -123,6 +132,7 @@ impl Source {
         match self {
             Source::Host => "host tier",
             Source::Disk => "disk",
+            Source::DiskByLayer => "disk, layer by layer",
             Source::PackOnEngine => "host, pack on engine thread",
             Source::Workers => "host, CPU workers attached",
         }
@@ -141,6 +151,8 @@ struct Phase {
     loads: usize,
     /// Seconds from each finished load's start to its last layer landed.
     load_s: Vec<f64>,
+    /// Seconds from each load's start to its first layer landed (polled once a step).
+    first_s: Vec<f64>,
     /// Loads still reading or landing when the run ended.
     unfinished: usize,
 }
@@ -188,6 +200,8 @@ pub struct StallRow {
     pub loading_cpu_ms: f64,
     /// Load latency (start to last layer landed) of the finished loads: mean, p50, max, ms.
     pub load_ms: (f64, f64, f64),
+    /// Start to first layer landed, p50 ms (polled once a step, so within a step of it).
+    pub first_layer_ms: f64,
     /// Loads not finished when the run ended (pacing that starves loads shows here).
     pub unfinished: usize,
 }
@@ -283,7 +297,8 @@ fn run_source(
         ..Default::default()
     };
     let mut e = Engine::new(backend, model.clone(), cfg)?;
-    if source != Source::Disk {
+    let from_disk = matches!(source, Source::Disk | Source::DiskByLayer);
+    if !from_disk {
         // In the host tier: their images are written into the arena before the run.
         for a in host {
             e.stage_adapter(a);
@@ -325,10 +340,16 @@ fn run_source(
     let (job_tx, job_rx) = std::sync::mpsc::channel::<(usize, Instant)>();
     let loader = {
         let (dirs, config) = (dirs.to_vec(), model.config.clone());
+        let by_layer = source == Source::DiskByLayer;
         std::thread::spawn(move || {
             thaw_runtime::upload::lower_current_thread_priority();
             for (i, asked) in job_rx {
-                if let Ok(a) = LoraAdapter::load(&dirs[i], &config) {
+                let a = if by_layer {
+                    LoraAdapter::map(&dirs[i], &config)
+                } else {
+                    LoraAdapter::load(&dirs[i], &config)
+                };
+                if let Ok(a) = a {
                     let _ = tx.send((asked, Arc::new(a)));
                 }
             }
@@ -338,8 +359,9 @@ fn run_source(
     let (mut quiet, mut loading) = (Phase::default(), Phase::default());
     let mut next = 0usize;
     let mut ids = 1000u32..;
-    // Registered adapters still landing, with when their load started.
-    let mut live: Vec<(AdapterId, Instant)> = Vec::new();
+    // Registered adapters still landing, with when their load started and whether their
+    // first layer was seen landed.
+    let mut live: Vec<(AdapterId, Instant, bool)> = Vec::new();
     let mut pending = 0usize;
     let mut staging: Vec<u8> = Vec::new();
     for round in 0..2 * args.rounds {
@@ -357,7 +379,7 @@ fn run_source(
             while is_loading && issued < due {
                 issued += 1;
                 match source {
-                    Source::Disk => {
+                    Source::Disk | Source::DiskByLayer => {
                         job_tx.send((next % dirs.len(), Instant::now()))?;
                         pending += 1;
                     }
@@ -370,7 +392,7 @@ fn run_source(
                         }
                         let id = AdapterId(ids.next().expect("unbounded"));
                         e.register_adapter_streaming(id, a)?;
-                        live.push((id, started));
+                        live.push((id, started, false));
                         clock.switch(Cause::Schedule);
                     }
                 }
@@ -382,14 +404,20 @@ fn run_source(
                 clock.switch(Cause::Adapter);
                 let id = AdapterId(ids.next().expect("unbounded"));
                 e.register_adapter_streaming(id, a)?;
-                live.push((id, asked));
+                live.push((id, asked, false));
                 clock.switch(Cause::Schedule);
             }
             // Adapters fully landed leave again (the cache would evict them later): keeps
             // memory flat over a long run. Evicting is adapter work too.
             clock.switch(Cause::Adapter);
-            live.retain(|&(id, started)| {
-                let landed = e.adapter_landed(id).is_none_or(|(l, n)| l == n);
+            live.retain_mut(|(id, started, first)| {
+                let (id, started) = (*id, *started);
+                let now = e.adapter_landed(id);
+                if !*first && now.is_none_or(|(l, _)| l > 0) {
+                    *first = true;
+                    loading.first_s.push(started.elapsed().as_secs_f64());
+                }
+                let landed = now.is_none_or(|(l, n)| l == n);
                 if landed {
                     loading.load_s.push(started.elapsed().as_secs_f64());
                     let _ = e.unregister_adapter(id);
@@ -531,7 +559,7 @@ pub fn run(args: &UploadStallArgs) -> anyhow::Result<(Vec<StallRow>, String)> {
             .iter()
             .map(|d| LoraAdapter::load(d, &model.config).map(Arc::new))
             .collect::<Result<_, _>>()?;
-        let mut sources = vec![Source::Host, Source::Disk];
+        let mut sources = vec![Source::Host, Source::Disk, Source::DiskByLayer];
         if args.pack_on_engine {
             sources.push(Source::PackOnEngine);
         }
@@ -563,6 +591,7 @@ pub fn run(args: &UploadStallArgs) -> anyhow::Result<(Vec<StallRow>, String)> {
                     median(&loading.load_s) * 1e3,
                     loading.load_s.iter().copied().fold(0.0, f64::max) * 1e3,
                 ),
+                first_layer_ms: median(&loading.first_s) * 1e3,
                 unfinished: loading.unfinished,
             });
         }
@@ -602,16 +631,16 @@ pub fn run(args: &UploadStallArgs) -> anyhow::Result<(Vec<StallRow>, String)> {
     )?;
     writeln!(
         out,
-        "| rank | adapters from | MB each | layers | loads | adapter work / load µs (CPU µs) | / layer µs | steps quiet / loading | TPOT quiet ms (p50) | TPOT loading ms (p50) | TPOT change | step CPU ms quiet → loading (change) | load ms mean / p50 / max | unfinished |"
+        "| rank | adapters from | MB each | layers | loads | adapter work / load µs (CPU µs) | / layer µs | steps quiet / loading | TPOT quiet ms (p50) | TPOT loading ms (p50) | TPOT change | step CPU ms quiet → loading (change) | load ms mean / p50 / max | first layer landed ms p50 | unfinished |"
     )?;
     writeln!(
         out,
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     )?;
     for r in &rows {
         writeln!(
             out,
-            "| {} | {} | {:.1} | {} | {} | {:.0} ({:.0}) | {:.1} | {} / {} | {:.3} ({:.3}) | {:.3} ({:.3}) | {:+.1}% | {:.3} → {:.3} ({:+.1}%) | {:.0} / {:.0} / {:.0} | {} |",
+            "| {} | {} | {:.1} | {} | {} | {:.0} ({:.0}) | {:.1} | {} / {} | {:.3} ({:.3}) | {:.3} ({:.3}) | {:+.1}% | {:.3} → {:.3} ({:+.1}%) | {:.0} / {:.0} / {:.0} | {:.0} | {} |",
             r.rank,
             r.source,
             r.adapter_mb,
@@ -633,6 +662,7 @@ pub fn run(args: &UploadStallArgs) -> anyhow::Result<(Vec<StallRow>, String)> {
             r.load_ms.0,
             r.load_ms.1,
             r.load_ms.2,
+            r.first_layer_ms,
             r.unfinished
         )?;
     }
@@ -663,7 +693,7 @@ mod tests {
             dir.path().to_str().unwrap(),
         ]);
         let (rows, text) = run(&cli.args).unwrap();
-        assert_eq!(rows.len(), 3);
+        assert_eq!(rows.len(), 4);
         for r in &rows {
             assert!(r.loads > 0 && r.steps.0 > 0 && r.steps.1 > 0, "{r:?}");
             assert!(r.quiet_tpot_ms > 0.0 && r.loading_tpot_ms > 0.0, "{r:?}");
@@ -672,7 +702,13 @@ mod tests {
             assert!(r.unfinished <= r.loads, "{r:?}");
             assert!(r.unfinished == r.loads || r.load_ms.0 > 0.0, "{r:?}");
             assert!(r.load_ms.1 <= r.load_ms.2, "{r:?}");
+            // A first layer lands before (or with) the last.
+            assert!(
+                r.unfinished == r.loads || r.first_layer_ms <= r.load_ms.2,
+                "{r:?}"
+            );
         }
         assert!(text.contains("| 16 | disk |"), "{text}");
+        assert!(text.contains("| 16 | disk, layer by layer |"), "{text}");
     }
 }

@@ -493,7 +493,8 @@ impl Loop {
                 self.observe_disk_read(meta.bytes, meta.disk_secs);
                 let pages = host.as_deref().and_then(|h| self.engine.adapter_pages(h));
                 self.mem.register_placed(meta, host, pages);
-                crate::memory::apply::stage_host(&self.mem, &mut self.engine, id);
+                let wanted = self.state.waiting_adapters();
+                crate::memory::apply::stage_host(&mut self.mem, &mut self.engine, id, &wanted);
                 // The no-cache baseline keeps nothing no request uses, warm adapters included.
                 if warm && self.limits.keep_idle {
                     let plan = crate::memory::AdmitPlan {
@@ -615,7 +616,7 @@ impl Loop {
                 self.metrics.adapter_load.observe(secs);
                 self.observe_disk_read(adapter.size_bytes() as u64, secs);
                 self.mem.on_fetched(id, Some(adapter), &wanted);
-                crate::memory::apply::stage_host(&self.mem, &mut self.engine, id);
+                crate::memory::apply::stage_host(&mut self.mem, &mut self.engine, id, &wanted);
             }
             Err(msg) => {
                 tracing::warn!("adapter {id}: {msg}");
@@ -662,9 +663,9 @@ impl Loop {
             wanted,
             Some(&self.loader),
         );
-        if upload == Upload::Stream && self.engine.pool().is_some() {
+        if upload == Upload::Stream {
             let (engine, cold, state, l) = (&self.engine, &self.cold, &self.state, &self.loader);
-            let assist = |id, a: &_| gate::assists_from_disk(engine, cold, state, l, (id, a));
+            let assist = |id, a: &_| gate::serves_from_file(engine, cold, state, l, (id, a));
             let dtype = thaw_runtime::backend::Backend::lora_dtype(engine.backend());
             let model = engine.model_config();
             crate::memory::mapped::map_fetches(

@@ -56,8 +56,21 @@ fn a_reload_after_device_eviction_or_of_a_staged_adapter_encodes_nothing() {
     assert_eq!(second.used, first.used, "one image, not two");
 
     // Staged when it entered the host tier: encoded then, not when it is loaded.
-    e.stage_adapter(&b);
+    // It answers the arena bytes the image holds (what the host tier counts for it).
+    let held = e.stage_adapter(&b);
+    assert!(held >= b.size_bytes() && held.is_multiple_of(256), "{held}");
     let staged = wait_arena(&e, "the staging", |u| u.idle);
+    assert_eq!(
+        staged.used,
+        second.used + held,
+        "the staged image holds what it said"
+    );
+    // Staged again (already there): the same bytes, no new image.
+    assert_eq!(e.stage_adapter(&b), held);
+    assert_eq!(
+        wait_arena(&e, "a second staging", |u| u.idle).used,
+        staged.used
+    );
     assert_eq!(
         staged.encoded_bytes,
         second.encoded_bytes + b.size_bytes() as u64

@@ -159,3 +159,34 @@ fn an_unreadable_adapter_file_fails_its_sequence_alone() {
         e.detach_pool().unwrap().shutdown();
     }
 }
+
+/// The loader's owned copy replaces an adapter registered from its mapped file only while the
+/// file is the one mapped (the check is a `stat`, not a comparison of every byte on the engine
+/// thread): after the file was replaced by another of the same shape, the adoption is refused
+/// and the mapped copy stays; with the file untouched, it is adopted.
+#[test]
+fn an_owned_copy_is_adopted_only_from_the_file_mapped() {
+    let tm = TestModel::llama(83);
+    let cfg = tm.model.config.clone();
+    let dir = tm.adapter_dir_as(16, &TARGETS, 995, Some(WeightDtype::Bf16));
+    let other = tm.adapter_dir_as(16, &TARGETS, 996, Some(WeightDtype::Bf16));
+    let mut e = thaw_tests::cpu_engine_slow_link(tm.model.clone(), 1e6, 1.0);
+    let id = AdapterId(3);
+    let mapped = Arc::new(LoraAdapter::map(&dir, &cfg).unwrap());
+    e.register_adapter_streaming(id, mapped).unwrap();
+    // Replaced (a new file renamed over it) by an adapter of the same shape.
+    let tmp = dir.join("adapter_model.tmp");
+    std::fs::copy(other.join(FILE), &tmp).unwrap();
+    std::fs::rename(&tmp, dir.join(FILE)).unwrap();
+    let replaced = Arc::new(LoraAdapter::load(&dir, &cfg).unwrap());
+    let err = e.adopt_host_copy(id, replaced).unwrap_err().to_string();
+    assert!(err.contains("differs from the mapped file"), "{err}");
+    assert!(e.adapter_is_mapped(id), "the mapped copy stays");
+    // Registered again from the file as it is now, it adopts the copy read from it.
+    e.unregister_adapter(id).unwrap();
+    let mapped = Arc::new(LoraAdapter::map(&dir, &cfg).unwrap());
+    e.register_adapter_streaming(id, mapped).unwrap();
+    let owned = Arc::new(LoraAdapter::load(&dir, &cfg).unwrap());
+    e.adopt_host_copy(id, owned).unwrap();
+    assert!(!e.adapter_is_mapped(id));
+}

@@ -4,7 +4,8 @@
 //! while the loader reads it. Every greedy completion equals a `cached` server's, the metrics
 //! show adapters served from their files and CPU-assisted rows; an adapter whose full read
 //! fails (a NaN only the read sees) fails its request with the error an `on-demand` server
-//! gives, and leaves no adapter pages behind.
+//! gives, and leaves no adapter pages behind. Without workers, an `on-demand` server reads
+//! disk misses from their files layer by layer too, with the same tokens.
 use std::net::SocketAddr;
 use std::path::Path;
 
@@ -153,6 +154,31 @@ fn cpu_assist_serves_disk_adapters_from_their_files() {
         );
         let assisted = metric(&m, "thaw_cpu_assisted_rows_total").unwrap();
         assert!(assisted > 0.0, "the worker computed rows: {m}");
+    }
+
+    // Without workers, on-demand: disk misses are served from their files too, read layer by
+    // layer into the arena (each layer lands once read and checked, not after the whole
+    // read), with the cached server's tokens.
+    {
+        let on_demand_from_files = [
+            "--cold-start",
+            "on-demand",
+            "--lora-workers",
+            "0",
+            "--max-loras",
+            "1",
+            "--max-cpu-loras",
+            "1",
+        ];
+        let (_s, addr) = start(dir.path(), &on_demand_from_files);
+        let got = run(addr, &order);
+        for (a, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(g.0, 200, "on-demand adapter {a} failed: {}", g.1);
+            assert_eq!(g.1, w.1, "on-demand adapter {a}: tokens differ from cached");
+        }
+        let m = get(addr, "/metrics").text();
+        let maps = metric(&m, "thaw_adapter_disk_maps_total").unwrap();
+        assert!(maps >= 1.0, "disk misses were read from their files: {m}");
     }
 
     // A NaN only the full read sees: the request fails as an on-demand server fails it, and

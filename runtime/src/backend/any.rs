@@ -498,7 +498,14 @@ impl Backend for AnyBackend {
         }
     }
 
-    fn stage_lora(&mut self, adapter: &Arc<LoraAdapter>, layout: KvLayout) {
+    fn rebind_lora(&mut self, old: &Arc<LoraAdapter>, new: &Arc<LoraAdapter>) {
+        match self {
+            Self::Cpu(b) => b.rebind_lora(old, new),
+            Self::Cuda(g) => g.rebind_lora(old, new),
+        }
+    }
+
+    fn stage_lora(&mut self, adapter: &Arc<LoraAdapter>, layout: KvLayout) -> usize {
         match self {
             Self::Cpu(b) => b.stage_lora(adapter, layout),
             Self::Cuda(g) => g.stage_lora(adapter, layout),

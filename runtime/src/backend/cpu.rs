@@ -372,16 +372,25 @@ impl Backend for CpuBackend {
         lora.landed()
     }
 
-    fn stage_lora(&mut self, adapter: &Arc<LoraAdapter>, _layout: KvLayout) {
+    fn rebind_lora(&mut self, old: &Arc<LoraAdapter>, new: &Arc<LoraAdapter>) {
+        if let Some(u) = &self.upload {
+            u.rebind(old, new);
+        }
+    }
+
+    fn stage_lora(&mut self, adapter: &Arc<LoraAdapter>, _layout: KvLayout) -> usize {
         if self.upload.is_none() {
             match self.start_upload() {
                 Ok(p) => self.upload = Some(p),
-                Err(e) => return tracing::warn!("adapter upload pipeline: {e}"),
+                Err(e) => {
+                    tracing::warn!("adapter upload pipeline: {e}");
+                    return 0;
+                }
             }
         }
-        if let Some(u) = &self.upload {
-            u.stage(adapter, &ImageLayout::of(adapter, None), None);
-        }
+        self.upload.as_ref().map_or(0, |u| {
+            u.stage(adapter, &ImageLayout::of(adapter, None), None)
+        })
     }
 
     fn upload_arena(&self) -> Option<crate::upload::ArenaUsage> {

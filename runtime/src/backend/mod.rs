@@ -245,10 +245,21 @@ pub trait Backend {
     /// `adapter` entered the host tier: where adapters go to the device through the upload
     /// pipeline, its device image (as it would be placed in KV blocks of `layout`) is written
     /// into the pinned arena now, by the loader threads behind every load, and kept while the
-    /// adapter lives, so a later load only copies. A no-op where nothing is uploaded (the
-    /// default).
-    fn stage_lora(&mut self, adapter: &std::sync::Arc<LoraAdapter>, layout: KvLayout) {
+    /// adapter lives, so a later load only copies. Returns the arena bytes the image holds;
+    /// 0 where nothing is uploaded (the default) or the image was not staged.
+    fn stage_lora(&mut self, adapter: &std::sync::Arc<LoraAdapter>, layout: KvLayout) -> usize {
         let _ = (adapter, layout);
+        0
+    }
+    /// `new` (the same bytes, held in memory) replaced `old` (read from its mapped file) as an
+    /// adapter's host copy: the upload arena keeps `old`'s images for `new`, so they are not
+    /// encoded again. A no-op where nothing is uploaded (the default).
+    fn rebind_lora(
+        &mut self,
+        old: &std::sync::Arc<LoraAdapter>,
+        new: &std::sync::Arc<LoraAdapter>,
+    ) {
+        let _ = (old, new);
     }
     /// The upload arena's bytes by use and the pipeline's encode work, once it is started.
     fn upload_arena(&self) -> Option<crate::upload::ArenaUsage> {

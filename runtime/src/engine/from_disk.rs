@@ -47,24 +47,42 @@ pub(super) fn store_insert(
 
 impl<B: Backend> Engine<B> {
     /// Replaces the host copy of adapter `id` — registered mapped from its file — with
-    /// `owned`, the loader's full load of the same file (same layers, modules, ranks, scales
-    /// and bytes), so the engine stops reading the file; sequences using the adapter carry on.
-    /// The workers' file entry and the device copy in flight are left as they are.
+    /// `owned`, the loader's full load of the same file (same layers, modules, ranks, scales,
+    /// dtypes and shapes), so the engine stops reading the file; sequences using the adapter
+    /// carry on. The workers' file entry and the device copy in flight are left as they are.
+    ///
+    /// O(layers × modules) and one `stat`, never O(bytes) (this runs on the engine thread):
+    /// the bytes are the same because the file is still the one mapped (same device, inode
+    /// and length: a replaced or truncated file is refused), and adapter files are not
+    /// rewritten in place while served (see `crate::adapter::mapped`).
     pub fn adopt_host_copy(&mut self, id: AdapterId, owned: Arc<LoraAdapter>) -> Result<()> {
         let a = self
             .adapters
             .get_mut(&id)
             .ok_or(RuntimeError::UnknownAdapter(id))?;
+        let shaped = |w: &crate::adapter::LoraWeights| {
+            let (a, b) = (&w.a, &w.b);
+            (w.rank, w.scale, a.dtype(), a.numel(), b.dtype(), b.numel())
+        };
         let same = a.host.num_layers() == owned.num_layers()
             && a.host.iter().count() == owned.iter().count()
-            && a.host.iter().zip(owned.iter()).all(|(x, y)| x == y);
-        if !same {
+            && a.host
+                .iter()
+                .zip(owned.iter())
+                .all(|((l, m, x), (k, n, y))| (l, m) == (k, n) && shaped(x) == shaped(y));
+        let unchanged = a.host.file_source().is_none_or(|(src, _)| {
+            std::fs::metadata(&src.path).is_ok_and(|m| src.matches(&m).is_ok())
+        });
+        if !same || !unchanged {
             return Err(RuntimeError::InvalidRequest(format!(
                 "adapter {id:?}: the loaded copy differs from the mapped file it replaces \
                  (was the file rewritten?); unload and load the adapter again"
             )));
         }
-        let old = std::mem::replace(&mut a.host, owned);
+        let old = std::mem::replace(&mut a.host, owned.clone());
+        // Its arena image stays, now the owned copy's: not freed with the mapping and encoded
+        // again when the owned copy is staged.
+        self.backend.rebind_lora(&old, &owned);
         crate::upload::drop_later(old);
         Ok(())
     }

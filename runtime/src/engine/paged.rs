@@ -34,10 +34,11 @@ impl<B: Backend> Engine<B> {
 
     /// `adapter` entered the host tier: its device image is written into the upload arena
     /// now, off the engine thread (O(layers) here), and kept while the adapter lives, so a
-    /// later load of it only copies ([`Backend::stage_lora`]).
-    pub fn stage_adapter(&mut self, adapter: &Arc<LoraAdapter>) {
+    /// later load of it only copies ([`Backend::stage_lora`]). Returns the arena bytes the
+    /// image holds (0: not staged), part of what the host tier holds for the adapter.
+    pub fn stage_adapter(&mut self, adapter: &Arc<LoraAdapter>) -> usize {
         let layout = self.kv_layout();
-        self.backend.stage_lora(adapter, layout);
+        self.backend.stage_lora(adapter, layout)
     }
 
     /// Blocks adapters' images hold now.

@@ -9,6 +9,7 @@
 //! | --- | --- |
 //! | `plan.rs` | the pure decisions: arena space, images kept for the host tier, encode and copy order, eviction |
 //! | `arena.rs` | the arena's free list |
+//! | `check.rs` | a layer read from a mapped file is checked (file unchanged, weights finite) before its copy is queued |
 //! | `layout.rs` | an adapter's device image: factor offsets, layer ranges; paged in the budget's pages |
 //! | `device.rs` | what a backend supplies, and the CPU backend's emulated link |
 //! | `pipeline.rs` | the loader and copy threads |
@@ -18,6 +19,7 @@
 //! | `stream.rs` | copies of adapter bytes that bypass the caches (non-temporal stores) |
 mod arena;
 mod background;
+mod check;
 mod device;
 mod layout;
 mod pace;

@@ -66,6 +66,10 @@ pub struct UploadStats {
     /// Layers landed on the device, and their bytes.
     pub layers_copied: AtomicU64,
     pub copied_bytes: AtomicU64,
+    /// Layers a loader thread could not encode (read from a mapped file that went bad: a
+    /// non-finite weight, a file truncated or replaced): their images were freed and the
+    /// uploads of them failed.
+    pub encode_failures: AtomicU64,
     /// Uploads that found their adapter's image complete in the arena (no encode), and the
     /// bytes of those images.
     pub images_reused: AtomicU64,
@@ -268,16 +272,17 @@ impl<D: CopyDevice> UploadPipeline<D> {
     /// that a later [`UploadPipeline::submit`] of it only copies: called when the adapter
     /// enters the host tier. O(layers + kept images) here; the image is freed when the
     /// adapter's last reference is gone. An adapter larger than the arena is not staged (its
-    /// upload says why).
+    /// upload says why). Returns the arena bytes the image holds (0: not staged), which the
+    /// host tier counts as its own ([`super::ARENA_ALIGN`]-rounded, as the arena reserves it).
     pub fn stage(
         &self,
         adapter: &Arc<LoraAdapter>,
         layout: &ImageLayout,
         dtype: Option<WeightDtype>,
-    ) -> bool {
+    ) -> usize {
         let mut g = self.shared.lock();
         if !g.keep {
-            return false;
+            return 0;
         }
         g.forget_freed();
         let key = g.key(adapter, dtype, layout);
@@ -285,14 +290,33 @@ impl<D: CopyDevice> UploadPipeline<D> {
             .plan
             .stage(key, layout.layer_ranges(), layout.total)
             .unwrap_or(false);
-        if !g.plan.has_image(key) {
+        let held = g.plan.has_image(key);
+        if !held {
             g.images.remove(&key);
         }
         drop(g);
         if queued {
             self.shared.cv.notify_all();
         }
-        queued
+        if held {
+            image_bytes(layout.total)
+        } else {
+            0
+        }
+    }
+
+    /// `new` replaces `old` as the adapter its images are encoded from: the loader's owned copy
+    /// of an adapter served from its mapped file, the same bytes (`Engine::adopt_host_copy`
+    /// checked that the file is the one mapped). The images stay for `new` — a later stage or
+    /// upload of it finds them — instead of being freed with `old` and encoded again.
+    /// O(kept images).
+    pub fn rebind(&self, old: &Arc<LoraAdapter>, new: &Arc<LoraAdapter>) {
+        let mut g = self.shared.lock();
+        for s in g.images.values_mut() {
+            if std::ptr::eq(s.adapter.as_ptr(), Arc::as_ptr(old)) {
+                s.adapter = Arc::downgrade(new);
+            }
+        }
     }
 
     /// Makes the queued prefetch publishing to `landing` a demand load; false if there is none.
@@ -419,7 +443,19 @@ fn encode_loop<D: CopyDevice>(sh: &Shared<D>) {
         drop(g);
         let base = t.arena.start - t.image.start;
         let (mut bytes, mut work) = (0, Duration::ZERO);
-        let write = sh.device.writes_image();
+        // Read from its mapped file: the layer is checked before it counts as encoded (its
+        // copy queued), so the device never gets a layer of a file gone bad. Reading it is
+        // byte work like the write: paced the same way.
+        let t0 = Instant::now();
+        let checked = adapter
+            .as_deref()
+            .map_or(Ok(()), |a| super::check::check_layer(a, &placed));
+        if adapter.as_deref().is_some_and(LoraAdapter::is_mapped) {
+            let dt = t0.elapsed();
+            work += dt;
+            super::pace::after_chunk(dt);
+        }
+        let write = sh.device.writes_image() && checked.is_ok();
         for p in placed.iter().filter(|_| write) {
             let w = adapter
                 .as_ref()
@@ -445,10 +481,39 @@ fn encode_loop<D: CopyDevice>(sh: &Shared<D>) {
         // The last reference may be this one (the adapter dropped meanwhile): not under the lock.
         drop(adapter);
         g = sh.lock();
-        g.plan.encoded(t.key, t.layer);
+        match checked {
+            Ok(()) => g.plan.encoded(t.key, t.layer),
+            Err(why) => fail_image(&mut g, &sh.stats, t.key, t.layer, &why),
+        }
         reap(&mut g);
         sh.cv.notify_all();
     }
+}
+
+/// Layer `layer` of image `key` could not be read: the plan frees the image (once, when no
+/// thread uses it) and evicts its uploads, whose landings fail here; the image is forgotten at
+/// once, so a later upload of the adapter makes a new one. The requests' error comes from the
+/// loader's full read of the same file (authoritative, see `crate::adapter::mapped`).
+fn fail_image<D: CopyDevice>(
+    g: &mut State<D>,
+    stats: &UploadStats,
+    key: ImageKey,
+    layer: usize,
+    why: &str,
+) {
+    tracing::error!("adapter upload: layer {layer} could not be read: {why}");
+    stats.encode_failures.fetch_add(1, Relaxed);
+    for id in g.plan.encode_failed(key, layer) {
+        if let Some(j) = g.jobs.get(&id) {
+            j.landing.fail();
+        }
+    }
+    g.images.remove(&key);
+}
+
+/// The arena bytes an image of `total` bytes reserves.
+fn image_bytes(total: usize) -> usize {
+    total.max(1).next_multiple_of(super::ARENA_ALIGN)
 }
 
 /// How often an idle loader thread looks for images whose adapter is gone.

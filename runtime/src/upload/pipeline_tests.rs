@@ -182,3 +182,84 @@ fn an_adapter_larger_than_the_arena_is_refused() {
     let e = p.submit(up, LoadPriority::Demand).unwrap_err().to_string();
     assert!(e.contains("--max-cpu-lora-bytes"), "{e}");
 }
+
+/// An upload of `a` (its own image, as stored) into a fresh device buffer, and its slot.
+fn upload_of(a: &Arc<crate::adapter::LoraAdapter>) -> (Upload<MemCopy>, Arc<LoraSlot>) {
+    let layout = ImageLayout::of(a, None);
+    let slot = Arc::new(LoraSlot::empty(a.clone()));
+    let up = Upload {
+        adapter: a.clone(),
+        dst: Arc::new(Mutex::new(vec![0; layout.total])),
+        layout,
+        dtype: None,
+        landing: slot.clone(),
+    };
+    (up, slot)
+}
+
+/// An adapter served from its mapped file whose last layer holds a NaN: the bad layer is never
+/// copied (each layer is checked whole before its copy is queued; those copied before the
+/// failure stay landed), the upload fails, its arena space comes back once, and the pipeline
+/// goes on with the next upload.
+#[test]
+fn a_mapped_layer_that_fails_its_check_fails_the_upload_and_frees_its_space() {
+    let c = config();
+    let (dir, last) = crate::upload::check::tests::poisoned_last_layer(&c);
+    let bad = Arc::new(crate::adapter::LoraAdapter::map(dir.path(), &c).unwrap());
+    let p = UploadPipeline::start(MemCopy, 1 << 20, 1).unwrap();
+    let (up, slot) = upload_of(&bad);
+    p.submit(up, LoadPriority::Demand).unwrap();
+    wait_for("the failure", || {
+        slot.residency() == crate::residency::DeviceResidency::Failed
+    });
+    wait_for("the space to come back", || {
+        p.shared.cv.notify_all();
+        p.arena_usage().used == 0 && p.arena_usage().idle
+    });
+    assert!(slot.landed() <= last, "the bad layer never lands");
+    assert_eq!(p.stats().encode_failures.load(Relaxed), 1);
+    let copied = p.stats().layers_copied.load(Relaxed);
+    assert_eq!(copied, slot.landed() as u64);
+    // The next upload (a sound copy of the adapter, mapped too) is served.
+    let good = Arc::new(crate::adapter::LoraAdapter::map(&fixtures::adapter("r4_qv"), &c).unwrap());
+    let (up, slot) = upload_of(&good);
+    p.submit(up, LoadPriority::Demand).unwrap();
+    wait_for("the sound upload", || slot.landed() == good.num_layers());
+    assert_eq!(p.stats().encode_failures.load(Relaxed), 1);
+}
+
+/// The loader's owned copy replacing an adapter served from its mapped file takes over the
+/// mapped copy's image: dropping the mapping frees nothing, staging the owned copy encodes
+/// nothing, and the image goes when the owned copy does.
+#[test]
+fn an_owned_copy_takes_over_the_mapped_copys_image() {
+    let c = config();
+    let dir = fixtures::adapter("r8_all_rslora");
+    let mapped = Arc::new(crate::adapter::LoraAdapter::map(&dir, &c).unwrap());
+    let p = UploadPipeline::start(MemCopy, 1 << 20, 1).unwrap();
+    let layout = ImageLayout::of(&mapped, None);
+    let held = p.stage(&mapped, &layout, None);
+    assert_eq!(held, layout.total.next_multiple_of(256));
+    wait_for("the staging", || p.arena_usage().idle);
+    let encoded = p.stats().encoded_bytes.load(Relaxed);
+    assert_eq!(encoded, mapped.size_bytes() as u64);
+    let owned = Arc::new(crate::adapter::LoraAdapter::load(&dir, &c).unwrap());
+    p.rebind(&mapped, &owned);
+    drop(mapped);
+    // Past a reap period: an image of a dropped adapter would be gone by now.
+    std::thread::sleep(IMAGE_REAP_PERIOD * 3);
+    p.shared.cv.notify_all();
+    assert_eq!(p.arena_usage().used, held, "the image stayed");
+    assert_eq!(p.stage(&owned, &ImageLayout::of(&owned, None), None), held);
+    wait_for("the second staging", || p.arena_usage().idle);
+    assert_eq!(
+        p.stats().encoded_bytes.load(Relaxed),
+        encoded,
+        "nothing encoded again"
+    );
+    drop(owned);
+    wait_for("the image to be freed", || {
+        p.shared.cv.notify_all();
+        p.arena_usage().used == 0
+    });
+}

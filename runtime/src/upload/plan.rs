@@ -98,6 +98,18 @@ impl Image {
         self.staged == self.layers.len()
     }
 
+    /// A loader thread is done with `layer` (encoded it, or failed to): it was encoding it.
+    fn finish_encoding(&mut self, layer: usize) {
+        assert!(
+            self.encoding > 0
+                && layer >= self.staged
+                && layer < self.handed
+                && !self.ahead.contains(&layer),
+            "layer {layer} was not being encoded"
+        );
+        self.encoding -= 1;
+    }
+
     /// Nobody holds it: no upload, no loader thread.
     fn idle(&self) -> bool {
         self.users == 0 && self.encoding == 0
@@ -398,14 +410,7 @@ impl UploadPlan {
     /// A loader thread finished encoding `layer` of image `key`.
     pub fn encoded(&mut self, key: ImageKey, layer: usize) {
         let img = self.images.get_mut(&key).expect("encoded an unknown image");
-        assert!(
-            img.encoding > 0
-                && layer >= img.staged
-                && layer < img.handed
-                && !img.ahead.contains(&layer),
-            "layer {layer} was not being encoded"
-        );
-        img.encoding -= 1;
+        img.finish_encoding(layer);
         img.ahead.insert(layer);
         while img.ahead.remove(&img.staged) {
             img.staged += 1;
@@ -414,6 +419,35 @@ impl UploadPlan {
             img.stage = None;
         }
         self.reap_image(key);
+    }
+
+    /// A loader thread could not encode `layer` of image `key`: its source is unreadable (a
+    /// non-finite weight, a file truncated or changed under its mapping). The image is broken:
+    /// no more of its layers are handed out or copied, every live upload of it is evicted
+    /// (returned, so the caller fails their landings), it is never reused (a later upload of
+    /// the adapter is a new image), and its space is freed once, when no loader thread writes
+    /// it and no copy reads it. Layers already landed stay landed: each was read and checked
+    /// whole before its copy was queued.
+    pub fn encode_failed(&mut self, key: ImageKey, layer: usize) -> Vec<JobId> {
+        let img = self.images.get_mut(&key).expect("failed an unknown image");
+        img.finish_encoding(layer);
+        img.handed = img.layers.len();
+        img.stage = None;
+        img.released = true;
+        let jobs: Vec<JobId> = self
+            .jobs
+            .iter()
+            .filter(|(_, j)| j.image == key && !j.evicted)
+            .map(|(&id, _)| id)
+            .collect();
+        for &id in &jobs {
+            self.evict(id);
+        }
+        // Freed already if the last upload's eviction left it idle.
+        if self.images.contains_key(&key) {
+            self.reap_image(key);
+        }
+        jobs
     }
 
     /// The next layer to put on the link, if it is free: the first upload in service order

@@ -13,13 +13,18 @@ const ADAPTERS: usize = 4;
 /// encoding a layer, start a copy, or land the copy in flight.
 #[derive(Clone, Debug)]
 enum Op {
-    Submit { a: usize, demand: bool },
+    Submit {
+        a: usize,
+        demand: bool,
+    },
     Stage(usize),
     Release(usize),
     Promote(usize),
     Evict(usize),
     StartEncode,
     FinishEncode(usize),
+    /// A loader thread finds the layer it reads unreadable (a NaN, a truncated file).
+    FailEncode(usize),
     Copy,
     Land,
 }
@@ -34,6 +39,7 @@ fn op() -> impl Strategy<Value = Op> {
         Just(Op::StartEncode),
         Just(Op::StartEncode),
         (0usize..3).prop_map(Op::FinishEncode),
+        (0usize..3).prop_map(Op::FailEncode),
         Just(Op::Copy),
         Just(Op::Land),
         Just(Op::Land),
@@ -49,6 +55,8 @@ struct Seen {
     /// Each image's adapter.
     owner: BTreeMap<ImageKey, usize>,
     released: BTreeSet<ImageKey>,
+    /// Images a loader thread failed to encode.
+    broken: BTreeSet<ImageKey>,
     /// Uploads: their image and layer count.
     jobs: BTreeMap<JobId, (ImageKey, usize)>,
     next_id: JobId,
@@ -78,6 +86,7 @@ impl Seen {
             owner: (0..shapes.len()).map(|a| (a as u64, a)).collect(),
             shapes,
             released: BTreeSet::new(),
+            broken: BTreeSet::new(),
             jobs: BTreeMap::new(),
             next_id: 0,
             encoded: BTreeSet::new(),
@@ -239,6 +248,11 @@ fn step(p: &mut UploadPlan, s: &mut Seen, o: Op) -> Result<(), TestCaseError> {
                     s.encoded.insert((t.key, t.layer)),
                     "image layer encoded twice"
                 );
+                prop_assert!(
+                    !s.broken.contains(&t.key),
+                    "a broken image {} encoded",
+                    t.key
+                );
                 // Layers are handed out in order (loader threads may finish them in any).
                 prop_assert!(t.layer == 0 || s.encoded.contains(&(t.key, t.layer - 1)));
                 let base = t.arena.start - t.image.start;
@@ -251,6 +265,31 @@ fn step(p: &mut UploadPlan, s: &mut Seen, o: Op) -> Result<(), TestCaseError> {
                 let (key, layer) = s.encoding.remove(k % s.encoding.len());
                 s.staged.insert((key, layer));
                 p.encoded(key, layer);
+            }
+        }
+        Op::FailEncode(k) => {
+            if !s.encoding.is_empty() {
+                let (key, layer) = s.encoding.remove(k % s.encoding.len());
+                let mut users: Vec<JobId> = s
+                    .jobs
+                    .iter()
+                    .filter(|(id, (k, _))| *k == key && p.contains(**id))
+                    .map(|(id, _)| *id)
+                    .collect();
+                let mut failed = p.encode_failed(key, layer);
+                users.sort();
+                failed.sort();
+                prop_assert_eq!(&failed, &users, "every live upload of image {} fails", key);
+                for id in failed {
+                    prop_assert!(!p.contains(id));
+                    s.evicted.insert(id);
+                }
+                s.broken.insert(key);
+                s.released.insert(key);
+                let a = s.owner[&key];
+                if s.key_of[a] == key {
+                    s.fresh_key(a);
+                }
             }
         }
         Op::Copy => {
@@ -269,6 +308,7 @@ fn step(p: &mut UploadPlan, s: &mut Seen, o: Op) -> Result<(), TestCaseError> {
                     prop_assert!(s.staged.contains(&(key, t.layer)), "copied before encoded");
                     prop_assert!(s.copied.insert((t.job, t.layer)), "layer copied twice");
                     prop_assert!(!s.evicted.contains(&t.job));
+                    prop_assert!(!s.broken.contains(&key), "a broken image {} copied", key);
                     prop_assert_eq!(t.arena.start - t.image.start, s.space[&key]);
                     prop_assert!(
                         s.classes[&t.job] == LoadPriority::Demand || !queued_demand,
@@ -313,7 +353,9 @@ proptest! {
     /// once however often the image is uploaded (an upload of a complete image encodes
     /// nothing); every layer is copied once per upload after it was encoded and layers land
     /// in order; demand loads never wait for a prefetch's layer; an image is freed exactly once
-    /// and never under an upload (evicted mid-copy or not), a loader or a copy — and after
+    /// and never under an upload (evicted mid-copy or not), a loader or a copy; an image whose
+    /// encode failed fails every live upload of it, is neither encoded nor copied again, and is
+    /// freed once like any other — and after
     /// draining and releasing every adapter, every image that got space freed it once and the
     /// arena is empty.
     #[test]

@@ -20,8 +20,8 @@ use thaw_runtime::sampling::SamplingParams;
 
 use super::cost::{AssistWork, ColdDecision, CostModel, Prediction};
 use super::decide::{ColdCase, ColdTier};
-use super::loader::Loader;
 use super::policy::ColdStartPolicy;
+use crate::memory::loader::{FetchJob, FetchResult, Loader};
 use crate::perf::DiskQueue;
 
 /// Where an adapter starts a run.
@@ -158,7 +158,18 @@ pub fn run(
     cfg: &DriverConfig,
     cost: &mut CostModel,
 ) -> RunReport {
-    let loader = Loader::spawn(engine.model_config().clone(), cfg.loader_threads);
+    // The server's loader, without its re-read checks (a first read has no size to compare
+    // with) or a dtype conversion; its results come back on a channel polled between steps.
+    let (done_tx, done_rx) = crossbeam::channel::unbounded::<(AdapterId, FetchResult)>();
+    let loader = Loader::start(
+        engine.model_config().clone(),
+        cfg.loader_threads,
+        None,
+        move |id, r| {
+            let _ = done_tx.send((id, r));
+        },
+    )
+    .expect("starting the adapter loader threads");
     let mut state: Vec<AdapterState> = vec![AdapterState::Disk; adapters.len()];
     let mut host: Vec<Option<Arc<LoraAdapter>>> = vec![None; adapters.len()];
     // Initial tiers (the cached oracle makes everything resident up front).
@@ -229,7 +240,7 @@ pub fn run(
             cfg.policy,
             ColdStartPolicy::CpuAssist | ColdStartPolicy::Auto
         );
-    let requester = loader.requester();
+    let requester = &loader;
     let mut disk_maps = 0u64;
     // When each adapter had every layer on the device, from the start of the run.
     let mut landed_at: Vec<Option<Duration>> = (0..adapters.len())
@@ -246,7 +257,12 @@ pub fn run(
                 if let Some(wait) = at.checked_sub(start.elapsed()) {
                     std::thread::sleep(wait);
                 }
-                requester.request(a, adapters[a].0.clone());
+                requester.fetch(FetchJob {
+                    id: AdapterId(a as u32),
+                    path: adapters[a].0.clone(),
+                    root: None,
+                    bytes: None,
+                });
             }
         });
         let mut queue: VecDeque<Live> = VecDeque::new();
@@ -288,12 +304,12 @@ pub fn run(
                 });
                 next += 1;
             }
-            for (a, r) in loader.finished() {
-                let id = AdapterId(a as u32);
+            for (id, r) in done_rx.try_iter() {
+                let (a, r) = (id.0 as usize, r.map(|(ad, _)| ad));
                 if matches!(state[a], AdapterState::Ready) && engine.adapter_is_mapped(id) {
                     // Served from its file since its request arrived: the full load is the
                     // validation (finite weights) and becomes the engine's host copy.
-                    state[a] = match r.map_err(|e| e.to_string()).and_then(|ad| {
+                    state[a] = match r.and_then(|ad| {
                         engine
                             .adopt_host_copy(id, ad.clone())
                             .map_err(|e| e.to_string())?;
@@ -305,7 +321,7 @@ pub fn run(
                     };
                     continue;
                 }
-                state[a] = match r.map_err(|e| e.to_string()).and_then(|ad| {
+                state[a] = match r.and_then(|ad| {
                     engine
                         .register_adapter_streaming(AdapterId(a as u32), ad.clone())
                         .map_err(|e| e.to_string())?;

@@ -1,12 +1,11 @@
 //! Cold-start hiding policy (DESIGN §4): the `--cold-start` policies, the cost model that
-//! drives `auto`, the loader thread (disk → host), and an engine-level driver that runs a
-//! timed request trace under a policy.
+//! drives `auto`, and an engine-level driver that runs a timed request trace under a policy
+//! (its disk reads go through the server's loader, [`crate::memory::loader::Loader`]).
 mod amortize;
 mod calibrate;
 mod cost;
 mod decide;
 mod driver;
-mod loader;
 mod policy;
 mod snapshot;
 
@@ -15,7 +14,6 @@ pub use calibrate::calibrate;
 pub use cost::{AssistWork, ColdDecision, ColdPlan, ColdTimes, CostModel, Prediction};
 pub use decide::{ColdCase, ColdTier};
 pub use driver::{run, DriverConfig, Outcome, Request, RunReport, StartTier, StepRecord};
-pub use loader::{Loaded, Loader};
 pub use policy::ColdStartPolicy;
 pub use snapshot::{
     adapter_costs, AdapterCosts, CostSnapshot, ServerLimits, SnapshotError, SNAPSHOT_FORMAT,

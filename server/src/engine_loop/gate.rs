@@ -70,10 +70,14 @@ pub(super) fn cold_gate(
 }
 
 /// Whether adapter `id`, only on disk and mapped as `a`, is served from its file while it is
-/// read (see [`crate::memory::mapped`]): always under `cpu-assist`; under `auto` when the cost
-/// model would assist the first waiting request for it from the disk tier, its read waiting
-/// behind the reads `loader` has queued ahead of it; never otherwise.
-pub(super) fn assists_from_disk(
+/// read (see [`crate::memory::mapped`]): the upload pipeline then reads it layer by layer into
+/// the arena and each layer lands as soon as it is read and checked, instead of after the
+/// loader's whole read. Always under `cpu-assist`, and under `on-demand` (its requests wait for
+/// every layer anyway) and `auto` without CPU workers (nothing computes from the file but the
+/// upload); under `auto` with workers when the cost model would assist the first waiting
+/// request for it from the disk tier, its read waiting behind the reads `loader` has queued
+/// ahead of it; never under `cached` (its adapters are uploaded whole).
+pub(super) fn serves_from_file(
     engine: &ServeEngine,
     cold: &ColdStart,
     state: &SchedState,
@@ -81,8 +85,9 @@ pub(super) fn assists_from_disk(
     (id, a): (AdapterId, &LoraAdapter),
 ) -> bool {
     match cold.policy {
-        ColdStartPolicy::CpuAssist => true,
-        ColdStartPolicy::Cached | ColdStartPolicy::OnDemand => false,
+        ColdStartPolicy::CpuAssist | ColdStartPolicy::OnDemand => true,
+        ColdStartPolicy::Cached => false,
+        ColdStartPolicy::Auto if engine.pool().is_none() => true,
         ColdStartPolicy::Auto => {
             let Some(s) = state.waiting.iter().find(|s| s.adapter == Some(id)) else {
                 return false;

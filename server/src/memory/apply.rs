@@ -24,10 +24,18 @@ pub enum Upload {
 /// `id` may have entered the host tier (registered with its weights, or read from disk): if the
 /// tier kept it, its device image is written into the engine's upload arena now, off the engine
 /// thread, so a later load of it only copies. The arena frees the image once the adapter's last
-/// reference (the host tier's, the device copy's) is gone.
-pub fn stage_host<B: Backend>(mgr: &MemoryManager, engine: &mut Engine<B>, id: AdapterId) {
+/// reference (the host tier's, the device copy's) is gone. The host tier counts the image's
+/// bytes with the heap copy's against `--max-cpu-lora-bytes` (`wanted`: adapters of queued
+/// requests, kept over the bound).
+pub fn stage_host<B: Backend>(
+    mgr: &mut MemoryManager,
+    engine: &mut Engine<B>,
+    id: AdapterId,
+    wanted: &HashSet<AdapterId>,
+) {
     if let Some(h) = mgr.host_copy(id) {
-        engine.stage_adapter(&h);
+        let image = engine.stage_adapter(&h);
+        mgr.on_staged(id, image as u64, wanted);
     }
 }
 
@@ -84,7 +92,7 @@ pub fn apply<B: Backend>(
                     id: a,
                     path,
                     root,
-                    bytes,
+                    bytes: Some(bytes),
                 }) {
                     tracing::error!("the adapter loader thread has stopped");
                 }

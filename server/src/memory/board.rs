@@ -170,7 +170,7 @@ impl MemorySnapshot {
             ("thaw_adapters", "", &[("tier", "disk")], self.disk_adapters as f64),
             (
                 "thaw_adapter_tier_bytes",
-                "Bytes of adapter weights by tier.",
+                "Bytes of adapter weights by tier: device, its weights; host, what host memory holds for adapters off the device (the heap copy and the device image in the upload arena, as --max-cpu-lora-bytes counts them); host_arena, the arena's kept images of every adapter.",
                 &[("tier", "device")],
                 self.device_bytes as f64,
             ),

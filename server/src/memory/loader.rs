@@ -1,8 +1,9 @@
-//! The disk → host loader: a few threads that read and validate adapters the memory manager
-//! asks for, off the engine thread, and hand each result to a callback (the engine loop sends
-//! it back to itself as a command). Several threads, because with many adapters in use every
-//! request may need a read, and one thread reading them one after another was what requests
-//! waited on.
+//! The disk → host loader: a few threads that read and validate adapters off the engine
+//! thread, and hand each result to a callback (the engine loop sends it back to itself as a
+//! command; the cold-start driver to a channel it polls). Several threads, taking the reads
+//! first in, first out and reporting each as it finishes, because with many adapters in use
+//! every request may need a read, and one thread reading them one after another was what
+//! requests waited on. The one loader of the server and of the cold-start driver.
 //!
 //! An adapter loaded at run time under `--lora-root` is re-read through the same confinement
 //! as its first load ([`crate::lora_open::load_confined`]): a directory swapped for a link
@@ -27,8 +28,10 @@ pub struct FetchJob {
     pub path: PathBuf,
     /// The `--lora-root` its reads are confined to (runtime loads under a root).
     pub root: Option<PathBuf>,
-    /// What the adapter weighed when it was registered; a different file is an error.
-    pub bytes: u64,
+    /// What the adapter weighed when it was registered; a different file is an error. `None`:
+    /// a first read, nothing to compare with (the cold-start driver's disk-tier adapters); it
+    /// counts as no bytes in the read queue.
+    pub bytes: Option<u64>,
 }
 
 /// A finished read: the host copy and the seconds it took, or what went wrong (safe to show).
@@ -103,6 +106,8 @@ impl Loader {
             let spawned = std::thread::Builder::new()
                 .name(format!("thaw-loader-{i}"))
                 .spawn(move || {
+                    // Off the (possibly pinned) engine thread's core, below its priority.
+                    thaw_cpu_lora::float_current_thread();
                     thaw_runtime::upload::lower_current_thread_priority();
                     for job in rx {
                         let r = read(&job, &model, dtype);
@@ -127,7 +132,7 @@ impl Loader {
     /// Queues a read; false if the thread is gone.
     pub fn fetch(&self, job: FetchJob) -> bool {
         let mut q = self.queue.lock().unwrap_or_else(|e| e.into_inner());
-        q.push(job.id, job.bytes);
+        q.push(job.id, job.bytes.unwrap_or(0));
         let sent = self
             .tx
             .as_ref()
@@ -194,12 +199,11 @@ fn read(job: &FetchJob, model: &ModelConfig, dtype: Option<WeightDtype>) -> Fetc
     if let Some(d) = dtype {
         a = a.into_dtype(d);
     }
-    if a.size_bytes() as u64 != job.bytes {
+    if let Some(bytes) = job.bytes.filter(|&b| b != a.size_bytes() as u64) {
         return Err(format!(
-            "the adapter at {} changed on disk since it was loaded ({} bytes, now {}); load it \
-             again under its name",
+            "the adapter at {} changed on disk since it was loaded ({bytes} bytes, now {}); \
+             load it again under its name",
             shown(job, &job.path).display(),
-            job.bytes,
             a.size_bytes()
         ));
     }
@@ -267,13 +271,22 @@ mod tests {
             id: AdapterId(7),
             path: root.join("a"),
             root: Some(root.clone()),
-            bytes,
+            bytes: Some(bytes),
         };
         let (a, _) = read(&job, &model, None).unwrap();
         assert_eq!(a.size_bytes() as u64, bytes);
+        // A first read (no size known) reads whatever is there.
+        let first = FetchJob {
+            bytes: None,
+            ..job.clone()
+        };
+        assert_eq!(
+            read(&first, &model, None).unwrap().0.size_bytes() as u64,
+            bytes
+        );
 
         let wrong = FetchJob {
-            bytes: bytes + 1,
+            bytes: Some(bytes + 1),
             ..job.clone()
         };
         let e = read(&wrong, &model, None).unwrap_err();
@@ -305,5 +318,55 @@ mod tests {
         let e = read(&job, &model, None).unwrap_err();
         assert!(e.contains("<lora-root>/a/adapter_model.safetensors"), "{e}");
         assert!(!e.contains(tmp.path().to_str().unwrap()), "{e}");
+    }
+
+    /// Every queued read is reported once, under its id, whichever thread read it; a missing
+    /// directory fails alone, and its error names the path.
+    #[test]
+    fn every_read_is_reported_once_by_any_thread() {
+        let model = ModelConfig::from_dir(&fixture()).unwrap();
+        let tmp = tempfile::tempdir().unwrap();
+        let good = tmp.path().join("a");
+        copy_adapter(&good);
+        let (tx, rx) = crossbeam::channel::unbounded();
+        let loader = Loader::start(model, 3, None, move |id, r| {
+            let _ = tx.send((id, r));
+        })
+        .unwrap();
+        for k in 0..7u32 {
+            let path = if k == 4 {
+                tmp.path().join("missing")
+            } else {
+                good.clone()
+            };
+            let job = FetchJob {
+                id: AdapterId(k),
+                path,
+                root: None,
+                bytes: None,
+            };
+            assert!(loader.fetch(job));
+        }
+        let mut seen = Vec::new();
+        for _ in 0..7 {
+            let (id, r) = rx
+                .recv_timeout(std::time::Duration::from_secs(60))
+                .expect("every read is reported");
+            match r {
+                Err(e) => {
+                    assert_eq!(id, AdapterId(4), "{e}");
+                    assert!(e.contains("missing"), "{e}");
+                }
+                Ok((a, secs)) => {
+                    assert_ne!(id, AdapterId(4));
+                    assert!(a.size_bytes() > 0 && secs >= 0.0);
+                }
+            }
+            seen.push(id.0);
+        }
+        drop(loader);
+        assert!(rx.try_recv().is_err(), "a read reported twice");
+        seen.sort();
+        assert_eq!(seen, (0..7).collect::<Vec<_>>());
     }
 }

@@ -36,7 +36,8 @@ pub struct MemoryConfig {
     /// Most adapters streaming to the device at once, if bounded: the CPU workers' host store
     /// holds an adapter only until its last layer lands. Landed adapters are bounded by pages.
     pub max_streaming_adapters: Option<usize>,
-    /// `--max-cpu-loras` and `--max-cpu-lora-bytes`: the host tier (adapters not on device).
+    /// `--max-cpu-loras` and `--max-cpu-lora-bytes`: the host tier (adapters not on device),
+    /// its bytes each adapter's heap copy and its device image in the upload arena.
     pub host_max_adapters: usize,
     pub host_max_bytes: u64,
 }
@@ -59,6 +60,9 @@ struct Entry {
     meta: AdapterMeta,
     state: AdapterState,
     host: Option<Arc<LoraAdapter>>,
+    /// Arena bytes its host copy's device image holds (staged when it entered the host tier;
+    /// 0 without a host copy or an image): the host tier holds both.
+    image: u64,
     fetching: bool,
     freq: Decayed,
     last_used: f64,
@@ -72,6 +76,7 @@ impl Entry {
             device: self.state.device,
             host: self.host.is_some(),
             bytes: self.meta.bytes,
+            image: self.image,
         }
     }
 }
@@ -171,6 +176,10 @@ impl MemoryManager {
         let before = e.place();
         f(e);
         e.state.in_host = e.host.is_some();
+        if e.host.is_none() {
+            // The image goes with the last reference to the adapter.
+            e.image = 0;
+        }
         self.tiers.moved(id, before, e.place());
         self.states.insert(id, e.state);
         true
@@ -209,6 +218,7 @@ impl MemoryManager {
             meta,
             state,
             host,
+            image: 0,
             fetching: false,
             freq: Decayed::default(),
             last_used: now,
@@ -323,7 +333,7 @@ impl MemoryManager {
                 // Evicting keeps the host copy when the host tier has room; count a reload
                 // from disk otherwise.
                 reload_secs: reload(
-                    if host_room(e.meta.bytes) {
+                    if host_room(e.meta.bytes + e.image) {
                         Tier::Host
                     } else {
                         Tier::Disk
@@ -457,6 +467,20 @@ impl MemoryManager {
         self.entries.get(&id).map(|e| e.meta.bytes)
     }
 
+    /// `id`'s host copy's device image holds `bytes` of the upload arena
+    /// ([`thaw_runtime::engine::Engine::stage_adapter`]): the host tier counts them with its
+    /// heap copy, and trims to its bound. `wanted` as for [`MemoryManager::on_fetched`].
+    pub fn on_staged(&mut self, id: AdapterId, bytes: u64, wanted: &HashSet<AdapterId>) {
+        let changed = self
+            .entries
+            .get(&id)
+            .is_some_and(|e| e.host.is_some() && e.image != bytes);
+        if changed && self.update(id, |e| e.image = bytes) {
+            self.trim_host(wanted);
+            self.publish_one(id);
+        }
+    }
+
     /// A disk read finished. `wanted` are adapters of queued requests, kept over the bound.
     pub fn on_fetched(
         &mut self,
@@ -487,7 +511,7 @@ impl MemoryManager {
             .iter()
             .filter(|id| !wanted.contains(id))
             .filter_map(|id| self.entries.get(id))
-            .map(|e| (e.last_used, e.meta.id, e.meta.bytes))
+            .map(|e| (e.last_used, e.meta.id, e.meta.bytes + e.image))
             .collect();
         lru.sort_by(|a, b| a.0.total_cmp(&b.0));
         for (_, id, bytes) in lru {
@@ -677,5 +701,50 @@ mod tests {
             (s.device_adapters, s.disk_adapters, s.adapter_pages),
             (0, 4, 0)
         );
+    }
+
+    /// The host tier's bound counts each host copy's arena image with its heap bytes: two
+    /// adapters whose heap copies fit `--max-cpu-lora-bytes` but not with their images keep
+    /// only the one a queued request wants, and the published host bytes are heap + image.
+    #[test]
+    fn the_host_bound_counts_the_arena_image() {
+        use crate::lora_open::tests::fixture;
+        use thaw_runtime::model::ModelConfig;
+        let model = ModelConfig::from_dir(&fixture()).unwrap();
+        let a = Arc::new(LoraAdapter::load(&fixture().join("adapters/r4_qv"), &model).unwrap());
+        let b = a.size_bytes() as u64;
+        let mut m = MemoryManager::new(
+            MemoryConfig {
+                host_max_adapters: 4,
+                host_max_bytes: 3 * b,
+                ..mgr().cfg
+            },
+            Arc::new(Board::default()),
+        );
+        let host_bytes = |m: &MemoryManager| {
+            m.publish(0, 0);
+            let s = m.board().stats.snapshot();
+            (s.host_adapters, s.host_bytes)
+        };
+        m.register(meta(1, b, 0.001), Some(a.clone()));
+        m.register(meta(2, b, 0.001), Some(a.clone()));
+        assert_eq!(
+            host_bytes(&m),
+            (2, 2 * b),
+            "heap copies only, before staging"
+        );
+        let image = b.next_multiple_of(256);
+        m.on_staged(AdapterId(1), image, &HashSet::new());
+        assert_eq!(host_bytes(&m), (2, 2 * b + image), "within the bound");
+        let wanted = HashSet::from([AdapterId(2)]);
+        m.on_staged(AdapterId(2), image, &wanted);
+        assert_eq!(host_bytes(&m), (1, b + image), "over the bound: 1 trimmed");
+        assert!(m.host_copy(AdapterId(1)).is_none() && m.host_copy(AdapterId(2)).is_some());
+        // A trimmed adapter's image went with its copy: staging it again needs a copy.
+        m.on_staged(AdapterId(1), image, &HashSet::new());
+        assert_eq!(host_bytes(&m), (1, b + image));
+        // Leaving the host tier (to the device) takes heap and image bytes out of it.
+        m.on_registered(AdapterId(2), 0, false).unwrap();
+        assert_eq!(host_bytes(&m), (0, 0));
     }
 }

@@ -1,12 +1,14 @@
-//! Disk-tier adapters served from their files over HTTP (issue 27, item 5). With CPU LoRA
-//! workers attached and a policy that assists (`cpu-assist`, or `auto` when the cost model
-//! says to assist from the disk), an adapter whose requests arrive while it is only on disk
-//! does not wait for its read: its safetensors file is mapped (header parsed and validated,
-//! no weight read; confined under `--lora-root` like every read,
-//! [`crate::lora_open::map_confined`]) and that mapped adapter becomes its host copy, so the
-//! next admission plan registers it with the engine like any host-tier adapter — its device
-//! pages reserved as the plan says — and the workers compute its layers from the file while
-//! the loader reads it and the copy engine uploads it.
+//! Disk-tier adapters served from their files over HTTP (issue 27, items 2 and 5). When
+//! adapters stream to the device (every policy but `cached`; under `auto` with CPU LoRA
+//! workers only when the cost model says to assist from the disk), an adapter whose requests
+//! arrive while it is only on disk does not wait for its whole read: its safetensors file is
+//! mapped (header parsed and validated, no weight read; confined under `--lora-root` like
+//! every read, [`crate::lora_open::map_confined`]) and that mapped adapter becomes its host
+//! copy, so the next admission plan registers it with the engine like any host-tier adapter —
+//! its device pages reserved as the plan says. The upload pipeline's loader threads then read
+//! each layer from the file, check it (file unchanged, weights finite) and encode it into the
+//! arena, and its copy is queued as soon as that layer is in, so the first layers land while
+//! later ones are still read; the workers, if any, compute its layers from the file meanwhile.
 //!
 //! The loader's full read runs as before and stays authoritative: when it lands, its owned
 //! copy replaces the mapped one in the memory manager and, through

@@ -37,7 +37,9 @@ pub struct ServeArgs {
     /// Adapters kept in host memory off the device; the rest keep only metadata [default: 64].
     #[arg(long)]
     pub max_cpu_loras: Option<usize>,
-    /// Bytes of adapter weights kept in host memory off the device [default: 4 GiB].
+    /// Bytes of adapter weights kept in host memory off the device, each adapter's heap copy
+    /// and its device image in the upload arena counted (the arena is this size too)
+    /// [default: 4 GiB].
     #[arg(long, value_name = "BYTES")]
     pub max_cpu_lora_bytes: Option<u64>,
     /// Device memory the CPU backend's emulated device gives KV blocks and adapters together [default: 512 MiB].

@@ -851,18 +851,25 @@ impl Backend for CudaBackend {
         lora.landed_layers()
     }
 
-    fn stage_lora(&mut self, adapter: &Arc<LoraAdapter>, layout: KvLayout) {
+    fn rebind_lora(&mut self, old: &Arc<LoraAdapter>, new: &Arc<LoraAdapter>) {
+        if let Some(u) = self.upload.get() {
+            u.rebind(old, new);
+        }
+    }
+
+    fn stage_lora(&mut self, adapter: &Arc<LoraAdapter>, layout: KvLayout) -> usize {
         // The image the engine's paged load of it would copy (`paged_dst`), so that load
         // finds it complete and only copies.
         let dt = weight_dtype(self.gpu.weight_dtype);
         let Some((_, plan)) = LoraPlan::of_paged(adapter, Some(dt), self.kv_chunk(layout)) else {
-            return;
+            return 0;
         };
         match self.upload() {
-            Ok(p) => {
-                p.stage(adapter, &plan, Some(dt));
+            Ok(p) => p.stage(adapter, &plan, Some(dt)),
+            Err(e) => {
+                tracing::warn!("adapter upload pipeline: {e}");
+                0
             }
-            Err(e) => tracing::warn!("adapter upload pipeline: {e}"),
         }
     }
 

@@ -1,0 +1,121 @@
+//! What a loader thread checks of a layer it reads from an adapter's mapped safetensors file
+//! (the disk tier, [`crate::adapter::LoraAdapter::map`]) before the layer counts as encoded,
+//! so a layer's copy is queued only once all its bytes were read and found sound: the file is
+//! still the one mapped (a truncated mapping faults on a lost page; a replaced file is not the
+//! adapter registered), and every weight is finite (a NaN turns every logit of the adapter's
+//! requests into NaN). An adapter held in memory was checked whole when it was read, so its
+//! layers are not checked again.
+use std::sync::Arc;
+
+use super::layout::Placed;
+use crate::adapter::{AdapterError, LoraAdapter, MappedFile};
+
+/// Checks the factors `placed` lists (one layer's) of `adapter` that are read from a mapped
+/// file; the error says what is wrong and what to do.
+pub fn check_layer(adapter: &LoraAdapter, placed: &[Placed]) -> Result<(), String> {
+    let mut files: Vec<&Arc<MappedFile>> = Vec::new();
+    for p in placed {
+        let Some(w) = adapter.get(p.layer, p.module) else {
+            continue;
+        };
+        for (t, factor) in [(&w.a, "lora_A"), (&w.b, "lora_B")] {
+            let Some((file, _)) = t.file_range() else {
+                continue;
+            };
+            if !files.iter().any(|f| Arc::ptr_eq(f, file)) {
+                let src = file.source();
+                let m = std::fs::metadata(&src.path).map_err(|e| {
+                    format!(
+                        "reading adapter file {} failed: {e}; restore it and load the adapter \
+                         again",
+                        src.path.display()
+                    )
+                })?;
+                src.matches(&m)?;
+                files.push(file);
+            }
+            if let Some(index) = t.first_non_finite() {
+                let tensor = format!("layer {} {} {factor}", p.layer, p.module);
+                return Err(AdapterError::NonFinite { tensor, index }.to_string());
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+pub(super) mod tests {
+    use super::*;
+    use crate::model::{fixtures, ModelConfig};
+    use crate::upload::ImageLayout;
+
+    /// The factors of layer `l` of `a`, as the loader thread encoding it lists them.
+    pub(in crate::upload) fn layer(a: &LoraAdapter, l: usize) -> Vec<Placed> {
+        let layout = ImageLayout::of(a, None);
+        layout
+            .entries
+            .iter()
+            .filter(|p| p.layer == l)
+            .copied()
+            .collect()
+    }
+
+    /// A writable copy of the `r4_qv` fixture whose last layer's first factor holds a NaN
+    /// (element 1), rewritten in place; returns the copy and the poisoned layer.
+    pub(in crate::upload) fn poisoned_last_layer(
+        model: &ModelConfig,
+    ) -> (tempfile::TempDir, usize) {
+        let dir = fixtures::scratch_copy(&fixtures::adapter("r4_qv"));
+        let clean = LoraAdapter::map(dir.path(), model).unwrap();
+        let last = clean.num_layers() - 1;
+        let p = layer(&clean, last)[0];
+        let w = clean.get(p.layer, p.module).unwrap();
+        let ((_, range), elem) = (w.a.file_range().unwrap(), w.a.dtype().size());
+        drop(clean);
+        let path = dir.path().join("adapter_model.safetensors");
+        let mut bytes = std::fs::read(&path).unwrap();
+        // A quiet NaN in the file's dtype (little-endian).
+        let nan: &[u8] = match elem {
+            4 => &[0x00, 0x00, 0xc0, 0x7f],
+            _ => &[0xc0, 0x7f],
+        };
+        bytes[range.start + elem..range.start + 2 * elem].copy_from_slice(nan);
+        std::fs::write(&path, &bytes).unwrap();
+        (dir, last)
+    }
+
+    /// A mapped adapter's layer with a NaN fails its check, naming the layer; the layers
+    /// before it pass; a file truncated under the mapping fails before any read; an adapter
+    /// read into memory is not checked again.
+    #[test]
+    fn a_mapped_layer_is_checked_before_it_counts_as_encoded() {
+        let model = ModelConfig::from_dir(&fixtures::tiny_llama()).unwrap();
+        let clean = LoraAdapter::map(&fixtures::adapter("r4_qv"), &model).unwrap();
+        assert!(clean.num_layers() >= 2);
+        for l in 0..clean.num_layers() {
+            assert_eq!(check_layer(&clean, &layer(&clean, l)), Ok(()));
+        }
+        let (dir, last) = poisoned_last_layer(&model);
+        let bad = LoraAdapter::map(dir.path(), &model).unwrap();
+        for l in 0..last {
+            assert_eq!(check_layer(&bad, &layer(&bad, l)), Ok(()), "layer {l}");
+        }
+        let e = check_layer(&bad, &layer(&bad, last)).unwrap_err();
+        assert!(
+            e.contains(&format!("layer {last}")) && e.contains("NaN"),
+            "{e}"
+        );
+        // Truncated under the mapping: refused from the file's length, no page read.
+        let path = dir.path().join("adapter_model.safetensors");
+        let len = std::fs::metadata(&path).unwrap().len();
+        let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+        f.set_len(len / 2).unwrap();
+        let e = check_layer(&bad, &layer(&bad, 0)).unwrap_err();
+        assert!(
+            e.contains("truncated") && e.contains("reload the adapter"),
+            "{e}"
+        );
+        let owned = LoraAdapter::load(&fixtures::adapter("r4_qv"), &model).unwrap();
+        assert_eq!(check_layer(&owned, &layer(&owned, 0)), Ok(()));
+    }
+}
