@@ -30,6 +30,8 @@
 //! compare the paths in one process.
 
 mod portable;
+mod stream;
+pub use stream::{row_stream, set_row_stream};
 #[cfg(test)]
 mod tests;
 #[cfg(test)]
@@ -38,6 +40,8 @@ mod tests_batched;
 mod tests_bf16_rows;
 #[cfg(test)]
 mod tests_prompt;
+#[cfg(test)]
+mod tests_stream;
 #[cfg(test)]
 mod tests_vnni;
 #[cfg(target_arch = "x86_64")]
