@@ -60,7 +60,11 @@ fn check_float(k: usize, n: usize, seed: u64) {
                 FloatWeights::F16(w) => dot_rows_f16(&x, &w[row], &mut want),
                 FloatWeights::BF16(w) => dot_rows_bf16(&x, &w[row], &mut want),
             }
-            assert_eq!(on[j].to_bits(), want[0].to_bits(), "{name} k={k} row {j}: vs row dot");
+            assert_eq!(
+                on[j].to_bits(),
+                want[0].to_bits(),
+                "{name} k={k} row {j}: vs row dot"
+            );
         }
     }
 }
