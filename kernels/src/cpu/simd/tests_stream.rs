@@ -53,7 +53,7 @@ fn check_float(k: usize, n: usize, seed: u64) {
         };
         assert_eq!(bits(&on), bits(&off), "{name} k={k} n={n}: stream vs tiles");
         let mut want = vec![0.0f32; 1];
-        for j in 0..n {
+        for (j, got) in on.iter().enumerate() {
             let row = j * k..(j + 1) * k;
             match fw {
                 FloatWeights::F32(w) => dot_rows_f32(&x, &w[row], &mut want),
@@ -61,7 +61,7 @@ fn check_float(k: usize, n: usize, seed: u64) {
                 FloatWeights::BF16(w) => dot_rows_bf16(&x, &w[row], &mut want),
             }
             assert_eq!(
-                on[j].to_bits(),
+                got.to_bits(),
                 want[0].to_bits(),
                 "{name} k={k} row {j}: vs row dot"
             );
