@@ -22,7 +22,7 @@ const FORMATS: [WeightFormat; 3] = [WeightFormat::Q8_0, WeightFormat::Q4_K, Weig
 
 /// `n` rows of `k` in `f` (Q8_0, Q4_K or Q4_1): random codes, sane f16 scales (and a
 /// minimum of either sign).
-fn weights(f: WeightFormat, n: usize, k: usize, seed: u64) -> Vec<u8> {
+pub(super) fn weights(f: WeightFormat, n: usize, k: usize, seed: u64) -> Vec<u8> {
     let mut r = rng(seed);
     let mut b = vec![0u8; f.bytes_for(n * k).unwrap()];
     r.fill(&mut b[..]);
@@ -39,7 +39,7 @@ fn weights(f: WeightFormat, n: usize, k: usize, seed: u64) -> Vec<u8> {
 
 /// Activations with a zero row block and a tiny one where there is room (scale 0 and a
 /// scale near the f32 minimum exercise the quantiser's edges).
-fn activations(m: usize, k: usize, seed: u64) -> Vec<f32> {
+pub(super) fn activations(m: usize, k: usize, seed: u64) -> Vec<f32> {
     let mut x = rand_vec(&mut rng(seed), m * k, 3.0);
     if k >= 64 {
         x[..32].fill(0.0);

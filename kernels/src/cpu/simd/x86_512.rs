@@ -383,9 +383,15 @@ unsafe fn gemm_nt_rows<const W: u8>(
     // Weight rows outermost: a tile of GJ rows stays in L1 while every activation row
     // (the whole prompt chunk, in L2) streams past it.
     let eb = elem_bytes(W);
+    // One activation row: one weight row at a time, an ascending stream (`super::stream`).
+    let gj = if m == 1 && super::stream::row_stream() {
+        1
+    } else {
+        GJ
+    };
     let mut j = 0;
     while j < n {
-        let jn = (n - j).min(GJ);
+        let jn = (n - j).min(gj);
         let mut i = 0;
         while i < m {
             let rn = (m - i).min(GR);

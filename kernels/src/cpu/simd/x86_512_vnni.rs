@@ -50,6 +50,7 @@ const ROW_KERNEL_MAX_M: usize = 3;
 /// Reduction steps (of 4 values) per 32-value block.
 const STEPS: usize = Q8_BLOCK / 4;
 
+use super::stream::row_product_ahead;
 use super::x86_512_vnni_row::{row_product, Q4_1, Q4_K, Q8_0};
 
 /// Proof that this CPU has AVX512-VNNI, AVX512-BW and AVX512-VL (and AVX-512F).
@@ -169,7 +170,16 @@ impl Avx512Vnni {
                     // `i·ldo` (`trivial_product`), `n, kb > 0` (not trivial) and
                     // `8·rb ≤ i32::MAX` (asserted).
                     unsafe {
+                        // Streamed (`super::stream`): the same arithmetic, faster from memory.
+                        let ahead = super::stream::row_stream();
                         match format {
+                            WeightFormat::Q8_0 if ahead => {
+                                row_product_ahead::<Q8_0>(wp, rb, n, xp, kb, op)
+                            }
+                            WeightFormat::Q4_1 if ahead => {
+                                row_product_ahead::<Q4_1>(wp, rb, n, xp, kb, op)
+                            }
+                            _ if ahead => row_product_ahead::<Q4_K>(wp, rb, n, xp, kb, op),
                             WeightFormat::Q8_0 => row_product::<Q8_0>(wp, rb, n, xp, kb, op),
                             WeightFormat::Q4_1 => row_product::<Q4_1>(wp, rb, n, xp, kb, op),
                             _ => row_product::<Q4_K>(wp, rb, n, xp, kb, op),
