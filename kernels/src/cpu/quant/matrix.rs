@@ -267,23 +267,34 @@ impl WeightMatrix {
 
     /// Writes row `r` as f32 into `out` (`cols` values).
     pub fn row_to_f32(&self, r: usize, out: &mut [f32]) {
+        self.rows_to_f32(r..r + 1, out);
+    }
+
+    /// Writes rows `rows` as f32 into `out` (`rows.len() · cols` values, row after row): the
+    /// values [`Self::row_to_f32`] writes row by row, bit for bit. Quantised rows are whole
+    /// blocks stored back to back, so a run of rows is dequantised in one kernel call (a
+    /// decode tile of 12 rows of 576 pays one dispatch instead of twelve).
+    pub fn rows_to_f32(&self, rows: Range<usize>, out: &mut [f32]) {
         let k = self.cols;
-        assert!(r < self.rows, "row {r} of a {}-row weight", self.rows);
-        let out = &mut out[..k];
+        assert!(
+            rows.start <= rows.end && rows.end <= self.rows,
+            "rows {rows:?} of a {}-row weight",
+            self.rows
+        );
+        let (e0, e1) = (rows.start * k, rows.end * k);
+        let out = &mut out[..e1 - e0];
         match &self.data {
-            WeightData::F32(v) => out.copy_from_slice(&v[r * k..(r + 1) * k]),
-            WeightData::F16(v) => v[r * k..(r + 1) * k].convert_to_f32_slice(out),
-            WeightData::BF16(v) => v[r * k..(r + 1) * k].convert_to_f32_slice(out),
+            WeightData::F32(v) => out.copy_from_slice(&v[e0..e1]),
+            WeightData::F16(v) => v[e0..e1].convert_to_f32_slice(out),
+            WeightData::BF16(v) => v[e0..e1].convert_to_f32_slice(out),
             WeightData::Quant(f, b) => {
                 let rb = k / f.block_elems() * f.block_bytes();
-                if dequantize_row(*f, &b[r * rb..(r + 1) * rb], out) {
+                let bytes = &b[rows.start * rb..rows.end * rb];
+                if out.is_empty() || dequantize_row(*f, bytes, out) {
                     return;
                 }
                 let (be, bb) = (f.block_elems(), f.block_bytes());
-                for (blk, y) in b[r * rb..(r + 1) * rb]
-                    .chunks_exact(bb)
-                    .zip(out.chunks_exact_mut(be))
-                {
+                for (blk, y) in bytes.chunks_exact(bb).zip(out.chunks_exact_mut(be)) {
                     dequantize_block(*f, blk, y);
                 }
             }
@@ -464,9 +475,7 @@ impl WeightMatrix {
             while j0 < out_cols.end {
                 let j1 = (j0 + tile).min(out_cols.end);
                 let t = &mut s[..(j1 - j0) * k];
-                for (r, row) in t.chunks_exact_mut(k).enumerate() {
-                    self.row_to_f32(j0 + r, row);
-                }
+                self.rows_to_f32(j0..j1, t);
                 let c0 = j0 - out_cols.start;
                 let o = &mut out[c0..];
                 let shape = (m, k, j1 - j0);

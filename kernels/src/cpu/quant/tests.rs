@@ -236,6 +236,28 @@ proptest! {
         }
     }
 
+    /// A run of rows widened in one call ([`WeightMatrix::rows_to_f32`], the decode tile's
+    /// path) is, bit for bit, the scalar dequantiser's values of those rows (every format,
+    /// every SIMD level the CPU has, any run).
+    #[test]
+    fn row_runs_widen_as_the_scalar_dequantiser(
+        fi in 0usize..8, n in 1usize..14, a in 0usize..14, len in 0usize..14,
+        blocks in 1usize..4, seed in 0u64..1000,
+    ) {
+        let f = WeightFormat::ALL[fi];
+        let k = blocks * f.block_elems().max(32);
+        let w = random_matrix(f, n, k, seed);
+        let a = a.min(n);
+        let b = (a + len).min(n);
+        let mut got = vec![f32::NAN; (b - a) * k];
+        w.rows_to_f32(a..b, &mut got);
+        let all = w.to_f32();
+        let want = &all[a * k..b * k];
+        for (i, (g, e)) in got.iter().zip(want).enumerate() {
+            prop_assert_eq!(g.to_bits(), e.to_bits(), "{} rows {}..{}: value {}", f.name(), a, b, i);
+        }
+    }
+
     /// Any split of the output columns computes the same values as the whole product.
     #[test]
     fn column_ranges_compose(fi in 0usize..8, m in 1usize..20, split in 0usize..=24, seed in 0u64..1000) {
