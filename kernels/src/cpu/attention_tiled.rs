@@ -9,11 +9,12 @@
 //! **Bits.** Every query's result is the portable path's (`attend_rows`) bit for bit: each
 //! query sits in one SIMD lane that no other query touches, and that lane repeats the portable
 //! arithmetic step for step — the dot product's eight partial sums (multiply, then add) added
-//! in order plus the `d mod 8` tail, times `scale`; the maximum; `f32::exp` (libm, called per
-//! lane); the sum of the weights from `f32`'s `Sum` start in key order; the weighted sum of the
-//! value rows from `+0` in key order (multiply, then add); times `1 / sum`. So a result depends
-//! only on its query, position and the cache — not on the tile, the chunk, the thread or the
-//! CPU's SIMD level — and a prefill row and a decode row at the same position agree. The keys
+//! in order plus the `d mod 8` tail, times `scale`; the maximum; `e^x` (the bits of
+//! `cpu::expf::expf`, sixteen lanes per call of [`expf_x16`]); the sum of the weights from
+//! `f32`'s `Sum` start in key order; the weighted sum of the value rows from `+0` in key order
+//! (multiply, then add); times `1 / sum`. So a result depends only on its query, position and
+//! the cache — not on the tile, the chunk, the thread or the CPU's SIMD level — and a prefill
+//! row and a decode row at the same position agree. The keys
 //! of a tile span the first row's window start to the last row's position; a row's keys
 //! outside its own range score `-inf`, weigh exactly `+0` and leave its sums unchanged (the
 //! cache rows in that range are positions some row of the tile attends to, so they are
@@ -25,6 +26,7 @@ use std::arch::x86_64::*;
 use std::sync::OnceLock;
 
 use super::{KvLayout, Seq};
+use crate::cpu::expf::expf_x16;
 use crate::cpu::simd::{simd_level, SimdLevel};
 
 /// Most query rows per tile: three 16-lane vectors (16 tokens of 3 heads, 12 of 4, …).
@@ -353,9 +355,9 @@ unsafe fn scores<const NV: usize>(at: &Scores, key: *const f32) {
     }
 }
 
-/// For each of the `rp` columns of `pt` (`span` rows): `p = e^(s - max s)` in place (`f32::exp`,
-/// as the portable path; a masked `-inf` gives `+0`), and the column's `Σ p` (in row order,
-/// from the start value of `f32`'s `Sum`) into `sums`.
+/// For each of the `rp` columns of `pt` (`span` rows): `p = e^(s - max s)` in place
+/// ([`expf_x16`], the portable path's bits; a masked `-inf` gives `+0`), and the column's
+/// `Σ p` (in row order, from the start value of `f32`'s `Sum`) into `sums`.
 ///
 /// # Safety
 /// AVX-512F available; `pt` readable and writable for `span·rp` floats, `sums` for `rp`;
@@ -364,7 +366,6 @@ unsafe fn scores<const NV: usize>(at: &Scores, key: *const f32) {
 unsafe fn softmax_columns(pt: *mut f32, span: usize, rp: usize, sums: *mut f32) {
     // SAFETY: every access is at `j·rp + 16v + lane` with `j < span`, `16v + 16 ≤ rp`.
     unsafe {
-        let mut e = [0.0f32; 16];
         for v in 0..rp / 16 {
             let col = pt.add(16 * v);
             let mut m = _mm512_set1_ps(f32::NEG_INFINITY);
@@ -374,11 +375,7 @@ unsafe fn softmax_columns(pt: *mut f32, span: usize, rp: usize, sums: *mut f32) 
             let mut sum = _mm512_set1_ps(SUM_START);
             for j in 0..span {
                 let x = _mm512_sub_ps(_mm512_loadu_ps(col.add(j * rp)), m);
-                _mm512_storeu_ps(e.as_mut_ptr(), x);
-                for x in e.iter_mut() {
-                    *x = x.exp();
-                }
-                let ev = _mm512_loadu_ps(e.as_ptr());
+                let ev = expf_x16(x);
                 _mm512_storeu_ps(col.add(j * rp), ev);
                 sum = _mm512_add_ps(sum, ev);
             }

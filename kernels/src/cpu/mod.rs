@@ -3,6 +3,7 @@
 mod activation;
 mod attention;
 mod convert;
+mod expf;
 mod gemm;
 mod hostvec;
 mod lora;
@@ -18,6 +19,7 @@ mod testutil;
 pub use activation::{add_in_place, log_softmax_in_place, softmax_in_place, swiglu, swiglu_x16};
 pub use attention::{paged_attention, write_kv, KvLayout};
 pub use convert::{bf16_bytes_to_f32, bytes_to_f32, f16_bytes_to_f32, FloatFormat};
+pub use expf::{expf, expf_slice};
 pub use gemm::{add_bias, linear, linear_scaled, matmul, matmul_scaled, GemmShape, ROW_SPLIT_MIN};
 pub use hostvec::HostVec;
 pub use lora::{
