@@ -321,6 +321,10 @@ fn softmax_unnormalised(s: &mut [f32]) {
 #[path = "attention_tiled.rs"]
 mod tiled;
 
+#[cfg(target_arch = "x86_64")]
+#[path = "attention_keys.rs"]
+mod keys;
+
 #[cfg(test)]
 #[path = "attention_tests.rs"]
 mod tests;
