@@ -10,6 +10,7 @@ mod lora;
 mod norm;
 pub mod quant;
 mod rope;
+mod rope_cache;
 pub mod simd;
 mod split_softmax;
 mod sys;
@@ -32,6 +33,7 @@ pub use quant::{
     WeightMatrix,
 };
 pub use rope::{RopeScaling, RopeTable};
+pub use rope_cache::RopeCache;
 pub use simd::{set_simd_level, simd_level, SimdLevel};
 pub use split_softmax::{merge_partials, partial_softmax, SoftmaxPartial};
 pub use sys::{HugeArena, HugeSlice, HUGE_PAGE};
