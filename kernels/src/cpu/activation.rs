@@ -1,4 +1,5 @@
 //! Elementwise activations, softmax and the residual add.
+use super::expf::expf;
 
 /// `out = silu(gate) * up` elementwise, with `silu(g) = g / (1 + e^(-g))`. All three slices have
 /// the same length (`[rows, intermediate]`).
@@ -17,8 +18,18 @@ pub fn swiglu(gate: &[f32], up: &[f32], out: &mut [f32]) {
         gate.len(),
         out.len()
     );
+    #[cfg(target_arch = "x86_64")]
+    if super::expf::vector_enabled() {
+        // SAFETY: `vector_enabled` found AVX-512F; the asserts made the lengths equal.
+        return unsafe { super::expf::x86::swiglu(gate, up, out) };
+    }
+    swiglu_scalar(gate, up, out);
+}
+
+/// [`swiglu`] one element at a time (the oracle of the 16-lane version, and its tail).
+pub(super) fn swiglu_scalar(gate: &[f32], up: &[f32], out: &mut [f32]) {
     for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
-        *o = g / (1.0 + (-g).exp()) * u;
+        *o = g / (1.0 + expf(-g)) * u;
     }
 }
 

@@ -314,12 +314,16 @@ fn attend_rows(s: &Seq<'_>, out: &mut [f32], scratch: &mut Vec<f32>) {
 /// `s ← exp(s - max(s))`; the caller divides by the sum (≥ 1, since the max maps to 1).
 fn softmax_unnormalised(s: &mut [f32]) {
     let max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    s.iter_mut().for_each(|v| *v = (*v - max).exp());
+    s.iter_mut().for_each(|v| *v = super::expf::expf(*v - max));
 }
 
 #[cfg(target_arch = "x86_64")]
 #[path = "attention_tiled.rs"]
 mod tiled;
+
+#[cfg(target_arch = "x86_64")]
+#[path = "attention_keys.rs"]
+mod keys;
 
 #[cfg(test)]
 #[path = "attention_tests.rs"]

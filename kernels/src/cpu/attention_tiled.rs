@@ -9,11 +9,12 @@
 //! **Bits.** Every query's result is the portable path's (`attend_rows`) bit for bit: each
 //! query sits in one SIMD lane that no other query touches, and that lane repeats the portable
 //! arithmetic step for step — the dot product's eight partial sums (multiply, then add) added
-//! in order plus the `d mod 8` tail, times `scale`; the maximum; `f32::exp` (libm, called per
-//! lane); the sum of the weights from `f32`'s `Sum` start in key order; the weighted sum of the
-//! value rows from `+0` in key order (multiply, then add); times `1 / sum`. So a result depends
-//! only on its query, position and the cache — not on the tile, the chunk, the thread or the
-//! CPU's SIMD level — and a prefill row and a decode row at the same position agree. The keys
+//! in order plus the `d mod 8` tail, times `scale`; the maximum; `e^x` (the bits of
+//! `cpu::expf::expf`, sixteen lanes per call of [`expf_x16`]); the sum of the weights from
+//! `f32`'s `Sum` start in key order; the weighted sum of the value rows from `+0` in key order
+//! (multiply, then add); times `1 / sum`. So a result depends only on its query, position and
+//! the cache — not on the tile, the chunk, the thread or the CPU's SIMD level — and a prefill
+//! row and a decode row at the same position agree. The keys
 //! of a tile span the first row's window start to the last row's position; a row's keys
 //! outside its own range score `-inf`, weigh exactly `+0` and leave its sums unchanged (the
 //! cache rows in that range are positions some row of the tile attends to, so they are
@@ -25,6 +26,7 @@ use std::arch::x86_64::*;
 use std::sync::OnceLock;
 
 use super::{KvLayout, Seq};
+use crate::cpu::expf::expf_x16;
 use crate::cpu::simd::{simd_level, SimdLevel};
 
 /// Most query rows per tile: three 16-lane vectors (16 tokens of 3 heads, 12 of 4, …).
@@ -38,7 +40,7 @@ pub(super) const SUM_START: f32 = {
 };
 /// Query rows per register tile of the weighted sum (× 4 vectors of `head_dim` = 24
 /// accumulators).
-const PV_ROWS: usize = 6;
+pub(super) const PV_ROWS: usize = 6;
 /// Most floats of one tile's score block (`keys × rows`, 4 MiB): long contexts take fewer
 /// tokens per tile rather than a larger scratch.
 pub(super) const MAX_SCORES: usize = 1 << 20;
@@ -66,6 +68,28 @@ impl Tiled {
     pub(super) fn attend(self, s: &Seq<'_>, out: &mut [f32], scratch: &mut Vec<f32>) {
         let (d, group, tokens) = (s.layout.head_dim, s.group(), s.tokens());
         assert_eq!(out.len(), s.q.len(), "attention: out and q differ");
+        let end = s.start_pos + tokens;
+        let span = tile_span(tokens, end, s.window);
+        if super::keys::fits(tokens * group, span) {
+            // A decode token (or a few): 16 keys per lane vector instead of 16 query rows.
+            let need = super::keys::scratch_len(tokens * group, span, d);
+            if scratch.len() < need {
+                scratch.resize(need, 0.0);
+            }
+            for kvh in 0..s.layout.num_kv_heads {
+                // SAFETY: `self` proves AVX-512F; the call fits and `scratch` holds what it
+                // needs; the cache holds positions `0..end` (checked by the caller).
+                unsafe { super::keys::attend(s, kvh, out, scratch) };
+            }
+            return;
+        }
+        self.attend_row_lanes(s, out, scratch);
+    }
+
+    /// [`Self::attend`] with query rows in the lanes whatever the row count (the key-lane
+    /// path's oracle in tests).
+    pub(super) fn attend_row_lanes(self, s: &Seq<'_>, out: &mut [f32], scratch: &mut Vec<f32>) {
+        let (d, group, tokens) = (s.layout.head_dim, s.group(), s.tokens());
         let end = s.start_pos + tokens;
         let tq = tile_tokens(group, tokens, end, s.window);
         let rp = rows_pad(tq * group);
@@ -111,41 +135,42 @@ pub(super) fn rows_pad(rows: usize) -> usize {
 }
 
 /// Walks the cache offsets of positions `lo..` in order, one block-table lookup per block.
-struct Positions<'a> {
+pub(super) struct Positions<'a> {
     table: &'a [u32],
     layout: KvLayout,
-    pos: usize,
+    /// The block-table entry of the next block.
+    next_block: usize,
+    /// Positions left in the current block, the current one included.
+    left: usize,
     off: usize,
 }
 
 impl<'a> Positions<'a> {
-    fn new(table: &'a [u32], layout: KvLayout, lo: usize) -> Self {
-        let mut p = Self {
+    pub(super) fn new(table: &'a [u32], layout: KvLayout, lo: usize) -> Self {
+        let bs = layout.block_size;
+        let block = lo / bs;
+        Self {
             table,
             layout,
-            pos: lo,
-            off: 0,
-        };
-        p.seek();
-        p
+            next_block: block + 1,
+            left: bs - lo % bs,
+            off: (table[block] as usize * bs + lo % bs) * layout.token_len(),
+        }
     }
 
-    fn seek(&mut self) {
-        let bs = self.layout.block_size;
-        self.off =
-            (self.table[self.pos / bs] as usize * bs + self.pos % bs) * self.layout.token_len();
-    }
-
-    /// The offset of the current position's `[num_kv_heads, head_dim]` row; moves on.
+    /// The offset of the current position's `[num_kv_heads, head_dim]` row; moves on (one
+    /// block-table lookup per block, no division per position).
     #[inline]
-    fn next_off(&mut self) -> usize {
+    pub(super) fn next_off(&mut self) -> usize {
         let off = self.off;
-        self.pos += 1;
-        if self.pos.is_multiple_of(self.layout.block_size) {
-            // The next block (its table entry exists while `pos` is inside the context).
-            if self.pos / self.layout.block_size < self.table.len() {
-                self.seek();
+        self.left -= 1;
+        if self.left == 0 {
+            // The next block (its table entry exists while the position is in the context).
+            if let Some(&b) = self.table.get(self.next_block) {
+                self.off = b as usize * self.layout.block_size * self.layout.token_len();
             }
+            self.next_block += 1;
+            self.left = self.layout.block_size;
         } else {
             self.off += self.layout.token_len();
         }
@@ -247,7 +272,48 @@ unsafe fn tile(
     // Softmax down each column: `p = e^(s - max)` (masked scores give +0), `sums[r] = Σ p`.
     // SAFETY: `pt` holds `span` rows of `rp` lanes, `sums` `rp`.
     unsafe { softmax_columns(pt.as_mut_ptr(), span, rp, sums.as_mut_ptr()) };
-    // Weighted sums, `PV_ROWS` rows × 64 lanes of `head_dim` per pass over the value rows.
+    let w = Weights {
+        p: pt.as_ptr(),
+        key_stride: rp,
+        row_stride: 1,
+        sums: &*sums,
+    };
+    // SAFETY: `pt` holds `span` rows of `rp ≥ rows` lanes, `sums` `rp`; the value rows of
+    // positions `lo..=hi` are in the cache; `q_at(r)` of every row is a row of `out`.
+    unsafe { weigh_values(s, kvh, lo, span, rows, &q_at, &w, out) };
+}
+
+/// A tile's softmax weights: row `i`'s weight of key `j` at `p[j·key_stride + i·row_stride]`,
+/// their sums in `sums[i]`.
+pub(super) struct Weights<'a> {
+    pub(super) p: *const f32,
+    pub(super) key_stride: usize,
+    pub(super) row_stride: usize,
+    pub(super) sums: &'a [f32],
+}
+
+/// `out` row `q_at(i)` = `Σ_j w_ij · v_j / sums[i]` for the tile's `rows` rows and its `span`
+/// keys from position `lo` (kv head `kvh`): [`PV_ROWS`] rows × 64 lanes of `head_dim` per pass
+/// over the value rows.
+///
+/// # Safety
+/// AVX-512F available; `w.p` readable at `j·key_stride + i·row_stride` for `j < span`,
+/// `i < rows`, `w.sums` holds `rows` sums; the cache holds positions `lo..lo + span`; every
+/// `q_at(i)` starts a distinct `[head_dim]` row of `out`.
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx512f,avx2,fma")]
+pub(super) unsafe fn weigh_values(
+    s: &Seq<'_>,
+    kvh: usize,
+    lo: usize,
+    span: usize,
+    rows: usize,
+    q_at: &dyn Fn(usize) -> usize,
+    w: &Weights<'_>,
+    out: &mut [f32],
+) {
+    let d = s.layout.head_dim;
+    let kd = kvh * d;
     let mut r0 = 0;
     while r0 < rows {
         let nr = (rows - r0).min(PV_ROWS);
@@ -258,11 +324,12 @@ unsafe fn tile(
             let mut inv = [0.0f32; PV_ROWS];
             for i in 0..nr {
                 o[i] = out[q_at(r0 + i) + c0..][..nc].as_mut_ptr();
-                inv[i] = 1.0 / sums[r0 + i];
+                inv[i] = 1.0 / w.sums[r0 + i];
             }
             let at = Sums {
-                pt: pt[r0..].as_ptr(),
-                rp,
+                pt: w.p.wrapping_add(r0 * w.row_stride),
+                key_stride: w.key_stride,
+                row_stride: w.row_stride,
                 span,
                 v: s.v.as_ptr().wrapping_add(kd + c0),
                 keys: Positions::new(s.table, s.layout, lo),
@@ -270,9 +337,9 @@ unsafe fn tile(
                 out: o,
                 inv,
             };
-            // SAFETY: `pt` rows `0..span` from lane `r0` (`r0 + nr ≤ rows ≤ rp`); the value
-            // rows of positions `lo..=hi` from lane `kd + c0` hold `nc` floats; `o[..nr]` point
-            // at `nc` floats of distinct output rows.
+            // SAFETY: the weights of rows `r0..r0 + nr ≤ rows` and keys `0..span`; the value
+            // rows of positions `lo..lo + span` from lane `kd + c0` hold `nc` floats; `o[..nr]`
+            // point at `nc` floats of distinct output rows.
             unsafe {
                 macro_rules! go {
                     ($($R:literal)*) => {
@@ -353,9 +420,9 @@ unsafe fn scores<const NV: usize>(at: &Scores, key: *const f32) {
     }
 }
 
-/// For each of the `rp` columns of `pt` (`span` rows): `p = e^(s - max s)` in place (`f32::exp`,
-/// as the portable path; a masked `-inf` gives `+0`), and the column's `Σ p` (in row order,
-/// from the start value of `f32`'s `Sum`) into `sums`.
+/// For each of the `rp` columns of `pt` (`span` rows): `p = e^(s - max s)` in place
+/// ([`expf_x16`], the portable path's bits; a masked `-inf` gives `+0`), and the column's
+/// `Σ p` (in row order, from the start value of `f32`'s `Sum`) into `sums`.
 ///
 /// # Safety
 /// AVX-512F available; `pt` readable and writable for `span·rp` floats, `sums` for `rp`;
@@ -364,7 +431,6 @@ unsafe fn scores<const NV: usize>(at: &Scores, key: *const f32) {
 unsafe fn softmax_columns(pt: *mut f32, span: usize, rp: usize, sums: *mut f32) {
     // SAFETY: every access is at `j·rp + 16v + lane` with `j < span`, `16v + 16 ≤ rp`.
     unsafe {
-        let mut e = [0.0f32; 16];
         for v in 0..rp / 16 {
             let col = pt.add(16 * v);
             let mut m = _mm512_set1_ps(f32::NEG_INFINITY);
@@ -374,11 +440,7 @@ unsafe fn softmax_columns(pt: *mut f32, span: usize, rp: usize, sums: *mut f32) 
             let mut sum = _mm512_set1_ps(SUM_START);
             for j in 0..span {
                 let x = _mm512_sub_ps(_mm512_loadu_ps(col.add(j * rp)), m);
-                _mm512_storeu_ps(e.as_mut_ptr(), x);
-                for x in e.iter_mut() {
-                    *x = x.exp();
-                }
-                let ev = _mm512_loadu_ps(e.as_ptr());
+                let ev = expf_x16(x);
                 _mm512_storeu_ps(col.add(j * rp), ev);
                 sum = _mm512_add_ps(sum, ev);
             }
@@ -388,29 +450,31 @@ unsafe fn softmax_columns(pt: *mut f32, span: usize, rp: usize, sums: *mut f32) 
 }
 
 /// Where a weighted-sum register tile reads and writes.
-struct Sums<'a> {
-    /// The weights from the tile's row `r0`: `pt[j·rp + i]` for row `r0 + i`.
-    pt: *const f32,
-    rp: usize,
-    span: usize,
+pub(super) struct Sums<'a> {
+    /// The weights from the tile's row `r0`: `pt[j·key_stride + i·row_stride]` for key `j`
+    /// and row `r0 + i`.
+    pub(super) pt: *const f32,
+    pub(super) key_stride: usize,
+    pub(super) row_stride: usize,
+    pub(super) span: usize,
     /// The value cache from lane `kvh·d + c0`.
-    v: *const f32,
-    keys: Positions<'a>,
+    pub(super) v: *const f32,
+    pub(super) keys: Positions<'a>,
     /// Lanes of `head_dim` in this pass (≤ 64).
-    nc: usize,
-    out: [*mut f32; PV_ROWS],
-    inv: [f32; PV_ROWS],
+    pub(super) nc: usize,
+    pub(super) out: [*mut f32; PV_ROWS],
+    pub(super) inv: [f32; PV_ROWS],
 }
 
-/// `out[i][c] = inv[i] · Σ_j pt[j·rp + i] · v_j[c]` for `R` rows and `nc ≤ 64` lanes, `j` in
-/// key order.
+/// `out[i][c] = inv[i] · Σ_j pt[j·key_stride + i·row_stride] · v_j[c]` for `R` rows and
+/// `nc ≤ 64` lanes, `j` in key order.
 ///
 /// # Safety
-/// AVX-512F available; `pt` readable for `span` rows of `R` lanes at stride `rp`; each key's
+/// AVX-512F available; `pt` readable at `j·key_stride + i·row_stride` for `j < span`, `i < R`; each key's
 /// value row (from `v` plus its cache offset) readable for `nc` floats; `out[i]` writable for
 /// `nc` floats, `i < R`.
 #[target_feature(enable = "avx512f,avx2,fma")]
-unsafe fn weighted_sum<const R: usize>(mut at: Sums<'_>) {
+pub(super) unsafe fn weighted_sum<const R: usize>(mut at: Sums<'_>) {
     let mut mask = [0 as __mmask16; 4];
     for (c, m) in mask.iter_mut().enumerate() {
         *m = ((1u32 << at.nc.saturating_sub(16 * c).min(16)) - 1) as __mmask16;
@@ -426,9 +490,9 @@ unsafe fn weighted_sum<const R: usize>(mut at: Sums<'_>) {
             for c in 0..4 {
                 vv[c] = _mm512_maskz_loadu_ps(mask[c], vr.wrapping_add(16 * c));
             }
-            let w = at.pt.add(j * at.rp);
+            let w = at.pt.add(j * at.key_stride);
             for i in 0..R {
-                let b = _mm512_set1_ps(*w.add(i));
+                let b = _mm512_set1_ps(*w.add(i * at.row_stride));
                 for c in 0..4 {
                     acc[i][c] = _mm512_add_ps(acc[i][c], _mm512_mul_ps(b, vv[c]));
                 }

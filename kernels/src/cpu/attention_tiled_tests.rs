@@ -75,6 +75,14 @@ with_paged_signature!(
         .attend(s, out, scratch)
 );
 
+with_paged_signature!(
+    /// The row-lane tile alone, even where the key-lane path would take the call.
+    row_lanes,
+    |s: &Seq<'_>, out: &mut [f32], scratch: &mut Vec<f32>| Tiled::enabled()
+        .expect("tiled attention checked on")
+        .attend_row_lanes(s, out, scratch)
+);
+
 fn have_tiled() -> bool {
     let on = Tiled::enabled().is_some();
     if !on {
@@ -179,6 +187,47 @@ fn tiled_equals_portable_at_smollm2_shapes() {
             assert_eq!(
                 direct, port,
                 "tiled vs portable, chunk {chunk}, window {window:?}"
+            );
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+
+    /// Decode and short chunks (query rows ≤ `keys::MAX_ROWS`: the key-lane path) against the
+    /// row-lane tile and the portable path, bit for bit, at GQA shapes, head sizes that do
+    /// and do not fill 16 lanes or 8-term dot steps, block sizes and windows.
+    #[test]
+    fn key_lanes_equal_row_lanes_and_portable(
+        heads in prop::sample::select(vec![(1usize, 1usize), (3, 3), (6, 2), (9, 3), (8, 1), (16, 4)]),
+        d in prop::sample::select(vec![1usize, 5, 16, 20, 64, 72]),
+        bs in prop::sample::select(vec![1usize, 4, 16]),
+        seq in 1usize..90,
+        window in prop::option::of(1usize..40),
+        seed in any::<u64>(),
+    ) {
+        if !have_tiled() {
+            return Ok(());
+        }
+        let (n_heads, nkv) = heads;
+        let group = n_heads / nkv;
+        let chunk = (super::keys::MAX_ROWS / group).max(1);
+        prop_assert!(super::keys::fits(chunk * group, seq), "the key-lane path takes chunks of {chunk}");
+        let mut r = rng(seed);
+        let c = Case::new(&mut r, seq, n_heads, nkv, d, bs);
+        let ctx = format!("heads {n_heads}/{nkv} d {d} bs {bs} seq {seq} window {window:?}");
+        let port = c.run_with(&mut r, seq, window, portable);
+        for ch in [1, chunk] {
+            let keys = c.run_with(&mut r, ch, window, tiled);
+            let rows = c.run_with(&mut r, ch, window, row_lanes);
+            prop_assert!(
+                keys.iter().zip(&rows).all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{ctx}: key lanes differ from row lanes in chunks of {ch}"
+            );
+            prop_assert!(
+                keys.iter().zip(&port).all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{ctx}: key lanes differ from the portable path in chunks of {ch}"
             );
         }
     }

@@ -3,12 +3,14 @@
 mod activation;
 mod attention;
 mod convert;
+mod expf;
 mod gemm;
 mod hostvec;
 mod lora;
 mod norm;
 pub mod quant;
 mod rope;
+mod rope_cache;
 pub mod simd;
 mod split_softmax;
 mod sys;
@@ -18,6 +20,7 @@ mod testutil;
 pub use activation::{add_in_place, log_softmax_in_place, softmax_in_place, swiglu, swiglu_x16};
 pub use attention::{paged_attention, write_kv, KvLayout};
 pub use convert::{bf16_bytes_to_f32, bytes_to_f32, f16_bytes_to_f32, FloatFormat};
+pub use expf::{expf, expf_slice};
 pub use gemm::{add_bias, linear, linear_scaled, matmul, matmul_scaled, GemmShape, ROW_SPLIT_MIN};
 pub use hostvec::HostVec;
 pub use lora::{
@@ -30,6 +33,7 @@ pub use quant::{
     WeightMatrix,
 };
 pub use rope::{RopeScaling, RopeTable};
+pub use rope_cache::RopeCache;
 pub use simd::{set_simd_level, simd_level, SimdLevel};
 pub use split_softmax::{merge_partials, partial_softmax, SoftmaxPartial};
 pub use sys::{HugeArena, HugeSlice, HUGE_PAGE};

@@ -116,7 +116,6 @@ impl RopeTable {
     /// its cos/sin are then evaluated in f64 and rounded once.
     pub fn apply(&self, x: &mut [f32], positions: &[usize], n_heads: usize) {
         let d = self.head_dim;
-        let half = d / 2;
         assert_eq!(
             x.len(),
             positions.len() * n_heads * d,
@@ -128,16 +127,30 @@ impl RopeTable {
             return;
         }
         for (tok, &pos) in x.chunks_exact_mut(n_heads * d).zip(positions) {
-            for (i, &f) in self.inv_freq.iter().enumerate() {
-                let angle = pos as f32 * f;
-                let (s, c) = (angle as f64).sin_cos();
-                let (s, c) = (s as f32, c as f32);
-                for head in tok.chunks_exact_mut(d) {
-                    let (a, b) = (head[i], head[i + half]);
-                    head[i] = a * c - b * s;
-                    head[i + half] = b * c + a * s;
-                }
-            }
+            rotate_token(tok, d, |i| sin_cos(pos, self.inv_freq[i]));
+        }
+    }
+}
+
+/// `(sin, cos)` of position `pos`'s angle at inverse frequency `f`, as [`RopeTable::apply`]
+/// rounds them: the angle in f32, its sine and cosine in f64, each rounded once.
+pub(super) fn sin_cos(pos: usize, f: f32) -> (f32, f32) {
+    let angle = pos as f32 * f;
+    let (s, c) = (angle as f64).sin_cos();
+    (s as f32, c as f32)
+}
+
+/// Rotates every head (`d` wide) of one token: pair `(i, i + d/2)` by the angle whose
+/// `(sin, cos)` is `sc(i)`.
+#[inline]
+pub(super) fn rotate_token(tok: &mut [f32], d: usize, sc: impl Fn(usize) -> (f32, f32)) {
+    let half = d / 2;
+    for i in 0..half {
+        let (s, c) = sc(i);
+        for head in tok.chunks_exact_mut(d) {
+            let (a, b) = (head[i], head[i + half]);
+            head[i] = a * c - b * s;
+            head[i + half] = b * c + a * s;
         }
     }
 }

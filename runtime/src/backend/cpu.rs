@@ -11,7 +11,7 @@ use std::ops::Range;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use thaw_cpu_lora::kernel::{lora_delta, LoraProblem, Scratch};
-use thaw_kernels::cpu::{self as k, HugeArena, KvLayout, RopeTable, WeightMatrix};
+use thaw_kernels::cpu::{self as k, HugeArena, KvLayout, RopeCache, RopeTable, WeightMatrix};
 
 use super::cpu_fused;
 use super::cpu_par::{balance, linear_split, ComputePool, CpuThreads};
@@ -45,7 +45,8 @@ pub struct CpuKvLayer {
 /// The CPU backend for one model shape.
 #[derive(Debug)]
 pub struct CpuBackend {
-    rope: RopeTable,
+    /// Every position's rotation computed once (60 calls a step ask for the same ones).
+    rope: RopeCache,
     n_heads: usize,
     n_kv_heads: usize,
     head_dim: usize,
@@ -99,7 +100,11 @@ impl CpuBackend {
 
     fn with_pool(cfg: &ModelConfig, par: ComputePool) -> Self {
         Self {
-            rope: RopeTable::new(cfg.head_dim, cfg.rope_theta, &cfg.rope_scaling),
+            rope: RopeCache::new(RopeTable::new(
+                cfg.head_dim,
+                cfg.rope_theta,
+                &cfg.rope_scaling,
+            )),
             n_heads: cfg.num_heads,
             n_kv_heads: cfg.num_kv_heads,
             head_dim: cfg.head_dim,

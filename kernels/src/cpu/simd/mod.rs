@@ -67,6 +67,10 @@ mod x86_512_vnni_row;
 
 use std::sync::atomic::{AtomicU8, Ordering};
 
+/// The 16 × 16 transpose of the packed GEMMs, for the decode attention's key blocks.
+#[cfg(target_arch = "x86_64")]
+pub(crate) use x86_512_gemm::transpose16;
+
 use half::{bf16, f16};
 
 use super::quant::WeightFormat;

@@ -376,20 +376,39 @@ unsafe fn rows_kernel(
     // by side measured 1.2–2.2× slower, `examples/bf16_rows.rs`); batches share a tile of
     // `RJ` weight rows. Each output's bits are the same either way.
     let rj = if m == 1 { 1 } else { RJ };
+    // A batch reads a tile's weight rows from memory in its first pass over the activation
+    // rows and from L1 in the others, so the memory idles while the later passes compute:
+    // every pass prefetches its share of the next tile's rows instead (`THAW_BF16_PREFETCH=0`
+    // turns it off, for A/B runs).
+    let passes = m.div_ceil(RR);
+    let prefetch = m > 1 && prefetch_on();
     let mut j = 0;
     while j < n {
         let jn = (n - j).min(rj);
+        let next_lines = if prefetch {
+            ((n - j - jn).min(rj) * kp * 4).div_ceil(64)
+        } else {
+            0
+        };
         let mut i = 0;
         while i < m {
             let rn = (m - i).min(RR);
+            let g = i / RR;
+            let pf = Prefetch {
+                // Line `a` of the next tile's rows (which follow this tile's in memory).
+                base: w.wrapping_add((j + jn) * kp).cast(),
+                first: g * next_lines / passes,
+                lines: (g + 1) * next_lines / passes - g * next_lines / passes,
+            };
             // SAFETY: weight rows `j..j + jn ≤ n`, activation rows `i..i + rn ≤ m`, outputs
-            // `(i + r)·ldo + j + jj`: inside the caller's guarantee.
+            // `(i + r)·ldo + j + jj`: inside the caller's guarantee (prefetches of the next
+            // tile's rows touch no memory).
             unsafe {
                 let (xi, wj, o) = (xb.add(i * stride), w.add(j * kp), out.add(i * ldo + j));
                 macro_rules! go {
                     ($($J:literal, $R:literal);*) => {
                         match (jn, rn) {
-                            $(($J, $R) => rows_tile::<$J, $R>(xi, stride, wj, kp, o, ldo),)*
+                            $(($J, $R) => rows_tile::<$J, $R>(xi, stride, wj, kp, o, ldo, pf),)*
                             _ => unreachable!(),
                         }
                     };
@@ -400,6 +419,25 @@ unsafe fn rows_kernel(
         }
         j += jn;
     }
+}
+
+/// Cache lines a tile prefetches, spread over its steps: lines `first..first + lines` from
+/// `base`.
+#[derive(Copy, Clone)]
+struct Prefetch {
+    base: *const i8,
+    first: usize,
+    lines: usize,
+}
+
+/// 0 = not yet decided, 1 = off, 2 = on.
+static PREFETCH: AtomicU8 = AtomicU8::new(0);
+
+/// Whether batches prefetch the next weight tile (`THAW_BF16_PREFETCH=0` turns it off).
+fn prefetch_on() -> bool {
+    super::decided_once(&PREFETCH, || {
+        !crate::cpu::switched_off("THAW_BF16_PREFETCH")
+    })
 }
 
 /// One `R × J` tile of [`rows_kernel`]: `out[r·ldo + jj] = Σ_p xb[r·stride + p] · w[jj·kp + p]`
@@ -417,17 +455,29 @@ unsafe fn rows_tile<const J: usize, const R: usize>(
     kp: usize,
     out: *mut f32,
     ldo: usize,
+    pf: Prefetch,
 ) {
     let bh = |v: __m512i| -> __m512bh {
         // SAFETY: `__m512bh` is 32 bf16 values in the same 512 bits as `v`.
         unsafe { std::mem::transmute::<__m512i, __m512bh>(v) }
     };
+    // Lines per step, the last steps fewer (none past the tile's share).
+    let per = pf.lines.div_ceil(kp.div_ceil(16));
     // SAFETY: weight loads read pairs `< kp` of the J rows (the last step masked), activation
-    // loads pairs `< stride` of the R rows; stores hit the R × J outputs.
+    // loads pairs `< stride` of the R rows; stores hit the R × J outputs; prefetches are hints
+    // (addresses formed with `wrapping_add`, never dereferenced).
     unsafe {
         let mut acc = [[_mm512_setzero_ps(); R]; J];
         let mut p = 0;
+        let mut line = pf.first;
+        let end = pf.first + pf.lines;
         while p < kp {
+            for _ in 0..per {
+                if line < end {
+                    _mm_prefetch::<_MM_HINT_T0>(pf.base.wrapping_add(64 * line));
+                    line += 1;
+                }
+            }
             let mask: __mmask16 = if p + 16 <= kp {
                 0xFFFF
             } else {
@@ -445,12 +495,69 @@ unsafe fn rows_tile<const J: usize, const R: usize>(
             }
             p += 16;
         }
-        for jj in 0..J {
+        if J == 4 && R == 4 {
+            // Lane `4r + jj` of the sums is output `(r, jj)`: each 128-bit block is one
+            // activation row's four outputs, side by side in `out`.
+            let sums = lane_sums16(std::array::from_fn(|t| acc[t / 4][t % 4]));
             for r in 0..R {
-                *out.add(r * ldo + jj) = lane_sum(acc[jj][r]);
+                let block = match r {
+                    0 => _mm512_extractf32x4_ps::<0>(sums),
+                    1 => _mm512_extractf32x4_ps::<1>(sums),
+                    2 => _mm512_extractf32x4_ps::<2>(sums),
+                    _ => _mm512_extractf32x4_ps::<3>(sums),
+                };
+                _mm_storeu_ps(out.add(r * ldo), block);
+            }
+        } else {
+            for jj in 0..J {
+                for r in 0..R {
+                    *out.add(r * ldo + jj) = lane_sum(acc[jj][r]);
+                }
             }
         }
     }
+}
+
+/// [`lane_sum`] of 16 vectors at once, the same additions (halves, quarters, pairs, then the
+/// last pair; addition of the same two operands, so the same bits) done four or eight sums
+/// per instruction: lane `4b + c` of the result is the sum of `a[4c + b]`. A decode batch's
+/// 4 × 4 tile spent about a third as many instructions on [`lane_sum`] as on its products
+/// at `k = 576`.
+///
+/// # Safety
+/// AVX-512F available.
+#[inline]
+#[target_feature(enable = "avx512f,avx2")]
+fn lane_sums16(a: [__m512; 16]) -> __m512 {
+    // Halves: h[k] = [a[2k].lo256 + a[2k].hi256, a[2k+1].lo256 + a[2k+1].hi256].
+    let h: [__m512; 8] = std::array::from_fn(|k| {
+        let (x, y) = (a[2 * k], a[2 * k + 1]);
+        _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0b01_00_01_00>(x, y),
+            _mm512_shuffle_f32x4::<0b11_10_11_10>(x, y),
+        )
+    });
+    // Quarters: block b of q[m] is a[4m + b]'s lo128 + hi128 of its half.
+    let q: [__m512; 4] = std::array::from_fn(|m| {
+        let (x, y) = (h[2 * m], h[2 * m + 1]);
+        _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0b10_00_10_00>(x, y),
+            _mm512_shuffle_f32x4::<0b11_01_11_01>(x, y),
+        )
+    });
+    // Pairs: block b of d[n] holds (l0 + l2, l1 + l3) of a[8n + b], then of a[8n + 4 + b].
+    let d: [__m512; 2] = std::array::from_fn(|n| {
+        let (x, y) = (q[2 * n], q[2 * n + 1]);
+        _mm512_add_ps(
+            _mm512_shuffle_ps::<0b01_00_01_00>(x, y),
+            _mm512_shuffle_ps::<0b11_10_11_10>(x, y),
+        )
+    });
+    // The last pair: block b = sums of a[b], a[4 + b], a[8 + b], a[12 + b].
+    _mm512_add_ps(
+        _mm512_shuffle_ps::<0b10_00_10_00>(d[0], d[1]),
+        _mm512_shuffle_ps::<0b11_01_11_01>(d[0], d[1]),
+    )
 }
 
 /// The 16 lanes of `v` added in one fixed tree: halves, quarters, then pairs

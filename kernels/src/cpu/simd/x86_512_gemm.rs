@@ -413,7 +413,7 @@ unsafe fn pack_panel<const W: u8>(w: *const u8, nc: usize, k: usize, panel: *mut
 /// The transpose of a 16 × 16 block held as 16 row vectors: `out[j][i] = r[i][j]`.
 #[inline]
 #[target_feature(enable = "avx512f,avx2,fma")]
-pub(super) fn transpose16(r: [__m512; 16]) -> [__m512; 16] {
+pub(crate) fn transpose16(r: [__m512; 16]) -> [__m512; 16] {
     // Stage 1: per 128-bit lane L, t[2i] = (a0 b0 a1 b1), t[2i+1] = (a2 b2 a3 b3) of rows
     // a = r[2i], b = r[2i+1] (elements 4L..4L+4).
     let mut t = [_mm512_setzero_ps(); 16];
