@@ -13,7 +13,7 @@ use crate::cpu::hostvec::HostVec;
 use crate::cpu::simd::{
     dequantize_row, dot_rows_bf16, dot_rows_f16, gemm_nt, gemm_nt_available, gemm_nt_bf16_rows,
     gemm_nt_f32, gemm_nt_f32_prompt, gemm_nt_prompt, gemm_nt_vnni, gemm_nt_vnni_prompt, gemv_q8,
-    gemv_quant_f32, q8_dot_supported, quantize_q8, vnni_dot_active, FloatWeights, Q8Block,
+    gemv_quant_f32, q8_dot_supported, quantize_q8_for, vnni_dot_active, FloatWeights, Q8Block,
     PROMPT_PANEL_ROWS,
 };
 use crate::cpu::sys::{sgemm, HugeArena, MatMut, MatRef};
@@ -578,7 +578,7 @@ impl WeightMatrix {
                         q.resize(m * kb, Q8Block::default());
                     }
                     for i in 0..m {
-                        quantize_q8(&x[i * k..(i + 1) * k], &mut q[i * kb..(i + 1) * kb]);
+                        quantize_q8_for(*f, &x[i * k..(i + 1) * k], &mut q[i * kb..(i + 1) * kb]);
                     }
                     let w = &b[cols.start * rb..cols.end * rb];
                     gemv_q8(*f, w, n, &q[..m * kb], &mut out[..m * n], n);

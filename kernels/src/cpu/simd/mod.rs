@@ -518,6 +518,21 @@ pub fn quantize_q8(x: &[f32], out: &mut [Q8Block]) {
     portable::quantize_q8(x, out)
 }
 
+/// [`quantize_q8`] as products over weights of `format` use it, following ggml's
+/// `vec_dot_type`: for Q4_1 the blocks are ggml's Q8_1 (`quantize_row_q8_1`), the scale `d`
+/// and the sum `s = d·Σq` (taken with the unrounded `d`, as ggml takes it) each rounded to
+/// f16, so the product is llama.cpp's to the accumulation order; every other format keeps
+/// them f32.
+pub fn quantize_q8_for(format: WeightFormat, x: &[f32], out: &mut [Q8Block]) {
+    quantize_q8(x, out);
+    if format == WeightFormat::Q4_1 {
+        for b in out.iter_mut() {
+            b.d = f16::from_f32(b.d).to_f32();
+            b.s = f16::from_f32(b.s).to_f32();
+        }
+    }
+}
+
 /// `out[i·ldo + j] = w_j·x_i` for the `n` weight rows `w_j` packed in `w` (whole blocks of
 /// `format`: Q8_0, Q4_0 or Q4_1) and the activation rows `x_i` (each quantised by
 /// [`quantize_q8`], as many blocks as a weight row): a whole decode product in one call. Each
