@@ -113,23 +113,27 @@ fn check_with(f: WeightFormat, w: &[u8], x: &[f32], (m, k, n): (usize, usize, us
                     want_q += min * (xb.s as f64 - xb.d as f64 * sum as f64);
                 }
             }
-            // The activation rounding, plus for Q4_1 the f16 rounding of each block's scale
-            // and sum (2⁻¹¹ of each, against the weight block's ‖w_b‖₁ and minimum).
+            // The activation rounding `d/2` per value, plus for Q4_1 the f16 rounding of each
+            // block's scale and sum (2⁻¹¹ of each, or half f16's smallest step, 2⁻²⁵, where it
+            // underflows): `|x − d̂·q| ≤ d/2 + 127·|d − d̂|` per value and the minimum's term
+            // off by `|ŝ − s| + 32·127·|d − d̂|`.
             let bound: f64 = q
                 .iter()
                 .zip(wj.chunks_exact(Q8_BLOCK))
+                .zip(xi.chunks_exact(Q8_BLOCK))
                 .enumerate()
-                .map(|(c, (b, wb))| {
+                .map(|(c, ((b, wb), xb))| {
                     let l1 = wb.iter().map(|v| v.abs() as f64).sum::<f64>();
-                    let f16_part = if f == WeightFormat::Q4_1 {
-                        let o = (j * kb + c) * f.block_bytes();
-                        let min = f16::from_le_bytes([w[o + 2], w[o + 3]]).to_f32().abs() as f64;
-                        let amax = b.d as f64 * 127.0;
-                        2f64.powi(-10) * (amax * l1 + 32.0 * amax * min)
-                    } else {
-                        0.0
-                    };
-                    b.d as f64 / 2.0 * l1 + f16_part
+                    let d = xb.iter().fold(0.0f64, |a, v| a.max(v.abs() as f64)) / 127.0;
+                    if f != WeightFormat::Q4_1 {
+                        return b.d as f64 / 2.0 * l1;
+                    }
+                    let f16_err = |v: f64| (v.abs() * 2f64.powi(-11)).max(2f64.powi(-25));
+                    let dd = f16_err(d);
+                    let o = (j * kb + c) * f.block_bytes();
+                    let min = f16::from_le_bytes([w[o + 2], w[o + 3]]).to_f32().abs() as f64;
+                    let s_err = f16_err(d * 32.0 * 127.0) + 32.0 * 127.0 * dd;
+                    (d / 2.0 + 127.0 * dd) * l1 + min * s_err
                 })
                 .sum();
             let g = got[i * ldo + j] as f64;
