@@ -2,7 +2,7 @@
 //! a test binary with products that read it): off, Q8_0 and Q4_K products are the f32 product
 //! with the dequantised weight again; on, they run the VNNI kernel where the CPU has it.
 use thaw_kernels::cpu::simd::{gemm_nt_available, set_vnni_dot, vnni_dot_active};
-use thaw_kernels::cpu::{WeightFormat, WeightMatrix};
+use thaw_kernels::cpu::{q8_activations, WeightFormat, WeightMatrix};
 
 fn values(n: usize, seed: u32) -> Vec<f32> {
     let mut s = seed | 1;
@@ -43,10 +43,18 @@ fn vnni_switch_selects_the_product() {
     }
     set_vnni_dot(true);
     assert_eq!(vnni_dot_active(WeightFormat::Q8_0), has);
-    assert!(
-        !vnni_dot_active(WeightFormat::Q4_1),
-        "Q4_1 has no VNNI kernel"
-    );
+    // Q4_1 decode rows follow the kernel by default (Q8 activations on where it runs), and
+    // switching the kernel off switches them back to f32 activations.
+    assert_eq!(vnni_dot_active(WeightFormat::Q4_1), has && q8_activations());
+    set_vnni_dot(false);
+    assert!(!vnni_dot_active(WeightFormat::Q4_1));
+    if std::env::var_os("THAW_Q8_ACTIVATIONS").is_none() {
+        assert!(
+            !q8_activations(),
+            "Q8 activations follow the VNNI switch by default"
+        );
+    }
+    set_vnni_dot(true);
     if has {
         let (q, f) = (product(&w), product(&wide));
         assert_ne!(

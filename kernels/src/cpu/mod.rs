@@ -29,8 +29,8 @@ pub use lora::{
 };
 pub use norm::{add_rms_norm, rms_norm};
 pub use quant::{
-    q8_activations, q8_prompt, set_q8_activations, set_q8_prompt, WeightData, WeightFormat,
-    WeightMatrix,
+    q8_activations, q8_prompt, reset_q8_activations, set_q8_activations, set_q8_prompt, WeightData,
+    WeightFormat, WeightMatrix,
 };
 pub use rope::{RopeScaling, RopeTable};
 pub use rope_cache::RopeCache;

@@ -13,7 +13,8 @@ use crate::cpu::hostvec::HostVec;
 use crate::cpu::simd::{
     dequantize_row, dot_rows_bf16, dot_rows_f16, gemm_nt, gemm_nt_available, gemm_nt_bf16_rows,
     gemm_nt_f32, gemm_nt_f32_prompt, gemm_nt_prompt, gemm_nt_vnni, gemm_nt_vnni_prompt, gemv_q8,
-    gemv_quant_f32, q8_dot_supported, quantize_q8, FloatWeights, Q8Block, PROMPT_PANEL_ROWS,
+    gemv_quant_f32, q8_dot_supported, quantize_q8_for, vnni_dot_active, FloatWeights, Q8Block,
+    PROMPT_PANEL_ROWS,
 };
 use crate::cpu::sys::{sgemm, HugeArena, MatMut, MatRef};
 use crate::error::KernelError;
@@ -67,13 +68,16 @@ const DEQUANT_TILE_MIN_ROWS: usize = 4;
 
 /// Whether decode products over Q8_0/Q4_0/Q4_1 weights quantise the activations to Q8 and
 /// use integer dots, as ggml does (its `vec_dot_type` for these formats): 0 = not yet read
-/// from the environment, 1 = off, 2 = on. Off by default: each weight block is dequantised in
-/// registers and dotted with the f32 activations ([`gemv_quant_f32`]), which computes exactly
-/// what the same weights dequantised to f32 compute, bit for bit, reading only the packed
-/// bytes. On SmolLM2-135M Q4_1 the Q8 path stays within its per-product rounding bound
-/// (`tests/tests/real_model_gguf.rs`) but that rounding flips the greedy answer to a chat
-/// prompt from English to French, so it is opt-in: `THAW_Q8_ACTIVATIONS=1` or
-/// [`set_q8_activations`].
+/// from the environment, 1 = off, 2 = on, 3 = the default: on exactly where the AVX512-VNNI
+/// kernel is in use ([`crate::cpu::simd::vnni_dot_active`] for Q8_0, so `set_vnni_dot(false)`
+/// turns it off too). The owners' decision (issue 30): quantised formats follow llama.cpp's
+/// arithmetic where the CPU has VNNI, and a quantised GGUF's greedy text is llama.cpp's (on
+/// SmolLM2-135M Q4_1 the Q8 rounding turns the English answer to a chat prompt French, as
+/// llama.cpp's does). Off (without VNNI, or `THAW_Q8_ACTIVATIONS=0`/`off`, or
+/// [`set_q8_activations`]`(false)`), each weight block is dequantised in registers and dotted
+/// with the f32 activations ([`gemv_quant_f32`]), which computes exactly what the same weights
+/// dequantised to f32 compute, bit for bit, reading only the packed bytes.
+/// `THAW_Q8_ACTIVATIONS=1`/`on` forces it on without VNNI too (the AVX2 integer dots).
 static Q8_ACTIVATIONS: AtomicU8 = AtomicU8::new(0);
 
 /// Turns the Q8-activation decode path on or off for the whole process (benchmarks and the
@@ -84,16 +88,32 @@ pub fn set_q8_activations(on: bool) -> bool {
     prev
 }
 
+/// Puts the Q8-activation decode path back to its default (on where the AVX512-VNNI kernel
+/// is in use, see [`set_q8_activations`]), whatever `THAW_Q8_ACTIVATIONS` says; returns the
+/// previous setting.
+pub fn reset_q8_activations() -> bool {
+    let prev = q8_activations();
+    Q8_ACTIVATIONS.store(3, Ordering::Relaxed);
+    prev
+}
+
 /// Whether decode products over Q8_0/Q4_0/Q4_1 quantise the activations to Q8 (see
-/// [`set_q8_activations`]; initially from `THAW_Q8_ACTIVATIONS`, off unless `1`/`on`).
+/// [`set_q8_activations`]; initially from `THAW_Q8_ACTIVATIONS`: `1`/`on` on, `0`/`off` off,
+/// otherwise on where the AVX512-VNNI kernel is in use).
 pub fn q8_activations() -> bool {
     match Q8_ACTIVATIONS.load(Ordering::Relaxed) {
         1 => false,
         2 => true,
+        3 => vnni_dot_active(WeightFormat::Q8_0),
         _ => {
-            let on = std::env::var("THAW_Q8_ACTIVATIONS").is_ok_and(|v| v == "1" || v == "on");
-            Q8_ACTIVATIONS.store(if on { 2 } else { 1 }, Ordering::Relaxed);
-            on
+            let v = std::env::var("THAW_Q8_ACTIVATIONS").unwrap_or_default();
+            let state = match v.as_str() {
+                "1" | "on" => 2,
+                "0" | "off" => 1,
+                _ => 3,
+            };
+            Q8_ACTIVATIONS.store(state, Ordering::Relaxed);
+            q8_activations()
         }
     }
 }
@@ -104,8 +124,8 @@ pub fn q8_activations() -> bool {
 /// (`THAW_Q8_PROMPT=0` or [`set_q8_prompt`] turn it off): it is llama.cpp's arithmetic for
 /// these rows (ggml quantises the activations of a Q4_1 product to Q8_1 blocks whatever the
 /// row count), an integer dot runs 64 products per instruction against the f32 GEMM's 16, and
-/// a prompt is 128 of the 160 tokens a sequence computes in the side by side. Decode rows keep
-/// f32 activations ([`q8_activations`]): there each token's rounding steers the next pick.
+/// a prompt is 128 of the 160 tokens a sequence computes in the side by side. Decode rows
+/// follow [`q8_activations`] (on by default where the CPU has VNNI, as llama.cpp computes them).
 static Q8_PROMPT: AtomicU8 = AtomicU8::new(0);
 
 /// Turns the Q8-activation prompt path for Q4_1 weights on or off for the whole process
@@ -558,7 +578,7 @@ impl WeightMatrix {
                         q.resize(m * kb, Q8Block::default());
                     }
                     for i in 0..m {
-                        quantize_q8(&x[i * k..(i + 1) * k], &mut q[i * kb..(i + 1) * kb]);
+                        quantize_q8_for(*f, &x[i * k..(i + 1) * k], &mut q[i * kb..(i + 1) * kb]);
                     }
                     let w = &b[cols.start * rb..cols.end * rb];
                     gemv_q8(*f, w, n, &q[..m * kb], &mut out[..m * n], n);

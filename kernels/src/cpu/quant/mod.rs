@@ -18,5 +18,6 @@ pub(crate) use blocks::dequantize_block;
 pub use blocks::{dequantize_blocks, quantize_blocks};
 pub use format::WeightFormat;
 pub use matrix::{
-    q8_activations, q8_prompt, set_q8_activations, set_q8_prompt, WeightData, WeightMatrix,
+    q8_activations, q8_prompt, reset_q8_activations, set_q8_activations, set_q8_prompt, WeightData,
+    WeightMatrix,
 };

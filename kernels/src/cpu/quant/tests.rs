@@ -4,7 +4,8 @@ use rand::Rng;
 
 use super::*;
 use crate::cpu::simd::{
-    bf16_dot_active, q8_dot_supported, quantize_q8, vnni_dot_active, vnni_prompt_active, Q8Block,
+    bf16_dot_active, q8_dot_supported, quantize_q8_for, vnni_dot_active, vnni_prompt_active,
+    Q8Block,
 };
 use crate::cpu::testutil::{assert_close, rand_vec, rng};
 
@@ -122,18 +123,54 @@ pub(super) fn random_matrix(f: WeightFormat, rows: usize, cols: usize, seed: u64
     WeightMatrix::from_bytes(f, &b, rows, cols).unwrap()
 }
 
-/// Rows of `x` (`k` wide) as the Q8 decode path sees them: quantised and dequantised.
-pub(super) fn q8_rows(x: &[f32], k: usize) -> Vec<f32> {
+/// Rows of `x` (`k` wide) as the Q8 path over weights of `f` sees them: quantised
+/// ([`quantize_q8_for`]) and dequantised.
+pub(super) fn q8_rows(f: WeightFormat, x: &[f32], k: usize) -> Vec<f32> {
     let mut q = vec![Q8Block::default(); k / 32];
     let mut out = Vec::with_capacity(x.len());
     for row in x.chunks_exact(k) {
-        quantize_q8(row, &mut q);
+        quantize_q8_for(f, row, &mut q);
         out.extend(
             q.iter()
                 .flat_map(|b| b.qs.iter().map(move |&v| b.d * v as f32)),
         );
     }
     out
+}
+
+/// What a product over Q4_1 weights on Q8_1 activations adds to the product of the widened
+/// weight with [`q8_rows`]: per block, the weight's minimum times the f16-rounded sum `s`
+/// less `d·Σq` (ggml's `quantize_row_q8_1` rounds `s` on its own). `[m, cols]` like the
+/// product; zeros for every other format.
+pub(super) fn q8_1_sum_terms(
+    w: &WeightMatrix,
+    x: &[f32],
+    m: usize,
+    cols: std::ops::Range<usize>,
+) -> Vec<f64> {
+    let mut t = vec![0.0f64; m * cols.len()];
+    let WeightData::Quant(WeightFormat::Q4_1, b) = w.data() else {
+        return t;
+    };
+    let (k, bb) = (w.cols(), WeightFormat::Q4_1.block_bytes());
+    let kb = k / 32;
+    let mut q = vec![Q8Block::default(); kb];
+    for i in 0..m {
+        quantize_q8_for(WeightFormat::Q4_1, &x[i * k..(i + 1) * k], &mut q);
+        for (jj, j) in cols.clone().enumerate() {
+            t[i * cols.len() + jj] = q
+                .iter()
+                .enumerate()
+                .map(|(c, xb)| {
+                    let o = (j * kb + c) * bb;
+                    let min = f16::from_le_bytes([b[o + 2], b[o + 3]]).to_f32() as f64;
+                    let sum: i32 = xb.qs.iter().map(|&v| v as i32).sum();
+                    min * (xb.s as f64 - xb.d as f64 * sum as f64)
+                })
+                .sum();
+        }
+    }
+    t
 }
 
 /// `x·Wᵀ` over every stored format equals the f64 product with the dequantised weights, for
@@ -156,13 +193,14 @@ fn matmul_matches_dequantised_f32() {
                 // Decode rows over Q8_0/Q4_0/Q4_1 multiply Q8-quantised activations (integer
                 // dots, exact): the oracle uses those activations (`simd::tests` checks the
                 // quantisation error bound against the original ones).
-                // Q8_0/Q4_K on AVX512-VNNI multiply Q8-quantised activations at every `m`,
-                // Q4_1 there at prompt sizes (`q8_prompt`).
+                // Q8_0/Q4_K/Q4_1 on AVX512-VNNI multiply Q8-quantised activations at every
+                // `m` (Q4_1 decode rows by default, `q8_activations`; its prompt rows by
+                // `q8_prompt`), Q4_1's as ggml's Q8_1 blocks (`q8_1_sum_terms`).
                 let q8 = vnni_dot_active(f)
                     || (m > 16 && vnni_prompt_active(f))
                     || (m <= 16 && super::q8_activations() && q8_dot_supported(f));
                 let xs = if q8 {
-                    q8_rows(&x, k)
+                    q8_rows(f, &x, k)
                 } else if f == WeightFormat::BF16 && bf16_dot_active() && k % 2 == 0 {
                     // Rows over bf16 weights multiply bf16-rounded activations (prompt and,
                     // for even `k`, decode rows).
@@ -172,7 +210,11 @@ fn matmul_matches_dequantised_f32() {
                 } else {
                     x.clone()
                 };
-                let want = naive(&xs, &wf, m, k, cols.clone());
+                let mut want = naive(&xs, &wf, m, k, cols.clone());
+                if q8 {
+                    let terms = q8_1_sum_terms(&w, &x, m, cols.clone());
+                    want.iter_mut().zip(terms).for_each(|(y, t)| *y += t);
+                }
                 assert_close(&format!("{f} m={m} {cols:?}"), &y, &want, 1e-5);
             }
         }

@@ -2,9 +2,11 @@
 //! batch, and every product equals the one over the weight widened to f32.
 use proptest::prelude::*;
 
-use super::tests::{q8_rows, random_matrix};
+use super::tests::{q8_1_sum_terms, q8_rows, random_matrix};
 use super::*;
-use crate::cpu::simd::{bf16_dot_active, gemm_nt_available, vnni_dot_active, vnni_prompt_active};
+use crate::cpu::simd::{
+    bf16_dot_active, gemm_nt_available, q8_dot_supported, vnni_dot_active, vnni_prompt_active,
+};
 use crate::cpu::testutil::{assert_close, rand_vec, rng};
 
 /// Each row of a decode batch (`m ≤ 16` rows) equals the one-row product bit for bit, for
@@ -38,9 +40,6 @@ fn decode_rows_are_batch_invariant(fi: usize, m: usize, seed: u64) {
 /// |y| + RMS(y)); Q8_0/Q4_K on AVX512-VNNI against the widened product of the Q8-rounded
 /// activations, within that tolerance.
 fn equals_widened(fi: usize, m: usize, seed: u64) {
-    if q8_activations() {
-        return; // decode rows then multiply Q8-rounded activations (checked in `tests`)
-    }
     let f = WeightFormat::ALL[fi];
     let (n, k) = (37, 256);
     let w = random_matrix(f, n, k, seed);
@@ -48,11 +47,16 @@ fn equals_widened(fi: usize, m: usize, seed: u64) {
     let x = rand_vec(&mut rng(seed + 2), m * k, 1.0);
     let (mut got, mut want) = (vec![f32::NAN; m * n], vec![f32::NAN; m * n]);
     w.matmul(&x, m, &mut got);
-    if vnni_dot_active(f) || (m > 16 && vnni_prompt_active(f)) {
-        // Q8_0/Q4_K on AVX512-VNNI multiply Q8-quantised activations (integer dots, exact):
-        // the widened product of those, within the tolerance.
-        wide.matmul(&q8_rows(&x, k), m, &mut want);
-        let want: Vec<f64> = want.iter().map(|&v| v as f64).collect();
+    if vnni_dot_active(f)
+        || (m > 16 && vnni_prompt_active(f))
+        || (m <= 16 && q8_activations() && q8_dot_supported(f))
+    {
+        // Q8_0/Q4_K/Q4_1 on AVX512-VNNI (and decode rows over Q8_0/Q4_0/Q4_1 where Q8
+        // activations are on) multiply Q8-quantised activations (integer dots, exact): the
+        // widened product of those (plus Q4_1's f16-rounded block sums), within the tolerance.
+        wide.matmul(&q8_rows(f, &x, k), m, &mut want);
+        let terms = q8_1_sum_terms(&w, &x, m, 0..n);
+        let want: Vec<f64> = want.iter().zip(terms).map(|(&v, t)| v as f64 + t).collect();
         assert_close(
             &format!("{f} m={m} (VNNI, Q8 activations)"),
             &got,
@@ -87,9 +91,7 @@ fn equals_widened(fi: usize, m: usize, seed: u64) {
 fn batched_formats_at_decode_and_prompt_sizes() {
     for fi in 0..WeightFormat::ALL.len() {
         for m in [1, 4, 16] {
-            if !q8_activations() {
-                decode_rows_are_batch_invariant(fi, m, 3);
-            }
+            decode_rows_are_batch_invariant(fi, m, 3);
         }
         for m in [1, 5, 16, 17, 40] {
             equals_widened(fi, m, 4);
@@ -102,7 +104,6 @@ proptest! {
 
     #[test]
     fn decode_batches_any_format(fi in 0usize..8, m in 1usize..=16, seed in 0u64..1000) {
-        prop_assume!(!q8_activations());
         decode_rows_are_batch_invariant(fi, m, seed);
     }
 

@@ -14,8 +14,8 @@
 //!   read in place, each 16-bit weight vector widened once per register tile (decode batches)
 //!   or once per call while packed (prompt rows) and reused by every activation row; bit for
 //!   bit the row dots (decode) or the f32 prompt GEMM over the widened weight (prompt).
-//! - [`gemm_nt_vnni`] (AVX512-VNNI): Q8_0 and Q4_K weights (Q4_1 too where
-//!   `THAW_Q8_ACTIVATIONS=1`, and at prompt sizes by default: [`gemm_nt_vnni_prompt`])
+//! - [`gemm_nt_vnni`] (AVX512-VNNI): Q8_0, Q4_K and Q4_1 weights (Q4_1 decode rows unless
+//!   `THAW_Q8_ACTIVATIONS=0`, prompt rows unless `THAW_Q8_PROMPT=0`: [`gemm_nt_vnni_prompt`])
 //!   × activations quantised to Q8 once per call, integer dots
 //!   (`vpdpbusd`) for every row count, as llama.cpp computes them; on by default where the CPU
 //!   has it (`THAW_VNNI_DOT=0` or [`set_vnni_dot`] turn it off). Batches share a packed weight
@@ -322,7 +322,7 @@ pub fn gemm_nt_bf16_rows(
 }
 
 /// Whether [`gemm_nt_vnni`] runs for weights of `format`: Q8_0 or Q4_K (or Q4_1 where
-/// [`crate::cpu::q8_activations`] opted in: its Q8 rounding flips SmolLM2's greedy answer, see
+/// [`crate::cpu::q8_activations`] is on: by default wherever this kernel runs, see
 /// `quant::matrix`), AVX-512F in use, the CPU has AVX512-VNNI, AVX512-BW and AVX512-VL, and neither
 /// `THAW_VNNI_DOT=0` nor [`set_vnni_dot`] turned it off.
 pub fn vnni_dot_active(format: WeightFormat) -> bool {
@@ -528,6 +528,21 @@ pub fn quantize_q8(x: &[f32], out: &mut [Q8Block]) {
         return t.quantize_q8(x, out);
     }
     portable::quantize_q8(x, out)
+}
+
+/// [`quantize_q8`] as products over weights of `format` use it, following ggml's
+/// `vec_dot_type`: for Q4_1 the blocks are ggml's Q8_1 (`quantize_row_q8_1`), the scale `d`
+/// and the sum `s = d·Σq` (taken with the unrounded `d`, as ggml takes it) each rounded to
+/// f16, so the product is llama.cpp's to the accumulation order; every other format keeps
+/// them f32.
+pub fn quantize_q8_for(format: WeightFormat, x: &[f32], out: &mut [Q8Block]) {
+    quantize_q8(x, out);
+    if format == WeightFormat::Q4_1 {
+        for b in out.iter_mut() {
+            b.d = f16::from_f32(b.d).to_f32();
+            b.s = f16::from_f32(b.s).to_f32();
+        }
+    }
 }
 
 /// `out[i·ldo + j] = w_j·x_i` for the `n` weight rows `w_j` packed in `w` (whole blocks of

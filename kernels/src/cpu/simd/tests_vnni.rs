@@ -1,6 +1,7 @@
 //! [`gemm_nt_vnni`]'s kernel (Q8_0, Q4_K and Q4_1 on AVX512-VNNI) against the scalar path: the weights
 //! dequantised by the scalar dequantiser (`quant::dequantize_blocks`) times the activations
-//! quantised by [`quantize_q8`] and dequantised, summed in f64.
+//! quantised by [`quantize_q8_for`] and dequantised, summed in f64 (for Q4_1 plus its
+//! f16-rounded block sums: ggml's Q8_1).
 //!
 //! Tolerances: the integer dots are exact, so against the quantised activations only f32
 //! rounding remains: one product and one fused add per block (two for Q4_K), at most
@@ -49,7 +50,7 @@ pub(super) fn activations(m: usize, k: usize, seed: u64) -> Vec<f32> {
 }
 
 /// The kernel itself (Q4_1 included, which [`gemm_nt_vnni`] takes only where Q8 activations
-/// are opted in); false where the CPU lacks it or `THAW_VNNI_DOT=0`.
+/// are on: the default); false where the CPU lacks it or `THAW_VNNI_DOT=0`.
 fn vnni(
     f: WeightFormat,
     w: &[u8],
@@ -88,7 +89,7 @@ fn check_with(f: WeightFormat, w: &[u8], x: &[f32], (m, k, n): (usize, usize, us
     let mut q = vec![Q8Block::default(); kb];
     for i in 0..m {
         let xi = &x[i * k..(i + 1) * k];
-        quantize_q8(xi, &mut q);
+        quantize_q8_for(f, xi, &mut q);
         let xq: Vec<f64> = q
             .iter()
             .flat_map(|b| b.qs.iter().map(move |&v| b.d as f64 * v as f64))
@@ -101,10 +102,39 @@ fn check_with(f: WeightFormat, w: &[u8], x: &[f32], (m, k, n): (usize, usize, us
                 mag += (wj[p] as f64 * xq[p]).abs();
                 want_x += wj[p] as f64 * xi[p] as f64;
             }
+            // Q4_1 on ggml's Q8_1 blocks: the weight's minimum times the f16-rounded block
+            // sum `s`, not `d·Σq`.
+            if f == WeightFormat::Q4_1 {
+                let bb = f.block_bytes();
+                for (c, xb) in q.iter().enumerate() {
+                    let o = (j * kb + c) * bb;
+                    let min = f16::from_le_bytes([w[o + 2], w[o + 3]]).to_f32() as f64;
+                    let sum: i32 = xb.qs.iter().map(|&v| v as i32).sum();
+                    want_q += min * (xb.s as f64 - xb.d as f64 * sum as f64);
+                }
+            }
+            // The activation rounding `d/2` per value, plus for Q4_1 the f16 rounding of each
+            // block's scale and sum (2⁻¹¹ of each, or half f16's smallest step, 2⁻²⁵, where it
+            // underflows): `|x − d̂·q| ≤ d/2 + 127·|d − d̂|` per value and the minimum's term
+            // off by `|ŝ − s| + 32·127·|d − d̂|`.
             let bound: f64 = q
                 .iter()
                 .zip(wj.chunks_exact(Q8_BLOCK))
-                .map(|(b, wb)| b.d as f64 / 2.0 * wb.iter().map(|v| v.abs() as f64).sum::<f64>())
+                .zip(xi.chunks_exact(Q8_BLOCK))
+                .enumerate()
+                .map(|(c, ((b, wb), xb))| {
+                    let l1 = wb.iter().map(|v| v.abs() as f64).sum::<f64>();
+                    let d = xb.iter().fold(0.0f64, |a, v| a.max(v.abs() as f64)) / 127.0;
+                    if f != WeightFormat::Q4_1 {
+                        return b.d as f64 / 2.0 * l1;
+                    }
+                    let f16_err = |v: f64| (v.abs() * 2f64.powi(-11)).max(2f64.powi(-25));
+                    let dd = f16_err(d);
+                    let o = (j * kb + c) * f.block_bytes();
+                    let min = f16::from_le_bytes([w[o + 2], w[o + 3]]).to_f32().abs() as f64;
+                    let s_err = f16_err(d * 32.0 * 127.0) + 32.0 * 127.0 * dd;
+                    (d / 2.0 + 127.0 * dd) * l1 + min * s_err
+                })
                 .sum();
             let g = got[i * ldo + j] as f64;
             let what = format!("{f} (m, k, n) = ({m}, {k}, {n}), output ({i}, {j})");

@@ -1,6 +1,6 @@
-//! Q8_0, Q4_K (and, opted in, Q4_1) products on 8-bit activations with AVX512-VNNI
+//! Q8_0, Q4_K and Q4_1 products on 8-bit activations with AVX512-VNNI
 //! (`vpdpbusd`), as llama.cpp computes them: each activation row is quantised once per call to 32-value Q8 blocks
-//! ([`super::quantize_q8`]: `x ≈ d·q`, `q ∈ [−127, 127]`), every weight block is an integer
+//! ([`super::quantize_q8_for`]: `x ≈ d·q`, `q ∈ [−127, 127]`), every weight block is an integer
 //! dot with the activation block (exact in i32) and one f32 step scales it by the two block
 //! scales. One kernel serves decode batches and prompt rows; up to [`ROW_KERNEL_MAX_M`] rows
 //! take the same arithmetic without the pack (`x86_512_vnni_row`), so a row's result never
@@ -37,7 +37,7 @@ use super::x86_512_gemm::{
     col_masks, drive_panels, load_tile, store_tile, transpose16, trivial_product, PanelKernel,
     TileAt, NR,
 };
-use super::{quantize_q8, Q8Block, Q8_BLOCK};
+use super::{quantize_q8_for, Q8Block, Q8_BLOCK};
 use crate::cpu::quant::WeightFormat;
 
 /// Activation rows per register tile (12 f32 and 12 i32 accumulators, 3 weight vectors and
@@ -161,7 +161,7 @@ impl Avx512Vnni {
                     "gemm_nt_vnni: rows of {rb} bytes"
                 );
                 for i in 0..m {
-                    quantize_q8(&x[i * k..(i + 1) * k], &mut xq[..kb]);
+                    quantize_q8_for(format, &x[i * k..(i + 1) * k], &mut xq[..kb]);
                     let (wp, xp) = (w.as_ptr(), xq.as_ptr());
                     let op = out[i * ldo..].as_mut_ptr();
                     // SAFETY: `self` proves the features (VL included); `w` holds `n` rows
@@ -189,7 +189,7 @@ impl Avx512Vnni {
                 return;
             }
             for (row, blocks) in x[..m * k].chunks_exact(k).zip(xq.chunks_exact_mut(kb)) {
-                quantize_q8(row, blocks);
+                quantize_q8_for(format, row, blocks);
                 for b in blocks.iter_mut() {
                     for q in b.qs.iter_mut() {
                         *q ^= i8::MIN; // + 128 as an unsigned byte
