@@ -35,7 +35,7 @@
 
 mod portable;
 mod stream;
-pub use stream::{row_stream, set_row_stream};
+pub use stream::{batch_prefetch, row_stream, set_batch_prefetch, set_row_stream};
 #[cfg(test)]
 mod tests;
 #[cfg(test)]
