@@ -1,4 +1,5 @@
-//! Times 16-row decode products over f32 and f16 weights at SmolLM2-135M's shapes with the
+//! Times 16-row decode products over f32, f16, Q8_0 and Q4_1 weights (the quantised ones on
+//! the VNNI panel kernel where the CPU has it) at SmolLM2-135M's shapes with the
 //! batch prefetch (`THAW_BATCH_PREFETCH`) on and off, interleaved in one process, weights
 //! rotating through 512 MiB of copies (read from memory, as a decode step does), one thread.
 //! Each cell is the best of 5 passes; the ratio is off / on (above 1: the prefetch helps).
@@ -12,9 +13,14 @@ use thaw_kernels::cpu::{WeightFormat, WeightMatrix};
 fn main() {
     let m = 16;
     println!("format shape (n x k), {m} rows: µs on | µs off | off/on");
-    for f in [WeightFormat::F32, WeightFormat::F16] {
+    for f in [
+        WeightFormat::F32,
+        WeightFormat::F16,
+        WeightFormat::Q8_0,
+        WeightFormat::Q4_1,
+    ] {
         for (n, k) in [(576, 576), (1536, 576), (576, 1536), (49152, 576)] {
-            let bytes = n * k * if f == WeightFormat::F32 { 4 } else { 2 };
+            let bytes = f.bytes_for(n * k).unwrap();
             let copies = ((512usize << 20) / bytes).max(2);
             let ws: Vec<WeightMatrix> = (0..copies)
                 .map(|c| {

@@ -24,6 +24,8 @@
 //!   (one row at a time for float weights; the VNNI row kernel's 8-row groups each prefetched
 //!   a group ahead), which the hardware prefetcher streams ~2× as fast as interleaved rows on
 //!   this project's Zen 4 VM; bit for bit the interleaved tiles' results (`THAW_ROW_STREAM=0`).
+//!   Decode batches (float tiles, VNNI panels) prefetch the next weight rows spread over the
+//!   current ones' compute ([`batch_prefetch`], `THAW_BATCH_PREFETCH=0`).
 //!
 //! Error of the Q8 path: an activation block `x_b` (32 values) is stored as `d_b·q` with
 //! `d_b = max|x_b| / 127` and `q = round(x / d_b)`, so `|x − d_b·q| ≤ d_b / 2` per element and

@@ -275,14 +275,22 @@ impl<const F: u8> PanelKernel for Kern<'_, F> {
         }
     }
 
+    const SPREADS_PREFETCH: bool = true;
+
     #[inline(always)]
     unsafe fn tile<const R: usize>(&mut self, at: TileAt) {
         let v = &*self.0;
         let (b0, nb) = (at.p0 / STEPS, at.kb / STEPS);
+        let (parts, pf) = (R.div_ceil(VR), at.pf);
         let mut r0 = 0;
         while r0 < R {
             let rn = (R - r0).min(VR);
             let i = at.i0 + r0;
+            // Each sub-tile of rows issues its part of the tile's prefetch share.
+            let g = r0 / VR;
+            let mut at = at;
+            at.pf.first = pf.first + g * pf.lines / parts;
+            at.pf.lines = (g + 1) * pf.lines / parts - g * pf.lines / parts;
             // SAFETY: activation rows `i..i + rn ≤ m` and their blocks `b0..b0 + nb ≤ kb`,
             // the panel's steps `8·b0..` and blocks `b0..b0 + nb`, outputs
             // `(i + r)·ldo + j0 + c` (c < nc): the caller's guarantee.
@@ -336,10 +344,20 @@ struct Tile {
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
 unsafe fn tile<const R: usize, const F: u8>(t: Tile, at: TileAt) {
     let mask = col_masks(at.nc);
-    // SAFETY: loads and stores stay inside the caller's guarantee (masked to `nc` columns).
+    // Prefetch lines per block (the last blocks fewer: none past the share).
+    let per = at.pf.lines.div_ceil(t.nb.max(1));
+    let (mut line, end) = (at.pf.first, at.pf.first + at.pf.lines);
+    // SAFETY: loads and stores stay inside the caller's guarantee (masked to `nc` columns);
+    // prefetches are hints (addresses formed with `wrapping_add`, never dereferenced).
     unsafe {
         let mut acc = load_tile::<R>(t.c, t.ldc, mask, at.first);
         for b in 0..t.nb {
+            for _ in 0..per {
+                if line < end {
+                    _mm_prefetch::<_MM_HINT_T0>(at.pf.base.wrapping_add(64 * line));
+                    line += 1;
+                }
+            }
             let start = t.start.add(b * NR);
             let s = [
                 _mm512_loadu_si512(start.cast()),
