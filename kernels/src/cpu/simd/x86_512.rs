@@ -435,12 +435,13 @@ unsafe fn gemm_nt_rows<const W: u8>(
 }
 
 /// Cache lines a tile prefetches, spread over its steps: lines `first..first + lines` from
-/// `base`.
-#[derive(Copy, Clone)]
-struct Prefetch {
-    base: *const i8,
-    first: usize,
-    lines: usize,
+/// `base` (never dereferenced: formed with `wrapping_add`). The decode batches' tiles here,
+/// in `x86_512_bf16` and in the VNNI panel kernel share it.
+#[derive(Copy, Clone, Debug)]
+pub(super) struct Prefetch {
+    pub base: *const i8,
+    pub first: usize,
+    pub lines: usize,
 }
 
 /// Bytes per element of a float weight type code.

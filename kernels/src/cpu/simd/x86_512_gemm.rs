@@ -20,7 +20,7 @@ use std::arch::x86_64::*;
 use std::cell::RefCell;
 
 use super::x86::{w_at, BF16, F16, F32};
-use super::x86_512::{check_gemm_nt, elem_bytes, load16, Avx512};
+use super::x86_512::{check_gemm_nt, elem_bytes, load16, Avx512, Prefetch};
 use super::FloatWeights;
 
 /// Activation rows per register tile.
@@ -125,15 +125,6 @@ pub(super) trait PanelKernel {
     const SPREADS_PREFETCH: bool = false;
 }
 
-/// Cache lines of the next panel's weight rows a tile prefetches: `first..first + lines`
-/// from `base` (never dereferenced: formed with `wrapping_add`).
-#[derive(Copy, Clone, Debug)]
-pub(super) struct PanelPrefetch {
-    pub base: *const i8,
-    pub first: usize,
-    pub lines: usize,
-}
-
 /// Where a tile of [`drive_panels`] falls: activation rows from `i0`, reduction steps
 /// `p0..p0 + kb`, output columns `j0..j0 + nc` (`nc ≤ NR`); `first` when `p0 == 0` (the sums
 /// start from zero instead of the outputs).
@@ -147,7 +138,7 @@ pub(super) struct TileAt {
     pub first: bool,
     /// The tile's share of the next panel's prefetch, where the kernel
     /// [`PanelKernel::SPREADS_PREFETCH`] (otherwise no lines).
-    pub pf: PanelPrefetch,
+    pub pf: Prefetch,
 }
 
 /// The panel loop of a packed prompt GEMM over `m` activation rows, `depth` reduction steps
@@ -192,7 +183,7 @@ pub(super) unsafe fn drive_panels<K: PanelKernel>(
                 let first = p0 == 0;
                 let mut i0 = 0;
                 while i0 < m {
-                    let mut share = PanelPrefetch {
+                    let mut share = Prefetch {
                         base: wn.cast(),
                         first: 0,
                         lines: 0,
