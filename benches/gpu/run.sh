@@ -154,7 +154,8 @@ elif [ "$DEV" = cuda ]; then
     if [ "$lim" -lt 10 ]; then
       echo "$exe: skipped, out of time (THAW_GPU_BUDGET_S=$BUDGET_S)"
     elif [ -x "$BIN/$exe" ]; then
-      THAW_REQUIRE_GPU=1 timeout "$lim" "$BIN/$exe" --test-threads=1 --nocapture \
+      THAW_REQUIRE_GPU=1 THAW_TEST_WORKER=$BIN/thaw-test-worker \
+        timeout "$lim" "$BIN/$exe" --test-threads=1 --nocapture \
         >"$O/parity-$exe.log" 2>&1
       echo "$exe: rc=$? (limit ${lim}s)"
       grep -E "^test |test result" "$O/parity-$exe.log" | tail -12
