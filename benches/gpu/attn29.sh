@@ -13,6 +13,7 @@
 # run.sh's issue-29 block calls it with what is left of its budget; on a short lease run it alone
 # (it generates the model when --model is not given):
 #   benches/gpu/attn29.sh --bin gpu-bin --out "$OUT" [--model DIR] [--budget S] [--prompt-len N]
+# THAW_GPU_ON_EXTRA adds more opt-in switches to the "on" runs (see ON below).
 set -uo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
@@ -31,7 +32,7 @@ while [ $# -gt 0 ]; do
     --workdir) WORK=$2; shift 2 ;;
     --budget) BUDGET_S=$2; shift 2 ;;
     --prompt-len) PROMPT=$2; shift 2 ;;
-    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
     *) echo "unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -51,6 +52,10 @@ cap() {
   if [ "$l" -lt "$1" ]; then echo $((l > 0 ? l : 0)); else echo "$1"; fi
 }
 ON=(THAW_CUDA_ATTN_IMPL=split THAW_CUDA_TC_PREFILL=1)
+# More of issue 29's opt-in kernels for the "on" runs, e.g.
+# THAW_GPU_ON_EXTRA="THAW_CUDA_LORA_IMPL=punica THAW_CUDA_FUSED=1".
+# shellcheck disable=SC2206  # VAR=value words, split on purpose
+[ -n "${THAW_GPU_ON_EXTRA:-}" ] && ON+=(${THAW_GPU_ON_EXTRA})
 
 # --- 1. parity with both kernels on ----------------------------------------------------------
 lim=$(cap 120)
