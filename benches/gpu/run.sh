@@ -73,7 +73,9 @@ case "$DEV" in
 esac
 # A short lease (under 8 minutes) can narrow the run: THAW_GPU_POLICIES (comma list, in run
 # order), THAW_GPU_REQS (requests per pass), THAW_GPU_DECODE_BATCHES (comma list),
-# THAW_GPU_SKIP_PARITY=1, THAW_GPU_SKIP_29=1 (the issue-29 block at the end).
+# THAW_GPU_SKIP_PARITY=1, THAW_GPU_SKIP_29=1 (the issue-29 block at the end); and what the
+# budget keeps back: THAW_GPU_POLICY_MIN_S (per policy, kept from parity: 60) and
+# THAW_GPU_DECODE_RESERVE_S (the decode step: 75; about 45 does batches 1, 8 and 32).
 POLICIES=(cached on-demand cpu-assist auto)
 DECODE_BATCHES=(1 8 32 64)
 [ -n "${THAW_GPU_POLICIES:-}" ] && IFS=, read -r -a POLICIES <<<"$THAW_GPU_POLICIES"
@@ -83,7 +85,7 @@ ADAPTERS=$((MAX_LORAS + 2 * REQS))
 HOST_FIRST=$((MAX_LORAS + REQS))
 DISK_FIRST=$MAX_LORAS
 # Seconds kept for the decode step (server start + the bursts) and the tables.
-DECODE_RESERVE=75
+DECODE_RESERVE=${THAW_GPU_DECODE_RESERVE_S:-75}
 TAIL_RESERVE=10
 
 mkdir -p "$O" "$WORK"
@@ -147,7 +149,7 @@ if [ "${THAW_GPU_SKIP_PARITY:-0}" = 1 ]; then
   echo "skipped (THAW_GPU_SKIP_PARITY=1)"
 elif [ "$DEV" = cuda ]; then
   # What the cold-start step needs at the least: a server start and two short passes each.
-  cold_min=$((${#POLICIES[@]} * 60))
+  cold_min=$((${#POLICIES[@]} * ${THAW_GPU_POLICY_MIN_S:-60}))
   for t in cuda_parity:120 cuda_exchange:45; do
     exe=${t%%:*}
     lim=$(cap "${t##*:}" $((cold_min + DECODE_RESERVE + TAIL_RESERVE)))
