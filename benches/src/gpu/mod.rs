@@ -314,6 +314,10 @@ mod tests {
         assert!(table(&args, &r).contains("skipped: this backend has no CUDA graphs"));
         let pos = |v: f64| v.is_finite() && v > 0.0;
         assert!(pos(r.peaks.gbs) && pos(r.peaks.tflops));
+        // No CUDA kernels to name: the LoRA table ran the CPU backend's.
+        assert!(r.kernels.is_none());
+        assert_eq!(r.lora_impl, "cpu");
+        assert!(!table(&args, &r).contains("CUDA kernels:"));
         // Table rows: 1 rank × 2 batches × 2 kernels × 4 popularities.
         assert_eq!(r.lora.len(), 16);
         assert!(r.lora.iter().all(|l| pos(l.us) && pos(l.gbs())));
