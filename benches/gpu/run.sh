@@ -293,7 +293,7 @@ fi
 kill -TERM $sp 2>/dev/null
 wait $sp 2>/dev/null
 
-# --- 4. issue 29's kernel tables (opt-in), only with time to spare --------------------------
+# --- 4. issue 29's kernel tables (new vs classic), only with time to spare ------------------
 if [ "$KERNELS" = 1 ] && [ "$DEV" = cuda ]; then
   lim=$(cap 120 "$TAIL_RESERVE")
   if [ -x "$BIN/cuda_bench" ] && [ "$lim" -ge 30 ]; then
@@ -359,9 +359,9 @@ else
   echo "transformers peer skipped: $PEER_PY cannot import torch and transformers" \
     "(pip install torch transformers safetensors, or set THAW_PEER_PYTHON)" | tee "$O/gpu-peer.md"
 fi
-# Issue 29's attention kernels (flash-decoding, tensor-core prefill; opt-in): parity with both
-# on, the kernel tables, decode tok/s at a 2048-token context and prefill TFLOP/s off then on
-# (benches/gpu/attn29.sh, which runs alone on a short lease).
+# Issue 29's kernels (flash-decoding, tensor-core prefill, Punica, fused; the defaults): parity
+# with the defaults, the kernel tables, decode tok/s at a 2048-token context and prefill
+# TFLOP/s with all four off then on (benches/gpu/attn29.sh, which runs alone on a short lease).
 A29_T=$(cap 300 0)
 if [ "$DEV" = cuda ] && [ "$A29_T" -ge 30 ]; then
   el "issue 29: attention kernels (attn29.sh, budget ${A29_T}s)"
