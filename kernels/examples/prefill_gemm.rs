@@ -12,21 +12,14 @@
 //! process, and old ÷ new (above 1: the tuning helps; the outputs are the same bits).
 //!
 //! `cargo run --release -p thaw-kernels --example prefill_gemm [passes] [m,m,…]`
-/// Seconds of CPU time this thread has run (`CLOCK_THREAD_CPUTIME_ID`): on a VM shared with
-/// other jobs the wall clock also counts the time slices this thread waited for.
-fn thread_secs() -> f64 {
-    let mut t = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: `t` is a valid timespec for the call to fill.
-    let rc = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut t) };
-    assert_eq!(rc, 0, "clock_gettime(CLOCK_THREAD_CPUTIME_ID) failed");
-    t.tv_sec as f64 + t.tv_nsec as f64 * 1e-9
-}
-
 use thaw_kernels::cpu::simd::set_prompt_tuning;
 use thaw_kernels::cpu::{WeightFormat, WeightMatrix};
+
+/// Seconds of CPU time this thread has run: on a VM shared with other jobs the wall clock
+/// also counts the time slices this thread waited for.
+fn thread_secs() -> f64 {
+    thaw_ipc::thread_cpu_time().as_secs_f64()
+}
 
 /// A `[n, k]` weight in `format` from seeded values (Q4_K: random blocks with small scales,
 /// Thaw's quantiser has no K-quants; the cost of a product does not depend on the values);
