@@ -37,7 +37,9 @@
 
 mod portable;
 mod stream;
+mod tuning;
 pub use stream::{batch_prefetch, row_stream, set_batch_prefetch, set_row_stream};
+pub use tuning::{prompt_tuning, set_prompt_tuning};
 #[cfg(test)]
 mod tests;
 #[cfg(test)]
@@ -48,6 +50,8 @@ mod tests_bf16_rows;
 mod tests_prompt;
 #[cfg(test)]
 mod tests_stream;
+#[cfg(all(test, target_arch = "x86_64"))]
+mod tests_tuning;
 #[cfg(test)]
 mod tests_vnni;
 #[cfg(target_arch = "x86_64")]
