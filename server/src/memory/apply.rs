@@ -88,8 +88,9 @@ pub fn apply<B: Backend>(
                     },
                     |(mgr, engine), v| match engine.unregister_adapter(v) {
                         Ok(()) => {
-                            tracing::debug!(
-                                "evicted adapter {v} for a run of pages for adapter {a}"
+                            tracing::info!(
+                                "evicted adapter {v}: KV blocks in use split the free pages, \
+                                 and adapter {a} needs a run of them"
                             );
                             mgr.on_evicted(v, wanted);
                             true
