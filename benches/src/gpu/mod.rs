@@ -122,6 +122,15 @@ impl GpuArgs {
         }
     }
 
+    /// [`GpuArgs::quick`] with `--op-profile`.
+    #[cfg(test)]
+    pub fn quick_profiled() -> Self {
+        Self {
+            op_profile: true,
+            ..Self::quick()
+        }
+    }
+
     /// Decode steps a row runs after its timed ones (`--op-profile`).
     pub fn profiled_steps(&self) -> usize {
         if self.op_profile {
@@ -330,15 +339,17 @@ fn graph_table(r: &GpuReport) -> String {
 mod tests {
     use super::*;
 
-    /// The bounded run: every part of the report is there, in the right shape, and every
-    /// figure is positive and finite.
+    /// The bounded run (`--quick --op-profile`): every part of the report is there, in the
+    /// right shape, and every figure is positive and finite; the op profiles as
+    /// [`op_profile::check_quick`] says.
     #[test]
     fn quick_gpu_bench_on_the_cpu_backend_reports_every_table() {
         let args = GpuArgs {
             cuda_graphs: true,
-            ..GpuArgs::quick()
+            ..GpuArgs::quick_profiled()
         };
         let r = run(&args).unwrap();
+        op_profile::check_quick(&r);
         // The CPU backend has no CUDA graphs: the graph rows are skipped, and say so.
         assert!(r.graph_decode.is_empty());
         assert!(table(&args, &r).contains("skipped: this backend has no CUDA graphs"));

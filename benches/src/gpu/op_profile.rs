@@ -90,9 +90,9 @@ pub fn table(runs: &[OpProfileRun], c: &ModelConfig, peak_gbs: f64) -> String {
             "| op | calls/step | µs/step | % of step | weight MB/step | GB/s | % of roofline |\n|---|---|---|---|---|---|---|"
         );
         let linear: Vec<_> = p.rows.iter().filter(|r| r.bytes.is_some()).collect();
-        let (lin_us, lin_bytes) = linear
-            .iter()
-            .fold((0.0, 0.0), |(u, b), r| (u + r.us, b + r.bytes.unwrap_or(0.0)));
+        let (lin_us, lin_bytes) = linear.iter().fold((0.0, 0.0), |(u, b), r| {
+            (u + r.us, b + r.bytes.unwrap_or(0.0))
+        });
         for row in &p.rows {
             let _ = writeln!(
                 s,
@@ -130,3 +130,76 @@ pub fn table(runs: &[OpProfileRun], c: &ModelConfig, peak_gbs: f64) -> String {
     s
 }
 
+/// The checks of the quick run's profiles (`thaw-bench gpu --device cpu --quick --op-profile`,
+/// run by the test suite): one profile per eager decode row, every op class the forward calls
+/// with its exact calls per step, and the rows within the measured step.
+#[cfg(test)]
+pub(super) fn check_quick(r: &super::GpuReport) {
+    use thaw_runtime::adapter::LoraModule;
+    let c = &r.config;
+    assert_eq!(
+        r.op_profiles.len(),
+        r.decode.len(),
+        "one profile per eager row"
+    );
+    for (run, d) in r.op_profiles.iter().zip(&r.decode) {
+        assert_eq!((run.batch, run.mix), (d.batch, d.mix));
+        let p = run.profile(c, r.peaks.gbs);
+        let calls = |class: OpClass| {
+            p.rows
+                .iter()
+                .find(|row| row.class == class)
+                .map_or(0.0, |row| row.calls)
+        };
+        let layers = c.num_layers as f64;
+        for m in LoraModule::ALL {
+            assert_eq!(calls(OpClass::Linear(m)), layers, "{m:?} in {run:?}");
+        }
+        assert_eq!(calls(OpClass::Rope), 2.0 * layers);
+        assert_eq!(calls(OpClass::Attention), layers);
+        assert_eq!(calls(OpClass::Swiglu), layers);
+        // Every layer's post-attention norm and every next layer's input norm; the first
+        // input norm and the final norm stand alone; the last residual add too.
+        assert_eq!(calls(OpClass::AddRmsNorm), 2.0 * layers - 1.0);
+        assert_eq!(calls(OpClass::RmsNorm), 2.0);
+        assert_eq!(calls(OpClass::ResidualAdd), 1.0);
+        assert_eq!(calls(OpClass::Embed), 1.0);
+        assert_eq!(calls(OpClass::Gather), 1.0);
+        assert_eq!(calls(OpClass::LmHeadLogits), 1.0);
+        // With adapter rows the forward asks every module of every layer for its deltas (the
+        // backend skips modules no adapter targets); without, none.
+        let lora = if d.mix == Mix::Base {
+            0.0
+        } else {
+            (LoraModule::ALL.len() * c.num_layers) as f64
+        };
+        assert_eq!(calls(OpClass::Lora), lora, "{:?}", d.mix);
+        for row in &p.rows {
+            assert!(row.us.is_finite() && row.us >= 0.0, "{row:?}");
+            if let Some(g) = row.gbs {
+                assert!(g.is_finite() && g > 0.0, "{row:?}");
+            }
+        }
+        // The linears read their weights: q_proj's bytes are hidden × q_dim elements a layer.
+        let q = p
+            .rows
+            .iter()
+            .find(|row| row.class == OpClass::Linear(LoraModule::Q))
+            .and_then(|row| row.bytes)
+            .unwrap();
+        let want = layers * (c.hidden_size * c.q_dim()) as f64 * run.weight_elem;
+        assert!((q - want).abs() <= 1e-9 * want, "{q} vs {want}");
+        // The op timers nest inside the step's (one monotonic clock on the CPU): the rows
+        // never sum past the step, and the time outside every op (planning, sampling, the
+        // wrapper's own timers) stays under half of it.
+        assert!(p.ops_us() <= p.step_us * (1.0 + 1e-9), "{p:?}");
+        assert!(
+            p.ops_us() >= 0.5 * p.step_us,
+            "ops {} of {} µs",
+            p.ops_us(),
+            p.step_us
+        );
+    }
+    let t = super::table(&super::GpuArgs::quick_profiled(), r);
+    assert_eq!(t.matches("### Op profile").count(), r.decode.len());
+}

@@ -68,9 +68,7 @@ impl OpClock for AnyBackend {
         match (start, end) {
             (AnyMark::Host(a), AnyMark::Host(b)) => CpuBackend::elapsed_us(a, b),
             #[cfg(feature = "cuda")]
-            (AnyMark::Device(a), AnyMark::Device(b)) => {
-                super::cuda::CudaBackend::elapsed_us(a, b)
-            }
+            (AnyMark::Device(a), AnyMark::Device(b)) => super::cuda::CudaBackend::elapsed_us(a, b),
             #[cfg(feature = "cuda")]
             _ => Err(crate::error::RuntimeError::Backend(
                 "op profile: a host mark and a device mark cannot be compared".into(),
@@ -359,7 +357,9 @@ impl<B: Backend + OpClock> Backend for Profiled<B> {
         src: &[f32],
         stride: usize,
     ) {
-        self.timed(OpClass::Assist, |b| b.merge_rows(y, width, rows, src, stride))
+        self.timed(OpClass::Assist, |b| {
+            b.merge_rows(y, width, rows, src, stride)
+        })
     }
     fn logits(&mut self, x: &Self::Buf, lm_head: &Self::Linear, rows: usize, out: &mut Vec<f32>) {
         self.timed(OpClass::LmHeadLogits, |b| b.logits(x, lm_head, rows, out))
@@ -437,7 +437,7 @@ mod tests {
 
     fn config() -> ModelConfig {
         ModelConfig::from_json(
-            r#"{"hidden_size":64,"intermediate_size":128,"num_attention_heads":4,
+            r#"{"model_type":"llama","hidden_size":64,"intermediate_size":128,"num_attention_heads":4,
             "num_key_value_heads":2,"num_hidden_layers":1,"vocab_size":32}"#,
         )
         .unwrap()
@@ -453,7 +453,11 @@ mod tests {
         let mut prof = Profiled::new(CpuBackend::new(&c));
         let (rows, d_in, d_out) = (3, 64, 16);
         let ws: Vec<_> = (0..3)
-            .map(|_| plain.upload_linear(vals(d_out * d_in), d_out, d_in, None).unwrap())
+            .map(|_| {
+                plain
+                    .upload_linear(vals(d_out * d_in), d_out, d_in, None)
+                    .unwrap()
+            })
             .collect();
         let x = vals(rows * d_in);
         let [mut a0, mut a1, mut a2, mut b0, mut b1, mut b2] =
@@ -488,6 +492,9 @@ mod tests {
         );
         assert!(s.iter().all(|s| s.us.is_finite() && s.us >= 0.0));
         assert_eq!([&a0, &a1, &a2], [&b0, &b1, &b2]);
-        assert!(prof.finish().unwrap().is_empty(), "finish stops the recording");
+        assert!(
+            prof.finish().unwrap().is_empty(),
+            "finish stops the recording"
+        );
     }
 }
