@@ -320,7 +320,7 @@ tar czf "$O/runs.tgz" -C "$O" runs 2>/dev/null
 # One block, kept apart from the cold-start steps above: decode tok/s and achieved bandwidth
 # at batch 1/8/32/64 with 0, 1 and N adapters (ranks 16, 64), the same decode rows again with
 # CUDA graphs (--cuda-graphs: graph vs eager tok/s), prefill TFLOP/s, the SGMV/BGMV
-# table, then the same model in transformers + PyTorch (static cache) when torch imports
+# table, a per-op profile of decode steps at batch 1 and 32 (--op-profile), then the same model in transformers + PyTorch (static cache) when torch imports
 # (THAW_PEER_PYTHON names its python; skipped with a note otherwise). Extra thaw-bench gpu
 # flags: THAW_GPU_BENCH_ARGS (e.g. "--peak-gbs 2976 --peak-tflops 798").
 if [ "${THAW_GPU_SKIP_29:-0}" = 1 ]; then
@@ -346,6 +346,27 @@ else
   echo "thaw-bench gpu: skipped, out of time (THAW_GPU_BUDGET_S=$BUDGET_S)" >"$O/gpu-bench.md"
 fi
 cat "$O/gpu-bench.md"
+# Where a decode step's time goes, per op class (--op-profile: every backend op bracketed by
+# CUDA events on the compute stream), at batch 1 and 32 with 0, 1 and 32 rank-16 adapters;
+# the other tables of this call are cut to their smallest.
+if [ "$DEV" = cuda ]; then
+  # shellcheck disable=SC2054  # the commas are thaw-bench's own list syntax
+  OP_ARGS=(--device cuda --batches 1,32 --ranks 16 --decode-steps 4 --op-profile-steps 4
+    --prefill-tokens 128 --reps 1 --lora-batches 1 --lora-ranks 16) OP_T=$(cap 120 0)
+else
+  OP_ARGS=(--device cpu --quick) OP_T=$(cap 60 0)
+fi
+if [ "$OP_T" -gt 0 ]; then
+  el "issue 29: thaw-bench gpu --op-profile"
+  timeout "$OP_T" "$BIN/thaw-bench" gpu --model "$MD" --workdir "$WORK" "${OP_ARGS[@]}" \
+    --op-profile >"$O/op-profile.md" 2>"$O/op-profile.log"
+  echo "thaw-bench gpu --op-profile: rc=$?"
+else
+  echo "thaw-bench gpu --op-profile: skipped, out of time (THAW_GPU_BUDGET_S=$BUDGET_S)" >"$O/op-profile.md"
+fi
+# Only the op-profile tables (the rest repeats gpu-bench.md).
+sed -n '/^### Op profile/,$p' "$O/op-profile.md" | sed '/^### Prefill/,$d' >"$O/op-profile-tables.md"
+cat "$O/op-profile-tables.md"
 PEER_PY=${THAW_PEER_PYTHON:-python3}
 if [ "$PEER_T" -le 0 ]; then
   echo "transformers peer: skipped, out of time (THAW_GPU_BUDGET_S=$BUDGET_S)" | tee "$O/gpu-peer.md"
@@ -373,6 +394,7 @@ else
 fi
 { echo; echo "## Issue 29: thaw-bench gpu and the transformers peer ($(date -u +%Y-%m-%d), $BUILD)";
   echo "Device: $GPU"; echo; cat "$O/gpu-bench.md"; echo; cat "$O/gpu-peer.md";
+  echo; echo "### Op profile of decode steps (thaw-bench gpu --op-profile)"; cat "$O/op-profile-tables.md";
   echo; echo "### Attention kernels (attn29.sh)"; echo; cat "$O/attn29.md"; } >>"$RESULTS"
 el "issue 29: appended to $RESULTS"
 # === end issue 29 ============================================================================

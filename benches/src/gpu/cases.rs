@@ -8,6 +8,7 @@ use std::time::Instant;
 use anyhow::Context;
 use thaw_runtime::adapter::LoraAdapter;
 use thaw_runtime::backend::any::AnyBackend;
+use thaw_runtime::backend::profiled::Profiled;
 use thaw_runtime::backend::{Backend, Device};
 use thaw_runtime::engine::{Engine, EngineConfig, HostModel, PlanItem, SequenceParams, StepPlan};
 use thaw_runtime::ids::{AdapterId, SeqId};
@@ -15,6 +16,7 @@ use thaw_runtime::model::ModelConfig;
 use thaw_runtime::residency::LinkModel;
 use thaw_server::gen::{self, GenAdaptersOptions, GenModelOptions};
 
+use super::op_profile::{profile_steps, OpProfileRun};
 use super::roofline::{decode_traffic, model_matrix_elems, prefill_flops, ElemBytes, StepTraffic};
 use super::GpuArgs;
 
@@ -148,6 +150,16 @@ fn adapters(
         .collect()
 }
 
+/// What [`run`] measured.
+pub struct Measured {
+    pub decode: Vec<DecodeRow>,
+    /// The decode rows with CUDA graphs (`--cuda-graphs`).
+    pub graph_decode: Vec<DecodeRow>,
+    pub prefill: Vec<PrefillRow>,
+    /// The eager decode rows' profiled steps (`--op-profile`).
+    pub op_profiles: Vec<OpProfileRun>,
+}
+
 /// Runs the decode rows (eager, then with CUDA graphs when `--cuda-graphs` and the backend
 /// has them), then the prefill rows, on one engine.
 pub fn run(
@@ -155,7 +167,7 @@ pub fn run(
     device: &Device,
     model_dir: &Path,
     root: &Path,
-) -> anyhow::Result<(Vec<DecodeRow>, Vec<DecodeRow>, Vec<PrefillRow>)> {
+) -> anyhow::Result<Measured> {
     let host = HostModel::load(model_dir)?;
     let config = host.config.clone();
     let max_batch = args.batches.iter().copied().max().unwrap_or(1);
@@ -171,7 +183,7 @@ pub fn run(
         kv: kv_elem,
     };
     let block = 16;
-    let per_seq = args.prompt_len + args.decode_steps + 4;
+    let per_seq = args.prompt_len + args.decode_steps + args.profiled_steps() + 4;
     // Adapter ids: rank index × max_batch + i.
     let by_rank = args
         .ranks
@@ -200,7 +212,9 @@ pub fn run(
         max_context: Some(per_seq.max(max_prefill + 2)),
         ..Default::default()
     };
-    let mut engine = Engine::new(backend, host, cfg)?;
+    // Wrapped so that `--op-profile` can time the ops of some steps; off, each op costs a
+    // flag test.
+    let mut engine = Engine::new(Profiled::new(backend), host, cfg)?;
     for (ri, list) in by_rank.iter().enumerate() {
         for (i, a) in list.iter().enumerate() {
             engine.register_adapter(AdapterId((ri * max_batch + i) as u32), a.clone())?;
@@ -227,9 +241,11 @@ pub fn run(
         e,
         &|_| 0.0,
         &mut next_seq,
+        None,
     )?;
     let mut decode = Vec::new();
     let mut graph_decode = Vec::new();
+    let mut op_profiles = Vec::new();
     // Eager first; then, with graphs on (the first two decode steps of each row, its untimed
     // warm-up, warm up and capture its graph), the same rows again.
     let has_graphs = args.cuda_graphs && engine.set_cuda_graphs(true);
@@ -262,6 +278,8 @@ pub fn run(
                     e,
                     &|a| bytes_of(a),
                     &mut next_seq,
+                    // Eager rows only: a graph step's ops are replayed, not called.
+                    (args.op_profile && !graphs).then_some(&mut op_profiles),
                 )?);
             }
         }
@@ -297,7 +315,12 @@ pub fn run(
             flops: prefill_flops(&config, tokens),
         });
     }
-    Ok((decode, graph_decode, prefill))
+    Ok(Measured {
+        decode,
+        graph_decode,
+        prefill,
+        op_profiles,
+    })
 }
 
 fn prompt(c: &ModelConfig, len: usize, seed: u64) -> Vec<u32> {
@@ -318,10 +341,11 @@ fn plan(seqs: &[SeqId], n: usize) -> StepPlan {
 }
 
 /// Prefills `batch` sequences (in steps of at most the engine's token budget), runs 2
-/// warm-up decode steps, then times `args.decode_steps` steps.
+/// warm-up decode steps, then times `args.decode_steps` steps; with `profiles`, then runs
+/// `args.op_profile_steps` more with every op timed.
 #[allow(clippy::too_many_arguments)]
 fn decode_row(
-    engine: &mut Engine<AnyBackend>,
+    engine: &mut Engine<Profiled<AnyBackend>>,
     args: &GpuArgs,
     batch: usize,
     mix: Mix,
@@ -329,6 +353,7 @@ fn decode_row(
     e: ElemBytes,
     adapter_bytes: &dyn Fn(u32) -> f64,
     next_seq: &mut u64,
+    profiles: Option<&mut Vec<OpProfileRun>>,
 ) -> anyhow::Result<DecodeRow> {
     let ri = mix.rank().map(|r| args.ranks.iter().position(|&x| x == r));
     let base_id = |ri: usize| ri * args.batches.iter().copied().max().unwrap_or(1);
@@ -347,7 +372,7 @@ fn decode_row(
             SequenceParams {
                 prompt: prompt(c, args.prompt_len, id.0),
                 adapter: adapter_of(s).map(AdapterId),
-                max_new_tokens: args.decode_steps + 4,
+                max_new_tokens: args.decode_steps + args.profiled_steps() + 4,
                 ignore_eos: true,
                 ..Default::default()
             },
@@ -370,6 +395,18 @@ fn decode_row(
         engine.step(&step_plan)?;
     }
     let secs = t0.elapsed().as_secs_f64();
+    if let Some(out) = profiles {
+        let steps = args.op_profile_steps.max(1);
+        let (step_us, samples) = profile_steps(engine, &step_plan, steps)?;
+        out.push(OpProfileRun {
+            batch,
+            mix,
+            steps,
+            step_us,
+            samples,
+            weight_elem: e.weight,
+        });
+    }
     let mut traffic = StepTraffic::default();
     for step in 0..args.decode_steps {
         // The prompt, the first sampled token, 2 warm-up tokens, then this step's.

@@ -14,6 +14,7 @@
 //! seconds-long run of the same code on the tiny preset (the test suite runs it). Tables only;
 //! nothing asserts a time.
 mod cases;
+pub mod op_profile;
 mod peaks;
 pub mod roofline;
 
@@ -85,6 +86,14 @@ pub struct GpuArgs {
     /// graph against eager tokens/s (skipped on a backend without graphs).
     #[arg(long)]
     pub cuda_graphs: bool,
+    /// After each eager decode row, profile `--op-profile-steps` more steps with every
+    /// backend op timed (CUDA events on the compute stream; the wall clock on the CPU) and
+    /// print where a step's time goes, per op class.
+    #[arg(long)]
+    pub op_profile: bool,
+    /// Steps each `--op-profile` table averages.
+    #[arg(long, default_value_t = 4)]
+    pub op_profile_steps: usize,
 }
 
 impl GpuArgs {
@@ -108,6 +117,26 @@ impl GpuArgs {
             lora_ranks: vec![16],
             quick: true,
             cuda_graphs: false,
+            op_profile: false,
+            op_profile_steps: 2,
+        }
+    }
+
+    /// [`GpuArgs::quick`] with `--op-profile`.
+    #[cfg(test)]
+    pub fn quick_profiled() -> Self {
+        Self {
+            op_profile: true,
+            ..Self::quick()
+        }
+    }
+
+    /// Decode steps a row runs after its timed ones (`--op-profile`).
+    pub fn profiled_steps(&self) -> usize {
+        if self.op_profile {
+            self.op_profile_steps.max(1)
+        } else {
+            0
         }
     }
 
@@ -118,6 +147,7 @@ impl GpuArgs {
                 model: self.model.clone(),
                 workdir: self.workdir.clone(),
                 cuda_graphs: self.cuda_graphs,
+                op_profile: self.op_profile,
                 ..Self::quick()
             }
         } else {
@@ -144,6 +174,10 @@ pub struct GpuReport {
     /// the backend has no graphs).
     pub graph_decode: Vec<DecodeRow>,
     pub prefill: Vec<PrefillRow>,
+    /// The eager decode rows' op profiles (`--op-profile`; empty otherwise).
+    pub op_profiles: Vec<op_profile::OpProfileRun>,
+    /// The model's shape (the op profile's weight bytes).
+    pub config: thaw_runtime::model::ModelConfig,
 }
 
 /// Runs every part of the benchmark.
@@ -172,7 +206,7 @@ pub fn run(args: &GpuArgs) -> anyhow::Result<GpuReport> {
         Some(_) => "classic",
         None => "cpu",
     };
-    let (decode, graph_decode, prefill) = cases::run(&args, &device, &model_dir, &root)?;
+    let m = cases::run(&args, &device, &model_dir, &root)?;
     Ok(GpuReport {
         device: device_name,
         model: format!(
@@ -185,9 +219,11 @@ pub fn run(args: &GpuArgs) -> anyhow::Result<GpuReport> {
         lora_impl: lora_impl.into(),
         kernels,
         lora,
-        decode,
-        graph_decode,
-        prefill,
+        decode: m.decode,
+        graph_decode: m.graph_decode,
+        prefill: m.prefill,
+        op_profiles: m.op_profiles,
+        config,
     })
 }
 
@@ -249,6 +285,9 @@ pub fn table(args: &GpuArgs, r: &GpuReport) -> String {
     if args.cuda_graphs {
         let _ = writeln!(s, "{}", graph_table(r));
     }
+    if args.op_profile {
+        s.push_str(&op_profile::table(&r.op_profiles, &r.config, p.gbs));
+    }
     let _ = writeln!(
         s,
         "\n### Prefill, one sequence, base model (median of {})",
@@ -300,15 +339,17 @@ fn graph_table(r: &GpuReport) -> String {
 mod tests {
     use super::*;
 
-    /// The bounded run: every part of the report is there, in the right shape, and every
-    /// figure is positive and finite.
+    /// The bounded run (`--quick --op-profile`): every part of the report is there, in the
+    /// right shape, and every figure is positive and finite; the op profiles as
+    /// [`op_profile::check_quick`] says.
     #[test]
     fn quick_gpu_bench_on_the_cpu_backend_reports_every_table() {
         let args = GpuArgs {
             cuda_graphs: true,
-            ..GpuArgs::quick()
+            ..GpuArgs::quick_profiled()
         };
         let r = run(&args).unwrap();
+        op_profile::check_quick(&r);
         // The CPU backend has no CUDA graphs: the graph rows are skipped, and say so.
         assert!(r.graph_decode.is_empty());
         assert!(table(&args, &r).contains("skipped: this backend has no CUDA graphs"));

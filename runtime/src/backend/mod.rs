@@ -22,6 +22,8 @@ mod cpu_pool;
 pub mod cuda;
 pub mod graph_plan;
 pub mod kernel_select;
+pub mod op_profile;
+pub mod profiled;
 pub use graph_plan::{GraphKey, GraphPhase};
 #[cfg(not(feature = "cuda"))]
 mod nocuda;

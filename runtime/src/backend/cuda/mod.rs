@@ -14,6 +14,7 @@
 //! | `fused.rs` | fused add + RMSNorm and SwiGLU + cast (default; off: `THAW_CUDA_FUSED=0`) |
 //! | `graph.rs` | CUDA graphs of decode steps: capture, replay, the persistent metadata buffer |
 //! | `launch.rs` | every raw CUDA call: launches, cuBLAS, stream waits, host registration |
+//! | `op_clock.rs` | events on the compute stream that time each op of a profiled step (`thaw-bench gpu --op-profile`) |
 //! | `backend.rs` | [`CudaBackend`]: the trait ops |
 //! | `select.rs` | resolves and loads the issue-29 kernels a new backend runs, logs the choice |
 //! | `sgmv.rs` | the Punica-shaped SGMV / BGMV launches (default where served; off: `THAW_CUDA_LORA_IMPL=classic`) |
@@ -39,6 +40,7 @@ mod fused;
 mod graph;
 mod launch;
 mod link;
+mod op_clock;
 mod select;
 mod sgmv;
 mod step;
