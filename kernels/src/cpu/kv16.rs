@@ -83,7 +83,14 @@ unsafe fn widen_x86(format: FloatFormat, src: &[u16], dst: &mut [f32]) {
             let h = _mm256_loadu_si256(s.add(i).cast());
             let w = match format {
                 FloatFormat::F16 => _mm512_cvtph_ps(h),
-                _ => _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h))),
+                _ => {
+                    // The top half of an f32; NaNs quieted (bit 22 set), as `half` does.
+                    let w = _mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h));
+                    let f = _mm512_castsi512_ps(w);
+                    let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(f, f);
+                    let q = _mm512_mask_or_epi32(w, nan, w, _mm512_set1_epi32(0x0040_0000));
+                    _mm512_castsi512_ps(q)
+                }
             };
             _mm512_storeu_ps(d.add(i), w);
         }
