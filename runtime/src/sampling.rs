@@ -2,7 +2,11 @@
 //! plus the log-probability of the chosen token and the top alternatives.
 //!
 //! Log-probabilities are those of the model's raw distribution (before temperature and
-//! truncation), as vLLM reports them by default.
+//! truncation), as vLLM reports them by default. They cost a log-softmax over the whole
+//! vocabulary (f64 `exp` of every logit: ~4 ms a step for 16 rows of SmolLM2's 49,152 on the
+//! project's 2-core VM), so a row computes them only when its request asked
+//! ([`SamplingParams::wants_logprobs`]); the token drawn never depends on them.
+//! `THAW_LAZY_LOGPROBS=0` (read once) computes them on every row again, for A/B runs.
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -21,6 +25,9 @@ pub struct SamplingParams {
     pub seed: Option<u64>,
     /// How many top alternatives to return with each token (0 = none).
     pub top_logprobs: usize,
+    /// Return the chosen token's log-probability (OpenAI's `logprobs`; implied by
+    /// `top_logprobs > 0`). Off, [`SampledToken::logprob`] is NaN and no log-softmax runs.
+    pub logprobs: bool,
 }
 
 impl Default for SamplingParams {
@@ -31,6 +38,7 @@ impl Default for SamplingParams {
             top_p: 1.0,
             seed: None,
             top_logprobs: 0,
+            logprobs: false,
         }
     }
 }
@@ -38,6 +46,11 @@ impl Default for SamplingParams {
 impl SamplingParams {
     pub fn greedy() -> Self {
         Self::default()
+    }
+
+    /// Whether a sampled token carries log-probabilities (see the module note).
+    pub fn wants_logprobs(&self) -> bool {
+        self.logprobs || self.top_logprobs > 0 || !lazy_logprobs()
     }
 
     /// Checks the ranges OpenAI and vLLM accept, naming the bad field.
@@ -63,6 +76,7 @@ impl SamplingParams {
 #[derive(Clone, Debug, PartialEq)]
 pub struct SampledToken {
     pub id: u32,
+    /// NaN when the request asked for no logprobs ([`SamplingParams::wants_logprobs`]).
     pub logprob: f32,
     /// (token, logprob), most likely first.
     pub top: Vec<(u32, f32)>,
@@ -103,6 +117,13 @@ impl Sampler {
         } else {
             self.draw(logits, s)
         };
+        if !self.params.wants_logprobs() {
+            return SampledToken {
+                id,
+                logprob: f32::NAN,
+                top: Vec::new(),
+            };
+        }
         score_token(logits, id, self.params.top_logprobs, s)
     }
 
@@ -174,8 +195,49 @@ pub fn score_token(logits: &[f32], id: u32, top: usize, s: &mut SamplerScratch) 
     }
 }
 
-/// Index of the largest value; the lowest index wins ties.
+/// Whether rows that asked for no logprobs skip the log-softmax (the default;
+/// `THAW_LAZY_LOGPROBS=0` turns it off, read once).
+fn lazy_logprobs() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| !thaw_kernels::cpu::switched_off("THAW_LAZY_LOGPROBS"))
+}
+
+/// Index of the largest value; the lowest index wins ties. NaNs are never the largest (a
+/// NaN first entry wins, as nothing compares greater than it).
+///
+/// Two branch-free passes (the maximum over 16 lanes, then its first index) rather than one
+/// running comparison: a greedy row of SmolLM2's 49,152 logits is scanned several times
+/// faster. `THAW_LANE_ARGMAX=0` (read once) runs the running comparison, for A/B runs.
 pub fn argmax(x: &[f32]) -> u32 {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    if !*ON.get_or_init(|| !thaw_kernels::cpu::switched_off("THAW_LANE_ARGMAX")) {
+        return argmax_running(x);
+    }
+    let Some(&first) = x.first() else {
+        return 0;
+    };
+    if first.is_nan() {
+        return 0;
+    }
+    let mut lanes = [f32::NEG_INFINITY; 16];
+    let chunks = x.chunks_exact(16);
+    let tail = chunks.remainder();
+    for c in chunks {
+        for (m, &v) in lanes.iter_mut().zip(c) {
+            // `>` is false for NaN, so NaNs are skipped, as in the running comparison.
+            *m = if v > *m { v } else { *m };
+        }
+    }
+    let mut max = first;
+    for &v in lanes.iter().chain(tail) {
+        max = if v > max { v } else { max };
+    }
+    // `first` is not NaN, so `max` is the largest non-NaN value and some entry equals it.
+    x.iter().position(|&v| v == max).unwrap_or(0) as u32
+}
+
+/// [`argmax`] as one running comparison (its oracle, and its form with `THAW_LANE_ARGMAX=0`).
+fn argmax_running(x: &[f32]) -> u32 {
     let mut best = 0;
     for (i, v) in x.iter().enumerate() {
         if *v > x[best] {
@@ -205,6 +267,9 @@ fn top_n(logprobs: &[f32], n: usize, order: &mut Vec<u32>) -> Vec<(u32, f32)> {
 
 #[cfg(test)]
 mod tests {
+    use proptest::prelude::*;
+    use rand::Rng;
+
     use super::*;
 
     fn logits() -> Vec<f32> {
@@ -303,6 +368,85 @@ mod tests {
         let f0 = counts[0] as f64 / n as f64;
         // Renormalised: 0.5 / 0.8 = 0.625; 5 sigma of a binomial at n=20000 is ~0.017.
         assert!((f0 - 0.625).abs() < 0.02, "frequency {f0}");
+    }
+
+    /// A row that asks for no logprobs gets the same token (and leaves the random stream
+    /// where a scored row leaves it) without the log-softmax: NaN logprob, no alternatives.
+    #[test]
+    fn rows_without_logprobs_skip_the_scores_only() {
+        let mut sc = SamplerScratch::default();
+        let mut plain = Sampler::new(SamplingParams::greedy(), 0);
+        let t = plain.sample(&logits(), &mut sc);
+        assert_eq!(t.id, 1);
+        assert!(t.logprob.is_nan() && t.top.is_empty());
+        let mut asked = Sampler::new(
+            SamplingParams {
+                logprobs: true,
+                ..SamplingParams::greedy()
+            },
+            0,
+        );
+        let t = asked.sample(&logits(), &mut sc);
+        assert_eq!(t, score_token(&logits(), 1, 0, &mut sc));
+        assert!(t.logprob < 0.0 && t.top.is_empty());
+    }
+
+    #[test]
+    fn argmax_edges() {
+        assert_eq!(argmax(&[]), 0);
+        assert_eq!(argmax(&[f32::NAN, 5.0]), 0);
+        assert_eq!(argmax(&[1.0, f32::NAN, 3.0, 3.0]), 2);
+        let mut v = vec![f32::NEG_INFINITY; 40];
+        assert_eq!(argmax(&v), 0);
+        v[33] = f32::INFINITY;
+        v[17] = f32::INFINITY;
+        assert_eq!(argmax(&v), 17);
+        assert_eq!(argmax(&[-0.0, 0.0]), 0, "-0 == +0: the first wins");
+    }
+
+    proptest! {
+        /// On any values (NaNs, infinities, ±0 and ties included) the lanes give the running
+        /// comparison's index.
+        #[test]
+        fn argmax_is_the_running_comparison(
+            x in prop::collection::vec(prop_oneof![
+                4 => (-8i32..8).prop_map(|v| v as f32 / 2.0),
+                1 => Just(f32::NAN),
+                1 => Just(f32::INFINITY),
+                1 => Just(f32::NEG_INFINITY),
+                1 => Just(-0.0f32),
+                2 => prop::num::f32::ANY,
+            ], 0..100),
+        ) {
+            prop_assert_eq!(argmax(&x), argmax_running(&x));
+        }
+
+        /// Over random logits and sampling settings, a sampler that reports logprobs and one
+        /// that does not draw the same tokens step after step, and the reported numbers are
+        /// [`score_token`]'s exactly.
+        #[test]
+        fn logprobs_change_no_token(
+            seed in 0u64..1000,
+            vocab in 1usize..300,
+            temperature in prop_oneof![Just(0.0f32), 0.05f32..3.0],
+            top_k in 0usize..20,
+            top_p in 0.05f32..=1.0,
+            top in 0usize..5,
+        ) {
+            let mut rng = ChaCha8Rng::seed_from_u64(seed);
+            let p = SamplingParams { temperature, top_k, top_p, seed: Some(seed), top_logprobs: 0, logprobs: false };
+            let q = SamplingParams { top_logprobs: top, logprobs: true, ..p.clone() };
+            let (mut a, mut b) = (Sampler::new(p, 0), Sampler::new(q, 0));
+            let mut sc = SamplerScratch::default();
+            for _ in 0..8 {
+                // Coarse values so ties (lowest id wins) occur too.
+                let row: Vec<f32> = (0..vocab).map(|_| rng.random_range(-40i32..40) as f32 / 4.0).collect();
+                let (x, y) = (a.sample(&row, &mut sc), b.sample(&row, &mut sc));
+                prop_assert_eq!(x.id, y.id);
+                prop_assert!(x.logprob.is_nan() && x.top.is_empty());
+                prop_assert_eq!(&y, &score_token(&row, y.id, top, &mut sc));
+            }
+        }
     }
 
     #[test]

@@ -124,6 +124,7 @@ pub fn run(opts: &GenerateOptions, out: &mut dyn Write) -> anyhow::Result<Genera
                 top_p: opts.top_p,
                 seed: opts.seed,
                 top_logprobs: 0,
+                logprobs: false,
             },
             max_new_tokens: opts.max_tokens,
             ignore_eos: opts.ignore_eos,

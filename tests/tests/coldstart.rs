@@ -67,6 +67,7 @@ fn requests(seed: u64, n: usize, spacing: Duration, vocab: usize) -> Vec<Request
                     top_p: 0.95,
                     seed: Some(77 + i as u64),
                     top_logprobs: 0,
+                    logprobs: false,
                 }
             },
         })

@@ -90,6 +90,7 @@ async fn http_tokens_equal_engine_tokens() {
                     top_p: 0.95,
                     seed: Some(seed),
                     top_logprobs: 0,
+                    logprobs: true,
                 },
                 12,
             );

@@ -351,6 +351,7 @@ fn continuous_batching_matches_solo_runs() {
                     top_p: 0.9,
                     seed: Some(1000 + i as u64),
                     top_logprobs: 0,
+                    logprobs: false,
                 }
             },
             ..Default::default()

@@ -6,6 +6,7 @@ mod convert;
 mod expf;
 mod gemm;
 mod hostvec;
+mod kv16;
 mod lora;
 mod norm;
 pub mod quant;
@@ -23,6 +24,7 @@ pub use convert::{bf16_bytes_to_f32, bytes_to_f32, f16_bytes_to_f32, FloatFormat
 pub use expf::{expf, expf_slice};
 pub use gemm::{add_bias, linear, linear_scaled, matmul, matmul_scaled, GemmShape, ROW_SPLIT_MIN};
 pub use hostvec::HostVec;
+pub use kv16::{narrow_kv, widen_kv};
 pub use lora::{
     bgmv, bgmv_expand, bgmv_shrink, merge_lora_into, sgmv, sgmv_expand, sgmv_scratch_len,
     sgmv_shrink, LoraRef, LoraSegment,

@@ -12,6 +12,7 @@ use std::sync::Arc;
 use thaw_kernels::cpu::KvLayout;
 
 use super::cpu::CpuBackend;
+use super::cpu_kv::KvCacheDtype;
 use super::{Backend, Device, LinearDims, LoraBatch, LoraLoad, LoraSite, PagePlace, StepLayout};
 use crate::adapter::{LoraAdapter, LoraModule};
 use crate::error::Result;
@@ -179,6 +180,20 @@ impl AnyBackend {
             )?))),
             #[cfg(not(feature = "cuda"))]
             Device::Cuda(d) => match *d {},
+        }
+    }
+
+    /// Stores K and V as `dtype` (`--kv-cache-dtype`; before the engine allocates its cache).
+    /// The CUDA backend keeps its cache in bf16: `auto` and `bf16` leave it, `fp16` is an
+    /// error that says so.
+    pub fn with_kv_cache_dtype(self, dtype: KvCacheDtype) -> Result<Self> {
+        match (self, dtype) {
+            (Self::Cpu(b), d) => Ok(Self::Cpu(b.with_kv_cache_dtype(d))),
+            (g @ Self::Cuda(_), KvCacheDtype::Auto | KvCacheDtype::Bf16) => Ok(g),
+            (Self::Cuda(_), d) => Err(crate::error::RuntimeError::Backend(format!(
+                "--kv-cache-dtype {d} is not supported on the CUDA backend, which stores KV in \
+                 bf16; use auto or bf16 there"
+            ))),
         }
     }
 

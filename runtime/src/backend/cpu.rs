@@ -14,6 +14,7 @@ use thaw_cpu_lora::kernel::{lora_delta, LoraProblem, Scratch};
 use thaw_kernels::cpu::{self as k, HugeArena, KvLayout, RopeCache, RopeTable, WeightMatrix};
 
 use super::cpu_fused;
+use super::cpu_kv::{KvCacheDtype, KvData, Widened};
 use super::cpu_par::{balance, linear_split, ComputePool, CpuThreads};
 use super::{Backend, GraphPhase, LinearDims, LoraBatch, LoraKernel, LoraSite, StepLayout};
 use crate::adapter::{LoraAdapter, LoraModule};
@@ -34,11 +35,11 @@ pub struct CpuLinear {
     pub d_in: usize,
 }
 
-/// One layer's paged K and V.
+/// One layer's paged K and V, in the backend's [`KvCacheDtype`].
 #[derive(Clone, Debug)]
 pub struct CpuKvLayer {
-    pub k: Vec<f32>,
-    pub v: Vec<f32>,
+    pub k: KvData,
+    pub v: KvData,
     pub layout: KvLayout,
 }
 
@@ -51,8 +52,10 @@ pub struct CpuBackend {
     n_kv_heads: usize,
     head_dim: usize,
     sliding_window: Option<usize>,
-    /// One attention scratch per compute thread.
-    attn_scratch: Vec<Vec<f32>>,
+    /// One attention scratch per compute thread, and its widened 16-bit cache rows.
+    attn_scratch: Vec<(Vec<f32>, Widened)>,
+    /// How K and V are stored ([`CpuBackend::with_kv_cache_dtype`]).
+    kv_dtype: KvCacheDtype,
     /// Per step: attention work items (sequence index, its rows) and their grouping.
     attn_items: Vec<(usize, Range<usize>)>,
     attn_bounds: Vec<usize>,
@@ -76,6 +79,18 @@ pub struct CpuBackend {
     /// Graph emulation ([`CpuBackend::set_graph_emulation`]): the bucket of the graph step in
     /// progress, `Some(0)` between graph steps, `None` when off.
     graph_bucket: Option<usize>,
+}
+
+/// The cache format a new backend starts with: `THAW_KV_CACHE_DTYPE` (`fp16`, `bf16`; for A/B
+/// runs of benches that build their own backends), else f32 (`auto`).
+fn kv_dtype_from_env() -> KvCacheDtype {
+    let v = std::env::var("THAW_KV_CACHE_DTYPE").unwrap_or_default();
+    v.parse().unwrap_or_else(|e| {
+        if !v.is_empty() {
+            tracing::warn!("THAW_KV_CACHE_DTYPE: {e}; keeping an f32 cache");
+        }
+        KvCacheDtype::Auto
+    })
 }
 
 /// Whether weights go to huge pages: unless `THAW_HUGEPAGES` is `0` (read per backend).
@@ -109,7 +124,8 @@ impl CpuBackend {
             n_kv_heads: cfg.num_kv_heads,
             head_dim: cfg.head_dim,
             sliding_window: cfg.sliding_window,
-            attn_scratch: (0..par.max()).map(|_| Vec::new()).collect(),
+            attn_scratch: (0..par.max()).map(|_| Default::default()).collect(),
+            kv_dtype: kv_dtype_from_env(),
             attn_items: Vec::new(),
             attn_bounds: Vec::new(),
             attn_out_bounds: Vec::new(),
@@ -131,6 +147,18 @@ impl CpuBackend {
     /// engine's padding is checked against unpadded steps where there is no GPU.
     pub fn set_graph_emulation(&mut self, on: bool) {
         self.graph_bucket = on.then_some(0);
+    }
+
+    /// Stores K and V as `dtype` (before the engine allocates its cache): 16-bit caches take
+    /// half the memory and half the bytes a decode step reads (see [`super::cpu_kv`]).
+    pub fn with_kv_cache_dtype(mut self, dtype: KvCacheDtype) -> Self {
+        self.kv_dtype = dtype;
+        self
+    }
+
+    /// How K and V are stored.
+    pub fn kv_cache_dtype(&self) -> KvCacheDtype {
+        self.kv_dtype
     }
 
     /// Sets the emulated host → device link adapters stream over (before the first stream).
@@ -403,14 +431,14 @@ impl Backend for CpuBackend {
     }
 
     fn kv_elem_bytes(&self) -> usize {
-        std::mem::size_of::<f32>()
+        self.kv_dtype.cpu_format().size()
     }
 
     fn alloc_kv_layer(&self, layout: KvLayout, num_blocks: usize) -> Result<CpuKvLayer> {
-        let len = layout.block_len() * num_blocks;
+        let (len, f) = (layout.block_len() * num_blocks, self.kv_dtype.cpu_format());
         Ok(CpuKvLayer {
-            k: vec![0.0; len],
-            v: vec![0.0; len],
+            k: KvData::zeros(f, len),
+            v: KvData::zeros(f, len),
             layout,
         })
     }
@@ -425,8 +453,7 @@ impl Backend for CpuBackend {
     }
 
     fn rms_norm(&mut self, x: &Vec<f32>, w: &Vec<f32>, eps: f32, rows: usize, out: &mut Vec<f32>) {
-        let n = rows * w.len();
-        k::rms_norm(&x[..n], w, eps, &mut out[..n]);
+        super::cpu_rows::rms_norm(&self.par, x, w, eps, rows, out);
     }
 
     fn linear(&mut self, x: &Vec<f32>, w: &CpuLinear, rows: usize, out: &mut Vec<f32>) {
@@ -601,9 +628,8 @@ impl Backend for CpuBackend {
             tiled &= s.rows.start == self.attn_items.last().map_or(0, |it| it.1.end);
             let table = &step.block_tables[s.blocks.clone()];
             let (r0, r1) = (s.rows.start, s.rows.end);
-            k::write_kv(
-                &mut kv.k,
-                &mut kv.v,
+            super::cpu_kv::write(
+                (&mut kv.k, &mut kv.v),
                 kv.layout,
                 table,
                 s.start_pos,
@@ -648,23 +674,29 @@ impl Backend for CpuBackend {
                 _ => out.len(),
             }));
         let (n_heads, window) = (self.n_heads, self.sliding_window);
-        let (kv_k, kv_v, layout) = (&kv.k, &kv.v, kv.layout);
+        let (caches, layout) = ((&kv.k, &kv.v), kv.layout);
         let item_bounds = &self.attn_bounds;
         let base = &self.attn_out_bounds;
+        self.attn_scratch.iter_mut().for_each(|s| s.1.reset());
         self.par.groups_mut(
             &mut out[..],
             base,
             &mut self.attn_scratch,
-            |g, chunk, scratch| {
+            |g, chunk, (scratch, wide)| {
                 for (i, r) in &items[item_bounds[g]..item_bounds[g + 1]] {
                     let s = &step.seqs[*i];
                     let o0 = r.start * qw - base[g];
+                    let table = &step.block_tables[s.blocks.clone()];
+                    let (kc, vc, table) = match caches {
+                        (KvData::F32(kc), KvData::F32(vc)) => (&kc[..], &vc[..], table),
+                        _ => wide.load(*i, caches, layout, table, s.start_pos + s.rows.len()),
+                    };
                     k::paged_attention(
                         &q[r.start * qw..r.end * qw],
-                        kv_k,
-                        kv_v,
+                        kc,
+                        vc,
                         layout,
-                        &step.block_tables[s.blocks.clone()],
+                        table,
                         s.start_pos + (r.start - s.rows.start),
                         n_heads,
                         scale,
@@ -678,11 +710,11 @@ impl Backend for CpuBackend {
     }
 
     fn swiglu(&mut self, gate: &Vec<f32>, up: &Vec<f32>, len: usize, out: &mut Vec<f32>) {
-        k::swiglu(&gate[..len], &up[..len], &mut out[..len]);
+        super::cpu_rows::swiglu(&self.par, gate, up, len, out);
     }
 
     fn add(&mut self, y: &mut Vec<f32>, x: &Vec<f32>, len: usize) {
-        k::add_in_place(&mut y[..len], &x[..len]);
+        super::cpu_rows::add(&self.par, y, x, len);
     }
 
     fn gather_rows(&mut self, x: &Vec<f32>, width: usize, rows: &[usize], out: &mut Vec<f32>) {

@@ -15,9 +15,11 @@ use crate::ids::LayerIdx;
 pub mod any;
 pub mod cpu;
 mod cpu_fused;
+pub mod cpu_kv;
 pub use cpu_fused::set_fused_lora;
 pub mod cpu_par;
 mod cpu_pool;
+mod cpu_rows;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod graph_plan;

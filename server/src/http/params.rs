@@ -119,6 +119,7 @@ pub fn validate(f: &SamplingFields, logprobs: Option<usize>) -> Result<GenParams
             top_p: top_p as f32,
             seed: f.seed.map(|s| s as u64),
             top_logprobs: logprobs.unwrap_or(0),
+            logprobs: logprobs.is_some(),
         },
         stop,
         stop_token_ids: f.stop_token_ids.clone().unwrap_or_default(),

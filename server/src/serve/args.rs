@@ -114,6 +114,9 @@ pub struct ServeArgs {
     /// Turn automatic prefix caching off: every prompt is computed in full.
     #[arg(long, overrides_with = "enable_prefix_caching")]
     pub no_enable_prefix_caching: bool,
+    /// How the KV cache stores K and V: auto (the backend's own: f32 on the CPU, bf16 on CUDA), fp16 or bf16 (16 bits a value, rounded to nearest even, attention still accumulating in f32; on the CPU half the KV memory and half the bytes a decode step reads, as llama.cpp's default f16 cache) [default: auto].
+    #[arg(long, value_name = "DTYPE")]
+    pub kv_cache_dtype: Option<thaw_runtime::backend::cpu_kv::KvCacheDtype>,
     /// Run decode steps as CUDA graphs, captured per batch-size bucket (1, 2, 4, 8, 16, … up
     /// to --cuda-graph-max-bs) on first use and replayed, as vLLM does; prefill, mixed and
     /// CPU-assisted steps and larger batches stay eager (CUDA backend; ignored on the CPU)
@@ -307,6 +310,13 @@ impl ServeArgs {
                 (_, true) => false,
                 (true, false) => true,
                 (false, false) => f.enable_prefix_caching.unwrap_or(d.enable_prefix_caching),
+            },
+            kv_cache_dtype: match (self.kv_cache_dtype, &f.kv_cache_dtype) {
+                (Some(d), _) => d,
+                (None, Some(s)) => s
+                    .parse()
+                    .map_err(|e| anyhow::anyhow!("config file: kv_cache_dtype: {e}"))?,
+                (None, None) => d.kv_cache_dtype,
             },
             cuda_graphs: match (self.cuda_graphs, self.enforce_eager) {
                 (_, true) => false,
@@ -552,5 +562,31 @@ mod tests {
         std::fs::write(&f, "cuda_graphs = true\nenforce_eager = true\n").unwrap();
         let e = parse(&["--config", path]).unwrap().resolve().unwrap_err();
         assert!(e.to_string().contains("keep one"), "{e}");
+    }
+
+    #[test]
+    fn kv_cache_dtype_from_the_flag_or_the_file() {
+        use thaw_runtime::backend::cpu_kv::KvCacheDtype;
+        let dtype = |args: &[&str]| parse_flags(args).unwrap().resolve().unwrap().kv_cache_dtype;
+        assert_eq!(dtype(&[]), KvCacheDtype::Auto);
+        assert_eq!(dtype(&["--kv-cache-dtype", "fp16"]), KvCacheDtype::Fp16);
+        assert_eq!(dtype(&["--kv-cache-dtype", "bfloat16"]), KvCacheDtype::Bf16);
+        let e = parse_flags(&["--kv-cache-dtype", "fp8"]).err().unwrap();
+        assert!(e.to_string().contains("auto, fp16 or bf16"), "{e}");
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("thaw.toml");
+        std::fs::write(&f, "kv_cache_dtype = \"bf16\"\n").unwrap();
+        let path = f.to_str().unwrap();
+        assert_eq!(dtype(&["--config", path]), KvCacheDtype::Bf16);
+        assert_eq!(
+            dtype(&["--config", path, "--kv-cache-dtype", "auto"]),
+            KvCacheDtype::Auto
+        );
+        std::fs::write(&f, "kv_cache_dtype = \"int4\"\n").unwrap();
+        let e = parse_flags(&["--config", path])
+            .unwrap()
+            .resolve()
+            .unwrap_err();
+        assert!(e.to_string().contains("kv_cache_dtype"), "{e}");
     }
 }

@@ -54,6 +54,8 @@ pub struct ServeConfig {
     pub admission_bypass: bool,
     /// Reuse the KV of cached prefixes, keyed by adapter generation (vLLM V1's default).
     pub enable_prefix_caching: bool,
+    /// How the KV cache stores K and V (`--kv-cache-dtype`).
+    pub kv_cache_dtype: thaw_runtime::backend::cpu_kv::KvCacheDtype,
     /// Decode steps as CUDA graphs (`--cuda-graphs`; `--enforce-eager` keeps them off).
     pub cuda_graphs: bool,
     /// Largest decode batch captured; None: `max_num_seqs`.
@@ -111,6 +113,7 @@ impl Default for ServeConfig {
             mlq_protect: true,
             admission_bypass: true,
             enable_prefix_caching: true,
+            kv_cache_dtype: Default::default(),
             cuda_graphs: false,
             cuda_graph_max_bs: None,
             kv_reservation: crate::scheduler::KvReservation::OnDemand,
@@ -172,6 +175,8 @@ pub struct FileConfig {
     pub mlq_protect: Option<bool>,
     pub admission_bypass: Option<bool>,
     pub enable_prefix_caching: Option<bool>,
+    /// auto, fp16 or bf16.
+    pub kv_cache_dtype: Option<String>,
     pub cuda_graphs: Option<bool>,
     pub enforce_eager: Option<bool>,
     pub cuda_graph_max_bs: Option<usize>,

@@ -130,8 +130,9 @@ impl Server {
                 // The upload arena is allocated (and pinned) once, here, sized like the host
                 // tier: loader threads write adapters into it, the copy thread drains it.
                 let arena = usize::try_from(cold_cfg.max_cpu_lora_bytes).unwrap_or(usize::MAX);
-                let backend =
-                    AnyBackend::new(&device, &model.config, link)?.with_upload_arena(arena)?;
+                let backend = AnyBackend::new(&device, &model.config, link)?
+                    .with_kv_cache_dtype(cold_cfg.kv_cache_dtype)?
+                    .with_upload_arena(arena)?;
                 let block_bytes = kv_page_bytes(&model.config, bs, backend.kv_elem_bytes());
                 let _ = page_bytes_set.set(block_bytes);
                 // One pool of pages (a KV block each) for KV and adapters:
