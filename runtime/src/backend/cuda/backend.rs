@@ -851,6 +851,13 @@ impl Backend for CudaBackend {
         lora.landed_layers()
     }
 
+    fn lora_failure(&self, lora: &CudaLora) -> Option<String> {
+        lora.landing
+            .as_ref()
+            .and_then(|l| l.failure())
+            .map(str::to_string)
+    }
+
     fn rebind_lora(&mut self, old: &Arc<LoraAdapter>, new: &Arc<LoraAdapter>) {
         if let Some(u) = self.upload.get() {
             u.rebind(old, new);
