@@ -210,7 +210,8 @@ mod tests {
                 prop_assert!(s.whole_file_wait_s() >= x.whole_file_wait_s() - eps);
             }
             prop_assert!(x.wait_s(t + more) <= w + eps);
-            prop_assert!(LayerLanding { first: x.first + first, ..x }.wait_s(t) <= w + eps);
+            let ahead = LayerLanding { first: x.first + first, ..x };
+            prop_assert!(ahead.wait_s(t) <= w + eps);
         }
     }
 }
