@@ -206,7 +206,9 @@ fn a_layer_that_fails_its_check_fails_its_adapters_requests_alone() {
     let mut adapters = Vec::new();
     // The poisoned adapter is large (rank 2048 on every projection, 32 MB): the loader's
     // whole read of it takes far longer than the pipeline's read of layer 0's first factor.
-    for (name, rank, seed) in [("big", 2048, 71), ("small", 8, 72)] {
+    // The first two are warmed onto the device at start-up (`--max-loras 2`), the big one
+    // stays on disk (no host tier); its request takes the idle one's slot.
+    for (name, rank, seed) in [("small", 8, 72), ("idle", 8, 73), ("big", 2048, 71)] {
         let written = gen::write_adapters(&GenAdaptersOptions {
             model_dir: model.clone(),
             out_dir: dir.path().join(format!("staging-{name}")),
@@ -222,14 +224,15 @@ fn a_layer_that_fails_its_check_fails_its_adapters_requests_alone() {
         std::fs::rename(&written[0], &dst).unwrap();
         adapters.push((name.to_string(), dst));
     }
-    let big = adapters[0].1.clone();
+    let big = adapters[2].1.clone();
     let server = SocketServer::start(ServeConfig {
         model: Some(model),
         port: 0,
         lora_modules: adapters,
         served_model_name: vec!["base".into()],
         max_lora_rank: 2048,
-        max_cpu_loras: 1,
+        max_loras: 2,
+        max_cpu_loras: 0,
         max_cpu_lora_bytes: 256 << 20,
         max_num_batched_tokens: 256,
         cold_start: ColdStartPolicy::OnDemand,
