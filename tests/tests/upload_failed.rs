@@ -6,7 +6,7 @@
 //!   unregistered its arena bytes are back, and a sequence on another adapter stepping beside
 //!   the failure gives the tokens it gives alone.
 //! - Server: a NaN written into layer 0 while the adapter sits on disk. The engine loop acts on
-//!   the pipeline's failure at once (the loader's full read of the same 32 MB file is still
+//!   the pipeline's failure at once (the loader's full read of the same 128 MB file is still
 //!   running): the request fails with an OpenAI error body naming the adapter, the layer and
 //!   what to do, while a request on another adapter decoding beside it completes with the
 //!   tokens it gets alone, the adapter's device pages and arena bytes go back, and once the
@@ -204,11 +204,11 @@ fn a_layer_that_fails_its_check_fails_its_adapters_requests_alone() {
     let model = dir.path().join("model");
     gen::write_model(&test_preset(), &model, &GenModelOptions::default()).expect("gen-model");
     let mut adapters = Vec::new();
-    // The poisoned adapter is large (rank 2048 on every projection, 32 MB): the loader's
+    // The poisoned adapter is large (rank 8192 on every projection, 128 MB): the loader's
     // whole read of it takes far longer than the pipeline's read of layer 0's first factor.
     // The first two are warmed onto the device at start-up (`--max-loras 2`), the big one
     // stays on disk (no host tier); its request takes the idle one's slot.
-    for (name, rank, seed) in [("small", 8, 72), ("idle", 8, 73), ("big", 2048, 71)] {
+    for (name, rank, seed) in [("small", 8, 72), ("idle", 8, 73), ("big", 8192, 71)] {
         let written = gen::write_adapters(&GenAdaptersOptions {
             model_dir: model.clone(),
             out_dir: dir.path().join(format!("staging-{name}")),
@@ -230,10 +230,10 @@ fn a_layer_that_fails_its_check_fails_its_adapters_requests_alone() {
         port: 0,
         lora_modules: adapters,
         served_model_name: vec!["base".into()],
-        max_lora_rank: 2048,
+        max_lora_rank: 8192,
         max_loras: 2,
         max_cpu_loras: 0,
-        max_cpu_lora_bytes: 256 << 20,
+        max_cpu_lora_bytes: 512 << 20,
         max_num_batched_tokens: 256,
         cold_start: ColdStartPolicy::OnDemand,
         lora_workers: 0,
@@ -242,7 +242,7 @@ fn a_layer_that_fails_its_check_fails_its_adapters_requests_alone() {
     });
     let addr = server.addr;
     // The small adapter alone: the tokens it must give beside the failure.
-    let want = complete(addr, "small", 160);
+    let want = complete(addr, "small", 240);
     assert_eq!(want.0, 200, "{}", want.1);
     assert_eq!(tier(addr, "big"), "disk", "the big adapter starts on disk");
     let before = get(addr, "/metrics").text();
@@ -251,8 +251,8 @@ fn a_layer_that_fails_its_check_fails_its_adapters_requests_alone() {
     let device = |m: &str| metric(m, "thaw_adapters{tier=\"device\"}").unwrap();
 
     let clean = poison_layer(&big, 0);
-    let beside = std::thread::spawn(move || complete(addr, "small", 160));
-    std::thread::sleep(Duration::from_millis(20));
+    let beside = std::thread::spawn(move || complete(addr, "small", 240));
+    std::thread::sleep(Duration::from_millis(5));
     let (status, message, failed_at) = complete(addr, "big", 8);
     let (ok, text, done_at) = beside.join().expect("the other client");
     assert_eq!(status, 503, "{message}");
