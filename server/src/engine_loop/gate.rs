@@ -72,7 +72,7 @@ pub(super) fn cold_gate(
 /// and each layer lands as soon as it is read and checked, instead of after the loader's whole
 /// read. Under every policy but `cached` (whose adapters are uploaded whole): waiting for the
 /// layers from the file is never slower than waiting for the loader's queue and whole read
-/// first (`auto`'s copy path models exactly that, [`crate::perf::LayerLanding`]), and CPU
+/// first (a property of [`crate::perf::LayerLanding`], the copy path `auto` models), and CPU
 /// assist, where `auto` chooses it, computes from the same file.
 pub(super) fn serves_from_file(policy: ColdStartPolicy) -> bool {
     policy != ColdStartPolicy::Cached

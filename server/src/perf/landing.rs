@@ -187,6 +187,29 @@ mod tests {
             prop_assert!((one.wait_s(t) - one.whole_file_wait_s()).abs() <= 1e-12);
         }
 
+        /// Serving a disk miss from its file (each layer read, checked and encoded by the
+        /// upload pipeline, behind no loader queue) never lands a layer later, nor makes its
+        /// request wait longer, than waiting for the loader's queue and whole read first and
+        /// then copying from memory (why every streaming policy serves disk misses from their
+        /// files: `engine_loop::gate::serves_from_file`).
+        #[test]
+        fn reading_from_the_file_never_lands_later_than_the_loaders_whole_read(
+            x in any_landing(),
+            t in 0.0f64..0.05,
+        ) {
+            let file = LayerLanding { first: 0, queue_s: 0.0, ..x };
+            let loader = LayerLanding {
+                first: 0,
+                queue_s: x.queue_s + x.layers as f64 * x.read_s,
+                read_s: 0.0,
+                ..x
+            };
+            for (a, b) in file.landed_at().zip(loader.landed_at()) {
+                prop_assert!(a <= b + 1e-12, "{} > {}", a, b);
+            }
+            prop_assert!(file.wait_s(t) <= loader.wait_s(t) + 1e-12);
+        }
+
         /// A slower disk (longer reads), a longer queue ahead, a slower or busier link never
         /// shorten the wait; a slower forward (more time to reach each layer) never lengthens
         /// it, nor do layers already landed ahead of the rest.
