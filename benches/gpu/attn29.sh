@@ -1,18 +1,23 @@
 #!/usr/bin/env bash
-# Issue 29's attention kernels on the GPU machine, within one budget (--budget, default 300 s),
-# each step's timeout taken from what is left of it:
-#   1. the CUDA parity suite with both new kernels on for every backend it creates
-#      (THAW_CUDA_ATTN_IMPL=split THAW_CUDA_TC_PREFILL=1), against the CPU oracle, plus its
-#      attn29 tests (tensor-core prefill op by op; engine steps with greedy tokens identical to
-#      today's kernels);
+# Issue 29's kernels on the GPU machine, within one budget (--budget, default 300 s), each
+# step's timeout taken from what is left of it. Flash-decoding, the tensor-core prefill, Punica's
+# SGMV / BGMV and the fused kernels are the CUDA backend's defaults; OFF below turns all four off.
+#   1. the CUDA parity suite with the defaults (the four variables set empty, whatever the
+#      caller's environment: the new kernels wherever they serve a backend, the classic ones
+#      where not, e.g. the tensor-core prefill for an f32 cache), against the CPU oracle; its
+#      tests of the classic kernels set them explicitly, and its attn29 tests compare engine
+#      steps with greedy tokens identical to the classic kernels';
 #   2. cuda_bench --attn: one layer's decode attention (classic vs flash-decoding, context
 #      512/2048/8192, batch 1/8/32) and prefill attention TFLOP/s (classic vs tensor cores, 128,
 #      512 and 2048 tokens, and 2048 after a 2048 prefix);
-#   3. thaw-bench gpu on the whole model, off then on: decode tokens/s at a long context
-#      (--prompt-len, default 2048) at batch 1 and 8, and prefill TFLOP/s at 128 and 2048 tokens.
+#   3. thaw-bench gpu on the whole model, off (OFF: all four classic) then on (ON: all four
+#      asked for explicitly, so a shape they cannot serve is an error, not a silent fallback):
+#      decode tokens/s at a long context (--prompt-len, default 2048) at batch 1 and 8, and
+#      prefill TFLOP/s at 128 and 2048 tokens.
 # run.sh's issue-29 block calls it with what is left of its budget; on a short lease run it alone
 # (it generates the model when --model is not given):
 #   benches/gpu/attn29.sh --bin gpu-bin --out "$OUT" [--model DIR] [--budget S] [--prompt-len N]
+# THAW_GPU_ON_EXTRA overrides some of ON in the "on" run (see ON below).
 set -uo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
@@ -31,7 +36,7 @@ while [ $# -gt 0 ]; do
     --workdir) WORK=$2; shift 2 ;;
     --budget) BUDGET_S=$2; shift 2 ;;
     --prompt-len) PROMPT=$2; shift 2 ;;
-    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
     *) echo "unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -50,27 +55,35 @@ cap() {
   local l=$((BUDGET_S - ($(date +%s) - t0)))
   if [ "$l" -lt "$1" ]; then echo $((l > 0 ? l : 0)); else echo "$1"; fi
 }
-ON=(THAW_CUDA_ATTN_IMPL=split THAW_CUDA_TC_PREFILL=1)
+# The four switches: empty = the defaults, OFF = the classic kernels, ON = the new ones asked
+# for explicitly. Set on every run, so the caller's environment cannot leak into one.
+DEFAULTS=(THAW_CUDA_ATTN_IMPL= THAW_CUDA_TC_PREFILL= THAW_CUDA_LORA_IMPL= THAW_CUDA_FUSED=)
+OFF=(THAW_CUDA_ATTN_IMPL=classic THAW_CUDA_TC_PREFILL=0 THAW_CUDA_LORA_IMPL=classic THAW_CUDA_FUSED=0)
+ON=(THAW_CUDA_ATTN_IMPL=split THAW_CUDA_TC_PREFILL=1 THAW_CUDA_LORA_IMPL=punica THAW_CUDA_FUSED=1)
+# Overrides for the "on" run, later words win, e.g. THAW_GPU_ON_EXTRA="THAW_CUDA_FUSED=0".
+# shellcheck disable=SC2206  # VAR=value words, split on purpose
+[ -n "${THAW_GPU_ON_EXTRA:-}" ] && ON+=(${THAW_GPU_ON_EXTRA})
 
-# --- 1. parity with both kernels on ----------------------------------------------------------
+# --- 1. parity with the defaults --------------------------------------------------------------
 lim=$(cap 120)
 if [ ! -x "$BIN/cuda_parity" ]; then
   echo "cuda_parity: missing from $BIN (benches/gpu/build.sh ships it)"
 elif [ "$lim" -lt 20 ]; then
   echo "cuda_parity: skipped, out of time (budget ${BUDGET_S}s)"
 else
-  el "cuda_parity with ${ON[*]} (limit ${lim}s)"
-  env "${ON[@]}" THAW_REQUIRE_GPU=1 timeout "$lim" "$BIN/cuda_parity" --test-threads=1 \
+  el "cuda_parity with the default kernels (limit ${lim}s)"
+  env "${DEFAULTS[@]}" THAW_REQUIRE_GPU=1 timeout "$lim" "$BIN/cuda_parity" --test-threads=1 \
     --nocapture >"$O/attn29-parity.log" 2>&1
-  echo "cuda_parity (split decode + tensor-core prefill on): rc=$? (limit ${lim}s)"
-  grep -E "^test |test result|^attention|^tc prefill|^engine split" "$O/attn29-parity.log" | tail -60
+  echo "cuda_parity (the default kernels): rc=$? (limit ${lim}s)"
+  grep -E "^test |test result|^attention|^tc prefill|^engine split|head_dim" \
+    "$O/attn29-parity.log" | tail -60
 fi
 
 # --- 2. kernel tables ------------------------------------------------------------------------
 lim=$(cap 60)
 if [ -x "$BIN/cuda_bench" ] && [ "$lim" -ge 15 ]; then
   el "cuda_bench --attn (limit ${lim}s)"
-  timeout "$lim" "$BIN/cuda_bench" --attn >"$O/attn29-kernels.md" 2>&1
+  env "${DEFAULTS[@]}" timeout "$lim" "$BIN/cuda_bench" --attn >"$O/attn29-kernels.md" 2>&1
   echo "cuda_bench --attn: rc=$?"
   cat "$O/attn29-kernels.md"
 else
@@ -94,16 +107,15 @@ elif [ "$each" -lt 30 ]; then
   echo "thaw-bench gpu off/on: skipped, under 2 × 30 s left (budget ${BUDGET_S}s)"
 else
   for mode in off on; do
-    envs=()
-    [ "$mode" = on ] && envs=("${ON[@]}")
-    el "thaw-bench gpu, attention kernels $mode ${envs[*]} (limit ${each}s)"
+    if [ "$mode" = on ]; then envs=("${ON[@]}"); else envs=("${OFF[@]}"); fi
+    el "thaw-bench gpu, issue 29's kernels $mode: ${envs[*]} (limit ${each}s)"
     # shellcheck disable=SC2086
     env "${envs[@]}" timeout "$each" "$BIN/thaw-bench" gpu --model "$MD" --workdir "$WORK" \
       --device cuda --batches 1,8 --ranks 16 --prompt-len "$PROMPT" --decode-steps 16 \
       --prefill-tokens 128,2048 --reps 2 --lora-batches 1 --lora-ranks 16 \
       ${THAW_GPU_BENCH_ARGS:-} >"$O/attn29-gpu-$mode.md" 2>"$O/attn29-gpu-$mode.log"
     echo "thaw-bench gpu ($mode): rc=$?"
-    echo "### Attention kernels $mode (${envs[*]:-the defaults}), decode after a $PROMPT-token prompt"
+    echo "### Issue 29's kernels $mode (${envs[*]}), decode after a $PROMPT-token prompt"
     cat "$O/attn29-gpu-$mode.md"
   done
 fi

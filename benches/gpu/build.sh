@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds what benches/gpu/run.sh runs, on a machine with Rust (no GPU needed), and strips it
 # into gpu-bin/ (ignored by git): thaw, thaw-bench, the cuda_parity / cuda_exchange test
-# executables and (with cuda) the cuda_bench example, with BUILD naming the commit and the date.
+# executables (with the worker cuda_exchange spawns, thaw-test-worker) and (with cuda) the
+# cuda_bench example, with BUILD naming the commit and the date.
 # Over 60 MiB stripped (THAW_GPU_BIN_MAX_MIB) they are packed into gpu-bin/bin.tar.gz, so what
 # a device lease carries stays under its 64 MiB; run.sh unpacks it.
 #
@@ -47,7 +48,7 @@ for line in sys.stdin:
         continue
     exe = m.get("executable")
     name = (m.get("target") or {}).get("name")
-    if exe and name in ("cuda_parity", "cuda_exchange"):
+    if exe and name in ("cuda_parity", "cuda_exchange", "thaw-test-worker"):
         shutil.copy(exe, sys.argv[1] + "/" + name)
         print("copied", name)
 ' "$out"
@@ -56,13 +57,14 @@ if [ "$cuda" = 1 ]; then
   cargo build --profile "$profile" -p thaw-runtime --features cuda --example cuda_bench
   cp "$target/$dir/examples/cuda_bench" "$out/"
 fi
-strip "$out"/thaw "$out"/thaw-bench "$out"/cuda_parity "$out"/cuda_exchange "$out"/cuda_bench 2>/dev/null || true
+strip "$out"/thaw "$out"/thaw-bench "$out"/cuda_parity "$out"/cuda_exchange "$out"/thaw-test-worker \
+  "$out"/cuda_bench 2>/dev/null || true
 rm -f "$out/bin.tar.gz"
 # A device lease carries at most 64 MiB of ignored files: past the limit (default 60 MiB, to
 # leave room for BUILD and the scripts' logs), pack the executables; run.sh unpacks them.
 max_mib=${THAW_GPU_BIN_MAX_MIB:-60}
 exes=()
-for f in thaw thaw-bench cuda_parity cuda_exchange cuda_bench; do
+for f in thaw thaw-bench cuda_parity cuda_exchange thaw-test-worker cuda_bench; do
   [ -f "$out/$f" ] && exes+=("$f")
 done
 total=$(cd "$out" && cat "${exes[@]}" | wc -c)

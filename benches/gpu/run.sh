@@ -73,7 +73,9 @@ case "$DEV" in
 esac
 # A short lease (under 8 minutes) can narrow the run: THAW_GPU_POLICIES (comma list, in run
 # order), THAW_GPU_REQS (requests per pass), THAW_GPU_DECODE_BATCHES (comma list),
-# THAW_GPU_SKIP_PARITY=1, THAW_GPU_SKIP_29=1 (the issue-29 block at the end).
+# THAW_GPU_SKIP_PARITY=1, THAW_GPU_SKIP_29=1 (the issue-29 block at the end); and what the
+# budget keeps back: THAW_GPU_POLICY_MIN_S (per policy, kept from parity: 60) and
+# THAW_GPU_DECODE_RESERVE_S (the decode step: 75; about 45 does batches 1, 8 and 32).
 POLICIES=(cached on-demand cpu-assist auto)
 DECODE_BATCHES=(1 8 32 64)
 [ -n "${THAW_GPU_POLICIES:-}" ] && IFS=, read -r -a POLICIES <<<"$THAW_GPU_POLICIES"
@@ -83,7 +85,7 @@ ADAPTERS=$((MAX_LORAS + 2 * REQS))
 HOST_FIRST=$((MAX_LORAS + REQS))
 DISK_FIRST=$MAX_LORAS
 # Seconds kept for the decode step (server start + the bursts) and the tables.
-DECODE_RESERVE=75
+DECODE_RESERVE=${THAW_GPU_DECODE_RESERVE_S:-75}
 TAIL_RESERVE=10
 
 mkdir -p "$O" "$WORK"
@@ -147,14 +149,15 @@ if [ "${THAW_GPU_SKIP_PARITY:-0}" = 1 ]; then
   echo "skipped (THAW_GPU_SKIP_PARITY=1)"
 elif [ "$DEV" = cuda ]; then
   # What the cold-start step needs at the least: a server start and two short passes each.
-  cold_min=$((${#POLICIES[@]} * 60))
+  cold_min=$((${#POLICIES[@]} * ${THAW_GPU_POLICY_MIN_S:-60}))
   for t in cuda_parity:120 cuda_exchange:45; do
     exe=${t%%:*}
     lim=$(cap "${t##*:}" $((cold_min + DECODE_RESERVE + TAIL_RESERVE)))
     if [ "$lim" -lt 10 ]; then
       echo "$exe: skipped, out of time (THAW_GPU_BUDGET_S=$BUDGET_S)"
     elif [ -x "$BIN/$exe" ]; then
-      THAW_REQUIRE_GPU=1 timeout "$lim" "$BIN/$exe" --test-threads=1 --nocapture \
+      THAW_REQUIRE_GPU=1 THAW_TEST_WORKER=$BIN/thaw-test-worker \
+        timeout "$lim" "$BIN/$exe" --test-threads=1 --nocapture \
         >"$O/parity-$exe.log" 2>&1
       echo "$exe: rc=$? (limit ${lim}s)"
       grep -E "^test |test result" "$O/parity-$exe.log" | tail -12
@@ -290,7 +293,7 @@ fi
 kill -TERM $sp 2>/dev/null
 wait $sp 2>/dev/null
 
-# --- 4. issue 29's kernel tables (opt-in), only with time to spare --------------------------
+# --- 4. issue 29's kernel tables (new vs classic), only with time to spare ------------------
 if [ "$KERNELS" = 1 ] && [ "$DEV" = cuda ]; then
   lim=$(cap 120 "$TAIL_RESERVE")
   if [ -x "$BIN/cuda_bench" ] && [ "$lim" -ge 30 ]; then
@@ -356,9 +359,9 @@ else
   echo "transformers peer skipped: $PEER_PY cannot import torch and transformers" \
     "(pip install torch transformers safetensors, or set THAW_PEER_PYTHON)" | tee "$O/gpu-peer.md"
 fi
-# Issue 29's attention kernels (flash-decoding, tensor-core prefill; opt-in): parity with both
-# on, the kernel tables, decode tok/s at a 2048-token context and prefill TFLOP/s off then on
-# (benches/gpu/attn29.sh, which runs alone on a short lease).
+# Issue 29's kernels (flash-decoding, tensor-core prefill, Punica, fused; the defaults): parity
+# with the defaults, the kernel tables, decode tok/s at a 2048-token context and prefill
+# TFLOP/s with all four off then on (benches/gpu/attn29.sh, which runs alone on a short lease).
 A29_T=$(cap 300 0)
 if [ "$DEV" = cuda ] && [ "$A29_T" -ge 30 ]; then
   el "issue 29: attention kernels (attn29.sh, budget ${A29_T}s)"

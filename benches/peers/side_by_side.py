@@ -5,7 +5,8 @@ Same real model (SmolLM2-135M-Instruct, the same precision on both: f32, bf16, Q
 Q4_K with --precisions), same three LoRA adapters (PEFT for thaw,
 GGUF LoRA for llama.cpp, picked per request through llama-server's `lora` field), 32 greedy
 output tokens with EOS ignored, over HTTP. Workloads (issue 15):
-  single   1 request, 64-token prompt
+  single   1 request, 64-token prompt (SINGLE_SEQ of them one after another per round: one
+           request is 32 tokens, under a second, too short to time alone)
   mixed8   8 concurrent requests, 64-token prompts, 3 adapters mixed
   mixed16  16 concurrent requests, 128-token prompts, 3 adapters mixed
 Both servers stay up; the systems alternate within every round (the order flips each round),
@@ -32,6 +33,8 @@ import urllib.request
 
 ADAPTERS = ["r8-qv", "r16-qkvo", "r64-qv"]
 WORKLOADS = [("single", 1, 64), ("mixed8", 8, 64), ("mixed16", 16, 128)]
+# Requests the single workload sends one after another in a round (each its own prompt).
+SINGLE_SEQ = 4
 OUT_TOKENS = 32
 
 
@@ -104,10 +107,18 @@ class Llama:
         return r["tokens_predicted"], r["content"]
 
 
-def run_workload(sys_, n, plen, seed, with_adapters=True):
-    """Runs `n` concurrent requests; returns (tok/s, tokens, done, failed). A request is done
-    when it returned all OUT_TOKENS tokens; an error or a short answer counts as failed (and
-    its first error is printed), so a row whose requests failed shows it instead of a rate."""
+def run_workload(sys_, n, plen, seed, with_adapters=True, seq=1):
+    """Runs `n` concurrent requests, `seq` times one after another (each time new prompts);
+    returns (tok/s, tokens, done, failed) over all of them. A request is done when it returned
+    all OUT_TOKENS tokens; an error or a short answer counts as failed (and its first error is
+    printed), so a row whose requests failed shows it instead of a rate."""
+    if seq > 1:
+        runs = [run_workload(sys_, n, plen, seed + 7919 * k, with_adapters) for k in range(seq)]
+        # tok/s over the whole: tokens / Σ wall time (each run's wall time is tokens / rate).
+        wall = sum(r[1] / r[0] for r in runs if r[0] > 0)
+        toks = sum(r[1] for r in runs)
+        return (toks / wall if wall > 0 else 0.0, toks, sum(r[2] for r in runs),
+                sum(r[3] for r in runs))
     rng = random.Random(seed)
     prompts = [[rng.randrange(100, 40000) for _ in range(plen)] for _ in range(n)]
     adapters = [ADAPTERS[i % 3] if with_adapters else None for i in range(n)]
@@ -205,7 +216,8 @@ def main():
             for wi, (name, n, plen) in enumerate(wl):
                 order = systems if (rnd + wi) % 2 == 0 else systems[::-1]
                 for s in order:
-                    tps, toks, done, failed = run_workload(s, n, plen, seed=1000 * rnd + wi)
+                    tps, toks, done, failed = run_workload(s, n, plen, seed=1000 * rnd + wi,
+                                                           seq=SINGLE_SEQ if n == 1 else 1)
                     res[(prec, name, s.name)].append((tps, done, failed))
                     print(f"round {rnd} {prec:5} {name:8} {s.name:10} {tps:7.1f} tok/s, {done} done, {failed} failed",
                           flush=True)
@@ -234,7 +246,7 @@ def main():
     print("| precision | workload | thaw serve | llama.cpp llama-server | thaw / llama.cpp "
           "| thaw vs own 1 request | llama.cpp vs own 1 request |")
     print("|---|---|---|---|---|---|---|")
-    label = {"single": "1 request, 64-token prompt", "mixed8": "8 requests, 3 adapters mixed",
+    label = {"single": f"1 request, 64-token prompt ({SINGLE_SEQ} in turn)", "mixed8": "8 requests, 3 adapters mixed",
              "mixed16": "16 requests, 128-token prompts, 3 adapters mixed"}
     for prec in precs:
         for w in wl:

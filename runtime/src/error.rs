@@ -40,6 +40,11 @@ pub enum RuntimeError {
     TokenOutOfRange { id: u32, vocab: usize },
     #[error("backend error: {0}")]
     Backend(String),
+    /// No run of pages of the one device budget for an adapter's image (KV blocks in use
+    /// split the free ones): the caller may evict idle adapters, whose runs are whole, and
+    /// try again.
+    #[error("placing an adapter: {0}")]
+    AdapterPages(#[from] crate::kv::PageError),
     /// A step could not read an adapter's weights (its file went bad while the workers read
     /// it): the step did not advance; its other sequences can run again without this one's.
     #[error("adapter {adapter}: {message}")]

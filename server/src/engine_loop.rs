@@ -35,6 +35,7 @@ use crate::scheduler::{
 
 mod gate;
 mod kv;
+mod layer_gate;
 mod publish;
 mod step;
 mod step_error;
@@ -315,13 +316,14 @@ enum Wake {
 
 impl Loop {
     fn new(
-        engine: ServeEngine,
+        mut engine: ServeEngine,
         cfg: LoopConfig,
         mem: MemoryManager,
         loader: Loader,
         stats: Arc<LoopStats>,
         metrics: Arc<Metrics>,
     ) -> Self {
+        engine.set_unlanded_layers(layer_gate::unlanded_layers(cfg.cold.policy));
         let sched = Scheduler::new(
             cfg.scheduling.policy,
             cfg.scheduling.mlq,

@@ -209,7 +209,13 @@ fn engine_assists_through_the_mapped_exchange() {
         PoolConfig {
             cores: Some(vec![0, 1]),
             pin: false,
-            program: Some(PathBuf::from(env!("CARGO_BIN_EXE_thaw-test-worker"))),
+            // On the GPU machine the test runs from `gpu-bin/` (benches/gpu/build.sh), far from
+            // the target dir cargo compiled into it: run.sh names the worker shipped beside it.
+            program: Some(
+                std::env::var_os("THAW_TEST_WORKER")
+                    .map(PathBuf::from)
+                    .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_thaw-test-worker"))),
+            ),
             leading_args: vec![],
             calibration: vec![],
             ..Default::default()

@@ -25,6 +25,8 @@ use thaw_tests::{cpu_engine, rel_err, TestModel};
 
 #[path = "cuda_parity/attn29.rs"]
 mod attn29;
+#[path = "cuda_parity/defaults.rs"]
+mod defaults;
 #[path = "cuda_parity/fused.rs"]
 mod fused;
 #[path = "cuda_parity/graphs.rs"]
@@ -42,6 +44,22 @@ fn cfg(dt: DType) -> CudaConfig {
         kv_dtype: dt,
         ..Default::default()
     }
+}
+
+/// Switches `g` to the classic kernels (`attention.cu`, `lora.cu`, unfused): issue 29's are the
+/// defaults, so a test of the classic ones sets them explicitly.
+fn classic_kernels(g: &mut CudaBackend) {
+    g.set_attn_impl(AttnImpl::Classic).unwrap();
+    assert!(!g.set_tc_prefill(false).unwrap());
+    g.set_lora_impl(LoraImpl::Classic).unwrap();
+    g.set_fused(false).unwrap();
+    let p = g.kernel_plan();
+    assert!(
+        [&p.attn, &p.tc_prefill, &p.lora, &p.fused]
+            .iter()
+            .all(|c| !c.is_new()),
+        "{p}"
+    );
 }
 
 fn rand_vec(rng: &mut ChaCha8Rng, n: usize, scale: f32) -> Vec<f32> {
@@ -270,7 +288,8 @@ fn attention_vs_cpu(
 /// Decode through `attention.cu` and through flash-decoding (`attention_split.cu`, issue 29),
 /// the latter with its default chunking (one split at these lengths: the plan falls back to
 /// `attention.cu`'s kernel) and with 4-position chunks (7 splits of the 31-position context
-/// without a window; the shorter contexts leave some of them empty).
+/// without a window; the shorter contexts leave some of them empty). Prefill through
+/// `attention.cu` (set explicitly: the tensor-core prefill, the default, has `attn29`'s tests).
 #[test]
 fn paged_attention_prefill_and_decode_match_cpu() {
     if !gpu() {
@@ -292,6 +311,7 @@ fn paged_attention_prefill_and_decode_match_cpu() {
         for dt in CONFIGS {
             let what = format!("attention {imp:?} window={window:?}");
             attention_vs_cpu(&c, dt, (&step, nb), 8, &what, |g| {
+                classic_kernels(g);
                 g.set_attn_impl(imp).unwrap();
                 assert_eq!(g.attn_impl(), imp);
             });
@@ -348,8 +368,9 @@ fn lora_deltas(
     (delta(&yc), delta(&got))
 }
 
-/// Adapters of ranks 8..128 on a step of mixed segments, SGMV and BGMV, with one adapter's
-/// layer not landed (it must be skipped).
+/// `lora.cu`'s kernels (set explicitly: Punica's are the default, tested below): adapters of
+/// ranks 8..128 on a step of mixed segments, SGMV and BGMV, with one adapter's layer not landed
+/// (it must be skipped).
 #[test]
 fn sgmv_and_bgmv_match_cpu() {
     if !gpu() {
@@ -385,6 +406,8 @@ fn sgmv_and_bgmv_match_cpu() {
     for (dt, tol) in CONFIGS {
         let mut cpu = CpuBackend::new(c);
         let mut g = CudaBackend::new(c, &cfg(dt)).unwrap();
+        classic_kernels(&mut g);
+        assert_eq!(g.lora_impl(), LoraImpl::Classic);
         let lc: Vec<_> = adapters
             .iter()
             .map(|a| cpu.upload_lora(a.clone()).unwrap())

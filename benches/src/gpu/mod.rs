@@ -133,8 +133,11 @@ pub struct GpuReport {
     pub device: String,
     pub model: String,
     pub peaks: Peaks,
-    /// The LoRA kernels' implementation the table ran (`THAW_CUDA_LORA_IMPL`).
+    /// The LoRA kernels' implementation the table ran (`punica` by default on CUDA,
+    /// `classic` with `THAW_CUDA_LORA_IMPL=classic`, `cpu`).
     pub lora_impl: String,
+    /// Which of the CUDA backend's issue-29 kernels ran (None on the CPU backend).
+    pub kernels: Option<thaw_runtime::backend::kernel_select::KernelPlan>,
     pub lora: Vec<LoraCaseResult>,
     pub decode: Vec<DecodeRow>,
     /// The decode rows again with CUDA graphs on (`--cuda-graphs`; empty otherwise, or where
@@ -163,7 +166,12 @@ pub fn run(args: &GpuArgs) -> anyhow::Result<GpuReport> {
         .unwrap_or_else(|| tmp.path().to_path_buf());
     let model_dir = cases::model_dir(&args, &root)?;
     let config = thaw_runtime::model::ModelConfig::from_dir(&model_dir)?;
-    let (peaks, lora, lora_impl, device_name) = peaks::measure(&args, &device, &config)?;
+    let (peaks, lora, kernels, device_name) = peaks::measure(&args, &device, &config)?;
+    let lora_impl = match &kernels {
+        Some(k) if k.lora.is_new() => "punica",
+        Some(_) => "classic",
+        None => "cpu",
+    };
     let (decode, graph_decode, prefill) = cases::run(&args, &device, &model_dir, &root)?;
     Ok(GpuReport {
         device: device_name,
@@ -174,7 +182,8 @@ pub fn run(args: &GpuArgs) -> anyhow::Result<GpuReport> {
             config.hidden_size
         ),
         peaks,
-        lora_impl,
+        lora_impl: lora_impl.into(),
+        kernels,
         lora,
         decode,
         graph_decode,
@@ -188,6 +197,9 @@ pub fn table(args: &GpuArgs, r: &GpuReport) -> String {
     let mut s = String::new();
     let _ = writeln!(s, "## thaw-bench gpu — {}", r.device);
     let _ = writeln!(s, "model: {}", r.model);
+    if let Some(k) = &r.kernels {
+        let _ = writeln!(s, "CUDA kernels: {k}");
+    }
     let p = &r.peaks;
     let _ = writeln!(
         s,
@@ -302,6 +314,10 @@ mod tests {
         assert!(table(&args, &r).contains("skipped: this backend has no CUDA graphs"));
         let pos = |v: f64| v.is_finite() && v > 0.0;
         assert!(pos(r.peaks.gbs) && pos(r.peaks.tflops));
+        // No CUDA kernels to name: the LoRA table ran the CPU backend's.
+        assert!(r.kernels.is_none());
+        assert_eq!(r.lora_impl, "cpu");
+        assert!(!table(&args, &r).contains("CUDA kernels:"));
         // Table rows: 1 rank × 2 batches × 2 kernels × 4 popularities.
         assert_eq!(r.lora.len(), 16);
         assert!(r.lora.iter().all(|l| pos(l.us) && pos(l.gbs())));

@@ -4,6 +4,7 @@ use std::time::Instant;
 
 use thaw_runtime::adapter::LoraModule;
 use thaw_runtime::backend::any::AnyBackend;
+use thaw_runtime::backend::kernel_select::KernelPlan;
 use thaw_runtime::backend::{Backend, Device, LinearDims, LoraKernel};
 use thaw_runtime::microbench::{
     fill, run_lora_case, synthetic_adapter, ElemSizes, LoraCase, LoraCaseResult, Popularity,
@@ -45,12 +46,12 @@ pub fn wall_us(
 }
 
 /// Measures (or takes) the roofline and runs the SGMV / BGMV table; returns them with the
-/// LoRA implementation's name and the device's.
+/// CUDA kernels that ran (None on the CPU backend) and the device's name.
 pub fn measure(
     args: &GpuArgs,
     device: &Device,
     model: &ModelConfig,
-) -> anyhow::Result<(Peaks, Vec<LoraCaseResult>, String, String)> {
+) -> anyhow::Result<(Peaks, Vec<LoraCaseResult>, Option<KernelPlan>, String)> {
     let mut c = model.clone();
     c.num_layers = 1;
     let mut b = AnyBackend::new(device, &c, LinkModel::default())?;
@@ -89,13 +90,9 @@ pub fn measure(
         tflops,
         tflops_source,
     };
-    let lora_impl = if on_gpu {
-        std::env::var("THAW_CUDA_LORA_IMPL").unwrap_or_else(|_| "classic".into())
-    } else {
-        "cpu".into()
-    };
+    let kernels = b.cuda_kernels();
     let lora = lora_table(args, &mut b, &c, on_gpu)?;
-    Ok((peaks, lora, lora_impl, name))
+    Ok((peaks, lora, kernels, name))
 }
 
 /// GB/s of the backend's row copy (`gather_rows` of every row), counting bytes read and

@@ -76,11 +76,11 @@ extern "C" __global__ void gather_rows_f32(const float* __restrict__ x, const u3
     for (int j = threadIdx.x; j < width; j += blockDim.x) dst[j] = src[j];
 }
 
-// Fused SwiGLU + the down projection's input cast (issue 29), opt-in with THAW_CUDA_FUSED=1:
-// out[i] = silu(gate[i]) * up[i] as swiglu_f32 computes it, and out16[i] = the same value in
-// the weight dtype, which the down GEMM reads directly instead of running cast_f32_to_T over
-// `out` (one launch and one f32 read of the intermediate activations saved). The f32 `out`
-// stays: LoRA and the CPU-assist export read it. CPU twin: cpu::swiglu, then the dtype's
+// Fused SwiGLU + the down projection's input cast (issue 29), the default (THAW_CUDA_FUSED=0 turns
+// it off): out[i] = silu(gate[i]) * up[i] as swiglu_f32 computes it, and out16[i] = the same value
+// in the weight dtype, which the down GEMM reads directly instead of running cast_f32_to_T over
+// `out` (one launch and one f32 read of the intermediate activations saved). The f32 `out` stays:
+// LoRA and the CPU-assist export read it. CPU twin: cpu::swiglu, then the dtype's
 // round-to-nearest-even (half::bf16::from_f32 / half::f16::from_f32).
 template <typename T>
 __device__ void swiglu_x16(const float* __restrict__ gate, const float* __restrict__ up,

@@ -23,8 +23,8 @@ __device__ void rms_norm(const float* __restrict__ x, const T* __restrict__ w,
     }
 THAW_FOR_EACH_DTYPE(THAW_NORM)
 
-// Fused residual add + RMSNorm (issue 29; vLLM's fused_add_rms_norm), opt-in with
-// THAW_CUDA_FUSED=1. CPU twin: kernels/src/cpu/norm.rs (add_rms_norm).
+// Fused residual add + RMSNorm (issue 29; vLLM's fused_add_rms_norm), the default
+// (THAW_CUDA_FUSED=0 off). CPU twin: kernels/src/cpu/norm.rs (add_rms_norm).
 // residual[r, :] += x[r, :]; out[r, :] = rms_norm(residual[r, :]) * w. One block per row: the
 // sum lands in registers and shared memory, so the residual row is read once and written once
 // instead of add (read 2, write 1) then norm (read 1). Bit for bit add then rms_norm: the same

@@ -84,7 +84,7 @@ pub const ELEMENTWISE: KernelSource = KernelSource {
     ],
 };
 
-/// RMSNorm, and residual add + RMSNorm fused (`THAW_CUDA_FUSED=1`, issue 29).
+/// RMSNorm, and residual add + RMSNorm fused (issue 29; the default, `THAW_CUDA_FUSED=0` off).
 pub const NORM: KernelSource = KernelSource {
     name: "norm",
     source: include_str!("norm.cu"),
@@ -106,8 +106,8 @@ pub const ATTENTION: KernelSource = KernelSource {
 };
 
 /// Flash-decoding: paged decode attention split across blocks, then a reduce (issue 29).
-/// Selected at run time (`THAW_CUDA_ATTN_IMPL=split`); `attention.cu`'s decode stays the
-/// default until a GPU run verifies it.
+/// The CUDA backend's default decode attention; `THAW_CUDA_ATTN_IMPL=classic` runs
+/// `attention.cu`'s instead.
 pub const ATTENTION_SPLIT: KernelSource = KernelSource {
     name: "attention_split",
     source: include_str!("attention_split.cu"),
@@ -120,8 +120,9 @@ pub const ATTENTION_SPLIT: KernelSource = KernelSource {
 };
 
 /// Prefill attention on the tensor cores (issue 29): mma.sync on a bf16 or f16 cache, head_dim
-/// 32, 64 or 128 ([`super::prefill_tc_plan`]). Selected at run time (`THAW_CUDA_TC_PREFILL=1`);
-/// `attention.cu`'s prefill stays the default until a GPU run verifies it.
+/// 32, 64 or 128 ([`super::prefill_tc_plan`]), compute capability 8.0 and up. The CUDA
+/// backend's default prefill attention where it serves the shape (`attention.cu`'s elsewhere);
+/// `THAW_CUDA_TC_PREFILL=0` turns it off.
 pub const ATTENTION_PREFILL_TC: KernelSource = KernelSource {
     name: "attention_prefill_tc",
     source: include_str!("attention_prefill_tc.cu"),
@@ -143,8 +144,8 @@ pub const LORA: KernelSource = KernelSource {
 };
 
 /// SGMV / BGMV in Punica's shape: split-K shrink with 16-byte weight loads, expand that sums
-/// the splits (issue 29). Selected at run time (`THAW_CUDA_LORA_IMPL=punica`); `lora.cu` stays
-/// the default until a GPU run verifies these.
+/// the splits (issue 29). The CUDA backend's default; `THAW_CUDA_LORA_IMPL=classic` runs
+/// `lora.cu`'s instead.
 pub const LORA_PUNICA: KernelSource = KernelSource {
     name: "lora_punica",
     source: include_str!("lora_punica.cu"),

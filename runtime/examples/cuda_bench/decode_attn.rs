@@ -19,7 +19,7 @@ pub fn decode_attn_table(smoke: bool, peak: f64) -> Res<()> {
     let ctxs: &[usize] = if smoke { &[512] } else { &[512, 2048, 8192] };
     let batches: &[usize] = if smoke { &[1] } else { &[1, 8, 32] };
     println!("\n## Decode attention, one layer (32 q / 8 kv heads of 128, bf16 KV; median of 20)");
-    println!("(impl: Classic = attention.cu, the default; Split = flash-decoding, THAW_CUDA_ATTN_IMPL=split, which runs Classic's kernel where its plan makes one split)");
+    println!("(impl: Classic = attention.cu, THAW_CUDA_ATTN_IMPL=classic; Split = flash-decoding, the default, which runs Classic's kernel where its plan makes one split)");
     println!("| impl | batch | context | µs | GB/s | % of copy peak |\n|---|---|---|---|---|---|");
     let (qw, kw) = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim);
     for &ctx in ctxs {

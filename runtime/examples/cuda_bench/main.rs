@@ -90,7 +90,7 @@ fn lora_tables(smoke: bool) -> Res<()> {
     let peak = d2d_peak(&mut g)?;
     println!("device-to-device copy peak (1 GiB, read + write): {peak:.0} GB/s");
     println!("\n## SGMV / BGMV, q_proj 4096→4096, one layer (kernels only, median of 20; GB/s = distinct adapter bytes + x/y over time)");
-    println!("(impl: Classic = lora.cu, the default; Punica = lora_punica.cu, THAW_CUDA_LORA_IMPL=punica)");
+    println!("(impl: Classic = lora.cu, THAW_CUDA_LORA_IMPL=classic; Punica = lora_punica.cu, the default)");
     println!("{LORA_TABLE_HEADER}");
     let ranks: &[usize] = if smoke { &[16] } else { &[8, 16, 32, 64, 128] };
     let batches: &[usize] = if smoke {

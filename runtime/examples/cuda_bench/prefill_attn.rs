@@ -1,8 +1,8 @@
 //! Prefill attention of one Llama-3-8B layer (32 query heads, 8 KV heads of 128, bf16 cache,
-//! 16-position blocks), one sequence: `attention.cu`'s f32 tiled prefill (the default) against
-//! the tensor-core kernel (`attention_prefill_tc.cu`, issue 29, `THAW_CUDA_TC_PREFILL=1`), for
-//! fresh prompts of 128 and 2048 tokens and a 2048-token chunk after a 2048-token prefix. The
-//! op timed is the backend's `attention` (K/V write + attention). TFLOP/s counts the causal
+//! 16-position blocks), one sequence: `attention.cu`'s f32 tiled prefill
+//! (`THAW_CUDA_TC_PREFILL=0`) against the tensor-core kernel (`attention_prefill_tc.cu`, issue
+//! 29, the default), for fresh prompts of 128 and 2048 tokens and a 2048-token chunk after a
+//! 2048-token prefix. The op timed is the backend's `attention` (K/V write + attention). TFLOP/s counts the causal
 //! multiply-adds, Q·Kᵀ and P·V ([`prefill_tc_plan::causal_flops`]), over the op's time.
 use thaw_kernels::cpu::KvLayout;
 use thaw_kernels::cuda::prefill_tc_plan;
@@ -29,7 +29,7 @@ pub fn prefill_attn_table(smoke: bool) -> Res<()> {
     println!(
         "\n## Prefill attention, one layer (32 q / 8 kv heads of 128, bf16 KV, one sequence; median of {iters})"
     );
-    println!("(kernel: classic = attention.cu, the default; tensor cores = attention_prefill_tc.cu, THAW_CUDA_TC_PREFILL=1)");
+    println!("(kernel: classic = attention.cu, THAW_CUDA_TC_PREFILL=0; tensor cores = attention_prefill_tc.cu, the default)");
     println!("| kernel | prefix | tokens | µs | TFLOP/s | speed-up |\n|---|---|---|---|---|---|");
     let (qw, kw) = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim);
     for &(start, n) in cases {

@@ -254,6 +254,17 @@ impl AnyBackend {
         }
     }
 
+    /// Which of the CUDA backend's issue-29 kernels run (None on the CPU backend).
+    pub fn cuda_kernels(&self) -> Option<super::kernel_select::KernelPlan> {
+        match self {
+            Self::Cpu(_) => None,
+            #[cfg(feature = "cuda")]
+            Self::Cuda(g) => Some(g.kernel_plan()),
+            #[cfg(not(feature = "cuda"))]
+            Self::Cuda(g) => match **g {},
+        }
+    }
+
     /// Bytes per element of the weights (matrices and adapters) and of the KV cache as this
     /// backend holds them, for bandwidth accounting: the CUDA backend converts both to its
     /// configured dtypes (bf16 by default); the CPU backend keeps the model's stored format

@@ -21,6 +21,7 @@ mod cpu_pool;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod graph_plan;
+pub mod kernel_select;
 pub use graph_plan::{GraphKey, GraphPhase};
 #[cfg(not(feature = "cuda"))]
 mod nocuda;
@@ -352,8 +353,8 @@ pub trait Backend {
     );
     /// `residual += x`, then `out = rms_norm(residual)` with `w`, over `rows` rows of `width`:
     /// the residual stream's add and the next block's norm as one op, which a backend may fuse
-    /// (CUDA with `THAW_CUDA_FUSED=1`). The default runs [`Backend::add`] then
-    /// [`Backend::rms_norm`].
+    /// (CUDA does by default; `THAW_CUDA_FUSED=0` turns it off). The default runs
+    /// [`Backend::add`] then [`Backend::rms_norm`].
     #[allow(clippy::too_many_arguments)]
     fn add_rms_norm(
         &mut self,

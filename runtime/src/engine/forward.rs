@@ -2,6 +2,7 @@
 use std::time::Instant;
 
 use super::assist::{Assist, ColdSeg};
+use super::land_wait::LayerWait;
 use super::weights::DeviceModel;
 use super::EngineConfig;
 use crate::adapter::LoraModule;
@@ -195,7 +196,8 @@ fn end_assist<B: Backend>(
 }
 
 /// Runs every layer over the step's rows and leaves `[logit_rows, vocab]` logits in `logits`.
-/// Rows whose adapter layer has not landed get their deltas from `assist`.
+/// Rows whose adapter layer has not landed get their deltas from `assist`; with `wait`, each
+/// layer is first waited for until it has landed and computed on the device instead.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn run<B: Backend>(
     b: &mut B,
@@ -206,6 +208,7 @@ pub(crate) fn run<B: Backend>(
     step: &StepLayout,
     lora: &LoraBatch<'_, B::Lora>,
     mut assist: Option<&mut Assist<'_>>,
+    mut wait: Option<&mut LayerWait>,
     logits: &mut Vec<f32>,
 ) -> Result<()> {
     let rows = step.rows();
@@ -216,8 +219,24 @@ pub(crate) fn run<B: Backend>(
     if let Some(first) = m.layers.first() {
         b.rms_norm(&ws.h, &first.input_norm, eps, rows, &mut ws.x);
     }
+    let whole = lora;
     for (i, (layer, kv)) in m.layers.iter().zip(kv.iter_mut()).enumerate() {
         let l = LayerIdx(i);
+        // The step's adapters with this layer landed since the step began, when it waits.
+        let now_landed;
+        let lora = match wait.as_deref_mut() {
+            Some(w) => {
+                w.until(&*b, whole.adapters, i)?;
+                now_landed = LoraBatch {
+                    kernel: whole.kernel,
+                    layout: whole.layout,
+                    adapters: whole.adapters,
+                    landed: &w.landed,
+                };
+                &now_landed
+            }
+            None => whole,
+        };
         let p = &layer.proj;
         use LoraModule::*;
         // Attention block; `ws.x` holds its normed input (the previous layer's last op, or the

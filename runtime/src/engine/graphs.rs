@@ -143,10 +143,10 @@ pub(super) fn run<B: Backend>(
         // Failed before (another engine's step, or state the engine did not see): eager.
         g.failed.insert(key);
         g.stats.eager += 1;
-        return forward::run(b, c, m, kv, ws, step, lora, None, logits);
+        return forward::run(b, c, m, kv, ws, step, lora, None, None, logits);
     };
     if phase != GraphPhase::Replay {
-        if let Err(e) = forward::run(b, c, m, kv, ws, step, lora, None, logits) {
+        if let Err(e) = forward::run(b, c, m, kv, ws, step, lora, None, None, logits) {
             // Ends a capture in progress; the step's error is the one to report.
             let _ = b.graph_end(logits, rows);
             return Err(e);
@@ -167,7 +167,7 @@ pub(super) fn run<B: Backend>(
     );
     g.failed.insert(key);
     g.stats.failed += 1;
-    forward::run(b, c, m, kv, ws, step, lora, None, logits)?;
+    forward::run(b, c, m, kv, ws, step, lora, None, None, logits)?;
     b.graph_end(logits, rows)?;
     Ok(())
 }

@@ -18,6 +18,7 @@
 //! ```
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::time::Duration;
 
 use thaw_cpu_lora::LoraPool;
 use thaw_ipc::AdapterHandle;
@@ -37,6 +38,7 @@ mod assist_device;
 mod forward;
 mod from_disk;
 mod graphs;
+mod land_wait;
 mod paged;
 mod prefix;
 mod prompt;
@@ -45,6 +47,7 @@ mod weights;
 
 pub use assist::AssistProfile;
 pub use graphs::GraphStats;
+pub use land_wait::UnlandedLayers;
 pub use prefix::PrefixStats;
 pub use sequence::{FinishReason, PlanItem, SeqOutput, SequenceParams, StepPlan};
 pub use weights::{HostLayer, HostModel};
@@ -129,6 +132,10 @@ pub struct Engine<B: Backend> {
     seq_order: Vec<SeqId>,
     sample_order: Vec<SeqId>,
     landed: Vec<usize>,
+    /// What a step does with its adapters' layers not landed at its start.
+    unlanded: UnlandedLayers,
+    /// Time steps spent waiting for layers to land ([`UnlandedLayers::Wait`]).
+    layer_wait: Duration,
     rows_assisted: u64,
     /// Per step: rows whose logits score the next prompt token, and (sequence, that token).
     prompt_rows: Vec<usize>,
@@ -193,6 +200,8 @@ impl<B: Backend> Engine<B> {
             seq_order: Vec::new(),
             sample_order: Vec::new(),
             landed: Vec::new(),
+            unlanded: UnlandedLayers::default(),
+            layer_wait: Duration::ZERO,
             rows_assisted: 0,
             prompt_rows: Vec::new(),
             prompt_targets: Vec::new(),
@@ -433,6 +442,19 @@ impl<B: Backend> Engine<B> {
             }
         });
         released
+    }
+
+    /// What steps do with a layer of their adapters that has not landed when they start:
+    /// compute it on the CPU (the default) or wait for it in the forward and compute it on the
+    /// device ([`UnlandedLayers`]; `on-demand` lets a request run once waiting costs the step
+    /// little).
+    pub fn set_unlanded_layers(&mut self, u: UnlandedLayers) {
+        self.unlanded = u;
+    }
+
+    /// Time steps have spent so far waiting for adapter layers to land.
+    pub fn layer_wait(&self) -> Duration {
+        self.layer_wait
     }
 
     /// Adapters holding a slot of the workers' host store (those still streaming).
@@ -684,12 +706,15 @@ impl<B: Backend> Engine<B> {
         self.landed.clear();
         self.landed
             .extend(adapters.iter().map(|a| self.backend.landed_layers(a)));
-        let cold = self.landed.iter().any(|&l| l < self.config.num_layers);
+        let unlanded = self.landed.iter().any(|&l| l < self.config.num_layers);
+        // Layers not landed are waited for in the forward, or computed on the CPU.
+        let waits = unlanded && self.unlanded == UnlandedLayers::Wait;
+        let cold = unlanded && !waits;
         // A warm decode step that fits a captured batch size is padded to it (graphs on).
         let max_rank = host.iter().map(|a| a.max_rank()).max().unwrap_or(0);
         let scores = !self.prompt_rows.is_empty();
         let graph = self.graphs.as_mut().and_then(|g| {
-            let facts = (cold, scores, max_rank);
+            let facts = (unlanded, scores, max_rank);
             let (layout, lora) = (&mut self.layout, &mut self.lora_layout);
             g.plan(&self.blocks, layout, lora, facts).map(|k| (g, k))
         });
@@ -730,6 +755,8 @@ impl<B: Backend> Engine<B> {
             rows_assisted: 0,
             on_pool: false,
         });
+        let mut wait =
+            waits.then(|| land_wait::LayerWait::new(&self.landed, land_wait::LAYER_WAIT_LIMIT));
         // The step writes its blocks from here on: nothing it registers or releases is shared
         // or reused before `end_step` below.
         self.blocks.begin_step();
@@ -755,9 +782,11 @@ impl<B: Backend> Engine<B> {
                 &self.layout,
                 &lora,
                 assist.as_mut(),
+                wait.as_mut(),
                 &mut self.logits,
             ),
         };
+        self.layer_wait += wait.map_or(Duration::ZERO, |w| w.waited);
         self.backend.step_running(false);
         self.rows_assisted += assist.map_or(0, |a| a.rows_assisted as u64);
         if let (true, true, Some(pool)) = (cold, on_pool, &self.pool) {

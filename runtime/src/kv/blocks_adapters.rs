@@ -64,7 +64,7 @@ impl BlockAllocator {
         let run = p
             .adapters
             .assign(owner, n, |b| !ok[b])
-            .map_err(|e| RuntimeError::Backend(format!("placing an adapter: {e}")))?;
+            .map_err(RuntimeError::AdapterPages)?;
         let inside = |b: &BlockIdx| run.contains(&(b.0 as usize));
         p.empty.retain(|b| !inside(b));
         let cached: Vec<(u64, BlockIdx)> = p

@@ -28,6 +28,11 @@ pub(super) fn cold_gate(
     if landed >= layers {
         return Gate::Go;
     }
+    if cold.policy == ColdStartPolicy::OnDemand {
+        // It waits for its layers in the step when that lengthens the step by little.
+        let tokens = planned + s.pending().min(max_batched.saturating_sub(planned));
+        return super::layer_gate::on_demand(engine, &cold.cost, id, (landed, layers), tokens);
+    }
     match unlanded_gate(cold.policy) {
         Some(g) => g,
         None => {
@@ -88,7 +93,9 @@ fn beside(running: &[SeqState], id: SeqId) -> (usize, usize) {
 }
 
 /// The gate of a request whose adapter has not fully landed, where the policy alone decides
-/// it; `None` for `auto`, which asks the cost model. `cached` waits: its adapters are copied
+/// it; `None` for `auto`, which asks the cost model (`on-demand` asks
+/// [`super::layer_gate::on_demand`] first, whether to wait for the layers in the step or
+/// here). `cached` waits: its adapters are copied
 /// whole (on a GPU through the same asynchronous pipeline as a streamed one, so a freshly
 /// registered one has not landed yet) and it never computes a delta on the CPU.
 fn unlanded_gate(policy: ColdStartPolicy) -> Option<Gate> {

@@ -7,6 +7,7 @@ use thaw_runtime::backend::Backend;
 use thaw_runtime::engine::Engine;
 use thaw_runtime::error::RuntimeError;
 use thaw_runtime::ids::AdapterId;
+use thaw_runtime::kv::PageError;
 
 use super::admission::AdmitPlan;
 use super::loader::{FetchJob, Loader};
@@ -70,10 +71,34 @@ pub fn apply<B: Backend>(
             continue;
         }
         let r = match upload {
-            Upload::Whole => engine.register_adapter(a, host),
-            // A prefetch yields the link to every demand load until its request runs.
+            // A prefetch yields the link to every demand load until its request runs, and
+            // takes only pages nobody uses: it evicts nothing.
             Upload::Stream if prefetch => engine.prefetch_adapter(a, host),
-            Upload::Stream => engine.register_adapter_streaming(a, host),
+            _ => {
+                let mut victims = None;
+                place_evicting(
+                    &mut (&mut *mgr, &mut *engine),
+                    |(_, engine)| match upload {
+                        Upload::Whole => engine.register_adapter(a, host.clone()),
+                        Upload::Stream => engine.register_adapter_streaming(a, host.clone()),
+                    },
+                    |(mgr, _)| {
+                        let v = victims.get_or_insert_with(|| mgr.idle_resident(wanted));
+                        (!v.is_empty()).then(|| v.remove(0))
+                    },
+                    |(mgr, engine), v| match engine.unregister_adapter(v) {
+                        Ok(()) => {
+                            tracing::info!(
+                                "evicted adapter {v}: KV blocks in use split the free pages, \
+                                 and adapter {a} needs a run of them"
+                            );
+                            mgr.on_evicted(v, wanted);
+                            true
+                        }
+                        Err(_) => false,
+                    },
+                )
+            }
         };
         match r {
             Ok(()) => registered.push(a),
@@ -102,6 +127,36 @@ pub fn apply<B: Backend>(
     registered
 }
 
+/// Places an adapter with `place`; when it finds no run of consecutive free pages for the
+/// image ([`RuntimeError::AdapterPages`]: on a GPU an adapter's image takes a run of KV pages,
+/// and KV blocks in use can split the free pages so that none is long enough although they
+/// are there in number), evicts the next adapter `victim` names with `evict` (false: it could
+/// not be evicted, the next is tried) and places again, until it is placed, it fails for
+/// another reason, or no victim is left (the last error). An evicted adapter's run is whole,
+/// so one eviction places an adapter of its size. Without this the request waited, queued,
+/// until running requests finished and freed their KV blocks (262 ms on an H200, issue 27).
+pub fn place_evicting<C>(
+    ctx: &mut C,
+    mut place: impl FnMut(&mut C) -> Result<(), RuntimeError>,
+    mut victim: impl FnMut(&mut C) -> Option<AdapterId>,
+    mut evict: impl FnMut(&mut C, AdapterId) -> bool,
+) -> Result<(), RuntimeError> {
+    loop {
+        let r = place(ctx);
+        if !matches!(r, Err(RuntimeError::AdapterPages(PageError::NoRun { .. }))) {
+            return r;
+        }
+        loop {
+            let Some(v) = victim(ctx) else {
+                return r;
+            };
+            if evict(ctx, v) {
+                break;
+            }
+        }
+    }
+}
+
 /// Which of the requests admission chose may run after [`apply`]: those without an adapter or
 /// whose adapter the engine holds. A load the engine refused (no run of free pages while KV
 /// blocks in use split them) leaves its requests waiting, planned again at the next step:
@@ -116,10 +171,123 @@ pub fn runnable_after_apply(
 
 #[cfg(test)]
 mod tests {
+    use std::collections::BTreeMap;
+
     use proptest::prelude::*;
     use thaw_runtime::ids::SeqId;
+    use thaw_runtime::kv::{BlockAllocator, KvBlocks};
 
     use super::*;
+
+    /// The one device budget as on the H200 run of issue 27, scaled down: adapters' images in
+    /// runs of 8 pages from the top, KV blocks of two running requests growing a block at a
+    /// time, in turn, below them. When one request finishes, its blocks are free but every
+    /// other one, so a new adapter finds no run of 8 though 12 pages are free. Placing it
+    /// evicts the least recently used idle adapter, whose run is whole, and places it there:
+    /// one eviction, not a wait for the other request to finish.
+    #[test]
+    fn an_adapter_with_no_run_of_pages_evicts_one_idle_adapter_and_is_placed() {
+        let (total, n) = (48, 8);
+        let pool = BlockAllocator::new(total, 1);
+        // Four adapters cached on the device (ids 1..=4, 1 used least recently).
+        let mut leases: BTreeMap<u32, _> = (1..=4)
+            .map(|id| (id, pool.assign_adapter(u64::from(id), n).unwrap()))
+            .collect();
+        let (mut a, mut b): (KvBlocks, KvBlocks) = (pool.empty(), pool.empty());
+        for t in 1..=8 {
+            pool.grow_to(&mut a, t).unwrap();
+            pool.grow_to(&mut b, t).unwrap();
+        }
+        drop(a);
+        let free = total - 4 * n - b.len();
+        assert!(free >= n, "{free} pages free, enough in number");
+        let owner = 99;
+        let no_run = pool.assign_adapter(owner, n).map(drop).unwrap_err();
+        assert!(
+            matches!(no_run, RuntimeError::AdapterPages(PageError::NoRun { .. })),
+            "the free pages are split: {no_run}"
+        );
+        let mut placed = None;
+        let mut victims = vec![AdapterId(1), AdapterId(2), AdapterId(3), AdapterId(4)];
+        let mut evicted = Vec::new();
+        let r = place_evicting(
+            &mut leases,
+            |_| {
+                placed = Some(pool.assign_adapter(owner, n)?);
+                Ok(())
+            },
+            |_| (!victims.is_empty()).then(|| victims.remove(0)),
+            |leases, v| {
+                evicted.push(v);
+                leases.remove(&v.0).is_some()
+            },
+        );
+        r.unwrap();
+        assert_eq!(
+            evicted,
+            vec![AdapterId(1)],
+            "one eviction, the first victim"
+        );
+        let run = placed.expect("placed").run();
+        assert_eq!(run.len(), n);
+        assert_eq!(leases.len(), 3);
+    }
+
+    proptest! {
+        /// `place_evicting` evicts only while the placement fails for want of a run: never
+        /// before it, never after it succeeds, never for another error; a victim that cannot
+        /// be evicted is passed over; with no victim left, the last error is the answer.
+        #[test]
+        fn evicts_only_while_no_run_is_found(
+            fails in 0usize..6,
+            other_error in any::<bool>(),
+            stuck in prop::collection::vec(any::<bool>(), 0..8),
+        ) {
+            let no_run = || RuntimeError::AdapterPages(PageError::NoRun {
+                need: 8, free: 8, owned: 0, total: 16,
+            });
+            // (placements tried, victims offered, evictions done)
+            let mut ctx = (0usize, 0usize, 0usize);
+            let victims = stuck.len();
+            let r = place_evicting(
+                &mut ctx,
+                |c| {
+                    c.0 += 1;
+                    if c.0 <= fails {
+                        Err(if other_error { RuntimeError::Backend("copy".into()) } else { no_run() })
+                    } else {
+                        Ok(())
+                    }
+                },
+                |c| (c.1 < victims).then(|| { c.1 += 1; AdapterId(c.1 as u32) }),
+                |c, v| {
+                    let ok = !stuck[v.0 as usize - 1];
+                    c.2 += usize::from(ok);
+                    ok
+                },
+            );
+            let (tries, offered, evictions) = ctx;
+            if fails == 0 {
+                prop_assert!(r.is_ok());
+                prop_assert_eq!((tries, offered), (1, 0));
+            } else if other_error {
+                prop_assert!(matches!(r, Err(RuntimeError::Backend(_))));
+                prop_assert_eq!((tries, offered), (1, 0));
+            } else {
+                let evictable = stuck.iter().filter(|s| !**s).count();
+                // Every failed try but the last was followed by one eviction.
+                prop_assert_eq!(tries, 1 + evictions);
+                if evictable >= fails {
+                    prop_assert!(r.is_ok());
+                    prop_assert_eq!(evictions, fails);
+                } else {
+                    prop_assert!(matches!(r, Err(RuntimeError::AdapterPages(_))));
+                    prop_assert_eq!(evictions, evictable);
+                    prop_assert_eq!(offered, victims);
+                }
+            }
+        }
+    }
 
     proptest! {
         /// A request stays admitted exactly when it has no adapter or the engine holds its

@@ -64,6 +64,11 @@ struct Entry {
     /// 0 without a host copy or an image): the host tier holds both.
     image: u64,
     fetching: bool,
+    /// Its file was mapped during the read in flight and not served from (refused, or the
+    /// policy waits for the read): not mapped again until the next read. Mapping parses the
+    /// safetensors header on the engine thread (O(tensors), ~1 ms for a 7B rank-64 adapter);
+    /// asked at every plan while a read of ~100 ms ran, it took a third of the engine thread.
+    map_refused: bool,
     freq: Decayed,
     last_used: f64,
     /// Loaded by a prefetch and not used since.
@@ -220,6 +225,7 @@ impl MemoryManager {
             host,
             image: 0,
             fetching: false,
+            map_refused: false,
             freq: Decayed::default(),
             last_used: now,
             prefetched: false,
@@ -381,6 +387,25 @@ impl MemoryManager {
         Ok(())
     }
 
+    /// Adapters whose every layer is on the device and that no queued request wants, least
+    /// recently used first: what [`super::apply::apply`] evicts, one at a time, when the engine
+    /// finds no run of consecutive pages for a load although the pages are there in number
+    /// (KV blocks in use split them). A landed adapter's run is whole and freed at once; one
+    /// still streaming keeps its pages until its copy ends, so it is not offered.
+    pub fn idle_resident(&self, wanted: &HashSet<AdapterId>) -> Vec<AdapterId> {
+        let mut idle: Vec<(f64, AdapterId)> = self
+            .tiers
+            .device()
+            .iter()
+            .filter(|id| !wanted.contains(id))
+            .filter_map(|id| self.entries.get(id))
+            .filter(|e| e.state.device == Device::Resident)
+            .map(|e| (e.last_used, e.meta.id))
+            .collect();
+        idle.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1 .0.cmp(&b.1 .0)));
+        idle.into_iter().map(|(_, id)| id).collect()
+    }
+
     /// The engine refused `id`: its pages go back, it stays where it was.
     pub fn on_register_failed(&mut self, id: AdapterId) {
         self.pool.remove(id);
@@ -453,15 +478,26 @@ impl MemoryManager {
             return None;
         }
         e.fetching = true;
+        e.map_refused = false;
         self.board.stats.fetches.fetch_add(1, Ordering::Relaxed);
         Some(e.meta.path.clone())
     }
 
-    /// While `id` is being read from disk and has no host copy: its directory, root and bytes.
+    /// While `id` is being read from disk and has no host copy, unless its file was mapped and
+    /// not served from during this read ([`Self::on_map_refused`]): its directory, root and
+    /// bytes.
     pub fn disk_only_read(&self, id: AdapterId) -> Option<(PathBuf, Option<PathBuf>, u64)> {
         let e = self.entries.get(&id)?;
-        (e.fetching && e.host.is_none())
+        (e.fetching && e.host.is_none() && !e.map_refused)
             .then(|| (e.meta.path.clone(), e.meta.root.clone(), e.meta.bytes))
+    }
+
+    /// `id`'s file, mapped while it is read, is not served from (it cannot be as is, or the
+    /// policy waits for the read): the read in flight is not offered for mapping again.
+    pub fn on_map_refused(&mut self, id: AdapterId) {
+        if let Some(e) = self.entries.get_mut(&id) {
+            e.map_refused = true;
+        }
     }
 
     /// `id`, being read, is served from its mapped file meanwhile: `host` is its host copy

@@ -52,7 +52,9 @@ pub fn map_adapter(
 
 /// For each adapter of `fetch` still being read from disk with no host copy: maps it and, if
 /// `assist(id, &mapped)`, makes the mapped adapter its host copy (the next plan loads it).
-/// Returns the adapters mapped.
+/// Returns the adapters mapped. One that cannot be served from its file, or that `assist`
+/// declines, is not mapped again while the same read runs ([`MemoryManager::on_map_refused`]):
+/// every plan asks, and mapping (a header parse, O(tensors)) is engine-thread work.
 pub fn map_fetches(
     mgr: &mut MemoryManager,
     fetch: &[AdapterId],
@@ -66,12 +68,12 @@ pub fn map_fetches(
         let Some((dir, root, bytes)) = mgr.disk_only_read(id) else {
             continue;
         };
-        let Some(a) = map_adapter(&dir, root.as_deref(), bytes, model, dtype) else {
-            continue;
-        };
-        if assist(id, &a) {
-            mgr.on_mapped(id, a, wanted);
-            mapped.push(id);
+        match map_adapter(&dir, root.as_deref(), bytes, model, dtype) {
+            Some(a) if assist(id, &a) => {
+                mgr.on_mapped(id, a, wanted);
+                mapped.push(id);
+            }
+            Some(_) | None => mgr.on_map_refused(id),
         }
     }
     mapped
@@ -107,5 +109,100 @@ pub fn drop_mapped<B: Backend>(
     match engine.unregister_adapter(id) {
         Ok(()) => mgr.on_evicted(id, wanted),
         Err(e) => tracing::warn!("dropping adapter {id} whose read failed: {e}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::cell::Cell;
+
+    use super::*;
+    use crate::lora_open::tests::fixture;
+    use crate::memory::board::Board;
+    use crate::memory::eviction::EvictionPolicy;
+    use crate::memory::manager::{AdapterMeta, MemoryConfig};
+
+    fn manager(dir: &Path, bytes: u64) -> MemoryManager {
+        let mut m = MemoryManager::new(
+            MemoryConfig {
+                page_bytes: 1 << 20,
+                total_pages: 64,
+                policy: EvictionPolicy::Cost,
+                max_loras: 4,
+                max_streaming_adapters: None,
+                host_max_adapters: 4,
+                host_max_bytes: 1 << 30,
+            },
+            Arc::new(Board::default()),
+        );
+        m.register(
+            AdapterMeta {
+                id: AdapterId(1),
+                path: dir.to_path_buf(),
+                root: None,
+                bytes,
+                num_layers: 2,
+                disk_secs: 0.001,
+            },
+            None,
+        );
+        m
+    }
+
+    /// The engine loop plans every step (every 2 ms while a request waits for a read) and each
+    /// plan asks to map the adapters being read. A file mapped and not served from (the
+    /// policy declined, as `auto` waiting for the read did) or that cannot be served as is (a
+    /// dtype the backend does not read) is mapped once per read, not at every plan: the
+    /// engine thread's share of a miss is O(tensors), not O(read time × tensors). A new read
+    /// may map it again.
+    #[test]
+    fn a_file_not_served_from_is_mapped_once_per_read() {
+        let model = ModelConfig::from_dir(&fixture()).unwrap();
+        let dir = fixture().join("adapters/r4_qv");
+        let a = LoraAdapter::map(&dir, &model).unwrap();
+        let mut m = manager(&dir, a.size_bytes() as u64);
+        let id = AdapterId(1);
+        let none = HashSet::new();
+        assert!(m.start_fetch(id).is_some());
+        let asked = Cell::new(0);
+        let decline = |_: AdapterId, _: &LoraAdapter| {
+            asked.set(asked.get() + 1);
+            false
+        };
+        for _ in 0..50 {
+            let mapped = map_fetches(&mut m, &[id], &model, None, &none, decline);
+            assert!(mapped.is_empty());
+        }
+        assert_eq!(asked.get(), 1, "mapped once for the read in flight");
+        assert!(m.host_copy(id).is_none());
+
+        // That read ends without a host copy (it failed, say) and the adapter is read again:
+        // the new read may map it, and serves it from its file when the policy says so.
+        m.on_fetched(id, None, &none);
+        assert!(m.start_fetch(id).is_some(), "a new read");
+        let mapped = map_fetches(&mut m, &[id], &model, None, &none, |_, _| true);
+        assert_eq!(mapped, vec![id]);
+        assert!(m.host_copy(id).is_some_and(|h| h.is_mapped()));
+
+        // A file the backend cannot read as stored (it would need a conversion): refused
+        // once, and not parsed again at the following plans of the same read.
+        let mut m = manager(&dir, a.size_bytes() as u64);
+        assert!(m.start_fetch(id).is_some());
+        let other = match a.dtype() {
+            WeightDtype::F32 => WeightDtype::Bf16,
+            _ => WeightDtype::F32,
+        };
+        let map = |m: &mut MemoryManager| {
+            map_fetches(m, &[id], &model, Some(other), &none, |_, _| {
+                unreachable!("a refused map asks no one")
+            })
+        };
+        assert!(m.disk_only_read(id).is_some());
+        assert!(map(&mut m).is_empty());
+        assert!(
+            m.disk_only_read(id).is_none(),
+            "not offered for mapping again during this read"
+        );
+        assert!(map(&mut m).is_empty());
     }
 }

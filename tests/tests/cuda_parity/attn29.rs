@@ -1,21 +1,24 @@
-//! Issue 29's attention kernels against the CPU oracle and against today's kernels: prefill
-//! attention on the tensor cores (`attention_prefill_tc.cu`, `THAW_CUDA_TC_PREFILL=1`) op by op,
-//! and whole engine steps with it and flash-decoding (`attention_split.cu`,
-//! `THAW_CUDA_ATTN_IMPL=split`) both on. Part of `cuda_parity` (its helpers, its GPU skip
-//! rules).
+//! Issue 29's attention kernels against the CPU oracle and against the classic kernels: prefill
+//! attention on the tensor cores (`attention_prefill_tc.cu`, the default where served;
+//! `THAW_CUDA_TC_PREFILL=0` turns it off) op by op, and whole engine steps with it and
+//! flash-decoding (`attention_split.cu`, the default; `THAW_CUDA_ATTN_IMPL=classic`) both on,
+//! against an engine on the classic kernels, set explicitly. Part of `cuda_parity` (its
+//! helpers, its GPU skip rules).
 //!
 //! Tolerances: DESIGN §9's, as the rest of `cuda_parity`: a 16-bit cache ≤ 1e-2 normwise (the
 //! tensor-core kernel also rounds the scaled queries and the softmax weights to the cache's
 //! 16-bit type, a few more roundings of ~4e-3 relative each, averaged over the keys); f32 ≤ 1e-4
 //! (the tensor-core kernel does not serve an f32 cache: the classic prefill runs). Greedy tokens:
-//! identical to the engine on today's kernels, and for f32 to the CPU engine.
+//! identical to the engine on the classic kernels, and for f32 to the CPU engine.
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use thaw_runtime::backend::cuda::{AttnImpl, CudaBackend, DType};
 use thaw_runtime::engine::{Engine, EngineConfig};
 use thaw_tests::{cpu_engine, TestModel};
 
-use super::{attention_vs_cpu, cfg, check, mixed_step, run, shape, step_of, CONFIGS};
+use super::{
+    attention_vs_cpu, cfg, check, classic_kernels, mixed_step, run, shape, step_of, CONFIGS,
+};
 
 /// The caches the tensor-core kernel serves, with their tolerance.
 const X16: [(DType, f64); 2] = [(DType::Bf16, 1e-2), (DType::F16, 1e-2)];
@@ -50,7 +53,8 @@ fn tc_prefill_matches_cpu() {
             }
         }
     }
-    // Shapes it does not serve: the switch is accepted and the classic prefill keeps running.
+    // Shapes it does not serve: the setter is accepted and the classic prefill keeps running
+    // (with the variable unset too: a backend's default falls back, see `defaults.rs`).
     let mut g = CudaBackend::new(&base, &cfg(DType::F32)).unwrap();
     assert!(!g.set_tc_prefill(true).unwrap(), "f32 cache");
     assert!(!g.tc_prefill());
@@ -62,8 +66,8 @@ fn tc_prefill_matches_cpu() {
 
 /// Prefill and three decodes of prompts of 40, 75 and 130 tokens through the engine with both
 /// new kernels on (flash-decoding with 4-position chunks, so every decode splits): logits
-/// within tolerance of the CPU engine, greedy tokens identical to the engine on today's
-/// kernels (and, for f32, to the CPU engine's).
+/// within tolerance of the CPU engine, greedy tokens identical to the engine on the classic
+/// kernels (all four switched off explicitly) and, for f32, to the CPU engine's.
 #[test]
 fn split_decode_and_tc_prefill_engine_matches_cpu_and_classic() {
     if !thaw_tests::gpu_or_skip() {
@@ -90,6 +94,8 @@ fn split_decode_and_tc_prefill_engine_matches_cpu_and_classic() {
                 b.set_attn_impl(AttnImpl::Split { min_chunk: 4 }).unwrap();
                 let tc = b.set_tc_prefill(true).unwrap();
                 assert_eq!(tc, dt != DType::F32, "{dt:?}: tensor-core prefill served");
+            } else {
+                classic_kernels(&mut b);
             }
             let mut e = Engine::new(b, tm.model.clone(), EngineConfig::default()).unwrap();
             results.push(run(&mut e, &who, &prompts));
@@ -101,7 +107,7 @@ fn split_decode_and_tc_prefill_engine_matches_cpu_and_classic() {
             check(&format!("{what} decode"), dt, tol, &got.1, &w.1);
             assert_eq!(
                 got.2, results[0][i].2,
-                "{dt:?} seq {i}: greedy tokens differ from today's kernels"
+                "{dt:?} seq {i}: greedy tokens differ from the classic kernels"
             );
             if dt == DType::F32 {
                 assert_eq!(

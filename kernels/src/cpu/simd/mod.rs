@@ -24,6 +24,8 @@
 //!   (one row at a time for float weights; the VNNI row kernel's 8-row groups each prefetched
 //!   a group ahead), which the hardware prefetcher streams ~2× as fast as interleaved rows on
 //!   this project's Zen 4 VM; bit for bit the interleaved tiles' results (`THAW_ROW_STREAM=0`).
+//!   Decode batches (float tiles, VNNI panels) prefetch the next weight rows spread over the
+//!   current ones' compute ([`batch_prefetch`], `THAW_BATCH_PREFETCH=0`).
 //!
 //! Error of the Q8 path: an activation block `x_b` (32 values) is stored as `d_b·q` with
 //! `d_b = max|x_b| / 127` and `q = round(x / d_b)`, so `|x − d_b·q| ≤ d_b / 2` per element and
@@ -35,7 +37,9 @@
 
 mod portable;
 mod stream;
-pub use stream::{row_stream, set_row_stream};
+mod tuning;
+pub use stream::{batch_prefetch, row_stream, set_batch_prefetch, set_row_stream};
+pub use tuning::{prompt_tuning, set_prompt_tuning};
 #[cfg(test)]
 mod tests;
 #[cfg(test)]
@@ -46,6 +50,8 @@ mod tests_bf16_rows;
 mod tests_prompt;
 #[cfg(test)]
 mod tests_stream;
+#[cfg(all(test, target_arch = "x86_64"))]
+mod tests_tuning;
 #[cfg(test)]
 mod tests_vnni;
 #[cfg(target_arch = "x86_64")]

@@ -108,3 +108,95 @@ proptest! {
         check_vnni(WeightFormat::Q4_K, 256 * (1 + blocks % 3), n, seed);
     }
 }
+
+/// Decode batches over float weights with the batch prefetch (`THAW_BATCH_PREFETCH`) on and
+/// off, bit for bit (a hint: no tolerance), at SmolLM2-135M's shapes with 16 rows and at
+/// partial tiles (rows and weight rows not multiples of 4, `k` with 8-wide and scalar tails).
+#[test]
+fn batch_prefetch_changes_no_bit() {
+    for (m, k, n) in [
+        (16, 576, 576),
+        (16, 576, 1536),
+        (16, 1536, 576),
+        (16, 576, 49152),
+        (5, 100, 7),
+        (2, 24, 9),
+        (7, 13, 3),
+    ] {
+        let x = rand_vec(&mut rng(k as u64 ^ 0xba7c), m * k, 1.0);
+        let w = rand_vec(&mut rng(n as u64), n * k, 1.0);
+        let h: Vec<f16> = w.iter().map(|&v| f16::from_f32(v)).collect();
+        let b: Vec<bf16> = w.iter().map(|&v| bf16::from_f32(v)).collect();
+        let cases: [(&str, FloatWeights<'_>); 3] = [
+            ("f32", FloatWeights::F32(&w)),
+            ("f16", FloatWeights::F16(&h)),
+            ("bf16", FloatWeights::BF16(&b)),
+        ];
+        for (name, fw) in cases {
+            let run = |on: bool| {
+                let was = set_batch_prefetch(on);
+                let mut out = vec![f32::NAN; m * n];
+                let done = gemm_nt(&x, fw, (m, k, n), &mut out, n);
+                set_batch_prefetch(was);
+                done.then_some(out)
+            };
+            let _g = SWITCH.lock().unwrap_or_else(|e| e.into_inner());
+            let (Some(on), Some(off)) = (run(true), run(false)) else {
+                eprintln!("no AVX-512F here: {name} batch prefetch not checked");
+                return;
+            };
+            assert!(on.iter().all(|v| v.is_finite()), "{name} {m}x{k}x{n}");
+            assert_eq!(
+                bits(&on),
+                bits(&off),
+                "{name} {m}x{k}x{n}: prefetch on vs off"
+            );
+        }
+    }
+}
+
+/// The VNNI panel kernel's decode batches (4+ rows) with the batch prefetch spread over the
+/// tiles (on) and issued per tile (off), bit for bit, for Q8_0, Q4_1 and Q4_K weights: at
+/// SmolLM2-135M's shapes with 16 rows, and at row counts of 4, 9 and 16 over partial panels.
+#[test]
+fn vnni_batch_prefetch_changes_no_bit() {
+    use super::tests_vnni::vnni;
+    let q8 = [WeightFormat::Q8_0, WeightFormat::Q4_1];
+    let mut cases: Vec<(WeightFormat, (usize, usize, usize))> = Vec::new();
+    for f in q8 {
+        for s in [
+            (16, 576, 576),
+            (16, 576, 1536),
+            (16, 1536, 576),
+            (16, 576, 49152),
+        ] {
+            cases.push((f, s));
+        }
+        cases.push((f, (9, 96, 53)));
+    }
+    for s in [(16, 512, 1536), (4, 256, 100), (9, 768, 49)] {
+        cases.push((WeightFormat::Q4_K, s));
+    }
+    for (f, (m, k, n)) in cases {
+        let w = weights(f, n, k, n as u64);
+        let x = activations(m, k, k as u64);
+        let run = |on: bool| {
+            let was = set_batch_prefetch(on);
+            let mut out = vec![f32::NAN; m * n];
+            let done = vnni(f, &w, &x, (m, k, n), &mut out, n);
+            set_batch_prefetch(was);
+            done.then_some(out)
+        };
+        let _g = SWITCH.lock().unwrap_or_else(|e| e.into_inner());
+        let (Some(on), Some(off)) = (run(true), run(false)) else {
+            eprintln!("no AVX512-VNNI here: batch prefetch not checked");
+            return;
+        };
+        assert!(on.iter().all(|v| v.is_finite()), "{f:?} {m}x{k}x{n}");
+        assert_eq!(
+            bits(&on),
+            bits(&off),
+            "{f:?} {m}x{k}x{n}: prefetch on vs off"
+        );
+    }
+}

@@ -51,7 +51,7 @@ pub(super) fn activations(m: usize, k: usize, seed: u64) -> Vec<f32> {
 
 /// The kernel itself (Q4_1 included, which [`gemm_nt_vnni`] takes only where Q8 activations
 /// are on: the default); false where the CPU lacks it or `THAW_VNNI_DOT=0`.
-fn vnni(
+pub(super) fn vnni(
     f: WeightFormat,
     w: &[u8],
     x: &[f32],

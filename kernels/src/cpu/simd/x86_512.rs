@@ -389,20 +389,39 @@ unsafe fn gemm_nt_rows<const W: u8>(
     } else {
         GJ
     };
+    // A batch reads a tile's weight rows from memory in its first pass over the activation
+    // rows and from L1 in the others (rows side by side, which this VM's hardware prefetcher
+    // does not follow): every pass prefetches its share of the next tile's rows, spread over
+    // its steps (as `x86_512_bf16`'s decode rows; `THAW_BATCH_PREFETCH=0` turns it off).
+    let passes = m.div_ceil(GR);
+    let prefetch = m > 1 && super::stream::batch_prefetch();
     let mut j = 0;
     while j < n {
         let jn = (n - j).min(gj);
+        let next_lines = if prefetch {
+            ((n - j - jn).min(gj) * k * eb).div_ceil(64)
+        } else {
+            0
+        };
         let mut i = 0;
         while i < m {
             let rn = (m - i).min(GR);
+            let g = i / GR;
+            let pf = Prefetch {
+                // The next tile's rows follow this tile's in memory.
+                base: w.wrapping_add((j + jn) * k * eb).cast(),
+                first: g * next_lines / passes,
+                lines: (g + 1) * next_lines / passes - g * next_lines / passes,
+            };
             // SAFETY: weight rows `j..j + jn ≤ n`, activation rows `i..i + rn ≤ m` and the
-            // outputs `(i + r)·ldo + j + jj`: inside the caller's guarantee.
+            // outputs `(i + r)·ldo + j + jj`: inside the caller's guarantee (prefetches of the
+            // next tile's rows touch no memory).
             unsafe {
                 let (xi, wj, o) = (x.add(i * k), w.add(j * k * eb), out.add(i * ldo + j));
                 macro_rules! go {
                     ($($J:literal, $R:literal);*) => {
                         match (jn, rn) {
-                            $(($J, $R) => nt_tile::<W, $J, $R>(xi, wj, k, o, ldo),)*
+                            $(($J, $R) => nt_tile::<W, $J, $R>(xi, wj, k, o, ldo, pf),)*
                             _ => unreachable!(),
                         }
                     };
@@ -413,6 +432,16 @@ unsafe fn gemm_nt_rows<const W: u8>(
         }
         j += jn;
     }
+}
+
+/// Cache lines a tile prefetches, spread over its steps: lines `first..first + lines` from
+/// `base` (never dereferenced: formed with `wrapping_add`). The decode batches' tiles here,
+/// in `x86_512_bf16` and in the VNNI panel kernel share it.
+#[derive(Copy, Clone, Debug)]
+pub(super) struct Prefetch {
+    pub base: *const i8,
+    pub first: usize,
+    pub lines: usize,
 }
 
 /// Bytes per element of a float weight type code.
@@ -437,14 +466,26 @@ unsafe fn nt_tile<const W: u8, const J: usize, const R: usize>(
     k: usize,
     out: *mut f32,
     ldo: usize,
+    pf: Prefetch,
 ) {
+    // Lines per 16-wide step (the last steps fewer: none past the tile's share).
+    let per = pf.lines.div_ceil((k / 16).max(1));
     // SAFETY: every load reads elements `< k` of one of the R + J rows (`p + 16 ≤ k`,
     // `p + 8 ≤ k`, scalar `q < k`); stores hit the R × J outputs; the tile is viewed as
-    // `[[__m512; 4]; 4]` only where `J = R = 4` (the same type).
+    // `[[__m512; 4]; 4]` only where `J = R = 4` (the same type); prefetches are hints
+    // (addresses formed with `wrapping_add`, never dereferenced).
     unsafe {
         let mut acc = [[_mm512_setzero_ps(); R]; J];
         let mut p = 0;
+        let mut line = pf.first;
+        let end = pf.first + pf.lines;
         while p + 16 <= k {
+            for _ in 0..per {
+                if line < end {
+                    _mm_prefetch::<_MM_HINT_T0>(pf.base.wrapping_add(64 * line));
+                    line += 1;
+                }
+            }
             let mut wv = [_mm512_setzero_ps(); J];
             for jj in 0..J {
                 wv[jj] = load16::<W>(w, jj * k + p);

@@ -21,7 +21,7 @@ use std::sync::atomic::AtomicU8;
 
 use half::bf16;
 
-use super::x86_512::Avx512;
+use super::x86_512::{Avx512, Prefetch};
 use super::x86_512_gemm::{
     col_masks, drive_panels, load_tile, store_tile, transpose16, trivial_product, PanelKernel,
     TileAt, NR,
@@ -419,15 +419,6 @@ unsafe fn rows_kernel(
         }
         j += jn;
     }
-}
-
-/// Cache lines a tile prefetches, spread over its steps: lines `first..first + lines` from
-/// `base`.
-#[derive(Copy, Clone)]
-struct Prefetch {
-    base: *const i8,
-    first: usize,
-    lines: usize,
 }
 
 /// 0 = not yet decided, 1 = off, 2 = on.

@@ -20,7 +20,7 @@ use std::arch::x86_64::*;
 use std::cell::RefCell;
 
 use super::x86::{w_at, BF16, F16, F32};
-use super::x86_512::{check_gemm_nt, elem_bytes, load16, Avx512};
+use super::x86_512::{check_gemm_nt, elem_bytes, load16, Avx512, Prefetch};
 use super::FloatWeights;
 
 /// Activation rows per register tile.
@@ -118,6 +118,11 @@ pub(super) trait PanelKernel {
     /// Rows, steps and columns are inside the product the kernel was built over, and the
     /// panel holds rows `at.j0..at.j0 + at.nc` (packed by [`Self::pack`]).
     unsafe fn tile<const R: usize>(&mut self, at: TileAt);
+
+    /// Whether [`Self::tile`] issues `at.pf`'s prefetches itself, spread over its steps
+    /// (decode batches, where [`super::stream::batch_prefetch`]); otherwise the driver issues
+    /// each tile's share before the tile.
+    const SPREADS_PREFETCH: bool = false;
 }
 
 /// Where a tile of [`drive_panels`] falls: activation rows from `i0`, reduction steps
@@ -131,6 +136,9 @@ pub(super) struct TileAt {
     pub j0: usize,
     pub nc: usize,
     pub first: bool,
+    /// The tile's share of the next panel's prefetch, where the kernel
+    /// [`PanelKernel::SPREADS_PREFETCH`] (otherwise no lines).
+    pub pf: Prefetch,
 }
 
 /// The panel loop of a packed prompt GEMM over `m` activation rows, `depth` reduction steps
@@ -152,6 +160,9 @@ pub(super) unsafe fn drive_panels<K: PanelKernel>(
     let kc = kc_for(depth);
     // Tile calls per panel, over which the next panel's weight rows are prefetched.
     let tiles = depth.div_ceil(kc) * m.div_ceil(MR);
+    // Decode batches spread each share over the tile's steps (a burst of hundreds of lines
+    // before a short tile waits on the memory instead).
+    let spread = K::SPREADS_PREFETCH && m <= crate::cpu::gemm::SMALL_M && super::batch_prefetch();
     let mut j0 = 0;
     while j0 < n {
         let nc = (n - j0).min(NR);
@@ -159,6 +170,7 @@ pub(super) unsafe fn drive_panels<K: PanelKernel>(
         let next = (n - j0 - nc).min(NR) * row_bytes;
         let per_tile = next.div_ceil(64).div_ceil(tiles) * 64;
         let mut pf = 0;
+        let (next_lines, mut ti) = (next.div_ceil(64), 0);
         // SAFETY: weight rows `j0..j0 + nc ≤ n`, row blocks `i0..i0 + R ≤ m` and steps
         // `p0..p0 + kb ≤ depth`: inside the caller's guarantee; prefetches touch rows
         // `j0 + nc..n` only (and are hints: they never fault).
@@ -171,10 +183,21 @@ pub(super) unsafe fn drive_panels<K: PanelKernel>(
                 let first = p0 == 0;
                 let mut i0 = 0;
                 while i0 < m {
-                    let end = (pf + per_tile).min(next);
-                    while pf < end {
-                        _mm_prefetch::<_MM_HINT_T0>(wn.add(pf).cast());
-                        pf += 64;
+                    let mut share = Prefetch {
+                        base: wn.cast(),
+                        first: 0,
+                        lines: 0,
+                    };
+                    if spread {
+                        share.first = ti * next_lines / tiles;
+                        share.lines = (ti + 1) * next_lines / tiles - share.first;
+                        ti += 1;
+                    } else {
+                        let end = (pf + per_tile).min(next);
+                        while pf < end {
+                            _mm_prefetch::<_MM_HINT_T0>(wn.add(pf).cast());
+                            pf += 64;
+                        }
                     }
                     let rn = (m - i0).min(MR);
                     let at = TileAt {
@@ -184,6 +207,7 @@ pub(super) unsafe fn drive_panels<K: PanelKernel>(
                         j0,
                         nc,
                         first,
+                        pf: share,
                     };
                     macro_rules! go {
                         ($($R:literal)*) => {

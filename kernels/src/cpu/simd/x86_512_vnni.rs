@@ -13,10 +13,14 @@
 //! tile of up to [`VR`] activation rows × 48 weight rows broadcasts 4 activation codes per
 //! row against three 16-lane weight vectors: 64 products per instruction.
 //!
-//! `vpdpbusd` multiplies unsigned by signed bytes. The activation codes are stored offset by
-//! 128 (`q ^ 0x80`, unsigned) and the weight codes stay signed (Q8_0) or are the 4-bit codes
-//! `0..15` (Q4_K, Q4_1); each block's integer sum starts from `−128·Σw` of its weight block (from the
-//! pack), so it ends at exactly `Σ q·w` (|sum| < 2²⁴: its f32 conversion is exact).
+//! `vpdpbusd` multiplies unsigned by signed bytes. For Q8_0 the activation codes are stored
+//! offset by 128 (`q ^ 0x80`, unsigned) and the weight codes stay signed; each block's integer
+//! sum starts from `−128·Σw` of its weight block (from the pack), so it ends at exactly
+//! `Σ q·w` (|sum| < 2²⁴: its f32 conversion is exact). The 4-bit codes `0..15` of Q4_K and
+//! Q4_1 are the unsigned operand as they are and the activation codes the signed one, each sum
+//! starting from zero: the same `Σ q·w` without the offset pass over the activations or a copy
+//! of the sum's start per row and block (`super::tuning`; `THAW_PROMPT_TUNING=0` brings back
+//! the offset form for them too).
 //!
 //! Per output, in order of the blocks `b`: `acc = fma(f32(Σ q·w) · d_x, d_w, acc)`, and for
 //! Q4_K/Q4_1 then `acc = acc − m_w · s_x` (Q4_K: `d_w = d·sc_j`, `m_w = dmin·m_j`; Q4_1:
@@ -188,8 +192,14 @@ impl Avx512Vnni {
                 }
                 return;
             }
+            // 4-bit codes (0..15) are the unsigned operand of `vpdpbusd` as they are, so the
+            // activation codes stay signed and each sum starts from zero (see the module note).
+            let unsigned_w = format != WeightFormat::Q8_0 && super::tuning::prompt_tuning();
             for (row, blocks) in x[..m * k].chunks_exact(k).zip(xq.chunks_exact_mut(kb)) {
                 quantize_q8_for(format, row, blocks);
+                if unsigned_w {
+                    continue;
+                }
                 for b in blocks.iter_mut() {
                     for q in b.qs.iter_mut() {
                         *q ^= i8::MIN; // + 128 as an unsigned byte
@@ -219,10 +229,12 @@ impl Avx512Vnni {
             // j < n); `xq` holds `m` rows of `kb` blocks and the panel `k/4·NR` groups and
             // `kb·NR` scales.
             unsafe {
-                match format {
-                    WeightFormat::Q8_0 => run::<Q8_0>(kern, (m, k, n)),
-                    WeightFormat::Q4_1 => run::<Q4_1>(kern, (m, k, n)),
-                    _ => run::<Q4_K>(kern, (m, k, n)),
+                match (format, unsigned_w) {
+                    (WeightFormat::Q8_0, _) => run::<Q8_0, false>(kern, (m, k, n)),
+                    (WeightFormat::Q4_1, true) => run::<Q4_1, true>(kern, (m, k, n)),
+                    (WeightFormat::Q4_1, false) => run::<Q4_1, false>(kern, (m, k, n)),
+                    (_, true) => run::<Q4_K, true>(kern, (m, k, n)),
+                    _ => run::<Q4_K, false>(kern, (m, k, n)),
                 }
             }
         });
@@ -248,18 +260,21 @@ struct Vnni {
 /// and `out` as [`Avx512Vnni::gemm_nt`] checks; `m, n, k > 0`.
 #[inline(never)]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
-unsafe fn run<const F: u8>(mut kern: Vnni, (m, k, n): (usize, usize, usize)) {
+unsafe fn run<const F: u8, const U: bool>(mut kern: Vnni, (m, k, n): (usize, usize, usize)) {
     let (w, rb) = (kern.w, kern.rb);
-    let mut k4 = Kern::<F>(&mut kern);
+    let mut k4 = Kern::<F, U>(&mut kern);
     // SAFETY: the kernel is built over this product (`k/4` steps); the caller's guarantee
     // is the driver's.
     unsafe { drive_panels(&mut k4, (m, k / 4, n), w, rb) }
 }
 
-/// [`Vnni`] for one weight format (`F`: [`Q8_0`], [`Q4_K`] or [`Q4_1`]).
-struct Kern<'a, const F: u8>(&'a mut Vnni);
+/// [`Vnni`] for one weight format (`F`: [`Q8_0`], [`Q4_K`] or [`Q4_1`]); `U`: the weight
+/// codes are `vpdpbusd`'s unsigned operand and the activation codes its signed one (4-bit
+/// formats, sums from zero), else the other way round (activations offset by 128, sums from
+/// the panel's `−128·Σw`).
+struct Kern<'a, const F: u8, const U: bool>(&'a mut Vnni);
 
-impl<const F: u8> PanelKernel for Kern<'_, F> {
+impl<const F: u8, const U: bool> PanelKernel for Kern<'_, F, U> {
     #[inline(always)]
     unsafe fn pack(&mut self, j0: usize, nc: usize) {
         let v = &*self.0;
@@ -269,20 +284,28 @@ impl<const F: u8> PanelKernel for Kern<'_, F> {
             let w = v.w.add(j0 * v.rb);
             let p = (v.q, v.start, v.scale, v.min);
             match F {
-                Q4_K => pack_q4_k(w, v.rb, nc, v.kb, p),
-                _ => pack_32::<F>(w, v.rb, nc, v.kb, p),
+                Q4_K => pack_q4_k::<U>(w, v.rb, nc, v.kb, p),
+                _ => pack_32::<F, U>(w, v.rb, nc, v.kb, p),
             }
         }
     }
+
+    const SPREADS_PREFETCH: bool = true;
 
     #[inline(always)]
     unsafe fn tile<const R: usize>(&mut self, at: TileAt) {
         let v = &*self.0;
         let (b0, nb) = (at.p0 / STEPS, at.kb / STEPS);
+        let (parts, pf) = (R.div_ceil(VR), at.pf);
         let mut r0 = 0;
         while r0 < R {
             let rn = (R - r0).min(VR);
             let i = at.i0 + r0;
+            // Each sub-tile of rows issues its part of the tile's prefetch share.
+            let g = r0 / VR;
+            let mut at = at;
+            at.pf.first = pf.first + g * pf.lines / parts;
+            at.pf.lines = (g + 1) * pf.lines / parts - g * pf.lines / parts;
             // SAFETY: activation rows `i..i + rn ≤ m` and their blocks `b0..b0 + nb ≤ kb`,
             // the panel's steps `8·b0..` and blocks `b0..b0 + nb`, outputs
             // `(i + r)·ldo + j0 + c` (c < nc): the caller's guarantee.
@@ -299,10 +322,10 @@ impl<const F: u8> PanelKernel for Kern<'_, F> {
                     ldc: v.ldo,
                 };
                 match rn {
-                    4 => tile::<4, F>(t, at),
-                    3 => tile::<3, F>(t, at),
-                    2 => tile::<2, F>(t, at),
-                    _ => tile::<1, F>(t, at),
+                    4 => tile::<4, F, U>(t, at),
+                    3 => tile::<3, F, U>(t, at),
+                    2 => tile::<2, F, U>(t, at),
+                    _ => tile::<1, F, U>(t, at),
                 }
             }
             r0 += rn;
@@ -334,19 +357,32 @@ struct Tile {
 /// `j < at.nc ≤ NR`.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
-unsafe fn tile<const R: usize, const F: u8>(t: Tile, at: TileAt) {
+unsafe fn tile<const R: usize, const F: u8, const U: bool>(t: Tile, at: TileAt) {
     let mask = col_masks(at.nc);
-    // SAFETY: loads and stores stay inside the caller's guarantee (masked to `nc` columns).
+    // Prefetch lines per block (the last blocks fewer: none past the share).
+    let per = at.pf.lines.div_ceil(t.nb.max(1));
+    let (mut line, end) = (at.pf.first, at.pf.first + at.pf.lines);
+    // SAFETY: loads and stores stay inside the caller's guarantee (masked to `nc` columns);
+    // prefetches are hints (addresses formed with `wrapping_add`, never dereferenced).
     unsafe {
         let mut acc = load_tile::<R>(t.c, t.ldc, mask, at.first);
         for b in 0..t.nb {
-            let start = t.start.add(b * NR);
-            let s = [
-                _mm512_loadu_si512(start.cast()),
-                _mm512_loadu_si512(start.add(16).cast()),
-                _mm512_loadu_si512(start.add(32).cast()),
-            ];
-            let mut isum = [s; R];
+            for _ in 0..per {
+                if line < end {
+                    _mm_prefetch::<_MM_HINT_T0>(at.pf.base.wrapping_add(64 * line));
+                    line += 1;
+                }
+            }
+            let mut isum = [[_mm512_setzero_si512(); 3]; R];
+            if !U {
+                let start = t.start.add(b * NR);
+                let s = [
+                    _mm512_loadu_si512(start.cast()),
+                    _mm512_loadu_si512(start.add(16).cast()),
+                    _mm512_loadu_si512(start.add(32).cast()),
+                ];
+                isum = [s; R];
+            }
             let q = t.q.add(b * STEPS * NR);
             for e in 0..STEPS {
                 let g = q.add(e * NR);
@@ -360,7 +396,11 @@ unsafe fn tile<const R: usize, const F: u8>(t: Tile, at: TileAt) {
                     let a =
                         _mm512_set1_epi32(xb.qs.as_ptr().add(4 * e).cast::<i32>().read_unaligned());
                     for v in 0..3 {
-                        isum[r][v] = _mm512_dpbusd_epi32(isum[r][v], a, wv[v]);
+                        isum[r][v] = if U {
+                            _mm512_dpbusd_epi32(isum[r][v], wv[v], a)
+                        } else {
+                            _mm512_dpbusd_epi32(isum[r][v], a, wv[v])
+                        };
                     }
                 }
             }
@@ -394,7 +434,7 @@ type PanelPtrs = (*mut u32, *mut i32, *mut f32, *mut f32);
 /// AVX512-VNNI/BW/F available; the panel holds blocks `b` (and `b + 1` when `both`).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-unsafe fn store_codes(
+unsafe fn store_codes<const U: bool>(
     cols: [__m512; 16],
     (q, start): (*mut u32, *mut i32),
     b: usize,
@@ -403,6 +443,16 @@ unsafe fn store_codes(
 ) {
     let ones = _mm512_set1_epi8(1);
     for h in 0..1 + both as usize {
+        if U {
+            for e in 0..STEPS {
+                let v = _mm512_castps_si512(cols[h * STEPS + e]);
+                // SAFETY: step `8·(b + h) + e` of the panel, columns `16g..16g + 16 ≤ NR`.
+                unsafe {
+                    _mm512_storeu_si512(q.add(((b + h) * STEPS + e) * NR + 16 * g).cast(), v)
+                };
+            }
+            continue;
+        }
         let mut sum = _mm512_setzero_si512();
         for e in 0..STEPS {
             let v = _mm512_castps_si512(cols[h * STEPS + e]);
@@ -426,7 +476,13 @@ unsafe fn store_codes(
 /// writable for `8·kb·NR` groups and `kb·NR` scales.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
-unsafe fn pack_32<const F: u8>(w: *const u8, rb: usize, nc: usize, kb: usize, p: PanelPtrs) {
+unsafe fn pack_32<const F: u8, const U: bool>(
+    w: *const u8,
+    rb: usize,
+    nc: usize,
+    kb: usize,
+    p: PanelPtrs,
+) {
     let bb = if F == Q8_0 { 34 } else { 20 };
     let low = _mm_set1_epi8(0xF);
     // Block `b`'s 32 codes at `blk`, in order.
@@ -470,7 +526,7 @@ unsafe fn pack_32<const F: u8>(w: *const u8, rb: usize, nc: usize, kb: usize, p:
                         ));
                     }
                 }
-                store_codes(transpose16(r), (p.0, p.1), b, g, both);
+                store_codes::<U>(transpose16(r), (p.0, p.1), b, g, both);
                 for h in 0..1 + both as usize {
                     let half = |v: &[u16; 32]| {
                         _mm512_cvtph_ps(_mm256_loadu_si256(v.as_ptr().add(16 * h).cast()))
@@ -495,7 +551,7 @@ unsafe fn pack_32<const F: u8>(w: *const u8, rb: usize, nc: usize, kb: usize, p:
 /// As [`pack_32`], for Q4_K rows.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
-unsafe fn pack_q4_k(w: *const u8, rb: usize, nc: usize, kb: usize, p: PanelPtrs) {
+unsafe fn pack_q4_k<const U: bool>(w: *const u8, rb: usize, nc: usize, kb: usize, p: PanelPtrs) {
     const BB: usize = 144;
     let low = _mm256_set1_epi8(0xF);
     // SAFETY: rows `16g + t < nc`, super-blocks `sb < kb / 8` (bytes `144·sb..144·sb + 144`
@@ -517,7 +573,7 @@ unsafe fn pack_q4_k(w: *const u8, rb: usize, nc: usize, kb: usize, p: PanelPtrs)
                             ));
                         }
                     }
-                    store_codes(transpose16(r), (p.0, p.1), 8 * sb + 2 * c, g, true);
+                    store_codes::<U>(transpose16(r), (p.0, p.1), 8 * sb + 2 * c, g, true);
                 }
                 // Rows `16g..` may all be past `nc` (then nothing is read): a wrapping
                 // address, never dereferenced.

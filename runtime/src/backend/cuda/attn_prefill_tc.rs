@@ -1,11 +1,11 @@
 //! Prefill attention on the tensor cores (`thaw-kernels/src/cuda/attention_prefill_tc.cu`,
-//! issue 29). Opt-in until a GPU run verifies it: `THAW_CUDA_TC_PREFILL=1` (read when the
-//! backend is created) or [`CudaBackend::set_tc_prefill`]; `attention.cu`'s prefill stays the
-//! default. It serves a bf16 or f16 KV cache with heads of 32, 64 or 128
-//! ([`prefill_tc_plan::entry_point`]); for any other shape the switch is accepted and the
-//! classic kernel keeps running (eager fallback), which [`CudaBackend::tc_prefill`] reports.
-//! The step metadata's prefill tiles are cut to the kernel's query tile
-//! ([`prefill_tc_plan::tile_rows`]); decode rows are unaffected.
+//! issue 29). The default prefill attention wherever it serves the backend: a bf16 or f16 KV
+//! cache with heads of 32, 64 or 128 ([`prefill_tc_plan::entry_point`]) on a device of compute
+//! capability 8.0 or newer ([`tc_prefill_unserved`]); elsewhere `attention.cu`'s prefill runs,
+//! which [`CudaBackend::tc_prefill`] reports. `THAW_CUDA_TC_PREFILL=0` (read when the backend
+//! is created, see [`kernel_select`](crate::backend::kernel_select)) or
+//! [`CudaBackend::set_tc_prefill`] turns it off. The step metadata's prefill tiles are cut to
+//! the kernel's query tile ([`prefill_tc_plan::tile_rows`]); decode rows are unaffected.
 use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaFunction, CudaSlice};
@@ -15,22 +15,8 @@ use thaw_kernels::cuda::KernelCache;
 
 use super::launch::{AttnShape, Gpu, PrefillKernel};
 use super::{CudaBackend, CudaError};
+use crate::backend::kernel_select::tc_prefill_unserved;
 use crate::error::Result;
-
-/// The environment variable that turns the tensor-core prefill on: `1` (or `true`, `on`); `0`
-/// or unset keeps `attention.cu`'s prefill.
-pub const TC_PREFILL_ENV: &str = "THAW_CUDA_TC_PREFILL";
-
-/// Parses an on/off switch read from the environment variable `env`; `on` says what 1 does.
-pub fn parse_switch(env: &str, on: &str, s: &str) -> Result<bool, String> {
-    match s.trim().to_ascii_lowercase().as_str() {
-        "" | "0" | "false" | "off" | "no" => Ok(false),
-        "1" | "true" | "on" | "yes" => Ok(true),
-        other => Err(format!(
-            "{env}={other:?} is not a switch; use 1 to {on}, or 0"
-        )),
-    }
-}
 
 /// The resolved tensor-core prefill kernel for one (KV dtype, head_dim).
 pub(crate) struct TcPrefill {
@@ -39,9 +25,17 @@ pub(crate) struct TcPrefill {
 }
 
 impl TcPrefill {
-    /// The kernel for `kv` and `head_dim`, or `None` when the tensor-core kernel does not serve
-    /// that shape.
-    fn load(ctx: &Arc<CudaContext>, kv: DType, head_dim: usize) -> Result<Option<Self>, CudaError> {
+    /// The kernel for `kv` and `head_dim` on `ctx`'s device, or `None` when the tensor-core
+    /// kernel does not serve them ([`tc_prefill_unserved`]).
+    pub(super) fn load(
+        ctx: &Arc<CudaContext>,
+        kv: DType,
+        head_dim: usize,
+    ) -> Result<Option<Self>, CudaError> {
+        let arch = KernelCache::arch(ctx)?;
+        if tc_prefill_unserved(kv, head_dim, arch).is_some() {
+            return Ok(None);
+        }
         let Some(name) = prefill_tc_plan::entry_point(kv, head_dim) else {
             return Ok(None);
         };
@@ -49,32 +43,6 @@ impl TcPrefill {
             .function(ctx, &name)
             .map_err(CudaError::from)?;
         Ok(Some(Self { func, head_dim }))
-    }
-
-    /// The kernel [`TC_PREFILL_ENV`] asks for, if it serves this shape.
-    pub(super) fn from_env(
-        ctx: &Arc<CudaContext>,
-        kv: DType,
-        head_dim: usize,
-    ) -> Result<Option<Self>, CudaError> {
-        let v = std::env::var(TC_PREFILL_ENV).unwrap_or_default();
-        let on = parse_switch(
-            TC_PREFILL_ENV,
-            "run prefill attention on the tensor cores",
-            &v,
-        )
-        .map_err(CudaError::Unsupported)?;
-        if !on {
-            return Ok(None);
-        }
-        let k = Self::load(ctx, kv, head_dim)?;
-        if k.is_none() {
-            tracing::info!(
-                "{TC_PREFILL_ENV}=1: no tensor-core prefill for a {kv:?} KV cache with head_dim \
-                 {head_dim} (bf16/f16, 32, 64 or 128); the classic prefill runs"
-            );
-        }
-        Ok(k)
     }
 }
 
@@ -127,7 +95,7 @@ impl Gpu {
 impl CudaBackend {
     /// Switches prefill attention to the tensor-core kernel (`on`) or back (tests,
     /// benchmarks); compiles on first use. Returns whether the tensor-core kernel now runs:
-    /// `false` with `on` when it does not serve this backend's KV dtype and head_dim.
+    /// `false` with `on` when it does not serve this backend's KV dtype, head_dim or device.
     pub fn set_tc_prefill(&mut self, on: bool) -> Result<bool> {
         self.gpu.tc_prefill = if on {
             TcPrefill::load(&self.gpu.ctx, self.gpu.kv_dtype, self.head_dim)?
@@ -142,23 +110,5 @@ impl CudaBackend {
     /// Whether prefill attention runs on the tensor-core kernel.
     pub fn tc_prefill(&self) -> bool {
         self.gpu.tc_prefill.is_some()
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_switch_parses_or_says_what_to_use() {
-        let p = |s| parse_switch(TC_PREFILL_ENV, "do it", s);
-        assert_eq!(p(""), Ok(false));
-        assert_eq!(p(" ON "), Ok(true));
-        assert_eq!(p("0"), Ok(false));
-        let e = p("fast").unwrap_err();
-        assert!(
-            e.contains(TC_PREFILL_ENV) && e.contains("use 1 to do it"),
-            "{e}"
-        );
     }
 }

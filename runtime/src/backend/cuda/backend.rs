@@ -132,13 +132,11 @@ impl CudaBackend {
                 thaw_kernels::cuda::registry::shape::MAX_HEAD_DIM
             )));
         }
-        let mut gpu = Gpu::new(cfg.ordinal, cfg.weight_dtype, cfg.kv_dtype)?;
-        gpu.tc_prefill =
-            super::attn_prefill_tc::TcPrefill::from_env(&gpu.ctx, cfg.kv_dtype, c.head_dim)?;
+        let gpu = Gpu::new(cfg.ordinal, cfg.weight_dtype, cfg.kv_dtype)?;
         let rope = RopeTable::new(c.head_dim, c.rope_theta, &c.rope_scaling);
         let inv_freq = gpu.stream.clone_htod(rope.inv_freq())?;
         let export_counter = gpu.stream.alloc_zeros::<u32>(1)?;
-        Ok(Self {
+        let mut b = Self {
             inv_freq,
             n_heads: c.num_heads,
             n_kv_heads: c.num_kv_heads,
@@ -168,7 +166,9 @@ impl CudaBackend {
             graphs: Default::default(),
             kv_allocs: AtomicU64::new(0),
             gpu,
-        })
+        };
+        b.load_kernels(c)?;
+        Ok(b)
     }
 
     /// The device's name, e.g. "NVIDIA H100 80GB HBM3".

@@ -1,55 +1,23 @@
 //! Flash-decoding launches (`thaw-kernels/src/cuda/attention_split.cu`, issue 29): each decode
-//! row's context split across blocks, then a reduce. Opt-in until a GPU run verifies it:
-//! `THAW_CUDA_ATTN_IMPL=split` (read when the backend is created) or
-//! [`CudaBackend::set_attn_impl`]; `attention.cu`'s one-block-per-head decode stays the default.
-//! Reads the same per-step metadata ([`AttnMeta`], uploaded once per step); prefill rows are
-//! unaffected. A step whose plan ([`DecodeSplit::plan`], a pure function of the longest context
-//! and of rows · heads against the SM count) makes one split falls back to `attention.cu`'s
-//! kernel.
+//! row's context split across blocks, then a reduce. The default decode attention;
+//! `THAW_CUDA_ATTN_IMPL=classic` (read when the backend is created, see
+//! [`kernel_select`](crate::backend::kernel_select)) or [`CudaBackend::set_attn_impl`] runs
+//! `attention.cu`'s one-block-per-head decode instead. Reads the same per-step metadata
+//! ([`AttnMeta`], uploaded once per step); prefill rows are unaffected. A step whose plan
+//! ([`DecodeSplit::plan`], a pure function of the longest context and of rows · heads against
+//! the SM count) makes one split falls back to `attention.cu`'s kernel.
 use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaFunction, CudaSlice};
-use thaw_kernels::cuda::decode_plan::{DecodeSplit, MIN_CHUNK};
+use thaw_kernels::cuda::decode_plan::DecodeSplit;
 use thaw_kernels::cuda::registry::{shape, DType};
 use thaw_kernels::cuda::KernelCache;
 
 use super::launch::{int, launch, AttnShape, Gpu};
 use super::step::AttnMeta;
 use super::{CudaBackend, CudaError};
+use crate::backend::kernel_select::AttnImpl;
 use crate::error::Result;
-
-/// The environment variable that picks the decode attention: `classic` (default) or `split`.
-pub const ATTN_IMPL_ENV: &str = "THAW_CUDA_ATTN_IMPL";
-
-/// Which kernels run the CUDA backend's decode attention.
-#[derive(Copy, Clone, Debug, PartialEq, Eq, Default)]
-pub enum AttnImpl {
-    /// `attention.cu`: one block per (row, head).
-    #[default]
-    Classic,
-    /// `attention_split.cu`: flash-decoding, no chunk under `min_chunk` positions (tests set
-    /// it small to split short contexts).
-    Split { min_chunk: usize },
-}
-
-impl AttnImpl {
-    /// Flash-decoding with the default chunking.
-    pub const SPLIT: AttnImpl = AttnImpl::Split {
-        min_chunk: MIN_CHUNK,
-    };
-
-    /// Parses [`ATTN_IMPL_ENV`]'s value.
-    pub fn parse(s: &str) -> Result<Self, String> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "" | "classic" => Ok(AttnImpl::Classic),
-            "split" | "flash-decoding" => Ok(AttnImpl::SPLIT),
-            other => Err(format!(
-                "{ATTN_IMPL_ENV}={other:?} is not a decode attention implementation; use \
-                 \"classic\" or \"split\""
-            )),
-        }
-    }
-}
 
 /// The resolved flash-decoding kernels for one KV dtype.
 pub(crate) struct FlashDecode {
@@ -60,7 +28,11 @@ pub(crate) struct FlashDecode {
 }
 
 impl FlashDecode {
-    fn load(ctx: &Arc<CudaContext>, kv: DType, min_chunk: usize) -> Result<Self, CudaError> {
+    pub(super) fn load(
+        ctx: &Arc<CudaContext>,
+        kv: DType,
+        min_chunk: usize,
+    ) -> Result<Self, CudaError> {
         let cache = KernelCache::global();
         let f = |name: &str| cache.function(ctx, name).map_err(CudaError::from);
         Ok(Self {
@@ -69,15 +41,6 @@ impl FlashDecode {
             sms: super::sgmv::sm_count(ctx)?,
             min_chunk: min_chunk.max(1),
         })
-    }
-
-    /// The kernels [`ATTN_IMPL_ENV`] asks for, if any.
-    pub(super) fn from_env(ctx: &Arc<CudaContext>, kv: DType) -> Result<Option<Self>, CudaError> {
-        let v = std::env::var(ATTN_IMPL_ENV).unwrap_or_default();
-        match AttnImpl::parse(&v).map_err(CudaError::Unsupported)? {
-            AttnImpl::Classic => Ok(None),
-            AttnImpl::Split { min_chunk } => Ok(Some(Self::load(ctx, kv, min_chunk)?)),
-        }
     }
 }
 
@@ -237,14 +200,6 @@ impl CudaBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn the_env_value_parses_or_says_what_to_use() {
-        assert_eq!(AttnImpl::parse(""), Ok(AttnImpl::Classic));
-        assert_eq!(AttnImpl::parse("SPLIT"), Ok(AttnImpl::SPLIT));
-        let e = AttnImpl::parse("paged").unwrap_err();
-        assert!(e.contains(ATTN_IMPL_ENV) && e.contains("\"split\""), "{e}");
-    }
 
     #[test]
     fn the_longest_context_respects_the_window() {

@@ -1,5 +1,6 @@
-//! Fused elementwise kernels (issue 29), opt-in until a GPU run verifies them:
-//! `THAW_CUDA_FUSED=1` (read when the backend is created) or [`CudaBackend::set_fused`].
+//! Fused elementwise kernels (issue 29), on by default; `THAW_CUDA_FUSED=0` (read when the
+//! backend is created, see [`kernel_select`](crate::backend::kernel_select)) or
+//! [`CudaBackend::set_fused`] runs the separate kernels instead.
 //!
 //! - `add_rms_norm_T` (`norm.cu`): the residual add and the next block's RMSNorm in one pass
 //!   over each row ([`Backend::add_rms_norm`](crate::backend::Backend::add_rms_norm)); bit for
@@ -19,15 +20,6 @@ use thaw_kernels::cuda::KernelCache;
 use super::launch::{blocks, int, launch, Gpu};
 use super::{CudaBackend, CudaError};
 use crate::error::Result;
-
-/// The environment variable that turns the fused kernels on: `1` (or `true`, `on`); `0` or
-/// unset keeps the separate kernels.
-pub const FUSED_ENV: &str = "THAW_CUDA_FUSED";
-
-/// Parses [`FUSED_ENV`]'s value.
-pub fn parse_fused(s: &str) -> Result<bool, String> {
-    super::attn_prefill_tc::parse_switch(FUSED_ENV, "fuse add + RMSNorm and SwiGLU + cast", s)
-}
 
 /// Which buffer the 16-bit GEMM input scratch mirrors, and when that was written: valid for
 /// the op that directly follows (op count `at + 1`) if it reads the same `ptr` and `len`.
@@ -53,7 +45,7 @@ pub(crate) struct Fused {
 }
 
 impl Fused {
-    fn load(ctx: &Arc<CudaContext>, w: DType) -> Result<Self, CudaError> {
+    pub(super) fn load(ctx: &Arc<CudaContext>, w: DType) -> Result<Self, CudaError> {
         let cache = KernelCache::global();
         let f = |name: &str| cache.function(ctx, name).map_err(CudaError::from);
         Ok(Self {
@@ -63,16 +55,6 @@ impl Fused {
                 DType::Bf16 | DType::F16 => Some(f(&format!("swiglu_x16_{}", w.suffix()))?),
             },
         })
-    }
-
-    /// The kernels [`FUSED_ENV`] asks for, if any.
-    pub(super) fn from_env(ctx: &Arc<CudaContext>, w: DType) -> Result<Option<Self>, CudaError> {
-        let v = std::env::var(FUSED_ENV).unwrap_or_default();
-        if parse_fused(&v).map_err(CudaError::Unsupported)? {
-            Ok(Some(Self::load(ctx, w)?))
-        } else {
-            Ok(None)
-        }
     }
 }
 
@@ -227,16 +209,6 @@ impl CudaBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn the_env_value_parses_or_says_what_to_use() {
-        assert_eq!(parse_fused(""), Ok(false));
-        assert_eq!(parse_fused("1"), Ok(true));
-        assert_eq!(parse_fused(" On "), Ok(true));
-        assert_eq!(parse_fused("0"), Ok(false));
-        let e = parse_fused("fast").unwrap_err();
-        assert!(e.contains(FUSED_ENV) && e.contains("use 1"), "{e}");
-    }
 
     #[test]
     fn a_tag_serves_only_the_next_op_over_the_same_buffer() {

@@ -125,14 +125,14 @@ pub(super) struct Gpu {
     k: Kernels,
     pub weight_dtype: DType,
     pub kv_dtype: DType,
-    /// The Punica-shaped LoRA kernels, when selected (`sgmv.rs`); `None` = `lora.cu`'s.
+    /// The Punica-shaped LoRA kernels (`sgmv.rs`, the default); `None` = `lora.cu`'s.
     pub punica: Option<super::sgmv::Punica>,
-    /// Flash-decoding, when selected (`flash.rs`); `None` = `attention.cu`'s decode.
+    /// Flash-decoding (`flash.rs`, the default); `None` = `attention.cu`'s decode.
     pub flash: Option<super::flash::FlashDecode>,
-    /// Fused add + RMSNorm and SwiGLU + cast, when selected (`fused.rs`).
+    /// Fused add + RMSNorm and SwiGLU + cast (`fused.rs`, the default); `None` = separate.
     pub fused: Option<super::fused::Fused>,
-    /// Prefill attention on the tensor cores, when selected and served
-    /// (`attn_prefill_tc.rs`); `None` = `attention.cu`'s prefill.
+    /// Prefill attention on the tensor cores (`attn_prefill_tc.rs`, the default where
+    /// served); `None` = `attention.cu`'s prefill.
     pub tc_prefill: Option<super::attn_prefill_tc::TcPrefill>,
 }
 
@@ -150,13 +150,12 @@ impl Gpu {
         let stream = ctx.new_stream()?;
         let blas = CudaBlas::new(stream.clone())?;
         let k = Kernels::load(&ctx, weight_dtype, kv_dtype)?;
-        let punica = super::sgmv::Punica::from_env(&ctx, weight_dtype)?;
-        let flash = super::flash::FlashDecode::from_env(&ctx, kv_dtype)?;
-        let fused = super::fused::Fused::from_env(&ctx, weight_dtype)?;
+        // Issue 29's kernels are loaded by the backend once it has resolved them
+        // (`CudaBackend::load_kernels`): which run depends on the model's shape too.
         Ok(Self {
-            punica,
-            flash,
-            fused,
+            punica: None,
+            flash: None,
+            fused: None,
             tc_prefill: None,
             ctx,
             stream,

@@ -9,17 +9,27 @@
 //!
 //! | file | job |
 //! | --- | --- |
-//! | `attn_prefill_tc.rs` | prefill attention on the tensor cores (opt-in: `THAW_CUDA_TC_PREFILL=1`) |
-//! | `flash.rs` | flash-decoding launches (opt-in: `THAW_CUDA_ATTN_IMPL=split`) |
-//! | `fused.rs` | fused add + RMSNorm and SwiGLU + cast (opt-in: `THAW_CUDA_FUSED=1`) |
+//! | `attn_prefill_tc.rs` | prefill attention on the tensor cores (default where served; off: `THAW_CUDA_TC_PREFILL=0`) |
+//! | `flash.rs` | flash-decoding launches (default; off: `THAW_CUDA_ATTN_IMPL=classic`) |
+//! | `fused.rs` | fused add + RMSNorm and SwiGLU + cast (default; off: `THAW_CUDA_FUSED=0`) |
 //! | `graph.rs` | CUDA graphs of decode steps: capture, replay, the persistent metadata buffer |
 //! | `launch.rs` | every raw CUDA call: launches, cuBLAS, stream waits, host registration |
 //! | `backend.rs` | [`CudaBackend`]: the trait ops |
-//! | `sgmv.rs` | the Punica-shaped SGMV / BGMV launches (opt-in: `THAW_CUDA_LORA_IMPL=punica`) |
+//! | `select.rs` | resolves and loads the issue-29 kernels a new backend runs, logs the choice |
+//! | `sgmv.rs` | the Punica-shaped SGMV / BGMV launches (default where served; off: `THAW_CUDA_LORA_IMPL=classic`) |
 //! | `step.rs` | per-step device metadata (slots, block tables, segments), uploaded once per step |
 //! | `weights.rs` | weights, norms and LoRA descriptor tables on the device |
 //! | `exchange.rs` | fused export and stream-waited merge (CPU assist) |
 //! | `upload.rs` | the upload pipeline's copy device: registered arena, copy stream, events |
+//!
+//! Issue 29's four kernels are the defaults; which run is resolved once, when a backend is
+//! created, by [`KernelPlan::resolve`](crate::backend::kernel_select::KernelPlan::resolve) (pure,
+//! unit-tested on the CPU) and logged at info level. Unset (or empty, or `auto`), a variable
+//! picks the new kernel where it serves the backend and the classic one where it does not (an
+//! f32 KV cache, a head_dim other than 32/64/128 or a device below compute capability 8.0 for
+//! the tensor-core prefill); its off value always picks the classic one; an explicit on value
+//! the backend cannot serve is an error that says what to set. Tests and benchmarks switch at
+//! run time with `set_attn_impl`, `set_tc_prefill`, `set_lora_impl` and `set_fused`.
 mod attn_prefill_tc;
 mod backend;
 mod encode;
@@ -29,17 +39,17 @@ mod fused;
 mod graph;
 mod launch;
 mod link;
+mod select;
 mod sgmv;
 mod step;
 mod upload;
 mod weights;
 
-pub use attn_prefill_tc::{parse_switch, TC_PREFILL_ENV};
+pub use super::kernel_select::{
+    AttnImpl, KernelPlan, LoraImpl, ATTN_IMPL_ENV, FUSED_ENV, LORA_IMPL_ENV, TC_PREFILL_ENV,
+};
 pub use backend::{CudaBackend, CudaConfig, CudaKvLayer};
 pub use exchange::MappedExchange;
-pub use flash::{AttnImpl, ATTN_IMPL_ENV};
-pub use fused::{parse_fused, FUSED_ENV};
-pub use sgmv::{LoraImpl, LORA_IMPL_ENV};
 pub use thaw_kernels::cuda::registry::DType;
 pub use upload::{CudaCopy, LayerLanding};
 pub use weights::{CudaLinear, CudaLora, CudaVector};

@@ -1,11 +1,13 @@
 //! The Punica-shaped LoRA kernels (`thaw-kernels/src/cuda/lora_punica.cu`, issue 29): split-K
 //! SGMV / BGMV shrink with 16-byte weight loads and an expand that sums the splits.
 //!
-//! They are opt-in until a GPU run has checked their parity and speed: `lora.cu`'s kernels stay
-//! the default, and these are selected with `THAW_CUDA_LORA_IMPL=punica` (read when the backend
-//! is created) or [`CudaBackend::set_lora_impl`]. The choice between SGMV and BGMV stays the
-//! engine's (`--lora-kernel`); this picks how either is launched. Both implementations read the
-//! same per-step metadata ([`LoraMeta`], uploaded once per step) and descriptor tables.
+//! The default LoRA kernels; `THAW_CUDA_LORA_IMPL=classic` (read when the backend is created,
+//! see [`kernel_select`](crate::backend::kernel_select)) or [`CudaBackend::set_lora_impl`] runs
+//! `lora.cu`'s instead. By default a model whose widest LoRA input is above the split-K limit
+//! ([`kernel_select::PUNICA_MAX_D_IN`](crate::backend::kernel_select::PUNICA_MAX_D_IN)) keeps
+//! `lora.cu`'s. The choice between SGMV and BGMV stays the engine's (`--lora-kernel`); this
+//! picks how either is launched. Both implementations read the same per-step metadata
+//! ([`LoraMeta`], uploaded once per step) and descriptor tables.
 use std::sync::Arc;
 
 use cudarc::driver::{sys, CudaContext, CudaFunction, CudaSlice};
@@ -16,41 +18,9 @@ use thaw_kernels::cuda::KernelCache;
 use super::launch::{int, launch, Gpu};
 use super::step::LoraMeta;
 use super::{CudaBackend, CudaError};
+use crate::backend::kernel_select::{LoraImpl, LORA_IMPL_ENV, PUNICA_MAX_D_IN};
 use crate::backend::{LinearDims, LoraKernel};
 use crate::error::Result;
-
-/// The environment variable that picks the LoRA kernels: `classic` (default) or `punica`.
-pub const LORA_IMPL_ENV: &str = "THAW_CUDA_LORA_IMPL";
-
-/// Which kernels launch the CUDA backend's SGMV / BGMV.
-#[derive(Copy, Clone, Debug, PartialEq, Eq, Default)]
-pub enum LoraImpl {
-    /// `lora.cu`: one block per (segment, rank) for the shrink, no split-K.
-    #[default]
-    Classic,
-    /// `lora_punica.cu`. `max_k_chunk` caps the shrink's K chunk (elements) below the kernel's
-    /// staging limit; tests set it small to exercise split-K on small models.
-    Punica { max_k_chunk: usize },
-}
-
-impl LoraImpl {
-    /// Punica's kernels with the default K chunking.
-    pub const PUNICA: LoraImpl = LoraImpl::Punica {
-        max_k_chunk: shape::PUNICA_K_CHUNK,
-    };
-
-    /// Parses [`LORA_IMPL_ENV`]'s value.
-    pub fn parse(s: &str) -> Result<Self, String> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "" | "classic" => Ok(LoraImpl::Classic),
-            "punica" => Ok(LoraImpl::PUNICA),
-            other => Err(format!(
-                "{LORA_IMPL_ENV}={other:?} is not a LoRA kernel implementation; use \"classic\" \
-                 or \"punica\""
-            )),
-        }
-    }
-}
 
 /// The device's multiprocessors: the split planners size their grids to a few blocks per SM.
 pub(super) fn sm_count(ctx: &Arc<CudaContext>) -> Result<usize, CudaError> {
@@ -69,7 +39,11 @@ pub(crate) struct Punica {
 }
 
 impl Punica {
-    fn load(ctx: &Arc<CudaContext>, w: DType, max_k_chunk: usize) -> Result<Self, CudaError> {
+    pub(super) fn load(
+        ctx: &Arc<CudaContext>,
+        w: DType,
+        max_k_chunk: usize,
+    ) -> Result<Self, CudaError> {
         let cache = KernelCache::global();
         let f = |base: &str| {
             cache
@@ -86,20 +60,11 @@ impl Punica {
         })
     }
 
-    /// The kernels [`LORA_IMPL_ENV`] asks for, if any.
-    pub(super) fn from_env(ctx: &Arc<CudaContext>, w: DType) -> Result<Option<Self>, CudaError> {
-        let v = std::env::var(LORA_IMPL_ENV).unwrap_or_default();
-        match LoraImpl::parse(&v).map_err(CudaError::Unsupported)? {
-            LoraImpl::Classic => Ok(None),
-            LoraImpl::Punica { max_k_chunk } => Ok(Some(Self::load(ctx, w, max_k_chunk)?)),
-        }
-    }
-
     fn split(&self, d_in: usize, blocks: usize) -> Result<SplitK, CudaError> {
         SplitK::plan(d_in, blocks, self.sms, self.max_k_chunk).ok_or_else(|| {
             CudaError::Unsupported(format!(
-                "d_in {d_in} is above the Punica LoRA kernels' limit of {} (set {LORA_IMPL_ENV}=classic)",
-                thaw_kernels::cuda::punica_plan::MAX_SPLITS * shape::PUNICA_K_CHUNK
+                "d_in {d_in} is above the Punica LoRA kernels' limit of {PUNICA_MAX_D_IN} (set \
+                 {LORA_IMPL_ENV}=classic)"
             ))
         })
     }
@@ -307,19 +272,5 @@ impl CudaBackend {
                 max_k_chunk: p.max_k_chunk,
             },
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_env_value_parses_or_says_what_to_use() {
-        assert_eq!(LoraImpl::parse(""), Ok(LoraImpl::Classic));
-        assert_eq!(LoraImpl::parse("classic"), Ok(LoraImpl::Classic));
-        assert_eq!(LoraImpl::parse(" Punica\n"), Ok(LoraImpl::PUNICA));
-        let e = LoraImpl::parse("cutlass").unwrap_err();
-        assert!(e.contains(LORA_IMPL_ENV) && e.contains("\"punica\""), "{e}");
     }
 }

@@ -1,0 +1,62 @@
+//! Loads the issue-29 kernels a new backend runs: resolved by
+//! [`KernelPlan::resolve`] (pure, in [`kernel_select`](crate::backend::kernel_select)) from the
+//! four environment variables and the backend's shape, logged once at info level.
+use thaw_kernels::cuda::decode_plan::MIN_CHUNK;
+use thaw_kernels::cuda::registry::shape;
+use thaw_kernels::cuda::KernelCache;
+
+use super::attn_prefill_tc::TcPrefill;
+use super::flash::FlashDecode;
+use super::fused::Fused;
+use super::sgmv::Punica;
+use super::{CudaBackend, CudaError};
+use crate::adapter::LoraModule;
+use crate::backend::kernel_select::{Choice, KernelPlan, ServedShape};
+use crate::model::ModelConfig;
+
+impl CudaBackend {
+    /// Resolves and loads the kernels for model `c` from the environment; an explicit request
+    /// this backend cannot serve is [`CudaError::Unsupported`] with what to set.
+    pub(super) fn load_kernels(&mut self, c: &ModelConfig) -> Result<(), CudaError> {
+        let (ctx, kv, w) = (&self.gpu.ctx, self.gpu.kv_dtype, self.gpu.weight_dtype);
+        let served = ServedShape {
+            kv,
+            head_dim: c.head_dim,
+            max_lora_d_in: LoraModule::ALL
+                .iter()
+                .map(|&m| c.module_shape(m).0)
+                .max()
+                .unwrap_or(0),
+            arch: KernelCache::arch(ctx)?,
+        };
+        let env = |k: &str| std::env::var_os(k).map(|v| v.to_string_lossy().into_owned());
+        let plan = KernelPlan::resolve(env, &served).map_err(CudaError::Unsupported)?;
+        tracing::info!("CUDA kernels: {plan}");
+        if plan.attn.is_new() {
+            self.gpu.flash = Some(FlashDecode::load(ctx, kv, MIN_CHUNK)?);
+        }
+        if plan.tc_prefill.is_new() {
+            self.gpu.tc_prefill = TcPrefill::load(ctx, kv, c.head_dim)?;
+            debug_assert!(self.gpu.tc_prefill.is_some(), "resolved as served");
+        }
+        if plan.lora.is_new() {
+            self.gpu.punica = Some(Punica::load(ctx, w, shape::PUNICA_K_CHUNK)?);
+        }
+        if plan.fused.is_new() {
+            self.gpu.fused = Some(Fused::load(ctx, w)?);
+        }
+        Ok(())
+    }
+
+    /// Which of issue 29's kernels run now (after any `set_*` call): each is
+    /// [`Choice::New`] or [`Choice::Classic`].
+    pub fn kernel_plan(&self) -> KernelPlan {
+        let pick = |new: bool| if new { Choice::New } else { Choice::Classic };
+        KernelPlan {
+            attn: pick(self.gpu.flash.is_some()),
+            tc_prefill: pick(self.gpu.tc_prefill.is_some()),
+            lora: pick(self.gpu.punica.is_some()),
+            fused: pick(self.gpu.fused.is_some()),
+        }
+    }
+}

@@ -1,0 +1,320 @@
+//! Which of the CUDA backend's issue-29 kernels run, as pure functions of the environment
+//! variables' values and of the shape the backend serves, so the rules are unit-tested on the
+//! CPU (the `cuda` module only loads what [`KernelPlan::resolve`] picked).
+//!
+//! All four are on by default (verified on an H200: the whole parity suite with them on, and
+//! `thaw-bench gpu` on llama-7b-shape), each with the variable that turns it off:
+//!
+//! | kernel | variable | off |
+//! | --- | --- | --- |
+//! | flash-decoding (`attention_split.cu`) | [`ATTN_IMPL_ENV`] | `classic` |
+//! | prefill attention on the tensor cores (`attention_prefill_tc.cu`) | [`TC_PREFILL_ENV`] | `0` |
+//! | Punica-shaped SGMV / BGMV (`lora_punica.cu`) | [`LORA_IMPL_ENV`] | `classic` |
+//! | fused add + RMSNorm and SwiGLU + cast | [`FUSED_ENV`] | `0` |
+//!
+//! Unset, empty or `auto`: the new kernel where it serves the backend's shape, the classic one
+//! (with the reason, logged once) where it does not — e.g. the tensor-core prefill with an f32
+//! KV cache, a head_dim other than 32/64/128, or a device below compute capability 8.0. An
+//! explicit `split` / `1` / `punica` that cannot be served is an error that says what to set.
+use std::fmt;
+
+use thaw_kernels::cuda::decode_plan::MIN_CHUNK;
+use thaw_kernels::cuda::registry::{shape, DType, GpuArch};
+use thaw_kernels::cuda::{prefill_tc_plan, punica_plan};
+
+/// Picks the decode attention: `split` (flash-decoding, the default) or `classic`.
+pub const ATTN_IMPL_ENV: &str = "THAW_CUDA_ATTN_IMPL";
+/// Prefill attention on the tensor cores: `1` (the default where served) or `0`.
+pub const TC_PREFILL_ENV: &str = "THAW_CUDA_TC_PREFILL";
+/// Picks the SGMV / BGMV kernels: `punica` (the default) or `classic`.
+pub const LORA_IMPL_ENV: &str = "THAW_CUDA_LORA_IMPL";
+/// Fused add + RMSNorm and SwiGLU + cast: `1` (the default) or `0`.
+pub const FUSED_ENV: &str = "THAW_CUDA_FUSED";
+
+/// Which kernels run the CUDA backend's decode attention.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum AttnImpl {
+    /// `attention.cu`: one block per (row, head).
+    Classic,
+    /// `attention_split.cu`: flash-decoding, no chunk under `min_chunk` positions (tests set
+    /// it small to split short contexts).
+    Split { min_chunk: usize },
+}
+
+impl AttnImpl {
+    /// Flash-decoding with the default chunking.
+    pub const SPLIT: AttnImpl = AttnImpl::Split {
+        min_chunk: MIN_CHUNK,
+    };
+}
+
+/// Which kernels launch the CUDA backend's SGMV / BGMV.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum LoraImpl {
+    /// `lora.cu`: one block per (segment, rank) for the shrink, no split-K.
+    Classic,
+    /// `lora_punica.cu`. `max_k_chunk` caps the shrink's K chunk (elements) below the kernel's
+    /// staging limit; tests set it small to exercise split-K on small models.
+    Punica { max_k_chunk: usize },
+}
+
+impl LoraImpl {
+    /// Punica's kernels with the default K chunking.
+    pub const PUNICA: LoraImpl = LoraImpl::Punica {
+        max_k_chunk: shape::PUNICA_K_CHUNK,
+    };
+}
+
+/// What a variable's value asks for.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum Ask {
+    /// Unset, empty or `auto`: the new kernel where it serves the shape.
+    Default,
+    /// The classic kernel.
+    Off,
+    /// The new kernel, or an error where it cannot serve the shape.
+    On,
+}
+
+/// One switch: its variable, the values that turn it on and off, and what the new kernel is.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct Switch {
+    pub env: &'static str,
+    /// The value an error tells the user to set for the new kernel (`split`, `1`, `punica`).
+    pub on: &'static str,
+    /// The value that turns it off (`classic`, `0`).
+    pub off: &'static str,
+    /// The new kernel, in words.
+    pub new: &'static str,
+    /// The classic kernel, in words.
+    pub classic: &'static str,
+}
+
+/// Flash-decoding.
+pub const ATTN: Switch = Switch {
+    env: ATTN_IMPL_ENV,
+    on: "split",
+    off: "classic",
+    new: "flash-decoding",
+    classic: "classic",
+};
+/// The tensor-core prefill.
+pub const TC_PREFILL: Switch = Switch {
+    env: TC_PREFILL_ENV,
+    on: "1",
+    off: "0",
+    new: "tensor-core prefill",
+    classic: "classic",
+};
+/// Punica's SGMV / BGMV.
+pub const LORA: Switch = Switch {
+    env: LORA_IMPL_ENV,
+    on: "punica",
+    off: "classic",
+    new: "punica",
+    classic: "classic",
+};
+/// The fused elementwise kernels.
+pub const FUSED: Switch = Switch {
+    env: FUSED_ENV,
+    on: "1",
+    off: "0",
+    new: "fused",
+    classic: "unfused",
+};
+
+const ON_OFF: [&str; 2] = ["1", "0"];
+
+impl Switch {
+    /// The values a user may set, as an error lists them.
+    fn values(&self) -> String {
+        let names: &[&str] = if self.on == ON_OFF[0] {
+            &ON_OFF
+        } else {
+            &[self.on, self.off]
+        };
+        let list: Vec<String> = names.iter().map(|v| format!("\"{v}\"")).collect();
+        format!("{}, or \"auto\" / unset for the default", list.join(", "))
+    }
+
+    /// Parses the variable's value. Named switches take their two names (`split` also as
+    /// `flash-decoding`); on/off ones take 1/true/on/yes and 0/false/off/no. Case and
+    /// surrounding blanks are ignored.
+    pub fn parse(&self, value: &str) -> Result<Ask, String> {
+        let v = value.trim().to_ascii_lowercase();
+        let on_off = self.on == ON_OFF[0];
+        let ask = match v.as_str() {
+            "" | "auto" => Ask::Default,
+            "1" | "true" | "on" | "yes" if on_off => Ask::On,
+            "0" | "false" | "off" | "no" if on_off => Ask::Off,
+            "flash-decoding" if self.env == ATTN_IMPL_ENV => Ask::On,
+            s if !on_off && s == self.on => Ask::On,
+            s if !on_off && s == self.off => Ask::Off,
+            _ => {
+                return Err(format!(
+                    "{}={value:?} is not a value it takes; use {}",
+                    self.env,
+                    self.values()
+                ))
+            }
+        };
+        Ok(ask)
+    }
+
+    /// What runs for `ask` when `unserved` says why the new kernel cannot serve this backend's
+    /// shape (None: it can).
+    pub fn resolve(&self, ask: Ask, unserved: Option<String>) -> Result<Choice, String> {
+        match (ask, unserved) {
+            (Ask::Off, _) => Ok(Choice::Classic),
+            (Ask::Default | Ask::On, None) => Ok(Choice::New),
+            (Ask::Default, Some(why)) => Ok(Choice::Fallback(why)),
+            (Ask::On, Some(why)) => Err(format!(
+                "{env}={on} asks for the {new} kernels, but {why}; set {env}={off} (or leave it \
+                 unset: the {classic} kernels then run where the {new} ones cannot)",
+                env = self.env,
+                on = self.on,
+                off = self.off,
+                new = self.new,
+                classic = self.classic,
+            )),
+        }
+    }
+
+    /// [`Switch::parse`] then [`Switch::resolve`].
+    pub fn choose(&self, value: &str, unserved: Option<String>) -> Result<Choice, String> {
+        self.resolve(self.parse(value)?, unserved)
+    }
+}
+
+/// What one switch resolved to.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Choice {
+    /// The new kernel.
+    New,
+    /// The classic kernel, asked for.
+    Classic,
+    /// The classic kernel because the default's new one does not serve the shape (why).
+    Fallback(String),
+}
+
+impl Choice {
+    /// Whether the new kernel runs.
+    pub fn is_new(&self) -> bool {
+        matches!(self, Choice::New)
+    }
+}
+
+/// Why flash-decoding cannot serve heads of `head_dim`, if it cannot.
+pub fn split_unserved(head_dim: usize) -> Option<String> {
+    (head_dim > shape::SPLIT_MAX_HEAD_DIM).then(|| {
+        format!(
+            "they take head_dim up to {} and this model's is {head_dim}",
+            shape::SPLIT_MAX_HEAD_DIM
+        )
+    })
+}
+
+/// Why the tensor-core prefill cannot serve a `kv` cache with heads of `head_dim` on a device
+/// of compute capability `arch`, if it cannot: it multiplies 16-bit operands with
+/// `mma.sync.m16n8k16` (compute capability 8.0 and up) and has instantiations for
+/// [`prefill_tc_plan::HEAD_DIMS`].
+pub fn tc_prefill_unserved(kv: DType, head_dim: usize, arch: GpuArch) -> Option<String> {
+    if arch < GpuArch::SM80 {
+        return Some(format!(
+            "they need compute capability 8.0 or newer (bf16/f16 mma.sync) and this device is \
+             {}.{}",
+            arch.major, arch.minor
+        ));
+    }
+    if kv == DType::F32 {
+        return Some("they need a bf16 or f16 KV cache and this one is f32".into());
+    }
+    if !prefill_tc_plan::HEAD_DIMS.contains(&head_dim) {
+        return Some(format!(
+            "they serve head_dim {:?} and this model's is {head_dim}",
+            prefill_tc_plan::HEAD_DIMS
+        ));
+    }
+    debug_assert!(prefill_tc_plan::entry_point(kv, head_dim).is_some());
+    None
+}
+
+/// The largest LoRA input width Punica's split-K shrink takes.
+pub const PUNICA_MAX_D_IN: usize = punica_plan::MAX_SPLITS * shape::PUNICA_K_CHUNK;
+
+/// Why Punica's kernels cannot serve LoRA inputs up to `max_d_in` wide, if they cannot.
+pub fn punica_unserved(max_d_in: usize) -> Option<String> {
+    (max_d_in > PUNICA_MAX_D_IN).then(|| {
+        format!(
+            "this model's widest LoRA input ({max_d_in}) is above their limit of {PUNICA_MAX_D_IN}"
+        )
+    })
+}
+
+/// What decides whether a kernel serves a backend.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct ServedShape {
+    pub kv: DType,
+    pub head_dim: usize,
+    /// The widest LoRA projection input (hidden, q_dim or intermediate size).
+    pub max_lora_d_in: usize,
+    /// The device's compute capability.
+    pub arch: GpuArch,
+}
+
+/// The four choices, resolved once when a backend is created.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KernelPlan {
+    pub attn: Choice,
+    pub tc_prefill: Choice,
+    pub lora: Choice,
+    pub fused: Choice,
+}
+
+impl KernelPlan {
+    /// Resolves every switch from `var` (an environment lookup: `None` = unset) for `s`. The
+    /// first error names its variable and what to set.
+    pub fn resolve(var: impl Fn(&str) -> Option<String>, s: &ServedShape) -> Result<Self, String> {
+        let value = |env: &str| var(env).unwrap_or_default();
+        Ok(Self {
+            attn: ATTN.choose(&value(ATTN.env), split_unserved(s.head_dim))?,
+            tc_prefill: TC_PREFILL.choose(
+                &value(TC_PREFILL.env),
+                tc_prefill_unserved(s.kv, s.head_dim, s.arch),
+            )?,
+            lora: LORA.choose(&value(LORA.env), punica_unserved(s.max_lora_d_in))?,
+            fused: FUSED.choose(&value(FUSED.env), None)?,
+        })
+    }
+}
+
+/// One line for the log: which kernels run, and why a default fell back.
+impl fmt::Display for KernelPlan {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let rows = [
+            ("decode attention", ATTN, &self.attn),
+            ("prefill attention", TC_PREFILL, &self.tc_prefill),
+            ("LoRA", LORA, &self.lora),
+            ("elementwise", FUSED, &self.fused),
+        ];
+        for (i, (what, sw, c)) in rows.into_iter().enumerate() {
+            if i > 0 {
+                f.write_str("; ")?;
+            }
+            match c {
+                Choice::New => write!(f, "{what}: {}", sw.new)?,
+                Choice::Classic => write!(f, "{what}: {} ({}={})", sw.classic, sw.env, sw.off)?,
+                Choice::Fallback(why) => write!(
+                    f,
+                    "{what}: {} (the {} kernels do not serve this backend: {why})",
+                    sw.classic, sw.new
+                )?,
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+#[path = "kernel_select_tests.rs"]
+mod tests;

@@ -1,0 +1,237 @@
+use std::collections::HashMap;
+
+use proptest::prelude::*;
+
+use super::*;
+
+const SM75: GpuArch = GpuArch { major: 7, minor: 5 };
+const SWITCHES: [Switch; 4] = [ATTN, TC_PREFILL, LORA, FUSED];
+
+/// Llama-7B's shape on an H100: every new kernel serves it.
+fn llama7b() -> ServedShape {
+    ServedShape {
+        kv: DType::Bf16,
+        head_dim: 128,
+        max_lora_d_in: 11008,
+        arch: GpuArch::SM90,
+    }
+}
+
+fn plan(vars: &[(&str, &str)], s: &ServedShape) -> Result<KernelPlan, String> {
+    let m: HashMap<String, String> = vars
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    KernelPlan::resolve(|k| m.get(k).cloned(), s)
+}
+
+#[test]
+fn every_switch_parses_its_values_and_the_default() {
+    for sw in SWITCHES {
+        for v in ["", "  ", "auto", "AUTO"] {
+            assert_eq!(sw.parse(v), Ok(Ask::Default), "{} {v:?}", sw.env);
+        }
+        assert_eq!(sw.parse(sw.on), Ok(Ask::On), "{}", sw.env);
+        assert_eq!(
+            sw.parse(&format!(" {} ", sw.off.to_uppercase())),
+            Ok(Ask::Off)
+        );
+    }
+    assert_eq!(ATTN.parse("Flash-Decoding"), Ok(Ask::On));
+    for v in ["true", "on", "yes"] {
+        assert_eq!(TC_PREFILL.parse(v), Ok(Ask::On));
+        assert_eq!(FUSED.parse(v), Ok(Ask::On));
+    }
+    for v in ["false", "off", "no"] {
+        assert_eq!(TC_PREFILL.parse(v), Ok(Ask::Off));
+        assert_eq!(FUSED.parse(v), Ok(Ask::Off));
+    }
+    // A named switch does not take 1/0, an on/off one does not take names.
+    assert!(ATTN.parse("1").is_err());
+    assert!(LORA.parse("0").is_err());
+    assert!(FUSED.parse("classic").is_err());
+    assert!(TC_PREFILL.parse("split").is_err());
+}
+
+#[test]
+fn a_bad_value_names_the_variable_and_what_to_use() {
+    let e = ATTN.parse("paged").unwrap_err();
+    assert!(
+        e.contains(ATTN_IMPL_ENV) && e.contains("\"split\"") && e.contains("\"classic\""),
+        "{e}"
+    );
+    let e = LORA.parse("cutlass").unwrap_err();
+    assert!(e.contains(LORA_IMPL_ENV) && e.contains("\"punica\""), "{e}");
+    let e = TC_PREFILL.parse("fast").unwrap_err();
+    assert!(
+        e.contains(TC_PREFILL_ENV) && e.contains("\"1\"") && e.contains("\"0\""),
+        "{e}"
+    );
+    let e = FUSED.parse("2").unwrap_err();
+    assert!(e.contains(FUSED_ENV) && e.contains("\"auto\""), "{e}");
+}
+
+#[test]
+fn the_default_falls_back_and_an_explicit_on_errs_where_unserved() {
+    let why = || Some("no reason".to_string());
+    for sw in SWITCHES {
+        assert_eq!(sw.resolve(Ask::Default, None), Ok(Choice::New));
+        assert_eq!(sw.resolve(Ask::On, None), Ok(Choice::New));
+        assert_eq!(sw.resolve(Ask::Off, None), Ok(Choice::Classic));
+        assert_eq!(sw.resolve(Ask::Off, why()), Ok(Choice::Classic));
+        assert_eq!(
+            sw.resolve(Ask::Default, why()),
+            Ok(Choice::Fallback("no reason".into()))
+        );
+        let e = sw.resolve(Ask::On, why()).unwrap_err();
+        let off = format!("{}={}", sw.env, sw.off);
+        assert!(e.contains(&off) && e.contains("no reason"), "{e}");
+    }
+}
+
+#[test]
+fn the_tensor_core_prefill_serves_16_bit_caches_of_its_head_dims_on_sm80_and_up() {
+    for arch in [GpuArch::SM80, GpuArch::SM90] {
+        for kv in [DType::Bf16, DType::F16] {
+            for hd in [32, 64, 128] {
+                assert_eq!(tc_prefill_unserved(kv, hd, arch), None, "{kv:?} {hd}");
+            }
+        }
+    }
+    let f32_cache = tc_prefill_unserved(DType::F32, 128, GpuArch::SM90).unwrap();
+    assert!(f32_cache.contains("f32"), "{f32_cache}");
+    let hd96 = tc_prefill_unserved(DType::Bf16, 96, GpuArch::SM90).unwrap();
+    assert!(hd96.contains("96"), "{hd96}");
+    let turing = tc_prefill_unserved(DType::Bf16, 128, SM75).unwrap();
+    assert!(turing.contains("8.0") && turing.contains("7.5"), "{turing}");
+}
+
+#[test]
+fn flash_decoding_and_punica_have_their_limits() {
+    assert_eq!(split_unserved(shape::SPLIT_MAX_HEAD_DIM), None);
+    assert!(split_unserved(shape::SPLIT_MAX_HEAD_DIM + 1).is_some());
+    assert_eq!(punica_unserved(PUNICA_MAX_D_IN), None);
+    let e = punica_unserved(PUNICA_MAX_D_IN + 8).unwrap();
+    assert!(e.contains(&PUNICA_MAX_D_IN.to_string()), "{e}");
+    // The limit is the split planner's: it plans PUNICA_MAX_D_IN and refuses one more.
+    let plan = |d| punica_plan::SplitK::plan(d, 1, 132, shape::PUNICA_K_CHUNK);
+    assert!(plan(PUNICA_MAX_D_IN).is_some());
+    assert!(plan(PUNICA_MAX_D_IN + 1).is_none());
+}
+
+#[test]
+fn unset_variables_turn_every_kernel_on_where_served() {
+    let all_new = KernelPlan {
+        attn: Choice::New,
+        tc_prefill: Choice::New,
+        lora: Choice::New,
+        fused: Choice::New,
+    };
+    assert_eq!(plan(&[], &llama7b()), Ok(all_new.clone()));
+    let empty: Vec<(&str, &str)> = SWITCHES.iter().map(|s| (s.env, "")).collect();
+    assert_eq!(plan(&empty, &llama7b()), Ok(all_new.clone()));
+    let on: Vec<(&str, &str)> = SWITCHES.iter().map(|s| (s.env, s.on)).collect();
+    assert_eq!(plan(&on, &llama7b()), Ok(all_new));
+    let off: Vec<(&str, &str)> = SWITCHES.iter().map(|s| (s.env, s.off)).collect();
+    assert_eq!(
+        plan(&off, &llama7b()),
+        Ok(KernelPlan {
+            attn: Choice::Classic,
+            tc_prefill: Choice::Classic,
+            lora: Choice::Classic,
+            fused: Choice::Classic,
+        })
+    );
+}
+
+#[test]
+fn an_f32_cache_falls_back_by_default_and_errs_when_asked_for() {
+    let f32_kv = ServedShape {
+        kv: DType::F32,
+        ..llama7b()
+    };
+    let p = plan(&[], &f32_kv).unwrap();
+    assert!(matches!(p.tc_prefill, Choice::Fallback(_)), "{p:?}");
+    assert!(
+        p.attn.is_new() && p.lora.is_new() && p.fused.is_new(),
+        "{p:?}"
+    );
+    let line = p.to_string();
+    assert!(
+        line.contains("prefill attention: classic") && line.contains("f32"),
+        "{line}"
+    );
+    let e = plan(&[(TC_PREFILL_ENV, "1")], &f32_kv).unwrap_err();
+    assert!(
+        e.contains("THAW_CUDA_TC_PREFILL=0") && e.contains("bf16 or f16"),
+        "{e}"
+    );
+    // Turned off explicitly: no error, no fallback.
+    let p = plan(&[(TC_PREFILL_ENV, "0")], &f32_kv).unwrap();
+    assert_eq!(p.tc_prefill, Choice::Classic);
+    // A wide model on Punica, asked for.
+    let wide = ServedShape {
+        max_lora_d_in: PUNICA_MAX_D_IN * 2,
+        ..llama7b()
+    };
+    assert!(matches!(
+        plan(&[], &wide).unwrap().lora,
+        Choice::Fallback(_)
+    ));
+    let e = plan(&[(LORA_IMPL_ENV, "punica")], &wide).unwrap_err();
+    assert!(e.contains("THAW_CUDA_LORA_IMPL=classic"), "{e}");
+    // A bad value anywhere is an error, whatever the shape.
+    let e = plan(&[(FUSED_ENV, "maybe")], &llama7b()).unwrap_err();
+    assert!(e.contains(FUSED_ENV), "{e}");
+}
+
+#[test]
+fn the_log_line_names_every_kernel() {
+    let p = plan(&[(ATTN_IMPL_ENV, "classic")], &llama7b()).unwrap();
+    assert_eq!(
+        p.to_string(),
+        "decode attention: classic (THAW_CUDA_ATTN_IMPL=classic); prefill attention: \
+         tensor-core prefill; LoRA: punica; elementwise: fused"
+    );
+}
+
+fn dtype() -> impl Strategy<Value = DType> {
+    prop::sample::select(DType::ALL.to_vec())
+}
+
+fn arch() -> impl Strategy<Value = GpuArch> {
+    (6u32..=10, 0u32..=9).prop_map(|(major, minor)| GpuArch { major, minor })
+}
+
+proptest! {
+    /// The tensor-core prefill is served exactly where it has an entry point and the device
+    /// runs bf16/f16 mma.sync; the default never errs, an explicit 1 errs exactly where it
+    /// falls back, and 0 is always the classic kernel.
+    #[test]
+    fn tc_prefill_resolution_matches_its_entry_points(
+        kv in dtype(), hd in 1usize..=300, a in arch(),
+    ) {
+        let served = a >= GpuArch::SM80 && prefill_tc_plan::entry_point(kv, hd).is_some();
+        let why = tc_prefill_unserved(kv, hd, a);
+        prop_assert_eq!(why.is_none(), served);
+        let d = TC_PREFILL.choose("", why.clone()).unwrap();
+        prop_assert_eq!(d.is_new(), served);
+        prop_assert_eq!(TC_PREFILL.choose("1", why.clone()).is_ok(), served);
+        prop_assert_eq!(TC_PREFILL.choose("0", why).unwrap(), Choice::Classic);
+    }
+
+    /// Whatever the shape, the variables set to their off values give the classic kernels
+    /// and unset ones never err.
+    #[test]
+    fn off_is_always_classic_and_the_default_never_errs(
+        kv in dtype(), hd in 1usize..=300, d_in in 1usize..200_000, a in arch(),
+    ) {
+        let s = ServedShape { kv, head_dim: hd, max_lora_d_in: d_in, arch: a };
+        prop_assert!(plan(&[], &s).is_ok());
+        let off: Vec<(&str, &str)> = SWITCHES.iter().map(|w| (w.env, w.off)).collect();
+        let p = plan(&off, &s).unwrap();
+        prop_assert!([&p.attn, &p.tc_prefill, &p.lora, &p.fused]
+            .iter()
+            .all(|c| **c == Choice::Classic));
+    }
+}
