@@ -33,7 +33,7 @@ impl Landing for Landed {
         self.at.lock().unwrap_or_else(|e| e.into_inner()).push(t);
     }
 
-    fn fail(&self) {
+    fn fail(&self, _why: &str) {
         *self.failed.lock().unwrap_or_else(|e| e.into_inner()) = true;
     }
 }

@@ -39,6 +39,7 @@ mod layer_gate;
 mod publish;
 mod step;
 mod step_error;
+mod upload_failed;
 
 /// The engine the server runs: the CPU or the CUDA backend, as `--device` chose.
 pub type ServeEngine = Engine<AnyBackend>;
@@ -665,19 +666,11 @@ impl Loop {
             wanted,
             Some(&self.loader),
         );
-        if upload == Upload::Stream {
-            let (engine, cold, state, l) = (&self.engine, &self.cold, &self.state, &self.loader);
-            let assist = |id, a: &_| gate::serves_from_file(engine, cold, state, l, (id, a));
-            let dtype = thaw_runtime::backend::Backend::lora_dtype(engine.backend());
-            let model = engine.model_config();
-            crate::memory::mapped::map_fetches(
-                &mut self.mem,
-                &plan.fetch,
-                model,
-                dtype,
-                wanted,
-                assist,
-            );
+        if gate::serves_from_file(self.cold.policy) {
+            let dtype = thaw_runtime::backend::Backend::lora_dtype(self.engine.backend());
+            let model = self.engine.model_config();
+            let mem = &mut self.mem;
+            crate::memory::mapped::map_fetches(mem, &plan.fetch, model, dtype, wanted, |_, _| true);
         }
         // Whole uploads land asynchronously too on a GPU (the same pipeline): watch both.
         let mut landing = self.stats.landing.lock().unwrap_or_else(|e| e.into_inner());

@@ -393,6 +393,13 @@ impl Backend for AnyBackend {
         }
     }
 
+    fn lora_failure(&self, lora: &AnyLora) -> Option<String> {
+        match self {
+            Self::Cpu(b) => b.lora_failure(lora.cpu()),
+            Self::Cuda(g) => g.lora_failure(lora.gpu()),
+        }
+    }
+
     fn lora_pages(&self, adapter: &LoraAdapter, layout: KvLayout) -> Option<usize> {
         match self {
             Self::Cpu(b) => b.lora_pages(adapter, layout),

@@ -405,6 +405,10 @@ impl Backend for CpuBackend {
         lora.landed()
     }
 
+    fn lora_failure(&self, lora: &Arc<LoraSlot>) -> Option<String> {
+        lora.failure().map(str::to_string)
+    }
+
     fn rebind_lora(&mut self, old: &Arc<LoraAdapter>, new: &Arc<LoraAdapter>) {
         if let Some(u) = &self.upload {
             u.rebind(old, new);

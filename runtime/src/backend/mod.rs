@@ -228,6 +228,9 @@ pub trait Backend {
     }
     /// Layers of `lora` on the device now (`0..n` are usable).
     fn landed_layers(&self, lora: &Self::Lora) -> usize;
+    /// Why `lora`'s upload failed, if it did (a layer read from its file failed its check, or
+    /// a copy failed): it never lands, and its requests fail with this.
+    fn lora_failure(&self, lora: &Self::Lora) -> Option<String>;
     /// Pages of the device budget (KV blocks of `layout`, every layer) `adapter`'s image takes
     /// when placed in the KV cache's own memory, or `None` where this backend keeps adapters
     /// outside it (the default: the CPU backend's "device memory" is host memory).

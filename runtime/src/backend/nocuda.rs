@@ -45,6 +45,9 @@ impl Backend for NoCuda {
     fn landed_layers(&self, _: &NoCuda) -> usize {
         match *self {}
     }
+    fn lora_failure(&self, _: &NoCuda) -> Option<String> {
+        match *self {}
+    }
     fn kv_elem_bytes(&self) -> usize {
         match *self {}
     }

@@ -91,4 +91,15 @@ impl<B: Backend> Engine<B> {
     pub fn adapter_is_mapped(&self, id: AdapterId) -> bool {
         self.adapters.get(&id).is_some_and(|a| a.host.is_mapped())
     }
+
+    /// The adapters whose upload failed, each with why ([`Backend::lora_failure`]: a layer
+    /// read from its file failed its check, or a copy failed): they will never land, so the
+    /// caller fails their requests and unregisters them. O(adapters); allocates only when one
+    /// failed.
+    pub fn failed_uploads(&self) -> Vec<(AdapterId, String)> {
+        self.adapters
+            .iter()
+            .filter_map(|(&id, a)| Some((id, self.backend.lora_failure(&a.dev)?)))
+            .collect()
+    }
 }

@@ -5,8 +5,8 @@
 //! device memory *is* host memory, so the slot shares the adapter's host copy and landing a
 //! layer only publishes it (release/acquire on the landed count): the emulated link spends
 //! wall-clock time, not a core copying bytes a GPU's copy engine would move.
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
 
 use crate::adapter::{LoraAdapter, LoraModule, LoraWeights};
 
@@ -28,7 +28,8 @@ pub enum DeviceResidency {
 pub struct LoraSlot {
     adapter: Arc<LoraAdapter>,
     landed: AtomicUsize,
-    failed: AtomicBool,
+    /// Why its upload failed, once it has.
+    failure: OnceLock<String>,
 }
 
 impl LoraSlot {
@@ -37,7 +38,7 @@ impl LoraSlot {
         Self {
             adapter,
             landed: AtomicUsize::new(0),
-            failed: AtomicBool::new(false),
+            failure: OnceLock::new(),
         }
     }
 
@@ -65,9 +66,15 @@ impl LoraSlot {
         self.landed.store(layer + 1, Ordering::Release);
     }
 
-    /// Marks the copy as failed (its source vanished or was corrupt).
-    pub fn fail(&self) {
-        self.failed.store(true, Ordering::Release);
+    /// Marks the upload as failed (its source vanished or was corrupt, or a copy failed) for
+    /// `why`; the first reason stays.
+    pub fn fail(&self, why: &str) {
+        let _ = self.failure.set(why.to_string());
+    }
+
+    /// Why its upload failed, if it has.
+    pub fn failure(&self) -> Option<&str> {
+        self.failure.get().map(String::as_str)
     }
 
     /// Layers landed so far (layers `0..landed` are readable).
@@ -85,7 +92,7 @@ impl LoraSlot {
     }
 
     pub fn residency(&self) -> DeviceResidency {
-        if self.failed.load(Ordering::Acquire) {
+        if self.failure.get().is_some() {
             return DeviceResidency::Failed;
         }
         match self.landed() {

@@ -29,8 +29,9 @@ use crate::residency::{LoadPriority, LoraSlot};
 pub trait Landing: Send + Sync {
     /// Layer `layer` is on the device (layers land in order, each once).
     fn land(&self, layer: usize);
-    /// The copy failed; requests of this adapter fail.
-    fn fail(&self);
+    /// The upload failed (`why`: which layer, what went wrong and what to do); requests of
+    /// this adapter fail with it. Called at most once per upload: the plan evicts it.
+    fn fail(&self, why: &str);
 }
 
 impl Landing for LoraSlot {
@@ -38,8 +39,8 @@ impl Landing for LoraSlot {
         LoraSlot::land(self, layer);
     }
 
-    fn fail(&self) {
-        LoraSlot::fail(self);
+    fn fail(&self, why: &str) {
+        LoraSlot::fail(self, why);
     }
 }
 
@@ -491,9 +492,9 @@ fn encode_loop<D: CopyDevice>(sh: &Shared<D>) {
 }
 
 /// Layer `layer` of image `key` could not be read: the plan frees the image (once, when no
-/// thread uses it) and evicts its uploads, whose landings fail here; the image is forgotten at
-/// once, so a later upload of the adapter makes a new one. The requests' error comes from the
-/// loader's full read of the same file (authoritative, see `crate::adapter::mapped`).
+/// thread uses it) and evicts its uploads, whose landings fail here with the reason (the
+/// server fails the adapter's requests with it); the image is forgotten at once, so a later
+/// upload of the adapter makes a new one.
 fn fail_image<D: CopyDevice>(
     g: &mut State<D>,
     stats: &UploadStats,
@@ -503,9 +504,10 @@ fn fail_image<D: CopyDevice>(
 ) {
     tracing::error!("adapter upload: layer {layer} could not be read: {why}");
     stats.encode_failures.fetch_add(1, Relaxed);
+    let why = format!("layer {layer} of its file failed its check: {why}");
     for id in g.plan.encode_failed(key, layer) {
         if let Some(j) = g.jobs.get(&id) {
-            j.landing.fail();
+            j.landing.fail(&why);
         }
     }
     g.images.remove(&key);
@@ -596,7 +598,10 @@ fn copy_loop<D: CopyDevice>(sh: &Shared<D>) {
             }
             Err(e) => {
                 tracing::error!("copying an adapter layer to the device failed: {e}");
-                landing.fail();
+                landing.fail(&format!(
+                    "copying layer {} to the device failed ({e}); see the server log",
+                    t.layer
+                ));
                 g.plan.evict(t.job);
             }
         }

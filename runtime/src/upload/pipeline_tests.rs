@@ -199,8 +199,8 @@ fn upload_of(a: &Arc<crate::adapter::LoraAdapter>) -> (Upload<MemCopy>, Arc<Lora
 
 /// An adapter served from its mapped file whose last layer holds a NaN: the bad layer is never
 /// copied (each layer is checked whole before its copy is queued; those copied before the
-/// failure stay landed), the upload fails, its arena space comes back once, and the pipeline
-/// goes on with the next upload.
+/// failure stay landed), the upload fails saying which layer and why, its arena space comes
+/// back once, and the pipeline goes on with the next upload.
 #[test]
 fn a_mapped_layer_that_fails_its_check_fails_the_upload_and_frees_its_space() {
     let c = config();
@@ -217,6 +217,14 @@ fn a_mapped_layer_that_fails_its_check_fails_the_upload_and_frees_its_space() {
         p.arena_usage().used == 0 && p.arena_usage().idle
     });
     assert!(slot.landed() <= last, "the bad layer never lands");
+    // The reason the server fails the adapter's requests with: which layer, what, what to do.
+    let why = slot.failure().expect("a failed upload says why");
+    assert!(
+        why.contains(&format!("layer {last} of its file failed its check"))
+            && why.contains("NaN")
+            && why.contains("re-save"),
+        "{why}"
+    );
     assert_eq!(p.stats().encode_failures.load(Relaxed), 1);
     let copied = p.stats().layers_copied.load(Relaxed);
     assert_eq!(copied, slot.landed() as u64);

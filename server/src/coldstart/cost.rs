@@ -296,7 +296,9 @@ pub struct ColdTimes {
     pub fewest_left: usize,
     /// Decode steps it may run after its first token (its assisted decode ends there).
     pub decode_left: usize,
-    /// Seconds until every layer of the adapter is on the device (the copy path's wait).
+    /// Seconds the copy path waits before its prefill starts: until every layer of the
+    /// adapter lands ahead of the forward that reaches it ([`PerfModel::layer_wise_wait`];
+    /// the simulator: until every layer is on the device).
     pub load_left_s: f64,
     /// The same when it is assisted: shorter where assisting changes how it loads (a
     /// disk-tier adapter served from its mapped file is copied from that file at once, not

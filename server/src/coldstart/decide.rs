@@ -4,7 +4,7 @@
 //! one performance model ([`PerfModel`]). On an H100 (55 GB/s link) an adapter in host memory
 //! lands in a few ms and waiting wins; one still on disk costs a read and an encode first,
 //! which CPU assist hides when the workers can read the file.
-use crate::perf::{DiskQueue, PerfModel, Tier};
+use crate::perf::{DiskQueue, PerfModel};
 
 use super::cost::{AssistWork, ColdPlan, ColdTimes};
 
@@ -48,23 +48,12 @@ pub struct ColdCase {
 }
 
 impl PerfModel {
-    /// Seconds until every layer of the case's adapter is on the device: from disk, after the
-    /// loader's reads queued ahead of it ([`PerfModel::queued_host_ready_time`]).
+    /// Seconds until every layer of the case's adapter is on the device, layer by layer
+    /// ([`PerfModel::layer_landing`]): from disk, each layer read from its file, checked and
+    /// encoded, then copied, behind the reads queued ahead of it; from the host tier, the
+    /// copies alone.
     pub fn landed_in(&self, c: &ColdCase) -> f64 {
-        match c.tier {
-            ColdTier::Disk => {
-                self.queued_host_ready_time(c.bytes, c.reads) + self.load_time(c.bytes, c.backlog)
-            }
-            ColdTier::Host => self.load_time_from(Tier::Host, c.bytes, c.backlog),
-            ColdTier::Streaming { landed } => {
-                let left = (1.0 - landed).clamp(0.0, 1.0);
-                if left == 0.0 {
-                    0.0
-                } else {
-                    self.load_time((c.bytes as f64 * left) as u64, c.backlog)
-                }
-            }
-        }
+        self.layer_landing(c, true).all_landed_s()
     }
 
     /// Seconds until the CPU workers can start on the case's adapter: at once from memory
@@ -79,13 +68,12 @@ impl PerfModel {
     }
 
     /// Seconds until every layer is on the device when the case is assisted: from disk, with
-    /// workers that read the file, the adapter is served from its mapped file and copied from
-    /// it at once, so no read queued ahead of it delays that ([`Self::landed_in`] otherwise).
+    /// workers that read the file, the adapter is served from its mapped file and read layer
+    /// by layer at once, so no read queued ahead of it delays that ([`Self::landed_in`]
+    /// otherwise).
     pub fn assisted_landed_in(&self, c: &ColdCase) -> f64 {
         match c.tier {
-            ColdTier::Disk if self.assist_reads_disk => {
-                self.load_time_from(Tier::Disk, c.bytes, c.backlog)
-            }
+            ColdTier::Disk if self.assist_reads_disk => self.layer_landing(c, false).all_landed_s(),
             _ => self.landed_in(c),
         }
     }
@@ -100,10 +88,11 @@ impl PerfModel {
     }
 
     /// The `auto` policy for one cold request ([`PerfModel::decide_times`]): the copy path
-    /// waits for the disk read, the host encode and the link; the assist path starts when
-    /// the workers can, pays the workers' read of the file on its first step, and is taken
-    /// only when the wait it hides outweighs what it costs the running requests. A pure
-    /// function of `c` and the model.
+    /// starts its prefill once the layers land ahead of its forward (each read from disk,
+    /// encoded and copied as soon as it is in, [`PerfModel::layer_wise_wait`]); the assist
+    /// path starts when the workers can, pays the workers' read of the file on its first
+    /// step, and is taken only when the wait it hides outweighs what it costs the running
+    /// requests. A pure function of `c` and the model.
     pub fn decide_cold(&self, c: &ColdCase) -> ColdPlan {
         self.decide_times(&ColdTimes {
             work: c.work,
@@ -113,7 +102,7 @@ impl PerfModel {
             running: c.running,
             fewest_left: c.fewest_left,
             decode_left: c.max_new_tokens.saturating_sub(1),
-            load_left_s: self.landed_in(c),
+            load_left_s: self.layer_wise_wait(c),
             assist_load_left_s: self.assisted_landed_in(c),
             assist_start_s: self.assist_starts_in(c),
             assist_read_s: self.assist_read_time(c),
@@ -239,10 +228,11 @@ mod tests {
 
     /// The H200 run of `benches/results/cuda-h100.md` §6 had every miss wait ~2.8 s for reads
     /// queued ahead of its own. With a read of 50 ms and no host encode (the arena), a
-    /// request alone waits for its adapter when nothing is queued (the read and the copy
-    /// beat a CPU prefill of ~0.2 s); behind eight reads on one loader thread (~0.4 s more)
-    /// `auto` serves it from the file; four loader threads cut that queue to a quarter, and
-    /// it waits again.
+    /// request alone waits for its adapter when nothing is queued (its forward follows the
+    /// layers as they are read and land, ~18 ms behind the read, and beats a CPU prefill of
+    /// ~0.2 s); behind eight reads on one loader thread (~0.4 s more, every layer later by
+    /// that) `auto` assists, the workers reading the file at once; four loader threads cut
+    /// that queue to a quarter, and it waits again.
     #[test]
     fn a_queue_of_disk_reads_is_assisted() {
         let mut m = h100();
@@ -626,31 +616,47 @@ mod tests {
             prop_assert!(matches!(p.decision, ColdDecision::Assist { .. }), "{:?}", p);
         }
 
-        /// For a request alone in its step: a slower disk read never turns an assist into a
-        /// wait, nor a faster link a wait into an assist; an adapter further from the device
-        /// (disk before host before streaming) never waits where a nearer one assists.
+        /// The copy path's predicted wait is monotone: a slower disk read never shortens it, a
+        /// faster link never lengthens it, and an adapter further from the device (disk
+        /// before host before streaming) never waits less. (The decision itself need not
+        /// follow: landing layer by layer, the copy path hides a slower read behind the
+        /// forward where the assist path, whose workers read the same file in its first
+        /// step, may not; and a faster link shortens the assisted decode until the adapter
+        /// lands by every layer's copy, the copy path's wait by as little as one layer's.)
         #[test]
-        fn auto_is_monotone_in_read_time_and_link_bandwidth(
+        fn the_predicted_wait_is_monotone_in_read_time_link_and_tier(
             m in any_model(),
             c in any_case(),
             slower in 1.0f64..100.0,
             faster in 1.0f64..100.0,
         ) {
-            let c = ColdCase { other_tokens: 0, running: 0, ..c };
             let p = m.decide_cold(&c);
-            if let ColdDecision::Assist { .. } = p.decision {
-                let mut slow = m.clone();
-                slow.disk_bytes_per_s /= slower;
-                prop_assert_eq!(slow.decide_cold(&c).decision, p.decision);
-                if m.assist_reads_disk {
-                    let d = m.decide_cold(&ColdCase { tier: ColdTier::Disk, ..c });
-                    prop_assert_eq!(d.decision, p.decision);
-                }
-                if matches!(c.tier, ColdTier::Streaming { .. }) {
-                    let h = m.decide_cold(&ColdCase { tier: ColdTier::Host, ..c });
-                    prop_assert_eq!(h.decision, p.decision);
-                }
-            } else {
+            let eps = 1e-12 * p.wait_s.max(1.0);
+            let mut slow = m.clone();
+            slow.disk_bytes_per_s /= slower;
+            prop_assert!(slow.decide_cold(&c).wait_s >= p.wait_s - eps);
+            let mut fast = m.clone();
+            fast.link.gbps *= faster;
+            prop_assert!(fast.decide_cold(&c).wait_s <= p.wait_s + eps);
+            let disk = m.decide_cold(&ColdCase { tier: ColdTier::Disk, ..c });
+            let host = m.decide_cold(&ColdCase { tier: ColdTier::Host, ..c });
+            prop_assert!(disk.wait_s >= host.wait_s - eps);
+            if matches!(c.tier, ColdTier::Streaming { .. }) {
+                prop_assert!(host.wait_s >= p.wait_s - eps);
+            }
+        }
+
+        /// For a request alone in its step whose adapter is in host memory: a faster link
+        /// never makes its copy path slower than it was, so a wait stays a wait as long as
+        /// the assisted decode it would pay until the adapter lands is not what decided.
+        #[test]
+        fn a_faster_link_never_starts_an_assist_from_host_memory_alone(
+            m in any_model(),
+            c in any_case(),
+            faster in 1.0f64..100.0,
+        ) {
+            let c = ColdCase { tier: ColdTier::Host, other_tokens: 0, running: 0, max_new_tokens: 1, ..c };
+            if m.decide_cold(&c).decision == ColdDecision::Wait {
                 let mut fast = m.clone();
                 fast.link.gbps *= faster;
                 prop_assert_eq!(fast.decide_cold(&c).decision, ColdDecision::Wait);

@@ -6,6 +6,7 @@ mod calibrate;
 mod cost;
 mod decide;
 mod driver;
+mod layerwise;
 mod policy;
 mod snapshot;
 

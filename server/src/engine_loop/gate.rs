@@ -1,11 +1,9 @@
 //! The cold-start gate the step planner consults for each prefilling request.
-use thaw_runtime::adapter::LoraAdapter;
-use thaw_runtime::ids::{AdapterId, SeqId};
+use thaw_runtime::ids::SeqId;
 
 use crate::coldstart::{AssistWork, ColdCase, ColdDecision, ColdStartPolicy, ColdTier};
-use crate::memory::loader::Loader;
 use crate::perf::DiskQueue;
-use crate::scheduler::{Gate, SchedState, SeqState};
+use crate::scheduler::{Gate, SeqState};
 
 use super::{ColdStart, ServeEngine};
 
@@ -74,50 +72,15 @@ pub(super) fn cold_gate(
     }
 }
 
-/// Whether adapter `id`, only on disk and mapped as `a`, is served from its file while it is
-/// read (see [`crate::memory::mapped`]): the upload pipeline then reads it layer by layer into
-/// the arena and each layer lands as soon as it is read and checked, instead of after the
-/// loader's whole read. Always under `cpu-assist`, and under `on-demand` (its requests wait for
-/// every layer anyway) and `auto` without CPU workers (nothing computes from the file but the
-/// upload); under `auto` with workers when the cost model would assist the first waiting
-/// request for it from the disk tier, its read waiting behind the reads `loader` has queued
-/// ahead of it; never under `cached` (its adapters are uploaded whole).
-pub(super) fn serves_from_file(
-    engine: &ServeEngine,
-    cold: &ColdStart,
-    state: &SchedState,
-    loader: &Loader,
-    (id, a): (AdapterId, &LoraAdapter),
-) -> bool {
-    match cold.policy {
-        ColdStartPolicy::CpuAssist | ColdStartPolicy::OnDemand => true,
-        ColdStartPolicy::Cached => false,
-        ColdStartPolicy::Auto if engine.pool().is_none() => true,
-        ColdStartPolicy::Auto => {
-            let Some(s) = state.waiting.iter().find(|s| s.adapter == Some(id)) else {
-                return false;
-            };
-            let pending = s.pending();
-            let (running, fewest_left) = beside(&state.running, s.id);
-            let case = ColdCase {
-                tier: ColdTier::Disk,
-                bytes: a.size_bytes() as u64,
-                backlog: engine.backend().link_backlog(),
-                reads: loader.reads_ahead(id).unwrap_or_default(),
-                work: AssistWork::of(a),
-                prompt_left: pending,
-                cap: pending,
-                other_tokens: running,
-                running,
-                fewest_left,
-                max_new_tokens: s.max_new_tokens,
-            };
-            matches!(
-                cold.cost.decide_cold(&case).decision,
-                ColdDecision::Assist { .. }
-            )
-        }
-    }
+/// Whether a disk-tier adapter is served from its file while it is read (see
+/// [`crate::memory::mapped`]): the upload pipeline then reads it layer by layer into the arena
+/// and each layer lands as soon as it is read and checked, instead of after the loader's whole
+/// read. Under every policy but `cached` (whose adapters are uploaded whole): waiting for the
+/// layers from the file is never slower than waiting for the loader's queue and whole read
+/// first (a property of [`crate::perf::LayerLanding`], the copy path `auto` models), and CPU
+/// assist, where `auto` chooses it, computes from the same file.
+pub(super) fn serves_from_file(policy: ColdStartPolicy) -> bool {
+    policy != ColdStartPolicy::Cached
 }
 
 /// The requests running beside request `id`: how many, and the fewest output tokens one of
@@ -165,9 +128,18 @@ mod tests {
     }
 
     /// Only `cpu-assist` runs a request before its adapter landed without asking the cost
-    /// model; `cached` and `on-demand` wait for the copy.
+    /// model; `cached` and `on-demand` wait for the copy. Every policy but `cached` reads a
+    /// disk miss from its file layer by layer.
     #[test]
     fn unlanded_adapters_wait_unless_the_policy_assists() {
+        for p in [
+            ColdStartPolicy::OnDemand,
+            ColdStartPolicy::CpuAssist,
+            ColdStartPolicy::Auto,
+        ] {
+            assert!(serves_from_file(p), "{p:?}");
+        }
+        assert!(!serves_from_file(ColdStartPolicy::Cached));
         assert_eq!(unlanded_gate(ColdStartPolicy::Cached), Some(Gate::Hold));
         assert_eq!(unlanded_gate(ColdStartPolicy::OnDemand), Some(Gate::Hold));
         assert_eq!(unlanded_gate(ColdStartPolicy::CpuAssist), Some(Gate::Go));

@@ -21,6 +21,7 @@ use crate::scheduler::{MemoryWait, SchedulingPolicy, SeqState};
 impl Loop {
     /// Plans and runs one step; false if there was nothing to run.
     pub(super) fn step(&mut self) -> bool {
+        self.fail_failed_uploads();
         let engine = &self.engine;
         self.mem.refresh_landed(|id| engine.adapter_landed(id));
         self.make_room();

@@ -23,26 +23,11 @@ impl Loop {
             }
             return;
         };
-        let name = self
-            .state
-            .waiting
-            .iter()
-            .chain(&self.state.running)
-            .find_map(|s| {
-                let l = self
-                    .live
-                    .get(&s.id)
-                    .filter(|_| s.adapter == Some(adapter))?;
-                Some(l.lease.as_ref()?.slot().name.clone())
-            });
         tracing::error!(
             adapter = adapter.0,
             "{message}; failing the adapter's requests, the step's others run again"
         );
-        let who = name.map_or_else(
-            || format!("adapter {}", adapter.0),
-            |n| format!("adapter `{n}`"),
-        );
+        let who = self.adapter_label(adapter);
         self.fail_adapter_requests(adapter, &format!("{who} failed: {message}"));
         let wanted = self.state.waiting_adapters();
         crate::memory::mapped::drop_mapped(&mut self.engine, &mut self.mem, adapter, &wanted);

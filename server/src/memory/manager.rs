@@ -427,6 +427,24 @@ impl MemoryManager {
         self.publish_one(id);
     }
 
+    /// The engine dropped `id` because its upload failed (a layer read from its file failed
+    /// its check, or a copy failed): its pages go back, once (a second call finds none), and a
+    /// host copy read in place from that file goes too, so a later request maps the file
+    /// again (and is checked again) instead of uploading the copy that failed. A loader read
+    /// still in flight reports as usual.
+    pub fn on_upload_failed(&mut self, id: AdapterId, wanted: &HashSet<AdapterId>) {
+        self.on_evicted(id, wanted);
+        let mapped = |e: &Entry| e.host.as_ref().is_some_and(|h| h.is_mapped());
+        if self.entries.get(&id).is_some_and(mapped) {
+            self.update(id, |e| {
+                if let Some(h) = e.host.take() {
+                    thaw_runtime::upload::drop_later(h);
+                }
+            });
+            self.publish_one(id);
+        }
+    }
+
     /// Updates streaming adapters from `landed(id) -> (landed, layers)`.
     pub fn refresh_landed(&mut self, landed: impl Fn(AdapterId) -> Option<(usize, usize)>) {
         let loading: Vec<AdapterId> = self.tiers.loading().iter().copied().collect();
@@ -737,6 +755,52 @@ mod tests {
             (s.device_adapters, s.disk_adapters, s.adapter_pages),
             (0, 4, 0)
         );
+    }
+
+    /// An adapter whose upload failed gives its pages back once (a second report frees
+    /// nothing of another's), and a host copy mapped from the bad file goes with it; an owned
+    /// copy (a copy that failed, not the file) stays in the host tier.
+    #[test]
+    fn a_failed_upload_frees_its_pages_once_and_drops_a_mapped_copy() {
+        use crate::lora_open::tests::fixture;
+        use thaw_runtime::model::ModelConfig;
+        let model = ModelConfig::from_dir(&fixture()).unwrap();
+        let dir = fixture().join("adapters/r4_qv");
+        let mapped = Arc::new(LoraAdapter::map(&dir, &model).unwrap());
+        let owned = Arc::new(LoraAdapter::load(&dir, &model).unwrap());
+        let b = owned.size_bytes() as u64;
+        let mut m = MemoryManager::new(
+            MemoryConfig {
+                host_max_adapters: 4,
+                host_max_bytes: 4 * b,
+                ..mgr().cfg
+            },
+            Arc::new(Board::default()),
+        );
+        let none = HashSet::new();
+        m.register(meta(1, b, 0.001), None);
+        m.register(meta(2, b, 0.001), Some(owned));
+        m.register(meta(3, b, 0.001), None);
+        assert!(m.start_fetch(AdapterId(1)).is_some());
+        m.on_mapped(AdapterId(1), mapped, &none);
+        for id in [1, 2, 3] {
+            m.on_registered(AdapterId(id), 0, false).unwrap();
+        }
+        let pages = m.pool().adapter_pages();
+        let one = m.state(AdapterId(1)).unwrap().pages;
+        m.on_upload_failed(AdapterId(1), &none);
+        assert_eq!(m.pool().adapter_pages(), pages - one);
+        assert!(m.host_copy(AdapterId(1)).is_none(), "the mapped copy went");
+        assert_eq!(m.state(AdapterId(1)).unwrap().device, Device::Absent);
+        assert!(
+            m.disk_only_read(AdapterId(1)).is_some(),
+            "its read still reports"
+        );
+        m.on_upload_failed(AdapterId(1), &none);
+        assert_eq!(m.pool().adapter_pages(), pages - one, "freed once");
+        m.on_upload_failed(AdapterId(2), &none);
+        assert_eq!(m.pool().adapter_pages(), pages - 2 * one);
+        assert!(m.host_copy(AdapterId(2)).is_some(), "an owned copy stays");
     }
 
     /// The host tier's bound counts each host copy's arena image with its heap bytes: two

@@ -1,6 +1,5 @@
 //! Disk-tier adapters served from their files over HTTP (issue 27, items 2 and 5). When
-//! adapters stream to the device (every policy but `cached`; under `auto` with CPU LoRA
-//! workers only when the cost model says to assist from the disk), an adapter whose requests
+//! adapters stream to the device (every policy but `cached`), an adapter whose requests
 //! arrive while it is only on disk does not wait for its whole read: its safetensors file is
 //! mapped (header parsed and validated, no weight read; confined under `--lora-root` like
 //! every read, [`crate::lora_open::map_confined`]) and that mapped adapter becomes its host

@@ -695,11 +695,10 @@ impl CudaBackend {
             if lora.landed_layers() >= lora.num_layers() {
                 return Ok(());
             }
-            if lora.landing.as_ref().is_some_and(|l| l.failed()) {
-                return Err(CudaError::Unsupported(
-                    "copying the adapter to the device failed (see the log)".into(),
-                )
-                .into());
+            if let Some(why) = lora.landing.as_ref().and_then(|l| l.failure()) {
+                return Err(
+                    CudaError::Unsupported(format!("uploading the adapter failed: {why}")).into(),
+                );
             }
             if t0.elapsed() > timeout {
                 return Err(CudaError::Unsupported(format!(
@@ -849,6 +848,13 @@ impl Backend for CudaBackend {
 
     fn landed_layers(&self, lora: &CudaLora) -> usize {
         lora.landed_layers()
+    }
+
+    fn lora_failure(&self, lora: &CudaLora) -> Option<String> {
+        lora.landing
+            .as_ref()
+            .and_then(|l| l.failure())
+            .map(str::to_string)
     }
 
     fn rebind_lora(&mut self, old: &Arc<LoraAdapter>, new: &Arc<LoraAdapter>) {

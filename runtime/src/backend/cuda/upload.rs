@@ -3,8 +3,8 @@
 //! per layer. The pipeline's copy thread issues the copies and waits on the events; the engine
 //! thread only reads [`LayerLanding`].
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
 
 use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream};
 
@@ -17,7 +17,8 @@ use crate::upload::{CopyDevice, Landing, PinnedMemory};
 #[derive(Debug, Default)]
 pub struct LayerLanding {
     landed: AtomicUsize,
-    failed: AtomicBool,
+    /// Why the upload failed, once it has.
+    failure: OnceLock<String>,
 }
 
 impl LayerLanding {
@@ -26,9 +27,14 @@ impl LayerLanding {
         self.landed.load(Ordering::Acquire)
     }
 
-    /// A copy failed: the adapter never becomes resident.
+    /// The upload failed: the adapter never becomes resident.
     pub fn failed(&self) -> bool {
-        self.failed.load(Ordering::Acquire)
+        self.failure.get().is_some()
+    }
+
+    /// Why the upload failed, if it has.
+    pub fn failure(&self) -> Option<&str> {
+        self.failure.get().map(String::as_str)
     }
 }
 
@@ -38,8 +44,8 @@ impl Landing for LayerLanding {
         assert_eq!(was, layer, "layers land in order, each once");
     }
 
-    fn fail(&self) {
-        self.failed.store(true, Ordering::Release);
+    fn fail(&self, why: &str) {
+        let _ = self.failure.set(why.to_string());
     }
 }
 
