@@ -201,6 +201,9 @@ impl<B: Backend + OpClock> Backend for Profiled<B> {
     fn landed_layers(&self, lora: &Self::Lora) -> usize {
         self.inner.landed_layers(lora)
     }
+    fn lora_failure(&self, lora: &Self::Lora) -> Option<String> {
+        self.inner.lora_failure(lora)
+    }
     fn lora_pages(&self, adapter: &LoraAdapter, layout: KvLayout) -> Option<usize> {
         self.inner.lora_pages(adapter, layout)
     }
