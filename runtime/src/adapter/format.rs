@@ -380,6 +380,7 @@ fn read_whole(path: &Path, threads: usize) -> std::io::Result<Vec<u8>> {
     let file = std::fs::File::open(path)?;
     let len = usize::try_from(file.metadata()?.len()).map_err(std::io::Error::other)?;
     let mut buf = vec![0u8; len];
+    super::in_place::count_copied(len);
     let part = len
         .div_ceil(threads.clamp(1, len.div_ceil(MIN_PART).max(1)))
         .max(1);

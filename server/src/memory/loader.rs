@@ -5,6 +5,12 @@
 //! every request may need a read, and one thread reading them one after another was what
 //! requests waited on. The one loader of the server and of the cold-start driver.
 //!
+//! A read keeps the adapter in place where the backend reads its stored dtype: the file is
+//! mapped and every weight checked where it lies ([`LoraAdapter::load_in_place`]), so its
+//! bytes are in host memory once (the page cache's pages, which the upload pipeline encodes
+//! into the arena and the CPU LoRA paths read) instead of again in a heap copy. An adapter the
+//! backend must convert is read into memory and converted here, once.
+//!
 //! An adapter loaded at run time under `--lora-root` is re-read through the same confinement
 //! as its first load ([`crate::lora_open::load_confined`]): a directory swapped for a link
 //! out of the root after the load is refused, and the requests waiting for it fail with that
@@ -162,12 +168,7 @@ impl Loader {
 /// paths under a root as `<lora-root>/…`.
 fn read_adapter(job: &FetchJob, model: &ModelConfig) -> Result<LoraAdapter, String> {
     let shown = |p: &Path| shown(job, p);
-    let failed = |e: AdapterError| {
-        format!(
-            "reading adapter files at {} failed: {e}; fix them and load the adapter again",
-            shown(&job.path).display()
-        )
-    };
+    let failed = |e: AdapterError| read_failed(job, e);
     let Some(root) = &job.root else {
         return LoraAdapter::load(&job.path, model).map_err(failed);
     };
@@ -180,6 +181,41 @@ fn read_adapter(job: &FetchJob, model: &ModelConfig) -> Result<LoraAdapter, Stri
         ),
         OpenError::Adapter(e) => failed(relative(root, e)),
     })
+}
+
+/// `job`'s adapter read in place (issue 27: the file's bytes in host memory once, the page
+/// cache's pages): mapped (confined to its root if it has one), validated, and every weight
+/// checked finite where it lies ([`LoraAdapter::load_in_place`]). `None` when it cannot be
+/// read so — the backend must convert its dtype, the mapping fails, or `THAW_LOAD_IN_PLACE=0`
+/// — and the read into memory says what is wrong, if anything.
+fn read_in_place(
+    job: &FetchJob,
+    model: &ModelConfig,
+    dtype: Option<WeightDtype>,
+) -> Option<Result<LoraAdapter, String>> {
+    if !thaw_runtime::adapter::in_place_enabled() {
+        return None;
+    }
+    let a = match &job.root {
+        Some(root) => crate::lora_open::map_confined(root, &job.path, model).ok()?,
+        None => LoraAdapter::map(&job.path, model).ok()?,
+    };
+    if !a.stored_as(dtype) {
+        return None;
+    }
+    Some(a.verify_in_place().map(|()| a).map_err(|e| match &job.root {
+        Some(root) => read_failed(job, relative(root, e)),
+        None => read_failed(job, e),
+    }))
+}
+
+/// What a client sees of a read of `job`'s files that failed with `e` (paths under a root
+/// named relative to it already).
+fn read_failed(job: &FetchJob, e: AdapterError) -> String {
+    format!(
+        "reading adapter files at {} failed: {e}; fix them and load the adapter again",
+        shown(job, &job.path).display()
+    )
 }
 
 /// `p` as a client may see it: relative to the job's root, if any.
@@ -195,7 +231,10 @@ fn shown(job: &FetchJob, p: &Path) -> PathBuf {
 
 fn read(job: &FetchJob, model: &ModelConfig, dtype: Option<WeightDtype>) -> FetchResult {
     let start = Instant::now();
-    let mut a = read_adapter(job, model)?;
+    let mut a = match read_in_place(job, model, dtype) {
+        Some(r) => r?,
+        None => read_adapter(job, model)?,
+    };
     if let Some(d) = dtype {
         a = a.into_dtype(d);
     }
@@ -318,6 +357,78 @@ mod tests {
         let e = read(&job, &model, None).unwrap_err();
         assert!(e.contains("<lora-root>/a/adapter_model.safetensors"), "{e}");
         assert!(!e.contains(tmp.path().to_str().unwrap()), "{e}");
+    }
+
+    /// A read keeps the adapter in place where the backend reads its stored dtype: its
+    /// factors are the file's pages (no heap copy), verified, the same bytes a read into memory
+    /// gives; where the backend reads another dtype it is read into memory and converted. A
+    /// NaN in the file fails the read in place with the message of a read into memory, under
+    /// a root named relative to it.
+    #[test]
+    fn reads_keep_the_stored_dtype_in_place() {
+        let model = ModelConfig::from_dir(&fixture()).unwrap();
+        let tmp = tempfile::tempdir().unwrap();
+        let root = std::fs::canonicalize(tmp.path()).unwrap();
+        copy_adapter(&root.join("a"));
+        let owned = LoraAdapter::load(&root.join("a"), &model).unwrap();
+        let stored = owned.dtype();
+        for under in [None, Some(root.clone())] {
+            let job = FetchJob {
+                id: AdapterId(1),
+                path: root.join("a"),
+                root: under,
+                bytes: Some(owned.size_bytes() as u64),
+            };
+            for want in [None, Some(stored)] {
+                let (a, _) = read(&job, &model, want).unwrap();
+                assert!(a.is_mapped() && a.is_verified() && a.file_source().is_some());
+                for ((l, m, w), (_, _, w2)) in a.iter().zip(owned.iter()) {
+                    assert_eq!(w, w2, "layer {l} {m}");
+                }
+            }
+            let other = [WeightDtype::F32, WeightDtype::Bf16]
+                .into_iter()
+                .find(|&d| d != stored)
+                .unwrap();
+            let (a, _) = read(&job, &model, Some(other)).unwrap();
+            assert!(!a.is_mapped() && a.stored_as(Some(other)));
+        }
+
+        // A NaN as the first element of the first factor, in the file's dtype.
+        let path = root.join("a/adapter_model.safetensors");
+        let (range, elem) = {
+            let m = LoraAdapter::map(&root.join("a"), &model).unwrap();
+            let (_, _, w) = m.iter().next().unwrap();
+            (w.a.file_range().unwrap().1, w.a.dtype().size())
+        };
+        let mut bytes = std::fs::read(&path).unwrap();
+        let nan: &[u8] = match elem {
+            4 => &[0x00, 0x00, 0xc0, 0x7f],
+            _ => &[0xc0, 0x7f],
+        };
+        bytes[range.start..range.start + elem].copy_from_slice(nan);
+        std::fs::write(&path, &bytes).unwrap();
+        let heap = LoraAdapter::load(&root.join("a"), &model).unwrap_err();
+        for under in [None, Some(root.clone())] {
+            let job = FetchJob {
+                id: AdapterId(1),
+                path: root.join("a"),
+                root: under.clone(),
+                bytes: None,
+            };
+            let e = read(&job, &model, None).unwrap_err();
+            assert!(
+                e.starts_with("reading adapter files at")
+                    && e.contains("NaN or infinite values (element 0)")
+                    && e.contains("fix them and load the adapter again"),
+                "{e}"
+            );
+            assert!(heap.to_string().contains("NaN"), "{heap}");
+            if under.is_some() {
+                assert!(e.contains("<lora-root>/a"), "{e}");
+                assert!(!e.contains(tmp.path().to_str().unwrap()), "{e}");
+            }
+        }
     }
 
     /// Every queued read is reported once, under its id, whichever thread read it; a missing
