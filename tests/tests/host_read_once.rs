@@ -215,3 +215,32 @@ fn a_disk_adapter_is_read_into_host_memory_once() {
         pool.shutdown();
     }
 }
+
+/// The loader's copy read in place replaces a stand-in mapped from the file only if both are
+/// the very same file: a copy read before a new file was renamed over the path (the stand-in
+/// maps the new one) is refused; one read from the file mapped is adopted, after which the
+/// adapter is no longer served from an unverified mapping.
+#[test]
+fn a_copy_read_in_place_is_adopted_only_from_the_file_mapped() {
+    let tm = TestModel::llama(98);
+    let cfg = tm.model.config.clone();
+    let all = ["q", "v", "down"];
+    let dir = tm.adapter_dir_as(8, &all, 981, Some(WeightDtype::Bf16));
+    let other = tm.adapter_dir_as(8, &all, 982, Some(WeightDtype::Bf16));
+    let file = "adapter_model.safetensors";
+    let early = Arc::new(LoraAdapter::load_in_place(&dir, &cfg).unwrap());
+    let tmp = dir.join("new.tmp");
+    std::fs::copy(other.join(file), &tmp).unwrap();
+    std::fs::rename(&tmp, dir.join(file)).unwrap();
+    let mut e = thaw_tests::cpu_engine_slow_link(tm.model.clone(), 1e6, 1.0);
+    let id = AdapterId(5);
+    e.register_adapter_streaming(id, Arc::new(LoraAdapter::map(&dir, &cfg).unwrap()))
+        .unwrap();
+    assert!(e.adapter_is_mapped(id));
+    let err = e.adopt_host_copy(id, early).unwrap_err().to_string();
+    assert!(err.contains("differs from the mapped file"), "{err}");
+    assert!(e.adapter_is_mapped(id), "the stand-in stays");
+    let now = Arc::new(LoraAdapter::load_in_place(&dir, &cfg).unwrap());
+    e.adopt_host_copy(id, now).unwrap();
+    assert!(!e.adapter_is_mapped(id), "a verified copy read in place took over");
+}

@@ -117,6 +117,7 @@ impl LoraAdapter {
         path: &Path,
         model: &ModelConfig,
     ) -> Result<Self, AdapterError> {
+        super::in_place::count_copied(bytes.len());
         let bytes = Arc::new(bytes);
         let tensors = SafeTensors::deserialize(&bytes).map_err(|e| AdapterError::Corrupt {
             path: path.to_path_buf(),
@@ -380,7 +381,6 @@ fn read_whole(path: &Path, threads: usize) -> std::io::Result<Vec<u8>> {
     let file = std::fs::File::open(path)?;
     let len = usize::try_from(file.metadata()?.len()).map_err(std::io::Error::other)?;
     let mut buf = vec![0u8; len];
-    super::in_place::count_copied(len);
     let part = len
         .div_ceil(threads.clamp(1, len.div_ceil(MIN_PART).max(1)))
         .max(1);

@@ -26,8 +26,10 @@ use super::error::AdapterError;
 use super::{LoraAdapter, WeightDtype};
 use crate::model::ModelConfig;
 
-/// Bytes of adapter files this process read into memory (heap copies, [`LoraAdapter::load`]);
-/// reads in place are not counted: their pages are the page cache's.
+/// Bytes of adapter files this process read into memory (heap copies: every file that became
+/// an adapter through [`LoraAdapter::from_file_bytes`], as [`LoraAdapter::load`] and the
+/// server's confined reads do); reads in place are not counted: their pages are the page
+/// cache's.
 static COPIED: AtomicU64 = AtomicU64::new(0);
 
 /// Bytes of adapter files read into memory by this process so far (heap copies): a read in
@@ -84,6 +86,17 @@ impl LoraAdapter {
                 .into_iter()
                 .all(|t| t.file_range().is_none_or(|(f, _)| f.is_verified()))
         })
+    }
+
+    /// Bytes of its factors held in memory (not read in place from a mapped file): what a host
+    /// copy costs the heap. 0 for an adapter read in place, [`LoraAdapter::size_bytes`] for one
+    /// read into memory.
+    pub fn heap_bytes(&self) -> usize {
+        self.iter()
+            .flat_map(|(_, _, w)| [&w.a, &w.b])
+            .filter(|t| t.file_range().is_none())
+            .map(|t| t.bytes().len())
+            .sum()
     }
 
     /// Whether a backend computing from `dtype` reads every factor as stored (`None`: it reads

@@ -88,10 +88,17 @@ impl<B: Backend> Engine<B> {
                 .iter()
                 .zip(owned.iter())
                 .all(|((l, m, x), (k, n, y))| (l, m) == (k, n) && shaped(x) == shaped(y));
-        let unchanged = a.host.file_source().is_none_or(|(src, _)| {
+        let mapped = a.host.file_source().map(|(src, _)| src);
+        let unchanged = mapped.as_ref().is_none_or(|src| {
             std::fs::metadata(&src.path).is_ok_and(|m| src.matches(&m).is_ok())
         });
-        if !same || !unchanged {
+        // A copy read in place must be of the very file mapped (not one renamed over it
+        // between the two opens).
+        let same_file = match (&mapped, owned.file_source()) {
+            (Some(x), Some((y, _))) => (x.dev, x.ino, x.len) == (y.dev, y.ino, y.len),
+            _ => true,
+        };
+        if !same || !unchanged || !same_file {
             return Err(RuntimeError::InvalidRequest(format!(
                 "adapter {id:?}: the loaded copy differs from the mapped file it replaces \
                  (was the file rewritten?); unload and load the adapter again"

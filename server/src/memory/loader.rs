@@ -25,7 +25,7 @@ use thaw_runtime::adapter::{AdapterError, LoraAdapter, WeightDtype};
 use thaw_runtime::ids::AdapterId;
 use thaw_runtime::model::ModelConfig;
 
-use crate::lora_open::{load_confined, relative, OpenError};
+use crate::lora_open::{load_host_confined, relative, OpenError};
 
 /// One read to do.
 #[derive(Clone, Debug)]
@@ -164,15 +164,25 @@ impl Loader {
     }
 }
 
-/// Reads `job`'s adapter: confined to its root if it has one, else a plain load. Errors name
+/// Reads `job`'s adapter as the backend computes it (`dtype`): confined to its root if it has
+/// one, in place where it keeps the stored dtype ([`LoraAdapter::load_host`]). Errors name
 /// paths under a root as `<lora-root>/…`.
-fn read_adapter(job: &FetchJob, model: &ModelConfig) -> Result<LoraAdapter, String> {
+fn read_adapter(
+    job: &FetchJob,
+    model: &ModelConfig,
+    dtype: Option<WeightDtype>,
+) -> Result<LoraAdapter, String> {
     let shown = |p: &Path| shown(job, p);
-    let failed = |e: AdapterError| read_failed(job, e);
-    let Some(root) = &job.root else {
-        return LoraAdapter::load(&job.path, model).map_err(failed);
+    let failed = |e: AdapterError| {
+        format!(
+            "reading adapter files at {} failed: {e}; fix them and load the adapter again",
+            shown(&job.path).display()
+        )
     };
-    load_confined(root, &job.path, model).map_err(|e| match e {
+    let Some(root) = &job.root else {
+        return LoraAdapter::load_host(&job.path, model, dtype).map_err(failed);
+    };
+    load_host_confined(root, &job.path, model, dtype).map_err(|e| match e {
         OpenError::Outside => format!(
             "the files of adapter {} are no longer inside the server's --lora-root (a link \
              out of the root was put in their place since the adapter was loaded); restore \
@@ -181,41 +191,6 @@ fn read_adapter(job: &FetchJob, model: &ModelConfig) -> Result<LoraAdapter, Stri
         ),
         OpenError::Adapter(e) => failed(relative(root, e)),
     })
-}
-
-/// `job`'s adapter read in place (issue 27: the file's bytes in host memory once, the page
-/// cache's pages): mapped (confined to its root if it has one), validated, and every weight
-/// checked finite where it lies ([`LoraAdapter::load_in_place`]). `None` when it cannot be
-/// read so — the backend must convert its dtype, the mapping fails, or `THAW_LOAD_IN_PLACE=0`
-/// — and the read into memory says what is wrong, if anything.
-fn read_in_place(
-    job: &FetchJob,
-    model: &ModelConfig,
-    dtype: Option<WeightDtype>,
-) -> Option<Result<LoraAdapter, String>> {
-    if !thaw_runtime::adapter::in_place_enabled() {
-        return None;
-    }
-    let a = match &job.root {
-        Some(root) => crate::lora_open::map_confined(root, &job.path, model).ok()?,
-        None => LoraAdapter::map(&job.path, model).ok()?,
-    };
-    if !a.stored_as(dtype) {
-        return None;
-    }
-    Some(a.verify_in_place().map(|()| a).map_err(|e| match &job.root {
-        Some(root) => read_failed(job, relative(root, e)),
-        None => read_failed(job, e),
-    }))
-}
-
-/// What a client sees of a read of `job`'s files that failed with `e` (paths under a root
-/// named relative to it already).
-fn read_failed(job: &FetchJob, e: AdapterError) -> String {
-    format!(
-        "reading adapter files at {} failed: {e}; fix them and load the adapter again",
-        shown(job, &job.path).display()
-    )
 }
 
 /// `p` as a client may see it: relative to the job's root, if any.
@@ -231,13 +206,7 @@ fn shown(job: &FetchJob, p: &Path) -> PathBuf {
 
 fn read(job: &FetchJob, model: &ModelConfig, dtype: Option<WeightDtype>) -> FetchResult {
     let start = Instant::now();
-    let mut a = match read_in_place(job, model, dtype) {
-        Some(r) => r?,
-        None => read_adapter(job, model)?,
-    };
-    if let Some(d) = dtype {
-        a = a.into_dtype(d);
-    }
+    let a = read_adapter(job, model, dtype)?;
     if let Some(bytes) = job.bytes.filter(|&b| b != a.size_bytes() as u64) {
         return Err(format!(
             "the adapter at {} changed on disk since it was loaded ({bytes} bytes, now {}); \

@@ -77,7 +77,7 @@ impl Entry {
             device: self.state.device,
             host: self.host.is_some(),
             bytes: self.meta.bytes,
-            in_place: self.host.as_ref().is_some_and(|h| h.is_mapped()),
+            heap: self.host.as_ref().map_or(0, |h| h.heap_bytes() as u64),
             image: self.image,
         }
     }

@@ -16,10 +16,10 @@ pub struct Place {
     pub host: bool,
     /// Its weights (stored dtype: the host copy, and the device's pages).
     pub bytes: u64,
-    /// Its host copy is read in place from its mapped file (the page cache's pages, which the
-    /// kernel may drop and read again), not held in memory: the host tier counts only its
-    /// arena image for it.
-    pub in_place: bool,
+    /// Bytes of its host copy held in memory: all of `bytes` for a heap copy, 0 for one read
+    /// in place from its mapped file (the page cache's pages, which the kernel may drop and
+    /// read again), for which the host tier counts only the arena image.
+    pub heap: u64,
     /// Arena bytes of its host copy's device image, if staged: the host tier holds it too.
     pub image: u64,
 }
@@ -31,14 +31,9 @@ impl Place {
         self.host && self.device == Device::Absent
     }
 
-    /// What the host tier holds for it: its arena image and, unless read in place, the heap
-    /// copy.
+    /// What the host tier holds for it: its arena image and its host copy's heap bytes.
     pub fn host_bytes(&self) -> u64 {
-        if self.in_place {
-            self.image
-        } else {
-            self.bytes + self.image
-        }
+        self.heap + self.image
     }
 }
 
@@ -155,7 +150,7 @@ mod tests {
             },
             host,
             bytes,
-            in_place: host && in_place,
+            heap: if host && !in_place { bytes } else { 0 },
             image: if host { image } else { 0 },
         }
     }
@@ -171,7 +166,7 @@ mod tests {
                 // The host tier holds the arena image, and the heap copy unless the copy
                 // is read in place from the file.
                 t.host += 1;
-                t.host_bytes += p.image + if p.in_place { 0 } else { p.bytes };
+                t.host_bytes += p.image + p.heap;
             } else {
                 t.disk += 1;
             }
