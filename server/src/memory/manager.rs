@@ -83,6 +83,19 @@ impl Entry {
     }
 }
 
+impl Entry {
+    /// What keeping it in the host tier once evicted costs the tier's bound: its arena image
+    /// and its host copy's heap bytes (0 for one read in place); its bytes when it has no host
+    /// copy.
+    fn kept_bytes(&self) -> u64 {
+        let heap = self
+            .host
+            .as_ref()
+            .map_or(self.meta.bytes, |h| h.heap_bytes() as u64);
+        heap + self.image
+    }
+}
+
 /// See the module docs.
 pub struct MemoryManager {
     cfg: MemoryConfig,
@@ -335,7 +348,7 @@ impl MemoryManager {
                 // Evicting keeps the host copy when the host tier has room; count a reload
                 // from disk otherwise.
                 reload_secs: reload(
-                    if host_room(e.place().host_bytes()) {
+                    if host_room(e.kept_bytes()) {
                         Tier::Host
                     } else {
                         Tier::Disk
