@@ -104,7 +104,8 @@ fn a_disk_adapter_is_read_into_host_memory_once() {
 
     // The host tier: each adapter's image staged into the arena once; the tier's bytes are
     // those images (the mapped pages are the page cache's, not counted as heap).
-    let mut e = thaw_tests::cpu_engine_slow_link(tm.model.clone(), host[0].size_bytes() as f64, 1.5);
+    let mut e =
+        thaw_tests::cpu_engine_slow_link(tm.model.clone(), host[0].size_bytes() as f64, 1.5);
     let mut mgr = MemoryManager::new(
         MemoryConfig {
             page_bytes: 1 << 20,
@@ -147,8 +148,12 @@ fn a_disk_adapter_is_read_into_host_memory_once() {
 
     // The oracle: heap copies (read into memory: the counter sees each file once), resident.
     let before_oracle = file_bytes_copied();
-    let mut oracle = Engine::new(CpuBackend::new(&cfg), tm.model.clone(), EngineConfig::default())
-        .unwrap();
+    let mut oracle = Engine::new(
+        CpuBackend::new(&cfg),
+        tm.model.clone(),
+        EngineConfig::default(),
+    )
+    .unwrap();
     let prompt: Vec<u32> = (0..40u32)
         .map(|t| 3 + (t * 37) % (cfg.vocab_size as u32 - 3))
         .collect();
@@ -179,7 +184,10 @@ fn a_disk_adapter_is_read_into_host_memory_once() {
             for (i, a) in host.iter().enumerate() {
                 let id = AdapterId(i as u32);
                 e.register_adapter_streaming(id, a.clone()).unwrap();
-                assert!(!e.adapter_is_mapped(id), "a verified host copy, not a stand-in");
+                assert!(
+                    !e.adapter_is_mapped(id),
+                    "a verified host copy, not a stand-in"
+                );
                 if let Some(pool) = e.pool() {
                     let store = pool.store();
                     assert_eq!(store.pending_fills(), 0, "nothing to copy into the store");
@@ -189,7 +197,10 @@ fn a_disk_adapter_is_read_into_host_memory_once() {
                         .find(|(h, _)| h.id.0 == i as u64)
                         .expect("the adapter has a host-store entry");
                     assert!(store.lease(handle).unwrap().is_file(), "adapter {i}");
-                    assert!(extent.end - extent.start < 8192, "{extent:?}: weights copied");
+                    assert!(
+                        extent.end - extent.start < 8192,
+                        "{extent:?}: weights copied"
+                    );
                 }
                 let assisted = e.rows_assisted();
                 seq += 1;
@@ -198,13 +209,19 @@ fn a_disk_adapter_is_read_into_host_memory_once() {
                     want[i],
                     "adapter {i}, workers {workers}, load {round}"
                 );
-                assert!(e.rows_assisted() > assisted, "adapter {i}: nothing assisted");
+                assert!(
+                    e.rows_assisted() > assisted,
+                    "adapter {i}: nothing assisted"
+                );
                 e.unregister_adapter(id).unwrap();
             }
         }
     }
     let after = arena_idle(&e);
-    assert_eq!(after.encoded_bytes, weights, "no load encoded anything again");
+    assert_eq!(
+        after.encoded_bytes, weights,
+        "no load encoded anything again"
+    );
     assert!(after.reused_bytes >= 4 * weights);
     assert_eq!(
         file_bytes_copied() - before_oracle,
@@ -242,5 +259,8 @@ fn a_copy_read_in_place_is_adopted_only_from_the_file_mapped() {
     assert!(e.adapter_is_mapped(id), "the stand-in stays");
     let now = Arc::new(LoraAdapter::load_in_place(&dir, &cfg).unwrap());
     e.adopt_host_copy(id, now).unwrap();
-    assert!(!e.adapter_is_mapped(id), "a verified copy read in place took over");
+    assert!(
+        !e.adapter_is_mapped(id),
+        "a verified copy read in place took over"
+    );
 }

@@ -62,7 +62,10 @@ impl LoraAdapter {
                 }
                 if let Some(index) = t.first_non_finite() {
                     return Err(AdapterError::NonFinite {
-                        tensor: format!("base_model.model.{}.{factor}.weight", m.module_path(layer)),
+                        tensor: format!(
+                            "base_model.model.{}.{factor}.weight",
+                            m.module_path(layer)
+                        ),
                         index,
                     });
                 }
@@ -102,7 +105,10 @@ impl LoraAdapter {
     /// Whether a backend computing from `dtype` reads every factor as stored (`None`: it reads
     /// any stored dtype), so nothing needs converting.
     pub fn stored_as(&self, dtype: Option<WeightDtype>) -> bool {
-        dtype.is_none_or(|d| self.iter().all(|(_, _, w)| w.a.dtype() == d && w.b.dtype() == d))
+        dtype.is_none_or(|d| {
+            self.iter()
+                .all(|(_, _, w)| w.a.dtype() == d && w.b.dtype() == d)
+        })
     }
 
     /// [`LoraAdapter::load`] without a heap copy: mapped, validated like `load` (header,

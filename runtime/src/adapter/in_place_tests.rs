@@ -15,7 +15,10 @@ fn read_in_place_is_the_loaded_adapter_verified() {
         let loaded = LoraAdapter::load(&dir, &model()).unwrap();
         let in_place = LoraAdapter::load_in_place(&dir, &model()).unwrap();
         assert!(in_place.is_mapped() && in_place.is_verified());
-        assert!(in_place.file_source().is_some(), "every factor is in the file");
+        assert!(
+            in_place.file_source().is_some(),
+            "every factor is in the file"
+        );
         assert_eq!(in_place.heap_bytes(), 0);
         assert_eq!(loaded.heap_bytes(), loaded.size_bytes());
         assert!(loaded.is_verified() && !loaded.is_mapped());

@@ -89,9 +89,9 @@ impl<B: Backend> Engine<B> {
                 .zip(owned.iter())
                 .all(|((l, m, x), (k, n, y))| (l, m) == (k, n) && shaped(x) == shaped(y));
         let mapped = a.host.file_source().map(|(src, _)| src);
-        let unchanged = mapped.as_ref().is_none_or(|src| {
-            std::fs::metadata(&src.path).is_ok_and(|m| src.matches(&m).is_ok())
-        });
+        let unchanged = mapped
+            .as_ref()
+            .is_none_or(|src| std::fs::metadata(&src.path).is_ok_and(|m| src.matches(&m).is_ok()));
         // A copy read in place must be of the very file mapped (not one renamed over it
         // between the two opens).
         let same_file = match (&mapped, owned.file_source()) {

@@ -24,5 +24,8 @@ fn a_file_entry_only_while_the_file_is_the_one_mapped() {
     assert!(file_entry(&a).is_none(), "replaced: the entry copies");
     assert!(a.is_verified() && a.file_source().is_some());
     let owned = LoraAdapter::load(dir.path(), &model).unwrap();
-    assert!(file_entry(&owned).is_none(), "held in memory: the entry copies");
+    assert!(
+        file_entry(&owned).is_none(),
+        "held in memory: the entry copies"
+    );
 }

@@ -80,9 +80,7 @@ pub(crate) mod tests {
 
     /// A writable copy of the `r4_qv` fixture whose last layer's first factor holds a NaN
     /// (element 1), rewritten in place; returns the copy and the poisoned layer.
-    pub(crate) fn poisoned_last_layer(
-        model: &ModelConfig,
-    ) -> (tempfile::TempDir, usize) {
+    pub(crate) fn poisoned_last_layer(model: &ModelConfig) -> (tempfile::TempDir, usize) {
         let dir = fixtures::scratch_copy(&fixtures::adapter("r4_qv"));
         let clean = LoraAdapter::map(dir.path(), model).unwrap();
         let last = clean.num_layers() - 1;

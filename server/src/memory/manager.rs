@@ -806,7 +806,11 @@ mod tests {
         // bound the least recently used host copy goes.
         let owned = Arc::new(LoraAdapter::load(&dir, &model).unwrap());
         m.on_fetched(AdapterId(4), Some(owned), &HashSet::from([AdapterId(4)]));
-        assert_eq!(host_bytes(&m), (3, 2 * image + b), "one image trimmed for the heap copy");
+        assert_eq!(
+            host_bytes(&m),
+            (3, 2 * image + b),
+            "one image trimmed for the heap copy"
+        );
         assert!(m.host_copy(AdapterId(4)).is_some());
     }
 }
