@@ -718,6 +718,25 @@ mod tests {
         );
     }
 
+    /// A manager whose host tier holds at most `adapters` adapters and `bytes` bytes.
+    fn host_mgr(adapters: usize, bytes: u64) -> MemoryManager {
+        MemoryManager::new(
+            MemoryConfig {
+                host_max_adapters: adapters,
+                host_max_bytes: bytes,
+                ..mgr().cfg
+            },
+            Arc::new(Board::default()),
+        )
+    }
+
+    /// The host tier's adapters and bytes, as published.
+    fn host_bytes(m: &MemoryManager) -> (u64, u64) {
+        m.publish(0, 0);
+        let s = m.board().stats.snapshot();
+        (s.host_adapters, s.host_bytes)
+    }
+
     /// The host tier's bound counts each host copy's arena image with its heap bytes: two
     /// adapters whose heap copies fit `--max-cpu-lora-bytes` but not with their images keep
     /// only the one a queued request wants, and the published host bytes are heap + image.
@@ -728,19 +747,7 @@ mod tests {
         let model = ModelConfig::from_dir(&fixture()).unwrap();
         let a = Arc::new(LoraAdapter::load(&fixture().join("adapters/r4_qv"), &model).unwrap());
         let b = a.size_bytes() as u64;
-        let mut m = MemoryManager::new(
-            MemoryConfig {
-                host_max_adapters: 4,
-                host_max_bytes: 3 * b,
-                ..mgr().cfg
-            },
-            Arc::new(Board::default()),
-        );
-        let host_bytes = |m: &MemoryManager| {
-            m.publish(0, 0);
-            let s = m.board().stats.snapshot();
-            (s.host_adapters, s.host_bytes)
-        };
+        let mut m = host_mgr(4, 3 * b);
         m.register(meta(1, b, 0.001), Some(a.clone()));
         m.register(meta(2, b, 0.001), Some(a.clone()));
         assert_eq!(
@@ -775,19 +782,7 @@ mod tests {
         let a = Arc::new(LoraAdapter::load_in_place(&dir, &model).unwrap());
         let b = a.size_bytes() as u64;
         let image = b.next_multiple_of(256);
-        let mut m = MemoryManager::new(
-            MemoryConfig {
-                host_max_adapters: 8,
-                host_max_bytes: 3 * image,
-                ..mgr().cfg
-            },
-            Arc::new(Board::default()),
-        );
-        let host_bytes = |m: &MemoryManager| {
-            m.publish(0, 0);
-            let s = m.board().stats.snapshot();
-            (s.host_adapters, s.host_bytes)
-        };
+        let mut m = host_mgr(8, 3 * image);
         for id in 1..=3 {
             m.register(meta(id, b, 0.001), Some(a.clone()));
         }
