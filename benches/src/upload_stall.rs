@@ -347,7 +347,7 @@ fn run_source(
                 let a = if by_layer {
                     LoraAdapter::map(&dirs[i], &config)
                 } else {
-                    LoraAdapter::load(&dirs[i], &config)
+                    LoraAdapter::load_host(&dirs[i], &config, None)
                 };
                 if let Ok(a) = a {
                     let _ = tx.send((asked, Arc::new(a)));
@@ -557,7 +557,9 @@ pub fn run(args: &UploadStallArgs) -> anyhow::Result<(Vec<StallRow>, String)> {
         let (model, dirs) = prepare(&args, &root, rank, count)?;
         let host: Vec<Arc<LoraAdapter>> = dirs
             .iter()
-            .map(|d| LoraAdapter::load(d, &model.config).map(Arc::new))
+            // The host tier as the server's loader reads it: in place, verified (no heap
+            // copy; `THAW_LOAD_IN_PLACE=0` reads into memory as before).
+            .map(|d| LoraAdapter::load_host(d, &model.config, None).map(Arc::new))
             .collect::<Result<_, _>>()?;
         let mut sources = vec![Source::Host, Source::Disk, Source::DiskByLayer];
         if args.pack_on_engine {
@@ -603,6 +605,7 @@ pub fn run(args: &UploadStallArgs) -> anyhow::Result<(Vec<StallRow>, String)> {
     };
     let switches: Vec<String> = [
         "THAW_ARENA_KEEP",
+        "THAW_LOAD_IN_PLACE",
         "THAW_UPLOAD_ENCODE",
         "THAW_STORE_FILL",
         "THAW_UPLOAD_BUSY_SHARE",

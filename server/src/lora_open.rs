@@ -204,6 +204,33 @@ pub fn map_confined(
     LoraAdapter::map_file(config, Arc::new(mapped), &path, model).map_err(OpenError::Adapter)
 }
 
+/// The host copy of the adapter in `dir`, confined like [`load_confined`], for a backend that
+/// computes from `dtype`: read in place where the backend reads the stored dtype (mapped
+/// through [`map_confined`], every weight checked where it lies, no heap copy:
+/// [`LoraAdapter::load_in_place`]); otherwise, or where the mapping fails, read into memory
+/// (whose errors then say what is wrong) and converted once. The confined twin of
+/// [`LoraAdapter::load_host`].
+pub fn load_host_confined(
+    root: &Path,
+    dir: &Path,
+    model: &ModelConfig,
+    dtype: Option<thaw_runtime::adapter::WeightDtype>,
+) -> Result<LoraAdapter, OpenError> {
+    if thaw_runtime::adapter::in_place_enabled() {
+        if let Ok(a) = map_confined(root, dir, model) {
+            if a.stored_as(dtype) {
+                a.verify_in_place().map_err(OpenError::Adapter)?;
+                return Ok(a);
+            }
+        }
+    }
+    let a = load_confined(root, dir, model)?;
+    Ok(match dtype {
+        Some(d) => a.into_dtype(d),
+        None => a,
+    })
+}
+
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;

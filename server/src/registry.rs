@@ -258,8 +258,10 @@ impl Registry {
             });
         }
         let (p, n) = (path.to_path_buf(), name.to_string());
+        // Read in place (no heap copy: the host tier is the file's pages and its arena image).
         self.load_with(name, path, None, move |model| {
-            LoraAdapter::load(&p, model).map_err(|source| ServerError::Adapter { name: n, source })
+            LoraAdapter::load_host(&p, model, None)
+                .map_err(|source| ServerError::Adapter { name: n, source })
         })
         .await
     }

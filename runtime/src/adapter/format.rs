@@ -117,6 +117,7 @@ impl LoraAdapter {
         path: &Path,
         model: &ModelConfig,
     ) -> Result<Self, AdapterError> {
+        super::in_place::count_copied(bytes.len());
         let bytes = Arc::new(bytes);
         let tensors = SafeTensors::deserialize(&bytes).map_err(|e| AdapterError::Corrupt {
             path: path.to_path_buf(),

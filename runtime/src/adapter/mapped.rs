@@ -34,6 +34,9 @@ use crate::model::ModelConfig;
 pub struct MappedFile {
     source: FileSource,
     map: memmap2::Mmap,
+    /// Every weight read from this mapping was found finite ([`LoraAdapter::verify_in_place`]):
+    /// the mapping is a full, validated host copy, not a stand-in until the loader's read.
+    verified: std::sync::atomic::AtomicBool,
 }
 
 impl std::fmt::Debug for MappedFile {
@@ -75,7 +78,19 @@ impl MappedFile {
                 ino: meta.ino(),
             },
             map,
+            verified: std::sync::atomic::AtomicBool::new(false),
         })
+    }
+
+    /// Whether every weight read from this mapping was found finite.
+    pub fn is_verified(&self) -> bool {
+        self.verified.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// Records that every weight read from this mapping was found finite.
+    pub(super) fn mark_verified(&self) {
+        self.verified
+            .store(true, std::sync::atomic::Ordering::Release);
     }
 
     /// The file's path and identity as mapped.

@@ -5,6 +5,7 @@
 mod config;
 mod error;
 mod format;
+mod in_place;
 mod mapped;
 mod module;
 mod targets;
@@ -13,6 +14,7 @@ mod tensor;
 pub use config::AdapterConfig;
 pub use error::AdapterError;
 pub use format::{LoraAdapter, LoraWeights};
+pub use in_place::{file_bytes_copied, in_place_enabled};
 pub use mapped::MappedFile;
 pub use module::LoraModule;
 pub use targets::{FullMatch, TargetSpec};

@@ -3,8 +3,9 @@
 //! so a layer's copy is queued only once all its bytes were read and found sound: the file is
 //! still the one mapped (a truncated mapping faults on a lost page; a replaced file is not the
 //! adapter registered), and every weight is finite (a NaN turns every logit of the adapter's
-//! requests into NaN). An adapter held in memory was checked whole when it was read, so its
-//! layers are not checked again.
+//! requests into NaN). An adapter held in memory, or read in place and verified whole
+//! ([`LoraAdapter::verify_in_place`]), was checked when it was read, so its weights are not
+//! checked again; a verified mapping is refused only if its file changed in place.
 use std::sync::Arc;
 
 use super::layout::Placed;
@@ -23,16 +24,12 @@ pub fn check_layer(adapter: &LoraAdapter, placed: &[Placed]) -> Result<(), Strin
                 continue;
             };
             if !files.iter().any(|f| Arc::ptr_eq(f, file)) {
-                let src = file.source();
-                let m = std::fs::metadata(&src.path).map_err(|e| {
-                    format!(
-                        "reading adapter file {} failed: {e}; restore it and load the adapter \
-                         again",
-                        src.path.display()
-                    )
-                })?;
-                src.matches(&m)?;
+                unchanged(file, std::fs::metadata(&file.source().path))?;
                 files.push(file);
+            }
+            // A verified file's weights were all found finite by the loader's read in place.
+            if file.is_verified() {
+                continue;
             }
             if let Some(index) = t.first_non_finite() {
                 let tensor = format!("layer {} {} {factor}", p.layer, p.module);
@@ -43,8 +40,29 @@ pub fn check_layer(adapter: &LoraAdapter, placed: &[Placed]) -> Result<(), Strin
     Ok(())
 }
 
+/// Whether `file`'s mapping can still be read, given what `stat` says of its path now. A
+/// mapping that stands in for the loader's read must be of the file at its path (same device,
+/// inode and length). A verified one is a full host copy of the bytes it checked: a file
+/// removed, or a new one renamed over its path, leaves those bytes mapped (served until the
+/// adapter is loaded again, as a heap copy was); only the same file at another length
+/// (rewritten in place, which faults a mapping) is refused.
+fn unchanged(file: &MappedFile, now: std::io::Result<std::fs::Metadata>) -> Result<(), String> {
+    use std::os::unix::fs::MetadataExt;
+    let src = file.source();
+    let same_inode = |m: &std::fs::Metadata| (m.dev(), m.ino()) == (src.dev, src.ino);
+    match now {
+        Ok(m) if file.is_verified() && !same_inode(&m) => Ok(()),
+        Err(_) if file.is_verified() => Ok(()),
+        Ok(m) => src.matches(&m),
+        Err(e) => Err(format!(
+            "reading adapter file {} failed: {e}; restore it and load the adapter again",
+            src.path.display()
+        )),
+    }
+}
+
 #[cfg(test)]
-pub(super) mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::model::{fixtures, ModelConfig};
     use crate::upload::ImageLayout;
@@ -62,9 +80,7 @@ pub(super) mod tests {
 
     /// A writable copy of the `r4_qv` fixture whose last layer's first factor holds a NaN
     /// (element 1), rewritten in place; returns the copy and the poisoned layer.
-    pub(in crate::upload) fn poisoned_last_layer(
-        model: &ModelConfig,
-    ) -> (tempfile::TempDir, usize) {
+    pub(crate) fn poisoned_last_layer(model: &ModelConfig) -> (tempfile::TempDir, usize) {
         let dir = fixtures::scratch_copy(&fixtures::adapter("r4_qv"));
         let clean = LoraAdapter::map(dir.path(), model).unwrap();
         let last = clean.num_layers() - 1;
@@ -117,5 +133,36 @@ pub(super) mod tests {
         );
         let owned = LoraAdapter::load(&fixtures::adapter("r4_qv"), &model).unwrap();
         assert_eq!(check_layer(&owned, &layer(&owned, 0)), Ok(()));
+    }
+
+    /// A verified mapping is a full host copy: a new file renamed over its path, or the file
+    /// removed, leaves its bytes readable (checked again: nothing), while a bare mapping of
+    /// the same file is refused; the same file truncated in place is refused either way.
+    #[test]
+    fn a_verified_mapping_survives_a_replaced_file_not_a_truncated_one() {
+        let model = ModelConfig::from_dir(&fixtures::tiny_llama()).unwrap();
+        let dir = fixtures::scratch_copy(&fixtures::adapter("r4_qv"));
+        let path = dir.path().join("adapter_model.safetensors");
+        let verified = LoraAdapter::load_in_place(dir.path(), &model).unwrap();
+        let bare = LoraAdapter::map(dir.path(), &model).unwrap();
+        let bytes = std::fs::read(&path).unwrap();
+        let tmp = dir.path().join("new.tmp");
+        std::fs::write(&tmp, &bytes).unwrap();
+        std::fs::rename(&tmp, &path).unwrap();
+        assert_eq!(check_layer(&verified, &layer(&verified, 0)), Ok(()));
+        let e = check_layer(&bare, &layer(&bare, 0)).unwrap_err();
+        assert!(e.contains("replaced"), "{e}");
+        std::fs::remove_file(&path).unwrap();
+        assert_eq!(check_layer(&verified, &layer(&verified, 0)), Ok(()));
+        assert!(check_layer(&bare, &layer(&bare, 0)).is_err());
+
+        let dir = fixtures::scratch_copy(&fixtures::adapter("r4_qv"));
+        let path = dir.path().join("adapter_model.safetensors");
+        let verified = LoraAdapter::load_in_place(dir.path(), &model).unwrap();
+        let len = std::fs::metadata(&path).unwrap().len();
+        let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+        f.set_len(len / 2).unwrap();
+        let e = check_layer(&verified, &layer(&verified, 0)).unwrap_err();
+        assert!(e.contains("truncated"), "{e}");
     }
 }

@@ -19,7 +19,7 @@
 //! | `stream.rs` | copies of adapter bytes that bypass the caches (non-temporal stores) |
 mod arena;
 mod background;
-mod check;
+pub(crate) mod check;
 mod device;
 mod layout;
 mod pace;

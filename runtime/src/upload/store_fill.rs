@@ -13,12 +13,15 @@
 //! adapters streaming at once than the store holds): the engine reserves again at each step
 //! until it has room or the adapter has landed, rather than refusing the adapter.
 //!
-//! What is still copied, all off the engine thread: the disk loader reads the safetensors
-//! file into the adapter's heap tensors (the host tier is those tensors), the upload
-//! pipeline's loader copies them into the pinned arena once (when the adapter enters the host
-//! tier, or at its first load; the arena keeps that image while the adapter lives, so later
-//! loads only copy it to the device), and the background thread copies them into this store at
-//! each load. The store and the arena are two memories because the arena holds
+//! Only a host copy held in memory is copied here: one the disk loader read in place (the
+//! default where the backend reads the stored dtype, [`crate::adapter::LoraAdapter::load_in_place`])
+//! gets a file entry at every load instead, and the workers read the file's pages
+//! ([`crate::engine`]'s `store_insert`). What is still copied, all off the engine thread: the
+//! upload pipeline's loader writes the adapter into the pinned arena once (when it enters the
+//! host tier, or at its first load; the arena keeps that image while the adapter lives, so
+//! later loads only copy it to the device), and, for a host copy held in memory (converted to
+//! the backend's dtype, or `THAW_LOAD_IN_PLACE=0`), the background thread copies it into this
+//! store at each load. The store and the arena are two memories because the arena holds
 //! the device image (the backend's dtype, the device layout) and the store the workers'
 //! (stored dtype, descriptor table): one memory for both would need the host tier itself
 //! to be store-backed tensors and the device image to be read from the store's layout.

@@ -182,7 +182,8 @@ pub fn run(
         if tier == StartTier::Disk {
             continue;
         }
-        match LoraAdapter::load(dir, engine.model_config()) {
+        // Read as the server's loader reads it: in place (the page cache's pages, no heap copy).
+        match LoraAdapter::load_host(dir, engine.model_config(), None) {
             Ok(a) => {
                 let a = Arc::new(a);
                 let id = AdapterId(i as u32);

@@ -10,7 +10,7 @@ use thaw_runtime::adapter::{AdapterError, LoraAdapter};
 use thaw_runtime::model::ModelConfig;
 
 use crate::error::ServerError;
-use crate::lora_open::{load_confined, relative, OpenError};
+use crate::lora_open::{load_host_confined, relative, OpenError};
 
 /// The files an adapter directory may hold that the loader opens.
 const ADAPTER_FILES: [&str; 3] = [
@@ -117,10 +117,11 @@ impl LoraAccess {
                 name: name.clone(),
                 source,
             };
+            // Read in place (no heap copy: the host tier is the file's pages and its image).
             let Some(root) = &access.root else {
-                return LoraAdapter::load(&dir, model).map_err(adapter);
+                return LoraAdapter::load_host(&dir, model, None).map_err(adapter);
             };
-            load_confined(root, &dir, model).map_err(|e| match e {
+            load_host_confined(root, &dir, model, None).map_err(|e| match e {
                 OpenError::Outside => outside(),
                 OpenError::Adapter(source) => access.relative_error(adapter(source)),
             })

@@ -26,8 +26,8 @@ pub enum Upload {
 /// tier kept it, its device image is written into the engine's upload arena now, off the engine
 /// thread, so a later load of it only copies. The arena frees the image once the adapter's last
 /// reference (the host tier's, the device copy's) is gone. The host tier counts the image's
-/// bytes with the heap copy's against `--max-cpu-lora-bytes` (`wanted`: adapters of queued
-/// requests, kept over the bound).
+/// bytes, with the heap copy's if the host copy is held in memory (not read in place), against
+/// `--max-cpu-lora-bytes` (`wanted`: adapters of queued requests, kept over the bound).
 pub fn stage_host<B: Backend>(
     mgr: &mut MemoryManager,
     engine: &mut Engine<B>,

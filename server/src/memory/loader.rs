@@ -5,6 +5,12 @@
 //! every request may need a read, and one thread reading them one after another was what
 //! requests waited on. The one loader of the server and of the cold-start driver.
 //!
+//! A read keeps the adapter in place where the backend reads its stored dtype: the file is
+//! mapped and every weight checked where it lies ([`LoraAdapter::load_in_place`]), so its
+//! bytes are in host memory once (the page cache's pages, which the upload pipeline encodes
+//! into the arena and the CPU LoRA paths read) instead of again in a heap copy. An adapter the
+//! backend must convert is read into memory and converted here, once.
+//!
 //! An adapter loaded at run time under `--lora-root` is re-read through the same confinement
 //! as its first load ([`crate::lora_open::load_confined`]): a directory swapped for a link
 //! out of the root after the load is refused, and the requests waiting for it fail with that
@@ -19,7 +25,7 @@ use thaw_runtime::adapter::{AdapterError, LoraAdapter, WeightDtype};
 use thaw_runtime::ids::AdapterId;
 use thaw_runtime::model::ModelConfig;
 
-use crate::lora_open::{load_confined, relative, OpenError};
+use crate::lora_open::{load_host_confined, relative, OpenError};
 
 /// One read to do.
 #[derive(Clone, Debug)]
@@ -158,9 +164,14 @@ impl Loader {
     }
 }
 
-/// Reads `job`'s adapter: confined to its root if it has one, else a plain load. Errors name
+/// Reads `job`'s adapter as the backend computes it (`dtype`): confined to its root if it has
+/// one, in place where it keeps the stored dtype ([`LoraAdapter::load_host`]). Errors name
 /// paths under a root as `<lora-root>/…`.
-fn read_adapter(job: &FetchJob, model: &ModelConfig) -> Result<LoraAdapter, String> {
+fn read_adapter(
+    job: &FetchJob,
+    model: &ModelConfig,
+    dtype: Option<WeightDtype>,
+) -> Result<LoraAdapter, String> {
     let shown = |p: &Path| shown(job, p);
     let failed = |e: AdapterError| {
         format!(
@@ -169,9 +180,9 @@ fn read_adapter(job: &FetchJob, model: &ModelConfig) -> Result<LoraAdapter, Stri
         )
     };
     let Some(root) = &job.root else {
-        return LoraAdapter::load(&job.path, model).map_err(failed);
+        return LoraAdapter::load_host(&job.path, model, dtype).map_err(failed);
     };
-    load_confined(root, &job.path, model).map_err(|e| match e {
+    load_host_confined(root, &job.path, model, dtype).map_err(|e| match e {
         OpenError::Outside => format!(
             "the files of adapter {} are no longer inside the server's --lora-root (a link \
              out of the root was put in their place since the adapter was loaded); restore \
@@ -195,10 +206,7 @@ fn shown(job: &FetchJob, p: &Path) -> PathBuf {
 
 fn read(job: &FetchJob, model: &ModelConfig, dtype: Option<WeightDtype>) -> FetchResult {
     let start = Instant::now();
-    let mut a = read_adapter(job, model)?;
-    if let Some(d) = dtype {
-        a = a.into_dtype(d);
-    }
+    let a = read_adapter(job, model, dtype)?;
     if let Some(bytes) = job.bytes.filter(|&b| b != a.size_bytes() as u64) {
         return Err(format!(
             "the adapter at {} changed on disk since it was loaded ({bytes} bytes, now {}); \
@@ -318,6 +326,83 @@ mod tests {
         let e = read(&job, &model, None).unwrap_err();
         assert!(e.contains("<lora-root>/a/adapter_model.safetensors"), "{e}");
         assert!(!e.contains(tmp.path().to_str().unwrap()), "{e}");
+    }
+
+    /// A read keeps the adapter in place where the backend reads its stored dtype: its
+    /// factors are the file's pages (no heap copy), verified, the same bytes a read into memory
+    /// gives; where the backend reads another dtype it is read into memory and converted. A
+    /// NaN in the file fails the read in place with the message of a read into memory, under
+    /// a root named relative to it.
+    #[test]
+    fn reads_keep_the_stored_dtype_in_place() {
+        let model = ModelConfig::from_dir(&fixture()).unwrap();
+        let tmp = tempfile::tempdir().unwrap();
+        let root = std::fs::canonicalize(tmp.path()).unwrap();
+        copy_adapter(&root.join("a"));
+        let owned = LoraAdapter::load(&root.join("a"), &model).unwrap();
+        let stored = owned.dtype();
+        for under in [None, Some(root.clone())] {
+            let job = FetchJob {
+                id: AdapterId(1),
+                path: root.join("a"),
+                root: under,
+                bytes: Some(owned.size_bytes() as u64),
+            };
+            for want in [None, Some(stored)] {
+                let (a, _) = read(&job, &model, want).unwrap();
+                assert!(a.is_mapped() && a.is_verified() && a.file_source().is_some());
+                for ((l, m, w), (_, _, w2)) in a.iter().zip(owned.iter()) {
+                    assert_eq!(w, w2, "layer {l} {m}");
+                }
+            }
+            let other = [WeightDtype::F32, WeightDtype::Bf16]
+                .into_iter()
+                .find(|&d| d != stored)
+                .unwrap();
+            // Converted, it weighs what the converted copy weighs: no size to compare here.
+            let first = FetchJob {
+                bytes: None,
+                ..job.clone()
+            };
+            let (a, _) = read(&first, &model, Some(other)).unwrap();
+            assert!(!a.is_mapped() && a.stored_as(Some(other)));
+        }
+
+        // A NaN as the first element of the first factor, in the file's dtype.
+        let path = root.join("a/adapter_model.safetensors");
+        let (range, elem) = {
+            let m = LoraAdapter::map(&root.join("a"), &model).unwrap();
+            let (_, _, w) = m.iter().next().unwrap();
+            (w.a.file_range().unwrap().1, w.a.dtype().size())
+        };
+        let mut bytes = std::fs::read(&path).unwrap();
+        let nan: &[u8] = match elem {
+            4 => &[0x00, 0x00, 0xc0, 0x7f],
+            _ => &[0xc0, 0x7f],
+        };
+        bytes[range.start..range.start + elem].copy_from_slice(nan);
+        std::fs::write(&path, &bytes).unwrap();
+        let heap = LoraAdapter::load(&root.join("a"), &model).unwrap_err();
+        for under in [None, Some(root.clone())] {
+            let job = FetchJob {
+                id: AdapterId(1),
+                path: root.join("a"),
+                root: under.clone(),
+                bytes: None,
+            };
+            let e = read(&job, &model, None).unwrap_err();
+            assert!(
+                e.starts_with("reading adapter files at")
+                    && e.contains("NaN or infinite values (element 0)")
+                    && e.contains("fix them and load the adapter again"),
+                "{e}"
+            );
+            assert!(heap.to_string().contains("NaN"), "{heap}");
+            if under.is_some() {
+                assert!(e.contains("<lora-root>/a"), "{e}");
+                assert!(!e.contains(tmp.path().to_str().unwrap()), "{e}");
+            }
+        }
     }
 
     /// Every queued read is reported once, under its id, whichever thread read it; a missing

@@ -37,7 +37,8 @@ pub struct MemoryConfig {
     /// holds an adapter only until its last layer lands. Landed adapters are bounded by pages.
     pub max_streaming_adapters: Option<usize>,
     /// `--max-cpu-loras` and `--max-cpu-lora-bytes`: the host tier (adapters not on device),
-    /// its bytes each adapter's heap copy and its device image in the upload arena.
+    /// its bytes each adapter's device image in the upload arena and its heap copy, if it has
+    /// one (a host copy read in place from its file is the page cache's, not counted).
     pub host_max_adapters: usize,
     pub host_max_bytes: u64,
 }
@@ -81,8 +82,22 @@ impl Entry {
             device: self.state.device,
             host: self.host.is_some(),
             bytes: self.meta.bytes,
+            heap: self.host.as_ref().map_or(0, |h| h.heap_bytes() as u64),
             image: self.image,
         }
+    }
+}
+
+impl Entry {
+    /// What keeping it in the host tier once evicted costs the tier's bound: its arena image
+    /// and its host copy's heap bytes (0 for one read in place); its bytes when it has no host
+    /// copy.
+    fn kept_bytes(&self) -> u64 {
+        let heap = self
+            .host
+            .as_ref()
+            .map_or(self.meta.bytes, |h| h.heap_bytes() as u64);
+        heap + self.image
     }
 }
 
@@ -339,7 +354,7 @@ impl MemoryManager {
                 // Evicting keeps the host copy when the host tier has room; count a reload
                 // from disk otherwise.
                 reload_secs: reload(
-                    if host_room(e.meta.bytes + e.image) {
+                    if host_room(e.kept_bytes()) {
                         Tier::Host
                     } else {
                         Tier::Disk
@@ -565,7 +580,7 @@ impl MemoryManager {
             .iter()
             .filter(|id| !wanted.contains(id))
             .filter_map(|id| self.entries.get(id))
-            .map(|e| (e.last_used, e.meta.id, e.meta.bytes + e.image))
+            .map(|e| (e.last_used, e.meta.id, e.place().host_bytes()))
             .collect();
         lru.sort_by(|a, b| a.0.total_cmp(&b.0));
         for (_, id, bytes) in lru {
@@ -803,6 +818,25 @@ mod tests {
         assert!(m.host_copy(AdapterId(2)).is_some(), "an owned copy stays");
     }
 
+    /// A manager whose host tier holds at most `adapters` adapters and `bytes` bytes.
+    fn host_mgr(adapters: usize, bytes: u64) -> MemoryManager {
+        MemoryManager::new(
+            MemoryConfig {
+                host_max_adapters: adapters,
+                host_max_bytes: bytes,
+                ..mgr().cfg
+            },
+            Arc::new(Board::default()),
+        )
+    }
+
+    /// The host tier's adapters and bytes, as published.
+    fn host_bytes(m: &MemoryManager) -> (u64, u64) {
+        m.publish(0, 0);
+        let s = m.board().stats.snapshot();
+        (s.host_adapters, s.host_bytes)
+    }
+
     /// The host tier's bound counts each host copy's arena image with its heap bytes: two
     /// adapters whose heap copies fit `--max-cpu-lora-bytes` but not with their images keep
     /// only the one a queued request wants, and the published host bytes are heap + image.
@@ -813,19 +847,7 @@ mod tests {
         let model = ModelConfig::from_dir(&fixture()).unwrap();
         let a = Arc::new(LoraAdapter::load(&fixture().join("adapters/r4_qv"), &model).unwrap());
         let b = a.size_bytes() as u64;
-        let mut m = MemoryManager::new(
-            MemoryConfig {
-                host_max_adapters: 4,
-                host_max_bytes: 3 * b,
-                ..mgr().cfg
-            },
-            Arc::new(Board::default()),
-        );
-        let host_bytes = |m: &MemoryManager| {
-            m.publish(0, 0);
-            let s = m.board().stats.snapshot();
-            (s.host_adapters, s.host_bytes)
-        };
+        let mut m = host_mgr(4, 3 * b);
         m.register(meta(1, b, 0.001), Some(a.clone()));
         m.register(meta(2, b, 0.001), Some(a.clone()));
         assert_eq!(
@@ -846,5 +868,44 @@ mod tests {
         // Leaving the host tier (to the device) takes heap and image bytes out of it.
         m.on_registered(AdapterId(2), 0, false).unwrap();
         assert_eq!(host_bytes(&m), (0, 0));
+    }
+
+    /// A host copy read in place is the page cache's pages, not heap: the host tier counts
+    /// only its arena image, so adapters whose heap copies would pass `--max-cpu-lora-bytes`
+    /// stay within it; a heap copy taking over (the read into memory) counts its bytes again.
+    #[test]
+    fn a_host_copy_read_in_place_counts_only_its_image() {
+        use crate::lora_open::tests::fixture;
+        use thaw_runtime::model::ModelConfig;
+        let model = ModelConfig::from_dir(&fixture()).unwrap();
+        let dir = fixture().join("adapters/r4_qv");
+        let a = Arc::new(LoraAdapter::load_in_place(&dir, &model).unwrap());
+        let b = a.size_bytes() as u64;
+        let image = b.next_multiple_of(256);
+        let mut m = host_mgr(8, 3 * image);
+        for id in 1..=3 {
+            m.register(meta(id, b, 0.001), Some(a.clone()));
+        }
+        assert_eq!(host_bytes(&m), (3, 0), "no heap copy, no image yet");
+        for id in 1..=3 {
+            m.on_staged(AdapterId(id), image, &HashSet::new());
+        }
+        assert_eq!(host_bytes(&m), (3, 3 * image), "the images, nothing else");
+        // A stand-in mapped from the file while its read runs is not heap either.
+        m.register(meta(4, b, 0.001), None);
+        m.start_fetch(AdapterId(4));
+        let mapped = Arc::new(LoraAdapter::map(&dir, &model).unwrap());
+        m.on_mapped(AdapterId(4), mapped, &HashSet::new());
+        assert_eq!(host_bytes(&m), (4, 3 * image));
+        // Its read lands held in memory (converted, say): heap bytes again, and over the
+        // bound the least recently used host copy goes.
+        let owned = Arc::new(LoraAdapter::load(&dir, &model).unwrap());
+        m.on_fetched(AdapterId(4), Some(owned), &HashSet::from([AdapterId(4)]));
+        assert_eq!(
+            host_bytes(&m),
+            (3, 2 * image + b),
+            "one image trimmed for the heap copy"
+        );
+        assert!(m.host_copy(AdapterId(4)).is_some());
     }
 }

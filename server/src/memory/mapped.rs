@@ -9,9 +9,11 @@
 //! arena, and its copy is queued as soon as that layer is in, so the first layers land while
 //! later ones are still read; the workers, if any, compute its layers from the file meanwhile.
 //!
-//! The loader's full read runs as before and stays authoritative: when it lands, its owned
-//! copy replaces the mapped one in the memory manager and, through
-//! [`thaw_runtime::engine::Engine::adopt_host_copy`], in the engine. When it fails (the file
+//! The loader's full read runs as before and stays authoritative: when it lands, its copy —
+//! the file read in place and verified where the backend reads the stored dtype (no heap copy:
+//! the bytes stay the page cache's, [`crate::memory::loader`]) — replaces the stand-in in the
+//! memory manager and, through [`thaw_runtime::engine::Engine::adopt_host_copy`], in the
+//! engine. When it fails (the file
 //! is corrupt, has a non-finite weight, changed, or was moved out of the root), every request
 //! for the adapter fails with the loader's message, as without mapping, and the adapter leaves
 //! the engine (its pages and its workers' host-store entry go back): see
