@@ -2,10 +2,10 @@
 //! worker cannot read it, and the step's error names the adapter, the file, what failed and
 //! what to do — not "jobs failed". The step advances nothing, so once that adapter's
 //! sequence is gone the step's other sequence runs on to the oracle's tokens.
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 
-use thaw_cpu_lora::{LoraPool, PoolConfig};
+use thaw_cpu_lora::LoraPool;
 use thaw_ipc::HostStore;
 use thaw_runtime::adapter::LoraAdapter;
 use thaw_runtime::backend::cpu::CpuBackend;
@@ -16,22 +16,13 @@ use thaw_runtime::RuntimeError;
 use thaw_server::gen::WeightDtype;
 use thaw_tests::TestModel;
 
+mod workers_support;
+
 const TARGETS: [&str; 4] = ["q", "k", "v", "o"];
 const FILE: &str = "adapter_model.safetensors";
 
 fn pool() -> LoraPool {
-    LoraPool::new(
-        PoolConfig {
-            cores: Some(vec![0]),
-            pin: false,
-            program: Some(PathBuf::from(env!("CARGO_BIN_EXE_thaw-test-worker"))),
-            leading_args: vec![],
-            calibration: vec![],
-            ..Default::default()
-        },
-        HostStore::create(64 << 20, 64).expect("host store"),
-    )
-    .expect("worker pool starts")
+    workers_support::pool_with(1, HostStore::create(64 << 20, 64).expect("host store"))
 }
 
 fn params(prompt: &[u32], adapter: AdapterId) -> SequenceParams {

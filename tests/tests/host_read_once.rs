@@ -11,7 +11,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use thaw_cpu_lora::{LoraPool, PoolConfig};
+use thaw_cpu_lora::LoraPool;
 use thaw_ipc::HostStore;
 use thaw_runtime::adapter::{file_bytes_copied, LoraAdapter};
 use thaw_runtime::backend::cpu::CpuBackend;
@@ -23,23 +23,14 @@ use thaw_server::memory::loader::{FetchJob, Loader};
 use thaw_server::memory::{AdapterMeta, Board, EvictionPolicy, MemoryConfig, MemoryManager};
 use thaw_tests::TestModel;
 
+mod workers_support;
+
 fn greedy(e: &mut Engine<CpuBackend>, seq: u64, a: AdapterId, prompt: &[u32]) -> Vec<u32> {
     thaw_tests::greedy_alone(e, SeqId(seq), a, prompt, 8)
 }
 
 fn one_worker() -> LoraPool {
-    LoraPool::new(
-        PoolConfig {
-            cores: Some(vec![0]),
-            pin: false,
-            program: Some(PathBuf::from(env!("CARGO_BIN_EXE_thaw-test-worker"))),
-            leading_args: vec![],
-            calibration: vec![],
-            ..Default::default()
-        },
-        HostStore::create(64 << 20, 64).expect("host store"),
-    )
-    .expect("worker pool starts")
+    workers_support::pool_with(1, HostStore::create(64 << 20, 64).expect("host store"))
 }
 
 /// Waits until the upload arena is idle and returns its usage.
