@@ -7,7 +7,9 @@
 //!
 //! `rustc -O -C target-cpu=native benches/results/vnni-epilogue-probe.rs -o /tmp/p && /tmp/p`
 use std::arch::x86_64::*;
-fn tsecs() -> f64 { let mut t = std::mem::MaybeUninit::<[i64;2]>::uninit(); extern "C" { fn clock_gettime(c: i32, t: *mut [i64;2]) -> i32; } unsafe { clock_gettime(3, t.as_mut_ptr()); let t = t.assume_init(); t[0] as f64 + t[1] as f64*1e-9 } }
+fn tsecs() -> f64 { let mut t = std::mem::MaybeUninit::<[i64;2]>::uninit(); extern "C" { fn clock_gettime(c: i32, t: *mut [i64;2]) -> i32; }
+    // SAFETY: clock 3 is CLOCK_THREAD_CPUTIME_ID, which always exists; it writes the whole timespec.
+    unsafe { clock_gettime(3, t.as_mut_ptr()); let t = t.assume_init(); t[0] as f64 + t[1] as f64*1e-9 } }
 #[inline(never)]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,fma")]
 unsafe fn k(iters: usize, mode: u32, sc: &[f32; 48]) -> f32 {
@@ -42,10 +44,13 @@ unsafe fn k(iters: usize, mode: u32, sc: &[f32; 48]) -> f32 {
     _mm512_reduce_add_ps(s)
 }
 fn main() {
+    assert!(is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw")
+        && is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("fma"), "needs AVX-512 VNNI");
     let sc: [f32; 48] = std::array::from_fn(|i| 1.0 + i as f32 * 1e-3);
     for mode in [0u32, 1, 3, 2] {
         let iters = 200_000;
         let mut best = f64::MAX;
+        // SAFETY: the features were checked above; k touches registers and sc only.
         for _ in 0..20 { let t = tsecs(); std::hint::black_box(unsafe { k(iters, mode, std::hint::black_box(&sc)) }); best = best.min(tsecs() - t); }
         let dp = iters as f64 * 96.0;
         println!("mode {mode}: {:.2} GMAC/s ({:.3} ns per dpbusd) ", dp * 64.0 / best / 1e9, best / dp * 1e9);
