@@ -110,11 +110,9 @@ impl RopeTable {
         &self.inv_freq
     }
 
-    /// Rotates `x` in place: `x` is `[tokens, n_heads, head_dim]`, `positions.len() == tokens`.
-    /// HF `rotate_half` convention: pairs `(i, i + head_dim/2)` rotate by `pos · inv_freq[i]`,
-    /// where the angle is rounded to f32 exactly as HF's f32 `inv_freq ⊗ position_ids` does, and
-    /// its cos/sin are then evaluated in f64 and rounded once.
-    pub fn apply(&self, x: &mut [f32], positions: &[usize], n_heads: usize) {
+    /// Panics unless `x` is `[positions.len(), n_heads, head_dim]`; false when there is nothing
+    /// to rotate (no heads). The shape check of [`Self::apply`] and of `RopeCache::apply`.
+    pub(crate) fn check_shape(&self, x: &[f32], positions: &[usize], n_heads: usize) -> bool {
         let d = self.head_dim;
         assert_eq!(
             x.len(),
@@ -123,9 +121,18 @@ impl RopeTable {
             x.len(),
             positions.len()
         );
-        if n_heads == 0 {
+        n_heads > 0
+    }
+
+    /// Rotates `x` in place: `x` is `[tokens, n_heads, head_dim]`, `positions.len() == tokens`.
+    /// HF `rotate_half` convention: pairs `(i, i + head_dim/2)` rotate by `pos · inv_freq[i]`,
+    /// where the angle is rounded to f32 exactly as HF's f32 `inv_freq ⊗ position_ids` does, and
+    /// its cos/sin are then evaluated in f64 and rounded once.
+    pub fn apply(&self, x: &mut [f32], positions: &[usize], n_heads: usize) {
+        if !self.check_shape(x, positions, n_heads) {
             return;
         }
+        let d = self.head_dim;
         for (tok, &pos) in x.chunks_exact_mut(n_heads * d).zip(positions) {
             rotate_token(tok, d, |i| sin_cos(pos, self.inv_freq[i]));
         }

@@ -30,17 +30,10 @@ impl RopeCache {
 
     /// [`RopeTable::apply`], bit for bit.
     pub fn apply(&mut self, x: &mut [f32], positions: &[usize], n_heads: usize) {
-        let d = self.table.head_dim();
-        assert_eq!(
-            x.len(),
-            positions.len() * n_heads * d,
-            "rope: x has {} elements, want tokens {} × heads {n_heads} × head_dim {d}",
-            x.len(),
-            positions.len()
-        );
-        if n_heads == 0 {
+        if !self.table.check_shape(x, positions, n_heads) {
             return;
         }
+        let d = self.table.head_dim();
         let half = d / 2;
         if let Some(&top) = positions.iter().max() {
             let have = self.sc.len() / half;
