@@ -111,7 +111,7 @@ impl PerfModel {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
     use crate::coldstart::ColdDecision;
     use proptest::prelude::*;
@@ -122,7 +122,7 @@ mod tests {
 
     /// CPU FLOPs per prefill row and layer of a rank-`r` adapter on q, k, v and o of a 7B
     /// model (the benchmark adapters): 2·r·(d_in + d_out) per projection.
-    fn work_7b(r: f64) -> AssistWork {
+    pub(in crate::coldstart) fn work_7b(r: f64) -> AssistWork {
         let h = 4096.0;
         AssistWork {
             flops_per_row: 2.0 * r * 4.0 * (h + h),
@@ -131,7 +131,7 @@ mod tests {
 
     /// Bytes of that adapter in bf16: r·(d_in + d_out) per projection and layer; 134 MB at
     /// rank 64, as the H100 run's adapters.
-    fn bytes_7b(r: u64) -> u64 {
+    pub(in crate::coldstart) fn bytes_7b(r: u64) -> u64 {
         LAYERS as u64 * r * 4 * (4096 + 4096) * 2
     }
 
@@ -142,7 +142,7 @@ mod tests {
     /// (`runtime/src/backend/cuda/encode.rs`); four CPU LoRA workers of 25 GFLOP/s each (a
     /// server core's f32 rate on rank-64 products; no assisted step ran there to measure it);
     /// a page-cache read of 4 GB/s; the workers do not slow the GPU.
-    fn h100() -> PerfModel {
+    pub(in crate::coldstart) fn h100() -> PerfModel {
         let step = 13.2e-3 / LAYERS as f64;
         let per_token = (32.7e-3 - 13.2e-3) / 127.0 / LAYERS as f64;
         PerfModel {
@@ -165,7 +165,7 @@ mod tests {
 
     /// A request of the benchmark: a 128-token prompt, 32 output tokens, nothing
     /// else in the step.
-    fn case(tier: ColdTier) -> ColdCase {
+    pub(in crate::coldstart) fn case(tier: ColdTier) -> ColdCase {
         ColdCase {
             tier,
             bytes: bytes_7b(64),

@@ -74,54 +74,23 @@ impl PerfModel {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::coldstart::{AssistWork, ColdDecision};
+    use crate::coldstart::decide::tests as decide_tests;
+    use crate::coldstart::ColdDecision;
     use crate::perf::DiskQueue;
     use proptest::prelude::*;
     use thaw_runtime::residency::LinkModel;
 
-    /// The H100 of issue 27 (see `decide.rs`' `h100`): 32 layers, a 55 GB/s link, 13.2 ms
-    /// decode steps, 32.7 ms for a 128-token prefill, ~360 ms to read a 134 MB adapter from
-    /// the page cache and 0.8 GB/s of host encode.
+    /// The H100 of issue 27 (`decide.rs`' model), its workers reading a disk-tier adapter's
+    /// file themselves.
     fn h100() -> PerfModel {
-        let step = 13.2e-3 / 32.0;
-        let per_token = (32.7e-3 - 13.2e-3) / 127.0 / 32.0;
         PerfModel {
-            num_layers: 32,
-            layer_base_s: step - per_token,
-            layer_per_token_s: per_token,
-            cpu_flops: 4.0 * 25e9,
-            cpu_overlaps: true,
-            assist_layer_overhead_s: 100e-6,
-            link: LinkModel {
-                gbps: 55.0,
-                latency_us: 10.0,
-            },
-            disk_bytes_per_s: 134e6 / 0.36,
-            file_read_bytes_per_s: 4e9,
-            host_encode_bytes_per_s: 0.8e9,
             assist_reads_disk: true,
-            ..Default::default()
+            ..decide_tests::h100()
         }
     }
 
-    /// Rank 64 on q, k, v, o of a 7B model: 134 MB in bf16, 2·64·4·8192 FLOPs a row a layer.
-    fn case(tier: ColdTier) -> ColdCase {
-        ColdCase {
-            tier,
-            bytes: 32 * 64 * 4 * 8192 * 2,
-            backlog: 0,
-            reads: DiskQueue::default(),
-            work: AssistWork {
-                flops_per_row: 2.0 * 64.0 * 4.0 * 8192.0,
-            },
-            prompt_left: 128,
-            cap: 2048,
-            other_tokens: 0,
-            running: 0,
-            fewest_left: 0,
-            max_new_tokens: 32,
-        }
-    }
+    // Rank 64 on q, k, v, o of a 7B model (134 MB in bf16), a 128-token prompt alone.
+    use crate::coldstart::decide::tests::case;
 
     /// The issue's two settings on the H100: in host memory it copies (the 55 GB/s copy of
     /// each layer is far shorter than the forward's layer, so the request waits for layer 0
