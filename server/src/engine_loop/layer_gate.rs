@@ -11,7 +11,7 @@ use thaw_runtime::engine::UnlandedLayers;
 use thaw_runtime::ids::AdapterId;
 
 use crate::coldstart::ColdStartPolicy;
-use crate::perf::PerfModel;
+use crate::perf::{LayerLanding, PerfModel};
 use crate::scheduler::Gate;
 
 use super::ServeEngine;
@@ -34,25 +34,26 @@ pub struct InFlight {
 }
 
 /// Seconds a step that starts now, computing `tokens` rows per layer, waits in all for `a`'s
-/// layers: each remaining layer lands one per-layer transfer after the previous one (behind
-/// `ahead`), the forward reaches layer `k` after `k` layers of compute, and the step is late by
-/// the most any layer is late. Pure.
+/// layers: the one layer-landing model ([`LayerLanding`], the one `auto` costs a copy with),
+/// its layers landing behind `ahead` on the link (each read from the file first for a disk
+/// miss), the forward reaching layer `k` after `k` layers of compute. Pure.
 pub fn layer_stall(perf: &PerfModel, a: InFlight, tokens: usize) -> f64 {
-    let left = a.layers.saturating_sub(a.landed);
-    if left == 0 {
-        return 0.0;
-    }
     let rate = perf.link.gbps.max(1e-9) * 1e9;
     let per_layer = a.bytes as f64 / a.layers.max(1) as f64;
-    let mut each = per_layer / rate + perf.link.latency_us * 1e-6;
-    if a.from_file {
-        let read = per_layer / perf.file_read_rate() + perf.encode_time(per_layer as u64);
-        each = each.max(read);
+    let read_s = if a.from_file {
+        per_layer / perf.file_read_rate() + perf.encode_time(per_layer as u64)
+    } else {
+        0.0
+    };
+    LayerLanding {
+        layers: a.layers.saturating_sub(a.landed),
+        first: a.landed,
+        queue_s: 0.0,
+        read_s,
+        copy_s: per_layer / rate + perf.link.latency_us * 1e-6,
+        link_busy_s: a.ahead as f64 / rate,
     }
-    let f = perf.layer_time(tokens);
-    let first = a.ahead as f64 / rate + each - a.landed as f64 * f;
-    let later = (left - 1) as f64 * (each - f);
-    (first + later.max(0.0)).max(0.0)
+    .wait_s(perf.layer_time(tokens))
 }
 
 /// What the engine's steps do with layers not landed under `policy`: `on-demand` never
