@@ -164,6 +164,28 @@ pub const EXCHANGE: KernelSource = KernelSource {
     entry_points: &["export_rows", "merge_deltas"],
 };
 
+/// Issue 29's opt-in elementwise kernels (off unless `THAW_CUDA_WIDE_NORM`,
+/// `THAW_CUDA_ROPE_FOLD` or `THAW_CUDA_GROUP_GEMM` is 1): RMSNorm and add + RMSNorm with a wide
+/// block per row, RoPE with a thread per (head, pair), RoPE folded into the paged-cache KV write
+/// (KV dtype suffix), and the split of a grouped product's output.
+pub const WIDE: KernelSource = KernelSource {
+    name: "wide",
+    source: include_str!("wide.cu"),
+    entry_points: &[
+        "rms_norm_wide_f32",
+        "rms_norm_wide_bf16",
+        "rms_norm_wide_f16",
+        "add_rms_norm_wide_f32",
+        "add_rms_norm_wide_bf16",
+        "add_rms_norm_wide_f16",
+        "rope_wide_f32",
+        "write_kv_rope_f32",
+        "write_kv_rope_bf16",
+        "write_kv_rope_f16",
+        "split_cols3_f32",
+    ],
+};
+
 /// Every kernel source Thaw compiles.
 pub const KERNELS: &[KernelSource] = &[
     ELEMENTWISE,
@@ -175,6 +197,7 @@ pub const KERNELS: &[KernelSource] = &[
     LORA,
     LORA_PUNICA,
     EXCHANGE,
+    WIDE,
 ];
 
 /// Launch-shape constants the sources `#define`; the host launches with these.
@@ -209,6 +232,12 @@ pub mod shape {
     pub const PUNICA_EXPAND_COLS: u32 = 256;
     /// `PUNICA_MAX_RANK`.
     pub const PUNICA_MAX_RANK: usize = 256;
+    /// `THAW_WIDE_VPT`: float4 a thread of `wide.cu`'s norms keeps in registers.
+    pub const WIDE_VPT: usize = 4;
+    /// Threads of the widest `wide.cu` block (the hardware's limit).
+    pub const WIDE_MAX_THREADS: usize = 1024;
+    /// `THAW_ROPE_MAX_HALF`: pairs per head `wide.cu`'s RoPE stages (`MAX_HEAD_DIM / 2`).
+    pub const ROPE_MAX_HALF: usize = 128;
 }
 
 /// Finds the source that defines `entry`.
@@ -313,6 +342,10 @@ mod tests {
             define(a, "THAW_SPLIT_MAX_HEAD_DIM"),
             shape::SPLIT_MAX_HEAD_DIM as u64
         );
+        let w = WIDE.source;
+        assert_eq!(define(w, "THAW_WIDE_VPT"), shape::WIDE_VPT as u64);
+        assert_eq!(define(w, "THAW_ROPE_MAX_HALF"), shape::ROPE_MAX_HALF as u64);
+        assert_eq!(shape::ROPE_MAX_HALF * 2, shape::MAX_HEAD_DIM);
         let l = LORA.source;
         assert_eq!(define(l, "THAW_LORA_WARPS"), shape::LORA_WARPS as u64);
         assert_eq!(define(l, "THAW_LORA_ROWS"), shape::LORA_ROWS as u64);

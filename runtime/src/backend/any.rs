@@ -351,6 +351,24 @@ impl Backend for AnyBackend {
         })
     }
 
+    fn upload_weight_group(
+        &self,
+        ws: Vec<(thaw_kernels::cpu::WeightMatrix, Option<Vec<f32>>)>,
+    ) -> Result<Vec<AnyLinear>> {
+        Ok(match self {
+            Self::Cpu(b) => b
+                .upload_weight_group(ws)?
+                .into_iter()
+                .map(AnyLinear::Cpu)
+                .collect(),
+            Self::Cuda(g) => g
+                .upload_weight_group(ws)?
+                .into_iter()
+                .map(AnyLinear::Cuda)
+                .collect(),
+        })
+    }
+
     fn upload_vector(&self, v: Vec<f32>) -> Result<AnyVector> {
         Ok(match self {
             Self::Cpu(b) => AnyVector::Cpu(b.upload_vector(v)?),
@@ -671,6 +689,39 @@ impl Backend for AnyBackend {
         match self {
             Self::Cpu(b) => b.rope(x.cpu_mut(), positions, n_heads),
             Self::Cuda(g) => g.rope(x.gpu_mut(), positions, n_heads),
+        }
+    }
+
+    fn rope_attention(
+        &mut self,
+        (q, k, v): (&mut AnyBuf, &mut AnyBuf, &AnyBuf),
+        heads: (usize, usize),
+        kv: &mut AnyKvLayer,
+        step: &StepLayout,
+        out: &mut AnyBuf,
+    ) {
+        match self {
+            Self::Cpu(b) => b.rope_attention(
+                (q.cpu_mut(), k.cpu_mut(), v.cpu()),
+                heads,
+                kv.cpu_mut(),
+                step,
+                out.cpu_mut(),
+            ),
+            Self::Cuda(g) => g.rope_attention(
+                (q.gpu_mut(), k.gpu_mut(), v.gpu()),
+                heads,
+                kv.gpu_mut(),
+                step,
+                out.gpu_mut(),
+            ),
+        }
+    }
+
+    fn folds_rope(&self) -> bool {
+        match self {
+            Self::Cpu(b) => b.folds_rope(),
+            Self::Cuda(g) => g.folds_rope(),
         }
     }
 

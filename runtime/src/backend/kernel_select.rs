@@ -16,6 +16,15 @@
 //! (with the reason, logged once) where it does not — e.g. the tensor-core prefill with an f32
 //! KV cache, a head_dim other than 32/64/128, or a device below compute capability 8.0. An
 //! explicit `split` / `1` / `punica` that cannot be served is an error that says what to set.
+//!
+//! Three more are opt-in ([`OptInPlan`]): off unless set to `1`, until a GPU parity run
+//! (`cuda_parity`'s `opt_in` tests) proves them, then to become defaults like the four above.
+//!
+//! | kernel | variable | on |
+//! | --- | --- | --- |
+//! | q/k/v (and gate/up) as one product over one weight matrix | [`GROUP_GEMM_ENV`] | `1` |
+//! | RoPE of q and k inside the paged-cache KV write | [`ROPE_FOLD_ENV`] | `1` |
+//! | RMSNorm, add + RMSNorm, RoPE with one wide block per row | [`WIDE_ENV`] | `1` |
 use std::fmt;
 
 use thaw_kernels::cuda::decode_plan::MIN_CHUNK;
@@ -30,6 +39,15 @@ pub const TC_PREFILL_ENV: &str = "THAW_CUDA_TC_PREFILL";
 pub const LORA_IMPL_ENV: &str = "THAW_CUDA_LORA_IMPL";
 /// Fused add + RMSNorm and SwiGLU + cast: `1` (the default) or `0`.
 pub const FUSED_ENV: &str = "THAW_CUDA_FUSED";
+/// q/k/v (and gate/up) as one product over weights placed as one matrix at load: `1` or `0`
+/// (the default until a GPU parity run proves it).
+pub const GROUP_GEMM_ENV: &str = "THAW_CUDA_GROUP_GEMM";
+/// RoPE of q and k inside the kernel that writes K/V to the paged cache: `1` or `0` (the
+/// default until a GPU parity run proves it).
+pub const ROPE_FOLD_ENV: &str = "THAW_CUDA_ROPE_FOLD";
+/// RMSNorm, add + RMSNorm and RoPE with a wide block per row (float4 loads, one pass in
+/// registers): `1` or `0` (the default until a GPU parity run proves it).
+pub const WIDE_ENV: &str = "THAW_CUDA_WIDE_NORM";
 
 /// Which kernels run the CUDA backend's decode attention.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -88,6 +106,9 @@ pub struct Switch {
     pub new: &'static str,
     /// The classic kernel, in words.
     pub classic: &'static str,
+    /// Whether unset (or `auto`) picks the new kernel: true for the four defaults above, false
+    /// for the opt-in switches of [`OptInPlan`] until a GPU parity run has proven them.
+    pub default_new: bool,
 }
 
 /// Flash-decoding.
@@ -97,6 +118,7 @@ pub const ATTN: Switch = Switch {
     off: "classic",
     new: "flash-decoding",
     classic: "classic",
+    default_new: true,
 };
 /// The tensor-core prefill.
 pub const TC_PREFILL: Switch = Switch {
@@ -105,6 +127,7 @@ pub const TC_PREFILL: Switch = Switch {
     off: "0",
     new: "tensor-core prefill",
     classic: "classic",
+    default_new: true,
 };
 /// Punica's SGMV / BGMV.
 pub const LORA: Switch = Switch {
@@ -113,6 +136,7 @@ pub const LORA: Switch = Switch {
     off: "classic",
     new: "punica",
     classic: "classic",
+    default_new: true,
 };
 /// The fused elementwise kernels.
 pub const FUSED: Switch = Switch {
@@ -121,6 +145,35 @@ pub const FUSED: Switch = Switch {
     off: "0",
     new: "fused",
     classic: "unfused",
+    default_new: true,
+};
+
+/// One product per layer for q/k/v and one for gate/up.
+pub const GROUP_GEMM: Switch = Switch {
+    env: GROUP_GEMM_ENV,
+    on: "1",
+    off: "0",
+    new: "grouped",
+    classic: "per-module",
+    default_new: false,
+};
+/// RoPE folded into the KV write.
+pub const ROPE_FOLD: Switch = Switch {
+    env: ROPE_FOLD_ENV,
+    on: "1",
+    off: "0",
+    new: "folded into the KV write",
+    classic: "separate",
+    default_new: false,
+};
+/// The wide norm and RoPE kernels.
+pub const WIDE: Switch = Switch {
+    env: WIDE_ENV,
+    on: "1",
+    off: "0",
+    new: "wide",
+    classic: "one block of 256 per row",
+    default_new: false,
 };
 
 const ON_OFF: [&str; 2] = ["1", "0"];
@@ -166,6 +219,7 @@ impl Switch {
     pub fn resolve(&self, ask: Ask, unserved: Option<String>) -> Result<Choice, String> {
         match (ask, unserved) {
             (Ask::Off, _) => Ok(Choice::Classic),
+            (Ask::Default, _) if !self.default_new => Ok(Choice::Classic),
             (Ask::Default | Ask::On, None) => Ok(Choice::New),
             (Ask::Default, Some(why)) => Ok(Choice::Fallback(why)),
             (Ask::On, Some(why)) => Err(format!(
@@ -288,30 +342,108 @@ impl KernelPlan {
     }
 }
 
+/// Why RoPE cannot be folded into the KV write for heads of `head_dim`, if it cannot: the
+/// kernel stages one head's angles (`head_dim / 2`) in shared memory sized for the attention
+/// kernels' largest head, and rotates pairs (an even `head_dim`).
+pub fn rope_fold_unserved(head_dim: usize) -> Option<String> {
+    if !head_dim.is_multiple_of(2) || head_dim > shape::MAX_HEAD_DIM {
+        return Some(format!(
+            "it takes an even head_dim up to {} and this model's is {head_dim}",
+            shape::MAX_HEAD_DIM
+        ));
+    }
+    None
+}
+
+/// Threads of the block `wide.cu`'s RMSNorm kernels launch per row of `d` values, or None where
+/// they do not serve it (the classic kernel runs): float4 loads need `d % 4 == 0`, and a row
+/// is kept in registers, at most [`shape::WIDE_VPT`] float4 a thread of at most
+/// [`shape::WIDE_MAX_THREADS`].
+pub fn wide_norm_block(d: usize) -> Option<u32> {
+    if d == 0 || !d.is_multiple_of(4) {
+        return None;
+    }
+    let d4 = d / 4;
+    let threads = d4.next_multiple_of(32).min(shape::WIDE_MAX_THREADS);
+    (d4 <= threads * shape::WIDE_VPT).then_some(threads as u32)
+}
+
+/// Threads of the block `wide.cu`'s RoPE kernels launch per token for `pairs` (head, pair)
+/// rotations: one thread each, in whole warps, at most [`shape::WIDE_MAX_THREADS`] (they loop
+/// past it).
+pub fn wide_rope_block(pairs: usize) -> u32 {
+    pairs
+        .next_multiple_of(32)
+        .clamp(32, shape::WIDE_MAX_THREADS) as u32
+}
+
+/// The opt-in switches (off unless set to `1`): resolved once when a backend is created,
+/// logged beside [`KernelPlan`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OptInPlan {
+    pub group_gemm: Choice,
+    pub rope_fold: Choice,
+    pub wide: Choice,
+}
+
+impl OptInPlan {
+    /// Resolves the three opt-in switches from `var` for heads of `head_dim`.
+    pub fn resolve(var: impl Fn(&str) -> Option<String>, head_dim: usize) -> Result<Self, String> {
+        let value = |env: &str| var(env).unwrap_or_default();
+        Ok(Self {
+            group_gemm: GROUP_GEMM.choose(&value(GROUP_GEMM.env), None)?,
+            rope_fold: ROPE_FOLD.choose(&value(ROPE_FOLD.env), rope_fold_unserved(head_dim))?,
+            wide: WIDE.choose(&value(WIDE.env), None)?,
+        })
+    }
+
+    fn rows(&self) -> [(&'static str, Switch, &Choice); 3] {
+        [
+            ("q/k/v and gate/up products", GROUP_GEMM, &self.group_gemm),
+            ("RoPE", ROPE_FOLD, &self.rope_fold),
+            ("norm and RoPE blocks", WIDE, &self.wide),
+        ]
+    }
+}
+
+/// Writes `rows` as `what: kernel; ...`.
+fn plan_line(f: &mut fmt::Formatter<'_>, rows: &[(&str, Switch, &Choice)]) -> fmt::Result {
+    for (i, (what, sw, c)) in rows.iter().enumerate() {
+        if i > 0 {
+            f.write_str("; ")?;
+        }
+        match c {
+            Choice::New => write!(f, "{what}: {}", sw.new)?,
+            Choice::Classic => write!(f, "{what}: {} ({}={})", sw.classic, sw.env, sw.off)?,
+            Choice::Fallback(why) => write!(
+                f,
+                "{what}: {} (the {} kernels do not serve this backend: {why})",
+                sw.classic, sw.new
+            )?,
+        }
+    }
+    Ok(())
+}
+
+/// One line for the log: which opt-in kernels run.
+impl fmt::Display for OptInPlan {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        plan_line(f, &self.rows())
+    }
+}
+
 /// One line for the log: which kernels run, and why a default fell back.
 impl fmt::Display for KernelPlan {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let rows = [
-            ("decode attention", ATTN, &self.attn),
-            ("prefill attention", TC_PREFILL, &self.tc_prefill),
-            ("LoRA", LORA, &self.lora),
-            ("elementwise", FUSED, &self.fused),
-        ];
-        for (i, (what, sw, c)) in rows.into_iter().enumerate() {
-            if i > 0 {
-                f.write_str("; ")?;
-            }
-            match c {
-                Choice::New => write!(f, "{what}: {}", sw.new)?,
-                Choice::Classic => write!(f, "{what}: {} ({}={})", sw.classic, sw.env, sw.off)?,
-                Choice::Fallback(why) => write!(
-                    f,
-                    "{what}: {} (the {} kernels do not serve this backend: {why})",
-                    sw.classic, sw.new
-                )?,
-            }
-        }
-        Ok(())
+        plan_line(
+            f,
+            &[
+                ("decode attention", ATTN, &self.attn),
+                ("prefill attention", TC_PREFILL, &self.tc_prefill),
+                ("LoRA", LORA, &self.lora),
+                ("elementwise", FUSED, &self.fused),
+            ],
+        )
     }
 }
 

@@ -235,3 +235,135 @@ proptest! {
             .all(|c| **c == Choice::Classic));
     }
 }
+
+const OPT_IN: [Switch; 3] = [GROUP_GEMM, ROPE_FOLD, WIDE];
+
+fn opt_in(vars: &[(&str, &str)], head_dim: usize) -> Result<OptInPlan, String> {
+    let m: HashMap<String, String> = vars
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    OptInPlan::resolve(|k| m.get(k).cloned(), head_dim)
+}
+
+#[test]
+fn the_opt_in_switches_are_off_unless_set_to_1() {
+    let off = OptInPlan {
+        group_gemm: Choice::Classic,
+        rope_fold: Choice::Classic,
+        wide: Choice::Classic,
+    };
+    assert_eq!(opt_in(&[], 128), Ok(off.clone()));
+    let auto: Vec<(&str, &str)> = OPT_IN.iter().map(|s| (s.env, "auto")).collect();
+    assert_eq!(opt_in(&auto, 128), Ok(off.clone()));
+    let zero: Vec<(&str, &str)> = OPT_IN.iter().map(|s| (s.env, "0")).collect();
+    assert_eq!(opt_in(&zero, 128), Ok(off));
+    let on: Vec<(&str, &str)> = OPT_IN.iter().map(|s| (s.env, " ON ")).collect();
+    assert_eq!(
+        opt_in(&on, 128),
+        Ok(OptInPlan {
+            group_gemm: Choice::New,
+            rope_fold: Choice::New,
+            wide: Choice::New,
+        })
+    );
+    // One at a time: each variable moves its own choice only.
+    for (i, sw) in OPT_IN.iter().enumerate() {
+        let p = opt_in(&[(sw.env, "1")], 64).unwrap();
+        let got = [&p.group_gemm, &p.rope_fold, &p.wide].map(Choice::is_new);
+        let want: [bool; 3] = std::array::from_fn(|j| j == i);
+        assert_eq!(got, want, "{}", sw.env);
+    }
+    // The four defaults stay on whatever the opt-in switches say.
+    for sw in OPT_IN {
+        assert!(!sw.default_new, "{}", sw.env);
+        assert_eq!(sw.resolve(Ask::Default, None), Ok(Choice::Classic));
+        assert_eq!(
+            sw.resolve(Ask::Default, Some("x".into())),
+            Ok(Choice::Classic)
+        );
+    }
+    for sw in SWITCHES {
+        assert!(sw.default_new, "{}", sw.env);
+    }
+}
+
+#[test]
+fn an_opt_in_switch_names_itself_when_its_value_or_shape_is_bad() {
+    let e = opt_in(&[(GROUP_GEMM_ENV, "fast")], 128).unwrap_err();
+    assert!(e.contains(GROUP_GEMM_ENV) && e.contains("\"1\""), "{e}");
+    let e = opt_in(&[(WIDE_ENV, "classic")], 128).unwrap_err();
+    assert!(e.contains(WIDE_ENV), "{e}");
+    // RoPE folding needs an even head_dim the attention kernels take.
+    assert_eq!(rope_fold_unserved(128), None);
+    assert_eq!(rope_fold_unserved(shape::MAX_HEAD_DIM), None);
+    assert!(rope_fold_unserved(shape::MAX_HEAD_DIM + 2).is_some());
+    assert!(rope_fold_unserved(65).is_some());
+    let e = opt_in(&[(ROPE_FOLD_ENV, "1")], 65).unwrap_err();
+    assert!(
+        e.contains("THAW_CUDA_ROPE_FOLD=0") && e.contains("65"),
+        "{e}"
+    );
+    // Unset, an odd head_dim is no error: the separate RoPE runs.
+    assert_eq!(opt_in(&[], 65).unwrap().rope_fold, Choice::Classic);
+}
+
+#[test]
+fn the_opt_in_log_line_names_each_switch() {
+    let p = opt_in(&[(ROPE_FOLD_ENV, "1")], 128).unwrap();
+    assert_eq!(
+        p.to_string(),
+        "q/k/v and gate/up products: per-module (THAW_CUDA_GROUP_GEMM=0); RoPE: folded into \
+         the KV write; norm and RoPE blocks: one block of 256 per row (THAW_CUDA_WIDE_NORM=0)"
+    );
+}
+
+proptest! {
+    /// Whatever the value, an opt-in switch is new only for an on value, and every value it
+    /// does not take is an error that names it.
+    #[test]
+    fn an_opt_in_switch_is_new_only_when_asked(v in "[a-zA-Z0-9 ]{0,6}", hd in 1usize..=300) {
+        for sw in OPT_IN {
+            let why = if sw.env == ROPE_FOLD_ENV { rope_fold_unserved(hd) } else { None };
+            match sw.choose(&v, why.clone()) {
+                Ok(c) => prop_assert_eq!(
+                    c.is_new(),
+                    sw.parse(&v) == Ok(Ask::On) && why.is_none()
+                ),
+                Err(e) => prop_assert!(e.contains(sw.env)),
+            }
+        }
+    }
+}
+
+#[test]
+fn wide_blocks_hold_their_row() {
+    // Llama-7B's hidden size: one float4 per thread of 1024.
+    assert_eq!(wide_norm_block(4096), Some(1024));
+    // Small rows take whole warps; the widest kept in registers is 4 float4 × 1024 threads.
+    assert_eq!(wide_norm_block(64), Some(32));
+    assert_eq!(wide_norm_block(8192), Some(1024));
+    assert_eq!(wide_norm_block(16384), Some(1024));
+    assert_eq!(wide_norm_block(16388), None);
+    assert_eq!(wide_norm_block(4098), None, "not a multiple of 4");
+    assert_eq!(wide_norm_block(0), None);
+    assert_eq!(wide_rope_block(1), 32);
+    assert_eq!(wide_rope_block(32 * 64), 1024);
+    assert_eq!(wide_rope_block(8 * 32 + 2 * 32), 320);
+}
+
+proptest! {
+    /// Where served, the block is whole warps, within the hardware's limit, and its threads
+    /// with their registers hold every float4 of the row.
+    #[test]
+    fn a_served_wide_norm_block_covers_the_row(d in 1usize..40_000) {
+        match wide_norm_block(d) {
+            Some(t) => {
+                let t = t as usize;
+                prop_assert!(d % 4 == 0 && t % 32 == 0 && t <= shape::WIDE_MAX_THREADS);
+                prop_assert!(d / 4 <= t * shape::WIDE_VPT);
+            }
+            None => prop_assert!(d % 4 != 0 || d / 4 > shape::WIDE_MAX_THREADS * shape::WIDE_VPT),
+        }
+    }
+}

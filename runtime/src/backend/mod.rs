@@ -210,6 +210,19 @@ pub trait Backend {
         let (d_out, d_in) = (w.rows(), w.cols());
         self.upload_linear(w.into_f32(), d_out, d_in, bias)
     }
+    /// Weights that share their input (q/k/v, gate/up), each with its bias, in the order
+    /// [`Backend::linear_group`] will take them: a backend may place them as one matrix so the
+    /// group runs as one product (CUDA does with `THAW_CUDA_GROUP_GEMM=1`). Each returned
+    /// weight is what [`Backend::upload_weight`] would give for its matrix; the default
+    /// uploads each that way.
+    fn upload_weight_group(
+        &self,
+        ws: Vec<(thaw_kernels::cpu::WeightMatrix, Option<Vec<f32>>)>,
+    ) -> Result<Vec<Self::Linear>> {
+        ws.into_iter()
+            .map(|(w, b)| self.upload_weight(w, b))
+            .collect()
+    }
     fn upload_vector(&self, v: Vec<f32>) -> Result<Self::Vector>;
     /// A device copy of `adapter` with every layer resident.
     fn upload_lora(&self, adapter: std::sync::Arc<LoraAdapter>) -> Result<Self::Lora>;
@@ -355,6 +368,27 @@ pub trait Backend {
         step: &StepLayout,
         out: &mut Self::Buf,
     );
+    /// [`Backend::rope`] on `q` (`heads.0` heads) and on `k` (`heads.1`), then
+    /// [`Backend::attention`], as one op: a backend may rotate q and k inside the kernel that
+    /// writes K/V to the paged cache (CUDA does with `THAW_CUDA_ROPE_FOLD=1`). q and k are left
+    /// rotated, as the three ops leave them. The default runs the three.
+    fn rope_attention(
+        &mut self,
+        (q, k, v): (&mut Self::Buf, &mut Self::Buf, &Self::Buf),
+        heads: (usize, usize),
+        kv: &mut Self::KvLayer,
+        step: &StepLayout,
+        out: &mut Self::Buf,
+    ) {
+        self.rope(q, &step.positions, heads.0);
+        self.rope(k, &step.positions, heads.1);
+        self.attention(q, k, v, kv, step, out);
+    }
+    /// Whether [`Backend::rope_attention`] runs as one op rather than the three (a profile
+    /// then times it as one).
+    fn folds_rope(&self) -> bool {
+        false
+    }
     /// `residual += x`, then `out = rms_norm(residual)` with `w`, over `rows` rows of `width`:
     /// the residual stream's add and the next block's norm as one op, which a backend may fuse
     /// (CUDA does by default; `THAW_CUDA_FUSED=0` turns it off). The default runs

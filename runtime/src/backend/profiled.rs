@@ -183,6 +183,12 @@ impl<B: Backend + OpClock> Backend for Profiled<B> {
     ) -> Result<Self::Linear> {
         self.inner.upload_weight(w, bias)
     }
+    fn upload_weight_group(
+        &self,
+        ws: Vec<(thaw_kernels::cpu::WeightMatrix, Option<Vec<f32>>)>,
+    ) -> Result<Vec<Self::Linear>> {
+        self.inner.upload_weight_group(ws)
+    }
     fn upload_vector(&self, v: Vec<f32>) -> Result<Self::Vector> {
         self.inner.upload_vector(v)
     }
@@ -305,6 +311,29 @@ impl<B: Backend + OpClock> Backend for Profiled<B> {
     }
     fn rope(&mut self, x: &mut Self::Buf, positions: &[usize], n_heads: usize) {
         self.timed(OpClass::Rope, |b| b.rope(x, positions, n_heads))
+    }
+    /// Timed as one attention op where the backend folds RoPE into it; as the three ops,
+    /// each timed, where it does not.
+    fn rope_attention(
+        &mut self,
+        (q, k, v): (&mut Self::Buf, &mut Self::Buf, &Self::Buf),
+        heads: (usize, usize),
+        kv: &mut Self::KvLayer,
+        step: &StepLayout,
+        out: &mut Self::Buf,
+    ) {
+        if !self.inner.folds_rope() {
+            self.rope(q, &step.positions, heads.0);
+            self.rope(k, &step.positions, heads.1);
+            self.attention(q, k, v, kv, step, out);
+            return;
+        }
+        self.timed(OpClass::Attention, |b| {
+            b.rope_attention((q, k, v), heads, kv, step, out)
+        })
+    }
+    fn folds_rope(&self) -> bool {
+        self.inner.folds_rope()
     }
     fn attention(
         &mut self,

@@ -249,9 +249,10 @@ pub(crate) fn run<B: Backend>(
             let outs = &mut [&mut ws.q, &mut ws.k, &mut ws.v];
             end_assist(b, c, i, &g, outs, &mut assist, &cold, t)?;
         }
-        b.rope(&mut ws.q, &step.positions, c.num_heads);
-        b.rope(&mut ws.k, &step.positions, c.num_kv_heads);
-        b.attention(&ws.q, &ws.k, &ws.v, kv, step, &mut ws.attn);
+        // RoPE on q and k, the K/V write and attention: one op a backend may fuse.
+        let qkv = (&mut ws.q, &mut ws.k, &ws.v);
+        let heads = (c.num_heads, c.num_kv_heads);
+        b.rope_attention(qkv, heads, kv, step, &mut ws.attn);
         let cpu = begin_assist(b, c, &ws.attn, i, &[O], lora, &mut assist, &mut cold)?;
         project(b, c, [&p[3]], &ws.attn, [&mut ws.o], rows, (l, [O]), lora);
         if let Some(t) = cpu {

@@ -213,12 +213,14 @@ impl<B: Backend> DeviceModel<B> {
         let lin = |t: WeightMatrix, bias: Option<Vec<f32>>| backend.upload_weight(t, bias);
         let mut layers = Vec::with_capacity(m.layers.len());
         for l in m.layers {
-            let mut biases = l.bias;
-            let mut proj = Vec::with_capacity(7);
-            for (i, t) in l.proj.into_iter().enumerate() {
-                let bias = biases.get_mut(i).and_then(Option::take);
-                proj.push(lin(t, bias)?);
-            }
+            let [qb, kb, vb, ob] = l.bias;
+            let [q, k, v, o, gate, up, down] = l.proj;
+            // q/k/v and gate/up share their input: a backend may place each group as one
+            // matrix (`Backend::upload_weight_group`); `proj` keeps LoraModule::ALL order.
+            let mut proj = backend.upload_weight_group(vec![(q, qb), (k, kb), (v, vb)])?;
+            proj.push(lin(o, ob)?);
+            proj.extend(backend.upload_weight_group(vec![(gate, None), (up, None)])?);
+            proj.push(lin(down, None)?);
             layers.push(DeviceLayer {
                 input_norm: backend.upload_vector(l.input_norm)?,
                 post_norm: backend.upload_vector(l.post_norm)?,

@@ -9,7 +9,7 @@ use std::sync::{Arc, OnceLock};
 
 use std::ops::Range;
 
-use cudarc::driver::{CudaSlice, CudaStream};
+use cudarc::driver::{CudaSlice, CudaStream, CudaView};
 use thaw_kernels::cpu::{KvLayout, RopeTable};
 
 use super::encode::encode;
@@ -20,6 +20,7 @@ use super::upload::CudaDst;
 use super::upload::{CudaCopy, LayerLanding};
 use super::weights::{
     finish_lora, plan_lora, upload_bytes, weight_dtype, CudaLinear, CudaLora, CudaVector, LoraPlan,
+    WeightBytes,
 };
 use super::{CudaError, DType};
 use crate::adapter::{LoraAdapter, LoraModule};
@@ -84,11 +85,13 @@ pub struct CudaBackend {
     window: usize,
     fresh: Fresh,
     ids: DevVec<u32>,
-    positions: DevVec<u32>,
+    pub(super) positions: DevVec<u32>,
     gather: DevVec<u32>,
-    attn: AttnMeta,
+    pub(super) attn: AttnMeta,
     lora_meta: LoraMeta,
     pub(super) x16: Option<CudaSlice<u16>>,
+    /// A grouped product's `[rows, Σ d_out]` output before its split (`group.rs`).
+    pub(super) group_out: Option<CudaSlice<f32>>,
     /// Which buffer `x16` mirrors after a fused SwiGLU (`fused.rs`).
     pub(super) x16_tag: Option<super::fused::X16Tag>,
     /// Ops run so far (every trait op counts one): an [`X16Tag`](super::fused::X16Tag) serves
@@ -149,6 +152,7 @@ impl CudaBackend {
             attn: AttnMeta::new(),
             lora_meta: LoraMeta::new(),
             x16: None,
+            group_out: None,
             x16_tag: None,
             ops: 0,
             lora_v: None,
@@ -248,7 +252,7 @@ impl CudaBackend {
         self.error.is_some()
     }
 
-    fn ensure_positions(&mut self, positions: &[usize]) -> Result<(), CudaError> {
+    pub(super) fn ensure_positions(&mut self, positions: &[usize]) -> Result<(), CudaError> {
         if !self.fresh.positions {
             self.positions.host.clear();
             self.positions
@@ -335,26 +339,24 @@ impl CudaBackend {
         }
     }
 
-    fn try_attention(
-        &mut self,
-        q: &CudaSlice<f32>,
-        k: &CudaSlice<f32>,
-        v: &CudaSlice<f32>,
-        kv: &mut CudaKvLayer,
-        step: &StepLayout,
-        out: &mut CudaSlice<f32>,
-    ) -> Result<(), CudaError> {
-        let s = AttnShape {
+    /// The attention geometry of this backend's model over cache `kv`.
+    pub(super) fn attn_shape(&self, kv: &CudaKvLayer) -> AttnShape {
+        AttnShape {
             n_heads: self.n_heads,
             n_kv_heads: self.n_kv_heads,
             head_dim: self.head_dim,
             block_size: kv.layout.block_size,
             window: self.window,
             scale: 1.0 / (self.head_dim as f32).sqrt(),
-        };
-        if let Some(a) = self.graphs.active() {
-            return self.graph_attention(a, (q, k, v), kv, out, s);
         }
+    }
+
+    /// Builds and uploads this step's attention metadata unless it is current.
+    pub(super) fn attn_prepare(
+        &mut self,
+        step: &StepLayout,
+        kv: &CudaKvLayer,
+    ) -> Result<(), CudaError> {
         if !self.fresh.attn {
             let tile_rows = self.gpu.prefill_tile_rows();
             self.attn.build(
@@ -365,10 +367,39 @@ impl CudaBackend {
             )?;
             self.fresh.attn = true;
         }
+        Ok(())
+    }
+
+    fn try_attention(
+        &mut self,
+        q: &CudaSlice<f32>,
+        k: &CudaSlice<f32>,
+        v: &CudaSlice<f32>,
+        kv: &mut CudaKvLayer,
+        step: &StepLayout,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        let s = self.attn_shape(kv);
+        if let Some(a) = self.graphs.active() {
+            return self.graph_attention(a, (q, k, v), kv, out, s);
+        }
+        self.attn_prepare(step, kv)?;
         let rows = step.rows();
         let tl = kv.layout.token_len();
         self.gpu
             .write_kv(k, v, &mut kv.k, &mut kv.v, self.attn.slots.get(), rows, tl)?;
+        self.attend(q, kv, out, s)
+    }
+
+    /// Paged decode and prefill attention over the step's rows, whose K/V are in the cache
+    /// (eager steps; metadata from [`CudaBackend::attn_prepare`]).
+    pub(super) fn attend(
+        &mut self,
+        q: &CudaSlice<f32>,
+        kv: &CudaKvLayer,
+        out: &mut CudaSlice<f32>,
+        s: AttnShape,
+    ) -> Result<(), CudaError> {
         let a = &mut self.attn;
         if self.gpu.flash.is_some() {
             self.gpu.attn_decode_split(q, (&kv.k, &kv.v), out, a, s)?;
@@ -414,20 +445,30 @@ impl CudaBackend {
         rows: usize,
         out: &mut CudaSlice<f32>,
     ) -> Result<(), CudaError> {
-        let tag = self.x16_tag.take();
-        let served = tag.is_some_and(|t| t.serves(self.gpu.p(x), rows * w.d_in, self.ops));
-        match (&self.x16, served) {
-            (Some(x16), true) => self
-                .gpu
-                .linear_from_x16(x16, &w.w, rows, w.d_in, w.d_out, out)?,
-            _ => self
-                .gpu
-                .linear(x, &w.w, rows, w.d_in, w.d_out, out, &mut self.x16)?,
-        }
+        self.linear_view(x, &w.w.view(), rows, w.d_in, w.d_out, out)?;
         if let Some(b) = &w.bias {
             self.gpu.add_bias(out, b, rows, w.d_out)?;
         }
         Ok(())
+    }
+
+    /// out = x · Wᵀ for the `[d_out, d_in]` matrix `w` (no bias): the input's 16-bit copy from
+    /// a fused SwiGLU where its tag serves this op, else a cast of `x`.
+    pub(super) fn linear_view(
+        &mut self,
+        x: &CudaSlice<f32>,
+        w: &CudaView<'_, u8>,
+        rows: usize,
+        d_in: usize,
+        d_out: usize,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        let tag = self.x16_tag.take();
+        let served = tag.is_some_and(|t| t.serves(self.gpu.p(x), rows * d_in, self.ops));
+        match (&self.x16, served) {
+            (Some(x16), true) => self.gpu.linear_from_x16(x16, w, rows, d_in, d_out, out),
+            _ => (self.gpu).linear(x, w, rows, d_in, d_out, out, &mut self.x16),
+        }
     }
 
     fn try_logits(
@@ -760,7 +801,7 @@ impl Backend for CudaBackend {
         let dt = self.gpu.weight_dtype;
         let s = &self.gpu.stream;
         Ok(CudaLinear {
-            w: upload_bytes(s, &encode(&w, dt))?,
+            w: WeightBytes::own(upload_bytes(s, &encode(&w, dt))?),
             bias: bias.map(|b| upload_bytes(s, &encode(&b, dt))).transpose()?,
             d_out,
             d_in,
@@ -789,11 +830,18 @@ impl Backend for CudaBackend {
         };
         let s = &self.gpu.stream;
         Ok(CudaLinear {
-            w: upload_bytes(s, bytes)?,
+            w: WeightBytes::own(upload_bytes(s, bytes)?),
             bias: bias.map(|b| upload_bytes(s, &encode(&b, dt))).transpose()?,
             d_out,
             d_in,
         })
+    }
+
+    fn upload_weight_group(
+        &self,
+        ws: Vec<(thaw_kernels::cpu::WeightMatrix, Option<Vec<f32>>)>,
+    ) -> Result<Vec<CudaLinear>> {
+        self.try_upload_group(ws)
     }
 
     fn upload_vector(&self, v: Vec<f32>) -> Result<CudaVector> {
@@ -915,7 +963,7 @@ impl Backend for CudaBackend {
             self.ids.host.extend_from_slice(ids);
             self.ids.upload(&self.gpu.stream).and_then(|()| {
                 self.gpu
-                    .embed(&table.w, self.ids.get(), out, ids.len(), table.d_in)
+                    .embed(&table.w.view(), self.ids.get(), out, ids.len(), table.d_in)
             })
         });
     }
@@ -928,7 +976,12 @@ impl Backend for CudaBackend {
         rows: usize,
         out: &mut CudaSlice<f32>,
     ) {
-        op!(self, self.gpu.rms_norm(x, &w.v, out, rows, w.len, eps));
+        op!(self, {
+            match (self.gpu).norm_wide(None, x, &w.v, out, rows, w.len, eps) {
+                Ok(false) => self.gpu.rms_norm(x, &w.v, out, rows, w.len, eps),
+                r => r.map(drop),
+            }
+        });
     }
 
     fn linear(
@@ -939,6 +992,24 @@ impl Backend for CudaBackend {
         out: &mut CudaSlice<f32>,
     ) {
         op!(self, self.try_linear(x, w, rows, out));
+    }
+
+    /// With `THAW_CUDA_GROUP_GEMM=1`, one op: one input cast and, for a group placed as one
+    /// matrix, one product (`group.rs`).
+    fn linear_group<const N: usize>(
+        &mut self,
+        x: &CudaSlice<f32>,
+        ws: [&CudaLinear; N],
+        rows: usize,
+        mut outs: [&mut CudaSlice<f32>; N],
+    ) {
+        if self.gpu.group.is_none() || N < 2 {
+            for (w, o) in ws.into_iter().zip(outs) {
+                self.linear(x, w, rows, o);
+            }
+            return;
+        }
+        op!(self, self.try_linear_group(x, &ws, rows, &mut outs));
     }
 
     fn lora(
@@ -959,16 +1030,38 @@ impl Backend for CudaBackend {
         }
         op!(self, {
             self.ensure_positions(positions).and_then(|()| {
-                self.gpu.rope(
-                    x,
-                    self.positions.get(),
-                    &self.inv_freq,
-                    positions.len(),
-                    n_heads,
-                    self.head_dim,
-                )
+                let (pos, inv) = (self.positions.get(), &self.inv_freq);
+                let shape = (positions.len(), n_heads, self.head_dim);
+                match self.gpu.rope_wide(x, pos, inv, shape) {
+                    Ok(false) => (self.gpu).rope(x, pos, inv, shape.0, n_heads, self.head_dim),
+                    r => r.map(drop),
+                }
             })
         });
+    }
+
+    fn rope_attention(
+        &mut self,
+        (q, k, v): (&mut CudaSlice<f32>, &mut CudaSlice<f32>, &CudaSlice<f32>),
+        heads: (usize, usize),
+        kv: &mut CudaKvLayer,
+        step: &StepLayout,
+        out: &mut CudaSlice<f32>,
+    ) {
+        if self.gpu.rope_fold.is_none() {
+            self.rope(q, &step.positions, heads.0);
+            self.rope(k, &step.positions, heads.1);
+            self.attention(q, k, v, kv, step, out);
+            return;
+        }
+        op!(
+            self,
+            self.try_rope_attention((q, k, v), heads, kv, step, out)
+        );
+    }
+
+    fn folds_rope(&self) -> bool {
+        self.gpu.rope_fold.is_some()
     }
 
     fn attention(
@@ -1023,11 +1116,12 @@ impl Backend for CudaBackend {
             return;
         }
         debug_assert_eq!(w.len, width, "add_rms_norm: norm width");
-        op!(
-            self,
-            self.gpu
-                .add_rms_norm(residual, x, &w.v, out, rows, w.len, eps)
-        );
+        op!(self, {
+            match (self.gpu).norm_wide(Some(&mut *residual), x, &w.v, out, rows, w.len, eps) {
+                Ok(false) => (self.gpu).add_rms_norm(residual, x, &w.v, out, rows, w.len, eps),
+                r => r.map(drop),
+            }
+        });
     }
 
     fn add(&mut self, y: &mut CudaSlice<f32>, x: &CudaSlice<f32>, len: usize) {

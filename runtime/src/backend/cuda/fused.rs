@@ -13,7 +13,7 @@
 //! CPU twins: `thaw_kernels::cpu::{add_rms_norm, swiglu_x16}`.
 use std::sync::Arc;
 
-use cudarc::driver::{CudaContext, CudaFunction, CudaSlice};
+use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, DevicePtr};
 use thaw_kernels::cuda::registry::DType;
 use thaw_kernels::cuda::KernelCache;
 
@@ -152,7 +152,7 @@ impl Gpu {
     pub(super) fn linear_from_x16(
         &self,
         x16: &CudaSlice<u16>,
-        w: &CudaSlice<u8>,
+        w: &impl DevicePtr<u8>,
         rows: usize,
         d_in: usize,
         d_out: usize,

@@ -27,6 +27,7 @@ use cudarc::driver::{sys, CudaGraph, CudaSlice};
 
 use super::launch::AttnShape;
 use super::weights::{CudaLinear, CudaLora};
+use super::wide::FoldShape;
 use super::{CudaBackend, CudaError, CudaKvLayer};
 use crate::adapter::LoraModule;
 use crate::backend::graph_plan::{
@@ -46,9 +47,10 @@ struct SendGraph(CudaGraph);
 unsafe impl Send for SendGraph {}
 
 /// Addresses a captured graph baked in that the backend may reallocate: the 16-bit activation
-/// copy, the LoRA intermediate, the logits buffer, and the KV allocation count.
+/// copy, the LoRA intermediate, the logits buffer, the KV allocation count, and the grouped
+/// product's scratch (`group.rs`).
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
-struct Fingerprint([u64; 4]);
+struct Fingerprint([u64; 5]);
 
 /// The step being run as a graph.
 #[derive(Copy, Clone, Debug)]
@@ -95,6 +97,7 @@ impl CudaBackend {
             p(self.lora_v.as_ref().map(|b| self.gpu.p(b))),
             p(self.logits_dev.as_ref().map(|b| self.gpu.p(b))),
             self.kv_allocs.load(Ordering::Relaxed),
+            p(self.group_out.as_ref().map(|b| self.gpu.p(b))),
         ])
     }
 
@@ -273,7 +276,7 @@ impl CudaBackend {
     ) -> Result<(), CudaError> {
         let (l, n) = (a.layout, a.key.bucket);
         let ids = self.graphs.meta()?.slice(l.tokens..l.tokens + n);
-        self.gpu.embed(&table.w, &ids, out, n, table.d_in)
+        self.gpu.embed(&table.w.view(), &ids, out, n, table.d_in)
     }
 
     /// Graph-mode RoPE: positions from the persistent buffer.
@@ -285,7 +288,40 @@ impl CudaBackend {
     ) -> Result<(), CudaError> {
         let (l, n) = (a.layout, a.key.bucket);
         let pos = self.graphs.meta()?.slice(l.positions..l.positions + n);
-        (self.gpu).rope(x, &pos, &self.inv_freq, n, n_heads, self.head_dim)
+        match (self.gpu).rope_wide(x, &pos, &self.inv_freq, (n, n_heads, self.head_dim)) {
+            Ok(false) => (self.gpu).rope(x, &pos, &self.inv_freq, n, n_heads, self.head_dim),
+            r => r.map(drop),
+        }
+    }
+
+    /// Graph-mode attention with RoPE folded into the KV write (`wide.rs`): positions, slots,
+    /// block tables and decode rows from the persistent buffer.
+    pub(super) fn graph_rope_attention(
+        &self,
+        a: Active,
+        (q, k, v): (&mut CudaSlice<f32>, &mut CudaSlice<f32>, &CudaSlice<f32>),
+        kv: &mut CudaKvLayer,
+        out: &mut CudaSlice<f32>,
+        s: AttnShape,
+        fold: FoldShape,
+    ) -> Result<(), CudaError> {
+        let (l, n) = (a.layout, a.key.bucket);
+        let meta = self.graphs.meta()?;
+        let slots = meta.slice(l.slots..l.slots + n);
+        let pos = meta.slice(l.positions..l.positions + n);
+        let tables = meta.slice(l.tables..l.len);
+        let decode = meta.slice(l.decode..l.decode + 3 * n);
+        let fold = FoldShape { rows: n, ..fold };
+        let caches = (&mut kv.k, &mut kv.v);
+        (self.gpu).write_kv_rope(
+            (&mut *q, &mut *k, v),
+            caches,
+            &slots,
+            &pos,
+            &self.inv_freq,
+            fold,
+        )?;
+        (self.gpu).attn_decode(q, &kv.k, &kv.v, out, &tables, &decode, n, s)
     }
 
     /// Graph-mode attention: KV slots, block tables and decode rows from the persistent buffer;

@@ -134,6 +134,12 @@ pub(super) struct Gpu {
     /// Prefill attention on the tensor cores (`attn_prefill_tc.rs`, the default where
     /// served); `None` = `attention.cu`'s prefill.
     pub tc_prefill: Option<super::attn_prefill_tc::TcPrefill>,
+    /// Wide RMSNorm / add + RMSNorm / RoPE (`wide.rs`, opt-in); `None` = the classic kernels.
+    pub wide: Option<super::wide::Wide>,
+    /// RoPE folded into the KV write (`wide.rs`, opt-in); `None` = separate RoPE launches.
+    pub rope_fold: Option<super::wide::RopeFold>,
+    /// q/k/v and gate/up as one product (`group.rs`, opt-in); `None` = one per module.
+    pub group: Option<super::group::Group>,
 }
 
 impl Gpu {
@@ -157,6 +163,9 @@ impl Gpu {
             flash: None,
             fused: None,
             tc_prefill: None,
+            wide: None,
+            rope_fold: None,
+            group: None,
             ctx,
             stream,
             blas,
@@ -199,7 +208,7 @@ impl Gpu {
     /// out[r, :] = table[ids[r], :] (table of the weight dtype, `[vocab, hidden]`).
     pub fn embed(
         &self,
-        table: &CudaSlice<u8>,
+        table: &impl DevicePtr<u8>,
         ids: &impl DevicePtr<u32>,
         out: &mut CudaSlice<f32>,
         rows: usize,
@@ -302,7 +311,7 @@ impl Gpu {
     pub fn linear(
         &self,
         x: &CudaSlice<f32>,
-        w: &CudaSlice<u8>,
+        w: &impl DevicePtr<u8>,
         rows: usize,
         d_in: usize,
         d_out: usize,
@@ -358,7 +367,7 @@ impl Gpu {
         &self,
         a_type: blas_sys::cudaDataType,
         b_ptr: u64,
-        w: &CudaSlice<u8>,
+        w: &impl DevicePtr<u8>,
         rows: usize,
         d_in: usize,
         d_out: usize,

@@ -13,6 +13,8 @@
 //! | `flash.rs` | flash-decoding launches (default; off: `THAW_CUDA_ATTN_IMPL=classic`) |
 //! | `fused.rs` | fused add + RMSNorm and SwiGLU + cast (default; off: `THAW_CUDA_FUSED=0`) |
 //! | `graph.rs` | CUDA graphs of decode steps: capture, replay, the persistent metadata buffer |
+//! | `group.rs` | q/k/v and gate/up placed as one matrix at load and run as one product (opt-in: `THAW_CUDA_GROUP_GEMM=1`) |
+//! | `wide.rs` | wide RMSNorm / add + RMSNorm / RoPE (opt-in: `THAW_CUDA_WIDE_NORM=1`), RoPE folded into the KV write (opt-in: `THAW_CUDA_ROPE_FOLD=1`) |
 //! | `launch.rs` | every raw CUDA call: launches, cuBLAS, stream waits, host registration |
 //! | `op_clock.rs` | events on the compute stream that time each op of a profiled step (`thaw-bench gpu --op-profile`) |
 //! | `backend.rs` | [`CudaBackend`]: the trait ops |
@@ -30,7 +32,9 @@
 //! f32 KV cache, a head_dim other than 32/64/128 or a device below compute capability 8.0 for
 //! the tensor-core prefill); its off value always picks the classic one; an explicit on value
 //! the backend cannot serve is an error that says what to set. Tests and benchmarks switch at
-//! run time with `set_attn_impl`, `set_tc_prefill`, `set_lora_impl` and `set_fused`.
+//! run time with `set_attn_impl`, `set_tc_prefill`, `set_lora_impl` and `set_fused`. Three more
+//! are opt-in (off unless `1`) until a GPU parity run proves them:
+//! [`OptInPlan`], switched with `set_group_gemm`, `set_rope_fold` and `set_wide`.
 mod attn_prefill_tc;
 mod backend;
 mod encode;
@@ -38,6 +42,7 @@ mod exchange;
 mod flash;
 mod fused;
 mod graph;
+mod group;
 mod launch;
 mod link;
 mod op_clock;
@@ -46,9 +51,11 @@ mod sgmv;
 mod step;
 mod upload;
 mod weights;
+mod wide;
 
 pub use super::kernel_select::{
-    AttnImpl, KernelPlan, LoraImpl, ATTN_IMPL_ENV, FUSED_ENV, LORA_IMPL_ENV, TC_PREFILL_ENV,
+    AttnImpl, KernelPlan, LoraImpl, OptInPlan, ATTN_IMPL_ENV, FUSED_ENV, GROUP_GEMM_ENV,
+    LORA_IMPL_ENV, ROPE_FOLD_ENV, TC_PREFILL_ENV, WIDE_ENV,
 };
 pub use backend::{CudaBackend, CudaConfig, CudaKvLayer};
 pub use exchange::MappedExchange;

@@ -8,10 +8,12 @@ use thaw_kernels::cuda::KernelCache;
 use super::attn_prefill_tc::TcPrefill;
 use super::flash::FlashDecode;
 use super::fused::Fused;
+use super::group::Group;
 use super::sgmv::Punica;
+use super::wide::{RopeFold, Wide};
 use super::{CudaBackend, CudaError};
 use crate::adapter::LoraModule;
-use crate::backend::kernel_select::{Choice, KernelPlan, ServedShape};
+use crate::backend::kernel_select::{Choice, KernelPlan, OptInPlan, ServedShape};
 use crate::model::ModelConfig;
 
 impl CudaBackend {
@@ -29,7 +31,9 @@ impl CudaBackend {
                 .unwrap_or(0),
             arch: KernelCache::arch(ctx)?,
         };
-        let env = |k: &str| std::env::var_os(k).map(|v| v.to_string_lossy().into_owned());
+        let env = |k: &str| -> Option<String> {
+            std::env::var_os(k).map(|v| v.to_string_lossy().into_owned())
+        };
         let plan = KernelPlan::resolve(env, &served).map_err(CudaError::Unsupported)?;
         tracing::info!("CUDA kernels: {plan}");
         if plan.attn.is_new() {
@@ -45,7 +49,28 @@ impl CudaBackend {
         if plan.fused.is_new() {
             self.gpu.fused = Some(Fused::load(ctx, w)?);
         }
+        let opt_in = OptInPlan::resolve(env, c.head_dim).map_err(CudaError::Unsupported)?;
+        tracing::info!("CUDA opt-in kernels: {opt_in}");
+        if opt_in.group_gemm.is_new() {
+            self.gpu.group = Some(Group::load(ctx)?);
+        }
+        if opt_in.rope_fold.is_new() {
+            self.gpu.rope_fold = Some(RopeFold::load(ctx, kv)?);
+        }
+        if opt_in.wide.is_new() {
+            self.gpu.wide = Some(Wide::load(ctx, w)?);
+        }
         Ok(())
+    }
+
+    /// Which of the opt-in kernels run now (after any `set_*` call).
+    pub fn opt_in_plan(&self) -> OptInPlan {
+        let pick = |new: bool| if new { Choice::New } else { Choice::Classic };
+        OptInPlan {
+            group_gemm: pick(self.gpu.group.is_some()),
+            rope_fold: pick(self.gpu.rope_fold.is_some()),
+            wide: pick(self.gpu.wide.is_some()),
+        }
     }
 
     /// Which of issue 29's kernels run now (after any `set_*` call): each is

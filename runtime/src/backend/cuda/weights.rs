@@ -1,19 +1,71 @@
 //! Weights on the device: matrices and norms in the backend's weight dtype, and LoRA adapters
 //! as one allocation of factors plus a descriptor table (`LoraSlot` per (layer, module)) that
 //! the SGMV / BGMV kernels index, so per-step metadata only names adapters, never factors.
+use std::ops::Range;
 use std::sync::Arc;
 
 use bytemuck::{Pod, Zeroable};
-use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr};
+use cudarc::driver::{CudaSlice, CudaStream, CudaView, DeviceRepr};
 
 use super::launch::dptr;
 use super::upload::{CudaDst, LayerLanding};
 use super::{CudaError, DType};
 use crate::adapter::{LoraAdapter, LoraModule, WeightDtype};
 
+/// A matrix's bytes on the device: an allocation of its own, or its range of one allocation
+/// shared with the other matrices of its group (q/k/v, gate/up: `group.rs`), placed back to
+/// back so that the group is one `[Σ d_out, d_in]` matrix.
+pub(super) struct WeightBytes {
+    buf: Arc<CudaSlice<u8>>,
+    range: Range<usize>,
+}
+
+impl WeightBytes {
+    /// An allocation of its own.
+    pub fn own(buf: CudaSlice<u8>) -> Self {
+        let range = 0..buf.len();
+        Self {
+            buf: Arc::new(buf),
+            range,
+        }
+    }
+
+    /// `range` of the shared allocation `buf`.
+    pub fn shared(buf: &Arc<CudaSlice<u8>>, range: Range<usize>) -> Self {
+        assert!(
+            range.end <= buf.len(),
+            "weight range outside its allocation"
+        );
+        Self {
+            buf: buf.clone(),
+            range,
+        }
+    }
+
+    /// The matrix's bytes.
+    pub fn view(&self) -> CudaView<'_, u8> {
+        self.buf.slice(self.range.clone())
+    }
+
+    /// Whether `next` starts in the same allocation where this one ends.
+    pub fn followed_by(&self, next: &WeightBytes) -> bool {
+        Arc::ptr_eq(&self.buf, &next.buf) && self.range.end == next.range.start
+    }
+
+    /// The bytes of this matrix through the end of `last` (a run checked with
+    /// [`WeightBytes::followed_by`]).
+    pub fn through<'a>(&'a self, last: &WeightBytes) -> CudaView<'a, u8> {
+        assert!(
+            Arc::ptr_eq(&self.buf, &last.buf) && self.range.start <= last.range.end,
+            "not one run of a shared allocation"
+        );
+        self.buf.slice(self.range.start..last.range.end)
+    }
+}
+
 /// A `[d_out, d_in]` matrix (or the embedding table) with an optional bias.
 pub struct CudaLinear {
-    pub(super) w: CudaSlice<u8>,
+    pub(super) w: WeightBytes,
     pub(super) bias: Option<CudaSlice<u8>>,
     pub d_out: usize,
     pub d_in: usize,

@@ -1,0 +1,185 @@
+//! q/k/v (and gate/up) as one product (issue 29, `THAW_CUDA_GROUP_GEMM=1`; off by default
+//! until a GPU parity run proves it).
+//!
+//! At load ([`Backend::upload_weight_group`]) the matrices of a group that share their input
+//! are placed back to back in one allocation, so the group is one `[Σ d_out, d_in]` matrix
+//! (GQA-aware: k and v may be narrower than q). [`Backend::linear_group`] then casts the input
+//! once and runs one GEMM into a `[rows, Σ d_out]` scratch, split into the modules' buffers by
+//! one kernel (`split_cols3_f32`). Each module's output equals its own product's up to cuBLAS's
+//! choice of kernel for the wider shape (another f32 summation order). LoRA deltas are then
+//! added per module into its buffer, as before (the trait's `linear_group_lora`).
+//!
+//! Why: at batch 1 on an H200 the 4096×4096 q/k/v products ran at 59–63% of the copy roofline
+//! against 96–102% for the 11008-wide gate/up/down (`cuda-h100.md` §8): each paid its own input
+//! cast and its own GEMM launch and tail for 32 MB of weights.
+//!
+//! A group placed separately (the switch off at load, a bias, another input width) still casts
+//! its input once with the switch on, then runs one GEMM per module.
+//!
+//! [`Backend::upload_weight_group`]: crate::backend::Backend::upload_weight_group
+//! [`Backend::linear_group`]: crate::backend::Backend::linear_group
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, CudaFunction, CudaSlice};
+use thaw_kernels::cpu::{WeightData, WeightMatrix};
+use thaw_kernels::cuda::KernelCache;
+
+use super::encode::encode;
+use super::weights::{CudaLinear, WeightBytes};
+use super::{CudaBackend, CudaError, DType};
+use crate::backend::graph_plan::GraphPhase;
+use crate::error::Result;
+
+/// The split kernel of a grouped product.
+pub(crate) struct Group {
+    split: CudaFunction,
+}
+
+impl Group {
+    pub(super) fn load(ctx: &Arc<CudaContext>) -> Result<Self, CudaError> {
+        Ok(Self {
+            split: KernelCache::global().function(ctx, "split_cols3_f32")?,
+        })
+    }
+}
+
+/// A matrix's bytes in the weight dtype `dt` as stored, if it is stored in `dt` (no copy).
+fn stored_bytes(w: &WeightMatrix, dt: DType) -> Option<&[u8]> {
+    match (w.data(), dt) {
+        (WeightData::BF16(v), DType::Bf16) => Some(bytemuck::cast_slice(&v[..])),
+        (WeightData::F16(v), DType::F16) => Some(bytemuck::cast_slice(&v[..])),
+        (WeightData::F32(v), DType::F32) => Some(bytemuck::cast_slice(&v[..])),
+        _ => None,
+    }
+}
+
+/// Whether matrices `ws` form one product: two or three, back to back in one allocation, of one
+/// input width, without biases.
+pub(super) fn one_matrix(ws: &[&CudaLinear]) -> bool {
+    matches!(ws.len(), 2 | 3)
+        && ws.iter().all(|w| w.bias.is_none())
+        && ws
+            .windows(2)
+            .all(|p| p[0].d_in == p[1].d_in && p[0].w.followed_by(&p[1].w))
+}
+
+impl CudaBackend {
+    /// [`Backend::upload_weight_group`](crate::backend::Backend::upload_weight_group): one
+    /// allocation for the group where it can be one product and the switch is on, else each
+    /// matrix as `upload_weight` places it.
+    pub(super) fn try_upload_group(
+        &self,
+        ws: Vec<(WeightMatrix, Option<Vec<f32>>)>,
+    ) -> Result<Vec<CudaLinear>> {
+        use crate::backend::Backend;
+        let groupable = self.gpu.group.is_some()
+            && matches!(ws.len(), 2 | 3)
+            && ws.iter().all(|(_, b)| b.is_none())
+            && ws.windows(2).all(|p| p[0].0.cols() == p[1].0.cols());
+        if !groupable {
+            return ws
+                .into_iter()
+                .map(|(w, b)| self.upload_weight(w, b))
+                .collect();
+        }
+        let dt = self.gpu.weight_dtype;
+        let s = &self.gpu.stream;
+        let sizes: Vec<usize> = ws
+            .iter()
+            .map(|(w, _)| w.rows() * w.cols() * dt.size())
+            .collect();
+        let total: usize = sizes.iter().sum();
+        let mut buf = s.alloc_zeros::<u8>(total.max(1)).map_err(CudaError::from)?;
+        let mut at = 0;
+        let mut ranges = Vec::with_capacity(ws.len());
+        for ((w, _), n) in ws.iter().zip(&sizes) {
+            let mut dst = buf.slice_mut(at..at + n);
+            let r = match stored_bytes(w, dt) {
+                Some(bytes) => s.memcpy_htod(bytes, &mut dst),
+                None => s.memcpy_htod(&encode(&w.to_f32(), dt)[..], &mut dst),
+            };
+            r.map_err(CudaError::from)?;
+            ranges.push(at..at + n);
+            at += n;
+        }
+        let buf = Arc::new(buf);
+        Ok(ws
+            .iter()
+            .zip(ranges)
+            .map(|((w, _), r)| CudaLinear {
+                w: WeightBytes::shared(&buf, r),
+                bias: None,
+                d_out: w.rows(),
+                d_in: w.cols(),
+            })
+            .collect())
+    }
+
+    /// [`Backend::linear_group`](crate::backend::Backend::linear_group) with the switch on:
+    /// one product where `ws` are one matrix (and, in a graph capture, the scratch is already
+    /// large enough), else one input cast and a product per module.
+    pub(super) fn try_linear_group(
+        &mut self,
+        x: &CudaSlice<f32>,
+        ws: &[&CudaLinear],
+        rows: usize,
+        outs: &mut [&mut CudaSlice<f32>],
+    ) -> Result<(), CudaError> {
+        assert_eq!(ws.len(), outs.len(), "linear_group: one output per weight");
+        let total: usize = ws.iter().map(|w| w.d_out).sum();
+        let n = rows * total;
+        let capturing = self
+            .graphs
+            .active()
+            .is_some_and(|a| a.phase == GraphPhase::Capture);
+        let fits = self.group_out.as_ref().is_some_and(|b| b.len() >= n);
+        let split = self.gpu.group.as_ref().map(|g| g.split.clone());
+        if let (Some(split), true, true) = (split, one_matrix(ws), fits || !capturing) {
+            if !fits {
+                // Grown outside a capture only (a graph bakes the address in: `graph.rs`'s
+                // fingerprint drops graphs captured on an older scratch).
+                self.group_out = Some(self.gpu.stream.alloc_zeros::<f32>(n.max(1))?);
+            }
+            let mut scratch = self.group_out.take().expect("sized above");
+            let last = ws.last().expect("two or three weights");
+            let w = ws[0].w.through(&last.w);
+            let r = self
+                .linear_view(x, &w, rows, ws[0].d_in, total, &mut scratch)
+                .and_then(|()| {
+                    let widths: Vec<usize> = ws.iter().map(|w| w.d_out).collect();
+                    self.gpu.split_cols(&split, &scratch, rows, outs, &widths)
+                });
+            self.group_out = Some(scratch);
+            return r;
+        }
+        // One cast of x for every product: the first casts it into `x16`, the rest read it.
+        for (i, (w, o)) in ws.iter().zip(outs.iter_mut()).enumerate() {
+            match (&self.x16, i > 0 && self.gpu.weight_dtype != DType::F32) {
+                (Some(x16), true) => {
+                    (self.gpu).linear_from_x16(x16, &w.w.view(), rows, w.d_in, w.d_out, o)?;
+                    if let Some(b) = &w.bias {
+                        self.gpu.add_bias(o, b, rows, w.d_out)?;
+                    }
+                }
+                _ => self.try_linear(x, w, rows, o)?,
+            }
+        }
+        Ok(())
+    }
+
+    /// Switches grouped products on or off (tests, benchmarks). Groups are placed as one
+    /// matrix at load only while it is on, so a test turns it on before the model is loaded.
+    pub fn set_group_gemm(&mut self, on: bool) -> Result<()> {
+        self.gpu.group = if on {
+            Some(Group::load(&self.gpu.ctx)?)
+        } else {
+            None
+        };
+        Ok(())
+    }
+
+    /// Whether grouped products run.
+    pub fn group_gemm(&self) -> bool {
+        self.gpu.group.is_some()
+    }
+}
