@@ -11,9 +11,14 @@
 #      512/2048/8192, batch 1/8/32) and prefill attention TFLOP/s (classic vs tensor cores, 128,
 #      512 and 2048 tokens, and 2048 after a 2048 prefix);
 #   3. thaw-bench gpu on the whole model, off (OFF: all four classic) then on (ON: all four
-#      asked for explicitly, so a shape they cannot serve is an error, not a silent fallback):
-#      decode tokens/s at a long context (--prompt-len, default 2048) at batch 1 and 8, and
-#      prefill TFLOP/s at 128 and 2048 tokens.
+#      asked for explicitly, so a shape they cannot serve is an error, not a silent fallback)
+#      then opt-in (ON plus the three opt-in switches, THAW_CUDA_GROUP_GEMM=1
+#      THAW_CUDA_ROPE_FOLD=1 THAW_CUDA_WIDE_NORM=1; "on" has them 0, so on vs opt-in measures
+#      exactly them): decode tokens/s at a long context (--prompt-len, default 2048) at batch 1
+#      and 8, and prefill TFLOP/s at 128 and 2048 tokens. THAW_GPU_29_MODES picks the runs
+#      (default "off on opt-in"; e.g. "on opt-in" on a short lease); they share what is left.
+#      The parity suite of step 1 runs the opt-in kernels' own tests (cuda_parity's opt_in::*,
+#      which switch them on explicitly) whatever the variables say.
 # run.sh's issue-29 block calls it with what is left of its budget; on a short lease run it alone
 # (it generates the model when --model is not given):
 #   benches/gpu/attn29.sh --bin gpu-bin --out "$OUT" [--model DIR] [--budget S] [--prompt-len N]
@@ -57,12 +62,20 @@ cap() {
 }
 # The four switches: empty = the defaults, OFF = the classic kernels, ON = the new ones asked
 # for explicitly. Set on every run, so the caller's environment cannot leak into one.
-DEFAULTS=(THAW_CUDA_ATTN_IMPL= THAW_CUDA_TC_PREFILL= THAW_CUDA_LORA_IMPL= THAW_CUDA_FUSED=)
-OFF=(THAW_CUDA_ATTN_IMPL=classic THAW_CUDA_TC_PREFILL=0 THAW_CUDA_LORA_IMPL=classic THAW_CUDA_FUSED=0)
-ON=(THAW_CUDA_ATTN_IMPL=split THAW_CUDA_TC_PREFILL=1 THAW_CUDA_LORA_IMPL=punica THAW_CUDA_FUSED=1)
+# The three opt-in switches are off in every run but "opt-in" (unset means off for them).
+OPT_OFF=(THAW_CUDA_GROUP_GEMM=0 THAW_CUDA_ROPE_FOLD=0 THAW_CUDA_WIDE_NORM=0)
+OPT_ON=(THAW_CUDA_GROUP_GEMM=1 THAW_CUDA_ROPE_FOLD=1 THAW_CUDA_WIDE_NORM=1)
+DEFAULTS=(THAW_CUDA_ATTN_IMPL= THAW_CUDA_TC_PREFILL= THAW_CUDA_LORA_IMPL= THAW_CUDA_FUSED=
+  "${OPT_OFF[@]}")
+OFF=(THAW_CUDA_ATTN_IMPL=classic THAW_CUDA_TC_PREFILL=0 THAW_CUDA_LORA_IMPL=classic THAW_CUDA_FUSED=0
+  "${OPT_OFF[@]}")
+ON=(THAW_CUDA_ATTN_IMPL=split THAW_CUDA_TC_PREFILL=1 THAW_CUDA_LORA_IMPL=punica THAW_CUDA_FUSED=1
+  "${OPT_OFF[@]}")
+read -r -a MODES <<<"${THAW_GPU_29_MODES:-off on opt-in}"
 # Overrides for the "on" run, later words win, e.g. THAW_GPU_ON_EXTRA="THAW_CUDA_FUSED=0".
 # shellcheck disable=SC2206  # VAR=value words, split on purpose
 [ -n "${THAW_GPU_ON_EXTRA:-}" ] && ON+=(${THAW_GPU_ON_EXTRA})
+OPT=("${ON[@]}" "${OPT_ON[@]}")
 
 # --- 1. parity with the defaults --------------------------------------------------------------
 lim=$(cap 120)
@@ -99,15 +112,20 @@ if [ -z "$MD" ]; then
       { echo "gen-model failed:"; tail -5 "$O/attn29-gen.log"; exit 1; }
   fi
 fi
-# The two runs share what is left, half each; both or neither (one alone compares nothing).
-each=$(( (BUDGET_S - ($(date +%s) - t0)) / 2 ))
+# The runs share what is left, evenly; all or none (one alone compares nothing).
+each=$(( (BUDGET_S - ($(date +%s) - t0)) / ${#MODES[@]} ))
 if [ ! -x "$BIN/thaw-bench" ]; then
   echo "thaw-bench gpu: missing from $BIN (benches/gpu/build.sh ships it)"
 elif [ "$each" -lt 30 ]; then
-  echo "thaw-bench gpu off/on: skipped, under 2 × 30 s left (budget ${BUDGET_S}s)"
+  echo "thaw-bench gpu ${MODES[*]}: skipped, under ${#MODES[@]} × 30 s left (budget ${BUDGET_S}s)"
 else
-  for mode in off on; do
-    if [ "$mode" = on ]; then envs=("${ON[@]}"); else envs=("${OFF[@]}"); fi
+  for mode in "${MODES[@]}"; do
+    case "$mode" in
+      off) envs=("${OFF[@]}") ;;
+      on) envs=("${ON[@]}") ;;
+      opt-in) envs=("${OPT[@]}") ;;
+      *) echo "THAW_GPU_29_MODES: unknown run $mode (off, on, opt-in)"; continue ;;
+    esac
     el "thaw-bench gpu, issue 29's kernels $mode: ${envs[*]} (limit ${each}s)"
     # shellcheck disable=SC2086
     env "${envs[@]}" timeout "$each" "$BIN/thaw-bench" gpu --model "$MD" --workdir "$WORK" \

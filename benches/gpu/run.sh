@@ -320,7 +320,7 @@ tar czf "$O/runs.tgz" -C "$O" runs 2>/dev/null
 # One block, kept apart from the cold-start steps above: decode tok/s and achieved bandwidth
 # at batch 1/8/32/64 with 0, 1 and N adapters (ranks 16, 64), the same decode rows again with
 # CUDA graphs (--cuda-graphs: graph vs eager tok/s), prefill TFLOP/s, the SGMV/BGMV
-# table, a per-op profile of decode steps at batch 1 and 32 (--op-profile), then the same model in transformers + PyTorch (static cache) when torch imports
+# table, a per-op profile of decode steps at batch 1 and 32 (--op-profile), then the same model in transformers + PyTorch (eager: --eager, dynamic cache) when torch imports
 # (THAW_PEER_PYTHON names its python; skipped with a note otherwise). Extra thaw-bench gpu
 # flags: THAW_GPU_BENCH_ARGS (e.g. "--peak-gbs 2976 --peak-tflops 798").
 if [ "${THAW_GPU_SKIP_29:-0}" = 1 ]; then
@@ -331,11 +331,13 @@ el "issue 29: thaw-bench gpu on $MD"
 # Both steps take what is left of the one budget (THAW_GPU_BUDGET_S): on a short lease, run
 # this block on its own with a fresh budget in a second call.
 if [ "$DEV" = cuda ]; then
-  GB_ARGS=(--device cuda --cuda-graphs) PEER_ARGS=(--device cuda) GB_T=$(cap 240 60) PEER_T=$(cap 180 0)
+  # The peer eager (no torch.compile per shape: batch 1/8/32/64 in about a minute).
+  GB_ARGS=(--device cuda --cuda-graphs) PEER_ARGS=(--device cuda --eager --reps 2)
+  GB_T=$(cap 240 60) PEER_T=$(cap 120 0)
 else
   GB_ARGS=(--device cpu --quick --cuda-graphs) GB_T=$(cap 120 30) PEER_T=$(cap 300 0)
   # shellcheck disable=SC2054  # the commas are the peer's own list syntax
-  PEER_ARGS=(--device cpu --batches 1,4 --prompt-len 16 --decode-steps 2 --prefill-tokens 16,64 --reps 1)
+  PEER_ARGS=(--device cpu --eager --batches 1,4 --prompt-len 16 --decode-steps 2 --prefill-tokens 16,64 --reps 1)
 fi
 if [ "$GB_T" -gt 0 ]; then
   # shellcheck disable=SC2086
@@ -380,9 +382,11 @@ else
   echo "transformers peer skipped: $PEER_PY cannot import torch and transformers" \
     "(pip install torch transformers safetensors, or set THAW_PEER_PYTHON)" | tee "$O/gpu-peer.md"
 fi
-# Issue 29's kernels (flash-decoding, tensor-core prefill, Punica, fused; the defaults): parity
+# Issue 29's kernels (flash-decoding, tensor-core prefill, Punica, fused; the defaults, and the
+# opt-in grouped q/k/v + gate/up products, RoPE folded into the KV write, wide norms): parity
 # with the defaults, the kernel tables, decode tok/s at a 2048-token context and prefill
-# TFLOP/s with all four off then on (benches/gpu/attn29.sh, which runs alone on a short lease).
+# TFLOP/s with all four off, then on, then on plus the opt-in three (benches/gpu/attn29.sh,
+# which runs alone on a short lease).
 A29_T=$(cap 300 0)
 if [ "$DEV" = cuda ] && [ "$A29_T" -ge 30 ]; then
   el "issue 29: attention kernels (attn29.sh, budget ${A29_T}s)"

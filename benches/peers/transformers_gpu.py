@@ -1,8 +1,17 @@
 #!/usr/bin/env python3
 """The peer of `thaw-bench gpu` (issue 29): the same generated model in transformers + PyTorch,
-greedy generation with a static KV cache (`cache_implementation="static"`), decode tokens/s at
-the same batch sizes and prefill TFLOP/s at the same prompt lengths, printed in the same table
-format as `thaw-bench gpu`'s decode and prefill tables so the two sit side by side.
+greedy generation, decode tokens/s at the same batch sizes and prefill TFLOP/s at the same prompt
+lengths, printed in the same table format as `thaw-bench gpu`'s decode and prefill tables so the
+two sit side by side.
+
+Two modes:
+- default: a static KV cache (`cache_implementation="static"`), which recent transformers
+  compile with torch.compile — once per batch size and cache length, so on a 100 s budget only
+  batch 1 finished (cuda-h100.md §7);
+- `--eager`: no torch.compile, every shape runs at once: the dynamic cache by default
+  (`--cache dynamic`), or the static one with compilation disabled (`--cache static`,
+  transformers' `disable_compile`). Batch 1/8/32/64 of llama-7b-shape fit in about a minute;
+  the figures are eager PyTorch's (kernel launches from Python), the mode most users run.
 
 The model is the directory `thaw gen-model` writes (config.json + safetensors, what transformers
 `save_pretrained` writes): no export step. Base model only (adapters: 0).
@@ -14,8 +23,10 @@ static cache may read more (the whole preallocated cache), which is its cost, no
 
     python3 benches/peers/transformers_gpu.py --model /tmp/thaw-gpu-work/model-llama-7b-shape \\
         --device cuda --batches 1,8,32,64 --prompt-len 128 --decode-steps 32 [--peak-gbs 2976]
+    python3 benches/peers/transformers_gpu.py --model /tmp/thaw-gpu-work/model-llama-7b-shape \\
+        --device cuda --eager --reps 2                              # every batch in ~60 s
     python3 benches/peers/transformers_gpu.py --model /tmp/tiny --device cpu --batches 1,4 \\
-        --prompt-len 16 --decode-steps 4 --prefill-tokens 16,64     # smoke run on a CPU
+        --prompt-len 16 --decode-steps 4 --prefill-tokens 16,64 --eager  # smoke run on a CPU
 
 Needs torch, transformers and safetensors (pip).
 """
@@ -41,7 +52,41 @@ def parse():
     p.add_argument("--reps", type=int, default=3, help="timed repetitions; the median is reported")
     p.add_argument("--peak-gbs", type=float, help="roofline GB/s; measured (tensor copy) when absent")
     p.add_argument("--peak-tflops", type=float, help="roofline TFLOP/s; measured (matmul) when absent")
-    return p.parse_args()
+    p.add_argument("--eager", action="store_true",
+                   help="no torch.compile: every batch size runs at once (default cache: dynamic)")
+    p.add_argument("--cache", choices=["static", "dynamic"],
+                   help="KV cache: static (the default without --eager; compiled per shape) or "
+                        "dynamic (the default with --eager); --cache static --eager disables "
+                        "compilation")
+    a = p.parse_args()
+    if a.cache is None:
+        a.cache = "dynamic" if a.eager else "static"
+    if a.cache == "dynamic" and not a.eager:
+        p.error("--cache dynamic is eager already; add --eager")
+    return a
+
+
+def generate_kwargs(a, transformers):
+    """The generate() arguments that pick the cache and whether it is compiled, or exit with
+    what to use where this transformers cannot do what was asked."""
+    kw = {}
+    if a.cache == "static":
+        kw["cache_implementation"] = "static"
+        if a.eager:
+            if not hasattr(transformers.GenerationConfig(), "disable_compile"):
+                sys.exit(f"transformers {transformers.__version__} cannot run a static cache "
+                         "uncompiled (no GenerationConfig.disable_compile); use --eager "
+                         "--cache dynamic")
+            kw["disable_compile"] = True
+    return kw
+
+
+def mode_name(a):
+    if not a.eager:
+        return 'cache_implementation="static" (torch.compile per shape)'
+    if a.cache == "static":
+        return 'eager, cache_implementation="static", disable_compile=True'
+    return "eager, dynamic cache"
 
 
 def sync(torch, dev):
@@ -119,6 +164,7 @@ def main():
     if dev.type == "cuda" and not torch.cuda.is_available():
         sys.exit("--device cuda, but torch sees no GPU; use --device cpu")
     dtype = "auto" if a.dtype == "auto" else getattr(torch, a.dtype)
+    gen_kw = generate_kwargs(a, transformers)
     model = AutoModelForCausalLM.from_pretrained(a.model, torch_dtype=dtype).to(dev).eval()
     dtype = model.dtype
     cfg = model.config
@@ -132,12 +178,13 @@ def main():
     def generate(ids, new):
         with torch.inference_mode():
             return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
-                                  min_new_tokens=new, do_sample=False, cache_implementation="static",
-                                  pad_token_id=cfg.eos_token_id if cfg.eos_token_id is not None else 0)
+                                  min_new_tokens=new, do_sample=False,
+                                  pad_token_id=cfg.eos_token_id if cfg.eos_token_id is not None else 0,
+                                  **gen_kw)
 
     print(f"## transformers {transformers.__version__} + torch {torch.__version__} — {name}")
     print(f"model: {a.model} ({s['layers']} layers, hidden {s['h']}, {dtype}), "
-          "greedy, cache_implementation=\"static\"")
+          f"greedy, {mode_name(a)}")
     print(f"roofline: {gbs:.0f} GB/s ({gsrc}), {tf:.1f} TFLOP/s ({tsrc})")
     print(f"\n### Decode, {a.prompt_len}-token prompts, {a.decode_steps} timed steps; "
           "GB/s = (weights + distinct adapters + KV) read per step ÷ step time")
@@ -147,7 +194,12 @@ def main():
         ids = torch.randint(3, vocab, (b, a.prompt_len), generator=g).to(dev)
         t1 = median_s(torch, dev, a.reps, lambda: generate(ids, 1))
         tn = median_s(torch, dev, a.reps, lambda: generate(ids, a.decode_steps + 1))
-        step = max(tn - t1, 1e-9) / a.decode_steps
+        if tn <= t1:
+            # Timer noise above the decode time (tiny models, busy hosts): no figure.
+            print(f"| {b} | 0 | - | n/a (generate of {a.decode_steps + 1} tokens not slower than "
+                  f"of 1: {tn * 1e3:.2f} vs {t1 * 1e3:.2f} ms) | - | - | - | - | - |")
+            continue
+        step = (tn - t1) / a.decode_steps
         ctx = [sum(a.prompt_len + 1 + i for i in range(a.decode_steps)) / a.decode_steps] * b
         gb = decode_bytes(s, elem, elem, ctx)
         print(f"| {b} | 0 | - | {step * 1e3:.2f} | {b / step:.1f} | 1.00 | {gb / 1e9:.4f} | "

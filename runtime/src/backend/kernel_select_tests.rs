@@ -360,10 +360,10 @@ proptest! {
         match wide_norm_block(d) {
             Some(t) => {
                 let t = t as usize;
-                prop_assert!(d % 4 == 0 && t % 32 == 0 && t <= shape::WIDE_MAX_THREADS);
+                prop_assert!(d.is_multiple_of(4) && t.is_multiple_of(32) && t <= shape::WIDE_MAX_THREADS);
                 prop_assert!(d / 4 <= t * shape::WIDE_VPT);
             }
-            None => prop_assert!(d % 4 != 0 || d / 4 > shape::WIDE_MAX_THREADS * shape::WIDE_VPT),
+            None => prop_assert!(!d.is_multiple_of(4) || d / 4 > shape::WIDE_MAX_THREADS * shape::WIDE_VPT),
         }
     }
 }

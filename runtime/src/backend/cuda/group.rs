@@ -138,7 +138,8 @@ impl CudaBackend {
             if !fits {
                 // Grown outside a capture only (a graph bakes the address in: `graph.rs`'s
                 // fingerprint drops graphs captured on an older scratch).
-                self.group_out = Some(self.gpu.stream.alloc_zeros::<f32>(n.max(1))?);
+                let len = n.max(1).next_power_of_two();
+                self.group_out = Some(self.gpu.stream.alloc_zeros::<f32>(len)?);
             }
             let mut scratch = self.group_out.take().expect("sized above");
             let last = ws.last().expect("two or three weights");
@@ -176,6 +177,14 @@ impl CudaBackend {
             None
         };
         Ok(())
+    }
+
+    /// Whether `ws` were placed as one matrix, so that a group of them runs as one product
+    /// (tests of the layout [`Backend::upload_weight_group`] chose).
+    ///
+    /// [`Backend::upload_weight_group`]: crate::backend::Backend::upload_weight_group
+    pub fn placed_as_one(ws: &[&CudaLinear]) -> bool {
+        one_matrix(ws)
     }
 
     /// Whether grouped products run.

@@ -1,0 +1,395 @@
+//! Issue 29's opt-in kernels (off unless `THAW_CUDA_WIDE_NORM`, `THAW_CUDA_ROPE_FOLD` or
+//! `THAW_CUDA_GROUP_GEMM` is 1) against the paths they replace: the wide RMSNorm / add +
+//! RMSNorm / RoPE blocks, q/k/v and gate/up as one product over weights placed as one matrix,
+//! RoPE folded into the KV write, and whole engines (eager and CUDA graphs) with every switch
+//! on against every switch off. Part of `cuda_parity` (its helpers, its GPU skip rules).
+//!
+//! Tolerances (normwise relative, `rel_err`):
+//! - against the CPU twins: the suite's (f32 1e-4, bf16 1e-2);
+//! - wide norms against the classic ones: 1e-6, f32 and bf16 alike — the same f32 operations
+//!   but the row's sum of squares in another order (a few ulp of one scale factor per row);
+//!   wide add + RMSNorm against residual add then wide RMSNorm: bit for bit (same sums, same
+//!   order), as the classic pair;
+//! - wide RoPE, and RoPE folded into the KV write, against `rope_f32`: 1e-6 (the same angle,
+//!   sincos and products; only the compiler's FMA contraction may differ), attention after the
+//!   fold: f32 1e-5, bf16 the suite's 1e-2 (a last-ulp change in a rotated k may round its bf16
+//!   cache entry the other way);
+//! - one product against three: 1e-5 — the same 16-bit (or f32) operands and f32 accumulation;
+//!   cuBLAS may pick another kernel for the wider product, i.e. another summation order;
+//! - engines: greedy tokens identical, logits within the suite's tolerance.
+use std::sync::Arc;
+
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use thaw_kernels::cpu::KvLayout;
+use thaw_runtime::adapter::LoraAdapter;
+use thaw_runtime::backend::cpu::CpuBackend;
+use thaw_runtime::backend::cuda::{CudaBackend, CudaLinear, DType};
+use thaw_runtime::backend::{Backend, LoraKernel, StepLayout};
+use thaw_runtime::engine::{Engine, EngineConfig, HostModel};
+use thaw_runtime::ids::AdapterId;
+use thaw_tests::graphs::{decode_batch, prompts, Decoded};
+use thaw_tests::{rel_err, TestModel};
+
+use super::{cfg, check, mixed_step, rand_vec, shape, CONFIGS};
+
+/// Every opt-in switch of `g` on or off.
+fn opt_in(g: &mut CudaBackend, on: bool) {
+    g.set_wide(on).unwrap();
+    g.set_rope_fold(on).unwrap();
+    g.set_group_gemm(on).unwrap();
+    let p = g.opt_in_plan();
+    assert!(
+        [&p.group_gemm, &p.rope_fold, &p.wide]
+            .iter()
+            .all(|c| c.is_new() == on),
+        "{p}"
+    );
+}
+
+fn refs(v: &[CudaLinear]) -> Vec<&CudaLinear> {
+    v.iter().collect()
+}
+
+fn bitwise(a: &[f32], b: &[f32]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+}
+
+#[test]
+fn wide_norms_and_rope_match_cpu_and_the_classic_kernels() {
+    if !thaw_tests::gpu_or_skip() {
+        return;
+    }
+    let m = shape();
+    let c = &m.config;
+    let mut rng = ChaCha8Rng::seed_from_u64(291);
+    for (dt, tol) in CONFIGS {
+        let mut cpu = CpuBackend::new(c);
+        let mut g = CudaBackend::new(c, &cfg(dt)).expect("CUDA backend");
+        // The model's width, Llama-7B's (one float4 per thread of 1024), a width that needs
+        // 3 float4 a thread, and one the wide kernel does not serve (the classic one runs).
+        for (rows, d) in [(37, c.hidden_size), (1, 4096), (3, 12_288), (2, 4098)] {
+            let x = rand_vec(&mut rng, rows * d, 2.0);
+            let h = rand_vec(&mut rng, rows * d, 2.0);
+            let w = rand_vec(&mut rng, d, 1.5);
+            let mut want = vec![0.0; rows * d];
+            cpu.rms_norm(&x, &w, 1e-5, rows, &mut want);
+            let (mut hc, mut oc) = (h.clone(), vec![0.0; rows * d]);
+            thaw_kernels::cpu::add_rms_norm(&mut hc, &x, &w, 1e-5, &mut oc);
+            let wg = g.upload_vector(w).unwrap();
+            let xg = g.upload_f32(&x).unwrap();
+            let mut norms = Vec::new();
+            let mut adds = Vec::new();
+            for wide in [false, true] {
+                g.set_wide(wide).unwrap();
+                let mut og = g.alloc(rows * d).unwrap();
+                g.rms_norm(&xg, &wg, 1e-5, rows, &mut og);
+                let o = g.download_f32(&og, rows * d).unwrap();
+                check(&format!("rms_norm d={d} wide={wide}"), dt, tol, &o, &want);
+                norms.push(o);
+                for fused in [false, true] {
+                    g.set_fused(fused).unwrap();
+                    let mut hg = g.upload_f32(&h).unwrap();
+                    let mut og = g.alloc(rows * d).unwrap();
+                    g.add_rms_norm(&mut hg, &xg, &wg, 1e-5, rows, d, &mut og);
+                    let hr = g.download_f32(&hg, rows * d).unwrap();
+                    let or = g.download_f32(&og, rows * d).unwrap();
+                    let what = format!("add_rms_norm d={d} wide={wide} fused={fused}");
+                    check(&format!("{what} residual"), dt, 1e-6, &hr, &hc);
+                    check(&what, dt, tol, &or, &oc);
+                    adds.push(or);
+                }
+            }
+            check(
+                &format!("rms_norm d={d} wide vs classic"),
+                dt,
+                1e-6,
+                &norms[1],
+                &norms[0],
+            );
+            // (classic unfused, classic fused, wide unfused, wide fused)
+            assert!(
+                bitwise(&adds[0], &adds[1]) && bitwise(&adds[2], &adds[3]),
+                "{dt:?} d={d}: fused add + RMSNorm differs from add then RMSNorm"
+            );
+            check(
+                &format!("add_rms_norm d={d} wide vs classic"),
+                dt,
+                1e-6,
+                &adds[2],
+                &adds[0],
+            );
+        }
+        // RoPE: the model's heads and Llama-7B's (32 heads of 128), at large positions.
+        for (rows, heads, hd) in [(37, c.num_heads, c.head_dim), (2, 32, 128)] {
+            let mut mc = c.clone();
+            mc.head_dim = hd;
+            let mut cpu = CpuBackend::new(&mc);
+            let mut g = CudaBackend::new(&mc, &cfg(dt)).expect("CUDA backend");
+            let n = rows * heads * hd;
+            let q = rand_vec(&mut rng, n, 1.0);
+            let pos: Vec<usize> = (0..rows).map(|i| i * 997 + 3).collect();
+            let mut want = q.clone();
+            cpu.rope(&mut want, &pos, heads);
+            let mut got = Vec::new();
+            for wide in [false, true] {
+                g.set_wide(wide).unwrap();
+                g.begin_step();
+                let mut rg = g.upload_f32(&q).unwrap();
+                g.rope(&mut rg, &pos, heads);
+                let r = g.download_f32(&rg, n).unwrap();
+                check(
+                    &format!("rope {heads}x{hd} wide={wide}"),
+                    dt,
+                    1e-5,
+                    &r,
+                    &want,
+                );
+                got.push(r);
+            }
+            println!(
+                "rope {heads}x{hd}: wide bit for bit classic: {}",
+                bitwise(&got[0], &got[1])
+            );
+            check(
+                &format!("rope {heads}x{hd} wide vs classic"),
+                dt,
+                1e-6,
+                &got[1],
+                &got[0],
+            );
+        }
+        g.check().unwrap();
+    }
+}
+
+/// q/k/v (GQA: k and v narrower) and gate/up: placed as one matrix with the switch on at load,
+/// run as one product; against the same weights placed and run one by one.
+#[test]
+fn one_product_equals_one_per_module() {
+    if !thaw_tests::gpu_or_skip() {
+        return;
+    }
+    let m = shape();
+    let c = &m.config;
+    assert!(c.num_kv_heads < c.num_heads, "the test shape is GQA");
+    let h = c.hidden_size;
+    let mut rng = ChaCha8Rng::seed_from_u64(292);
+    let groups = [
+        vec![c.q_dim(), c.kv_dim(), c.kv_dim()],
+        vec![c.intermediate_size, c.intermediate_size],
+    ];
+    for (dt, _) in CONFIGS {
+        let mut g = CudaBackend::new(c, &cfg(dt)).expect("CUDA backend");
+        for outs in &groups {
+            let mats: Vec<Vec<f32>> = outs
+                .iter()
+                .map(|&d_out| rand_vec(&mut rng, d_out * h, 0.1))
+                .collect();
+            let host =
+                |i: usize| thaw_kernels::cpu::WeightMatrix::from_f32(mats[i].clone(), outs[i], h);
+            g.set_group_gemm(false).unwrap();
+            let apart = g
+                .upload_weight_group((0..outs.len()).map(|i| (host(i), None)).collect())
+                .unwrap();
+            g.set_group_gemm(true).unwrap();
+            let one = g
+                .upload_weight_group((0..outs.len()).map(|i| (host(i), None)).collect())
+                .unwrap();
+            assert!(CudaBackend::placed_as_one(&refs(&one)), "{dt:?} {outs:?}");
+            assert!(
+                !CudaBackend::placed_as_one(&refs(&apart)),
+                "{dt:?} {outs:?}"
+            );
+            for rows in [1, 5, 37] {
+                let x = rand_vec(&mut rng, rows * h, 2.0);
+                let xg = g.upload_f32(&x).unwrap();
+                // Off: one product per module.
+                g.set_group_gemm(false).unwrap();
+                let mut want = Vec::new();
+                for (w, &d_out) in apart.iter().zip(outs) {
+                    let mut y = g.alloc(rows * d_out).unwrap();
+                    g.linear(&xg, w, rows, &mut y);
+                    want.push(g.download_f32(&y, rows * d_out).unwrap());
+                }
+                // On: the same weights placed as one matrix, one product.
+                g.set_group_gemm(true).unwrap();
+                let mut ys: Vec<_> = outs.iter().map(|&d| g.alloc(rows * d).unwrap()).collect();
+                match (one.as_slice(), ys.as_mut_slice()) {
+                    ([q, k, v], [yq, yk, yv]) => g.linear_group(&xg, [q, k, v], rows, [yq, yk, yv]),
+                    ([a, b], [ya, yb]) => g.linear_group(&xg, [a, b], rows, [ya, yb]),
+                    _ => unreachable!("groups of two or three"),
+                }
+                for (i, y) in ys.iter().enumerate() {
+                    let got = g.download_f32(y, rows * outs[i]).unwrap();
+                    let what = format!("group {outs:?} rows {rows} module {i}");
+                    check(&what, dt, 1e-5, &got, &want[i]);
+                }
+                // Placed apart, the switch on: one cast of x, a product per module.
+                let mut ys: Vec<_> = outs.iter().map(|&d| g.alloc(rows * d).unwrap()).collect();
+                match (apart.as_slice(), ys.as_mut_slice()) {
+                    ([q, k, v], [yq, yk, yv]) => g.linear_group(&xg, [q, k, v], rows, [yq, yk, yv]),
+                    ([a, b], [ya, yb]) => g.linear_group(&xg, [a, b], rows, [ya, yb]),
+                    _ => unreachable!("groups of two or three"),
+                }
+                for (i, y) in ys.iter().enumerate() {
+                    let got = g.download_f32(y, rows * outs[i]).unwrap();
+                    assert!(
+                        bitwise(&got, &want[i]),
+                        "{dt:?} {outs:?} rows {rows} module {i}: one cast changed a product"
+                    );
+                }
+            }
+        }
+        g.check().unwrap();
+    }
+}
+
+/// A mixed step (prefill chunks and decodes) through `rope_attention` with RoPE folded into
+/// the KV write, against RoPE then attention: the attention output, the rotated q and k, and
+/// (through a second step that reads them) the cache entries.
+#[test]
+fn rope_folded_into_the_kv_write_equals_rope_then_attention() {
+    if !thaw_tests::gpu_or_skip() {
+        return;
+    }
+    let m = shape();
+    let c = &m.config;
+    let (step, nb) = mixed_step(8);
+    // The second step decodes one more position of every sequence.
+    let mut next = StepLayout::default();
+    for s in &step.seqs {
+        let r = next.token_ids.len();
+        next.seqs.push(thaw_runtime::backend::SeqSlice {
+            rows: r..r + 1,
+            start_pos: s.start_pos + s.rows.len(),
+            blocks: s.blocks.clone(),
+        });
+        next.token_ids.push(1);
+        next.positions.push(s.start_pos + s.rows.len());
+    }
+    next.block_tables = step.block_tables.clone();
+    let layout = KvLayout {
+        block_size: 8,
+        num_kv_heads: c.num_kv_heads,
+        head_dim: c.head_dim,
+    };
+    let (qw, kw) = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim);
+    let heads = (c.num_heads, c.num_kv_heads);
+    for (dt, tol) in CONFIGS {
+        let tol = if dt == DType::F32 { 1e-5 } else { tol };
+        let mut runs: Vec<Vec<Vec<f32>>> = Vec::new();
+        for fold in [false, true] {
+            let mut rng = ChaCha8Rng::seed_from_u64(293);
+            let mut g = CudaBackend::new(c, &cfg(dt)).expect("CUDA backend");
+            g.set_rope_fold(fold).unwrap();
+            let mut kv = g.alloc_kv_layer(layout, nb + 2).unwrap();
+            let mut outs = Vec::new();
+            for st in [&step, &next] {
+                let n = st.rows();
+                let mut q = g.upload_f32(&rand_vec(&mut rng, n * qw, 1.0)).unwrap();
+                let mut k = g.upload_f32(&rand_vec(&mut rng, n * kw, 1.0)).unwrap();
+                let v = g.upload_f32(&rand_vec(&mut rng, n * kw, 1.0)).unwrap();
+                let mut o = g.alloc(n * qw).unwrap();
+                g.begin_step();
+                g.rope_attention((&mut q, &mut k, &v), heads, &mut kv, st, &mut o);
+                outs.push(g.download_f32(&o, n * qw).unwrap());
+                outs.push(g.download_f32(&q, n * qw).unwrap());
+                outs.push(g.download_f32(&k, n * kw).unwrap());
+            }
+            g.check().unwrap();
+            runs.push(outs);
+        }
+        let names = ["out", "rotated q", "rotated k"];
+        for (i, (a, b)) in runs[0].iter().zip(&runs[1]).enumerate() {
+            let what = format!("fold step {} {}", i / 3, names[i % 3]);
+            let t = if i % 3 == 0 { tol } else { 1e-6 };
+            check(&what, dt, t, b, a);
+        }
+    }
+}
+
+fn engine(
+    model: &HostModel,
+    dt: DType,
+    adapters: &[Arc<LoraAdapter>],
+    (on, graphs): (bool, bool),
+) -> Engine<CudaBackend> {
+    let mut b = CudaBackend::new(&model.config, &cfg(dt)).expect("CUDA backend");
+    // Before the model loads: grouped products need their weights placed as one matrix.
+    opt_in(&mut b, on);
+    let ecfg = EngineConfig {
+        cuda_graphs: graphs,
+        cuda_graph_max_bs: Some(16),
+        max_batch_seqs: 32,
+        lora_kernel: LoraKernel::Bgmv,
+        ..Default::default()
+    };
+    let mut e = Engine::new(b, model.clone(), ecfg).unwrap();
+    for (i, a) in adapters.iter().enumerate() {
+        e.register_adapter(AdapterId(i as u32), a.clone()).unwrap();
+    }
+    e.wait_adapters_landed(std::time::Duration::from_secs(60))
+        .unwrap();
+    e
+}
+
+/// Whole engines, every opt-in switch off (eager) against on (eager, and with CUDA graphs):
+/// identical greedy tokens for batches with no adapter, a rank-8 adapter on q,v and a rank-32
+/// adapter on every projection (LoRA deltas added per module after the one product).
+#[test]
+fn engines_with_every_opt_in_switch_give_the_same_tokens() {
+    if !thaw_tests::gpu_or_skip() {
+        return;
+    }
+    let tm = TestModel::llama(6);
+    let adapters = [
+        tm.adapter(8, &["q", "v"], 82),
+        tm.adapter(32, &["q", "k", "v", "o", "gate", "up", "down"], 83),
+    ];
+    let vocab = tm.model.config.vocab_size;
+    let steps = 5;
+    let batches = [1, 3, 8, 20];
+    let who = |b: usize| -> Vec<Option<u32>> {
+        (0..b).map(|i| [None, Some(0), Some(1)][i % 3]).collect()
+    };
+    for (dt, tol) in CONFIGS {
+        let mut runs: Vec<Vec<Vec<Decoded>>> = Vec::new();
+        for mode in [(false, false), (true, false), (true, true)] {
+            let mut e = engine(&tm.model, dt, &adapters, mode);
+            let mut first = 0;
+            let mut per_batch = Vec::new();
+            // Twice: graphs are captured on the first pass and replayed on the second.
+            for _ in 0..2 {
+                for &b in &batches {
+                    let p = prompts(b, vocab, 200 + b as u64);
+                    per_batch.push(decode_batch(&mut e, first, &who(b), &p, steps));
+                    first += b as u64;
+                }
+            }
+            runs.push(per_batch);
+        }
+        for (m, name) in [(1, "on, eager"), (2, "on, graphs")] {
+            let mut worst: f64 = 0.0;
+            for (k, (off, on)) in runs[0].iter().zip(&runs[m]).enumerate() {
+                for (i, (a, b)) in off.iter().zip(on).enumerate() {
+                    worst = worst.max(rel_err(&b.logits, &a.logits));
+                    check(
+                        &format!("opt-in {name} b{k} s{i}"),
+                        dt,
+                        tol,
+                        &b.logits,
+                        &a.logits,
+                    );
+                    assert_eq!(
+                        a.tokens, b.tokens,
+                        "{dt:?} {name}, batch #{k}, seq {i}: greedy tokens differ from all off"
+                    );
+                }
+            }
+            println!(
+                "{dt:?}: every opt-in switch {name}: same tokens, worst logits rel err {worst:.2e}"
+            );
+        }
+    }
+}
