@@ -377,6 +377,19 @@ pub fn wide_rope_block(pairs: usize) -> u32 {
         .clamp(32, shape::WIDE_MAX_THREADS) as u32
 }
 
+/// Most rows a group of projections (q/k/v, gate/up) runs as one product with
+/// `THAW_CUDA_GROUP_GEMM=1`. The product writes `[rows, Σ d_out]` that a kernel then splits into
+/// the modules' buffers: at decode's few rows that copy is small against the weights it saves
+/// re-reading launches and tails for, but it grows with the rows while a many-row product is
+/// compute-bound already (a 2048-row q/k/v of Llama-7B would copy 200 MB for no gain). Past
+/// this, the group casts its input once and runs a product per module.
+pub const GROUP_GEMM_MAX_ROWS: usize = 128;
+
+/// Whether a group placed as one matrix runs as one product for a step of `rows` rows.
+pub fn group_as_one_product(rows: usize) -> bool {
+    rows <= GROUP_GEMM_MAX_ROWS
+}
+
 /// The opt-in switches (off unless set to `1`): resolved once when a backend is created,
 /// logged beside [`KernelPlan`].
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -367,3 +367,15 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn a_group_is_one_product_only_for_few_rows() {
+    // Decode batches, CUDA graph buckets up to 128, a short prefill chunk: one product.
+    for rows in [1, 8, 32, 64, GROUP_GEMM_MAX_ROWS] {
+        assert!(group_as_one_product(rows), "{rows}");
+    }
+    // A prefill of many rows: a product per module (no split copy of a compute-bound product).
+    for rows in [GROUP_GEMM_MAX_ROWS + 1, 512, 2048] {
+        assert!(!group_as_one_product(rows), "{rows}");
+    }
+}

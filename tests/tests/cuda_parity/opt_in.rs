@@ -201,7 +201,9 @@ fn one_product_equals_one_per_module() {
                 !CudaBackend::placed_as_one(&refs(&apart)),
                 "{dt:?} {outs:?}"
             );
-            for rows in [1, 5, 37] {
+            // 1, 5, 37 rows: one product; 200 (above GROUP_GEMM_MAX_ROWS): one cast, a
+            // product per module over the views of the one matrix.
+            for rows in [1, 5, 37, 200] {
                 let x = rand_vec(&mut rng, rows * h, 2.0);
                 let xg = g.upload_f32(&x).unwrap();
                 // Off: one product per module.
@@ -212,7 +214,8 @@ fn one_product_equals_one_per_module() {
                     g.linear(&xg, w, rows, &mut y);
                     want.push(g.download_f32(&y, rows * d_out).unwrap());
                 }
-                // On: the same weights placed as one matrix, one product.
+                // On: the same weights placed as one matrix, one product (or, past
+                // GROUP_GEMM_MAX_ROWS, one per module over its range of the matrix).
                 g.set_group_gemm(true).unwrap();
                 let mut ys: Vec<_> = outs.iter().map(|&d| g.alloc(rows * d).unwrap()).collect();
                 match (one.as_slice(), ys.as_mut_slice()) {

@@ -995,7 +995,7 @@ impl Backend for CudaBackend {
     }
 
     /// With `THAW_CUDA_GROUP_GEMM=1`, one op: one input cast and, for a group placed as one
-    /// matrix, one product (`group.rs`).
+    /// matrix and a step of few rows, one product (`group.rs`).
     fn linear_group<const N: usize>(
         &mut self,
         x: &CudaSlice<f32>,

@@ -13,8 +13,12 @@
 //! against 96–102% for the 11008-wide gate/up/down (`cuda-h100.md` §8): each paid its own input
 //! cast and its own GEMM launch and tail for 32 MB of weights.
 //!
-//! A group placed separately (the switch off at load, a bias, another input width) still casts
-//! its input once with the switch on, then runs one GEMM per module.
+//! A group placed separately (the switch off at load, a bias, another input width), or a step
+//! of more rows than [`GROUP_GEMM_MAX_ROWS`] (prefill: the product is compute-bound and the
+//! split's copy would grow with the rows), still casts its input once with the switch on, then
+//! runs one GEMM per module.
+//!
+//! [`GROUP_GEMM_MAX_ROWS`]: crate::backend::kernel_select::GROUP_GEMM_MAX_ROWS
 //!
 //! [`Backend::upload_weight_group`]: crate::backend::Backend::upload_weight_group
 //! [`Backend::linear_group`]: crate::backend::Backend::linear_group
@@ -28,6 +32,7 @@ use super::encode::encode;
 use super::weights::{CudaLinear, WeightBytes};
 use super::{CudaBackend, CudaError, DType};
 use crate::backend::graph_plan::GraphPhase;
+use crate::backend::kernel_select::group_as_one_product;
 use crate::error::Result;
 
 /// The split kernel of a grouped product.
@@ -116,8 +121,9 @@ impl CudaBackend {
     }
 
     /// [`Backend::linear_group`](crate::backend::Backend::linear_group) with the switch on:
-    /// one product where `ws` are one matrix (and, in a graph capture, the scratch is already
-    /// large enough), else one input cast and a product per module.
+    /// one product where `ws` are one matrix and the step has few rows (and, in a graph
+    /// capture, the scratch is already large enough), else one input cast and a product per
+    /// module.
     pub(super) fn try_linear_group(
         &mut self,
         x: &CudaSlice<f32>,
@@ -134,7 +140,8 @@ impl CudaBackend {
             .is_some_and(|a| a.phase == GraphPhase::Capture);
         let fits = self.group_out.as_ref().is_some_and(|b| b.len() >= n);
         let split = self.gpu.group.as_ref().map(|g| g.split.clone());
-        if let (Some(split), true, true) = (split, one_matrix(ws), fits || !capturing) {
+        let one = one_matrix(ws) && group_as_one_product(rows);
+        if let (Some(split), true, true) = (split, one, fits || !capturing) {
             if !fits {
                 // Grown outside a capture only (a graph bakes the address in: `graph.rs`'s
                 // fingerprint drops graphs captured on an older scratch).
