@@ -23,6 +23,9 @@
 //   (THAW_CUDA_GROUP_GEMM).
 
 #define THAW_WIDE_VPT 4
+// Every entry point below may launch 1024 threads a block: the compiler must fit them (at most
+// 64 registers a thread), or the launch fails with "too many resources requested".
+#define THAW_WIDE_BOUNDS __launch_bounds__(1024)
 // Pairs per head staged in shared memory: THAW_MAX_HEAD_DIM / 2.
 #define THAW_ROPE_MAX_HALF 128
 
@@ -78,13 +81,12 @@ __device__ void rms_norm_wide(float* __restrict__ residual, const float* __restr
 }
 
 #define THAW_WIDE_NORM(T, S)                                                                 \
-    extern "C" __global__ void rms_norm_wide_##S(const float* x, const T* w, float* out,      \
-                                                 int rows, int d, float eps) {                \
+    extern "C" __global__ void THAW_WIDE_BOUNDS rms_norm_wide_##S(                            \
+        const float* x, const T* w, float* out, int rows, int d, float eps) {                \
         rms_norm_wide<T, false>(nullptr, x, w, out, rows, d, eps);                           \
     }                                                                                        \
-    extern "C" __global__ void add_rms_norm_wide_##S(float* residual, const float* x,         \
-                                                     const T* w, float* out, int rows, int d, \
-                                                     float eps) {                             \
+    extern "C" __global__ void THAW_WIDE_BOUNDS add_rms_norm_wide_##S(                        \
+        float* residual, const float* x, const T* w, float* out, int rows, int d, float eps) { \
         rms_norm_wide<T, true>(residual, x, w, out, rows, d, eps);                           \
     }
 THAW_FOR_EACH_DTYPE(THAW_WIDE_NORM)
@@ -114,9 +116,11 @@ __device__ __forceinline__ float2 rope_pair(float* head, int i, int half, float 
 }
 
 // x is [tokens, n_heads, head_dim]; one block per token, one thread per (head, pair).
-extern "C" __global__ void rope_wide_f32(float* __restrict__ x, const u32* __restrict__ positions,
-                                         const float* __restrict__ inv_freq, int tokens,
-                                         int n_heads, int head_dim) {
+extern "C" __global__ void THAW_WIDE_BOUNDS rope_wide_f32(float* __restrict__ x,
+                                                          const u32* __restrict__ positions,
+                                                          const float* __restrict__ inv_freq,
+                                                          int tokens, int n_heads,
+                                                          int head_dim) {
     __shared__ float cs[THAW_ROPE_MAX_HALF], sn[THAW_ROPE_MAX_HALF];
     const int t = blockIdx.x;
     if (t >= tokens) return;
@@ -166,7 +170,7 @@ __device__ void write_kv_rope(float* __restrict__ q, float* __restrict__ k,
 }
 
 #define THAW_WRITE_KV_ROPE(T, S)                                                              \
-    extern "C" __global__ void write_kv_rope_##S(                                             \
+    extern "C" __global__ void THAW_WIDE_BOUNDS write_kv_rope_##S(                            \
         float* q, float* k, const float* v, T* kc, T* vc, const u32* slots,                   \
         const u32* positions, const float* inv_freq, int rows, int n_heads, int n_kv_heads,   \
         int head_dim) {                                                                       \
