@@ -19,6 +19,11 @@
 #      (default "off on opt-in"; e.g. "on opt-in" on a short lease); they share what is left.
 #      The parity suite of step 1 runs the opt-in kernels' own tests (cuda_parity's opt_in::*,
 #      which switch them on explicitly) whatever the variables say.
+#   4. where each op's time goes at batch 1 (thaw-bench gpu --op-profile, 0 and 1 rank-16
+#      adapters), "on" then "opt-in": add + RMSNorm and RoPE µs a call, the RoPE launches gone
+#      into attention. THAW_GPU_29_OP_S seconds are kept for it out of step 3's share (default
+#      60; 0 skips it). The profile times a q/k/v or gate/up group module by module, so step 3's
+#      decode tok/s, not this table, measures the grouped products.
 # run.sh's issue-29 block calls it with what is left of its budget; on a short lease run it alone
 # (it generates the model when --model is not given):
 #   benches/gpu/attn29.sh --bin gpu-bin --out "$OUT" [--model DIR] [--budget S] [--prompt-len N]
@@ -41,7 +46,7 @@ while [ $# -gt 0 ]; do
     --workdir) WORK=$2; shift 2 ;;
     --budget) BUDGET_S=$2; shift 2 ;;
     --prompt-len) PROMPT=$2; shift 2 ;;
-    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,31p' "$0"; exit 0 ;;
     *) echo "unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -112,8 +117,10 @@ if [ -z "$MD" ]; then
       { echo "gen-model failed:"; tail -5 "$O/attn29-gen.log"; exit 1; }
   fi
 fi
-# The runs share what is left, evenly; all or none (one alone compares nothing).
-each=$(( (BUDGET_S - ($(date +%s) - t0)) / ${#MODES[@]} ))
+# The runs share what is left but step 4's reserve, evenly; all or none (one alone compares
+# nothing).
+OP_S=${THAW_GPU_29_OP_S:-60}
+each=$(( (BUDGET_S - ($(date +%s) - t0) - OP_S) / ${#MODES[@]} ))
 if [ ! -x "$BIN/thaw-bench" ]; then
   echo "thaw-bench gpu: missing from $BIN (benches/gpu/build.sh ships it)"
 elif [ "$each" -lt 30 ]; then
@@ -135,6 +142,27 @@ else
     echo "thaw-bench gpu ($mode): rc=$?"
     echo "### Issue 29's kernels $mode (${envs[*]}), decode after a $PROMPT-token prompt"
     cat "$O/attn29-gpu-$mode.md"
+  done
+fi
+
+# --- 4. per-op profile at batch 1, on then opt-in ----------------------------------------------
+op_each=$(( (BUDGET_S - ($(date +%s) - t0)) / 2 ))
+if [ "$OP_S" -le 0 ] || [ ! -x "$BIN/thaw-bench" ]; then
+  echo "op profile on/opt-in: skipped (THAW_GPU_29_OP_S=$OP_S, or thaw-bench missing)"
+elif [ "$op_each" -lt 20 ]; then
+  echo "op profile on/opt-in: skipped, under 2 × 20 s left (budget ${BUDGET_S}s)"
+else
+  for mode in on opt-in; do
+    if [ "$mode" = on ]; then envs=("${ON[@]}"); else envs=("${OPT[@]}"); fi
+    el "thaw-bench gpu --op-profile, $mode (limit ${op_each}s)"
+    # shellcheck disable=SC2086
+    env "${envs[@]}" timeout "$op_each" "$BIN/thaw-bench" gpu --model "$MD" --workdir "$WORK" \
+      --device cuda --batches 1 --ranks 16 --decode-steps 4 --op-profile --op-profile-steps 4 \
+      --prefill-tokens 128 --reps 1 --lora-batches 1 --lora-ranks 16 ${THAW_GPU_BENCH_ARGS:-} \
+      >"$O/attn29-op-$mode.md" 2>"$O/attn29-op-$mode.log"
+    echo "thaw-bench gpu --op-profile ($mode): rc=$?"
+    echo "### Op profile, issue 29's kernels $mode (${envs[*]})"
+    sed -n '/^### Op profile/,$p' "$O/attn29-op-$mode.md" | sed '/^### Prefill/,$d'
   done
 fi
 el "done (budget ${BUDGET_S}s)"
