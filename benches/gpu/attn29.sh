@@ -46,7 +46,7 @@ while [ $# -gt 0 ]; do
     --workdir) WORK=$2; shift 2 ;;
     --budget) BUDGET_S=$2; shift 2 ;;
     --prompt-len) PROMPT=$2; shift 2 ;;
-    -h|--help) sed -n '2,31p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
     *) echo "unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
