@@ -17,12 +17,17 @@ fn llama7b() -> ServedShape {
     }
 }
 
-fn plan(vars: &[(&str, &str)], s: &ServedShape) -> Result<KernelPlan, String> {
+/// An environment lookup over `vars`.
+fn env(vars: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
     let m: HashMap<String, String> = vars
         .iter()
         .map(|(k, v)| (k.to_string(), v.to_string()))
         .collect();
-    KernelPlan::resolve(|k| m.get(k).cloned(), s)
+    move |k| m.get(k).cloned()
+}
+
+fn plan(vars: &[(&str, &str)], s: &ServedShape) -> Result<KernelPlan, String> {
+    KernelPlan::resolve(env(vars), s)
 }
 
 #[test]
@@ -239,11 +244,7 @@ proptest! {
 const OPT_IN: [Switch; 3] = [GROUP_GEMM, ROPE_FOLD, WIDE];
 
 fn opt_in(vars: &[(&str, &str)], head_dim: usize) -> Result<OptInPlan, String> {
-    let m: HashMap<String, String> = vars
-        .iter()
-        .map(|(k, v)| (k.to_string(), v.to_string()))
-        .collect();
-    OptInPlan::resolve(|k| m.get(k).cloned(), head_dim)
+    OptInPlan::resolve(env(vars), head_dim)
 }
 
 #[test]

@@ -27,7 +27,20 @@ fn engine(
     adapters: &[Arc<LoraAdapter>],
     graphs: bool,
 ) -> Engine<CudaBackend> {
-    let b = CudaBackend::new(&model.config, &cfg(dt)).expect("CUDA backend");
+    engine_with(model, dt, adapters, graphs, |_| {})
+}
+
+/// [`engine`] with `setup` run on its backend before the model loads (the opt-in tests switch
+/// kernels there: grouped products need their weights placed at load).
+pub(super) fn engine_with(
+    model: &HostModel,
+    dt: DType,
+    adapters: &[Arc<LoraAdapter>],
+    graphs: bool,
+    setup: impl FnOnce(&mut CudaBackend),
+) -> Engine<CudaBackend> {
+    let mut b = CudaBackend::new(&model.config, &cfg(dt)).expect("CUDA backend");
+    setup(&mut b);
     let ecfg = EngineConfig {
         cuda_graphs: graphs,
         cuda_graph_max_bs: Some(16),

@@ -17,20 +17,16 @@
 //! - one product against three: 1e-5 — the same 16-bit (or f32) operands and f32 accumulation;
 //!   cuBLAS may pick another kernel for the wider product, i.e. another summation order;
 //! - engines: greedy tokens identical, logits within the suite's tolerance.
-use std::sync::Arc;
-
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use thaw_kernels::cpu::KvLayout;
-use thaw_runtime::adapter::LoraAdapter;
 use thaw_runtime::backend::cpu::CpuBackend;
 use thaw_runtime::backend::cuda::{CudaBackend, CudaLinear, DType};
-use thaw_runtime::backend::{Backend, LoraKernel, StepLayout};
-use thaw_runtime::engine::{Engine, EngineConfig, HostModel};
-use thaw_runtime::ids::AdapterId;
+use thaw_runtime::backend::{Backend, StepLayout};
 use thaw_tests::graphs::{decode_batch, prompts, Decoded};
 use thaw_tests::{rel_err, TestModel};
 
+use super::graphs::engine_with;
 use super::{cfg, check, mixed_step, rand_vec, shape, CONFIGS};
 
 /// Every opt-in switch of `g` on or off.
@@ -163,6 +159,28 @@ fn wide_norms_and_rope_match_cpu_and_the_classic_kernels() {
     }
 }
 
+/// `linear_group` over `ws` (two or three weights) for `rows` rows of `x`; each output, downloaded.
+fn group_outputs(
+    g: &mut CudaBackend,
+    x: &<CudaBackend as Backend>::Buf,
+    ws: &[CudaLinear],
+    rows: usize,
+) -> Vec<Vec<f32>> {
+    let mut ys: Vec<_> = ws
+        .iter()
+        .map(|w| g.alloc(rows * w.d_out).unwrap())
+        .collect();
+    match (ws, ys.as_mut_slice()) {
+        ([q, k, v], [yq, yk, yv]) => g.linear_group(x, [q, k, v], rows, [yq, yk, yv]),
+        ([a, b], [ya, yb]) => g.linear_group(x, [a, b], rows, [ya, yb]),
+        _ => unreachable!("groups of two or three"),
+    }
+    ws.iter()
+        .zip(&ys)
+        .map(|(w, y)| g.download_f32(y, rows * w.d_out).unwrap())
+        .collect()
+}
+
 /// q/k/v (GQA: k and v narrower) and gate/up: placed as one matrix with the switch on at load,
 /// run as one product; against the same weights placed and run one by one.
 #[test]
@@ -217,28 +235,16 @@ fn one_product_equals_one_per_module() {
                 // On: the same weights placed as one matrix, one product (or, past
                 // GROUP_GEMM_MAX_ROWS, one per module over its range of the matrix).
                 g.set_group_gemm(true).unwrap();
-                let mut ys: Vec<_> = outs.iter().map(|&d| g.alloc(rows * d).unwrap()).collect();
-                match (one.as_slice(), ys.as_mut_slice()) {
-                    ([q, k, v], [yq, yk, yv]) => g.linear_group(&xg, [q, k, v], rows, [yq, yk, yv]),
-                    ([a, b], [ya, yb]) => g.linear_group(&xg, [a, b], rows, [ya, yb]),
-                    _ => unreachable!("groups of two or three"),
-                }
-                for (i, y) in ys.iter().enumerate() {
-                    let got = g.download_f32(y, rows * outs[i]).unwrap();
+                let got = group_outputs(&mut g, &xg, &one, rows);
+                for (i, (got, want)) in got.iter().zip(&want).enumerate() {
                     let what = format!("group {outs:?} rows {rows} module {i}");
-                    check(&what, dt, 1e-5, &got, &want[i]);
+                    check(&what, dt, 1e-5, got, want);
                 }
                 // Placed apart, the switch on: one cast of x, a product per module.
-                let mut ys: Vec<_> = outs.iter().map(|&d| g.alloc(rows * d).unwrap()).collect();
-                match (apart.as_slice(), ys.as_mut_slice()) {
-                    ([q, k, v], [yq, yk, yv]) => g.linear_group(&xg, [q, k, v], rows, [yq, yk, yv]),
-                    ([a, b], [ya, yb]) => g.linear_group(&xg, [a, b], rows, [ya, yb]),
-                    _ => unreachable!("groups of two or three"),
-                }
-                for (i, y) in ys.iter().enumerate() {
-                    let got = g.download_f32(y, rows * outs[i]).unwrap();
+                let got = group_outputs(&mut g, &xg, &apart, rows);
+                for (i, (got, want)) in got.iter().zip(&want).enumerate() {
                     assert!(
-                        bitwise(&got, &want[i]),
+                        bitwise(got, want),
                         "{dt:?} {outs:?} rows {rows} module {i}: one cast changed a product"
                     );
                 }
@@ -312,31 +318,6 @@ fn rope_folded_into_the_kv_write_equals_rope_then_attention() {
     }
 }
 
-fn engine(
-    model: &HostModel,
-    dt: DType,
-    adapters: &[Arc<LoraAdapter>],
-    (on, graphs): (bool, bool),
-) -> Engine<CudaBackend> {
-    let mut b = CudaBackend::new(&model.config, &cfg(dt)).expect("CUDA backend");
-    // Before the model loads: grouped products need their weights placed as one matrix.
-    opt_in(&mut b, on);
-    let ecfg = EngineConfig {
-        cuda_graphs: graphs,
-        cuda_graph_max_bs: Some(16),
-        max_batch_seqs: 32,
-        lora_kernel: LoraKernel::Bgmv,
-        ..Default::default()
-    };
-    let mut e = Engine::new(b, model.clone(), ecfg).unwrap();
-    for (i, a) in adapters.iter().enumerate() {
-        e.register_adapter(AdapterId(i as u32), a.clone()).unwrap();
-    }
-    e.wait_adapters_landed(std::time::Duration::from_secs(60))
-        .unwrap();
-    e
-}
-
 /// Whole engines, every opt-in switch off (eager) against on (eager, and with CUDA graphs):
 /// identical greedy tokens for batches with no adapter, a rank-8 adapter on q,v and a rank-32
 /// adapter on every projection (LoRA deltas added per module after the one product).
@@ -359,7 +340,8 @@ fn engines_with_every_opt_in_switch_give_the_same_tokens() {
     for (dt, tol) in CONFIGS {
         let mut runs: Vec<Vec<Vec<Decoded>>> = Vec::new();
         for mode in [(false, false), (true, false), (true, true)] {
-            let mut e = engine(&tm.model, dt, &adapters, mode);
+            let (on, graphs) = mode;
+            let mut e = engine_with(&tm.model, dt, &adapters, graphs, |b| opt_in(b, on));
             let mut first = 0;
             let mut per_batch = Vec::new();
             // Twice: graphs are captured on the first pass and replayed on the second.

@@ -816,16 +816,9 @@ impl Backend for CudaBackend {
         w: thaw_kernels::cpu::WeightMatrix,
         bias: Option<Vec<f32>>,
     ) -> Result<CudaLinear> {
-        use thaw_kernels::cpu::WeightData;
         let (d_out, d_in) = (w.rows(), w.cols());
         let dt = self.gpu.weight_dtype;
-        let stored: Option<&[u8]> = match (w.data(), dt) {
-            (WeightData::BF16(v), DType::Bf16) => Some(bytemuck::cast_slice(&v[..])),
-            (WeightData::F16(v), DType::F16) => Some(bytemuck::cast_slice(&v[..])),
-            (WeightData::F32(v), DType::F32) => Some(bytemuck::cast_slice(&v[..])),
-            _ => None,
-        };
-        let Some(bytes) = stored else {
+        let Some(bytes) = super::weights::stored_bytes(&w, dt) else {
             return self.upload_linear(w.into_f32(), d_out, d_in, bias);
         };
         let s = &self.gpu.stream;

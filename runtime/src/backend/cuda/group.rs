@@ -25,11 +25,11 @@
 use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaFunction, CudaSlice};
-use thaw_kernels::cpu::{WeightData, WeightMatrix};
+use thaw_kernels::cpu::WeightMatrix;
 use thaw_kernels::cuda::KernelCache;
 
 use super::encode::encode;
-use super::weights::{CudaLinear, WeightBytes};
+use super::weights::{stored_bytes, CudaLinear, WeightBytes};
 use super::{CudaBackend, CudaError, DType};
 use crate::backend::graph_plan::GraphPhase;
 use crate::backend::kernel_select::group_as_one_product;
@@ -45,16 +45,6 @@ impl Group {
         Ok(Self {
             split: KernelCache::global().function(ctx, "split_cols3_f32")?,
         })
-    }
-}
-
-/// A matrix's bytes in the weight dtype `dt` as stored, if it is stored in `dt` (no copy).
-fn stored_bytes(w: &WeightMatrix, dt: DType) -> Option<&[u8]> {
-    match (w.data(), dt) {
-        (WeightData::BF16(v), DType::Bf16) => Some(bytemuck::cast_slice(&v[..])),
-        (WeightData::F16(v), DType::F16) => Some(bytemuck::cast_slice(&v[..])),
-        (WeightData::F32(v), DType::F32) => Some(bytemuck::cast_slice(&v[..])),
-        _ => None,
     }
 }
 

@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use bytemuck::{Pod, Zeroable};
 use cudarc::driver::{CudaSlice, CudaStream, CudaView, DeviceRepr};
+use thaw_kernels::cpu::{WeightData, WeightMatrix};
 
 use super::launch::dptr;
 use super::upload::{CudaDst, LayerLanding};
@@ -186,6 +187,17 @@ pub(super) fn finish_lora(
 /// The plan for a host adapter in `dt`: factors layer by layer, layer 0 first.
 pub(super) fn plan_lora(adapter: &LoraAdapter, dt: DType) -> LoraPlan {
     LoraPlan::of(adapter, Some(weight_dtype(dt)))
+}
+
+/// A matrix's bytes in the weight dtype `dt` as stored, if it is stored in `dt`: uploaded as
+/// they are, with no f32 copy on the host and no conversion pass.
+pub(super) fn stored_bytes(w: &WeightMatrix, dt: DType) -> Option<&[u8]> {
+    match (w.data(), dt) {
+        (WeightData::BF16(v), DType::Bf16) => Some(bytemuck::cast_slice(&v[..])),
+        (WeightData::F16(v), DType::F16) => Some(bytemuck::cast_slice(&v[..])),
+        (WeightData::F32(v), DType::F32) => Some(bytemuck::cast_slice(&v[..])),
+        _ => None,
+    }
 }
 
 /// The runtime's name for a kernel dtype.
