@@ -7,8 +7,11 @@
 //! - wide (`THAW_CUDA_WIDE_NORM`): RMSNorm, add + RMSNorm and RoPE with one wide block per row
 //!   whose threads issue all their loads at once. The classic kernels are chains of dependent
 //!   loads (16 rounds a thread for a 4096-wide row, RoPE one head after another), which is
-//!   what held them at 14–17 µs a call at batch 1 on an H200 (`cuda-h100.md` §8). Rows the wide
-//!   norm does not serve ([`wide_norm_block`]) take the classic kernel.
+//!   what held them at 14–17 µs a call at batch 1 on an H200 (`cuda-h100.md` §8). Not the host:
+//!   those ops allocate nothing and synchronise nothing (RoPE's positions go up once a step),
+//!   and the profile's events (`op_clock.rs`) bracketed SwiGLU, one grid-stride launch over
+//!   11008 values, at 5 µs a call in the same step, so launch and timing cost less than that.
+//!   Rows the wide norm does not serve ([`wide_norm_block`]) take the classic kernel.
 //! - RoPE folded (`THAW_CUDA_ROPE_FOLD`): [`Backend::rope_attention`] rotates q and k inside
 //!   the kernel that writes K/V to the paged cache: one launch instead of three.
 //! - the grouped product's split (`THAW_CUDA_GROUP_GEMM`, `group.rs`).
