@@ -29,7 +29,8 @@ pub struct LoopStats {
     /// Requests that ran before their adapter landed, their step waiting in the forward for
     /// its layers (`on-demand`, and `auto` where it chose the copy).
     pub cold_layer_waits: AtomicU64,
-    /// Requests the cold-start gate held for their adapter's copy for at least one step.
+    /// Requests the cold-start gate held for their adapter's copy for at least one step
+    /// (admitted; `cached` also keeps misses out of admission until they land, uncounted).
     pub cold_holds: AtomicU64,
     /// Per adapter still streaming: (landed layers, layers). Resident adapters are absent.
     pub landing: std::sync::Mutex<HashMap<AdapterId, (usize, usize)>>,

@@ -9,7 +9,9 @@ use std::time::Duration;
 
 use thaw_runtime::adapter::LoraAdapter;
 use thaw_runtime::backend::cpu::CpuBackend;
-use thaw_runtime::engine::{Engine, EngineConfig, PlanItem, SequenceParams, StepPlan, UnlandedLayers};
+use thaw_runtime::engine::{
+    Engine, EngineConfig, PlanItem, SequenceParams, StepPlan, UnlandedLayers,
+};
 use thaw_runtime::ids::{AdapterId, SeqId};
 use thaw_runtime::sampling::SamplingParams;
 use thaw_tests::{CpuEngine, TestModel};
@@ -83,12 +85,18 @@ fn add_pair(e: &mut CpuEngine, seqs: [SeqId; 2], prompts: [&[u32]; 2]) {
             ignore_eos: true,
             ..Default::default()
         };
-        e.add_sequence(seq, params).expect("the sequence is admitted");
+        e.add_sequence(seq, params)
+            .expect("the sequence is admitted");
     }
 }
 
 /// One step computing every pending token of the live ones of `seqs`, their tokens appended.
-fn step_pair(e: &mut CpuEngine, seqs: [SeqId; 2], tokens: &mut [Vec<u32>; 2], done: &mut [bool; 2]) {
+fn step_pair(
+    e: &mut CpuEngine,
+    seqs: [SeqId; 2],
+    tokens: &mut [Vec<u32>; 2],
+    done: &mut [bool; 2],
+) {
     let items = (0..2)
         .filter(|&i| !done[i])
         .map(|i| PlanItem {
@@ -101,14 +109,22 @@ fn step_pair(e: &mut CpuEngine, seqs: [SeqId; 2], tokens: &mut [Vec<u32>; 2], do
         return_logits: false,
     };
     for o in e.step(&plan).expect("a two-sequence step") {
-        let i = seqs.iter().position(|&s| s == o.seq).expect("a planned sequence");
+        let i = seqs
+            .iter()
+            .position(|&s| s == o.seq)
+            .expect("a planned sequence");
         tokens[i].push(o.token.id);
         done[i] |= o.finish.is_some();
     }
 }
 
 /// The rest of a pair's steps, until both finished.
-fn finish_pair(e: &mut CpuEngine, seqs: [SeqId; 2], mut tokens: [Vec<u32>; 2], mut done: [bool; 2]) -> [Vec<u32>; 2] {
+fn finish_pair(
+    e: &mut CpuEngine,
+    seqs: [SeqId; 2],
+    mut tokens: [Vec<u32>; 2],
+    mut done: [bool; 2],
+) -> [Vec<u32>; 2] {
     while !done.iter().all(|&d| d) {
         step_pair(e, seqs, &mut tokens, &mut done);
     }
@@ -127,17 +143,27 @@ fn one_step_waits_for_one_adapter_and_assists_another() {
         .map(|i| tm.adapter(16, &["q", "k", "v", "o", "gate", "up", "down"], 1400 + i))
         .collect();
     let tokens = |n: u32, k: u32| -> Vec<u32> {
-        (0..n).map(|t| 3 + (t * k) % (cfg.vocab_size as u32 - 3)).collect()
+        (0..n)
+            .map(|t| 3 + (t * k) % (cfg.vocab_size as u32 - 3))
+            .collect()
     };
     // Different lengths: the rows the CPU computed tell whose they were.
     let (p0, p1) = (tokens(24, 41), tokens(17, 29));
     let prompts = [p0.as_slice(), p1.as_slice()];
-    let mut oracle = Engine::new(CpuBackend::new(&cfg), tm.model.clone(), EngineConfig::default())
-        .unwrap();
+    let mut oracle = Engine::new(
+        CpuBackend::new(&cfg),
+        tm.model.clone(),
+        EngineConfig::default(),
+    )
+    .unwrap();
     for (i, a) in adapters.iter().enumerate() {
-        oracle.register_adapter(AdapterId(i as u32), a.clone()).unwrap();
+        oracle
+            .register_adapter(AdapterId(i as u32), a.clone())
+            .unwrap();
     }
-    oracle.wait_adapters_landed(Duration::from_secs(60)).unwrap();
+    oracle
+        .wait_adapters_landed(Duration::from_secs(60))
+        .unwrap();
     let seqs = [SeqId(10), SeqId(11)];
     add_pair(&mut oracle, seqs, prompts);
     let want = finish_pair(&mut oracle, seqs, Default::default(), [false; 2]);
@@ -147,24 +173,37 @@ fn one_step_waits_for_one_adapter_and_assists_another() {
     let bytes = adapters[0].size_bytes() as f64;
     let mut e = thaw_tests::cpu_engine_slow_link(tm.model.clone(), bytes, 0.2);
     for (i, a) in adapters.iter().enumerate() {
-        e.register_adapter_streaming(AdapterId(i as u32), a.clone()).unwrap();
+        e.register_adapter_streaming(AdapterId(i as u32), a.clone())
+            .unwrap();
     }
-    e.set_adapter_unlanded(AdapterId(0), UnlandedLayers::Wait).unwrap();
-    assert!(e.set_adapter_unlanded(AdapterId(7), UnlandedLayers::Wait).is_err());
+    e.set_adapter_unlanded(AdapterId(0), UnlandedLayers::Wait)
+        .unwrap();
+    assert!(e
+        .set_adapter_unlanded(AdapterId(7), UnlandedLayers::Wait)
+        .is_err());
     for i in 0..2 {
         let (landed, layers) = e.adapter_landed(AdapterId(i)).unwrap();
-        assert!(landed < layers, "adapter {i} still streaming at the first step");
+        assert!(
+            landed < layers,
+            "adapter {i} still streaming at the first step"
+        );
     }
     let seqs = [SeqId(20), SeqId(21)];
     add_pair(&mut e, seqs, prompts);
     let (mut got, mut done) = (<[Vec<u32>; 2]>::default(), [false; 2]);
     step_pair(&mut e, seqs, &mut got, &mut done);
-    assert!(e.layer_wait() > Duration::ZERO, "the first step waited for layers");
-    assert!(e.adapter_resident(AdapterId(0)), "the waited adapter landed in the step");
+    assert!(
+        e.layer_wait() > Duration::ZERO,
+        "the first step waited for layers"
+    );
+    assert!(
+        e.adapter_resident(AdapterId(0)),
+        "the waited adapter landed in the step"
+    );
     let assisted = e.rows_assisted();
     let per_layer = (prompts[1].len() * 7) as u64;
     assert!(
-        assisted > 0 && assisted % per_layer == 0,
+        assisted > 0 && assisted.is_multiple_of(per_layer),
         "{assisted} row·modules assisted: whole layers of the second request's 17 rows × 7 \
          modules, none of the first's 24"
     );

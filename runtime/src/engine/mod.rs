@@ -736,7 +736,12 @@ impl<B: Backend> Engine<B> {
                 let ids = &self.step_adapter_ids;
                 let mode = |i: usize| self.adapters[&ids[i]].unlanded.unwrap_or(self.unlanded);
                 let waits = |i| mode(i) == UnlandedLayers::Wait;
-                land_wait::LayerWait::for_step(&self.landed, layers, waits, land_wait::LAYER_WAIT_LIMIT)
+                land_wait::LayerWait::for_step(
+                    &self.landed,
+                    layers,
+                    waits,
+                    land_wait::LAYER_WAIT_LIMIT,
+                )
             })
             .flatten();
         let waited = |i: usize| wait.as_ref().is_some_and(|w| w.waits(i));

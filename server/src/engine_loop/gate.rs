@@ -54,7 +54,8 @@ pub(super) fn cold_gate(
         return ColdGate::Warm;
     };
     // Not registered: admission fails with a clear error.
-    let (Some((landed, layers)), Some(adapter)) = (engine.adapter_landed(id), engine.adapter_host(id))
+    let (Some((landed, layers)), Some(adapter)) =
+        (engine.adapter_landed(id), engine.adapter_host(id))
     else {
         return ColdGate::Warm;
     };
@@ -224,7 +225,10 @@ mod tests {
             }
         );
         for (g, want) in [(Gate::Go, WAIT), (Gate::Hold, ColdGate::Hold)] {
-            assert_eq!(policy_gate(ColdStartPolicy::OnDemand, no_decision, || g), want);
+            assert_eq!(
+                policy_gate(ColdStartPolicy::OnDemand, no_decision, || g),
+                want
+            );
             let auto = policy_gate(ColdStartPolicy::Auto, || ColdDecision::Wait, || g);
             assert_eq!(auto, want);
         }
@@ -261,7 +265,13 @@ mod tests {
             ahead: 0,
             from_file: false,
         };
-        let auto = |a| policy_gate(ColdStartPolicy::Auto, || ColdDecision::Wait, || in_step(&p, a, 129));
+        let auto = |a| {
+            policy_gate(
+                ColdStartPolicy::Auto,
+                || ColdDecision::Wait,
+                || in_step(&p, a, 129),
+            )
+        };
         assert_eq!(auto(host), WAIT);
         let disk = InFlight {
             from_file: true,

@@ -188,7 +188,7 @@ pub async fn metrics(State(state): State<Arc<AppState>>) -> Response {
         ),
         (
             "thaw_cold_start_holds_total",
-            "Requests held for at least one step until their adapter's copy to the device landed.",
+            "Requests the cold-start gate held for at least one step, admitted while their adapter's copy to the device had not landed.",
             s.cold_holds.load(Ordering::Relaxed) as f64,
         ),
         (
