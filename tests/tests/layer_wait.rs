@@ -16,21 +16,22 @@ use thaw_runtime::ids::{AdapterId, SeqId};
 use thaw_runtime::sampling::SamplingParams;
 use thaw_tests::{CpuEngine, TestModel};
 
-#[test]
-fn a_request_runs_while_its_adapter_streams_and_waits_for_each_layer() {
-    let tm = TestModel::llama(71);
-    let cfg = tm.model.config.clone();
+/// A test model from `seed`, two rank-16 adapters on every module (seeds `adapter_seed` and
+/// the next), and an engine with both registered and landed: the oracle.
+fn model_and_oracle(seed: u64, adapter_seed: u64) -> (TestModel, Vec<Arc<LoraAdapter>>, CpuEngine) {
+    let tm = TestModel::llama(seed);
     let adapters: Vec<Arc<LoraAdapter>> = (0..2)
-        .map(|i| tm.adapter(16, &["q", "k", "v", "o", "gate", "up", "down"], 1300 + i))
+        .map(|i| {
+            tm.adapter(
+                16,
+                &["q", "k", "v", "o", "gate", "up", "down"],
+                adapter_seed + i,
+            )
+        })
         .collect();
-    let prompt: Vec<u32> = (0..24u32)
-        .map(|t| 3 + (t * 41) % (cfg.vocab_size as u32 - 3))
-        .collect();
-    let greedy = |e: &mut thaw_tests::CpuEngine, seq: u64, a: u32| {
-        thaw_tests::greedy_alone(e, SeqId(seq), AdapterId(a), &prompt, usize::MAX)
-    };
+    let cfg = &tm.model.config;
     let mut oracle = Engine::new(
-        CpuBackend::new(&cfg),
+        CpuBackend::new(cfg),
         tm.model.clone(),
         EngineConfig::default(),
     )
@@ -43,6 +44,21 @@ fn a_request_runs_while_its_adapter_streams_and_waits_for_each_layer() {
     oracle
         .wait_adapters_landed(Duration::from_secs(60))
         .unwrap();
+    (tm, adapters, oracle)
+}
+
+/// `n` prompt tokens of stride `k`, all above the special ids.
+fn prompt(n: u32, k: u32, vocab: usize) -> Vec<u32> {
+    (0..n).map(|t| 3 + (t * k) % (vocab as u32 - 3)).collect()
+}
+
+#[test]
+fn a_request_runs_while_its_adapter_streams_and_waits_for_each_layer() {
+    let (tm, adapters, mut oracle) = model_and_oracle(71, 1300);
+    let prompt = prompt(24, 41, tm.model.config.vocab_size);
+    let greedy = |e: &mut thaw_tests::CpuEngine, seq: u64, a: u32| {
+        thaw_tests::greedy_alone(e, SeqId(seq), AdapterId(a), &prompt, usize::MAX)
+    };
     let want: Vec<Vec<u32>> = (0..2)
         .map(|i| greedy(&mut oracle, 10 + i, i as u32))
         .collect();
@@ -137,33 +153,11 @@ fn finish_pair(
 /// waited, landed the waited adapter, and assisted only the other's rows.
 #[test]
 fn one_step_waits_for_one_adapter_and_assists_another() {
-    let tm = TestModel::llama(73);
-    let cfg = tm.model.config.clone();
-    let adapters: Vec<Arc<LoraAdapter>> = (0..2)
-        .map(|i| tm.adapter(16, &["q", "k", "v", "o", "gate", "up", "down"], 1400 + i))
-        .collect();
-    let tokens = |n: u32, k: u32| -> Vec<u32> {
-        (0..n)
-            .map(|t| 3 + (t * k) % (cfg.vocab_size as u32 - 3))
-            .collect()
-    };
+    let (tm, adapters, mut oracle) = model_and_oracle(73, 1400);
+    let vocab = tm.model.config.vocab_size;
     // Different lengths: the rows the CPU computed tell whose they were.
-    let (p0, p1) = (tokens(24, 41), tokens(17, 29));
+    let (p0, p1) = (prompt(24, 41, vocab), prompt(17, 29, vocab));
     let prompts = [p0.as_slice(), p1.as_slice()];
-    let mut oracle = Engine::new(
-        CpuBackend::new(&cfg),
-        tm.model.clone(),
-        EngineConfig::default(),
-    )
-    .unwrap();
-    for (i, a) in adapters.iter().enumerate() {
-        oracle
-            .register_adapter(AdapterId(i as u32), a.clone())
-            .unwrap();
-    }
-    oracle
-        .wait_adapters_landed(Duration::from_secs(60))
-        .unwrap();
     let seqs = [SeqId(10), SeqId(11)];
     add_pair(&mut oracle, seqs, prompts);
     let want = finish_pair(&mut oracle, seqs, Default::default(), [false; 2]);

@@ -71,15 +71,7 @@ pub(super) fn cold_gate(
         super::layer_gate::on_demand(engine, &cold.cost, id, (landed, layers), tokens)
     };
     let decide = || {
-        // Still read from its mapped file, nothing landed: the copy waits for the disk (its
-        // own read of the file, behind no loader queue).
-        let tier = if landed == 0 && engine.adapter_is_mapped(id) {
-            ColdTier::Disk
-        } else {
-            ColdTier::Streaming {
-                landed: landed as f64 / layers.max(1) as f64,
-            }
-        };
+        let tier = ColdTier::registered(landed, layers, engine.adapter_is_mapped(id));
         let (running, fewest_left) = beside(running, s.id);
         let case = ColdCase {
             tier,
