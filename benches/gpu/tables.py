@@ -70,6 +70,18 @@ def waits(rows):
     return text, misses, len(rows)
 
 
+def starts(rows):
+    """How the pass's requests started: 'N / M', N started before their adapter landed with
+    their step waiting for its layers (`layer_wait=true` in the request log), M held by the
+    cold-start gate for the copy for a step or more (`held=true`); '?' for a server too old to
+    log them."""
+    if not any("layer_wait" in r for r in rows):
+        return "?"
+    n = sum(1 for r in rows if r.get("layer_wait") == "true")
+    m = sum(1 for r in rows if r.get("held") == "true")
+    return f"{n} / {m}"
+
+
 def assisted_steps(steps_file, t0, t1):
     """(assisted steps, steps) of the step log within the pass's wall-clock window."""
     n = a = 0
@@ -108,7 +120,7 @@ def pass_row(runs, policy, tier, base):
     if policy == "cached":
         label = "— (all resident)"
     if s is None:
-        return f"| {label} | {policy} | no result (see {d}/load.out) | | | | | | |"
+        return f"| {label} | {policy} | no result (see {d}/load.out) | | | | | | | |"
     ttft, tpot = s["ttft"], s["tpot"]
     rel = ""
     if base and base["ttft"]["mean"] > 0 and policy != "cached":
@@ -128,7 +140,8 @@ def pass_row(runs, policy, tier, base):
     assisted_rows = num(os.path.join(d, "rows-after")) - num(os.path.join(d, "rows-before"))
     return (
         f"| {label} | {policy} | {ms(ttft['mean'])} / {ms(ttft['p99'])}{rel} | {ms(tpot['mean'])} "
-        f"| {s['completed']}/{s['failed']} | {misses}/{seen} | {w} | {steps} | {assisted_rows:.0f} |"
+        f"| {s['completed']}/{s['failed']} | {misses}/{seen} | {w} | {starts(rows)} | {steps} "
+        f"| {assisted_rows:.0f} |"
     )
 
 
@@ -147,7 +160,9 @@ def main():
         "ratios against `cached` in the same pass. Misses: requests whose adapter was not on "
         "the device (nor loading) at arrival, of those logged. Waits: the request log's "
         "(`RUST_LOG=thaw::request=debug`), mean ms per reason over the pass's requests. "
-        "Assisted steps: steps of the pass in which CPU assist "
+        "Started waiting per layer / held: requests that ran before their adapter landed, their "
+        "step waiting for its layers, and requests the cold-start gate held for the copy "
+        "(request log). Assisted steps: steps of the pass in which CPU assist "
         "ran (step log), of all steps; rows: `thaw_cpu_assisted_rows_total` over the pass.",
         "",
     ]
@@ -159,8 +174,9 @@ def main():
             f"### {title}",
             "",
             "| adapters start on | policy | TTFT mean / P99 ms | TPOT mean ms | done/failed "
-            "| misses | a request waited for (mean ms) | assisted steps | assisted rows |",
-            "|---|---|---|---|---|---|---|---|---|",
+            "| misses | a request waited for (mean ms) | started waiting per layer / held "
+            "| assisted steps | assisted rows |",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
         base = summary(os.path.join(a.runs, "cached", tier))
         out += [pass_row(a.runs, p, tier, base) for p in POLICIES]

@@ -33,6 +33,7 @@ use crate::scheduler::{
     Arrival, MlqConfig, SchedConfig, SchedState, Scheduler, SchedulingPolicy, SeqState,
 };
 
+mod cold_marks;
 mod gate;
 mod kv;
 mod layer_gate;
@@ -260,6 +261,7 @@ struct Live {
     preempted: bool,
     /// Prompt tokens found cached at its first admission, until sent with its first token.
     cached_tokens: usize,
+    cold: cold_marks::ColdPath,
 }
 
 struct Loop {
@@ -580,6 +582,7 @@ impl Loop {
                 waits: Waits::new(sub.arrived, reason),
                 preempted: false,
                 cached_tokens: 0,
+                cold: Default::default(),
             },
         );
     }

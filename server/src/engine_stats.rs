@@ -26,6 +26,12 @@ pub struct LoopStats {
     pub cpu_assisted_rows: AtomicU64,
     /// Steps in which CPU assist computed a delta.
     pub cpu_assisted_steps: AtomicU64,
+    /// Requests that ran before their adapter landed, their step waiting in the forward for
+    /// its layers (`on-demand`, and `auto` where it chose the copy).
+    pub cold_layer_waits: AtomicU64,
+    /// Requests the cold-start gate held for their adapter's copy for at least one step
+    /// (admitted; `cached` also keeps misses out of admission until they land, uncounted).
+    pub cold_holds: AtomicU64,
     /// Per adapter still streaming: (landed layers, layers). Resident adapters are absent.
     pub landing: std::sync::Mutex<HashMap<AdapterId, (usize, usize)>>,
     /// Adapters of the running and the waiting requests (`vllm:lora_requests_info`).

@@ -79,6 +79,14 @@ fn a_cold_adapter_waits_for_the_link_and_a_warm_one_does_not() {
         0.0,
         "a warm adapter's request recorded a link wait"
     );
+    // Over this link waiting for its layers in the step would stall the step for seconds: the
+    // gate held the cold request (once counted), and started none waiting for layers.
+    assert_eq!(metric(&m, "thaw_cold_start_holds_total"), Some(1.0), "{m}");
+    assert_eq!(
+        metric(&m, "thaw_cold_start_layer_waits_total"),
+        Some(0.0),
+        "{m}"
+    );
     for reason in ["disk", "kv"] {
         assert_eq!(waits(&m, "sum", reason, "hit"), 0.0, "{reason}");
     }

@@ -1,6 +1,7 @@
 //! What `thaw-bench cold-start` reads from each server's `/metrics` after its run: how often
-//! the CPU assisted, how many adapters it served from their mapped files, and what a request
-//! that missed its adapter waited for (the server's `thaw_request_wait_seconds{reason,use}`).
+//! the CPU assisted, how many adapters it served from their mapped files, how many requests
+//! started before their adapter landed waiting for its layers in the step and how many the
+//! cold-start gate held for the copy, and what a request that missed its adapter waited for (the server's `thaw_request_wait_seconds{reason,use}`).
 //! A server that lacks a metric gives None for it (an older `thaw`, another server).
 use std::fmt::Write as _;
 
@@ -23,6 +24,11 @@ pub struct ServerColdStats {
     pub disk_maps: Option<f64>,
     /// `thaw_adapter_disk_reads_total`.
     pub disk_reads: Option<f64>,
+    /// `thaw_cold_start_layer_waits_total`: requests started waiting for their adapter's
+    /// layers in the step.
+    pub layer_waits: Option<f64>,
+    /// `thaw_cold_start_holds_total`: requests held for their adapter's copy.
+    pub holds: Option<f64>,
     /// Requests that missed their adapter (`thaw_request_wait_seconds_count{use="miss"}`).
     pub misses: Option<f64>,
     /// Mean seconds a miss waited for each of [`REASONS`].
@@ -44,6 +50,8 @@ impl ServerColdStats {
             assisted_rows: metric_sum(text, "thaw_cpu_assisted_rows_total"),
             disk_maps: metric_sum(text, "thaw_adapter_disk_maps_total"),
             disk_reads: metric_sum(text, "thaw_adapter_disk_reads_total"),
+            layer_waits: metric_sum(text, "thaw_cold_start_layer_waits_total"),
+            holds: metric_sum(text, "thaw_cold_start_holds_total"),
             misses,
             miss_wait_s: REASONS.map(|r| {
                 let n = wait("count", r)?;
@@ -56,12 +64,12 @@ impl ServerColdStats {
 /// The per-policy table of [`ServerColdStats`].
 pub fn table(rows: &[(String, Option<&ServerColdStats>)]) -> String {
     let mut s = String::from(
-        "| policy | misses | a miss waited for (mean ms): disk / batch / kv / copy | assisted steps | assisted rows | disk reads | disk maps |\n|---|---|---|---|---|---|---|\n",
+        "| policy | misses | a miss waited for (mean ms): disk / batch / kv / copy | started waiting per layer / held | assisted steps | assisted rows | disk reads | disk maps |\n|---|---|---|---|---|---|---|---|\n",
     );
     let n = |v: Option<f64>| v.map_or("—".to_string(), |v| format!("{v:.0}"));
     for (policy, st) in rows {
         let Some(st) = st else {
-            let _ = writeln!(s, "| {policy} | — | — | — | — | — | — |");
+            let _ = writeln!(s, "| {policy} | — | — | — | — | — | — | — |");
             continue;
         };
         let waits: Vec<String> = st
@@ -71,9 +79,11 @@ pub fn table(rows: &[(String, Option<&ServerColdStats>)]) -> String {
             .collect();
         let _ = writeln!(
             s,
-            "| {policy} | {} | {} | {} | {} | {} | {} |",
+            "| {policy} | {} | {} | {} / {} | {} | {} | {} | {} |",
             n(st.misses),
             waits.join(" / "),
+            n(st.layer_waits),
+            n(st.holds),
             n(st.assisted_steps),
             n(st.assisted_rows),
             n(st.disk_reads),
@@ -93,6 +103,8 @@ thaw_cpu_assisted_steps_total 7
 thaw_cpu_assisted_rows_total 1200
 thaw_adapter_disk_maps_total 3
 thaw_adapter_disk_reads_total 5
+thaw_cold_start_layer_waits_total 3
+thaw_cold_start_holds_total 1
 thaw_request_wait_seconds_sum{reason=\"disk\",use=\"miss\"} 0.5
 thaw_request_wait_seconds_count{reason=\"disk\",use=\"miss\"} 4
 thaw_request_wait_seconds_sum{reason=\"batch\",use=\"miss\"} 0.2
@@ -111,13 +123,14 @@ thaw_request_wait_seconds_count{reason=\"kv\",use=\"miss\"} 0
         assert_eq!(s.assisted_rows, Some(1200.0));
         assert_eq!(s.disk_maps, Some(3.0));
         assert_eq!(s.disk_reads, Some(5.0));
+        assert_eq!((s.layer_waits, s.holds), (Some(3.0), Some(1.0)));
         assert_eq!(s.misses, Some(4.0));
         // Means over the misses only (the hits' batch wait is another series); no miss
         // counted for kv: unknown, not zero.
         assert_eq!(s.miss_wait_s, [Some(0.125), Some(0.05), None, Some(0.0)]);
         let t = table(&[("auto".into(), Some(&s)), ("old".into(), None)]);
         assert!(
-            t.contains("| auto | 4 | 125.0 / 50.0 / — / 0.0 | 7 | 1200 | 5 | 3 |"),
+            t.contains("| auto | 4 | 125.0 / 50.0 / — / 0.0 | 3 / 1 | 7 | 1200 | 5 | 3 |"),
             "{t}"
         );
         assert!(t.contains("| old | — |"), "{t}");

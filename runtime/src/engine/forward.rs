@@ -196,8 +196,9 @@ fn end_assist<B: Backend>(
 }
 
 /// Runs every layer over the step's rows and leaves `[logit_rows, vocab]` logits in `logits`.
-/// Rows whose adapter layer has not landed get their deltas from `assist`; with `wait`, each
-/// layer is first waited for until it has landed and computed on the device instead.
+/// Rows whose adapter layer has not landed get their deltas from `assist`; with `wait`, the
+/// adapters it waits for have each layer waited for until it has landed and computed on the
+/// device instead (one step may do both, for different adapters).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn run<B: Backend>(
     b: &mut B,
@@ -222,7 +223,7 @@ pub(crate) fn run<B: Backend>(
     let whole = lora;
     for (i, (layer, kv)) in m.layers.iter().zip(kv.iter_mut()).enumerate() {
         let l = LayerIdx(i);
-        // The step's adapters with this layer landed since the step began, when it waits.
+        // The step's waited adapters with this layer landed since the step began.
         let now_landed;
         let lora = match wait.as_deref_mut() {
             Some(w) => {

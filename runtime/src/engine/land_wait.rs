@@ -3,7 +3,11 @@
 //! adapters have that layer on the device, instead of the request waiting for the whole
 //! adapter and then for the next step. On a GPU the host waits while the device still computes
 //! the layers already queued, so a copy that keeps ahead of the forward costs the step only its
-//! first layer's copy; the caller decides when it does (the server's `on-demand` gate).
+//! first layer's copy; the caller decides when it does (the server's cold-start gate).
+//!
+//! The choice is per adapter ([`super::Engine::set_adapter_unlanded`], the engine's default
+//! otherwise): one step may wait for the layers of one adapter and compute those of another on
+//! the CPU, the assisted adapter's layers staying as they were when the step began.
 //!
 //! Nothing here touches an adapter's bytes: it polls landed counts, O(adapters) per layer.
 use std::time::{Duration, Instant};
@@ -30,25 +34,44 @@ pub(super) const LAYER_WAIT_LIMIT: Duration = Duration::from_secs(10);
 /// The landed layers of a step's adapters as the forward waits for them.
 #[derive(Debug)]
 pub(super) struct LayerWait {
-    /// Per adapter of the step, in its order: layers on the device (monotonic).
+    /// Per adapter of the step, in its order: layers on the device (monotonic for the waited
+    /// ones; the others keep their count at the step's start).
     pub(super) landed: Vec<usize>,
+    /// Per adapter of the step: whether the forward waits for its layers.
+    waits: Vec<bool>,
     limit: Duration,
     /// Time the forward spent waiting, for the step's report.
     pub(super) waited: Duration,
 }
 
 impl LayerWait {
-    /// A step's wait starting from the layers landed at its start.
-    pub(super) fn new(landed: &[usize], limit: Duration) -> Self {
-        Self {
+    /// The wait of a step whose adapters had `landed` of `layers` layers at its start: it
+    /// waits for those adapters `i` with a layer not landed where `waits(i)` (their
+    /// [`UnlandedLayers::Wait`]). None when it waits for none of them.
+    pub(super) fn for_step(
+        landed: &[usize],
+        layers: usize,
+        waits: impl Fn(usize) -> bool,
+        limit: Duration,
+    ) -> Option<Self> {
+        let waits: Vec<bool> = (0..landed.len())
+            .map(|i| landed[i] < layers && waits(i))
+            .collect();
+        waits.contains(&true).then(|| Self {
             landed: landed.to_vec(),
+            waits,
             limit,
             waited: Duration::ZERO,
-        }
+        })
     }
 
-    /// Returns once every adapter of `adapters` has layer `layer` on the device (its landed
-    /// count is above `layer`), updating [`LayerWait::landed`]; an error after waiting
+    /// Whether the step waits for the layers of its adapter `i`.
+    pub(super) fn waits(&self, i: usize) -> bool {
+        self.waits[i]
+    }
+
+    /// Returns once every waited adapter of `adapters` has layer `layer` on the device (its
+    /// landed count is above `layer`), updating [`LayerWait::landed`]; an error after waiting
     /// [`LAYER_WAIT_LIMIT`] for one layer.
     pub(super) fn until<B: Backend>(
         &mut self,
@@ -57,7 +80,8 @@ impl LayerWait {
         layer: usize,
     ) -> Result<()> {
         let t0 = Instant::now();
-        for (landed, a) in self.landed.iter_mut().zip(adapters) {
+        let waited = self.landed.iter_mut().zip(&self.waits).zip(adapters);
+        for ((landed, _), a) in waited.filter(|((_, &w), _)| w) {
             while *landed <= layer {
                 *landed = b.landed_layers(a).max(*landed);
                 if *landed > layer {
@@ -76,5 +100,25 @@ impl LayerWait {
         }
         self.waited += t0.elapsed();
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A step waits for exactly its adapters marked to wait that still have a layer to land:
+    /// a landed one needs no wait, an assisted one keeps its count from the step's start.
+    #[test]
+    fn a_step_waits_only_for_its_unlanded_adapters_marked_wait() {
+        let landed = [4, 1, 0, 2];
+        let marked = [true, true, false, false];
+        let w = LayerWait::for_step(&landed, 4, |i| marked[i], LAYER_WAIT_LIMIT)
+            .expect("adapter 1 waits");
+        let got: Vec<bool> = (0..4).map(|i| w.waits(i)).collect();
+        assert_eq!(got, [false, true, false, false]);
+        assert_eq!(w.landed, landed);
+        assert!(LayerWait::for_step(&landed, 4, |i| i == 0, LAYER_WAIT_LIMIT).is_none());
+        assert!(LayerWait::for_step(&[], 4, |_| true, LAYER_WAIT_LIMIT).is_none());
     }
 }

@@ -132,7 +132,8 @@ pub struct Engine<B: Backend> {
     seq_order: Vec<SeqId>,
     sample_order: Vec<SeqId>,
     landed: Vec<usize>,
-    /// What a step does with its adapters' layers not landed at its start.
+    /// What a step does with its adapters' layers not landed at its start, for adapters not
+    /// marked otherwise ([`Engine::set_adapter_unlanded`]).
     unlanded: UnlandedLayers,
     /// Time steps spent waiting for layers to land ([`UnlandedLayers::Wait`]).
     layer_wait: Duration,
@@ -153,6 +154,8 @@ struct EngineAdapter<B: Backend> {
     host: Arc<LoraAdapter>,
     dev: B::Lora,
     store: Option<AdapterHandle>,
+    /// What steps do with its layers not landed (None: the engine's default).
+    unlanded: Option<UnlandedLayers>,
 }
 
 impl<B: Backend> Engine<B> {
@@ -374,7 +377,13 @@ impl<B: Backend> Engine<B> {
             }
             _ => None,
         };
-        self.adapters.insert(id, EngineAdapter { host, dev, store });
+        let a = EngineAdapter {
+            host,
+            dev,
+            store,
+            unlanded: None,
+        };
+        self.adapters.insert(id, a);
         Ok(())
     }
 
@@ -447,9 +456,22 @@ impl<B: Backend> Engine<B> {
     /// What steps do with a layer of their adapters that has not landed when they start:
     /// compute it on the CPU (the default) or wait for it in the forward and compute it on the
     /// device ([`UnlandedLayers`]; `on-demand` lets a request run once waiting costs the step
-    /// little).
+    /// little). The default of every adapter not marked by [`Engine::set_adapter_unlanded`].
     pub fn set_unlanded_layers(&mut self, u: UnlandedLayers) {
         self.unlanded = u;
+    }
+
+    /// What steps do with the layers of adapter `id` not landed, whatever the default: one
+    /// step may wait for one adapter's layers and assist another's (`auto` starts a request
+    /// whose copy it chose to wait for once waiting in the step costs little). Kept until the
+    /// adapter is unregistered or marked again.
+    pub fn set_adapter_unlanded(&mut self, id: AdapterId, u: UnlandedLayers) -> Result<()> {
+        let a = self
+            .adapters
+            .get_mut(&id)
+            .ok_or(RuntimeError::UnknownAdapter(id))?;
+        a.unlanded = Some(u);
+        Ok(())
     }
 
     /// Time steps have spent so far waiting for adapter layers to land.
@@ -706,10 +728,24 @@ impl<B: Backend> Engine<B> {
         self.landed.clear();
         self.landed
             .extend(adapters.iter().map(|a| self.backend.landed_layers(a)));
-        let unlanded = self.landed.iter().any(|&l| l < self.config.num_layers);
-        // Layers not landed are waited for in the forward, or computed on the CPU.
-        let waits = unlanded && self.unlanded == UnlandedLayers::Wait;
-        let cold = unlanded && !waits;
+        let layers = self.config.num_layers;
+        let unlanded = self.landed.iter().any(|&l| l < layers);
+        // Layers not landed are waited for in the forward, or computed on the CPU, per adapter.
+        let mut wait = unlanded
+            .then(|| {
+                let ids = &self.step_adapter_ids;
+                let mode = |i: usize| self.adapters[&ids[i]].unlanded.unwrap_or(self.unlanded);
+                let waits = |i| mode(i) == UnlandedLayers::Wait;
+                land_wait::LayerWait::for_step(
+                    &self.landed,
+                    layers,
+                    waits,
+                    land_wait::LAYER_WAIT_LIMIT,
+                )
+            })
+            .flatten();
+        let waited = |i: usize| wait.as_ref().is_some_and(|w| w.waits(i));
+        let cold = (0..self.landed.len()).any(|i| self.landed[i] < layers && !waited(i));
         // A warm decode step that fits a captured batch size is padded to it (graphs on).
         let max_rank = host.iter().map(|a| a.max_rank()).max().unwrap_or(0);
         let scores = !self.prompt_rows.is_empty();
@@ -722,11 +758,8 @@ impl<B: Backend> Engine<B> {
         // store; otherwise (an entry still filling, for a step or a few) the engine thread
         // computes the cold deltas from the host copies, as without a pool.
         let on_pool = self.pool.is_some()
-            && self
-                .landed
-                .iter()
-                .zip(&handles)
-                .all(|(&l, h)| l >= self.config.num_layers || h.is_some());
+            && (0..self.landed.len())
+                .all(|i| self.landed[i] >= layers || waited(i) || handles[i].is_some());
         let lora = LoraBatch {
             kernel: self.cfg.lora_kernel,
             layout: &self.lora_layout,
@@ -755,8 +788,6 @@ impl<B: Backend> Engine<B> {
             rows_assisted: 0,
             on_pool: false,
         });
-        let mut wait =
-            waits.then(|| land_wait::LayerWait::new(&self.landed, land_wait::LAYER_WAIT_LIMIT));
         // The step writes its blocks from here on: nothing it registers or releases is shared
         // or reused before `end_step` below.
         self.blocks.begin_step();

@@ -19,6 +19,21 @@ pub enum ColdTier {
     Streaming { landed: f64 },
 }
 
+impl ColdTier {
+    /// The tier of an adapter registered with the engine, `landed` of its `layers` on the
+    /// device: still read from its mapped file with nothing landed, the copy waits for the
+    /// disk (its own read of the file, behind no loader queue); otherwise it streams.
+    pub fn registered(landed: usize, layers: usize, mapped: bool) -> Self {
+        if landed == 0 && mapped {
+            ColdTier::Disk
+        } else {
+            ColdTier::Streaming {
+                landed: landed as f64 / layers.max(1) as f64,
+            }
+        }
+    }
+}
+
 /// Everything `auto` decides a cold request from, besides the model.
 #[derive(Copy, Clone, Debug, PartialEq)]
 pub struct ColdCase {

@@ -549,14 +549,8 @@ fn build_plan(
                     ColdStartPolicy::Auto => {
                         let adapter = host[a].as_ref().expect("ready adapters have a host copy");
                         let (landed, layers) = engine.adapter_landed(id).unwrap_or((0, 1));
-                        // Still read from its file, nothing landed: the copy waits for the disk.
-                        let tier = if landed == 0 && engine.adapter_is_mapped(id) {
-                            ColdTier::Disk
-                        } else {
-                            ColdTier::Streaming {
-                                landed: landed as f64 / layers.max(1) as f64,
-                            }
-                        };
+                        let tier =
+                            ColdTier::registered(landed, layers, engine.adapter_is_mapped(id));
                         let plan = cost.decide_cold(&ColdCase {
                             tier,
                             bytes: adapter.size_bytes() as u64,

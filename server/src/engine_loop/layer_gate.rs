@@ -1,12 +1,12 @@
-//! `on-demand`'s gate for a request whose adapter is still streaming in. It never computes a
-//! layer on the CPU, so before this it held the request until every layer had landed and then
-//! until the next step: on an H200 a 134 MB adapter copies in ~2.5 ms, but its requests waited
-//! ~12 ms "link" (the decode step running meanwhile) on top (issue 27). Now the request runs in
-//! the step as soon as waiting for its layers in the forward
-//! ([`thaw_runtime::engine::UnlandedLayers::Wait`]) would lengthen the step by little: the copy
-//! delivers layers in order at the link's rate while the forward computes them at the step's
-//! rate, so the step waits for the first layer still in flight and then only where the link is
-//! slower than the forward.
+//! The layer gate of a request whose adapter is still streaming in and whose policy waits for
+//! the copy (`on-demand` always, `auto` where its cost model chooses the copy). Before this
+//! such a request waited until every layer had landed and then until the next step: on an H200
+//! a 134 MB adapter copies in ~2.5 ms, but its requests waited ~7–12 ms "link" (the decode
+//! step running meanwhile) on top (issue 27). Now the request runs in the step as soon as
+//! waiting for its layers in the forward ([`thaw_runtime::engine::UnlandedLayers::Wait`])
+//! would lengthen the step by little: the copy delivers layers in order at the link's rate
+//! while the forward computes them at the step's rate, so the step waits for the first layer
+//! still in flight and then only where the link is slower than the forward.
 use thaw_runtime::engine::UnlandedLayers;
 use thaw_runtime::ids::AdapterId;
 
@@ -56,9 +56,11 @@ pub fn layer_stall(perf: &PerfModel, a: InFlight, tokens: usize) -> f64 {
     .wait_s(perf.layer_time(tokens))
 }
 
-/// What the engine's steps do with layers not landed under `policy`: `on-demand` never
-/// computes one on the CPU, so it waits for them (when [`on_demand`] lets a request run before
-/// its adapter landed); every other policy assists (`cached` never runs such a request).
+/// What the engine's steps do by default with layers not landed under `policy`: `on-demand`
+/// never computes one on the CPU, so it waits for them (when [`on_demand`] lets a request run
+/// before its adapter landed); every other policy assists (`cached` never runs such a
+/// request). `auto` marks each adapter whose request it starts waiting for its layers
+/// ([`super::gate::ColdGate`]); the step loop applies the marks.
 pub(super) fn unlanded_layers(policy: ColdStartPolicy) -> UnlandedLayers {
     match policy {
         ColdStartPolicy::OnDemand => UnlandedLayers::Wait,
@@ -66,9 +68,19 @@ pub(super) fn unlanded_layers(policy: ColdStartPolicy) -> UnlandedLayers {
     }
 }
 
-/// Go when waiting for the layers of adapter `id` (`landed` of `layers` on the device) costs a
-/// step of `tokens` rows at most [`MAX_STALL_SHARE`] of its time; hold otherwise (the request
-/// waits for the copy, as before).
+/// Go when waiting for `a`'s layers costs a step of `tokens` rows at most [`MAX_STALL_SHARE`]
+/// of its predicted time; hold otherwise (the request waits for the copy). Pure.
+pub fn in_step(perf: &PerfModel, a: InFlight, tokens: usize) -> Gate {
+    let step = perf.layer_time(tokens) * a.layers as f64;
+    if layer_stall(perf, a, tokens) <= MAX_STALL_SHARE * step {
+        Gate::Go
+    } else {
+        Gate::Hold
+    }
+}
+
+/// [`in_step`] for adapter `id` (`landed` of `layers` on the device) as the engine has it now:
+/// its bytes, what is queued on the link ahead of it, whether it is read from its file.
 pub(super) fn on_demand(
     engine: &ServeEngine,
     perf: &PerfModel,
@@ -90,23 +102,18 @@ pub(super) fn on_demand(
         ahead,
         from_file: engine.adapter_is_mapped(id),
     };
-    let step = perf.layer_time(tokens) * layers as f64;
-    if layer_stall(perf, a, tokens) <= MAX_STALL_SHARE * step {
-        Gate::Go
-    } else {
-        Gate::Hold
-    }
+    in_step(perf, a, tokens)
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use proptest::prelude::*;
     use thaw_runtime::residency::LinkModel;
 
     use super::*;
 
     /// The H200 of issue 27: 32 layers, a 128-token prefill at ~0.7 ms a layer, a 55 GB/s link.
-    fn h200() -> PerfModel {
+    pub(in crate::engine_loop) fn h200() -> PerfModel {
         PerfModel {
             num_layers: 32,
             layer_base_s: 0.36e-3,

@@ -10,6 +10,7 @@ use std::time::Instant;
 use thaw_runtime::engine::FinishReason;
 use thaw_runtime::ids::{AdapterId, SeqId};
 
+use super::cold_marks::GateLog;
 use super::gate::cold_gate;
 use super::{kv, EngineEvent, Loop};
 use crate::memory::apply::runnable_after_apply;
@@ -61,8 +62,10 @@ impl Loop {
         let engine = &self.engine;
         let cold = &self.cold;
         let (running, max_batched) = (&self.state.running, self.cfg.max_num_batched_tokens);
+        let gates = GateLog::default();
         let gate = |s: &SeqState, planned: usize| {
-            cold_gate(engine, cold, s, planned, running, max_batched)
+            let g = cold_gate(engine, cold, s, planned, running, max_batched);
+            gates.record(s.id, s.adapter, g)
         };
         let kv_capacity = self.mem.pool().kv_capacity();
         let waits = self.memory_wait(&plan);
@@ -116,6 +119,7 @@ impl Loop {
             }
         }
         self.classify_waits(&plan, &d.plan);
+        self.carry_out_gates(gates, &d.plan);
         if d.plan.items.is_empty() {
             return false;
         }
@@ -237,6 +241,8 @@ impl Loop {
                         kv_ms = w(WaitReason::Kv),
                         disk_ms = w(WaitReason::Disk),
                         link_ms = w(WaitReason::Link),
+                        held = l.cold.held,
+                        layer_wait = l.cold.layer_wait,
                         "first token"
                     );
                     if let Some(log) = &mut self.step_log {

@@ -132,7 +132,7 @@ pub async fn metrics(State(state): State<Arc<AppState>>) -> Response {
         .filter(|a| a.tier == crate::registry::Tier::Device)
         .collect();
     let heap = crate::serve::idle_trim::heap_stats();
-    let gauges: [(&str, &str, f64); 14] = [
+    let gauges: [(&str, &str, f64); 16] = [
         (
             "thaw_num_requests_waiting",
             "Requests queued, not yet admitted.",
@@ -180,6 +180,16 @@ pub async fn metrics(State(state): State<Arc<AppState>>) -> Response {
             "thaw_cpu_assisted_steps_total",
             "Engine steps in which CPU LoRA assist computed a delta for an adapter not yet on the device.",
             s.cpu_assisted_steps.load(Ordering::Relaxed) as f64,
+        ),
+        (
+            "thaw_cold_start_layer_waits_total",
+            "Requests that ran before their adapter was on the device, their step waiting for each layer of it as it landed.",
+            s.cold_layer_waits.load(Ordering::Relaxed) as f64,
+        ),
+        (
+            "thaw_cold_start_holds_total",
+            "Requests the cold-start gate held for at least one step, admitted while their adapter's copy to the device had not landed.",
+            s.cold_holds.load(Ordering::Relaxed) as f64,
         ),
         (
             "thaw_adapter_leases",
