@@ -155,6 +155,10 @@ struct Phase {
     first_s: Vec<f64>,
     /// Loads still reading or landing when the run ended.
     unfinished: usize,
+    /// CPU seconds the loads cost off the engine thread: the pipeline's loader threads
+    /// (reading, checking and writing into the arena) and, for the disk source, the disk
+    /// loader's read.
+    loader_cpu_s: f64,
 }
 
 impl Phase {
@@ -204,6 +208,8 @@ pub struct StallRow {
     pub first_layer_ms: f64,
     /// Loads not finished when the run ended (pacing that starves loads shows here).
     pub unfinished: usize,
+    /// CPU ms a load costs off the engine thread (loader threads: read, check, arena write).
+    pub loader_cpu_ms_per_load: f64,
 }
 
 impl StallRow {
@@ -353,9 +359,13 @@ fn run_source(
                     let _ = tx.send((asked, Arc::new(a)));
                 }
             }
+            thaw_ipc::thread_cpu_time()
         })
     };
     let mut clock = Clock::new();
+    let encode_cpu =
+        |e: &Engine<CpuBackend>| e.backend().upload_arena().map_or(0, |u| u.encode_cpu_ns);
+    let encode_cpu0 = encode_cpu(&e);
     let (mut quiet, mut loading) = (Phase::default(), Phase::default());
     let mut next = 0usize;
     let mut ids = 1000u32..;
@@ -450,7 +460,13 @@ fn run_source(
         clock.switch(Cause::Schedule);
     }
     drop(job_tx);
-    let _ = loader.join();
+    let read_cpu = loader.join().unwrap_or_default();
+    // The last copies' encode: wait for the pipeline to be idle before reading its CPU time.
+    let t0 = Instant::now();
+    while e.backend().upload_arena().is_some_and(|u| !u.idle) && t0.elapsed().as_secs() < 60 {
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    loading.loader_cpu_s = read_cpu.as_secs_f64() + (encode_cpu(&e) - encode_cpu0) as f64 * 1e-9;
     if let Some(mut pool) = e.detach_pool() {
         pool.shutdown();
     }
@@ -595,6 +611,7 @@ pub fn run(args: &UploadStallArgs) -> anyhow::Result<(Vec<StallRow>, String)> {
                 ),
                 first_layer_ms: median(&loading.first_s) * 1e3,
                 unfinished: loading.unfinished,
+                loader_cpu_ms_per_load: loading.loader_cpu_s * 1e3 / loading.loads.max(1) as f64,
             });
         }
     }
@@ -634,16 +651,16 @@ pub fn run(args: &UploadStallArgs) -> anyhow::Result<(Vec<StallRow>, String)> {
     )?;
     writeln!(
         out,
-        "| rank | adapters from | MB each | layers | loads | adapter work / load µs (CPU µs) | / layer µs | steps quiet / loading | TPOT quiet ms (p50) | TPOT loading ms (p50) | TPOT change | step CPU ms quiet → loading (change) | load ms mean / p50 / max | first layer landed ms p50 | unfinished |"
+        "| rank | adapters from | MB each | layers | loads | adapter work / load µs (CPU µs) | / layer µs | steps quiet / loading | TPOT quiet ms (p50) | TPOT loading ms (p50) | TPOT change | step CPU ms quiet → loading (change) | load ms mean / p50 / max | first layer landed ms p50 | unfinished | loader CPU ms / load |"
     )?;
     writeln!(
         out,
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     )?;
     for r in &rows {
         writeln!(
             out,
-            "| {} | {} | {:.1} | {} | {} | {:.0} ({:.0}) | {:.1} | {} / {} | {:.3} ({:.3}) | {:.3} ({:.3}) | {:+.1}% | {:.3} → {:.3} ({:+.1}%) | {:.0} / {:.0} / {:.0} | {:.0} | {} |",
+            "| {} | {} | {:.1} | {} | {} | {:.0} ({:.0}) | {:.1} | {} / {} | {:.3} ({:.3}) | {:.3} ({:.3}) | {:+.1}% | {:.3} → {:.3} ({:+.1}%) | {:.0} / {:.0} / {:.0} | {:.0} | {} | {:.1} |",
             r.rank,
             r.source,
             r.adapter_mb,
@@ -666,7 +683,8 @@ pub fn run(args: &UploadStallArgs) -> anyhow::Result<(Vec<StallRow>, String)> {
             r.load_ms.1,
             r.load_ms.2,
             r.first_layer_ms,
-            r.unfinished
+            r.unfinished,
+            r.loader_cpu_ms_per_load
         )?;
     }
     Ok((rows, out))
