@@ -8,7 +8,9 @@
 //! cause with the server's own stopwatch ([`thaw_server::perf::Stopwatch`]): "adapter" is
 //! what registering costs the engine thread, which with the upload pipeline is O(layers),
 //! not O(bytes). Rounds go quiet, loading, loading, quiet, … so that drift (and the context,
-//! which grows every step) hits both kinds alike.
+//! which grows every step) hits both kinds alike; a quiet round first waits, with no step
+//! running, for the loads still in flight (on a loaded host they lag by seconds, and before
+//! this only the first round stayed quiet), and the table says how long it waited.
 //!
 //! The "disk, layer by layer" row maps each file instead (header only) and registers it at
 //! once: the upload pipeline's loader threads read each layer from the file, check it (file
@@ -159,6 +161,8 @@ struct Phase {
     /// (reading, checking and writing into the arena) and, for the disk source, the disk
     /// loader's read.
     loader_cpu_s: f64,
+    /// Seconds quiet rounds waited, with no step running, for loads still in flight.
+    drain_s: f64,
 }
 
 impl Phase {
@@ -210,6 +214,8 @@ pub struct StallRow {
     pub unfinished: usize,
     /// CPU ms a load costs off the engine thread (loader threads: read, check, arena write).
     pub loader_cpu_ms_per_load: f64,
+    /// Seconds the quiet rounds waited for loads still in flight (no step ran meanwhile).
+    pub drain_s: f64,
 }
 
 impl StallRow {
@@ -379,6 +385,23 @@ fn run_source(
         // The context grows every step (attention and KV reads grow with it, ~1-3% a round
         // here), so plain alternation would charge the loading rounds one round more of it.
         let is_loading = matches!(round % 4, 1 | 2);
+        if !is_loading {
+            // Loads still in flight finish before a quiet round starts, with no step running
+            // (on a loaded host they can be seconds behind): quiet rounds stay quiet and keep
+            // their place in the run, instead of only the first round counting as quiet.
+            let t0 = Instant::now();
+            while (pending > 0 || !live.is_empty()) && t0.elapsed() < DRAIN_LIMIT {
+                let mut loads = Loads {
+                    rx: &rx,
+                    pending: &mut pending,
+                    live: &mut live,
+                    ids: &mut ids,
+                };
+                loads.poll(&mut e, &mut loading, &mut clock)?;
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+            loading.drain_s += t0.elapsed().as_secs_f64();
+        }
         let (round_start, mut issued) = (Instant::now(), 0usize);
         for s in 0..args.steps {
             // Loads due now: every --every steps, or at --loads-per-s from the round's start.
@@ -409,31 +432,13 @@ fn run_source(
                 next += 1;
                 loading.loads += 1;
             }
-            while let Ok((asked, a)) = rx.try_recv() {
-                pending -= 1;
-                clock.switch(Cause::Adapter);
-                let id = AdapterId(ids.next().expect("unbounded"));
-                e.register_adapter_streaming(id, a)?;
-                live.push((id, asked, false));
-                clock.switch(Cause::Schedule);
-            }
-            // Adapters fully landed leave again (the cache would evict them later): keeps
-            // memory flat over a long run. Evicting is adapter work too.
-            clock.switch(Cause::Adapter);
-            live.retain_mut(|(id, started, first)| {
-                let (id, started) = (*id, *started);
-                let now = e.adapter_landed(id);
-                if !*first && now.is_none_or(|(l, _)| l > 0) {
-                    *first = true;
-                    loading.first_s.push(started.elapsed().as_secs_f64());
-                }
-                let landed = now.is_none_or(|(l, n)| l == n);
-                if landed {
-                    loading.load_s.push(started.elapsed().as_secs_f64());
-                    let _ = e.unregister_adapter(id);
-                }
-                !landed
-            });
+            let mut loads = Loads {
+                rx: &rx,
+                pending: &mut pending,
+                live: &mut live,
+                ids: &mut ids,
+            };
+            loads.poll(&mut e, &mut loading, &mut clock)?;
             // A step runs "while adapters load" if one is being read or is still landing.
             let busy = pending > 0 || !live.is_empty();
             clock.switch(Cause::Forward);
@@ -475,6 +480,57 @@ fn run_source(
     loading.adapter_s = clock.totals.seconds(Cause::Adapter);
     loading.adapter_cpu_s = clock.adapter_cpu.as_secs_f64();
     Ok((quiet, loading))
+}
+
+/// The longest a quiet round waits for the loads still in flight before it starts anyway.
+const DRAIN_LIMIT: std::time::Duration = std::time::Duration::from_secs(120);
+
+/// The loads in flight: reads not back yet, and registered adapters still landing (with when
+/// their load started and whether their first layer was seen landed).
+struct Loads<'a> {
+    rx: &'a std::sync::mpsc::Receiver<(Instant, Arc<LoraAdapter>)>,
+    pending: &'a mut usize,
+    live: &'a mut Vec<(AdapterId, Instant, bool)>,
+    ids: &'a mut std::ops::RangeFrom<u32>,
+}
+
+impl Loads<'_> {
+    /// Registers the reads that came back and retires the adapters fully landed, charging it
+    /// to adapter work and the loads' latencies to `loading`.
+    fn poll(
+        &mut self,
+        e: &mut Engine<CpuBackend>,
+        loading: &mut Phase,
+        clock: &mut Clock,
+    ) -> anyhow::Result<()> {
+        while let Ok((asked, a)) = self.rx.try_recv() {
+            *self.pending -= 1;
+            clock.switch(Cause::Adapter);
+            let id = AdapterId(self.ids.next().expect("unbounded"));
+            e.register_adapter_streaming(id, a)?;
+            self.live.push((id, asked, false));
+            clock.switch(Cause::Schedule);
+        }
+        // Adapters fully landed leave again (the cache would evict them later): keeps memory
+        // flat over a long run. Evicting is adapter work too.
+        clock.switch(Cause::Adapter);
+        self.live.retain_mut(|(id, started, first)| {
+            let (id, started) = (*id, *started);
+            let now = e.adapter_landed(id);
+            if !*first && now.is_none_or(|(l, _)| l > 0) {
+                *first = true;
+                loading.first_s.push(started.elapsed().as_secs_f64());
+            }
+            let landed = now.is_none_or(|(l, n)| l == n);
+            if landed {
+                loading.load_s.push(started.elapsed().as_secs_f64());
+                let _ = e.unregister_adapter(id);
+            }
+            !landed
+        });
+        clock.switch(Cause::Schedule);
+        Ok(())
+    }
 }
 
 /// The server's stopwatch, plus the engine thread's CPU time in adapter work: wall time also
@@ -612,6 +668,7 @@ pub fn run(args: &UploadStallArgs) -> anyhow::Result<(Vec<StallRow>, String)> {
                 first_layer_ms: median(&loading.first_s) * 1e3,
                 unfinished: loading.unfinished,
                 loader_cpu_ms_per_load: loading.loader_cpu_s * 1e3 / loading.loads.max(1) as f64,
+                drain_s: loading.drain_s,
             });
         }
     }
@@ -651,16 +708,16 @@ pub fn run(args: &UploadStallArgs) -> anyhow::Result<(Vec<StallRow>, String)> {
     )?;
     writeln!(
         out,
-        "| rank | adapters from | MB each | layers | loads | adapter work / load µs (CPU µs) | / layer µs | steps quiet / loading | TPOT quiet ms (p50) | TPOT loading ms (p50) | TPOT change | step CPU ms quiet → loading (change) | load ms mean / p50 / max | first layer landed ms p50 | unfinished | loader CPU ms / load |"
+        "| rank | adapters from | MB each | layers | loads | adapter work / load µs (CPU µs) | / layer µs | steps quiet / loading | TPOT quiet ms (p50) | TPOT loading ms (p50) | TPOT change | step CPU ms quiet → loading (change) | load ms mean / p50 / max | first layer landed ms p50 | unfinished | loader CPU ms / load | quiet rounds waited s |"
     )?;
     writeln!(
         out,
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     )?;
     for r in &rows {
         writeln!(
             out,
-            "| {} | {} | {:.1} | {} | {} | {:.0} ({:.0}) | {:.1} | {} / {} | {:.3} ({:.3}) | {:.3} ({:.3}) | {:+.1}% | {:.3} → {:.3} ({:+.1}%) | {:.0} / {:.0} / {:.0} | {:.0} | {} | {:.1} |",
+            "| {} | {} | {:.1} | {} | {} | {:.0} ({:.0}) | {:.1} | {} / {} | {:.3} ({:.3}) | {:.3} ({:.3}) | {:+.1}% | {:.3} → {:.3} ({:+.1}%) | {:.0} / {:.0} / {:.0} | {:.0} | {} | {:.1} | {:.1} |",
             r.rank,
             r.source,
             r.adapter_mb,
@@ -684,7 +741,8 @@ pub fn run(args: &UploadStallArgs) -> anyhow::Result<(Vec<StallRow>, String)> {
             r.load_ms.2,
             r.first_layer_ms,
             r.unfinished,
-            r.loader_cpu_ms_per_load
+            r.loader_cpu_ms_per_load,
+            r.drain_s
         )?;
     }
     Ok((rows, out))
