@@ -286,11 +286,9 @@ fn a_checked_write_reports_the_first_non_finite_weight_of_a_large_factor() {
         // SAFETY: this test is the arena's only user.
         let wrote = unsafe { write_factor(&arena, 256, &clean, None, true) };
         assert_eq!(wrote, Ok(clean.bytes().len()), "{dtype:?}");
-        // SAFETY: as above; the range was just written.
-        assert_eq!(
-            unsafe { arena.slice_mut(256, clean.bytes().len()) },
-            clean.bytes()
-        );
+        // SAFETY: as above; the range is inside the arena and no thread writes it now.
+        let image = unsafe { arena.slice_mut(256, clean.bytes().len()) };
+        assert_eq!(image, clean.bytes());
         for (bad, value) in [
             (0, f32::NAN),
             (n / 2 + 3, f32::INFINITY),
