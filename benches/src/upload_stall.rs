@@ -374,11 +374,13 @@ fn run_source(
     let encode_cpu0 = encode_cpu(&e);
     let (mut quiet, mut loading) = (Phase::default(), Phase::default());
     let mut next = 0usize;
-    let mut ids = 1000u32..;
-    // Registered adapters still landing, with when their load started and whether their
-    // first layer was seen landed.
-    let mut live: Vec<(AdapterId, Instant, bool)> = Vec::new();
-    let mut pending = 0usize;
+
+    let mut loads = Loads {
+        rx,
+        pending: 0,
+        live: Vec::new(),
+        ids: 1000u32..,
+    };
     let mut staging: Vec<u8> = Vec::new();
     for round in 0..2 * args.rounds {
         // Quiet, loading, loading, quiet, …: both kinds have the same mean position in the run.
@@ -390,13 +392,7 @@ fn run_source(
             // (on a loaded host they can be seconds behind): quiet rounds stay quiet and keep
             // their place in the run, instead of only the first round counting as quiet.
             let t0 = Instant::now();
-            while (pending > 0 || !live.is_empty()) && t0.elapsed() < DRAIN_LIMIT {
-                let mut loads = Loads {
-                    rx: &rx,
-                    pending: &mut pending,
-                    live: &mut live,
-                    ids: &mut ids,
-                };
+            while loads.in_flight() && t0.elapsed() < DRAIN_LIMIT {
                 loads.poll(&mut e, &mut loading, &mut clock)?;
                 std::thread::sleep(std::time::Duration::from_millis(1));
             }
@@ -414,7 +410,7 @@ fn run_source(
                 match source {
                     Source::Disk | Source::DiskByLayer => {
                         job_tx.send((next % dirs.len(), Instant::now()))?;
-                        pending += 1;
+                        loads.pending += 1;
                     }
                     Source::Host | Source::PackOnEngine | Source::Workers => {
                         clock.switch(Cause::Adapter);
@@ -423,24 +419,18 @@ fn run_source(
                         if source == Source::PackOnEngine {
                             pack(&a, &mut staging);
                         }
-                        let id = AdapterId(ids.next().expect("unbounded"));
+                        let id = AdapterId(loads.ids.next().expect("unbounded"));
                         e.register_adapter_streaming(id, a)?;
-                        live.push((id, started, false));
+                        loads.live.push((id, started, false));
                         clock.switch(Cause::Schedule);
                     }
                 }
                 next += 1;
                 loading.loads += 1;
             }
-            let mut loads = Loads {
-                rx: &rx,
-                pending: &mut pending,
-                live: &mut live,
-                ids: &mut ids,
-            };
             loads.poll(&mut e, &mut loading, &mut clock)?;
             // A step runs "while adapters load" if one is being read or is still landing.
-            let busy = pending > 0 || !live.is_empty();
+            let busy = loads.in_flight();
             clock.switch(Cause::Forward);
             let (t, cpu) = (Instant::now(), thaw_ipc::thread_cpu_time());
             e.step(&plan)?;
@@ -456,12 +446,12 @@ fn run_source(
     }
     // Reads still in flight: registered now (a quick run can outpace the disk); they and the
     // adapters still landing are the loads the run did not finish.
-    loading.unfinished = pending + live.len();
-    while pending > 0 {
-        let (_, a) = rx.recv()?;
-        pending -= 1;
+    loading.unfinished = loads.pending + loads.live.len();
+    while loads.pending > 0 {
+        let (_, a) = loads.rx.recv()?;
+        loads.pending -= 1;
         clock.switch(Cause::Adapter);
-        e.register_adapter_streaming(AdapterId(ids.next().expect("unbounded")), a)?;
+        e.register_adapter_streaming(AdapterId(loads.ids.next().expect("unbounded")), a)?;
         clock.switch(Cause::Schedule);
     }
     drop(job_tx);
@@ -487,14 +477,19 @@ const DRAIN_LIMIT: std::time::Duration = std::time::Duration::from_secs(120);
 
 /// The loads in flight: reads not back yet, and registered adapters still landing (with when
 /// their load started and whether their first layer was seen landed).
-struct Loads<'a> {
-    rx: &'a std::sync::mpsc::Receiver<(Instant, Arc<LoraAdapter>)>,
-    pending: &'a mut usize,
-    live: &'a mut Vec<(AdapterId, Instant, bool)>,
-    ids: &'a mut std::ops::RangeFrom<u32>,
+struct Loads {
+    rx: std::sync::mpsc::Receiver<(Instant, Arc<LoraAdapter>)>,
+    pending: usize,
+    live: Vec<(AdapterId, Instant, bool)>,
+    ids: std::ops::RangeFrom<u32>,
 }
 
-impl Loads<'_> {
+impl Loads {
+    /// Whether a load is being read or is still landing.
+    fn in_flight(&self) -> bool {
+        self.pending > 0 || !self.live.is_empty()
+    }
+
     /// Registers the reads that came back and retires the adapters fully landed, charging it
     /// to adapter work and the loads' latencies to `loading`.
     fn poll(
@@ -504,7 +499,7 @@ impl Loads<'_> {
         clock: &mut Clock,
     ) -> anyhow::Result<()> {
         while let Ok((asked, a)) = self.rx.try_recv() {
-            *self.pending -= 1;
+            self.pending -= 1;
             clock.switch(Cause::Adapter);
             let id = AdapterId(self.ids.next().expect("unbounded"));
             e.register_adapter_streaming(id, a)?;
