@@ -8,7 +8,9 @@
 //! cause with the server's own stopwatch ([`thaw_server::perf::Stopwatch`]): "adapter" is
 //! what registering costs the engine thread, which with the upload pipeline is O(layers),
 //! not O(bytes). Rounds go quiet, loading, loading, quiet, … so that drift (and the context,
-//! which grows every step) hits both kinds alike.
+//! which grows every step) hits both kinds alike; a quiet round first waits, with no step
+//! running, for the loads still in flight (on a loaded host they lag by seconds, and before
+//! this only the first round stayed quiet), and the table says how long it waited.
 //!
 //! The "disk, layer by layer" row maps each file instead (header only) and registers it at
 //! once: the upload pipeline's loader threads read each layer from the file, check it (file
@@ -155,6 +157,12 @@ struct Phase {
     first_s: Vec<f64>,
     /// Loads still reading or landing when the run ended.
     unfinished: usize,
+    /// CPU seconds the loads cost off the engine thread: the pipeline's loader threads
+    /// (reading, checking and writing into the arena) and, for the disk source, the disk
+    /// loader's read.
+    loader_cpu_s: f64,
+    /// Seconds quiet rounds waited, with no step running, for loads still in flight.
+    drain_s: f64,
 }
 
 impl Phase {
@@ -204,6 +212,10 @@ pub struct StallRow {
     pub first_layer_ms: f64,
     /// Loads not finished when the run ended (pacing that starves loads shows here).
     pub unfinished: usize,
+    /// CPU ms a load costs off the engine thread (loader threads: read, check, arena write).
+    pub loader_cpu_ms_per_load: f64,
+    /// Seconds the quiet rounds waited for loads still in flight (no step ran meanwhile).
+    pub drain_s: f64,
 }
 
 impl StallRow {
@@ -353,22 +365,39 @@ fn run_source(
                     let _ = tx.send((asked, Arc::new(a)));
                 }
             }
+            thaw_ipc::thread_cpu_time()
         })
     };
     let mut clock = Clock::new();
+    let encode_cpu =
+        |e: &Engine<CpuBackend>| e.backend().upload_arena().map_or(0, |u| u.encode_cpu_ns);
+    let encode_cpu0 = encode_cpu(&e);
     let (mut quiet, mut loading) = (Phase::default(), Phase::default());
     let mut next = 0usize;
-    let mut ids = 1000u32..;
-    // Registered adapters still landing, with when their load started and whether their
-    // first layer was seen landed.
-    let mut live: Vec<(AdapterId, Instant, bool)> = Vec::new();
-    let mut pending = 0usize;
+
+    let mut loads = Loads {
+        rx,
+        pending: 0,
+        live: Vec::new(),
+        ids: 1000u32..,
+    };
     let mut staging: Vec<u8> = Vec::new();
     for round in 0..2 * args.rounds {
         // Quiet, loading, loading, quiet, …: both kinds have the same mean position in the run.
         // The context grows every step (attention and KV reads grow with it, ~1-3% a round
         // here), so plain alternation would charge the loading rounds one round more of it.
         let is_loading = matches!(round % 4, 1 | 2);
+        if !is_loading {
+            // Loads still in flight finish before a quiet round starts, with no step running
+            // (on a loaded host they can be seconds behind): quiet rounds stay quiet and keep
+            // their place in the run, instead of only the first round counting as quiet.
+            let t0 = Instant::now();
+            while loads.in_flight() && t0.elapsed() < DRAIN_LIMIT {
+                loads.poll(&mut e, &mut loading, &mut clock)?;
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+            loading.drain_s += t0.elapsed().as_secs_f64();
+        }
         let (round_start, mut issued) = (Instant::now(), 0usize);
         for s in 0..args.steps {
             // Loads due now: every --every steps, or at --loads-per-s from the round's start.
@@ -381,7 +410,7 @@ fn run_source(
                 match source {
                     Source::Disk | Source::DiskByLayer => {
                         job_tx.send((next % dirs.len(), Instant::now()))?;
-                        pending += 1;
+                        loads.pending += 1;
                     }
                     Source::Host | Source::PackOnEngine | Source::Workers => {
                         clock.switch(Cause::Adapter);
@@ -390,42 +419,18 @@ fn run_source(
                         if source == Source::PackOnEngine {
                             pack(&a, &mut staging);
                         }
-                        let id = AdapterId(ids.next().expect("unbounded"));
+                        let id = AdapterId(loads.ids.next().expect("unbounded"));
                         e.register_adapter_streaming(id, a)?;
-                        live.push((id, started, false));
+                        loads.live.push((id, started, false));
                         clock.switch(Cause::Schedule);
                     }
                 }
                 next += 1;
                 loading.loads += 1;
             }
-            while let Ok((asked, a)) = rx.try_recv() {
-                pending -= 1;
-                clock.switch(Cause::Adapter);
-                let id = AdapterId(ids.next().expect("unbounded"));
-                e.register_adapter_streaming(id, a)?;
-                live.push((id, asked, false));
-                clock.switch(Cause::Schedule);
-            }
-            // Adapters fully landed leave again (the cache would evict them later): keeps
-            // memory flat over a long run. Evicting is adapter work too.
-            clock.switch(Cause::Adapter);
-            live.retain_mut(|(id, started, first)| {
-                let (id, started) = (*id, *started);
-                let now = e.adapter_landed(id);
-                if !*first && now.is_none_or(|(l, _)| l > 0) {
-                    *first = true;
-                    loading.first_s.push(started.elapsed().as_secs_f64());
-                }
-                let landed = now.is_none_or(|(l, n)| l == n);
-                if landed {
-                    loading.load_s.push(started.elapsed().as_secs_f64());
-                    let _ = e.unregister_adapter(id);
-                }
-                !landed
-            });
+            loads.poll(&mut e, &mut loading, &mut clock)?;
             // A step runs "while adapters load" if one is being read or is still landing.
-            let busy = pending > 0 || !live.is_empty();
+            let busy = loads.in_flight();
             clock.switch(Cause::Forward);
             let (t, cpu) = (Instant::now(), thaw_ipc::thread_cpu_time());
             e.step(&plan)?;
@@ -441,16 +446,22 @@ fn run_source(
     }
     // Reads still in flight: registered now (a quick run can outpace the disk); they and the
     // adapters still landing are the loads the run did not finish.
-    loading.unfinished = pending + live.len();
-    while pending > 0 {
-        let (_, a) = rx.recv()?;
-        pending -= 1;
+    loading.unfinished = loads.pending + loads.live.len();
+    while loads.pending > 0 {
+        let (_, a) = loads.rx.recv()?;
+        loads.pending -= 1;
         clock.switch(Cause::Adapter);
-        e.register_adapter_streaming(AdapterId(ids.next().expect("unbounded")), a)?;
+        e.register_adapter_streaming(AdapterId(loads.ids.next().expect("unbounded")), a)?;
         clock.switch(Cause::Schedule);
     }
     drop(job_tx);
-    let _ = loader.join();
+    let read_cpu = loader.join().unwrap_or_default();
+    // The last copies' encode: wait for the pipeline to be idle before reading its CPU time.
+    let t0 = Instant::now();
+    while e.backend().upload_arena().is_some_and(|u| !u.idle) && t0.elapsed().as_secs() < 60 {
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    loading.loader_cpu_s = read_cpu.as_secs_f64() + (encode_cpu(&e) - encode_cpu0) as f64 * 1e-9;
     if let Some(mut pool) = e.detach_pool() {
         pool.shutdown();
     }
@@ -459,6 +470,62 @@ fn run_source(
     loading.adapter_s = clock.totals.seconds(Cause::Adapter);
     loading.adapter_cpu_s = clock.adapter_cpu.as_secs_f64();
     Ok((quiet, loading))
+}
+
+/// The longest a quiet round waits for the loads still in flight before it starts anyway.
+const DRAIN_LIMIT: std::time::Duration = std::time::Duration::from_secs(120);
+
+/// The loads in flight: reads not back yet, and registered adapters still landing (with when
+/// their load started and whether their first layer was seen landed).
+struct Loads {
+    rx: std::sync::mpsc::Receiver<(Instant, Arc<LoraAdapter>)>,
+    pending: usize,
+    live: Vec<(AdapterId, Instant, bool)>,
+    ids: std::ops::RangeFrom<u32>,
+}
+
+impl Loads {
+    /// Whether a load is being read or is still landing.
+    fn in_flight(&self) -> bool {
+        self.pending > 0 || !self.live.is_empty()
+    }
+
+    /// Registers the reads that came back and retires the adapters fully landed, charging it
+    /// to adapter work and the loads' latencies to `loading`.
+    fn poll(
+        &mut self,
+        e: &mut Engine<CpuBackend>,
+        loading: &mut Phase,
+        clock: &mut Clock,
+    ) -> anyhow::Result<()> {
+        while let Ok((asked, a)) = self.rx.try_recv() {
+            self.pending -= 1;
+            clock.switch(Cause::Adapter);
+            let id = AdapterId(self.ids.next().expect("unbounded"));
+            e.register_adapter_streaming(id, a)?;
+            self.live.push((id, asked, false));
+            clock.switch(Cause::Schedule);
+        }
+        // Adapters fully landed leave again (the cache would evict them later): keeps memory
+        // flat over a long run. Evicting is adapter work too.
+        clock.switch(Cause::Adapter);
+        self.live.retain_mut(|(id, started, first)| {
+            let (id, started) = (*id, *started);
+            let now = e.adapter_landed(id);
+            if !*first && now.is_none_or(|(l, _)| l > 0) {
+                *first = true;
+                loading.first_s.push(started.elapsed().as_secs_f64());
+            }
+            let landed = now.is_none_or(|(l, n)| l == n);
+            if landed {
+                loading.load_s.push(started.elapsed().as_secs_f64());
+                let _ = e.unregister_adapter(id);
+            }
+            !landed
+        });
+        clock.switch(Cause::Schedule);
+        Ok(())
+    }
 }
 
 /// The server's stopwatch, plus the engine thread's CPU time in adapter work: wall time also
@@ -595,6 +662,8 @@ pub fn run(args: &UploadStallArgs) -> anyhow::Result<(Vec<StallRow>, String)> {
                 ),
                 first_layer_ms: median(&loading.first_s) * 1e3,
                 unfinished: loading.unfinished,
+                loader_cpu_ms_per_load: loading.loader_cpu_s * 1e3 / loading.loads.max(1) as f64,
+                drain_s: loading.drain_s,
             });
         }
     }
@@ -634,16 +703,16 @@ pub fn run(args: &UploadStallArgs) -> anyhow::Result<(Vec<StallRow>, String)> {
     )?;
     writeln!(
         out,
-        "| rank | adapters from | MB each | layers | loads | adapter work / load µs (CPU µs) | / layer µs | steps quiet / loading | TPOT quiet ms (p50) | TPOT loading ms (p50) | TPOT change | step CPU ms quiet → loading (change) | load ms mean / p50 / max | first layer landed ms p50 | unfinished |"
+        "| rank | adapters from | MB each | layers | loads | adapter work / load µs (CPU µs) | / layer µs | steps quiet / loading | TPOT quiet ms (p50) | TPOT loading ms (p50) | TPOT change | step CPU ms quiet → loading (change) | load ms mean / p50 / max | first layer landed ms p50 | unfinished | loader CPU ms / load | quiet rounds waited s |"
     )?;
     writeln!(
         out,
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     )?;
     for r in &rows {
         writeln!(
             out,
-            "| {} | {} | {:.1} | {} | {} | {:.0} ({:.0}) | {:.1} | {} / {} | {:.3} ({:.3}) | {:.3} ({:.3}) | {:+.1}% | {:.3} → {:.3} ({:+.1}%) | {:.0} / {:.0} / {:.0} | {:.0} | {} |",
+            "| {} | {} | {:.1} | {} | {} | {:.0} ({:.0}) | {:.1} | {} / {} | {:.3} ({:.3}) | {:.3} ({:.3}) | {:+.1}% | {:.3} → {:.3} ({:+.1}%) | {:.0} / {:.0} / {:.0} | {:.0} | {} | {:.1} | {:.1} |",
             r.rank,
             r.source,
             r.adapter_mb,
@@ -666,7 +735,9 @@ pub fn run(args: &UploadStallArgs) -> anyhow::Result<(Vec<StallRow>, String)> {
             r.load_ms.1,
             r.load_ms.2,
             r.first_layer_ms,
-            r.unfinished
+            r.unfinished,
+            r.loader_cpu_ms_per_load,
+            r.drain_s
         )?;
     }
     Ok((rows, out))

@@ -18,4 +18,4 @@ pub use in_place::{file_bytes_copied, in_place_enabled};
 pub use mapped::MappedFile;
 pub use module::LoraModule;
 pub use targets::{FullMatch, TargetSpec};
-pub use tensor::{encode_into, LoraTensor, WeightDtype};
+pub use tensor::{encode_into, exponent_mask, first_non_finite_in, LoraTensor, WeightDtype};

@@ -9,17 +9,41 @@
 use std::sync::Arc;
 
 use super::layout::Placed;
-use crate::adapter::{AdapterError, LoraAdapter, MappedFile};
+use crate::adapter::{AdapterError, LoraAdapter, LoraTensor, MappedFile};
 
 /// Checks the factors `placed` lists (one layer's) of `adapter` that are read from a mapped
-/// file; the error says what is wrong and what to do.
+/// file; the error says what is wrong and what to do. The upload pipeline's loader threads
+/// check the files first ([`files_unchanged`]) and the weights as they copy them
+/// ([`needs_finite_check`], [`non_finite`]): one pass over the bytes; this is both passes for
+/// a layer that is not copied.
 pub fn check_layer(adapter: &LoraAdapter, placed: &[Placed]) -> Result<(), String> {
-    let mut files: Vec<&Arc<MappedFile>> = Vec::new();
+    files_unchanged(adapter, placed)?;
     for p in placed {
         let Some(w) = adapter.get(p.layer, p.module) else {
             continue;
         };
         for (t, factor) in [(&w.a, "lora_A"), (&w.b, "lora_B")] {
+            if !needs_finite_check(t) {
+                continue;
+            }
+            if let Some(index) = t.first_non_finite() {
+                return Err(non_finite(p, factor, index));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Checks that every file the factors `placed` lists are read from is still the one mapped
+/// (`stat` only, no page read): run before a layer's bytes are read, since reading a mapping
+/// of a file truncated meanwhile faults.
+pub fn files_unchanged(adapter: &LoraAdapter, placed: &[Placed]) -> Result<(), String> {
+    let mut files: Vec<&Arc<MappedFile>> = Vec::new();
+    for p in placed {
+        let Some(w) = adapter.get(p.layer, p.module) else {
+            continue;
+        };
+        for t in [&w.a, &w.b] {
             let Some((file, _)) = t.file_range() else {
                 continue;
             };
@@ -27,17 +51,22 @@ pub fn check_layer(adapter: &LoraAdapter, placed: &[Placed]) -> Result<(), Strin
                 unchanged(file, std::fs::metadata(&file.source().path))?;
                 files.push(file);
             }
-            // A verified file's weights were all found finite by the loader's read in place.
-            if file.is_verified() {
-                continue;
-            }
-            if let Some(index) = t.first_non_finite() {
-                let tensor = format!("layer {} {} {factor}", p.layer, p.module);
-                return Err(AdapterError::NonFinite { tensor, index }.to_string());
-            }
         }
     }
     Ok(())
+}
+
+/// Whether `t`'s weights must be checked finite as they are read: read in place from a mapped
+/// file that was not verified whole. A verified file's weights were all found finite by the
+/// loader's read in place; a factor held in memory was checked when it was read.
+pub fn needs_finite_check(t: &LoraTensor) -> bool {
+    t.file_range().is_some_and(|(f, _)| !f.is_verified())
+}
+
+/// The error of `p`'s `factor` (`lora_A`, `lora_B`) holding a NaN or an infinity at `index`.
+pub fn non_finite(p: &Placed, factor: &str, index: usize) -> String {
+    let tensor = format!("layer {} {} {factor}", p.layer, p.module);
+    AdapterError::NonFinite { tensor, index }.to_string()
 }
 
 /// Whether `file`'s mapping can still be read, given what `stat` says of its path now. A

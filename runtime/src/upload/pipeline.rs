@@ -61,8 +61,10 @@ pub struct Upload<D: CopyDevice> {
 /// Host work the pipeline did off the engine thread, for reports.
 #[derive(Debug, Default)]
 pub struct UploadStats {
-    /// Nanoseconds loader threads spent writing layers into the arena.
+    /// Nanoseconds loader threads spent writing layers into the arena (wall time, waits for
+    /// the pace excluded), and the CPU time they spent on it (reading and checking included).
     pub encode_ns: AtomicU64,
+    pub encode_cpu_ns: AtomicU64,
     pub encoded_bytes: AtomicU64,
     /// Layers landed on the device, and their bytes.
     pub layers_copied: AtomicU64,
@@ -88,6 +90,8 @@ pub struct ArenaUsage {
     /// Bytes loader threads encoded so far, and bytes of images uploads found complete.
     pub encoded_bytes: u64,
     pub reused_bytes: u64,
+    /// CPU time loader threads spent encoding (reading, checking and writing) so far, ns.
+    pub encode_cpu_ns: u64,
     /// Nothing queued, being encoded or waiting to be staged.
     pub idle: bool,
 }
@@ -357,6 +361,7 @@ impl<D: CopyDevice> UploadPipeline<D> {
             retained: g.plan.retained_bytes(),
             encoded_bytes: s.encoded_bytes.load(Relaxed),
             reused_bytes: s.reused_bytes.load(Relaxed),
+            encode_cpu_ns: s.encode_cpu_ns.load(Relaxed),
             idle: g.plan.is_idle(),
         }
     }
@@ -444,31 +449,38 @@ fn encode_loop<D: CopyDevice>(sh: &Shared<D>) {
         drop(g);
         let base = t.arena.start - t.image.start;
         let (mut bytes, mut work) = (0, Duration::ZERO);
+        let cpu0 = thaw_ipc::thread_cpu_time();
         // Read from its mapped file: the layer is checked before it counts as encoded (its
-        // copy queued), so the device never gets a layer of a file gone bad. Reading it is
-        // byte work like the write: paced the same way.
-        let t0 = Instant::now();
-        let checked = adapter
-            .as_deref()
-            .map_or(Ok(()), |a| super::check::check_layer(a, &placed));
-        if adapter.as_deref().is_some_and(LoraAdapter::is_mapped) {
-            let dt = t0.elapsed();
-            work += dt;
-            super::pace::after_chunk(dt);
-        }
-        let write = sh.device.writes_image() && checked.is_ok();
-        for p in placed.iter().filter(|_| write) {
+        // copy queued), so the device never gets a layer of a file gone bad. The files are
+        // checked unchanged before any page is read; the weights as they are copied, in the
+        // same pass over the bytes (`write_factor`).
+        let write = sh.device.writes_image();
+        let mut checked = match adapter.as_deref() {
+            Some(a) if write => super::check::files_unchanged(a, &placed),
+            // Nothing copied (an attribution switch): both checks, over the mapping.
+            Some(a) => super::check::check_layer(a, &placed),
+            None => Ok(()),
+        };
+        let copy = write && checked.is_ok();
+        'factors: for p in placed.iter().filter(|_| copy) {
             let w = adapter
                 .as_ref()
                 .and_then(|a| a.get(p.layer, p.module))
                 .expect("the layout lists the adapter's own factors");
             let t0 = Instant::now();
-            // SAFETY: the plan gave this thread the job's layer range (`t.arena`) to write
-            // alone, and every factor of the layer lies inside it (the layout's layer range
-            // spans its factors); nobody reads it until `encoded` below.
-            unsafe {
-                bytes += write_factor(&sh.arena, base + p.a_off, &w.a, dtype);
-                bytes += write_factor(&sh.arena, base + p.b_off, &w.b, dtype);
+            for (f, factor, off) in [(&w.a, "lora_A", p.a_off), (&w.b, "lora_B", p.b_off)] {
+                let check = super::check::needs_finite_check(f);
+                // SAFETY: the plan gave this thread the job's layer range (`t.arena`) to write
+                // alone, and every factor of the layer lies inside it (the layout's layer range
+                // spans its factors); nobody reads it until `encoded` below.
+                let done = unsafe { write_factor(&sh.arena, base + off, f, dtype, check) };
+                match done {
+                    Ok(n) => bytes += n,
+                    Err(index) => {
+                        checked = Err(super::check::non_finite(p, factor, index));
+                        break 'factors;
+                    }
+                }
             }
             // One factor (A and B, ≤ a few MB) is a chunk: the step running beside it, if the
             // device computes on this host, gets the host back before the next (`pace`).
@@ -477,6 +489,8 @@ fn encode_loop<D: CopyDevice>(sh: &Shared<D>) {
             super::pace::after_chunk(dt);
         }
         let s = &sh.stats;
+        let cpu = thaw_ipc::thread_cpu_time().saturating_sub(cpu0);
+        s.encode_cpu_ns.fetch_add(cpu.as_nanos() as u64, Relaxed);
         s.encode_ns.fetch_add(work.as_nanos() as u64, Relaxed);
         s.encoded_bytes.fetch_add(bytes as u64, Relaxed);
         // The last reference may be this one (the adapter dropped meanwhile): not under the lock.
@@ -536,8 +550,11 @@ fn publish_backlog(stats: &UploadStats, queued: u64) {
     super::pace::publish_backlog(Duration::from_nanos((queued as f64 * ns_per_byte) as u64));
 }
 
-/// Writes `t` (converted to `dtype` if it is stored otherwise) at arena offset `off`;
-/// returns the bytes written.
+/// Writes `t` (converted to `dtype` if it is stored otherwise) at arena offset `off`; returns
+/// the bytes written. With `check`, every weight of `t` must be finite, else the result is the
+/// index of the first that is not (and what was written is garbage the caller frees): checked
+/// as the copy reads the bytes where it keeps the stored dtype (one pass over them), before
+/// converting otherwise.
 ///
 /// # Safety
 /// The range written must be this thread's alone, per the plan.
@@ -546,18 +563,27 @@ unsafe fn write_factor(
     off: usize,
     t: &LoraTensor,
     dtype: Option<WeightDtype>,
-) -> usize {
+    check: bool,
+) -> std::result::Result<usize, usize> {
     let to = dtype.unwrap_or(t.dtype());
     let len = t.numel() * to.size();
     // SAFETY: per this function's contract.
     let dst = unsafe { arena.slice_mut(off, len) };
     if to == t.dtype() {
         // Nobody on the host reads the image soon: keep it out of the caches (`stream`).
-        super::stream::streaming_copy(dst, t.bytes());
+        if !check {
+            super::stream::streaming_copy(dst, t.bytes());
+        } else if !super::stream::streaming_copy_finite(dst, t.bytes(), to) {
+            // Found in the copy's pass; where, only now (a failure is rare).
+            return Err(t.first_non_finite().unwrap_or(0));
+        }
     } else {
+        if let Some(index) = check.then(|| t.first_non_finite()).flatten() {
+            return Err(index);
+        }
         t.convert_into(to, dst);
     }
-    len
+    Ok(len)
 }
 
 fn copy_loop<D: CopyDevice>(sh: &Shared<D>) {

@@ -271,3 +271,41 @@ fn an_owned_copy_takes_over_the_mapped_copys_image() {
         p.arena_usage().used == 0
     });
 }
+
+/// A factor as large as a rank-512 one (well past the streaming threshold, so its check runs
+/// inside the copy): written whole when every weight is finite; with a NaN or an infinity
+/// anywhere, the write reports that element's index, in its stored dtype and converted alike;
+/// unchecked, it is copied as is.
+#[test]
+fn a_checked_write_reports_the_first_non_finite_weight_of_a_large_factor() {
+    let n = 256 * 1024 + 7;
+    let values: Vec<f32> = (0..n).map(|i| ((i as f32) * 0.37).sin() * 3.0).collect();
+    let arena = PinnedMemory::anonymous(8 * n + 4096).unwrap();
+    for dtype in [WeightDtype::Bf16, WeightDtype::F16, WeightDtype::F32] {
+        let clean = LoraTensor::encode(&values, dtype);
+        // SAFETY: this test is the arena's only user.
+        let wrote = unsafe { write_factor(&arena, 256, &clean, None, true) };
+        assert_eq!(wrote, Ok(clean.bytes().len()), "{dtype:?}");
+        // SAFETY: as above; the range is inside the arena and no thread writes it now.
+        let image = unsafe { arena.slice_mut(256, clean.bytes().len()) };
+        assert_eq!(image, clean.bytes());
+        for (bad, value) in [
+            (0, f32::NAN),
+            (n / 2 + 3, f32::INFINITY),
+            (n - 1, f32::NEG_INFINITY),
+        ] {
+            let mut v = values.clone();
+            v[bad] = value;
+            let t = LoraTensor::encode(&v, dtype);
+            for to in [None, Some(WeightDtype::F32), Some(WeightDtype::Bf16)] {
+                // SAFETY: as above.
+                let wrote = unsafe { write_factor(&arena, 256, &t, to, true) };
+                assert_eq!(wrote, Err(bad), "{dtype:?} → {to:?}, bad at {bad}");
+            }
+            // Unchecked (a verified file, or a copy held in memory): copied as is.
+            // SAFETY: as above.
+            let wrote = unsafe { write_factor(&arena, 256, &t, None, false) };
+            assert_eq!(wrote, Ok(t.bytes().len()));
+        }
+    }
+}
