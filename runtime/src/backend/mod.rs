@@ -15,6 +15,7 @@ use crate::ids::LayerIdx;
 pub mod any;
 pub mod cpu;
 mod cpu_fused;
+mod cpu_lora_rows;
 pub mod cpu_kv;
 pub use cpu_fused::set_fused_lora;
 pub mod cpu_par;
