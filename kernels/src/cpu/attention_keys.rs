@@ -67,11 +67,6 @@ pub(super) unsafe fn attend(s: &Seq<'_>, kvh: usize, out: &mut [f32], scratch: &
     }
     let kd = kvh * s.layout.head_dim;
     let mut keys = Positions::new(s.table, s.layout, lo);
-    let mut ahead = Ahead::new(s, kvh, lo, span);
-    if kvh == 0 {
-        // The first kv head's first keys (later ones were fetched by the previous call).
-        ahead.run(PREFETCH_KEYS);
-    }
     let lines = (d * 4).div_ceil(64);
     let mut j0 = 0;
     while j0 < span {
@@ -80,13 +75,17 @@ pub(super) unsafe fn attend(s: &Seq<'_>, kvh: usize, out: &mut [f32], scratch: &
         for row in rows_at.iter_mut().take(nk) {
             let off = keys.next_off() + kd;
             *row = s.k[off..][..d].as_ptr();
-            // The value row, for `weigh_values` after the scores (to L2: a context's value
-            // rows outgrow L1), and the key row `PREFETCH_KEYS` on.
+            // The value row, asked for while the scores are computed, for `weigh_values`
+            // after them (to L2: a context's value rows outgrow L1). A decode step reads
+            // every key and value row of its context once from memory (2 × 59 MB a step for
+            // 16 sequences of 160 positions on SmolLM2's 30 layers); the key rows stream in
+            // as the scores ask for them, but `weigh_values` waited on each value row
+            // (`examples/decode_attention.rs … cold`: 17.0–18.2 → 14.4–16.5 ms a step; key
+            // rows prefetched ahead too measured no gain). A hint: the bits are unchanged.
             let v = s.v.as_ptr().wrapping_add(off);
             for l in 0..lines {
                 _mm_prefetch::<_MM_HINT_T1>(v.wrapping_add(16 * l).cast());
             }
-            ahead.run(1);
         }
         // SAFETY: `rows_at[..nk]` point at `d` floats of key rows in the cache; `kt` holds
         // `16·⌈d/16⌉` rows of 16 floats (`scratch_len`).
@@ -139,64 +138,6 @@ pub(super) unsafe fn attend(s: &Seq<'_>, kvh: usize, out: &mut [f32], scratch: &
     // SAFETY: `pt` holds `rows` rows of `sp ≥ span` weights, `sums` `rows`; the value rows of
     // positions `lo..=hi` are in the cache; `q_at(r)` of every row is a row of `out`.
     unsafe { weigh_values(s, kvh, lo, span, rows, &q_at, &w, out) };
-}
-
-/// Key rows [`attend`] asks the memory for ahead of the row it scores: a decode step reads
-/// every key and value row of its context once from memory (2 × 59 MB a step for 16 sequences
-/// of 160 positions on SmolLM2's 30 layers), and with the rows of a kv head 256 bytes at a
-/// 768-byte stride in 16-position blocks scattered by the block table, the hardware
-/// prefetchers leave most of it to demand misses (`examples/decode_attention.rs`: 4.9 ms a
-/// step from L2/L3, 23 ms with a cache per layer). Prefetches are hints: the bits of every
-/// output are unchanged.
-const PREFETCH_KEYS: usize = 32;
-
-/// Walks the key rows to prefetch: kv head `kvh`'s from position `lo` for `span` positions,
-/// then the next kv head's from `lo` (what the next call scores first), then nothing.
-struct Ahead<'a> {
-    s: &'a Seq<'a>,
-    keys: Positions<'a>,
-    kvh: usize,
-    lo: usize,
-    left: usize,
-    span: usize,
-    lines: usize,
-}
-
-impl<'a> Ahead<'a> {
-    fn new(s: &'a Seq<'a>, kvh: usize, lo: usize, span: usize) -> Self {
-        Self {
-            s,
-            keys: Positions::new(s.table, s.layout, lo),
-            kvh,
-            lo,
-            left: span,
-            span,
-            lines: (s.layout.head_dim * 4).div_ceil(64),
-        }
-    }
-
-    /// Prefetches the next `n` key rows.
-    #[inline]
-    fn run(&mut self, n: usize) {
-        for _ in 0..n {
-            if self.left == 0 {
-                if self.kvh + 1 >= self.s.layout.num_kv_heads || self.span == 0 {
-                    return;
-                }
-                self.kvh += 1;
-                self.keys = Positions::new(self.s.table, self.s.layout, self.lo);
-                self.left = self.span;
-            }
-            self.left -= 1;
-            let off = self.keys.next_off() + self.kvh * self.s.layout.head_dim;
-            let k = self.s.k.as_ptr().wrapping_add(off);
-            for l in 0..self.lines {
-                // SAFETY: a prefetch is a hint; the address is formed with `wrapping_add` and
-                // never dereferenced.
-                unsafe { _mm_prefetch::<_MM_HINT_T0>(k.wrapping_add(16 * l).cast()) };
-            }
-        }
-    }
 }
 
 /// `kt[p·16 + lane] = key_lane[p]` for `p < d`, lanes `nk..16` zero.
