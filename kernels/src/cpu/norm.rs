@@ -72,33 +72,8 @@ unsafe fn sums_of_squares_avx2(x: &[f32], d: usize, ss: &mut [f64]) {
     while j < d8 {
         // SAFETY: columns `j..j + 8 ≤ d` of rows `0..8`, inside `x` (asserted).
         let r: [__m256; 8] = std::array::from_fn(|i| unsafe { _mm256_loadu_ps(p.add(i * d + j)) });
-        // 8 × 8 transpose: `c[k]` = column `j + k` of rows 0..8.
-        let t0 = _mm256_unpacklo_ps(r[0], r[1]);
-        let t1 = _mm256_unpackhi_ps(r[0], r[1]);
-        let t2 = _mm256_unpacklo_ps(r[2], r[3]);
-        let t3 = _mm256_unpackhi_ps(r[2], r[3]);
-        let t4 = _mm256_unpacklo_ps(r[4], r[5]);
-        let t5 = _mm256_unpackhi_ps(r[4], r[5]);
-        let t6 = _mm256_unpacklo_ps(r[6], r[7]);
-        let t7 = _mm256_unpackhi_ps(r[6], r[7]);
-        let u0 = _mm256_shuffle_ps::<0x44>(t0, t2);
-        let u1 = _mm256_shuffle_ps::<0xEE>(t0, t2);
-        let u2 = _mm256_shuffle_ps::<0x44>(t1, t3);
-        let u3 = _mm256_shuffle_ps::<0xEE>(t1, t3);
-        let u4 = _mm256_shuffle_ps::<0x44>(t4, t6);
-        let u5 = _mm256_shuffle_ps::<0xEE>(t4, t6);
-        let u6 = _mm256_shuffle_ps::<0x44>(t5, t7);
-        let u7 = _mm256_shuffle_ps::<0xEE>(t5, t7);
-        let c = [
-            _mm256_permute2f128_ps::<0x20>(u0, u4),
-            _mm256_permute2f128_ps::<0x20>(u1, u5),
-            _mm256_permute2f128_ps::<0x20>(u2, u6),
-            _mm256_permute2f128_ps::<0x20>(u3, u7),
-            _mm256_permute2f128_ps::<0x31>(u0, u4),
-            _mm256_permute2f128_ps::<0x31>(u1, u5),
-            _mm256_permute2f128_ps::<0x31>(u2, u6),
-            _mm256_permute2f128_ps::<0x31>(u3, u7),
-        ];
+        // `c[k]` = column `j + k` of rows 0..8.
+        let c = crate::cpu::simd::transpose8(r);
         for ck in c {
             let a = _mm256_cvtps_pd(_mm256_castps256_ps128(ck));
             let b = _mm256_cvtps_pd(_mm256_extractf128_ps::<1>(ck));
@@ -113,7 +88,9 @@ unsafe fn sums_of_squares_avx2(x: &[f32], d: usize, ss: &mut [f64]) {
         _mm256_storeu_pd(ss.as_mut_ptr().add(4), hi);
     }
     for (s, xr) in ss.iter_mut().zip(x.chunks_exact(d)) {
-        *s = xr[d8..].iter().fold(*s, |a, &v| a + (v as f64) * (v as f64));
+        *s = xr[d8..]
+            .iter()
+            .fold(*s, |a, &v| a + (v as f64) * (v as f64));
     }
 }
 

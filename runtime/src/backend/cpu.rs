@@ -14,8 +14,8 @@ use thaw_cpu_lora::kernel::Scratch;
 use thaw_kernels::cpu::{self as k, HugeArena, KvLayout, RopeCache, RopeTable, WeightMatrix};
 
 use super::cpu_fused;
-use super::cpu_lora_rows;
 use super::cpu_kv::{KvCacheDtype, KvData, Widened};
+use super::cpu_lora_rows;
 use super::cpu_par::{balance, linear_split, ComputePool, CpuThreads};
 use super::{Backend, GraphPhase, LinearDims, LoraBatch, LoraKernel, LoraSite, StepLayout};
 use crate::adapter::{LoraAdapter, LoraModule};

@@ -96,9 +96,14 @@ pub(super) fn rope(
     cache.prepare(positions);
     let cache = &*cache;
     let parts = parts_for(pool, tokens * width, tokens);
-    pool.split_mut(tokens, 1, parts, &mut x[..tokens * width], width, |r, chunk| {
-        cache.apply_prepared(chunk, &positions[r], n_heads)
-    });
+    pool.split_mut(
+        tokens,
+        1,
+        parts,
+        &mut x[..tokens * width],
+        width,
+        |r, chunk| cache.apply_prepared(chunk, &positions[r], n_heads),
+    );
 }
 
 #[cfg(test)]
