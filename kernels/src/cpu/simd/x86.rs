@@ -675,6 +675,10 @@ const _: () = assert!(Q8_BLOCK == 32);
 
 /// 8 × 8 transpose of f32 lanes: lane `i` of `out[k]` is lane `k` of `r[i]` (unpack, shuffle,
 /// then 128-bit permutes: 24 shuffles). Data movement only, so any caller's bits are unchanged.
+///
+/// # Safety
+/// Safe to call from code compiled with AVX; elsewhere (an `unsafe` call) the CPU must have
+/// AVX, as [`super::simd_level`]'s `Avx2` proves.
 #[inline]
 #[target_feature(enable = "avx")]
 pub fn transpose8(r: [__m256; 8]) -> [__m256; 8] {
