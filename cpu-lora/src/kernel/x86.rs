@@ -280,32 +280,7 @@ unsafe fn pack_impl<const DT: u8>(b: *const u8, g: PackGeometry, dst: *mut f32) 
 unsafe fn transpose8_store(r: [__m256; 8], out: *mut f32, ld: usize) {
     // SAFETY: the caller guarantees rows `k < 8` of `out`.
     unsafe {
-        let t0 = _mm256_unpacklo_ps(r[0], r[1]);
-        let t1 = _mm256_unpackhi_ps(r[0], r[1]);
-        let t2 = _mm256_unpacklo_ps(r[2], r[3]);
-        let t3 = _mm256_unpackhi_ps(r[2], r[3]);
-        let t4 = _mm256_unpacklo_ps(r[4], r[5]);
-        let t5 = _mm256_unpackhi_ps(r[4], r[5]);
-        let t6 = _mm256_unpacklo_ps(r[6], r[7]);
-        let t7 = _mm256_unpackhi_ps(r[6], r[7]);
-        let u0 = _mm256_shuffle_ps(t0, t2, 0x44);
-        let u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
-        let u2 = _mm256_shuffle_ps(t1, t3, 0x44);
-        let u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
-        let u4 = _mm256_shuffle_ps(t4, t6, 0x44);
-        let u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
-        let u6 = _mm256_shuffle_ps(t5, t7, 0x44);
-        let u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
-        let cols = [
-            _mm256_permute2f128_ps(u0, u4, 0x20),
-            _mm256_permute2f128_ps(u1, u5, 0x20),
-            _mm256_permute2f128_ps(u2, u6, 0x20),
-            _mm256_permute2f128_ps(u3, u7, 0x20),
-            _mm256_permute2f128_ps(u0, u4, 0x31),
-            _mm256_permute2f128_ps(u1, u5, 0x31),
-            _mm256_permute2f128_ps(u2, u6, 0x31),
-            _mm256_permute2f128_ps(u3, u7, 0x31),
-        ];
+        let cols = thaw_kernels::cpu::simd::transpose8(r);
         for (k, col) in cols.into_iter().enumerate() {
             _mm256_storeu_ps(out.add(k * ld), col);
         }

@@ -30,12 +30,15 @@ impl RopeCache {
 
     /// [`RopeTable::apply`], bit for bit.
     pub fn apply(&mut self, x: &mut [f32], positions: &[usize], n_heads: usize) {
-        if !self.table.check_shape(x, positions, n_heads) {
-            return;
-        }
-        let d = self.table.head_dim();
-        let half = d / 2;
-        if let Some(&top) = positions.iter().max() {
+        self.prepare(positions);
+        self.apply_prepared(x, positions, n_heads);
+    }
+
+    /// Grows the table to cover `positions`, so [`Self::apply_prepared`] (which takes `&self`,
+    /// for threads rotating disjoint tokens at once) can rotate them.
+    pub fn prepare(&mut self, positions: &[usize]) {
+        let half = self.table.head_dim() / 2;
+        if let (Some(&top), true) = (positions.iter().max(), half > 0) {
             let have = self.sc.len() / half;
             if top >= have {
                 let freqs = self.table.inv_freq();
@@ -43,6 +46,16 @@ impl RopeCache {
                     .extend((have..=top).flat_map(|p| freqs.iter().map(move |&f| sin_cos(p, f))));
             }
         }
+    }
+
+    /// [`Self::apply`] for positions [`Self::prepare`] covered: [`RopeTable::apply`] bit for
+    /// bit. Panics on a position the table does not cover yet (a caller bug).
+    pub fn apply_prepared(&self, x: &mut [f32], positions: &[usize], n_heads: usize) {
+        if !self.table.check_shape(x, positions, n_heads) {
+            return;
+        }
+        let d = self.table.head_dim();
+        let half = d / 2;
         for (tok, &pos) in x.chunks_exact_mut(n_heads * d).zip(positions) {
             let sc = &self.sc[pos * half..(pos + 1) * half];
             rotate_token(tok, d, |i| sc[i]);

@@ -10,11 +10,12 @@
 use std::ops::Range;
 use std::sync::{Arc, Mutex, PoisonError};
 
-use thaw_cpu_lora::kernel::{lora_delta, LoraProblem, Scratch};
+use thaw_cpu_lora::kernel::Scratch;
 use thaw_kernels::cpu::{self as k, HugeArena, KvLayout, RopeCache, RopeTable, WeightMatrix};
 
 use super::cpu_fused;
 use super::cpu_kv::{KvCacheDtype, KvData, Widened};
+use super::cpu_lora_rows;
 use super::cpu_par::{balance, linear_split, ComputePool, CpuThreads};
 use super::{Backend, GraphPhase, LinearDims, LoraBatch, LoraKernel, LoraSite, StepLayout};
 use crate::adapter::{LoraAdapter, LoraModule};
@@ -65,7 +66,10 @@ pub struct CpuBackend {
     par_scratch: Vec<f32>,
     /// The shrink the threads of a decode group share (see [`cpu_fused`]).
     fused_shrink: cpu_fused::Shared,
-    fused: Scratch,
+    /// One LoRA kernel scratch per compute thread (prompt steps split the deltas by rows,
+    /// see [`cpu_lora_rows`]; the first is the engine thread's).
+    fused: Vec<Scratch>,
+    lora_plan: cpu_lora_rows::Plan,
     link: LinkModel,
     /// The upload pipeline, its DMA emulated at `link` (started by the first stream, or at
     /// start-up by [`CpuBackend::with_upload_arena`]).
@@ -125,6 +129,7 @@ impl CpuBackend {
             head_dim: cfg.head_dim,
             sliding_window: cfg.sliding_window,
             attn_scratch: (0..par.max()).map(|_| Default::default()).collect(),
+            fused: (0..par.max()).map(|_| Scratch::new()).collect(),
             kv_dtype: kv_dtype_from_env(),
             attn_items: Vec::new(),
             attn_bounds: Vec::new(),
@@ -132,7 +137,7 @@ impl CpuBackend {
             par,
             par_scratch: Vec::new(),
             fused_shrink: cpu_fused::Shared::default(),
-            fused: Scratch::new(),
+            lora_plan: Default::default(),
             link: LinkModel::default(),
             upload: None,
             upload_arena: DEFAULT_UPLOAD_ARENA,
@@ -277,35 +282,6 @@ impl CpuBackend {
             });
         }
     }
-}
-
-/// `y[rows] += scale · x[rows] · Aᵀ · Bᵀ` for one adapter's factors, read in their stored
-/// dtype, accumulated in f32.
-fn add_delta(
-    s: &mut Scratch,
-    x: &[f32],
-    y: &mut [f32],
-    dims: LinearDims,
-    rows: Range<usize>,
-    w: &crate::adapter::LoraWeights,
-) {
-    let p = LoraProblem {
-        rows: rows.len(),
-        d_in: dims.d_in,
-        d_out: dims.d_out,
-        rank: w.rank,
-        scale: w.scale,
-    };
-    lora_delta(
-        &p,
-        &x[rows.start * dims.d_in..rows.end * dims.d_in],
-        w.a.mat(),
-        w.b.mat(),
-        &mut y[rows.start * dims.d_out..rows.end * dims.d_out],
-        true,
-        s,
-    )
-    .expect("LoRA shapes were validated when the adapter was loaded");
 }
 
 /// Calls `each(i, off, a, b)` for every weight `i` of a group (output widths `d_outs`,
@@ -569,19 +545,20 @@ impl Backend for CpuBackend {
         let rows = batch.layout.row_adapter.len();
         let x = &x[..rows * dims.d_in];
         let y = &mut y[..rows * dims.d_out];
+        let usable = |idx: u32| {
+            batch.on_device(idx, at.0) && batch.adapters[idx as usize].get(at.0 .0, at.1).is_some()
+        };
+        let jobs = &mut self.lora_plan.jobs;
+        jobs.clear();
         match batch.kernel {
             LoraKernel::Sgmv => {
                 // One fused shrink+expand per segment (thaw-cpu-lora's kernel streams A and B
                 // once without packing them, so a one-row decode segment costs what its
                 // weights cost to read).
                 for (range, idx) in &batch.layout.segments {
-                    if !batch.on_device(*idx, at.0) {
-                        continue;
+                    if usable(*idx) {
+                        jobs.push((range.clone(), *idx));
                     }
-                    let Some(w) = batch.adapters[*idx as usize].get(at.0 .0, at.1) else {
-                        continue;
-                    };
-                    add_delta(&mut self.fused, x, y, dims, range.clone(), w);
                 }
             }
             LoraKernel::Bgmv => {
@@ -595,21 +572,31 @@ impl Backend for CpuBackend {
                     let len = idx[start..].iter().take_while(|&&i| i == first).count();
                     let run = start..start + len;
                     start += len;
-                    let Some(i) = first.filter(|&i| batch.on_device(i, at.0)) else {
-                        continue;
-                    };
-                    let Some(w) = batch.adapters[i as usize].get(at.0 .0, at.1) else {
-                        continue;
-                    };
-                    add_delta(&mut self.fused, x, y, dims, run, w);
+                    if let Some(i) = first.filter(|&i| usable(i)) {
+                        jobs.push((run, i));
+                    }
                 }
             }
         }
+        // Prompt steps split the runs' rows over the pool (bit for bit the serial calls).
+        let get = |i: u32| {
+            batch.adapters[i as usize]
+                .get(at.0 .0, at.1)
+                .expect("only adapters with factors for this module are planned")
+        };
+        cpu_lora_rows::apply(
+            &self.par,
+            &mut self.fused,
+            &mut self.lora_plan,
+            (x, y),
+            dims,
+            get,
+        );
     }
 
     fn rope(&mut self, x: &mut Vec<f32>, positions: &[usize], n_heads: usize) {
-        let n = positions.len() * n_heads * self.head_dim;
-        self.rope.apply(&mut x[..n], positions, n_heads);
+        let dims = (n_heads, self.head_dim);
+        super::cpu_rows::rope(&self.par, &mut self.rope, x, positions, dims);
     }
 
     fn attention(

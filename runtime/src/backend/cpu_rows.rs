@@ -82,6 +82,30 @@ pub(super) fn add(pool: &ComputePool, y: &mut [f32], x: &[f32], len: usize) {
     });
 }
 
+/// [`k::RopeCache::apply`] over the `positions.len()` tokens of `x` (`n_heads` heads of
+/// `head_dim` each), split by tokens: each token is rotated by its own position alone.
+pub(super) fn rope(
+    pool: &ComputePool,
+    cache: &mut k::RopeCache,
+    x: &mut [f32],
+    positions: &[usize],
+    (n_heads, head_dim): (usize, usize),
+) {
+    let width = n_heads * head_dim;
+    let tokens = positions.len();
+    cache.prepare(positions);
+    let cache = &*cache;
+    let parts = parts_for(pool, tokens * width, tokens);
+    pool.split_mut(
+        tokens,
+        1,
+        parts,
+        &mut x[..tokens * width],
+        width,
+        |r, chunk| cache.apply_prepared(chunk, &positions[r], n_heads),
+    );
+}
+
 #[cfg(test)]
 mod tests {
     use proptest::prelude::*;
@@ -139,6 +163,17 @@ mod tests {
                 let mut got = vec![f32::NAN; n];
                 rms_norm(&pool, &a, &w, 1e-5, rows, &mut got);
                 prop_assert!(same(&got, &want), "rms_norm, {} rows of {}", rows, width);
+                // Tokens of `heads` heads of 2·⌈width/4⌉ (even) at scattered positions.
+                let (heads, hd) = (1 + width % 3, 2 * width.div_ceil(4));
+                let positions: Vec<usize> = (0..rows).map(|i| (i * 37 + width) % 500).collect();
+                let table = k::RopeTable::new(hd, 10_000.0, &k::RopeScaling::None);
+                let x = rnd(rows * heads * hd);
+                let mut want = x.clone();
+                table.apply(&mut want, &positions, heads);
+                let mut got = x;
+                let mut cache = k::RopeCache::new(table);
+                rope(&pool, &mut cache, &mut got, &positions, (heads, hd));
+                prop_assert!(same(&got, &want), "rope, {} tokens of {}×{}", rows, heads, hd);
             }
         }
     }

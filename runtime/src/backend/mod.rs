@@ -16,6 +16,7 @@ pub mod any;
 pub mod cpu;
 mod cpu_fused;
 pub mod cpu_kv;
+mod cpu_lora_rows;
 pub use cpu_fused::set_fused_lora;
 pub mod cpu_par;
 mod cpu_pool;

@@ -73,6 +73,8 @@ mod x86_512_vnni_row;
 
 use std::sync::atomic::{AtomicU8, Ordering};
 
+#[cfg(target_arch = "x86_64")]
+pub use x86::transpose8;
 /// The 16 × 16 transpose of the packed GEMMs, for the decode attention's key blocks.
 #[cfg(target_arch = "x86_64")]
 pub(crate) use x86_512_gemm::transpose16;
