@@ -142,6 +142,11 @@ pub struct StepRecord {
     pub decodes: usize,
     /// Whether a row's adapter had layers not yet on the device.
     pub cold: bool,
+    /// Whether the CPU computed some of its rows (a cold step's layers not landed, assisted).
+    pub assisted: bool,
+    /// Time the forward waited for layers to land (a cold step's layers not landed, waited
+    /// for: the server's gate lets this cost at most a small share of the step).
+    pub layer_wait: Duration,
     pub elapsed: Duration,
     /// Engine-thread time the step spent on the assist path (see [`AssistProfile::overhead`]).
     pub assist_overhead: Duration,
@@ -428,6 +433,7 @@ pub fn run(
                     .is_some_and(|a| !engine.adapter_resident(AdapterId(a as u32)))
             });
             let profile_before = engine.assist_profile();
+            let (rows_before, wait_before) = (engine.rows_assisted(), engine.layer_wait());
             let t = Instant::now();
             let outputs = match engine.step(&plan) {
                 Ok(o) => o,
@@ -445,15 +451,21 @@ pub fn run(
             };
             let elapsed = t.elapsed();
             let overhead = engine.assist_profile().since(&profile_before).overhead();
-            if cold {
-                cost.observe_assisted_step(tokens, elapsed, overhead);
+            let assisted = engine.rows_assisted() > rows_before;
+            let layer_wait = engine.layer_wait().saturating_sub(wait_before);
+            // The device's time: without what the forward waited for the link.
+            let computing = elapsed.saturating_sub(layer_wait);
+            if assisted {
+                cost.observe_assisted_step(tokens, computing, overhead);
             } else {
-                cost.observe_step(tokens, elapsed);
+                cost.observe_step(tokens, computing);
             }
             steps.push(StepRecord {
                 tokens,
                 decodes: plan.items.iter().filter(|i| i.num_tokens == 1).count(),
                 cold,
+                assisted,
+                layer_wait,
                 elapsed,
                 assist_overhead: overhead,
             });
