@@ -787,7 +787,8 @@ mod tests {
             .filter(|r| r.policy != ColdStartPolicy::Cached)
         {
             assert_eq!(r.misses, 16, "{}", r.policy);
-            assert!(r.layer_waits + r.held <= r.misses, "{r:?}");
+            // A miss may be held first and then start waiting for its last layers.
+            assert!(r.layer_waits <= r.misses && r.held <= r.misses, "{r:?}");
             assert!(
                 r.miss_waits.iter().sum::<f64>() <= r.ttft_mean * 1.0001,
                 "{r:?}"
