@@ -130,7 +130,7 @@ pub struct PolicyRow {
     pub completed: usize,
     pub failed: usize,
     pub rows_assisted: u64,
-    /// Steps with a row whose adapter had not landed (computed with CPU assist).
+    /// Steps the CPU computed rows of (rows whose adapter had not landed, assisted).
     pub assisted_steps: usize,
     /// Adapters registered from their mapped files.
     pub disk_maps: u64,
@@ -139,6 +139,12 @@ pub struct PolicyRow {
     /// What a miss waited for before its first token, means in seconds: disk, batch, copy
     /// ([`coldstart::Outcome::waits`]).
     pub miss_waits: [f64; 3],
+    /// Misses started before their adapter landed, the step waiting for its layers (the
+    /// server's `thaw_cold_start_layer_waits_total`).
+    pub layer_waits: usize,
+    /// Misses the gate held for their adapter's copy at least one step
+    /// (`thaw_cold_start_holds_total`).
+    pub held: usize,
 }
 
 /// One experiment: its setup line and its four rows.
@@ -189,10 +195,12 @@ fn summarize(policy: ColdStartPolicy, r: &RunReport) -> PolicyRow {
         completed: r.outcomes.iter().filter(|o| o.error.is_none()).count(),
         failed: r.outcomes.iter().filter(|o| o.error.is_some()).count(),
         rows_assisted: r.rows_assisted,
-        assisted_steps: r.steps.iter().filter(|s| s.cold).count(),
+        assisted_steps: r.steps.iter().filter(|s| s.assisted).count(),
         disk_maps: r.disk_maps,
         misses: r.outcomes.iter().filter(|o| o.missed).count(),
         miss_waits: miss_waits(r.outcomes.iter().filter(|o| o.missed)),
+        layer_waits: r.outcomes.iter().filter(|o| o.layer_wait).count(),
+        held: r.outcomes.iter().filter(|o| o.held).count(),
     }
 }
 
@@ -695,15 +703,21 @@ pub fn table(experiments: &[Experiment]) -> String {
         }
         let _ = writeln!(
             s,
-            "\n| policy | misses | a miss waited for (mean ms): disk / batch / copy | assisted steps | assisted rows | disk maps |"
+            "\n| policy | misses | a miss waited for (mean ms): disk / batch / copy | started waiting per layer / held | assisted steps | assisted rows | disk maps |"
         );
-        let _ = writeln!(s, "|---|---|---|---|---|---|");
+        let _ = writeln!(s, "|---|---|---|---|---|---|---|");
         for r in &e.rows {
             let [d, b, c] = r.miss_waits.map(|w| w * 1e3);
             let _ = writeln!(
                 s,
-                "| {} | {} | {d:.1} / {b:.1} / {c:.1} | {} | {} | {} |",
-                r.policy, r.misses, r.assisted_steps, r.rows_assisted, r.disk_maps
+                "| {} | {} | {d:.1} / {b:.1} / {c:.1} | {} / {} | {} | {} | {} |",
+                r.policy,
+                r.misses,
+                r.layer_waits,
+                r.held,
+                r.assisted_steps,
+                r.rows_assisted,
+                r.disk_maps
             );
         }
     }
@@ -764,6 +778,7 @@ mod tests {
         let t = table(&ex);
         assert!(t.contains("| cached |") && t.contains("| auto |"));
         assert!(t.contains("a miss waited for"), "{t}");
+        assert!(t.contains("started waiting per layer / held"), "{t}");
         // Every adapter starts on disk: every request of a policy that is not `cached` is a
         // miss, and its waits add up to no more than its TTFT.
         for r in ex[0]
@@ -772,6 +787,8 @@ mod tests {
             .filter(|r| r.policy != ColdStartPolicy::Cached)
         {
             assert_eq!(r.misses, 16, "{}", r.policy);
+            // A miss may be held first and then start waiting for its last layers.
+            assert!(r.layer_waits <= r.misses && r.held <= r.misses, "{r:?}");
             assert!(
                 r.miss_waits.iter().sum::<f64>() <= r.ttft_mean * 1.0001,
                 "{r:?}"

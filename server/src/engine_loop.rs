@@ -36,7 +36,6 @@ use crate::scheduler::{
 mod cold_marks;
 mod gate;
 mod kv;
-mod layer_gate;
 mod publish;
 mod step;
 mod step_error;
@@ -325,7 +324,7 @@ impl Loop {
         stats: Arc<LoopStats>,
         metrics: Arc<Metrics>,
     ) -> Self {
-        engine.set_unlanded_layers(layer_gate::unlanded_layers(cfg.cold.policy));
+        engine.set_unlanded_layers(crate::coldstart::unlanded_layers(cfg.cold.policy));
         let sched = Scheduler::new(
             cfg.scheduling.policy,
             cfg.scheduling.mlq,

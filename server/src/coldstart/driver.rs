@@ -2,8 +2,12 @@
 //! move disk → host (loader thread) → device (copy engine), and a FIFO continuous-batching
 //! loop applies a [`ColdStartPolicy`] to requests whose adapter is not resident.
 //!
-//! The HTTP server's scheduler applies the same policy decisions; this driver exists so the
-//! policies can be compared and tested on the engine alone, with real wall-clock timing.
+//! The HTTP server's scheduler applies the same policy decisions: each step the driver asks the
+//! server's gate ([`super::layer_gate::policy_gate`], with the layer gate where the policy
+//! waits for the copy) for every prefilling request whose adapter has not landed, and marks
+//! the adapters of the requests it starts wait or assist as the server does
+//! ([`super::layer_gate::carry_out`]). It exists so the policies can be compared and tested on
+//! the engine alone, with real wall-clock timing.
 use std::collections::VecDeque;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -13,13 +17,15 @@ use thaw_runtime::adapter::LoraAdapter;
 use thaw_runtime::backend::cpu::CpuBackend;
 use thaw_runtime::backend::Backend as _;
 use thaw_runtime::engine::{
-    AssistProfile, Engine, FinishReason, PlanItem, SequenceParams, StepPlan,
+    AssistProfile, Engine, FinishReason, PlanItem, SequenceParams, StepPlan, UnlandedLayers,
 };
 use thaw_runtime::ids::{AdapterId, SeqId};
 use thaw_runtime::sampling::SamplingParams;
 
-use super::cost::{AssistWork, ColdDecision, CostModel, Prediction};
+use super::cost::{AssistWork, CostModel, Prediction};
 use super::decide::{ColdCase, ColdTier};
+use super::layer_gate::{carry_out, in_step, policy_gate, unlanded_layers, Answer};
+use super::layer_gate::{ColdGate, InFlight};
 use super::policy::ColdStartPolicy;
 use crate::memory::loader::{FetchJob, FetchResult, Loader};
 use crate::perf::DiskQueue;
@@ -67,6 +73,12 @@ pub struct Outcome {
     pub missed: bool,
     /// From arrival until every layer of its adapter was on the device.
     pub landed: Option<Duration>,
+    /// It ran in a step that waited in the forward for its adapter's layers not landed (the
+    /// server's `thaw_cold_start_layer_waits_total`).
+    pub layer_wait: bool,
+    /// The gate held it for its adapter's copy for at least one step (the server's
+    /// `thaw_cold_start_holds_total`).
+    pub held: bool,
 }
 
 impl Outcome {
@@ -130,6 +142,11 @@ pub struct StepRecord {
     pub decodes: usize,
     /// Whether a row's adapter had layers not yet on the device.
     pub cold: bool,
+    /// Whether the CPU computed some of its rows (a cold step's layers not landed, assisted).
+    pub assisted: bool,
+    /// Time the forward waited for layers to land (a cold step's layers not landed, waited
+    /// for: the server's gate lets this cost at most a small share of the step).
+    pub layer_wait: Duration,
     pub elapsed: Duration,
     /// Engine-thread time the step spent on the assist path (see [`AssistProfile::overhead`]).
     pub assist_overhead: Duration,
@@ -150,7 +167,9 @@ struct Live {
     admitted: bool,
 }
 
-/// Runs `requests` (sorted by arrival) to completion on `engine`.
+/// Runs `requests` (sorted by arrival) to completion on `engine`. Sets the engine's default
+/// for layers not landed to the policy's, as the server does
+/// ([`super::layer_gate::unlanded_layers`]).
 pub fn run(
     engine: &mut Engine<CpuBackend>,
     adapters: &[(PathBuf, StartTier)],
@@ -170,6 +189,7 @@ pub fn run(
         },
     )
     .expect("starting the adapter loader threads");
+    engine.set_unlanded_layers(unlanded_layers(cfg.policy));
     let mut state: Vec<AdapterState> = vec![AdapterState::Disk; adapters.len()];
     let mut host: Vec<Option<Arc<LoraAdapter>>> = vec![None; adapters.len()];
     // Initial tiers (the cached oracle makes everything resident up front).
@@ -366,6 +386,7 @@ pub fn run(
                 }
             });
             let mut failed = Vec::new();
+            let mut answers = Vec::new();
             let plan = build_plan(
                 engine,
                 requests,
@@ -375,8 +396,20 @@ pub fn run(
                 cfg,
                 cost,
                 &mut predicted,
-                &mut failed,
+                (&mut failed, &mut answers),
             );
+            // The gate's answers, carried out as the server's step loop does.
+            let (marks, held) = carry_out(&answers, |s| plan.items.iter().any(|i| i.seq == s));
+            for (seq, adapter, u) in marks {
+                // A registered adapter (the gate saw it): a failure would fail the step.
+                let _ = engine.set_adapter_unlanded(adapter, u);
+                if u == UnlandedLayers::Wait {
+                    out[seq.0 as usize].layer_wait = true;
+                }
+            }
+            for seq in held {
+                out[seq.0 as usize].held = true;
+            }
             for (i, e) in failed {
                 out[i].error = Some(e);
                 queue.retain(|l| l.req != i);
@@ -400,6 +433,7 @@ pub fn run(
                     .is_some_and(|a| !engine.adapter_resident(AdapterId(a as u32)))
             });
             let profile_before = engine.assist_profile();
+            let (rows_before, wait_before) = (engine.rows_assisted(), engine.layer_wait());
             let t = Instant::now();
             let outputs = match engine.step(&plan) {
                 Ok(o) => o,
@@ -417,15 +451,21 @@ pub fn run(
             };
             let elapsed = t.elapsed();
             let overhead = engine.assist_profile().since(&profile_before).overhead();
-            if cold {
-                cost.observe_assisted_step(tokens, elapsed, overhead);
+            let assisted = engine.rows_assisted() > rows_before;
+            let layer_wait = engine.layer_wait().saturating_sub(wait_before);
+            // The device's time: without what the forward waited for the link.
+            let computing = elapsed.saturating_sub(layer_wait);
+            if assisted {
+                cost.observe_assisted_step(tokens, computing, overhead);
             } else {
-                cost.observe_step(tokens, elapsed);
+                cost.observe_step(tokens, computing);
             }
             steps.push(StepRecord {
                 tokens,
                 decodes: plan.items.iter().filter(|i| i.num_tokens == 1).count(),
                 cold,
+                assisted,
+                layer_wait,
                 elapsed,
                 assist_overhead: overhead,
             });
@@ -499,7 +539,7 @@ fn build_plan(
     cfg: &DriverConfig,
     cost: &CostModel,
     predicted: &mut [Option<f64>],
-    failed: &mut Vec<(usize, String)>,
+    (failed, answers): (&mut Vec<(usize, String)>, &mut Vec<Answer>),
 ) -> StepPlan {
     let mut items = Vec::new();
     let mut budget = cfg.max_batch_tokens;
@@ -542,39 +582,48 @@ fn build_plan(
                 continue; // still on disk or loading: the host tier is needed first
             }
             let id = AdapterId(a as u32);
-            if !engine.adapter_resident(id) {
-                match cfg.policy {
-                    ColdStartPolicy::Cached | ColdStartPolicy::OnDemand => continue,
-                    ColdStartPolicy::CpuAssist => {}
-                    ColdStartPolicy::Auto => {
-                        let adapter = host[a].as_ref().expect("ready adapters have a host copy");
-                        let (landed, layers) = engine.adapter_landed(id).unwrap_or((0, 1));
-                        let tier =
-                            ColdTier::registered(landed, layers, engine.adapter_is_mapped(id));
-                        let plan = cost.decide_cold(&ColdCase {
-                            tier,
-                            bytes: adapter.size_bytes() as u64,
-                            backlog: engine.backend().link_backlog(),
-                            // Served from its mapped file: the copy reads the file itself.
-                            reads: DiskQueue::default(),
-                            work: AssistWork::of(adapter),
-                            prompt_left: pending,
-                            cap,
-                            other_tokens: decode_tokens,
-                            running: decode_tokens,
-                            fewest_left,
-                            max_new_tokens: r.max_tokens,
-                        });
-                        match plan.decision {
-                            ColdDecision::Wait => continue,
-                            ColdDecision::Assist { max_chunk } => {
-                                if predicted[l.req].is_none() {
-                                    predicted[l.req] = plan.assist_s;
-                                }
-                                cap = max_chunk;
-                            }
+            let unlanded = engine.adapter_landed(id).filter(|&(l, n)| l < n);
+            if let Some((landed, layers)) = unlanded {
+                let adapter = host[a].as_ref().expect("ready adapters have a host copy");
+                let bytes = adapter.size_bytes() as u64;
+                let backlog = engine.backend().link_backlog();
+                let from_file = engine.adapter_is_mapped(id);
+                let planned = cfg.max_batch_tokens - budget;
+                let mut assist_s = None;
+                let decide = || {
+                    let plan = cost.decide_cold(&ColdCase {
+                        tier: ColdTier::registered(landed, layers, from_file),
+                        bytes,
+                        backlog,
+                        // Served from its mapped file: the copy reads the file itself.
+                        reads: DiskQueue::default(),
+                        work: AssistWork::of(adapter),
+                        prompt_left: pending,
+                        cap,
+                        other_tokens: planned,
+                        running: decode_tokens,
+                        fewest_left,
+                        max_new_tokens: r.max_tokens,
+                    });
+                    assist_s = plan.assist_s;
+                    plan.decision
+                };
+                // The server's layer gate: this step's rows so far and this request's chunk.
+                let layers_gate = || {
+                    let a = InFlight::of(bytes, (landed, layers), backlog, from_file);
+                    in_step(cost, a, planned + pending.min(cap))
+                };
+                let g = policy_gate(cfg.policy, decide, layers_gate);
+                answers.push((seq, id, g));
+                match g {
+                    ColdGate::Hold => continue,
+                    ColdGate::Run { cap: Some(c), .. } => {
+                        if predicted[l.req].is_none() {
+                            predicted[l.req] = assist_s;
                         }
+                        cap = cap.min(c);
                     }
+                    ColdGate::Run { cap: None, .. } | ColdGate::Warm => {}
                 }
             }
         }

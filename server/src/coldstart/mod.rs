@@ -6,6 +6,7 @@ mod calibrate;
 mod cost;
 mod decide;
 mod driver;
+mod layer_gate;
 mod layerwise;
 mod policy;
 mod snapshot;
@@ -15,6 +16,10 @@ pub use calibrate::calibrate;
 pub use cost::{AssistWork, ColdDecision, ColdPlan, ColdTimes, CostModel, Prediction};
 pub use decide::{ColdCase, ColdTier};
 pub use driver::{run, DriverConfig, Outcome, Request, RunReport, StartTier, StepRecord};
+pub use layer_gate::{
+    carry_out, in_step, layer_stall, policy_gate, unlanded_layers, Answer, ColdGate, InFlight,
+    MAX_STALL_SHARE,
+};
 pub use policy::ColdStartPolicy;
 pub use snapshot::{
     adapter_costs, AdapterCosts, CostSnapshot, ServerLimits, SnapshotError, SNAPSHOT_FORMAT,
