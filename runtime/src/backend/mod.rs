@@ -339,12 +339,7 @@ pub trait Backend {
         batch: &LoraBatch<'_, Self::Lora>,
     ) {
         self.linear_group(x, ws, rows, outs.each_mut().map(|o| &mut **o));
-        if batch.layout.segments.is_empty() {
-            return;
-        }
-        for (o, s) in outs.into_iter().zip(sites) {
-            self.lora(x, o, s.dims, (s.layer, s.module), batch);
-        }
+        lora_sites(self, x, outs, sites, batch);
     }
     /// y += LoRA(x) for every row whose adapter targets (layer, module).
     fn lora(
@@ -381,9 +376,7 @@ pub trait Backend {
         step: &StepLayout,
         out: &mut Self::Buf,
     ) {
-        self.rope(q, &step.positions, heads.0);
-        self.rope(k, &step.positions, heads.1);
-        self.attention(q, k, v, kv, step, out);
+        rope_then_attention(self, (q, k, v), heads, kv, step, out);
     }
     /// Whether [`Backend::rope_attention`] runs as one op rather than the three (a profile
     /// then times it as one).
@@ -701,3 +694,36 @@ pub(crate) fn test_adapter(
 #[cfg(test)]
 #[path = "stored_dtype_tests.rs"]
 mod stored_dtype_tests;
+
+/// The LoRA half of [`Backend::linear_group_lora`]'s default: `outs[i] += LoRA(x)` through
+/// [`Backend::lora`] for each site (nothing when no row has an adapter). Shared with wrappers
+/// that time the base products their own way ([`profiled::Profiled`]).
+pub(crate) fn lora_sites<B: Backend + ?Sized, const N: usize>(
+    b: &mut B,
+    x: &B::Buf,
+    outs: [&mut B::Buf; N],
+    sites: [LoraSite; N],
+    batch: &LoraBatch<'_, B::Lora>,
+) {
+    if batch.layout.segments.is_empty() {
+        return;
+    }
+    for (o, s) in outs.into_iter().zip(sites) {
+        b.lora(x, o, s.dims, (s.layer, s.module), batch);
+    }
+}
+
+/// [`Backend::rope_attention`]'s default: RoPE on q (`heads.0` heads) and k (`heads.1`), then
+/// attention, as three ops.
+pub(crate) fn rope_then_attention<B: Backend + ?Sized>(
+    b: &mut B,
+    (q, k, v): (&mut B::Buf, &mut B::Buf, &B::Buf),
+    heads: (usize, usize),
+    kv: &mut B::KvLayer,
+    step: &StepLayout,
+    out: &mut B::Buf,
+) {
+    b.rope(q, &step.positions, heads.0);
+    b.rope(k, &step.positions, heads.1);
+    b.attention(q, k, v, kv, step, out);
+}

@@ -292,12 +292,7 @@ impl<B: Backend + OpClock> Backend for Profiled<B> {
             let o: &mut Self::Buf = o;
             self.timed(OpClass::Linear(s.module), |b| b.linear(x, w, rows, o));
         }
-        if batch.layout.segments.is_empty() {
-            return;
-        }
-        for (o, s) in outs.into_iter().zip(sites) {
-            self.lora(x, o, s.dims, (s.layer, s.module), batch);
-        }
+        super::lora_sites(self, x, outs, sites, batch);
     }
     fn lora(
         &mut self,
@@ -323,10 +318,7 @@ impl<B: Backend + OpClock> Backend for Profiled<B> {
         out: &mut Self::Buf,
     ) {
         if !self.inner.folds_rope() {
-            self.rope(q, &step.positions, heads.0);
-            self.rope(k, &step.positions, heads.1);
-            self.attention(q, k, v, kv, step, out);
-            return;
+            return super::rope_then_attention(self, (q, k, v), heads, kv, step, out);
         }
         self.timed(OpClass::Attention, |b| {
             b.rope_attention((q, k, v), heads, kv, step, out)
