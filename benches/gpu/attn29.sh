@@ -27,6 +27,7 @@
 # run.sh's issue-29 block calls it with what is left of its budget; on a short lease run it alone
 # (it generates the model when --model is not given):
 #   benches/gpu/attn29.sh --bin gpu-bin --out "$OUT" [--model DIR] [--budget S] [--prompt-len N]
+# THAW_GPU_29_SKIP_PARITY=1 skips step 1 (a caller that ran the suite already: lease.sh).
 # THAW_GPU_ON_EXTRA overrides some of ON in the "on" run (see ON below).
 set -uo pipefail
 
@@ -84,7 +85,9 @@ OPT=("${ON[@]}" "${OPT_ON[@]}")
 
 # --- 1. parity with the defaults --------------------------------------------------------------
 lim=$(cap 120)
-if [ ! -x "$BIN/cuda_parity" ]; then
+if [ "${THAW_GPU_29_SKIP_PARITY:-0}" = 1 ]; then
+  echo "cuda_parity: skipped (THAW_GPU_29_SKIP_PARITY=1: the caller ran it)"
+elif [ ! -x "$BIN/cuda_parity" ]; then
   echo "cuda_parity: missing from $BIN (benches/gpu/build.sh ships it)"
 elif [ "$lim" -lt 20 ]; then
   echo "cuda_parity: skipped, out of time (budget ${BUDGET_S}s)"
