@@ -126,6 +126,28 @@ fn generate() -> (tempfile::TempDir, Vec<usize>, Vec<(u16, String)>) {
     (dir, order, want)
 }
 
+/// A server started with `args` serves every adapter (`order`) with `want`'s tokens, and
+/// registered at least one disk miss from its mapped file; returns its metrics.
+fn serves_from_files(dir: &Path, args: &[&str], order: &[usize], want: &[(u16, String)]) -> String {
+    let (_s, addr) = start(dir, args);
+    let got = run(addr, order);
+    for (a, (g, w)) in got.iter().zip(want).enumerate() {
+        assert_eq!(w.0, 200, "cached adapter {a} failed: {}", w.1);
+        assert_eq!(g.0, 200, "{args:?}: adapter {a} failed: {}", g.1);
+        assert_eq!(
+            g.1, w.1,
+            "{args:?}: adapter {a}: tokens differ from the cached server"
+        );
+    }
+    let m = get(addr, "/metrics").text();
+    let maps = metric(&m, "thaw_adapter_disk_maps_total").unwrap();
+    assert!(
+        maps >= 1.0,
+        "{args:?}: disk misses were read from their files: {m}"
+    );
+    m
+}
+
 #[test]
 fn cpu_assist_serves_disk_adapters_from_their_files() {
     let (dir, order, want) = generate();
@@ -143,26 +165,9 @@ fn cpu_assist_serves_disk_adapters_from_their_files() {
         "--emulated-link-gbps",
         "0.05",
     ];
-    {
-        let (_s, addr) = start(dir.path(), &disk_args);
-        let got = run(addr, &order);
-        for (a, (g, w)) in got.iter().zip(&want).enumerate() {
-            assert_eq!(w.0, 200, "cached adapter {a} failed: {}", w.1);
-            assert_eq!(g.0, 200, "adapter {a} failed: {}", g.1);
-            assert_eq!(
-                g.1, w.1,
-                "adapter {a}: tokens differ from the cached server"
-            );
-        }
-        let m = get(addr, "/metrics").text();
-        let maps = metric(&m, "thaw_adapter_disk_maps_total").unwrap();
-        assert!(
-            maps >= 1.0,
-            "disk adapters were registered from their files: {m}"
-        );
-        let assisted = metric(&m, "thaw_cpu_assisted_rows_total").unwrap();
-        assert!(assisted > 0.0, "the worker computed rows: {m}");
-    }
+    let m = serves_from_files(dir.path(), &disk_args, &order, &want);
+    let assisted = metric(&m, "thaw_cpu_assisted_rows_total").unwrap();
+    assert!(assisted > 0.0, "the worker computed rows: {m}");
 
     // Without workers, on-demand: disk misses are served from their files too, read layer by
     // layer into the arena (each layer lands once read and checked, not after the whole
@@ -178,15 +183,7 @@ fn cpu_assist_serves_disk_adapters_from_their_files() {
             "--max-cpu-loras",
             "1",
         ];
-        let (_s, addr) = start(dir.path(), &on_demand_from_files);
-        let got = run(addr, &order);
-        for (a, (g, w)) in got.iter().zip(&want).enumerate() {
-            assert_eq!(g.0, 200, "on-demand adapter {a} failed: {}", g.1);
-            assert_eq!(g.1, w.1, "on-demand adapter {a}: tokens differ from cached");
-        }
-        let m = get(addr, "/metrics").text();
-        let maps = metric(&m, "thaw_adapter_disk_maps_total").unwrap();
-        assert!(maps >= 1.0, "disk misses were read from their files: {m}");
+        serves_from_files(dir.path(), &on_demand_from_files, &order, &want);
     }
 
     // A NaN only the full read sees: the request fails as an on-demand server fails it, and
@@ -273,23 +270,7 @@ fn cached_serves_disk_misses_from_their_files() {
         "--emulated-link-gbps",
         "0.05",
     ];
-    {
-        let (_s, addr) = start(dir.path(), &args);
-        let got = run(addr, &order);
-        for (a, (g, w)) in got.iter().zip(&want).enumerate() {
-            assert_eq!(g.0, 200, "cached disk miss {a} failed: {}", g.1);
-            assert_eq!(
-                g.1, w.1,
-                "cached disk miss {a}: tokens differ from all-resident cached"
-            );
-        }
-        let m = get(addr, "/metrics").text();
-        let maps = metric(&m, "thaw_adapter_disk_maps_total").unwrap();
-        assert!(
-            maps >= 1.0,
-            "cached disk misses were read from their files: {m}"
-        );
-    }
+    serves_from_files(dir.path(), &args, &order, &want);
 
     // A fresh server (start-up validates every adapter), the file poisoned under it.
     let (_s, addr) = start(dir.path(), &args);
