@@ -15,7 +15,11 @@
 //! The "disk, layer by layer" row maps each file instead (header only) and registers it at
 //! once: the upload pipeline's loader threads read each layer from the file, check it (file
 //! unchanged, weights finite) and encode it into the arena, and its copy is queued as soon as
-//! that layer is in, so the first layers land while later ones are still read.
+//! that layer is in, so the first layers land while later ones are still read. It is the
+//! server's path for a disk miss under every cold-start policy, `cached` included
+//! (`ColdStartPolicy::serves_disk_miss_from_file`). The "disk, whole file first" row is what a
+//! miss costs whose file cannot be served as stored (the backend converts its dtype, so the
+//! loader reads it whole first); until the change above, every `cached` miss.
 //!
 //! Next to the TPOT change it reports each load's latency (from its start — registering, or
 //! asking the loader to read it — to its first and its last layer landed, polled once a step),
@@ -34,8 +38,8 @@
 //! `THAW_STORE_FILL=0` (the host store is never filled), `THAW_UPLOAD_BUSY_SHARE=1` (no pacing),
 //! `THAW_UPLOAD_STREAMING=0` (the loader and the store fill copy through the caches instead of
 //! with non-temporal stores), `THAW_BACKGROUND_SCHED=idle` (the byte-moving threads at
-//! `SCHED_IDLE` instead of nice 10); the disk read is the "disk" row against the "host
-//! tier" row, the store fill the "CPU workers attached" row against it.
+//! `SCHED_IDLE` instead of nice 10); the disk read is a "disk" row against the "host tier"
+//! row, the store fill the "CPU workers attached" row against it.
 //!
 //! `--pack-on-engine` adds the old CUDA path for contrast: the engine thread itself copies
 //! every byte of the adapter into a staging buffer before queueing it (what `try_stream_lora`
@@ -117,7 +121,8 @@ pub struct UploadStallArgs {
 enum Source {
     /// In host memory already: registering is the whole cold start.
     Host,
-    /// Read from disk by a loader thread, then registered.
+    /// Read whole from disk by a loader thread, then registered: a miss whose file the backend
+    /// cannot serve as stored (a dtype conversion).
     Disk,
     /// On disk, mapped by a loader thread (header only) and registered at once: the upload
     /// pipeline's loader threads read each layer from the file, check it and encode it, and
@@ -133,7 +138,7 @@ impl Source {
     fn name(self) -> &'static str {
         match self {
             Source::Host => "host tier",
-            Source::Disk => "disk",
+            Source::Disk => "disk, whole file first",
             Source::DiskByLayer => "disk, layer by layer",
             Source::PackOnEngine => "host, pack on engine thread",
             Source::Workers => "host, CPU workers attached",
@@ -782,7 +787,7 @@ mod tests {
                 "{r:?}"
             );
         }
-        assert!(text.contains("| 16 | disk |"), "{text}");
+        assert!(text.contains("| 16 | disk, whole file first |"), "{text}");
         assert!(text.contains("| 16 | disk, layer by layer |"), "{text}");
     }
 }

@@ -654,21 +654,16 @@ impl Loop {
     /// Carries out a memory plan and watches the new adapters land.
     fn apply_memory(&mut self, plan: &crate::memory::AdmitPlan, wanted: &HashSet<AdapterId>) {
         let prev = self.charge(Cause::Adapter);
-        let upload = if self.cold.policy == ColdStartPolicy::Cached {
-            Upload::Whole
-        } else {
-            Upload::Stream
-        };
         let registered = apply(
             &mut self.mem,
             &mut self.engine,
             plan,
             self.state.reserved_blocks,
-            upload,
+            Upload::of(self.cold.policy),
             wanted,
             Some(&self.loader),
         );
-        if gate::serves_from_file(self.cold.policy) {
+        if self.cold.policy.serves_disk_miss_from_file() {
             let dtype = thaw_runtime::backend::Backend::lora_dtype(self.engine.backend());
             let model = self.engine.model_config();
             let mem = &mut self.mem;

@@ -1,7 +1,8 @@
 //! The engine-level cold-start driver applies the server's gate: an `on-demand` miss whose
 //! layers land faster than the forward reaches them starts in the step, before its adapter has
 //! fully landed, waiting for its layers in the forward (and computes what the all-resident run
-//! computes); over a slow link it holds until the copy is done. Never a row on the CPU.
+//! computes); over a slow link it holds until the copy is done. Never a row on the CPU. And it
+//! serves disk misses from their mapped files by the server's own choice, under every policy.
 use std::path::PathBuf;
 use std::sync::Mutex;
 use std::time::Duration;
@@ -87,12 +88,17 @@ fn run(s: &Setup, policy: ColdStartPolicy, link: LinkModel) -> RunReport {
     coldstart::run(&mut e, &s.adapters, &s.requests, &cfg, &mut cost)
 }
 
-fn same_tokens(r: &RunReport, oracle: &RunReport) {
+/// Every request of `r` completed with the tokens of the same request of `oracle`.
+fn tokens_match(r: &RunReport, oracle: &RunReport) {
     for (i, (got, want)) in r.outcomes.iter().zip(&oracle.outcomes).enumerate() {
         assert_eq!(got.error, None, "request {i} failed");
         assert_eq!(got.tokens.len(), 6, "request {i}");
         assert_eq!(got.tokens, want.tokens, "request {i} differs from cached");
     }
+}
+
+fn same_tokens(r: &RunReport, oracle: &RunReport) {
+    tokens_match(r, oracle);
     assert_eq!(
         r.rows_assisted, 0,
         "waiting for layers never computes on the CPU"
@@ -156,5 +162,43 @@ fn on_demand_holds_a_miss_over_a_slow_link() {
             o.started.unwrap() >= o.landed.unwrap(),
             "request {i} started before its adapter landed: {o:?}"
         );
+    }
+}
+
+/// The driver serves a disk miss from its mapped file as the server does, by the same choice
+/// ([`ColdStartPolicy::serves_disk_miss_from_file`]), with no CPU workers too: every adapter
+/// starts on disk and is registered from its file on its first request (its layers then read
+/// layer by layer by the upload pipeline), and every policy computes the cached run's tokens.
+/// `cached`, the oracle, makes every adapter resident before the run: it has no disk miss.
+#[test]
+fn every_policy_serves_a_disk_miss_from_its_file() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let mut s = setup(3);
+    for a in &mut s.adapters {
+        a.1 = StartTier::Disk;
+    }
+    let link = LinkModel {
+        gbps: 1.0,
+        latency_us: 1.0,
+    };
+    let oracle = run(&s, ColdStartPolicy::Cached, link);
+    assert_eq!(
+        oracle.disk_maps, 0,
+        "the oracle starts with every adapter resident"
+    );
+    assert!(oracle.outcomes.iter().all(|o| !o.missed), "{oracle:?}");
+    for policy in ColdStartPolicy::ALL {
+        assert!(policy.serves_disk_miss_from_file(), "{policy}");
+        if policy == ColdStartPolicy::Cached {
+            continue;
+        }
+        let r = run(&s, policy, link);
+        tokens_match(&r, &oracle);
+        assert_eq!(
+            r.disk_maps,
+            s.adapters.len() as u64,
+            "{policy}: every disk adapter registered from its file on its first request"
+        );
+        assert!(r.outcomes.iter().all(|o| o.missed), "{policy}: {r:?}");
     }
 }

@@ -5,7 +5,8 @@
 //! show adapters served from their files and CPU-assisted rows; an adapter whose full read
 //! fails (a NaN only the read sees) fails its request with the error an `on-demand` server
 //! gives, and leaves no adapter pages behind. Without workers, an `on-demand` server reads
-//! disk misses from their files layer by layer too, with the same tokens.
+//! disk misses from their files layer by layer too, with the same tokens, and so does a
+//! `cached` server (whose requests still wait for the whole adapter).
 use std::net::SocketAddr;
 use std::path::Path;
 
@@ -101,8 +102,9 @@ fn replace(dir: &Path, bytes: &[u8]) {
     std::fs::rename(&tmp, dir.join("adapter_model.safetensors")).unwrap();
 }
 
-#[test]
-fn cpu_assist_serves_disk_adapters_from_their_files() {
+/// A model and [`ADAPTERS`] rank-8 q/v adapters in a new directory, and every adapter's
+/// completion, highest index first, from a `cached` server that holds them all.
+fn generate() -> (tempfile::TempDir, Vec<usize>, Vec<(u16, String)>) {
     let dir = tempfile::tempdir().expect("tempdir");
     let model = dir.path().join("model");
     gen::write_model(&test_preset(), &model, &GenModelOptions::default()).expect("gen-model");
@@ -121,6 +123,34 @@ fn cpu_assist_serves_disk_adapters_from_their_files() {
         let (_s, addr) = start(dir.path(), &["--cold-start", "cached"]);
         run(addr, &order)
     };
+    (dir, order, want)
+}
+
+/// A server started with `args` serves every adapter (`order`) with `want`'s tokens, and
+/// registered at least one disk miss from its mapped file; returns its metrics.
+fn serves_from_files(dir: &Path, args: &[&str], order: &[usize], want: &[(u16, String)]) -> String {
+    let (_s, addr) = start(dir, args);
+    let got = run(addr, order);
+    for (a, (g, w)) in got.iter().zip(want).enumerate() {
+        assert_eq!(w.0, 200, "cached adapter {a} failed: {}", w.1);
+        assert_eq!(g.0, 200, "{args:?}: adapter {a} failed: {}", g.1);
+        assert_eq!(
+            g.1, w.1,
+            "{args:?}: adapter {a}: tokens differ from the cached server"
+        );
+    }
+    let m = get(addr, "/metrics").text();
+    let maps = metric(&m, "thaw_adapter_disk_maps_total").unwrap();
+    assert!(
+        maps >= 1.0,
+        "{args:?}: disk misses were read from their files: {m}"
+    );
+    m
+}
+
+#[test]
+fn cpu_assist_serves_disk_adapters_from_their_files() {
+    let (dir, order, want) = generate();
     // One adapter in the host tier, the rest on disk; a slow link so layers are still
     // streaming when the first steps run.
     let disk_args = [
@@ -135,26 +165,9 @@ fn cpu_assist_serves_disk_adapters_from_their_files() {
         "--emulated-link-gbps",
         "0.05",
     ];
-    {
-        let (_s, addr) = start(dir.path(), &disk_args);
-        let got = run(addr, &order);
-        for (a, (g, w)) in got.iter().zip(&want).enumerate() {
-            assert_eq!(w.0, 200, "cached adapter {a} failed: {}", w.1);
-            assert_eq!(g.0, 200, "adapter {a} failed: {}", g.1);
-            assert_eq!(
-                g.1, w.1,
-                "adapter {a}: tokens differ from the cached server"
-            );
-        }
-        let m = get(addr, "/metrics").text();
-        let maps = metric(&m, "thaw_adapter_disk_maps_total").unwrap();
-        assert!(
-            maps >= 1.0,
-            "disk adapters were registered from their files: {m}"
-        );
-        let assisted = metric(&m, "thaw_cpu_assisted_rows_total").unwrap();
-        assert!(assisted > 0.0, "the worker computed rows: {m}");
-    }
+    let m = serves_from_files(dir.path(), &disk_args, &order, &want);
+    let assisted = metric(&m, "thaw_cpu_assisted_rows_total").unwrap();
+    assert!(assisted > 0.0, "the worker computed rows: {m}");
 
     // Without workers, on-demand: disk misses are served from their files too, read layer by
     // layer into the arena (each layer lands once read and checked, not after the whole
@@ -170,15 +183,7 @@ fn cpu_assist_serves_disk_adapters_from_their_files() {
             "--max-cpu-loras",
             "1",
         ];
-        let (_s, addr) = start(dir.path(), &on_demand_from_files);
-        let got = run(addr, &order);
-        for (a, (g, w)) in got.iter().zip(&want).enumerate() {
-            assert_eq!(g.0, 200, "on-demand adapter {a} failed: {}", g.1);
-            assert_eq!(g.1, w.1, "on-demand adapter {a}: tokens differ from cached");
-        }
-        let m = get(addr, "/metrics").text();
-        let maps = metric(&m, "thaw_adapter_disk_maps_total").unwrap();
-        assert!(maps >= 1.0, "disk misses were read from their files: {m}");
+        serves_from_files(dir.path(), &on_demand_from_files, &order, &want);
     }
 
     // A NaN only the full read sees: the request fails as an on-demand server fails it, and
@@ -235,6 +240,52 @@ fn cpu_assist_serves_disk_adapters_from_their_files() {
     assert!(
         device(&m) <= device(&before) && pages(&m) <= pages(&before),
         "the failed adapter left the device and its pages went back: before {before}\nafter {m}"
+    );
+    let other = (p + 1) % ADAPTERS;
+    assert_eq!(
+        complete(addr, other),
+        want[other],
+        "the server still serves other adapters"
+    );
+}
+
+/// `cached`'s disk misses are served from their mapped files too: the upload pipeline reads
+/// each layer, checks it and queues its copy (the read overlapped with the copy, not the
+/// loader's whole read first), while each request still starts only once its adapter has
+/// landed. The tokens are those of a `cached` server holding every adapter, the metrics count
+/// the adapters registered from their files, and an adapter whose file has a NaN fails its
+/// request (the unchecked mapping is never computed from); other adapters are served on.
+#[test]
+fn cached_serves_disk_misses_from_their_files() {
+    let (dir, order, want) = generate();
+    // One device slot and one host slot: most requests miss to disk. A slow link so that
+    // layers are still in flight when requests are planned (held until every one landed).
+    let args = [
+        "--cold-start",
+        "cached",
+        "--max-loras",
+        "1",
+        "--max-cpu-loras",
+        "1",
+        "--emulated-link-gbps",
+        "0.05",
+    ];
+    serves_from_files(dir.path(), &args, &order, &want);
+
+    // A fresh server (start-up validates every adapter), the file poisoned under it.
+    let (_s, addr) = start(dir.path(), &args);
+    let p = on_disk(addr);
+    let poisoned = dir.path().join(format!("adapters/adapter-{p:03}-r8"));
+    let clean = std::fs::read(poisoned.join("adapter_model.safetensors")).unwrap();
+    poison(&poisoned);
+    let bad = complete(addr, p);
+    replace(&poisoned, &clean);
+    assert_ne!(bad.0, 200, "adapter {p}'s NaN was computed from: {}", bad.1);
+    let m = get(addr, "/metrics").text();
+    assert_eq!(
+        metric(&m, "thaw_adapter_disk_maps_total"),
+        Some(1.0),
+        "the poisoned adapter was served from its file first: {m}"
     );
     let other = (p + 1) % ADAPTERS;
     assert_eq!(

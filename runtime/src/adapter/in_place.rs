@@ -91,6 +91,13 @@ impl LoraAdapter {
         })
     }
 
+    /// Whether it is a disk-tier stand-in: read in place from a mapped file not verified whole
+    /// yet (served while the loader's full read of the file is still to come). A copy the
+    /// loader read in place is verified: false.
+    pub fn is_stand_in(&self) -> bool {
+        self.is_mapped() && !self.is_verified()
+    }
+
     /// Bytes of its factors held in memory (not read in place from a mapped file): what a host
     /// copy costs the heap. 0 for an adapter read in place, [`LoraAdapter::size_bytes`] for one
     /// read into memory.

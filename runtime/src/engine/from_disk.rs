@@ -116,9 +116,7 @@ impl<B: Backend> Engine<B> {
     /// still to come: its host copy is read in place and not verified whole. A host copy read
     /// in place by the loader ([`LoraAdapter::load_in_place`]) is a full one: false.
     pub fn adapter_is_mapped(&self, id: AdapterId) -> bool {
-        self.adapters
-            .get(&id)
-            .is_some_and(|a| a.host.is_mapped() && !a.host.is_verified())
+        self.adapters.get(&id).is_some_and(|a| a.host.is_stand_in())
     }
 
     /// The adapters whose upload failed, each with why ([`Backend::lora_failure`]: a layer

@@ -130,7 +130,7 @@ pub struct RunReport {
     pub steps: Vec<StepRecord>,
     /// Where the run's CPU-assisted steps spent the engine thread's time.
     pub assist: AssistProfile,
-    /// Adapters registered from their memory-mapped files (CPU assist from the disk tier).
+    /// Adapters registered from their memory-mapped files (disk misses read layer by layer).
     pub disk_maps: u64,
 }
 
@@ -252,15 +252,13 @@ pub fn run(
             })
             .collect()
     };
-    // With workers to read it, a disk-tier adapter is registered from its mapped file when its
-    // first request arrives (the workers compute its layers from the file while the loader
-    // and the copy read it); the loader's full load then validates it and replaces the mapped
-    // host copy. Without workers, or when the policy waits for residency, it waits for the load.
-    let from_file = engine.pool().is_some()
-        && matches!(
-            cfg.policy,
-            ColdStartPolicy::CpuAssist | ColdStartPolicy::Auto
-        );
+    // As the server chooses ([`ColdStartPolicy::serves_disk_miss_from_file`]), a disk-tier
+    // adapter is registered from its mapped file when its first request arrives: the upload
+    // pipeline reads it layer by layer (and the workers, if any, compute its layers from the
+    // file) while the loader reads it whole; the loader's full load then validates it and
+    // replaces the mapped host copy. (`cached` has no disk tier here: the oracle makes every
+    // adapter resident up front.)
+    let from_file = cfg.policy.serves_disk_miss_from_file();
     let requester = &loader;
     let mut disk_maps = 0u64;
     // When each adapter had every layer on the device, from the start of the run.

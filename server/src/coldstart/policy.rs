@@ -36,6 +36,28 @@ impl ColdStartPolicy {
         ColdStartPolicy::Auto,
     ];
 
+    /// Whether a request's adapter found only on disk (a miss) is served from its
+    /// memory-mapped file while the loader reads it ([`crate::memory::mapped`]): the upload
+    /// pipeline reads it layer by layer into the arena and queues each layer's copy as soon as
+    /// it is read and checked, instead of after the loader's whole read. Every policy:
+    /// - `cached` still starts the request only once every layer has landed (its gate holds
+    ///   it), so only the read becomes layer by layer, overlapped with the copy;
+    /// - `on-demand`, and `auto` where it waits: waiting for the layers from the file is never
+    ///   slower than waiting for the loader's queue and whole read first (a property of
+    ///   [`crate::perf::LayerLanding`], the copy path `auto` models);
+    /// - `cpu-assist`, and `auto` where it assists: the workers compute from the same file.
+    ///
+    /// The server's memory step and the engine-level driver ([`super::driver`]) both ask it, so
+    /// they choose alike; the match is exhaustive so a new policy decides.
+    pub fn serves_disk_miss_from_file(self) -> bool {
+        match self {
+            ColdStartPolicy::Cached
+            | ColdStartPolicy::OnDemand
+            | ColdStartPolicy::CpuAssist
+            | ColdStartPolicy::Auto => true,
+        }
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             ColdStartPolicy::Cached => "cached",

@@ -3,9 +3,7 @@
 //! compute them on the CPU (per adapter, [`thaw_runtime::engine::UnlandedLayers`]).
 use thaw_runtime::ids::SeqId;
 
-use crate::coldstart::{
-    in_step, policy_gate, AssistWork, ColdCase, ColdGate, ColdStartPolicy, ColdTier, InFlight,
-};
+use crate::coldstart::{in_step, policy_gate, AssistWork, ColdCase, ColdGate, ColdTier, InFlight};
 use crate::perf::DiskQueue;
 use crate::scheduler::SeqState;
 
@@ -72,17 +70,6 @@ pub(super) fn cold_gate(
     policy_gate(cold.policy, decide, layers_gate)
 }
 
-/// Whether a disk-tier adapter is served from its file while it is read (see
-/// [`crate::memory::mapped`]): the upload pipeline then reads it layer by layer into the arena
-/// and each layer lands as soon as it is read and checked, instead of after the loader's whole
-/// read. Under every policy but `cached` (whose adapters are uploaded whole): waiting for the
-/// layers from the file is never slower than waiting for the loader's queue and whole read
-/// first (a property of [`crate::perf::LayerLanding`], the copy path `auto` models), and CPU
-/// assist, where `auto` chooses it, computes from the same file.
-pub(super) fn serves_from_file(policy: ColdStartPolicy) -> bool {
-    policy != ColdStartPolicy::Cached
-}
-
 /// The requests running beside request `id`: how many, and the fewest output tokens one of
 /// them has left (what `auto` spreads an assist's stretch over; `usize::MAX` with none).
 fn beside(running: &[SeqState], id: SeqId) -> (usize, usize) {
@@ -111,18 +98,5 @@ mod tests {
         assert_eq!(beside(&running, SeqId(1)), (2, 64));
         assert_eq!(beside(&running, SeqId(9)), (3, 2));
         assert_eq!(beside(&running[1..2], SeqId(2)), (0, usize::MAX));
-    }
-
-    /// Every policy but `cached` reads a disk miss from its file layer by layer.
-    #[test]
-    fn every_policy_but_cached_serves_a_disk_miss_from_its_file() {
-        for p in [
-            ColdStartPolicy::OnDemand,
-            ColdStartPolicy::CpuAssist,
-            ColdStartPolicy::Auto,
-        ] {
-            assert!(serves_from_file(p), "{p:?}");
-        }
-        assert!(!serves_from_file(ColdStartPolicy::Cached));
     }
 }

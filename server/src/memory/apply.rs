@@ -3,6 +3,7 @@
 //! disk reads for the loader.
 use std::collections::HashSet;
 
+use thaw_runtime::adapter::LoraAdapter;
 use thaw_runtime::backend::Backend;
 use thaw_runtime::engine::Engine;
 use thaw_runtime::error::RuntimeError;
@@ -12,14 +13,46 @@ use thaw_runtime::kv::PageError;
 use super::admission::AdmitPlan;
 use super::loader::{FetchJob, Loader};
 use super::manager::MemoryManager;
+use crate::coldstart::ColdStartPolicy;
 
 /// How adapters go to the device.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub enum Upload {
-    /// Every layer at once (the `cached` cold-start policy).
+    /// Every layer at once (the `cached` cold-start policy): on the CPU backend resident at
+    /// once, on a GPU through the same upload pipeline as a streamed adapter; its requests
+    /// start once every layer has landed either way. A disk-tier stand-in goes layer by layer
+    /// all the same ([`Upload::for_host`]).
     Whole,
     /// Layer by layer over the copy engine, served meanwhile as the cold-start policy says.
     Stream,
+}
+
+impl Upload {
+    /// How `policy` uploads adapters: `cached` whole, every other policy layer by layer.
+    pub fn of(policy: ColdStartPolicy) -> Upload {
+        match policy {
+            ColdStartPolicy::Cached => Upload::Whole,
+            ColdStartPolicy::OnDemand | ColdStartPolicy::CpuAssist | ColdStartPolicy::Auto => {
+                Upload::Stream
+            }
+        }
+    }
+
+    /// How `host` goes to the device under `self`. A disk-tier stand-in
+    /// ([`LoraAdapter::is_stand_in`]: a disk miss served from its mapped file,
+    /// [`crate::memory::mapped`]) goes layer by layer under every policy: the upload pipeline
+    /// reads each layer from the file, checks it (file unchanged, weights finite) and queues
+    /// its copy as soon as it is in the arena, so the read overlaps the copy. Uploaded whole,
+    /// the CPU backend would make the unread, unchecked mapping resident at once. `cached`
+    /// still waits for the whole adapter: its gate holds a request until every layer of its
+    /// adapter has landed ([`crate::coldstart::policy_gate`]).
+    pub fn for_host(self, host: &LoraAdapter) -> Upload {
+        if host.is_stand_in() {
+            Upload::Stream
+        } else {
+            self
+        }
+    }
 }
 
 /// `id` may have entered the host tier (registered with its weights, or read from disk): if the
@@ -70,6 +103,7 @@ pub fn apply<B: Backend>(
             tracing::debug!("adapter {a} does not fit yet: {e}");
             continue;
         }
+        let upload = upload.for_host(&host);
         let r = match upload {
             // A prefetch yields the link to every demand load until its request runs, and
             // takes only pages nobody uses: it evicts nothing.

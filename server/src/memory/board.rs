@@ -225,7 +225,7 @@ impl MemorySnapshot {
             ),
             (
                 "thaw_adapter_disk_maps_total",
-                "Adapters registered from their memory-mapped files while being read from disk (CPU assist from the disk tier).",
+                "Adapters registered from their memory-mapped files while being read from disk (a disk miss read layer by layer by the upload pipeline, and by the CPU workers where they assist).",
                 &[],
                 self.mapped,
             ),

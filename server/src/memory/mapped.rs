@@ -1,10 +1,12 @@
-//! Disk-tier adapters served from their files over HTTP (issue 27, items 2 and 5). When
-//! adapters stream to the device (every policy but `cached`), an adapter whose requests
-//! arrive while it is only on disk does not wait for its whole read: its safetensors file is
-//! mapped (header parsed and validated, no weight read; confined under `--lora-root` like
-//! every read, [`crate::lora_open::map_confined`]) and that mapped adapter becomes its host
-//! copy, so the next admission plan registers it with the engine like any host-tier adapter —
-//! its device pages reserved as the plan says. The upload pipeline's loader threads then read
+//! Disk-tier adapters served from their files over HTTP (issue 27, items 2 and 5). Under every
+//! policy ([`crate::coldstart::ColdStartPolicy::serves_disk_miss_from_file`]), an adapter
+//! whose requests arrive while it is only on disk does not wait for its whole read: its
+//! safetensors file is mapped (header parsed and validated, no weight read; confined under
+//! `--lora-root` like every read, [`crate::lora_open::map_confined`]) and that mapped adapter
+//! becomes its host copy, so the next admission plan registers it with the engine like any
+//! host-tier adapter — its device pages reserved as the plan says, and uploaded layer by layer
+//! even under `cached` ([`crate::memory::apply::Upload::for_host`]; `cached` still starts its
+//! requests only once every layer has landed). The upload pipeline's loader threads then read
 //! each layer from the file, check it (file unchanged, weights finite) and encode it into the
 //! arena, and its copy is queued as soon as that layer is in, so the first layers land while
 //! later ones are still read; the workers, if any, compute its layers from the file meanwhile.
@@ -206,5 +208,64 @@ mod tests {
             "not offered for mapping again during this read"
         );
         assert!(map(&mut m).is_empty());
+    }
+
+    /// A disk miss served from its mapped file goes to the device layer by layer under every
+    /// policy, `cached` (whose adapters are otherwise uploaded whole) included: the stand-in is
+    /// registered mapped, the upload pipeline reads, checks and copies it layer by layer (over
+    /// a slow emulated link it has not landed right after it is registered, where a whole
+    /// upload would have made the unread, unchecked mapping resident on the CPU backend at
+    /// once), and it lands. The loader's verified copy is still uploaded whole.
+    #[test]
+    fn a_cached_disk_miss_is_uploaded_from_its_file_layer_by_layer() {
+        use std::time::Duration;
+
+        use thaw_runtime::backend::cpu::CpuBackend;
+        use thaw_runtime::engine::{EngineConfig, HostModel};
+        use thaw_runtime::residency::LinkModel;
+
+        use crate::coldstart::ColdStartPolicy;
+        use crate::memory::apply::{apply, Upload};
+        use crate::memory::AdmitPlan;
+
+        let model = HostModel::load(&fixture()).unwrap();
+        // ~50 kB/s: the adapter's layers take tens of milliseconds each to copy.
+        let link = LinkModel {
+            gbps: 0.00005,
+            latency_us: 1.0,
+        };
+        let backend = CpuBackend::new(&model.config).with_link(link);
+        let mut engine = Engine::new(backend, model.clone(), EngineConfig::default()).unwrap();
+        let dir = fixture().join("adapters/r4_qv");
+        let owned = Arc::new(LoraAdapter::load_host(&dir, &model.config, None).unwrap());
+        let mut m = manager(&dir, owned.size_bytes() as u64);
+        let (id, none) = (AdapterId(1), HashSet::new());
+        assert!(m.start_fetch(id).is_some());
+        let mapped = map_fetches(&mut m, &[id], &model.config, None, &none, |_, _| true);
+        assert_eq!(mapped, vec![id]);
+        let stand_in = m.host_copy(id).unwrap();
+        let cached = Upload::of(ColdStartPolicy::Cached);
+        assert_eq!(cached, Upload::Whole);
+        assert_eq!(cached.for_host(&stand_in), Upload::Stream);
+        assert_eq!(cached.for_host(&owned), Upload::Whole, "a verified copy");
+        assert_eq!(Upload::Stream.for_host(&owned), Upload::Stream);
+
+        let plan = AdmitPlan {
+            load: vec![id],
+            ..Default::default()
+        };
+        let registered = apply(&mut m, &mut engine, &plan, 0, cached, &none, None);
+        assert_eq!(registered, vec![id]);
+        assert!(engine.adapter_is_mapped(id), "served from its file");
+        let (landed, layers) = engine.adapter_landed(id).unwrap();
+        assert!(
+            landed < layers,
+            "streamed layer by layer, not resident at once: {landed} of {layers} landed"
+        );
+        engine
+            .wait_adapters_landed(Duration::from_secs(60))
+            .unwrap();
+        assert!(engine.adapter_resident(id));
+        assert_eq!(engine.failed_uploads(), Vec::new());
     }
 }

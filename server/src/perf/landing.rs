@@ -190,8 +190,8 @@ mod tests {
         /// Serving a disk miss from its file (each layer read, checked and encoded by the
         /// upload pipeline, behind no loader queue) never lands a layer later, nor makes its
         /// request wait longer, than waiting for the loader's queue and whole read first and
-        /// then copying from memory (why every streaming policy serves disk misses from their
-        /// files: `engine_loop::gate::serves_from_file`).
+        /// then copying from memory (why every policy serves disk misses from their files:
+        /// `ColdStartPolicy::serves_disk_miss_from_file`).
         #[test]
         fn reading_from_the_file_never_lands_later_than_the_loaders_whole_read(
             x in any_landing(),
