@@ -363,7 +363,10 @@ mod tests {
         assert_eq!(define(l, "THAW_LORA_ROWS"), shape::LORA_ROWS as u64);
         assert_eq!(define(l, "THAW_MAX_LORA_RANK"), shape::MAX_LORA_RANK as u64);
         let g = ARGMAX.source;
-        assert_eq!(define(g, "THAW_ARGMAX_THREADS"), shape::ARGMAX_THREADS as u64);
+        assert_eq!(
+            define(g, "THAW_ARGMAX_THREADS"),
+            shape::ARGMAX_THREADS as u64
+        );
         // Whole warps, at most 32 of them (one warp reduces the warps' bests).
         assert!(shape::ARGMAX_THREADS.is_multiple_of(32) && shape::ARGMAX_THREADS <= 1024);
     }
