@@ -83,10 +83,11 @@ impl Gpu {
 }
 
 impl CudaBackend {
-    /// The argmax of the first `rows` rows (of `vocab`) of the device logits buffer, copied
-    /// into `out`. Queued behind whatever wrote the logits (one stream); waits for the copy.
-    fn ids_from_logits(
+    /// The argmax of the first `rows` rows (of `vocab`) of `logits`, copied into `out`. Queued
+    /// behind whatever wrote the logits (one stream); waits for the copy.
+    fn ids_of(
         &mut self,
+        logits: &CudaSlice<f32>,
         rows: usize,
         vocab: usize,
         out: &mut Vec<u32>,
@@ -96,21 +97,19 @@ impl CudaBackend {
         if rows == 0 {
             return Ok(());
         }
-        let k = self
-            .gpu
-            .argmax
-            .as_mut()
-            .expect("callers check the kernel is loaded");
+        let Some(k) = self.gpu.argmax.as_mut() else {
+            return Err(CudaError::Unsupported(
+                "greedy ids on the device without the argmax kernel loaded".into(),
+            ));
+        };
         let mut ids = match k.ids.take() {
             Some(ids) if ids.len() >= rows => ids,
             _ => self.gpu.stream.alloc_zeros::<u32>(rows)?,
         };
-        let logits = self.logits_dev.as_ref().ok_or_else(|| {
-            CudaError::Unsupported("greedy ids asked for before any logits were computed".into())
-        });
         let k = self.gpu.argmax.as_ref().expect("checked above");
-        let r = logits
-            .and_then(|l| self.gpu.argmax_rows(k, l, &mut ids, rows, vocab))
+        let r = self
+            .gpu
+            .argmax_rows(k, logits, &mut ids, rows, vocab)
             .and_then(|()| {
                 self.gpu
                     .stream
@@ -122,6 +121,46 @@ impl CudaBackend {
             k.ids = Some(ids);
         }
         r
+    }
+
+    /// [`CudaBackend::ids_of`] the device logits buffer (the last LM head's output).
+    fn ids_from_logits(
+        &mut self,
+        rows: usize,
+        vocab: usize,
+        out: &mut Vec<u32>,
+    ) -> Result<(), CudaError> {
+        let Some(logits) = self.logits_dev.take() else {
+            return Err(CudaError::Unsupported(
+                "greedy ids asked for before any logits were computed".into(),
+            ));
+        };
+        let r = self.ids_of(&logits, rows, vocab, out);
+        self.logits_dev = Some(logits);
+        r
+    }
+
+    /// The device argmax of `rows` rows of `vocab` logits already on the device (the parity
+    /// tests feed it rows no LM head would give: NaNs, infinities, ties). Loads the kernel if
+    /// it is off, and leaves it as it found it.
+    pub fn argmax_of(
+        &mut self,
+        logits: &CudaSlice<f32>,
+        rows: usize,
+        vocab: usize,
+    ) -> Result<Vec<u32>> {
+        assert!(logits.len() >= rows * vocab, "argmax_of: logits too small");
+        let was_on = self.device_argmax();
+        if !was_on {
+            self.set_device_argmax(true)?;
+        }
+        let mut out = Vec::new();
+        let r = self.ids_of(logits, rows, vocab, &mut out);
+        if !was_on {
+            self.set_device_argmax(false)?;
+        }
+        r?;
+        Ok(out)
     }
 
     /// [`Backend::greedy_ids`](crate::backend::Backend::greedy_ids) with the kernel loaded:
