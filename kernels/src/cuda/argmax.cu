@@ -26,6 +26,18 @@ __device__ __forceinline__ bool argmax_beats(float v, int i, float bv, int bi) {
     return v > bv || (v == bv && i < bi);
 }
 
+// Reduces the (value, index) pairs of a warp into lane 0's.
+__device__ __forceinline__ void argmax_warp(float& bv, int& bi) {
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_down_sync(0xffffffffu, bv, o);
+        const int oi = __shfl_down_sync(0xffffffffu, bi, o);
+        if (argmax_beats(ov, oi, bv, bi)) {
+            bv = ov;
+            bi = oi;
+        }
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(THAW_ARGMAX_THREADS)
 argmax_rows_f32(const float* __restrict__ logits, u32* __restrict__ ids, int rows, int vocab) {
     const int r = blockIdx.x;
@@ -45,14 +57,7 @@ argmax_rows_f32(const float* __restrict__ logits, u32* __restrict__ ids, int row
             bi = i;
         }
     }
-    for (int o = 16; o > 0; o >>= 1) {
-        const float ov = __shfl_down_sync(0xffffffffu, bv, o);
-        const int oi = __shfl_down_sync(0xffffffffu, bi, o);
-        if (argmax_beats(ov, oi, bv, bi)) {
-            bv = ov;
-            bi = oi;
-        }
-    }
+    argmax_warp(bv, bi);
     __shared__ float wv[THAW_ARGMAX_THREADS / 32];
     __shared__ int wi[THAW_ARGMAX_THREADS / 32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -65,14 +70,7 @@ argmax_rows_f32(const float* __restrict__ logits, u32* __restrict__ ids, int row
         const int nw = blockDim.x >> 5;
         bv = lane < nw ? wv[lane] : -THAW_INF;
         bi = lane < nw ? wi[lane] : 0x7fffffff;
-        for (int o = 16; o > 0; o >>= 1) {
-            const float ov = __shfl_down_sync(0xffffffffu, bv, o);
-            const int oi = __shfl_down_sync(0xffffffffu, bi, o);
-            if (argmax_beats(ov, oi, bv, bi)) {
-                bv = ov;
-                bi = oi;
-            }
-        }
+        argmax_warp(bv, bi);
         // x[0] is not NaN, so thread 0 took it: bi is a real index.
         if (lane == 0) ids[r] = (u32)bi;
     }
