@@ -190,6 +190,7 @@ pub fn projection(short: &str) -> Projection {
 }
 
 pub mod graphs;
+pub mod greedy;
 pub mod http;
 pub mod prom;
 

@@ -55,7 +55,7 @@ pub fn weight_bytes(c: &ModelConfig, weight_elem: f64, class: OpClass) -> Option
             let (i, o) = c.module_shape(m);
             i * o
         }
-        OpClass::LmHeadLogits => c.vocab_size * c.hidden_size,
+        OpClass::LmHeadLogits | OpClass::LmHeadIds => c.vocab_size * c.hidden_size,
         _ => return None,
     };
     Some(elems as f64 * weight_elem)
@@ -165,7 +165,10 @@ pub(super) fn check_quick(r: &super::GpuReport) {
         assert_eq!(calls(OpClass::ResidualAdd), 1.0);
         assert_eq!(calls(OpClass::Embed), 1.0);
         assert_eq!(calls(OpClass::Gather), 1.0);
-        assert_eq!(calls(OpClass::LmHeadLogits), 1.0);
+        // The bench's rows are greedy without logprobs: the step brings back token ids
+        // (`Backend::greedy_ids`), not logits.
+        assert_eq!(calls(OpClass::LmHeadIds), 1.0);
+        assert_eq!(calls(OpClass::LmHeadLogits), 0.0);
         // With adapter rows the forward asks every module of every layer for its deltas (the
         // backend skips modules no adapter targets); without, none.
         let lora = if d.mix == Mix::Base {

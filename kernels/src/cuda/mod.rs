@@ -14,6 +14,7 @@
 //! | `attention_prefill_tc.cu` | prefill attention on the tensor cores (mma.sync, bf16/f16 cache, head_dim 32/64/128; [`prefill_tc_plan`]) | `cpu::paged_attention` |
 //! | `lora.cu` | SGMV / BGMV shrink and expand | `cpu::{sgmv_*, bgmv_*}` |
 //! | `lora_punica.cu` | SGMV / BGMV in Punica's shape: split-K shrink ([`punica_plan`]), vector loads | `cpu::{sgmv_*, bgmv_*}` |
+//! | `argmax.cu` | opt-in (issue 29, off unless `THAW_CUDA_DEVICE_ARGMAX=1`): greedy token ids, one block per row, a (value, index) tree reduction | `thaw_runtime::sampling::argmax` |
 //! | `exchange.cu` | fused export (copy + fence + sequence word), merge of CPU deltas | CPU backend copy + `Exchange::post_step` |
 
 pub mod decode_plan;

@@ -186,6 +186,15 @@ pub const WIDE: KernelSource = KernelSource {
     ],
 };
 
+/// Greedy sampling on the device (issue 29; opt-in, off unless `THAW_CUDA_DEVICE_ARGMAX=1`):
+/// the index of each row's largest logit by the host's rule (`sampling::argmax`), so a step
+/// whose rows are all greedy copies token ids to the host instead of logits.
+pub const ARGMAX: KernelSource = KernelSource {
+    name: "argmax",
+    source: include_str!("argmax.cu"),
+    entry_points: &["argmax_rows_f32"],
+};
+
 /// Every kernel source Thaw compiles.
 pub const KERNELS: &[KernelSource] = &[
     ELEMENTWISE,
@@ -198,6 +207,7 @@ pub const KERNELS: &[KernelSource] = &[
     LORA_PUNICA,
     EXCHANGE,
     WIDE,
+    ARGMAX,
 ];
 
 /// Launch-shape constants the sources `#define`; the host launches with these.
@@ -238,6 +248,8 @@ pub mod shape {
     pub const WIDE_MAX_THREADS: usize = 1024;
     /// `THAW_ROPE_MAX_HALF`: pairs per head `wide.cu`'s RoPE stages (`MAX_HEAD_DIM / 2`).
     pub const ROPE_MAX_HALF: usize = 128;
+    /// `THAW_ARGMAX_THREADS`: threads of `argmax.cu`'s block (one block per row).
+    pub const ARGMAX_THREADS: u32 = 512;
 }
 
 /// Finds the source that defines `entry`.
@@ -350,6 +362,13 @@ mod tests {
         assert_eq!(define(l, "THAW_LORA_WARPS"), shape::LORA_WARPS as u64);
         assert_eq!(define(l, "THAW_LORA_ROWS"), shape::LORA_ROWS as u64);
         assert_eq!(define(l, "THAW_MAX_LORA_RANK"), shape::MAX_LORA_RANK as u64);
+        let g = ARGMAX.source;
+        assert_eq!(
+            define(g, "THAW_ARGMAX_THREADS"),
+            shape::ARGMAX_THREADS as u64
+        );
+        // Whole warps, at most 32 of them (one warp reduces the warps' bests).
+        assert!(shape::ARGMAX_THREADS.is_multiple_of(32) && shape::ARGMAX_THREADS <= 1024);
     }
 
     #[test]

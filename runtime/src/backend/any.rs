@@ -678,6 +678,18 @@ impl Backend for AnyBackend {
         }
     }
 
+    fn graph_end_ids(
+        &mut self,
+        scratch: &mut Vec<f32>,
+        ids: &mut Vec<u32>,
+        rows: usize,
+    ) -> Result<bool> {
+        match self {
+            Self::Cpu(b) => b.graph_end_ids(scratch, ids, rows),
+            Self::Cuda(g) => g.graph_end_ids(scratch, ids, rows),
+        }
+    }
+
     fn graph_reset(&mut self) {
         match self {
             Self::Cpu(b) => b.graph_reset(),
@@ -829,6 +841,20 @@ impl Backend for AnyBackend {
         match self {
             Self::Cpu(b) => b.logits(x.cpu(), lm_head.cpu(), rows, out),
             Self::Cuda(g) => g.logits(x.gpu(), lm_head.gpu(), rows, out),
+        }
+    }
+
+    fn greedy_ids(
+        &mut self,
+        x: &AnyBuf,
+        lm_head: &AnyLinear,
+        rows: usize,
+        scratch: &mut Vec<f32>,
+        ids: &mut Vec<u32>,
+    ) {
+        match self {
+            Self::Cpu(b) => b.greedy_ids(x.cpu(), lm_head.cpu(), rows, scratch, ids),
+            Self::Cuda(g) => g.greedy_ids(x.gpu(), lm_head.gpu(), rows, scratch, ids),
         }
     }
 }

@@ -17,7 +17,7 @@
 //! KV cache, a head_dim other than 32/64/128, or a device below compute capability 8.0. An
 //! explicit `split` / `1` / `punica` that cannot be served is an error that says what to set.
 //!
-//! Three more are opt-in ([`OptInPlan`]): off unless set to `1`, until a GPU parity run
+//! Four more are opt-in ([`OptInPlan`]): off unless set to `1`, until a GPU parity run
 //! (`cuda_parity`'s `opt_in` tests) proves them, then to become defaults like the four above.
 //!
 //! | kernel | variable | on |
@@ -25,6 +25,7 @@
 //! | q/k/v (and gate/up) as one product over one weight matrix | [`GROUP_GEMM_ENV`] | `1` |
 //! | RoPE of q and k inside the paged-cache KV write | [`ROPE_FOLD_ENV`] | `1` |
 //! | RMSNorm, add + RMSNorm, RoPE with one wide block per row | [`WIDE_ENV`] | `1` |
+//! | greedy token ids on the device, copied instead of the logits | [`DEVICE_ARGMAX_ENV`] | `1` |
 use std::fmt;
 
 use thaw_kernels::cuda::decode_plan::MIN_CHUNK;
@@ -48,6 +49,10 @@ pub const ROPE_FOLD_ENV: &str = "THAW_CUDA_ROPE_FOLD";
 /// RMSNorm, add + RMSNorm and RoPE with a wide block per row (float4 loads, one pass in
 /// registers): `1` or `0` (the default until a GPU parity run proves it).
 pub const WIDE_ENV: &str = "THAW_CUDA_WIDE_NORM";
+/// Greedy sampling on the device: a step whose rows are all greedy copies one token id per
+/// row instead of its logits (`argmax.cu`): `1` or `0` (the default until a GPU parity run
+/// proves it).
+pub const DEVICE_ARGMAX_ENV: &str = "THAW_CUDA_DEVICE_ARGMAX";
 
 /// Which kernels run the CUDA backend's decode attention.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -173,6 +178,15 @@ pub const WIDE: Switch = Switch {
     off: "0",
     new: "wide",
     classic: "one block of 256 per row",
+    default_new: false,
+};
+/// Greedy token ids on the device.
+pub const DEVICE_ARGMAX: Switch = Switch {
+    env: DEVICE_ARGMAX_ENV,
+    on: "1",
+    off: "0",
+    new: "device argmax",
+    classic: "logits copied, argmax on the host",
     default_new: false,
 };
 
@@ -397,24 +411,27 @@ pub struct OptInPlan {
     pub group_gemm: Choice,
     pub rope_fold: Choice,
     pub wide: Choice,
+    pub device_argmax: Choice,
 }
 
 impl OptInPlan {
-    /// Resolves the three opt-in switches from `var` for heads of `head_dim`.
+    /// Resolves the four opt-in switches from `var` for heads of `head_dim`.
     pub fn resolve(var: impl Fn(&str) -> Option<String>, head_dim: usize) -> Result<Self, String> {
         let value = |env: &str| var(env).unwrap_or_default();
         Ok(Self {
             group_gemm: GROUP_GEMM.choose(&value(GROUP_GEMM.env), None)?,
             rope_fold: ROPE_FOLD.choose(&value(ROPE_FOLD.env), rope_fold_unserved(head_dim))?,
             wide: WIDE.choose(&value(WIDE.env), None)?,
+            device_argmax: DEVICE_ARGMAX.choose(&value(DEVICE_ARGMAX.env), None)?,
         })
     }
 
-    fn rows(&self) -> [(&'static str, Switch, &Choice); 3] {
+    fn rows(&self) -> [(&'static str, Switch, &Choice); 4] {
         [
             ("q/k/v and gate/up products", GROUP_GEMM, &self.group_gemm),
             ("RoPE", ROPE_FOLD, &self.rope_fold),
             ("norm and RoPE blocks", WIDE, &self.wide),
+            ("greedy sampling", DEVICE_ARGMAX, &self.device_argmax),
         ]
     }
 }

@@ -241,7 +241,7 @@ proptest! {
     }
 }
 
-const OPT_IN: [Switch; 3] = [GROUP_GEMM, ROPE_FOLD, WIDE];
+const OPT_IN: [Switch; 4] = [GROUP_GEMM, ROPE_FOLD, WIDE, DEVICE_ARGMAX];
 
 fn opt_in(vars: &[(&str, &str)], head_dim: usize) -> Result<OptInPlan, String> {
     OptInPlan::resolve(env(vars), head_dim)
@@ -253,6 +253,7 @@ fn the_opt_in_switches_are_off_unless_set_to_1() {
         group_gemm: Choice::Classic,
         rope_fold: Choice::Classic,
         wide: Choice::Classic,
+        device_argmax: Choice::Classic,
     };
     assert_eq!(opt_in(&[], 128), Ok(off.clone()));
     let auto: Vec<(&str, &str)> = OPT_IN.iter().map(|s| (s.env, "auto")).collect();
@@ -266,13 +267,14 @@ fn the_opt_in_switches_are_off_unless_set_to_1() {
             group_gemm: Choice::New,
             rope_fold: Choice::New,
             wide: Choice::New,
+            device_argmax: Choice::New,
         })
     );
     // One at a time: each variable moves its own choice only.
     for (i, sw) in OPT_IN.iter().enumerate() {
         let p = opt_in(&[(sw.env, "1")], 64).unwrap();
-        let got = [&p.group_gemm, &p.rope_fold, &p.wide].map(Choice::is_new);
-        let want: [bool; 3] = std::array::from_fn(|j| j == i);
+        let got = [&p.group_gemm, &p.rope_fold, &p.wide, &p.device_argmax].map(Choice::is_new);
+        let want: [bool; 4] = std::array::from_fn(|j| j == i);
         assert_eq!(got, want, "{}", sw.env);
     }
     // The four defaults stay on whatever the opt-in switches say.
@@ -315,7 +317,8 @@ fn the_opt_in_log_line_names_each_switch() {
     assert_eq!(
         p.to_string(),
         "q/k/v and gate/up products: per-module (THAW_CUDA_GROUP_GEMM=0); RoPE: folded into \
-         the KV write; norm and RoPE blocks: one block of 256 per row (THAW_CUDA_WIDE_NORM=0)"
+         the KV write; norm and RoPE blocks: one block of 256 per row (THAW_CUDA_WIDE_NORM=0); \
+         greedy sampling: logits copied, argmax on the host (THAW_CUDA_DEVICE_ARGMAX=0)"
     );
 }
 

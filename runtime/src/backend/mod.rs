@@ -24,6 +24,7 @@ mod cpu_rows;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod graph_plan;
+pub mod greedy;
 pub mod kernel_select;
 pub mod op_profile;
 pub mod profiled;
@@ -430,6 +431,21 @@ pub trait Backend {
     );
     /// Host copy of logits = x · lm_headᵀ for `rows` rows: `[rows, vocab]`.
     fn logits(&mut self, x: &Self::Buf, lm_head: &Self::Linear, rows: usize, out: &mut Vec<f32>);
+    /// Greedy token ids of `rows` rows of x · lm_headᵀ: `ids[i]` is row `i`'s
+    /// [`crate::sampling::argmax`] (the lowest index among equal values; NaNs never chosen
+    /// unless first), and only the ids need come back to the host ([`greedy`]). `scratch` is
+    /// the backend's to use (the default leaves the logits in it). The default:
+    /// [`Backend::logits`] into `scratch`, then the argmax on the host.
+    fn greedy_ids(
+        &mut self,
+        x: &Self::Buf,
+        lm_head: &Self::Linear,
+        rows: usize,
+        scratch: &mut Vec<f32>,
+        ids: &mut Vec<u32>,
+    ) {
+        greedy::host_greedy_ids(self, x, lm_head, rows, scratch, ids);
+    }
     /// Whether CPU LoRA workers compute beside the next steps (their cores are taken): the
     /// CPU backend then computes on the engine thread alone, and on every core otherwise.
     fn set_cpu_assist(&mut self, _in_flight: bool) {}
@@ -507,6 +523,17 @@ pub trait Backend {
     fn graph_end(&mut self, out: &mut Vec<f32>, rows: usize) -> Result<bool> {
         let _ = (out, rows);
         Ok(true)
+    }
+    /// [`Backend::graph_end`] for a step whose sampling rows are all greedy: the first `rows`
+    /// rows' [`Backend::greedy_ids`] into `ids` instead of their logits. `scratch` as there.
+    /// The default: `graph_end` into `scratch`, then the argmax on the host.
+    fn graph_end_ids(
+        &mut self,
+        scratch: &mut Vec<f32>,
+        ids: &mut Vec<u32>,
+        rows: usize,
+    ) -> Result<bool> {
+        greedy::host_graph_end_ids(self, scratch, ids, rows)
     }
     /// Drops every captured graph and the persistent buffers' contents (graphs switched off).
     fn graph_reset(&mut self) {}

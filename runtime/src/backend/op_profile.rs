@@ -27,6 +27,10 @@ pub enum OpClass {
     Gather,
     /// The LM head's product plus the device → host copy of the logits.
     LmHeadLogits,
+    /// The LM head's product plus the greedy token ids ([`super::Backend::greedy_ids`]): the
+    /// argmax on the device and the ids' copy where the backend has it (CUDA with
+    /// `THAW_CUDA_DEVICE_ARGMAX=1`), else the logits' copy and the host's argmax.
+    LmHeadIds,
     /// CPU-assist exports and merges.
     Assist,
 }
@@ -47,6 +51,7 @@ impl OpClass {
             OpClass::ResidualAdd => "residual add".into(),
             OpClass::Gather => "gather sample rows".into(),
             OpClass::LmHeadLogits => "linear lm_head + logits copy".into(),
+            OpClass::LmHeadIds => "linear lm_head + ids copy".into(),
             OpClass::Assist => "cpu-assist export/merge".into(),
         }
     }
@@ -192,7 +197,7 @@ mod tests {
         /// Rows plus the outside time are the step; shares are the rows' µs over the step.
         #[test]
         fn rows_and_outside_sum_to_the_step(
-            us in proptest::collection::vec((0usize..13, 0.0f64..1e4), 0..200),
+            us in proptest::collection::vec((0usize..14, 0.0f64..1e4), 0..200),
             steps in 1usize..5,
             step_us in 1.0f64..1e6,
         ) {
@@ -201,6 +206,7 @@ mod tests {
                 OpClass::Linear(LoraModule::Q), OpClass::Linear(LoraModule::Down),
                 OpClass::LinearOther, OpClass::Lora, OpClass::Rope, OpClass::Attention,
                 OpClass::Swiglu, OpClass::ResidualAdd, OpClass::Gather, OpClass::LmHeadLogits,
+                OpClass::LmHeadIds,
             ];
             let samples: Vec<OpSample> =
                 us.iter().map(|&(c, t)| s(classes[c], t)).collect();

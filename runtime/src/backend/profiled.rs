@@ -388,6 +388,18 @@ impl<B: Backend + OpClock> Backend for Profiled<B> {
     fn logits(&mut self, x: &Self::Buf, lm_head: &Self::Linear, rows: usize, out: &mut Vec<f32>) {
         self.timed(OpClass::LmHeadLogits, |b| b.logits(x, lm_head, rows, out))
     }
+    fn greedy_ids(
+        &mut self,
+        x: &Self::Buf,
+        lm_head: &Self::Linear,
+        rows: usize,
+        scratch: &mut Vec<f32>,
+        ids: &mut Vec<u32>,
+    ) {
+        self.timed(OpClass::LmHeadIds, |b| {
+            b.greedy_ids(x, lm_head, rows, scratch, ids)
+        })
+    }
     fn set_cpu_assist(&mut self, in_flight: bool) {
         self.inner.set_cpu_assist(in_flight)
     }
@@ -435,6 +447,14 @@ impl<B: Backend + OpClock> Backend for Profiled<B> {
     }
     fn graph_end(&mut self, out: &mut Vec<f32>, rows: usize) -> Result<bool> {
         self.inner.graph_end(out, rows)
+    }
+    fn graph_end_ids(
+        &mut self,
+        scratch: &mut Vec<f32>,
+        ids: &mut Vec<u32>,
+        rows: usize,
+    ) -> Result<bool> {
+        self.inner.graph_end_ids(scratch, ids, rows)
     }
     fn graph_reset(&mut self) {
         self.inner.graph_reset()

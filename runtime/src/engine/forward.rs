@@ -195,8 +195,9 @@ fn end_assist<B: Backend>(
     Ok(())
 }
 
-/// Runs every layer over the step's rows and leaves `[logit_rows, vocab]` logits in `logits`.
-/// Rows whose adapter layer has not landed get their deltas from `assist`; with `wait`, the
+/// Runs every layer over the step's rows and leaves `[logit_rows, vocab]` logits in `logits`,
+/// or with `ids`, the logit rows' greedy token ids in it ([`Backend::greedy_ids`]; `logits` is
+/// then its scratch). Rows whose adapter layer has not landed get their deltas from `assist`; with `wait`, the
 /// adapters it waits for have each layer waited for until it has landed and computed on the
 /// device instead (one step may do both, for different adapters).
 #[allow(clippy::too_many_arguments)]
@@ -211,6 +212,7 @@ pub(crate) fn run<B: Backend>(
     mut assist: Option<&mut Assist<'_>>,
     mut wait: Option<&mut LayerWait>,
     logits: &mut Vec<f32>,
+    ids: Option<&mut Vec<u32>>,
 ) -> Result<()> {
     let rows = step.rows();
     let hidden = c.hidden_size;
@@ -297,8 +299,51 @@ pub(crate) fn run<B: Backend>(
             None => b.add(&mut ws.h, &ws.o, rows * hidden),
         }
     }
-    self::logits(b, c, m, ws, &step.logit_rows, logits);
+    match ids {
+        Some(ids) => greedy_ids(b, c, m, ws, &step.logit_rows, logits, ids),
+        None => self::logits(b, c, m, ws, &step.logit_rows, logits),
+    }
     Ok(())
+}
+
+/// The final norm of rows `rows` of the last [`run`]'s hidden states into `ws.last_norm`, and
+/// the LM head to apply to them; at most [`Workspace::logit_cap`] rows, and at least one.
+fn last_rows<'m, B: Backend>(
+    b: &mut B,
+    c: &ModelConfig,
+    m: &'m DeviceModel<B>,
+    ws: &mut Workspace<B>,
+    rows: &[usize],
+) -> &'m B::Linear {
+    let n = rows.len();
+    assert!(
+        n <= ws.logit_cap,
+        "{n} logit rows exceed the workspace's {}",
+        ws.logit_cap
+    );
+    b.gather_rows(&ws.h, c.hidden_size, rows, &mut ws.last);
+    b.rms_norm(&ws.last, &m.norm, c.rms_norm_eps, n, &mut ws.last_norm);
+    m.lm_head.as_ref().unwrap_or(&m.embed)
+}
+
+/// The greedy token ids of rows `rows` of the last [`run`]'s final hidden states
+/// ([`Backend::greedy_ids`], `scratch` its scratch): what [`logits`] then
+/// [`crate::sampling::argmax`] per row would give.
+pub(crate) fn greedy_ids<B: Backend>(
+    b: &mut B,
+    c: &ModelConfig,
+    m: &DeviceModel<B>,
+    ws: &mut Workspace<B>,
+    rows: &[usize],
+    scratch: &mut Vec<f32>,
+    ids: &mut Vec<u32>,
+) {
+    if rows.is_empty() {
+        ids.clear();
+        return;
+    }
+    let head = last_rows(b, c, m, ws, rows);
+    b.greedy_ids(&ws.last_norm, head, rows.len(), scratch, ids);
 }
 
 /// `[rows.len(), vocab]` logits of rows `rows` of the last [`run`]'s final hidden states;
@@ -311,18 +356,10 @@ pub(crate) fn logits<B: Backend>(
     rows: &[usize],
     out: &mut Vec<f32>,
 ) {
-    let n = rows.len();
-    assert!(
-        n <= ws.logit_cap,
-        "{n} logit rows exceed the workspace's {}",
-        ws.logit_cap
-    );
-    if n == 0 {
+    if rows.is_empty() {
         out.clear();
         return;
     }
-    b.gather_rows(&ws.h, c.hidden_size, rows, &mut ws.last);
-    b.rms_norm(&ws.last, &m.norm, c.rms_norm_eps, n, &mut ws.last_norm);
-    let head = m.lm_head.as_ref().unwrap_or(&m.embed);
-    b.logits(&ws.last_norm, head, n, out);
+    let head = last_rows(b, c, m, ws, rows);
+    b.logits(&ws.last_norm, head, rows.len(), out);
 }

@@ -126,7 +126,8 @@ impl EngineGraphs {
 
 /// Runs one padded step as graph `key`: the backend's begin, the forward unless it replayed,
 /// its end; once more, eagerly, if the capture failed. Leaves the real `rows` rows' logits in
-/// `logits`.
+/// `logits`, or with `ids` their greedy token ids in it ([`Backend::graph_end_ids`]: the graph
+/// itself is the same either way, ending in the LM head; `logits` is then scratch).
 #[allow(clippy::too_many_arguments)]
 pub(super) fn run<B: Backend>(
     g: &mut EngineGraphs,
@@ -138,21 +139,26 @@ pub(super) fn run<B: Backend>(
     (step, lora): (&StepLayout, &LoraBatch<'_, B::Lora>),
     rows: usize,
     logits: &mut Vec<f32>,
+    mut ids: Option<&mut Vec<u32>>,
 ) -> Result<()> {
     let Some(phase) = b.graph_begin(key, step, lora, &g.sizing)? else {
         // Failed before (another engine's step, or state the engine did not see): eager.
         g.failed.insert(key);
         g.stats.eager += 1;
-        return forward::run(b, c, m, kv, ws, step, lora, None, None, logits);
+        return forward::run(b, c, m, kv, ws, step, lora, None, None, logits, ids);
     };
     if phase != GraphPhase::Replay {
-        if let Err(e) = forward::run(b, c, m, kv, ws, step, lora, None, None, logits) {
+        if let Err(e) = forward::run(b, c, m, kv, ws, step, lora, None, None, logits, None) {
             // Ends a capture in progress; the step's error is the one to report.
             let _ = b.graph_end(logits, rows);
             return Err(e);
         }
     }
-    if b.graph_end(logits, rows)? {
+    let mut end = |b: &mut B, logits: &mut Vec<f32>| match ids.as_deref_mut() {
+        Some(ids) => b.graph_end_ids(logits, ids, rows),
+        None => b.graph_end(logits, rows),
+    };
+    if end(b, logits)? {
         match phase {
             GraphPhase::Warmup => g.stats.warmups += 1,
             GraphPhase::Capture => g.stats.captures += 1,
@@ -167,8 +173,8 @@ pub(super) fn run<B: Backend>(
     );
     g.failed.insert(key);
     g.stats.failed += 1;
-    forward::run(b, c, m, kv, ws, step, lora, None, None, logits)?;
-    b.graph_end(logits, rows)?;
+    forward::run(b, c, m, kv, ws, step, lora, None, None, logits, None)?;
+    end(b, logits)?;
     Ok(())
 }
 

@@ -38,6 +38,7 @@ mod assist_device;
 mod forward;
 mod from_disk;
 mod graphs;
+pub mod greedy;
 mod land_wait;
 mod paged;
 mod prefix;
@@ -125,6 +126,13 @@ pub struct Engine<B: Backend> {
     lora_layout: LoraLayout,
     sampler_scratch: SamplerScratch,
     logits: Vec<f32>,
+    /// Whether all-greedy steps bring back token ids instead of logits ([`greedy`]).
+    greedy_ids: bool,
+    /// Per step: what the sampling rows brought back, and the ids when that was ids.
+    fetch: greedy::Fetch,
+    ids: Vec<u32>,
+    /// Steps that brought back greedy ids instead of logits.
+    id_steps: u64,
     next_seed: u64,
     /// Per step: the adapters in `lora_layout` index order, and the sequence of each
     /// `layout.seqs` entry and of each `layout.logit_rows` entry.
@@ -199,6 +207,10 @@ impl<B: Backend> Engine<B> {
             lora_layout: LoraLayout::default(),
             sampler_scratch: SamplerScratch::default(),
             logits: Vec::new(),
+            greedy_ids: greedy::enabled_by_env(),
+            fetch: greedy::Fetch::Logits,
+            ids: Vec::new(),
+            id_steps: 0,
             step_adapter_ids: Vec::new(),
             seq_order: Vec::new(),
             sample_order: Vec::new(),
@@ -792,6 +804,14 @@ impl<B: Backend> Engine<B> {
         // or reused before `end_step` below.
         self.blocks.begin_step();
         self.backend.step_running(true);
+        self.fetch = greedy::step_fetch(
+            self.greedy_ids,
+            plan.return_logits,
+            self.sample_order
+                .iter()
+                .map(|s| greedy::row_needs_logits(self.seqs[s].sampler.params())),
+        );
+        let ids = (self.fetch == greedy::Fetch::Ids).then_some(&mut self.ids);
         let ran = match graph {
             Some((g, key)) => graphs::run(
                 g,
@@ -803,6 +823,7 @@ impl<B: Backend> Engine<B> {
                 (&self.layout, &lora),
                 self.sample_order.len(),
                 &mut self.logits,
+                ids,
             ),
             None => forward::run(
                 &mut self.backend,
@@ -815,6 +836,7 @@ impl<B: Backend> Engine<B> {
                 assist.as_mut(),
                 wait.as_mut(),
                 &mut self.logits,
+                ids,
             ),
         };
         self.layer_wait += wait.map_or(Duration::ZERO, |w| w.waited);
@@ -845,8 +867,16 @@ impl<B: Backend> Engine<B> {
         let eos = &self.config.eos_token_ids;
         let max_context = self.max_context();
         let mut out = Vec::with_capacity(self.sample_order.len());
+        let ids = self.fetch == greedy::Fetch::Ids;
+        self.id_steps += ids as u64;
         for (i, seq) in self.sample_order.iter().enumerate() {
-            let row = &self.logits[i * vocab..(i + 1) * vocab];
+            // Ids: the step's rows are all greedy without logprobs and no logits were asked
+            // for (`greedy::step_fetch`); no logits came back.
+            let row: &[f32] = if ids {
+                &[]
+            } else {
+                &self.logits[i * vocab..(i + 1) * vocab]
+            };
             let s = self.seqs.get_mut(seq).expect("planned sequences are live");
             debug_assert!(
                 s.prompt_logprobs.is_none()
@@ -854,7 +884,12 @@ impl<B: Backend> Engine<B> {
                     || s.prompt_scored.len() == s.prompt_len - 1,
                 "every prompt token after the first is scored before the first output"
             );
-            let token = s.sampler.sample(row, &mut self.sampler_scratch);
+            let token = if ids {
+                debug_assert!(!greedy::row_needs_logits(s.sampler.params()));
+                greedy::greedy_token(self.ids[i])
+            } else {
+                s.sampler.sample(row, &mut self.sampler_scratch)
+            };
             s.tokens.push(token.id);
             let stop =
                 s.stop_token_ids.contains(&token.id) || (!s.ignore_eos && eos.contains(&token.id));

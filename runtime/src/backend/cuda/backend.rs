@@ -1229,6 +1229,18 @@ impl Backend for CudaBackend {
         Ok(self.try_graph_end(out, rows)?)
     }
 
+    fn graph_end_ids(
+        &mut self,
+        scratch: &mut Vec<f32>,
+        ids: &mut Vec<u32>,
+        rows: usize,
+    ) -> Result<bool> {
+        if !self.device_argmax() {
+            return crate::backend::greedy::host_graph_end_ids(self, scratch, ids, rows);
+        }
+        Ok(self.try_graph_end_ids(ids, rows)?)
+    }
+
     fn graph_reset(&mut self) {
         self.graph_drop_all();
     }
@@ -1241,6 +1253,29 @@ impl Backend for CudaBackend {
         out: &mut Vec<f32>,
     ) {
         op!(self, self.try_logits(x, lm_head, rows, out));
+        self.check_sampling_op();
+    }
+
+    fn greedy_ids(
+        &mut self,
+        x: &CudaSlice<f32>,
+        lm_head: &CudaLinear,
+        rows: usize,
+        scratch: &mut Vec<f32>,
+        ids: &mut Vec<u32>,
+    ) {
+        if !self.device_argmax() {
+            return crate::backend::greedy::host_greedy_ids(self, x, lm_head, rows, scratch, ids);
+        }
+        op!(self, self.try_greedy_ids(x, lm_head, rows, ids));
+        self.check_sampling_op();
+    }
+}
+
+impl CudaBackend {
+    /// After the op that brings a step's logits or ids to the host: panics with the step's
+    /// error, if it had one, outside a graph step (whose errors surface in `graph_end`).
+    fn check_sampling_op(&self) {
         if self.graphs.active().is_some() {
             // A graph step's errors (a failed capture among them) surface in `graph_end`.
             return;

@@ -71,7 +71,7 @@ pub(super) struct Graphs {
     states: HashMap<GraphKey, KeyState>,
     captured: HashMap<GraphKey, (SendGraph, Fingerprint)>,
     /// Logits per row, seen by the last graph-mode logits op (a replay runs none).
-    vocab: usize,
+    pub(super) vocab: usize,
     pub active: Option<Active>,
 }
 
@@ -209,6 +209,23 @@ impl CudaBackend {
         out: &mut Vec<f32>,
         rows: usize,
     ) -> Result<bool, CudaError> {
+        if !self.try_graph_finish()? {
+            return Ok(false);
+        }
+        let n = rows * self.graphs.vocab;
+        out.resize(n, 0.0);
+        if n > 0 {
+            let dev = self.logits_dev.as_ref().expect("reserved by graph_prepare");
+            self.gpu.stream.memcpy_dtoh(&dev.slice(..n), &mut out[..])?;
+        }
+        self.gpu.stream.synchronize()?;
+        Ok(true)
+    }
+
+    /// The graph half of ending a graph step: launches a graph just captured and records the
+    /// key's state. `false` when the capture failed (the engine reruns the step eagerly);
+    /// `true` once the step's work, ending in the LM head into the logits buffer, is queued.
+    pub(super) fn try_graph_finish(&mut self) -> Result<bool, CudaError> {
         let Some(a) = self.graphs.active.take() else {
             return Err(CudaError::Unsupported(
                 "graph_end without a graph step in progress".into(),
@@ -257,13 +274,6 @@ impl CudaBackend {
         if let Some(e) = self.error.take() {
             return Err(e);
         }
-        let n = rows * self.graphs.vocab;
-        out.resize(n, 0.0);
-        if n > 0 {
-            let dev = self.logits_dev.as_ref().expect("reserved by graph_prepare");
-            self.gpu.stream.memcpy_dtoh(&dev.slice(..n), &mut out[..])?;
-        }
-        self.gpu.stream.synchronize()?;
         Ok(true)
     }
 

@@ -140,6 +140,9 @@ pub(super) struct Gpu {
     pub rope_fold: Option<super::wide::RopeFold>,
     /// q/k/v and gate/up as one product (`group.rs`, opt-in); `None` = one per module.
     pub group: Option<super::group::Group>,
+    /// Greedy token ids on the device (`argmax.rs`, opt-in); `None` = the logits' copy and
+    /// the host's argmax.
+    pub argmax: Option<super::argmax::DeviceArgmax>,
 }
 
 impl Gpu {
@@ -166,6 +169,7 @@ impl Gpu {
             wide: None,
             rope_fold: None,
             group: None,
+            argmax: None,
             ctx,
             stream,
             blas,

@@ -5,6 +5,7 @@ use thaw_kernels::cuda::decode_plan::MIN_CHUNK;
 use thaw_kernels::cuda::registry::shape;
 use thaw_kernels::cuda::KernelCache;
 
+use super::argmax::DeviceArgmax;
 use super::attn_prefill_tc::TcPrefill;
 use super::flash::FlashDecode;
 use super::fused::Fused;
@@ -60,6 +61,9 @@ impl CudaBackend {
         if opt_in.wide.is_new() {
             self.gpu.wide = Some(Wide::load(ctx, w)?);
         }
+        if opt_in.device_argmax.is_new() {
+            self.gpu.argmax = Some(DeviceArgmax::load(ctx)?);
+        }
         Ok(())
     }
 
@@ -70,6 +74,7 @@ impl CudaBackend {
             group_gemm: pick(self.gpu.group.is_some()),
             rope_fold: pick(self.gpu.rope_fold.is_some()),
             wide: pick(self.gpu.wide.is_some()),
+            device_argmax: pick(self.gpu.argmax.is_some()),
         }
     }
 
