@@ -63,10 +63,7 @@ fn max_decode_ctx(decode: &[u32], window: usize) -> usize {
 
 fn grow(gpu: &Gpu, buf: &mut Option<CudaSlice<f32>>, n: usize) -> Result<(), CudaError> {
     if buf.as_ref().is_none_or(|b| b.len() < n) {
-        *buf = Some(
-            gpu.stream
-                .alloc_zeros::<f32>(n.max(1).next_power_of_two())?,
-        );
+        *buf = Some(gpu.alloc_zeros::<f32>(n.max(1).next_power_of_two())?);
     }
     Ok(())
 }

@@ -8,7 +8,9 @@
 //! - `swiglu_x16_T` (`elementwise.cu`): SwiGLU that also writes its output in the weight dtype,
 //!   so the down projection's GEMM reads it without a separate cast kernel. The backend records
 //!   which buffer the 16-bit copy mirrors ([`X16Tag`]); the next op, if it is a `linear` over
-//!   exactly that buffer, skips its cast. Any other op in between voids the tag.
+//!   exactly that buffer, skips its cast. Any other op in between voids the tag. A `linear`
+//!   leaves such a tag too (its own cast of its input, whatever the fused switch): k and v
+//!   after q, and up after gate, read q's and gate's cast.
 //!
 //! CPU twins: `thaw_kernels::cpu::{add_rms_norm, swiglu_x16}`.
 use std::sync::Arc;
@@ -35,6 +37,11 @@ impl X16Tag {
     pub fn serves(&self, ptr: u64, len: usize, op: u64) -> bool {
         self.ptr == ptr && self.len == len && self.at + 1 == op
     }
+}
+
+/// Whether the byte ranges `(start, len)` `a` and `b` share a byte (empty ranges share none).
+pub(super) fn ranges_overlap(a: (u64, u64), b: (u64, u64)) -> bool {
+    a.1 > 0 && b.1 > 0 && a.0 < b.0.saturating_add(b.1) && b.0 < a.0.saturating_add(a.1)
 }
 
 /// The resolved fused kernels for one weight dtype.
@@ -131,7 +138,7 @@ impl Gpu {
         );
         if x16.as_ref().is_none_or(|b| b.len() < n) {
             // SAFETY: fully written by the kernel below before any read.
-            *x16 = Some(unsafe { self.stream.alloc::<u16>(n.max(1)) }?);
+            *x16 = Some(unsafe { self.alloc_uninit::<u16>(n.max(1)) }?);
         }
         let xb = x16.as_ref().map(|b| self.p(b)).unwrap_or(0);
         // SAFETY: swiglu_x16_T(const float*, const float*, float*, T*, long); gate, up and out
@@ -221,5 +228,17 @@ mod tests {
         assert!(!t.serves(0x1000, 64, 9), "another op ran in between");
         assert!(!t.serves(0x2000, 64, 8), "another buffer");
         assert!(!t.serves(0x1000, 32, 8), "another length");
+    }
+
+    #[test]
+    fn overlapping_ranges_are_found_and_adjacent_ones_are_not() {
+        assert!(ranges_overlap((100, 10), (105, 10)));
+        assert!(ranges_overlap((105, 10), (100, 10)));
+        assert!(ranges_overlap((100, 10), (100, 1)));
+        assert!(ranges_overlap((100, 50), (110, 5)), "one inside the other");
+        assert!(!ranges_overlap((100, 10), (110, 10)), "adjacent");
+        assert!(!ranges_overlap((110, 10), (100, 10)), "adjacent");
+        assert!(!ranges_overlap((100, 0), (100, 10)), "empty");
+        assert!(!ranges_overlap((u64::MAX - 4, 4), (0, 8)));
     }
 }

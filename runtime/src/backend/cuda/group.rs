@@ -136,7 +136,7 @@ impl CudaBackend {
                 // Grown outside a capture only (a graph bakes the address in: `graph.rs`'s
                 // fingerprint drops graphs captured on an older scratch).
                 let len = n.max(1).next_power_of_two();
-                self.group_out = Some(self.gpu.stream.alloc_zeros::<f32>(len)?);
+                self.group_out = Some(self.gpu.alloc_zeros::<f32>(len)?);
             }
             let mut scratch = self.group_out.take().expect("sized above");
             let last = ws.last().expect("two or three weights");

@@ -140,6 +140,8 @@ pub(super) struct Gpu {
     pub rope_fold: Option<super::wide::RopeFold>,
     /// q/k/v and gate/up as one product (`group.rs`, opt-in); `None` = one per module.
     pub group: Option<super::group::Group>,
+    /// What this backend asked of the driver (`counters.rs`).
+    pub counters: super::counters::Counters,
 }
 
 impl Gpu {
@@ -166,6 +168,7 @@ impl Gpu {
             wide: None,
             rope_fold: None,
             group: None,
+            counters: Default::default(),
             ctx,
             stream,
             blas,
@@ -191,6 +194,7 @@ impl Gpu {
         block: u32,
         params: &mut [*mut c_void],
     ) -> Result<(), CudaError> {
+        self.counters.launch();
         // SAFETY: forwarded to the caller (see `# Safety`); the stream belongs to `ctx`.
         unsafe {
             cudarc::driver::result::launch_kernel(
@@ -335,7 +339,7 @@ impl Gpu {
                 let n = rows * d_in;
                 if x16.as_ref().is_none_or(|b| b.len() < n) {
                     // SAFETY: fully written by the cast below before any read.
-                    *x16 = Some(unsafe { self.stream.alloc::<u16>(n) }?);
+                    *x16 = Some(unsafe { self.alloc_uninit::<u16>(n) }?);
                 }
                 let xb = x16.as_ref().map(|b| self.p(b)).unwrap_or(0);
                 // SAFETY: cast_f32_to_{bf16,f16}(const float*, T*, long); x holds n f32 and
@@ -374,6 +378,7 @@ impl Gpu {
         out: &mut CudaSlice<f32>,
     ) -> Result<(), CudaError> {
         let (alpha, beta) = (1.0f32, 0.0f32);
+        self.counters.gemm();
         // Row-major y = x·Wᵀ is column-major yᵀ = W·xᵀ: W read column-major is [d_in, d_out]
         // (transposed: op T), xᵀ is [d_in, rows] (op N), yᵀ is [d_out, rows].
         // SAFETY: the handle is bound to our stream; A = W holds d_out × d_in, B (`b_ptr`, the

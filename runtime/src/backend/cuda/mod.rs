@@ -18,6 +18,7 @@
 //! | `launch.rs` | every raw CUDA call: launches, cuBLAS, stream waits, host registration |
 //! | `op_clock.rs` | events on the compute stream that time each op of a profiled step (`thaw-bench gpu --op-profile`) |
 //! | `backend.rs` | [`CudaBackend`]: the trait ops |
+//! | `counters.rs` | running counts of launches, allocations, copies and synchronisations ([`CudaBackend::device_counts`]) |
 //! | `select.rs` | resolves and loads the issue-29 kernels a new backend runs, logs the choice |
 //! | `sgmv.rs` | the Punica-shaped SGMV / BGMV launches (default where served; off: `THAW_CUDA_LORA_IMPL=classic`) |
 //! | `step.rs` | per-step device metadata (slots, block tables, segments), uploaded once per step |
@@ -37,6 +38,7 @@
 //! [`OptInPlan`], switched with `set_group_gemm`, `set_rope_fold` and `set_wide`.
 mod attn_prefill_tc;
 mod backend;
+mod counters;
 mod encode;
 mod exchange;
 mod flash;

@@ -2,10 +2,9 @@
 //! and `LoraLayout` (the pure builders of `backend::step_meta`) and reused by every layer
 //! (Punica: segment indices built once per step).
 //! Buffers grow to the largest step seen and are then reused; host staging vectors likewise.
-use std::sync::Arc;
+use cudarc::driver::{CudaSlice, DeviceRepr, ValidAsZeroBits};
 
-use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
-
+use super::launch::Gpu;
 use super::weights::CudaLora;
 use super::CudaError;
 use crate::backend::step_meta::{AttnHost, LoraHost};
@@ -27,23 +26,23 @@ impl<T: DeviceRepr + ValidAsZeroBits + Copy> DevVec<T> {
 
     /// Copies `host` to the device (at least one element is allocated so kernels always get a
     /// valid pointer).
-    pub fn upload(&mut self, stream: &Arc<CudaStream>) -> Result<(), CudaError> {
+    pub fn upload(&mut self, gpu: &Gpu) -> Result<(), CudaError> {
         let host = std::mem::take(&mut self.host);
-        let r = self.upload_slice(stream, &host);
+        let r = self.upload_slice(gpu, &host);
         self.host = host;
         r
     }
 
     /// Copies `data` to the device buffer, growing it if needed.
-    pub fn upload_slice(&mut self, stream: &Arc<CudaStream>, data: &[T]) -> Result<(), CudaError> {
+    pub fn upload_slice(&mut self, gpu: &Gpu, data: &[T]) -> Result<(), CudaError> {
         let n = data.len().max(1);
         if self.dev.as_ref().is_none_or(|d| d.len() < n) {
-            self.dev = Some(stream.alloc_zeros::<T>(n.next_power_of_two())?);
+            self.dev = Some(gpu.alloc_zeros::<T>(n.next_power_of_two())?);
         }
         if let Some(d) = self.dev.as_mut() {
             if !data.is_empty() {
                 let mut view = d.slice_mut(..data.len());
-                stream.memcpy_htod(data, &mut view)?;
+                gpu.htod(data, &mut view)?;
             }
         }
         Ok(())
@@ -96,17 +95,17 @@ impl AttnMeta {
     /// prefill tiles of at most `tile_rows` rows (the prefill kernel's query tile).
     pub fn build(
         &mut self,
-        stream: &Arc<CudaStream>,
+        gpu: &Gpu,
         step: &StepLayout,
         (block_size, num_blocks): (usize, usize),
         tile_rows: usize,
     ) -> Result<(), CudaError> {
         let h = &mut self.host;
         h.build(step, block_size, num_blocks, tile_rows);
-        self.slots.upload_slice(stream, &h.slots)?;
-        self.tables.upload_slice(stream, &h.tables)?;
-        self.decode.upload_slice(stream, &h.decode)?;
-        self.tiles.upload_slice(stream, &h.tiles)
+        self.slots.upload_slice(gpu, &h.slots)?;
+        self.tables.upload_slice(gpu, &h.tables)?;
+        self.decode.upload_slice(gpu, &h.decode)?;
+        self.tiles.upload_slice(gpu, &h.tiles)
     }
 }
 
@@ -139,7 +138,7 @@ impl LoraMeta {
 
     pub fn build(
         &mut self,
-        stream: &Arc<CudaStream>,
+        gpu: &Gpu,
         layout: &LoraLayout,
         adapters: &[&CudaLora],
         on_device: &[bool],
@@ -148,8 +147,8 @@ impl LoraMeta {
         h.build(layout, |i| {
             on_device[i as usize].then(|| adapters[i as usize].table_addr)
         });
-        self.seg_tables.upload_slice(stream, &h.seg_tables)?;
-        self.seg_rows.upload_slice(stream, &h.seg_rows)?;
-        self.row_tables.upload_slice(stream, &h.row_tables)
+        self.seg_tables.upload_slice(gpu, &h.seg_tables)?;
+        self.seg_rows.upload_slice(gpu, &h.seg_rows)?;
+        self.row_tables.upload_slice(gpu, &h.row_tables)
     }
 }
