@@ -10,7 +10,7 @@
 //! | file | job |
 //! | --- | --- |
 //! | `attn_prefill_tc.rs` | prefill attention on the tensor cores (default where served; off: `THAW_CUDA_TC_PREFILL=0`) |
-//! | `flash.rs` | flash-decoding launches (default; off: `THAW_CUDA_ATTN_IMPL=classic`) |
+//! | `flash.rs` | flash-decoding launches (default; off: `THAW_CUDA_ATTN_IMPL=classic`; shortest chunk: `THAW_CUDA_SPLIT_MIN_CHUNK`, default 256) |
 //! | `fused.rs` | fused add + RMSNorm and SwiGLU + cast (default; off: `THAW_CUDA_FUSED=0`) |
 //! | `graph.rs` | CUDA graphs of decode steps: capture, replay, the persistent metadata buffer |
 //! | `group.rs` | q/k/v and gate/up placed as one matrix at load and run as one product (opt-in: `THAW_CUDA_GROUP_GEMM=1`) |
@@ -57,7 +57,7 @@ mod wide;
 
 pub use super::kernel_select::{
     AttnImpl, KernelPlan, LoraImpl, OptInPlan, ATTN_IMPL_ENV, FUSED_ENV, GROUP_GEMM_ENV,
-    LORA_IMPL_ENV, ROPE_FOLD_ENV, TC_PREFILL_ENV, WIDE_ENV,
+    LORA_IMPL_ENV, ROPE_FOLD_ENV, SPLIT_MIN_CHUNK_ENV, TC_PREFILL_ENV, WIDE_ENV,
 };
 pub use backend::{CudaBackend, CudaConfig, CudaKvLayer};
 pub use exchange::MappedExchange;
