@@ -84,7 +84,9 @@ mod tests {
         };
         let t = table(&[row(1, Some(c)), row(8, None)], &[row(1, Some(g))]);
         assert!(
-            t.contains("| eager | 1 | 0 | 100.0 | 7.0 | 0.0 | 0.00 | 0.0 | 3.0 | 150 | 0.0 | 1.0 |"),
+            t.contains(
+                "| eager | 1 | 0 | 100.0 | 7.0 | 0.0 | 0.00 | 0.0 | 3.0 | 150 | 0.0 | 1.0 |"
+            ),
             "{t}"
         );
         assert!(

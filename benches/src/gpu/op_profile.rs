@@ -191,7 +191,10 @@ pub(super) fn check_quick(r: &super::GpuReport) {
         for row in &p.rows {
             assert!(row.us.is_finite() && row.us >= 0.0, "{row:?}");
             // One wall clock on the CPU: issuing an op takes no longer than the op.
-            assert!(row.host_us >= 0.0 && row.host_us <= row.us + 1e-3, "{row:?}");
+            assert!(
+                row.host_us >= 0.0 && row.host_us <= row.us + 1e-3,
+                "{row:?}"
+            );
             assert!(row.gap_us.is_finite() && row.gap_us >= 0.0, "{row:?}");
             if let Some(g) = row.gbs {
                 assert!(g.is_finite() && g > 0.0, "{row:?}");

@@ -56,3 +56,43 @@ __device__ void add_rms_norm(float* __restrict__ residual, const float* __restri
         add_rms_norm<T>(residual, x, w, out, rows, d, eps);                                \
     }
 THAW_FOR_EACH_DTYPE(THAW_ADD_NORM)
+
+// Fused residual add + RMSNorm that also writes its output in the weight dtype (issue 29; with
+// the fused kernels, the default): out16[r, :] = T(out[r, :]), the input of the projections
+// that read `out` next (q/k/v, gate/up), so their GEMM skips its cast_f32_to_T launch, as
+// swiglu_x16 does for down. The f32 `out` stays: LoRA and the CPU-assist export read it. Bit
+// for bit add_rms_norm (the same expression per element), and out16 bit for bit cast_f32_to_T
+// over out (the same from_f32 rounding). 16-bit T only.
+template <typename T>
+__device__ void add_rms_norm_x16(float* __restrict__ residual, const float* __restrict__ x,
+                                 const T* __restrict__ w, float* __restrict__ out,
+                                 T* __restrict__ out16, int rows, int d, float eps) {
+    const int r = blockIdx.x;
+    if (r >= rows) return;
+    float* hr = residual + (long)r * d;
+    const float* xr = x + (long)r * d;
+    float* orow = out + (long)r * d;
+    T* orow16 = out16 + (long)r * d;
+    float ss = 0.0f;
+    for (int j = threadIdx.x; j < d; j += blockDim.x) {
+        const float v = hr[j] + xr[j];
+        hr[j] = v;
+        ss += v * v;
+    }
+    ss = block_sum(ss);
+    const float inv = rsqrtf(ss / (float)d + eps);
+    for (int j = threadIdx.x; j < d; j += blockDim.x) {
+        const float o = hr[j] * inv * to_f32(w[j]);
+        orow[j] = o;
+        orow16[j] = from_f32<T>(o);
+    }
+}
+
+#define THAW_ADD_NORM_X16(T, S)                                                             \
+    extern "C" __global__ void add_rms_norm_x16_##S(float* residual, const float* x,       \
+                                                    const T* w, float* out, T* out16,      \
+                                                    int rows, int d, float eps) {          \
+        add_rms_norm_x16<T>(residual, x, w, out, out16, rows, d, eps);                     \
+    }
+THAW_ADD_NORM_X16(bf16_t, bf16)
+THAW_ADD_NORM_X16(f16_t, f16)

@@ -84,11 +84,21 @@ pub const ELEMENTWISE: KernelSource = KernelSource {
     ],
 };
 
-/// RMSNorm, and residual add + RMSNorm fused (issue 29; the default, `THAW_CUDA_FUSED=0` off).
+/// RMSNorm, and residual add + RMSNorm fused, also with its output's 16-bit copy (issue 29; the
+/// default, `THAW_CUDA_FUSED=0` off).
 pub const NORM: KernelSource = KernelSource {
     name: "norm",
     source: include_str!("norm.cu"),
-    entry_points: dtypes!("rms_norm", "add_rms_norm"),
+    entry_points: &[
+        "rms_norm_f32",
+        "rms_norm_bf16",
+        "rms_norm_f16",
+        "add_rms_norm_f32",
+        "add_rms_norm_bf16",
+        "add_rms_norm_f16",
+        "add_rms_norm_x16_bf16",
+        "add_rms_norm_x16_f16",
+    ],
 };
 
 /// Rotary embedding.

@@ -533,7 +533,9 @@ mod tests {
         assert!(s.iter().all(|s| s.us.is_finite() && s.us >= 0.0));
         // On the CPU both clocks are the wall clock: the host call lies inside its marks, the
         // first op has no gap before it, and the others' gaps are the time between marks.
-        assert!(s.iter().all(|s| s.host_us >= 0.0 && s.host_us <= s.us + 1e-3));
+        assert!(s
+            .iter()
+            .all(|s| s.host_us >= 0.0 && s.host_us <= s.us + 1e-3));
         assert_eq!(s[0].gap_us, 0.0);
         assert!(s.iter().all(|s| s.gap_us.is_finite() && s.gap_us >= 0.0));
         assert_eq!([&a0, &a1, &a2], [&b0, &b1, &b2]);

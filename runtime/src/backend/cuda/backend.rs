@@ -554,7 +554,10 @@ impl CudaBackend {
             .as_ref()
             .is_none_or(|d| d.len() < n * width)
         {
-            self.host_rows.dev = Some(self.gpu.alloc_zeros::<f32>((n * width).next_power_of_two())?);
+            self.host_rows.dev = Some(
+                self.gpu
+                    .alloc_zeros::<f32>((n * width).next_power_of_two())?,
+            );
         }
         let mut staged = self.host_rows.dev.take().expect("sized above");
         let r = self
@@ -1126,6 +1129,20 @@ impl Backend for CudaBackend {
         debug_assert_eq!(w.len, width, "add_rms_norm: norm width");
         op!(self, {
             match (self.gpu).norm_wide(Some(&mut *residual), x, &w.v, out, rows, w.len, eps) {
+                Ok(false) if self.gpu.fuses_norm_x16() => {
+                    let x16 = &mut self.x16;
+                    let r =
+                        (self.gpu).add_rms_norm_x16(residual, x, &w.v, out, x16, rows, w.len, eps);
+                    if r.is_ok() {
+                        // The next op, a projection over `out`, reads the 16-bit copy.
+                        self.x16_tag = Some(super::fused::X16Tag {
+                            ptr: self.gpu.p(out),
+                            len: rows * w.len,
+                            at: self.ops,
+                        });
+                    }
+                    r
+                }
                 Ok(false) => (self.gpu).add_rms_norm(residual, x, &w.v, out, rows, w.len, eps),
                 r => r.map(drop),
             }

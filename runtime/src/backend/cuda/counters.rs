@@ -4,8 +4,8 @@
 //! driver call). Not counted: model and adapter uploads at load (`weights.rs`, the upload
 //! pipeline's copy stream) and the eager logits copy (`try_logits`: one device → host copy
 //! and one synchronisation a step, by construction).
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, ValidAsZeroBits};
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
 use super::launch::Gpu;
 use super::{CudaBackend, CudaError};
@@ -106,7 +106,11 @@ impl Gpu {
 
     /// Copies `src` into the host slice `dst` on the compute stream (counted); the copy is
     /// complete only after [`Gpu::sync`].
-    pub fn dtoh<T: DeviceRepr>(&self, src: &impl DevicePtr<T>, dst: &mut [T]) -> Result<(), CudaError> {
+    pub fn dtoh<T: DeviceRepr>(
+        &self,
+        src: &impl DevicePtr<T>,
+        dst: &mut [T],
+    ) -> Result<(), CudaError> {
         self.counters.dtoh(std::mem::size_of_val(dst));
         Ok(self.stream.memcpy_dtoh(src, dst)?)
     }

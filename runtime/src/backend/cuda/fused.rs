@@ -4,7 +4,9 @@
 //!
 //! - `add_rms_norm_T` (`norm.cu`): the residual add and the next block's RMSNorm in one pass
 //!   over each row ([`Backend::add_rms_norm`](crate::backend::Backend::add_rms_norm)); bit for
-//!   bit the two kernels it replaces.
+//!   bit the two kernels it replaces. With 16-bit weights `add_rms_norm_x16_T` runs instead: the
+//!   same, plus its output in the weight dtype (tagged like SwiGLU's below), so q and gate (and
+//!   through the linear's own tag k, v and up) skip their casts.
 //! - `swiglu_x16_T` (`elementwise.cu`): SwiGLU that also writes its output in the weight dtype,
 //!   so the down projection's GEMM reads it without a separate cast kernel. The backend records
 //!   which buffer the 16-bit copy mirrors ([`X16Tag`]); the next op, if it is a `linear` over
@@ -49,6 +51,8 @@ pub(crate) struct Fused {
     add_norm: CudaFunction,
     /// None for f32 weights (no cast to fuse).
     swiglu16: Option<CudaFunction>,
+    /// add + RMSNorm that also writes the 16-bit copy; None for f32 weights.
+    add_norm16: Option<CudaFunction>,
 }
 
 impl Fused {
@@ -60,6 +64,10 @@ impl Fused {
             swiglu16: match w {
                 DType::F32 => None,
                 DType::Bf16 | DType::F16 => Some(f(&format!("swiglu_x16_{}", w.suffix()))?),
+            },
+            add_norm16: match w {
+                DType::F32 => None,
+                DType::Bf16 | DType::F16 => Some(f(&format!("add_rms_norm_x16_{}", w.suffix()))?),
             },
         })
     }
@@ -115,6 +123,72 @@ impl Gpu {
                 ]
             )
         }
+    }
+
+    /// residual += x; out = rms_norm(residual) · w, and `out` in the weight dtype into `x16`
+    /// (grown as needed): `add_rms_norm_x16_T`. Err when the weights are f32 or the fused
+    /// kernels are off.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn add_rms_norm_x16(
+        &self,
+        residual: &mut CudaSlice<f32>,
+        x: &CudaSlice<f32>,
+        w: &CudaSlice<u8>,
+        out: &mut CudaSlice<f32>,
+        x16: &mut Option<CudaSlice<u16>>,
+        rows: usize,
+        d: usize,
+        eps: f32,
+    ) -> Result<(), CudaError> {
+        let Some(func) = self.fused.as_ref().and_then(|f| f.add_norm16.as_ref()) else {
+            return Err(CudaError::Unsupported(
+                "add_rms_norm_x16 needs 16-bit weights and the fused kernels".into(),
+            ));
+        };
+        let n = rows * d;
+        assert!(
+            residual.len() >= n && x.len() >= n && out.len() >= n,
+            "add_rms_norm_x16: buffers too small"
+        );
+        assert!(
+            w.len() >= d * self.weight_dtype.size(),
+            "add_rms_norm_x16: weight too small"
+        );
+        if rows == 0 {
+            return Ok(());
+        }
+        if x16.as_ref().is_none_or(|b| b.len() < n) {
+            // SAFETY: fully written by the kernel below before any read.
+            *x16 = Some(unsafe { self.alloc_uninit::<u16>(n) }?);
+        }
+        let xb = x16.as_ref().map(|b| self.p(b)).unwrap_or(0);
+        // SAFETY: add_rms_norm_x16_T(float*, const float*, const T*, float*, T*, int, int,
+        // float); one block of 256 threads per row, as add_rms_norm; residual, x and out hold
+        // rows × d f32, w d weights (checked above) and x16 at least rows × d 16-bit elements
+        // (grown above).
+        unsafe {
+            launch!(
+                self,
+                func,
+                (rows as u32, 1, 1),
+                256,
+                [
+                    self.p(residual),
+                    self.p(x),
+                    self.p(w),
+                    self.p(out),
+                    xb,
+                    int(rows, "rows"),
+                    int(d, "d"),
+                    eps
+                ]
+            )
+        }
+    }
+
+    /// Whether the add + RMSNorm + cast kernel is loaded (16-bit weights, fused on).
+    pub(super) fn fuses_norm_x16(&self) -> bool {
+        self.fused.as_ref().is_some_and(|f| f.add_norm16.is_some())
     }
 
     /// out = silu(gate) · up, and the same values in the weight dtype into `x16` (grown as
