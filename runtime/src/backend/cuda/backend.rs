@@ -119,6 +119,8 @@ pub struct CudaBackend {
     pub(super) graphs: super::graph::Graphs,
     /// KV layers allocated so far: a captured graph holds the KV cache's addresses.
     pub(super) kv_allocs: AtomicU64,
+    /// Timing events of the op profile's marks (`op_clock.rs`).
+    pub(super) marks: super::op_clock::MarkPool,
 }
 
 impl CudaBackend {
@@ -169,6 +171,7 @@ impl CudaBackend {
             error: None,
             graphs: Default::default(),
             kv_allocs: AtomicU64::new(0),
+            marks: Default::default(),
             gpu,
         };
         b.load_kernels(c)?;
