@@ -357,6 +357,9 @@ mod tests {
         // The CPU backend has no CUDA graphs: the graph rows are skipped, and say so.
         assert!(r.graph_decode.is_empty());
         assert!(table(&args, &r).contains("skipped: this backend has no CUDA graphs"));
+        // Nor driver counts: the table says so.
+        assert!(r.decode.iter().all(|d| d.counts.is_none() && d.steps > 0));
+        assert!(table(&args, &r).contains("not counted: this backend keeps no driver counts"));
         let pos = |v: f64| v.is_finite() && v > 0.0;
         assert!(pos(r.peaks.gbs) && pos(r.peaks.tflops));
         // No CUDA kernels to name: the LoRA table ran the CPU backend's.
