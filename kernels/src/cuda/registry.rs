@@ -188,6 +188,8 @@ pub const WIDE: KernelSource = KernelSource {
         "add_rms_norm_wide_f32",
         "add_rms_norm_wide_bf16",
         "add_rms_norm_wide_f16",
+        "add_rms_norm_wide_x16_bf16",
+        "add_rms_norm_wide_x16_f16",
         "rope_wide_f32",
         "write_kv_rope_f32",
         "write_kv_rope_bf16",

@@ -985,7 +985,7 @@ impl Backend for CudaBackend {
         out: &mut CudaSlice<f32>,
     ) {
         op!(self, {
-            match (self.gpu).norm_wide(None, x, &w.v, out, rows, w.len, eps) {
+            match (self.gpu).norm_wide(None, x, &w.v, out, None, rows, w.len, eps) {
                 Ok(false) => self.gpu.rms_norm(x, &w.v, out, rows, w.len, eps),
                 r => r.map(drop),
             }
@@ -1131,24 +1131,31 @@ impl Backend for CudaBackend {
         }
         debug_assert_eq!(w.len, width, "add_rms_norm: norm width");
         op!(self, {
-            match (self.gpu).norm_wide(Some(&mut *residual), x, &w.v, out, rows, w.len, eps) {
+            let wide16 = self.gpu.wide_norm_x16();
+            let x16 = wide16.then_some(&mut self.x16);
+            let (h, v) = (&mut *residual, &w.v);
+            let r = match (self.gpu).norm_wide(Some(h), x, v, out, x16, rows, w.len, eps) {
                 Ok(false) if self.gpu.fuses_norm_x16() => {
                     let x16 = &mut self.x16;
-                    let r =
-                        (self.gpu).add_rms_norm_x16(residual, x, &w.v, out, x16, rows, w.len, eps);
-                    if r.is_ok() {
-                        // The next op, a projection over `out`, reads the 16-bit copy.
-                        self.x16_tag = Some(super::fused::X16Tag {
-                            ptr: self.gpu.p(out),
-                            len: rows * w.len,
-                            at: self.ops,
-                        });
-                    }
-                    r
+                    (self.gpu)
+                        .add_rms_norm_x16(residual, x, v, out, x16, rows, w.len, eps)
+                        .map(|()| true)
                 }
-                Ok(false) => (self.gpu).add_rms_norm(residual, x, &w.v, out, rows, w.len, eps),
-                r => r.map(drop),
+                Ok(false) => (self.gpu)
+                    .add_rms_norm(residual, x, v, out, rows, w.len, eps)
+                    .map(|()| false),
+                r => r.map(|ran| ran && wide16),
+            };
+            if let Ok(true) = r {
+                // `x16` holds `out` in the weight dtype: the next op, a projection over `out`,
+                // reads it instead of casting.
+                self.x16_tag = Some(super::fused::X16Tag {
+                    ptr: self.gpu.p(out),
+                    len: rows * w.len,
+                    at: self.ops,
+                });
             }
+            r.map(drop)
         });
     }
 

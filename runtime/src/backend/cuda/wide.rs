@@ -33,6 +33,8 @@ use crate::error::Result;
 pub(crate) struct Wide {
     rms_norm: CudaFunction,
     add_norm: CudaFunction,
+    /// add + RMSNorm that also writes the 16-bit GEMM input; None for f32 weights.
+    add_norm16: Option<CudaFunction>,
     rope: CudaFunction,
 }
 
@@ -43,6 +45,12 @@ impl Wide {
         Ok(Self {
             rms_norm: f(&format!("rms_norm_wide_{}", w.suffix()))?,
             add_norm: f(&format!("add_rms_norm_wide_{}", w.suffix()))?,
+            add_norm16: match w {
+                DType::F32 => None,
+                DType::Bf16 | DType::F16 => {
+                    Some(f(&format!("add_rms_norm_wide_x16_{}", w.suffix()))?)
+                }
+            },
             rope: f("rope_wide_f32")?,
         })
     }
@@ -72,8 +80,16 @@ pub(super) struct FoldShape {
 }
 
 impl Gpu {
+    /// Whether the wide add + RMSNorm writes the 16-bit GEMM input too (wide on, 16-bit
+    /// weights): [`Gpu::norm_wide`] with `x16` given.
+    pub(super) fn wide_norm_x16(&self) -> bool {
+        self.wide.as_ref().is_some_and(|k| k.add_norm16.is_some())
+    }
+
     /// Wide RMSNorm of `rows` rows of `d` (with `residual`: residual += x first, and the sum is
-    /// normalised). Ok(false) when the wide kernels are off or do not serve `d`: nothing ran.
+    /// normalised; with `residual` and `x16` where [`Gpu::wide_norm_x16`], the output also
+    /// into `x16` in the weight dtype, grown as needed). Ok(false) when the wide kernels are
+    /// off or do not serve `d`: nothing ran.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn norm_wide(
         &self,
@@ -81,6 +97,7 @@ impl Gpu {
         x: &CudaSlice<f32>,
         w: &CudaSlice<u8>,
         out: &mut CudaSlice<f32>,
+        x16: Option<&mut Option<CudaSlice<u16>>>,
         rows: usize,
         d: usize,
         eps: f32,
@@ -109,8 +126,38 @@ impl Gpu {
             return Ok(true);
         }
         let grid = (rows as u32, 1, 1);
-        match residual {
-            Some(h) => {
+        match (residual, x16.zip(k.add_norm16.as_ref())) {
+            (Some(h), Some((x16, func))) => {
+                assert!(h.len() >= n, "norm_wide: residual too small");
+                if x16.as_ref().is_none_or(|b| b.len() < n) {
+                    // SAFETY: fully written by the kernel below before any read.
+                    *x16 = Some(unsafe { self.alloc_uninit::<u16>(n) }?);
+                }
+                let xb = x16.as_ref().map(|b| self.p(b)).unwrap_or(0);
+                // SAFETY: add_rms_norm_wide_x16_T(float*, const float*, const T*, float*, T*,
+                // int, int, float); the launch shape, sizes and alignment as for
+                // add_rms_norm_wide_T below, and x16 holds at least rows × d 16-bit elements
+                // (grown above), written with scalar stores (any 2-byte alignment).
+                unsafe {
+                    launch!(
+                        self,
+                        func,
+                        grid,
+                        threads,
+                        [
+                            self.p(h),
+                            self.p(x),
+                            self.p(w),
+                            self.p(out),
+                            xb,
+                            int(rows, "rows"),
+                            int(d, "d"),
+                            eps
+                        ]
+                    )
+                }?
+            }
+            (Some(h), None) => {
                 assert!(h.len() >= n, "norm_wide: residual too small");
                 // SAFETY: add_rms_norm_wide_T(float*, const float*, const T*, float*, int, int,
                 // float); one block of `threads` (whole warps, d / 4 <= threads · WIDE_VPT:
@@ -137,7 +184,7 @@ impl Gpu {
             }
             // SAFETY: rms_norm_wide_T(const float*, const T*, float*, int, int, float); the
             // launch shape and sizes as above.
-            None => unsafe {
+            (None, _) => unsafe {
                 launch!(
                     self,
                     &k.rms_norm,
