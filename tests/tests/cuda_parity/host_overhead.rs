@@ -1,9 +1,9 @@
 //! What a steady-state eager decode step asks of the driver on the CUDA backend (issue 29),
 //! from the backend's running counts (`CudaBackend::device_counts`): no device allocation (every
 //! scratch buffer has grown to the decode shape in the warm-up steps), at most
-//! [`MAX_UPLOADS`] host → device copies of metadata (token ids, positions, KV slots, block
-//! tables, decode rows, the three LoRA tables, the sample rows: each once a step, never per
-//! layer) of at most [`MAX_UPLOAD_BYTES`] bytes, no counted synchronisation (the logits copy's
+//! [`MAX_UPLOADS`] host → device copies of metadata (token ids, positions, the attention
+//! metadata packed in one copy, the three LoRA tables, the sample rows: each once a step, never
+//! per layer) of at most [`MAX_UPLOAD_BYTES`] bytes, no counted synchronisation (the logits copy's
 //! one wait, in `try_logits`, is outside the counts), one cuBLAS product per projection plus
 //! the LM head, and the same counts every step. With 16-bit weights (and the default fused
 //! kernels) a projection's input is cast to 16 bits at most once per input: the fused add +
@@ -22,9 +22,9 @@ use thaw_tests::TestModel;
 
 use super::graphs::engine_with;
 
-/// Host → device copies a decode step may make: ids, positions, slots, tables, decode rows,
-/// three LoRA tables, sample rows.
-const MAX_UPLOADS: u64 = 9;
+/// Host → device copies a decode step may make: token ids, positions, the attention metadata
+/// (slots, block tables, decode rows: one packed copy), three LoRA tables, sample rows.
+const MAX_UPLOADS: u64 = 7;
 /// Their bytes for this test's 3 short sequences (a few hundred in practice).
 const MAX_UPLOAD_BYTES: u64 = 4096;
 

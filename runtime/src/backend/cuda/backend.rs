@@ -384,7 +384,7 @@ impl CudaBackend {
         let rows = step.rows();
         let tl = kv.layout.token_len();
         self.gpu
-            .write_kv(k, v, &mut kv.k, &mut kv.v, self.attn.slots.get(), rows, tl)?;
+            .write_kv(k, v, &mut kv.k, &mut kv.v, &self.attn.slots(), rows, tl)?;
         self.attend(q, kv, out, s)
     }
 
@@ -406,8 +406,8 @@ impl CudaBackend {
                 &kv.k,
                 &kv.v,
                 out,
-                a.tables.get(),
-                a.decode.get(),
+                &a.tables(),
+                &a.decode(),
                 a.n_decode(),
                 s,
             )?;
@@ -417,8 +417,8 @@ impl CudaBackend {
                 q,
                 (&kv.k, &kv.v),
                 out,
-                a.tables.get(),
-                a.tiles.get(),
+                &a.tables(),
+                &a.tiles(),
                 a.n_tiles(),
                 s,
             );
@@ -428,8 +428,8 @@ impl CudaBackend {
             &kv.k,
             &kv.v,
             out,
-            a.tables.get(),
-            a.tiles.get(),
+            &a.tables(),
+            &a.tiles(),
             a.n_tiles(),
             s,
         )

@@ -623,8 +623,8 @@ impl Gpu {
         kc: &CudaSlice<u8>,
         vc: &CudaSlice<u8>,
         out: &mut CudaSlice<f32>,
-        tables: &CudaSlice<u32>,
-        tiles: &CudaSlice<u32>,
+        tables: &impl DevicePtr<u32>,
+        tiles: &impl DevicePtr<u32>,
         n_tiles: usize,
         s: AttnShape,
     ) -> Result<(), CudaError> {
@@ -655,7 +655,7 @@ impl Gpu {
         q: &CudaSlice<f32>,
         (kc, vc): (&CudaSlice<u8>, &CudaSlice<u8>),
         out: &mut CudaSlice<f32>,
-        (tables, tiles, n_tiles): (&CudaSlice<u32>, &CudaSlice<u32>, usize),
+        (tables, tiles, n_tiles): (&impl DevicePtr<u32>, &impl DevicePtr<u32>, usize),
         s: AttnShape,
     ) -> Result<(), CudaError> {
         assert!(tiles.len() >= 4 * n_tiles);

@@ -2,12 +2,14 @@
 //! and `LoraLayout` (the pure builders of `backend::step_meta`) and reused by every layer
 //! (Punica: segment indices built once per step).
 //! Buffers grow to the largest step seen and are then reused; host staging vectors likewise.
-use cudarc::driver::{CudaSlice, DeviceRepr, ValidAsZeroBits};
+use std::ops::Range;
+
+use cudarc::driver::{CudaSlice, CudaView, DeviceRepr, ValidAsZeroBits};
 
 use super::launch::Gpu;
 use super::weights::CudaLora;
 use super::CudaError;
-use crate::backend::step_meta::{AttnHost, LoraHost};
+use crate::backend::step_meta::{AttnHost, AttnParts, LoraHost};
 use crate::backend::{LoraLayout, StepLayout};
 
 /// A device buffer that grows to the largest upload and a host staging vector.
@@ -55,16 +57,13 @@ impl<T: DeviceRepr + ValidAsZeroBits + Copy> DevVec<T> {
     }
 }
 
-/// Attention metadata of one step: built on the host by [`AttnHost`], uploaded once.
+/// Attention metadata of one step: built on the host by [`AttnHost`], uploaded once, in one
+/// copy (the four arrays packed one after another, [`AttnHost::pack`]).
 pub(super) struct AttnMeta {
     pub host: AttnHost,
-    /// Cache slot per row.
-    pub slots: DevVec<u32>,
-    pub tables: DevVec<u32>,
-    /// (table offset, position, row) per decode row.
-    pub decode: DevVec<u32>,
-    /// (table offset, first position, first row, rows) per prefill tile.
-    pub tiles: DevVec<u32>,
+    /// Slots, tables, decode rows and tiles, packed.
+    packed: DevVec<u32>,
+    parts: AttnParts,
     /// Flash-decoding's partial outputs and (max, sum) pairs (`flash.rs`), grown on demand.
     pub split_acc: Option<CudaSlice<f32>>,
     pub split_ml: Option<CudaSlice<f32>>,
@@ -74,13 +73,35 @@ impl AttnMeta {
     pub fn new() -> Self {
         Self {
             host: AttnHost::default(),
-            slots: DevVec::new(),
-            tables: DevVec::new(),
-            decode: DevVec::new(),
-            tiles: DevVec::new(),
+            packed: DevVec::new(),
+            parts: AttnParts::default(),
             split_acc: None,
             split_ml: None,
         }
+    }
+
+    fn part(&self, r: &Range<usize>) -> CudaView<'_, u32> {
+        self.packed.get().slice(r.clone())
+    }
+
+    /// Cache slot per row.
+    pub fn slots(&self) -> CudaView<'_, u32> {
+        self.part(&self.parts.slots)
+    }
+
+    /// The step's block tables, concatenated.
+    pub fn tables(&self) -> CudaView<'_, u32> {
+        self.part(&self.parts.tables)
+    }
+
+    /// (table offset, position, row) per decode row.
+    pub fn decode(&self) -> CudaView<'_, u32> {
+        self.part(&self.parts.decode)
+    }
+
+    /// (table offset, first position, first row, rows) per prefill tile.
+    pub fn tiles(&self) -> CudaView<'_, u32> {
+        self.part(&self.parts.tiles)
     }
 
     pub fn n_decode(&self) -> usize {
@@ -102,10 +123,8 @@ impl AttnMeta {
     ) -> Result<(), CudaError> {
         let h = &mut self.host;
         h.build(step, block_size, num_blocks, tile_rows);
-        self.slots.upload_slice(gpu, &h.slots)?;
-        self.tables.upload_slice(gpu, &h.tables)?;
-        self.decode.upload_slice(gpu, &h.decode)?;
-        self.tiles.upload_slice(gpu, &h.tiles)
+        self.parts = h.pack(&mut self.packed.host);
+        self.packed.upload(gpu)
     }
 }
 

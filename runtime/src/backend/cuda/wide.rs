@@ -391,7 +391,7 @@ impl CudaBackend {
         self.gpu.write_kv_rope(
             (&mut *q, &mut *k, v),
             (&mut kv.k, &mut kv.v),
-            self.attn.slots.get(),
+            &self.attn.slots(),
             self.positions.get(),
             &self.inv_freq,
             fold,
