@@ -189,9 +189,11 @@ impl CudaBackend {
     /// Copies host f32 values to a new device buffer (tests, benchmarks).
     pub fn upload_f32(&self, v: &[f32]) -> Result<CudaSlice<f32>> {
         let g = &self.gpu;
-        let r = g.alloc_zeros::<f32>(v.len().max(1));
-        let r = r.and_then(|mut d| g.htod(v, &mut d).map(|()| d));
-        Ok(r?)
+        let mut d = g.alloc_zeros::<f32>(v.len().max(1))?;
+        if !v.is_empty() {
+            g.htod(v, &mut d)?;
+        }
+        Ok(d)
     }
 
     /// The first `n` values of a device buffer (synchronises the compute stream).
