@@ -29,10 +29,15 @@ THAW_FOR_EACH_DTYPE(THAW_NORM)
 // sum lands in registers and shared memory, so the residual row is read once and written once
 // instead of add (read 2, write 1) then norm (read 1). Bit for bit add then rms_norm: the same
 // f32 sums in the same order per thread and the same block reduction.
+// With `out16` (not null; 16-bit T): out16[r, :] = T(out[r, :]) too, the input of the
+// projections that read `out` next (q/k/v, gate/up), so their GEMM skips its cast_f32_to_T
+// launch, as swiglu_x16 does for down; bit for bit cast_f32_to_T over `out` (the same
+// from_f32 rounding of the same value). The f32 `out` stays: LoRA and the CPU-assist export
+// read it.
 template <typename T>
 __device__ void add_rms_norm(float* __restrict__ residual, const float* __restrict__ x,
-                             const T* __restrict__ w, float* __restrict__ out, int rows, int d,
-                             float eps) {
+                             const T* __restrict__ w, float* __restrict__ out,
+                             T* __restrict__ out16, int rows, int d, float eps) {
     const int r = blockIdx.x;
     if (r >= rows) return;
     float* hr = residual + (long)r * d;
@@ -47,52 +52,17 @@ __device__ void add_rms_norm(float* __restrict__ residual, const float* __restri
     ss = block_sum(ss);
     const float inv = rsqrtf(ss / (float)d + eps);
     // Each thread reads back only the elements it wrote: no barrier needed.
-    for (int j = threadIdx.x; j < d; j += blockDim.x) orow[j] = hr[j] * inv * to_f32(w[j]);
+    for (int j = threadIdx.x; j < d; j += blockDim.x) {
+        const float o = hr[j] * inv * to_f32(w[j]);
+        orow[j] = o;
+        if (out16 != nullptr) out16[(long)r * d + j] = from_f32<T>(o);
+    }
 }
 
 #define THAW_ADD_NORM(T, S)                                                                \
     extern "C" __global__ void add_rms_norm_##S(float* residual, const float* x, const T* w, \
-                                                float* out, int rows, int d, float eps) {  \
-        add_rms_norm<T>(residual, x, w, out, rows, d, eps);                                \
+                                                float* out, T* out16, int rows, int d,     \
+                                                float eps) {                               \
+        add_rms_norm<T>(residual, x, w, out, out16, rows, d, eps);                         \
     }
 THAW_FOR_EACH_DTYPE(THAW_ADD_NORM)
-
-// Fused residual add + RMSNorm that also writes its output in the weight dtype (issue 29; with
-// the fused kernels, the default): out16[r, :] = T(out[r, :]), the input of the projections
-// that read `out` next (q/k/v, gate/up), so their GEMM skips its cast_f32_to_T launch, as
-// swiglu_x16 does for down. The f32 `out` stays: LoRA and the CPU-assist export read it. Bit
-// for bit add_rms_norm (the same expression per element), and out16 bit for bit cast_f32_to_T
-// over out (the same from_f32 rounding). 16-bit T only.
-template <typename T>
-__device__ void add_rms_norm_x16(float* __restrict__ residual, const float* __restrict__ x,
-                                 const T* __restrict__ w, float* __restrict__ out,
-                                 T* __restrict__ out16, int rows, int d, float eps) {
-    const int r = blockIdx.x;
-    if (r >= rows) return;
-    float* hr = residual + (long)r * d;
-    const float* xr = x + (long)r * d;
-    float* orow = out + (long)r * d;
-    T* orow16 = out16 + (long)r * d;
-    float ss = 0.0f;
-    for (int j = threadIdx.x; j < d; j += blockDim.x) {
-        const float v = hr[j] + xr[j];
-        hr[j] = v;
-        ss += v * v;
-    }
-    ss = block_sum(ss);
-    const float inv = rsqrtf(ss / (float)d + eps);
-    for (int j = threadIdx.x; j < d; j += blockDim.x) {
-        const float o = hr[j] * inv * to_f32(w[j]);
-        orow[j] = o;
-        orow16[j] = from_f32<T>(o);
-    }
-}
-
-#define THAW_ADD_NORM_X16(T, S)                                                             \
-    extern "C" __global__ void add_rms_norm_x16_##S(float* residual, const float* x,       \
-                                                    const T* w, float* out, T* out16,      \
-                                                    int rows, int d, float eps) {          \
-        add_rms_norm_x16<T>(residual, x, w, out, out16, rows, d, eps);                     \
-    }
-THAW_ADD_NORM_X16(bf16_t, bf16)
-THAW_ADD_NORM_X16(f16_t, f16)

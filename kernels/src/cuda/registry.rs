@@ -84,21 +84,12 @@ pub const ELEMENTWISE: KernelSource = KernelSource {
     ],
 };
 
-/// RMSNorm, and residual add + RMSNorm fused, also with its output's 16-bit copy (issue 29; the
-/// default, `THAW_CUDA_FUSED=0` off).
+/// RMSNorm, and residual add + RMSNorm fused, optionally with its output's 16-bit copy (issue 29;
+/// the default, `THAW_CUDA_FUSED=0` off).
 pub const NORM: KernelSource = KernelSource {
     name: "norm",
     source: include_str!("norm.cu"),
-    entry_points: &[
-        "rms_norm_f32",
-        "rms_norm_bf16",
-        "rms_norm_f16",
-        "add_rms_norm_f32",
-        "add_rms_norm_bf16",
-        "add_rms_norm_f16",
-        "add_rms_norm_x16_bf16",
-        "add_rms_norm_x16_f16",
-    ],
+    entry_points: dtypes!("rms_norm", "add_rms_norm"),
 };
 
 /// Rotary embedding.
@@ -188,8 +179,6 @@ pub const WIDE: KernelSource = KernelSource {
         "add_rms_norm_wide_f32",
         "add_rms_norm_wide_bf16",
         "add_rms_norm_wide_f16",
-        "add_rms_norm_wide_x16_bf16",
-        "add_rms_norm_wide_x16_f16",
         "rope_wide_f32",
         "write_kv_rope_f32",
         "write_kv_rope_bf16",

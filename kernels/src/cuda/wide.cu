@@ -13,8 +13,8 @@
 //   otherwise). CPU twins: kernels/src/cpu/norm.rs (rms_norm, add_rms_norm). The two are bit for
 //   bit add then rms_norm (the same per-thread sums in the same order, the same block_sum), like
 //   the classic pair; against the classic kernels only the order of the f32 sum differs.
-//   add_rms_norm_wide_x16_T also writes the output in the weight dtype (the next projections'
-//   GEMM input; see norm.cu's add_rms_norm_x16_T).
+//   add_rms_norm_wide_T given `out16` also writes the output in the weight dtype (the next
+//   projections' GEMM input; see norm.cu's add_rms_norm_T).
 // - rope_wide_f32: one block per token; the token's angles are computed once into shared memory
 //   (the classic kernel's f32 angle, f64 sincos, one rounding), then every (head, pair) of the
 //   token is rotated by its own thread. Bit for bit rope_f32.
@@ -33,7 +33,7 @@
 
 // One block per row. ADD: residual[r] += x[r] first and normalise the sum; otherwise normalise
 // x[r] (`residual` unused). blockDim.x a multiple of 32, d % 4 == 0, d / 4 <= blockDim.x * VPT.
-// With `out16` (not null): the output also in the weight dtype, as add_rms_norm_x16_T writes it
+// With `out16` (not null): the output also in the weight dtype, as add_rms_norm_T writes it
 // (norm.cu): the next projections' GEMM input, bit for bit cast_f32_to_T over `out`.
 template <typename T, bool ADD>
 __device__ void rms_norm_wide(float* __restrict__ residual, const float* __restrict__ x,
@@ -97,20 +97,11 @@ __device__ void rms_norm_wide(float* __restrict__ residual, const float* __restr
         rms_norm_wide<T, false>(nullptr, x, w, out, nullptr, rows, d, eps);                  \
     }                                                                                        \
     extern "C" __global__ void THAW_WIDE_BOUNDS add_rms_norm_wide_##S(                        \
-        float* residual, const float* x, const T* w, float* out, int rows, int d, float eps) { \
-        rms_norm_wide<T, true>(residual, x, w, out, nullptr, rows, d, eps);                  \
-    }
-THAW_FOR_EACH_DTYPE(THAW_WIDE_NORM)
-
-// add_rms_norm_wide_T that also writes the output's 16-bit copy (16-bit T only).
-#define THAW_WIDE_NORM_X16(T, S)                                                             \
-    extern "C" __global__ void THAW_WIDE_BOUNDS add_rms_norm_wide_x16_##S(                    \
         float* residual, const float* x, const T* w, float* out, T* out16, int rows, int d,  \
         float eps) {                                                                         \
         rms_norm_wide<T, true>(residual, x, w, out, out16, rows, d, eps);                    \
     }
-THAW_WIDE_NORM_X16(bf16_t, bf16)
-THAW_WIDE_NORM_X16(f16_t, f16)
+THAW_FOR_EACH_DTYPE(THAW_WIDE_NORM)
 
 // cos / sin of position `position` for pairs 0..half into shared memory, as rope_f32 computes
 // them: the angle in f32 (like HF), its sincos in f64, rounded once. The caller syncs.

@@ -1137,15 +1137,13 @@ impl Backend for CudaBackend {
             let x16 = wide16.then_some(&mut self.x16);
             let (h, v) = (&mut *residual, &w.v);
             let r = match (self.gpu).norm_wide(Some(h), x, v, out, x16, rows, w.len, eps) {
-                Ok(false) if self.gpu.fuses_norm_x16() => {
-                    let x16 = &mut self.x16;
+                Ok(false) => {
+                    let fused16 = self.gpu.fuses_norm_x16();
+                    let x16 = fused16.then_some(&mut self.x16);
                     (self.gpu)
-                        .add_rms_norm_x16(residual, x, v, out, x16, rows, w.len, eps)
-                        .map(|()| true)
+                        .add_rms_norm(residual, x, v, out, x16, rows, w.len, eps)
+                        .map(|()| fused16)
                 }
-                Ok(false) => (self.gpu)
-                    .add_rms_norm(residual, x, v, out, rows, w.len, eps)
-                    .map(|()| false),
                 r => r.map(|ran| ran && wide16),
             };
             if let Ok(true) = r {

@@ -4,9 +4,9 @@
 //!
 //! - `add_rms_norm_T` (`norm.cu`): the residual add and the next block's RMSNorm in one pass
 //!   over each row ([`Backend::add_rms_norm`](crate::backend::Backend::add_rms_norm)); bit for
-//!   bit the two kernels it replaces. With 16-bit weights `add_rms_norm_x16_T` runs instead: the
-//!   same, plus its output in the weight dtype (tagged like SwiGLU's below), so q and gate (and
-//!   through the linear's own tag k, v and up) skip their casts.
+//!   bit the two kernels it replaces. With 16-bit weights it also writes its output in the
+//!   weight dtype (tagged like SwiGLU's below), so q and gate (and through the linear's own tag
+//!   k, v and up) skip their casts.
 //! - `swiglu_x16_T` (`elementwise.cu`): SwiGLU that also writes its output in the weight dtype,
 //!   so the down projection's GEMM reads it without a separate cast kernel. The backend records
 //!   which buffer the 16-bit copy mirrors ([`X16Tag`]); the next op, if it is a `linear` over
@@ -51,8 +51,6 @@ pub(crate) struct Fused {
     add_norm: CudaFunction,
     /// None for f32 weights (no cast to fuse).
     swiglu16: Option<CudaFunction>,
-    /// add + RMSNorm that also writes the 16-bit copy; None for f32 weights.
-    add_norm16: Option<CudaFunction>,
 }
 
 impl Fused {
@@ -65,16 +63,31 @@ impl Fused {
                 DType::F32 => None,
                 DType::Bf16 | DType::F16 => Some(f(&format!("swiglu_x16_{}", w.suffix()))?),
             },
-            add_norm16: match w {
-                DType::F32 => None,
-                DType::Bf16 | DType::F16 => Some(f(&format!("add_rms_norm_x16_{}", w.suffix()))?),
-            },
         })
     }
 }
 
 impl Gpu {
-    /// residual += x; out = rms_norm(residual) · w, `rows` rows of `d` (fused kernel).
+    /// The device address of the 16-bit GEMM input scratch `x16`, grown to at least `n`
+    /// elements first (its contents are unset when grown).
+    ///
+    /// # Safety
+    /// The caller's next kernel writes the first `n` elements before anything reads them.
+    pub(super) unsafe fn x16_ptr(
+        &self,
+        x16: &mut Option<CudaSlice<u16>>,
+        n: usize,
+    ) -> Result<u64, CudaError> {
+        if x16.as_ref().is_none_or(|b| b.len() < n) {
+            // SAFETY: written before it is read (this function's contract).
+            *x16 = Some(unsafe { self.alloc_uninit::<u16>(n.max(1)) }?);
+        }
+        Ok(x16.as_ref().map_or(0, |b| self.p(b)))
+    }
+
+    /// residual += x; out = rms_norm(residual) · w, `rows` rows of `d` (fused kernel); with
+    /// `x16` (16-bit weights only, [`Gpu::fuses_norm_x16`]), `out` in the weight dtype into it
+    /// too, grown as needed.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn add_rms_norm(
         &self,
@@ -82,6 +95,7 @@ impl Gpu {
         x: &CudaSlice<f32>,
         w: &CudaSlice<u8>,
         out: &mut CudaSlice<f32>,
+        x16: Option<&mut Option<CudaSlice<u16>>>,
         rows: usize,
         d: usize,
         eps: f32,
@@ -100,76 +114,26 @@ impl Gpu {
             w.len() >= d * self.weight_dtype.size(),
             "add_rms_norm: weight too small"
         );
+        assert!(
+            x16.is_none() || self.weight_dtype != DType::F32,
+            "add_rms_norm: a 16-bit copy of f32 weights' input"
+        );
         if rows == 0 {
             return Ok(());
         }
-        // SAFETY: add_rms_norm_T(float*, const float*, const T*, float*, int, int, float); one
-        // block of 256 threads per row, as rms_norm (block_sum needs a multiple of 32); the
-        // buffers hold rows × d values and w holds d weights (checked above).
+        let xb = match x16 {
+            // SAFETY: the kernel below writes all rows × d elements.
+            Some(b) => unsafe { self.x16_ptr(b, n) }?,
+            None => 0,
+        };
+        // SAFETY: add_rms_norm_T(float*, const float*, const T*, float*, T*, int, int, float);
+        // one block of 256 threads per row, as rms_norm (block_sum needs a multiple of 32); the
+        // buffers hold rows × d values and w holds d weights (checked above); `xb` is null or
+        // holds rows × d 16-bit elements of the weight dtype (grown above).
         unsafe {
             launch!(
                 self,
                 &fu.add_norm,
-                (rows as u32, 1, 1),
-                256,
-                [
-                    self.p(residual),
-                    self.p(x),
-                    self.p(w),
-                    self.p(out),
-                    int(rows, "rows"),
-                    int(d, "d"),
-                    eps
-                ]
-            )
-        }
-    }
-
-    /// residual += x; out = rms_norm(residual) · w, and `out` in the weight dtype into `x16`
-    /// (grown as needed): `add_rms_norm_x16_T`. Err when the weights are f32 or the fused
-    /// kernels are off.
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn add_rms_norm_x16(
-        &self,
-        residual: &mut CudaSlice<f32>,
-        x: &CudaSlice<f32>,
-        w: &CudaSlice<u8>,
-        out: &mut CudaSlice<f32>,
-        x16: &mut Option<CudaSlice<u16>>,
-        rows: usize,
-        d: usize,
-        eps: f32,
-    ) -> Result<(), CudaError> {
-        let Some(func) = self.fused.as_ref().and_then(|f| f.add_norm16.as_ref()) else {
-            return Err(CudaError::Unsupported(
-                "add_rms_norm_x16 needs 16-bit weights and the fused kernels".into(),
-            ));
-        };
-        let n = rows * d;
-        assert!(
-            residual.len() >= n && x.len() >= n && out.len() >= n,
-            "add_rms_norm_x16: buffers too small"
-        );
-        assert!(
-            w.len() >= d * self.weight_dtype.size(),
-            "add_rms_norm_x16: weight too small"
-        );
-        if rows == 0 {
-            return Ok(());
-        }
-        if x16.as_ref().is_none_or(|b| b.len() < n) {
-            // SAFETY: fully written by the kernel below before any read.
-            *x16 = Some(unsafe { self.alloc_uninit::<u16>(n) }?);
-        }
-        let xb = x16.as_ref().map(|b| self.p(b)).unwrap_or(0);
-        // SAFETY: add_rms_norm_x16_T(float*, const float*, const T*, float*, T*, int, int,
-        // float); one block of 256 threads per row, as add_rms_norm; residual, x and out hold
-        // rows × d f32, w d weights (checked above) and x16 at least rows × d 16-bit elements
-        // (grown above).
-        unsafe {
-            launch!(
-                self,
-                func,
                 (rows as u32, 1, 1),
                 256,
                 [
@@ -186,9 +150,9 @@ impl Gpu {
         }
     }
 
-    /// Whether the add + RMSNorm + cast kernel is loaded (16-bit weights, fused on).
+    /// Whether the fused add + RMSNorm writes the 16-bit GEMM input (16-bit weights, fused on).
     pub(super) fn fuses_norm_x16(&self) -> bool {
-        self.fused.as_ref().is_some_and(|f| f.add_norm16.is_some())
+        self.fused.is_some() && self.weight_dtype != DType::F32
     }
 
     /// out = silu(gate) · up, and the same values in the weight dtype into `x16` (grown as
@@ -210,11 +174,8 @@ impl Gpu {
             gate.len() >= n && up.len() >= n && out.len() >= n,
             "swiglu_x16: buffers too small"
         );
-        if x16.as_ref().is_none_or(|b| b.len() < n) {
-            // SAFETY: fully written by the kernel below before any read.
-            *x16 = Some(unsafe { self.alloc_uninit::<u16>(n.max(1)) }?);
-        }
-        let xb = x16.as_ref().map(|b| self.p(b)).unwrap_or(0);
+        // SAFETY: the kernel below writes all n elements.
+        let xb = unsafe { self.x16_ptr(x16, n) }?;
         // SAFETY: swiglu_x16_T(const float*, const float*, float*, T*, long); gate, up and out
         // hold n f32, x16 at least n 16-bit elements (grown above).
         unsafe {

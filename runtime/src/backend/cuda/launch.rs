@@ -337,11 +337,8 @@ impl Gpu {
             None => (blas_sys::cudaDataType::CUDA_R_32F, self.p(x)),
             Some(cast) => {
                 let n = rows * d_in;
-                if x16.as_ref().is_none_or(|b| b.len() < n) {
-                    // SAFETY: fully written by the cast below before any read.
-                    *x16 = Some(unsafe { self.alloc_uninit::<u16>(n) }?);
-                }
-                let xb = x16.as_ref().map(|b| self.p(b)).unwrap_or(0);
+                // SAFETY: the cast below writes all n elements.
+                let xb = unsafe { self.x16_ptr(x16, n) }?;
                 // SAFETY: cast_f32_to_{bf16,f16}(const float*, T*, long); x holds n f32 and
                 // x16 at least n 16-bit elements.
                 unsafe {

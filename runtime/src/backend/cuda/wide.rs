@@ -33,8 +33,6 @@ use crate::error::Result;
 pub(crate) struct Wide {
     rms_norm: CudaFunction,
     add_norm: CudaFunction,
-    /// add + RMSNorm that also writes the 16-bit GEMM input; None for f32 weights.
-    add_norm16: Option<CudaFunction>,
     rope: CudaFunction,
 }
 
@@ -45,12 +43,6 @@ impl Wide {
         Ok(Self {
             rms_norm: f(&format!("rms_norm_wide_{}", w.suffix()))?,
             add_norm: f(&format!("add_rms_norm_wide_{}", w.suffix()))?,
-            add_norm16: match w {
-                DType::F32 => None,
-                DType::Bf16 | DType::F16 => {
-                    Some(f(&format!("add_rms_norm_wide_x16_{}", w.suffix()))?)
-                }
-            },
             rope: f("rope_wide_f32")?,
         })
     }
@@ -83,7 +75,7 @@ impl Gpu {
     /// Whether the wide add + RMSNorm writes the 16-bit GEMM input too (wide on, 16-bit
     /// weights): [`Gpu::norm_wide`] with `x16` given.
     pub(super) fn wide_norm_x16(&self) -> bool {
-        self.wide.as_ref().is_some_and(|k| k.add_norm16.is_some())
+        self.wide.is_some() && self.weight_dtype != DType::F32
     }
 
     /// Wide RMSNorm of `rows` rows of `d` (with `residual`: residual += x first, and the sum is
@@ -126,22 +118,26 @@ impl Gpu {
             return Ok(true);
         }
         let grid = (rows as u32, 1, 1);
-        match (residual, x16.zip(k.add_norm16.as_ref())) {
-            (Some(h), Some((x16, func))) => {
+        match residual {
+            Some(h) => {
                 assert!(h.len() >= n, "norm_wide: residual too small");
-                if x16.as_ref().is_none_or(|b| b.len() < n) {
-                    // SAFETY: fully written by the kernel below before any read.
-                    *x16 = Some(unsafe { self.alloc_uninit::<u16>(n) }?);
-                }
-                let xb = x16.as_ref().map(|b| self.p(b)).unwrap_or(0);
-                // SAFETY: add_rms_norm_wide_x16_T(float*, const float*, const T*, float*, T*,
-                // int, int, float); the launch shape, sizes and alignment as for
-                // add_rms_norm_wide_T below, and x16 holds at least rows × d 16-bit elements
-                // (grown above), written with scalar stores (any 2-byte alignment).
+                let x16 = x16.filter(|_| self.weight_dtype != DType::F32);
+                let xb = match x16 {
+                    // SAFETY: the kernel below writes all rows × d elements.
+                    Some(b) => unsafe { self.x16_ptr(b, n) }?,
+                    None => 0,
+                };
+                // SAFETY: add_rms_norm_wide_T(float*, const float*, const T*, float*, T*, int,
+                // int, float); one block of `threads` (whole warps, d / 4 <= threads · WIDE_VPT:
+                // wide_norm_block) per row; residual, x and out hold rows × d f32 and w d
+                // weights (checked above); d % 4 == 0 and every buffer starts on 16 bytes
+                // (checked above), so each row's float4s are aligned; `xb` is null or holds
+                // rows × d 16-bit elements of the weight dtype (grown above), written with
+                // scalar stores.
                 unsafe {
                     launch!(
                         self,
-                        func,
+                        &k.add_norm,
                         grid,
                         threads,
                         [
@@ -157,34 +153,9 @@ impl Gpu {
                     )
                 }?
             }
-            (Some(h), None) => {
-                assert!(h.len() >= n, "norm_wide: residual too small");
-                // SAFETY: add_rms_norm_wide_T(float*, const float*, const T*, float*, int, int,
-                // float); one block of `threads` (whole warps, d / 4 <= threads · WIDE_VPT:
-                // wide_norm_block) per row; residual, x and out hold rows × d f32 and w d
-                // weights (checked above); d % 4 == 0 and every buffer starts on 16 bytes
-                // (checked above), so each row's float4s are aligned.
-                unsafe {
-                    launch!(
-                        self,
-                        &k.add_norm,
-                        grid,
-                        threads,
-                        [
-                            self.p(h),
-                            self.p(x),
-                            self.p(w),
-                            self.p(out),
-                            int(rows, "rows"),
-                            int(d, "d"),
-                            eps
-                        ]
-                    )
-                }?
-            }
             // SAFETY: rms_norm_wide_T(const float*, const T*, float*, int, int, float); the
             // launch shape and sizes as above.
-            (None, _) => unsafe {
+            None => unsafe {
                 launch!(
                     self,
                     &k.rms_norm,
