@@ -12,7 +12,7 @@
 //! plain RMSNorm), every o_proj input and the LM head's are cast. So bf16 launches exactly
 //! `layers + 2` kernels more than f32 (it was `6 · layers + 1`: a cast per product but down).
 //! Part of `cuda_parity` (its helpers, its GPU skip rules).
-use thaw_runtime::backend::cuda::DType;
+use thaw_runtime::backend::cuda::{AttnImpl, DType};
 use thaw_runtime::backend::device_counts::DeviceCounts;
 use thaw_runtime::engine::{PlanItem, SequenceParams, StepPlan};
 use thaw_runtime::ids::{AdapterId, SeqId};
@@ -35,7 +35,15 @@ const MAX_UPLOAD_BYTES: u64 = 4096;
 fn decode_counts(tm: &TestModel, dt: DType, steps: usize) -> Vec<DeviceCounts> {
     assert!(3 + 2 + steps < 16, "contexts stay inside one KV block");
     let adapter = tm.adapter(8, &["q", "v"], 90);
-    let mut e = engine_with(&tm.model, dt, &[adapter], false, |_| {});
+    // The kernels the counts below are derived for, whatever the environment asks: the
+    // defaults (fused on, flash-decoding's default chunks), the opt-in ones off.
+    let mut e = engine_with(&tm.model, dt, &[adapter], false, |b| {
+        b.set_fused(true).unwrap();
+        b.set_attn_impl(AttnImpl::SPLIT).unwrap();
+        b.set_wide(false).unwrap();
+        b.set_rope_fold(false).unwrap();
+        b.set_group_gemm(false).unwrap();
+    });
     let mut p = prompts(3, tm.model.config.vocab_size, 7);
     for prompt in &mut p {
         prompt.truncate(3);
