@@ -33,6 +33,8 @@ mod defaults;
 mod fused;
 #[path = "cuda_parity/graphs.rs"]
 mod graphs;
+#[path = "cuda_parity/host_overhead.rs"]
+mod host_overhead;
 #[path = "cuda_parity/opt_in.rs"]
 mod opt_in;
 

@@ -8,6 +8,7 @@ use std::time::Instant;
 use anyhow::Context;
 use thaw_runtime::adapter::LoraAdapter;
 use thaw_runtime::backend::any::AnyBackend;
+use thaw_runtime::backend::device_counts::DeviceCounts;
 use thaw_runtime::backend::profiled::Profiled;
 use thaw_runtime::backend::{Backend, Device};
 use thaw_runtime::engine::{Engine, EngineConfig, HostModel, PlanItem, SequenceParams, StepPlan};
@@ -71,6 +72,10 @@ pub struct DecodeRow {
     pub tok_s: f64,
     /// Mean bytes a timed step reads.
     pub traffic: StepTraffic,
+    /// What the backend asked of the driver over the timed steps (None on the CPU backend).
+    pub counts: Option<DeviceCounts>,
+    /// Timed steps (the counts' divisor).
+    pub steps: usize,
 }
 
 impl DecodeRow {
@@ -390,11 +395,18 @@ fn decode_row(
     distinct.dedup();
     let adapters: f64 = distinct.iter().map(|&a| adapter_bytes(a)).sum();
     let step_plan = plan(&seqs, 1);
+    let counts0 = engine.backend().inner().device_counts();
     let t0 = Instant::now();
     for _ in 0..args.decode_steps {
         engine.step(&step_plan)?;
     }
     let secs = t0.elapsed().as_secs_f64();
+    let counts = engine
+        .backend()
+        .inner()
+        .device_counts()
+        .zip(counts0)
+        .map(|(end, start)| end.since(&start));
     if let Some(out) = profiles {
         let steps = args.op_profile_steps.max(1);
         let (step_us, samples) = profile_steps(engine, &step_plan, steps)?;
@@ -430,5 +442,7 @@ fn decode_row(
             adapters: traffic.adapters / n,
             kv: traffic.kv / n,
         },
+        counts,
+        steps: args.decode_steps,
     })
 }

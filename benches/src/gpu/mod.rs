@@ -8,12 +8,15 @@
 //! 3. Decode tokens/s and achieved bandwidth (weights + distinct adapters + KV read per step ÷
 //!    step time) at each `--batches` size with no adapter, one adapter and one distinct adapter
 //!    per sequence, per `--ranks`, through the engine (`Engine::step`, sampling included).
+//!    With each decode row, what the backend asked of the driver per step (`counts.rs`:
+//!    launches, allocations, copies, synchronisations; CUDA only).
 //! 4. Prefill TFLOP/s of one sequence at each `--prefill-tokens`.
 //!
 //! Runs on any backend: `--device cuda` on the GPU machine; `--device cpu --quick` is a
 //! seconds-long run of the same code on the tiny preset (the test suite runs it). Tables only;
 //! nothing asserts a time.
 mod cases;
+mod counts;
 pub mod op_profile;
 mod peaks;
 pub mod roofline;
@@ -285,6 +288,7 @@ pub fn table(args: &GpuArgs, r: &GpuReport) -> String {
     if args.cuda_graphs {
         let _ = writeln!(s, "{}", graph_table(r));
     }
+    s.push_str(&counts::table(&r.decode, &r.graph_decode));
     if args.op_profile {
         s.push_str(&op_profile::table(&r.op_profiles, &r.config, p.gbs));
     }
@@ -353,6 +357,9 @@ mod tests {
         // The CPU backend has no CUDA graphs: the graph rows are skipped, and say so.
         assert!(r.graph_decode.is_empty());
         assert!(table(&args, &r).contains("skipped: this backend has no CUDA graphs"));
+        // Nor driver counts: the table says so.
+        assert!(r.decode.iter().all(|d| d.counts.is_none() && d.steps > 0));
+        assert!(table(&args, &r).contains("not counted: this backend keeps no driver counts"));
         let pos = |v: f64| v.is_finite() && v > 0.0;
         assert!(pos(r.peaks.gbs) && pos(r.peaks.tflops));
         // No CUDA kernels to name: the LoRA table ran the CPU backend's.

@@ -1,8 +1,9 @@
 //! `thaw-bench gpu --op-profile` (issue 29): where a decode step's time goes, per op class.
 //! After a decode row's timed steps, `--op-profile-steps` more steps run with every backend
 //! op bracketed ([`Profiled`]: CUDA events on the compute stream, the wall clock on the CPU),
-//! and the samples become one table per row: calls, µs, % of the profiled step, and for the
-//! linears the weight bytes read and the bandwidth achieved against the roofline.
+//! and the samples become one table per row: calls, µs, host µs issuing them, device time
+//! between ops, % of the profiled step, and for the linears the weight bytes read and the
+//! bandwidth achieved against the roofline.
 use std::time::Instant;
 
 use thaw_runtime::backend::any::AnyBackend;
@@ -87,7 +88,13 @@ pub fn table(runs: &[OpProfileRun], c: &ModelConfig, peak_gbs: f64) -> String {
         );
         let _ = writeln!(
             s,
-            "| op | calls/step | µs/step | % of step | weight MB/step | GB/s | % of roofline |\n|---|---|---|---|---|---|---|"
+            "host issue {:.0} µs a step; device time between ops (waiting for the host, and the timers' own events) {:.0} µs. An op whose host µs reach its µs, or a step with large gaps, is host-bound: its µs include launch gaps.",
+            p.host_us(),
+            p.gaps_us()
+        );
+        let _ = writeln!(
+            s,
+            "| op | calls/step | µs/step | host µs/step | gap before µs/step | % of step | weight MB/step | GB/s | % of roofline |\n|---|---|---|---|---|---|---|---|---|"
         );
         let linear: Vec<_> = p.rows.iter().filter(|r| r.bytes.is_some()).collect();
         let (lin_us, lin_bytes) = linear.iter().fold((0.0, 0.0), |(u, b), r| {
@@ -96,10 +103,12 @@ pub fn table(runs: &[OpProfileRun], c: &ModelConfig, peak_gbs: f64) -> String {
         for row in &p.rows {
             let _ = writeln!(
                 s,
-                "| {} | {:.0} | {:.1} | {:.1}% | {} | {} | {} |",
+                "| {} | {:.0} | {:.1} | {:.1} | {:.1} | {:.1}% | {} | {} | {} |",
                 row.class.label(),
                 row.calls,
                 row.us,
+                row.host_us,
+                row.gap_us,
                 row.share,
                 row.bytes.map_or("-".into(), |b| format!("{:.1}", b / 1e6)),
                 row.gbs.map_or("-".into(), |g| format!("{g:.0}")),
@@ -111,10 +120,15 @@ pub fn table(runs: &[OpProfileRun], c: &ModelConfig, peak_gbs: f64) -> String {
         } else {
             0.0
         };
+        let (lin_host, lin_gap) = linear
+            .iter()
+            .fold((0.0, 0.0), |(h, g), r| (h + r.host_us, g + r.gap_us));
         let _ = writeln!(
             s,
-            "| all linears | - | {:.1} | {:.1}% | {:.1} | {:.0} | {:.0}% |",
+            "| all linears | - | {:.1} | {:.1} | {:.1} | {:.1}% | {:.1} | {:.0} | {:.0}% |",
             lin_us,
+            lin_host,
+            lin_gap,
             lin_us / p.step_us * 100.0,
             lin_bytes / 1e6,
             gbs,
@@ -122,7 +136,7 @@ pub fn table(runs: &[OpProfileRun], c: &ModelConfig, peak_gbs: f64) -> String {
         );
         let _ = writeln!(
             s,
-            "| outside ops (host: plan, sample; idle device) | - | {:.1} | {:.1}% | - | - | - |",
+            "| outside ops (host: plan, sample; idle device) | - | {:.1} | - | - | {:.1}% | - | - | - |",
             p.outside_us,
             p.outside_us / p.step_us * 100.0
         );
@@ -179,6 +193,12 @@ pub(super) fn check_quick(r: &super::GpuReport) {
         assert_eq!(calls(OpClass::Lora), lora, "{:?}", d.mix);
         for row in &p.rows {
             assert!(row.us.is_finite() && row.us >= 0.0, "{row:?}");
+            // One wall clock on the CPU: issuing an op takes no longer than the op.
+            assert!(
+                row.host_us >= 0.0 && row.host_us <= row.us + 1e-3,
+                "{row:?}"
+            );
+            assert!(row.gap_us.is_finite() && row.gap_us >= 0.0, "{row:?}");
             if let Some(g) = row.gbs {
                 assert!(g.is_finite() && g > 0.0, "{row:?}");
             }

@@ -6,7 +6,7 @@
 //! | source | kernels | CPU twin |
 //! | --- | --- | --- |
 //! | `elementwise.cu` | embedding gather, bias, residual add, SwiGLU (and SwiGLU + 16-bit cast, fused by default; `THAW_CUDA_FUSED=0` off), row gather, f32→16-bit cast | `cpu::{swiglu, swiglu_x16, add_in_place, add_bias}` |
-//! | `norm.cu` | RMSNorm, residual add + RMSNorm (fused by default; `THAW_CUDA_FUSED=0` off) | `cpu::{rms_norm, add_rms_norm}` |
+//! | `norm.cu` | RMSNorm, residual add + RMSNorm (fused by default, with the next GEMM's 16-bit input beside its f32 output; `THAW_CUDA_FUSED=0` off) | `cpu::{rms_norm, add_rms_norm}` |
 //! | `rope.cu` | RoPE (rotate-half, host `inv_freq` table) | `cpu::RopeTable::apply` |
 //! | `attention.cu` | paged KV write, decode and tiled prefill attention (GQA, sliding window) | `cpu::{write_kv, paged_attention}` |
 //! | `attention_split.cu` | flash-decoding: decode attention split across blocks ([`decode_plan`]) + reduce | `cpu::paged_attention` |

@@ -84,7 +84,8 @@ pub const ELEMENTWISE: KernelSource = KernelSource {
     ],
 };
 
-/// RMSNorm, and residual add + RMSNorm fused (issue 29; the default, `THAW_CUDA_FUSED=0` off).
+/// RMSNorm, and residual add + RMSNorm fused, optionally with its output's 16-bit copy (issue 29;
+/// the default, `THAW_CUDA_FUSED=0` off).
 pub const NORM: KernelSource = KernelSource {
     name: "norm",
     source: include_str!("norm.cu"),

@@ -13,6 +13,8 @@
 //   otherwise). CPU twins: kernels/src/cpu/norm.rs (rms_norm, add_rms_norm). The two are bit for
 //   bit add then rms_norm (the same per-thread sums in the same order, the same block_sum), like
 //   the classic pair; against the classic kernels only the order of the f32 sum differs.
+//   add_rms_norm_wide_T given `out16` also writes the output in the weight dtype (the next
+//   projections' GEMM input; see norm.cu's add_rms_norm_T).
 // - rope_wide_f32: one block per token; the token's angles are computed once into shared memory
 //   (the classic kernel's f32 angle, f64 sincos, one rounding), then every (head, pair) of the
 //   token is rotated by its own thread. Bit for bit rope_f32.
@@ -31,10 +33,12 @@
 
 // One block per row. ADD: residual[r] += x[r] first and normalise the sum; otherwise normalise
 // x[r] (`residual` unused). blockDim.x a multiple of 32, d % 4 == 0, d / 4 <= blockDim.x * VPT.
+// With `out16` (not null): the output also in the weight dtype, as add_rms_norm_T writes it
+// (norm.cu): the next projections' GEMM input, bit for bit cast_f32_to_T over `out`.
 template <typename T, bool ADD>
 __device__ void rms_norm_wide(float* __restrict__ residual, const float* __restrict__ x,
-                              const T* __restrict__ w, float* __restrict__ out, int rows, int d,
-                              float eps) {
+                              const T* __restrict__ w, float* __restrict__ out,
+                              T* __restrict__ out16, int rows, int d, float eps) {
     const int r = blockIdx.x;
     if (r >= rows) return;
     const int d4 = d >> 2;
@@ -76,6 +80,13 @@ __device__ void rms_norm_wide(float* __restrict__ residual, const float* __restr
             o.z = v[k].z * inv * to_f32(w[e + 2]);
             o.w = v[k].w * inv * to_f32(w[e + 3]);
             orow[j] = o;
+            if (out16 != nullptr) {
+                T* o16 = out16 + (long)r * d + e;
+                o16[0] = from_f32<T>(o.x);
+                o16[1] = from_f32<T>(o.y);
+                o16[2] = from_f32<T>(o.z);
+                o16[3] = from_f32<T>(o.w);
+            }
         }
     }
 }
@@ -83,11 +94,12 @@ __device__ void rms_norm_wide(float* __restrict__ residual, const float* __restr
 #define THAW_WIDE_NORM(T, S)                                                                 \
     extern "C" __global__ void THAW_WIDE_BOUNDS rms_norm_wide_##S(                            \
         const float* x, const T* w, float* out, int rows, int d, float eps) {                \
-        rms_norm_wide<T, false>(nullptr, x, w, out, rows, d, eps);                           \
+        rms_norm_wide<T, false>(nullptr, x, w, out, nullptr, rows, d, eps);                  \
     }                                                                                        \
     extern "C" __global__ void THAW_WIDE_BOUNDS add_rms_norm_wide_##S(                        \
-        float* residual, const float* x, const T* w, float* out, int rows, int d, float eps) { \
-        rms_norm_wide<T, true>(residual, x, w, out, rows, d, eps);                           \
+        float* residual, const float* x, const T* w, float* out, T* out16, int rows, int d,  \
+        float eps) {                                                                         \
+        rms_norm_wide<T, true>(residual, x, w, out, out16, rows, d, eps);                    \
     }
 THAW_FOR_EACH_DTYPE(THAW_WIDE_NORM)
 

@@ -280,6 +280,18 @@ impl AnyBackend {
         }
     }
 
+    /// What this backend has asked of the driver so far (running totals; see
+    /// [`DeviceCounts`](super::device_counts::DeviceCounts)); `None` on the CPU backend.
+    pub fn device_counts(&self) -> Option<super::device_counts::DeviceCounts> {
+        match self {
+            Self::Cpu(_) => None,
+            #[cfg(feature = "cuda")]
+            Self::Cuda(g) => Some(g.device_counts()),
+            #[cfg(not(feature = "cuda"))]
+            Self::Cuda(g) => match **g {},
+        }
+    }
+
     /// Bytes per element of the weights (matrices and adapters) and of the KV cache as this
     /// backend holds them, for bandwidth accounting: the CUDA backend converts both to its
     /// configured dtypes (bf16 by default); the CPU backend keeps the model's stored format

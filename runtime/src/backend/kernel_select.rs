@@ -54,6 +54,32 @@ pub const WIDE_ENV: &str = "THAW_CUDA_WIDE_NORM";
 /// proves it).
 pub const DEVICE_ARGMAX_ENV: &str = "THAW_CUDA_DEVICE_ARGMAX";
 
+/// The shortest context chunk flash-decoding makes, in positions (default [`MIN_CHUNK`]): see
+/// [`split_min_chunk`].
+pub const SPLIT_MIN_CHUNK_ENV: &str = "THAW_CUDA_SPLIT_MIN_CHUNK";
+
+/// Flash-decoding's shortest chunk from [`SPLIT_MIN_CHUNK_ENV`]'s value (`None`, empty or
+/// `auto`: [`MIN_CHUNK`]). With the default, a context under 2 · 256 positions is one split,
+/// so at batch 1 a 130-token decode runs `attention.cu`'s kernel on `n_heads` blocks (32 on
+/// Llama-7B, for 132 SMs), each warp walking ~33 keys one dependent load after another
+/// (`cuda-h100.md` §8: 46 µs a layer). A smaller chunk (32 or 64) splits such contexts across
+/// more blocks, at the cost of the reduce launch; the results differ from one split only in
+/// the order of the softmax's f32 sums (the parity suite runs 4-position chunks). A value
+/// that is not a positive integer is an error that says what to set.
+pub fn split_min_chunk(value: Option<&str>) -> Result<usize, String> {
+    let v = value.map(str::trim).unwrap_or_default();
+    if v.is_empty() || v.eq_ignore_ascii_case("auto") {
+        return Ok(MIN_CHUNK);
+    }
+    match v.parse::<usize>() {
+        Ok(n) if n > 0 => Ok(n),
+        _ => Err(format!(
+            "{SPLIT_MIN_CHUNK_ENV}={v:?} is not a positive number of positions; set it to e.g. \
+             32, or unset it for the default of {MIN_CHUNK}"
+        )),
+    }
+}
+
 /// Which kernels run the CUDA backend's decode attention.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub enum AttnImpl {

@@ -383,3 +383,19 @@ fn a_group_is_one_product_only_for_few_rows() {
         assert!(!group_as_one_product(rows), "{rows}");
     }
 }
+
+#[test]
+fn the_split_chunk_defaults_and_parses_positive_counts() {
+    for v in [None, Some(""), Some(" "), Some("auto"), Some("AUTO")] {
+        assert_eq!(split_min_chunk(v), Ok(MIN_CHUNK), "{v:?}");
+    }
+    assert_eq!(split_min_chunk(Some("32")), Ok(32));
+    assert_eq!(split_min_chunk(Some(" 4 ")), Ok(4));
+    for bad in ["0", "-3", "1.5", "many"] {
+        let e = split_min_chunk(Some(bad)).unwrap_err();
+        assert!(
+            e.contains(SPLIT_MIN_CHUNK_ENV) && e.contains("positive"),
+            "{bad}: {e}"
+        );
+    }
+}

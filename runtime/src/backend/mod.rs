@@ -23,6 +23,7 @@ mod cpu_pool;
 mod cpu_rows;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod device_counts;
 pub mod graph_plan;
 pub mod greedy;
 pub mod kernel_select;

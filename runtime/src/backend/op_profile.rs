@@ -58,11 +58,25 @@ impl OpClass {
 }
 
 /// One timed op.
+///
+/// On CUDA `us` is the device time between the events recorded before and after the op was
+/// issued: the op's kernels where the device was busy with earlier work when the host issued
+/// them (device-bound), but also the device's wait for the host where it was idle (a
+/// host-bound op's launch gaps). `host_us` (how long the host took to issue the op) and
+/// `gap_us` (device time between the previous op's end event and this op's start event: the
+/// device waiting for the host between ops, plus the profiler's own event records) tell the
+/// two apart: an op with `host_us` near or above `us`, or a step with large gaps, is bound by
+/// the host; one with `us` well above `host_us` and no gaps is bound by the device.
 #[derive(Copy, Clone, Debug, PartialEq)]
 pub struct OpSample {
     pub class: OpClass,
     /// Its time, µs (device time between events on CUDA, wall clock on the CPU).
     pub us: f64,
+    /// Host wall time of the call that issued it, µs.
+    pub host_us: f64,
+    /// Time from the previous op's end mark to this op's start mark, µs (0 for the first op
+    /// of a recording).
+    pub gap_us: f64,
 }
 
 /// One row of the table: one class over the profiled steps, per step.
@@ -73,6 +87,10 @@ pub struct ProfileRow {
     pub calls: f64,
     /// µs per step.
     pub us: f64,
+    /// Host µs per step issuing this class's ops.
+    pub host_us: f64,
+    /// µs per step between the previous op's end and this class's ops' starts.
+    pub gap_us: f64,
     /// Share of the measured step, in percent.
     pub share: f64,
     /// Bytes of weights read per step (classes that read weights: the linears).
@@ -100,6 +118,16 @@ impl OpProfile {
     pub fn ops_us(&self) -> f64 {
         self.rows.iter().map(|r| r.us).sum()
     }
+
+    /// Host µs per step issuing the timed ops.
+    pub fn host_us(&self) -> f64 {
+        self.rows.iter().map(|r| r.host_us).sum()
+    }
+
+    /// µs per step between consecutive timed ops (see [`OpSample::gap_us`]).
+    pub fn gaps_us(&self) -> f64 {
+        self.rows.iter().map(|r| r.gap_us).sum()
+    }
 }
 
 /// Aggregates the samples of `steps` profiled steps whose measured mean is `step_us` into
@@ -114,15 +142,17 @@ pub fn aggregate(
     peak_gbs: f64,
 ) -> OpProfile {
     let n = steps.max(1) as f64;
-    let mut by: std::collections::BTreeMap<OpClass, (usize, f64)> = Default::default();
+    let mut by: std::collections::BTreeMap<OpClass, (usize, [f64; 3])> = Default::default();
     for s in samples {
         let e = by.entry(s.class).or_default();
         e.0 += 1;
-        e.1 += s.us;
+        e.1[0] += s.us;
+        e.1[1] += s.host_us;
+        e.1[2] += s.gap_us;
     }
     let rows: Vec<ProfileRow> = by
         .into_iter()
-        .map(|(class, (calls, us))| {
+        .map(|(class, (calls, [us, host_us, gap_us]))| {
             let (calls, us) = (calls as f64 / n, us / n);
             let bytes = bytes_per_call(class).map(|b| b * calls);
             // bytes / µs = MB/s; / 1e3 = GB/s.
@@ -131,6 +161,8 @@ pub fn aggregate(
                 class,
                 calls,
                 us,
+                host_us: host_us / n,
+                gap_us: gap_us / n,
                 share: if step_us > 0.0 {
                     us / step_us * 100.0
                 } else {
@@ -156,7 +188,12 @@ mod tests {
     use proptest::prelude::*;
 
     fn s(class: OpClass, us: f64) -> OpSample {
-        OpSample { class, us }
+        OpSample {
+            class,
+            us,
+            host_us: us / 2.0,
+            gap_us: 1.0,
+        }
     }
 
     #[test]
@@ -184,6 +221,10 @@ mod tests {
         assert_eq!((rope.calls, rope.us, rope.gbs), (1.0, 5.0, None));
         assert!((p.outside_us - 55.0).abs() < 1e-9);
         assert!((p.ops_us() - 45.0).abs() < 1e-9);
+        // Host time and gaps per step too: half of each op's µs, 1 µs before each op.
+        assert_eq!((lin.host_us, lin.gap_us), (20.0, 2.0));
+        assert_eq!((rope.host_us, rope.gap_us), (2.5, 1.0));
+        assert!((p.host_us() - 22.5).abs() < 1e-9 && (p.gaps_us() - 3.0).abs() < 1e-9);
     }
 
     #[test]

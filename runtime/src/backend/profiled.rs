@@ -1,8 +1,9 @@
 //! [`Profiled`]: a backend that wraps another and, while a profile is recording, brackets
 //! every compute op with two marks of the wrapped backend's [`OpClock`] (CUDA events recorded
-//! on its compute stream; the wall clock on the CPU), filed under an [`OpClass`]. Read after
-//! the step ([`Profiled::finish`]) the marks become [`OpSample`]s for
-//! [`super::op_profile::aggregate`].
+//! on its compute stream; the wall clock on the CPU), filed under an [`OpClass`], and times
+//! the host's call between them. Read after the step ([`Profiled::finish`]) the marks become
+//! [`OpSample`]s for [`super::op_profile::aggregate`]: device µs per op, host µs issuing it,
+//! and the device time between ops (what tells a host-bound op from a device-bound one).
 //!
 //! Off (the default, and whenever no profile is recording) each op costs one flag test
 //! before it is handed on unchanged. On, the module groups of
@@ -77,10 +78,14 @@ impl OpClock for AnyBackend {
     }
 }
 
+/// One timed op as recorded: its class, the marks before and after it, and the host µs its
+/// call took.
+type Marked<M> = (OpClass, M, M, f64);
+
 /// What a recording profile holds.
 struct Recording<M> {
     on: bool,
-    marks: Vec<(OpClass, M, M)>,
+    marks: Vec<Marked<M>>,
 }
 
 /// `B` with its ops timed while a profile records (see the module docs).
@@ -115,19 +120,28 @@ impl<B: Backend + OpClock> Profiled<B> {
     }
 
     /// Stops recording and returns the ops timed since [`Profiled::start`], in call order
-    /// (waits for the device to reach the last mark).
+    /// (waits for the device to reach the last mark). Each sample's gap is measured from the
+    /// previous op's end mark to its start mark (0 for the first).
     pub fn finish(&self) -> Result<Vec<OpSample>> {
         let marks = {
             let mut r = self.rec.lock().unwrap_or_else(PoisonError::into_inner);
             r.on = false;
             std::mem::take(&mut r.marks)
         };
+        let mut prev: Option<&B::Mark> = None;
         marks
             .iter()
-            .map(|(class, a, b)| {
+            .map(|(class, a, b, host_us)| {
+                let gap_us = match prev {
+                    Some(p) => B::elapsed_us(p, a)?,
+                    None => 0.0,
+                };
+                prev = Some(b);
                 Ok(OpSample {
                     class: *class,
                     us: B::elapsed_us(a, b)?,
+                    host_us: *host_us,
+                    gap_us,
                 })
             })
             .collect()
@@ -146,10 +160,12 @@ impl<B: Backend + OpClock> Profiled<B> {
             return f(&mut self.inner);
         }
         let a = self.inner.mark();
+        let t0 = Instant::now();
         let r = f(&mut self.inner);
+        let host_us = t0.elapsed().as_secs_f64() * 1e6;
         let b = self.inner.mark();
         let rec = self.rec.get_mut().unwrap_or_else(PoisonError::into_inner);
-        rec.marks.push((class, a, b));
+        rec.marks.push((class, a, b, host_us));
         r
     }
 }
@@ -535,6 +551,13 @@ mod tests {
             "no adapter rows: no lora op"
         );
         assert!(s.iter().all(|s| s.us.is_finite() && s.us >= 0.0));
+        // On the CPU both clocks are the wall clock: the host call lies inside its marks, the
+        // first op has no gap before it, and the others' gaps are the time between marks.
+        assert!(s
+            .iter()
+            .all(|s| s.host_us >= 0.0 && s.host_us <= s.us + 1e-3));
+        assert_eq!(s[0].gap_us, 0.0);
+        assert!(s.iter().all(|s| s.gap_us.is_finite() && s.gap_us >= 0.0));
         assert_eq!([&a0, &a1, &a2], [&b0, &b1, &b2]);
         assert!(
             prof.finish().unwrap().is_empty(),

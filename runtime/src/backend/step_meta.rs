@@ -3,7 +3,18 @@
 //! step; the same buffers a captured CUDA graph would read). Pure functions over the engine's
 //! [`StepLayout`] and [`LoraLayout`], so they are tested here without a GPU; the CUDA backend's
 //! `step.rs` uploads what they build.
+use std::ops::Range;
+
 use super::{LoraLayout, StepLayout};
+
+/// Where each of [`AttnHost`]'s arrays lies in its packed form ([`AttnHost::pack`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct AttnParts {
+    pub slots: Range<usize>,
+    pub tables: Range<usize>,
+    pub decode: Range<usize>,
+    pub tiles: Range<usize>,
+}
 
 /// Attention metadata of one step.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -27,6 +38,23 @@ impl AttnHost {
     /// Prefill tiles.
     pub fn n_tiles(&self) -> usize {
         self.tiles.len() / 4
+    }
+
+    /// The four arrays one after another in `out` (cleared first, capacity kept), so that a
+    /// backend uploads them in one copy; where each lies in it.
+    pub fn pack(&self, out: &mut Vec<u32>) -> AttnParts {
+        out.clear();
+        let mut part = |v: &[u32]| {
+            let start = out.len();
+            out.extend_from_slice(v);
+            start..out.len()
+        };
+        AttnParts {
+            slots: part(&self.slots),
+            tables: part(&self.tables),
+            decode: part(&self.decode),
+            tiles: part(&self.tiles),
+        }
     }
 
     /// Rebuilds the metadata for `step` in place (the vectors keep their capacity).
@@ -197,6 +225,32 @@ mod tests {
     }
 
     proptest! {
+        /// The packed form holds each array, in order, at its range; the ranges tile it; a
+        /// second pack into the same vector gives the same (nothing left from the first).
+        #[test]
+        fn the_packed_metadata_holds_each_array_at_its_range(
+            seqs in prop::collection::vec((0usize..100, 1usize..40), 1..12),
+            bs in prop::sample::select(vec![1usize, 8, 16]),
+            seed in 0u64..1000,
+        ) {
+            let (step, nb) = step_of(&seqs, bs, seed);
+            let mut a = AttnHost::default();
+            a.build(&step, bs, nb, 7);
+            let mut out = vec![9; 3];
+            let p = a.pack(&mut out);
+            prop_assert_eq!(&out[p.slots.clone()], &a.slots[..]);
+            prop_assert_eq!(&out[p.tables.clone()], &a.tables[..]);
+            prop_assert_eq!(&out[p.decode.clone()], &a.decode[..]);
+            prop_assert_eq!(&out[p.tiles.clone()], &a.tiles[..]);
+            prop_assert_eq!(
+                (p.slots.start, p.slots.end, p.tables.end, p.decode.end, p.tiles.end),
+                (0, p.tables.start, p.decode.start, p.tiles.start, out.len())
+            );
+            let again = out.clone();
+            prop_assert_eq!(a.pack(&mut out), p);
+            prop_assert_eq!(out, again);
+        }
+
         #[test]
         fn every_row_gets_its_own_slot_and_exactly_one_kernel(
             seqs in prop::collection::vec((0usize..100, 1usize..40), 1..12),

@@ -8,7 +8,7 @@
 //! the kernel's query tile ([`prefill_tc_plan::tile_rows`]); decode rows are unaffected.
 use std::sync::Arc;
 
-use cudarc::driver::{CudaContext, CudaFunction, CudaSlice};
+use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, DevicePtr};
 use thaw_kernels::cuda::prefill_tc_plan::{self, WARPS};
 use thaw_kernels::cuda::registry::DType;
 use thaw_kernels::cuda::KernelCache;
@@ -60,8 +60,8 @@ impl Gpu {
         q: &CudaSlice<f32>,
         (kc, vc): (&CudaSlice<u8>, &CudaSlice<u8>),
         out: &mut CudaSlice<f32>,
-        tables: &CudaSlice<u32>,
-        tiles: &CudaSlice<u32>,
+        tables: &impl DevicePtr<u32>,
+        tiles: &impl DevicePtr<u32>,
         n_tiles: usize,
         s: AttnShape,
     ) -> Result<(), CudaError> {

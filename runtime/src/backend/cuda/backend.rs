@@ -119,6 +119,8 @@ pub struct CudaBackend {
     pub(super) graphs: super::graph::Graphs,
     /// KV layers allocated so far: a captured graph holds the KV cache's addresses.
     pub(super) kv_allocs: AtomicU64,
+    /// Timing events of the op profile's marks (`op_clock.rs`).
+    pub(super) marks: super::op_clock::MarkPool,
 }
 
 impl CudaBackend {
@@ -169,6 +171,7 @@ impl CudaBackend {
             error: None,
             graphs: Default::default(),
             kv_allocs: AtomicU64::new(0),
+            marks: Default::default(),
             gpu,
         };
         b.load_kernels(c)?;
@@ -185,25 +188,21 @@ impl CudaBackend {
 
     /// Copies host f32 values to a new device buffer (tests, benchmarks).
     pub fn upload_f32(&self, v: &[f32]) -> Result<CudaSlice<f32>> {
-        let s = &self.gpu.stream;
-        let r = if v.is_empty() {
-            s.alloc_zeros::<f32>(1)
-        } else {
-            s.clone_htod(v)
-        };
-        Ok(r.map_err(CudaError::from)?)
+        let g = &self.gpu;
+        let mut d = g.alloc_zeros::<f32>(v.len().max(1))?;
+        if !v.is_empty() {
+            g.htod(v, &mut d)?;
+        }
+        Ok(d)
     }
 
     /// The first `n` values of a device buffer (synchronises the compute stream).
     pub fn download_f32(&self, b: &CudaSlice<f32>, n: usize) -> Result<Vec<f32>> {
         let mut out = vec![0.0; n];
         if n > 0 {
-            self.gpu
-                .stream
-                .memcpy_dtoh(&b.slice(..n), &mut out[..])
-                .map_err(CudaError::from)?;
+            self.gpu.dtoh(&b.slice(..n), &mut out[..])?;
         }
-        self.gpu.stream.synchronize().map_err(CudaError::from)?;
+        self.gpu.sync()?;
         Ok(out)
     }
 
@@ -235,7 +234,7 @@ impl CudaBackend {
 
     /// Waits for all queued work.
     pub fn synchronize(&mut self) -> Result<()> {
-        let r = self.gpu.stream.synchronize().map_err(CudaError::from);
+        let r = self.gpu.sync();
         self.record(r);
         self.check()
     }
@@ -258,7 +257,7 @@ impl CudaBackend {
             self.positions
                 .host
                 .extend(positions.iter().map(|&p| p as u32));
-            self.positions.upload(&self.gpu.stream)?;
+            self.positions.upload(&self.gpu)?;
             self.fresh.positions = true;
         }
         Ok(())
@@ -266,7 +265,7 @@ impl CudaBackend {
 
     fn lora_scratch(&mut self, n: usize) -> Result<(), CudaError> {
         if self.lora_v.as_ref().is_none_or(|v| v.len() < n) {
-            self.lora_v = Some(self.gpu.stream.alloc_zeros::<f32>(n.next_power_of_two())?);
+            self.lora_v = Some(self.gpu.alloc_zeros::<f32>(n.next_power_of_two())?);
         }
         Ok(())
     }
@@ -289,7 +288,7 @@ impl CudaBackend {
         on.extend((0..batch.adapters.len()).map(|i| batch.on_device(i as u32, at.0)));
         if !self.fresh.lora || on != self.lora_on_device {
             self.lora_meta
-                .build(&self.gpu.stream, batch.layout, batch.adapters, &on)?;
+                .build(&self.gpu, batch.layout, batch.adapters, &on)?;
             self.fresh.lora = true;
             std::mem::swap(&mut self.lora_on_device, &mut on);
         }
@@ -360,7 +359,7 @@ impl CudaBackend {
         if !self.fresh.attn {
             let tile_rows = self.gpu.prefill_tile_rows();
             self.attn.build(
-                &self.gpu.stream,
+                &self.gpu,
                 step,
                 (kv.layout.block_size, kv.num_blocks),
                 tile_rows,
@@ -387,7 +386,7 @@ impl CudaBackend {
         let rows = step.rows();
         let tl = kv.layout.token_len();
         self.gpu
-            .write_kv(k, v, &mut kv.k, &mut kv.v, self.attn.slots.get(), rows, tl)?;
+            .write_kv(k, v, &mut kv.k, &mut kv.v, &self.attn.slots(), rows, tl)?;
         self.attend(q, kv, out, s)
     }
 
@@ -409,8 +408,8 @@ impl CudaBackend {
                 &kv.k,
                 &kv.v,
                 out,
-                a.tables.get(),
-                a.decode.get(),
+                &a.tables(),
+                &a.decode(),
                 a.n_decode(),
                 s,
             )?;
@@ -420,8 +419,8 @@ impl CudaBackend {
                 q,
                 (&kv.k, &kv.v),
                 out,
-                a.tables.get(),
-                a.tiles.get(),
+                &a.tables(),
+                &a.tiles(),
                 a.n_tiles(),
                 s,
             );
@@ -431,8 +430,8 @@ impl CudaBackend {
             &kv.k,
             &kv.v,
             out,
-            a.tables.get(),
-            a.tiles.get(),
+            &a.tables(),
+            &a.tiles(),
             a.n_tiles(),
             s,
         )
@@ -450,6 +449,29 @@ impl CudaBackend {
             self.gpu.add_bias(out, b, rows, w.d_out)?;
         }
         Ok(())
+    }
+
+    /// The tag of `x16` after a linear read `x_len` values of `x` and wrote `out_len` of `out`:
+    /// with 16-bit weights it holds their cast, which stays valid while `x` is unchanged, so
+    /// only where `out` does not overlap `x` ([`super::fused::ranges_overlap`]).
+    fn cast_kept(
+        &self,
+        x: &CudaSlice<f32>,
+        x_len: usize,
+        out: &CudaSlice<f32>,
+        out_len: usize,
+    ) -> Option<super::fused::X16Tag> {
+        let (xp, op) = (self.gpu.p(x), self.gpu.p(out));
+        let f = std::mem::size_of::<f32>() as u64;
+        let overlap =
+            super::fused::ranges_overlap((xp, x_len as u64 * f), (op, out_len as u64 * f));
+        (self.gpu.weight_dtype != super::DType::F32 && self.x16.is_some() && !overlap).then_some(
+            super::fused::X16Tag {
+                ptr: xp,
+                len: x_len,
+                at: self.ops,
+            },
+        )
     }
 
     /// out = x · Wᵀ for the `[d_out, d_in]` matrix `w` (no bias): the input's 16-bit copy from
@@ -503,14 +525,14 @@ impl CudaBackend {
 impl CudaBackend {
     /// Row indices of `rows` into `idx` (staged on the device).
     fn stage_rows(
-        stream: &Arc<CudaStream>,
+        gpu: &super::launch::Gpu,
         idx: &mut DevVec<u32>,
         rows: &[Range<usize>],
     ) -> Result<usize, CudaError> {
         idx.host.clear();
         idx.host
             .extend(rows.iter().flat_map(|r| r.clone().map(|i| i as u32)));
-        idx.upload(stream)?;
+        idx.upload(gpu)?;
         Ok(idx.host.len())
     }
 
@@ -522,7 +544,7 @@ impl CudaBackend {
         dst: &mut [f32],
         stride: usize,
     ) -> Result<(), CudaError> {
-        let n = Self::stage_rows(&self.gpu.stream, &mut self.export_idx, rows)?;
+        let n = Self::stage_rows(&self.gpu, &mut self.export_idx, rows)?;
         assert!(
             stride >= width && dst.len() >= n.saturating_sub(1) * stride + width,
             "export_rows: dst holds {} < {n} rows of stride {stride}",
@@ -539,7 +561,6 @@ impl CudaBackend {
         {
             self.host_rows.dev = Some(
                 self.gpu
-                    .stream
                     .alloc_zeros::<f32>((n * width).next_power_of_two())?,
             );
         }
@@ -550,14 +571,14 @@ impl CudaBackend {
             .and_then(|()| {
                 let packed = &staged.slice(..n * width);
                 if stride == width {
-                    self.gpu.stream.memcpy_dtoh(packed, &mut dst[..n * width])?;
+                    self.gpu.dtoh(packed, &mut dst[..n * width])?;
                 } else {
                     // One copy into the host staging vector, then rows spread to the stride.
                     let host = &mut self.host_rows.host;
                     host.resize(n * width, 0.0);
-                    self.gpu.stream.memcpy_dtoh(packed, &mut host[..])?;
+                    self.gpu.dtoh(packed, &mut host[..])?;
                 }
-                Ok(self.gpu.stream.synchronize()?)
+                self.gpu.sync()
             });
         self.host_rows.dev = Some(staged);
         if stride != width && r.is_ok() {
@@ -579,7 +600,7 @@ impl CudaBackend {
         src: &[f32],
         stride: usize,
     ) -> Result<(), CudaError> {
-        let n = Self::stage_rows(&self.gpu.stream, &mut self.merge_idx, rows)?;
+        let n = Self::stage_rows(&self.gpu, &mut self.merge_idx, rows)?;
         assert!(
             stride >= width && src.len() >= n.saturating_sub(1) * stride + width,
             "merge_rows: src holds {} < {n} rows of stride {stride}",
@@ -592,7 +613,7 @@ impl CudaBackend {
         self.host_rows
             .host
             .extend(src.chunks(stride).take(n).flat_map(|row| &row[..width]));
-        self.host_rows.upload(&self.gpu.stream)?;
+        self.host_rows.upload(&self.gpu)?;
         let delta = self.gpu.p(self.host_rows.get());
         // SAFETY: `delta` is device memory holding n × width f32 (just uploaded on this
         // stream, so complete before the kernel runs) that stays allocated: `host_rows` is only
@@ -783,11 +804,7 @@ impl Backend for CudaBackend {
     }
 
     fn alloc(&self, len: usize) -> Result<CudaSlice<f32>> {
-        Ok(self
-            .gpu
-            .stream
-            .alloc_zeros::<f32>(len.max(1))
-            .map_err(CudaError::from)?)
+        Ok(self.gpu.alloc_zeros::<f32>(len.max(1))?)
     }
 
     fn upload_linear(
@@ -935,10 +952,10 @@ impl Backend for CudaBackend {
     fn alloc_kv_layer(&self, layout: KvLayout, num_blocks: usize) -> Result<CudaKvLayer> {
         let bytes = (layout.block_len() * num_blocks * self.kv_elem_bytes()).max(1);
         self.kv_allocs.fetch_add(1, Ordering::Relaxed);
-        let s = &self.gpu.stream;
+        let g = &self.gpu;
         Ok(CudaKvLayer {
-            k: s.alloc_zeros::<u8>(bytes).map_err(CudaError::from)?,
-            v: s.alloc_zeros::<u8>(bytes).map_err(CudaError::from)?,
+            k: g.alloc_zeros::<u8>(bytes)?,
+            v: g.alloc_zeros::<u8>(bytes)?,
             layout,
             num_blocks,
         })
@@ -954,7 +971,7 @@ impl Backend for CudaBackend {
         op!(self, {
             self.ids.host.clear();
             self.ids.host.extend_from_slice(ids);
-            self.ids.upload(&self.gpu.stream).and_then(|()| {
+            self.ids.upload(&self.gpu).and_then(|()| {
                 self.gpu
                     .embed(&table.w.view(), self.ids.get(), out, ids.len(), table.d_in)
             })
@@ -970,13 +987,16 @@ impl Backend for CudaBackend {
         out: &mut CudaSlice<f32>,
     ) {
         op!(self, {
-            match (self.gpu).norm_wide(None, x, &w.v, out, rows, w.len, eps) {
+            match (self.gpu).norm_wide(None, x, &w.v, out, None, rows, w.len, eps) {
                 Ok(false) => self.gpu.rms_norm(x, &w.v, out, rows, w.len, eps),
                 r => r.map(drop),
             }
         });
     }
 
+    /// With 16-bit weights the input's cast stays in `x16` after the product; the next op, if
+    /// it is a linear over the same input (k and v after q, up after gate), reads it instead
+    /// of casting again ([`X16Tag`](super::fused::X16Tag)): the same bits, one launch fewer.
     fn linear(
         &mut self,
         x: &CudaSlice<f32>,
@@ -985,6 +1005,9 @@ impl Backend for CudaBackend {
         out: &mut CudaSlice<f32>,
     ) {
         op!(self, self.try_linear(x, w, rows, out));
+        if !self.failed() {
+            self.x16_tag = self.cast_kept(x, rows * w.d_in, out, rows * w.d_out);
+        }
     }
 
     /// With `THAW_CUDA_GROUP_GEMM=1`, one op: one input cast and, for a group placed as one
@@ -1110,10 +1133,29 @@ impl Backend for CudaBackend {
         }
         debug_assert_eq!(w.len, width, "add_rms_norm: norm width");
         op!(self, {
-            match (self.gpu).norm_wide(Some(&mut *residual), x, &w.v, out, rows, w.len, eps) {
-                Ok(false) => (self.gpu).add_rms_norm(residual, x, &w.v, out, rows, w.len, eps),
-                r => r.map(drop),
+            let wide16 = self.gpu.wide_norm_x16();
+            let x16 = wide16.then_some(&mut self.x16);
+            let (h, v) = (&mut *residual, &w.v);
+            let r = match (self.gpu).norm_wide(Some(h), x, v, out, x16, rows, w.len, eps) {
+                Ok(false) => {
+                    let fused16 = self.gpu.fuses_norm_x16();
+                    let x16 = fused16.then_some(&mut self.x16);
+                    (self.gpu)
+                        .add_rms_norm(residual, x, v, out, x16, rows, w.len, eps)
+                        .map(|()| fused16)
+                }
+                r => r.map(|ran| ran && wide16),
+            };
+            if let Ok(true) = r {
+                // `x16` holds `out` in the weight dtype: the next op, a projection over `out`,
+                // reads it instead of casting.
+                self.x16_tag = Some(super::fused::X16Tag {
+                    ptr: self.gpu.p(out),
+                    len: rows * w.len,
+                    at: self.ops,
+                });
             }
+            r.map(drop)
         });
     }
 
@@ -1139,7 +1181,7 @@ impl Backend for CudaBackend {
         op!(self, {
             self.gather.host.clear();
             self.gather.host.extend(rows.iter().map(|&r| r as u32));
-            self.gather.upload(&self.gpu.stream).and_then(|()| {
+            self.gather.upload(&self.gpu).and_then(|()| {
                 self.gpu
                     .gather_rows(x, self.gather.get(), rows.len(), width, out)
             })

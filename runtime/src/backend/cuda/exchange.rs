@@ -157,7 +157,7 @@ impl CudaBackend {
         );
         self.export_idx.host.clear();
         self.export_idx.host.extend(rows.iter().map(|&r| r as u32));
-        self.export_idx.upload(&self.gpu.stream)?;
+        self.export_idx.upload(&self.gpu)?;
         let dst = ex.at(l.inputs + input as usize * l.input_stride);
         // SAFETY: `dst` addresses input buffer `input` (max_rows × max_d_in f32, bounds checked
         // above) and `seq` the sequence word, both inside the registered segment that `ex`
@@ -243,7 +243,7 @@ impl CudaBackend {
         );
         self.merge_idx.host.clear();
         self.merge_idx.host.extend(rows.iter().map(|&r| r as u32));
-        self.merge_idx.upload(&self.gpu.stream)?;
+        self.merge_idx.upload(&self.gpu)?;
         let row_bytes = c.max_d_out as usize * std::mem::size_of::<f32>();
         let delta = ex.at(l.outputs + module.index() * l.output_stride + first * row_bytes);
         // SAFETY: `delta` is row `first` of module `module`'s output buffer (max_rows ×

@@ -63,10 +63,7 @@ fn max_decode_ctx(decode: &[u32], window: usize) -> usize {
 
 fn grow(gpu: &Gpu, buf: &mut Option<CudaSlice<f32>>, n: usize) -> Result<(), CudaError> {
     if buf.as_ref().is_none_or(|b| b.len() < n) {
-        *buf = Some(
-            gpu.stream
-                .alloc_zeros::<f32>(n.max(1).next_power_of_two())?,
-        );
+        *buf = Some(gpu.alloc_zeros::<f32>(n.max(1).next_power_of_two())?);
     }
     Ok(())
 }
@@ -106,8 +103,8 @@ impl Gpu {
         if plan.splits == 1 {
             // Short contexts, or enough (row, head) pairs to fill the GPU: one block per pair
             // already, so attention.cu's kernel runs (no scratch, no reduce launch).
-            let (tables, row_meta) = (a.tables.get(), a.decode.get());
-            return self.attn_decode(q, kc, vc, out, tables, row_meta, n, s);
+            let (tables, row_meta) = (a.tables(), a.decode());
+            return self.attn_decode(q, kc, vc, out, &tables, &row_meta, n, s);
         }
         let (acc_len, ml_len) = plan.scratch_len(pairs, s.head_dim);
         grow(self, &mut a.split_acc, acc_len)?;
@@ -116,7 +113,7 @@ impl Gpu {
             a.split_acc.as_ref().expect("grown above"),
             a.split_ml.as_ref().expect("grown above"),
         );
-        let (tables, row_meta) = (a.tables.get(), a.decode.get());
+        let (tables, row_meta) = (a.tables(), a.decode());
         assert!(row_meta.len() >= 3 * n);
         // SAFETY: attn_decode_split_T(q, kc, vc, float* part_acc, float* part_ml, block_tables,
         // row_meta, int rows, int n_heads, int n_kv_heads, int head_dim, int block_size, int
@@ -139,8 +136,8 @@ impl Gpu {
                     self.p(vc),
                     self.p(acc),
                     self.p(ml),
-                    self.p(tables),
-                    self.p(row_meta),
+                    self.p(&tables),
+                    self.p(&row_meta),
                     int(n, "rows"),
                     int(s.n_heads, "n_heads"),
                     int(s.n_kv_heads, "n_kv_heads"),
@@ -161,7 +158,7 @@ impl Gpu {
                     self.p(acc),
                     self.p(ml),
                     self.p(out),
-                    self.p(row_meta),
+                    self.p(&row_meta),
                     int(n, "rows"),
                     int(s.n_heads, "n_heads"),
                     int(s.head_dim, "head_dim"),

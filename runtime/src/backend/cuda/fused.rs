@@ -4,11 +4,15 @@
 //!
 //! - `add_rms_norm_T` (`norm.cu`): the residual add and the next block's RMSNorm in one pass
 //!   over each row ([`Backend::add_rms_norm`](crate::backend::Backend::add_rms_norm)); bit for
-//!   bit the two kernels it replaces.
+//!   bit the two kernels it replaces. With 16-bit weights it also writes its output in the
+//!   weight dtype (tagged like SwiGLU's below), so q and gate (and through the linear's own tag
+//!   k, v and up) skip their casts.
 //! - `swiglu_x16_T` (`elementwise.cu`): SwiGLU that also writes its output in the weight dtype,
 //!   so the down projection's GEMM reads it without a separate cast kernel. The backend records
 //!   which buffer the 16-bit copy mirrors ([`X16Tag`]); the next op, if it is a `linear` over
-//!   exactly that buffer, skips its cast. Any other op in between voids the tag.
+//!   exactly that buffer, skips its cast. Any other op in between voids the tag. A `linear`
+//!   leaves such a tag too (its own cast of its input, whatever the fused switch): k and v
+//!   after q, and up after gate, read q's and gate's cast.
 //!
 //! CPU twins: `thaw_kernels::cpu::{add_rms_norm, swiglu_x16}`.
 use std::sync::Arc;
@@ -37,6 +41,11 @@ impl X16Tag {
     }
 }
 
+/// Whether the byte ranges `(start, len)` `a` and `b` share a byte (empty ranges share none).
+pub(super) fn ranges_overlap(a: (u64, u64), b: (u64, u64)) -> bool {
+    a.1 > 0 && b.1 > 0 && a.0 < b.0.saturating_add(b.1) && b.0 < a.0.saturating_add(a.1)
+}
+
 /// The resolved fused kernels for one weight dtype.
 pub(crate) struct Fused {
     add_norm: CudaFunction,
@@ -59,7 +68,26 @@ impl Fused {
 }
 
 impl Gpu {
-    /// residual += x; out = rms_norm(residual) · w, `rows` rows of `d` (fused kernel).
+    /// The device address of the 16-bit GEMM input scratch `x16`, grown to at least `n`
+    /// elements first (its contents are unset when grown).
+    ///
+    /// # Safety
+    /// The caller's next kernel writes the first `n` elements before anything reads them.
+    pub(super) unsafe fn x16_ptr(
+        &self,
+        x16: &mut Option<CudaSlice<u16>>,
+        n: usize,
+    ) -> Result<u64, CudaError> {
+        if x16.as_ref().is_none_or(|b| b.len() < n) {
+            // SAFETY: written before it is read (this function's contract).
+            *x16 = Some(unsafe { self.alloc_uninit::<u16>(n.max(1)) }?);
+        }
+        Ok(x16.as_ref().map_or(0, |b| self.p(b)))
+    }
+
+    /// residual += x; out = rms_norm(residual) · w, `rows` rows of `d` (fused kernel); with
+    /// `x16` (16-bit weights only, [`Gpu::fuses_norm_x16`]), `out` in the weight dtype into it
+    /// too, grown as needed.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn add_rms_norm(
         &self,
@@ -67,6 +95,7 @@ impl Gpu {
         x: &CudaSlice<f32>,
         w: &CudaSlice<u8>,
         out: &mut CudaSlice<f32>,
+        x16: Option<&mut Option<CudaSlice<u16>>>,
         rows: usize,
         d: usize,
         eps: f32,
@@ -85,12 +114,22 @@ impl Gpu {
             w.len() >= d * self.weight_dtype.size(),
             "add_rms_norm: weight too small"
         );
+        assert!(
+            x16.is_none() || self.weight_dtype != DType::F32,
+            "add_rms_norm: a 16-bit copy of f32 weights' input"
+        );
         if rows == 0 {
             return Ok(());
         }
-        // SAFETY: add_rms_norm_T(float*, const float*, const T*, float*, int, int, float); one
-        // block of 256 threads per row, as rms_norm (block_sum needs a multiple of 32); the
-        // buffers hold rows × d values and w holds d weights (checked above).
+        let xb = match x16 {
+            // SAFETY: the kernel below writes all rows × d elements.
+            Some(b) => unsafe { self.x16_ptr(b, n) }?,
+            None => 0,
+        };
+        // SAFETY: add_rms_norm_T(float*, const float*, const T*, float*, T*, int, int, float);
+        // one block of 256 threads per row, as rms_norm (block_sum needs a multiple of 32); the
+        // buffers hold rows × d values and w holds d weights (checked above); `xb` is null or
+        // holds rows × d 16-bit elements of the weight dtype (grown above).
         unsafe {
             launch!(
                 self,
@@ -102,12 +141,18 @@ impl Gpu {
                     self.p(x),
                     self.p(w),
                     self.p(out),
+                    xb,
                     int(rows, "rows"),
                     int(d, "d"),
                     eps
                 ]
             )
         }
+    }
+
+    /// Whether the fused add + RMSNorm writes the 16-bit GEMM input (16-bit weights, fused on).
+    pub(super) fn fuses_norm_x16(&self) -> bool {
+        self.fused.is_some() && self.weight_dtype != DType::F32
     }
 
     /// out = silu(gate) · up, and the same values in the weight dtype into `x16` (grown as
@@ -129,11 +174,8 @@ impl Gpu {
             gate.len() >= n && up.len() >= n && out.len() >= n,
             "swiglu_x16: buffers too small"
         );
-        if x16.as_ref().is_none_or(|b| b.len() < n) {
-            // SAFETY: fully written by the kernel below before any read.
-            *x16 = Some(unsafe { self.stream.alloc::<u16>(n.max(1)) }?);
-        }
-        let xb = x16.as_ref().map(|b| self.p(b)).unwrap_or(0);
+        // SAFETY: the kernel below writes all n elements.
+        let xb = unsafe { self.x16_ptr(x16, n) }?;
         // SAFETY: swiglu_x16_T(const float*, const float*, float*, T*, long); gate, up and out
         // hold n f32, x16 at least n 16-bit elements (grown above).
         unsafe {
@@ -221,5 +263,17 @@ mod tests {
         assert!(!t.serves(0x1000, 64, 9), "another op ran in between");
         assert!(!t.serves(0x2000, 64, 8), "another buffer");
         assert!(!t.serves(0x1000, 32, 8), "another length");
+    }
+
+    #[test]
+    fn overlapping_ranges_are_found_and_adjacent_ones_are_not() {
+        assert!(ranges_overlap((100, 10), (105, 10)));
+        assert!(ranges_overlap((105, 10), (100, 10)));
+        assert!(ranges_overlap((100, 10), (100, 1)));
+        assert!(ranges_overlap((100, 50), (110, 5)), "one inside the other");
+        assert!(!ranges_overlap((100, 10), (110, 10)), "adjacent");
+        assert!(!ranges_overlap((110, 10), (100, 10)), "adjacent");
+        assert!(!ranges_overlap((100, 0), (100, 10)), "empty");
+        assert!(!ranges_overlap((u64::MAX - 4, 4), (0, 8)));
     }
 }

@@ -108,7 +108,7 @@ impl CudaBackend {
             return Ok(());
         }
         self.graph_drop_all();
-        let s = &self.gpu.stream;
+        let s = &self.gpu;
         self.graphs.meta_host = vec![0; sizing.meta.len];
         self.graphs.meta_dev = Some(s.alloc_zeros::<u32>(sizing.meta.len.max(1))?);
         if self.gpu.weight_dtype != DType::F32
@@ -182,14 +182,13 @@ impl CudaBackend {
         let dev = g.meta_dev.as_mut().expect("allocated by graph_prepare");
         // Pageable source: the copy has read it when the call returns, so the next step may
         // rewrite it; on the device it is ordered before this step's kernels (one stream).
-        self.gpu
-            .stream
-            .memcpy_htod(&g.meta_host[..used], &mut dev.slice_mut(..used))?;
+        (self.gpu).htod(&g.meta_host[..used], &mut dev.slice_mut(..used))?;
         g.active = Some(Active { key, phase, layout });
         match phase {
             GraphPhase::Warmup => {}
             GraphPhase::Replay => {
                 let (graph, _) = g.captured.get(&key).expect("a captured key has its graph");
+                self.gpu.counters.graph_launch();
                 graph.0.launch()?;
             }
             GraphPhase::Capture => {
@@ -216,9 +215,9 @@ impl CudaBackend {
         out.resize(n, 0.0);
         if n > 0 {
             let dev = self.logits_dev.as_ref().expect("reserved by graph_prepare");
-            self.gpu.stream.memcpy_dtoh(&dev.slice(..n), &mut out[..])?;
+            self.gpu.dtoh(&dev.slice(..n), &mut out[..])?;
         }
-        self.gpu.stream.synchronize()?;
+        self.gpu.sync()?;
         Ok(true)
     }
 
@@ -241,6 +240,7 @@ impl CudaBackend {
                 let op_error = self.error.take();
                 match (captured, op_error) {
                     (Ok(Some(graph)), None) => {
+                        self.gpu.counters.graph_launch();
                         graph.launch()?;
                         self.graphs.captured.insert(a.key, (SendGraph(graph), fp));
                         self.graphs.states.insert(a.key, after_phase(a.phase, true));

@@ -136,7 +136,7 @@ impl CudaBackend {
                 // Grown outside a capture only (a graph bakes the address in: `graph.rs`'s
                 // fingerprint drops graphs captured on an older scratch).
                 let len = n.max(1).next_power_of_two();
-                self.group_out = Some(self.gpu.stream.alloc_zeros::<f32>(len)?);
+                self.group_out = Some(self.gpu.alloc_zeros::<f32>(len)?);
             }
             let mut scratch = self.group_out.take().expect("sized above");
             let last = ws.last().expect("two or three weights");
@@ -144,8 +144,13 @@ impl CudaBackend {
             let r = self
                 .linear_view(x, &w, rows, ws[0].d_in, total, &mut scratch)
                 .and_then(|()| {
-                    let widths: Vec<usize> = ws.iter().map(|w| w.d_out).collect();
-                    self.gpu.split_cols(&split, &scratch, rows, outs, &widths)
+                    // Two or three modules (split_cols checks): no host allocation per layer.
+                    let mut widths = [0usize; 3];
+                    for (d, w) in widths.iter_mut().zip(ws) {
+                        *d = w.d_out;
+                    }
+                    let widths = &widths[..ws.len().min(3)];
+                    self.gpu.split_cols(&split, &scratch, rows, outs, widths)
                 });
             self.group_out = Some(scratch);
             return r;

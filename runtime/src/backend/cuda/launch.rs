@@ -143,6 +143,8 @@ pub(super) struct Gpu {
     /// Greedy token ids on the device (`argmax.rs`, opt-in); `None` = the logits' copy and
     /// the host's argmax.
     pub argmax: Option<super::argmax::DeviceArgmax>,
+    /// What this backend asked of the driver (`counters.rs`).
+    pub counters: super::counters::Counters,
 }
 
 impl Gpu {
@@ -170,6 +172,7 @@ impl Gpu {
             rope_fold: None,
             group: None,
             argmax: None,
+            counters: Default::default(),
             ctx,
             stream,
             blas,
@@ -195,6 +198,7 @@ impl Gpu {
         block: u32,
         params: &mut [*mut c_void],
     ) -> Result<(), CudaError> {
+        self.counters.launch();
         // SAFETY: forwarded to the caller (see `# Safety`); the stream belongs to `ctx`.
         unsafe {
             cudarc::driver::result::launch_kernel(
@@ -337,11 +341,8 @@ impl Gpu {
             None => (blas_sys::cudaDataType::CUDA_R_32F, self.p(x)),
             Some(cast) => {
                 let n = rows * d_in;
-                if x16.as_ref().is_none_or(|b| b.len() < n) {
-                    // SAFETY: fully written by the cast below before any read.
-                    *x16 = Some(unsafe { self.stream.alloc::<u16>(n) }?);
-                }
-                let xb = x16.as_ref().map(|b| self.p(b)).unwrap_or(0);
+                // SAFETY: the cast below writes all n elements.
+                let xb = unsafe { self.x16_ptr(x16, n) }?;
                 // SAFETY: cast_f32_to_{bf16,f16}(const float*, T*, long); x holds n f32 and
                 // x16 at least n 16-bit elements.
                 unsafe {
@@ -378,6 +379,7 @@ impl Gpu {
         out: &mut CudaSlice<f32>,
     ) -> Result<(), CudaError> {
         let (alpha, beta) = (1.0f32, 0.0f32);
+        self.counters.gemm();
         // Row-major y = x·Wᵀ is column-major yᵀ = W·xᵀ: W read column-major is [d_in, d_out]
         // (transposed: op T), xᵀ is [d_in, rows] (op N), yᵀ is [d_out, rows].
         // SAFETY: the handle is bound to our stream; A = W holds d_out × d_in, B (`b_ptr`, the
@@ -622,8 +624,8 @@ impl Gpu {
         kc: &CudaSlice<u8>,
         vc: &CudaSlice<u8>,
         out: &mut CudaSlice<f32>,
-        tables: &CudaSlice<u32>,
-        tiles: &CudaSlice<u32>,
+        tables: &impl DevicePtr<u32>,
+        tiles: &impl DevicePtr<u32>,
         n_tiles: usize,
         s: AttnShape,
     ) -> Result<(), CudaError> {
@@ -654,7 +656,7 @@ impl Gpu {
         q: &CudaSlice<f32>,
         (kc, vc): (&CudaSlice<u8>, &CudaSlice<u8>),
         out: &mut CudaSlice<f32>,
-        (tables, tiles, n_tiles): (&CudaSlice<u32>, &CudaSlice<u32>, usize),
+        (tables, tiles, n_tiles): (&impl DevicePtr<u32>, &impl DevicePtr<u32>, usize),
         s: AttnShape,
     ) -> Result<(), CudaError> {
         assert!(tiles.len() >= 4 * n_tiles);

@@ -11,7 +11,7 @@
 //! | --- | --- |
 //! | `argmax.rs` | greedy token ids on the device, the ids' copy instead of the logits' (opt-in: `THAW_CUDA_DEVICE_ARGMAX=1`) |
 //! | `attn_prefill_tc.rs` | prefill attention on the tensor cores (default where served; off: `THAW_CUDA_TC_PREFILL=0`) |
-//! | `flash.rs` | flash-decoding launches (default; off: `THAW_CUDA_ATTN_IMPL=classic`) |
+//! | `flash.rs` | flash-decoding launches (default; off: `THAW_CUDA_ATTN_IMPL=classic`; shortest chunk: `THAW_CUDA_SPLIT_MIN_CHUNK`, default 256) |
 //! | `fused.rs` | fused add + RMSNorm and SwiGLU + cast (default; off: `THAW_CUDA_FUSED=0`) |
 //! | `graph.rs` | CUDA graphs of decode steps: capture, replay, the persistent metadata buffer |
 //! | `group.rs` | q/k/v and gate/up placed as one matrix at load and run as one product (opt-in: `THAW_CUDA_GROUP_GEMM=1`) |
@@ -19,6 +19,7 @@
 //! | `launch.rs` | every raw CUDA call: launches, cuBLAS, stream waits, host registration |
 //! | `op_clock.rs` | events on the compute stream that time each op of a profiled step (`thaw-bench gpu --op-profile`) |
 //! | `backend.rs` | [`CudaBackend`]: the trait ops |
+//! | `counters.rs` | running counts of launches, allocations, copies and synchronisations ([`CudaBackend::device_counts`]) |
 //! | `select.rs` | resolves and loads the issue-29 kernels a new backend runs, logs the choice |
 //! | `sgmv.rs` | the Punica-shaped SGMV / BGMV launches (default where served; off: `THAW_CUDA_LORA_IMPL=classic`) |
 //! | `step.rs` | per-step device metadata (slots, block tables, segments), uploaded once per step |
@@ -40,6 +41,7 @@
 mod argmax;
 mod attn_prefill_tc;
 mod backend;
+mod counters;
 mod encode;
 mod exchange;
 mod flash;
@@ -58,7 +60,7 @@ mod wide;
 
 pub use super::kernel_select::{
     AttnImpl, KernelPlan, LoraImpl, OptInPlan, ATTN_IMPL_ENV, DEVICE_ARGMAX_ENV, FUSED_ENV,
-    GROUP_GEMM_ENV, LORA_IMPL_ENV, ROPE_FOLD_ENV, TC_PREFILL_ENV, WIDE_ENV,
+    GROUP_GEMM_ENV, LORA_IMPL_ENV, ROPE_FOLD_ENV, SPLIT_MIN_CHUNK_ENV, TC_PREFILL_ENV, WIDE_ENV,
 };
 pub use backend::{CudaBackend, CudaConfig, CudaKvLayer};
 pub use exchange::MappedExchange;

@@ -14,7 +14,9 @@ use super::sgmv::Punica;
 use super::wide::{RopeFold, Wide};
 use super::{CudaBackend, CudaError};
 use crate::adapter::LoraModule;
-use crate::backend::kernel_select::{Choice, KernelPlan, OptInPlan, ServedShape};
+use crate::backend::kernel_select::{
+    split_min_chunk, Choice, KernelPlan, OptInPlan, ServedShape, SPLIT_MIN_CHUNK_ENV,
+};
 use crate::model::ModelConfig;
 
 impl CudaBackend {
@@ -38,7 +40,12 @@ impl CudaBackend {
         let plan = KernelPlan::resolve(env, &served).map_err(CudaError::Unsupported)?;
         tracing::info!("CUDA kernels: {plan}");
         if plan.attn.is_new() {
-            self.gpu.flash = Some(FlashDecode::load(ctx, kv, MIN_CHUNK)?);
+            let var = env(SPLIT_MIN_CHUNK_ENV);
+            let chunk = split_min_chunk(var.as_deref()).map_err(CudaError::Unsupported)?;
+            if chunk != MIN_CHUNK {
+                tracing::info!("CUDA flash-decoding: chunks of at least {chunk} positions");
+            }
+            self.gpu.flash = Some(FlashDecode::load(ctx, kv, chunk)?);
         }
         if plan.tc_prefill.is_new() {
             self.gpu.tc_prefill = TcPrefill::load(ctx, kv, c.head_dim)?;

@@ -72,8 +72,16 @@ pub(super) struct FoldShape {
 }
 
 impl Gpu {
+    /// Whether the wide add + RMSNorm writes the 16-bit GEMM input too (wide on, 16-bit
+    /// weights): [`Gpu::norm_wide`] with `x16` given.
+    pub(super) fn wide_norm_x16(&self) -> bool {
+        self.wide.is_some() && self.weight_dtype != DType::F32
+    }
+
     /// Wide RMSNorm of `rows` rows of `d` (with `residual`: residual += x first, and the sum is
-    /// normalised). Ok(false) when the wide kernels are off or do not serve `d`: nothing ran.
+    /// normalised; with `residual` and `x16` where [`Gpu::wide_norm_x16`], the output also
+    /// into `x16` in the weight dtype, grown as needed). Ok(false) when the wide kernels are
+    /// off or do not serve `d`: nothing ran.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn norm_wide(
         &self,
@@ -81,6 +89,7 @@ impl Gpu {
         x: &CudaSlice<f32>,
         w: &CudaSlice<u8>,
         out: &mut CudaSlice<f32>,
+        x16: Option<&mut Option<CudaSlice<u16>>>,
         rows: usize,
         d: usize,
         eps: f32,
@@ -112,11 +121,19 @@ impl Gpu {
         match residual {
             Some(h) => {
                 assert!(h.len() >= n, "norm_wide: residual too small");
-                // SAFETY: add_rms_norm_wide_T(float*, const float*, const T*, float*, int, int,
-                // float); one block of `threads` (whole warps, d / 4 <= threads · WIDE_VPT:
+                let x16 = x16.filter(|_| self.weight_dtype != DType::F32);
+                let xb = match x16 {
+                    // SAFETY: the kernel below writes all rows × d elements.
+                    Some(b) => unsafe { self.x16_ptr(b, n) }?,
+                    None => 0,
+                };
+                // SAFETY: add_rms_norm_wide_T(float*, const float*, const T*, float*, T*, int,
+                // int, float); one block of `threads` (whole warps, d / 4 <= threads · WIDE_VPT:
                 // wide_norm_block) per row; residual, x and out hold rows × d f32 and w d
                 // weights (checked above); d % 4 == 0 and every buffer starts on 16 bytes
-                // (checked above), so each row's float4s are aligned.
+                // (checked above), so each row's float4s are aligned; `xb` is null or holds
+                // rows × d 16-bit elements of the weight dtype (grown above), written with
+                // scalar stores.
                 unsafe {
                     launch!(
                         self,
@@ -128,6 +145,7 @@ impl Gpu {
                             self.p(x),
                             self.p(w),
                             self.p(out),
+                            xb,
                             int(rows, "rows"),
                             int(d, "d"),
                             eps
@@ -344,7 +362,7 @@ impl CudaBackend {
         self.gpu.write_kv_rope(
             (&mut *q, &mut *k, v),
             (&mut kv.k, &mut kv.v),
-            self.attn.slots.get(),
+            &self.attn.slots(),
             self.positions.get(),
             &self.inv_freq,
             fold,
