@@ -186,6 +186,15 @@ pub const WIDE: KernelSource = KernelSource {
     ],
 };
 
+/// Issue 29's opt-in small-batch GEMV (off unless `THAW_CUDA_GEMV` is 1): y = x · Wᵀ for at
+/// most [`shape::GEMV_MAX_ROWS`] rows of f32 activations read directly (no cast kernel) against
+/// 16-bit weights, 16-byte weight loads, f32 accumulation.
+pub const GEMV: KernelSource = KernelSource {
+    name: "gemv",
+    source: include_str!("gemv.cu"),
+    entry_points: &["gemv_bf16", "gemv_f16"],
+};
+
 /// Every kernel source Thaw compiles.
 pub const KERNELS: &[KernelSource] = &[
     ELEMENTWISE,
@@ -198,6 +207,7 @@ pub const KERNELS: &[KernelSource] = &[
     LORA_PUNICA,
     EXCHANGE,
     WIDE,
+    GEMV,
 ];
 
 /// Launch-shape constants the sources `#define`; the host launches with these.
@@ -238,6 +248,12 @@ pub mod shape {
     pub const WIDE_MAX_THREADS: usize = 1024;
     /// `THAW_ROPE_MAX_HALF`: pairs per head `wide.cu`'s RoPE stages (`MAX_HEAD_DIM / 2`).
     pub const ROPE_MAX_HALF: usize = 128;
+    /// `GEMV_MAX_ROWS`: the most rows one `gemv.cu` launch takes.
+    pub const GEMV_MAX_ROWS: usize = 8;
+    /// `GEMV_WARPS`: warps of every `gemv.cu` block.
+    pub const GEMV_WARPS: u32 = 4;
+    /// `GEMV_OUTS`: outputs (rows of W) one `gemv.cu` warp computes at a time.
+    pub const GEMV_OUTS: u32 = 2;
 }
 
 /// Finds the source that defines `entry`.
@@ -346,6 +362,10 @@ mod tests {
         assert_eq!(define(w, "THAW_WIDE_VPT"), shape::WIDE_VPT as u64);
         assert_eq!(define(w, "THAW_ROPE_MAX_HALF"), shape::ROPE_MAX_HALF as u64);
         assert_eq!(shape::ROPE_MAX_HALF * 2, shape::MAX_HEAD_DIM);
+        let g = GEMV.source;
+        assert_eq!(define(g, "GEMV_MAX_ROWS"), shape::GEMV_MAX_ROWS as u64);
+        assert_eq!(define(g, "GEMV_WARPS"), shape::GEMV_WARPS as u64);
+        assert_eq!(define(g, "GEMV_OUTS"), shape::GEMV_OUTS as u64);
         let l = LORA.source;
         assert_eq!(define(l, "THAW_LORA_WARPS"), shape::LORA_WARPS as u64);
         assert_eq!(define(l, "THAW_LORA_ROWS"), shape::LORA_ROWS as u64);

@@ -17,7 +17,7 @@
 //! KV cache, a head_dim other than 32/64/128, or a device below compute capability 8.0. An
 //! explicit `split` / `1` / `punica` that cannot be served is an error that says what to set.
 //!
-//! Three more are opt-in ([`OptInPlan`]): off unless set to `1`, until a GPU parity run
+//! Four more are opt-in ([`OptInPlan`]): off unless set to `1`, until a GPU parity run
 //! (`cuda_parity`'s `opt_in` tests) proves them, then to become defaults like the four above.
 //!
 //! | kernel | variable | on |
@@ -25,6 +25,7 @@
 //! | q/k/v (and gate/up) as one product over one weight matrix | [`GROUP_GEMM_ENV`] | `1` |
 //! | RoPE of q and k inside the paged-cache KV write | [`ROPE_FOLD_ENV`] | `1` |
 //! | RMSNorm, add + RMSNorm, RoPE with one wide block per row | [`WIDE_ENV`] | `1` |
+//! | products of at most 8 rows as a GEMV over f32 activations (no cast, no cuBLAS) | [`GEMV_ENV`] | `1` |
 use std::fmt;
 
 use thaw_kernels::cuda::decode_plan::MIN_CHUNK;
@@ -48,6 +49,10 @@ pub const ROPE_FOLD_ENV: &str = "THAW_CUDA_ROPE_FOLD";
 /// RMSNorm, add + RMSNorm and RoPE with a wide block per row (float4 loads, one pass in
 /// registers): `1` or `0` (the default until a GPU parity run proves it).
 pub const WIDE_ENV: &str = "THAW_CUDA_WIDE_NORM";
+/// Products of at most [`shape::GEMV_MAX_ROWS`] rows against 16-bit weights through
+/// `gemv.cu` (f32 activations read directly) instead of a cast and cuBLAS: `1` or `0` (the
+/// default until a GPU parity run proves it).
+pub const GEMV_ENV: &str = "THAW_CUDA_GEMV";
 
 /// Which kernels run the CUDA backend's decode attention.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -173,6 +178,16 @@ pub const WIDE: Switch = Switch {
     off: "0",
     new: "wide",
     classic: "one block of 256 per row",
+    default_new: false,
+};
+
+/// The small-batch GEMV.
+pub const GEMV: Switch = Switch {
+    env: GEMV_ENV,
+    on: "1",
+    off: "0",
+    new: "small-batch GEMV",
+    classic: "cast + cuBLAS",
     default_new: false,
 };
 
@@ -390,6 +405,46 @@ pub fn group_as_one_product(rows: usize) -> bool {
     rows <= GROUP_GEMM_MAX_ROWS
 }
 
+/// Whether a product of `rows` rows, `[rows, d_in] · [d_out, d_in]ᵀ` over weights of `dtype`
+/// at device address `w_addr` with its f32 input at `x_addr`, runs through `gemv.cu` with the
+/// switch (`gemv_on`) on. The kernel takes 1 to [`shape::GEMV_MAX_ROWS`] rows of 16-bit
+/// weights; it loads 8 weights (16 bytes) and 8 activations (two float4) at a time, so
+/// `d_in % 8 == 0` and both buffers 16-byte aligned (every row then is). Anything else, f32
+/// weights included, takes the cast + cuBLAS path, which serves every shape.
+pub fn gemv_serves(
+    gemv_on: bool,
+    dtype: DType,
+    rows: usize,
+    d_in: usize,
+    d_out: usize,
+    w_addr: u64,
+    x_addr: u64,
+) -> bool {
+    gemv_on
+        && dtype != DType::F32
+        && (1..=shape::GEMV_MAX_ROWS).contains(&rows)
+        && d_in > 0
+        && d_in.is_multiple_of(8)
+        && d_out > 0
+        // The kernel indexes with int rows of W and long offsets: d_out · d_in may exceed
+        // i32 (a 128k vocabulary head), d_in and d_out alone may not.
+        && i32::try_from(d_in).is_ok()
+        && i32::try_from(d_out).is_ok()
+        && w_addr.is_multiple_of(16)
+        && x_addr.is_multiple_of(16)
+}
+
+/// Blocks of a `gemv.cu` launch for `d_out` outputs: one warp per [`shape::GEMV_OUTS`]
+/// outputs, [`shape::GEMV_WARPS`] warps a block. Small blocks (128 threads, 80 registers a
+/// thread on sm_90: six resident per SM) that the hardware hands to whichever SM frees up, so
+/// a 4096-wide product (512 blocks) is resident at once on an H100's 132 SMs and an 11008-wide
+/// one has no long tail wave. Below 132 · 8 = 1056 outputs the grid cannot fill the SMs (a
+/// 576-wide product: 72 blocks); the kernel loops grid-stride, so any grid is correct.
+pub fn gemv_grid(d_out: usize) -> u32 {
+    let per_block = (shape::GEMV_WARPS * shape::GEMV_OUTS) as usize;
+    d_out.div_ceil(per_block).clamp(1, i32::MAX as usize) as u32
+}
+
 /// The opt-in switches (off unless set to `1`): resolved once when a backend is created,
 /// logged beside [`KernelPlan`].
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -397,24 +452,28 @@ pub struct OptInPlan {
     pub group_gemm: Choice,
     pub rope_fold: Choice,
     pub wide: Choice,
+    pub gemv: Choice,
 }
 
 impl OptInPlan {
-    /// Resolves the three opt-in switches from `var` for heads of `head_dim`.
+    /// Resolves the four opt-in switches from `var` for heads of `head_dim`.
     pub fn resolve(var: impl Fn(&str) -> Option<String>, head_dim: usize) -> Result<Self, String> {
         let value = |env: &str| var(env).unwrap_or_default();
         Ok(Self {
             group_gemm: GROUP_GEMM.choose(&value(GROUP_GEMM.env), None)?,
             rope_fold: ROPE_FOLD.choose(&value(ROPE_FOLD.env), rope_fold_unserved(head_dim))?,
             wide: WIDE.choose(&value(WIDE.env), None)?,
+            // Served or not per product (`gemv_serves`): the rest take cast + cuBLAS.
+            gemv: GEMV.choose(&value(GEMV.env), None)?,
         })
     }
 
-    fn rows(&self) -> [(&'static str, Switch, &Choice); 3] {
+    fn rows(&self) -> [(&'static str, Switch, &Choice); 4] {
         [
             ("q/k/v and gate/up products", GROUP_GEMM, &self.group_gemm),
             ("RoPE", ROPE_FOLD, &self.rope_fold),
             ("norm and RoPE blocks", WIDE, &self.wide),
+            ("products of few rows", GEMV, &self.gemv),
         ]
     }
 }

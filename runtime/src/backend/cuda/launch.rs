@@ -140,6 +140,8 @@ pub(super) struct Gpu {
     pub rope_fold: Option<super::wide::RopeFold>,
     /// q/k/v and gate/up as one product (`group.rs`, opt-in); `None` = one per module.
     pub group: Option<super::group::Group>,
+    /// Products of few rows as a GEMV (`gemv.rs`, opt-in); `None` = cast + cuBLAS.
+    pub gemv: Option<super::gemv::Gemv>,
 }
 
 impl Gpu {
@@ -166,6 +168,7 @@ impl Gpu {
             wide: None,
             rope_fold: None,
             group: None,
+            gemv: None,
             ctx,
             stream,
             blas,

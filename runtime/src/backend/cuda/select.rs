@@ -8,6 +8,7 @@ use thaw_kernels::cuda::KernelCache;
 use super::attn_prefill_tc::TcPrefill;
 use super::flash::FlashDecode;
 use super::fused::Fused;
+use super::gemv::Gemv;
 use super::group::Group;
 use super::sgmv::Punica;
 use super::wide::{RopeFold, Wide};
@@ -60,6 +61,9 @@ impl CudaBackend {
         if opt_in.wide.is_new() {
             self.gpu.wide = Some(Wide::load(ctx, w)?);
         }
+        if opt_in.gemv.is_new() {
+            self.gpu.gemv = Some(Gemv::load(ctx, w)?);
+        }
         Ok(())
     }
 
@@ -70,6 +74,7 @@ impl CudaBackend {
             group_gemm: pick(self.gpu.group.is_some()),
             rope_fold: pick(self.gpu.rope_fold.is_some()),
             wide: pick(self.gpu.wide.is_some()),
+            gemv: pick(self.gpu.gemv.is_some()),
         }
     }
 
