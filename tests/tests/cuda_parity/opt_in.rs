@@ -1,5 +1,5 @@
-//! Issue 29's opt-in kernels (off unless `THAW_CUDA_WIDE_NORM`, `THAW_CUDA_ROPE_FOLD` or
-//! `THAW_CUDA_GROUP_GEMM` is 1) against the paths they replace: the wide RMSNorm / add +
+//! Issue 29's opt-in kernels (off unless `THAW_CUDA_WIDE_NORM`, `THAW_CUDA_ROPE_FOLD`,
+//! `THAW_CUDA_GROUP_GEMM` or `THAW_CUDA_GEMV` is 1; the GEMV's own tests are in `gemv.rs`) against the paths they replace: the wide RMSNorm / add +
 //! RMSNorm / RoPE blocks, q/k/v and gate/up as one product over weights placed as one matrix,
 //! RoPE folded into the KV write, and whole engines (eager and CUDA graphs) with every switch
 //! on against every switch off. Part of `cuda_parity` (its helpers, its GPU skip rules).
@@ -34,9 +34,10 @@ fn opt_in(g: &mut CudaBackend, on: bool) {
     g.set_wide(on).unwrap();
     g.set_rope_fold(on).unwrap();
     g.set_group_gemm(on).unwrap();
+    g.set_gemv(on).unwrap();
     let p = g.opt_in_plan();
     assert!(
-        [&p.group_gemm, &p.rope_fold, &p.wide]
+        [&p.group_gemm, &p.rope_fold, &p.wide, &p.gemv]
             .iter()
             .all(|c| c.is_new() == on),
         "{p}"
