@@ -11,7 +11,11 @@
 //!   GEMV ran is checked by it being closer to the oracle than cuBLAS for bf16;
 //! - a shape the GEMV does not take (d_in % 8 != 0) runs cuBLAS with the switch on: bit for bit
 //!   the switch off;
-//! - engines: greedy tokens identical, logits within the suite's 1e-2.
+//! - engines: logits within the suite's 1e-2 and greedy tokens identical, except at a near tie
+//!   (`same_greedy_tokens`): the GEMV multiplies the f32 activations where cuBLAS multiplies
+//!   their 16-bit rounding, so two logits within that rounding of each other may swap places;
+//!   such a step must be a near tie of the off run (top two within [`NEAR_TIE`] of the largest
+//!   |logit|), and the sequence is compared no further (its contexts differ from there).
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use thaw_runtime::backend::cpu::CpuBackend;
@@ -38,6 +42,63 @@ const SHAPES: [(usize, usize); 7] = [
 ];
 
 const X16: [DType; 2] = [DType::Bf16, DType::F16];
+
+/// A decode step whose top two logits are closer than this (relative to the step's largest
+/// |logit|) may pick either token when the activations' rounding changes (bf16: 2^-9 relative
+/// per activation, ~1e-3 on a logit).
+pub(super) const NEAR_TIE: f32 = 1e-2;
+
+/// Whether the step's two largest logits are within [`NEAR_TIE`] of each other.
+fn near_tie(logits: &[f32]) -> bool {
+    let (mut a, mut b) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
+    for &v in logits {
+        if v > a {
+            b = a;
+            a = v;
+        } else if v > b {
+            b = v;
+        }
+    }
+    let scale = logits.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-6);
+    (a - b) <= NEAR_TIE * scale
+}
+
+/// `on`'s greedy tokens and logits against `off`'s for one sequence of `vocab`-wide steps.
+/// f32 weights (the GEMV does not run): identical tokens, logits within `tol`. 16-bit weights:
+/// the prefill's token identical; each decode step's logits within `tol` and its token
+/// identical, unless `off`'s logits at that step are a near tie: then the sequences may part
+/// there and are compared no further. Returns whether they parted at a near tie.
+pub(super) fn same_greedy_tokens(
+    what: &str,
+    dt: DType,
+    tol: f64,
+    off: &Decoded,
+    on: &Decoded,
+    vocab: usize,
+) -> bool {
+    assert_eq!(off.tokens.len(), on.tokens.len(), "{what}: step counts");
+    assert_eq!(
+        off.tokens.first(),
+        on.tokens.first(),
+        "{dt:?} {what}: the prefill's greedy token differs"
+    );
+    for s in 1..off.tokens.len() {
+        let step = (s - 1) * vocab..s * vocab;
+        let (lo, ln) = (&off.logits[step.clone()], &on.logits[step]);
+        check(&format!("{what} step {s}"), dt, tol, ln, lo);
+        if off.tokens[s] != on.tokens[s] {
+            assert!(
+                dt != DType::F32 && near_tie(lo),
+                "{dt:?} {what}: greedy token of step {s} differs ({} vs {}) and the step is not \
+                 a near tie",
+                off.tokens[s],
+                on.tokens[s]
+            );
+            return true;
+        }
+    }
+    false
+}
 
 /// `v` rounded to `dt` and back (round to nearest even, as the upload encodes).
 fn rounded(v: &[f32], dt: DType) -> Vec<f32> {
@@ -177,24 +238,18 @@ fn engines_with_the_gemv_give_the_same_tokens() {
             runs.push(per_batch);
         }
         for (m, name) in [(1, "on, eager"), (2, "on, graphs")] {
-            let mut worst: f64 = 0.0;
+            let (mut parted, mut seqs) = (0, 0);
             for (k, (off, on)) in runs[0].iter().zip(&runs[m]).enumerate() {
                 for (i, (a, b)) in off.iter().zip(on).enumerate() {
-                    worst = worst.max(rel_err(&b.logits, &a.logits));
-                    check(
-                        &format!("gemv {name} b{k} s{i}"),
-                        dt,
-                        1e-2,
-                        &b.logits,
-                        &a.logits,
-                    );
-                    assert_eq!(
-                        a.tokens, b.tokens,
-                        "{dt:?} gemv {name}, batch #{k}, seq {i}: greedy tokens differ from off"
-                    );
+                    let what = format!("gemv {name} b{k} s{i}");
+                    parted += usize::from(same_greedy_tokens(&what, dt, 1e-2, a, b, vocab));
+                    seqs += 1;
                 }
             }
-            println!("{dt:?}: gemv {name}: same tokens, worst logits rel err {worst:.2e}");
+            println!(
+                "{dt:?}: gemv {name}: {seqs} sequences, {parted} parted at a near tie, the rest \
+                 the same tokens"
+            );
         }
     }
 }

@@ -16,7 +16,8 @@
 //!   cache entry the other way);
 //! - one product against three: 1e-5 — the same 16-bit (or f32) operands and f32 accumulation;
 //!   cuBLAS may pick another kernel for the wider product, i.e. another summation order;
-//! - engines: greedy tokens identical, logits within the suite's tolerance.
+//! - engines: greedy tokens identical (but at a near tie with the GEMV on: `gemv.rs`), logits
+//!   within the suite's tolerance.
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use thaw_kernels::cpu::KvLayout;
@@ -26,6 +27,7 @@ use thaw_runtime::backend::{Backend, StepLayout};
 use thaw_tests::graphs::{decode_batch, prompts, Decoded};
 use thaw_tests::{rel_err, TestModel};
 
+use super::gemv::same_greedy_tokens;
 use super::graphs::engine_with;
 use super::{cfg, check, mixed_step, rand_vec, shape, CONFIGS};
 
@@ -357,24 +359,19 @@ fn engines_with_every_opt_in_switch_give_the_same_tokens() {
         }
         for (m, name) in [(1, "on, eager"), (2, "on, graphs")] {
             let mut worst: f64 = 0.0;
+            let mut parted = 0;
             for (k, (off, on)) in runs[0].iter().zip(&runs[m]).enumerate() {
                 for (i, (a, b)) in off.iter().zip(on).enumerate() {
                     worst = worst.max(rel_err(&b.logits, &a.logits));
-                    check(
-                        &format!("opt-in {name} b{k} s{i}"),
-                        dt,
-                        tol,
-                        &b.logits,
-                        &a.logits,
-                    );
-                    assert_eq!(
-                        a.tokens, b.tokens,
-                        "{dt:?} {name}, batch #{k}, seq {i}: greedy tokens differ from all off"
-                    );
+                    // The GEMV multiplies f32 activations where cuBLAS multiplies their 16-bit
+                    // rounding: tokens may part at a near tie (`gemv.rs`), nowhere else.
+                    let what = format!("opt-in {name} b{k} s{i}");
+                    parted += usize::from(same_greedy_tokens(&what, dt, tol, a, b, vocab));
                 }
             }
             println!(
-                "{dt:?}: every opt-in switch {name}: same tokens, worst logits rel err {worst:.2e}"
+                "{dt:?}: every opt-in switch {name}: same tokens but {parted} near-tie partings, \
+                 worst logits rel err {worst:.2e}"
             );
         }
     }
