@@ -10,9 +10,11 @@
 // small-batch GEMVs do.
 //
 // Layout: W is row-major [d_out, d_in] of T in {bf16_t, f16_t}; x is [rows, d_in] f32, y is
-// [rows, d_out] f32 (overwritten). Each warp computes GEMV_OUTS consecutive outputs (rows of W)
-// for all `rows` input rows: its lanes stride over d_in in groups of 8 (lane, lane + 32, ...; the
-// last round is partial where d_in / 8 is not a multiple of 32), keep GEMV_OUTS x rows partial
+// [rows, d_out] f32 (overwritten). Each warp computes OUTS consecutive outputs (rows of W) for
+// all `rows` input rows (OUTS = GEMV_OUTS_FEW for rows <= GEMV_FEW_ROWS, else GEMV_OUTS_MANY:
+// every 16 bytes of weights a lane loads costs it 32 bytes of x per row from L1, so more rows
+// share each x load over more outputs to keep that L1 traffic under the SM's 128 B a cycle): its lanes stride over d_in in groups of 8 (lane, lane + 32, ...; the
+// last round is partial where d_in / 8 is not a multiple of 32), keep OUTS x rows partial
 // sums in registers, and reduce them with warp shuffles at the end. Warps loop over output
 // groups grid-stride, so any grid is correct; the host sizes it to fill the SMs.
 //
@@ -26,7 +28,10 @@
 
 #define GEMV_MAX_ROWS 8
 #define GEMV_WARPS 4
-#define GEMV_OUTS 2
+// Rows up to this run gemv_few_T with GEMV_OUTS_FEW outputs a warp; more run gemv_many_T.
+#define GEMV_FEW_ROWS 2
+#define GEMV_OUTS_FEW 2
+#define GEMV_OUTS_MANY 4
 
 // 8 weights from one 16-byte load (read-only path).
 template <typename T>
@@ -41,27 +46,27 @@ __device__ __forceinline__ void gemv_load8(const T* p, float (&w)[8]) {
     }
 }
 
-template <typename T, int R>
+template <typename T, int R, int OUTS>
 __device__ __forceinline__ void gemv_rows(const float* __restrict__ x, const T* __restrict__ w,
                                           float* __restrict__ y, int d_in, int d_out) {
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     const int groups = d_in >> 3;
-    const int out_groups = (d_out + GEMV_OUTS - 1) / GEMV_OUTS;
+    const int out_groups = (d_out + OUTS - 1) / OUTS;
     for (int og = blockIdx.x * GEMV_WARPS + warp; og < out_groups;
          og += gridDim.x * GEMV_WARPS) {
-        const int o0 = og * GEMV_OUTS;
-        float acc[GEMV_OUTS][R];
+        const int o0 = og * OUTS;
+        float acc[OUTS][R];
 #pragma unroll
-        for (int o = 0; o < GEMV_OUTS; ++o)
+        for (int o = 0; o < OUTS; ++o)
 #pragma unroll
             for (int r = 0; r < R; ++r) acc[o][r] = 0.0f;
         // Unrolled so that the next rounds' weight loads are in flight during this one's FMAs.
-#pragma unroll 4
+#pragma unroll(R <= 4 ? 4 : 2)
         for (int g = lane; g < groups; g += 32) {
-            float wv[GEMV_OUTS][8];
+            float wv[OUTS][8];
 #pragma unroll
-            for (int o = 0; o < GEMV_OUTS; ++o) {
+            for (int o = 0; o < OUTS; ++o) {
                 if (o0 + o < d_out) {
                     gemv_load8(w + (long)(o0 + o) * d_in + ((long)g << 3), wv[o]);
                 } else {
@@ -76,7 +81,7 @@ __device__ __forceinline__ void gemv_rows(const float* __restrict__ x, const T* 
                 const float4 a = __ldg(xr);
                 const float4 b = __ldg(xr + 1);
 #pragma unroll
-                for (int o = 0; o < GEMV_OUTS; ++o) {
+                for (int o = 0; o < OUTS; ++o) {
                     float s = acc[o][r];
                     s += a.x * wv[o][0];
                     s += a.y * wv[o][1];
@@ -91,7 +96,7 @@ __device__ __forceinline__ void gemv_rows(const float* __restrict__ x, const T* 
             }
         }
 #pragma unroll
-        for (int o = 0; o < GEMV_OUTS; ++o) {
+        for (int o = 0; o < OUTS; ++o) {
 #pragma unroll
             for (int r = 0; r < R; ++r) {
                 const float s = warp_sum(acc[o][r]);
@@ -101,23 +106,39 @@ __device__ __forceinline__ void gemv_rows(const float* __restrict__ x, const T* 
     }
 }
 
-// One entry point per weight dtype; `rows` picks the instantiation that keeps every partial sum
-// in registers. Blocks of GEMV_WARPS * 32 threads.
-#define THAW_GEMV(T, S)                                                                      \
-    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                            \
-        gemv_##S(const float* __restrict__ x, const T* __restrict__ w, float* __restrict__ y, \
-                 int rows, int d_in, int d_out) {                                            \
-        switch (rows) {                                                                      \
-            case 1: gemv_rows<T, 1>(x, w, y, d_in, d_out); break;                            \
-            case 2: gemv_rows<T, 2>(x, w, y, d_in, d_out); break;                            \
-            case 3: gemv_rows<T, 3>(x, w, y, d_in, d_out); break;                            \
-            case 4: gemv_rows<T, 4>(x, w, y, d_in, d_out); break;                            \
-            case 5: gemv_rows<T, 5>(x, w, y, d_in, d_out); break;                            \
-            case 6: gemv_rows<T, 6>(x, w, y, d_in, d_out); break;                            \
-            case 7: gemv_rows<T, 7>(x, w, y, d_in, d_out); break;                            \
-            case 8: gemv_rows<T, 8>(x, w, y, d_in, d_out); break;                            \
-            default: break;                                                                  \
-        }                                                                                    \
+// Two entry points per weight dtype, so that each gets its own register allocation: the few-row
+// one (rows <= GEMV_FEW_ROWS, ~48 registers a thread on sm_90) keeps many warps resident; the
+// many-row one holds OUTS x rows partial sums (up to ~160 registers). `rows` picks the
+// instantiation that keeps every partial sum in registers. Blocks of GEMV_WARPS * 32 threads.
+#define GEMV_CASE(T, R)                                                                       \
+    case R:                                                                                   \
+        gemv_rows<T, R, (R <= GEMV_FEW_ROWS ? GEMV_OUTS_FEW : GEMV_OUTS_MANY)>(x, w, y, d_in,  \
+                                                                               d_out);        \
+        break;
+#define THAW_GEMV(T, S)                                                                       \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                             \
+        gemv_few_##S(const float* __restrict__ x, const T* __restrict__ w,                    \
+                     float* __restrict__ y, int rows, int d_in, int d_out) {                  \
+        switch (rows) {                                                                       \
+            GEMV_CASE(T, 1)                                                                   \
+            GEMV_CASE(T, 2)                                                                   \
+            default:                                                                          \
+                break;                                                                        \
+        }                                                                                     \
+    }                                                                                         \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                             \
+        gemv_many_##S(const float* __restrict__ x, const T* __restrict__ w,                   \
+                      float* __restrict__ y, int rows, int d_in, int d_out) {                 \
+        switch (rows) {                                                                       \
+            GEMV_CASE(T, 3)                                                                   \
+            GEMV_CASE(T, 4)                                                                   \
+            GEMV_CASE(T, 5)                                                                   \
+            GEMV_CASE(T, 6)                                                                   \
+            GEMV_CASE(T, 7)                                                                   \
+            GEMV_CASE(T, 8)                                                                   \
+            default:                                                                          \
+                break;                                                                        \
+        }                                                                                     \
     }
 THAW_GEMV(bf16_t, bf16)
 THAW_GEMV(f16_t, f16)

@@ -192,7 +192,12 @@ pub const WIDE: KernelSource = KernelSource {
 pub const GEMV: KernelSource = KernelSource {
     name: "gemv",
     source: include_str!("gemv.cu"),
-    entry_points: &["gemv_bf16", "gemv_f16"],
+    entry_points: &[
+        "gemv_few_bf16",
+        "gemv_many_bf16",
+        "gemv_few_f16",
+        "gemv_many_f16",
+    ],
 };
 
 /// Every kernel source Thaw compiles.
@@ -252,8 +257,12 @@ pub mod shape {
     pub const GEMV_MAX_ROWS: usize = 8;
     /// `GEMV_WARPS`: warps of every `gemv.cu` block.
     pub const GEMV_WARPS: u32 = 4;
-    /// `GEMV_OUTS`: outputs (rows of W) one `gemv.cu` warp computes at a time.
-    pub const GEMV_OUTS: u32 = 2;
+    /// `GEMV_FEW_ROWS`: rows up to this run `gemv_few_T`, more `gemv_many_T`.
+    pub const GEMV_FEW_ROWS: usize = 2;
+    /// `GEMV_OUTS_FEW`: outputs (rows of W) a `gemv_few_T` warp computes at a time.
+    pub const GEMV_OUTS_FEW: u32 = 2;
+    /// `GEMV_OUTS_MANY`: outputs a `gemv_many_T` warp computes at a time.
+    pub const GEMV_OUTS_MANY: u32 = 4;
 }
 
 /// Finds the source that defines `entry`.
@@ -365,7 +374,9 @@ mod tests {
         let g = GEMV.source;
         assert_eq!(define(g, "GEMV_MAX_ROWS"), shape::GEMV_MAX_ROWS as u64);
         assert_eq!(define(g, "GEMV_WARPS"), shape::GEMV_WARPS as u64);
-        assert_eq!(define(g, "GEMV_OUTS"), shape::GEMV_OUTS as u64);
+        assert_eq!(define(g, "GEMV_FEW_ROWS"), shape::GEMV_FEW_ROWS as u64);
+        assert_eq!(define(g, "GEMV_OUTS_FEW"), shape::GEMV_OUTS_FEW as u64);
+        assert_eq!(define(g, "GEMV_OUTS_MANY"), shape::GEMV_OUTS_MANY as u64);
         let l = LORA.source;
         assert_eq!(define(l, "THAW_LORA_WARPS"), shape::LORA_WARPS as u64);
         assert_eq!(define(l, "THAW_LORA_ROWS"), shape::LORA_ROWS as u64);

@@ -434,14 +434,26 @@ pub fn gemv_serves(
         && x_addr.is_multiple_of(16)
 }
 
-/// Blocks of a `gemv.cu` launch for `d_out` outputs: one warp per [`shape::GEMV_OUTS`]
-/// outputs, [`shape::GEMV_WARPS`] warps a block. Small blocks (128 threads, 80 registers a
-/// thread on sm_90: six resident per SM) that the hardware hands to whichever SM frees up, so
-/// a 4096-wide product (512 blocks) is resident at once on an H100's 132 SMs and an 11008-wide
-/// one has no long tail wave. Below 132 · 8 = 1056 outputs the grid cannot fill the SMs (a
-/// 576-wide product: 72 blocks); the kernel loops grid-stride, so any grid is correct.
-pub fn gemv_grid(d_out: usize) -> u32 {
-    let per_block = (shape::GEMV_WARPS * shape::GEMV_OUTS) as usize;
+/// Outputs (rows of W) one `gemv.cu` warp computes for a product of `rows` rows: the few-row
+/// kernel's [`shape::GEMV_OUTS_FEW`] up to [`shape::GEMV_FEW_ROWS`] rows, the many-row
+/// kernel's [`shape::GEMV_OUTS_MANY`] above (each x load then serves more outputs, which keeps
+/// the L1 traffic of 8 f32 rows under the SM's limit).
+pub fn gemv_outs_per_warp(rows: usize) -> u32 {
+    if rows <= shape::GEMV_FEW_ROWS {
+        shape::GEMV_OUTS_FEW
+    } else {
+        shape::GEMV_OUTS_MANY
+    }
+}
+
+/// Blocks of a `gemv.cu` launch for `d_out` outputs of `rows` rows: one warp per
+/// [`gemv_outs_per_warp`] outputs, [`shape::GEMV_WARPS`] warps a block. Small blocks (128
+/// threads) that the hardware hands to whichever SM frees up, so a 4096-wide product at one row
+/// (512 blocks) is resident at once on an H100's 132 SMs and an 11008-wide one has no long tail
+/// wave. Narrow products cannot fill the SMs (576 outputs at one row: 72 blocks); the kernel
+/// loops grid-stride, so any grid is correct.
+pub fn gemv_grid(d_out: usize, rows: usize) -> u32 {
+    let per_block = (shape::GEMV_WARPS * gemv_outs_per_warp(rows)) as usize;
     d_out.div_ceil(per_block).clamp(1, i32::MAX as usize) as u32
 }
 

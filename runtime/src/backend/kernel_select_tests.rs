@@ -433,17 +433,28 @@ fn the_gemv_refuses_what_its_16_byte_loads_cannot_read() {
 
 #[test]
 fn the_gemv_grid_covers_every_output_once_per_warp() {
-    let per_block = (shape::GEMV_WARPS * shape::GEMV_OUTS) as usize;
-    assert_eq!(gemv_grid(4096), 512);
-    assert_eq!(gemv_grid(576), 72);
-    assert_eq!(gemv_grid(1), 1);
-    assert_eq!(gemv_grid(0), 1);
+    assert_eq!(gemv_grid(4096, 1), 512);
+    assert_eq!(gemv_grid(4096, 8), 256);
+    assert_eq!(gemv_grid(576, 1), 72);
+    assert_eq!(gemv_grid(1, 1), 1);
+    assert_eq!(gemv_grid(0, 4), 1);
+    assert_eq!(
+        gemv_outs_per_warp(shape::GEMV_FEW_ROWS),
+        shape::GEMV_OUTS_FEW
+    );
+    assert_eq!(
+        gemv_outs_per_warp(shape::GEMV_FEW_ROWS + 1),
+        shape::GEMV_OUTS_MANY
+    );
     for (_, d_out) in GEMV_SHAPES {
-        let g = gemv_grid(d_out) as usize;
-        assert!(
-            g * per_block >= d_out && (g - 1) * per_block < d_out,
-            "{d_out}"
-        );
+        for rows in 1..=shape::GEMV_MAX_ROWS {
+            let per_block = (shape::GEMV_WARPS * gemv_outs_per_warp(rows)) as usize;
+            let g = gemv_grid(d_out, rows) as usize;
+            assert!(
+                g * per_block >= d_out && (g - 1) * per_block < d_out,
+                "{d_out} x {rows}"
+            );
+        }
     }
 }
 
@@ -465,8 +476,8 @@ proptest! {
             && d_in > 0 && d_in % 8 == 0 && d_out > 0
             && w % 16 == 0 && x % 16 == 0;
         prop_assert_eq!(served, on && kernel_takes);
-        let g = gemv_grid(d_out) as usize;
-        let per_block = (shape::GEMV_WARPS * shape::GEMV_OUTS) as usize;
+        let g = gemv_grid(d_out, rows) as usize;
+        let per_block = (shape::GEMV_WARPS * gemv_outs_per_warp(rows)) as usize;
         prop_assert!(g >= 1 && g * per_block >= d_out);
     }
 }

@@ -31,10 +31,16 @@ use super::{CudaBackend, CudaError};
 use crate::backend::kernel_select::{gemv_grid, gemv_serves};
 use crate::error::Result;
 
-/// The GEMV kernel for one weight dtype; `None` for f32 weights (the kernel reads 16-bit ones:
-/// with the switch on, every product of an f32 model still takes cuBLAS).
+/// The GEMV kernels for one weight dtype: rows up to [`shape::GEMV_FEW_ROWS`], and more.
+struct Kernels {
+    few: CudaFunction,
+    many: CudaFunction,
+}
+
+/// The GEMV for one weight dtype; no kernels for f32 weights (they read 16-bit ones: with the
+/// switch on, every product of an f32 model still takes cuBLAS).
 pub(crate) struct Gemv {
-    func: Option<CudaFunction>,
+    func: Option<Kernels>,
 }
 
 impl Gemv {
@@ -42,8 +48,12 @@ impl Gemv {
         let func = match w {
             DType::F32 => None,
             DType::Bf16 | DType::F16 => {
-                let name = format!("gemv_{}", w.suffix());
-                Some(KernelCache::global().function(ctx, &name)?)
+                let cache = KernelCache::global();
+                let f = |kind: &str| cache.function(ctx, &format!("gemv_{kind}_{}", w.suffix()));
+                Some(Kernels {
+                    few: f("few")?,
+                    many: f("many")?,
+                })
             }
         };
         Ok(Self { func })
@@ -63,7 +73,7 @@ impl Gpu {
         d_out: usize,
         out: &mut CudaSlice<f32>,
     ) -> Result<bool, CudaError> {
-        let Some(func) = self.gemv.as_ref().and_then(|g| g.func.as_ref()) else {
+        let Some(k) = self.gemv.as_ref().and_then(|g| g.func.as_ref()) else {
             return Ok(false);
         };
         let (xp, wp) = (self.p(x), self.p(w));
@@ -78,16 +88,22 @@ impl Gpu {
             w.len() >= d_in * d_out * self.weight_dtype.size(),
             "gemv: weight too small"
         );
-        // SAFETY: gemv_T(const float*, const T*, float*, int, int, int); x holds rows × d_in
-        // f32, w d_out × d_in 16-bit weights, out rows × d_out f32 (checked above); gemv_serves
-        // checked 1 <= rows <= GEMV_MAX_ROWS, d_in % 8 == 0 and both addresses 16-byte aligned,
-        // which the kernel's 16-byte loads need; blocks of GEMV_WARPS warps, as its
-        // __launch_bounds__ declares.
+        let func = if rows <= shape::GEMV_FEW_ROWS {
+            &k.few
+        } else {
+            &k.many
+        };
+        // SAFETY: gemv_{few,many}_T(const float*, const T*, float*, int, int, int); x holds
+        // rows × d_in f32, w d_out × d_in 16-bit weights, out rows × d_out f32 (checked above);
+        // gemv_serves checked 1 <= rows <= GEMV_MAX_ROWS, d_in % 8 == 0 and both addresses
+        // 16-byte aligned, which the kernel's 16-byte loads need; the few-row kernel gets rows
+        // <= GEMV_FEW_ROWS, the many-row one the rest (each ignores rows it has no case for);
+        // blocks of GEMV_WARPS warps, as their __launch_bounds__ declare.
         unsafe {
             launch!(
                 self,
                 func,
-                (gemv_grid(d_out), 1, 1),
+                (gemv_grid(d_out, rows), 1, 1),
                 shape::GEMV_WARPS * 32,
                 [
                     xp,
