@@ -16,17 +16,21 @@
 //!   their 16-bit rounding, so two logits within that rounding of each other may swap places;
 //!   such a step must be a near tie of the off run (top two within [`NEAR_TIE`] of the largest
 //!   |logit|), and the sequence is compared no further (its contexts differ from there).
+use std::sync::Arc;
+
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
+use thaw_runtime::adapter::LoraAdapter;
 use thaw_runtime::backend::cpu::CpuBackend;
-use thaw_runtime::backend::cuda::CudaBackend;
-use thaw_runtime::backend::cuda::DType;
+use thaw_runtime::backend::cuda::{CudaBackend, DType};
 use thaw_runtime::backend::kernel_select::gemv_serves;
 use thaw_runtime::backend::Backend;
+use thaw_runtime::engine::HostModel;
 use thaw_tests::graphs::{decode_batch, prompts, Decoded};
 use thaw_tests::{rel_err, TestModel};
 
 use super::graphs::engine_with;
+use super::opt_in::bitwise;
 use super::{cfg, check, rand_vec, shape};
 
 /// (d_in, d_out): q/k/v/o, gate/up and down of Llama-7B, a small model's pair, a d_in whose
@@ -110,10 +114,6 @@ fn rounded(v: &[f32], dt: DType) -> Vec<f32> {
         DType::F16 => v.iter().map(|&x| half::f16::from_f32(x).to_f32()).collect(),
         DType::F32 => v.to_vec(),
     }
-}
-
-fn bitwise(a: &[f32], b: &[f32]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
 }
 
 #[test]
@@ -205,9 +205,68 @@ fn gemv_leaves_what_it_does_not_take_to_cublas() {
     }
 }
 
+/// Engines over `model` in `dt` with `switch(backend, on)`: off (eager), on (eager), on (CUDA
+/// graphs), each decoding `batches` (sequence `i` of a batch of `b` on adapter `who(b)[i]`,
+/// prompts from `seed`) for `steps` steps, twice: graphs are captured on the first pass and
+/// replayed on the second. The three runs' outputs, in that order.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn off_on_runs(
+    model: &HostModel,
+    dt: DType,
+    adapters: &[Arc<LoraAdapter>],
+    batches: &[usize],
+    who: impl Fn(usize) -> Vec<Option<u32>>,
+    steps: usize,
+    seed: u64,
+    switch: impl Fn(&mut CudaBackend, bool),
+) -> Vec<Vec<Vec<Decoded>>> {
+    let vocab = model.config.vocab_size;
+    let mut runs = Vec::new();
+    for (on, graphs) in [(false, false), (true, false), (true, true)] {
+        let mut e = engine_with(model, dt, adapters, graphs, |b| switch(b, on));
+        let mut first = 0;
+        let mut per_batch = Vec::new();
+        for _ in 0..2 {
+            for &b in batches {
+                let p = prompts(b, vocab, seed + b as u64);
+                per_batch.push(decode_batch(&mut e, first, &who(b), &p, steps));
+                first += b as u64;
+            }
+        }
+        runs.push(per_batch);
+    }
+    runs
+}
+
+/// [`off_on_runs`]' two "on" runs against "off", sequence by sequence with
+/// [`same_greedy_tokens`]; prints one line each.
+pub(super) fn check_off_on(
+    what: &str,
+    dt: DType,
+    tol: f64,
+    runs: &[Vec<Vec<Decoded>>],
+    vocab: usize,
+) {
+    for (m, name) in [(1, "on, eager"), (2, "on, graphs")] {
+        let (mut parted, mut seqs, mut worst) = (0, 0, 0.0f64);
+        for (k, (off, on)) in runs[0].iter().zip(&runs[m]).enumerate() {
+            for (i, (a, b)) in off.iter().zip(on).enumerate() {
+                worst = worst.max(rel_err(&b.logits, &a.logits));
+                let label = format!("{what} {name} b{k} s{i}");
+                parted += usize::from(same_greedy_tokens(&label, dt, tol, a, b, vocab));
+                seqs += 1;
+            }
+        }
+        println!(
+            "{dt:?}: {what} {name}: {seqs} sequences, {parted} parted at a near tie, the rest \
+             the same tokens; worst logits rel err {worst:.2e} (parted ones included)"
+        );
+    }
+}
+
 /// Whole engines with the GEMV off and on (eager, and on with CUDA graphs): decode batches of
 /// 1, 3 and 8 run every product (q/k/v/o, gate/up/down, the LM head) through it; 20 through
-/// cuBLAS. Identical greedy tokens, with and without adapters.
+/// cuBLAS. Identical greedy tokens (but at near ties), with and without adapters.
 #[test]
 fn engines_with_the_gemv_give_the_same_tokens() {
     if !thaw_tests::gpu_or_skip() {
@@ -216,40 +275,18 @@ fn engines_with_the_gemv_give_the_same_tokens() {
     let tm = TestModel::llama(6);
     let adapters = [tm.adapter(16, &["q", "k", "v", "o", "gate", "up", "down"], 84)];
     let vocab = tm.model.config.vocab_size;
-    let steps = 6;
-    let batches = [1, 3, 8, 20];
     let who = |b: usize| -> Vec<Option<u32>> { (0..b).map(|i| [None, Some(0)][i % 2]).collect() };
     for dt in X16 {
-        let mut runs: Vec<Vec<Vec<Decoded>>> = Vec::new();
-        for (on, graphs) in [(false, false), (true, false), (true, true)] {
-            let mut e = engine_with(&tm.model, dt, &adapters, graphs, |b| {
-                b.set_gemv(on).unwrap()
-            });
-            let mut first = 0;
-            let mut per_batch = Vec::new();
-            // Twice: graphs are captured on the first pass and replayed on the second.
-            for _ in 0..2 {
-                for &b in &batches {
-                    let p = prompts(b, vocab, 300 + b as u64);
-                    per_batch.push(decode_batch(&mut e, first, &who(b), &p, steps));
-                    first += b as u64;
-                }
-            }
-            runs.push(per_batch);
-        }
-        for (m, name) in [(1, "on, eager"), (2, "on, graphs")] {
-            let (mut parted, mut seqs) = (0, 0);
-            for (k, (off, on)) in runs[0].iter().zip(&runs[m]).enumerate() {
-                for (i, (a, b)) in off.iter().zip(on).enumerate() {
-                    let what = format!("gemv {name} b{k} s{i}");
-                    parted += usize::from(same_greedy_tokens(&what, dt, 1e-2, a, b, vocab));
-                    seqs += 1;
-                }
-            }
-            println!(
-                "{dt:?}: gemv {name}: {seqs} sequences, {parted} parted at a near tie, the rest \
-                 the same tokens"
-            );
-        }
+        let runs = off_on_runs(
+            &tm.model,
+            dt,
+            &adapters,
+            &[1, 3, 8, 20],
+            who,
+            6,
+            300,
+            |b, on| b.set_gemv(on).unwrap(),
+        );
+        check_off_on("gemv", dt, 1e-2, &runs, vocab);
     }
 }

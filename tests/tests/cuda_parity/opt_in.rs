@@ -24,11 +24,9 @@ use thaw_kernels::cpu::KvLayout;
 use thaw_runtime::backend::cpu::CpuBackend;
 use thaw_runtime::backend::cuda::{CudaBackend, CudaLinear, DType};
 use thaw_runtime::backend::{Backend, StepLayout};
-use thaw_tests::graphs::{decode_batch, prompts, Decoded};
-use thaw_tests::{rel_err, TestModel};
+use thaw_tests::TestModel;
 
-use super::gemv::same_greedy_tokens;
-use super::graphs::engine_with;
+use super::gemv::{check_off_on, off_on_runs};
 use super::{cfg, check, mixed_step, rand_vec, shape, CONFIGS};
 
 /// Every opt-in switch of `g` on or off.
@@ -50,7 +48,7 @@ fn refs(v: &[CudaLinear]) -> Vec<&CudaLinear> {
     v.iter().collect()
 }
 
-fn bitwise(a: &[f32], b: &[f32]) -> bool {
+pub(super) fn bitwise(a: &[f32], b: &[f32]) -> bool {
     a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
 }
 
@@ -341,38 +339,9 @@ fn engines_with_every_opt_in_switch_give_the_same_tokens() {
         (0..b).map(|i| [None, Some(0), Some(1)][i % 3]).collect()
     };
     for (dt, tol) in CONFIGS {
-        let mut runs: Vec<Vec<Vec<Decoded>>> = Vec::new();
-        for mode in [(false, false), (true, false), (true, true)] {
-            let (on, graphs) = mode;
-            let mut e = engine_with(&tm.model, dt, &adapters, graphs, |b| opt_in(b, on));
-            let mut first = 0;
-            let mut per_batch = Vec::new();
-            // Twice: graphs are captured on the first pass and replayed on the second.
-            for _ in 0..2 {
-                for &b in &batches {
-                    let p = prompts(b, vocab, 200 + b as u64);
-                    per_batch.push(decode_batch(&mut e, first, &who(b), &p, steps));
-                    first += b as u64;
-                }
-            }
-            runs.push(per_batch);
-        }
-        for (m, name) in [(1, "on, eager"), (2, "on, graphs")] {
-            let mut worst: f64 = 0.0;
-            let mut parted = 0;
-            for (k, (off, on)) in runs[0].iter().zip(&runs[m]).enumerate() {
-                for (i, (a, b)) in off.iter().zip(on).enumerate() {
-                    worst = worst.max(rel_err(&b.logits, &a.logits));
-                    // The GEMV multiplies f32 activations where cuBLAS multiplies their 16-bit
-                    // rounding: tokens may part at a near tie (`gemv.rs`), nowhere else.
-                    let what = format!("opt-in {name} b{k} s{i}");
-                    parted += usize::from(same_greedy_tokens(&what, dt, tol, a, b, vocab));
-                }
-            }
-            println!(
-                "{dt:?}: every opt-in switch {name}: same tokens but {parted} near-tie partings, \
-                 worst logits rel err {worst:.2e}"
-            );
-        }
+        // The GEMV multiplies f32 activations where cuBLAS multiplies their 16-bit rounding:
+        // tokens may part at a near tie (`gemv.rs`), nowhere else.
+        let runs = off_on_runs(&tm.model, dt, &adapters, &batches, who, steps, 200, opt_in);
+        check_off_on("every opt-in switch", dt, tol, &runs, vocab);
     }
 }

@@ -73,13 +73,10 @@ impl Gpu {
         d_out: usize,
         out: &mut CudaSlice<f32>,
     ) -> Result<bool, CudaError> {
-        let Some(k) = self.gemv.as_ref().and_then(|g| g.func.as_ref()) else {
-            return Ok(false);
+        let k = match self.gemv.as_ref().and_then(|g| g.func.as_ref()) {
+            Some(k) if self.gemv_takes(x, w, rows, d_in, d_out) => k,
+            _ => return Ok(false),
         };
-        let (xp, wp) = (self.p(x), self.p(w));
-        if !gemv_serves(true, self.weight_dtype, rows, d_in, d_out, wp, xp) {
-            return Ok(false);
-        }
         assert!(
             x.len() >= rows * d_in && out.len() >= rows * d_out,
             "gemv: buffers too small"
@@ -106,8 +103,8 @@ impl Gpu {
                 (gemv_grid(d_out, rows), 1, 1),
                 shape::GEMV_WARPS * 32,
                 [
-                    xp,
-                    wp,
+                    self.p(x),
+                    self.p(w),
                     self.p(out),
                     int(rows, "rows"),
                     int(d_in, "d_in"),
