@@ -9,11 +9,12 @@
 #      steps with greedy tokens identical to the classic kernels';
 #   2. cuda_bench --attn: one layer's decode attention (classic vs flash-decoding, context
 #      512/2048/8192, batch 1/8/32) and prefill attention TFLOP/s (classic vs tensor cores, 128,
-#      512 and 2048 tokens, and 2048 after a 2048 prefix);
+#      512 and 2048 tokens, and 2048 after a 2048 prefix); then cuda_bench --gemv: products of
+#      1-8 rows, cast + cuBLAS vs the opt-in small-batch GEMV (THAW_CUDA_GEMV);
 #   3. thaw-bench gpu on the whole model, off (OFF: all four classic) then on (ON: all four
 #      asked for explicitly, so a shape they cannot serve is an error, not a silent fallback)
-#      then opt-in (ON plus the three opt-in switches, THAW_CUDA_GROUP_GEMM=1
-#      THAW_CUDA_ROPE_FOLD=1 THAW_CUDA_WIDE_NORM=1; "on" has them 0, so on vs opt-in measures
+#      then opt-in (ON plus the opt-in switches, THAW_CUDA_GROUP_GEMM=1
+#      THAW_CUDA_ROPE_FOLD=1 THAW_CUDA_WIDE_NORM=1 THAW_CUDA_GEMV=1; "on" has them 0, so on vs opt-in measures
 #      exactly them): decode tokens/s at a long context (--prompt-len, default 2048) at batch 1
 #      and 8, and prefill TFLOP/s at 128 and 2048 tokens. THAW_GPU_29_MODES picks the runs
 #      (default "off on opt-in"; e.g. "on opt-in" on a short lease); they share what is left.
@@ -68,9 +69,11 @@ cap() {
 }
 # The four switches: empty = the defaults, OFF = the classic kernels, ON = the new ones asked
 # for explicitly. Set on every run, so the caller's environment cannot leak into one.
-# The three opt-in switches are off in every run but "opt-in" (unset means off for them).
-OPT_OFF=(THAW_CUDA_GROUP_GEMM=0 THAW_CUDA_ROPE_FOLD=0 THAW_CUDA_WIDE_NORM=0)
-OPT_ON=(THAW_CUDA_GROUP_GEMM=1 THAW_CUDA_ROPE_FOLD=1 THAW_CUDA_WIDE_NORM=1)
+# The opt-in switches are off in every run but "opt-in" (unset means off for them).
+OPT_OFF=(THAW_CUDA_GROUP_GEMM=0 THAW_CUDA_ROPE_FOLD=0 THAW_CUDA_WIDE_NORM=0 THAW_CUDA_GEMV=0
+  THAW_CUDA_DEVICE_ARGMAX=0)
+OPT_ON=(THAW_CUDA_GROUP_GEMM=1 THAW_CUDA_ROPE_FOLD=1 THAW_CUDA_WIDE_NORM=1 THAW_CUDA_GEMV=1
+  THAW_CUDA_DEVICE_ARGMAX=1)
 DEFAULTS=(THAW_CUDA_ATTN_IMPL= THAW_CUDA_TC_PREFILL= THAW_CUDA_LORA_IMPL= THAW_CUDA_FUSED=
   "${OPT_OFF[@]}")
 OFF=(THAW_CUDA_ATTN_IMPL=classic THAW_CUDA_TC_PREFILL=0 THAW_CUDA_LORA_IMPL=classic THAW_CUDA_FUSED=0
@@ -109,6 +112,15 @@ if [ -x "$BIN/cuda_bench" ] && [ "$lim" -ge 15 ]; then
   cat "$O/attn29-kernels.md"
 else
   echo "cuda_bench --attn: skipped (missing or under 15 s left)"
+fi
+lim=$(cap 30)
+if [ -x "$BIN/cuda_bench" ] && [ "$lim" -ge 10 ]; then
+  el "cuda_bench --gemv (limit ${lim}s)"
+  env "${DEFAULTS[@]}" timeout "$lim" "$BIN/cuda_bench" --gemv >"$O/attn29-gemv.md" 2>&1
+  echo "cuda_bench --gemv: rc=$?"
+  cat "$O/attn29-gemv.md"
+else
+  echo "cuda_bench --gemv: skipped (missing or under 10 s left)"
 fi
 
 # --- 3. the whole model, off then on ---------------------------------------------------------

@@ -5,7 +5,7 @@
 # (gpu-bin/, carried as `carry: ["gpu-bin"]`); logs and tables under --out ($OUT).
 #   1. the CUDA parity suite, whole, with the defaults, then its opt-in tests with every opt-in
 #      switch on (issue 29's kernels that are not defaults yet: THAW_CUDA_GROUP_GEMM,
-#      THAW_CUDA_ROPE_FOLD, THAW_CUDA_WIDE_NORM, THAW_CUDA_DEVICE_ARGMAX);
+#      THAW_CUDA_ROPE_FOLD, THAW_CUDA_WIDE_NORM, THAW_CUDA_DEVICE_ARGMAX, THAW_CUDA_GEMV);
 #   2. issue 27's cold-start tables (run.sh, cached / auto / on-demand, host tier then disk
 #      tier, 16 requests a pass) and decode tok/s with default flags;
 #   3. issue 29's whole-model runs, defaults ("on") against every opt-in switch ("opt-in"),
@@ -36,7 +36,8 @@ el() { echo "[lease +$(($(date +%s) - t0))s] $*"; }
 cat "$BIN/BUILD" 2>/dev/null
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null
 
-OPT_ON=(THAW_CUDA_GROUP_GEMM=1 THAW_CUDA_ROPE_FOLD=1 THAW_CUDA_WIDE_NORM=1 THAW_CUDA_DEVICE_ARGMAX=1)
+OPT_ON=(THAW_CUDA_GROUP_GEMM=1 THAW_CUDA_ROPE_FOLD=1 THAW_CUDA_WIDE_NORM=1 THAW_CUDA_DEVICE_ARGMAX=1
+  THAW_CUDA_GEMV=1)
 
 # --- 1. parity ---------------------------------------------------------------------------------
 lim=$(($(left) < 150 ? $(left) : 150))

@@ -31,6 +31,8 @@ mod attn29;
 mod defaults;
 #[path = "cuda_parity/fused.rs"]
 mod fused;
+#[path = "cuda_parity/gemv.rs"]
+mod gemv;
 #[path = "cuda_parity/graphs.rs"]
 mod graphs;
 #[path = "cuda_parity/host_overhead.rs"]

@@ -12,6 +12,7 @@
 //! | `attention_split.cu` | flash-decoding: decode attention split across blocks ([`decode_plan`]) + reduce | `cpu::paged_attention` |
 //! | `wide.cu` | opt-in (issue 29, off unless `1`): RMSNorm and add + RMSNorm with a wide block per row (`THAW_CUDA_WIDE_NORM`), RoPE a thread per (head, pair), RoPE folded into the KV write (`THAW_CUDA_ROPE_FOLD`), a grouped product's split (`THAW_CUDA_GROUP_GEMM`) | `cpu::{rms_norm, add_rms_norm, RopeTable::apply, write_kv}` |
 //! | `attention_prefill_tc.cu` | prefill attention on the tensor cores (mma.sync, bf16/f16 cache, head_dim 32/64/128; [`prefill_tc_plan`]) | `cpu::paged_attention` |
+//! | `gemv.cu` | opt-in (issue 29, `THAW_CUDA_GEMV=1`): y = x · Wᵀ for at most 8 rows, f32 x read directly, 16-byte loads of bf16/f16 W | `cpu::linear` |
 //! | `lora.cu` | SGMV / BGMV shrink and expand | `cpu::{sgmv_*, bgmv_*}` |
 //! | `lora_punica.cu` | SGMV / BGMV in Punica's shape: split-K shrink ([`punica_plan`]), vector loads | `cpu::{sgmv_*, bgmv_*}` |
 //! | `argmax.cu` | opt-in (issue 29, off unless `THAW_CUDA_DEVICE_ARGMAX=1`): greedy token ids, one block per row, a (value, index) tree reduction | `thaw_runtime::sampling::argmax` |

@@ -196,6 +196,20 @@ pub const ARGMAX: KernelSource = KernelSource {
     entry_points: &["argmax_rows_f32"],
 };
 
+/// Issue 29's opt-in small-batch GEMV (off unless `THAW_CUDA_GEMV` is 1): y = x · Wᵀ for at
+/// most [`shape::GEMV_MAX_ROWS`] rows of f32 activations read directly (no cast kernel) against
+/// 16-bit weights, 16-byte weight loads, f32 accumulation.
+pub const GEMV: KernelSource = KernelSource {
+    name: "gemv",
+    source: include_str!("gemv.cu"),
+    entry_points: &[
+        "gemv_few_bf16",
+        "gemv_many_bf16",
+        "gemv_few_f16",
+        "gemv_many_f16",
+    ],
+};
+
 /// Every kernel source Thaw compiles.
 pub const KERNELS: &[KernelSource] = &[
     ELEMENTWISE,
@@ -209,6 +223,7 @@ pub const KERNELS: &[KernelSource] = &[
     EXCHANGE,
     WIDE,
     ARGMAX,
+    GEMV,
 ];
 
 /// Launch-shape constants the sources `#define`; the host launches with these.
@@ -251,6 +266,16 @@ pub mod shape {
     pub const ROPE_MAX_HALF: usize = 128;
     /// `THAW_ARGMAX_THREADS`: threads of `argmax.cu`'s block (one block per row).
     pub const ARGMAX_THREADS: u32 = 512;
+    /// `GEMV_MAX_ROWS`: the most rows one `gemv.cu` launch takes.
+    pub const GEMV_MAX_ROWS: usize = 8;
+    /// `GEMV_WARPS`: warps of every `gemv.cu` block.
+    pub const GEMV_WARPS: u32 = 4;
+    /// `GEMV_FEW_ROWS`: rows up to this run `gemv_few_T`, more `gemv_many_T`.
+    pub const GEMV_FEW_ROWS: usize = 2;
+    /// `GEMV_OUTS_FEW`: outputs (rows of W) a `gemv_few_T` warp computes at a time.
+    pub const GEMV_OUTS_FEW: u32 = 2;
+    /// `GEMV_OUTS_MANY`: outputs a `gemv_many_T` warp computes at a time.
+    pub const GEMV_OUTS_MANY: u32 = 4;
 }
 
 /// Finds the source that defines `entry`.
@@ -359,6 +384,12 @@ mod tests {
         assert_eq!(define(w, "THAW_WIDE_VPT"), shape::WIDE_VPT as u64);
         assert_eq!(define(w, "THAW_ROPE_MAX_HALF"), shape::ROPE_MAX_HALF as u64);
         assert_eq!(shape::ROPE_MAX_HALF * 2, shape::MAX_HEAD_DIM);
+        let g = GEMV.source;
+        assert_eq!(define(g, "GEMV_MAX_ROWS"), shape::GEMV_MAX_ROWS as u64);
+        assert_eq!(define(g, "GEMV_WARPS"), shape::GEMV_WARPS as u64);
+        assert_eq!(define(g, "GEMV_FEW_ROWS"), shape::GEMV_FEW_ROWS as u64);
+        assert_eq!(define(g, "GEMV_OUTS_FEW"), shape::GEMV_OUTS_FEW as u64);
+        assert_eq!(define(g, "GEMV_OUTS_MANY"), shape::GEMV_OUTS_MANY as u64);
         let l = LORA.source;
         assert_eq!(define(l, "THAW_LORA_WARPS"), shape::LORA_WARPS as u64);
         assert_eq!(define(l, "THAW_LORA_ROWS"), shape::LORA_ROWS as u64);

@@ -8,11 +8,16 @@
 //! cargo run --release -p thaw-runtime --features cuda --example cuda_bench          # full
 //! cargo run --release -p thaw-runtime --features cuda --example cuda_bench -- --smoke
 //! cargo run --release -p thaw-runtime --features cuda --example cuda_bench -- --attn   # attention only
+//! cargo run --release -p thaw-runtime --features cuda --example cuda_bench -- --gemv   # GEMV only
 //! ```
 //!
 //! `--attn`: only issue 29's attention tables, full size: decode attention (classic vs
 //! flash-decoding) and prefill attention (classic vs tensor cores, `prefill_attn.rs`).
+//!
+//! `--gemv`: only the products-of-few-rows table (`gemv.rs`): cast + cuBLAS against the
+//! opt-in small-batch GEMV at rows 1, 2, 4 and 8 on Llama-7B's decode shapes.
 mod decode_attn;
+mod gemv;
 mod prefill;
 mod prefill_attn;
 
@@ -273,6 +278,14 @@ fn main() -> Res<()> {
         return Ok(());
     }
     let attn_only = std::env::args().any(|a| a == "--attn");
+    if std::env::args().any(|a| a == "--gemv") {
+        let mut g = CudaBackend::new(&model_config(1)?, &CudaConfig::default())?;
+        let peak = d2d_peak(&mut g)?;
+        println!("device: {}", g.device_name());
+        println!("device-to-device copy peak (1 GiB, read + write): {peak:.0} GB/s");
+        drop(g);
+        return gemv::gemv_table(smoke, peak);
+    }
     if !attn_only {
         lora_tables(smoke)?;
     }
@@ -281,6 +294,9 @@ fn main() -> Res<()> {
         let peak = d2d_peak(&mut g)?;
         drop(g);
         decode_attn::decode_attn_table(smoke && !attn_only, peak)?;
+        if !attn_only {
+            gemv::gemv_table(smoke, peak)?;
+        }
     }
     prefill_attn::prefill_attn_table(smoke && !attn_only)?;
     if attn_only {

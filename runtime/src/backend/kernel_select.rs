@@ -26,6 +26,7 @@
 //! | RoPE of q and k inside the paged-cache KV write | [`ROPE_FOLD_ENV`] | `1` |
 //! | RMSNorm, add + RMSNorm, RoPE with one wide block per row | [`WIDE_ENV`] | `1` |
 //! | greedy token ids on the device, copied instead of the logits | [`DEVICE_ARGMAX_ENV`] | `1` |
+//! | products of at most 8 rows as a GEMV over f32 activations (no cast, no cuBLAS) | [`GEMV_ENV`] | `1` |
 use std::fmt;
 
 use thaw_kernels::cuda::decode_plan::MIN_CHUNK;
@@ -79,6 +80,11 @@ pub fn split_min_chunk(value: Option<&str>) -> Result<usize, String> {
         )),
     }
 }
+
+/// Products of at most [`shape::GEMV_MAX_ROWS`] rows against 16-bit weights through
+/// `gemv.cu` (f32 activations read directly) instead of a cast and cuBLAS: `1` or `0` (the
+/// default until a GPU parity run proves it).
+pub const GEMV_ENV: &str = "THAW_CUDA_GEMV";
 
 /// Which kernels run the CUDA backend's decode attention.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -213,6 +219,16 @@ pub const DEVICE_ARGMAX: Switch = Switch {
     off: "0",
     new: "device argmax",
     classic: "logits copied, argmax on the host",
+    default_new: false,
+};
+
+/// The small-batch GEMV.
+pub const GEMV: Switch = Switch {
+    env: GEMV_ENV,
+    on: "1",
+    off: "0",
+    new: "small-batch GEMV",
+    classic: "cast + cuBLAS",
     default_new: false,
 };
 
@@ -430,6 +446,58 @@ pub fn group_as_one_product(rows: usize) -> bool {
     rows <= GROUP_GEMM_MAX_ROWS
 }
 
+/// Whether a product of `rows` rows, `[rows, d_in] · [d_out, d_in]ᵀ` over weights of `dtype`
+/// at device address `w_addr` with its f32 input at `x_addr`, runs through `gemv.cu` with the
+/// switch (`gemv_on`) on. The kernel takes 1 to [`shape::GEMV_MAX_ROWS`] rows of 16-bit
+/// weights; it loads 8 weights (16 bytes) and 8 activations (two float4) at a time, so
+/// `d_in % 8 == 0` and both buffers 16-byte aligned (every row then is). Anything else, f32
+/// weights included, takes the cast + cuBLAS path, which serves every shape.
+pub fn gemv_serves(
+    gemv_on: bool,
+    dtype: DType,
+    rows: usize,
+    d_in: usize,
+    d_out: usize,
+    w_addr: u64,
+    x_addr: u64,
+) -> bool {
+    gemv_on
+        && dtype != DType::F32
+        && (1..=shape::GEMV_MAX_ROWS).contains(&rows)
+        && d_in > 0
+        && d_in.is_multiple_of(8)
+        && d_out > 0
+        // The kernel indexes with int rows of W and long offsets: d_out · d_in may exceed
+        // i32 (a 128k vocabulary head), d_in and d_out alone may not.
+        && i32::try_from(d_in).is_ok()
+        && i32::try_from(d_out).is_ok()
+        && w_addr.is_multiple_of(16)
+        && x_addr.is_multiple_of(16)
+}
+
+/// Outputs (rows of W) one `gemv.cu` warp computes for a product of `rows` rows: the few-row
+/// kernel's [`shape::GEMV_OUTS_FEW`] up to [`shape::GEMV_FEW_ROWS`] rows, the many-row
+/// kernel's [`shape::GEMV_OUTS_MANY`] above (each x load then serves more outputs, which keeps
+/// the L1 traffic of 8 f32 rows under the SM's limit).
+pub fn gemv_outs_per_warp(rows: usize) -> u32 {
+    if rows <= shape::GEMV_FEW_ROWS {
+        shape::GEMV_OUTS_FEW
+    } else {
+        shape::GEMV_OUTS_MANY
+    }
+}
+
+/// Blocks of a `gemv.cu` launch for `d_out` outputs of `rows` rows: one warp per
+/// [`gemv_outs_per_warp`] outputs, [`shape::GEMV_WARPS`] warps a block. Small blocks (128
+/// threads) that the hardware hands to whichever SM frees up, so a 4096-wide product at one row
+/// (512 blocks) is resident at once on an H100's 132 SMs and an 11008-wide one has no long tail
+/// wave. Narrow products cannot fill the SMs (576 outputs at one row: 72 blocks); the kernel
+/// loops grid-stride, so any grid is correct.
+pub fn gemv_grid(d_out: usize, rows: usize) -> u32 {
+    let per_block = (shape::GEMV_WARPS * gemv_outs_per_warp(rows)) as usize;
+    d_out.div_ceil(per_block).clamp(1, i32::MAX as usize) as u32
+}
+
 /// The opt-in switches (off unless set to `1`): resolved once when a backend is created,
 /// logged beside [`KernelPlan`].
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -438,6 +506,7 @@ pub struct OptInPlan {
     pub rope_fold: Choice,
     pub wide: Choice,
     pub device_argmax: Choice,
+    pub gemv: Choice,
 }
 
 impl OptInPlan {
@@ -449,15 +518,18 @@ impl OptInPlan {
             rope_fold: ROPE_FOLD.choose(&value(ROPE_FOLD.env), rope_fold_unserved(head_dim))?,
             wide: WIDE.choose(&value(WIDE.env), None)?,
             device_argmax: DEVICE_ARGMAX.choose(&value(DEVICE_ARGMAX.env), None)?,
+            // Served or not per product (`gemv_serves`): the rest take cast + cuBLAS.
+            gemv: GEMV.choose(&value(GEMV.env), None)?,
         })
     }
 
-    fn rows(&self) -> [(&'static str, Switch, &Choice); 4] {
+    fn rows(&self) -> [(&'static str, Switch, &Choice); 5] {
         [
             ("q/k/v and gate/up products", GROUP_GEMM, &self.group_gemm),
             ("RoPE", ROPE_FOLD, &self.rope_fold),
             ("norm and RoPE blocks", WIDE, &self.wide),
             ("greedy sampling", DEVICE_ARGMAX, &self.device_argmax),
+            ("products of few rows", GEMV, &self.gemv),
         ]
     }
 }

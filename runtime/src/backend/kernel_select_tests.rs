@@ -241,7 +241,7 @@ proptest! {
     }
 }
 
-const OPT_IN: [Switch; 4] = [GROUP_GEMM, ROPE_FOLD, WIDE, DEVICE_ARGMAX];
+const OPT_IN: [Switch; 5] = [GROUP_GEMM, ROPE_FOLD, WIDE, DEVICE_ARGMAX, GEMV];
 
 fn opt_in(vars: &[(&str, &str)], head_dim: usize) -> Result<OptInPlan, String> {
     OptInPlan::resolve(env(vars), head_dim)
@@ -254,6 +254,7 @@ fn the_opt_in_switches_are_off_unless_set_to_1() {
         rope_fold: Choice::Classic,
         wide: Choice::Classic,
         device_argmax: Choice::Classic,
+        gemv: Choice::Classic,
     };
     assert_eq!(opt_in(&[], 128), Ok(off.clone()));
     let auto: Vec<(&str, &str)> = OPT_IN.iter().map(|s| (s.env, "auto")).collect();
@@ -268,13 +269,21 @@ fn the_opt_in_switches_are_off_unless_set_to_1() {
             rope_fold: Choice::New,
             wide: Choice::New,
             device_argmax: Choice::New,
+            gemv: Choice::New,
         })
     );
     // One at a time: each variable moves its own choice only.
     for (i, sw) in OPT_IN.iter().enumerate() {
         let p = opt_in(&[(sw.env, "1")], 64).unwrap();
-        let got = [&p.group_gemm, &p.rope_fold, &p.wide, &p.device_argmax].map(Choice::is_new);
-        let want: [bool; 4] = std::array::from_fn(|j| j == i);
+        let got = [
+            &p.group_gemm,
+            &p.rope_fold,
+            &p.wide,
+            &p.device_argmax,
+            &p.gemv,
+        ]
+        .map(Choice::is_new);
+        let want: [bool; 5] = std::array::from_fn(|j| j == i);
         assert_eq!(got, want, "{}", sw.env);
     }
     // The four defaults stay on whatever the opt-in switches say.
@@ -318,7 +327,14 @@ fn the_opt_in_log_line_names_each_switch() {
         p.to_string(),
         "q/k/v and gate/up products: per-module (THAW_CUDA_GROUP_GEMM=0); RoPE: folded into \
          the KV write; norm and RoPE blocks: one block of 256 per row (THAW_CUDA_WIDE_NORM=0); \
-         greedy sampling: logits copied, argmax on the host (THAW_CUDA_DEVICE_ARGMAX=0)"
+         greedy sampling: logits copied, argmax on the host (THAW_CUDA_DEVICE_ARGMAX=0); \
+         products of few rows: cast + cuBLAS (THAW_CUDA_GEMV=0)"
+    );
+    let p = opt_in(&[(GEMV_ENV, "1")], 128).unwrap();
+    assert!(
+        p.to_string()
+            .ends_with("products of few rows: small-batch GEMV"),
+        "{p}"
     );
 }
 
@@ -397,5 +413,97 @@ fn the_split_chunk_defaults_and_parses_positive_counts() {
             e.contains(SPLIT_MIN_CHUNK_ENV) && e.contains("positive"),
             "{bad}: {e}"
         );
+    }
+}
+
+/// Decode shapes of Llama-7B (q/k/v/o, gate/up, down, the LM head) and a small model's.
+const GEMV_SHAPES: [(usize, usize); 5] = [
+    (4096, 4096),
+    (4096, 11008),
+    (11008, 4096),
+    (4096, 32000),
+    (576, 1536),
+];
+
+#[test]
+fn the_gemv_serves_decode_shapes_of_16_bit_weights_with_the_switch_on() {
+    for (d_in, d_out) in GEMV_SHAPES {
+        for dt in [DType::Bf16, DType::F16] {
+            for rows in 1..=shape::GEMV_MAX_ROWS {
+                assert!(gemv_serves(true, dt, rows, d_in, d_out, 256, 4096));
+                assert!(!gemv_serves(false, dt, rows, d_in, d_out, 256, 4096));
+            }
+            let over = shape::GEMV_MAX_ROWS + 1;
+            assert!(!gemv_serves(true, dt, over, d_in, d_out, 256, 4096));
+            assert!(!gemv_serves(true, dt, 0, d_in, d_out, 256, 4096));
+        }
+        assert!(!gemv_serves(true, DType::F32, 1, d_in, d_out, 256, 4096));
+    }
+    // A tail of d_in / 8 that is not a multiple of a warp's 32 lanes: served.
+    assert!(gemv_serves(true, DType::Bf16, 3, 1000, 77, 0, 0));
+}
+
+#[test]
+fn the_gemv_refuses_what_its_16_byte_loads_cannot_read() {
+    // d_in not a multiple of 8: rows after the first start off 16-byte alignment.
+    for d_in in [4, 12, 1001, 4100] {
+        assert!(!gemv_serves(true, DType::Bf16, 1, d_in, 64, 0, 0), "{d_in}");
+    }
+    // Buffers off 16-byte alignment (a view at an odd offset).
+    assert!(!gemv_serves(true, DType::F16, 1, 64, 64, 8, 0));
+    assert!(!gemv_serves(true, DType::F16, 1, 64, 64, 0, 4));
+    assert!(!gemv_serves(true, DType::F16, 1, 0, 64, 0, 0));
+    assert!(!gemv_serves(true, DType::F16, 1, 64, 0, 0, 0));
+    assert!(!gemv_serves(true, DType::F16, 1, 1 << 31, 8, 0, 0));
+}
+
+#[test]
+fn the_gemv_grid_covers_every_output_once_per_warp() {
+    assert_eq!(gemv_grid(4096, 1), 512);
+    assert_eq!(gemv_grid(4096, 8), 256);
+    assert_eq!(gemv_grid(576, 1), 72);
+    assert_eq!(gemv_grid(1, 1), 1);
+    assert_eq!(gemv_grid(0, 4), 1);
+    assert_eq!(
+        gemv_outs_per_warp(shape::GEMV_FEW_ROWS),
+        shape::GEMV_OUTS_FEW
+    );
+    assert_eq!(
+        gemv_outs_per_warp(shape::GEMV_FEW_ROWS + 1),
+        shape::GEMV_OUTS_MANY
+    );
+    for (_, d_out) in GEMV_SHAPES {
+        for rows in 1..=shape::GEMV_MAX_ROWS {
+            let per_block = (shape::GEMV_WARPS * gemv_outs_per_warp(rows)) as usize;
+            let g = gemv_grid(d_out, rows) as usize;
+            assert!(
+                g * per_block >= d_out && (g - 1) * per_block < d_out,
+                "{d_out} x {rows}"
+            );
+        }
+    }
+}
+
+proptest! {
+    /// The GEMV runs only where every condition of its kernel holds, whatever the shape.
+    #[test]
+    fn gemv_serves_only_what_its_kernel_takes(
+        on in any::<bool>(),
+        dt in prop_oneof![Just(DType::F32), Just(DType::Bf16), Just(DType::F16)],
+        rows in 0usize..20,
+        d_in in 0usize..20_000,
+        d_out in 0usize..40_000,
+        w in 0u64..1 << 20,
+        x in 0u64..1 << 20,
+    ) {
+        let served = gemv_serves(on, dt, rows, d_in, d_out, w, x);
+        let kernel_takes = dt != DType::F32
+            && (1..=shape::GEMV_MAX_ROWS).contains(&rows)
+            && d_in > 0 && d_in % 8 == 0 && d_out > 0
+            && w % 16 == 0 && x % 16 == 0;
+        prop_assert_eq!(served, on && kernel_takes);
+        let g = gemv_grid(d_out, rows) as usize;
+        let per_block = (shape::GEMV_WARPS * gemv_outs_per_warp(rows)) as usize;
+        prop_assert!(g >= 1 && g * per_block >= d_out);
     }
 }

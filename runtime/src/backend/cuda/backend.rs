@@ -474,8 +474,9 @@ impl CudaBackend {
         )
     }
 
-    /// out = x · Wᵀ for the `[d_out, d_in]` matrix `w` (no bias): the input's 16-bit copy from
-    /// a fused SwiGLU where its tag serves this op, else a cast of `x`.
+    /// out = x · Wᵀ for the `[d_out, d_in]` matrix `w` (no bias): the small-batch GEMV over `x`
+    /// where it is on and serves the product (`gemv.rs`), else the input's 16-bit copy from a
+    /// fused SwiGLU where its tag serves this op, else a cast of `x`.
     pub(super) fn linear_view(
         &mut self,
         x: &CudaSlice<f32>,
@@ -486,6 +487,9 @@ impl CudaBackend {
         out: &mut CudaSlice<f32>,
     ) -> Result<(), CudaError> {
         let tag = self.x16_tag.take();
+        if self.gpu.gemv_linear(x, w, rows, d_in, d_out, out)? {
+            return Ok(());
+        }
         let served = tag.is_some_and(|t| t.serves(self.gpu.p(x), rows * d_in, self.ops));
         match (&self.x16, served) {
             (Some(x16), true) => self.gpu.linear_from_x16(x16, w, rows, d_in, d_out, out),
@@ -1004,8 +1008,11 @@ impl Backend for CudaBackend {
         rows: usize,
         out: &mut CudaSlice<f32>,
     ) {
+        // A product the small-batch GEMV takes reads `x` itself and leaves `x16` as it was:
+        // no cast to keep.
+        let by_gemv = (self.gpu).gemv_takes(x, &w.w.view(), rows, w.d_in, w.d_out);
         op!(self, self.try_linear(x, w, rows, out));
-        if !self.failed() {
+        if !self.failed() && !by_gemv {
             self.x16_tag = self.cast_kept(x, rows * w.d_in, out, rows * w.d_out);
         }
     }

@@ -155,16 +155,23 @@ impl CudaBackend {
             self.group_out = Some(scratch);
             return r;
         }
-        // One cast of x for every product: the first casts it into `x16`, the rest read it.
-        for (i, (w, o)) in ws.iter().zip(outs.iter_mut()).enumerate() {
-            match (&self.x16, i > 0 && self.gpu.weight_dtype != DType::F32) {
+        // One cast of x for every product: the first that takes cuBLAS casts it into `x16`, the
+        // rest read it. A product the small-batch GEMV takes (`gemv.rs`) reads x itself and
+        // casts nothing.
+        let mut cast = false;
+        for (w, o) in ws.iter().zip(outs.iter_mut()) {
+            let gemv = self.gpu.gemv_takes(x, &w.w.view(), rows, w.d_in, w.d_out);
+            match (&self.x16, cast && !gemv) {
                 (Some(x16), true) => {
                     (self.gpu).linear_from_x16(x16, &w.w.view(), rows, w.d_in, w.d_out, o)?;
                     if let Some(b) = &w.bias {
                         self.gpu.add_bias(o, b, rows, w.d_out)?;
                     }
                 }
-                _ => self.try_linear(x, w, rows, o)?,
+                _ => {
+                    self.try_linear(x, w, rows, o)?;
+                    cast |= !gemv && self.gpu.weight_dtype != DType::F32;
+                }
             }
         }
         Ok(())

@@ -145,6 +145,8 @@ pub(super) struct Gpu {
     pub argmax: Option<super::argmax::DeviceArgmax>,
     /// What this backend asked of the driver (`counters.rs`).
     pub counters: super::counters::Counters,
+    /// Products of few rows as a GEMV (`gemv.rs`, opt-in); `None` = cast + cuBLAS.
+    pub gemv: Option<super::gemv::Gemv>,
 }
 
 impl Gpu {
@@ -173,6 +175,7 @@ impl Gpu {
             group: None,
             argmax: None,
             counters: Default::default(),
+            gemv: None,
             ctx,
             stream,
             blas,

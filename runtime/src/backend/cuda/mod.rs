@@ -13,6 +13,7 @@
 //! | `attn_prefill_tc.rs` | prefill attention on the tensor cores (default where served; off: `THAW_CUDA_TC_PREFILL=0`) |
 //! | `flash.rs` | flash-decoding launches (default; off: `THAW_CUDA_ATTN_IMPL=classic`; shortest chunk: `THAW_CUDA_SPLIT_MIN_CHUNK`, default 256) |
 //! | `fused.rs` | fused add + RMSNorm and SwiGLU + cast (default; off: `THAW_CUDA_FUSED=0`) |
+//! | `gemv.rs` | products of at most 8 rows over 16-bit weights as a GEMV over f32 activations, no cast, no cuBLAS (opt-in: `THAW_CUDA_GEMV=1`) |
 //! | `graph.rs` | CUDA graphs of decode steps: capture, replay, the persistent metadata buffer |
 //! | `group.rs` | q/k/v and gate/up placed as one matrix at load and run as one product (opt-in: `THAW_CUDA_GROUP_GEMM=1`) |
 //! | `wide.rs` | wide RMSNorm / add + RMSNorm / RoPE (opt-in: `THAW_CUDA_WIDE_NORM=1`), RoPE folded into the KV write (opt-in: `THAW_CUDA_ROPE_FOLD=1`) |
@@ -34,9 +35,9 @@
 //! f32 KV cache, a head_dim other than 32/64/128 or a device below compute capability 8.0 for
 //! the tensor-core prefill); its off value always picks the classic one; an explicit on value
 //! the backend cannot serve is an error that says what to set. Tests and benchmarks switch at
-//! run time with `set_attn_impl`, `set_tc_prefill`, `set_lora_impl` and `set_fused`. Four more
+//! run time with `set_attn_impl`, `set_tc_prefill`, `set_lora_impl` and `set_fused`. Five more
 //! are opt-in (off unless `1`) until a GPU parity run proves them:
-//! [`OptInPlan`], switched with `set_group_gemm`, `set_rope_fold`, `set_wide` and
+//! [`OptInPlan`], switched with `set_group_gemm`, `set_rope_fold`, `set_wide`, `set_gemv` and
 //! `set_device_argmax`.
 mod argmax;
 mod attn_prefill_tc;
@@ -46,6 +47,7 @@ mod encode;
 mod exchange;
 mod flash;
 mod fused;
+mod gemv;
 mod graph;
 mod group;
 mod launch;
@@ -60,7 +62,8 @@ mod wide;
 
 pub use super::kernel_select::{
     AttnImpl, KernelPlan, LoraImpl, OptInPlan, ATTN_IMPL_ENV, DEVICE_ARGMAX_ENV, FUSED_ENV,
-    GROUP_GEMM_ENV, LORA_IMPL_ENV, ROPE_FOLD_ENV, SPLIT_MIN_CHUNK_ENV, TC_PREFILL_ENV, WIDE_ENV,
+    GEMV_ENV, GROUP_GEMM_ENV, LORA_IMPL_ENV, ROPE_FOLD_ENV, SPLIT_MIN_CHUNK_ENV, TC_PREFILL_ENV,
+    WIDE_ENV,
 };
 pub use backend::{CudaBackend, CudaConfig, CudaKvLayer};
 pub use exchange::MappedExchange;

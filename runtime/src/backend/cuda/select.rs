@@ -9,6 +9,7 @@ use super::argmax::DeviceArgmax;
 use super::attn_prefill_tc::TcPrefill;
 use super::flash::FlashDecode;
 use super::fused::Fused;
+use super::gemv::Gemv;
 use super::group::Group;
 use super::sgmv::Punica;
 use super::wide::{RopeFold, Wide};
@@ -71,6 +72,9 @@ impl CudaBackend {
         if opt_in.device_argmax.is_new() {
             self.gpu.argmax = Some(DeviceArgmax::load(ctx)?);
         }
+        if opt_in.gemv.is_new() {
+            self.gpu.gemv = Some(Gemv::load(ctx, w)?);
+        }
         Ok(())
     }
 
@@ -82,6 +86,7 @@ impl CudaBackend {
             rope_fold: pick(self.gpu.rope_fold.is_some()),
             wide: pick(self.gpu.wide.is_some()),
             device_argmax: pick(self.gpu.argmax.is_some()),
+            gemv: pick(self.gpu.gemv.is_some()),
         }
     }
 

@@ -1,0 +1,55 @@
+//! Products of few rows (decode): the opt-in small-batch GEMV (`gemv.cu`, `THAW_CUDA_GEMV=1`,
+//! issue 29) against the default cast + cuBLAS `gemm_ex`, each timed through the backend's
+//! `linear` op (so the cuBLAS column includes its activation cast kernel), bf16 weights. GB/s
+//! counts the weight bytes plus the f32 activations read and the f32 outputs written, over the
+//! time; "% of peak" is against the device-to-device copy peak measured in the same run.
+use thaw_runtime::backend::cuda::{CudaBackend, CudaConfig};
+use thaw_runtime::backend::Backend;
+
+use super::{fill, model_config, time_us, Res};
+
+/// (d_in, d_out, what): Llama-7B's q/k/v/o, gate/up, down and LM head; a small model's pair.
+const SHAPES: [(usize, usize, &str); 6] = [
+    (4096, 4096, "q/k/v/o"),
+    (4096, 11008, "gate/up"),
+    (11008, 4096, "down"),
+    (4096, 32000, "LM head"),
+    (576, 1536, "small up"),
+    (1536, 576, "small down"),
+];
+
+pub fn gemv_table(smoke: bool, peak: f64) -> Res<()> {
+    let c = model_config(1)?;
+    let mut g = CudaBackend::new(&c, &CudaConfig::default())?;
+    let rows_list: &[usize] = if smoke { &[1, 8] } else { &[1, 2, 4, 8] };
+    let shapes = if smoke { &SHAPES[..1] } else { &SHAPES[..] };
+    println!("\n## Products of few rows, bf16 weights: cast + cuBLAS (the default) vs the small-batch GEMV (THAW_CUDA_GEMV=1); median of 50");
+    println!("| product | d_in → d_out | rows | cuBLAS µs | GB/s | % of peak | GEMV µs | GB/s | % of peak | GEMV speed-up |\n|---|---|---|---|---|---|---|---|---|---|");
+    let max_rows = rows_list.iter().copied().max().unwrap_or(1);
+    for &(d_in, d_out, what) in shapes {
+        let w = g.upload_linear(fill(d_out * d_in, 80), d_out, d_in, None)?;
+        let x = g.upload_f32(&fill(max_rows * d_in, 81))?;
+        let mut y = g.alloc(max_rows * d_out)?;
+        for &rows in rows_list {
+            let bytes = d_in * d_out * 2 + rows * (d_in + d_out) * 4;
+            let mut us = [0.0; 2];
+            for (i, on) in [false, true].into_iter().enumerate() {
+                g.set_gemv(on)?;
+                us[i] = time_us(&mut g, 50, |g| g.linear(&x, &w, rows, &mut y))?;
+            }
+            let gbs = |t: f64| bytes as f64 / t / 1e3;
+            println!(
+                "| {what} | {d_in} → {d_out} | {rows} | {:.1} | {:.0} | {:.0}% | {:.1} | {:.0} | {:.0}% | {:.2}× |",
+                us[0],
+                gbs(us[0]),
+                gbs(us[0]) / peak * 100.0,
+                us[1],
+                gbs(us[1]),
+                gbs(us[1]) / peak * 100.0,
+                us[0] / us[1]
+            );
+        }
+    }
+    g.set_gemv(false)?;
+    Ok(())
+}

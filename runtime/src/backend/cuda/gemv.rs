@@ -1,0 +1,148 @@
+//! Products of few rows as a GEMV (issue 29, `THAW_CUDA_GEMV=1`; off by default until a GPU
+//! parity run proves it): `thaw_kernels`' `gemv.cu`.
+//!
+//! With the switch on, every `linear` of at most [`shape::GEMV_MAX_ROWS`] rows over 16-bit
+//! weights whose shape the kernel takes ([`gemv_serves`]: `d_in % 8 == 0`, 16-byte aligned
+//! buffers) runs as one launch that reads the f32 activations directly: no cast kernel, no
+//! cuBLAS. That is every decode product of a Llama-shaped model at batch ≤ 8: q/k/v/o,
+//! gate/up/down, the LM head ([`CudaBackend::try_logits`] goes through the same `linear`), and a
+//! q/k/v or gate/up group run as one product (`group.rs`, `THAW_CUDA_GROUP_GEMM=1`), whose one
+//! `[Σ d_out, d_in]` matrix is simply a wider GEMV. Everything else (prefill, batches above 8,
+//! f32 weights, odd widths) takes the cast + cuBLAS path as before. LoRA deltas are separate
+//! kernels (`sgmv.rs`) added after the product, unchanged.
+//!
+//! Why: on an H200 at batch 1 the 4096×4096 products ran at 59–63% of the copy roofline through
+//! cast + `gemm_ex` (`cuda-h100.md` §8), and the cast is a launch of its own before each
+//! product. TensorRT-LLM and llama.cpp run such shapes through a hand-written GEMV.
+//!
+//! Numerics: the GEMV multiplies the f32 activations (the CPU oracle's operands) where the
+//! cuBLAS path first rounds them to the weight dtype, so the two differ by that rounding; both
+//! accumulate in f32.
+//!
+//! [`CudaBackend::try_logits`]: super::CudaBackend
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, DevicePtr};
+use thaw_kernels::cuda::registry::{shape, DType};
+use thaw_kernels::cuda::KernelCache;
+
+use super::launch::{int, launch, Gpu};
+use super::{CudaBackend, CudaError};
+use crate::backend::kernel_select::{gemv_grid, gemv_serves};
+use crate::error::Result;
+
+/// The GEMV kernels for one weight dtype: rows up to [`shape::GEMV_FEW_ROWS`], and more.
+struct Kernels {
+    few: CudaFunction,
+    many: CudaFunction,
+}
+
+/// The GEMV for one weight dtype; no kernels for f32 weights (they read 16-bit ones: with the
+/// switch on, every product of an f32 model still takes cuBLAS).
+pub(crate) struct Gemv {
+    func: Option<Kernels>,
+}
+
+impl Gemv {
+    pub(super) fn load(ctx: &Arc<CudaContext>, w: DType) -> Result<Self, CudaError> {
+        let func = match w {
+            DType::F32 => None,
+            DType::Bf16 | DType::F16 => {
+                let cache = KernelCache::global();
+                let f = |kind: &str| cache.function(ctx, &format!("gemv_{kind}_{}", w.suffix()));
+                Some(Kernels {
+                    few: f("few")?,
+                    many: f("many")?,
+                })
+            }
+        };
+        Ok(Self { func })
+    }
+}
+
+impl Gpu {
+    /// out[rows, d_out] = x[rows, d_in] · Wᵀ through `gemv.cu` where the switch is on and
+    /// [`gemv_serves`] the product; Ok(false) otherwise (nothing ran: the caller takes cuBLAS).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn gemv_linear(
+        &self,
+        x: &CudaSlice<f32>,
+        w: &impl DevicePtr<u8>,
+        rows: usize,
+        d_in: usize,
+        d_out: usize,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<bool, CudaError> {
+        let k = match self.gemv.as_ref().and_then(|g| g.func.as_ref()) {
+            Some(k) if self.gemv_takes(x, w, rows, d_in, d_out) => k,
+            _ => return Ok(false),
+        };
+        assert!(
+            x.len() >= rows * d_in && out.len() >= rows * d_out,
+            "gemv: buffers too small"
+        );
+        assert!(
+            w.len() >= d_in * d_out * self.weight_dtype.size(),
+            "gemv: weight too small"
+        );
+        let func = if rows <= shape::GEMV_FEW_ROWS {
+            &k.few
+        } else {
+            &k.many
+        };
+        // SAFETY: gemv_{few,many}_T(const float*, const T*, float*, int, int, int); x holds
+        // rows × d_in f32, w d_out × d_in 16-bit weights, out rows × d_out f32 (checked above);
+        // gemv_serves checked 1 <= rows <= GEMV_MAX_ROWS, d_in % 8 == 0 and both addresses
+        // 16-byte aligned, which the kernel's 16-byte loads need; the few-row kernel gets rows
+        // <= GEMV_FEW_ROWS, the many-row one the rest (each ignores rows it has no case for);
+        // blocks of GEMV_WARPS warps, as their __launch_bounds__ declare.
+        unsafe {
+            launch!(
+                self,
+                func,
+                (gemv_grid(d_out, rows), 1, 1),
+                shape::GEMV_WARPS * 32,
+                [
+                    self.p(x),
+                    self.p(w),
+                    self.p(out),
+                    int(rows, "rows"),
+                    int(d_in, "d_in"),
+                    int(d_out, "d_out")
+                ]
+            )
+        }?;
+        Ok(true)
+    }
+
+    /// Whether a product of `rows` rows of `x` through `w` runs as a GEMV (switch on, served).
+    pub(super) fn gemv_takes(
+        &self,
+        x: &CudaSlice<f32>,
+        w: &impl DevicePtr<u8>,
+        rows: usize,
+        d_in: usize,
+        d_out: usize,
+    ) -> bool {
+        let on = self.gemv.as_ref().is_some_and(|g| g.func.is_some());
+        let dt = self.weight_dtype;
+        gemv_serves(on, dt, rows, d_in, d_out, self.p(w), self.p(x))
+    }
+}
+
+impl CudaBackend {
+    /// Switches the small-batch GEMV on or off (tests, benchmarks); compiles on first use.
+    pub fn set_gemv(&mut self, on: bool) -> Result<()> {
+        self.gpu.gemv = if on {
+            Some(Gemv::load(&self.gpu.ctx, self.gpu.weight_dtype)?)
+        } else {
+            None
+        };
+        Ok(())
+    }
+
+    /// Whether the small-batch GEMV is switched on (it runs where [`gemv_serves`] says).
+    pub fn gemv(&self) -> bool {
+        self.gpu.gemv.is_some()
+    }
+}
