@@ -35,10 +35,10 @@
 //! f32 KV cache, a head_dim other than 32/64/128 or a device below compute capability 8.0 for
 //! the tensor-core prefill); its off value always picks the classic one; an explicit on value
 //! the backend cannot serve is an error that says what to set. Tests and benchmarks switch at
-//! run time with `set_attn_impl`, `set_tc_prefill`, `set_lora_impl` and `set_fused`. Five more
+//! run time with `set_attn_impl`, `set_tc_prefill`, `set_lora_impl` and `set_fused`. Six more
 //! are opt-in (off unless `1`) until a GPU parity run proves them:
-//! [`OptInPlan`], switched with `set_group_gemm`, `set_rope_fold`, `set_wide`, `set_gemv` and
-//! `set_device_argmax`.
+//! [`OptInPlan`], switched with `set_group_gemm`, `set_rope_fold`, `set_wide`, `set_gemv`,
+//! `set_device_argmax` and `set_lora_slices`.
 mod argmax;
 mod attn_prefill_tc;
 mod backend;
@@ -52,6 +52,7 @@ mod graph;
 mod group;
 mod launch;
 mod link;
+mod lora_slices;
 mod op_clock;
 mod select;
 mod sgmv;
@@ -62,8 +63,8 @@ mod wide;
 
 pub use super::kernel_select::{
     AttnImpl, KernelPlan, LoraImpl, OptInPlan, ATTN_IMPL_ENV, DEVICE_ARGMAX_ENV, FUSED_ENV,
-    GEMV_ENV, GROUP_GEMM_ENV, LORA_IMPL_ENV, ROPE_FOLD_ENV, SPLIT_MIN_CHUNK_ENV, TC_PREFILL_ENV,
-    WIDE_ENV,
+    GEMV_ENV, GROUP_GEMM_ENV, LORA_IMPL_ENV, LORA_SLICES_ENV, ROPE_FOLD_ENV, SPLIT_MIN_CHUNK_ENV,
+    TC_PREFILL_ENV, WIDE_ENV,
 };
 pub use backend::{CudaBackend, CudaConfig, CudaKvLayer};
 pub use exchange::MappedExchange;
