@@ -819,6 +819,31 @@ macro_rules! op {
     }};
 }
 
+impl CudaBackend {
+    /// The LoRA half of [`Backend::linear_group_lora`]: `outs[i] += LoRA(x)` for each site, as
+    /// one launch pair over the sites with `THAW_CUDA_LORA_SLICES=1` where it applies
+    /// (`lora_slices.rs`), else per module. Errors are kept for [`CudaBackend::check`] as any
+    /// op's are (public for the parity tests and benchmarks).
+    pub fn lora_group<const N: usize>(
+        &mut self,
+        x: &CudaSlice<f32>,
+        mut outs: [&mut CudaSlice<f32>; N],
+        sites: [LoraSite; N],
+        batch: &LoraBatch<'_, CudaLora>,
+    ) {
+        if self.gpu.slices.is_some() && !batch.layout.segments.is_empty() {
+            let mut done = false;
+            op!(self, {
+                (self.try_lora_slices(x, &mut outs, &sites, batch)).map(|d| done = d)
+            });
+            if done || self.failed() {
+                return;
+            }
+        }
+        lora_sites(self, x, outs, sites, batch);
+    }
+}
+
 impl Backend for CudaBackend {
     type Buf = CudaSlice<f32>;
     type Linear = CudaLinear;
@@ -1070,16 +1095,7 @@ impl Backend for CudaBackend {
         batch: &LoraBatch<'_, CudaLora>,
     ) {
         self.linear_group(x, ws, rows, outs.each_mut().map(|o| &mut **o));
-        if self.gpu.slices.is_some() && !batch.layout.segments.is_empty() {
-            let mut done = false;
-            op!(self, {
-                (self.try_lora_slices(x, &mut outs, &sites, batch)).map(|d| done = d)
-            });
-            if done || self.failed() {
-                return;
-            }
-        }
-        lora_sites(self, x, outs, sites, batch);
+        self.lora_group(x, outs, sites, batch);
     }
 
     fn lora(
