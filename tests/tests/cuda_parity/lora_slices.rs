@@ -20,9 +20,9 @@ use thaw_runtime::ids::LayerIdx;
 use thaw_server::gen::ModelPreset;
 use thaw_tests::{test_preset, TestModel};
 
-use super::gemv::off_on_runs;
+use super::gemv::{check_off_on, off_on_runs};
 use super::opt_in::bitwise;
-use super::{cfg, mixed_lora_layout, rand_vec};
+use super::{cfg, mixed_lora_layout, rand_vec, CONFIGS};
 
 /// One layer of Llama-7B's shape with GQA (8 KV heads: k and v are 1024 wide), a small vocab.
 fn layer_7b() -> ModelPreset {
@@ -165,7 +165,9 @@ fn sliced_lora_equals_per_module_punica_bit_for_bit() {
 /// Whole engines, the switch off against on: eager logits bit for bit (so the same greedy
 /// tokens), for batches with no adapter, a rank-8 adapter on q,v only (the group then has two
 /// live slices of three) and a rank-32 adapter on every projection. With CUDA graphs the
-/// deltas are added per module (`graph.rs`), so that run equals the off run too.
+/// deltas are added per module (`graph.rs`) over the bucket's padded rows, whose split-K plan
+/// may differ from the eager one: that run is held to the suite's tolerance and the same
+/// greedy tokens (`check_off_on`).
 #[test]
 fn engines_with_sliced_lora_give_the_same_logits() {
     if !thaw_tests::gpu_or_skip() {
@@ -180,21 +182,20 @@ fn engines_with_sliced_lora_give_the_same_logits() {
     let who = |b: usize| -> Vec<Option<u32>> {
         (0..b).map(|i| [None, Some(0), Some(1)][i % 3]).collect()
     };
-    for dt in [DType::F32, DType::Bf16] {
+    for (dt, tol) in CONFIGS {
         let runs = off_on_runs(&tm.model, dt, &adapters, &batches, who, 5, 400, |g, on| {
             g.set_lora_impl(LoraImpl::PUNICA).unwrap();
             g.set_lora_slices(on).unwrap();
         });
-        for (m, name) in [(1, "eager"), (2, "graphs")] {
-            let mut seqs = 0;
-            for (off, on) in runs[0].iter().zip(&runs[m]) {
-                for (a, b) in off.iter().zip(on) {
-                    assert_eq!(a.tokens, b.tokens, "{dt:?} {name}: greedy tokens");
-                    assert!(bitwise(&a.logits, &b.logits), "{dt:?} {name}: logits");
-                    seqs += 1;
-                }
+        let mut seqs = 0;
+        for (off, on) in runs[0].iter().zip(&runs[1]) {
+            for (a, b) in off.iter().zip(on) {
+                assert_eq!(a.tokens, b.tokens, "{dt:?} eager: greedy tokens");
+                assert!(bitwise(&a.logits, &b.logits), "{dt:?} eager: logits");
+                seqs += 1;
             }
-            println!("{dt:?} sliced LoRA {name}: {seqs} sequences, logits bit for bit");
         }
+        println!("{dt:?} sliced LoRA eager: {seqs} sequences, logits bit for bit");
+        check_off_on("sliced LoRA", dt, tol, &runs, tm.model.config.vocab_size);
     }
 }
