@@ -39,10 +39,15 @@ fn dim(n: usize, what: &str) -> u32 {
     u32::try_from(n).unwrap_or_else(|_| panic!("{what} = {n} does not fit a grid dimension"))
 }
 
+/// The largest grid.y / grid.z CUDA launches.
+pub const MAX_GRID_YZ: usize = 65_535;
+
 /// The grids for `gather` with `tiles` rank tiles (of the largest rank over the slices),
 /// `splits` K chunks and the slices' output widths `d_outs` (1 to
-/// [`shape::PUNICA_MAX_SLICES`]).
-pub fn grids(gather: Gather, tiles: usize, splits: usize, d_outs: &[usize]) -> SliceGrids {
+/// [`shape::PUNICA_MAX_SLICES`]). None when grid.y or grid.z would pass [`MAX_GRID_YZ`] (a
+/// prefill segment of more than 87,380 rows with three slices): the caller launches per
+/// module.
+pub fn grids(gather: Gather, tiles: usize, splits: usize, d_outs: &[usize]) -> Option<SliceGrids> {
     assert!(
         (1..=shape::PUNICA_MAX_SLICES).contains(&d_outs.len()),
         "{} slices: lora_slices.cu takes 1 to {}",
@@ -50,13 +55,17 @@ pub fn grids(gather: Gather, tiles: usize, splits: usize, d_outs: &[usize]) -> S
         shape::PUNICA_MAX_SLICES
     );
     let (x, inner) = gather.units();
-    let z = dim(inner * d_outs.len(), "slices x row chunks");
+    let z = inner * d_outs.len();
     let widest = d_outs.iter().copied().max().unwrap_or(0);
     let cols = widest.div_ceil(shape::PUNICA_EXPAND_COLS as usize);
-    SliceGrids {
-        shrink: (dim(x, "grid.x"), dim(tiles * splits, "tiles x splits"), z),
-        expand: (dim(x, "grid.x"), dim(cols, "column tiles"), z),
+    if [z, tiles * splits, cols].iter().any(|&n| n > MAX_GRID_YZ) {
+        return None;
     }
+    let (x, z) = (dim(x, "grid.x"), dim(z, "grid.z"));
+    Some(SliceGrids {
+        shrink: (x, dim(tiles * splits, "grid.y"), z),
+        expand: (x, dim(cols, "grid.y"), z),
+    })
 }
 
 /// The work of one shrink block: (slice, segment or row, row chunk, rank tile, K split).
@@ -149,7 +158,8 @@ mod tests {
             1,
             16,
             &[4096, 1024, 1024],
-        );
+        )
+        .unwrap();
         assert_eq!(g.shrink, (1, 16, 3));
         assert_eq!(g.expand, (1, 16, 3));
         // k's expand has 4 column tiles of work; the other 12 return at once.
@@ -167,6 +177,17 @@ mod tests {
             .filter(|e| e.slice == 1)
             .count();
         assert_eq!(live, 4);
+    }
+
+    #[test]
+    fn a_grid_past_the_z_limit_is_left_to_the_per_module_launches() {
+        let sgmv = |rows: usize| Gather::Sgmv {
+            n_segs: 1,
+            chunks: rows.div_ceil(shape::PUNICA_ROWS as usize),
+        };
+        assert!(grids(sgmv(87_380), 1, 4, &[4096; 3]).is_some());
+        assert_eq!(grids(sgmv(87_381), 1, 4, &[4096; 3]), None);
+        assert!(grids(sgmv(87_381), 1, 4, &[4096; 2]).is_some());
     }
 
     #[test]
@@ -198,7 +219,7 @@ mod tests {
             splits in 1usize..17,
             d_outs in prop::collection::vec(1usize..3000, 1..=3),
         ) {
-            let g = grids(gather, tiles, splits, &d_outs);
+            let g = grids(gather, tiles, splits, &d_outs).expect("small grids");
             let (units, inner) = gather.units();
             let n = d_outs.len();
             let mut seen = HashSet::new();

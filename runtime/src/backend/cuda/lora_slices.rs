@@ -10,7 +10,8 @@
 //! Each slice runs `lora_punica.cu`'s block code with the split-K plan its per-module launch
 //! would use ([`slices_plan::common_split`]), so its result is bit-identical to the per-module
 //! path. Where that cannot hold — the slices plan different splits (modules of different max
-//! ranks), a graph capture or replay (`graph.rs` launches per module from its persistent
+//! ranks), a grid past CUDA's limits (a prefill segment of more than 87,380 rows), a graph
+//! capture or replay (`graph.rs` launches per module from its persistent
 //! metadata), `lora.cu`'s kernels, modules of different layers or input widths — the deltas are
 //! added per module as before.
 //!
@@ -148,14 +149,15 @@ impl CudaBackend {
             }
             LoraKernel::Bgmv => Gather::Bgmv { rows },
         };
-        let need = v_len(&sk, n, rows, v_stride);
-        self.lora_scratch(need)?;
         let mut d_outs = [0usize; shape::PUNICA_MAX_SLICES];
         for (d, &(i, _)) in d_outs.iter_mut().zip(live) {
             *d = sites[i].dims.d_out;
         }
         let tiles = v_stride.div_ceil(shape::PUNICA_RANK_TILE as usize);
-        let g = grids(gather, tiles, sk.splits, &d_outs[..n]);
+        let Some(g) = grids(gather, tiles, sk.splits, &d_outs[..n]) else {
+            return Ok(false);
+        };
+        self.lora_scratch(v_len(&sk, n, rows, v_stride))?;
         let slots = ints(
             live.iter()
                 .map(|&(i, _)| sites[i].layer.0 * 7 + sites[i].module.index()),

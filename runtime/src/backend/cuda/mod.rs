@@ -23,6 +23,7 @@
 //! | `counters.rs` | running counts of launches, allocations, copies and synchronisations ([`CudaBackend::device_counts`]) |
 //! | `select.rs` | resolves and loads the issue-29 kernels a new backend runs, logs the choice |
 //! | `sgmv.rs` | the Punica-shaped SGMV / BGMV launches (default where served; off: `THAW_CUDA_LORA_IMPL=classic`) |
+//! | `lora_slices.rs` | the LoRA of q/k/v and of gate/up as one shrink + expand launch pair over slices, bit-identical to per module (opt-in: `THAW_CUDA_LORA_SLICES=1`) |
 //! | `step.rs` | per-step device metadata (slots, block tables, segments), uploaded once per step |
 //! | `weights.rs` | weights, norms and LoRA descriptor tables on the device |
 //! | `exchange.rs` | fused export and stream-waited merge (CPU assist) |
