@@ -5,7 +5,8 @@
 # (gpu-bin/, carried as `carry: ["gpu-bin"]`); logs and tables under --out ($OUT).
 #   1. the CUDA parity suite, whole, with the defaults, then its opt-in tests with every opt-in
 #      switch on (issue 29's kernels that are not defaults yet: THAW_CUDA_GROUP_GEMM,
-#      THAW_CUDA_ROPE_FOLD, THAW_CUDA_WIDE_NORM, THAW_CUDA_DEVICE_ARGMAX, THAW_CUDA_GEMV);
+#      THAW_CUDA_ROPE_FOLD, THAW_CUDA_WIDE_NORM, THAW_CUDA_DEVICE_ARGMAX, THAW_CUDA_GEMV,
+#      THAW_CUDA_LORA_SLICES);
 #   2. issue 27's cold-start tables (run.sh, cached / auto / on-demand, host tier then disk
 #      tier, 16 requests a pass) and decode tok/s with default flags;
 #   3. issue 29's whole-model runs, defaults ("on") against every opt-in switch ("opt-in"),
@@ -24,7 +25,7 @@ while [ $# -gt 0 ]; do
     --bin) BIN=$2; shift 2 ;;
     --out) O=$2; shift 2 ;;
     --budget) BUDGET_S=$2; shift 2 ;;
-    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
     *) echo "unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -37,7 +38,7 @@ cat "$BIN/BUILD" 2>/dev/null
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null
 
 OPT_ON=(THAW_CUDA_GROUP_GEMM=1 THAW_CUDA_ROPE_FOLD=1 THAW_CUDA_WIDE_NORM=1 THAW_CUDA_DEVICE_ARGMAX=1
-  THAW_CUDA_GEMV=1)
+  THAW_CUDA_GEMV=1 THAW_CUDA_LORA_SLICES=1)
 
 # --- 1. parity ---------------------------------------------------------------------------------
 lim=$(($(left) < 150 ? $(left) : 150))

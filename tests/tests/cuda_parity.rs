@@ -37,6 +37,8 @@ mod gemv;
 mod graphs;
 #[path = "cuda_parity/host_overhead.rs"]
 mod host_overhead;
+#[path = "cuda_parity/lora_slices.rs"]
+mod lora_slices;
 #[path = "cuda_parity/opt_in.rs"]
 mod opt_in;
 

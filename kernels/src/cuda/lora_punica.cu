@@ -272,4 +272,7 @@ __device__ void punica_bgmv_expand(const float* v_parts, float* y, const u64* ro
         int d_out, int splits, int max_rank) {                                                \
         punica_bgmv_expand<W>(v_parts, y, row_tables, rows, slot, d_out, splits, max_rank);  \
     }
+// lora_slices.cu compiles this file's device functions with its own entry points.
+#ifndef PUNICA_DEVICE_ONLY
 THAW_FOR_EACH_DTYPE(THAW_PUNICA)
+#endif

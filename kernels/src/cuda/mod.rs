@@ -15,6 +15,7 @@
 //! | `gemv.cu` | opt-in (issue 29, `THAW_CUDA_GEMV=1`): y = x · Wᵀ for at most 8 rows, f32 x read directly, 16-byte loads of bf16/f16 W | `cpu::linear` |
 //! | `lora.cu` | SGMV / BGMV shrink and expand | `cpu::{sgmv_*, bgmv_*}` |
 //! | `lora_punica.cu` | SGMV / BGMV in Punica's shape: split-K shrink ([`punica_plan`]), vector loads | `cpu::{sgmv_*, bgmv_*}` |
+//! | `lora_slices.cu` | opt-in (issue 29, `THAW_CUDA_LORA_SLICES=1`): q/k/v (gate/up) LoRA as one shrink + one expand launch, a grid factor over the slices ([`slices_plan`]) | `cpu::{sgmv_*, bgmv_*}` per module |
 //! | `argmax.cu` | opt-in (issue 29, off unless `THAW_CUDA_DEVICE_ARGMAX=1`): greedy token ids, one block per row, a (value, index) tree reduction | `thaw_runtime::sampling::argmax` |
 //! | `exchange.cu` | fused export (copy + fence + sequence word), merge of CPU deltas | CPU backend copy + `Exchange::post_step` |
 
@@ -22,6 +23,7 @@ pub mod decode_plan;
 pub mod prefill_tc_plan;
 pub mod punica_plan;
 pub mod registry;
+pub mod slices_plan;
 
 #[cfg(feature = "cuda")]
 mod cache;

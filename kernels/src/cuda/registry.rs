@@ -210,6 +210,26 @@ pub const GEMV: KernelSource = KernelSource {
     ],
 };
 
+/// Issue 29's opt-in multi-slice SGMV / BGMV (off unless `THAW_CUDA_LORA_SLICES` is 1): the
+/// modules sharing one input (q/k/v, gate/up) as one shrink and one expand launch, a grid factor
+/// over the slices. Compiled after `lora_punica.cu`'s device functions (its entry points left
+/// out), whose block code every slice runs.
+pub const LORA_SLICES: KernelSource = KernelSource {
+    name: "lora_slices",
+    source: concat!(
+        "#define PUNICA_DEVICE_ONLY\n",
+        include_str!("lora_punica.cu"),
+        "\n",
+        include_str!("lora_slices.cu")
+    ),
+    entry_points: dtypes!(
+        "slices_sgmv_shrink",
+        "slices_sgmv_expand",
+        "slices_bgmv_shrink",
+        "slices_bgmv_expand"
+    ),
+};
+
 /// Every kernel source Thaw compiles.
 pub const KERNELS: &[KernelSource] = &[
     ELEMENTWISE,
@@ -224,6 +244,7 @@ pub const KERNELS: &[KernelSource] = &[
     WIDE,
     ARGMAX,
     GEMV,
+    LORA_SLICES,
 ];
 
 /// Launch-shape constants the sources `#define`; the host launches with these.
@@ -258,6 +279,8 @@ pub mod shape {
     pub const PUNICA_EXPAND_COLS: u32 = 256;
     /// `PUNICA_MAX_RANK`.
     pub const PUNICA_MAX_RANK: usize = 256;
+    /// `PUNICA_MAX_SLICES`: the most modules one `lora_slices.cu` launch takes.
+    pub const PUNICA_MAX_SLICES: usize = 3;
     /// `THAW_WIDE_VPT`: float4 a thread of `wide.cu`'s norms keeps in registers.
     pub const WIDE_VPT: usize = 4;
     /// Threads of the widest `wide.cu` block (the hardware's limit).
@@ -374,6 +397,12 @@ mod tests {
             shape::PUNICA_EXPAND_COLS as u64
         );
         assert_eq!(define(p, "PUNICA_MAX_RANK"), shape::PUNICA_MAX_RANK as u64);
+        let s = LORA_SLICES.source;
+        assert_eq!(
+            define(s, "PUNICA_MAX_SLICES"),
+            shape::PUNICA_MAX_SLICES as u64
+        );
+        assert!(s.starts_with("#define PUNICA_DEVICE_ONLY\n") && s.contains(p));
         let a = ATTENTION_SPLIT.source;
         assert_eq!(define(a, "THAW_SPLIT_WARPS"), shape::SPLIT_WARPS as u64);
         assert_eq!(

@@ -9,6 +9,7 @@
 //! cargo run --release -p thaw-runtime --features cuda --example cuda_bench -- --smoke
 //! cargo run --release -p thaw-runtime --features cuda --example cuda_bench -- --attn   # attention only
 //! cargo run --release -p thaw-runtime --features cuda --example cuda_bench -- --gemv   # GEMV only
+//! cargo run --release -p thaw-runtime --features cuda --example cuda_bench -- --lora-slices
 //! ```
 //!
 //! `--attn`: only issue 29's attention tables, full size: decode attention (classic vs
@@ -16,10 +17,14 @@
 //!
 //! `--gemv`: only the products-of-few-rows table (`gemv.rs`): cast + cuBLAS against the
 //! opt-in small-batch GEMV at rows 1, 2, 4 and 8 on Llama-7B's decode shapes.
+//!
+//! `--lora-slices`: only the q/k/v and gate/up LoRA table (`slices.rs`): a launch pair per
+//! module against the opt-in one pair per group at rows 1, 16 and 64, ranks 16 and 64.
 mod decode_attn;
 mod gemv;
 mod prefill;
 mod prefill_attn;
+mod slices;
 
 use std::time::Instant;
 
@@ -278,6 +283,9 @@ fn main() -> Res<()> {
         return Ok(());
     }
     let attn_only = std::env::args().any(|a| a == "--attn");
+    if std::env::args().any(|a| a == "--lora-slices") {
+        return slices::slices_table(smoke);
+    }
     if std::env::args().any(|a| a == "--gemv") {
         let mut g = CudaBackend::new(&model_config(1)?, &CudaConfig::default())?;
         let peak = d2d_peak(&mut g)?;
@@ -288,6 +296,7 @@ fn main() -> Res<()> {
     }
     if !attn_only {
         lora_tables(smoke)?;
+        slices::slices_table(smoke)?;
     }
     {
         let mut g = CudaBackend::new(&model_config(1)?, &CudaConfig::default())?;

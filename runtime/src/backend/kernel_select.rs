@@ -27,6 +27,7 @@
 //! | RMSNorm, add + RMSNorm, RoPE with one wide block per row | [`WIDE_ENV`] | `1` |
 //! | greedy token ids on the device, copied instead of the logits | [`DEVICE_ARGMAX_ENV`] | `1` |
 //! | products of at most 8 rows as a GEMV over f32 activations (no cast, no cuBLAS) | [`GEMV_ENV`] | `1` |
+//! | q/k/v (and gate/up) LoRA as one shrink + one expand launch over slices | [`LORA_SLICES_ENV`] | `1` |
 use std::fmt;
 
 use thaw_kernels::cuda::decode_plan::MIN_CHUNK;
@@ -85,6 +86,11 @@ pub fn split_min_chunk(value: Option<&str>) -> Result<usize, String> {
 /// `gemv.cu` (f32 activations read directly) instead of a cast and cuBLAS: `1` or `0` (the
 /// default until a GPU parity run proves it).
 pub const GEMV_ENV: &str = "THAW_CUDA_GEMV";
+
+/// The LoRA of modules sharing one input (q/k/v, gate/up) as one shrink and one expand launch
+/// over slices (`lora_slices.cu`; with Punica's kernels only): `1` or `0` (the default until a
+/// GPU parity run proves it).
+pub const LORA_SLICES_ENV: &str = "THAW_CUDA_LORA_SLICES";
 
 /// Which kernels run the CUDA backend's decode attention.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -229,6 +235,16 @@ pub const GEMV: Switch = Switch {
     off: "0",
     new: "small-batch GEMV",
     classic: "cast + cuBLAS",
+    default_new: false,
+};
+
+/// The multi-slice LoRA launches.
+pub const LORA_SLICES: Switch = Switch {
+    env: LORA_SLICES_ENV,
+    on: "1",
+    off: "0",
+    new: "one launch pair over slices",
+    classic: "a launch pair per module",
     default_new: false,
 };
 
@@ -507,10 +523,11 @@ pub struct OptInPlan {
     pub wide: Choice,
     pub device_argmax: Choice,
     pub gemv: Choice,
+    pub lora_slices: Choice,
 }
 
 impl OptInPlan {
-    /// Resolves the four opt-in switches from `var` for heads of `head_dim`.
+    /// Resolves the opt-in switches from `var` for heads of `head_dim`.
     pub fn resolve(var: impl Fn(&str) -> Option<String>, head_dim: usize) -> Result<Self, String> {
         let value = |env: &str| var(env).unwrap_or_default();
         Ok(Self {
@@ -520,16 +537,19 @@ impl OptInPlan {
             device_argmax: DEVICE_ARGMAX.choose(&value(DEVICE_ARGMAX.env), None)?,
             // Served or not per product (`gemv_serves`): the rest take cast + cuBLAS.
             gemv: GEMV.choose(&value(GEMV.env), None)?,
+            // Runs where Punica's kernels do (per module otherwise: `lora_slices.rs`).
+            lora_slices: LORA_SLICES.choose(&value(LORA_SLICES.env), None)?,
         })
     }
 
-    fn rows(&self) -> [(&'static str, Switch, &Choice); 5] {
+    fn rows(&self) -> [(&'static str, Switch, &Choice); 6] {
         [
             ("q/k/v and gate/up products", GROUP_GEMM, &self.group_gemm),
             ("RoPE", ROPE_FOLD, &self.rope_fold),
             ("norm and RoPE blocks", WIDE, &self.wide),
             ("greedy sampling", DEVICE_ARGMAX, &self.device_argmax),
             ("products of few rows", GEMV, &self.gemv),
+            ("LoRA of q/k/v and gate/up", LORA_SLICES, &self.lora_slices),
         ]
     }
 }

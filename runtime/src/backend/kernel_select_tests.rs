@@ -241,7 +241,14 @@ proptest! {
     }
 }
 
-const OPT_IN: [Switch; 5] = [GROUP_GEMM, ROPE_FOLD, WIDE, DEVICE_ARGMAX, GEMV];
+const OPT_IN: [Switch; 6] = [
+    GROUP_GEMM,
+    ROPE_FOLD,
+    WIDE,
+    DEVICE_ARGMAX,
+    GEMV,
+    LORA_SLICES,
+];
 
 fn opt_in(vars: &[(&str, &str)], head_dim: usize) -> Result<OptInPlan, String> {
     OptInPlan::resolve(env(vars), head_dim)
@@ -255,6 +262,7 @@ fn the_opt_in_switches_are_off_unless_set_to_1() {
         wide: Choice::Classic,
         device_argmax: Choice::Classic,
         gemv: Choice::Classic,
+        lora_slices: Choice::Classic,
     };
     assert_eq!(opt_in(&[], 128), Ok(off.clone()));
     let auto: Vec<(&str, &str)> = OPT_IN.iter().map(|s| (s.env, "auto")).collect();
@@ -270,6 +278,7 @@ fn the_opt_in_switches_are_off_unless_set_to_1() {
             wide: Choice::New,
             device_argmax: Choice::New,
             gemv: Choice::New,
+            lora_slices: Choice::New,
         })
     );
     // One at a time: each variable moves its own choice only.
@@ -281,9 +290,10 @@ fn the_opt_in_switches_are_off_unless_set_to_1() {
             &p.wide,
             &p.device_argmax,
             &p.gemv,
+            &p.lora_slices,
         ]
         .map(Choice::is_new);
-        let want: [bool; 5] = std::array::from_fn(|j| j == i);
+        let want: [bool; 6] = std::array::from_fn(|j| j == i);
         assert_eq!(got, want, "{}", sw.env);
     }
     // The four defaults stay on whatever the opt-in switches say.
@@ -328,12 +338,19 @@ fn the_opt_in_log_line_names_each_switch() {
         "q/k/v and gate/up products: per-module (THAW_CUDA_GROUP_GEMM=0); RoPE: folded into \
          the KV write; norm and RoPE blocks: one block of 256 per row (THAW_CUDA_WIDE_NORM=0); \
          greedy sampling: logits copied, argmax on the host (THAW_CUDA_DEVICE_ARGMAX=0); \
-         products of few rows: cast + cuBLAS (THAW_CUDA_GEMV=0)"
+         products of few rows: cast + cuBLAS (THAW_CUDA_GEMV=0); LoRA of q/k/v and gate/up: \
+         a launch pair per module (THAW_CUDA_LORA_SLICES=0)"
     );
     let p = opt_in(&[(GEMV_ENV, "1")], 128).unwrap();
     assert!(
         p.to_string()
-            .ends_with("products of few rows: small-batch GEMV"),
+            .contains("products of few rows: small-batch GEMV;"),
+        "{p}"
+    );
+    let p = opt_in(&[(LORA_SLICES_ENV, "1")], 128).unwrap();
+    assert!(
+        p.to_string()
+            .ends_with("LoRA of q/k/v and gate/up: one launch pair over slices"),
         "{p}"
     );
 }

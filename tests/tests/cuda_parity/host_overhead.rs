@@ -43,6 +43,7 @@ fn decode_counts(tm: &TestModel, dt: DType, steps: usize) -> Vec<DeviceCounts> {
         b.set_wide(false).unwrap();
         b.set_rope_fold(false).unwrap();
         b.set_group_gemm(false).unwrap();
+        b.set_lora_slices(false).unwrap();
     });
     let mut p = prompts(3, tm.model.config.vocab_size, 7);
     for prompt in &mut p {

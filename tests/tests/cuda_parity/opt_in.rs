@@ -35,11 +35,18 @@ fn opt_in(g: &mut CudaBackend, on: bool) {
     g.set_rope_fold(on).unwrap();
     g.set_group_gemm(on).unwrap();
     g.set_gemv(on).unwrap();
+    g.set_lora_slices(on).unwrap();
     let p = g.opt_in_plan();
     assert!(
-        [&p.group_gemm, &p.rope_fold, &p.wide, &p.gemv]
-            .iter()
-            .all(|c| c.is_new() == on),
+        [
+            &p.group_gemm,
+            &p.rope_fold,
+            &p.wide,
+            &p.gemv,
+            &p.lora_slices
+        ]
+        .iter()
+        .all(|c| c.is_new() == on),
         "{p}"
     );
 }

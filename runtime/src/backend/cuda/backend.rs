@@ -24,7 +24,10 @@ use super::weights::{
 };
 use super::{CudaError, DType};
 use crate::adapter::{LoraAdapter, LoraModule};
-use crate::backend::{Backend, LinearDims, LoraBatch, LoraKernel, LoraLoad, PagePlace, StepLayout};
+use crate::backend::{
+    lora_sites, Backend, LinearDims, LoraBatch, LoraKernel, LoraLoad, LoraSite, PagePlace,
+    StepLayout,
+};
 use crate::error::Result;
 use crate::ids::LayerIdx;
 use crate::model::ModelConfig;
@@ -88,7 +91,7 @@ pub struct CudaBackend {
     pub(super) positions: DevVec<u32>,
     gather: DevVec<u32>,
     pub(super) attn: AttnMeta,
-    lora_meta: LoraMeta,
+    pub(super) lora_meta: LoraMeta,
     pub(super) x16: Option<CudaSlice<u16>>,
     /// A grouped product's `[rows, Σ d_out]` output before its split (`group.rs`).
     pub(super) group_out: Option<CudaSlice<f32>>,
@@ -263,11 +266,49 @@ impl CudaBackend {
         Ok(())
     }
 
-    fn lora_scratch(&mut self, n: usize) -> Result<(), CudaError> {
+    pub(super) fn lora_scratch(&mut self, n: usize) -> Result<(), CudaError> {
         if self.lora_v.as_ref().is_none_or(|v| v.len() < n) {
             self.lora_v = Some(self.gpu.alloc_zeros::<f32>(n.next_power_of_two())?);
         }
         Ok(())
+    }
+
+    /// Builds the step's LoRA metadata for `layer` (at most once per layer): adapters whose
+    /// layer has not landed are computed elsewhere (CPU assist) this step.
+    pub(super) fn lora_meta_for(
+        &mut self,
+        layer: LayerIdx,
+        batch: &LoraBatch<'_, CudaLora>,
+    ) -> Result<(), CudaError> {
+        // The set only changes at layer boundaries, so metadata is rebuilt at most per layer.
+        let mut on = std::mem::take(&mut self.on_device_scratch);
+        on.clear();
+        on.extend((0..batch.adapters.len()).map(|i| batch.on_device(i as u32, layer)));
+        if !self.fresh.lora || on != self.lora_on_device {
+            self.lora_meta
+                .build(&self.gpu, batch.layout, batch.adapters, &on)?;
+            self.fresh.lora = true;
+            std::mem::swap(&mut self.lora_on_device, &mut on);
+        }
+        self.on_device_scratch = on;
+        Ok(())
+    }
+
+    /// The largest rank of `at` over the step's on-device adapters (after
+    /// [`Self::lora_meta_for`]); 0 when none targets it.
+    pub(super) fn lora_max_rank(
+        &self,
+        at: (LayerIdx, LoraModule),
+        batch: &LoraBatch<'_, CudaLora>,
+    ) -> usize {
+        batch
+            .adapters
+            .iter()
+            .zip(&self.lora_on_device)
+            .filter(|(_, &on)| on)
+            .map(|(a, _)| a.rank(at.0 .0, at.1))
+            .max()
+            .unwrap_or(0)
     }
 
     fn try_lora(
@@ -281,27 +322,9 @@ impl CudaBackend {
         if let Some(a) = self.graphs.active() {
             return self.graph_lora(a, x, y, dims, at);
         }
-        // Adapters whose layer has not landed are computed elsewhere (CPU assist) this step.
-        // The set only changes at layer boundaries, so metadata is rebuilt at most per layer.
-        let mut on = std::mem::take(&mut self.on_device_scratch);
-        on.clear();
-        on.extend((0..batch.adapters.len()).map(|i| batch.on_device(i as u32, at.0)));
-        if !self.fresh.lora || on != self.lora_on_device {
-            self.lora_meta
-                .build(&self.gpu, batch.layout, batch.adapters, &on)?;
-            self.fresh.lora = true;
-            std::mem::swap(&mut self.lora_on_device, &mut on);
-        }
-        self.on_device_scratch = on;
+        self.lora_meta_for(at.0, batch)?;
         let rows = batch.layout.row_adapter.len();
-        let max_rank = batch
-            .adapters
-            .iter()
-            .zip(&self.lora_on_device)
-            .filter(|(_, &on)| on)
-            .map(|(a, _)| a.rank(at.0 .0, at.1))
-            .max()
-            .unwrap_or(0);
+        let max_rank = self.lora_max_rank(at, batch);
         if max_rank == 0 {
             return Ok(());
         }
@@ -796,6 +819,31 @@ macro_rules! op {
     }};
 }
 
+impl CudaBackend {
+    /// The LoRA half of [`Backend::linear_group_lora`]: `outs[i] += LoRA(x)` for each site, as
+    /// one launch pair over the sites with `THAW_CUDA_LORA_SLICES=1` where it applies
+    /// (`lora_slices.rs`), else per module. Errors are kept for [`CudaBackend::check`] as any
+    /// op's are (public for the parity tests and benchmarks).
+    pub fn lora_group<const N: usize>(
+        &mut self,
+        x: &CudaSlice<f32>,
+        mut outs: [&mut CudaSlice<f32>; N],
+        sites: [LoraSite; N],
+        batch: &LoraBatch<'_, CudaLora>,
+    ) {
+        if self.gpu.slices.is_some() && !batch.layout.segments.is_empty() {
+            let mut done = false;
+            op!(self, {
+                (self.try_lora_slices(x, &mut outs, &sites, batch)).map(|d| done = d)
+            });
+            if done || self.failed() {
+                return;
+            }
+        }
+        lora_sites(self, x, outs, sites, batch);
+    }
+}
+
 impl Backend for CudaBackend {
     type Buf = CudaSlice<f32>;
     type Linear = CudaLinear;
@@ -1033,6 +1081,21 @@ impl Backend for CudaBackend {
             return;
         }
         op!(self, self.try_linear_group(x, &ws, rows, &mut outs));
+    }
+
+    /// With `THAW_CUDA_LORA_SLICES=1`, the sites' LoRA deltas as one launch pair
+    /// (`lora_slices.rs`) where it applies; per module otherwise.
+    fn linear_group_lora<const N: usize>(
+        &mut self,
+        x: &CudaSlice<f32>,
+        ws: [&CudaLinear; N],
+        rows: usize,
+        mut outs: [&mut CudaSlice<f32>; N],
+        sites: [LoraSite; N],
+        batch: &LoraBatch<'_, CudaLora>,
+    ) {
+        self.linear_group(x, ws, rows, outs.each_mut().map(|o| &mut **o));
+        self.lora_group(x, outs, sites, batch);
     }
 
     fn lora(

@@ -147,6 +147,9 @@ pub(super) struct Gpu {
     pub counters: super::counters::Counters,
     /// Products of few rows as a GEMV (`gemv.rs`, opt-in); `None` = cast + cuBLAS.
     pub gemv: Option<super::gemv::Gemv>,
+    /// The LoRA of q/k/v and gate/up as one launch pair over slices (`lora_slices.rs`,
+    /// opt-in); `None` = a pair per module.
+    pub slices: Option<super::lora_slices::Slices>,
 }
 
 impl Gpu {
@@ -176,6 +179,7 @@ impl Gpu {
             argmax: None,
             counters: Default::default(),
             gemv: None,
+            slices: None,
             ctx,
             stream,
             blas,

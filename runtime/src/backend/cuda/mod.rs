@@ -23,6 +23,7 @@
 //! | `counters.rs` | running counts of launches, allocations, copies and synchronisations ([`CudaBackend::device_counts`]) |
 //! | `select.rs` | resolves and loads the issue-29 kernels a new backend runs, logs the choice |
 //! | `sgmv.rs` | the Punica-shaped SGMV / BGMV launches (default where served; off: `THAW_CUDA_LORA_IMPL=classic`) |
+//! | `lora_slices.rs` | the LoRA of q/k/v and of gate/up as one shrink + expand launch pair over slices, bit-identical to per module (opt-in: `THAW_CUDA_LORA_SLICES=1`) |
 //! | `step.rs` | per-step device metadata (slots, block tables, segments), uploaded once per step |
 //! | `weights.rs` | weights, norms and LoRA descriptor tables on the device |
 //! | `exchange.rs` | fused export and stream-waited merge (CPU assist) |
@@ -35,10 +36,10 @@
 //! f32 KV cache, a head_dim other than 32/64/128 or a device below compute capability 8.0 for
 //! the tensor-core prefill); its off value always picks the classic one; an explicit on value
 //! the backend cannot serve is an error that says what to set. Tests and benchmarks switch at
-//! run time with `set_attn_impl`, `set_tc_prefill`, `set_lora_impl` and `set_fused`. Five more
+//! run time with `set_attn_impl`, `set_tc_prefill`, `set_lora_impl` and `set_fused`. Six more
 //! are opt-in (off unless `1`) until a GPU parity run proves them:
-//! [`OptInPlan`], switched with `set_group_gemm`, `set_rope_fold`, `set_wide`, `set_gemv` and
-//! `set_device_argmax`.
+//! [`OptInPlan`], switched with `set_group_gemm`, `set_rope_fold`, `set_wide`, `set_gemv`,
+//! `set_device_argmax` and `set_lora_slices`.
 mod argmax;
 mod attn_prefill_tc;
 mod backend;
@@ -52,6 +53,7 @@ mod graph;
 mod group;
 mod launch;
 mod link;
+mod lora_slices;
 mod op_clock;
 mod select;
 mod sgmv;
@@ -62,8 +64,8 @@ mod wide;
 
 pub use super::kernel_select::{
     AttnImpl, KernelPlan, LoraImpl, OptInPlan, ATTN_IMPL_ENV, DEVICE_ARGMAX_ENV, FUSED_ENV,
-    GEMV_ENV, GROUP_GEMM_ENV, LORA_IMPL_ENV, ROPE_FOLD_ENV, SPLIT_MIN_CHUNK_ENV, TC_PREFILL_ENV,
-    WIDE_ENV,
+    GEMV_ENV, GROUP_GEMM_ENV, LORA_IMPL_ENV, LORA_SLICES_ENV, ROPE_FOLD_ENV, SPLIT_MIN_CHUNK_ENV,
+    TC_PREFILL_ENV, WIDE_ENV,
 };
 pub use backend::{CudaBackend, CudaConfig, CudaKvLayer};
 pub use exchange::MappedExchange;

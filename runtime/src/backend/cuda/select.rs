@@ -75,6 +75,9 @@ impl CudaBackend {
         if opt_in.gemv.is_new() {
             self.gpu.gemv = Some(Gemv::load(ctx, w)?);
         }
+        if opt_in.lora_slices.is_new() {
+            self.gpu.slices = Some(super::lora_slices::Slices::load(ctx, w)?);
+        }
         Ok(())
     }
 
@@ -87,6 +90,7 @@ impl CudaBackend {
             wide: pick(self.gpu.wide.is_some()),
             device_argmax: pick(self.gpu.argmax.is_some()),
             gemv: pick(self.gpu.gemv.is_some()),
+            lora_slices: pick(self.gpu.slices.is_some()),
         }
     }
 

@@ -60,7 +60,7 @@ impl Punica {
         })
     }
 
-    fn split(&self, d_in: usize, blocks: usize) -> Result<SplitK, CudaError> {
+    pub(super) fn split(&self, d_in: usize, blocks: usize) -> Result<SplitK, CudaError> {
         SplitK::plan(d_in, blocks, self.sms, self.max_k_chunk).ok_or_else(|| {
             CudaError::Unsupported(format!(
                 "d_in {d_in} is above the Punica LoRA kernels' limit of {PUNICA_MAX_D_IN} (set \
@@ -71,7 +71,12 @@ impl Punica {
 }
 
 /// Blocks of a shrink grid before splitting K.
-fn shrink_blocks(kernel: LoraKernel, meta: &LoraMeta, rows: usize, max_rank: usize) -> usize {
+pub(super) fn shrink_blocks(
+    kernel: LoraKernel,
+    meta: &LoraMeta,
+    rows: usize,
+    max_rank: usize,
+) -> usize {
     let tiles = max_rank.div_ceil(shape::PUNICA_RANK_TILE as usize);
     match kernel {
         LoraKernel::Sgmv => {
