@@ -27,9 +27,10 @@
 //! | RMSNorm, add + RMSNorm, RoPE with one wide block per row | [`WIDE_ENV`] | `1` |
 //! | greedy token ids on the device, copied instead of the logits | [`DEVICE_ARGMAX_ENV`] | `1` |
 //! | products of at most 8 rows as a GEMV over f32 activations (no cast, no cuBLAS) | [`GEMV_ENV`] | `1` |
+//! | decode attention split to fill the GPU, 4 keys' loads in flight a warp (`attention_split_ilp.cu`) | [`ATTN_OCCUPANCY_ENV`] | `1` |
 use std::fmt;
 
-use thaw_kernels::cuda::decode_plan::MIN_CHUNK;
+use thaw_kernels::cuda::decode_plan::{MIN_CHUNK, OCC_MIN_CHUNK};
 use thaw_kernels::cuda::registry::{shape, DType, GpuArch};
 use thaw_kernels::cuda::{prefill_tc_plan, punica_plan};
 
@@ -85,6 +86,25 @@ pub fn split_min_chunk(value: Option<&str>) -> Result<usize, String> {
 /// `gemv.cu` (f32 activations read directly) instead of a cast and cuBLAS: `1` or `0` (the
 /// default until a GPU parity run proves it).
 pub const GEMV_ENV: &str = "THAW_CUDA_GEMV";
+
+/// Decode attention through `attention_split_ilp.cu`: the split count planned to give the
+/// GPU about two blocks per SM ([`occupancy_splits`](thaw_kernels::cuda::decode_plan::occupancy_splits),
+/// chunks of at least [`occupancy_floor`] positions), each warp with 4 keys' K/V loads in
+/// flight: `1` or `0` (the default until a GPU parity run proves it). On, it replaces both
+/// flash-decoding and `attention.cu`'s decode in eager steps; CUDA-graph steps keep the classic
+/// kernel.
+pub const ATTN_OCCUPANCY_ENV: &str = "THAW_CUDA_ATTN_OCCUPANCY";
+
+/// The occupancy plan's shortest chunk from [`SPLIT_MIN_CHUNK_ENV`]'s value: unset, empty or
+/// `auto`: [`OCC_MIN_CHUNK`] (32 positions); a positive integer sets it (as for the fixed plan,
+/// whose default is 256); anything else is [`split_min_chunk`]'s error.
+pub fn occupancy_floor(value: Option<&str>) -> Result<usize, String> {
+    let v = value.map(str::trim).unwrap_or_default();
+    if v.is_empty() || v.eq_ignore_ascii_case("auto") {
+        return Ok(OCC_MIN_CHUNK);
+    }
+    split_min_chunk(Some(v))
+}
 
 /// Which kernels run the CUDA backend's decode attention.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -229,6 +249,16 @@ pub const GEMV: Switch = Switch {
     off: "0",
     new: "small-batch GEMV",
     classic: "cast + cuBLAS",
+    default_new: false,
+};
+
+/// The occupancy-planned decode attention with keys in flight.
+pub const ATTN_OCCUPANCY: Switch = Switch {
+    env: ATTN_OCCUPANCY_ENV,
+    on: "1",
+    off: "0",
+    new: "occupancy split, keys in flight",
+    classic: "as THAW_CUDA_ATTN_IMPL picks",
     default_new: false,
 };
 
@@ -507,10 +537,11 @@ pub struct OptInPlan {
     pub wide: Choice,
     pub device_argmax: Choice,
     pub gemv: Choice,
+    pub attn_occupancy: Choice,
 }
 
 impl OptInPlan {
-    /// Resolves the four opt-in switches from `var` for heads of `head_dim`.
+    /// Resolves the opt-in switches from `var` for heads of `head_dim`.
     pub fn resolve(var: impl Fn(&str) -> Option<String>, head_dim: usize) -> Result<Self, String> {
         let value = |env: &str| var(env).unwrap_or_default();
         Ok(Self {
@@ -520,16 +551,19 @@ impl OptInPlan {
             device_argmax: DEVICE_ARGMAX.choose(&value(DEVICE_ARGMAX.env), None)?,
             // Served or not per product (`gemv_serves`): the rest take cast + cuBLAS.
             gemv: GEMV.choose(&value(GEMV.env), None)?,
+            attn_occupancy: ATTN_OCCUPANCY
+                .choose(&value(ATTN_OCCUPANCY.env), split_unserved(head_dim))?,
         })
     }
 
-    fn rows(&self) -> [(&'static str, Switch, &Choice); 5] {
+    fn rows(&self) -> [(&'static str, Switch, &Choice); 6] {
         [
             ("q/k/v and gate/up products", GROUP_GEMM, &self.group_gemm),
             ("RoPE", ROPE_FOLD, &self.rope_fold),
             ("norm and RoPE blocks", WIDE, &self.wide),
             ("greedy sampling", DEVICE_ARGMAX, &self.device_argmax),
             ("products of few rows", GEMV, &self.gemv),
+            ("decode attention", ATTN_OCCUPANCY, &self.attn_occupancy),
         ]
     }
 }

@@ -46,7 +46,7 @@ impl FlashDecode {
 
 /// The longest attended context among decode rows given as (table offset, position, row)
 /// triples: `pos + 1` positions, at most `window` with a sliding window.
-fn max_decode_ctx(decode: &[u32], window: usize) -> usize {
+pub(super) fn max_decode_ctx(decode: &[u32], window: usize) -> usize {
     decode
         .chunks_exact(3)
         .map(|d| {
@@ -61,7 +61,7 @@ fn max_decode_ctx(decode: &[u32], window: usize) -> usize {
         .unwrap_or(0)
 }
 
-fn grow(gpu: &Gpu, buf: &mut Option<CudaSlice<f32>>, n: usize) -> Result<(), CudaError> {
+pub(super) fn grow(gpu: &Gpu, buf: &mut Option<CudaSlice<f32>>, n: usize) -> Result<(), CudaError> {
     if buf.as_ref().is_none_or(|b| b.len() < n) {
         *buf = Some(gpu.alloc_zeros::<f32>(n.max(1).next_power_of_two())?);
     }

@@ -147,6 +147,9 @@ pub(super) struct Gpu {
     pub counters: super::counters::Counters,
     /// Products of few rows as a GEMV (`gemv.rs`, opt-in); `None` = cast + cuBLAS.
     pub gemv: Option<super::gemv::Gemv>,
+    /// The occupancy-planned decode attention (`attn_occupancy.rs`, opt-in); when loaded it
+    /// runs eager steps' decode instead of `flash` or `attention.cu`.
+    pub occupancy: Option<super::attn_occupancy::OccupancyDecode>,
 }
 
 impl Gpu {
@@ -176,6 +179,7 @@ impl Gpu {
             argmax: None,
             counters: Default::default(),
             gemv: None,
+            occupancy: None,
             ctx,
             stream,
             blas,
