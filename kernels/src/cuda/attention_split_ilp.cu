@@ -2,10 +2,13 @@
 // cache layout, GQA mapping, sliding window, row metadata and scratch as attention_split.cu,
 // whose attn_decode_reduce merges the splits; two differences:
 // - the split count is planned, not the chunk (kernels/src/cuda/decode_plan.rs,
-//   occupancy_splits): split s of a row whose attended context is len positions covers
-//   [s·len/splits, (s+1)·len/splits) (decode_plan::split_range), so every row tiles its own
-//   context and no split of the longest row is empty; with splits == 1 the block writes the
-//   normalised output itself (no scratch, no reduce launch);
+//   occupancy_splits): a row whose attended context is len positions uses
+//   rs = clamp(len / min_chunk, 1, splits) of the launch's splits (decode_plan::row_splits), split
+//   s < rs covering [s·len/rs, (s+1)·len/rs) (decode_plan::split_range), so every row tiles its
+//   own context and no used split is empty; splits s ≥ rs write a neutral partial (m = -inf,
+//   l = 0) that the reduce skips. A CUDA graph launches a split count fixed per bucket and
+//   each row takes what its context allows. With splits == 1 the block writes the normalised
+//   output itself (no scratch, no reduce launch);
 // - a warp loads the K and V slices of 4 keys (its keys p, p + stride, p + 2·stride,
 //   p + 3·stride) before it computes their dots, so 8 independent loads are in flight where
 //   attention.cu's loop has one dependent load at a time. The per-key f32 math (dot order,
@@ -83,7 +86,7 @@ __device__ void attn_decode_split_ilp(const float* __restrict__ q, const T* __re
                                       const u32* __restrict__ block_tables,
                                       const u32* __restrict__ row_meta, int rows, int n_heads,
                                       int n_kv_heads, int head_dim, int block_size, int window,
-                                      float scale, int splits) {
+                                      float scale, int splits, int min_chunk) {
     const int i = blockIdx.x, h = blockIdx.y, sp = blockIdx.z;
     if (i >= rows || sp >= splits) return;
     const int warp = threadIdx.x >> 5;
@@ -94,7 +97,16 @@ __device__ void attn_decode_split_ilp(const float* __restrict__ q, const T* __re
     const long r = row_meta[3 * i + 2];
     const int lo = window > 0 ? max(0, pos + 1 - window) : 0;
     const long len = pos + 1 - lo;
-    const int p0 = lo + (int)(sp * len / splits), p1 = lo + (int)((sp + 1) * len / splits);
+    const int rs = (int)max(1L, min((long)splits, len / min_chunk));
+    const long part = ((long)i * n_heads + h) * splits + sp;
+    if (sp >= rs) {
+        if (threadIdx.x == 0) {
+            part_ml[2 * part] = -THAW_INF;
+            part_ml[2 * part + 1] = 0.0f;
+        }
+        return;
+    }
+    const int p0 = lo + (int)(sp * len / rs), p1 = lo + (int)((sp + 1) * len / rs);
 
     float qv[THAW_ILP_HPL], acc[THAW_ILP_HPL];
     attn_load_q<THAW_ILP_HPL>(q + (r * n_heads + h) * head_dim, head_dim, scale, qv, acc);
@@ -112,7 +124,6 @@ __device__ void attn_decode_split_ilp(const float* __restrict__ q, const T* __re
             m, l, acc, head_dim, mx, denom, [&](int j, float s) { orow[j] = s / denom; });
         return;
     }
-    const long part = ((long)i * n_heads + h) * splits + sp;
     float* pa = part_acc + part * head_dim;
     attn_merge_warps<THAW_ILP_WARPS, THAW_ILP_HPL>(m, l, acc, head_dim, mx, denom,
                                                    [&](int j, float s) { pa[j] = s; });
@@ -128,9 +139,9 @@ __device__ void attn_decode_split_ilp(const float* __restrict__ q, const T* __re
                                   float* part_ml, float* out, const u32* block_tables,        \
                                   const u32* row_meta, int rows, int n_heads, int n_kv_heads, \
                                   int head_dim, int block_size, int window, float scale,      \
-                                  int splits) {                                               \
+                                  int splits, int min_chunk) {                                    \
         attn_decode_split_ilp<T>(q, kc, vc, part_acc, part_ml, out, block_tables, row_meta,   \
                                  rows, n_heads, n_kv_heads, head_dim, block_size, window,     \
-                                 scale, splits);                                              \
+                                 scale, splits, min_chunk);                                       \
     }
 THAW_FOR_EACH_DTYPE(THAW_ATTN_SPLIT_ILP)

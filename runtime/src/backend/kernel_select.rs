@@ -91,8 +91,8 @@ pub const GEMV_ENV: &str = "THAW_CUDA_GEMV";
 /// GPU about two blocks per SM ([`occupancy_splits`](thaw_kernels::cuda::decode_plan::occupancy_splits),
 /// chunks of at least [`occupancy_floor`] positions), each warp with 4 keys' K/V loads in
 /// flight: `1` or `0` (the default until a GPU parity run proves it). On, it replaces both
-/// flash-decoding and `attention.cu`'s decode in eager steps; CUDA-graph steps keep the classic
-/// kernel.
+/// flash-decoding and `attention.cu`'s decode, in eager steps and in CUDA graphs (a split count
+/// fixed per captured bucket, each row using the splits its context allows).
 pub const ATTN_OCCUPANCY_ENV: &str = "THAW_CUDA_ATTN_OCCUPANCY";
 
 /// The occupancy plan's shortest chunk from [`SPLIT_MIN_CHUNK_ENV`]'s value: unset, empty or

@@ -154,7 +154,8 @@ fn occupancy_decode_matches_the_classic_kernel_up_to_8k_contexts() {
 }
 
 /// Whole engines with the occupancy decode off and on (floor 1: every decode splits), eager
-/// and on with CUDA graphs (whose steps keep the classic kernel), decode batches of 1, 3, 8 and
+/// and on with CUDA graphs (a split count fixed per bucket: each row uses what its context
+/// allows, the rest write neutral partials), decode batches of 1, 3, 8 and
 /// 20 with and without an adapter: identical greedy tokens (but at near ties of a 16-bit cache).
 #[test]
 fn engines_with_the_occupancy_decode_give_the_same_tokens() {

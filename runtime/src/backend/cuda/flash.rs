@@ -61,7 +61,7 @@ pub(super) fn max_decode_ctx(decode: &[u32], window: usize) -> usize {
         .unwrap_or(0)
 }
 
-pub(super) fn grow(gpu: &Gpu, buf: &mut Option<CudaSlice<f32>>, n: usize) -> Result<(), CudaError> {
+fn grow(gpu: &Gpu, buf: &mut Option<CudaSlice<f32>>, n: usize) -> Result<(), CudaError> {
     if buf.as_ref().is_none_or(|b| b.len() < n) {
         *buf = Some(gpu.alloc_zeros::<f32>(n.max(1).next_power_of_two())?);
     }

@@ -81,7 +81,7 @@ impl CudaBackend {
             let var = env(SPLIT_MIN_CHUNK_ENV);
             let floor = occupancy_floor(var.as_deref()).map_err(CudaError::Unsupported)?;
             tracing::info!("CUDA occupancy decode: chunks of at least {floor} positions");
-            self.gpu.occupancy = Some(OccupancyDecode::load(ctx, kv, floor)?);
+            self.gpu.occupancy = Some(OccupancyDecode::load(&self.gpu, kv, floor)?);
         }
         Ok(())
     }
