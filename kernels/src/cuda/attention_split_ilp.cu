@@ -13,8 +13,9 @@
 //   p + 3·stride) before it computes their dots, so 8 independent loads are in flight where
 //   attention.cu's loop has one dependent load at a time. The per-key f32 math (dot order,
 //   warp_sum, online-softmax update in key order) is exactly attn_warp_keys's, so a warp's
-//   (m, l, acc) over the same keys is bit for bit the same; only the split boundaries (hence
-//   the merge's summation order) differ from attention_split.cu.
+//   (m, l, acc) over the same keys is the same (bit for bit unless the compiler contracts a
+//   multiply-add into an FMA differently); only the split boundaries (hence the merge's
+//   summation order) differ from attention_split.cu.
 
 #define THAW_ILP_WARPS 4
 #define THAW_ILP_MAX_HEAD_DIM 256
@@ -117,8 +118,8 @@ __device__ void attn_decode_split_ilp(const float* __restrict__ q, const T* __re
     float mx, denom;
     if (splits == 1) {
         // One split: attention.cu's attn_decode over the same keys in the same warps (same
-        // THAW_ATTN_WARPS, same per-lane layout), so its output bit for bit. Position pos is
-        // always attended, so denom > 0.
+        // THAW_ATTN_WARPS, same per-lane layout), so its output up to FMA contraction.
+        // Position pos is always attended, so denom > 0.
         float* orow = out + (r * n_heads + h) * head_dim;
         attn_merge_warps<THAW_ILP_WARPS, THAW_ILP_HPL>(
             m, l, acc, head_dim, mx, denom, [&](int j, float s) { orow[j] = s / denom; });

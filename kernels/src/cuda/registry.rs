@@ -260,7 +260,7 @@ pub mod shape {
     /// `THAW_SPLIT_MAX_HEAD_DIM`.
     pub const SPLIT_MAX_HEAD_DIM: usize = 256;
     /// `THAW_ILP_WARPS`: warps per block of `attention_split_ilp.cu` (as `THAW_ATTN_WARPS`, so
-    /// one split is `attention.cu`'s decode bit for bit).
+    /// one split walks the same keys in the same warps as `attention.cu`'s decode).
     pub const SPLIT_ILP_WARPS: u32 = 4;
     /// `PUNICA_THREADS`: threads of every `lora_punica.cu` block.
     pub const PUNICA_THREADS: u32 = 256;

@@ -6,8 +6,8 @@
 //! [`occupancy_splits`]: about two blocks per SM where the longest context allows, no chunk
 //! under the floor (32 positions by default, `THAW_CUDA_SPLIT_MIN_CHUNK` sets it). Each row
 //! cuts its own context into that many near-equal ranges; one split writes the output
-//! directly (no scratch, no reduce: `attention.cu`'s decode bit for bit), more are merged by
-//! `attention_split.cu`'s reduce. CUDA-graph steps run it too, with the split count fixed per
+//! directly (no scratch, no reduce: `attention.cu`'s decode over the same keys in the same
+//! warps), more are merged by `attention_split.cu`'s reduce. CUDA-graph steps run it too, with the split count fixed per
 //! captured bucket (planned for any context; each row uses the splits its context allows).
 use cudarc::driver::{CudaFunction, CudaSlice, DevicePtr};
 use thaw_kernels::cuda::decode_plan::{occupancy_max_partials, occupancy_splits};
