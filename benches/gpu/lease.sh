@@ -38,7 +38,7 @@ cat "$BIN/BUILD" 2>/dev/null
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null
 
 OPT_ON=(THAW_CUDA_GROUP_GEMM=1 THAW_CUDA_ROPE_FOLD=1 THAW_CUDA_WIDE_NORM=1 THAW_CUDA_DEVICE_ARGMAX=1
-  THAW_CUDA_GEMV=1 THAW_CUDA_LORA_SLICES=1)
+  THAW_CUDA_GEMV=1 THAW_CUDA_LORA_SLICES=1 THAW_CUDA_ATTN_OCCUPANCY=1)
 
 # --- 1. parity ---------------------------------------------------------------------------------
 lim=$(($(left) < 150 ? $(left) : 150))

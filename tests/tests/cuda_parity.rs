@@ -27,6 +27,8 @@ use thaw_tests::{cpu_engine, rel_err, TestModel};
 mod argmax;
 #[path = "cuda_parity/attn29.rs"]
 mod attn29;
+#[path = "cuda_parity/attn_occupancy.rs"]
+mod attn_occupancy;
 #[path = "cuda_parity/defaults.rs"]
 mod defaults;
 #[path = "cuda_parity/fused.rs"]
@@ -230,6 +232,27 @@ fn step_of(lens: &[(usize, usize)], block_size: usize) -> (StepLayout, usize) {
     (step, next_block as usize)
 }
 
+/// The prefill step that writes every earlier position of `step`'s sequences (rows
+/// `0..start_pos` of each, into the same blocks).
+fn prefix_step(step: &StepLayout) -> StepLayout {
+    let mut pre = StepLayout::default();
+    for s in &step.seqs {
+        if s.start_pos == 0 {
+            continue;
+        }
+        let r0 = pre.token_ids.len();
+        pre.seqs.push(SeqSlice {
+            rows: r0..r0 + s.start_pos,
+            start_pos: 0,
+            blocks: s.blocks.clone(),
+        });
+        pre.token_ids.extend(std::iter::repeat_n(1, s.start_pos));
+        pre.positions.extend(0..s.start_pos);
+    }
+    pre.block_tables = step.block_tables.clone();
+    pre
+}
+
 /// Attention of `step` (after a first step that fills every sequence's earlier context) on
 /// the CPU and on a CUDA backend that `setup` configured; checks the second step's outputs
 /// within `tol`.
@@ -255,21 +278,7 @@ fn attention_vs_cpu(
     // Earlier context: fill the cache through a first "step" of the prefixes.
     let mut kvc = cpu.alloc_kv_layer(layout, nb).unwrap();
     let mut kvg = g.alloc_kv_layer(layout, nb).unwrap();
-    let mut pre = StepLayout::default();
-    for s in &step.seqs {
-        if s.start_pos == 0 {
-            continue;
-        }
-        let r0 = pre.token_ids.len();
-        pre.seqs.push(SeqSlice {
-            rows: r0..r0 + s.start_pos,
-            start_pos: 0,
-            blocks: s.blocks.clone(),
-        });
-        pre.token_ids.extend(std::iter::repeat_n(1, s.start_pos));
-        pre.positions.extend(0..s.start_pos);
-    }
-    pre.block_tables = step.block_tables.clone();
+    let pre = prefix_step(step);
     for st in [&pre, step] {
         let n = st.rows();
         let q = rand_vec(&mut rng, n * qw, 1.0);

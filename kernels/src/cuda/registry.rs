@@ -120,6 +120,18 @@ pub const ATTENTION_SPLIT: KernelSource = KernelSource {
     ],
 };
 
+/// Flash-decoding with 4 keys' loads in flight a warp and the occupancy split plan (issue 29;
+/// opt-in, off unless `THAW_CUDA_SPLIT_PLAN=occupancy`); [`ATTENTION_SPLIT`]'s reduce merges it.
+pub const ATTENTION_SPLIT_ILP: KernelSource = KernelSource {
+    name: "attention_split_ilp",
+    source: include_str!("attention_split_ilp.cu"),
+    entry_points: &[
+        "attn_decode_split_ilp_f32",
+        "attn_decode_split_ilp_bf16",
+        "attn_decode_split_ilp_f16",
+    ],
+};
+
 /// Prefill attention on the tensor cores (issue 29): mma.sync on a bf16 or f16 cache, head_dim
 /// 32, 64 or 128 ([`super::prefill_tc_plan`]), compute capability 8.0 and up. The CUDA
 /// backend's default prefill attention where it serves the shape (`attention.cu`'s elsewhere);
@@ -245,6 +257,7 @@ pub const KERNELS: &[KernelSource] = &[
     ARGMAX,
     GEMV,
     LORA_SLICES,
+    ATTENTION_SPLIT_ILP,
 ];
 
 /// Launch-shape constants the sources `#define`; the host launches with these.
@@ -267,6 +280,9 @@ pub mod shape {
     pub const SPLIT_WARPS: u32 = 4;
     /// `THAW_SPLIT_MAX_HEAD_DIM`.
     pub const SPLIT_MAX_HEAD_DIM: usize = 256;
+    /// `THAW_ILP_WARPS`: warps per block of `attention_split_ilp.cu` (as `THAW_ATTN_WARPS`, so
+    /// one split walks the same keys in the same warps as `attention.cu`'s decode).
+    pub const SPLIT_ILP_WARPS: u32 = 4;
     /// `PUNICA_THREADS`: threads of every `lora_punica.cu` block.
     pub const PUNICA_THREADS: u32 = 256;
     /// `PUNICA_ROWS`: rows of one segment per block.
@@ -407,6 +423,13 @@ mod tests {
         assert_eq!(define(a, "THAW_SPLIT_WARPS"), shape::SPLIT_WARPS as u64);
         assert_eq!(
             define(a, "THAW_SPLIT_MAX_HEAD_DIM"),
+            shape::SPLIT_MAX_HEAD_DIM as u64
+        );
+        let ilp = ATTENTION_SPLIT_ILP.source;
+        assert_eq!(define(ilp, "THAW_ILP_WARPS"), shape::SPLIT_ILP_WARPS as u64);
+        assert_eq!(shape::SPLIT_ILP_WARPS, shape::ATTN_WARPS);
+        assert_eq!(
+            define(ilp, "THAW_ILP_MAX_HEAD_DIM"),
             shape::SPLIT_MAX_HEAD_DIM as u64
         );
         let w = WIDE.source;

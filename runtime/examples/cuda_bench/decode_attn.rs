@@ -1,8 +1,11 @@
 //! Paged decode attention of one Llama-3-8B layer (32 query heads, 8 KV heads of 128, bf16
 //! cache, 16-position blocks): `attention.cu`'s one block per (row, head) against
-//! flash-decoding (`attention_split.cu`, issue 29), over context lengths and batch sizes.
+//! flash-decoding (`attention_split.cu`, issue 29; default chunks and 32-position chunks) and
+//! the occupancy-planned decode with keys in flight (`attention_split_ilp.cu`,
+//! `THAW_CUDA_ATTN_OCCUPANCY=1`), over context lengths and batch sizes.
 //! GB/s counts the K and V bytes the rows attend to (each KV head's once) over the kernel time.
 use thaw_kernels::cpu::KvLayout;
+use thaw_kernels::cuda::decode_plan::OCC_MIN_CHUNK;
 use thaw_runtime::backend::cuda::{AttnImpl, CudaBackend, CudaConfig};
 use thaw_runtime::backend::{Backend, SeqSlice, StepLayout};
 
@@ -16,10 +19,14 @@ pub fn decode_attn_table(smoke: bool, peak: f64) -> Res<()> {
         num_kv_heads: c.num_kv_heads,
         head_dim: c.head_dim,
     };
-    let ctxs: &[usize] = if smoke { &[512] } else { &[512, 2048, 8192] };
+    let ctxs: &[usize] = if smoke {
+        &[512]
+    } else {
+        &[130, 512, 2048, 8192]
+    };
     let batches: &[usize] = if smoke { &[1] } else { &[1, 8, 32] };
     println!("\n## Decode attention, one layer (32 q / 8 kv heads of 128, bf16 KV; median of 20)");
-    println!("(impl: Classic = attention.cu, THAW_CUDA_ATTN_IMPL=classic; Split = flash-decoding, the default, which runs Classic's kernel where its plan makes one split)");
+    println!("(impl: Classic = attention.cu, THAW_CUDA_ATTN_IMPL=classic; Split = flash-decoding, the default, which runs Classic's kernel where its plan makes one split; Split/32 = THAW_CUDA_SPLIT_MIN_CHUNK=32; Occupancy = THAW_CUDA_ATTN_OCCUPANCY=1, floor 32)");
     println!("| impl | batch | context | µs | GB/s | % of copy peak |\n|---|---|---|---|---|---|");
     let (qw, kw) = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim);
     for &ctx in ctxs {
@@ -43,8 +50,15 @@ pub fn decode_attn_table(smoke: bool, peak: f64) -> Res<()> {
             let k = g.upload_f32(&fill(batch * kw, 6))?;
             let v = g.upload_f32(&fill(batch * kw, 7))?;
             let mut out = g.alloc(batch * qw)?;
-            for imp in [AttnImpl::Classic, AttnImpl::SPLIT] {
+            let variants = [
+                ("Classic", AttnImpl::Classic, None),
+                ("Split", AttnImpl::SPLIT, None),
+                ("Split/32", AttnImpl::Split { min_chunk: 32 }, None),
+                ("Occupancy", AttnImpl::Classic, Some(OCC_MIN_CHUNK)),
+            ];
+            for (name, imp, occupancy) in variants {
                 g.set_attn_impl(imp)?;
+                g.set_attn_occupancy(occupancy)?;
                 // A new step: the warm-up call uploads the metadata, the timed calls reuse it.
                 g.begin_step();
                 let us = time_us(&mut g, 20, |g| {
@@ -53,7 +67,7 @@ pub fn decode_attn_table(smoke: bool, peak: f64) -> Res<()> {
                 let bytes = batch * ctx * kw * 2 * 2;
                 let gbs = bytes as f64 / us / 1e3;
                 println!(
-                    "| {imp:?} | {batch} | {ctx} | {us:.1} | {gbs:.0} | {:.0}% |",
+                    "| {name} | {batch} | {ctx} | {us:.1} | {gbs:.0} | {:.0}% |",
                     gbs / peak * 100.0
                 );
             }

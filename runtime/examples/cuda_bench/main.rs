@@ -13,7 +13,7 @@
 //! ```
 //!
 //! `--attn`: only issue 29's attention tables, full size: decode attention (classic vs
-//! flash-decoding) and prefill attention (classic vs tensor cores, `prefill_attn.rs`).
+//! flash-decoding vs the opt-in occupancy decode, `decode_attn.rs`) and prefill attention (classic vs tensor cores, `prefill_attn.rs`).
 //!
 //! `--gemv`: only the products-of-few-rows table (`gemv.rs`): cast + cuBLAS against the
 //! opt-in small-batch GEMV at rows 1, 2, 4 and 8 on Llama-7B's decode shapes.

@@ -28,9 +28,10 @@
 //! | greedy token ids on the device, copied instead of the logits | [`DEVICE_ARGMAX_ENV`] | `1` |
 //! | products of at most 8 rows as a GEMV over f32 activations (no cast, no cuBLAS) | [`GEMV_ENV`] | `1` |
 //! | q/k/v (and gate/up) LoRA as one shrink + one expand launch over slices | [`LORA_SLICES_ENV`] | `1` |
+//! | decode attention split to fill the GPU, 4 keys' loads in flight a warp (`attention_split_ilp.cu`) | [`ATTN_OCCUPANCY_ENV`] | `1` |
 use std::fmt;
 
-use thaw_kernels::cuda::decode_plan::MIN_CHUNK;
+use thaw_kernels::cuda::decode_plan::{MIN_CHUNK, OCC_MIN_CHUNK};
 use thaw_kernels::cuda::registry::{shape, DType, GpuArch};
 use thaw_kernels::cuda::{prefill_tc_plan, punica_plan};
 
@@ -91,6 +92,25 @@ pub const GEMV_ENV: &str = "THAW_CUDA_GEMV";
 /// over slices (`lora_slices.cu`; with Punica's kernels only): `1` or `0` (the default until a
 /// GPU parity run proves it).
 pub const LORA_SLICES_ENV: &str = "THAW_CUDA_LORA_SLICES";
+
+/// Decode attention through `attention_split_ilp.cu`: the split count planned to give the
+/// GPU about two blocks per SM ([`occupancy_splits`](thaw_kernels::cuda::decode_plan::occupancy_splits),
+/// chunks of at least [`occupancy_floor`] positions), each warp with 4 keys' K/V loads in
+/// flight: `1` or `0` (the default until a GPU parity run proves it). On, it replaces both
+/// flash-decoding and `attention.cu`'s decode, in eager steps and in CUDA graphs (a split count
+/// fixed per captured bucket, each row using the splits its context allows).
+pub const ATTN_OCCUPANCY_ENV: &str = "THAW_CUDA_ATTN_OCCUPANCY";
+
+/// The occupancy plan's shortest chunk from [`SPLIT_MIN_CHUNK_ENV`]'s value: unset, empty or
+/// `auto`: [`OCC_MIN_CHUNK`] (32 positions); a positive integer sets it (as for the fixed plan,
+/// whose default is 256); anything else is [`split_min_chunk`]'s error.
+pub fn occupancy_floor(value: Option<&str>) -> Result<usize, String> {
+    let v = value.map(str::trim).unwrap_or_default();
+    if v.is_empty() || v.eq_ignore_ascii_case("auto") {
+        return Ok(OCC_MIN_CHUNK);
+    }
+    split_min_chunk(Some(v))
+}
 
 /// Which kernels run the CUDA backend's decode attention.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -245,6 +265,16 @@ pub const LORA_SLICES: Switch = Switch {
     off: "0",
     new: "one launch pair over slices",
     classic: "a launch pair per module",
+    default_new: false,
+};
+
+/// The occupancy-planned decode attention with keys in flight.
+pub const ATTN_OCCUPANCY: Switch = Switch {
+    env: ATTN_OCCUPANCY_ENV,
+    on: "1",
+    off: "0",
+    new: "occupancy split, keys in flight",
+    classic: "as THAW_CUDA_ATTN_IMPL picks",
     default_new: false,
 };
 
@@ -524,6 +554,7 @@ pub struct OptInPlan {
     pub device_argmax: Choice,
     pub gemv: Choice,
     pub lora_slices: Choice,
+    pub attn_occupancy: Choice,
 }
 
 impl OptInPlan {
@@ -539,10 +570,12 @@ impl OptInPlan {
             gemv: GEMV.choose(&value(GEMV.env), None)?,
             // Runs where Punica's kernels do (per module otherwise: `lora_slices.rs`).
             lora_slices: LORA_SLICES.choose(&value(LORA_SLICES.env), None)?,
+            attn_occupancy: ATTN_OCCUPANCY
+                .choose(&value(ATTN_OCCUPANCY.env), split_unserved(head_dim))?,
         })
     }
 
-    fn rows(&self) -> [(&'static str, Switch, &Choice); 6] {
+    fn rows(&self) -> [(&'static str, Switch, &Choice); 7] {
         [
             ("q/k/v and gate/up products", GROUP_GEMM, &self.group_gemm),
             ("RoPE", ROPE_FOLD, &self.rope_fold),
@@ -550,6 +583,7 @@ impl OptInPlan {
             ("greedy sampling", DEVICE_ARGMAX, &self.device_argmax),
             ("products of few rows", GEMV, &self.gemv),
             ("LoRA of q/k/v and gate/up", LORA_SLICES, &self.lora_slices),
+            ("decode attention", ATTN_OCCUPANCY, &self.attn_occupancy),
         ]
     }
 }

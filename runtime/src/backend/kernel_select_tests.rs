@@ -241,13 +241,14 @@ proptest! {
     }
 }
 
-const OPT_IN: [Switch; 6] = [
+const OPT_IN: [Switch; 7] = [
     GROUP_GEMM,
     ROPE_FOLD,
     WIDE,
     DEVICE_ARGMAX,
     GEMV,
     LORA_SLICES,
+    ATTN_OCCUPANCY,
 ];
 
 fn opt_in(vars: &[(&str, &str)], head_dim: usize) -> Result<OptInPlan, String> {
@@ -263,6 +264,7 @@ fn the_opt_in_switches_are_off_unless_set_to_1() {
         device_argmax: Choice::Classic,
         gemv: Choice::Classic,
         lora_slices: Choice::Classic,
+        attn_occupancy: Choice::Classic,
     };
     assert_eq!(opt_in(&[], 128), Ok(off.clone()));
     let auto: Vec<(&str, &str)> = OPT_IN.iter().map(|s| (s.env, "auto")).collect();
@@ -279,6 +281,7 @@ fn the_opt_in_switches_are_off_unless_set_to_1() {
             device_argmax: Choice::New,
             gemv: Choice::New,
             lora_slices: Choice::New,
+            attn_occupancy: Choice::New,
         })
     );
     // One at a time: each variable moves its own choice only.
@@ -291,9 +294,10 @@ fn the_opt_in_switches_are_off_unless_set_to_1() {
             &p.device_argmax,
             &p.gemv,
             &p.lora_slices,
+            &p.attn_occupancy,
         ]
         .map(Choice::is_new);
-        let want: [bool; 6] = std::array::from_fn(|j| j == i);
+        let want: [bool; 7] = std::array::from_fn(|j| j == i);
         assert_eq!(got, want, "{}", sw.env);
     }
     // The four defaults stay on whatever the opt-in switches say.
@@ -339,7 +343,8 @@ fn the_opt_in_log_line_names_each_switch() {
          the KV write; norm and RoPE blocks: one block of 256 per row (THAW_CUDA_WIDE_NORM=0); \
          greedy sampling: logits copied, argmax on the host (THAW_CUDA_DEVICE_ARGMAX=0); \
          products of few rows: cast + cuBLAS (THAW_CUDA_GEMV=0); LoRA of q/k/v and gate/up: \
-         a launch pair per module (THAW_CUDA_LORA_SLICES=0)"
+         a launch pair per module (THAW_CUDA_LORA_SLICES=0); decode attention: as \
+         THAW_CUDA_ATTN_IMPL picks (THAW_CUDA_ATTN_OCCUPANCY=0)"
     );
     let p = opt_in(&[(GEMV_ENV, "1")], 128).unwrap();
     assert!(
@@ -350,9 +355,37 @@ fn the_opt_in_log_line_names_each_switch() {
     let p = opt_in(&[(LORA_SLICES_ENV, "1")], 128).unwrap();
     assert!(
         p.to_string()
-            .ends_with("LoRA of q/k/v and gate/up: one launch pair over slices"),
+            .contains("LoRA of q/k/v and gate/up: one launch pair over slices;"),
         "{p}"
     );
+    let p = opt_in(&[(ATTN_OCCUPANCY_ENV, "1")], 128).unwrap();
+    assert!(
+        p.to_string()
+            .ends_with("decode attention: occupancy split, keys in flight"),
+        "{p}"
+    );
+}
+
+#[test]
+fn the_occupancy_decode_takes_the_split_kernels_head_dims_and_a_floor() {
+    // Heads past flash-decoding's 256: unset is no error, asked for is one that says what to set.
+    assert_eq!(opt_in(&[], 512).unwrap().attn_occupancy, Choice::Classic);
+    let e = opt_in(&[(ATTN_OCCUPANCY_ENV, "1")], 512).unwrap_err();
+    assert!(
+        e.contains("THAW_CUDA_ATTN_OCCUPANCY=0") && e.contains("512"),
+        "{e}"
+    );
+    assert!(opt_in(&[(ATTN_OCCUPANCY_ENV, "1")], 256)
+        .unwrap()
+        .attn_occupancy
+        .is_new());
+    // The floor: 32 unless THAW_CUDA_SPLIT_MIN_CHUNK sets one.
+    assert_eq!(occupancy_floor(None), Ok(OCC_MIN_CHUNK));
+    assert_eq!(occupancy_floor(Some(" auto ")), Ok(OCC_MIN_CHUNK));
+    assert_eq!(occupancy_floor(Some("")), Ok(OCC_MIN_CHUNK));
+    assert_eq!(occupancy_floor(Some("8")), Ok(8));
+    let e = occupancy_floor(Some("0")).unwrap_err();
+    assert!(e.contains(SPLIT_MIN_CHUNK_ENV), "{e}");
 }
 
 proptest! {

@@ -1,5 +1,5 @@
 //! Issue 29's opt-in kernels (off unless `THAW_CUDA_WIDE_NORM`, `THAW_CUDA_ROPE_FOLD`,
-//! `THAW_CUDA_GROUP_GEMM` or `THAW_CUDA_GEMV` is 1; the GEMV's own tests are in `gemv.rs`) against the paths they replace: the wide RMSNorm / add +
+//! `THAW_CUDA_GROUP_GEMM` or `THAW_CUDA_GEMV` is 1; the GEMV's own tests are in `gemv.rs`, the occupancy decode's (`THAW_CUDA_ATTN_OCCUPANCY`, also switched by the engine test here) in `attn_occupancy.rs`) against the paths they replace: the wide RMSNorm / add +
 //! RMSNorm / RoPE blocks, q/k/v and gate/up as one product over weights placed as one matrix,
 //! RoPE folded into the KV write, and whole engines (eager and CUDA graphs) with every switch
 //! on against every switch off. Part of `cuda_parity` (its helpers, its GPU skip rules).
@@ -21,6 +21,7 @@
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use thaw_kernels::cpu::KvLayout;
+use thaw_kernels::cuda::decode_plan::OCC_MIN_CHUNK;
 use thaw_runtime::backend::cpu::CpuBackend;
 use thaw_runtime::backend::cuda::{CudaBackend, CudaLinear, DType};
 use thaw_runtime::backend::{Backend, StepLayout};
@@ -36,6 +37,7 @@ fn opt_in(g: &mut CudaBackend, on: bool) {
     g.set_group_gemm(on).unwrap();
     g.set_gemv(on).unwrap();
     g.set_lora_slices(on).unwrap();
+    g.set_attn_occupancy(on.then_some(OCC_MIN_CHUNK)).unwrap();
     let p = g.opt_in_plan();
     assert!(
         [
@@ -43,7 +45,8 @@ fn opt_in(g: &mut CudaBackend, on: bool) {
             &p.rope_fold,
             &p.wide,
             &p.gemv,
-            &p.lora_slices
+            &p.lora_slices,
+            &p.attn_occupancy
         ]
         .iter()
         .all(|c| c.is_new() == on),

@@ -423,7 +423,10 @@ impl CudaBackend {
         s: AttnShape,
     ) -> Result<(), CudaError> {
         let a = &mut self.attn;
-        if self.gpu.flash.is_some() {
+        if self.gpu.occupancy.is_some() {
+            self.gpu
+                .attn_decode_occupancy(q, (&kv.k, &kv.v), out, a, s)?;
+        } else if self.gpu.flash.is_some() {
             self.gpu.attn_decode_split(q, (&kv.k, &kv.v), out, a, s)?;
         } else {
             self.gpu.attn_decode(

@@ -46,7 +46,7 @@ impl FlashDecode {
 
 /// The longest attended context among decode rows given as (table offset, position, row)
 /// triples: `pos + 1` positions, at most `window` with a sliding window.
-fn max_decode_ctx(decode: &[u32], window: usize) -> usize {
+pub(super) fn max_decode_ctx(decode: &[u32], window: usize) -> usize {
     decode
         .chunks_exact(3)
         .map(|d| {

@@ -15,7 +15,9 @@
 //!
 //! Inside a graph the ops take fixed shapes: `bucket` rows, the classic decode attention
 //! (flash-decoding picks its split count from the step's context lengths on the host, so it
-//! stays eager-only), and BGMV for LoRA with the key's rank class (the kernels read each
+//! stays eager-only) or, with `THAW_CUDA_ATTN_OCCUPANCY=1`, `attention_split_ilp.cu` with a
+//! split count fixed per bucket (each row uses the splits its context allows, the others
+//! write a neutral partial; its scratch is allocated once at its largest), and BGMV for LoRA with the key's rank class (the kernels read each
 //! row's rank and descriptor from device memory). Scratch buffers the graph writes (the 16-bit
 //! activation copy, the LoRA intermediate, the logits) are reserved at their largest before the
 //! first capture; a captured graph records their addresses and those of the KV cache, and is
@@ -23,7 +25,7 @@
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 
-use cudarc::driver::{sys, CudaGraph, CudaSlice};
+use cudarc::driver::{sys, CudaGraph, CudaSlice, CudaView};
 
 use super::launch::AttnShape;
 use super::weights::{CudaLinear, CudaLora};
@@ -48,9 +50,9 @@ unsafe impl Send for SendGraph {}
 
 /// Addresses a captured graph baked in that the backend may reallocate: the 16-bit activation
 /// copy, the LoRA intermediate, the logits buffer, the KV allocation count, and the grouped
-/// product's scratch (`group.rs`).
+/// product's scratch (`group.rs`), the occupancy decode's scratch (`attn_occupancy.rs`).
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
-struct Fingerprint([u64; 5]);
+struct Fingerprint([u64; 6]);
 
 /// The step being run as a graph.
 #[derive(Copy, Clone, Debug)]
@@ -98,6 +100,11 @@ impl CudaBackend {
             p(self.logits_dev.as_ref().map(|b| self.gpu.p(b))),
             self.kv_allocs.load(Ordering::Relaxed),
             p(self.group_out.as_ref().map(|b| self.gpu.p(b))),
+            p(self
+                .gpu
+                .occupancy
+                .as_ref()
+                .map(|o| o.scratch_addr(&self.gpu))),
         ])
     }
 
@@ -331,7 +338,25 @@ impl CudaBackend {
             &self.inv_freq,
             fold,
         )?;
-        (self.gpu).attn_decode(q, &kv.k, &kv.v, out, &tables, &decode, n, s)
+        self.graph_decode(q, kv, out, (&tables, &decode), n, s)
+    }
+
+    /// A graph's decode attention: the occupancy kernels if switched on (splits fixed for the
+    /// bucket), else `attention.cu`'s (one launch shape for any context length).
+    fn graph_decode(
+        &self,
+        q: &CudaSlice<f32>,
+        kv: &CudaKvLayer,
+        out: &mut CudaSlice<f32>,
+        meta: (&CudaView<'_, u32>, &CudaView<'_, u32>),
+        n: usize,
+        s: AttnShape,
+    ) -> Result<(), CudaError> {
+        if self.gpu.occupancy.is_some() {
+            let caches = (&kv.k, &kv.v);
+            return (self.gpu).attn_decode_occupancy_graph(q, caches, out, meta, n, s);
+        }
+        (self.gpu).attn_decode(q, &kv.k, &kv.v, out, meta.0, meta.1, n, s)
     }
 
     /// Graph-mode attention: KV slots, block tables and decode rows from the persistent buffer;
@@ -351,7 +376,7 @@ impl CudaBackend {
         let decode = meta.slice(l.decode..l.decode + 3 * n);
         let tl = kv.layout.token_len();
         (self.gpu).write_kv(k, v, &mut kv.k, &mut kv.v, &slots, n, tl)?;
-        (self.gpu).attn_decode(q, &kv.k, &kv.v, out, &tables, &decode, n, s)
+        self.graph_decode(q, kv, out, (&tables, &decode), n, s)
     }
 
     /// Graph-mode LoRA: BGMV over every row with the key's rank class; rows without an

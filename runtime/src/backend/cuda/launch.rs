@@ -150,6 +150,9 @@ pub(super) struct Gpu {
     /// The LoRA of q/k/v and gate/up as one launch pair over slices (`lora_slices.rs`,
     /// opt-in); `None` = a pair per module.
     pub slices: Option<super::lora_slices::Slices>,
+    /// The occupancy-planned decode attention (`attn_occupancy.rs`, opt-in); when loaded it
+    /// runs eager steps' decode instead of `flash` or `attention.cu`.
+    pub occupancy: Option<super::attn_occupancy::OccupancyDecode>,
 }
 
 impl Gpu {
@@ -180,6 +183,7 @@ impl Gpu {
             counters: Default::default(),
             gemv: None,
             slices: None,
+            occupancy: None,
             ctx,
             stream,
             blas,

@@ -10,6 +10,7 @@
 //! | file | job |
 //! | --- | --- |
 //! | `argmax.rs` | greedy token ids on the device, the ids' copy instead of the logits' (opt-in: `THAW_CUDA_DEVICE_ARGMAX=1`) |
+//! | `attn_occupancy.rs` | decode attention split for occupancy, 4 keys' loads in flight a warp (opt-in: `THAW_CUDA_ATTN_OCCUPANCY=1`; floor chunk `THAW_CUDA_SPLIT_MIN_CHUNK`, default 32) |
 //! | `attn_prefill_tc.rs` | prefill attention on the tensor cores (default where served; off: `THAW_CUDA_TC_PREFILL=0`) |
 //! | `flash.rs` | flash-decoding launches (default; off: `THAW_CUDA_ATTN_IMPL=classic`; shortest chunk: `THAW_CUDA_SPLIT_MIN_CHUNK`, default 256) |
 //! | `fused.rs` | fused add + RMSNorm and SwiGLU + cast (default; off: `THAW_CUDA_FUSED=0`) |
@@ -36,11 +37,12 @@
 //! f32 KV cache, a head_dim other than 32/64/128 or a device below compute capability 8.0 for
 //! the tensor-core prefill); its off value always picks the classic one; an explicit on value
 //! the backend cannot serve is an error that says what to set. Tests and benchmarks switch at
-//! run time with `set_attn_impl`, `set_tc_prefill`, `set_lora_impl` and `set_fused`. Six more
+//! run time with `set_attn_impl`, `set_tc_prefill`, `set_lora_impl` and `set_fused`. Seven more
 //! are opt-in (off unless `1`) until a GPU parity run proves them:
 //! [`OptInPlan`], switched with `set_group_gemm`, `set_rope_fold`, `set_wide`, `set_gemv`,
-//! `set_device_argmax` and `set_lora_slices`.
+//! `set_device_argmax`, `set_lora_slices` and `set_attn_occupancy`.
 mod argmax;
+mod attn_occupancy;
 mod attn_prefill_tc;
 mod backend;
 mod counters;
@@ -63,9 +65,9 @@ mod weights;
 mod wide;
 
 pub use super::kernel_select::{
-    AttnImpl, KernelPlan, LoraImpl, OptInPlan, ATTN_IMPL_ENV, DEVICE_ARGMAX_ENV, FUSED_ENV,
-    GEMV_ENV, GROUP_GEMM_ENV, LORA_IMPL_ENV, LORA_SLICES_ENV, ROPE_FOLD_ENV, SPLIT_MIN_CHUNK_ENV,
-    TC_PREFILL_ENV, WIDE_ENV,
+    AttnImpl, KernelPlan, LoraImpl, OptInPlan, ATTN_IMPL_ENV, ATTN_OCCUPANCY_ENV,
+    DEVICE_ARGMAX_ENV, FUSED_ENV, GEMV_ENV, GROUP_GEMM_ENV, LORA_IMPL_ENV, LORA_SLICES_ENV,
+    ROPE_FOLD_ENV, SPLIT_MIN_CHUNK_ENV, TC_PREFILL_ENV, WIDE_ENV,
 };
 pub use backend::{CudaBackend, CudaConfig, CudaKvLayer};
 pub use exchange::MappedExchange;

@@ -6,6 +6,7 @@ use thaw_kernels::cuda::registry::shape;
 use thaw_kernels::cuda::KernelCache;
 
 use super::argmax::DeviceArgmax;
+use super::attn_occupancy::OccupancyDecode;
 use super::attn_prefill_tc::TcPrefill;
 use super::flash::FlashDecode;
 use super::fused::Fused;
@@ -16,7 +17,8 @@ use super::wide::{RopeFold, Wide};
 use super::{CudaBackend, CudaError};
 use crate::adapter::LoraModule;
 use crate::backend::kernel_select::{
-    split_min_chunk, Choice, KernelPlan, OptInPlan, ServedShape, SPLIT_MIN_CHUNK_ENV,
+    occupancy_floor, split_min_chunk, Choice, KernelPlan, OptInPlan, ServedShape,
+    SPLIT_MIN_CHUNK_ENV,
 };
 use crate::model::ModelConfig;
 
@@ -78,6 +80,12 @@ impl CudaBackend {
         if opt_in.lora_slices.is_new() {
             self.gpu.slices = Some(super::lora_slices::Slices::load(ctx, w)?);
         }
+        if opt_in.attn_occupancy.is_new() {
+            let var = env(SPLIT_MIN_CHUNK_ENV);
+            let floor = occupancy_floor(var.as_deref()).map_err(CudaError::Unsupported)?;
+            tracing::info!("CUDA occupancy decode: chunks of at least {floor} positions");
+            self.gpu.occupancy = Some(OccupancyDecode::load(&self.gpu, kv, floor)?);
+        }
         Ok(())
     }
 
@@ -91,6 +99,7 @@ impl CudaBackend {
             device_argmax: pick(self.gpu.argmax.is_some()),
             gemv: pick(self.gpu.gemv.is_some()),
             lora_slices: pick(self.gpu.slices.is_some()),
+            attn_occupancy: pick(self.gpu.occupancy.is_some()),
         }
     }
 
