@@ -354,7 +354,7 @@ cat "$O/gpu-bench.md"
 if [ "$DEV" = cuda ]; then
   # shellcheck disable=SC2054  # the commas are thaw-bench's own list syntax
   OP_ARGS=(--device cuda --batches 1,32 --ranks 16 --decode-steps 4 --op-profile-steps 4
-    --prefill-tokens 128 --reps 1 --lora-batches 1 --lora-ranks 16) OP_T=$(cap 120 0)
+    --prefill-tokens 128,2048 --reps 1 --lora-batches 1 --lora-ranks 16) OP_T=$(cap 120 0)
 else
   OP_ARGS=(--device cpu --quick) OP_T=$(cap 60 0)
 fi
