@@ -7,7 +7,7 @@
 use std::time::Instant;
 
 use thaw_runtime::backend::any::AnyBackend;
-use thaw_runtime::backend::op_profile::{aggregate, OpClass, OpProfile, OpSample};
+use thaw_runtime::backend::op_profile::{aggregate, OpClass, OpProfile, OpSample, ProfileRow};
 use thaw_runtime::backend::profiled::Profiled;
 use thaw_runtime::engine::{Engine, StepPlan};
 use thaw_runtime::model::ModelConfig;
@@ -111,19 +111,12 @@ pub fn table(runs: &[OpProfileRun], c: &ModelConfig, peak_gbs: f64) -> String {
             (u + r.us, b + r.bytes.unwrap_or(0.0))
         });
         for row in &p.rows {
-            let _ = writeln!(
-                s,
-                "| {} | {:.0} | {:.1} | {:.1} | {:.1} | {:.1}% | {} | {} | {} |",
-                row.class.label(),
-                row.calls,
-                row.us,
-                row.host_us,
-                row.gap_us,
-                row.share,
+            let tail = [
                 row.bytes.map_or("-".into(), |b| format!("{:.1}", b / 1e6)),
                 row.gbs.map_or("-".into(), |g| format!("{g:.0}")),
-                row.roofline_pct.map_or("-".into(), |x| format!("{x:.0}%"))
-            );
+                row.roofline_pct.map_or("-".into(), |x| format!("{x:.0}%")),
+            ];
+            let _ = writeln!(s, "{}", table_row(row, &tail));
         }
         let gbs = if lin_us > 0.0 {
             lin_bytes / lin_us / 1e3
@@ -144,14 +137,33 @@ pub fn table(runs: &[OpProfileRun], c: &ModelConfig, peak_gbs: f64) -> String {
             gbs,
             gbs / peak_gbs * 100.0
         );
-        let _ = writeln!(
-            s,
-            "| outside ops (host: plan, sample; idle device) | - | {:.1} | - | - | {:.1}% | - | - | - |",
-            p.outside_us,
-            p.outside_us / p.step_us * 100.0
-        );
+        let _ = writeln!(s, "{}", outside_row(&p));
     }
     s
+}
+
+/// One op row of a profile table: the class, its calls, µs, host µs, gap µs and share of the
+/// step, then the table's own `tail` columns.
+pub fn table_row(row: &ProfileRow, tail: &[String]) -> String {
+    format!(
+        "| {} | {:.0} | {:.1} | {:.1} | {:.1} | {:.1}% | {} |",
+        row.class.label(),
+        row.calls,
+        row.us,
+        row.host_us,
+        row.gap_us,
+        row.share,
+        tail.join(" | ")
+    )
+}
+
+/// The row of the step time outside every op (a profile table of three tail columns).
+pub fn outside_row(p: &OpProfile) -> String {
+    format!(
+        "| outside ops (host: plan, sample; idle device) | - | {:.1} | - | - | {:.1}% | - | - | - |",
+        p.outside_us,
+        p.outside_us / p.step_us * 100.0
+    )
 }
 
 /// The checks of the quick run's profiles (`thaw-bench gpu --device cpu --quick --op-profile`,

@@ -11,6 +11,7 @@ use std::fmt::Write;
 use thaw_runtime::backend::op_profile::{aggregate, OpClass, OpProfile, OpSample};
 use thaw_runtime::model::ModelConfig;
 
+use super::op_profile::{outside_row, table_row};
 use super::peaks::Peaks;
 use super::roofline::prefill_attention_flops;
 
@@ -150,19 +151,10 @@ pub fn table(runs: &[PrefillOpRun], c: &ModelConfig, peaks: &Peaks) -> String {
             if let (OpClass::Linear(_), Some(Work::Flops(f))) = (row.class, work) {
                 lin = (lin.0 + row.us, lin.1 + f);
             }
-            let [amount, rate, pct] = work.map_or(["-".into(), "-".into(), "-".into()], |w| {
+            let tail = work.map_or(["-".into(), "-".into(), "-".into()], |w| {
                 cells(w, row.us, peaks)
             });
-            let _ = writeln!(
-                s,
-                "| {} | {:.0} | {:.1} | {:.1} | {:.1} | {:.1}% | {amount} | {rate} | {pct} |",
-                row.class.label(),
-                row.calls,
-                row.us,
-                row.host_us,
-                row.gap_us,
-                row.share,
-            );
+            let _ = writeln!(s, "{}", table_row(row, &tail));
         }
         let [amount, rate, pct] = cells(Work::Flops(lin.1), lin.0, peaks);
         let _ = writeln!(
@@ -171,12 +163,7 @@ pub fn table(runs: &[PrefillOpRun], c: &ModelConfig, peaks: &Peaks) -> String {
             lin.0,
             lin.0 / p.step_us * 100.0
         );
-        let _ = writeln!(
-            s,
-            "| outside ops (host: plan, sample; idle device) | - | {:.1} | - | - | {:.1}% | - | - | - |",
-            p.outside_us,
-            p.outside_us / p.step_us * 100.0
-        );
+        let _ = writeln!(s, "{}", outside_row(&p));
     }
     s
 }
