@@ -225,8 +225,19 @@ else
       --device cuda --eager --cache "${THAW_PEER_CACHE:-static}" --batches 1,8,32 \
       --prompt-len "$PROMPT" --decode-steps 16 --prefill-tokens 128,2048 --reps 2 \
       >"$O/attn29-peer.md" 2>"$O/attn29-peer.log"
-    echo "transformers peer: rc=$? (a timeout leaves the rows it printed)"
+    rc=$?
+    echo "transformers peer (cache ${THAW_PEER_CACHE:-static}): rc=$rc (a timeout leaves the rows it printed)"
     tail -3 "$O/attn29-peer.log"
+    # A transformers too old to run a static cache uncompiled says so: the dynamic cache then.
+    peer_t=$(cap 600)
+    if [ "$rc" != 0 ] && grep -q disable_compile "$O/attn29-peer.log" && [ "$peer_t" -ge 30 ]; then
+      el "peer step: transformers_gpu.py, dynamic cache, eager (limit ${peer_t}s)"
+      timeout "$peer_t" "$PEER_PY" -u "$root/benches/peers/transformers_gpu.py" --model "$MD" \
+        --device cuda --eager --cache dynamic --batches 1,8,32 --prompt-len "$PROMPT" \
+        --decode-steps 16 --prefill-tokens 128,2048 --reps 2 \
+        >"$O/attn29-peer.md" 2>"$O/attn29-peer.log"
+      echo "transformers peer (cache dynamic): rc=$?"
+    fi
   fi
   cat "$O/attn29-peer.md" 2>/dev/null
   python3 "$here/peer29.py" --thaw "$O/attn29-peer-thaw.md" --peer "$O/attn29-peer.md"
