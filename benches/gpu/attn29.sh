@@ -15,9 +15,8 @@
 #      group (THAW_CUDA_LORA_SLICES);
 #   3. thaw-bench gpu on the whole model, off (OFF: all four classic) then on (ON: all four
 #      asked for explicitly, so a shape they cannot serve is an error, not a silent fallback)
-#      then opt-in (ON plus the opt-in switches, THAW_CUDA_GROUP_GEMM=1
-#      THAW_CUDA_ROPE_FOLD=1 THAW_CUDA_WIDE_NORM=1 THAW_CUDA_GEMV=1 THAW_CUDA_LORA_SLICES=1; "on" has them 0, so on vs opt-in measures
-#      exactly them): decode tokens/s at a long context (--prompt-len, default 2048) at batch 1
+#      then opt-in (ON plus every opt-in switch, OPT_ON below; "on" has them 0, so on vs opt-in
+#      measures exactly them): decode tokens/s at a long context (--prompt-len, default 2048) at batch 1
 #      and 8, and prefill TFLOP/s at 128 and 2048 tokens. THAW_GPU_29_MODES picks the runs
 #      (default "off on opt-in"; e.g. "on opt-in" on a short lease); they share what is left.
 #      The parity suite of step 1 runs the opt-in kernels' own tests (cuda_parity's opt_in::*,
@@ -27,6 +26,10 @@
 #      into attention. THAW_GPU_29_OP_S seconds are kept for it out of step 3's share (default
 #      60; 0 skips it). The profile times a q/k/v or gate/up group module by module, so step 3's
 #      decode tok/s, not this table, measures the grouped products.
+#   5. the transformers + PyTorch peer on the same model (benches/peers/transformers_gpu.py,
+#      static KV cache, uncompiled) beside thaw-bench gpu with the default kernels: decode tok/s
+#      at batch 1/8/32 and prefill ms at 128 and 2048 tokens, side by side (peer29.py).
+#      THAW_GPU_29_PEER_S seconds are kept for it out of steps 3 and 4 (default 120; 0 skips).
 # run.sh's issue-29 block calls it with what is left of its budget; on a short lease run it alone
 # (it generates the model when --model is not given):
 #   benches/gpu/attn29.sh --bin gpu-bin --out "$OUT" [--model DIR] [--budget S] [--prompt-len N]
@@ -50,7 +53,7 @@ while [ $# -gt 0 ]; do
     --workdir) WORK=$2; shift 2 ;;
     --budget) BUDGET_S=$2; shift 2 ;;
     --prompt-len) PROMPT=$2; shift 2 ;;
-    -h|--help) sed -n '2,34p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,/^set -uo pipefail/{/^set -uo/!p}' "$0"; exit 0 ;;
     *) echo "unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -147,7 +150,12 @@ fi
 # The runs share what is left but step 4's reserve, evenly; all or none (one alone compares
 # nothing).
 OP_S=${THAW_GPU_29_OP_S:-60}
-each=$(( (BUDGET_S - ($(date +%s) - t0) - OP_S) / ${#MODES[@]} ))
+PEER_S=${THAW_GPU_29_PEER_S:-120}
+PEER_PY=${THAW_PEER_PYTHON:-python3}
+# No time kept for a peer that cannot run (step 5 says why).
+"$PEER_PY" -c 'import torch, transformers' 2>/dev/null || PEER_OK=0
+[ "${PEER_OK:-1}" = 1 ] || PEER_S=0
+each=$(( (BUDGET_S - ($(date +%s) - t0) - OP_S - PEER_S) / ${#MODES[@]} ))
 if [ ! -x "$BIN/thaw-bench" ]; then
   echo "thaw-bench gpu: missing from $BIN (benches/gpu/build.sh ships it)"
 elif [ "$each" -lt 30 ]; then
@@ -173,7 +181,7 @@ else
 fi
 
 # --- 4. per-op profile at batch 1, on then opt-in ----------------------------------------------
-op_each=$(( (BUDGET_S - ($(date +%s) - t0)) / 2 ))
+op_each=$(( (BUDGET_S - ($(date +%s) - t0) - PEER_S) / 2 ))
 if [ "$OP_S" -le 0 ] || [ ! -x "$BIN/thaw-bench" ]; then
   echo "op profile on/opt-in: skipped (THAW_GPU_29_OP_S=$OP_S, or thaw-bench missing)"
 elif [ "$op_each" -lt 20 ]; then
@@ -185,11 +193,64 @@ else
     # shellcheck disable=SC2086
     env "${envs[@]}" timeout "$op_each" "$BIN/thaw-bench" gpu --model "$MD" --workdir "$WORK" \
       --device cuda --batches 1 --ranks 16 --decode-steps 4 --op-profile --op-profile-steps 4 \
-      --prefill-tokens 128 --reps 1 --lora-batches 1 --lora-ranks 16 ${THAW_GPU_BENCH_ARGS:-} \
+      --prefill-tokens 128,2048 --reps 1 --lora-batches 1 --lora-ranks 16 ${THAW_GPU_BENCH_ARGS:-} \
       >"$O/attn29-op-$mode.md" 2>"$O/attn29-op-$mode.log"
     echo "thaw-bench gpu --op-profile ($mode): rc=$?"
     echo "### Op profile, issue 29's kernels $mode (${envs[*]})"
     sed -n '/^### Op profile/,$p' "$O/attn29-op-$mode.md" | sed '/^### Prefill/,$d'
   done
+fi
+
+# --- 5. the transformers peer, side by side ----------------------------------------------------
+# thaw-bench gpu with the default kernels, then benches/peers/transformers_gpu.py on the same
+# model (static KV cache, uncompiled: no torch.compile per shape), decode at batch 1/8/32 after a
+# $PROMPT-token prompt and prefill of 128 and 2048 tokens; then peer29.py's side-by-side table.
+# What is left of the budget, 40% to thaw (model upload, 3 batches × 3 adapter mixes), 60% to
+# the peer (model load, static-cache generate). THAW_GPU_29_PEER_S=0 skips it; THAW_PEER_PYTHON
+# names the python with torch + transformers (default python3); THAW_PEER_CACHE=dynamic for a
+# transformers without GenerationConfig.disable_compile.
+peer_left=$((BUDGET_S - ($(date +%s) - t0)))
+if [ "${PEER_OK:-1}" != 1 ]; then
+  echo "transformers peer: skipped, $PEER_PY cannot import torch and transformers" \
+    "(pip install torch transformers safetensors, or set THAW_PEER_PYTHON)"
+elif [ "$PEER_S" -le 0 ]; then
+  echo "transformers peer: skipped (THAW_GPU_29_PEER_S=0)"
+elif [ "$peer_left" -lt 60 ] || [ ! -x "$BIN/thaw-bench" ]; then
+  echo "transformers peer: skipped, under 60 s left (budget ${BUDGET_S}s), or thaw-bench missing"
+else
+  thaw_t=$((peer_left * 2 / 5))
+  el "peer step: thaw-bench gpu, default kernels, batches 1,8,32 (limit ${thaw_t}s)"
+  env "${DEFAULTS[@]}" timeout "$thaw_t" "$BIN/thaw-bench" gpu --model "$MD" --workdir "$WORK" \
+    --device cuda --batches 1,8,32 --ranks 16 --prompt-len "$PROMPT" --decode-steps 16 \
+    --prefill-tokens 128,2048 --reps 2 --lora-batches 1 --lora-ranks 16 \
+    >"$O/attn29-peer-thaw.md" 2>"$O/attn29-peer-thaw.log"
+  rc=$?
+  echo "thaw-bench gpu (peer step, default kernels): rc=$rc"
+  [ "$rc" = 0 ] || grep -E "^Error|error" "$O/attn29-peer-thaw.log" | head -3
+  peer_t=$(cap 600)
+  if [ "$peer_t" -lt 30 ]; then
+    echo "transformers peer: skipped, under 30 s left (budget ${BUDGET_S}s)"
+  else
+    el "peer step: transformers_gpu.py, static cache, eager (limit ${peer_t}s)"
+    timeout "$peer_t" "$PEER_PY" -u "$root/benches/peers/transformers_gpu.py" --model "$MD" \
+      --device cuda --eager --cache "${THAW_PEER_CACHE:-static}" --batches 1,8,32 \
+      --prompt-len "$PROMPT" --decode-steps 16 --prefill-tokens 128,2048 --reps 2 \
+      >"$O/attn29-peer.md" 2>"$O/attn29-peer.log"
+    rc=$?
+    echo "transformers peer (cache ${THAW_PEER_CACHE:-static}): rc=$rc (a timeout leaves the rows it printed)"
+    tail -3 "$O/attn29-peer.log"
+    # A transformers too old to run a static cache uncompiled says so: the dynamic cache then.
+    peer_t=$(cap 600)
+    if [ "$rc" != 0 ] && grep -q disable_compile "$O/attn29-peer.log" && [ "$peer_t" -ge 30 ]; then
+      el "peer step: transformers_gpu.py, dynamic cache, eager (limit ${peer_t}s)"
+      timeout "$peer_t" "$PEER_PY" -u "$root/benches/peers/transformers_gpu.py" --model "$MD" \
+        --device cuda --eager --cache dynamic --batches 1,8,32 --prompt-len "$PROMPT" \
+        --decode-steps 16 --prefill-tokens 128,2048 --reps 2 \
+        >"$O/attn29-peer.md" 2>"$O/attn29-peer.log"
+      echo "transformers peer (cache dynamic): rc=$?"
+    fi
+  fi
+  cat "$O/attn29-peer.md" 2>/dev/null
+  python3 "$here/peer29.py" --thaw "$O/attn29-peer-thaw.md" --peer "$O/attn29-peer.md"
 fi
 el "done (budget ${BUDGET_S}s)"

@@ -320,7 +320,7 @@ tar czf "$O/runs.tgz" -C "$O" runs 2>/dev/null
 # One block, kept apart from the cold-start steps above: decode tok/s and achieved bandwidth
 # at batch 1/8/32/64 with 0, 1 and N adapters (ranks 16, 64), the same decode rows again with
 # CUDA graphs (--cuda-graphs: graph vs eager tok/s), prefill TFLOP/s, the SGMV/BGMV
-# table, a per-op profile of decode steps at batch 1 and 32 (--op-profile), then the same model in transformers + PyTorch (eager: --eager, dynamic cache) when torch imports
+# table, a per-op profile of decode steps at batch 1 and 32 and of 128- and 2048-token prefills (--op-profile), then the same model in transformers + PyTorch (eager: --eager, dynamic cache) when torch imports
 # (THAW_PEER_PYTHON names its python; skipped with a note otherwise). Extra thaw-bench gpu
 # flags: THAW_GPU_BENCH_ARGS (e.g. "--peak-gbs 2976 --peak-tflops 798").
 if [ "${THAW_GPU_SKIP_29:-0}" = 1 ]; then
@@ -354,7 +354,7 @@ cat "$O/gpu-bench.md"
 if [ "$DEV" = cuda ]; then
   # shellcheck disable=SC2054  # the commas are thaw-bench's own list syntax
   OP_ARGS=(--device cuda --batches 1,32 --ranks 16 --decode-steps 4 --op-profile-steps 4
-    --prefill-tokens 128 --reps 1 --lora-batches 1 --lora-ranks 16) OP_T=$(cap 120 0)
+    --prefill-tokens 128,2048 --reps 1 --lora-batches 1 --lora-ranks 16) OP_T=$(cap 120 0)
 else
   OP_ARGS=(--device cpu --quick) OP_T=$(cap 60 0)
 fi

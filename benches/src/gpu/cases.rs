@@ -9,6 +9,7 @@ use anyhow::Context;
 use thaw_runtime::adapter::LoraAdapter;
 use thaw_runtime::backend::any::AnyBackend;
 use thaw_runtime::backend::device_counts::DeviceCounts;
+use thaw_runtime::backend::op_profile::OpSample;
 use thaw_runtime::backend::profiled::Profiled;
 use thaw_runtime::backend::{Backend, Device};
 use thaw_runtime::engine::{Engine, EngineConfig, HostModel, PlanItem, SequenceParams, StepPlan};
@@ -17,7 +18,8 @@ use thaw_runtime::model::ModelConfig;
 use thaw_runtime::residency::LinkModel;
 use thaw_server::gen::{self, GenAdaptersOptions, GenModelOptions};
 
-use super::op_profile::{profile_steps, OpProfileRun};
+use super::op_profile::{profile_step, profile_steps, OpProfileRun};
+use super::prefill_profile::PrefillOpRun;
 use super::roofline::{decode_traffic, model_matrix_elems, prefill_flops, ElemBytes, StepTraffic};
 use super::GpuArgs;
 
@@ -163,10 +165,13 @@ pub struct Measured {
     pub prefill: Vec<PrefillRow>,
     /// The eager decode rows' profiled steps (`--op-profile`).
     pub op_profiles: Vec<OpProfileRun>,
+    /// The prefill lengths' profiled steps (`--op-profile`).
+    pub prefill_op_profiles: Vec<PrefillOpRun>,
 }
 
 /// Runs the decode rows (eager, then with CUDA graphs when `--cuda-graphs` and the backend
-/// has them), then the prefill rows, on one engine.
+/// has them), then the prefill rows (each length's profiled prefills after its timed ones with
+/// `--op-profile`), on one engine.
 pub fn run(
     args: &GpuArgs,
     device: &Device,
@@ -291,26 +296,13 @@ pub fn run(
     }
     engine.set_cuda_graphs(false);
     let mut prefill = Vec::new();
+    let mut prefill_op_profiles = Vec::new();
     for &tokens in &args.prefill_tokens {
         let mut t = Vec::new();
         for rep in 0..=args.reps.max(1) {
-            let seq = SeqId(next_seq);
-            next_seq += 1;
-            engine.add_sequence(
-                seq,
-                SequenceParams {
-                    prompt: prompt(&config, tokens, seq.0),
-                    max_new_tokens: 2,
-                    ignore_eos: true,
-                    ..Default::default()
-                },
-            )?;
-            let t0 = Instant::now();
-            engine.step(&plan(&[seq], tokens))?;
-            let ms = t0.elapsed().as_secs_f64() * 1e3;
-            let _ = engine.remove_sequence(seq);
+            let (us, _) = prefill_step(&mut engine, &config, tokens, &mut next_seq, false)?;
             if rep > 0 {
-                t.push(ms);
+                t.push(us / 1e3);
             }
         }
         t.sort_by(f64::total_cmp);
@@ -319,13 +311,65 @@ pub fn run(
             ms: t[t.len() / 2],
             flops: prefill_flops(&config, tokens),
         });
+        // After the timed ones: each profiled prefill a fresh sequence.
+        let steps = args.profiled_steps();
+        if steps > 0 {
+            let (mut wall, mut samples) = (0.0, Vec::new());
+            for _ in 0..steps {
+                let (us, s) = prefill_step(&mut engine, &config, tokens, &mut next_seq, true)?;
+                wall += us;
+                samples.extend(s);
+            }
+            prefill_op_profiles.push(PrefillOpRun {
+                tokens,
+                steps,
+                step_us: wall / steps as f64,
+                samples,
+                act_elem: e.kv as f64,
+            });
+        }
     }
     Ok(Measured {
         decode,
         graph_decode,
         prefill,
         op_profiles,
+        prefill_op_profiles,
     })
+}
+
+/// One prefill of a fresh `tokens`-token sequence, then its removal: the step's wall µs and,
+/// `profiled`, its timed ops.
+fn prefill_step(
+    engine: &mut Engine<Profiled<AnyBackend>>,
+    config: &ModelConfig,
+    tokens: usize,
+    next_seq: &mut u64,
+    profiled: bool,
+) -> anyhow::Result<(f64, Vec<OpSample>)> {
+    let seq = SeqId(*next_seq);
+    *next_seq += 1;
+    engine.add_sequence(
+        seq,
+        SequenceParams {
+            prompt: prompt(config, tokens, seq.0),
+            max_new_tokens: 2,
+            ignore_eos: true,
+            ..Default::default()
+        },
+    )?;
+    let step = plan(&[seq], tokens);
+    let r = if profiled {
+        profile_step(engine, &step)
+    } else {
+        let t0 = Instant::now();
+        engine
+            .step(&step)
+            .map(|_| (t0.elapsed().as_secs_f64() * 1e6, Vec::new()))
+            .map_err(Into::into)
+    };
+    let _ = engine.remove_sequence(seq);
+    r
 }
 
 fn prompt(c: &ModelConfig, len: usize, seed: u64) -> Vec<u32> {

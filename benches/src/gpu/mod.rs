@@ -11,6 +11,8 @@
 //!    With each decode row, what the backend asked of the driver per step (`counts.rs`:
 //!    launches, allocations, copies, synchronisations; CUDA only).
 //! 4. Prefill TFLOP/s of one sequence at each `--prefill-tokens`.
+//! 5. With `--op-profile`, where a decode step's (`op_profile.rs`) and a prefill's
+//!    (`prefill_profile.rs`) time goes, per op class.
 //!
 //! Runs on any backend: `--device cuda` on the GPU machine; `--device cpu --quick` is a
 //! seconds-long run of the same code on the tiny preset (the test suite runs it). Tables only;
@@ -19,6 +21,7 @@ mod cases;
 mod counts;
 pub mod op_profile;
 mod peaks;
+pub mod prefill_profile;
 pub mod roofline;
 
 use std::fmt::Write;
@@ -91,7 +94,9 @@ pub struct GpuArgs {
     pub cuda_graphs: bool,
     /// After each eager decode row, profile `--op-profile-steps` more steps with every
     /// backend op timed (CUDA events on the compute stream; the wall clock on the CPU) and
-    /// print where a step's time goes, per op class.
+    /// print where a step's time goes, per op class; likewise after each prefill length's
+    /// timed prefills, `--op-profile-steps` more (linears and attention in TFLOP/s,
+    /// elementwise ops in GB/s).
     #[arg(long)]
     pub op_profile: bool,
     /// Steps each `--op-profile` table averages.
@@ -179,6 +184,8 @@ pub struct GpuReport {
     pub prefill: Vec<PrefillRow>,
     /// The eager decode rows' op profiles (`--op-profile`; empty otherwise).
     pub op_profiles: Vec<op_profile::OpProfileRun>,
+    /// The prefill rows' op profiles (`--op-profile`; empty otherwise).
+    pub prefill_op_profiles: Vec<prefill_profile::PrefillOpRun>,
     /// The model's shape (the op profile's weight bytes).
     pub config: thaw_runtime::model::ModelConfig,
 }
@@ -226,6 +233,7 @@ pub fn run(args: &GpuArgs) -> anyhow::Result<GpuReport> {
         graph_decode: m.graph_decode,
         prefill: m.prefill,
         op_profiles: m.op_profiles,
+        prefill_op_profiles: m.prefill_op_profiles,
         config,
     })
 }
@@ -291,6 +299,11 @@ pub fn table(args: &GpuArgs, r: &GpuReport) -> String {
     s.push_str(&counts::table(&r.decode, &r.graph_decode));
     if args.op_profile {
         s.push_str(&op_profile::table(&r.op_profiles, &r.config, p.gbs));
+        s.push_str(&prefill_profile::table(
+            &r.prefill_op_profiles,
+            &r.config,
+            p,
+        ));
     }
     let _ = writeln!(
         s,

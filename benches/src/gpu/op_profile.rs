@@ -7,7 +7,7 @@
 use std::time::Instant;
 
 use thaw_runtime::backend::any::AnyBackend;
-use thaw_runtime::backend::op_profile::{aggregate, OpClass, OpProfile, OpSample};
+use thaw_runtime::backend::op_profile::{aggregate, OpClass, OpProfile, OpSample, ProfileRow};
 use thaw_runtime::backend::profiled::Profiled;
 use thaw_runtime::engine::{Engine, StepPlan};
 use thaw_runtime::model::ModelConfig;
@@ -28,6 +28,21 @@ pub struct OpProfileRun {
     pub weight_elem: f64,
 }
 
+/// Runs one step of `plan` with every op timed: its wall µs (timers on) and its ops.
+pub fn profile_step(
+    engine: &mut Engine<Profiled<AnyBackend>>,
+    plan: &StepPlan,
+) -> anyhow::Result<(f64, Vec<OpSample>)> {
+    engine.backend().start();
+    let t0 = Instant::now();
+    let r = engine.step(plan);
+    let wall = t0.elapsed().as_secs_f64() * 1e6;
+    // Read (and stop) the recording before any error propagates.
+    let s = engine.backend().finish();
+    r?;
+    Ok((wall, s?))
+}
+
 /// Runs `steps` decode steps of `plan` with every op timed.
 pub fn profile_steps(
     engine: &mut Engine<Profiled<AnyBackend>>,
@@ -37,14 +52,9 @@ pub fn profile_steps(
     let mut samples = Vec::new();
     let mut wall = 0.0;
     for _ in 0..steps {
-        engine.backend().start();
-        let t0 = Instant::now();
-        let r = engine.step(plan);
-        wall += t0.elapsed().as_secs_f64() * 1e6;
-        // Read (and stop) the recording before any error propagates.
-        let s = engine.backend().finish();
-        r?;
-        samples.extend(s?);
+        let (us, s) = profile_step(engine, plan)?;
+        wall += us;
+        samples.extend(s);
     }
     Ok((wall / steps.max(1) as f64, samples))
 }
@@ -101,19 +111,12 @@ pub fn table(runs: &[OpProfileRun], c: &ModelConfig, peak_gbs: f64) -> String {
             (u + r.us, b + r.bytes.unwrap_or(0.0))
         });
         for row in &p.rows {
-            let _ = writeln!(
-                s,
-                "| {} | {:.0} | {:.1} | {:.1} | {:.1} | {:.1}% | {} | {} | {} |",
-                row.class.label(),
-                row.calls,
-                row.us,
-                row.host_us,
-                row.gap_us,
-                row.share,
+            let tail = [
                 row.bytes.map_or("-".into(), |b| format!("{:.1}", b / 1e6)),
                 row.gbs.map_or("-".into(), |g| format!("{g:.0}")),
-                row.roofline_pct.map_or("-".into(), |x| format!("{x:.0}%"))
-            );
+                row.roofline_pct.map_or("-".into(), |x| format!("{x:.0}%")),
+            ];
+            let _ = writeln!(s, "{}", table_row(row, &tail));
         }
         let gbs = if lin_us > 0.0 {
             lin_bytes / lin_us / 1e3
@@ -134,14 +137,33 @@ pub fn table(runs: &[OpProfileRun], c: &ModelConfig, peak_gbs: f64) -> String {
             gbs,
             gbs / peak_gbs * 100.0
         );
-        let _ = writeln!(
-            s,
-            "| outside ops (host: plan, sample; idle device) | - | {:.1} | - | - | {:.1}% | - | - | - |",
-            p.outside_us,
-            p.outside_us / p.step_us * 100.0
-        );
+        let _ = writeln!(s, "{}", outside_row(&p));
     }
     s
+}
+
+/// One op row of a profile table: the class, its calls, µs, host µs, gap µs and share of the
+/// step, then the table's own `tail` columns.
+pub fn table_row(row: &ProfileRow, tail: &[String]) -> String {
+    format!(
+        "| {} | {:.0} | {:.1} | {:.1} | {:.1} | {:.1}% | {} |",
+        row.class.label(),
+        row.calls,
+        row.us,
+        row.host_us,
+        row.gap_us,
+        row.share,
+        tail.join(" | ")
+    )
+}
+
+/// The row of the step time outside every op (a profile table of three tail columns).
+pub fn outside_row(p: &OpProfile) -> String {
+    format!(
+        "| outside ops (host: plan, sample; idle device) | - | {:.1} | - | - | {:.1}% | - | - | - |",
+        p.outside_us,
+        p.outside_us / p.step_us * 100.0
+    )
 }
 
 /// The checks of the quick run's profiles (`thaw-bench gpu --device cpu --quick --op-profile`,
@@ -159,30 +181,6 @@ pub(super) fn check_quick(r: &super::GpuReport) {
     for (run, d) in r.op_profiles.iter().zip(&r.decode) {
         assert_eq!((run.batch, run.mix), (d.batch, d.mix));
         let p = run.profile(c, r.peaks.gbs);
-        let calls = |class: OpClass| {
-            p.rows
-                .iter()
-                .find(|row| row.class == class)
-                .map_or(0.0, |row| row.calls)
-        };
-        let layers = c.num_layers as f64;
-        for m in LoraModule::ALL {
-            assert_eq!(calls(OpClass::Linear(m)), layers, "{m:?} in {run:?}");
-        }
-        assert_eq!(calls(OpClass::Rope), 2.0 * layers);
-        assert_eq!(calls(OpClass::Attention), layers);
-        assert_eq!(calls(OpClass::Swiglu), layers);
-        // Every layer's post-attention norm and every next layer's input norm; the first
-        // input norm and the final norm stand alone; the last residual add too.
-        assert_eq!(calls(OpClass::AddRmsNorm), 2.0 * layers - 1.0);
-        assert_eq!(calls(OpClass::RmsNorm), 2.0);
-        assert_eq!(calls(OpClass::ResidualAdd), 1.0);
-        assert_eq!(calls(OpClass::Embed), 1.0);
-        assert_eq!(calls(OpClass::Gather), 1.0);
-        // The bench's rows are greedy without logprobs: the step brings back token ids
-        // (`Backend::greedy_ids`), not logits.
-        assert_eq!(calls(OpClass::LmHeadIds), 1.0);
-        assert_eq!(calls(OpClass::LmHeadLogits), 0.0);
         // With adapter rows the forward asks every module of every layer for its deltas (the
         // backend skips modules no adapter targets); without, none.
         let lora = if d.mix == Mix::Base {
@@ -190,19 +188,7 @@ pub(super) fn check_quick(r: &super::GpuReport) {
         } else {
             (LoraModule::ALL.len() * c.num_layers) as f64
         };
-        assert_eq!(calls(OpClass::Lora), lora, "{:?}", d.mix);
-        for row in &p.rows {
-            assert!(row.us.is_finite() && row.us >= 0.0, "{row:?}");
-            // One wall clock on the CPU: issuing an op takes no longer than the op.
-            assert!(
-                row.host_us >= 0.0 && row.host_us <= row.us + 1e-3,
-                "{row:?}"
-            );
-            assert!(row.gap_us.is_finite() && row.gap_us >= 0.0, "{row:?}");
-            if let Some(g) = row.gbs {
-                assert!(g.is_finite() && g > 0.0, "{row:?}");
-            }
-        }
+        check_calls(&p, c, lora);
         // The linears read their weights: q_proj's bytes are hidden × q_dim elements a layer.
         let q = p
             .rows
@@ -210,19 +196,76 @@ pub(super) fn check_quick(r: &super::GpuReport) {
             .find(|row| row.class == OpClass::Linear(LoraModule::Q))
             .and_then(|row| row.bytes)
             .unwrap();
-        let want = layers * (c.hidden_size * c.q_dim()) as f64 * run.weight_elem;
+        let want = c.num_layers as f64 * (c.hidden_size * c.q_dim()) as f64 * run.weight_elem;
         assert!((q - want).abs() <= 1e-9 * want, "{q} vs {want}");
-        // The op timers nest inside the step's (one monotonic clock on the CPU): the rows
-        // never sum past the step, and the time outside every op (planning, sampling, the
-        // wrapper's own timers) stays under half of it.
-        assert!(p.ops_us() <= p.step_us * (1.0 + 1e-9), "{p:?}");
-        assert!(
-            p.ops_us() >= 0.5 * p.step_us,
-            "ops {} of {} µs",
-            p.ops_us(),
-            p.step_us
-        );
+    }
+    // One prefill profile per prefill length: the same forward over the prompt's rows, base
+    // model (no adapter deltas).
+    let tokens: Vec<usize> = r.prefill.iter().map(|f| f.tokens).collect();
+    let profiled: Vec<usize> = r.prefill_op_profiles.iter().map(|p| p.tokens).collect();
+    assert_eq!(profiled, tokens, "one prefill profile per prefill row");
+    for run in &r.prefill_op_profiles {
+        check_calls(&run.profile(), c, 0.0);
     }
     let t = super::table(&super::GpuArgs::quick_profiled(), r);
-    assert_eq!(t.matches("### Op profile").count(), r.decode.len());
+    assert_eq!(
+        t.matches("### Op profile").count(),
+        r.decode.len() + r.prefill.len()
+    );
+    super::prefill_profile::check_table(&t, r);
+}
+
+/// The calls per step of a quick run's profile (a decode step or a prefill: the same forward
+/// over one or many rows): every op class the forward calls, `lora` adapter deltas, and every
+/// row's figures finite.
+#[cfg(test)]
+fn check_calls(p: &OpProfile, c: &ModelConfig, lora: f64) {
+    use thaw_runtime::adapter::LoraModule;
+    let calls = |class: OpClass| {
+        p.rows
+            .iter()
+            .find(|row| row.class == class)
+            .map_or(0.0, |row| row.calls)
+    };
+    let layers = c.num_layers as f64;
+    for m in LoraModule::ALL {
+        assert_eq!(calls(OpClass::Linear(m)), layers, "{m:?}");
+    }
+    assert_eq!(calls(OpClass::Rope), 2.0 * layers);
+    assert_eq!(calls(OpClass::Attention), layers);
+    assert_eq!(calls(OpClass::Swiglu), layers);
+    // Every layer's post-attention norm and every next layer's input norm; the first
+    // input norm and the final norm stand alone; the last residual add too.
+    assert_eq!(calls(OpClass::AddRmsNorm), 2.0 * layers - 1.0);
+    assert_eq!(calls(OpClass::RmsNorm), 2.0);
+    assert_eq!(calls(OpClass::ResidualAdd), 1.0);
+    assert_eq!(calls(OpClass::Embed), 1.0);
+    assert_eq!(calls(OpClass::Gather), 1.0);
+    // The bench's rows are greedy without logprobs: the step brings back token ids
+    // (`Backend::greedy_ids`), not logits.
+    assert_eq!(calls(OpClass::LmHeadIds), 1.0);
+    assert_eq!(calls(OpClass::LmHeadLogits), 0.0);
+    assert_eq!(calls(OpClass::Lora), lora);
+    // The op timers nest inside the step's (one monotonic clock on the CPU): the rows
+    // never sum past the step, and the time outside every op (planning, sampling, the
+    // wrapper's own timers) stays under half of it.
+    assert!(p.ops_us() <= p.step_us * (1.0 + 1e-9), "{p:?}");
+    assert!(
+        p.ops_us() >= 0.5 * p.step_us,
+        "ops {} of {} µs",
+        p.ops_us(),
+        p.step_us
+    );
+    for row in &p.rows {
+        assert!(row.us.is_finite() && row.us >= 0.0, "{row:?}");
+        // One wall clock on the CPU: issuing an op takes no longer than the op.
+        assert!(
+            row.host_us >= 0.0 && row.host_us <= row.us + 1e-3,
+            "{row:?}"
+        );
+        assert!(row.gap_us.is_finite() && row.gap_us >= 0.0, "{row:?}");
+        if let Some(g) = row.gbs {
+            assert!(g.is_finite() && g > 0.0, "{row:?}");
+        }
+    }
 }

@@ -72,14 +72,20 @@ pub fn decode_traffic(
     }
 }
 
+/// FLOPs of one layer's causal attention over a `tokens`-token prefill: QKᵀ and PV over the
+/// `t(t+1)/2` visible pairs, every head, 2 FLOPs a multiply-add each.
+pub fn prefill_attention_flops(c: &ModelConfig, tokens: usize) -> f64 {
+    let t = tokens as f64;
+    4.0 * (t * (t + 1.0) / 2.0) * (c.num_heads * c.head_dim) as f64
+}
+
 /// FLOPs of one sequence's prefill of `tokens` tokens: the projections (2 per weight per
 /// token), causal attention (QKᵀ and PV over the `t(t+1)/2` visible pairs, 2 FLOPs a
 /// multiply-add each) and one row of logits.
 pub fn prefill_flops(c: &ModelConfig, tokens: usize) -> f64 {
     let t = tokens as f64;
     let proj = 2.0 * t * (c.num_layers * layer_linear_params(c)) as f64;
-    let pairs = t * (t + 1.0) / 2.0;
-    let attn = 4.0 * pairs * (c.num_layers * c.num_heads * c.head_dim) as f64;
+    let attn = c.num_layers as f64 * prefill_attention_flops(c, tokens);
     let logits = 2.0 * (c.vocab_size * c.hidden_size) as f64;
     proj + attn + logits
 }
