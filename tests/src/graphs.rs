@@ -1,8 +1,12 @@
 //! The decode driver the CUDA-graph tests share (`tests/tests/graph_padding.rs` on the CPU,
 //! `cuda_parity/graphs.rs` on the GPU): the same requests through an engine with graphs on and
 //! one with graphs off must give the same greedy tokens.
+use std::sync::Arc;
+
+use thaw_runtime::adapter::LoraAdapter;
+use thaw_runtime::backend::cpu::CpuBackend;
 use thaw_runtime::backend::Backend;
-use thaw_runtime::engine::{Engine, PlanItem, SequenceParams, StepPlan};
+use thaw_runtime::engine::{Engine, EngineConfig, HostModel, PlanItem, SequenceParams, StepPlan};
 use thaw_runtime::ids::{AdapterId, SeqId};
 use thaw_runtime::sampling::SamplingParams;
 
@@ -85,4 +89,27 @@ pub fn prompts(n: usize, vocab: usize, seed: u64) -> Vec<Vec<u32>> {
                 .collect()
         })
         .collect()
+}
+
+/// A CPU engine over `model` with `adapters` registered as ids 0, 1, …; with `graphs`, CUDA
+/// graphs on (buckets up to 8) and the backend emulating them, so a decode step is padded to
+/// its bucket as on a GPU.
+pub fn emulated_engine(
+    model: &HostModel,
+    adapters: &[Arc<LoraAdapter>],
+    graphs: bool,
+) -> Engine<CpuBackend> {
+    let mut b = CpuBackend::new(&model.config);
+    b.set_graph_emulation(graphs);
+    let cfg = EngineConfig {
+        cuda_graphs: graphs,
+        cuda_graph_max_bs: Some(8),
+        max_batch_seqs: 16,
+        ..Default::default()
+    };
+    let mut e = Engine::new(b, model.clone(), cfg).unwrap();
+    for (i, a) in adapters.iter().enumerate() {
+        e.register_adapter(AdapterId(i as u32), a.clone()).unwrap();
+    }
+    e
 }

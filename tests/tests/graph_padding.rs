@@ -11,25 +11,13 @@ use std::sync::Arc;
 
 use thaw_runtime::adapter::LoraAdapter;
 use thaw_runtime::backend::cpu::CpuBackend;
-use thaw_runtime::engine::{Engine, EngineConfig, GraphStats, HostModel, PlanItem, StepPlan};
-use thaw_runtime::ids::{AdapterId, SeqId};
+use thaw_runtime::engine::{Engine, GraphStats, HostModel, PlanItem, StepPlan};
+use thaw_runtime::ids::SeqId;
 use thaw_tests::graphs::{decode_batch, prompts, Decoded};
 use thaw_tests::{rel_err, TestModel};
 
 fn engine(model: &HostModel, adapters: &[Arc<LoraAdapter>], graphs: bool) -> Engine<CpuBackend> {
-    let mut b = CpuBackend::new(&model.config);
-    b.set_graph_emulation(graphs);
-    let cfg = EngineConfig {
-        cuda_graphs: graphs,
-        cuda_graph_max_bs: Some(8),
-        max_batch_seqs: 16,
-        ..Default::default()
-    };
-    let mut e = Engine::new(b, model.clone(), cfg).unwrap();
-    for (i, a) in adapters.iter().enumerate() {
-        e.register_adapter(AdapterId(i as u32), a.clone()).unwrap();
-    }
-    e
+    thaw_tests::graphs::emulated_engine(model, adapters, graphs)
 }
 
 fn who(batch: usize) -> Vec<Option<u32>> {

@@ -10,8 +10,7 @@ use std::sync::Arc;
 
 use thaw_runtime::adapter::LoraAdapter;
 use thaw_runtime::backend::cpu::CpuBackend;
-use thaw_runtime::engine::{Engine, EngineConfig, HostModel};
-use thaw_runtime::ids::AdapterId;
+use thaw_runtime::engine::{Engine, HostModel};
 use thaw_runtime::sampling::SamplingParams;
 use thaw_tests::graphs::prompts;
 use thaw_tests::greedy::{generate, token_ids};
@@ -23,20 +22,9 @@ fn engine(
     graphs: bool,
     ids: bool,
 ) -> Engine<CpuBackend> {
-    let mut b = CpuBackend::new(&model.config);
-    b.set_graph_emulation(graphs);
-    let cfg = EngineConfig {
-        cuda_graphs: graphs,
-        cuda_graph_max_bs: Some(8),
-        max_batch_seqs: 16,
-        ..Default::default()
-    };
-    let mut e = Engine::new(b, model.clone(), cfg).unwrap();
+    let mut e = thaw_tests::graphs::emulated_engine(model, adapters, graphs);
     e.set_greedy_ids(ids);
     assert_eq!(e.greedy_ids(), ids);
-    for (i, a) in adapters.iter().enumerate() {
-        e.register_adapter(AdapterId(i as u32), a.clone()).unwrap();
-    }
     e
 }
 
