@@ -82,6 +82,18 @@ pub struct SampledToken {
     pub top: Vec<(u32, f32)>,
 }
 
+impl SampledToken {
+    /// Token `id` sampled for a request that asked for no logprobs: no log-probability, no
+    /// alternatives (what [`Sampler::sample`] returns then, and the engine's greedy-ids path).
+    pub fn without_logprobs(id: u32) -> Self {
+        Self {
+            id,
+            logprob: f32::NAN,
+            top: Vec::new(),
+        }
+    }
+}
+
 /// Per-sequence sampler state: the request's parameters and its private random stream.
 #[derive(Clone, Debug)]
 pub struct Sampler {
@@ -118,11 +130,7 @@ impl Sampler {
             self.draw(logits, s)
         };
         if !self.params.wants_logprobs() {
-            return SampledToken {
-                id,
-                logprob: f32::NAN,
-                top: Vec::new(),
-            };
+            return SampledToken::without_logprobs(id);
         }
         score_token(logits, id, self.params.top_logprobs, s)
     }

@@ -14,7 +14,7 @@
 //! On by default on every backend (the CPU backend's op is [`crate::sampling::argmax`] over the
 //! logits it computed anyway); `THAW_GREEDY_IDS=0` (read when an engine is created) or
 //! [`super::Engine::set_greedy_ids`] turns it off, for A/B runs.
-use crate::sampling::{SampledToken, SamplingParams};
+use crate::sampling::SamplingParams;
 
 /// The variable that turns greedy ids off (`0`) for engines created after it is set.
 pub const GREEDY_IDS_ENV: &str = "THAW_GREEDY_IDS";
@@ -65,16 +65,6 @@ pub fn step_fetch(
     }
 }
 
-/// The token a greedy row without logprobs samples when its argmax is `id`: what
-/// [`crate::sampling::Sampler::sample`] returns for it (no log-probability, no alternatives).
-pub fn greedy_token(id: u32) -> SampledToken {
-    SampledToken {
-        id,
-        logprob: f32::NAN,
-        top: Vec::new(),
-    }
-}
-
 /// Whether engines created now take greedy ids ([`GREEDY_IDS_ENV`] not `0`).
 pub fn enabled_by_env() -> bool {
     !thaw_kernels::cpu::switched_off(GREEDY_IDS_ENV)
@@ -104,7 +94,7 @@ mod tests {
     use rand_chacha::ChaCha8Rng;
 
     use super::*;
-    use crate::sampling::{argmax, Sampler, SamplerScratch};
+    use crate::sampling::{argmax, SampledToken, Sampler, SamplerScratch};
 
     #[test]
     fn fetch_edges() {
@@ -149,7 +139,7 @@ mod tests {
         }
 
         /// For any sampling settings a row that needs no logits samples, step after step,
-        /// exactly the token [`greedy_token`] builds from the row's argmax, and leaves its
+        /// exactly `SampledToken::without_logprobs` of the row's argmax, and leaves its
         /// sampler where sampling would (the next draws agree): the substitution is exact.
         #[test]
         fn a_row_without_logits_samples_its_argmax(
@@ -182,7 +172,7 @@ mod tests {
                     })
                     .collect();
                 let t = sampled.sample(&row, &mut sc);
-                let g = greedy_token(argmax(&row));
+                let g = SampledToken::without_logprobs(argmax(&row));
                 prop_assert_eq!(t.id, g.id);
                 prop_assert!(t.logprob.is_nan() && g.logprob.is_nan());
                 prop_assert_eq!(&t.top, &g.top);

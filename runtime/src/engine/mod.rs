@@ -886,7 +886,7 @@ impl<B: Backend> Engine<B> {
             );
             let token = if ids {
                 debug_assert!(!greedy::row_needs_logits(s.sampler.params()));
-                greedy::greedy_token(self.ids[i])
+                crate::sampling::SampledToken::without_logprobs(self.ids[i])
             } else {
                 s.sampler.sample(row, &mut self.sampler_scratch)
             };
