@@ -1,6 +1,7 @@
 //! `thaw-bench gpu`'s table of driver calls per decode step (issue 29): for each decode row
 //! (eager, and with CUDA graphs where they ran), what the backend asked of the driver on its
-//! compute stream per timed step — kernel launches, cuBLAS products, graph launches,
+//! compute stream per timed step — kernel launches, cuBLAS products (and of those the cuBLASLt
+//! ones, with the `add_bias` launches their bias epilogue saved), graph launches,
 //! allocations, host → device copies and bytes, device → host copies, synchronisations
 //! ([`DeviceCounts`]). A steady-state eager step should allocate nothing and upload a few
 //! hundred bytes of metadata in a handful of copies; a replayed graph step launches one graph.
@@ -25,16 +26,18 @@ pub fn table(eager: &[DecodeRow], graph: &[DecodeRow]) -> String {
         s.push_str("not counted: this backend keeps no driver counts\n");
         return s;
     }
-    s.push_str("| mode | batch | adapters | launches | cuBLAS | graphs | allocs | alloc KB | H→D copies | H→D bytes | D→H copies | syncs |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+    s.push_str("| mode | batch | adapters | launches | cuBLAS | of which Lt | bias epilogues | graphs | allocs | alloc KB | H→D copies | H→D bytes | D→H copies | syncs |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
     for (mode, r, c) in rows {
         let p = |v: u64| v as f64 / r.steps.max(1) as f64;
         let _ = writeln!(
             s,
-            "| {mode} | {} | {} | {:.1} | {:.1} | {:.1} | {:.2} | {:.1} | {:.1} | {:.0} | {:.1} | {:.1} |",
+            "| {mode} | {} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.2} | {:.1} | {:.1} | {:.0} | {:.1} | {:.1} |",
             r.batch,
             r.mix.label(),
             p(c.launches),
             p(c.gemms),
+            p(c.lt_products),
+            p(c.bias_epilogues),
             p(c.graph_launches),
             p(c.allocs),
             p(c.alloc_bytes) / 1024.0,
@@ -70,6 +73,8 @@ mod tests {
         let c = DeviceCounts {
             launches: 400,
             gemms: 28,
+            lt_products: 20,
+            bias_epilogues: 8,
             htod: 12,
             htod_bytes: 600,
             syncs: 4,
@@ -85,12 +90,14 @@ mod tests {
         let t = table(&[row(1, Some(c)), row(8, None)], &[row(1, Some(g))]);
         assert!(
             t.contains(
-                "| eager | 1 | 0 | 100.0 | 7.0 | 0.0 | 0.00 | 0.0 | 3.0 | 150 | 0.0 | 1.0 |"
+                "| eager | 1 | 0 | 100.0 | 7.0 | 5.0 | 2.0 | 0.0 | 0.00 | 0.0 | 3.0 | 150 | 0.0 | 1.0 |"
             ),
             "{t}"
         );
         assert!(
-            t.contains("| graph | 1 | 0 | 0.0 | 0.0 | 1.0 | 0.00 | 0.0 | 1.0 | 0 | 1.0 | 1.0 |"),
+            t.contains(
+                "| graph | 1 | 0 | 0.0 | 0.0 | 0.0 | 0.0 | 1.0 | 0.00 | 0.0 | 1.0 | 0 | 1.0 | 1.0 |"
+            ),
             "{t}"
         );
         assert!(!t.contains("| eager | 8 |"), "a row without counts");

@@ -13,8 +13,12 @@
 pub struct DeviceCounts {
     /// Kernels launched by the backend itself (`cuLaunchKernel`).
     pub launches: u64,
-    /// cuBLAS products (each may launch one or more kernels of its own).
+    /// cuBLAS products (each may launch one or more kernels of its own), cuBLASLt's included.
     pub gemms: u64,
+    /// Of those, the products run through cuBLASLt (`THAW_CUDA_CUBLASLT=1`).
+    pub lt_products: u64,
+    /// cuBLASLt products whose epilogue added the bias: `add_bias` launches saved.
+    pub bias_epilogues: u64,
     /// CUDA graphs launched (a replayed decode step is one).
     pub graph_launches: u64,
     /// Device allocations, and their bytes.
@@ -37,6 +41,8 @@ impl DeviceCounts {
         DeviceCounts {
             launches: d(self.launches, earlier.launches),
             gemms: d(self.gemms, earlier.gemms),
+            lt_products: d(self.lt_products, earlier.lt_products),
+            bias_epilogues: d(self.bias_epilogues, earlier.bias_epilogues),
             graph_launches: d(self.graph_launches, earlier.graph_launches),
             allocs: d(self.allocs, earlier.allocs),
             alloc_bytes: d(self.alloc_bytes, earlier.alloc_bytes),
@@ -49,10 +55,12 @@ impl DeviceCounts {
     }
 
     /// Every count with its name, in table order.
-    pub fn fields(&self) -> [(&'static str, u64); 10] {
+    pub fn fields(&self) -> [(&'static str, u64); 12] {
         [
             ("kernel launches", self.launches),
             ("cuBLAS products", self.gemms),
+            ("of which cuBLASLt", self.lt_products),
+            ("bias epilogues (add_bias launches saved)", self.bias_epilogues),
             ("graph launches", self.graph_launches),
             ("device allocations", self.allocs),
             ("allocated bytes", self.alloc_bytes),
@@ -65,7 +73,7 @@ impl DeviceCounts {
     }
 
     /// Each count divided by `steps` (at least 1): per-step means for a table.
-    pub fn per_step(&self, steps: usize) -> [(&'static str, f64); 10] {
+    pub fn per_step(&self, steps: usize) -> [(&'static str, f64); 12] {
         let n = steps.max(1) as f64;
         self.fields().map(|(name, v)| (name, v as f64 / n))
     }
@@ -76,33 +84,36 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
-    fn counts(v: [u64; 10]) -> DeviceCounts {
+    fn counts(v: [u64; 12]) -> DeviceCounts {
         DeviceCounts {
             launches: v[0],
             gemms: v[1],
-            graph_launches: v[2],
-            allocs: v[3],
-            alloc_bytes: v[4],
-            htod: v[5],
-            htod_bytes: v[6],
-            dtoh: v[7],
-            dtoh_bytes: v[8],
-            syncs: v[9],
+            lt_products: v[2],
+            bias_epilogues: v[3],
+            graph_launches: v[4],
+            allocs: v[5],
+            alloc_bytes: v[6],
+            htod: v[7],
+            htod_bytes: v[8],
+            dtoh: v[9],
+            dtoh_bytes: v[10],
+            syncs: v[11],
         }
     }
 
     #[test]
     fn fields_name_every_count_once_in_order() {
-        let c = counts([1, 2, 3, 4, 5, 6, 7, 8, 9, 10]);
+        let c = counts([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]);
         let values: Vec<u64> = c.fields().iter().map(|f| f.1).collect();
-        assert_eq!(values, (1..=10).collect::<Vec<u64>>());
+        assert_eq!(values, (1..=12).collect::<Vec<u64>>());
         let mut names: Vec<&str> = c.fields().iter().map(|f| f.0).collect();
         names.sort_unstable();
         names.dedup();
-        assert_eq!(names.len(), 10);
+        assert_eq!(names.len(), 12);
         let per = c.per_step(4);
         assert_eq!(per[0], ("kernel launches", 0.25));
-        assert_eq!(per[9], ("host synchronisations", 2.5));
+        assert_eq!(per[2], ("of which cuBLASLt", 0.75));
+        assert_eq!(per[11], ("host synchronisations", 3.0));
         assert_eq!(c.per_step(0)[1].1, 2.0, "zero steps divide by one");
     }
 
@@ -111,8 +122,8 @@ mod tests {
         /// earlier snapshot taken as the later one gives zeros, never a wrap.
         #[test]
         fn since_is_the_difference_of_running_totals(
-            start in proptest::array::uniform10(0u64..1 << 40),
-            delta in proptest::array::uniform10(0u64..1 << 20),
+            start in proptest::array::uniform12(0u64..1 << 40),
+            delta in proptest::array::uniform12(0u64..1 << 20),
         ) {
             let a = counts(start);
             let b = counts(std::array::from_fn(|i| start[i] + delta[i]));

@@ -29,6 +29,7 @@
 //! | products of at most 8 rows as a GEMV over f32 activations (no cast, no cuBLAS) | [`GEMV_ENV`] | `1` |
 //! | q/k/v (and gate/up) LoRA as one shrink + one expand launch over slices | [`LORA_SLICES_ENV`] | `1` |
 //! | decode attention split to fill the GPU, 4 keys' loads in flight a warp (`attention_split_ilp.cu`) | [`ATTN_OCCUPANCY_ENV`] | `1` |
+//! | products through cuBLASLt, the bias in its epilogue (`lt_plan`) | [`CUBLASLT_ENV`] | `1` |
 use std::fmt;
 
 use thaw_kernels::cuda::decode_plan::{MIN_CHUNK, OCC_MIN_CHUNK};
@@ -100,6 +101,12 @@ pub const LORA_SLICES_ENV: &str = "THAW_CUDA_LORA_SLICES";
 /// flash-decoding and `attention.cu`'s decode, in eager steps and in CUDA graphs (a split count
 /// fixed per captured bucket, each row using the splits its context allows).
 pub const ATTN_OCCUPANCY_ENV: &str = "THAW_CUDA_ATTN_OCCUPANCY";
+
+/// Products through cuBLASLt (`cublasLtMatmul`, bf16/f16 in, f32 compute) with a cached
+/// heuristic algorithm per shape bucket and the bias added by its epilogue instead of a separate
+/// `add_bias` launch ([`lt_plan`](super::lt_plan)): `1` or `0` (the default until a GPU parity
+/// run proves it). The small-batch GEMV ([`GEMV_ENV`]) keeps the products it serves.
+pub const CUBLASLT_ENV: &str = "THAW_CUDA_CUBLASLT";
 
 /// The occupancy plan's shortest chunk from [`SPLIT_MIN_CHUNK_ENV`]'s value: unset, empty or
 /// `auto`: [`OCC_MIN_CHUNK`] (32 positions); a positive integer sets it (as for the fixed plan,
@@ -265,6 +272,16 @@ pub const LORA_SLICES: Switch = Switch {
     off: "0",
     new: "one launch pair over slices",
     classic: "a launch pair per module",
+    default_new: false,
+};
+
+/// Products through cuBLASLt with its bias epilogue.
+pub const CUBLASLT: Switch = Switch {
+    env: CUBLASLT_ENV,
+    on: "1",
+    off: "0",
+    new: "cuBLASLt, bias in its epilogue",
+    classic: "cublasGemmEx + add_bias",
     default_new: false,
 };
 
@@ -555,6 +572,7 @@ pub struct OptInPlan {
     pub gemv: Choice,
     pub lora_slices: Choice,
     pub attn_occupancy: Choice,
+    pub cublaslt: Choice,
 }
 
 impl OptInPlan {
@@ -572,10 +590,12 @@ impl OptInPlan {
             lora_slices: LORA_SLICES.choose(&value(LORA_SLICES.env), None)?,
             attn_occupancy: ATTN_OCCUPANCY
                 .choose(&value(ATTN_OCCUPANCY.env), split_unserved(head_dim))?,
+            // Served for every product it is given (`lt_plan::plan` refuses only empty ones).
+            cublaslt: CUBLASLT.choose(&value(CUBLASLT.env), None)?,
         })
     }
 
-    fn rows(&self) -> [(&'static str, Switch, &Choice); 7] {
+    fn rows(&self) -> [(&'static str, Switch, &Choice); 8] {
         [
             ("q/k/v and gate/up products", GROUP_GEMM, &self.group_gemm),
             ("RoPE", ROPE_FOLD, &self.rope_fold),
@@ -584,6 +604,7 @@ impl OptInPlan {
             ("products of few rows", GEMV, &self.gemv),
             ("LoRA of q/k/v and gate/up", LORA_SLICES, &self.lora_slices),
             ("decode attention", ATTN_OCCUPANCY, &self.attn_occupancy),
+            ("products", CUBLASLT, &self.cublaslt),
         ]
     }
 }

@@ -27,6 +27,7 @@ pub mod device_counts;
 pub mod graph_plan;
 pub mod greedy;
 pub mod kernel_select;
+pub mod lt_plan;
 pub mod op_profile;
 pub mod profiled;
 pub use graph_plan::{GraphKey, GraphPhase};

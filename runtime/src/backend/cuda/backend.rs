@@ -14,7 +14,7 @@ use thaw_kernels::cpu::{KvLayout, RopeTable};
 
 use super::encode::encode;
 use super::launch::dptr;
-use super::launch::{AttnShape, Gpu};
+use super::launch::{AttnShape, EpilogueBias, Gpu};
 use super::step::{AttnMeta, DevVec, LoraMeta};
 use super::upload::CudaDst;
 use super::upload::{CudaCopy, LayerLanding};
@@ -470,11 +470,9 @@ impl CudaBackend {
         rows: usize,
         out: &mut CudaSlice<f32>,
     ) -> Result<(), CudaError> {
-        self.linear_view(x, &w.w.view(), rows, w.d_in, w.d_out, out)?;
-        if let Some(b) = &w.bias {
-            self.gpu.add_bias(out, b, rows, w.d_out)?;
-        }
-        Ok(())
+        let eb = self.epilogue_bias(x, w, rows);
+        self.linear_view_bias(x, &w.w.view(), rows, w.d_in, w.d_out, out, eb)?;
+        self.add_bias_unless_fused(w, eb, rows, out)
     }
 
     /// The tag of `x16` after a linear read `x_len` values of `x` and wrote `out_len` of `out`:
@@ -512,14 +510,31 @@ impl CudaBackend {
         d_out: usize,
         out: &mut CudaSlice<f32>,
     ) -> Result<(), CudaError> {
+        self.linear_view_bias(x, w, rows, d_in, d_out, out, None)
+    }
+
+    /// [`CudaBackend::linear_view`] with `bias` added by cuBLASLt's epilogue (made by
+    /// [`CudaBackend::epilogue_bias`], so only where cuBLASLt runs the product).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn linear_view_bias(
+        &mut self,
+        x: &CudaSlice<f32>,
+        w: &CudaView<'_, u8>,
+        rows: usize,
+        d_in: usize,
+        d_out: usize,
+        out: &mut CudaSlice<f32>,
+        bias: Option<EpilogueBias>,
+    ) -> Result<(), CudaError> {
         let tag = self.x16_tag.take();
         if self.gpu.gemv_linear(x, w, rows, d_in, d_out, out)? {
+            debug_assert!(bias.is_none(), "the GEMV goes first (lt_plan::product_path)");
             return Ok(());
         }
         let served = tag.is_some_and(|t| t.serves(self.gpu.p(x), rows * d_in, self.ops));
         match (&self.x16, served) {
-            (Some(x16), true) => self.gpu.linear_from_x16(x16, w, rows, d_in, d_out, out),
-            _ => (self.gpu).linear(x, w, rows, d_in, d_out, out, &mut self.x16),
+            (Some(x16), true) => self.gpu.linear_from_x16(x16, w, rows, d_in, d_out, out, bias),
+            _ => (self.gpu).linear(x, w, rows, d_in, d_out, out, &mut self.x16, bias),
         }
     }
 
@@ -874,6 +889,7 @@ impl Backend for CudaBackend {
         let s = &self.gpu.stream;
         Ok(CudaLinear {
             w: WeightBytes::own(upload_bytes(s, &encode(&w, dt))?),
+            bias32: self.lt_bias(bias.as_deref())?,
             bias: bias.map(|b| upload_bytes(s, &encode(&b, dt))).transpose()?,
             d_out,
             d_in,
@@ -896,6 +912,7 @@ impl Backend for CudaBackend {
         let s = &self.gpu.stream;
         Ok(CudaLinear {
             w: WeightBytes::own(upload_bytes(s, bytes)?),
+            bias32: self.lt_bias(bias.as_deref())?,
             bias: bias.map(|b| upload_bytes(s, &encode(&b, dt))).transpose()?,
             d_out,
             d_in,

@@ -16,6 +16,8 @@ use crate::backend::device_counts::DeviceCounts;
 pub(super) struct Counters {
     launches: AtomicU64,
     gemms: AtomicU64,
+    lt_products: AtomicU64,
+    bias_epilogues: AtomicU64,
     graph_launches: AtomicU64,
     allocs: AtomicU64,
     alloc_bytes: AtomicU64,
@@ -33,6 +35,13 @@ impl Counters {
 
     pub fn gemm(&self) {
         self.gemms.fetch_add(1, Relaxed);
+    }
+
+    /// A cuBLASLt product (also counted in [`Counters::gemm`]); `bias`: its epilogue added
+    /// the bias, one `add_bias` launch saved.
+    pub fn lt_product(&self, bias: bool) {
+        self.lt_products.fetch_add(1, Relaxed);
+        self.bias_epilogues.fetch_add(u64::from(bias), Relaxed);
     }
 
     pub fn graph_launch(&self) {
@@ -62,6 +71,8 @@ impl Counters {
         DeviceCounts {
             launches: self.launches.load(Relaxed),
             gemms: self.gemms.load(Relaxed),
+            lt_products: self.lt_products.load(Relaxed),
+            bias_epilogues: self.bias_epilogues.load(Relaxed),
             graph_launches: self.graph_launches.load(Relaxed),
             allocs: self.allocs.load(Relaxed),
             alloc_bytes: self.alloc_bytes.load(Relaxed),

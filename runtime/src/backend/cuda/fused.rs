@@ -199,6 +199,7 @@ impl Gpu {
         d_in: usize,
         d_out: usize,
         out: &mut CudaSlice<f32>,
+        bias: Option<super::launch::EpilogueBias>,
     ) -> Result<(), CudaError> {
         use cudarc::cublas::sys::cudaDataType;
         let a_type = match self.weight_dtype {
@@ -221,7 +222,7 @@ impl Gpu {
         if rows == 0 {
             return Ok(());
         }
-        self.gemm(a_type, self.p(x16), w, rows, d_in, d_out, out)
+        self.gemm(a_type, self.p(x16), w, rows, d_in, d_out, out, bias)
     }
 
     /// Whether the SwiGLU + cast kernel is loaded (16-bit weights, fused on).

@@ -104,6 +104,7 @@ impl CudaBackend {
             .map(|((w, _), r)| CudaLinear {
                 w: WeightBytes::shared(&buf, r),
                 bias: None,
+                bias32: None,
                 d_out: w.rows(),
                 d_in: w.cols(),
             })
@@ -163,10 +164,10 @@ impl CudaBackend {
             let gemv = self.gpu.gemv_takes(x, &w.w.view(), rows, w.d_in, w.d_out);
             match (&self.x16, cast && !gemv) {
                 (Some(x16), true) => {
-                    (self.gpu).linear_from_x16(x16, &w.w.view(), rows, w.d_in, w.d_out, o)?;
-                    if let Some(b) = &w.bias {
-                        self.gpu.add_bias(o, b, rows, w.d_out)?;
-                    }
+                    let eb = self.epilogue_bias(x, w, rows);
+                    let view = w.w.view();
+                    (self.gpu).linear_from_x16(x16, &view, rows, w.d_in, w.d_out, o, eb)?;
+                    self.add_bias_unless_fused(w, eb, rows, o)?;
                 }
                 _ => {
                     self.try_linear(x, w, rows, o)?;

@@ -30,6 +30,11 @@ pub(super) fn blocks(n: usize, per: u32, cap: u32) -> u32 {
     (n.div_ceil(per as usize) as u32).clamp(1, cap)
 }
 
+/// The device address of an f32 bias of `d_out` values that cuBLASLt's epilogue adds to a
+/// product (made only where cuBLASLt runs it: `CudaBackend::epilogue_bias`).
+#[derive(Copy, Clone, Debug)]
+pub(super) struct EpilogueBias(pub u64);
+
 /// The kernels one backend launches, resolved once for its weight and KV dtypes.
 struct Kernels {
     embed: CudaFunction,
@@ -153,6 +158,8 @@ pub(super) struct Gpu {
     /// The occupancy-planned decode attention (`attn_occupancy.rs`, opt-in); when loaded it
     /// runs eager steps' decode instead of `flash` or `attention.cu`.
     pub occupancy: Option<super::attn_occupancy::OccupancyDecode>,
+    /// Products through cuBLASLt, bias in its epilogue (`lt.rs`, opt-in); `None` = GemmEx.
+    pub lt: Option<super::lt::Lt>,
 }
 
 impl Gpu {
@@ -184,6 +191,7 @@ impl Gpu {
             gemv: None,
             slices: None,
             occupancy: None,
+            lt: None,
             ctx,
             stream,
             blas,
@@ -324,8 +332,9 @@ impl Gpu {
         }
     }
 
-    /// out[rows, d_out] = x[rows, d_in] · Wᵀ with W `[d_out, d_in]` of the weight dtype, f32
-    /// accumulation. For 16-bit weights x is first cast into `x16` (grown as needed).
+    /// out[rows, d_out] = x[rows, d_in] · Wᵀ (+ `bias`) with W `[d_out, d_in]` of the weight
+    /// dtype, f32 accumulation. For 16-bit weights x is first cast into `x16` (grown as needed).
+    /// `bias` is an f32 bias cuBLASLt's epilogue adds ([`Gpu::gemm`]).
     #[allow(clippy::too_many_arguments)]
     pub fn linear(
         &self,
@@ -336,6 +345,7 @@ impl Gpu {
         d_out: usize,
         out: &mut CudaSlice<f32>,
         x16: &mut Option<CudaSlice<u16>>,
+        bias: Option<EpilogueBias>,
     ) -> Result<(), CudaError> {
         assert!(
             x.len() >= rows * d_in && out.len() >= rows * d_out,
@@ -348,36 +358,54 @@ impl Gpu {
         if rows == 0 {
             return Ok(());
         }
-        let (a_type, b_ptr) = match &self.k.cast_x {
-            None => (blas_sys::cudaDataType::CUDA_R_32F, self.p(x)),
-            Some(cast) => {
-                let n = rows * d_in;
-                // SAFETY: the cast below writes all n elements.
-                let xb = unsafe { self.x16_ptr(x16, n) }?;
-                // SAFETY: cast_f32_to_{bf16,f16}(const float*, T*, long); x holds n f32 and
-                // x16 at least n 16-bit elements.
-                unsafe {
-                    launch!(
-                        self,
-                        cast,
-                        (blocks(n, 256, 4096), 1, 1),
-                        256,
-                        [self.p(x), xb, n as i64]
-                    )
-                }?;
-                let t = if self.weight_dtype == DType::Bf16 {
-                    blas_sys::cudaDataType::CUDA_R_16BF
-                } else {
-                    blas_sys::cudaDataType::CUDA_R_16F
-                };
-                (t, xb)
-            }
+        let (a_type, b_ptr) = match self.weight_dtype {
+            DType::F32 => (blas_sys::cudaDataType::CUDA_R_32F, self.p(x)),
+            DType::Bf16 => (
+                blas_sys::cudaDataType::CUDA_R_16BF,
+                self.cast_x16(x, rows * d_in, x16)?,
+            ),
+            DType::F16 => (
+                blas_sys::cudaDataType::CUDA_R_16F,
+                self.cast_x16(x, rows * d_in, x16)?,
+            ),
         };
-        self.gemm(a_type, b_ptr, w, rows, d_in, d_out, out)
+        self.gemm(a_type, b_ptr, w, rows, d_in, d_out, out, bias)
+    }
+
+    /// Casts the first `n` values of `x` to the (16-bit) weight dtype into `x16` (grown as
+    /// needed); its device address. Err for f32 weights (nothing to cast to).
+    pub(super) fn cast_x16(
+        &self,
+        x: &CudaSlice<f32>,
+        n: usize,
+        x16: &mut Option<CudaSlice<u16>>,
+    ) -> Result<u64, CudaError> {
+        let Some(cast) = &self.k.cast_x else {
+            return Err(CudaError::Unsupported(
+                "f32 weights take no 16-bit input".into(),
+            ));
+        };
+        assert!(x.len() >= n, "cast_x16: x too small");
+        // SAFETY: the cast below writes all n elements.
+        let xb = unsafe { self.x16_ptr(x16, n) }?;
+        // SAFETY: cast_f32_to_{bf16,f16}(const float*, T*, long); x holds n f32 (checked) and
+        // x16 at least n 16-bit elements (grown above).
+        unsafe {
+            launch!(
+                self,
+                cast,
+                (blocks(n, 256, 4096), 1, 1),
+                256,
+                [self.p(x), xb, n as i64]
+            )
+        }?;
+        Ok(xb)
     }
 
     /// The cuBLAS product of [`Gpu::linear`]: out[rows, d_out] = B[rows, d_in] · Wᵀ with B at
-    /// device address `b_ptr` of `a_type` (the weight dtype's, or f32 for f32 weights).
+    /// device address `b_ptr` of `a_type` (the weight dtype's, or f32 for f32 weights). With
+    /// cuBLASLt on (`lt.rs`) it runs there, `bias` added by its epilogue; otherwise through
+    /// `cublasGemmEx`, and `bias` must be `None` (only cuBLASLt's callers make one).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn gemm(
         &self,
@@ -388,7 +416,21 @@ impl Gpu {
         d_in: usize,
         d_out: usize,
         out: &mut CudaSlice<f32>,
+        bias: Option<EpilogueBias>,
     ) -> Result<(), CudaError> {
+        if let Some(lt) = &self.lt {
+            let o = super::lt::LtOut {
+                ptr: self.p(out),
+                dtype: DType::F32,
+            };
+            let bias = bias.map(|b| b.0);
+            return self.lt_product(lt, b_ptr, w, rows, d_in, d_out, o, bias);
+        }
+        if bias.is_some() {
+            return Err(CudaError::Unsupported(
+                "a bias epilogue without cuBLASLt (set THAW_CUDA_CUBLASLT=1)".into(),
+            ));
+        }
         let (alpha, beta) = (1.0f32, 0.0f32);
         self.counters.gemm();
         // Row-major y = x·Wᵀ is column-major yᵀ = W·xᵀ: W read column-major is [d_in, d_out]

@@ -3,7 +3,7 @@
 //! export / merge against the mapped exchange segment; layer-wise adapter streaming through
 //! the upload pipeline ([`crate::upload`]) on a copy stream of its own.
 //!
-//! cudarc loads libcuda, libnvrtc and libcublas at run time, so this builds with no CUDA
+//! cudarc loads libcuda, libnvrtc, libcublas (and libcublasLt, when asked for) at run time, so this builds with no CUDA
 //! installed; [`cuda_available`] checks for the driver before any CUDA call (cudarc panics on
 //! a missing library otherwise).
 //!
@@ -19,6 +19,7 @@
 //! | `group.rs` | q/k/v and gate/up placed as one matrix at load and run as one product (opt-in: `THAW_CUDA_GROUP_GEMM=1`) |
 //! | `wide.rs` | wide RMSNorm / add + RMSNorm / RoPE (opt-in: `THAW_CUDA_WIDE_NORM=1`), RoPE folded into the KV write (opt-in: `THAW_CUDA_ROPE_FOLD=1`) |
 //! | `launch.rs` | every raw CUDA call: launches, cuBLAS, stream waits, host registration |
+//! | `lt.rs` | products through cuBLASLt with a cached heuristic algorithm per shape bucket, the bias in its epilogue (opt-in: `THAW_CUDA_CUBLASLT=1`); its raw cuBLASLt calls |
 //! | `op_clock.rs` | events on the compute stream that time each op of a profiled step (`thaw-bench gpu --op-profile`) |
 //! | `backend.rs` | [`CudaBackend`]: the trait ops |
 //! | `counters.rs` | running counts of launches, allocations, copies and synchronisations ([`CudaBackend::device_counts`]) |
@@ -37,10 +38,10 @@
 //! f32 KV cache, a head_dim other than 32/64/128 or a device below compute capability 8.0 for
 //! the tensor-core prefill); its off value always picks the classic one; an explicit on value
 //! the backend cannot serve is an error that says what to set. Tests and benchmarks switch at
-//! run time with `set_attn_impl`, `set_tc_prefill`, `set_lora_impl` and `set_fused`. Seven more
+//! run time with `set_attn_impl`, `set_tc_prefill`, `set_lora_impl` and `set_fused`. Eight more
 //! are opt-in (off unless `1`) until a GPU parity run proves them:
 //! [`OptInPlan`], switched with `set_group_gemm`, `set_rope_fold`, `set_wide`, `set_gemv`,
-//! `set_device_argmax`, `set_lora_slices` and `set_attn_occupancy`.
+//! `set_device_argmax`, `set_lora_slices`, `set_attn_occupancy` and `set_cublaslt`.
 mod argmax;
 mod attn_occupancy;
 mod attn_prefill_tc;
@@ -56,6 +57,7 @@ mod group;
 mod launch;
 mod link;
 mod lora_slices;
+mod lt;
 mod op_clock;
 mod select;
 mod sgmv;
@@ -65,7 +67,7 @@ mod weights;
 mod wide;
 
 pub use super::kernel_select::{
-    AttnImpl, KernelPlan, LoraImpl, OptInPlan, ATTN_IMPL_ENV, ATTN_OCCUPANCY_ENV,
+    AttnImpl, KernelPlan, LoraImpl, OptInPlan, ATTN_IMPL_ENV, ATTN_OCCUPANCY_ENV, CUBLASLT_ENV,
     DEVICE_ARGMAX_ENV, FUSED_ENV, GEMV_ENV, GROUP_GEMM_ENV, LORA_IMPL_ENV, LORA_SLICES_ENV,
     ROPE_FOLD_ENV, SPLIT_MIN_CHUNK_ENV, TC_PREFILL_ENV, WIDE_ENV,
 };

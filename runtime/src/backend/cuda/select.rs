@@ -86,6 +86,14 @@ impl CudaBackend {
             tracing::info!("CUDA occupancy decode: chunks of at least {floor} positions");
             self.gpu.occupancy = Some(OccupancyDecode::load(&self.gpu, kv, floor)?);
         }
+        if opt_in.cublaslt.is_new() {
+            let lt = super::lt::Lt::new(&self.gpu)?;
+            tracing::info!(
+                "CUDA cuBLASLt products: {} MiB workspace",
+                lt.workspace_len() >> 20
+            );
+            self.gpu.lt = Some(lt);
+        }
         Ok(())
     }
 
@@ -100,6 +108,7 @@ impl CudaBackend {
             gemv: pick(self.gpu.gemv.is_some()),
             lora_slices: pick(self.gpu.slices.is_some()),
             attn_occupancy: pick(self.gpu.occupancy.is_some()),
+            cublaslt: pick(self.gpu.lt.is_some()),
         }
     }
 

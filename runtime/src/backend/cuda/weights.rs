@@ -68,6 +68,8 @@ impl WeightBytes {
 pub struct CudaLinear {
     pub(super) w: WeightBytes,
     pub(super) bias: Option<CudaSlice<u8>>,
+    /// The bias in f32 for cuBLASLt's epilogue (`lt.rs`): made at load while it is on.
+    pub(super) bias32: Option<CudaSlice<f32>>,
     pub d_out: usize,
     pub d_in: usize,
 }
