@@ -10,6 +10,7 @@
 //! cargo run --release -p thaw-runtime --features cuda --example cuda_bench -- --attn   # attention only
 //! cargo run --release -p thaw-runtime --features cuda --example cuda_bench -- --gemv   # GEMV only
 //! cargo run --release -p thaw-runtime --features cuda --example cuda_bench -- --lora-slices
+//! cargo run --release -p thaw-runtime --features cuda --example cuda_bench -- --lt     # cuBLASLt only
 //! ```
 //!
 //! `--attn`: only issue 29's attention tables, full size: decode attention (classic vs
@@ -20,8 +21,12 @@
 //!
 //! `--lora-slices`: only the q/k/v and gate/up LoRA table (`slices.rs`): a launch pair per
 //! module against the opt-in one pair per group at rows 1, 16 and 64, ranks 16 and 64.
+//!
+//! `--lt`: only the products table (`lt.rs`): `cublasGemmEx` against the opt-in cuBLASLt
+//! products (bias in the epilogue) at rows 1, 8, 32, 128 and 2048 on Llama-7B's shapes.
 mod decode_attn;
 mod gemv;
+mod lt;
 mod prefill;
 mod prefill_attn;
 mod slices;
@@ -286,6 +291,9 @@ fn main() -> Res<()> {
     if std::env::args().any(|a| a == "--lora-slices") {
         return slices::slices_table(smoke);
     }
+    if std::env::args().any(|a| a == "--lt") {
+        return lt::lt_table(smoke);
+    }
     if std::env::args().any(|a| a == "--gemv") {
         let mut g = CudaBackend::new(&model_config(1)?, &CudaConfig::default())?;
         let peak = d2d_peak(&mut g)?;
@@ -305,6 +313,7 @@ fn main() -> Res<()> {
         decode_attn::decode_attn_table(smoke && !attn_only, peak)?;
         if !attn_only {
             gemv::gemv_table(smoke, peak)?;
+            lt::lt_table(smoke)?;
         }
     }
     prefill_attn::prefill_attn_table(smoke && !attn_only)?;

@@ -60,7 +60,10 @@ impl DeviceCounts {
             ("kernel launches", self.launches),
             ("cuBLAS products", self.gemms),
             ("of which cuBLASLt", self.lt_products),
-            ("bias epilogues (add_bias launches saved)", self.bias_epilogues),
+            (
+                "bias epilogues (add_bias launches saved)",
+                self.bias_epilogues,
+            ),
             ("graph launches", self.graph_launches),
             ("device allocations", self.allocs),
             ("allocated bytes", self.alloc_bytes),

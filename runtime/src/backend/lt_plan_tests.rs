@@ -39,8 +39,20 @@ fn buckets_are_powers_of_two_at_or_above_the_rows() {
 #[test]
 fn the_workspace_is_32_mib_on_hopper_and_newer_and_4_mib_before() {
     assert_eq!(workspace_bytes(GpuArch::SM90), 32 * 1024 * 1024);
-    assert_eq!(workspace_bytes(GpuArch { major: 10, minor: 0 }), 32 << 20);
-    assert_eq!(workspace_bytes(GpuArch { major: 12, minor: 0 }), 32 << 20);
+    assert_eq!(
+        workspace_bytes(GpuArch {
+            major: 10,
+            minor: 0
+        }),
+        32 << 20
+    );
+    assert_eq!(
+        workspace_bytes(GpuArch {
+            major: 12,
+            minor: 0
+        }),
+        32 << 20
+    );
     assert_eq!(workspace_bytes(GpuArch::SM80), 4 * 1024 * 1024);
     assert_eq!(workspace_bytes(GpuArch { major: 8, minor: 9 }), 4 << 20);
     assert_eq!(workspace_bytes(GpuArch { major: 7, minor: 5 }), 4 << 20);

@@ -528,12 +528,17 @@ impl CudaBackend {
     ) -> Result<(), CudaError> {
         let tag = self.x16_tag.take();
         if self.gpu.gemv_linear(x, w, rows, d_in, d_out, out)? {
-            debug_assert!(bias.is_none(), "the GEMV goes first (lt_plan::product_path)");
+            debug_assert!(
+                bias.is_none(),
+                "the GEMV goes first (lt_plan::product_path)"
+            );
             return Ok(());
         }
         let served = tag.is_some_and(|t| t.serves(self.gpu.p(x), rows * d_in, self.ops));
         match (&self.x16, served) {
-            (Some(x16), true) => self.gpu.linear_from_x16(x16, w, rows, d_in, d_out, out, bias),
+            (Some(x16), true) => self
+                .gpu
+                .linear_from_x16(x16, w, rows, d_in, d_out, out, bias),
             _ => (self.gpu).linear(x, w, rows, d_in, d_out, out, &mut self.x16, bias),
         }
     }

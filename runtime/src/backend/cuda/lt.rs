@@ -104,12 +104,7 @@ unsafe fn set_desc<T>(
 ) -> Result<(), CudaError> {
     // SAFETY: forwarded (see `# Safety`); `v` is read for size_of::<T>() bytes.
     unsafe {
-        lt::set_matmul_desc_attribute(
-            desc,
-            attr,
-            v as *const T as *const c_void,
-            size_of::<T>(),
-        )
+        lt::set_matmul_desc_attribute(desc, attr, v as *const T as *const c_void, size_of::<T>())
     }?;
     Ok(())
 }
@@ -334,13 +329,8 @@ impl Gpu {
         let (alpha, beta) = (1.0f32, 0.0f32);
         let ws = self.p(&lt.workspace);
         // SAFETY: the entry's descriptors are live (owned by the cache, whose lock we hold, so
-        // no other product changes them between these calls). The layouts describe W (d_out ×
-        // d_in of the weight dtype), B (rows × d_in, the same dtype) and D (rows × d_out of
-        // out.dtype) once their column count is set to `rows`; the callers checked those
-        // buffers hold that many elements. The bias, when the key's epilogue is BIAS, holds
-        // d_out values of D's type (the callers'). beta = 0, so C (= D) is not read. The
-        // workspace is ours, of the size the preference told the heuristic; the handle's
-        // products are ordered on our compute stream.
+        // no other product changes them between these calls); B's and D's column count is
+        // uint64_t, BIAS_POINTER a device pointer.
         unsafe {
             set_cols(entry.b, rows as u64)?;
             set_cols(entry.d, rows as u64)?;
@@ -351,25 +341,57 @@ impl Gpu {
                     &b,
                 )?;
             }
-            lt::matmul(
-                lt.handle,
-                entry.desc,
-                &alpha as *const f32 as *const c_void,
-                &beta as *const f32 as *const c_void,
-                w_ptr as *const c_void,
-                entry.a,
-                b_ptr as *const c_void,
-                entry.b,
-                out.ptr as *const c_void,
-                entry.d,
-                out.ptr as *mut c_void,
-                entry.d,
-                &entry.algo,
-                ws as *mut c_void,
-                lt.workspace.len(),
-                self.stream.cu_stream() as lsys::cudaStream_t,
-            )
-        }?;
+        }
+        // The bucket's algorithm, or (where cuBLASLt refuses it for these exact rows, before
+        // enqueueing anything) none: cuBLASLt then runs its own heuristic for this call.
+        let mut result = Ok(());
+        for algo in [
+            &entry.algo as *const lsys::cublasLtMatmulAlgo_t,
+            std::ptr::null(),
+        ] {
+            // SAFETY: the layouts describe W (d_out × d_in of the weight dtype), B (rows × d_in,
+            // the same dtype) and D (rows × d_out of out.dtype); the callers checked those
+            // buffers hold that many elements. The bias, when the key's epilogue is BIAS, holds
+            // d_out values of D's type (the callers'). beta = 0, so C (= D) is not read. The
+            // workspace is ours, of the size the preference told the heuristic; `algo` is the
+            // entry's (live while the lock is held) or null; the products are ordered on our
+            // compute stream.
+            result = unsafe {
+                lt::matmul(
+                    lt.handle,
+                    entry.desc,
+                    &alpha as *const f32 as *const c_void,
+                    &beta as *const f32 as *const c_void,
+                    w_ptr as *const c_void,
+                    entry.a,
+                    b_ptr as *const c_void,
+                    entry.b,
+                    out.ptr as *const c_void,
+                    entry.d,
+                    out.ptr as *mut c_void,
+                    entry.d,
+                    algo,
+                    ws as *mut c_void,
+                    lt.workspace.len(),
+                    self.stream.cu_stream() as lsys::cudaStream_t,
+                )
+            };
+            let refused = matches!(
+                result,
+                Err(lt::CublasError(
+                    lsys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED
+                        | lsys::cublasStatus_t::CUBLAS_STATUS_INVALID_VALUE
+                ))
+            );
+            if !refused {
+                break;
+            }
+            tracing::debug!(
+                "cuBLASLt refused the cached algorithm for {rows} rows of {:?}",
+                p.key
+            );
+        }
+        result?;
         self.counters.gemm();
         self.counters.lt_product(bias.is_some());
         Ok(())
@@ -379,7 +401,10 @@ impl Gpu {
 impl CudaBackend {
     /// The f32 copy of a bias the epilogue reads, uploaded while cuBLASLt is on (None
     /// otherwise, or without a bias).
-    pub(super) fn lt_bias(&self, bias: Option<&[f32]>) -> Result<Option<CudaSlice<f32>>, CudaError> {
+    pub(super) fn lt_bias(
+        &self,
+        bias: Option<&[f32]>,
+    ) -> Result<Option<CudaSlice<f32>>, CudaError> {
         match (bias, &self.gpu.lt) {
             (Some(b), Some(_)) if !b.is_empty() => {
                 let v = lt_bias_values(b, self.gpu.weight_dtype);
@@ -441,6 +466,29 @@ impl CudaBackend {
         self.gpu.lt.as_ref().map_or(0, |l| {
             l.cache.lock().unwrap_or_else(|e| e.into_inner()).len()
         })
+    }
+
+    /// A zeroed device buffer of `n` 16-bit values (the output of [`CudaBackend::lt_linear_x16`]).
+    pub fn alloc_x16(&self, n: usize) -> Result<CudaSlice<u16>> {
+        Ok(self.gpu.alloc_zeros::<u16>(n.max(1))?)
+    }
+
+    /// The first `n` values of a buffer of the weight's 16-bit dtype, widened to f32
+    /// (synchronises the compute stream).
+    pub fn download_x16(&self, b: &CudaSlice<u16>, n: usize) -> Result<Vec<f32>> {
+        let mut raw = vec![0u16; n];
+        if n > 0 {
+            self.gpu.dtoh(&b.slice(..n), &mut raw[..])?;
+        }
+        self.gpu.sync()?;
+        let dt = self.gpu.weight_dtype;
+        Ok(raw
+            .into_iter()
+            .map(|v| match dt {
+                DType::F16 => half::f16::from_bits(v).to_f32(),
+                _ => half::bf16::from_bits(v).to_f32(),
+            })
+            .collect())
     }
 
     /// `out[rows, d_out] = x · Wᵀ (+ bias)` with D in the weight's 16-bit dtype (the output a
