@@ -1,5 +1,5 @@
 //! Every raw CUDA call of the backend: kernel launches, cuBLAS, stream memory operations, host
-//! memory registration. Everything above this module uses the safe methods of [`Gpu`], which
+//! memory registration (cuBLASLt's, opt-in, are in `lt.rs`). Everything above this module uses the safe methods of [`Gpu`], which
 //! check buffer sizes against the shapes they are given before launching.
 //!
 //! Launch arguments are passed by value exactly as the `extern "C"` signatures in
@@ -30,10 +30,15 @@ pub(super) fn blocks(n: usize, per: u32, cap: u32) -> u32 {
     (n.div_ceil(per as usize) as u32).clamp(1, cap)
 }
 
-/// The device address of an f32 bias of `d_out` values that cuBLASLt's epilogue adds to a
-/// product (made only where cuBLASLt runs it: `CudaBackend::epilogue_bias`).
+/// A product's bias for cuBLASLt's epilogue (made only where cuBLASLt runs the product:
+/// `CudaBackend::epilogue_bias`): the device addresses of its `d_out` values in f32 (what the
+/// epilogue of an f32 output reads) and as stored in the weight dtype (what `add_bias` reads,
+/// should cuBLASLt refuse the epilogue for the shape).
 #[derive(Copy, Clone, Debug)]
-pub(super) struct EpilogueBias(pub u64);
+pub(super) struct EpilogueBias {
+    pub f32: u64,
+    pub stored: u64,
+}
 
 /// The kernels one backend launches, resolved once for its weight and KV dtypes.
 struct Kernels {
@@ -277,17 +282,34 @@ impl Gpu {
         d: usize,
     ) -> Result<(), CudaError> {
         assert!(
-            y.len() >= rows * d && bias.len() >= d * self.weight_dtype.size(),
-            "add_bias: buffers too small"
+            bias.len() >= d * self.weight_dtype.size(),
+            "add_bias: bias too small"
         );
-        // SAFETY: add_bias_T(float*, const T*, int, int); sizes checked above.
+        // SAFETY: `bias` holds d values of the weight dtype (checked).
+        unsafe { self.add_bias_at(y, self.p(bias), rows, d) }
+    }
+
+    /// y[r, :] += the `d` weight-dtype values at device address `bias`.
+    ///
+    /// # Safety
+    /// `bias` points at `d` values of the weight dtype, live until the launch completes.
+    pub(super) unsafe fn add_bias_at(
+        &self,
+        y: &mut CudaSlice<f32>,
+        bias: u64,
+        rows: usize,
+        d: usize,
+    ) -> Result<(), CudaError> {
+        assert!(y.len() >= rows * d, "add_bias: buffers too small");
+        // SAFETY: add_bias_T(float*, const T*, int, int); y holds rows × d f32 (checked), bias
+        // d values of T (this function's contract).
         unsafe {
             launch!(
                 self,
                 &self.k.add_bias,
                 (blocks(rows * d, 256, 4096), 1, 1),
                 256,
-                [self.p(y), self.p(bias), int(rows, "rows"), int(d, "d")]
+                [self.p(y), bias, int(rows, "rows"), int(d, "d")]
             )
         }
     }
@@ -423,8 +445,13 @@ impl Gpu {
                 ptr: self.p(out),
                 dtype: DType::F32,
             };
-            let bias = bias.map(|b| b.0);
-            return self.lt_product(lt, b_ptr, w, rows, d_in, d_out, o, bias);
+            let added = self.lt_product(lt, b_ptr, w, rows, d_in, d_out, o, bias.map(|b| b.f32))?;
+            if let (Some(b), false) = (bias, added) {
+                // SAFETY: `stored` is the product's bias as uploaded (d_out weight-dtype values),
+                // owned by the weight the caller holds.
+                unsafe { self.add_bias_at(out, b.stored, rows, d_out) }?;
+            }
+            return Ok(());
         }
         if bias.is_some() {
             return Err(CudaError::Unsupported(

@@ -31,7 +31,7 @@
 //!
 //! Numerics: the same operands as `cublasGemmEx` (the activations' 16-bit cast, the stored
 //! weights), f32 accumulation: results differ from it only by the algorithm's summation order.
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::ffi::c_void;
 use std::ptr::null_mut;
 use std::sync::Mutex;
@@ -126,12 +126,20 @@ unsafe fn set_cols(layout: lsys::cublasLtMatrixLayout_t, cols: u64) -> Result<()
     Ok(())
 }
 
+/// The descriptor sets built, and the bias-epilogue keys cuBLASLt found no algorithm for (their
+/// products run the default epilogue and `add_bias`; asked once per key).
+#[derive(Default)]
+struct Cache {
+    entries: HashMap<LtKey, Entry>,
+    refused: HashSet<LtKey>,
+}
+
 /// The handle, the workspace, the heuristic preference and the descriptor cache.
 pub(crate) struct Lt {
     handle: lsys::cublasLtHandle_t,
     pref: lsys::cublasLtMatmulPreference_t,
     workspace: CudaSlice<u8>,
-    cache: Mutex<HashMap<LtKey, Entry>>,
+    cache: Mutex<Cache>,
 }
 
 // SAFETY: the handle and preference are only used under `&self` with the cache's mutex held
@@ -148,6 +156,7 @@ impl Drop for Lt {
         self.cache
             .get_mut()
             .unwrap_or_else(|e| e.into_inner())
+            .entries
             .clear();
         // SAFETY: created in `Lt::new`, destroyed once, here; null when creation failed.
         unsafe {
@@ -179,7 +188,7 @@ impl Lt {
             handle: null_mut(),
             pref: null_mut(),
             workspace,
-            cache: Mutex::new(HashMap::new()),
+            cache: Mutex::new(Cache::default()),
         };
         me.handle = lt::create_handle()?;
         me.pref = lt::create_matmul_pref()?;
@@ -261,7 +270,12 @@ impl Lt {
         // SAFETY: every descriptor above is live and describes the product's operands.
         let h = unsafe {
             lt::get_matmul_algo_heuristic(self.handle, desc, e.a, e.b, e.d, e.d, self.pref)
-        }?;
+        }
+        .map_err(|err| match err.0 {
+            // cudarc's answer to no algorithm returned (or one whose state is this).
+            lsys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED => CudaError::LtNoAlgorithm,
+            _ => err.into(),
+        })?;
         e.algo = h.algo;
         debug_assert!(h.workspaceSize <= self.workspace.len());
         Ok(e)
@@ -294,7 +308,9 @@ pub(super) struct LtOut {
 impl Gpu {
     /// D[rows, d_out] = B[rows, d_in] · Wᵀ (+ bias) through cuBLASLt: B at `b_ptr` in the weight
     /// dtype (its cast, or f32 for f32 weights), `bias` (D's dtype, `d_out` values) added by the
-    /// epilogue. The callers checked the buffers against the shape; `lt` is this Gpu's.
+    /// epilogue. The callers checked the buffers against the shape; `lt` is this Gpu's. Whether
+    /// the bias was added: false where cuBLASLt has no algorithm with the bias epilogue for the
+    /// shape (the product then ran with the default one; the caller adds the bias).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn lt_product(
         &self,
@@ -306,21 +322,47 @@ impl Gpu {
         d_out: usize,
         out: LtOut,
         bias: Option<u64>,
-    ) -> Result<(), CudaError> {
+    ) -> Result<bool, CudaError> {
         let w_ptr = self.p(w);
-        let p = plan(&LtShape {
+        let shape = |bias: bool| LtShape {
             rows,
             d_in,
             d_out,
             weight: self.weight_dtype,
-            bias: bias.is_some(),
+            bias,
             out: out.dtype,
             addrs: [w_ptr, b_ptr, out.ptr],
-        })
-        .map_err(|why| CudaError::Unsupported(format!("cuBLASLt cannot run {why}")))?;
+        };
+        let why = |why| CudaError::Unsupported(format!("cuBLASLt cannot run {why}"));
+        let mut p = plan(&shape(bias.is_some())).map_err(why)?;
         debug_assert!(bias.is_none() || bias_dtype(out.dtype) == out.dtype);
-        let mut cache = lt.cache.lock().unwrap_or_else(|e| e.into_inner());
-        let entry = match cache.entry(p.key) {
+        let mut guard = lt.cache.lock().unwrap_or_else(|e| e.into_inner());
+        let cache = &mut *guard;
+        let mut bias = bias;
+        if bias.is_some() && !cache.entries.contains_key(&p.key) {
+            let refused = cache.refused.contains(&p.key)
+                || match lt.build(&p.key, bias.unwrap_or(0)) {
+                    Ok(e) => {
+                        cache.entries.insert(p.key, e);
+                        false
+                    }
+                    Err(CudaError::LtNoAlgorithm) => {
+                        tracing::warn!(
+                            "cuBLASLt has no algorithm with the bias epilogue for {:?}; its \
+                             products add the bias with a separate kernel",
+                            p.key
+                        );
+                        cache.refused.insert(p.key);
+                        true
+                    }
+                    Err(e) => return Err(e),
+                };
+            if refused {
+                bias = None;
+                p = plan(&shape(false)).map_err(why)?;
+            }
+        }
+        let entry = match cache.entries.entry(p.key) {
             std::collections::hash_map::Entry::Occupied(o) => o.into_mut(),
             std::collections::hash_map::Entry::Vacant(v) => {
                 v.insert(lt.build(&p.key, bias.unwrap_or(0))?)
@@ -394,7 +436,7 @@ impl Gpu {
         result?;
         self.counters.gemm();
         self.counters.lt_product(bias.is_some());
-        Ok(())
+        Ok(bias.is_some())
     }
 }
 
@@ -423,10 +465,12 @@ impl CudaBackend {
         w: &CudaLinear,
         rows: usize,
     ) -> Option<EpilogueBias> {
-        let b = w.bias32.as_ref()?;
+        let (b32, stored) = (w.bias32.as_ref()?, w.bias.as_ref()?);
         let gemv = self.gpu.gemv_takes(x, &w.w.view(), rows, w.d_in, w.d_out);
-        (product_path(gemv, self.gpu.lt.is_some()) == ProductPath::Lt)
-            .then(|| EpilogueBias(self.gpu.p(b)))
+        (product_path(gemv, self.gpu.lt.is_some()) == ProductPath::Lt).then(|| EpilogueBias {
+            f32: self.gpu.p(b32),
+            stored: self.gpu.p(stored),
+        })
     }
 
     /// `add_bias` of `w`'s bias into `out`, unless `fused` says the epilogue added it.
@@ -464,7 +508,11 @@ impl CudaBackend {
     /// Descriptor sets cached (one per shape bucket, dtypes, epilogue and alignments seen).
     pub fn cublaslt_cached(&self) -> usize {
         self.gpu.lt.as_ref().map_or(0, |l| {
-            l.cache.lock().unwrap_or_else(|e| e.into_inner()).len()
+            l.cache
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .entries
+                .len()
         })
     }
 
@@ -524,8 +572,13 @@ impl CudaBackend {
             dtype: dt,
         };
         let view = w.w.view();
-        self.gpu
-            .lt_product(lt, b_ptr, &view, rows, w.d_in, w.d_out, o, bias)?;
+        let added = (self.gpu).lt_product(lt, b_ptr, &view, rows, w.d_in, w.d_out, o, bias)?;
+        if bias.is_some() && !added {
+            return Err(CudaError::Unsupported(format!(
+                "cuBLASLt has no bias epilogue for this {dt:?}-output shape"
+            ))
+            .into());
+        }
         Ok(())
     }
 }

@@ -95,6 +95,12 @@ pub enum CudaError {
     Compile(#[from] thaw_kernels::cuda::CompileError),
     #[error("{0}")]
     Unsupported(String),
+    /// cuBLASLt's heuristic found no algorithm for a product's descriptors (`lt.rs`).
+    #[error(
+        "cuBLASLt found no algorithm for a product; set THAW_CUDA_CUBLASLT=0 to run products \
+         through cublasGemmEx"
+    )]
+    LtNoAlgorithm,
 }
 
 impl From<cudarc::cublas::result::CublasError> for CudaError {
