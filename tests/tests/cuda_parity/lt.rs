@@ -92,7 +92,10 @@ fn lt_matches_gemm_ex_and_the_cpu_oracle() {
             let bias = rounded(&rand_vec(&mut rng, d_out, 0.5), dt);
             let x = rand_vec(&mut rng, max_rows * d_in, 1.0);
             let xr = rounded(&x, dt);
-            let xg = g.upload_f32(&x).unwrap();
+            // One copy of x per run: a linear right after one over the same input reads that
+            // one's 16-bit cast (the backend's X16Tag), so each run gets its own input and
+            // casts it, and the launch counts below compare like with like.
+            let xs = [g.upload_f32(&x).unwrap(), g.upload_f32(&x).unwrap()];
             for with_bias in [false, true] {
                 let b = with_bias.then(|| bias.clone());
                 let lc = cpu
@@ -106,13 +109,13 @@ fn lt_matches_gemm_ex_and_the_cpu_oracle() {
                     let what = format!("lt {d_in}->{d_out} rows {rows} bias {with_bias}");
                     // GemmEx (+ add_bias), then cuBLASLt, f32 out.
                     let mut runs = Vec::new();
-                    for on in [false, true] {
+                    for (on, xg) in [false, true].into_iter().zip(&xs) {
                         if g.cublaslt() != on {
                             g.set_cublaslt(on).unwrap();
                         }
                         let mut y = g.alloc(rows * d_out).unwrap();
                         let before = g.device_counts();
-                        g.linear(&xg, &lg, rows, &mut y);
+                        g.linear(xg, &lg, rows, &mut y);
                         let n = g.device_counts().since(&before);
                         // The cast, then one product; add_bias only on GemmEx.
                         let want_launches = 1 + u64::from(with_bias && !on);
@@ -128,7 +131,7 @@ fn lt_matches_gemm_ex_and_the_cpu_oracle() {
                     check(&format!("{what} gemm_ex vs cpu"), dt, 1e-5, &runs[0], want);
                     // 16-bit D (bias in D's dtype: the stored one).
                     let mut y16 = g.alloc_x16(rows * d_out).unwrap();
-                    g.lt_linear_x16(&xg, &lg, rows, &mut y16).unwrap();
+                    g.lt_linear_x16(&xs[0], &lg, rows, &mut y16).unwrap();
                     let got = g.download_x16(&y16, rows * d_out).unwrap();
                     check_x16(&format!("{what} 16-bit out"), dt, &got, want);
                 }
@@ -193,8 +196,8 @@ fn lt_caches_descriptors_per_row_bucket() {
 }
 
 /// Whole engines with cuBLASLt off and on (eager, and on with CUDA graphs) on the test Llama
-/// and on a Qwen2 (q/k/v biases: the bias epilogue), f32, bf16 and f16 weights, with and
-/// without adapters: the same greedy tokens.
+/// (f32 and bf16 weights) and on a Qwen2 (q/k/v biases: the bias epilogue; bf16 and f16), with
+/// and without adapters: the same greedy tokens.
 #[test]
 fn engines_with_cublaslt_give_the_same_tokens() {
     if !thaw_tests::gpu_or_skip() {
@@ -211,10 +214,15 @@ fn engines_with_cublaslt_give_the_same_tokens() {
     );
     assert!(qwen.model.config.attention_bias);
     let who = |b: usize| -> Vec<Option<u32>> { (0..b).map(|i| [None, Some(0)][i % 2]).collect() };
-    for (name, tm) in [("llama", &llama), ("qwen2", &qwen)] {
+    let f32 = (DType::F32, 1e-4);
+    let (bf16, f16) = ((DType::Bf16, 1e-2), (DType::F16, 1e-2));
+    for (name, tm, dtypes) in [
+        ("llama", &llama, [f32, bf16]),
+        ("qwen2", &qwen, [bf16, f16]),
+    ] {
         let adapters = [tm.adapter(16, &["q", "k", "v", "o", "gate", "up", "down"], 85)];
         let vocab = tm.model.config.vocab_size;
-        for (dt, tol) in [(DType::F32, 1e-4), (DType::Bf16, 1e-2), (DType::F16, 1e-2)] {
+        for (dt, tol) in dtypes {
             let runs = off_on_runs(
                 &tm.model,
                 dt,
