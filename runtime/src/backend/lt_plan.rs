@@ -108,6 +108,23 @@ pub fn alignment(addr: u64) -> usize {
     (1usize << addr.trailing_zeros().min(MAX_ALIGN.trailing_zeros())).min(MAX_ALIGN)
 }
 
+/// The f32 bias the epilogue of an f32-output product reads: `bias` rounded to the weight dtype
+/// `dt` (round to nearest even, as the upload encodes it) and widened back: exactly the values
+/// `add_bias` reads from the stored bias, so the epilogue adds what the separate kernel added.
+pub fn bias_f32(bias: &[f32], dt: DType) -> Vec<f32> {
+    match dt {
+        DType::F32 => bias.to_vec(),
+        DType::Bf16 => bias
+            .iter()
+            .map(|&v| half::bf16::from_f32(v).to_f32())
+            .collect(),
+        DType::F16 => bias
+            .iter()
+            .map(|&v| half::f16::from_f32(v).to_f32())
+            .collect(),
+    }
+}
+
 /// The bias's element type for output `out` (cuBLASLt's default: D's).
 pub fn bias_dtype(out: DType) -> DType {
     out

@@ -110,6 +110,40 @@ fn the_bias_is_read_in_the_output_dtype() {
 }
 
 proptest! {
+    /// The epilogue's f32 bias is the stored bias widened: the upload's encoding, decoded.
+    #[test]
+    fn the_f32_bias_is_the_stored_bias_widened(
+        bias in proptest::collection::vec(-1e4f32..1e4, 0..64),
+        w in dtype(),
+    ) {
+        let wd = match w {
+            DType::F32 => crate::adapter::WeightDtype::F32,
+            DType::Bf16 => crate::adapter::WeightDtype::Bf16,
+            DType::F16 => crate::adapter::WeightDtype::F16,
+        };
+        let mut bytes = vec![0u8; bias.len() * w.size()];
+        crate::adapter::encode_into(&bias, wd, &mut bytes);
+        let stored: Vec<f32> = match w {
+            DType::F32 => bytes
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect(),
+            DType::Bf16 => bytes
+                .chunks_exact(2)
+                .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
+                .collect(),
+            DType::F16 => bytes
+                .chunks_exact(2)
+                .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
+                .collect(),
+        };
+        let got = bias_f32(&bias, w);
+        prop_assert_eq!(got.len(), bias.len());
+        for (g, s) in got.iter().zip(&stored) {
+            prop_assert_eq!(g.to_bits(), s.to_bits());
+        }
+    }
+
     /// The bucket holds the rows and is under twice them; it is a power of two; buckets never
     /// shrink as rows grow.
     #[test]

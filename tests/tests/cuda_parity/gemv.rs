@@ -105,7 +105,7 @@ pub(super) fn same_greedy_tokens(
 }
 
 /// `v` rounded to `dt` and back (round to nearest even, as the upload encodes).
-fn rounded(v: &[f32], dt: DType) -> Vec<f32> {
+pub(super) fn rounded(v: &[f32], dt: DType) -> Vec<f32> {
     match dt {
         DType::Bf16 => v
             .iter()

@@ -28,7 +28,7 @@ use thaw_runtime::backend::Backend;
 use thaw_server::gen::{ArchOptions, GenArch};
 use thaw_tests::{test_preset, TestModel};
 
-use super::gemv::{check_off_on, off_on_runs};
+use super::gemv::{check_off_on, off_on_runs, rounded};
 use super::host_overhead::decode_counts_with;
 use super::{cfg, check, rand_vec, shape};
 
@@ -38,16 +38,13 @@ const SHAPES: [(usize, usize); 4] = [(4096, 4096), (576, 1536), (1536, 576), (10
 
 const ROWS: [usize; 6] = [1, 3, 8, 17, 128, 300];
 
-/// `v` rounded to `dt` and back (round to nearest even, as the upload and the cast round).
-fn rounded(v: &[f32], dt: DType) -> Vec<f32> {
-    match dt {
-        DType::Bf16 => v
-            .iter()
-            .map(|&x| half::bf16::from_f32(x).to_f32())
-            .collect(),
-        DType::F16 => v.iter().map(|&x| half::f16::from_f32(x).to_f32()).collect(),
-        DType::F32 => v.to_vec(),
-    }
+/// The test preset as a Qwen2 (q/k/v biases) with weights from `seed`.
+fn qwen2(seed: u64) -> TestModel {
+    let arch = ArchOptions {
+        arch: GenArch::Qwen2,
+        ..Default::default()
+    };
+    TestModel::with_arch(&test_preset(), seed, arch)
 }
 
 /// The 16-bit output's element-wise bound (module docs).
@@ -204,14 +201,7 @@ fn engines_with_cublaslt_give_the_same_tokens() {
         return;
     }
     let llama = TestModel::llama(6);
-    let qwen = TestModel::with_arch(
-        &test_preset(),
-        7,
-        ArchOptions {
-            arch: GenArch::Qwen2,
-            ..Default::default()
-        },
-    );
+    let qwen = qwen2(7);
     assert!(qwen.model.config.attention_bias);
     let who = |b: usize| -> Vec<Option<u32>> { (0..b).map(|i| [None, Some(0)][i % 2]).collect() };
     let f32 = (DType::F32, 1e-4);
@@ -249,14 +239,7 @@ fn steady_decode_with_cublaslt_allocates_nothing() {
     if !thaw_tests::gpu_or_skip() {
         return;
     }
-    let qwen = TestModel::with_arch(
-        &test_preset(),
-        8,
-        ArchOptions {
-            arch: GenArch::Qwen2,
-            ..Default::default()
-        },
-    );
+    let qwen = qwen2(8);
     for (name, tm) in [("llama", &TestModel::llama(6)), ("qwen2", &qwen)] {
         let layers = tm.model.config.num_layers as u64;
         let biased = if tm.model.config.attention_bias { 3 } else { 0 };

@@ -24,7 +24,7 @@
 //!
 //! Biases: cuBLASLt reads the bias in D's type ([`bias_dtype`]). The f32-output products take an
 //! f32 bias, which the backend keeps beside the weight-dtype one when the switch is on at load
-//! ([`lt_bias_values`]: the 16-bit bias widened, so the epilogue adds exactly what `add_bias`
+//! ([`bias_f32`]: the 16-bit bias widened, so the epilogue adds exactly what `add_bias`
 //! adds); a model loaded with the switch off keeps `add_bias` for its biased products. A 16-bit
 //! output ([`CudaBackend::lt_linear_x16`], for a later bf16-activation path) reads the stored
 //! weight-dtype bias directly.
@@ -45,7 +45,8 @@ use super::weights::CudaLinear;
 use super::{CudaBackend, CudaError, DType};
 use crate::backend::kernel_select::CUBLASLT_ENV;
 use crate::backend::lt_plan::{
-    bias_dtype, plan, product_path, workspace_bytes, Epilogue, LtKey, LtShape, ProductPath,
+    bias_dtype, bias_f32, plan, product_path, workspace_bytes, Epilogue, LtKey, LtShape,
+    ProductPath,
 };
 use crate::error::Result;
 
@@ -282,22 +283,6 @@ impl Lt {
     }
 }
 
-/// The f32 bias the epilogue of an f32-output product reads: `bias` rounded to the weight dtype
-/// `dt` and widened back, exactly the values `add_bias` reads from the stored 16-bit bias.
-pub(super) fn lt_bias_values(bias: &[f32], dt: DType) -> Vec<f32> {
-    match dt {
-        DType::F32 => bias.to_vec(),
-        DType::Bf16 => bias
-            .iter()
-            .map(|&v| half::bf16::from_f32(v).to_f32())
-            .collect(),
-        DType::F16 => bias
-            .iter()
-            .map(|&v| half::f16::from_f32(v).to_f32())
-            .collect(),
-    }
-}
-
 /// What a cuBLASLt product writes: D's address and dtype (f32, or the weight's 16-bit one).
 #[derive(Copy, Clone, Debug)]
 pub(super) struct LtOut {
@@ -449,7 +434,7 @@ impl CudaBackend {
     ) -> Result<Option<CudaSlice<f32>>, CudaError> {
         match (bias, &self.gpu.lt) {
             (Some(b), Some(_)) if !b.is_empty() => {
-                let v = lt_bias_values(b, self.gpu.weight_dtype);
+                let v = bias_f32(b, self.gpu.weight_dtype);
                 Ok(Some(self.gpu.stream.clone_htod(&v)?))
             }
             _ => Ok(None),
