@@ -55,6 +55,7 @@ pub(super) fn decode_counts_with(
         b.set_rope_fold(false).unwrap();
         b.set_group_gemm(false).unwrap();
         b.set_lora_slices(false).unwrap();
+        b.set_cublaslt(false).unwrap();
         extra(b);
     });
     let mut p = prompts(3, tm.model.config.vocab_size, 7);

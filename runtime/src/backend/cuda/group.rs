@@ -13,6 +13,10 @@
 //! against 96–102% for the 11008-wide gate/up/down (`cuda-h100.md` §8): each paid its own input
 //! cast and its own GEMM launch and tail for 32 MB of weights.
 //!
+//! With `THAW_CUDA_CUBLASLT=1` the one product runs through cuBLASLt like any other (`lt.rs`,
+//! default epilogue: a group placed as one matrix has no biases); per-module products of a
+//! group with biases (Qwen2's q/k/v) take the bias epilogue.
+//!
 //! A group placed separately (the switch off at load, a bias, another input width), or a step
 //! of more rows than [`GROUP_GEMM_MAX_ROWS`] (prefill: the product is compute-bound and the
 //! split's copy would grow with the rows), still casts its input once with the switch on, then
