@@ -1,6 +1,7 @@
 //! Every raw CUDA call of the backend: kernel launches, cuBLAS, stream memory operations, host
-//! memory registration (cuBLASLt's, opt-in, are in `lt.rs`). Everything above this module uses the safe methods of [`Gpu`], which
-//! check buffer sizes against the shapes they are given before launching.
+//! memory registration (cuBLASLt's, opt-in, are in `lt.rs`). Everything above this module uses
+//! the safe methods of [`Gpu`], which check buffer sizes against the shapes they are given
+//! before launching.
 //!
 //! Launch arguments are passed by value exactly as the `extern "C"` signatures in
 //! `thaw-kernels/src/cuda/*.cu` declare them: pointers as `u64`, `int` as `i32`, `long` as
