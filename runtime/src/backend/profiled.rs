@@ -368,6 +368,31 @@ impl<B: Backend + OpClock> Backend for Profiled<B> {
             b.add_rms_norm(residual, x, w, eps, rows, width, out)
         })
     }
+    fn gated_mlp_in(
+        &mut self,
+        x: &Self::Buf,
+        ws: [&Self::Linear; 2],
+        rows: usize,
+        outs: [&mut Self::Buf; 2],
+        sites: [LoraSite; 2],
+        batch: &LoraBatch<'_, Self::Lora>,
+        act: &mut Self::Buf,
+    ) {
+        if !self.recording() {
+            return self
+                .inner
+                .gated_mlp_in(x, ws, rows, outs, sites, batch, act);
+        }
+        if !self.inner.fuses_gated_mlp() {
+            return super::gate_up_then_swiglu(self, x, ws, rows, outs, sites, batch, act);
+        }
+        self.timed(OpClass::GatedMlp, |b| {
+            b.gated_mlp_in(x, ws, rows, outs, sites, batch, act)
+        })
+    }
+    fn fuses_gated_mlp(&self) -> bool {
+        self.inner.fuses_gated_mlp()
+    }
     fn swiglu(&mut self, gate: &Self::Buf, up: &Self::Buf, len: usize, out: &mut Self::Buf) {
         self.timed(OpClass::Swiglu, |b| b.swiglu(gate, up, len, out))
     }
