@@ -29,6 +29,7 @@
 //! | products of at most 8 rows as a GEMV over f32 activations (no cast, no cuBLAS) | [`GEMV_ENV`] | `1` |
 //! | q/k/v (and gate/up) LoRA as one shrink + one expand launch over slices | [`LORA_SLICES_ENV`] | `1` |
 //! | decode attention split to fill the GPU, 4 keys' loads in flight a warp (`attention_split_ilp.cu`) | [`ATTN_OCCUPANCY_ENV`] | `1` |
+//! | gate/up outputs and SwiGLU in 16 bits, f32 accumulation (`act16.cu`, [`super::act16_plan`]) | [`ACT16_ENV`] | `1` |
 use std::fmt;
 
 use thaw_kernels::cuda::decode_plan::{MIN_CHUNK, OCC_MIN_CHUNK};
@@ -100,6 +101,12 @@ pub const LORA_SLICES_ENV: &str = "THAW_CUDA_LORA_SLICES";
 /// flash-decoding and `attention.cu`'s decode, in eager steps and in CUDA graphs (a split count
 /// fixed per captured bucket, each row using the splits its context allows).
 pub const ATTN_OCCUPANCY_ENV: &str = "THAW_CUDA_ATTN_OCCUPANCY";
+
+/// The MLP's gate and up products stored in the weights' 16-bit type (cuBLAS, f32
+/// accumulation) and SwiGLU over them writing down's 16-bit input (`act16.cu`), where
+/// [`act16_plan`](super::act16_plan::act16_plan) serves the step: `1` or `0` (the default
+/// until a GPU parity run proves it).
+pub const ACT16_ENV: &str = "THAW_CUDA_BF16_ACT";
 
 /// The occupancy plan's shortest chunk from [`SPLIT_MIN_CHUNK_ENV`]'s value: unset, empty or
 /// `auto`: [`OCC_MIN_CHUNK`] (32 positions); a positive integer sets it (as for the fixed plan,
@@ -275,6 +282,16 @@ pub const ATTN_OCCUPANCY: Switch = Switch {
     off: "0",
     new: "occupancy split, keys in flight",
     classic: "as THAW_CUDA_ATTN_IMPL picks",
+    default_new: false,
+};
+
+/// 16-bit MLP activations.
+pub const ACT16: Switch = Switch {
+    env: ACT16_ENV,
+    on: "1",
+    off: "0",
+    new: "gate/up and SwiGLU in 16 bits",
+    classic: "f32",
     default_new: false,
 };
 
@@ -555,6 +572,7 @@ pub struct OptInPlan {
     pub gemv: Choice,
     pub lora_slices: Choice,
     pub attn_occupancy: Choice,
+    pub act16: Choice,
 }
 
 impl OptInPlan {
@@ -572,10 +590,12 @@ impl OptInPlan {
             lora_slices: LORA_SLICES.choose(&value(LORA_SLICES.env), None)?,
             attn_occupancy: ATTN_OCCUPANCY
                 .choose(&value(ATTN_OCCUPANCY.env), split_unserved(head_dim))?,
+            // Served or not per step and layer (`act16_plan`): the rest run f32.
+            act16: ACT16.choose(&value(ACT16.env), None)?,
         })
     }
 
-    fn rows(&self) -> [(&'static str, Switch, &Choice); 7] {
+    fn rows(&self) -> [(&'static str, Switch, &Choice); 8] {
         [
             ("q/k/v and gate/up products", GROUP_GEMM, &self.group_gemm),
             ("RoPE", ROPE_FOLD, &self.rope_fold),
@@ -584,6 +604,7 @@ impl OptInPlan {
             ("products of few rows", GEMV, &self.gemv),
             ("LoRA of q/k/v and gate/up", LORA_SLICES, &self.lora_slices),
             ("decode attention", ATTN_OCCUPANCY, &self.attn_occupancy),
+            ("MLP activations", ACT16, &self.act16),
         ]
     }
 }

@@ -241,7 +241,7 @@ proptest! {
     }
 }
 
-const OPT_IN: [Switch; 7] = [
+const OPT_IN: [Switch; 8] = [
     GROUP_GEMM,
     ROPE_FOLD,
     WIDE,
@@ -249,6 +249,7 @@ const OPT_IN: [Switch; 7] = [
     GEMV,
     LORA_SLICES,
     ATTN_OCCUPANCY,
+    ACT16,
 ];
 
 fn opt_in(vars: &[(&str, &str)], head_dim: usize) -> Result<OptInPlan, String> {
@@ -265,6 +266,7 @@ fn the_opt_in_switches_are_off_unless_set_to_1() {
         gemv: Choice::Classic,
         lora_slices: Choice::Classic,
         attn_occupancy: Choice::Classic,
+        act16: Choice::Classic,
     };
     assert_eq!(opt_in(&[], 128), Ok(off.clone()));
     let auto: Vec<(&str, &str)> = OPT_IN.iter().map(|s| (s.env, "auto")).collect();
@@ -282,6 +284,7 @@ fn the_opt_in_switches_are_off_unless_set_to_1() {
             gemv: Choice::New,
             lora_slices: Choice::New,
             attn_occupancy: Choice::New,
+            act16: Choice::New,
         })
     );
     // One at a time: each variable moves its own choice only.
@@ -295,9 +298,10 @@ fn the_opt_in_switches_are_off_unless_set_to_1() {
             &p.gemv,
             &p.lora_slices,
             &p.attn_occupancy,
+            &p.act16,
         ]
         .map(Choice::is_new);
-        let want: [bool; 7] = std::array::from_fn(|j| j == i);
+        let want: [bool; 8] = std::array::from_fn(|j| j == i);
         assert_eq!(got, want, "{}", sw.env);
     }
     // The four defaults stay on whatever the opt-in switches say.
@@ -344,7 +348,14 @@ fn the_opt_in_log_line_names_each_switch() {
          greedy sampling: logits copied, argmax on the host (THAW_CUDA_DEVICE_ARGMAX=0); \
          products of few rows: cast + cuBLAS (THAW_CUDA_GEMV=0); LoRA of q/k/v and gate/up: \
          a launch pair per module (THAW_CUDA_LORA_SLICES=0); decode attention: as \
-         THAW_CUDA_ATTN_IMPL picks (THAW_CUDA_ATTN_OCCUPANCY=0)"
+         THAW_CUDA_ATTN_IMPL picks (THAW_CUDA_ATTN_OCCUPANCY=0); MLP activations: f32 \
+         (THAW_CUDA_BF16_ACT=0)"
+    );
+    let p = opt_in(&[(ACT16_ENV, "1")], 128).unwrap();
+    assert!(
+        p.to_string()
+            .ends_with("MLP activations: gate/up and SwiGLU in 16 bits"),
+        "{p}"
     );
     let p = opt_in(&[(GEMV_ENV, "1")], 128).unwrap();
     assert!(

@@ -121,7 +121,7 @@ pub(super) struct PrefillKernel<'a> {
 pub(super) struct Gpu {
     pub ctx: Arc<CudaContext>,
     pub stream: Arc<CudaStream>,
-    blas: CudaBlas,
+    pub(super) blas: CudaBlas,
     k: Kernels,
     pub weight_dtype: DType,
     pub kv_dtype: DType,
@@ -153,6 +153,8 @@ pub(super) struct Gpu {
     /// The occupancy-planned decode attention (`attn_occupancy.rs`, opt-in); when loaded it
     /// runs eager steps' decode instead of `flash` or `attention.cu`.
     pub occupancy: Option<super::attn_occupancy::OccupancyDecode>,
+    /// 16-bit gate/up outputs and SwiGLU (`act16.rs`, opt-in); `None` = f32.
+    pub act16: Option<super::act16::Act16>,
 }
 
 impl Gpu {
@@ -184,6 +186,7 @@ impl Gpu {
             gemv: None,
             slices: None,
             occupancy: None,
+            act16: None,
             ctx,
             stream,
             blas,

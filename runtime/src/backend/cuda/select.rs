@@ -86,6 +86,9 @@ impl CudaBackend {
             tracing::info!("CUDA occupancy decode: chunks of at least {floor} positions");
             self.gpu.occupancy = Some(OccupancyDecode::load(&self.gpu, kv, floor)?);
         }
+        if opt_in.act16.is_new() {
+            self.gpu.act16 = super::act16::Act16::load(ctx, w)?;
+        }
         Ok(())
     }
 
@@ -100,6 +103,7 @@ impl CudaBackend {
             gemv: pick(self.gpu.gemv.is_some()),
             lora_slices: pick(self.gpu.slices.is_some()),
             attn_occupancy: pick(self.gpu.occupancy.is_some()),
+            act16: pick(self.gpu.act16.is_some()),
         }
     }
 
