@@ -304,4 +304,43 @@ impl CudaBackend {
     pub fn act16(&self) -> bool {
         self.gpu.act16.is_some()
     }
+
+    /// `swiglu16_T` over host `gate` and `up` (bit patterns of the weight dtype): its 16-bit
+    /// output and, with `f32_copy`, its f32 one (parity tests and benchmarks; synchronises).
+    /// Needs the switch on.
+    pub fn swiglu16_host(
+        &mut self,
+        gate: &[u16],
+        up: &[u16],
+        f32_copy: bool,
+    ) -> Result<(Vec<u16>, Option<Vec<f32>>)> {
+        let n = gate.len();
+        assert_eq!(up.len(), n, "swiglu16_host: gate and up lengths differ");
+        let g = &self.gpu;
+        let up_dev = |v: &[u16]| -> Result<CudaSlice<u16>, CudaError> {
+            let mut d = g.alloc_zeros::<u16>(n.max(1))?;
+            if n > 0 {
+                g.htod(v, &mut d)?;
+            }
+            Ok(d)
+        };
+        let (gd, ud) = (up_dev(gate)?, up_dev(up)?);
+        let mut o16 = g.alloc_zeros::<u16>(n.max(1))?;
+        let mut o32 = if f32_copy {
+            Some(g.alloc_zeros::<f32>(n.max(1))?)
+        } else {
+            None
+        };
+        g.swiglu16(&gd, &ud, &mut o16, o32.as_mut(), n)?;
+        let mut h16 = vec![0u16; n];
+        if n > 0 {
+            g.dtoh(&o16.slice(..n), &mut h16[..])?;
+        }
+        g.sync()?;
+        let h32 = match &o32 {
+            Some(o) => Some(self.download_f32(o, n)?),
+            None => None,
+        };
+        Ok((h16, h32))
+    }
 }
