@@ -101,7 +101,7 @@ mod tests {
 
     #[test]
     fn rounding_keeps_8_or_11_significant_bits() {
-        let mut v = vec![1.0 + 1.0 / 256.0 + 1.0 / 1024.0, 3.14159, -0.1];
+        let mut v = vec![1.0 + 1.0 / 256.0 + 1.0 / 1024.0, 2.71, -0.1];
         let f = v.clone();
         Act16Type::Bf16.round(&mut v);
         assert_eq!(v[0], 1.0 + 1.0 / 128.0, "ties and above round up to 8 bits");

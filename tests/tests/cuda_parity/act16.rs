@@ -310,7 +310,7 @@ fn steady_decode_with_16_bit_mlp_activations_allocates_nothing() {
     let adapter = tm.adapter(8, &["q", "v"], 90);
     let mut per_switch = Vec::new();
     for on in [false, true] {
-        let mut e = engine_with(&tm.model, DType::Bf16, &[adapter.clone()], false, |b| {
+        let mut e = engine_with(&tm.model, DType::Bf16, std::slice::from_ref(&adapter), false, |b| {
             b.set_gemv(false).unwrap();
             b.set_fused(true).unwrap();
             b.set_act16(on).unwrap();

@@ -172,7 +172,7 @@ impl Gpu {
         assert!(out.as_ref().is_none_or(|o| o.len() >= n), "swiglu16: f32 output too small");
         let out = out.map_or(0, |o| self.p(o));
         // 4 elements a thread on the vector path (n a multiple of 4), 1 otherwise.
-        let per = if n % 4 == 0 { n / 4 } else { n };
+        let per = if n.is_multiple_of(4) { n / 4 } else { n };
         // SAFETY: swiglu16_T(const T*, const T*, T*, float*, long); gate, up and out16 hold n
         // 16-bit elements, `out` is null or holds n f32 (checked above); every buffer starts
         // at a cudaMalloc address (256-byte aligned), as the 8- and 16-byte accesses of the
