@@ -129,7 +129,10 @@ fn tiny_model_bf16_mlp_activations_stay_within_their_bound_and_keep_greedy_token
     eprintln!("tiny model, bf16 MLP activations: worst normwise logits error {err:e}");
     assert!(err <= TINY_TOL, "bf16 MLP activations: rel err {err:e}");
     assert!(err > 0.0, "the emulation rounded nothing");
-    assert_eq!(b16.tokens, f32s.tokens, "bf16 MLP activations changed a token");
+    assert_eq!(
+        b16.tokens, f32s.tokens,
+        "bf16 MLP activations changed a token"
+    );
     // f16 (11 significant bits) is closer still.
     let f16s = run(&model, Some(Act16Type::F16), &adapters, &prompts, 8);
     let err16 = worst(&f16s, &f32s);
@@ -149,7 +152,12 @@ fn tiny_model_steps_with_lora_on_gate_up_stay_f32_bit_for_bit() {
     let f32s = run(&model, None, &adapters, &prompts, 4);
     let b16 = run(&model, Some(Act16Type::Bf16), &adapters, &prompts, 4);
     assert_eq!(b16.tokens, f32s.tokens);
-    for (a, b) in b16.logits.iter().flatten().zip(f32s.logits.iter().flatten()) {
+    for (a, b) in b16
+        .logits
+        .iter()
+        .flatten()
+        .zip(f32s.logits.iter().flatten())
+    {
         assert!(
             a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
             "a step with LoRA on gate/up was rounded"
@@ -212,7 +220,11 @@ fn smollm2_bf16_greedy_tokens_with_bf16_mlp_activations_equal_transformers() {
         for (c, g) in want.cases.iter().zip(&got.tokens) {
             // transformers stops after the end-of-turn token; Thaw ran on (ignore_eos).
             let g = &g[..c.tokens.len()];
-            eprintln!("{act16:?} {:?}: {:?}", c.prompt, tok.decode(g, true).unwrap());
+            eprintln!(
+                "{act16:?} {:?}: {:?}",
+                c.prompt,
+                tok.decode(g, true).unwrap()
+            );
             assert_eq!(
                 g, c.tokens,
                 "{act16:?}: {:?} differs from {}",

@@ -10,6 +10,7 @@
 //! cargo run --release -p thaw-runtime --features cuda --example cuda_bench -- --attn   # attention only
 //! cargo run --release -p thaw-runtime --features cuda --example cuda_bench -- --gemv   # GEMV only
 //! cargo run --release -p thaw-runtime --features cuda --example cuda_bench -- --lora-slices
+//! cargo run --release -p thaw-runtime --features cuda --example cuda_bench -- --act16
 //! ```
 //!
 //! `--attn`: only issue 29's attention tables, full size: decode attention (classic vs
@@ -20,6 +21,10 @@
 //!
 //! `--lora-slices`: only the q/k/v and gate/up LoRA table (`slices.rs`): a launch pair per
 //! module against the opt-in one pair per group at rows 1, 16 and 64, ranks 16 and 64.
+//!
+//! `--act16`: only the MLP block table (`act16.rs`): f32 against the opt-in 16-bit activations
+//! (`THAW_CUDA_BF16_ACT=1`) at rows 1, 32, 128 and 2048.
+mod act16;
 mod decode_attn;
 mod gemv;
 mod prefill;
@@ -286,6 +291,9 @@ fn main() -> Res<()> {
     if std::env::args().any(|a| a == "--lora-slices") {
         return slices::slices_table(smoke);
     }
+    if std::env::args().any(|a| a == "--act16") {
+        return act16::act16_table(smoke);
+    }
     if std::env::args().any(|a| a == "--gemv") {
         let mut g = CudaBackend::new(&model_config(1)?, &CudaConfig::default())?;
         let peak = d2d_peak(&mut g)?;
@@ -305,6 +313,7 @@ fn main() -> Res<()> {
         decode_attn::decode_attn_table(smoke && !attn_only, peak)?;
         if !attn_only {
             gemv::gemv_table(smoke, peak)?;
+            act16::act16_table(smoke)?;
         }
     }
     prefill_attn::prefill_attn_table(smoke && !attn_only)?;

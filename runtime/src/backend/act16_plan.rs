@@ -126,11 +126,8 @@ mod tests {
     use proptest::prelude::*;
 
     fn facts() -> impl Strategy<Value = Act16Facts> {
-        (
-            any::<[bool; 7]>(),
-            prop_oneof![Just(0usize), 1usize..4096],
-        )
-            .prop_map(|(b, rows)| Act16Facts {
+        (any::<[bool; 7]>(), prop_oneof![Just(0usize), 1usize..4096]).prop_map(|(b, rows)| {
+            Act16Facts {
                 switch_on: b[0],
                 weights_16bit: b[1],
                 rows,
@@ -139,7 +136,8 @@ mod tests {
                 graph: b[4],
                 gemv: b[5],
                 bias: b[6],
-            })
+            }
+        })
     }
 
     #[test]

@@ -721,7 +721,9 @@ impl Backend for CpuBackend {
         act: &mut Vec<f32>,
     ) {
         match self.act16 {
-            Some(ty) => super::cpu_act16::gated_mlp_in(self, ty, x, ws, rows, outs, sites, batch, act),
+            Some(ty) => {
+                super::cpu_act16::gated_mlp_in(self, ty, x, ws, rows, outs, sites, batch, act)
+            }
             None => super::gate_up_then_swiglu(self, x, ws, rows, outs, sites, batch, act),
         }
     }

@@ -50,7 +50,10 @@ pub(crate) fn lora_facts<L>(
     rank: impl Fn(&L, usize, LoraModule) -> usize + Copy,
 ) -> (bool, bool) {
     let on = |m| targets(batch, layer, m, rank);
-    (on(LoraModule::Gate) || on(LoraModule::Up), on(LoraModule::Down))
+    (
+        on(LoraModule::Gate) || on(LoraModule::Up),
+        on(LoraModule::Down),
+    )
 }
 
 fn slot_rank(s: &std::sync::Arc<LoraSlot>, layer: usize, m: LoraModule) -> usize {

@@ -23,7 +23,9 @@ use thaw_runtime::adapter::{LoraAdapter, LoraModule};
 use thaw_runtime::backend::act16_plan::Act16Plan;
 use thaw_runtime::backend::cpu::CpuBackend;
 use thaw_runtime::backend::cuda::{CudaBackend, CudaLora, DType};
-use thaw_runtime::backend::{Act16Type, Backend, LinearDims, LoraBatch, LoraKernel, LoraLayout, LoraSite};
+use thaw_runtime::backend::{
+    Act16Type, Backend, LinearDims, LoraBatch, LoraKernel, LoraLayout, LoraSite,
+};
 use thaw_runtime::engine::{PlanItem, SequenceParams, StepPlan};
 use thaw_runtime::ids::{AdapterId, LayerIdx, SeqId};
 use thaw_runtime::sampling::SamplingParams;
@@ -81,8 +83,14 @@ fn swiglu16_matches_the_cpu_within_one_16_bit_ulp() {
         // n a multiple of 4 (the vector path) and not (the scalar one); values over SiLU's
         // range (|g| up to 8: both tails and the bend).
         for n in [4096, 11008 * 3, 1001, 7] {
-            let gate: Vec<u16> = rand_vec(&mut rng, n, 8.0).iter().map(|&v| bits(v, dt)).collect();
-            let up: Vec<u16> = rand_vec(&mut rng, n, 4.0).iter().map(|&v| bits(v, dt)).collect();
+            let gate: Vec<u16> = rand_vec(&mut rng, n, 8.0)
+                .iter()
+                .map(|&v| bits(v, dt))
+                .collect();
+            let up: Vec<u16> = rand_vec(&mut rng, n, 4.0)
+                .iter()
+                .map(|&v| bits(v, dt))
+                .collect();
             let want32: Vec<f32> = gate
                 .iter()
                 .zip(&up)
@@ -94,12 +102,22 @@ fn swiglu16_matches_the_cpu_within_one_16_bit_ulp() {
             let want16: Vec<u16> = want32.iter().map(|&v| bits(v, dt)).collect();
             for copy in [false, true] {
                 let (got16, got32) = g.swiglu16_host(&gate, &up, copy).unwrap();
-                let off: Vec<u32> = got16.iter().zip(&want16).map(|(&a, &b)| ulps(a, b)).collect();
+                let off: Vec<u32> = got16
+                    .iter()
+                    .zip(&want16)
+                    .map(|(&a, &b)| ulps(a, b))
+                    .collect();
                 let worst = off.iter().copied().max().unwrap_or(0);
                 let moved = off.iter().filter(|&&u| u > 0).count();
                 println!("{dt:?} swiglu16 n {n} copy {copy}: worst {worst} ulp, {moved} moved");
-                assert!(worst <= 1, "{dt:?} n {n}: a 16-bit output {worst} ulps off the CPU's");
-                assert!(moved * 100 <= n.max(100), "{dt:?} n {n}: {moved} outputs moved");
+                assert!(
+                    worst <= 1,
+                    "{dt:?} n {n}: a 16-bit output {worst} ulps off the CPU's"
+                );
+                assert!(
+                    moved * 100 <= n.max(100),
+                    "{dt:?} n {n}: {moved} outputs moved"
+                );
                 match got32 {
                     Some(v) => check(&format!("swiglu16 f32 copy n {n}"), dt, 1e-6, &v, &want32),
                     None => assert!(!copy, "the f32 copy was asked for"),
@@ -191,10 +209,17 @@ fn the_mlp_block_with_16_bit_activations_matches_f32_and_the_cpu_emulation() {
             .unzip();
         let wc: [_; 3] = wc.try_into().ok().unwrap();
         let wg: [_; 3] = wg.try_into().ok().unwrap();
-        let lc: Vec<_> = adapters.iter().map(|a| cpu.upload_lora(a.clone()).unwrap()).collect();
-        let lg: Vec<CudaLora> = adapters.iter().map(|a| g.upload_lora(a.clone()).unwrap()).collect();
+        let lc: Vec<_> = adapters
+            .iter()
+            .map(|a| cpu.upload_lora(a.clone()).unwrap())
+            .collect();
+        let lg: Vec<CudaLora> = adapters
+            .iter()
+            .map(|a| g.upload_lora(a.clone()).unwrap())
+            .collect();
         for l in &lg {
-            g.wait_landed(l, std::time::Duration::from_secs(120)).unwrap();
+            g.wait_landed(l, std::time::Duration::from_secs(120))
+                .unwrap();
         }
         let (rc, rg): (Vec<_>, Vec<&CudaLora>) = (lc.iter().collect(), lg.iter().collect());
         for rows in [1, 32, 128, 2048] {
@@ -236,7 +261,10 @@ fn the_mlp_block_with_16_bit_activations_matches_f32_and_the_cpu_emulation() {
                 if let Act16Plan::F32(_) = plan {
                     assert!(bitwise(&got[1], &got[0]), "{label}: an f32 step changed");
                 } else {
-                    assert!(!bitwise(&got[1], &got[0]), "{label}: the 16-bit path did not run");
+                    assert!(
+                        !bitwise(&got[1], &got[0]),
+                        "{label}: the 16-bit path did not run"
+                    );
                 }
             }
         }
@@ -293,7 +321,9 @@ fn engines_with_16_bit_mlp_activations_give_the_same_tokens() {
         };
         let runs = off_on_runs(&tm.model, dt, &adapters, &batches, who_base, 6, 500, switch);
         check_off_on("act16 base", dt, 1e-2, &runs, vocab);
-        let runs = off_on_runs(&tm.model, dt, &adapters, &batches, who_mixed, 6, 510, switch);
+        let runs = off_on_runs(
+            &tm.model, dt, &adapters, &batches, who_mixed, 6, 510, switch,
+        );
         check_off_on("act16 mixed", dt, 1e-2, &runs, vocab);
     }
 }
@@ -310,11 +340,17 @@ fn steady_decode_with_16_bit_mlp_activations_allocates_nothing() {
     let adapter = tm.adapter(8, &["q", "v"], 90);
     let mut per_switch = Vec::new();
     for on in [false, true] {
-        let mut e = engine_with(&tm.model, DType::Bf16, std::slice::from_ref(&adapter), false, |b| {
-            b.set_gemv(false).unwrap();
-            b.set_fused(true).unwrap();
-            b.set_act16(on).unwrap();
-        });
+        let mut e = engine_with(
+            &tm.model,
+            DType::Bf16,
+            std::slice::from_ref(&adapter),
+            false,
+            |b| {
+                b.set_gemv(false).unwrap();
+                b.set_fused(true).unwrap();
+                b.set_act16(on).unwrap();
+            },
+        );
         let mut p = prompts(3, tm.model.config.vocab_size, 7);
         for prompt in &mut p {
             prompt.truncate(3);
@@ -358,7 +394,11 @@ fn steady_decode_with_16_bit_mlp_activations_allocates_nothing() {
             .collect();
         println!("act16 {on}: {:?}", counts[0]);
         for c in &counts {
-            assert_eq!((c.allocs, c.alloc_bytes), (0, 0), "act16 {on}: a decode step allocated");
+            assert_eq!(
+                (c.allocs, c.alloc_bytes),
+                (0, 0),
+                "act16 {on}: a decode step allocated"
+            );
             assert_eq!(c, &counts[0], "act16 {on}: steps differ");
         }
         per_switch.push(counts[0]);
@@ -379,6 +419,9 @@ fn act16_needs_16_bit_weights() {
     let m = super::shape();
     let mut g = CudaBackend::new(&m.config, &cfg(DType::F32)).expect("CUDA backend");
     let e = g.set_act16(true).unwrap_err().to_string();
-    assert!(e.contains("THAW_CUDA_BF16_ACT") && e.contains("bf16"), "{e}");
+    assert!(
+        e.contains("THAW_CUDA_BF16_ACT") && e.contains("bf16"),
+        "{e}"
+    );
     assert!(!g.act16());
 }

@@ -169,7 +169,10 @@ impl Gpu {
             gate.len() >= n && up.len() >= n && out16.len() >= n,
             "swiglu16: buffers too small"
         );
-        assert!(out.as_ref().is_none_or(|o| o.len() >= n), "swiglu16: f32 output too small");
+        assert!(
+            out.as_ref().is_none_or(|o| o.len() >= n),
+            "swiglu16: f32 output too small"
+        );
         let out = out.map_or(0, |o| self.p(o));
         // 4 elements a thread on the vector path (n a multiple of 4), 1 otherwise.
         let per = if n.is_multiple_of(4) { n / 4 } else { n };
@@ -248,7 +251,10 @@ impl CudaBackend {
             "gated_mlp_in: gate and up shapes differ"
         );
         let (n_in, n) = (rows * d_in, rows * inter);
-        assert!(x.len() >= n_in && act.len() >= n, "gated_mlp_in: buffers too small");
+        assert!(
+            x.len() >= n_in && act.len() >= n,
+            "gated_mlp_in: buffers too small"
+        );
         // The input's 16-bit copy: the norm's where its tag serves and `x16` needs no growth
         // (growing drops what it holds), else a cast; `x16` then takes SwiGLU's output.
         let tag = self.x16_tag.take();
@@ -264,11 +270,15 @@ impl CudaBackend {
         let s = &mut self.act16_scratch;
         // SAFETY: the GEMMs below write all n elements of each before SwiGLU reads them.
         let gate = unsafe { grown(&self.gpu, &mut s.gate, n) }?;
-        self.gpu.gemm16(x16, &wg.w.view(), rows, d_in, inter, gate)?;
+        self.gpu
+            .gemm16(x16, &wg.w.view(), rows, d_in, inter, gate)?;
         // SAFETY: as above.
         let up = unsafe { grown(&self.gpu, &mut s.up, n) }?;
         self.gpu.gemm16(x16, &wu.w.view(), rows, d_in, inter, up)?;
-        let (gate, up) = (s.gate.as_ref().expect("grown"), s.up.as_ref().expect("grown"));
+        let (gate, up) = (
+            s.gate.as_ref().expect("grown"),
+            s.up.as_ref().expect("grown"),
+        );
         let x16 = self.x16.as_mut().expect("grown above");
         (self.gpu).swiglu16(gate, up, x16, f32_copy.then_some(act), n)?;
         // `x16` holds `act` in the weight dtype: down, the next op, reads it without a cast.

@@ -23,8 +23,8 @@ use super::weights::{
     WeightBytes,
 };
 use super::{CudaError, DType};
-use crate::backend::act16_plan::Act16Plan;
 use crate::adapter::{LoraAdapter, LoraModule};
+use crate::backend::act16_plan::Act16Plan;
 use crate::backend::{
     lora_sites, Backend, LinearDims, LoraBatch, LoraKernel, LoraLoad, LoraSite, PagePlace,
     StepLayout,
