@@ -372,7 +372,7 @@ fn the_opt_in_log_line_names_each_switch() {
     let p = opt_in(&[(ATTN_OCCUPANCY_ENV, "1")], 128).unwrap();
     assert!(
         p.to_string()
-            .ends_with("decode attention: occupancy split, keys in flight"),
+            .contains("decode attention: occupancy split, keys in flight;"),
         "{p}"
     );
 }
