@@ -32,15 +32,19 @@ impl Act16Type {
     }
 }
 
-/// Whether some adapter of the step targets `module` of `layer`. Conservative: an adapter
-/// listed in the step counts whether or not it has rows, which only keeps a step on f32.
+/// Whether a row of the step has an adapter that targets `module` of `layer` (whether or not
+/// its layer has landed: a row computed elsewhere only keeps the step on f32).
 pub(crate) fn targets<L>(
     batch: &LoraBatch<'_, L>,
     layer: LayerIdx,
     module: LoraModule,
     rank: impl Fn(&L, usize, LoraModule) -> usize,
 ) -> bool {
-    !batch.layout.segments.is_empty() && batch.adapters.iter().any(|a| rank(a, layer.0, module) > 0)
+    batch
+        .layout
+        .segments
+        .iter()
+        .any(|(rows, a)| !rows.is_empty() && rank(batch.adapters[*a as usize], layer.0, module) > 0)
 }
 
 /// The plan facts of the MLP at `layer` that the step's adapters decide.
@@ -101,6 +105,41 @@ pub(super) fn gated_mlp_in(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_adapters_with_rows_decide_the_lora_facts() {
+        use crate::backend::{LoraKernel, LoraLayout};
+        // Ranks per module index: adapter 0 on gate and up, 1 on down, 2 on q only.
+        let mut ranks = [[0usize; 7]; 3];
+        ranks[0][LoraModule::Gate.index()] = 8;
+        ranks[0][LoraModule::Up.index()] = 8;
+        ranks[1][LoraModule::Down.index()] = 4;
+        ranks[2][LoraModule::Q.index()] = 16;
+        let adapters: Vec<&[usize; 7]> = ranks.iter().collect();
+        let rank = |a: &[usize; 7], _layer: usize, m: LoraModule| a[m.index()];
+        let facts = |segments: Vec<(std::ops::Range<usize>, u32)>| {
+            let layout = LoraLayout {
+                segments,
+                row_adapter: Vec::new(),
+            };
+            let batch = LoraBatch {
+                kernel: LoraKernel::Sgmv,
+                layout: &layout,
+                adapters: &adapters,
+                landed: &[9, 9, 9],
+            };
+            lora_facts(&batch, LayerIdx(0), rank)
+        };
+        assert_eq!(facts(vec![]), (false, false), "base rows only");
+        assert_eq!(facts(vec![(0..2, 2)]), (false, false), "q only");
+        assert_eq!(facts(vec![(0..2, 2), (3..4, 1)]), (false, true));
+        assert_eq!(facts(vec![(1..3, 0)]), (true, false));
+        assert_eq!(
+            facts(vec![(1..1, 0), (2..3, 1)]),
+            (false, true),
+            "an empty segment"
+        );
+    }
 
     #[test]
     fn rounding_keeps_8_or_11_significant_bits() {
