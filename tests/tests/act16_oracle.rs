@@ -30,6 +30,12 @@ use thaw_tests::{fixture_dir, rel_err};
 /// rounding step's absence or an f32 path's (the test also asserts the error is not 0).
 const TINY_TOL: f64 = 1e-2;
 
+/// Normwise relative error allowed between SmolLM2's logits with bf16 MLP activations and
+/// f32's: 30 layers of three roundings each (2⁻⁹ relative) on a trained model whose residual
+/// stream is dominated by a few large channels; measured 2.5e-2 (this VM, CPU backend). 5e-2
+/// bounds it with twice that room; the tokens above are the stronger check.
+const SMOLLM2_TOL: f64 = 5e-2;
+
 /// Logits and greedy tokens of each sequence over `steps` steps (a prefill, then decodes).
 struct Run {
     logits: Vec<Vec<Vec<f32>>>,
@@ -215,6 +221,7 @@ fn smollm2_bf16_greedy_tokens_with_bf16_mlp_activations_equal_transformers() {
             (ids, None)
         })
         .collect();
+    let mut runs = Vec::new();
     for act16 in [None, Some(Act16Type::Bf16)] {
         let got = run(&model, act16, &[], &prompts, want.new_tokens);
         for (c, g) in want.cases.iter().zip(&got.tokens) {
@@ -231,5 +238,11 @@ fn smollm2_bf16_greedy_tokens_with_bf16_mlp_activations_equal_transformers() {
                 c.prompt, want.generator
             );
         }
+        runs.push(got);
     }
+    // Same tokens, so the same contexts: the logits compare step by step.
+    let err = worst(&runs[1], &runs[0]);
+    eprintln!("SmolLM2 bf16, bf16 MLP activations: worst normwise logits error {err:e}");
+    assert!(err > 0.0, "the emulation rounded nothing");
+    assert!(err <= SMOLLM2_TOL, "bf16 MLP activations: rel err {err:e}");
 }
