@@ -19,8 +19,7 @@ use thaw_runtime::backend::Act16Type;
 use thaw_runtime::engine::{Engine, EngineConfig, HostModel, PlanItem, SequenceParams, StepPlan};
 use thaw_runtime::ids::{AdapterId, SeqId};
 use thaw_runtime::model::Tokenizer;
-use thaw_server::chat::{ChatTemplate, TemplateMessage};
-use thaw_tests::{fixture_dir, rel_err};
+use thaw_tests::{chat_prompt, fixture_dir, rel_err};
 
 /// Normwise relative error allowed between the logits with bf16 MLP activations and f32's on
 /// the tiny model: bf16 keeps 8 significant bits (unit roundoff 2⁻⁹ ≈ 2e-3); gate, up and
@@ -184,20 +183,6 @@ struct Case {
     prompt: String,
     prompt_ids: Vec<u32>,
     tokens: Vec<u32>,
-}
-
-fn chat_prompt(tok: &Tokenizer, text: &str) -> Vec<u32> {
-    let t = ChatTemplate::new(
-        tok.chat_template().expect("the model has a chat template"),
-        tok.bos_token(),
-        tok.eos_token(),
-    )
-    .unwrap();
-    let msgs = [TemplateMessage {
-        role: "user".into(),
-        content: text.into(),
-    }];
-    tok.encode(&t.render(&msgs, true).unwrap(), false).unwrap()
 }
 
 #[test]

@@ -26,15 +26,12 @@ use thaw_runtime::backend::cuda::{CudaBackend, CudaLora, DType};
 use thaw_runtime::backend::{
     Act16Type, Backend, LinearDims, LoraBatch, LoraKernel, LoraLayout, LoraSite,
 };
-use thaw_runtime::engine::{PlanItem, SequenceParams, StepPlan};
-use thaw_runtime::ids::{AdapterId, LayerIdx, SeqId};
-use thaw_runtime::sampling::SamplingParams;
+use thaw_runtime::ids::LayerIdx;
 use thaw_server::gen::ModelPreset;
-use thaw_tests::graphs::prompts;
 use thaw_tests::{test_preset, TestModel};
 
 use super::gemv::{check_off_on, off_on_runs};
-use super::graphs::engine_with;
+use super::host_overhead::decode_counts_with;
 use super::opt_in::bitwise;
 use super::{cfg, check, mixed_lora_layout, rand_vec};
 
@@ -337,61 +334,12 @@ fn steady_decode_with_16_bit_mlp_activations_allocates_nothing() {
         return;
     }
     let tm = TestModel::llama(6);
-    let adapter = tm.adapter(8, &["q", "v"], 90);
     let mut per_switch = Vec::new();
     for on in [false, true] {
-        let mut e = engine_with(
-            &tm.model,
-            DType::Bf16,
-            std::slice::from_ref(&adapter),
-            false,
-            |b| {
-                b.set_gemv(false).unwrap();
-                b.set_fused(true).unwrap();
-                b.set_act16(on).unwrap();
-            },
-        );
-        let mut p = prompts(3, tm.model.config.vocab_size, 7);
-        for prompt in &mut p {
-            prompt.truncate(3);
-        }
-        let ids: Vec<SeqId> = (0..3).map(SeqId).collect();
-        for ((&id, a), prompt) in ids.iter().zip([Some(0), None, Some(0)]).zip(&p) {
-            e.add_sequence(
-                id,
-                SequenceParams {
-                    prompt: prompt.clone(),
-                    adapter: a.map(AdapterId),
-                    sampling: SamplingParams::greedy(),
-                    max_new_tokens: 10,
-                    ignore_eos: true,
-                    ..Default::default()
-                },
-            )
-            .unwrap();
-        }
-        let plan = |first: bool| StepPlan {
-            items: ids
-                .iter()
-                .zip(&p)
-                .map(|(&seq, prompt)| PlanItem {
-                    seq,
-                    num_tokens: if first { prompt.len() } else { 1 },
-                })
-                .collect(),
-            return_logits: false,
-        };
-        e.step(&plan(true)).unwrap();
-        for _ in 0..2 {
-            e.step(&plan(false)).unwrap();
-        }
-        let counts: Vec<_> = (0..3)
-            .map(|_| {
-                let before = e.backend().device_counts();
-                e.step(&plan(false)).unwrap();
-                e.backend().device_counts().since(&before)
-            })
-            .collect();
+        let counts = decode_counts_with(&tm, DType::Bf16, 3, |b| {
+            b.set_gemv(false).unwrap();
+            b.set_act16(on).unwrap();
+        });
         println!("act16 {on}: {:?}", counts[0]);
         for c in &counts {
             assert_eq!(

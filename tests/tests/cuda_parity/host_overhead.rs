@@ -12,7 +12,7 @@
 //! plain RMSNorm), every o_proj input and the LM head's are cast. So bf16 launches exactly
 //! `layers + 2` kernels more than f32 (it was `6 · layers + 1`: a cast per product but down).
 //! Part of `cuda_parity` (its helpers, its GPU skip rules).
-use thaw_runtime::backend::cuda::{AttnImpl, DType};
+use thaw_runtime::backend::cuda::{AttnImpl, CudaBackend, DType};
 use thaw_runtime::backend::device_counts::DeviceCounts;
 use thaw_runtime::engine::{PlanItem, SequenceParams, StepPlan};
 use thaw_runtime::ids::{AdapterId, SeqId};
@@ -33,6 +33,16 @@ const MAX_UPLOAD_BYTES: u64 = 4096;
 /// context crosses a 16-token KV block within the steps: the block tables keep their size,
 /// which is what steady means here (a table that grows may grow its device buffer).
 fn decode_counts(tm: &TestModel, dt: DType, steps: usize) -> Vec<DeviceCounts> {
+    decode_counts_with(tm, dt, steps, |_| {})
+}
+
+/// [`decode_counts`] with `setup` run on the backend after its own kernel choices.
+pub(super) fn decode_counts_with(
+    tm: &TestModel,
+    dt: DType,
+    steps: usize,
+    setup: impl FnOnce(&mut CudaBackend),
+) -> Vec<DeviceCounts> {
     assert!(3 + 2 + steps < 16, "contexts stay inside one KV block");
     let adapter = tm.adapter(8, &["q", "v"], 90);
     // The kernels the counts below are derived for, whatever the environment asks: the
@@ -44,6 +54,7 @@ fn decode_counts(tm: &TestModel, dt: DType, steps: usize) -> Vec<DeviceCounts> {
         b.set_rope_fold(false).unwrap();
         b.set_group_gemm(false).unwrap();
         b.set_lora_slices(false).unwrap();
+        setup(b);
     });
     let mut p = prompts(3, tm.model.config.vocab_size, 7);
     for prompt in &mut p {

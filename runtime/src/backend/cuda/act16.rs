@@ -201,10 +201,8 @@ unsafe fn grown<'a>(
     buf: &'a mut Option<CudaSlice<u16>>,
     n: usize,
 ) -> Result<&'a mut CudaSlice<u16>, CudaError> {
-    if buf.as_ref().is_none_or(|b| b.len() < n) {
-        // SAFETY: written before it is read (this function's contract).
-        *buf = Some(unsafe { gpu.alloc_uninit::<u16>(n.max(1)) }?);
-    }
+    // SAFETY: written before it is read (this function's contract).
+    unsafe { gpu.x16_ptr(buf, n) }?;
     Ok(buf.as_mut().expect("grown above"))
 }
 
