@@ -589,4 +589,50 @@ mod tests {
             "finish stops the recording"
         );
     }
+
+    /// A backend that runs `gated_mlp_in` as its two ops (the CPU) is timed per op: gate, up,
+    /// SwiGLU; the result is the wrapped backend's.
+    #[test]
+    fn an_unfused_gated_mlp_is_timed_as_its_ops() {
+        let c = config();
+        let mut vals = test_values(11);
+        let mut plain = CpuBackend::new(&c);
+        let mut prof = Profiled::new(CpuBackend::new(&c));
+        assert!(!prof.fuses_gated_mlp());
+        let (rows, d_in, inter) = (2, 64, 128);
+        let ws: Vec<_> = (0..2)
+            .map(|_| (plain.upload_linear(vals(inter * d_in), inter, d_in, None)).unwrap())
+            .collect();
+        let x = vals(rows * d_in);
+        let sites = [LoraModule::Gate, LoraModule::Up].map(|module| LoraSite {
+            layer: LayerIdx(0),
+            module,
+            dims: LinearDims { d_in, d_out: inter },
+        });
+        let none: Vec<&<CpuBackend as Backend>::Lora> = Vec::new();
+        let layout = super::super::LoraLayout::default();
+        let batch = LoraBatch {
+            kernel: Default::default(),
+            layout: &layout,
+            adapters: &none,
+            landed: &[],
+        };
+        let [mut g0, mut u0, mut a0, mut g1, mut u1, mut a1] =
+            std::array::from_fn(|_| vec![0.0f32; rows * inter]);
+        let w2 = [&ws[0], &ws[1]];
+        plain.gated_mlp_in(&x, w2, rows, [&mut g0, &mut u0], sites, &batch, &mut a0);
+        prof.start();
+        prof.gated_mlp_in(&x, w2, rows, [&mut g1, &mut u1], sites, &batch, &mut a1);
+        let classes: Vec<OpClass> = prof.finish().unwrap().iter().map(|s| s.class).collect();
+        assert_eq!(
+            classes,
+            [
+                OpClass::Linear(LoraModule::Gate),
+                OpClass::Linear(LoraModule::Up),
+                OpClass::Swiglu
+            ]
+        );
+        assert_eq!(a0, a1);
+        assert!(a0.iter().any(|&v| v != 0.0));
+    }
 }
