@@ -13,7 +13,9 @@
 #      1-8 rows, cast + cuBLAS vs the opt-in small-batch GEMV (THAW_CUDA_GEMV); then
 #      cuda_bench --lora-slices: q/k/v and gate/up LoRA per module vs one launch pair per
 #      group (THAW_CUDA_LORA_SLICES); then cuda_bench --lt: cublasGemmEx vs cuBLASLt products
-#      (THAW_CUDA_CUBLASLT, bias epilogue) at rows 1/8/32/128/2048 on Llama-7B's shapes;
+#      (THAW_CUDA_CUBLASLT, bias epilogue) at rows 1/8/32/128/2048 on Llama-7B's shapes; then
+#      cuda_bench --act16: the MLP block (gate/up, SwiGLU, down) with f32 against 16-bit
+#      activations (THAW_CUDA_BF16_ACT);
 #   3. thaw-bench gpu on the whole model, off (OFF: all four classic) then on (ON: all four
 #      asked for explicitly, so a shape they cannot serve is an error, not a silent fallback)
 #      then opt-in (ON plus every opt-in switch, OPT_ON below; "on" has them 0, so on vs opt-in
@@ -78,10 +80,10 @@ cap() {
 # The opt-in switches are off in every run but "opt-in" (unset means off for them).
 OPT_OFF=(THAW_CUDA_GROUP_GEMM=0 THAW_CUDA_ROPE_FOLD=0 THAW_CUDA_WIDE_NORM=0 THAW_CUDA_GEMV=0
   THAW_CUDA_DEVICE_ARGMAX=0 THAW_CUDA_LORA_SLICES=0 THAW_CUDA_ATTN_OCCUPANCY=0
-  THAW_CUDA_CUBLASLT=0)
+  THAW_CUDA_CUBLASLT=0 THAW_CUDA_BF16_ACT=0)
 OPT_ON=(THAW_CUDA_GROUP_GEMM=1 THAW_CUDA_ROPE_FOLD=1 THAW_CUDA_WIDE_NORM=1 THAW_CUDA_GEMV=1
   THAW_CUDA_DEVICE_ARGMAX=1 THAW_CUDA_LORA_SLICES=1 THAW_CUDA_ATTN_OCCUPANCY=1
-  THAW_CUDA_CUBLASLT=1)
+  THAW_CUDA_CUBLASLT=1 THAW_CUDA_BF16_ACT=1)
 DEFAULTS=(THAW_CUDA_ATTN_IMPL= THAW_CUDA_TC_PREFILL= THAW_CUDA_LORA_IMPL= THAW_CUDA_FUSED=
   "${OPT_OFF[@]}")
 OFF=(THAW_CUDA_ATTN_IMPL=classic THAW_CUDA_TC_PREFILL=0 THAW_CUDA_LORA_IMPL=classic THAW_CUDA_FUSED=0
@@ -129,6 +131,15 @@ if [ -x "$BIN/cuda_bench" ] && [ "$lim" -ge 10 ]; then
   cat "$O/attn29-gemv.md"
 else
   echo "cuda_bench --gemv: skipped (missing or under 10 s left)"
+fi
+lim=$(cap 30)
+if [ -x "$BIN/cuda_bench" ] && [ "$lim" -ge 10 ]; then
+  el "cuda_bench --act16 (limit ${lim}s)"
+  env "${DEFAULTS[@]}" timeout "$lim" "$BIN/cuda_bench" --act16 >"$O/attn29-act16.md" 2>&1
+  echo "cuda_bench --act16: rc=$?"
+  cat "$O/attn29-act16.md"
+else
+  echo "cuda_bench --act16: skipped (missing or under 10 s left)"
 fi
 lim=$(cap 30)
 if [ -x "$BIN/cuda_bench" ] && [ "$lim" -ge 10 ]; then

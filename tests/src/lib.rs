@@ -208,3 +208,19 @@ pub fn gpu_or_skip() -> bool {
     println!("skipped: no NVIDIA GPU (set THAW_REQUIRE_GPU=1 to fail instead)");
     false
 }
+
+/// `text` as one user turn of `tok`'s chat template with the generation prompt, encoded (what
+/// a chat completion feeds the model).
+pub fn chat_prompt(tok: &thaw_runtime::model::Tokenizer, text: &str) -> Vec<u32> {
+    let t = thaw_server::chat::ChatTemplate::new(
+        tok.chat_template().expect("the model has a chat template"),
+        tok.bos_token(),
+        tok.eos_token(),
+    )
+    .unwrap();
+    let msgs = [thaw_server::chat::TemplateMessage {
+        role: "user".into(),
+        content: text.into(),
+    }];
+    tok.encode(&t.render(&msgs, true).unwrap(), false).unwrap()
+}

@@ -23,6 +23,8 @@ use thaw_runtime::engine::{Engine, EngineConfig, HostModel, PlanItem, SequencePa
 use thaw_runtime::ids::{AdapterId, LayerIdx, SeqId};
 use thaw_tests::{cpu_engine, rel_err, TestModel};
 
+#[path = "cuda_parity/act16.rs"]
+mod act16;
 #[path = "cuda_parity/argmax.rs"]
 mod argmax;
 #[path = "cuda_parity/attn29.rs"]

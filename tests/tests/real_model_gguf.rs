@@ -16,7 +16,7 @@ use thaw_runtime::backend::cpu_kv::KvCacheDtype;
 use thaw_runtime::engine::{Engine, EngineConfig, HostModel, PlanItem, SequenceParams, StepPlan};
 use thaw_runtime::ids::SeqId;
 use thaw_runtime::model::Tokenizer;
-use thaw_server::chat::{ChatTemplate, TemplateMessage};
+use thaw_tests::chat_prompt;
 
 const NEW_TOKENS: usize = 8;
 const PROMPT: &str = "What is the capital of France?";
@@ -37,21 +37,6 @@ fn model() -> Option<(HostModel, Tokenizer)> {
         return None;
     };
     Some(HostModel::load_with_tokenizer(std::path::Path::new(&path)).expect("the GGUF loads"))
-}
-
-fn chat_prompt(tok: &Tokenizer, text: &str) -> Vec<u32> {
-    let t = ChatTemplate::new(
-        tok.chat_template()
-            .expect("the GGUF has tokenizer.chat_template"),
-        tok.bos_token(),
-        tok.eos_token(),
-    )
-    .unwrap();
-    let msgs = [TemplateMessage {
-        role: "user".into(),
-        content: text.into(),
-    }];
-    tok.encode(&t.render(&msgs, true).unwrap(), false).unwrap()
 }
 
 /// Greedy tokens for each prompt, all sequences stepped together (prefill in one step).

@@ -65,6 +65,11 @@ pub fn prefill_work(c: &ModelConfig, t: usize, act: f64, class: OpClass) -> Opti
         OpClass::Rope => rows(2.0 * (c.q_dim() + c.kv_dim()) as f64),
         // gate and up read, their product written.
         OpClass::Swiglu => rows(3.0 * c.intermediate_size as f64),
+        // The gate and up products (their FLOPs dominate the fused op's time).
+        OpClass::GatedMlp => {
+            let (i, o) = c.module_shape(thaw_runtime::adapter::LoraModule::Gate);
+            Work::Flops(2.0 * 2.0 * t_f * (i * o) as f64)
+        }
         // The last row read and written.
         OpClass::Gather => Work::Bytes(2.0 * h * act),
         OpClass::LinearOther | OpClass::Lora | OpClass::Assist => return None,

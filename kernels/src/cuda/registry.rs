@@ -242,6 +242,15 @@ pub const LORA_SLICES: KernelSource = KernelSource {
     ),
 };
 
+/// Issue 29's opt-in 16-bit MLP activations (off unless `THAW_CUDA_BF16_ACT` is 1): SwiGLU
+/// over the 16-bit gate and up outputs of the GEMMs, writing down's 16-bit input (and, where
+/// asked, an f32 copy for down's LoRA).
+pub const ACT16: KernelSource = KernelSource {
+    name: "act16",
+    source: include_str!("act16.cu"),
+    entry_points: &["swiglu16_bf16", "swiglu16_f16"],
+};
+
 /// Every kernel source Thaw compiles.
 pub const KERNELS: &[KernelSource] = &[
     ELEMENTWISE,
@@ -258,6 +267,7 @@ pub const KERNELS: &[KernelSource] = &[
     GEMV,
     LORA_SLICES,
     ATTENTION_SPLIT_ILP,
+    ACT16,
 ];
 
 /// Launch-shape constants the sources `#define`; the host launches with these.

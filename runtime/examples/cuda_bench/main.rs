@@ -11,6 +11,7 @@
 //! cargo run --release -p thaw-runtime --features cuda --example cuda_bench -- --gemv   # GEMV only
 //! cargo run --release -p thaw-runtime --features cuda --example cuda_bench -- --lora-slices
 //! cargo run --release -p thaw-runtime --features cuda --example cuda_bench -- --lt     # cuBLASLt only
+//! cargo run --release -p thaw-runtime --features cuda --example cuda_bench -- --act16
 //! ```
 //!
 //! `--attn`: only issue 29's attention tables, full size: decode attention (classic vs
@@ -24,6 +25,10 @@
 //!
 //! `--lt`: only the products table (`lt.rs`): `cublasGemmEx` against the opt-in cuBLASLt
 //! products (bias in the epilogue) at rows 1, 8, 32, 128 and 2048 on Llama-7B's shapes.
+//!
+//! `--act16`: only the MLP block table (`act16.rs`): f32 against the opt-in 16-bit activations
+//! (`THAW_CUDA_BF16_ACT=1`) at rows 1, 32, 128 and 2048.
+mod act16;
 mod decode_attn;
 mod gemv;
 mod lt;
@@ -294,6 +299,9 @@ fn main() -> Res<()> {
     if std::env::args().any(|a| a == "--lt") {
         return lt::lt_table(smoke);
     }
+    if std::env::args().any(|a| a == "--act16") {
+        return act16::act16_table(smoke);
+    }
     if std::env::args().any(|a| a == "--gemv") {
         let mut g = CudaBackend::new(&model_config(1)?, &CudaConfig::default())?;
         let peak = d2d_peak(&mut g)?;
@@ -314,6 +322,7 @@ fn main() -> Res<()> {
         if !attn_only {
             gemv::gemv_table(smoke, peak)?;
             lt::lt_table(smoke)?;
+            act16::act16_table(smoke)?;
         }
     }
     prefill_attn::prefill_attn_table(smoke && !attn_only)?;

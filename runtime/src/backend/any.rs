@@ -800,6 +800,39 @@ impl Backend for AnyBackend {
         }
     }
 
+    fn gated_mlp_in(
+        &mut self,
+        x: &AnyBuf,
+        ws: [&AnyLinear; 2],
+        rows: usize,
+        outs: [&mut AnyBuf; 2],
+        sites: [LoraSite; 2],
+        batch: &LoraBatch<'_, AnyLora>,
+        act: &mut AnyBuf,
+    ) {
+        match self {
+            Self::Cpu(b) => {
+                let adapters = cpu_loras(batch);
+                let inner = batch.with_adapters(&adapters);
+                let (ws, outs) = (ws.map(|w| w.cpu()), outs.map(|o| o.cpu_mut()));
+                b.gated_mlp_in(x.cpu(), ws, rows, outs, sites, &inner, act.cpu_mut());
+            }
+            Self::Cuda(g) => {
+                let adapters = gpu_loras(batch);
+                let inner = batch.with_adapters(&adapters);
+                let (ws, outs) = (ws.map(|w| w.gpu()), outs.map(|o| o.gpu_mut()));
+                g.gated_mlp_in(x.gpu(), ws, rows, outs, sites, &inner, act.gpu_mut());
+            }
+        }
+    }
+
+    fn fuses_gated_mlp(&self) -> bool {
+        match self {
+            Self::Cpu(b) => b.fuses_gated_mlp(),
+            Self::Cuda(g) => g.fuses_gated_mlp(),
+        }
+    }
+
     fn swiglu(&mut self, gate: &AnyBuf, up: &AnyBuf, len: usize, out: &mut AnyBuf) {
         match self {
             Self::Cpu(b) => b.swiglu(gate.cpu(), up.cpu(), len, out.cpu_mut()),

@@ -83,6 +83,8 @@ pub struct CpuBackend {
     /// Graph emulation ([`CpuBackend::set_graph_emulation`]): the bucket of the graph step in
     /// progress, `Some(0)` between graph steps, `None` when off.
     graph_bucket: Option<usize>,
+    /// The 16-bit MLP activations' emulation ([`CpuBackend::set_act16`]); `None` = f32.
+    act16: Option<super::Act16Type>,
 }
 
 /// The cache format a new backend starts with: `THAW_KV_CACHE_DTYPE` (`fp16`, `bf16`; for A/B
@@ -144,6 +146,7 @@ impl CpuBackend {
             arena: hugepages_enabled().then(|| Mutex::new(HugeArena::new(true))),
             step: None,
             graph_bucket: None,
+            act16: None,
         }
     }
 
@@ -159,6 +162,13 @@ impl CpuBackend {
     pub fn with_kv_cache_dtype(mut self, dtype: KvCacheDtype) -> Self {
         self.kv_dtype = dtype;
         self
+    }
+
+    /// Rounds the MLP's gate, up and SwiGLU activations to `ty` exactly where CUDA's
+    /// `THAW_CUDA_BF16_ACT=1` stores them in 16 bits (`cpu_act16.rs`): the test oracle of that
+    /// switch's numerics. `None` (the default): f32.
+    pub fn set_act16(&mut self, ty: Option<super::Act16Type>) {
+        self.act16 = ty;
     }
 
     /// How K and V are stored.
@@ -698,6 +708,24 @@ impl Backend for CpuBackend {
                 }
             },
         );
+    }
+
+    fn gated_mlp_in(
+        &mut self,
+        x: &Vec<f32>,
+        ws: [&CpuLinear; 2],
+        rows: usize,
+        outs: [&mut Vec<f32>; 2],
+        sites: [LoraSite; 2],
+        batch: &LoraBatch<'_, Arc<LoraSlot>>,
+        act: &mut Vec<f32>,
+    ) {
+        match self.act16 {
+            Some(ty) => {
+                super::cpu_act16::gated_mlp_in(self, ty, x, ws, rows, outs, sites, batch, act)
+            }
+            None => super::gate_up_then_swiglu(self, x, ws, rows, outs, sites, batch, act),
+        }
     }
 
     fn swiglu(&mut self, gate: &Vec<f32>, up: &Vec<f32>, len: usize, out: &mut Vec<f32>) {

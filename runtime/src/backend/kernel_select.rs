@@ -17,7 +17,7 @@
 //! KV cache, a head_dim other than 32/64/128, or a device below compute capability 8.0. An
 //! explicit `split` / `1` / `punica` that cannot be served is an error that says what to set.
 //!
-//! Eight more are opt-in ([`OptInPlan`]): off unless set to `1`, until a GPU parity run
+//! Nine more are opt-in ([`OptInPlan`]): off unless set to `1`, until a GPU parity run
 //! (`cuda_parity`'s `opt_in` tests) proves them, then to become defaults like the four above.
 //!
 //! | kernel | variable | on |
@@ -30,6 +30,7 @@
 //! | q/k/v (and gate/up) LoRA as one shrink + one expand launch over slices | [`LORA_SLICES_ENV`] | `1` |
 //! | decode attention split to fill the GPU, 4 keys' loads in flight a warp (`attention_split_ilp.cu`) | [`ATTN_OCCUPANCY_ENV`] | `1` |
 //! | products through cuBLASLt, the bias in its epilogue (`lt_plan`) | [`CUBLASLT_ENV`] | `1` |
+//! | gate/up outputs and SwiGLU in 16 bits, f32 accumulation (`act16.cu`, [`super::act16_plan`]) | [`ACT16_ENV`] | `1` |
 use std::fmt;
 
 use thaw_kernels::cuda::decode_plan::{MIN_CHUNK, OCC_MIN_CHUNK};
@@ -107,6 +108,12 @@ pub const ATTN_OCCUPANCY_ENV: &str = "THAW_CUDA_ATTN_OCCUPANCY";
 /// `add_bias` launch ([`lt_plan`](super::lt_plan)): `1` or `0` (the default until a GPU parity
 /// run proves it). The small-batch GEMV ([`GEMV_ENV`]) keeps the products it serves.
 pub const CUBLASLT_ENV: &str = "THAW_CUDA_CUBLASLT";
+
+/// The MLP's gate and up products stored in the weights' 16-bit type (cuBLAS, f32
+/// accumulation) and SwiGLU over them writing down's 16-bit input (`act16.cu`), where
+/// [`act16_plan`](super::act16_plan::act16_plan) serves the step: `1` or `0` (the default
+/// until a GPU parity run proves it).
+pub const ACT16_ENV: &str = "THAW_CUDA_BF16_ACT";
 
 /// The occupancy plan's shortest chunk from [`SPLIT_MIN_CHUNK_ENV`]'s value: unset, empty or
 /// `auto`: [`OCC_MIN_CHUNK`] (32 positions); a positive integer sets it (as for the fixed plan,
@@ -292,6 +299,16 @@ pub const ATTN_OCCUPANCY: Switch = Switch {
     off: "0",
     new: "occupancy split, keys in flight",
     classic: "as THAW_CUDA_ATTN_IMPL picks",
+    default_new: false,
+};
+
+/// 16-bit MLP activations.
+pub const ACT16: Switch = Switch {
+    env: ACT16_ENV,
+    on: "1",
+    off: "0",
+    new: "gate/up and SwiGLU in 16 bits",
+    classic: "f32",
     default_new: false,
 };
 
@@ -573,6 +590,7 @@ pub struct OptInPlan {
     pub lora_slices: Choice,
     pub attn_occupancy: Choice,
     pub cublaslt: Choice,
+    pub act16: Choice,
 }
 
 impl OptInPlan {
@@ -592,10 +610,12 @@ impl OptInPlan {
                 .choose(&value(ATTN_OCCUPANCY.env), split_unserved(head_dim))?,
             // Served for every product it is given (`lt_plan::plan` refuses only empty ones).
             cublaslt: CUBLASLT.choose(&value(CUBLASLT.env), None)?,
+            // Served or not per step and layer (`act16_plan`): the rest run f32.
+            act16: ACT16.choose(&value(ACT16.env), None)?,
         })
     }
 
-    fn rows(&self) -> [(&'static str, Switch, &Choice); 8] {
+    fn rows(&self) -> [(&'static str, Switch, &Choice); 9] {
         [
             ("q/k/v and gate/up products", GROUP_GEMM, &self.group_gemm),
             ("RoPE", ROPE_FOLD, &self.rope_fold),
@@ -605,6 +625,7 @@ impl OptInPlan {
             ("LoRA of q/k/v and gate/up", LORA_SLICES, &self.lora_slices),
             ("decode attention", ATTN_OCCUPANCY, &self.attn_occupancy),
             ("products", CUBLASLT, &self.cublaslt),
+            ("MLP activations", ACT16, &self.act16),
         ]
     }
 }

@@ -241,7 +241,7 @@ proptest! {
     }
 }
 
-const OPT_IN: [Switch; 8] = [
+const OPT_IN: [Switch; 9] = [
     GROUP_GEMM,
     ROPE_FOLD,
     WIDE,
@@ -250,6 +250,7 @@ const OPT_IN: [Switch; 8] = [
     LORA_SLICES,
     ATTN_OCCUPANCY,
     CUBLASLT,
+    ACT16,
 ];
 
 fn opt_in(vars: &[(&str, &str)], head_dim: usize) -> Result<OptInPlan, String> {
@@ -267,6 +268,7 @@ fn the_opt_in_switches_are_off_unless_set_to_1() {
         lora_slices: Choice::Classic,
         attn_occupancy: Choice::Classic,
         cublaslt: Choice::Classic,
+        act16: Choice::Classic,
     };
     assert_eq!(opt_in(&[], 128), Ok(off.clone()));
     let auto: Vec<(&str, &str)> = OPT_IN.iter().map(|s| (s.env, "auto")).collect();
@@ -285,6 +287,7 @@ fn the_opt_in_switches_are_off_unless_set_to_1() {
             lora_slices: Choice::New,
             attn_occupancy: Choice::New,
             cublaslt: Choice::New,
+            act16: Choice::New,
         })
     );
     // One at a time: each variable moves its own choice only.
@@ -299,9 +302,10 @@ fn the_opt_in_switches_are_off_unless_set_to_1() {
             &p.lora_slices,
             &p.attn_occupancy,
             &p.cublaslt,
+            &p.act16,
         ]
         .map(Choice::is_new);
-        let want: [bool; 8] = std::array::from_fn(|j| j == i);
+        let want: [bool; 9] = std::array::from_fn(|j| j == i);
         assert_eq!(got, want, "{}", sw.env);
     }
     // The four defaults stay on whatever the opt-in switches say.
@@ -349,7 +353,13 @@ fn the_opt_in_log_line_names_each_switch() {
          products of few rows: cast + cuBLAS (THAW_CUDA_GEMV=0); LoRA of q/k/v and gate/up: \
          a launch pair per module (THAW_CUDA_LORA_SLICES=0); decode attention: as \
          THAW_CUDA_ATTN_IMPL picks (THAW_CUDA_ATTN_OCCUPANCY=0); products: cublasGemmEx + \
-         add_bias (THAW_CUDA_CUBLASLT=0)"
+         add_bias (THAW_CUDA_CUBLASLT=0); MLP activations: f32 (THAW_CUDA_BF16_ACT=0)"
+    );
+    let p = opt_in(&[(ACT16_ENV, "1")], 128).unwrap();
+    assert!(
+        p.to_string()
+            .ends_with("MLP activations: gate/up and SwiGLU in 16 bits"),
+        "{p}"
     );
     let p = opt_in(&[(GEMV_ENV, "1")], 128).unwrap();
     assert!(
@@ -372,7 +382,7 @@ fn the_opt_in_log_line_names_each_switch() {
     let p = opt_in(&[(CUBLASLT_ENV, "1")], 128).unwrap();
     assert!(
         p.to_string()
-            .ends_with("products: cuBLASLt, bias in its epilogue"),
+            .contains("products: cuBLASLt, bias in its epilogue;"),
         "{p}"
     );
 }

@@ -12,8 +12,11 @@ use crate::adapter::{LoraAdapter, LoraModule};
 use crate::error::Result;
 use crate::ids::LayerIdx;
 
+pub mod act16_plan;
 pub mod any;
 pub mod cpu;
+mod cpu_act16;
+pub use cpu_act16::Act16Type;
 mod cpu_fused;
 pub mod cpu_kv;
 mod cpu_lora_rows;
@@ -404,6 +407,30 @@ pub trait Backend {
         self.add(residual, x, rows * width);
         self.rms_norm(residual, w, eps, rows, out);
     }
+    /// The MLP block's input half as one op: `[gate, up] = x · [W_gate, W_up]ᵀ` plus every
+    /// adapter's delta ([`Backend::linear_group_lora`] over `sites`), then
+    /// `act = silu(gate) · up` ([`Backend::swiglu`]) over `rows × sites[0].dims.d_out`
+    /// elements. `gate` and `up` are scratch: only `act` is read afterwards (by down). A
+    /// backend may keep the intermediate activations in 16 bits (CUDA with
+    /// `THAW_CUDA_BF16_ACT=1`, [`act16_plan::act16_plan`]); the default runs the two ops.
+    #[allow(clippy::too_many_arguments)]
+    fn gated_mlp_in(
+        &mut self,
+        x: &Self::Buf,
+        ws: [&Self::Linear; 2],
+        rows: usize,
+        outs: [&mut Self::Buf; 2],
+        sites: [LoraSite; 2],
+        batch: &LoraBatch<'_, Self::Lora>,
+        act: &mut Self::Buf,
+    ) {
+        gate_up_then_swiglu(self, x, ws, rows, outs, sites, batch, act);
+    }
+    /// Whether [`Backend::gated_mlp_in`] may run as one op rather than the two (a profile then
+    /// times it as one).
+    fn fuses_gated_mlp(&self) -> bool {
+        false
+    }
     /// out = silu(gate) * up over `len` elements.
     fn swiglu(&mut self, gate: &Self::Buf, up: &Self::Buf, len: usize, out: &mut Self::Buf);
     /// y += x over `len` elements.
@@ -740,6 +767,23 @@ pub(crate) fn lora_sites<B: Backend + ?Sized, const N: usize>(
     for (o, s) in outs.into_iter().zip(sites) {
         b.lora(x, o, s.dims, (s.layer, s.module), batch);
     }
+}
+
+/// [`Backend::gated_mlp_in`]'s default: [`Backend::linear_group_lora`], then
+/// [`Backend::swiglu`] (also the CUDA backend's f32 path).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn gate_up_then_swiglu<B: Backend + ?Sized>(
+    b: &mut B,
+    x: &B::Buf,
+    ws: [&B::Linear; 2],
+    rows: usize,
+    [gate, up]: [&mut B::Buf; 2],
+    sites: [LoraSite; 2],
+    batch: &LoraBatch<'_, B::Lora>,
+    act: &mut B::Buf,
+) {
+    b.linear_group_lora(x, ws, rows, [&mut *gate, &mut *up], sites, batch);
+    b.swiglu(gate, up, rows * sites[0].dims.d_out, act);
 }
 
 /// [`Backend::rope_attention`]'s default: RoPE on q (`heads.0` heads) and k (`heads.1`), then

@@ -22,6 +22,10 @@ pub enum OpClass {
     /// KV write plus paged attention.
     Attention,
     Swiglu,
+    /// Gate and up products, their LoRA and SwiGLU as one op
+    /// ([`super::Backend::gated_mlp_in`] where the backend fuses it: CUDA with
+    /// `THAW_CUDA_BF16_ACT=1`).
+    GatedMlp,
     ResidualAdd,
     /// Gathering the sample rows before the final norm.
     Gather,
@@ -48,6 +52,7 @@ impl OpClass {
             OpClass::Rope => "rope".into(),
             OpClass::Attention => "attention (KV write + paged)".into(),
             OpClass::Swiglu => "swiglu".into(),
+            OpClass::GatedMlp => "linear gate_proj + up_proj + lora + swiglu".into(),
             OpClass::ResidualAdd => "residual add".into(),
             OpClass::Gather => "gather sample rows".into(),
             OpClass::LmHeadLogits => "linear lm_head + logits copy".into(),

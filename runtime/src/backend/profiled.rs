@@ -368,6 +368,31 @@ impl<B: Backend + OpClock> Backend for Profiled<B> {
             b.add_rms_norm(residual, x, w, eps, rows, width, out)
         })
     }
+    fn gated_mlp_in(
+        &mut self,
+        x: &Self::Buf,
+        ws: [&Self::Linear; 2],
+        rows: usize,
+        outs: [&mut Self::Buf; 2],
+        sites: [LoraSite; 2],
+        batch: &LoraBatch<'_, Self::Lora>,
+        act: &mut Self::Buf,
+    ) {
+        if !self.recording() {
+            return self
+                .inner
+                .gated_mlp_in(x, ws, rows, outs, sites, batch, act);
+        }
+        if !self.inner.fuses_gated_mlp() {
+            return super::gate_up_then_swiglu(self, x, ws, rows, outs, sites, batch, act);
+        }
+        self.timed(OpClass::GatedMlp, |b| {
+            b.gated_mlp_in(x, ws, rows, outs, sites, batch, act)
+        })
+    }
+    fn fuses_gated_mlp(&self) -> bool {
+        self.inner.fuses_gated_mlp()
+    }
     fn swiglu(&mut self, gate: &Self::Buf, up: &Self::Buf, len: usize, out: &mut Self::Buf) {
         self.timed(OpClass::Swiglu, |b| b.swiglu(gate, up, len, out))
     }
@@ -563,5 +588,51 @@ mod tests {
             prof.finish().unwrap().is_empty(),
             "finish stops the recording"
         );
+    }
+
+    /// A backend that runs `gated_mlp_in` as its two ops (the CPU) is timed per op: gate, up,
+    /// SwiGLU; the result is the wrapped backend's.
+    #[test]
+    fn an_unfused_gated_mlp_is_timed_as_its_ops() {
+        let c = config();
+        let mut vals = test_values(11);
+        let mut plain = CpuBackend::new(&c);
+        let mut prof = Profiled::new(CpuBackend::new(&c));
+        assert!(!prof.fuses_gated_mlp());
+        let (rows, d_in, inter) = (2, 64, 128);
+        let ws: Vec<_> = (0..2)
+            .map(|_| (plain.upload_linear(vals(inter * d_in), inter, d_in, None)).unwrap())
+            .collect();
+        let x = vals(rows * d_in);
+        let sites = [LoraModule::Gate, LoraModule::Up].map(|module| LoraSite {
+            layer: LayerIdx(0),
+            module,
+            dims: LinearDims { d_in, d_out: inter },
+        });
+        let none: Vec<&<CpuBackend as Backend>::Lora> = Vec::new();
+        let layout = super::super::LoraLayout::default();
+        let batch = LoraBatch {
+            kernel: Default::default(),
+            layout: &layout,
+            adapters: &none,
+            landed: &[],
+        };
+        let [mut g0, mut u0, mut a0, mut g1, mut u1, mut a1] =
+            std::array::from_fn(|_| vec![0.0f32; rows * inter]);
+        let w2 = [&ws[0], &ws[1]];
+        plain.gated_mlp_in(&x, w2, rows, [&mut g0, &mut u0], sites, &batch, &mut a0);
+        prof.start();
+        prof.gated_mlp_in(&x, w2, rows, [&mut g1, &mut u1], sites, &batch, &mut a1);
+        let classes: Vec<OpClass> = prof.finish().unwrap().iter().map(|s| s.class).collect();
+        assert_eq!(
+            classes,
+            [
+                OpClass::Linear(LoraModule::Gate),
+                OpClass::Linear(LoraModule::Up),
+                OpClass::Swiglu
+            ]
+        );
+        assert_eq!(a0, a1);
+        assert!(a0.iter().any(|&v| v != 0.0));
     }
 }

@@ -76,15 +76,22 @@ fn project<B: Backend, const N: usize>(
     (layer, modules): (LayerIdx, [LoraModule; N]),
     lora: &LoraBatch<'_, B::Lora>,
 ) {
-    let sites = modules.map(|module| {
+    b.linear_group_lora(x, ws, rows, outs, sites(c, (layer, modules)), lora);
+}
+
+/// The LoRA sites of `modules` of `layer`.
+fn sites<const N: usize>(
+    c: &ModelConfig,
+    (layer, modules): (LayerIdx, [LoraModule; N]),
+) -> [LoraSite; N] {
+    modules.map(|module| {
         let (d_in, d_out) = c.module_shape(module);
         LoraSite {
             layer,
             module,
             dims: LinearDims { d_in, d_out },
         }
-    });
-    b.linear_group_lora(x, ws, rows, outs, sites, lora);
+    })
 }
 
 /// Cold segments of `layer` whose adapter targets a module of `group`, packed in order.
@@ -272,14 +279,29 @@ pub(crate) fn run<B: Backend>(
             &mut ws.x,
         );
         let g = [Gate, Up];
-        let cpu = begin_assist(b, c, &ws.x, i, &g, lora, &mut assist, &mut cold)?;
-        let gate_up = [&mut ws.gate, &mut ws.up];
-        project(b, c, [&p[4], &p[5]], &ws.x, gate_up, rows, (l, g), lora);
-        if let Some(t) = cpu {
-            let outs = &mut [&mut ws.gate, &mut ws.up];
-            end_assist(b, c, i, &g, outs, &mut assist, &cold, t)?;
+        let mlp = [Gate, Up, Down];
+        let host_rows = assist.as_deref().is_some_and(|a| {
+            cold_segments(lora, a, i, &mlp, &mut cold);
+            !cold.is_empty()
+        });
+        if host_rows {
+            // The assist path merges host deltas into f32 gate/up and exports f32 SwiGLU rows
+            // for down: the two ops, in f32.
+            let cpu = begin_assist(b, c, &ws.x, i, &g, lora, &mut assist, &mut cold)?;
+            let gate_up = [&mut ws.gate, &mut ws.up];
+            project(b, c, [&p[4], &p[5]], &ws.x, gate_up, rows, (l, g), lora);
+            if let Some(t) = cpu {
+                let outs = &mut [&mut ws.gate, &mut ws.up];
+                end_assist(b, c, i, &g, outs, &mut assist, &cold, t)?;
+            }
+            b.swiglu(&ws.gate, &ws.up, rows * c.intermediate_size, &mut ws.act);
+        } else {
+            // Gate/up, their LoRA and SwiGLU: one op a backend may keep in 16 bits.
+            let sites = sites(c, (l, g));
+            let gate_up = [&mut ws.gate, &mut ws.up];
+            let w = [&p[4], &p[5]];
+            b.gated_mlp_in(&ws.x, w, rows, gate_up, sites, lora, &mut ws.act);
         }
-        b.swiglu(&ws.gate, &ws.up, rows * c.intermediate_size, &mut ws.act);
         let cpu = begin_assist(b, c, &ws.act, i, &[Down], lora, &mut assist, &mut cold)?;
         project(b, c, [&p[6]], &ws.act, [&mut ws.o], rows, (l, [Down]), lora);
         if let Some(t) = cpu {

@@ -53,7 +53,7 @@ const X16: [DType; 2] = [DType::Bf16, DType::F16];
 pub(super) const NEAR_TIE: f32 = 1e-2;
 
 /// Whether the step's two largest logits are within [`NEAR_TIE`] of each other.
-fn near_tie(logits: &[f32]) -> bool {
+pub(super) fn near_tie(logits: &[f32]) -> bool {
     let (mut a, mut b) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
     for &v in logits {
         if v > a {

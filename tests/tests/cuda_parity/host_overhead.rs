@@ -37,7 +37,7 @@ fn decode_counts(tm: &TestModel, dt: DType, steps: usize) -> Vec<DeviceCounts> {
 }
 
 /// [`decode_counts`] with `extra` switching the backend after the fixed kernels are set (the
-/// cuBLASLt test: `lt.rs`).
+/// cuBLASLt and 16-bit activation tests: `lt.rs`, `act16.rs`).
 pub(super) fn decode_counts_with(
     tm: &TestModel,
     dt: DType,
@@ -56,6 +56,7 @@ pub(super) fn decode_counts_with(
         b.set_group_gemm(false).unwrap();
         b.set_lora_slices(false).unwrap();
         b.set_cublaslt(false).unwrap();
+        b.set_act16(false).unwrap();
         extra(b);
     });
     let mut p = prompts(3, tm.model.config.vocab_size, 7);

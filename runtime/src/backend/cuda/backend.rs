@@ -24,6 +24,7 @@ use super::weights::{
 };
 use super::{CudaError, DType};
 use crate::adapter::{LoraAdapter, LoraModule};
+use crate::backend::act16_plan::Act16Plan;
 use crate::backend::{
     lora_sites, Backend, LinearDims, LoraBatch, LoraKernel, LoraLoad, LoraSite, PagePlace,
     StepLayout,
@@ -97,6 +98,8 @@ pub struct CudaBackend {
     pub(super) group_out: Option<CudaSlice<f32>>,
     /// Which buffer `x16` mirrors after a fused SwiGLU (`fused.rs`).
     pub(super) x16_tag: Option<super::fused::X16Tag>,
+    /// The 16-bit gate and up outputs of the act16 path (`act16.rs`).
+    pub(super) act16_scratch: super::act16::Act16Scratch,
     /// Ops run so far (every trait op counts one): an [`X16Tag`](super::fused::X16Tag) serves
     /// only the op right after it.
     ops: u64,
@@ -159,6 +162,7 @@ impl CudaBackend {
             x16: None,
             group_out: None,
             x16_tag: None,
+            act16_scratch: Default::default(),
             ops: 0,
             lora_v: None,
             logits_dev: None,
@@ -1185,6 +1189,33 @@ impl Backend for CudaBackend {
         out: &mut CudaSlice<f32>,
     ) {
         op!(self, self.try_attention(q, k, v, kv, step, out));
+    }
+
+    /// With `THAW_CUDA_BF16_ACT=1`, gate/up and SwiGLU in 16 bits where the step's plan
+    /// serves (`act16.rs`); the two ops in f32 otherwise.
+    fn gated_mlp_in(
+        &mut self,
+        x: &CudaSlice<f32>,
+        ws: [&CudaLinear; 2],
+        rows: usize,
+        outs: [&mut CudaSlice<f32>; 2],
+        sites: [LoraSite; 2],
+        batch: &LoraBatch<'_, CudaLora>,
+        act: &mut CudaSlice<f32>,
+    ) {
+        match self.act16_plan_for(ws, rows, &sites, batch) {
+            Act16Plan::Act16 { f32_copy } => op!(self, {
+                let at = self.ops;
+                self.try_gated_mlp_act16(x, ws, rows, f32_copy, act, at)
+            }),
+            Act16Plan::F32(_) => {
+                crate::backend::gate_up_then_swiglu(self, x, ws, rows, outs, sites, batch, act)
+            }
+        }
+    }
+
+    fn fuses_gated_mlp(&self) -> bool {
+        self.gpu.act16.is_some()
     }
 
     fn swiglu(

@@ -132,7 +132,7 @@ pub(super) struct PrefillKernel<'a> {
 pub(super) struct Gpu {
     pub ctx: Arc<CudaContext>,
     pub stream: Arc<CudaStream>,
-    blas: CudaBlas,
+    pub(super) blas: CudaBlas,
     k: Kernels,
     pub weight_dtype: DType,
     pub kv_dtype: DType,
@@ -166,6 +166,8 @@ pub(super) struct Gpu {
     pub occupancy: Option<super::attn_occupancy::OccupancyDecode>,
     /// Products through cuBLASLt, bias in its epilogue (`lt.rs`, opt-in); `None` = GemmEx.
     pub lt: Option<super::lt::Lt>,
+    /// 16-bit gate/up outputs and SwiGLU (`act16.rs`, opt-in); `None` = f32.
+    pub act16: Option<super::act16::Act16>,
 }
 
 impl Gpu {
@@ -198,6 +200,7 @@ impl Gpu {
             slices: None,
             occupancy: None,
             lt: None,
+            act16: None,
             ctx,
             stream,
             blas,

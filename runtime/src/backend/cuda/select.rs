@@ -94,6 +94,12 @@ impl CudaBackend {
             );
             self.gpu.lt = Some(lt);
         }
+        if opt_in.act16.is_new() {
+            self.gpu.act16 = super::act16::Act16::load(ctx, w)?;
+            if self.gpu.act16.is_none() {
+                tracing::info!("CUDA MLP activations: f32 (the weights are f32, not bf16/f16)");
+            }
+        }
         Ok(())
     }
 
@@ -109,6 +115,7 @@ impl CudaBackend {
             lora_slices: pick(self.gpu.slices.is_some()),
             attn_occupancy: pick(self.gpu.occupancy.is_some()),
             cublaslt: pick(self.gpu.lt.is_some()),
+            act16: pick(self.gpu.act16.is_some()),
         }
     }
 
