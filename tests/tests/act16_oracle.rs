@@ -317,7 +317,13 @@ fn smollm2_bf16_greedy_tokens_with_bf16_mlp_activations_equal_transformers() {
     prompts.push((prompts[0].0.clone(), Some(0)));
     let mut runs = Vec::new();
     for act16 in [None, Some(Act16Type::Bf16)] {
-        let got = run(&model, act16, &[adapter.clone()], &prompts, want.new_tokens);
+        let got = run(
+            &model,
+            act16,
+            std::slice::from_ref(&adapter),
+            &prompts,
+            want.new_tokens,
+        );
         for (c, g) in want.cases.iter().zip(&got.tokens) {
             // transformers stops after the end-of-turn token; Thaw ran on (ignore_eos).
             let g = &g[..c.tokens.len()];
