@@ -125,8 +125,11 @@ fn the_dry_run_names_each_mistake_in_the_scripts() {
     // tmp/benches/gpu holds the edited copies; the scripts find the peer as ../peers.
     let gpu = tmp.path().join("benches/gpu");
     std::fs::create_dir_all(gpu.join("testdata")).unwrap();
-    std::os::unix::fs::symlink(repo().join("benches/peers"), tmp.path().join("benches/peers"))
-        .unwrap();
+    std::os::unix::fs::symlink(
+        repo().join("benches/peers"),
+        tmp.path().join("benches/peers"),
+    )
+    .unwrap();
     let src = repo().join("benches/gpu");
     for e in std::fs::read_dir(&src).unwrap() {
         let p = e.unwrap().path();
@@ -142,7 +145,10 @@ fn the_dry_run_names_each_mistake_in_the_scripts() {
     let edit = |file: &str, from: &str, to: &str| {
         let path = gpu.join(file);
         let s = std::fs::read_to_string(&path).unwrap();
-        assert!(s.contains(from), "{file} no longer contains `{from}`: update this test");
+        assert!(
+            s.contains(from),
+            "{file} no longer contains `{from}`: update this test"
+        );
         std::fs::write(&path, s.replacen(from, to, 1)).unwrap();
     };
     // A misspelt thaw-bench flag (the op-profile step), a filter matching no test, a switch
@@ -181,7 +187,10 @@ fn the_dry_run_names_each_mistake_in_the_scripts() {
         .output()
         .expect("run python3 benches/gpu/dryrun.py");
     let t = text(&o);
-    assert!(!o.status.success(), "the dry run passed edited scripts:\n{t}");
+    assert!(
+        !o.status.success(),
+        "the dry run passed edited scripts:\n{t}"
+    );
     for needle in [
         "--decode-stepz",
         "filter `opt_inn` matches no test of cuda_parity",
@@ -192,7 +201,8 @@ fn the_dry_run_names_each_mistake_in_the_scripts() {
         "sets THAW_GPU_29_OPS_S, which no script",
     ] {
         assert!(
-            t.lines().any(|l| l.starts_with("FAIL: ") && l.contains(needle)),
+            t.lines()
+                .any(|l| l.starts_with("FAIL: ") && l.contains(needle)),
             "no FAIL line names `{needle}`:\n{t}"
         );
     }

@@ -220,6 +220,9 @@ mod tests {
         want.sort();
         got.sort();
         assert!(!want.is_empty());
-        assert_eq!(got, want, "{path}: update it to the keys Summary serializes");
+        assert_eq!(
+            got, want,
+            "{path}: update it to the keys Summary serializes"
+        );
     }
 }

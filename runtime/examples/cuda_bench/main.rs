@@ -295,7 +295,10 @@ fn main() -> Res<()> {
         std::process::exit(2);
     }
     if args.iter().any(|a| a == "--help" || a == "-h") {
-        println!("usage: cuda_bench [{}] (see the example's module docs)", FLAGS.join("] ["));
+        println!(
+            "usage: cuda_bench [{}] (see the example's module docs)",
+            FLAGS.join("] [")
+        );
         return Ok(());
     }
     let smoke = std::env::args().any(|a| a == "--smoke");
