@@ -27,7 +27,7 @@ packed in bin.tar.gz):
   * cuda_bench: its flags, by `cuda_bench ARGS --help`; for a `cuda 0` build (no cuda_bench)
     against the FLAGS list in runtime/examples/cuda_bench/main.rs;
   * every THAW_CUDA_ variable set for any executable is a switch of
-    runtime/src/backend/kernel_select.rs (its `pub const ..: &str = "THAW_CUDA_.."`), with a
+    runtime/src/backend/kernel_select.rs (its `const ..: &str = "THAW_CUDA_.."`), with a
     value its Switch takes (the `on` / `off` names there, 1/0-style for on/off ones);
   * the transformers peer: its flags by transformers_gpu.py's own parse() (no torch needed);
   * tables.py and peer29.py run on what the shims wrote and must exit 0; every script passes
@@ -72,7 +72,7 @@ def switches(root):
     """THAW_CUDA_ name -> accepted values (None: any value) from kernel_select.rs."""
     path = os.path.join(root, "runtime/src/backend/kernel_select.rs")
     text = open(path).read()
-    consts = dict(re.findall(r'pub const (\w+): &str = "(THAW_CUDA_\w+)"', text))
+    consts = dict(re.findall(r'const (\w+): &str = "(THAW_CUDA_\w+)"', text))
     out = {name: None for name in consts.values()}
     for env_const, on, off in re.findall(
         r'Switch\s*\{\s*env:\s*(\w+),\s*on:\s*"([^"]*)",\s*off:\s*"([^"]*)"', text
@@ -210,6 +210,15 @@ def first_error(text):
     return lines[0].strip() if lines else "(no output)"
 
 
+def refused(st, cmd, what):
+    """Runs a parse-only command line; False when it exits 0, else the finding is kept."""
+    r = run_quiet(cmd)
+    if r.returncode == 0:
+        return False
+    st.finding(f"{st.caller()}: {what}: {first_error(r.stderr + r.stdout)}")
+    return True
+
+
 def real_exe(st, name):
     p = os.path.join(st.cfg["real_bin"], name)
     return p if os.path.isfile(p) else None
@@ -238,10 +247,8 @@ def shim_clap(st, name, args):
     if exe is None:
         st.finding(f"{st.caller()}: {name} is not in --bin ({st.cfg['real_bin']})")
         return 127
-    r = run_quiet([exe] + args + ["--help"])
-    if r.returncode != 0:
-        st.finding(f"{st.caller()}: `{name} {' '.join(args)}` is refused by its parser: "
-                   f"{first_error(r.stderr + r.stdout)}")
+    if refused(st, [exe] + args + ["--help"],
+               f"`{name} {' '.join(args)}` is refused by its parser"):
         return 2
     sub = args[0] if args else ""
     if name == "thaw" and sub == "gen-model":
@@ -298,10 +305,8 @@ def shim_libtest(st, name, args):
     flags, filters, exact, skips = libtest_split(args)
     names = []
     if exe is not None:
-        r = run_quiet([exe] + flags + ["--list"])
-        if r.returncode != 0:
-            st.finding(f"{st.caller()}: `{name} {' '.join(args)}`: libtest refuses the flags: "
-                       f"{first_error(r.stderr + r.stdout)}")
+        if refused(st, [exe] + flags + ["--list"],
+                   f"`{name} {' '.join(args)}`: libtest refuses the flags"):
             return 2
         r = run_quiet([exe, "--list", "--format", "terse"])
         names = [ln[: -len(": test")] for ln in r.stdout.splitlines() if ln.endswith(": test")]
@@ -338,10 +343,7 @@ def shim_libtest(st, name, args):
 def shim_cuda_bench(st, args):
     exe = real_exe(st, "cuda_bench")
     if exe is not None:
-        r = run_quiet([exe] + args + ["--help"])
-        if r.returncode != 0:
-            st.finding(f"{st.caller()}: `cuda_bench {' '.join(args)}` is refused: "
-                       f"{first_error(r.stderr + r.stdout)}")
+        if refused(st, [exe] + args + ["--help"], f"`cuda_bench {' '.join(args)}` is refused"):
             return 2
     elif st.cfg["cuda"] == "0":
         flags = cuda_bench_flags(st.cfg["root"])

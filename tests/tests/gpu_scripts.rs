@@ -11,6 +11,7 @@
 //! tests from `tests/tests/cuda_parity.rs` and its `#[path]` modules; `cuda_bench` (built only
 //! with cuda) is checked against its `FLAGS` list in `runtime/examples/cuda_bench/main.rs`.
 //! Needs bash and python3 (as `.ci/run` does).
+use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
@@ -62,6 +63,19 @@ fn cpu_gpu_bin(dir: &Path) {
         "commit test\nbuilt by tests/tests/gpu_scripts.rs\ncuda 0, profile dev\n",
     )
     .expect("write BUILD");
+}
+
+/// `python3 benches/gpu/dryrun.py --bin BIN --out TMP/out ARGS`.
+fn dry_run<S: AsRef<OsStr>>(bin: &Path, tmp: &Path, args: &[S]) -> Output {
+    Command::new("python3")
+        .arg(repo().join("benches/gpu/dryrun.py"))
+        .arg("--bin")
+        .arg(bin)
+        .arg("--out")
+        .arg(tmp.join("out"))
+        .args(args)
+        .output()
+        .expect("run python3 benches/gpu/dryrun.py")
 }
 
 fn text(o: &Output) -> String {
@@ -174,18 +188,20 @@ fn the_dry_run_names_each_mistake_in_the_scripts() {
     );
     edit("lease.sh", "THAW_GPU_29_OP_S=60", "THAW_GPU_29_OPS_S=60");
     // --part all in the fast pass only: every step runs, in a few seconds.
-    let o = Command::new("python3")
-        .arg(gpu.join("dryrun.py"))
-        .arg("--bin")
-        .arg(&bin)
-        .arg("--out")
-        .arg(tmp.path().join("out"))
-        .args(["--part", "all", "--modes", "fast", "--scripts"])
-        .arg(&gpu)
-        .arg("--root")
-        .arg(repo())
-        .output()
-        .expect("run python3 benches/gpu/dryrun.py");
+    let o = dry_run(
+        &bin,
+        tmp.path(),
+        &[
+            OsStr::new("--part"),
+            OsStr::new("all"),
+            OsStr::new("--modes"),
+            OsStr::new("fast"),
+            OsStr::new("--scripts"),
+            gpu.as_os_str(),
+            OsStr::new("--root"),
+            repo().as_os_str(),
+        ],
+    );
     let t = text(&o);
     assert!(
         !o.status.success(),
@@ -220,15 +236,11 @@ fn the_dry_run_fails_a_part_whose_timeouts_overrun_its_limit() {
     let bin = tmp.path().join("gpu-bin");
     std::fs::create_dir(&bin).unwrap();
     cpu_gpu_bin(&bin);
-    let o = Command::new("python3")
-        .arg(repo().join("benches/gpu/dryrun.py"))
-        .arg("--bin")
-        .arg(&bin)
-        .arg("--out")
-        .arg(tmp.path().join("out"))
-        .args(["--part", "b", "--modes", "worst", "--limit", "200"])
-        .output()
-        .expect("run python3 benches/gpu/dryrun.py");
+    let o = dry_run(
+        &bin,
+        tmp.path(),
+        &["--part", "b", "--modes", "worst", "--limit", "200"],
+    );
     let t = text(&o);
     assert!(!o.status.success(), "{t}");
     assert!(
