@@ -148,21 +148,35 @@ class State:
             with open(os.path.join(self.path, "clock"), "w") as f:
                 f.write(str(now))
 
-    def caller(self):
-        """The script that ran this shim: the nearest ancestor running a .sh."""
+    @staticmethod
+    def ancestors():
+        """The command lines of this shim's parent, its parent, ... (up to 6)."""
         pid = os.getppid()
         for _ in range(6):
             try:
                 args = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
                 stat = open(f"/proc/{pid}/stat").read()
             except OSError:
-                break
+                return
+            yield [x.decode(errors="replace") for x in args]
+            pid = int(stat.rsplit(")", 1)[1].split()[1])
+
+    def caller(self):
+        """The script that ran this shim: the nearest ancestor running a .sh."""
+        for args in self.ancestors():
             for x in args:
-                x = x.decode(errors="replace")
                 if x.endswith(".sh"):
                     return os.path.basename(x)
-            pid = int(stat.rsplit(")", 1)[1].split()[1])
         return "?"
+
+    def timed(self):
+        """Whether this shim runs under the timeout shim (before the script that called it)."""
+        for args in self.ancestors():
+            if any(x.endswith(".sh") for x in args):
+                return False
+            if args[2:4] == ["shim", "timeout"]:
+                return True
+        return False
 
 
 def opt(args, flag):
@@ -439,7 +453,7 @@ def shim(name, args):
     if name.startswith("bin:"):
         exe = name[4:]
         check_env(st, exe, args)
-        st.record(kind="exe", exe=exe, args=args, caller=st.caller())
+        st.record(kind="exe", exe=exe, args=args, caller=st.caller(), timed=st.timed())
         if exe in ("thaw", "thaw-bench"):
             return shim_clap(st, exe, args)
         if exe in CUDA_TEST_EXES:
@@ -694,7 +708,7 @@ def run_checks(a, limit, work):
         notes += [x for x in n if x not in notes]
         exes = [c for c in calls if c["kind"] == "exe"]
         tos = [c for c in calls if c["kind"] == "timeout"]
-        report.append(f"{mode}: {len(exes)} executable calls, {len(tos)} under timeout, "
+        report.append(f"{mode}: {len(exes)} executable calls, {len(tos)} timeouts, "
                       f"simulated clock at the end {clock_s:.0f} s (logs: {out})")
         if mode == "worst":
             for c in tos:
@@ -706,6 +720,10 @@ def run_checks(a, limit, work):
         if mode == "fast":
             ran = {c["exe"] for c in exes}
             report.append(f"  executables called: {' '.join(sorted(ran))}")
+            untimed = sorted({f"{c['caller']}: {c['exe']} {' '.join(c['args'][:1])}"
+                              for c in exes if not c["timed"]})
+            for u in untimed:
+                report.append(f"  no timeout (its time comes out of the later steps'): {u}")
     print(f"dry run of lease.sh --part {a.part} (--bin {a.bin}, BUILD cuda {cuda}, "
           f"{len(sw)} THAW_CUDA_ switches in kernel_select.rs)")
     for ln in report:
