@@ -720,6 +720,10 @@ def run_checks(a, limit, work):
         if mode == "fast":
             ran = {c["exe"] for c in exes}
             report.append(f"  executables called: {' '.join(sorted(ran))}")
+            unused = [n for n in names if n not in ran and n != "thaw-test-worker"]
+            if unused:
+                report.append(f"  shipped by build.sh, never run by --part {a.part}: "
+                              f"{' '.join(unused)}")
             untimed = sorted({f"{c['caller']}: {c['exe']} {' '.join(c['args'][:1])}"
                               for c in exes if not c["timed"]})
             for u in untimed:
