@@ -17,6 +17,9 @@
 #      transformers peer side by side (with 300 s or more for the step).
 # Steps with too little time left say "skipped". Every figure printed names its step's log.
 #   benches/gpu/lease.sh --bin gpu-bin --out "$OUT" --part a    then    ... --part b
+# Before the lease, on the build machine (no GPU, seconds): the same with --dry-run (or
+# THAW_GPU_DRY_RUN=1) runs benches/gpu/dryrun.py: every step with its executables, flags, test
+# filters, THAW_CUDA_ switches and Python scripts checked, and its timeouts summed at worst.
 set -uo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
@@ -25,16 +28,21 @@ BIN=$root/gpu-bin
 O=${OUT:-/tmp/out}
 BUDGET_S=
 PART=all
+DRY=${THAW_GPU_DRY_RUN:-0}
 while [ $# -gt 0 ]; do
   case "$1" in
     --bin) BIN=$2; shift 2 ;;
     --out) O=$2; shift 2 ;;
     --budget) BUDGET_S=$2; shift 2 ;;
     --part) PART=$2; shift 2 ;;
+    --dry-run) DRY=1; shift ;;
     -h|--help) sed -n '2,/^set -uo pipefail/{/^set -uo/!p}' "$0"; exit 0 ;;
     *) echo "unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
+if [ "$DRY" = 1 ]; then
+  exec python3 "$here/dryrun.py" --bin "$BIN" --out "$O" --part "$PART" ${BUDGET_S:+--budget "$BUDGET_S"}
+fi
 case "$PART" in
   a) : "${BUDGET_S:=360}" ;;
   b) : "${BUDGET_S:=400}" ;;

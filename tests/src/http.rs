@@ -403,20 +403,27 @@ pub fn spawn_serve(
 /// `cargo build -p thaw-server --bin thaw` first if it is not there yet. `.ci/run` builds it
 /// before the tests, and `cargo test --workspace` builds it as part of thaw-server.
 pub fn thaw_binary() -> PathBuf {
+    workspace_binary("thaw-server", "thaw")
+}
+
+/// The binary `name` of workspace package `package` next to this test executable
+/// (`target/<profile>/<name>`), built with `cargo build -p <package> --bin <name>` first if it
+/// is not there yet (`cargo test --workspace` builds every package's binaries).
+pub fn workspace_binary(package: &str, name: &str) -> PathBuf {
     let exe = std::env::current_exe().expect("current_exe");
     let profile_dir = exe
         .parent()
         .and_then(|deps| deps.parent())
         .expect("test executable lives in target/<profile>/deps");
-    let bin = profile_dir.join(format!("thaw{}", std::env::consts::EXE_SUFFIX));
+    let bin = profile_dir.join(format!("{name}{}", std::env::consts::EXE_SUFFIX));
     if !bin.exists() {
         let mut cmd = std::process::Command::new(env!("CARGO"));
-        cmd.args(["build", "-p", "thaw-server", "--bin", "thaw"]);
+        cmd.args(["build", "-p", package, "--bin", name]);
         if profile_dir.ends_with("release") {
             cmd.arg("--release");
         }
         let status = cmd.status().expect("run cargo build");
-        assert!(status.success(), "building the thaw binary failed");
+        assert!(status.success(), "building the {name} binary failed");
     }
     assert!(
         bin.exists(),

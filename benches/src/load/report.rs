@@ -194,4 +194,35 @@ mod tests {
         assert!(t.contains("| auto | 46.7 (+0%) |"), "{t}");
         assert!(Stats::of([]).mean.is_nan());
     }
+
+    /// The sample `load.json` the GPU scripts' dry run (`benches/gpu/dryrun.py`) feeds
+    /// `tables.py` has exactly the keys, at the same depths, that this report's summary
+    /// serializes: a rename here fails this test, not the next GPU lease.
+    #[test]
+    fn the_dry_runs_sample_load_json_has_the_summarys_keys() {
+        fn keys(v: &serde_json::Value, at: &str, out: &mut Vec<String>) {
+            if let Some(m) = v.as_object() {
+                for (k, x) in m {
+                    let path = format!("{at}.{k}");
+                    out.push(path.clone());
+                    keys(x, &path, out);
+                }
+            }
+        }
+        let r: Vec<_> = (0..4).map(|i| rec(i, 0.01, 0.5, i == 3)).collect();
+        let real = serde_json::to_value(Summary::of(&r, 1.0)).unwrap();
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/gpu/testdata/load.json");
+        let text = std::fs::read_to_string(path).unwrap();
+        let sample: serde_json::Value = serde_json::from_str(&text).unwrap();
+        let (mut want, mut got) = (Vec::new(), Vec::new());
+        keys(&real, "summary", &mut want);
+        keys(&sample["summary"], "summary", &mut got);
+        want.sort();
+        got.sort();
+        assert!(!want.is_empty());
+        assert_eq!(
+            got, want,
+            "{path}: update it to the keys Summary serializes"
+        );
+    }
 }

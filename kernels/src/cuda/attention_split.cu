@@ -29,21 +29,17 @@ __device__ void attn_decode_split(const float* __restrict__ q, const T* __restri
     const int i = blockIdx.x, h = blockIdx.y, sp = blockIdx.z;
     if (i >= rows || sp >= splits) return;
     const int warp = threadIdx.x >> 5;
-    const int kvh = h / (n_heads / n_kv_heads);
-    const int token_len = n_kv_heads * head_dim;
-    const u32* table = block_tables + row_meta[3 * i];
-    const int pos = (int)row_meta[3 * i + 1];
-    const long r = row_meta[3 * i + 2];
-    const int lo = window > 0 ? max(0, pos + 1 - window) : 0;
-    const int p0 = lo + sp * chunk, p1 = min(pos + 1, p0 + chunk);
+    const DecodeRow d =
+        decode_row(block_tables, row_meta, i, h, n_heads, n_kv_heads, head_dim, window);
+    const int p0 = d.lo + sp * chunk, p1 = min(d.pos + 1, p0 + chunk);
     const long part = ((long)i * n_heads + h) * splits + sp;
 
     float qv[THAW_SPLIT_HD_PER_LANE], acc[THAW_SPLIT_HD_PER_LANE];
-    attn_load_q<THAW_SPLIT_HD_PER_LANE>(q + (r * n_heads + h) * head_dim, head_dim, scale, qv,
+    attn_load_q<THAW_SPLIT_HD_PER_LANE>(q + (d.r * n_heads + h) * head_dim, head_dim, scale, qv,
                                         acc);
     float m = -THAW_INF, l = 0.0f;
-    attn_warp_keys<THAW_SPLIT_HD_PER_LANE, T>(qv, kc, vc, table, block_size, token_len,
-                                              (long)kvh * head_dim, head_dim, p0 + warp, p1,
+    attn_warp_keys<THAW_SPLIT_HD_PER_LANE, T>(qv, kc, vc, d.table, block_size, d.token_len,
+                                              (long)d.kvh * head_dim, head_dim, p0 + warp, p1,
                                               THAW_SPLIT_WARPS, m, l, acc);
     // An empty split (the context ends before it starts) merges to m = -inf, l = 0, acc = 0,
     // which the reduce skips.

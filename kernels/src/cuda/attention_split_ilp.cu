@@ -91,13 +91,9 @@ __device__ void attn_decode_split_ilp(const float* __restrict__ q, const T* __re
     const int i = blockIdx.x, h = blockIdx.y, sp = blockIdx.z;
     if (i >= rows || sp >= splits) return;
     const int warp = threadIdx.x >> 5;
-    const int kvh = h / (n_heads / n_kv_heads);
-    const int token_len = n_kv_heads * head_dim;
-    const u32* table = block_tables + row_meta[3 * i];
-    const int pos = (int)row_meta[3 * i + 1];
-    const long r = row_meta[3 * i + 2];
-    const int lo = window > 0 ? max(0, pos + 1 - window) : 0;
-    const long len = pos + 1 - lo;
+    const DecodeRow d =
+        decode_row(block_tables, row_meta, i, h, n_heads, n_kv_heads, head_dim, window);
+    const long len = d.pos + 1 - d.lo;
     const int rs = (int)max(1L, min((long)splits, len / min_chunk));
     const long part = ((long)i * n_heads + h) * splits + sp;
     if (sp >= rs) {
@@ -107,20 +103,20 @@ __device__ void attn_decode_split_ilp(const float* __restrict__ q, const T* __re
         }
         return;
     }
-    const int p0 = lo + (int)(sp * len / rs), p1 = lo + (int)((sp + 1) * len / rs);
+    const int p0 = d.lo + (int)(sp * len / rs), p1 = d.lo + (int)((sp + 1) * len / rs);
 
     float qv[THAW_ILP_HPL], acc[THAW_ILP_HPL];
-    attn_load_q<THAW_ILP_HPL>(q + (r * n_heads + h) * head_dim, head_dim, scale, qv, acc);
+    attn_load_q<THAW_ILP_HPL>(q + (d.r * n_heads + h) * head_dim, head_dim, scale, qv, acc);
     float m = -THAW_INF, l = 0.0f;
-    attn_warp_keys_ilp<THAW_ILP_HPL, T>(qv, kc, vc, table, block_size, token_len,
-                                        (long)kvh * head_dim, head_dim, p0 + warp, p1,
+    attn_warp_keys_ilp<THAW_ILP_HPL, T>(qv, kc, vc, d.table, block_size, d.token_len,
+                                        (long)d.kvh * head_dim, head_dim, p0 + warp, p1,
                                         THAW_ILP_WARPS, m, l, acc);
     float mx, denom;
     if (splits == 1) {
         // One split: attention.cu's attn_decode over the same keys in the same warps (same
         // THAW_ATTN_WARPS, same per-lane layout), so its output up to FMA contraction.
         // Position pos is always attended, so denom > 0.
-        float* orow = out + (r * n_heads + h) * head_dim;
+        float* orow = out + (d.r * n_heads + h) * head_dim;
         attn_merge_warps<THAW_ILP_WARPS, THAW_ILP_HPL>(
             m, l, acc, head_dim, mx, denom, [&](int j, float s) { orow[j] = s / denom; });
         return;

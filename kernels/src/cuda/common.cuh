@@ -80,6 +80,33 @@ __device__ __forceinline__ long kv_offset(const u32* table, int pos, int block_s
     return ((long)table[pos / block_size] * block_size + pos % block_size) * token_len;
 }
 
+// Decode row i, query head h, as attention_split.cu's and attention_split_ilp.cu's kernels
+// read them: row_meta[3i..3i+3] = (offset of the row's block table in `block_tables`, position,
+// row of q / out); the KV head of h (GQA), one position's row length in the cache, and the
+// first position attended (the sliding window's start, or 0).
+struct DecodeRow {
+    const u32* table;
+    int pos;
+    long r;
+    int lo;
+    int kvh;
+    int token_len;
+};
+
+__device__ __forceinline__ DecodeRow decode_row(const u32* __restrict__ block_tables,
+                                                const u32* __restrict__ row_meta, int i, int h,
+                                                int n_heads, int n_kv_heads, int head_dim,
+                                                int window) {
+    DecodeRow d;
+    d.kvh = h / (n_heads / n_kv_heads);
+    d.token_len = n_kv_heads * head_dim;
+    d.table = block_tables + row_meta[3 * i];
+    d.pos = (int)row_meta[3 * i + 1];
+    d.r = row_meta[3 * i + 2];
+    d.lo = window > 0 ? max(0, d.pos + 1 - window) : 0;
+    return d;
+}
+
 // This lane's share of query row `qr`, pre-scaled, and a zeroed accumulator.
 template <int HPL>
 __device__ __forceinline__ void attn_load_q(const float* __restrict__ qr, int head_dim,

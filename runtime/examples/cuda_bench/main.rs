@@ -286,7 +286,38 @@ fn streaming_table(smoke: bool) -> Res<()> {
     Ok(())
 }
 
+/// The flags cuda_bench takes (`benches/gpu/dryrun.py` checks the GPU scripts' calls against
+/// this list where no cuda_bench was built).
+const FLAGS: [&str; 6] = [
+    "--smoke",
+    "--attn",
+    "--gemv",
+    "--lora-slices",
+    "--lt",
+    "--act16",
+];
+
 fn main() -> Res<()> {
+    // A misspelt flag must not start the full run (minutes of a short GPU lease); `--help`
+    // after the flags checks them without a GPU.
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    if let Some(bad) = args
+        .iter()
+        .find(|a| !FLAGS.contains(&a.as_str()) && !matches!(a.as_str(), "--help" | "-h"))
+    {
+        eprintln!(
+            "error: cuda_bench does not take {bad}; it takes {} (or none: every table)",
+            FLAGS.join(", ")
+        );
+        std::process::exit(2);
+    }
+    if args.iter().any(|a| a == "--help" || a == "-h") {
+        println!(
+            "usage: cuda_bench [{}] (see the example's module docs)",
+            FLAGS.join("] [")
+        );
+        return Ok(());
+    }
     let smoke = std::env::args().any(|a| a == "--smoke");
     if !cuda_available() {
         println!("skipped: no NVIDIA GPU / libcuda on this machine");

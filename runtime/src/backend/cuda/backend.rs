@@ -13,6 +13,7 @@ use cudarc::driver::{CudaSlice, CudaStream, CudaView};
 use thaw_kernels::cpu::{KvLayout, RopeTable};
 
 use super::encode::encode;
+use super::gemv::GemvTake;
 use super::launch::dptr;
 use super::launch::{AttnShape, EpilogueBias, Gpu};
 use super::step::{AttnMeta, DevVec, LoraMeta};
@@ -474,8 +475,22 @@ impl CudaBackend {
         rows: usize,
         out: &mut CudaSlice<f32>,
     ) -> Result<(), CudaError> {
-        let eb = self.epilogue_bias(x, w, rows);
-        self.linear_view_bias(x, &w.w.view(), rows, w.d_in, w.d_out, out, eb)?;
+        let gemv = (self.gpu).gemv_takes(x, &w.w.view(), rows, w.d_in, w.d_out);
+        self.try_linear_by(x, w, rows, out, gemv)
+    }
+
+    /// [`CudaBackend::try_linear`] with the GEMV decision already taken (`gemv.rs`); the bias
+    /// in cuBLASLt's epilogue where cuBLASLt runs the product, else by `add_bias`.
+    pub(super) fn try_linear_by(
+        &mut self,
+        x: &CudaSlice<f32>,
+        w: &CudaLinear,
+        rows: usize,
+        out: &mut CudaSlice<f32>,
+        gemv: Option<GemvTake>,
+    ) -> Result<(), CudaError> {
+        let eb = self.epilogue_bias(w, gemv.is_some());
+        self.linear_view_bias(x, &w.w.view(), rows, w.d_in, w.d_out, out, gemv, eb)?;
         self.add_bias_unless_fused(w, eb, rows, out)
     }
 
@@ -503,8 +518,9 @@ impl CudaBackend {
     }
 
     /// out = x · Wᵀ for the `[d_out, d_in]` matrix `w` (no bias): the small-batch GEMV over `x`
-    /// where it is on and serves the product (`gemv.rs`), else the input's 16-bit copy from a
-    /// fused SwiGLU where its tag serves this op, else a cast of `x`.
+    /// where `gemv` says so (the caller's `Gpu::gemv_takes`, `gemv.rs`), else the input's
+    /// 16-bit copy from a fused SwiGLU where its tag serves this op, else a cast of `x`.
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn linear_view(
         &mut self,
         x: &CudaSlice<f32>,
@@ -513,8 +529,9 @@ impl CudaBackend {
         d_in: usize,
         d_out: usize,
         out: &mut CudaSlice<f32>,
+        gemv: Option<GemvTake>,
     ) -> Result<(), CudaError> {
-        self.linear_view_bias(x, w, rows, d_in, d_out, out, None)
+        self.linear_view_bias(x, w, rows, d_in, d_out, out, gemv, None)
     }
 
     /// [`CudaBackend::linear_view`] with `bias` added by cuBLASLt's epilogue (made by
@@ -528,15 +545,16 @@ impl CudaBackend {
         d_in: usize,
         d_out: usize,
         out: &mut CudaSlice<f32>,
+        gemv: Option<GemvTake>,
         bias: Option<EpilogueBias>,
     ) -> Result<(), CudaError> {
         let tag = self.x16_tag.take();
-        if self.gpu.gemv_linear(x, w, rows, d_in, d_out, out)? {
+        if let Some(take) = gemv {
             debug_assert!(
                 bias.is_none(),
                 "the GEMV goes first (lt_plan::product_path)"
             );
-            return Ok(());
+            return self.gpu.gemv_linear(take, x, w, out);
         }
         let served = tag.is_some_and(|t| t.serves(self.gpu.p(x), rows * d_in, self.ops));
         match (&self.x16, served) {
@@ -1087,9 +1105,9 @@ impl Backend for CudaBackend {
     ) {
         // A product the small-batch GEMV takes reads `x` itself and leaves `x16` as it was:
         // no cast to keep.
-        let by_gemv = (self.gpu).gemv_takes(x, &w.w.view(), rows, w.d_in, w.d_out);
-        op!(self, self.try_linear(x, w, rows, out));
-        if !self.failed() && !by_gemv {
+        let gemv = (self.gpu).gemv_takes(x, &w.w.view(), rows, w.d_in, w.d_out);
+        op!(self, self.try_linear_by(x, w, rows, out, gemv));
+        if !self.failed() && gemv.is_none() {
             self.x16_tag = self.cast_kept(x, rows * w.d_in, out, rows * w.d_out);
         }
     }

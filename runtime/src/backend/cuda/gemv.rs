@@ -60,23 +60,39 @@ impl Gemv {
     }
 }
 
+/// The decision that one product runs as a GEMV, made once per product by
+/// [`Gpu::gemv_takes`] for exactly these operands (only it makes one) and carried to
+/// [`Gpu::gemv_linear`], which runs it: the caller also needs it (a GEMV leaves no 16-bit copy
+/// of the input to reuse), so it is not taken twice.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct GemvTake {
+    x: u64,
+    w: u64,
+    rows: usize,
+    d_in: usize,
+    d_out: usize,
+}
+
 impl Gpu {
-    /// out[rows, d_out] = x[rows, d_in] · Wᵀ through `gemv.cu` where the switch is on and
-    /// [`gemv_serves`] the product; Ok(false) otherwise (nothing ran: the caller takes cuBLAS).
-    #[allow(clippy::too_many_arguments)]
+    /// out[rows, d_out] = x[rows, d_in] · Wᵀ through `gemv.cu`, as `take` decided for these
+    /// operands (their addresses are checked against it).
     pub(super) fn gemv_linear(
         &self,
+        take: GemvTake,
         x: &CudaSlice<f32>,
         w: &impl DevicePtr<u8>,
-        rows: usize,
-        d_in: usize,
-        d_out: usize,
         out: &mut CudaSlice<f32>,
-    ) -> Result<bool, CudaError> {
-        let k = match self.gemv.as_ref().and_then(|g| g.func.as_ref()) {
-            Some(k) if self.gemv_takes(x, w, rows, d_in, d_out) => k,
-            _ => return Ok(false),
-        };
+    ) -> Result<(), CudaError> {
+        let GemvTake {
+            rows, d_in, d_out, ..
+        } = take;
+        let k = (self.gemv.as_ref().and_then(|g| g.func.as_ref()))
+            .expect("gemv_takes decides a GEMV only with its kernels loaded");
+        let (xp, wp) = (self.p(x), self.p(w));
+        assert!(
+            (xp, wp) == (take.x, take.w),
+            "gemv: operands other than the ones gemv_takes decided for"
+        );
         assert!(
             x.len() >= rows * d_in && out.len() >= rows * d_out,
             "gemv: buffers too small"
@@ -92,10 +108,11 @@ impl Gpu {
         };
         // SAFETY: gemv_{few,many}_T(const float*, const T*, float*, int, int, int); x holds
         // rows × d_in f32, w d_out × d_in 16-bit weights, out rows × d_out f32 (checked above);
-        // gemv_serves checked 1 <= rows <= GEMV_MAX_ROWS, d_in % 8 == 0 and both addresses
-        // 16-byte aligned, which the kernel's 16-byte loads need; the few-row kernel gets rows
-        // <= GEMV_FEW_ROWS, the many-row one the rest (each ignores rows it has no case for);
-        // blocks of GEMV_WARPS warps, as their __launch_bounds__ declare.
+        // gemv_serves, through gemv_takes for these very addresses (checked above), checked
+        // 1 <= rows <= GEMV_MAX_ROWS, d_in % 8 == 0 and both addresses 16-byte aligned, which
+        // the kernel's 16-byte loads need; the few-row kernel gets rows <= GEMV_FEW_ROWS, the
+        // many-row one the rest (each ignores rows it has no case for); blocks of GEMV_WARPS
+        // warps, as their __launch_bounds__ declare.
         unsafe {
             launch!(
                 self,
@@ -103,19 +120,19 @@ impl Gpu {
                 (gemv_grid(d_out, rows), 1, 1),
                 shape::GEMV_WARPS * 32,
                 [
-                    self.p(x),
-                    self.p(w),
+                    xp,
+                    wp,
                     self.p(out),
                     int(rows, "rows"),
                     int(d_in, "d_in"),
                     int(d_out, "d_out")
                 ]
             )
-        }?;
-        Ok(true)
+        }
     }
 
-    /// Whether a product of `rows` rows of `x` through `w` runs as a GEMV (switch on, served).
+    /// Whether a product of `rows` rows of `x` through `w` runs as a GEMV (switch on, kernels
+    /// loaded, [`gemv_serves`]): the decision [`Gpu::gemv_linear`] runs, None for cuBLAS.
     pub(super) fn gemv_takes(
         &self,
         x: &CudaSlice<f32>,
@@ -123,10 +140,16 @@ impl Gpu {
         rows: usize,
         d_in: usize,
         d_out: usize,
-    ) -> bool {
+    ) -> Option<GemvTake> {
         let on = self.gemv.as_ref().is_some_and(|g| g.func.is_some());
-        let dt = self.weight_dtype;
-        gemv_serves(on, dt, rows, d_in, d_out, self.p(w), self.p(x))
+        let (xp, wp) = (self.p(x), self.p(w));
+        gemv_serves(on, self.weight_dtype, rows, d_in, d_out, wp, xp).then_some(GemvTake {
+            x: xp,
+            w: wp,
+            rows,
+            d_in,
+            d_out,
+        })
     }
 }
 

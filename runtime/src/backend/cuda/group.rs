@@ -146,8 +146,9 @@ impl CudaBackend {
             let mut scratch = self.group_out.take().expect("sized above");
             let last = ws.last().expect("two or three weights");
             let w = ws[0].w.through(&last.w);
+            let gemv = (self.gpu).gemv_takes(x, &w, rows, ws[0].d_in, total);
             let r = self
-                .linear_view(x, &w, rows, ws[0].d_in, total, &mut scratch)
+                .linear_view(x, &w, rows, ws[0].d_in, total, &mut scratch, gemv)
                 .and_then(|()| {
                     // Two or three modules (split_cols checks): no host allocation per layer.
                     let mut widths = [0usize; 3];
@@ -166,16 +167,16 @@ impl CudaBackend {
         let mut cast = false;
         for (w, o) in ws.iter().zip(outs.iter_mut()) {
             let gemv = self.gpu.gemv_takes(x, &w.w.view(), rows, w.d_in, w.d_out);
-            match (&self.x16, cast && !gemv) {
+            match (&self.x16, cast && gemv.is_none()) {
                 (Some(x16), true) => {
-                    let eb = self.epilogue_bias(x, w, rows);
+                    let eb = self.epilogue_bias(w, false);
                     let view = w.w.view();
                     (self.gpu).linear_from_x16(x16, &view, rows, w.d_in, w.d_out, o, eb)?;
                     self.add_bias_unless_fused(w, eb, rows, o)?;
                 }
                 _ => {
-                    self.try_linear(x, w, rows, o)?;
-                    cast |= !gemv && self.gpu.weight_dtype != DType::F32;
+                    self.try_linear_by(x, w, rows, o, gemv)?;
+                    cast |= gemv.is_none() && self.gpu.weight_dtype != DType::F32;
                 }
             }
         }

@@ -441,17 +441,11 @@ impl CudaBackend {
         }
     }
 
-    /// The bias cuBLASLt's epilogue adds to `w`'s product of `rows` rows of `x`, where cuBLASLt
-    /// runs it ([`product_path`]: not where the small-batch GEMV takes it) and `w` has an f32
-    /// bias.
-    pub(super) fn epilogue_bias(
-        &self,
-        x: &CudaSlice<f32>,
-        w: &CudaLinear,
-        rows: usize,
-    ) -> Option<EpilogueBias> {
+    /// The bias cuBLASLt's epilogue adds to `w`'s product, where cuBLASLt runs it
+    /// ([`product_path`]: not where the small-batch GEMV takes it, `gemv`, the caller's
+    /// `Gpu::gemv_takes`) and `w` has an f32 bias.
+    pub(super) fn epilogue_bias(&self, w: &CudaLinear, gemv: bool) -> Option<EpilogueBias> {
         let (b32, stored) = (w.bias32.as_ref()?, w.bias.as_ref()?);
-        let gemv = self.gpu.gemv_takes(x, &w.w.view(), rows, w.d_in, w.d_out);
         (product_path(gemv, self.gpu.lt.is_some()) == ProductPath::Lt).then(|| EpilogueBias {
             f32: self.gpu.p(b32),
             stored: self.gpu.p(stored),
