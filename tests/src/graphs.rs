@@ -99,7 +99,17 @@ pub fn emulated_engine(
     adapters: &[Arc<LoraAdapter>],
     graphs: bool,
 ) -> Engine<CpuBackend> {
-    let mut b = CpuBackend::new(&model.config);
+    emulated_engine_on(CpuBackend::new(&model.config), model, adapters, graphs)
+}
+
+/// [`emulated_engine`] over a backend the caller set up (e.g. with the 16-bit activations'
+/// emulation on).
+pub fn emulated_engine_on(
+    mut b: CpuBackend,
+    model: &HostModel,
+    adapters: &[Arc<LoraAdapter>],
+    graphs: bool,
+) -> Engine<CpuBackend> {
     b.set_graph_emulation(graphs);
     let cfg = EngineConfig {
         cuda_graphs: graphs,

@@ -5,12 +5,18 @@
 //! it on one).
 //!
 //! - The HF-written tiny Llama (`tests/fixtures/hf-tiny-llama`, always): logits with the
-//!   rounding stay within [`TINY_TOL`] of f32's and greedy tokens are identical; a step where a
-//!   row's adapter targets gate/up runs f32 whole (the plan), so its logits are bit-identical.
+//!   rounding stay within [`TINY_TOL`] of f32's and greedy tokens are identical, with base rows,
+//!   q/v-only adapters and — the gate/up delta added to the rounded base products — an adapter
+//!   on every projection (whose own effect on the logits is far larger than that bound, so a
+//!   dropped delta fails).
+//! - CUDA-graph decode steps (the CPU's graph emulation: padded to their bucket, the plan read
+//!   from the key's rank class as on CUDA) give the eager steps' tokens and logits within the
+//!   padding test's 1e-5, the switch on in both.
 //! - SmolLM2-135M-Instruct in bf16 (`THAW_SMOLLM2_BF16`, skipped when unset): the greedy
 //!   tokens of three chat prompts (16, or up to the end-of-turn token) equal HF transformers'
 //!   (`tests/fixtures/smollm2-reference`, bf16 weights computed in f32) with the rounding as
-//!   without.
+//!   without, batched beside a row whose generated adapter targets gate, up and down (so every
+//!   step takes the delta path).
 use std::sync::Arc;
 
 use thaw_runtime::adapter::LoraAdapter;
@@ -146,28 +152,115 @@ fn tiny_model_bf16_mlp_activations_stay_within_their_bound_and_keep_greedy_token
 }
 
 #[test]
-fn tiny_model_steps_with_lora_on_gate_up_stay_f32_bit_for_bit() {
+fn tiny_model_steps_with_lora_on_gate_up_run_16_bit_within_the_bound() {
     let (model, tok, adapters) = tiny();
-    // One row's adapter targets gate, up and down: the whole step keeps f32 activations.
-    let prompts: Vec<(Vec<u32>, Option<u32>)> = ["Hello world", "The quick brown fox"]
-        .iter()
-        .enumerate()
-        .map(|(i, t)| (tok.encode(t, true).unwrap(), (i == 1).then_some(1)))
-        .collect();
-    let f32s = run(&model, None, &adapters, &prompts, 4);
-    let b16 = run(&model, Some(Act16Type::Bf16), &adapters, &prompts, 4);
-    assert_eq!(b16.tokens, f32s.tokens);
-    for (a, b) in b16
-        .logits
-        .iter()
-        .flatten()
-        .zip(f32s.logits.iter().flatten())
-    {
-        assert!(
-            a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
-            "a step with LoRA on gate/up was rounded"
-        );
+    // Row 1's adapter targets every projection: the step adds its gate/up delta to the rounded
+    // base products and keeps SwiGLU's f32 copy for down's shrink.
+    let texts = ["Hello world", "The quick brown fox"];
+    let with = |a: Option<u32>| -> Vec<(Vec<u32>, Option<u32>)> {
+        texts
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (tok.encode(t, true).unwrap(), if i == 1 { a } else { None }))
+            .collect()
+    };
+    let f32s = run(&model, None, &adapters, &with(Some(1)), 4);
+    let b16 = run(&model, Some(Act16Type::Bf16), &adapters, &with(Some(1)), 4);
+    let err = worst(&b16, &f32s);
+    // What the adapter does to row 1's logits (f32): a step that dropped its delta would be
+    // this far off.
+    let plain = run(&model, None, &adapters, &with(None), 4);
+    let effect = (f32s.logits[1].iter().zip(&plain.logits[1]))
+        .map(|(p, q)| rel_err(p, q))
+        .fold(0.0, f64::max);
+    eprintln!("tiny model, LoRA on gate/up, bf16 MLP activations: rel err {err:e}; adapter effect {effect:e}");
+    assert!(err > 0.0, "a step with LoRA on gate/up was not rounded");
+    assert!(
+        err <= TINY_TOL,
+        "bf16 MLP activations with LoRA: rel err {err:e}"
+    );
+    assert!(
+        effect > 4.0 * TINY_TOL,
+        "the adapter's effect {effect:e} is too small to tell a dropped delta"
+    );
+    assert_eq!(
+        b16.tokens, f32s.tokens,
+        "bf16 MLP activations changed a token"
+    );
+}
+
+/// Emulated CUDA-graph decode steps against eager ones, the switch on in both: batches of base
+/// rows, a q/v adapter and an every-projection one (buckets 1, 4, 8; one batch above the
+/// largest bucket runs eager). In a graph with a rank class the plan adds a delta and keeps the
+/// f32 copy for every row (zeros where a row has none): the same values as the eager plan's.
+#[test]
+fn graph_decode_steps_with_bf16_mlp_activations_give_the_eager_results() {
+    use thaw_runtime::engine::GraphStats;
+    use thaw_tests::graphs::{decode_batch, emulated_engine_on, prompts};
+    let tm = thaw_tests::TestModel::llama(7);
+    let adapters = [
+        tm.adapter(8, &["q", "v"], 70),
+        tm.adapter(32, &["q", "k", "v", "o", "gate", "up", "down"], 71),
+    ];
+    let vocab = tm.model.config.vocab_size;
+    let steps = 4;
+    let batches: [(usize, &[Option<u32>]); 4] = [
+        (1, &[None]),
+        (3, &[None, Some(0), Some(1)]),
+        (8, &[Some(1), None]),
+        (11, &[None, Some(1)]),
+    ];
+    let mut runs = Vec::new();
+    for (act16, graphs) in [
+        (None, true),
+        (Some(Act16Type::Bf16), false),
+        (Some(Act16Type::Bf16), true),
+    ] {
+        let mut b = CpuBackend::new(&tm.model.config);
+        b.set_act16(act16);
+        let mut e = emulated_engine_on(b, &tm.model, &adapters, graphs);
+        let mut first = 0;
+        let mut all = Vec::new();
+        for (n, pattern) in batches {
+            let who: Vec<Option<u32>> = (0..n).map(|i| pattern[i % pattern.len()]).collect();
+            all.extend(decode_batch(
+                &mut e,
+                first,
+                &who,
+                &prompts(n, vocab, n as u64),
+                steps,
+            ));
+            first += n as u64;
+        }
+        if graphs {
+            let s = e.graph_stats().cloned().expect("graphs on");
+            assert_eq!(
+                s,
+                GraphStats {
+                    warmups: 3 * steps as u64,
+                    eager: 4 + steps as u64,
+                    ..Default::default()
+                }
+            );
+        }
+        runs.push(all);
     }
+    let (f32_graph, eager, graph) = (&runs[0], &runs[1], &runs[2]);
+    let mut rounded = 0.0f64;
+    for (i, ((g, e), f)) in graph.iter().zip(eager).zip(f32_graph).enumerate() {
+        assert_eq!(
+            g.tokens, e.tokens,
+            "seq {i}: graph steps changed a greedy token"
+        );
+        let err = rel_err(&g.logits, &e.logits);
+        assert!(
+            err <= 1e-5,
+            "seq {i}: graph vs eager logits rel err {err:e}"
+        );
+        rounded = rounded.max(rel_err(&g.logits, &f.logits));
+    }
+    eprintln!("graph decode steps, bf16 vs f32 MLP activations: worst rel err {rounded:e}");
+    assert!(rounded > 0.0, "the switch rounded nothing");
 }
 
 /// The transformers reference (`make_reference.py`).
@@ -197,7 +290,7 @@ fn smollm2_bf16_greedy_tokens_with_bf16_mlp_activations_equal_transformers() {
     let (model, tok) =
         HostModel::load_with_tokenizer(std::path::Path::new(&path)).expect("the model loads");
     assert_eq!(model.format_mix(), "BF16", "{path:?} is not a bf16 model");
-    let prompts: Vec<(Vec<u32>, Option<u32>)> = want
+    let mut prompts: Vec<(Vec<u32>, Option<u32>)> = want
         .cases
         .iter()
         .map(|c| {
@@ -206,9 +299,31 @@ fn smollm2_bf16_greedy_tokens_with_bf16_mlp_activations_equal_transformers() {
             (ids, None)
         })
         .collect();
+    // One more row, on a generated rank-16 adapter of gate, up and down: every step of the
+    // batch takes the 16-bit path with the delta and the f32 copy (the reference rows' deltas
+    // are zeros), which must leave the reference rows' tokens as they are.
+    let dir = tempfile::tempdir().unwrap();
+    let opts = thaw_server::gen::GenAdaptersOptions {
+        model_dir: std::path::PathBuf::from(&path),
+        out_dir: dir.path().to_path_buf(),
+        count: 1,
+        ranks: vec![16],
+        targets: ["gate", "up", "down"].map(thaw_tests::projection).to_vec(),
+        seed: 2929,
+        ..Default::default()
+    };
+    let adir = thaw_server::gen::write_adapters(&opts).expect("gen-adapters");
+    let adapter = Arc::new(LoraAdapter::load(&adir[0], &model.config).expect("adapter loads"));
+    prompts.push((prompts[0].0.clone(), Some(0)));
     let mut runs = Vec::new();
     for act16 in [None, Some(Act16Type::Bf16)] {
-        let got = run(&model, act16, &[], &prompts, want.new_tokens);
+        let got = run(
+            &model,
+            act16,
+            std::slice::from_ref(&adapter),
+            &prompts,
+            want.new_tokens,
+        );
         for (c, g) in want.cases.iter().zip(&got.tokens) {
             // transformers stops after the end-of-turn token; Thaw ran on (ignore_eos).
             let g = &g[..c.tokens.len()];
@@ -225,7 +340,16 @@ fn smollm2_bf16_greedy_tokens_with_bf16_mlp_activations_equal_transformers() {
         }
         runs.push(got);
     }
-    // Same tokens, so the same contexts: the logits compare step by step.
+    // Same tokens, so the same contexts: the reference rows' logits compare step by step (the
+    // adapter row's tokens are not pinned, so its contexts may part).
+    eprintln!(
+        "adapter row: f32 {:?}, bf16 {:?}",
+        runs[0].tokens[want.cases.len()],
+        runs[1].tokens[want.cases.len()]
+    );
+    for r in &mut runs {
+        r.logits.truncate(want.cases.len());
+    }
     let err = worst(&runs[1], &runs[0]);
     eprintln!("SmolLM2 bf16, bf16 MLP activations: worst normwise logits error {err:e}");
     assert!(err > 0.0, "the emulation rounded nothing");

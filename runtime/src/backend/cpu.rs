@@ -85,6 +85,11 @@ pub struct CpuBackend {
     graph_bucket: Option<usize>,
     /// The 16-bit MLP activations' emulation ([`CpuBackend::set_act16`]); `None` = f32.
     act16: Option<super::Act16Type>,
+    /// The emulated graph step's key has a LoRA rank class (what CUDA's act16 plan reads in a
+    /// graph).
+    graph_lora: bool,
+    /// The emulation's f32 gate/up delta scratch (`cpu_act16.rs`), kept between steps.
+    pub(super) act16_delta: [Vec<f32>; 2],
 }
 
 /// The cache format a new backend starts with: `THAW_KV_CACHE_DTYPE` (`fp16`, `bf16`; for A/B
@@ -147,6 +152,8 @@ impl CpuBackend {
             step: None,
             graph_bucket: None,
             act16: None,
+            graph_lora: false,
+            act16_delta: Default::default(),
         }
     }
 
@@ -169,6 +176,14 @@ impl CpuBackend {
     /// switch's numerics. `None` (the default): f32.
     pub fn set_act16(&mut self, ty: Option<super::Act16Type>) {
         self.act16 = ty;
+    }
+
+    /// While an emulated graph step runs, whether its key has a LoRA rank class; `None`
+    /// outside one (what the act16 plan reads in graph mode).
+    pub(super) fn act16_graph(&self) -> Option<bool> {
+        self.graph_bucket
+            .filter(|&b| b > 0)
+            .map(|_| self.graph_lora)
     }
 
     /// How K and V are stored.
@@ -791,10 +806,12 @@ impl Backend for CpuBackend {
         _lora: &LoraBatch<'_, Arc<LoraSlot>>,
         _sizing: &super::graph_plan::GraphSizing,
     ) -> Result<Option<GraphPhase>> {
-        Ok(self.graph_bucket.as_mut().map(|b| {
+        let phase = self.graph_bucket.as_mut().map(|b| {
             *b = key.bucket;
             GraphPhase::Warmup
-        }))
+        });
+        self.graph_lora = phase.is_some() && key.lora_rank > 0;
+        Ok(phase)
     }
 
     /// The padded step's logits, less the padding rows'.
@@ -803,6 +820,7 @@ impl Backend for CpuBackend {
             out.truncate(out.len() / *b * rows);
             *b = 0;
         }
+        self.graph_lora = false;
         Ok(true)
     }
 

@@ -9,7 +9,7 @@ use half::{bf16, f16};
 
 use super::act16_plan::{act16_plan, Act16Facts, Act16Plan};
 use super::cpu::{CpuBackend, CpuLinear};
-use super::{gate_up_then_swiglu, Backend, LoraBatch, LoraSite};
+use super::{gate_up_then_swiglu, lora_sites, Backend, LoraBatch, LoraSite};
 use crate::adapter::LoraModule;
 use crate::ids::LayerIdx;
 use crate::residency::LoraSlot;
@@ -64,7 +64,8 @@ fn slot_rank(s: &std::sync::Arc<LoraSlot>, layer: usize, m: LoraModule) -> usize
     s.adapter().get(layer, m).map_or(0, |w| w.rank)
 }
 
-/// [`Backend::gated_mlp_in`] of the CPU backend with the emulation on as `ty`.
+/// [`Backend::gated_mlp_in`] of the CPU backend with the emulation on as `ty`: the rounding of
+/// [`act16_plan`]'s module docs, step for step as the CUDA path (`cuda/act16.rs`) runs it.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn gated_mlp_in(
     b: &mut CpuBackend,
@@ -77,29 +78,49 @@ pub(super) fn gated_mlp_in(
     batch: &LoraBatch<'_, std::sync::Arc<LoraSlot>>,
     act: &mut Vec<f32>,
 ) {
-    let (lora_on_gate_up, lora_on_down) = lora_facts(batch, sites[0].layer, slot_rank);
+    // In an emulated graph step the key's rank class decides, as on CUDA.
+    let graph = b.act16_graph();
+    let (lora_on_gate_up, lora_on_down) = match graph {
+        Some(_) => (false, false),
+        None => lora_facts(batch, sites[0].layer, slot_rank),
+    };
     let plan = act16_plan(&Act16Facts {
         switch_on: true,
         weights_16bit: true,
         rows,
         lora_on_gate_up,
         lora_on_down,
-        graph: false,
+        graph: graph.is_some(),
+        graph_lora: graph.unwrap_or(false),
         gemv: false,
         bias: ws.iter().any(|w| w.bias.is_some()),
     });
-    if !plan.rounds_gate_up() {
+    let Act16Plan::Act16 { delta, f32_copy } = plan else {
         return gate_up_then_swiglu(b, x, ws, rows, [gate, up], sites, batch, act);
-    }
+    };
     let n = rows * sites[0].dims.d_out;
-    b.linear_group_lora(x, ws, rows, [&mut *gate, &mut *up], sites, batch);
+    // The base products, rounded once (cuBLAS's 16-bit store).
+    b.linear_group(x, ws, rows, [&mut *gate, &mut *up]);
     ty.round(&mut gate[..n]);
     ty.round(&mut up[..n]);
+    if delta {
+        // Each row's delta into zeroed f32 scratch, added unrounded (swiglu16_T's read).
+        let mut d = std::mem::take(&mut b.act16_delta);
+        for v in &mut d {
+            v.clear();
+            v.resize(n, 0.0);
+        }
+        let [dg, du] = &mut d;
+        lora_sites(b, x, [&mut *dg, &mut *du], sites, batch);
+        for (o, dv) in [(&mut *gate, &*dg), (&mut *up, &*du)] {
+            o[..n].iter_mut().zip(&dv[..n]).for_each(|(o, d)| *o += d);
+        }
+        b.act16_delta = d;
+    }
     b.swiglu(gate, up, n, act);
-    if plan.rounds_act() {
+    if !f32_copy {
         ty.round(&mut act[..n]);
     }
-    debug_assert!(matches!(plan, Act16Plan::Act16 { .. }));
 }
 
 #[cfg(test)]

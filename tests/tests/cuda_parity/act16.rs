@@ -1,20 +1,21 @@
 //! The opt-in 16-bit MLP activations (`THAW_CUDA_BF16_ACT=1`, `act16.cu` + `act16.rs`) against
-//! the CPU oracle and the f32 path they replace: the SwiGLU kernel alone, the gate/up →
-//! SwiGLU → down block with LoRA rows on gate/up/down mixed with base rows, whole engines, and
-//! a steady decode step's device counts. Part of `cuda_parity` (its helpers, its GPU skip
-//! rules).
+//! the CPU oracle and the f32 path they replace: the SwiGLU kernel alone (with and without the
+//! f32 LoRA deltas it adds), the gate/up → SwiGLU → down block with LoRA rows on gate/up/down
+//! mixed with base rows, whole engines eager and graph-captured, and steady decode steps'
+//! device counts (eager and replayed). Part of `cuda_parity` (its helpers, its GPU skip rules).
 //!
 //! Tolerances (normwise relative, `rel_err`, unless stated; DESIGN §9):
-//! - `swiglu16_T` against the CPU (`silu(g)·u` in f32 over the same 16-bit inputs, then
-//!   `half`'s round to nearest even): the 16-bit output within one unit in the last place of
-//!   the CPU's rounding (the device's `expf` may differ from Rust's `exp` by an f32 ulp, which
-//!   can move a value across a 16-bit rounding boundary), and at most 1% of elements off by
-//!   that unit; the f32 copy within 1e-6 (a few f32 ulps);
+//! - `swiglu16_T` against the CPU (`silu(g + Δg)·(u + Δu)` in f32 over the same 16-bit inputs
+//!   and f32 deltas, then `half`'s round to nearest even): the 16-bit output within one unit in
+//!   the last place of the CPU's rounding (the device's `expf` may differ from Rust's `exp` by
+//!   an f32 ulp, which can move a value across a 16-bit rounding boundary), and at most 1% of
+//!   elements off by that unit; the f32 copy within 1e-6 (a few f32 ulps);
 //! - the block, switch on against off and against the CPU emulation (`CpuBackend::set_act16`):
-//!   the suite's 16-bit 1e-2 (bf16 rounding, 2^-9 relative, of gate, up and SwiGLU's output);
-//!   a step the plan keeps on f32 (LoRA on gate/up) bit for bit the switch off;
+//!   the suite's 16-bit 1e-2 (bf16 rounding, 2^-9 relative, of gate's and up's base products and
+//!   SwiGLU's output), LoRA on gate/up included (its delta added unrounded on both);
 //! - engines: logits within 1e-2 and identical greedy tokens at every step, the prefill's
-//!   included, but at a near tie of the off run (`gemv.rs`' rule).
+//!   included, but at a near tie of the reference run (`gemv.rs`' rule): the switch off for
+//!   the on runs, the eager on run for the graph-captured one.
 use std::sync::Arc;
 
 use rand::SeedableRng;
@@ -36,7 +37,7 @@ use thaw_tests::{test_preset, TestModel};
 
 use super::gemv::near_tie;
 use super::graphs::engine_with;
-use super::host_overhead::decode_counts_with;
+use super::host_overhead::{decode_counts_on, decode_counts_with};
 use super::opt_in::bitwise;
 use super::{cfg, check, mixed_lora_layout, rand_vec};
 
@@ -93,17 +94,25 @@ fn swiglu16_matches_the_cpu_within_one_16_bit_ulp() {
                 .iter()
                 .map(|&v| bits(v, dt))
                 .collect();
-            let want32: Vec<f32> = gate
-                .iter()
-                .zip(&up)
-                .map(|(&a, &b)| {
-                    let x = value(a, dt);
-                    x / (1.0 + (-x).exp()) * value(b, dt)
-                })
+            // LoRA-sized deltas (a tenth of the base), zero on every third element as on a
+            // row without an adapter.
+            let dg: Vec<f32> = (rand_vec(&mut rng, n, 0.8).into_iter().enumerate())
+                .map(|(i, v)| if i % 3 == 0 { 0.0 } else { v })
                 .collect();
-            let want16: Vec<u16> = want32.iter().map(|&v| bits(v, dt)).collect();
-            for copy in [false, true] {
-                let (got16, got32) = g.swiglu16_host(&gate, &up, copy).unwrap();
+            let du = rand_vec(&mut rng, n, 0.4);
+            for (copy, delta) in [(false, false), (true, false), (false, true), (true, true)] {
+                let want32: Vec<f32> = (0..n)
+                    .map(|i| {
+                        let (mut x, mut y) = (value(gate[i], dt), value(up[i], dt));
+                        if delta {
+                            (x, y) = (x + dg[i], y + du[i]);
+                        }
+                        x / (1.0 + (-x).exp()) * y
+                    })
+                    .collect();
+                let want16: Vec<u16> = want32.iter().map(|&v| bits(v, dt)).collect();
+                let deltas = delta.then_some([&dg[..], &du[..]]);
+                let (got16, got32) = g.swiglu16_host(&gate, &up, deltas, copy).unwrap();
                 let off: Vec<u32> = got16
                     .iter()
                     .zip(&want16)
@@ -111,7 +120,9 @@ fn swiglu16_matches_the_cpu_within_one_16_bit_ulp() {
                     .collect();
                 let worst = off.iter().copied().max().unwrap_or(0);
                 let moved = off.iter().filter(|&&u| u > 0).count();
-                println!("{dt:?} swiglu16 n {n} copy {copy}: worst {worst} ulp, {moved} moved");
+                println!(
+                    "{dt:?} swiglu16 n {n} copy {copy} delta {delta}: worst {worst} ulp, {moved} moved"
+                );
                 assert!(
                     worst <= 1,
                     "{dt:?} n {n}: a 16-bit output {worst} ulps off the CPU's"
@@ -121,7 +132,10 @@ fn swiglu16_matches_the_cpu_within_one_16_bit_ulp() {
                     "{dt:?} n {n}: {moved} outputs moved"
                 );
                 match got32 {
-                    Some(v) => check(&format!("swiglu16 f32 copy n {n}"), dt, 1e-6, &v, &want32),
+                    Some(v) => {
+                        let what = format!("swiglu16 f32 copy n {n} delta {delta}");
+                        check(&what, dt, 1e-6, &v, &want32)
+                    }
                     None => assert!(!copy, "the f32 copy was asked for"),
                 }
             }
@@ -256,18 +270,19 @@ fn the_mlp_block_with_16_bit_activations_matches_f32_and_the_cpu_emulation() {
                 let sites = [site(&c, LoraModule::Gate), site(&c, LoraModule::Up)];
                 let plan = g.act16_plan_for([&wg[0], &wg[1]], rows, &sites, &bg);
                 let label = format!("{dt:?} rows {rows} {what} ({plan:?})");
-                let on_gate_up = layout.segments.iter().any(|(_, a)| *a == 0);
-                assert_eq!(plan.rounds_gate_up(), !on_gate_up, "{label}: the plan");
+                // Adapter 0 targets gate/up (and down), adapters 0 and 1 down.
+                let on = |w: &[u32]| layout.segments.iter().any(|(_, a)| w.contains(a));
+                let want_plan = Act16Plan::Act16 {
+                    delta: on(&[0]),
+                    f32_copy: on(&[0, 1]),
+                };
+                assert_eq!(plan, want_plan, "{label}: the plan");
                 check(&format!("{label} on vs off"), dt, 1e-2, &got[1], &got[0]);
                 check(&format!("{label} on vs cpu"), dt, 1e-2, &got[1], &want);
-                if let Act16Plan::F32(_) = plan {
-                    assert!(bitwise(&got[1], &got[0]), "{label}: an f32 step changed");
-                } else {
-                    assert!(
-                        !bitwise(&got[1], &got[0]),
-                        "{label}: the 16-bit path did not run"
-                    );
-                }
+                assert!(
+                    !bitwise(&got[1], &got[0]),
+                    "{label}: the 16-bit path did not run"
+                );
             }
         }
         g.check().unwrap();
@@ -342,13 +357,16 @@ fn decode_logged(
     out
 }
 
-/// Whole engines, the switch off against on, eager and with CUDA graphs (whose decode steps
-/// keep f32, the plan; their prefills run 16-bit): batches of 1, 3, 8 and 20 with no adapter,
-/// and with rows on a q/v/down adapter and on an every-projection one (gate/up: f32) mixed
-/// with base rows. Each sequence's greedy tokens are identical and each step's logits within
-/// 1e-2, up to a step where the off run's top two logits are a near tie (`gemv.rs`'
-/// `near_tie`): the rounding may swap those two, the contexts part there, and the sequence is
-/// compared no further. The prefill's token counts as a step (its logits are kept here).
+/// Whole engines, the switch off against on, eager and with CUDA graphs (decode steps of up to
+/// 16 rows captured and replayed with the 16-bit path: the key's rank class decides the delta
+/// and the f32 copy): batches of 1, 3, 8 and 20 with no adapter, and with rows on a q/v/down
+/// adapter and on an every-projection one (its gate/up delta added to the rounded products)
+/// mixed with base rows, each pattern twice (the second time every graph replays). Each
+/// sequence's greedy tokens are identical and each step's logits within 1e-2 — the on runs
+/// against off, the graph-captured on run against the eager on run — up to a step where the
+/// reference run's top two logits are a near tie (`gemv.rs`' `near_tie`): the rounding may
+/// swap those two, the contexts part there, and the sequence is compared no further. The
+/// prefill's token counts as a step (its logits are kept here).
 #[test]
 fn engines_with_16_bit_mlp_activations_give_the_same_tokens() {
     if !thaw_tests::gpu_or_skip() {
@@ -371,7 +389,7 @@ fn engines_with_16_bit_mlp_activations_give_the_same_tokens() {
             });
             let mut first = 0;
             let mut all = Vec::new();
-            for (_, pattern) in cases {
+            for (_, pattern) in cases.iter().chain(&cases) {
                 for b in [1usize, 3, 8, 20] {
                     let who: Vec<Option<u32>> =
                         (0..b).map(|i| pattern[i % pattern.len()]).collect();
@@ -380,11 +398,22 @@ fn engines_with_16_bit_mlp_activations_give_the_same_tokens() {
                     first += b as u64;
                 }
             }
+            if graphs {
+                let s = e.graph_stats().cloned().expect("graphs on");
+                println!("{dt:?} act16 graphs: {s:?}");
+                assert_eq!(s.failed, 0, "{dt:?}: a capture with the switch on failed");
+                assert!(s.replays > 0, "{dt:?}: no graph replayed");
+            }
             runs.push(all);
         }
-        for (m, name) in [(1, "on, eager"), (2, "on, graphs")] {
+        let pairs = [
+            (0, 1, "on, eager vs off"),
+            (0, 2, "on, graphs vs off"),
+            (1, 2, "on, graphs vs on, eager"),
+        ];
+        for (r, m, name) in pairs {
             let (mut parted, mut worst) = (0, 0.0f64);
-            for (i, (off, on)) in runs[0].iter().zip(&runs[m]).enumerate() {
+            for (i, (off, on)) in runs[r].iter().zip(&runs[m]).enumerate() {
                 for s in 0..off.0.len() {
                     let e = rel_err(&on.1[s], &off.1[s]);
                     worst = worst.max(e);
@@ -408,7 +437,7 @@ fn engines_with_16_bit_mlp_activations_give_the_same_tokens() {
             println!(
                 "{dt:?}: act16 {name}: {} sequences, {parted} parted at a near tie, the rest the \
                  same tokens; worst logits rel err {worst:.2e}",
-                runs[0].len()
+                runs[r].len()
             );
         }
     }
@@ -446,6 +475,39 @@ fn steady_decode_with_16_bit_mlp_activations_allocates_nothing() {
         (off.launches, off.gemms),
         "the 16-bit path launched another number of kernels or products"
     );
+}
+
+/// A steady graph-replayed decode step with the switch on — three rows, two on an adapter of
+/// every projection (the graph's rank class: the delta and the f32 copy in every replay) —
+/// allocates nothing and runs as one graph launch, no product issued from the host, every
+/// replay alike: the 16-bit scratch was reserved before the capture and the replay reuses it.
+#[test]
+fn steady_graph_decode_with_16_bit_mlp_activations_allocates_nothing() {
+    if !thaw_tests::gpu_or_skip() {
+        return;
+    }
+    let tm = TestModel::llama(6);
+    let adapter = tm.adapter(16, &["q", "k", "v", "o", "gate", "up", "down"], 91);
+    for (dt, _) in X16 {
+        let counts = decode_counts_on(&tm, dt, 4, (adapter.clone(), true), |g| {
+            g.set_gemv(false).unwrap();
+            g.set_act16(true).unwrap();
+        });
+        for (k, c) in counts.iter().enumerate() {
+            println!("{dt:?} act16 graph replay {k}: {c:?}");
+            assert_eq!(
+                (c.allocs, c.alloc_bytes),
+                (0, 0),
+                "{dt:?}: a replay allocated"
+            );
+            assert_eq!(
+                (c.graph_launches, c.gemms),
+                (1, 0),
+                "{dt:?}: a steady graph step is one graph launch, no product from the host"
+            );
+            assert_eq!(c, &counts[0], "{dt:?}: replay {k} differs");
+        }
+    }
 }
 
 #[test]

@@ -12,6 +12,9 @@
 //! plain RMSNorm), every o_proj input and the LM head's are cast. So bf16 launches exactly
 //! `layers + 2` kernels more than f32 (it was `6 · layers + 1`: a cast per product but down).
 //! Part of `cuda_parity` (its helpers, its GPU skip rules).
+use std::sync::Arc;
+
+use thaw_runtime::adapter::LoraAdapter;
 use thaw_runtime::backend::cuda::{AttnImpl, CudaBackend, DType};
 use thaw_runtime::backend::device_counts::DeviceCounts;
 use thaw_runtime::engine::{PlanItem, SequenceParams, StepPlan};
@@ -44,11 +47,23 @@ pub(super) fn decode_counts_with(
     steps: usize,
     extra: impl FnOnce(&mut CudaBackend),
 ) -> Vec<DeviceCounts> {
-    assert!(3 + 2 + steps < 16, "contexts stay inside one KV block");
     let adapter = tm.adapter(8, &["q", "v"], 90);
+    decode_counts_on(tm, dt, steps, (adapter, false), extra)
+}
+
+/// [`decode_counts_with`] with the two adapter rows on `adapter` and, with `graphs`, CUDA
+/// graphs on (the two warm-up decode steps then warm up and capture: the counted steps replay).
+pub(super) fn decode_counts_on(
+    tm: &TestModel,
+    dt: DType,
+    steps: usize,
+    (adapter, graphs): (Arc<LoraAdapter>, bool),
+    extra: impl FnOnce(&mut CudaBackend),
+) -> Vec<DeviceCounts> {
+    assert!(3 + 2 + steps < 16, "contexts stay inside one KV block");
     // The kernels the counts below are derived for, whatever the environment asks: the
     // defaults (fused on, flash-decoding's default chunks), the opt-in ones off.
-    let mut e = engine_with(&tm.model, dt, &[adapter], false, |b| {
+    let mut e = engine_with(&tm.model, dt, &[adapter], graphs, |b| {
         b.set_fused(true).unwrap();
         b.set_attn_impl(AttnImpl::SPLIT).unwrap();
         b.set_wide(false).unwrap();

@@ -7,14 +7,24 @@
 //! 2. the gate and up GEMMs with their outputs stored in the weight dtype (cublasGemmEx, A and B
 //!    16-bit, C 16-bit, `CUBLAS_COMPUTE_32F`: f32 accumulation, one rounding on the store) —
 //!    its own product, beside [`Gpu::gemm`] (f32 C), which it does not change;
-//! 3. `swiglu16_T`: SwiGLU over the two 16-bit buffers into `x16` (the down GEMM's input, tagged
-//!    so down reads it without a cast) and, with the plan's `f32_copy`, into the f32 `act`
-//!    that down's LoRA shrink reads.
+//! 3. with the plan's `delta` (LoRA on gate/up: a row's adapter in an eager step, the key's
+//!    rank class in a CUDA graph): the f32 gate and up buffers (the f32 path's outputs, scratch
+//!    here) zeroed, then every row's LoRA delta expanded into them by the step's LoRA kernels
+//!    ([`CudaBackend::lora_group`]: SGMV, BGMV, Punica, slices; a graph's BGMV);
+//! 4. `swiglu16_T`: widens the 16-bit gate and up, adds the f32 deltas (no rounding of the
+//!    sum), SwiGLU in f32, stored into `x16` (the down GEMM's input, tagged so down reads it
+//!    without a cast) and, with the plan's `f32_copy`, into the f32 `act` that down's LoRA
+//!    shrink reads.
 //!
-//! Against the f32 path (gate, up written and read in f32, then SwiGLU + cast) the block moves
-//! half the activation bytes ([`act16_traffic_bytes`](crate::backend::act16_plan::act16_traffic_bytes)).
-//! Every other step (LoRA on gate/up, a CUDA graph, the GEMV's few rows, f32 weights) runs the
-//! f32 path. CPU twin of the rounding: [`CpuBackend::set_act16`](crate::backend::cpu::CpuBackend::set_act16).
+//! Without a delta the block moves half the f32 path's activation bytes
+//! ([`act16_traffic_bytes`](crate::backend::act16_plan::act16_traffic_bytes)); with one, the
+//! zeroing and read of the f32 delta scratch cost up to a third more than the f32 path (at
+//! decode sizes the activations are a few hundred KiB against GBs of weights). CUDA-graph
+//! steps take this path too: the plan there reads only the key's rank class, so one captured
+//! graph serves every step of its bucket; the 16-bit scratch is reserved at the graphs' largest
+//! before a capture and is part of the graph fingerprint. GEMV-sized products, biased gate/up
+//! and f32 weights run the f32 path. CPU twin of the rounding:
+//! [`CpuBackend::set_act16`](crate::backend::cpu::CpuBackend::set_act16).
 //!
 //! [`act16_plan`]: crate::backend::act16_plan::act16_plan
 //! [`Backend::gated_mlp_in`]: crate::backend::Backend::gated_mlp_in
@@ -154,12 +164,14 @@ impl Gpu {
         }
     }
 
-    /// `out16[..n]` = silu(gate) · up over 16-bit `gate` and `up`, in the weight dtype; with
-    /// `out`, the same values in f32 too (`swiglu16_T`).
+    /// `out16[..n]` = silu(g) · u with g, u the 16-bit `gate` and `up` widened to f32 plus,
+    /// with `deltas`, their f32 LoRA deltas, stored in the weight dtype; with `out`, the same
+    /// values in f32 too (`swiglu16_T`).
     pub fn swiglu16(
         &self,
         gate: &CudaSlice<u16>,
         up: &CudaSlice<u16>,
+        deltas: Option<[&CudaSlice<f32>; 2]>,
         out16: &mut CudaSlice<u16>,
         out: Option<&mut CudaSlice<f32>>,
         n: usize,
@@ -173,22 +185,47 @@ impl Gpu {
             out.as_ref().is_none_or(|o| o.len() >= n),
             "swiglu16: f32 output too small"
         );
+        assert!(
+            deltas.is_none_or(|d| d.iter().all(|b| b.len() >= n)),
+            "swiglu16: deltas too small"
+        );
         let out = out.map_or(0, |o| self.p(o));
+        let (dg, du) = deltas.map_or((0, 0), |[g, u]| (self.p(g), self.p(u)));
         // 4 elements a thread on the vector path (n a multiple of 4), 1 otherwise.
         let per = if n.is_multiple_of(4) { n / 4 } else { n };
-        // SAFETY: swiglu16_T(const T*, const T*, T*, float*, long); gate, up and out16 hold n
-        // 16-bit elements, `out` is null or holds n f32 (checked above); every buffer starts
-        // at a cudaMalloc address (256-byte aligned), as the 8- and 16-byte accesses of the
-        // vector path need.
+        // SAFETY: swiglu16_T(const T*, const T*, const float*, const float*, T*, float*, long);
+        // gate, up and out16 hold n 16-bit elements, the deltas are both null or each hold n
+        // f32, `out` is null or holds n f32 (checked above); every buffer starts at a
+        // cudaMalloc address (256-byte aligned), as the 8- and 16-byte accesses of the vector
+        // path need.
         unsafe {
             launch!(
                 self,
                 &k.swiglu,
                 (blocks(per, 256, 4096), 1, 1),
                 256,
-                [self.p(gate), self.p(up), self.p(out16), out, n as i64]
+                [
+                    self.p(gate),
+                    self.p(up),
+                    dg,
+                    du,
+                    self.p(out16),
+                    out,
+                    n as i64
+                ]
             )
         }
+    }
+
+    /// `buf[..n]` = 0.0 (an async memset on the compute stream: capturable into a graph).
+    pub(super) fn zero_f32(&self, buf: &mut CudaSlice<f32>, n: usize) -> Result<(), CudaError> {
+        assert!(buf.len() >= n, "zero_f32: buffer too small");
+        if n == 0 {
+            return Ok(());
+        }
+        self.counters.launch();
+        self.stream.memset_zeros(&mut buf.slice_mut(..n))?;
+        Ok(())
     }
 }
 
@@ -207,7 +244,8 @@ unsafe fn grown<'a>(
 }
 
 impl CudaBackend {
-    /// The plan of the MLP at `sites[0].layer` for a step of `rows` rows over `ws`.
+    /// The plan of the MLP at `sites[0].layer` for a step of `rows` rows over `ws` (in a
+    /// CUDA graph: the key's rank class, not `batch`, decides the LoRA facts).
     pub fn act16_plan_for(
         &self,
         ws: [&CudaLinear; 2],
@@ -215,15 +253,19 @@ impl CudaBackend {
         sites: &[LoraSite; 2],
         batch: &LoraBatch<'_, CudaLora>,
     ) -> Act16Plan {
-        let (lora_on_gate_up, lora_on_down) =
-            lora_facts(batch, sites[0].layer, |a: &CudaLora, l, m| a.rank(l, m));
+        let graph = self.graphs.active();
+        let (lora_on_gate_up, lora_on_down) = match graph {
+            Some(_) => (false, false),
+            None => lora_facts(batch, sites[0].layer, |a: &CudaLora, l, m| a.rank(l, m)),
+        };
         act16_plan(&Act16Facts {
             switch_on: self.gpu.act16.is_some(),
             weights_16bit: self.gpu.weight_dtype != DType::F32,
             rows,
             lora_on_gate_up,
             lora_on_down,
-            graph: self.graphs.active().is_some(),
+            graph: graph.is_some(),
+            graph_lora: graph.is_some_and(|a| a.key.lora_rank > 0),
             // The GEMV serves products of at most GEMV_MAX_ROWS rows (it reads and writes
             // f32); counted whether or not it serves each shape, which only keeps f32.
             gemv: self.gpu.gemv.is_some() && rows <= shape::GEMV_MAX_ROWS,
@@ -232,15 +274,55 @@ impl CudaBackend {
     }
 
     /// The 16-bit path of [`Backend::gated_mlp_in`](crate::backend::Backend::gated_mlp_in)
-    /// (the plan served it): `at` is this op's number, for the tag down reads.
+    /// (the plan served it): steps 1–4 of the module docs, as three ops (the 16-bit products;
+    /// with `delta`, the zeroing and the LoRA kernels; SwiGLU) so the norm's tag serves the
+    /// first and SwiGLU's serves down.
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn try_gated_mlp_act16(
+    pub(super) fn gated_mlp_act16(
+        &mut self,
+        x: &CudaSlice<f32>,
+        ws: [&CudaLinear; 2],
+        rows: usize,
+        [gate, up]: [&mut CudaSlice<f32>; 2],
+        sites: [LoraSite; 2],
+        batch: &LoraBatch<'_, CudaLora>,
+        (delta, f32_copy): (bool, bool),
+        act: &mut CudaSlice<f32>,
+    ) {
+        let n = rows * ws[0].d_out;
+        self.ops += 1;
+        let at = self.ops;
+        if !self.failed() {
+            let r = self.try_act16_gate_up(x, ws, rows, at);
+            self.record(r);
+        }
+        if delta {
+            self.ops += 1;
+            if !self.failed() {
+                assert!(
+                    gate.len() >= n && up.len() >= n,
+                    "gated_mlp_in: delta scratch too small"
+                );
+                let r = (self.gpu.zero_f32(gate, n)).and_then(|()| self.gpu.zero_f32(up, n));
+                self.record(r);
+            }
+            self.lora_group(x, [&mut *gate, &mut *up], sites, batch);
+        }
+        self.ops += 1;
+        let at = self.ops;
+        if !self.failed() {
+            let deltas = delta.then_some([&*gate, &*up]);
+            let r = self.try_act16_swiglu(deltas, f32_copy, act, n, at);
+            self.record(r);
+        }
+    }
+
+    /// Steps 1–2: `x`'s 16-bit copy and the two 16-bit products into the scratch; op `at`.
+    fn try_act16_gate_up(
         &mut self,
         x: &CudaSlice<f32>,
         [wg, wu]: [&CudaLinear; 2],
         rows: usize,
-        f32_copy: bool,
-        act: &mut CudaSlice<f32>,
         at: u64,
     ) -> Result<(), CudaError> {
         let (d_in, inter) = (wg.d_in, wg.d_out);
@@ -249,10 +331,7 @@ impl CudaBackend {
             "gated_mlp_in: gate and up shapes differ"
         );
         let (n_in, n) = (rows * d_in, rows * inter);
-        assert!(
-            x.len() >= n_in && act.len() >= n,
-            "gated_mlp_in: buffers too small"
-        );
+        assert!(x.len() >= n_in, "gated_mlp_in: x too small");
         // The input's 16-bit copy: the norm's where its tag serves and `x16` needs no growth
         // (growing drops what it holds), else a cast; `x16` then takes SwiGLU's output.
         let tag = self.x16_tag.take();
@@ -272,13 +351,28 @@ impl CudaBackend {
             .gemm16(x16, &wg.w.view(), rows, d_in, inter, gate)?;
         // SAFETY: as above.
         let up = unsafe { grown(&self.gpu, &mut s.up, n) }?;
-        self.gpu.gemm16(x16, &wu.w.view(), rows, d_in, inter, up)?;
-        let (gate, up) = (
-            s.gate.as_ref().expect("grown"),
-            s.up.as_ref().expect("grown"),
-        );
-        let x16 = self.x16.as_mut().expect("grown above");
-        (self.gpu).swiglu16(gate, up, x16, f32_copy.then_some(act), n)?;
+        self.gpu.gemm16(x16, &wu.w.view(), rows, d_in, inter, up)
+    }
+
+    /// Step 4: SwiGLU over the 16-bit products (plus `deltas`) into `x16` and, with
+    /// `f32_copy`, `act`; tags `x16` for down, op `at + 1`.
+    fn try_act16_swiglu(
+        &mut self,
+        deltas: Option<[&CudaSlice<f32>; 2]>,
+        f32_copy: bool,
+        act: &mut CudaSlice<f32>,
+        n: usize,
+        at: u64,
+    ) -> Result<(), CudaError> {
+        assert!(act.len() >= n, "gated_mlp_in: act too small");
+        let s = &self.act16_scratch;
+        let (Some(gate), Some(up), Some(x16)) = (s.gate.as_ref(), s.up.as_ref(), self.x16.as_mut())
+        else {
+            return Err(CudaError::Unsupported(
+                "act16 SwiGLU before its products".into(),
+            ));
+        };
+        (self.gpu).swiglu16(gate, up, deltas, x16, f32_copy.then_some(act), n)?;
         // `x16` holds `act` in the weight dtype: down, the next op, reads it without a cast.
         self.x16_tag = Some(super::fused::X16Tag {
             ptr: self.gpu.p(act),
@@ -286,6 +380,31 @@ impl CudaBackend {
             at,
         });
         Ok(())
+    }
+
+    /// Grows the 16-bit gate and up scratch to `n` elements each (a graph's largest, before a
+    /// capture: a captured graph bakes their addresses in); nothing with the switch off.
+    pub(super) fn act16_reserve(&mut self, n: usize) -> Result<(), CudaError> {
+        if self.gpu.act16.is_none() {
+            return Ok(());
+        }
+        let s = &mut self.act16_scratch;
+        // SAFETY: the scratch is written by the 16-bit GEMMs before SwiGLU reads it.
+        unsafe { grown(&self.gpu, &mut s.gate, n) }?;
+        // SAFETY: as above.
+        unsafe { grown(&self.gpu, &mut s.up, n) }?;
+        Ok(())
+    }
+
+    /// The 16-bit scratch addresses a captured graph reads (0 with the switch off, so
+    /// switching it changes the graph fingerprint).
+    pub(super) fn act16_addrs(&self) -> [u64; 2] {
+        let s = &self.act16_scratch;
+        let p = |b: &Option<CudaSlice<u16>>| match (&self.gpu.act16, b) {
+            (Some(_), Some(b)) => self.gpu.p(b),
+            _ => 0,
+        };
+        [p(&s.gate), p(&s.up)]
     }
 
     /// Switches the 16-bit MLP activations on or off (tests, benchmarks); compiles on first
@@ -313,13 +432,14 @@ impl CudaBackend {
         self.gpu.act16.is_some()
     }
 
-    /// `swiglu16_T` over host `gate` and `up` (bit patterns of the weight dtype): its 16-bit
-    /// output and, with `f32_copy`, its f32 one (parity tests and benchmarks; synchronises).
-    /// Needs the switch on.
+    /// `swiglu16_T` over host `gate` and `up` (bit patterns of the weight dtype) plus, with
+    /// `deltas`, their f32 deltas: its 16-bit output and, with `f32_copy`, its f32 one (parity
+    /// tests and benchmarks; synchronises). Needs the switch on.
     pub fn swiglu16_host(
         &mut self,
         gate: &[u16],
         up: &[u16],
+        deltas: Option<[&[f32]; 2]>,
         f32_copy: bool,
     ) -> Result<(Vec<u16>, Option<Vec<f32>>)> {
         let n = gate.len();
@@ -333,13 +453,25 @@ impl CudaBackend {
             Ok(d)
         };
         let (gd, ud) = (up_dev(gate)?, up_dev(up)?);
+        let dd = match deltas {
+            Some(d) => {
+                assert!(
+                    d.iter().all(|v| v.len() == n),
+                    "swiglu16_host: delta lengths"
+                );
+                Some([self.upload_f32(d[0])?, self.upload_f32(d[1])?])
+            }
+            None => None,
+        };
+        let g = &self.gpu;
         let mut o16 = g.alloc_zeros::<u16>(n.max(1))?;
         let mut o32 = if f32_copy {
             Some(g.alloc_zeros::<f32>(n.max(1))?)
         } else {
             None
         };
-        g.swiglu16(&gd, &ud, &mut o16, o32.as_mut(), n)?;
+        let dr = dd.as_ref().map(|[a, b]| [a, b]);
+        g.swiglu16(&gd, &ud, dr, &mut o16, o32.as_mut(), n)?;
         let mut h16 = vec![0u16; n];
         if n > 0 {
             g.dtoh(&o16.slice(..n), &mut h16[..])?;

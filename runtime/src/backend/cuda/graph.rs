@@ -18,9 +18,12 @@
 //! stays eager-only) or, with `THAW_CUDA_ATTN_OCCUPANCY=1`, `attention_split_ilp.cu` with a
 //! split count fixed per bucket (each row uses the splits its context allows, the others
 //! write a neutral partial; its scratch is allocated once at its largest), and BGMV for LoRA with the key's rank class (the kernels read each
-//! row's rank and descriptor from device memory). Scratch buffers the graph writes (the 16-bit
-//! activation copy, the LoRA intermediate, the logits) are reserved at their largest before the
-//! first capture; a captured graph records their addresses and those of the KV cache, and is
+//! row's rank and descriptor from device memory). With `THAW_CUDA_BF16_ACT=1` the MLP's
+//! gate/up and SwiGLU run 16-bit inside a graph as well (`act16_plan` reads only the key's rank
+//! class there: with one, every replay zeroes the f32 delta scratch, runs gate/up's BGMV into it
+//! and writes SwiGLU's f32 copy for down's). Scratch buffers the graph writes (the 16-bit
+//! activation copy, the 16-bit gate/up products, the LoRA intermediate, the logits) are
+//! reserved at their largest before the first capture; a captured graph records their addresses and those of the KV cache, and is
 //! dropped (recaptured on its next use) if any of them moved since.
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
@@ -50,9 +53,10 @@ unsafe impl Send for SendGraph {}
 
 /// Addresses a captured graph baked in that the backend may reallocate: the 16-bit activation
 /// copy, the LoRA intermediate, the logits buffer, the KV allocation count, and the grouped
-/// product's scratch (`group.rs`), the occupancy decode's scratch (`attn_occupancy.rs`).
+/// product's scratch (`group.rs`), the occupancy decode's scratch (`attn_occupancy.rs`), the
+/// 16-bit gate and up products (`act16.rs`, 0 with its switch off).
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
-struct Fingerprint([u64; 6]);
+struct Fingerprint([u64; 8]);
 
 /// The step being run as a graph.
 #[derive(Copy, Clone, Debug)]
@@ -105,6 +109,8 @@ impl CudaBackend {
                 .occupancy
                 .as_ref()
                 .map(|o| o.scratch_addr(&self.gpu))),
+            self.act16_addrs()[0],
+            self.act16_addrs()[1],
         ])
     }
 
@@ -161,6 +167,9 @@ impl CudaBackend {
         }
         self.graphs.active = None;
         self.graph_prepare(sizing)?;
+        // With THAW_CUDA_BF16_ACT=1 the MLP runs 16-bit in graphs too: its products' scratch
+        // at the largest step before any capture (switched on after `graph_prepare` included).
+        self.act16_reserve(sizing.x_elems)?;
         if self.graphs.states.get(&key) == Some(&KeyState::Captured) {
             let fp = self.fingerprint();
             if self.graphs.captured.get(&key).is_none_or(|(_, f)| *f != fp) {
