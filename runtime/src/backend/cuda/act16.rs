@@ -29,15 +29,14 @@
 //! [`act16_plan`]: crate::backend::act16_plan::act16_plan
 //! [`Backend::gated_mlp_in`]: crate::backend::Backend::gated_mlp_in
 //! [`X16Tag`]: super::fused::X16Tag
-use std::ffi::c_void;
 use std::sync::Arc;
 
-use cudarc::cublas::{result as blas, sys as blas_sys};
+use cudarc::cublas::sys as blas_sys;
 use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, DevicePtr};
 use thaw_kernels::cuda::registry::{shape, DType};
 use thaw_kernels::cuda::KernelCache;
 
-use super::launch::{blocks, int, launch, Gpu};
+use super::launch::{blocks, launch, Gpu};
 use super::weights::{CudaLinear, CudaLora};
 use super::{CudaBackend, CudaError};
 use crate::backend::act16_plan::{act16_plan, Act16Facts, Act16Plan};
@@ -86,7 +85,8 @@ impl Gpu {
     }
 
     /// out[rows, d_out] = x16[rows, d_in] · Wᵀ with W `[d_out, d_in]` of the weight dtype, both
-    /// 16-bit, `out` stored in the weight dtype; f32 accumulation (`CUBLAS_COMPUTE_32F`).
+    /// 16-bit, `out` stored in the weight dtype; f32 accumulation (`CUBLAS_COMPUTE_32F`):
+    /// through cuBLASLt where it is on, else `cublasGemmEx`.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn gemm16(
         &self,
@@ -109,36 +109,19 @@ impl Gpu {
         if rows == 0 {
             return Ok(());
         }
-        let (alpha, beta) = (1.0f32, 0.0f32);
-        self.counters.gemm();
-        // Row-major out = x·Wᵀ as column-major outᵀ = W·xᵀ, as `Gpu::gemm` lays it out.
-        // SAFETY: the handle is bound to our stream; A = W holds d_out × d_in, B = x16 rows ×
-        // d_in and C = out rows × d_out elements of the weight dtype (checked above); the type
-        // triple (16BF|16F, same, same) with COMPUTE_32F and f32 alpha/beta is a supported
-        // GemmEx combination.
-        unsafe {
-            blas::gemm_ex(
-                *self.blas.handle(),
-                blas_sys::cublasOperation_t::CUBLAS_OP_T,
-                blas_sys::cublasOperation_t::CUBLAS_OP_N,
-                int(d_out, "d_out"),
-                int(rows, "rows"),
-                int(d_in, "d_in"),
-                &alpha as *const f32 as *const c_void,
-                self.p(w) as *const c_void,
-                t,
-                int(d_in, "d_in"),
-                self.p(x16) as *const c_void,
-                t,
-                int(d_in, "d_in"),
-                &beta as *const f32 as *const c_void,
-                self.p(out) as *mut c_void,
-                t,
-                int(d_out, "d_out"),
-                blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-            )
-        }?;
+        if let Some(lt) = &self.lt {
+            // cuBLASLt on (`THAW_CUDA_CUBLASLT=1`): its product with D in the weight dtype.
+            let o = super::lt::LtOut {
+                ptr: self.p(out),
+                dtype: self.weight_dtype,
+            };
+            self.lt_product(lt, self.p(x16), w, rows, d_in, d_out, o, None)?;
+            return Ok(());
+        }
+        // SAFETY: x16 holds rows × d_in and out rows × d_out elements of the weight dtype
+        // (checked above); (16BF|16F, same, same) with COMPUTE_32F is a supported GemmEx
+        // combination.
+        unsafe { self.gemm_ex(t, self.p(x16), w, (rows, d_in, d_out), self.p(out), t) }?;
         Ok(())
     }
 

@@ -132,7 +132,7 @@ pub(super) struct PrefillKernel<'a> {
 pub(super) struct Gpu {
     pub ctx: Arc<CudaContext>,
     pub stream: Arc<CudaStream>,
-    pub(super) blas: CudaBlas,
+    blas: CudaBlas,
     k: Kernels,
     pub weight_dtype: DType,
     pub kv_dtype: DType,
@@ -462,14 +462,42 @@ impl Gpu {
                 "a bias epilogue without cuBLASLt (set THAW_CUDA_CUBLASLT=1)".into(),
             ));
         }
+        // SAFETY: B (`b_ptr`, the callers' x or its cast) holds rows × d_in of `a_type` and
+        // out rows × d_out f32 (checked by the callers); (16BF|16F|32F, same, 32F) with
+        // COMPUTE_32F is a supported GemmEx combo.
+        unsafe {
+            self.gemm_ex(
+                a_type,
+                b_ptr,
+                w,
+                (rows, d_in, d_out),
+                self.p(out),
+                blas_sys::cudaDataType::CUDA_R_32F,
+            )
+        }
+    }
+
+    /// `cublasGemmEx` of row-major C[rows, d_out] = B[rows, d_in] · Wᵀ, f32 accumulation
+    /// (`CUBLAS_COMPUTE_32F`): B at `b_ptr` of `a_type` (W's too), C at `c_ptr` of `c_type`.
+    ///
+    /// # Safety
+    /// `b_ptr` holds rows × d_in elements of `a_type` and `c_ptr` rows × d_out of `c_type`;
+    /// (`a_type`, `a_type`, `c_type`) with COMPUTE_32F is a combination GemmEx supports.
+    pub(super) unsafe fn gemm_ex(
+        &self,
+        a_type: blas_sys::cudaDataType,
+        b_ptr: u64,
+        w: &impl DevicePtr<u8>,
+        (rows, d_in, d_out): (usize, usize, usize),
+        c_ptr: u64,
+        c_type: blas_sys::cudaDataType,
+    ) -> Result<(), CudaError> {
         let (alpha, beta) = (1.0f32, 0.0f32);
         self.counters.gemm();
         // Row-major y = x·Wᵀ is column-major yᵀ = W·xᵀ: W read column-major is [d_in, d_out]
         // (transposed: op T), xᵀ is [d_in, rows] (op N), yᵀ is [d_out, rows].
-        // SAFETY: the handle is bound to our stream; A = W holds d_out × d_in, B (`b_ptr`, the
-        // callers' x or its cast) holds rows × d_in, C = out holds rows × d_out elements
-        // (checked by the callers); the type triple (16BF|16F|32F, same, 32F) with
-        // COMPUTE_32F is a supported GemmEx combo.
+        // SAFETY: the handle is bound to our stream; A = W holds d_out × d_in elements (the
+        // callers checked it), B and C hold what this function's contract says.
         unsafe {
             blas::gemm_ex(
                 *self.blas.handle(),
@@ -486,8 +514,8 @@ impl Gpu {
                 a_type,
                 int(d_in, "d_in"),
                 &beta as *const f32 as *const c_void,
-                self.p(out) as *mut c_void,
-                blas_sys::cudaDataType::CUDA_R_32F,
+                c_ptr as *mut c_void,
+                c_type,
                 int(d_out, "d_out"),
                 blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
                 blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
