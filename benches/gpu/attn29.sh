@@ -114,52 +114,25 @@ else
 fi
 
 # --- 2. kernel tables ------------------------------------------------------------------------
-lim=$(cap 60)
-if [ -x "$BIN/cuda_bench" ] && [ "$lim" -ge 15 ]; then
-  el "cuda_bench --attn (limit ${lim}s)"
-  env "${DEFAULTS[@]}" timeout "$lim" "$BIN/cuda_bench" --attn >"$O/attn29-kernels.md" 2>&1
-  echo "cuda_bench --attn: rc=$?"
-  cat "$O/attn29-kernels.md"
-else
-  echo "cuda_bench --attn: skipped (missing or under 15 s left)"
-fi
-lim=$(cap 30)
-if [ -x "$BIN/cuda_bench" ] && [ "$lim" -ge 10 ]; then
-  el "cuda_bench --gemv (limit ${lim}s)"
-  env "${DEFAULTS[@]}" timeout "$lim" "$BIN/cuda_bench" --gemv >"$O/attn29-gemv.md" 2>&1
-  echo "cuda_bench --gemv: rc=$?"
-  cat "$O/attn29-gemv.md"
-else
-  echo "cuda_bench --gemv: skipped (missing or under 10 s left)"
-fi
-lim=$(cap 30)
-if [ -x "$BIN/cuda_bench" ] && [ "$lim" -ge 10 ]; then
-  el "cuda_bench --act16 (limit ${lim}s)"
-  env "${DEFAULTS[@]}" timeout "$lim" "$BIN/cuda_bench" --act16 >"$O/attn29-act16.md" 2>&1
-  echo "cuda_bench --act16: rc=$?"
-  cat "$O/attn29-act16.md"
-else
-  echo "cuda_bench --act16: skipped (missing or under 10 s left)"
-fi
-lim=$(cap 30)
-if [ -x "$BIN/cuda_bench" ] && [ "$lim" -ge 10 ]; then
-  el "cuda_bench --lora-slices (limit ${lim}s)"
-  env "${DEFAULTS[@]}" timeout "$lim" "$BIN/cuda_bench" --lora-slices \
-    >"$O/attn29-lora-slices.md" 2>&1
-  echo "cuda_bench --lora-slices: rc=$?"
-  cat "$O/attn29-lora-slices.md"
-else
-  echo "cuda_bench --lora-slices: skipped (missing or under 10 s left)"
-fi
-lim=$(cap 40)
-if [ -x "$BIN/cuda_bench" ] && [ "$lim" -ge 10 ]; then
-  el "cuda_bench --lt (limit ${lim}s)"
-  env "${DEFAULTS[@]}" timeout "$lim" "$BIN/cuda_bench" --lt >"$O/attn29-lt.md" 2>&1
-  echo "cuda_bench --lt: rc=$?"
-  cat "$O/attn29-lt.md"
-else
-  echo "cuda_bench --lt: skipped (missing or under 10 s left)"
-fi
+# One cuda_bench table: `table FLAG FILE SHARE MIN` runs cuda_bench FLAG into $O/attn29-FILE.md
+# within cap(SHARE) seconds, skipped where cuda_bench is missing or under MIN seconds are left.
+table() {
+  local lim
+  lim=$(cap "$3")
+  if [ -x "$BIN/cuda_bench" ] && [ "$lim" -ge "$4" ]; then
+    el "cuda_bench $1 (limit ${lim}s)"
+    env "${DEFAULTS[@]}" timeout "$lim" "$BIN/cuda_bench" "$1" >"$O/attn29-$2.md" 2>&1
+    echo "cuda_bench $1: rc=$?"
+    cat "$O/attn29-$2.md"
+  else
+    echo "cuda_bench $1: skipped (missing or under $4 s left)"
+  fi
+}
+table --attn kernels 60 15
+table --gemv gemv 30 10
+table --act16 act16 30 10
+table --lora-slices lora-slices 30 10
+table --lt lt 40 10
 
 # --- 3. the whole model, off then on ---------------------------------------------------------
 if [ -z "$MD" ]; then

@@ -180,11 +180,15 @@ fn the_dry_run_names_each_mistake_in_the_scripts() {
         "THAW_CUDA_LORA_IMPL=punica",
         "THAW_CUDA_LORA_IMPL=punika",
     );
-    edit("attn29.sh", "--lora-slices \\", "--lora-slice \\");
     edit(
         "attn29.sh",
-        "\"$BIN/cuda_bench\" --gemv",
-        "\"$BIN/cuda_bench2\" --gemv",
+        "table --lora-slices lora-slices",
+        "table --lora-slice lora-slices",
+    );
+    edit(
+        "attn29.sh",
+        "\"$BIN/thaw\" gen-model",
+        "\"$BIN/thaw2\" gen-model",
     );
     edit("lease.sh", "THAW_GPU_29_OP_S=60", "THAW_GPU_29_OPS_S=60");
     // --part all in the fast pass only: every step runs, in a few seconds.
@@ -213,7 +217,7 @@ fn the_dry_run_names_each_mistake_in_the_scripts() {
         "THAW_CUDA_FUSD=1 is not a switch of runtime/src/backend/kernel_select.rs",
         "THAW_CUDA_LORA_IMPL=punika is not a value it takes",
         "cuda_bench does not take --lora-slice",
-        "calls $BIN/cuda_bench2, which build.sh does not ship",
+        "calls $BIN/thaw2, which build.sh does not ship",
         "sets THAW_GPU_29_OPS_S, which no script",
     ] {
         assert!(
