@@ -24,7 +24,7 @@
 //!   captured key has a LoRA rank class): f32 ([`F32Why::LoraOnGateUp`]). The 16-bit path
 //!   would need each row's delta in f32 beside the rounded product — an f32 scratch per
 //!   product zeroed (8 B) and read by SwiGLU (8 B) on top of its 12–16 B: 28–32 B per element
-//!   against the f32 path's 24 B (at prefill 2048 × 14336, ~118–235 MB more per layer), so
+//!   against the f32 path's 24 B (at prefill 2048 × 14336, ~117–235 MB more per layer), so
 //!   the model keeps f32, where the deltas are added to the f32 products as they are written.
 //! - LoRA on down (eager steps): the 16-bit path with the SwiGLU output in f32 too
 //!   (`f32_copy`, 16 B against 24 B), which the down LoRA's shrink reads (the base product
