@@ -1,22 +1,20 @@
 // SwiGLU over 16-bit activations (issue 29, opt-in THAW_CUDA_BF16_ACT=1): the gate and up
 // GEMMs store their outputs in the weight dtype T (cuBLAS accumulates in f32 and rounds once
-// on the store); this kernel reads the two T buffers, widens them to f32, adds the rows' f32
-// LoRA deltas where `dgate` / `dup` are not null (the expand's output in a zeroed f32 scratch:
-// 0 for a row without one; the sum is not rounded), computes silu(g) * u in f32 exactly as
+// on the store); this kernel reads the two T buffers, computes silu(g) * u in f32 exactly as
 // swiglu_f32 does (IEEE expf), and stores the result in T (the down GEMM's input, read without
 // a cast) and, where `out` is not null, in f32 (what the down LoRA's shrink reads). Each thread
-// handles 4 consecutive elements with 8-byte (16-byte for f32) loads and stores where n is a
-// multiple of 4 (buffers come from cudaMalloc, 256-byte aligned), one at a time otherwise.
-// CPU twin: cpu_act16::gated_mlp_in (widened base + delta, cpu::swiglu, the dtype's round to
-// nearest even).
+// handles 4 consecutive elements with 8-byte loads and stores where n is a multiple of 4
+// (buffers come from cudaMalloc, 256-byte aligned), one at a time otherwise.
+// CPU twin: cpu::swiglu over the widened inputs, then the dtype's round to nearest even.
 
-__device__ __forceinline__ float swiglu16_one(float g, float u) {
-    return g / (1.0f + expf(-g)) * u;
+template <typename T>
+__device__ __forceinline__ float swiglu16_one(T g, T u) {
+    const float gf = to_f32(g);
+    return gf / (1.0f + expf(-gf)) * to_f32(u);
 }
 
 template <typename T>
 __device__ void swiglu16(const T* __restrict__ gate, const T* __restrict__ up,
-                         const float* __restrict__ dgate, const float* __restrict__ dup,
                          T* __restrict__ out16, float* __restrict__ out, long n) {
     const long stride = (long)gridDim.x * blockDim.x;
     const long first = blockIdx.x * (long)blockDim.x + threadIdx.x;
@@ -30,16 +28,6 @@ __device__ void swiglu16(const T* __restrict__ gate, const T* __restrict__ up,
             const uint2 uw = u4[i];
             const u32 gs[4] = {gw.x & 0xffffu, gw.x >> 16, gw.y & 0xffffu, gw.y >> 16};
             const u32 us[4] = {uw.x & 0xffffu, uw.x >> 16, uw.y & 0xffffu, uw.y >> 16};
-            float dg[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-            float du[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-            if (dgate) {
-                const float4 d = reinterpret_cast<const float4*>(dgate)[i];
-                dg[0] = d.x; dg[1] = d.y; dg[2] = d.z; dg[3] = d.w;
-            }
-            if (dup) {
-                const float4 d = reinterpret_cast<const float4*>(dup)[i];
-                du[0] = d.x; du[1] = d.y; du[2] = d.z; du[3] = d.w;
-            }
             float v[4];
             u32 b[4];
 #pragma unroll
@@ -47,11 +35,7 @@ __device__ void swiglu16(const T* __restrict__ gate, const T* __restrict__ up,
                 T g, u;
                 g.bits = (unsigned short)gs[e];
                 u.bits = (unsigned short)us[e];
-                // Without a delta the widened value as it is (adding 0.0 would turn a -0.0
-                // into +0.0).
-                const float gf = dgate ? to_f32(g) + dg[e] : to_f32(g);
-                const float uf = dup ? to_f32(u) + du[e] : to_f32(u);
-                v[e] = swiglu16_one(gf, uf);
+                v[e] = swiglu16_one(g, u);
                 b[e] = from_f32<T>(v[e]).bits;
             }
             o4[i] = make_uint2(b[0] | (b[1] << 16), b[2] | (b[3] << 16));
@@ -60,20 +44,17 @@ __device__ void swiglu16(const T* __restrict__ gate, const T* __restrict__ up,
         return;
     }
     for (long i = first; i < n; i += stride) {
-        const float gf = dgate ? to_f32(gate[i]) + dgate[i] : to_f32(gate[i]);
-        const float uf = dup ? to_f32(up[i]) + dup[i] : to_f32(up[i]);
-        const float v = swiglu16_one(gf, uf);
+        const float v = swiglu16_one(gate[i], up[i]);
         out16[i] = from_f32<T>(v);
         if (out) out[i] = v;
     }
 }
 
-extern "C" __global__ void swiglu16_bf16(const bf16_t* gate, const bf16_t* up,
-                                         const float* dgate, const float* dup, bf16_t* out16,
+extern "C" __global__ void swiglu16_bf16(const bf16_t* gate, const bf16_t* up, bf16_t* out16,
                                          float* out, long n) {
-    swiglu16<bf16_t>(gate, up, dgate, dup, out16, out, n);
+    swiglu16<bf16_t>(gate, up, out16, out, n);
 }
-extern "C" __global__ void swiglu16_f16(const f16_t* gate, const f16_t* up, const float* dgate,
-                                        const float* dup, f16_t* out16, float* out, long n) {
-    swiglu16<f16_t>(gate, up, dgate, dup, out16, out, n);
+extern "C" __global__ void swiglu16_f16(const f16_t* gate, const f16_t* up, f16_t* out16,
+                                        float* out, long n) {
+    swiglu16<f16_t>(gate, up, out16, out, n);
 }

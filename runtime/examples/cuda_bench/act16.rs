@@ -1,20 +1,19 @@
 //! The MLP block (gate/up products, SwiGLU, down) of Llama-3-8B's shape (4096 → 14336 → 4096,
-//! bf16 weights) with f32 activations (the default: gate and up written and read in f32, the
-//! fused SwiGLU + cast) against the opt-in 16-bit activations (`THAW_CUDA_BF16_ACT=1`,
+//! bf16 weights, no LoRA) with f32 activations (the default: gate and up written and read in
+//! f32, the fused SwiGLU + cast) against the opt-in 16-bit activations (`THAW_CUDA_BF16_ACT=1`,
 //! `act16.rs`: gate and up stored in bf16 by cuBLAS, `swiglu16`, down reading its output), at
-//! rows 1, 32, 128 and 2048, without LoRA and with every row on one rank-16 adapter of gate and
-//! up (SGMV; the 16-bit path zeroes f32 delta scratch, expands into it and `swiglu16` adds it),
-//! side by side; each timed through the backend's ops (`gated_mlp_in` then `linear`), so the
-//! columns include the input's cast and the LoRA kernels. "act GB/s" counts the activation
-//! bytes between the products and SwiGLU that each path moves ([`act16_traffic_bytes`]) over
-//! the block's time; weights and the LoRA kernels' own bytes are the same either way.
+//! rows 1, 32, 128 and 2048, side by side; each timed through the backend's ops
+//! (`gated_mlp_in` then `linear`), so the columns include the input's cast. "act GB/s" counts
+//! the activation bytes between the products and SwiGLU that each path moves
+//! ([`act16_traffic_bytes`]) over the block's time; weights are read the same either way. No
+//! LoRA row: with LoRA on gate/up the plan keeps f32 (`F32Why::LoraOnGateUp`: the 16-bit path
+//! with the deltas in f32 would move 28–32 B per element against f32's 24), so both columns
+//! would time the same path.
 use thaw_runtime::adapter::LoraModule;
 use thaw_runtime::backend::act16_plan::{act16_traffic_bytes, Act16Plan, F32Why};
-use thaw_runtime::backend::cuda::CudaLora;
 use thaw_runtime::backend::cuda::{CudaBackend, CudaConfig};
 use thaw_runtime::backend::{Backend, LinearDims, LoraBatch, LoraKernel, LoraLayout, LoraSite};
 use thaw_runtime::ids::LayerIdx;
-use thaw_runtime::microbench::synthetic_adapter;
 
 use super::{fill, model_config, time_us, Res};
 
@@ -42,62 +41,43 @@ pub fn act16_table(smoke: bool) -> Res<()> {
         site(LoraModule::Gate, h, inter),
         site(LoraModule::Up, h, inter),
     ];
-    let adapter: CudaLora = g.upload_lora(synthetic_adapter(
-        &c,
-        16,
-        &[LoraModule::Gate, LoraModule::Up],
-        94,
-    )?)?;
-    g.wait_landed(&adapter, std::time::Duration::from_secs(120))?;
-    let refs = [&adapter];
-    let landed = [usize::MAX];
+    let layout = LoraLayout::default();
+    let batch = LoraBatch {
+        kernel: LoraKernel::Sgmv,
+        layout: &layout,
+        adapters: &[],
+        landed: &[],
+    };
     println!(
         "\n## MLP block {h} → {inter} → {h}, bf16 weights: f32 activations (the default) vs 16-bit (THAW_CUDA_BF16_ACT=1); median of 20"
     );
-    println!("| rows | LoRA on gate/up | f32 µs | act GB/s | 16-bit µs | act GB/s | 16-bit plan | speed-up |\n|---|---|---|---|---|---|---|---|");
+    println!("| rows | f32 µs | act GB/s | 16-bit µs | act GB/s | 16-bit plan | speed-up |\n|---|---|---|---|---|---|---|");
     for &rows in rows_list {
-        for lora in [false, true] {
-            let layout = if lora {
-                LoraLayout {
-                    segments: vec![(0..rows, 0)],
-                    row_adapter: vec![Some(0); rows],
-                }
-            } else {
-                LoraLayout::default()
-            };
-            let batch = LoraBatch {
-                kernel: LoraKernel::Sgmv,
-                layout: &layout,
-                adapters: if lora { &refs[..] } else { &[] },
-                landed: if lora { &landed[..] } else { &[] },
-            };
-            let mut us = [0.0; 2];
-            let mut plan = Act16Plan::F32(F32Why::Off);
-            for (i, on) in [false, true].into_iter().enumerate() {
-                g.set_act16(on)?;
-                if on {
-                    plan = g.act16_plan_for([&wg, &wu], rows, &sites, &batch);
-                }
-                us[i] = time_us(&mut g, 20, |g| {
-                    g.begin_step();
-                    let outs = [&mut gate, &mut up];
-                    g.gated_mlp_in(&x, [&wg, &wu], rows, outs, sites, &batch, &mut act);
-                    g.linear(&act, &wd, rows, &mut out);
-                })?;
+        let mut us = [0.0; 2];
+        let mut plan = Act16Plan::F32(F32Why::Off);
+        for (i, on) in [false, true].into_iter().enumerate() {
+            g.set_act16(on)?;
+            if on {
+                plan = g.act16_plan_for([&wg, &wu], rows, &sites, &batch);
             }
-            let f32_bytes = act16_traffic_bytes(Act16Plan::F32(F32Why::Off), rows, inter);
-            let b16 = act16_traffic_bytes(plan, rows, inter);
-            let gbs = |b: usize, t: f64| b as f64 / t / 1e3;
-            let with = if lora { "rank 16" } else { "no" };
-            println!(
-                "| {rows} | {with} | {:.1} | {:.0} | {:.1} | {:.0} | {plan:?} | {:.2}× |",
-                us[0],
-                gbs(f32_bytes, us[0]),
-                us[1],
-                gbs(b16, us[1]),
-                us[0] / us[1]
-            );
+            us[i] = time_us(&mut g, 20, |g| {
+                g.begin_step();
+                let outs = [&mut gate, &mut up];
+                g.gated_mlp_in(&x, [&wg, &wu], rows, outs, sites, &batch, &mut act);
+                g.linear(&act, &wd, rows, &mut out);
+            })?;
         }
+        let f32_bytes = act16_traffic_bytes(Act16Plan::F32(F32Why::Off), rows, inter);
+        let b16 = act16_traffic_bytes(plan, rows, inter);
+        let gbs = |b: usize, t: f64| b as f64 / t / 1e3;
+        println!(
+            "| {rows} | {:.1} | {:.0} | {:.1} | {:.0} | {plan:?} | {:.2}× |",
+            us[0],
+            gbs(f32_bytes, us[0]),
+            us[1],
+            gbs(b16, us[1]),
+            us[0] / us[1]
+        );
     }
     g.set_act16(false)?;
     Ok(())

@@ -88,8 +88,6 @@ pub struct CpuBackend {
     /// The emulated graph step's key has a LoRA rank class (what CUDA's act16 plan reads in a
     /// graph).
     graph_lora: bool,
-    /// The emulation's f32 gate/up delta scratch (`cpu_act16.rs`), kept between steps.
-    pub(super) act16_delta: [Vec<f32>; 2],
 }
 
 /// The cache format a new backend starts with: `THAW_KV_CACHE_DTYPE` (`fp16`, `bf16`; for A/B
@@ -153,7 +151,6 @@ impl CpuBackend {
             graph_bucket: None,
             act16: None,
             graph_lora: false,
-            act16_delta: Default::default(),
         }
     }
 

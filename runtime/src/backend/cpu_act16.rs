@@ -9,7 +9,7 @@ use half::{bf16, f16};
 
 use super::act16_plan::{act16_plan, Act16Facts, Act16Plan};
 use super::cpu::{CpuBackend, CpuLinear};
-use super::{gate_up_then_swiglu, lora_sites, Backend, LoraBatch, LoraSite};
+use super::{gate_up_then_swiglu, Backend, LoraBatch, LoraSite};
 use crate::adapter::LoraModule;
 use crate::ids::LayerIdx;
 use crate::residency::LoraSlot;
@@ -95,28 +95,14 @@ pub(super) fn gated_mlp_in(
         gemv: false,
         bias: ws.iter().any(|w| w.bias.is_some()),
     });
-    let Act16Plan::Act16 { delta, f32_copy } = plan else {
+    let Act16Plan::Act16 { f32_copy } = plan else {
         return gate_up_then_swiglu(b, x, ws, rows, [gate, up], sites, batch, act);
     };
     let n = rows * sites[0].dims.d_out;
-    // The base products, rounded once (cuBLAS's 16-bit store).
+    // The products, rounded once (cuBLAS's 16-bit store); no LoRA targets gate or up here.
     b.linear_group(x, ws, rows, [&mut *gate, &mut *up]);
     ty.round(&mut gate[..n]);
     ty.round(&mut up[..n]);
-    if delta {
-        // Each row's delta into zeroed f32 scratch, added unrounded (swiglu16_T's read).
-        let mut d = std::mem::take(&mut b.act16_delta);
-        for v in &mut d {
-            v.clear();
-            v.resize(n, 0.0);
-        }
-        let [dg, du] = &mut d;
-        lora_sites(b, x, [&mut *dg, &mut *du], sites, batch);
-        for (o, dv) in [(&mut *gate, &*dg), (&mut *up, &*du)] {
-            o[..n].iter_mut().zip(&dv[..n]).for_each(|(o, d)| *o += d);
-        }
-        b.act16_delta = d;
-    }
     b.swiglu(gate, up, n, act);
     if !f32_copy {
         ty.round(&mut act[..n]);

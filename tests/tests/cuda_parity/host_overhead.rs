@@ -48,22 +48,23 @@ pub(super) fn decode_counts_with(
     extra: impl FnOnce(&mut CudaBackend),
 ) -> Vec<DeviceCounts> {
     let adapter = tm.adapter(8, &["q", "v"], 90);
-    decode_counts_on(tm, dt, steps, (adapter, false), extra)
+    decode_counts_on(tm, dt, steps, (Some(adapter), false), extra)
 }
 
-/// [`decode_counts_with`] with the two adapter rows on `adapter` and, with `graphs`, CUDA
-/// graphs on (the two warm-up decode steps then warm up and capture: the counted steps replay).
+/// [`decode_counts_with`] with the two adapter rows on `adapter` (base rows without one) and,
+/// with `graphs`, CUDA graphs on (the two warm-up decode steps then warm up and capture: the
+/// counted steps replay).
 pub(super) fn decode_counts_on(
     tm: &TestModel,
     dt: DType,
     steps: usize,
-    (adapter, graphs): (Arc<LoraAdapter>, bool),
+    (adapter, graphs): (Option<Arc<LoraAdapter>>, bool),
     extra: impl FnOnce(&mut CudaBackend),
 ) -> Vec<DeviceCounts> {
     assert!(3 + 2 + steps < 16, "contexts stay inside one KV block");
     // The kernels the counts below are derived for, whatever the environment asks: the
     // defaults (fused on, flash-decoding's default chunks), the opt-in ones off.
-    let mut e = engine_with(&tm.model, dt, &[adapter], graphs, |b| {
+    let mut e = engine_with(&tm.model, dt, adapter.as_slice(), graphs, |b| {
         b.set_fused(true).unwrap();
         b.set_attn_impl(AttnImpl::SPLIT).unwrap();
         b.set_wide(false).unwrap();
@@ -78,7 +79,8 @@ pub(super) fn decode_counts_on(
     for prompt in &mut p {
         prompt.truncate(3);
     }
-    let who = [Some(0), None, Some(0)];
+    let on = adapter.as_ref().map(|_| 0);
+    let who = [on, None, on];
     let ids: Vec<SeqId> = (0..3).map(SeqId).collect();
     for ((&id, a), prompt) in ids.iter().zip(who).zip(&p) {
         e.add_sequence(

@@ -7,23 +7,20 @@
 //! 2. the gate and up GEMMs with their outputs stored in the weight dtype (cublasGemmEx, A and B
 //!    16-bit, C 16-bit, `CUBLAS_COMPUTE_32F`: f32 accumulation, one rounding on the store) —
 //!    its own product, beside [`Gpu::gemm`] (f32 C), which it does not change;
-//! 3. with the plan's `delta` (LoRA on gate/up: a row's adapter in an eager step, the key's
-//!    rank class in a CUDA graph): the f32 gate and up buffers (the f32 path's outputs, scratch
-//!    here) zeroed, then every row's LoRA delta expanded into them by the step's LoRA kernels
-//!    ([`CudaBackend::lora_group`]: SGMV, BGMV, Punica, slices; a graph's BGMV);
-//! 4. `swiglu16_T`: widens the 16-bit gate and up, adds the f32 deltas (no rounding of the
-//!    sum), SwiGLU in f32, stored into `x16` (the down GEMM's input, tagged so down reads it
-//!    without a cast) and, with the plan's `f32_copy`, into the f32 `act` that down's LoRA
-//!    shrink reads.
+//! 3. `swiglu16_T`: SwiGLU over the two 16-bit buffers into `x16` (the down GEMM's input,
+//!    tagged so down reads it without a cast) and, with the plan's `f32_copy` (LoRA on down),
+//!    into the f32 `act` that down's LoRA shrink reads.
 //!
-//! Without a delta the block moves half the f32 path's activation bytes
-//! ([`act16_traffic_bytes`](crate::backend::act16_plan::act16_traffic_bytes)); with one, the
-//! zeroing and read of the f32 delta scratch cost up to a third more than the f32 path (at
-//! decode sizes the activations are a few hundred KiB against GBs of weights). CUDA-graph
-//! steps take this path too: the plan there reads only the key's rank class, so one captured
-//! graph serves every step of its bucket; the 16-bit scratch is reserved at the graphs' largest
-//! before a capture and is part of the graph fingerprint. GEMV-sized products, biased gate/up
-//! and f32 weights run the f32 path. CPU twin of the rounding:
+//! Against the f32 path (gate, up written and read in f32, then SwiGLU + cast) the block moves
+//! half the activation bytes, two thirds with the f32 copy
+//! ([`act16_traffic_bytes`](crate::backend::act16_plan::act16_traffic_bytes)). CUDA-graph
+//! steps whose key has no LoRA rank class take this path too (the plan there reads only the
+//! key, so one captured graph serves every step of its bucket); the 16-bit scratch is reserved
+//! at the graphs' largest before a capture and is part of the graph fingerprint. LoRA on gate
+//! or up (a graph: a key with a rank class) keeps the f32 path: the deltas would need f32
+//! scratch zeroed and read beside the 16-bit products, more bytes than f32 moves
+//! ([`F32Why::LoraOnGateUp`](crate::backend::act16_plan::F32Why::LoraOnGateUp)). GEMV-sized
+//! products, biased gate/up and f32 weights run the f32 path too. CPU twin of the rounding:
 //! [`CpuBackend::set_act16`](crate::backend::cpu::CpuBackend::set_act16).
 //!
 //! [`act16_plan`]: crate::backend::act16_plan::act16_plan
@@ -147,14 +144,12 @@ impl Gpu {
         }
     }
 
-    /// `out16[..n]` = silu(g) · u with g, u the 16-bit `gate` and `up` widened to f32 plus,
-    /// with `deltas`, their f32 LoRA deltas, stored in the weight dtype; with `out`, the same
-    /// values in f32 too (`swiglu16_T`).
+    /// `out16[..n]` = silu(gate) · up over 16-bit `gate` and `up`, in the weight dtype; with
+    /// `out`, the same values in f32 too (`swiglu16_T`).
     pub fn swiglu16(
         &self,
         gate: &CudaSlice<u16>,
         up: &CudaSlice<u16>,
-        deltas: Option<[&CudaSlice<f32>; 2]>,
         out16: &mut CudaSlice<u16>,
         out: Option<&mut CudaSlice<f32>>,
         n: usize,
@@ -168,47 +163,22 @@ impl Gpu {
             out.as_ref().is_none_or(|o| o.len() >= n),
             "swiglu16: f32 output too small"
         );
-        assert!(
-            deltas.is_none_or(|d| d.iter().all(|b| b.len() >= n)),
-            "swiglu16: deltas too small"
-        );
         let out = out.map_or(0, |o| self.p(o));
-        let (dg, du) = deltas.map_or((0, 0), |[g, u]| (self.p(g), self.p(u)));
         // 4 elements a thread on the vector path (n a multiple of 4), 1 otherwise.
         let per = if n.is_multiple_of(4) { n / 4 } else { n };
-        // SAFETY: swiglu16_T(const T*, const T*, const float*, const float*, T*, float*, long);
-        // gate, up and out16 hold n 16-bit elements, the deltas are both null or each hold n
-        // f32, `out` is null or holds n f32 (checked above); every buffer starts at a
-        // cudaMalloc address (256-byte aligned), as the 8- and 16-byte accesses of the vector
-        // path need.
+        // SAFETY: swiglu16_T(const T*, const T*, T*, float*, long); gate, up and out16 hold n
+        // 16-bit elements, `out` is null or holds n f32 (checked above); every buffer starts
+        // at a cudaMalloc address (256-byte aligned), as the 8- and 16-byte accesses of the
+        // vector path need.
         unsafe {
             launch!(
                 self,
                 &k.swiglu,
                 (blocks(per, 256, 4096), 1, 1),
                 256,
-                [
-                    self.p(gate),
-                    self.p(up),
-                    dg,
-                    du,
-                    self.p(out16),
-                    out,
-                    n as i64
-                ]
+                [self.p(gate), self.p(up), self.p(out16), out, n as i64]
             )
         }
-    }
-
-    /// `buf[..n]` = 0.0 (an async memset on the compute stream: capturable into a graph).
-    pub(super) fn zero_f32(&self, buf: &mut CudaSlice<f32>, n: usize) -> Result<(), CudaError> {
-        assert!(buf.len() >= n, "zero_f32: buffer too small");
-        if n == 0 {
-            return Ok(());
-        }
-        self.counters.launch();
-        self.stream.memset_zeros(&mut buf.slice_mut(..n))?;
-        Ok(())
     }
 }
 
@@ -257,47 +227,19 @@ impl CudaBackend {
     }
 
     /// The 16-bit path of [`Backend::gated_mlp_in`](crate::backend::Backend::gated_mlp_in)
-    /// (the plan served it): steps 1–4 of the module docs, as three ops (the 16-bit products;
-    /// with `delta`, the zeroing and the LoRA kernels; SwiGLU) so the norm's tag serves the
-    /// first and SwiGLU's serves down.
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn gated_mlp_act16(
+    /// (the plan served it): the steps of the module docs as one op, `at` (the norm's tag
+    /// serves the products, SwiGLU's serves down, op `at + 1`).
+    pub(super) fn try_gated_mlp_act16(
         &mut self,
         x: &CudaSlice<f32>,
         ws: [&CudaLinear; 2],
         rows: usize,
-        [gate, up]: [&mut CudaSlice<f32>; 2],
-        sites: [LoraSite; 2],
-        batch: &LoraBatch<'_, CudaLora>,
-        (delta, f32_copy): (bool, bool),
+        f32_copy: bool,
         act: &mut CudaSlice<f32>,
-    ) {
-        let n = rows * ws[0].d_out;
-        self.ops += 1;
-        let at = self.ops;
-        if !self.failed() {
-            let r = self.try_act16_gate_up(x, ws, rows, at);
-            self.record(r);
-        }
-        if delta {
-            self.ops += 1;
-            if !self.failed() {
-                assert!(
-                    gate.len() >= n && up.len() >= n,
-                    "gated_mlp_in: delta scratch too small"
-                );
-                let r = (self.gpu.zero_f32(gate, n)).and_then(|()| self.gpu.zero_f32(up, n));
-                self.record(r);
-            }
-            self.lora_group(x, [&mut *gate, &mut *up], sites, batch);
-        }
-        self.ops += 1;
-        let at = self.ops;
-        if !self.failed() {
-            let deltas = delta.then_some([&*gate, &*up]);
-            let r = self.try_act16_swiglu(deltas, f32_copy, act, n, at);
-            self.record(r);
-        }
+        at: u64,
+    ) -> Result<(), CudaError> {
+        self.try_act16_gate_up(x, ws, rows, at)?;
+        self.try_act16_swiglu(f32_copy, act, rows * ws[0].d_out, at)
     }
 
     /// Steps 1–2: `x`'s 16-bit copy and the two 16-bit products into the scratch; op `at`.
@@ -337,11 +279,10 @@ impl CudaBackend {
         self.gpu.gemm16(x16, &wu.w.view(), rows, d_in, inter, up)
     }
 
-    /// Step 4: SwiGLU over the 16-bit products (plus `deltas`) into `x16` and, with
-    /// `f32_copy`, `act`; tags `x16` for down, op `at + 1`.
+    /// Step 3: SwiGLU over the 16-bit products into `x16` and, with `f32_copy`, `act`; tags
+    /// `x16` for down, op `at + 1`.
     fn try_act16_swiglu(
         &mut self,
-        deltas: Option<[&CudaSlice<f32>; 2]>,
         f32_copy: bool,
         act: &mut CudaSlice<f32>,
         n: usize,
@@ -355,7 +296,7 @@ impl CudaBackend {
                 "act16 SwiGLU before its products".into(),
             ));
         };
-        (self.gpu).swiglu16(gate, up, deltas, x16, f32_copy.then_some(act), n)?;
+        (self.gpu).swiglu16(gate, up, x16, f32_copy.then_some(act), n)?;
         // `x16` holds `act` in the weight dtype: down, the next op, reads it without a cast.
         self.x16_tag = Some(super::fused::X16Tag {
             ptr: self.gpu.p(act),
@@ -415,14 +356,13 @@ impl CudaBackend {
         self.gpu.act16.is_some()
     }
 
-    /// `swiglu16_T` over host `gate` and `up` (bit patterns of the weight dtype) plus, with
-    /// `deltas`, their f32 deltas: its 16-bit output and, with `f32_copy`, its f32 one (parity
-    /// tests and benchmarks; synchronises). Needs the switch on.
+    /// `swiglu16_T` over host `gate` and `up` (bit patterns of the weight dtype): its 16-bit
+    /// output and, with `f32_copy`, its f32 one (parity tests and benchmarks; synchronises).
+    /// Needs the switch on.
     pub fn swiglu16_host(
         &mut self,
         gate: &[u16],
         up: &[u16],
-        deltas: Option<[&[f32]; 2]>,
         f32_copy: bool,
     ) -> Result<(Vec<u16>, Option<Vec<f32>>)> {
         let n = gate.len();
@@ -436,25 +376,13 @@ impl CudaBackend {
             Ok(d)
         };
         let (gd, ud) = (up_dev(gate)?, up_dev(up)?);
-        let dd = match deltas {
-            Some(d) => {
-                assert!(
-                    d.iter().all(|v| v.len() == n),
-                    "swiglu16_host: delta lengths"
-                );
-                Some([self.upload_f32(d[0])?, self.upload_f32(d[1])?])
-            }
-            None => None,
-        };
-        let g = &self.gpu;
         let mut o16 = g.alloc_zeros::<u16>(n.max(1))?;
         let mut o32 = if f32_copy {
             Some(g.alloc_zeros::<f32>(n.max(1))?)
         } else {
             None
         };
-        let dr = dd.as_ref().map(|[a, b]| [a, b]);
-        g.swiglu16(&gd, &ud, dr, &mut o16, o32.as_mut(), n)?;
+        g.swiglu16(&gd, &ud, &mut o16, o32.as_mut(), n)?;
         let mut h16 = vec![0u16; n];
         if n > 0 {
             g.dtoh(&o16.slice(..n), &mut h16[..])?;

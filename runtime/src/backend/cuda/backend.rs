@@ -103,7 +103,7 @@ pub struct CudaBackend {
     pub(super) act16_scratch: super::act16::Act16Scratch,
     /// Ops run so far (every trait op counts one): an [`X16Tag`](super::fused::X16Tag) serves
     /// only the op right after it.
-    pub(super) ops: u64,
+    ops: u64,
     pub(super) lora_v: Option<CudaSlice<f32>>,
     pub(super) logits_dev: Option<CudaSlice<f32>>,
     pub(super) export_idx: DevVec<u32>,
@@ -1210,8 +1210,8 @@ impl Backend for CudaBackend {
     }
 
     /// With `THAW_CUDA_BF16_ACT=1`, gate/up and SwiGLU in 16 bits where the step's plan
-    /// serves (`act16.rs`; LoRA on gate/up and CUDA graphs included); the two ops in f32
-    /// otherwise.
+    /// serves (`act16.rs`; CUDA graphs without a LoRA rank class included); the two ops in f32
+    /// otherwise (LoRA on gate/up among them: more bytes, `act16_plan`).
     fn gated_mlp_in(
         &mut self,
         x: &CudaSlice<f32>,
@@ -1223,10 +1223,10 @@ impl Backend for CudaBackend {
         act: &mut CudaSlice<f32>,
     ) {
         match self.act16_plan_for(ws, rows, &sites, batch) {
-            Act16Plan::Act16 { delta, f32_copy } => {
-                let flags = (delta, f32_copy);
-                self.gated_mlp_act16(x, ws, rows, outs, sites, batch, flags, act)
-            }
+            Act16Plan::Act16 { f32_copy } => op!(self, {
+                let at = self.ops;
+                self.try_gated_mlp_act16(x, ws, rows, f32_copy, act, at)
+            }),
             Act16Plan::F32(_) => {
                 crate::backend::gate_up_then_swiglu(self, x, ws, rows, outs, sites, batch, act)
             }

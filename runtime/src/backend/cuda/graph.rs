@@ -19,9 +19,9 @@
 //! split count fixed per bucket (each row uses the splits its context allows, the others
 //! write a neutral partial; its scratch is allocated once at its largest), and BGMV for LoRA with the key's rank class (the kernels read each
 //! row's rank and descriptor from device memory). With `THAW_CUDA_BF16_ACT=1` the MLP's
-//! gate/up and SwiGLU run 16-bit inside a graph as well (`act16_plan` reads only the key's rank
-//! class there: with one, every replay zeroes the f32 delta scratch, runs gate/up's BGMV into it
-//! and writes SwiGLU's f32 copy for down's). Scratch buffers the graph writes (the 16-bit
+//! gate/up and SwiGLU run 16-bit inside a graph whose key has no LoRA rank class (`act16_plan`
+//! reads only the key there; a key with one keeps f32: its gate/up deltas on the 16-bit path
+//! would move more bytes than f32). Scratch buffers the graph writes (the 16-bit
 //! activation copy, the 16-bit gate/up products, the LoRA intermediate, the logits) are
 //! reserved at their largest before the first capture; a captured graph records their addresses and those of the KV cache, and is
 //! dropped (recaptured on its next use) if any of them moved since.
