@@ -490,7 +490,7 @@ impl CudaBackend {
         gemv: Option<GemvTake>,
     ) -> Result<(), CudaError> {
         let eb = self.epilogue_bias(w, gemv.is_some());
-        self.linear_view_bias(x, &w.w.view(), rows, w.d_in, w.d_out, out, gemv, eb)?;
+        self.linear_view(x, &w.w.view(), rows, w.d_in, w.d_out, out, gemv, eb)?;
         self.add_bias_unless_fused(w, eb, rows, out)
     }
 
@@ -517,27 +517,13 @@ impl CudaBackend {
         )
     }
 
-    /// out = x · Wᵀ for the `[d_out, d_in]` matrix `w` (no bias): the small-batch GEMV over `x`
-    /// where `gemv` says so (the caller's `Gpu::gemv_takes`, `gemv.rs`), else the input's
-    /// 16-bit copy from a fused SwiGLU where its tag serves this op, else a cast of `x`.
+    /// out = x · Wᵀ for the `[d_out, d_in]` matrix `w`: the small-batch GEMV over `x` where
+    /// `gemv` says so (the caller's `Gpu::gemv_takes`, `gemv.rs`), else the input's 16-bit copy
+    /// from a fused SwiGLU where its tag serves this op, else a cast of `x`; `bias` added by
+    /// cuBLASLt's epilogue (made by [`CudaBackend::epilogue_bias`], so only where cuBLASLt runs
+    /// the product), `None` for none.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn linear_view(
-        &mut self,
-        x: &CudaSlice<f32>,
-        w: &CudaView<'_, u8>,
-        rows: usize,
-        d_in: usize,
-        d_out: usize,
-        out: &mut CudaSlice<f32>,
-        gemv: Option<GemvTake>,
-    ) -> Result<(), CudaError> {
-        self.linear_view_bias(x, w, rows, d_in, d_out, out, gemv, None)
-    }
-
-    /// [`CudaBackend::linear_view`] with `bias` added by cuBLASLt's epilogue (made by
-    /// [`CudaBackend::epilogue_bias`], so only where cuBLASLt runs the product).
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn linear_view_bias(
         &mut self,
         x: &CudaSlice<f32>,
         w: &CudaView<'_, u8>,

@@ -148,7 +148,7 @@ impl CudaBackend {
             let w = ws[0].w.through(&last.w);
             let gemv = (self.gpu).gemv_takes(x, &w, rows, ws[0].d_in, total);
             let r = self
-                .linear_view(x, &w, rows, ws[0].d_in, total, &mut scratch, gemv)
+                .linear_view(x, &w, rows, ws[0].d_in, total, &mut scratch, gemv, None)
                 .and_then(|()| {
                     // Two or three modules (split_cols checks): no host allocation per layer.
                     let mut widths = [0usize; 3];
