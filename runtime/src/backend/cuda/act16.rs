@@ -347,6 +347,8 @@ impl CudaBackend {
         } else {
             None
         };
+        // The residual stream follows the switch (`residual16.rs`).
+        self.gpu.load_residual16()?;
         self.x16_tag = None;
         Ok(())
     }
