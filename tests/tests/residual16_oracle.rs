@@ -9,7 +9,10 @@
 //!   adapter's: with the whole switch (bf16 and f16) greedy tokens equal f32's and logits stay
 //!   within [`TINY_TOL`]; the whole switch's logits differ from the MLP half's alone and the
 //!   residual half's from f32's (so the rounding ran: this test fails if it did not).
-//! - Generated Llama and Qwen2 (q/k/v biases) test models: the same bounds, prefill + decode.
+//! - Generated Llama and Qwen2 (q/k/v biases) test models: the same bounds, prefill + decode,
+//!   over the steps whose contexts agree: their random weights give flat logits, so a
+//!   sequence may part from f32's at a near tie (top two logits within 1%), as the GPU
+//!   parity tests allow; anywhere else a different token fails.
 //! - SmolLM2-135M-Instruct in bf16 (`THAW_SMOLLM2_BF16`, skipped when unset): with the whole
 //!   switch the greedy tokens of three chat prompts equal HF transformers'
 //!   (`tests/fixtures/smollm2-reference`, whose bf16 model keeps the residual in bf16), the
@@ -27,18 +30,19 @@ use thaw_tests::{chat_prompt, fixture_dir, rel_err};
 /// for it), and the residual half rounds the stream after the embedding and after each of
 /// the 2 adds a layer, each an independent relative perturbation of at most u/2 of the
 /// stream that the later layers carry: 5 roundings over 2 layers add at most ~5u/2 ≈ 5e-3
-/// in the worst case on top of the MLP's. 2e-2 (about 10 u) bounds the sum with room for
-/// the random weights' growth, still far below a wrong residual (an unrounded or dropped add
-/// moves the logits by O(1)).
+/// in the worst case on top of the MLP's. Measured (this VM): the HF tiny Llama 7.7e-3 (MLP
+/// half 4.1e-3, residual half 6.7e-3), the generated Llama and Qwen2 ~5e-3. 2e-2 (about
+/// 10 u) bounds them with over twice that room, still far below a wrong residual (an
+/// unrounded or dropped add moves the logits by O(1)).
 const TINY_TOL: f64 = 2e-2;
 
 /// Normwise relative error allowed between SmolLM2's logits with the whole switch in bf16 and
 /// f32's: `act16_oracle.rs` measured 2.5e-2 for the MLP half alone (30 layers, a residual
-/// stream dominated by a few large channels); the residual's 61 roundings of the stream
-/// (u/2 relative each, not compounding through the norms) add about as much again. 1e-1 bounds
-/// the two with room; the greedy tokens equal to transformers' (which rounds the same way)
-/// are the stronger check.
-const SMOLLM2_TOL: f64 = 1e-1;
+/// stream dominated by a few large channels, whose bf16 rounding moves every norm's output);
+/// the residual's 61 roundings of the stream bring the whole switch to 7.2e-2 (measured, this
+/// VM, CPU backend). 1.5e-1 bounds it with twice that room; the greedy tokens equal to
+/// transformers' (whose bf16 model rounds the residual the same way) are the stronger check.
+const SMOLLM2_TOL: f64 = 1.5e-1;
 
 /// Which halves of the switch a run emulates.
 #[derive(Copy, Clone, Debug, PartialEq)]
@@ -139,16 +143,63 @@ fn worst(a: &Run, b: &Run) -> f64 {
         .fold(0.0, f64::max)
 }
 
+/// A step whose top two logits are closer than this (relative to its largest |logit|) may
+/// pick either token under the rounding (bf16: 2⁻⁹ relative per rounding, ~1e-3 on a logit;
+/// `cuda_parity`'s `gemv.rs` uses the same bound).
+const NEAR_TIE: f32 = 1e-2;
+
+fn near_tie(logits: &[f32]) -> bool {
+    let (mut a, mut b) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
+    for &v in logits {
+        if v > a {
+            b = a;
+            a = v;
+        } else if v > b {
+            b = v;
+        }
+    }
+    let scale = logits.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-6);
+    (a - b) <= NEAR_TIE * scale
+}
+
+/// `got` against `want` (f32) sequence by sequence, step by step while their contexts agree:
+/// the largest normwise logits error over those steps, and how many sequences parted. A
+/// sequence whose greedy token differs at a step is compared no further (its contexts part);
+/// that is allowed only where `want`'s logits at that step are a near tie, and only with
+/// `parting_allowed` (the random-weight models, whose logits are flat).
+fn compare(name: &str, got: &Run, want: &Run, parting_allowed: bool) -> (f64, usize) {
+    let (mut err, mut parted) = (0.0f64, 0);
+    for (i, (g, w)) in got.tokens.iter().zip(&want.tokens).enumerate() {
+        for s in 0..w.len() {
+            let (lg, lw) = (&got.logits[i][s], &want.logits[i][s]);
+            err = err.max(rel_err(lg, lw));
+            if g[s] != w[s] {
+                assert!(
+                    parting_allowed && near_tie(lw),
+                    "{name}: seq {i} step {s}: greedy token {} vs f32's {} (not a near tie, or \
+                     no parting allowed)",
+                    g[s],
+                    w[s]
+                );
+                parted += 1;
+                break;
+            }
+        }
+    }
+    (err, parted)
+}
+
 /// Runs `prompts` on every emulation and checks the bounds of the module docs against f32:
-/// the whole switch keeps greedy tokens and stays within `tol`, and each half changes what
-/// the other leaves (the residual's rounding ran). Returns the whole switch's bf16 error.
+/// the whole switch keeps greedy tokens (but at near ties, with `parting_allowed`) and stays
+/// within `tol`, and the whole switch differs from its MLP half alone (the residual's rounding
+/// ran). Returns the whole switch's bf16 error.
 fn check_model(
     name: &str,
     model: &HostModel,
     adapters: &[std::sync::Arc<thaw_runtime::adapter::LoraAdapter>],
     prompts: &[(Vec<u32>, Option<u32>)],
-    steps: usize,
-    tol: f64,
+    (steps, tol): (usize, f64),
+    parting_allowed: bool,
 ) -> f64 {
     let r = |emu| run(model, emu, adapters, prompts, steps);
     let bf = Act16Type::Bf16;
@@ -156,11 +207,18 @@ fn check_model(
     let whole = r(Emu::Whole(bf));
     let mlp = r(Emu::Mlp(bf));
     let resid = r(Emu::Residual(bf));
-    let err = worst(&whole, &f32s);
-    let (err_mlp, err_res) = (worst(&mlp, &f32s), worst(&resid, &f32s));
+    let f16s = r(Emu::Whole(Act16Type::F16));
+    let c = |what: &str, run: &Run| compare(&format!("{name} {what}"), run, &f32s, parting_allowed);
+    let ((err, p), (err_mlp, _), (err_res, p_res), (err16, p16)) = (
+        c("whole", &whole),
+        c("MLP half", &mlp),
+        c("residual half", &resid),
+        c("whole f16", &f16s),
+    );
     eprintln!(
-        "{name}: worst normwise logits error vs f32: whole switch {err:e}, MLP half {err_mlp:e}, \
-         residual half {err_res:e}"
+        "{name}: worst normwise logits error vs f32 (steps with the same context): whole switch \
+         {err:e} ({p} parted at a near tie), MLP half {err_mlp:e}, residual half {err_res:e} \
+         ({p_res} parted), whole switch in f16 {err16:e} ({p16} parted)"
     );
     assert!(err <= tol, "{name}: whole switch rel err {err:e} > {tol:e}");
     assert!(
@@ -172,19 +230,8 @@ fn check_model(
         worst(&whole, &mlp) > 0.0,
         "{name}: the whole switch equals its MLP half: the residual was not rounded"
     );
-    assert_eq!(
-        whole.tokens, f32s.tokens,
-        "{name}: the switch changed a token"
-    );
-    assert_eq!(
-        resid.tokens, f32s.tokens,
-        "{name}: the residual half changed a token"
-    );
     // f16 (11 significant bits) is closer still.
-    let f16s = r(Emu::Whole(Act16Type::F16));
-    let err16 = worst(&f16s, &f32s);
     assert!(err16 <= err, "{name}: f16 {err16:e} vs bf16 {err:e}");
-    assert_eq!(f16s.tokens, f32s.tokens, "{name}: f16 changed a token");
     err
 }
 
@@ -205,7 +252,14 @@ fn tiny_model_with_the_16_bit_residual_keeps_greedy_tokens_within_its_bound() {
         .map(|(i, t)| (tok.encode(t, true).unwrap(), (i == 1).then_some(0)))
         .collect();
     let adapters = [std::sync::Arc::new(adapter)];
-    check_model("hf-tiny-llama", &model, &adapters, &prompts, 8, TINY_TOL);
+    check_model(
+        "hf-tiny-llama",
+        &model,
+        &adapters,
+        &prompts,
+        (8, TINY_TOL),
+        false,
+    );
 }
 
 #[test]
@@ -231,7 +285,7 @@ fn generated_llama_and_qwen2_with_the_16_bit_residual_keep_greedy_tokens() {
                 (p, None)
             })
             .collect();
-        check_model(name, &tm.model, &[], &prompts, 6, TINY_TOL);
+        check_model(name, &tm.model, &[], &prompts, (6, TINY_TOL), true);
     }
 }
 
