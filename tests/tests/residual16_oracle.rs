@@ -13,6 +13,8 @@
 //!   over the steps whose contexts agree: their random weights give flat logits, so a
 //!   sequence may part from f32's at a near tie (top two logits within 1%), as the GPU
 //!   parity tests allow; anywhere else a different token fails.
+//! - Emulated CUDA-graph decode steps (padded to their bucket) with the whole switch equal
+//!   the eager steps.
 //! - SmolLM2-135M-Instruct in bf16 (`THAW_SMOLLM2_BF16`, skipped when unset): with the whole
 //!   switch the greedy tokens of three chat prompts equal HF transformers'
 //!   (`tests/fixtures/smollm2-reference`, whose bf16 model keeps the residual in bf16), the
@@ -286,6 +288,45 @@ fn generated_llama_and_qwen2_with_the_16_bit_residual_keep_greedy_tokens() {
             })
             .collect();
         check_model(name, &tm.model, &[], &prompts, (6, TINY_TOL), true);
+    }
+}
+
+/// Emulated CUDA-graph decode steps (the CPU's graph emulation: each step padded to its
+/// bucket, as on CUDA) with the whole switch on give the eager steps' greedy tokens and logits
+/// within the padding test's 1e-5: padded rows leave the rounded residual of the real rows as
+/// it is. Buckets 1, 4, 8; a batch of 11 runs eager.
+#[test]
+fn emulated_graph_steps_with_the_16_bit_residual_equal_eager_ones() {
+    use thaw_tests::graphs::{decode_batch, emulated_engine_on, prompts};
+    let tm = thaw_tests::TestModel::llama(7);
+    let vocab = tm.model.config.vocab_size;
+    let mut runs = Vec::new();
+    for graphs in [false, true] {
+        let mut b = CpuBackend::new(&tm.model.config);
+        b.set_act16(Some(Act16Type::Bf16));
+        let mut e = emulated_engine_on(b, &tm.model, &[], graphs);
+        let (mut first, mut all) = (0, Vec::new());
+        for n in [1usize, 3, 8, 11] {
+            let who = vec![None; n];
+            all.extend(decode_batch(
+                &mut e,
+                first,
+                &who,
+                &prompts(n, vocab, n as u64),
+                4,
+            ));
+            first += n as u64;
+        }
+        if graphs {
+            let s = e.graph_stats().cloned().expect("graphs on");
+            assert!(s.warmups > 0, "no emulated graph step ran: {s:?}");
+        }
+        runs.push(all);
+    }
+    for (i, (g, e)) in runs[1].iter().zip(&runs[0]).enumerate() {
+        assert_eq!(g.tokens, e.tokens, "seq {i}: graph steps changed a token");
+        let err = rel_err(&g.logits, &e.logits);
+        assert!(err <= 1e-5, "seq {i}: graph vs eager rel err {err:e}");
     }
 }
 

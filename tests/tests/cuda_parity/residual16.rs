@@ -1,6 +1,6 @@
 //! The 16-bit residual stream (`THAW_CUDA_BF16_ACT=1`, `residual16.cu` + `residual16.rs`)
-//! against the CPU oracle (`cpu_residual16.rs`: f32 add, the dtype's round to nearest even,
-//! `cpu::rms_norm`) and against the switch off. Tolerances:
+//! against the CPU oracle (`CpuBackend::set_act16`, `cpu_residual16.rs`: f32 add, the dtype's
+//! round to nearest even, `cpu::rms_norm`) and against the switch off. Tolerances:
 //! - `add_rms_norm_h16_T`'s stored residual: bit for bit the CPU's (one f32 add of the same
 //!   values, one round to nearest even); its f32 output within 1e-5 normwise (the f32 block
 //!   sum against the CPU's f64 sum, as norm.cu's parity); its 16-bit copy within one unit in
@@ -15,8 +15,9 @@
 //!   off launches; a steady graph replay is one graph launch.
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
+use thaw_runtime::backend::cpu::CpuBackend;
 use thaw_runtime::backend::cuda::{CudaBackend, DType};
-use thaw_runtime::backend::Backend;
+use thaw_runtime::backend::{Act16Type, Backend};
 use thaw_server::gen::{ArchOptions, GenArch};
 use thaw_tests::{rel_err, test_preset, TestModel};
 
@@ -24,7 +25,7 @@ use super::gemv::{check_off_on, off_on_runs, rounded, same_greedy_tokens};
 use super::host_overhead::{decode_counts_on, decode_counts_with};
 use super::{cfg, rand_vec};
 
-const X16: [DType; 2] = [DType::Bf16, DType::F16];
+const X16: [(DType, Act16Type); 2] = [(DType::Bf16, Act16Type::Bf16), (DType::F16, Act16Type::F16)];
 
 fn bits(v: f32, dt: DType) -> u16 {
     match dt {
@@ -42,19 +43,9 @@ fn value(b: u16, dt: DType) -> f32 {
     }
 }
 
-/// `out = rms_norm(h) · w` in f64 sums (the CPU twin's).
-fn rms_norm(h: &[f32], w: &[f32], d: usize, eps: f32) -> Vec<f32> {
-    let mut out = vec![0.0; h.len()];
-    for (r, o) in h.chunks(d).zip(out.chunks_mut(d)) {
-        let ss: f64 = r.iter().map(|&v| (v as f64) * (v as f64)).sum();
-        let inv = 1.0 / ((ss / d as f64) as f32 + eps).sqrt();
-        for ((o, &v), &w) in o.iter_mut().zip(r).zip(w) {
-            *o = v * inv * w;
-        }
-    }
-    out
-}
-
+/// `residual16.cu`'s kernels against the CPU backend's emulation of the switch
+/// (`CpuBackend::set_act16`: the same add, rounding and norm), bf16 and f16, rows 1, 3, 17 and
+/// 128 of widths 576 (SmolLM2) and 4096 (Llama-8B); embed then gather of a 16-bit table.
 #[test]
 fn residual16_kernels_match_the_cpu_oracle() {
     if !thaw_tests::gpu_or_skip() {
@@ -63,10 +54,12 @@ fn residual16_kernels_match_the_cpu_oracle() {
     let m = super::shape();
     let mut rng = ChaCha8Rng::seed_from_u64(2916);
     let eps = 1e-5;
-    for dt in X16 {
+    for (dt, ty) in X16 {
         let mut g = CudaBackend::new(&m.config, &cfg(dt)).expect("CUDA backend");
         g.set_act16(true).unwrap();
         assert!(g.residual16(), "{dt:?}: the switch leaves the residual f32");
+        let mut cpu = CpuBackend::new(&m.config);
+        cpu.set_act16(Some(ty));
         for d in [576, 4096] {
             for rows in [1, 3, 17, 128] {
                 let n = rows * d;
@@ -78,23 +71,20 @@ fn residual16_kernels_match_the_cpu_oracle() {
                 let x = rand_vec(&mut rng, n, 2.0);
                 // The norm weights as the upload stores them (the weight dtype).
                 let w = rounded(&rand_vec(&mut rng, d, 1.5), dt);
+                let h0: Vec<f32> = h.iter().map(|&b| value(b, dt)).collect();
                 // Add + norm: the residual rounded once, the norm of the rounded sum.
                 let (h_after, out, o16) = g
                     .residual_norm16_host(&h, Some(&x), &w, (rows, d), eps)
                     .unwrap();
-                let want_h: Vec<u16> = h
-                    .iter()
-                    .zip(&x)
-                    .map(|(&b, &x)| bits(value(b, dt) + x, dt))
-                    .collect();
+                let (mut hc, mut oc) = (h0.clone(), vec![0.0; n]);
+                cpu.add_rms_norm(&mut hc, &x, &w, eps, rows, d, &mut oc);
+                let want_h: Vec<u16> = hc.iter().map(|&v| bits(v, dt)).collect();
                 assert_eq!(h_after, want_h, "{label}: the stored residual");
-                let hv: Vec<f32> = want_h.iter().map(|&b| value(b, dt)).collect();
-                let want = rms_norm(&hv, &w, d, eps);
-                let e = rel_err(&out, &want);
+                let e = rel_err(&out, &oc);
                 assert!(e <= 1e-5, "{label}: add_rms_norm_h16 out rel err {e:e}");
                 let off = o16
                     .iter()
-                    .zip(&want)
+                    .zip(&oc)
                     .filter(|(&b, &v)| b.abs_diff(bits(v, dt)) > 1)
                     .count();
                 assert_eq!(off, 0, "{label}: 16-bit copies more than one ulp off");
@@ -103,22 +93,24 @@ fn residual16_kernels_match_the_cpu_oracle() {
                     .residual_norm16_host(&h, None, &w, (rows, d), eps)
                     .unwrap();
                 assert_eq!(h_same, h, "{label}: the norm wrote the residual");
-                let hv0: Vec<f32> = h.iter().map(|&b| value(b, dt)).collect();
-                let e = rel_err(&out0, &rms_norm(&hv0, &w, d, eps));
+                let mut oc0 = vec![0.0; n];
+                cpu.residual_norm(&h0, &w, eps, rows, &mut oc0);
+                let e = rel_err(&out0, &oc0);
                 assert!(e <= 1e-5, "{label}: rms_norm_h16 rel err {e:e}");
-                println!("{label}: residual16 kernels match the CPU");
+                println!("{label}: residual16 kernels match the CPU oracle");
             }
         }
-        // Embed then the final gather: the 16-bit table's rows, exactly.
+        // Embed then the final gather: the 16-bit table's rows, exactly, as the CPU's.
         let (vocab, d) = (m.config.vocab_size, m.config.hidden_size);
         let table = rounded(&rand_vec(&mut rng, vocab * d, 1.0), dt);
         let t = g.upload_linear(table.clone(), vocab, d, None).unwrap();
+        let tc = cpu.upload_linear(table, vocab, d, None).unwrap();
         let ids: Vec<u32> = (0..17).map(|i| (i * 31 % vocab) as u32).collect();
         let got = g.embed_gather_host(&t, &ids, 3..11).unwrap();
-        let want: Vec<f32> = ids[3..11]
-            .iter()
-            .flat_map(|&id| table[id as usize * d..(id as usize + 1) * d].to_vec())
-            .collect();
+        let (mut hc, mut want) = (vec![0.0; ids.len() * d], vec![0.0; 8 * d]);
+        cpu.embed(&tc, &ids, &mut hc);
+        let pick: Vec<usize> = (3..11).collect();
+        cpu.gather_residual(&hc, d, &pick, &mut want);
         assert_eq!(got, want, "{dt:?}: embed + gather_residual");
     }
 }
@@ -144,7 +136,7 @@ fn engines_with_the_16_bit_residual_give_the_same_tokens() {
     for (name, tm) in &models {
         let adapters = [tm.adapter(8, &["q", "v"], 2929)];
         let vocab = tm.model.config.vocab_size;
-        for dt in X16 {
+        for (dt, _) in X16 {
             let who = |b: usize| (0..b).map(|i| (i % 2 == 1).then_some(0)).collect();
             let runs = off_on_runs(
                 &tm.model,
@@ -184,7 +176,7 @@ fn steady_steps_with_the_16_bit_residual_allocate_nothing() {
         return;
     }
     let tm = TestModel::llama(6);
-    for dt in X16 {
+    for (dt, _) in X16 {
         let mut per_switch = Vec::new();
         for on in [false, true] {
             let counts = decode_counts_with(&tm, dt, 3, |b| {
