@@ -133,6 +133,39 @@ mod tests {
         assert_eq!(residual16(Some(Act16Type::F16)), Some(Act16Type::F16));
     }
 
+    /// The wrappers forward every residual op to the backend they wrap (the trait's defaults
+    /// would run the f32 ops and skip the rounding).
+    #[test]
+    fn wrappers_forward_the_residual_ops() {
+        use crate::backend::any::{AnyBackend, AnyBuf, AnyVector};
+        use crate::backend::profiled::Profiled;
+        let (rows, d) = (2, 32);
+        let n = rows * d;
+        let mut vals = test_values(5);
+        let (h0, x, w) = (vals(n), vals(n), vals(d));
+        let ty = Act16Type::Bf16;
+        let mut p = Profiled::new(backend(Some(ty)));
+        let (mut h, mut out) = (h0.clone(), vec![0.0; n]);
+        p.add_rms_norm(&mut h, &x, &w, 1e-5, rows, d, &mut out);
+        assert!(exact(ty, &h), "Profiled::add_rms_norm");
+        let mut h = h0.clone();
+        p.residual_add(&mut h, &x, n);
+        assert!(exact(ty, &h), "Profiled::residual_add");
+        let mut a = AnyBackend::Cpu(backend(Some(ty)));
+        let cpu = |b: &AnyBuf| match b {
+            AnyBuf::Cpu(v) => v.clone(),
+            _ => panic!("a CPU buffer"),
+        };
+        let (mut h, xa) = (AnyBuf::Cpu(h0.clone()), AnyBuf::Cpu(x.clone()));
+        a.residual_add(&mut h, &xa, n);
+        assert!(exact(ty, &cpu(&h)), "AnyBackend::residual_add");
+        let (mut h, mut out) = (AnyBuf::Cpu(h0.clone()), AnyBuf::Cpu(vec![0.0; n]));
+        let wa = AnyVector::Cpu(w.clone());
+        a.add_rms_norm(&mut h, &xa, &wa, 1e-5, rows, d, &mut out);
+        assert!(exact(ty, &cpu(&h)), "AnyBackend::add_rms_norm");
+        assert!(!exact(ty, &h0), "the inputs were already 16-bit-exact");
+    }
+
     /// `embed` rounds an f32 table's rows, and leaves a 16-bit-exact table's as they are.
     #[test]
     fn embed_rounds_an_f32_table_only() {
