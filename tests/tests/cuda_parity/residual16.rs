@@ -45,7 +45,8 @@ fn value(b: u16, dt: DType) -> f32 {
 
 /// `residual16.cu`'s kernels against the CPU backend's emulation of the switch
 /// (`CpuBackend::set_act16`: the same add, rounding and norm), bf16 and f16, rows 1, 3, 17 and
-/// 128 of widths 576 (SmolLM2) and 4096 (Llama-8B); embed then gather of a 16-bit table.
+/// 128 of widths 576 (SmolLM2) and 4096 (Llama-8B), the kernels' 4-element path, and 1001,
+/// their one-element path; embed then gather of a 16-bit table.
 #[test]
 fn residual16_kernels_match_the_cpu_oracle() {
     if !thaw_tests::gpu_or_skip() {
@@ -60,7 +61,8 @@ fn residual16_kernels_match_the_cpu_oracle() {
         assert!(g.residual16(), "{dt:?}: the switch leaves the residual f32");
         let mut cpu = CpuBackend::new(&m.config);
         cpu.set_act16(Some(ty));
-        for d in [576, 4096] {
+        // 1001: not a multiple of 4, the kernels' one-element path.
+        for d in [576, 4096, 1001] {
             for rows in [1, 3, 17, 128] {
                 let n = rows * d;
                 let label = format!("{dt:?} rows {rows} d {d}");

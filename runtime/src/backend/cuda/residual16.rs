@@ -154,7 +154,8 @@ impl Gpu {
         }
         // SAFETY: rms_norm_h16_T(const T*, const T*, float*, int, int, float); h holds rows × d
         // 16-bit elements, out rows × d f32, w d weights of the 16-bit weight dtype (checked);
-        // the block is a multiple of 32 threads.
+        // the block is a multiple of 32 threads; the buffers start at cudaMalloc addresses, as
+        // the vector path (d a multiple of 4) needs.
         unsafe {
             launch!(
                 self,
@@ -205,7 +206,9 @@ impl Gpu {
         // SAFETY: add_rms_norm_h16_T(T*, const float*, const T*, float*, T*, int, int, float);
         // h holds rows × d 16-bit elements, x and out rows × d f32, w d 16-bit weights
         // (checked); `xb` is null or holds rows × d 16-bit elements (grown above); the block is
-        // a multiple of 32 threads.
+        // a multiple of 32 threads; every buffer starts at a cudaMalloc address (256-byte
+        // aligned), so with d a multiple of 4 each row is aligned for the vector path's 8- and
+        // 16-byte accesses.
         unsafe {
             launch!(
                 self,
@@ -236,13 +239,16 @@ impl Gpu {
         let k = self.r16()?;
         Self::h16_fits(h, n, "residual_add_h16");
         assert!(x.len() >= n, "residual_add_h16: x too small");
+        // 4 elements a thread on the vector path (n a multiple of 4), 1 otherwise.
+        let per = if n.is_multiple_of(4) { n / 4 } else { n };
         // SAFETY: residual_add_h16_T(T*, const float*, long); h holds n 16-bit elements and x
-        // n f32 (checked).
+        // n f32 (checked); both start at a cudaMalloc address (256-byte aligned), as the 8-
+        // and 16-byte accesses of the vector path need.
         unsafe {
             launch!(
                 self,
                 &k.add,
-                (blocks(n, 256, 4096), 1, 1),
+                (blocks(per, 256, 4096), 1, 1),
                 256,
                 [self.p(h), self.p(x), n as i64]
             )
