@@ -1,6 +1,8 @@
 //! The 16-bit MLP activations' numerics on the CPU (issue 29, CUDA's `THAW_CUDA_BF16_ACT=1`).
 //! [`CpuBackend::set_act16`] rounds gate, up and SwiGLU's output to bf16 exactly where the CUDA
-//! path stores them in 16 bits (the same `act16_plan`), everything else f32: these tests check
+//! path stores them in 16 bits (the same `act16_plan`), everything else f32 (the residual
+//! stream's half of the switch is off here, `set_residual16(None)`; `residual16_oracle.rs`
+//! checks it and the whole switch): these tests check
 //! the rounding decision itself with no GPU (`cuda_parity/act16.rs` checks the kernels against
 //! it on one).
 //!
@@ -57,6 +59,8 @@ fn run(
 ) -> Run {
     let mut backend = CpuBackend::new(&model.config);
     backend.set_act16(act16);
+    // The MLP half alone: the residual stream's rounding is `residual16_oracle.rs`'s.
+    backend.set_residual16(None);
     let cfg = EngineConfig {
         max_batch_tokens: 1024,
         max_batch_seqs: 8,
@@ -214,6 +218,7 @@ fn graph_decode_steps_run_16_bit_only_for_keys_without_lora() {
     ] {
         let mut b = CpuBackend::new(&tm.model.config);
         b.set_act16(act16);
+        b.set_residual16(None);
         let mut e = emulated_engine_on(b, &tm.model, &adapters, graphs);
         let mut first = 0;
         let mut all = Vec::new();

@@ -47,6 +47,8 @@ mod lora_slices;
 mod lt;
 #[path = "cuda_parity/opt_in.rs"]
 mod opt_in;
+#[path = "cuda_parity/residual16.rs"]
+mod residual16;
 
 fn gpu() -> bool {
     thaw_tests::gpu_or_skip()

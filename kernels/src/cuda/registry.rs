@@ -251,6 +251,26 @@ pub const ACT16: KernelSource = KernelSource {
     entry_points: &["swiglu16_bf16", "swiglu16_f16"],
 };
 
+/// Issue 29's opt-in 16-bit residual stream (with `THAW_CUDA_BF16_ACT=1`, runtime
+/// `residual16_plan`): embed, add + RMSNorm, the last add and the final gather over the
+/// hidden state stored in the weight dtype.
+pub const RESIDUAL16: KernelSource = KernelSource {
+    name: "residual16",
+    source: include_str!("residual16.cu"),
+    entry_points: &[
+        "embed16_bf16",
+        "embed16_f16",
+        "rms_norm_h16_bf16",
+        "rms_norm_h16_f16",
+        "add_rms_norm_h16_bf16",
+        "add_rms_norm_h16_f16",
+        "residual_add_h16_bf16",
+        "residual_add_h16_f16",
+        "gather_rows_h16_bf16",
+        "gather_rows_h16_f16",
+    ],
+};
+
 /// Every kernel source Thaw compiles.
 pub const KERNELS: &[KernelSource] = &[
     ELEMENTWISE,
@@ -268,6 +288,7 @@ pub const KERNELS: &[KernelSource] = &[
     LORA_SLICES,
     ATTENTION_SPLIT_ILP,
     ACT16,
+    RESIDUAL16,
 ];
 
 /// Launch-shape constants the sources `#define`; the host launches with these.

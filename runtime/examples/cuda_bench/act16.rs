@@ -80,5 +80,6 @@ pub fn act16_table(smoke: bool) -> Res<()> {
         );
     }
     g.set_act16(false)?;
-    Ok(())
+    // The switch's other half: the residual stream between layers.
+    super::residual16::residual16_table(smoke)
 }

@@ -26,14 +26,16 @@
 //! `--lt`: only the products table (`lt.rs`): `cublasGemmEx` against the opt-in cuBLASLt
 //! products (bias in the epilogue) at rows 1, 8, 32, 128 and 2048 on Llama-7B's shapes.
 //!
-//! `--act16`: only the MLP block table (`act16.rs`): f32 against the opt-in 16-bit activations
-//! (`THAW_CUDA_BF16_ACT=1`) at rows 1, 32, 128 and 2048.
+//! `--act16`: only the opt-in 16-bit activations' tables (`THAW_CUDA_BF16_ACT=1`) at rows 1,
+//! 32, 128 and 2048: the MLP block (`act16.rs`) and the residual add + RMSNorm
+//! (`residual16.rs`), each against f32.
 mod act16;
 mod decode_attn;
 mod gemv;
 mod lt;
 mod prefill;
 mod prefill_attn;
+mod residual16;
 mod slices;
 
 use std::time::Instant;

@@ -477,6 +477,34 @@ impl Backend for AnyBackend {
         }
     }
 
+    fn residual_norm(
+        &mut self,
+        h: &AnyBuf,
+        w: &AnyVector,
+        eps: f32,
+        rows: usize,
+        out: &mut AnyBuf,
+    ) {
+        match self {
+            Self::Cpu(b) => b.residual_norm(h.cpu(), w.cpu(), eps, rows, out.cpu_mut()),
+            Self::Cuda(g) => g.residual_norm(h.gpu(), w.gpu(), eps, rows, out.gpu_mut()),
+        }
+    }
+
+    fn residual_add(&mut self, h: &mut AnyBuf, x: &AnyBuf, len: usize) {
+        match self {
+            Self::Cpu(b) => b.residual_add(h.cpu_mut(), x.cpu(), len),
+            Self::Cuda(g) => g.residual_add(h.gpu_mut(), x.gpu(), len),
+        }
+    }
+
+    fn gather_residual(&mut self, h: &AnyBuf, width: usize, rows: &[usize], out: &mut AnyBuf) {
+        match self {
+            Self::Cpu(b) => b.gather_residual(h.cpu(), width, rows, out.cpu_mut()),
+            Self::Cuda(g) => g.gather_residual(h.gpu(), width, rows, out.gpu_mut()),
+        }
+    }
+
     fn linear(&mut self, x: &AnyBuf, w: &AnyLinear, rows: usize, out: &mut AnyBuf) {
         match self {
             Self::Cpu(b) => b.linear(x.cpu(), w.cpu(), rows, out.cpu_mut()),

@@ -85,6 +85,8 @@ pub struct CpuBackend {
     graph_bucket: Option<usize>,
     /// The 16-bit MLP activations' emulation ([`CpuBackend::set_act16`]); `None` = f32.
     act16: Option<super::Act16Type>,
+    /// The 16-bit residual stream's emulation (`cpu_residual16.rs`); `None` = f32.
+    residual16: Option<super::Act16Type>,
     /// The emulated graph step's key has a LoRA rank class (what CUDA's act16 plan reads in a
     /// graph).
     graph_lora: bool,
@@ -150,6 +152,7 @@ impl CpuBackend {
             step: None,
             graph_bucket: None,
             act16: None,
+            residual16: None,
             graph_lora: false,
         }
     }
@@ -168,11 +171,24 @@ impl CpuBackend {
         self
     }
 
-    /// Rounds the MLP's gate, up and SwiGLU activations to `ty` exactly where CUDA's
-    /// `THAW_CUDA_BF16_ACT=1` stores them in 16 bits (`cpu_act16.rs`): the test oracle of that
-    /// switch's numerics. `None` (the default): f32.
+    /// Rounds the MLP's gate, up and SwiGLU activations (`cpu_act16.rs`) and the residual
+    /// stream (`cpu_residual16.rs`) to `ty` exactly where CUDA's `THAW_CUDA_BF16_ACT=1` stores
+    /// them in 16 bits: the test oracle of that switch's numerics. `None` (the default): f32.
+    /// Switch it between forward passes only (each pass's `embed` rewrites the stream).
     pub fn set_act16(&mut self, ty: Option<super::Act16Type>) {
         self.act16 = ty;
+        self.residual16 = ty;
+    }
+
+    /// Sets the residual stream's half of [`CpuBackend::set_act16`] alone (after it): tests
+    /// that isolate the MLP half's rounding (`set_residual16(None)`) or the residual's.
+    pub fn set_residual16(&mut self, ty: Option<super::Act16Type>) {
+        self.residual16 = ty;
+    }
+
+    /// The type the emulated residual stream is stored in (`None`: f32).
+    fn residual16(&self) -> Option<super::Act16Type> {
+        super::cpu_residual16::residual16(self.residual16)
     }
 
     /// While an emulated graph step runs, whether its key has a LoRA rank class; `None`
@@ -445,13 +461,29 @@ impl Backend for CpuBackend {
         })
     }
 
+    /// With [`CpuBackend::set_act16`] on, every residual op rounds `h` where CUDA stores it
+    /// in 16 bits (`cpu_residual16.rs`).
     fn embed(&mut self, table: &CpuLinear, ids: &[u32], out: &mut Vec<f32>) {
-        let h = table.d_in;
-        for (r, &id) in ids.iter().enumerate() {
-            table
-                .w
-                .row_to_f32(id as usize, &mut out[r * h..(r + 1) * h]);
-        }
+        super::cpu_residual16::embed(self.residual16(), table, ids, out);
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn add_rms_norm(
+        &mut self,
+        h: &mut Vec<f32>,
+        x: &Vec<f32>,
+        w: &Vec<f32>,
+        eps: f32,
+        rows: usize,
+        width: usize,
+        out: &mut Vec<f32>,
+    ) {
+        let ty = self.residual16();
+        super::cpu_residual16::add_rms_norm(self, ty, h, x, w, eps, (rows, width), out);
+    }
+
+    fn residual_add(&mut self, h: &mut Vec<f32>, x: &Vec<f32>, len: usize) {
+        super::cpu_residual16::residual_add(self, self.residual16(), h, x, len);
     }
 
     fn rms_norm(&mut self, x: &Vec<f32>, w: &Vec<f32>, eps: f32, rows: usize, out: &mut Vec<f32>) {

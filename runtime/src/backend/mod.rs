@@ -23,6 +23,7 @@ mod cpu_lora_rows;
 pub use cpu_fused::set_fused_lora;
 pub mod cpu_par;
 mod cpu_pool;
+mod cpu_residual16;
 mod cpu_rows;
 #[cfg(feature = "cuda")]
 pub mod cuda;
@@ -33,6 +34,7 @@ pub mod kernel_select;
 pub mod lt_plan;
 pub mod op_profile;
 pub mod profiled;
+pub mod residual16_plan;
 pub use graph_plan::{GraphKey, GraphPhase};
 #[cfg(not(feature = "cuda"))]
 mod nocuda;
@@ -185,6 +187,13 @@ pub struct PagePlace<'a, L> {
 
 /// The ops of a Llama-family forward. Buffers hold f32 activations laid out row-major;
 /// every op reads and writes the first `rows * width` elements of its buffers.
+///
+/// One buffer is the exception: the residual stream `h` that [`Backend::embed`] writes is in
+/// the backend's own representation (CUDA with `THAW_CUDA_BF16_ACT=1` stores it in the weight
+/// dtype, [`residual16_plan::residual16_plan`]), so only the residual ops read or write it:
+/// [`Backend::embed`], [`Backend::residual_norm`], [`Backend::add_rms_norm`]'s `residual`,
+/// [`Backend::residual_add`] and [`Backend::gather_residual`] (which hands f32 rows out). A
+/// wrapper backend forwards each of them to its inner backend.
 pub trait Backend {
     /// An activation buffer.
     type Buf;
@@ -305,8 +314,36 @@ pub trait Backend {
     fn kv_elem_bytes(&self) -> usize;
     fn alloc_kv_layer(&self, layout: KvLayout, num_blocks: usize) -> Result<Self::KvLayer>;
 
-    /// out[r] = table[ids[r]].
+    /// out[r] = table[ids[r]]: the residual stream `out` in the backend's representation.
     fn embed(&mut self, table: &Self::Linear, ids: &[u32], out: &mut Self::Buf);
+    /// [`Backend::rms_norm`] of the residual stream `h` (layer 0's input norm) into the f32
+    /// `out`. The default reads `h` as f32.
+    fn residual_norm(
+        &mut self,
+        h: &Self::Buf,
+        w: &Self::Vector,
+        eps: f32,
+        rows: usize,
+        out: &mut Self::Buf,
+    ) {
+        self.rms_norm(h, w, eps, rows, out);
+    }
+    /// `h += x` over `len` elements of the residual stream (the last layer's add). The default
+    /// is [`Backend::add`].
+    fn residual_add(&mut self, h: &mut Self::Buf, x: &Self::Buf, len: usize) {
+        self.add(h, x, len);
+    }
+    /// out[i] = h[rows[i]] in f32, rows of `width` elements of the residual stream (before
+    /// the final norm). The default is [`Backend::gather_rows`].
+    fn gather_residual(
+        &mut self,
+        h: &Self::Buf,
+        width: usize,
+        rows: &[usize],
+        out: &mut Self::Buf,
+    ) {
+        self.gather_rows(h, width, rows, out);
+    }
     fn rms_norm(
         &mut self,
         x: &Self::Buf,
@@ -391,8 +428,9 @@ pub trait Backend {
     }
     /// `residual += x`, then `out = rms_norm(residual)` with `w`, over `rows` rows of `width`:
     /// the residual stream's add and the next block's norm as one op, which a backend may fuse
-    /// (CUDA does by default; `THAW_CUDA_FUSED=0` turns it off). The default runs
-    /// [`Backend::add`] then [`Backend::rms_norm`].
+    /// (CUDA does by default; `THAW_CUDA_FUSED=0` turns it off). `residual` is the residual
+    /// stream in the backend's representation (a 16-bit one holds the rounded sum, which the
+    /// norm then reads). The default runs [`Backend::add`] then [`Backend::rms_norm`].
     #[allow(clippy::too_many_arguments)]
     fn add_rms_norm(
         &mut self,

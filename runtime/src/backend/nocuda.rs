@@ -60,6 +60,28 @@ impl Backend for NoCuda {
     fn rms_norm(&mut self, _: &NoCuda, _: &NoCuda, _: f32, _: usize, _: &mut NoCuda) {
         match *self {}
     }
+    fn residual_norm(&mut self, _: &NoCuda, _: &NoCuda, _: f32, _: usize, _: &mut NoCuda) {
+        match *self {}
+    }
+    fn residual_add(&mut self, _: &mut NoCuda, _: &NoCuda, _: usize) {
+        match *self {}
+    }
+    fn gather_residual(&mut self, _: &NoCuda, _: usize, _: &[usize], _: &mut NoCuda) {
+        match *self {}
+    }
+    #[allow(clippy::too_many_arguments)]
+    fn add_rms_norm(
+        &mut self,
+        _: &mut NoCuda,
+        _: &NoCuda,
+        _: &NoCuda,
+        _: f32,
+        _: usize,
+        _: usize,
+        _: &mut NoCuda,
+    ) {
+        match *self {}
+    }
     fn linear(&mut self, _: &NoCuda, _: &NoCuda, _: usize, _: &mut NoCuda) {
         match *self {}
     }

@@ -273,6 +273,28 @@ impl<B: Backend + OpClock> Backend for Profiled<B> {
     ) {
         self.timed(OpClass::RmsNorm, |b| b.rms_norm(x, w, eps, rows, out))
     }
+    fn residual_norm(
+        &mut self,
+        h: &Self::Buf,
+        w: &Self::Vector,
+        eps: f32,
+        rows: usize,
+        out: &mut Self::Buf,
+    ) {
+        self.timed(OpClass::RmsNorm, |b| b.residual_norm(h, w, eps, rows, out))
+    }
+    fn residual_add(&mut self, h: &mut Self::Buf, x: &Self::Buf, len: usize) {
+        self.timed(OpClass::ResidualAdd, |b| b.residual_add(h, x, len))
+    }
+    fn gather_residual(
+        &mut self,
+        h: &Self::Buf,
+        width: usize,
+        rows: &[usize],
+        out: &mut Self::Buf,
+    ) {
+        self.timed(OpClass::Gather, |b| b.gather_residual(h, width, rows, out))
+    }
     fn linear(&mut self, x: &Self::Buf, w: &Self::Linear, rows: usize, out: &mut Self::Buf) {
         self.timed(OpClass::LinearOther, |b| b.linear(x, w, rows, out))
     }

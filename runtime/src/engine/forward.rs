@@ -13,6 +13,8 @@ use crate::model::ModelConfig;
 
 /// Activation buffers, sized once for the largest step.
 pub(crate) struct Workspace<B: Backend> {
+    /// The residual stream, in the backend's representation: only its residual ops touch it
+    /// ([`Backend`]'s docs).
     h: B::Buf,
     x: B::Buf,
     q: B::Buf,
@@ -227,7 +229,7 @@ pub(crate) fn run<B: Backend>(
     b.embed(&m.embed, &step.token_ids, &mut ws.h);
     let eps = c.rms_norm_eps;
     if let Some(first) = m.layers.first() {
-        b.rms_norm(&ws.h, &first.input_norm, eps, rows, &mut ws.x);
+        b.residual_norm(&ws.h, &first.input_norm, eps, rows, &mut ws.x);
     }
     let whole = lora;
     for (i, (layer, kv)) in m.layers.iter().zip(kv.iter_mut()).enumerate() {
@@ -318,7 +320,7 @@ pub(crate) fn run<B: Backend>(
                 hidden,
                 &mut ws.x,
             ),
-            None => b.add(&mut ws.h, &ws.o, rows * hidden),
+            None => b.residual_add(&mut ws.h, &ws.o, rows * hidden),
         }
     }
     match ids {
@@ -343,7 +345,7 @@ fn last_rows<'m, B: Backend>(
         "{n} logit rows exceed the workspace's {}",
         ws.logit_cap
     );
-    b.gather_rows(&ws.h, c.hidden_size, rows, &mut ws.last);
+    b.gather_residual(&ws.h, c.hidden_size, rows, &mut ws.last);
     b.rms_norm(&ws.last, &m.norm, c.rms_norm_eps, n, &mut ws.last_norm);
     m.lm_head.as_ref().unwrap_or(&m.embed)
 }

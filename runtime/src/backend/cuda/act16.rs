@@ -331,8 +331,9 @@ impl CudaBackend {
         [p(&s.gate), p(&s.up)]
     }
 
-    /// Switches the 16-bit MLP activations on or off (tests, benchmarks); compiles on first
-    /// use. On with f32 weights is an error: there is no 16-bit type.
+    /// Switches the 16-bit MLP activations on or off (tests, benchmarks), and with them the
+    /// 16-bit residual stream (`residual16.rs`): between forward passes only; compiles on
+    /// first use. On with f32 weights is an error: there is no 16-bit type.
     pub fn set_act16(&mut self, on: bool) -> Result<()> {
         self.gpu.act16 = if on {
             let a = Act16::load(&self.gpu.ctx, self.gpu.weight_dtype)?;
@@ -347,6 +348,8 @@ impl CudaBackend {
         } else {
             None
         };
+        // The residual stream follows the switch (`residual16.rs`).
+        self.gpu.load_residual16()?;
         self.x16_tag = None;
         Ok(())
     }

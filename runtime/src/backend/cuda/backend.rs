@@ -91,7 +91,7 @@ pub struct CudaBackend {
     fresh: Fresh,
     ids: DevVec<u32>,
     pub(super) positions: DevVec<u32>,
-    gather: DevVec<u32>,
+    pub(super) gather: DevVec<u32>,
     pub(super) attn: AttnMeta,
     pub(super) lora_meta: LoraMeta,
     pub(super) x16: Option<CudaSlice<u16>>,
@@ -1057,8 +1057,13 @@ impl Backend for CudaBackend {
             self.ids.host.clear();
             self.ids.host.extend_from_slice(ids);
             self.ids.upload(&self.gpu).and_then(|()| {
-                self.gpu
-                    .embed(&table.w.view(), self.ids.get(), out, ids.len(), table.d_in)
+                (self.gpu).embed_residual(
+                    &table.w.view(),
+                    self.ids.get(),
+                    out,
+                    ids.len(),
+                    table.d_in,
+                )
             })
         });
     }
@@ -1257,6 +1262,13 @@ impl Backend for CudaBackend {
         width: usize,
         out: &mut CudaSlice<f32>,
     ) {
+        if self.residual16() {
+            op!(self, {
+                let at = self.ops;
+                self.try_add_rms_norm_h16(residual, x, w, eps, rows, out, at)
+            });
+            return;
+        }
         if self.gpu.fused.is_none() {
             self.add(residual, x, rows * width);
             self.rms_norm(residual, w, eps, rows, out);
@@ -1305,18 +1317,49 @@ impl Backend for CudaBackend {
             rows.iter().all(|&r| (r + 1) * width <= x.len()),
             "gather_rows: a row lies outside x"
         );
-        if let Some(a) = self.graphs.active() {
-            op!(self, self.graph_gather(a, x, width, out));
-            return;
+        op!(self, self.try_gather(x, width, rows, out, false));
+    }
+
+    /// With the 16-bit residual (`residual16.rs`), its norm.
+    fn residual_norm(
+        &mut self,
+        h: &CudaSlice<f32>,
+        w: &CudaVector,
+        eps: f32,
+        rows: usize,
+        out: &mut CudaSlice<f32>,
+    ) {
+        if !self.residual16() {
+            return self.rms_norm(h, w, eps, rows, out);
         }
-        op!(self, {
-            self.gather.host.clear();
-            self.gather.host.extend(rows.iter().map(|&r| r as u32));
-            self.gather.upload(&self.gpu).and_then(|()| {
-                self.gpu
-                    .gather_rows(x, self.gather.get(), rows.len(), width, out)
-            })
-        });
+        op!(
+            self,
+            (self.gpu).rms_norm_h16(h, &w.v, out, (rows, w.len), eps)
+        );
+    }
+
+    /// With the 16-bit residual, the sum rounded to it.
+    fn residual_add(&mut self, h: &mut CudaSlice<f32>, x: &CudaSlice<f32>, len: usize) {
+        if !self.residual16() {
+            return self.add(h, x, len);
+        }
+        op!(self, self.gpu.residual_add_h16(h, x, len));
+    }
+
+    /// With the 16-bit residual, its rows widened to f32.
+    fn gather_residual(
+        &mut self,
+        h: &CudaSlice<f32>,
+        width: usize,
+        rows: &[usize],
+        out: &mut CudaSlice<f32>,
+    ) {
+        assert!(
+            rows.iter().all(|&r| (r + 1) * width <= h.len()),
+            "gather_residual: a row lies outside h"
+        );
+        let h16 = self.residual16();
+        op!(self, self.try_gather(h, width, rows, out, h16));
     }
 
     fn export_rows(

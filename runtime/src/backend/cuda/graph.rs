@@ -302,7 +302,7 @@ impl CudaBackend {
     ) -> Result<(), CudaError> {
         let (l, n) = (a.layout, a.key.bucket);
         let ids = self.graphs.meta()?.slice(l.tokens..l.tokens + n);
-        self.gpu.embed(&table.w.view(), &ids, out, n, table.d_in)
+        (self.gpu).embed_residual(&table.w.view(), &ids, out, n, table.d_in)
     }
 
     /// Graph-mode RoPE: positions from the persistent buffer.
@@ -427,17 +427,19 @@ impl CudaBackend {
         (self.gpu).bgmv(x, y, v, &tables, n, slot, (dims.d_in, dims.d_out, rank))
     }
 
-    /// Graph-mode row gather: the logit rows (every row) from the persistent buffer.
+    /// Graph-mode row gather: the logit rows (every row) from the persistent buffer (with
+    /// `h16`, of the 16-bit residual, `residual16.rs`).
     pub(super) fn graph_gather(
         &self,
         a: Active,
         x: &CudaSlice<f32>,
         width: usize,
         out: &mut CudaSlice<f32>,
+        h16: bool,
     ) -> Result<(), CudaError> {
         let (l, n) = (a.layout, a.key.bucket);
         let rows = self.graphs.meta()?.slice(l.logit_rows..l.logit_rows + n);
-        self.gpu.gather_rows(x, &rows, n, width, out)
+        (self.gpu).gather_rows_as(x, &rows, (n, width), out, h16)
     }
 
     /// Graph-mode logits: the LM head into the reserved logits buffer; the copy to the host

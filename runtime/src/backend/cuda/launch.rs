@@ -168,6 +168,8 @@ pub(super) struct Gpu {
     pub lt: Option<super::lt::Lt>,
     /// 16-bit gate/up outputs and SwiGLU (`act16.rs`, opt-in); `None` = f32.
     pub act16: Option<super::act16::Act16>,
+    /// The residual stream in 16 bits (`residual16.rs`, with `act16`); `None` = f32.
+    pub residual16: Option<super::residual16::Residual16>,
 }
 
 impl Gpu {
@@ -201,6 +203,7 @@ impl Gpu {
             occupancy: None,
             lt: None,
             act16: None,
+            residual16: None,
             ctx,
             stream,
             blas,

@@ -19,6 +19,7 @@
 //! | `graph.rs` | CUDA graphs of decode steps: capture, replay, the persistent metadata buffer |
 //! | `group.rs` | q/k/v and gate/up placed as one matrix at load and run as one product (opt-in: `THAW_CUDA_GROUP_GEMM=1`) |
 //! | `wide.rs` | wide RMSNorm / add + RMSNorm / RoPE (opt-in: `THAW_CUDA_WIDE_NORM=1`), RoPE folded into the KV write (opt-in: `THAW_CUDA_ROPE_FOLD=1`) |
+//! | `residual16.rs` | the residual stream between layers in the weight dtype: 16-bit embed copy, add + RMSNorm of the rounded sum, last add, widening final gather (with `THAW_CUDA_BF16_ACT=1`; [`residual16_plan`](crate::backend::residual16_plan::residual16_plan)) |
 //! | `launch.rs` | every raw CUDA call: launches, cuBLAS, stream waits, host registration |
 //! | `lt.rs` | products through cuBLASLt with a cached heuristic algorithm per shape bucket, the bias in its epilogue (opt-in: `THAW_CUDA_CUBLASLT=1`); its raw cuBLASLt calls |
 //! | `op_clock.rs` | events on the compute stream that time each op of a profiled step (`thaw-bench gpu --op-profile`) |
@@ -62,6 +63,7 @@ mod link;
 mod lora_slices;
 mod lt;
 mod op_clock;
+mod residual16;
 mod select;
 mod sgmv;
 mod step;

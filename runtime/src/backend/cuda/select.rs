@@ -99,6 +99,7 @@ impl CudaBackend {
             if self.gpu.act16.is_none() {
                 tracing::info!("CUDA MLP activations: f32 (the weights are f32, not bf16/f16)");
             }
+            self.gpu.load_residual16()?;
         }
         Ok(())
     }
