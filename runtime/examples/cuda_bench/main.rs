@@ -26,9 +26,11 @@
 //! `--lt`: only the products table (`lt.rs`): `cublasGemmEx` against the opt-in cuBLASLt
 //! products (bias in the epilogue) at rows 1, 8, 32, 128 and 2048 on Llama-7B's shapes.
 //!
-//! `--act16`: only the MLP block table (`act16.rs`): f32 against the opt-in 16-bit activations
-//! (`THAW_CUDA_BF16_ACT=1`) at rows 1, 32, 128 and 2048.
+//! `--act16`: only the MLP block table (`act16.rs`) and the attention input table
+//! (`attn16.rs`): f32 against the opt-in 16-bit activations (`THAW_CUDA_BF16_ACT=1`) at rows 1,
+//! 32, 128 and 2048.
 mod act16;
+mod attn16;
 mod decode_attn;
 mod gemv;
 mod lt;
@@ -331,7 +333,8 @@ fn main() -> Res<()> {
         return lt::lt_table(smoke);
     }
     if std::env::args().any(|a| a == "--act16") {
-        return act16::act16_table(smoke);
+        act16::act16_table(smoke)?;
+        return attn16::attn16_table(smoke);
     }
     if std::env::args().any(|a| a == "--gemv") {
         let mut g = CudaBackend::new(&model_config(1)?, &CudaConfig::default())?;
@@ -354,6 +357,7 @@ fn main() -> Res<()> {
             gemv::gemv_table(smoke, peak)?;
             lt::lt_table(smoke)?;
             act16::act16_table(smoke)?;
+            attn16::attn16_table(smoke)?;
         }
     }
     prefill_attn::prefill_attn_table(smoke && !attn_only)?;
