@@ -57,7 +57,12 @@ fn decode(
 fn worst(a: &[Decoded], b: &[Decoded], rows: std::ops::Range<usize>) -> f64 {
     rows.map(|i| {
         let (x, y) = (&a[i], &b[i]);
-        let same = x.tokens.iter().zip(&y.tokens).take_while(|(p, q)| p == q).count();
+        let same = x
+            .tokens
+            .iter()
+            .zip(&y.tokens)
+            .take_while(|(p, q)| p == q)
+            .count();
         let steps = x.tokens.len() - 1;
         let per = x.logits.len() / steps.max(1);
         let n = same.min(steps) * per;
@@ -70,7 +75,10 @@ fn bit_identical(a: &[Decoded], b: &[Decoded]) -> bool {
     a.iter().zip(b).all(|(x, y)| {
         x.tokens == y.tokens
             && x.logits.len() == y.logits.len()
-            && x.logits.iter().zip(&y.logits).all(|(p, q)| p.to_bits() == q.to_bits())
+            && x.logits
+                .iter()
+                .zip(&y.logits)
+                .all(|(p, q)| p.to_bits() == q.to_bits())
     })
 }
 
@@ -86,7 +94,11 @@ fn bf16_qkv_alone_stays_within_its_bound_and_keeps_greedy_tokens() {
     let who = [None, Some(0), None, Some(0)];
     let p = prompts(who.len(), vocab, 29);
     let run = |act16| decode(&tm.model, act16, &adapters, &who, &p, (false, 6));
-    let (f32s, b16, f16s) = (run(None), run(Some(Act16Type::Bf16)), run(Some(Act16Type::F16)));
+    let (f32s, b16, f16s) = (
+        run(None),
+        run(Some(Act16Type::Bf16)),
+        run(Some(Act16Type::F16)),
+    );
     let err = worst(&b16, &f32s, 0..who.len());
     eprintln!("generated Llama, bf16 q/k/v alone: worst normwise logits error {err:e}");
     assert!(err > 0.0, "the emulation rounded nothing");
@@ -147,7 +159,10 @@ fn graph_decode_steps_round_as_eager_steps_do() {
         let err = rel_err(&g.logits, &e.logits);
         assert!(err <= 1e-5, "seq {i}: graph vs eager rel err {err:e}");
     }
-    assert!(worst(&graph, &f32s, 0..who.len()) > 0.0, "the graph steps rounded nothing");
+    assert!(
+        worst(&graph, &f32s, 0..who.len()) > 0.0,
+        "the graph steps rounded nothing"
+    );
 }
 
 /// The transformers reference (`make_reference.py`).
@@ -210,7 +225,11 @@ fn smollm2_bf16_greedy_tokens_with_bf16_qkv_equal_transformers() {
         for (c, g) in want.cases.iter().zip(&got) {
             // transformers stops after the end-of-turn token; Thaw ran on (ignore_eos).
             let g = &g.tokens[..c.tokens.len()];
-            eprintln!("{act16:?} {:?}: {:?}", c.prompt, tok.decode(g, true).unwrap());
+            eprintln!(
+                "{act16:?} {:?}: {:?}",
+                c.prompt,
+                tok.decode(g, true).unwrap()
+            );
             assert_eq!(
                 g, c.tokens,
                 "{act16:?}: {:?} differs from {}",

@@ -474,7 +474,10 @@ mod tests {
         assert_eq!(shape::ROPE_MAX_HALF * 2, shape::MAX_HEAD_DIM);
         // attn16.cu stages the same table, from the same header.
         let a16 = ATTN16.source;
-        assert_eq!(define(a16, "THAW_ROPE_MAX_HALF"), shape::ROPE_MAX_HALF as u64);
+        assert_eq!(
+            define(a16, "THAW_ROPE_MAX_HALF"),
+            shape::ROPE_MAX_HALF as u64
+        );
         assert!(a16.contains("__launch_bounds__(1024)") && w.contains("__launch_bounds__(1024)"));
         let g = GEMV.source;
         assert_eq!(define(g, "GEMV_MAX_ROWS"), shape::GEMV_MAX_ROWS as u64);

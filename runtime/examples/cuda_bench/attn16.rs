@@ -31,7 +31,11 @@ pub fn attn16_table(smoke: bool) -> Res<()> {
     let wk = g.upload_linear(fill(kvd * h, 81), kvd, h, None)?;
     let wv = g.upload_linear(fill(kvd * h, 82), kvd, h, None)?;
     let x = g.upload_f32(&fill(max_rows * h, 83))?;
-    let (mut q, mut k, mut v) = (g.alloc(max_rows * qd)?, g.alloc(max_rows * kvd)?, g.alloc(max_rows * kvd)?);
+    let (mut q, mut k, mut v) = (
+        g.alloc(max_rows * qd)?,
+        g.alloc(max_rows * kvd)?,
+        g.alloc(max_rows * kvd)?,
+    );
     let mut out = g.alloc(max_rows * qd)?;
     let layout = KvLayout {
         block_size: 16,
@@ -45,7 +49,11 @@ pub fn attn16_table(smoke: bool) -> Res<()> {
         module,
         dims: LinearDims { d_in: h, d_out },
     };
-    let sites = [site(LoraModule::Q, qd), site(LoraModule::K, kvd), site(LoraModule::V, kvd)];
+    let sites = [
+        site(LoraModule::Q, qd),
+        site(LoraModule::K, kvd),
+        site(LoraModule::V, kvd),
+    ];
     let lora = LoraLayout::default();
     let batch = LoraBatch {
         kernel: LoraKernel::Sgmv,

@@ -154,7 +154,8 @@ pub fn attn16_plan(f: &Attn16Facts, q_kv: (usize, usize)) -> Attn16Plan {
     // moves fewer bytes (linear in rows: one row prices the comparison).
     let need = attn16_path_needed(f);
     let (q, kv) = q_kv;
-    let fewer = attn16_traffic_bytes(need, 1, q, kv) <= attn16_traffic_bytes(AttnPath::F32, 1, q, kv);
+    let fewer =
+        attn16_traffic_bytes(need, 1, q, kv) <= attn16_traffic_bytes(AttnPath::F32, 1, q, kv);
     match need {
         AttnPath::Attn16 { delta: false } if fewer => Attn16Plan::Attn16,
         _ => Attn16Plan::F32(AttnF32Why::LoraOnQkv),
@@ -200,7 +201,8 @@ mod tests {
 
     /// Query and key/value widths, GQA (kv ≤ q) or not.
     fn widths() -> impl Strategy<Value = (usize, usize)> {
-        (1usize..64, 1usize..=8, 1usize..=8).prop_map(|(hd, kvh, g)| (hd * 2 * kvh * g, hd * 2 * kvh))
+        (1usize..64, 1usize..=8, 1usize..=8)
+            .prop_map(|(hd, kvh, g)| (hd * 2 * kvh * g, hd * 2 * kvh))
     }
 
     /// Facts where every condition but the LoRA ones holds: the 16-bit path is on offer.

@@ -26,7 +26,9 @@ pub(crate) fn lora_on_qkv<L>(
     rank: impl Fn(&L, usize, LoraModule) -> usize + Copy,
 ) -> bool {
     use LoraModule::{K, Q, V};
-    [Q, K, V].into_iter().any(|m| targets(batch, layer, m, rank))
+    [Q, K, V]
+        .into_iter()
+        .any(|m| targets(batch, layer, m, rank))
 }
 
 /// The plan facts every backend derives the same way from the op's arguments: the switch and
@@ -135,7 +137,11 @@ mod tests {
             module,
             dims: LinearDims { d_in: 64, d_out },
         };
-        let sites = [site(LoraModule::Q, 64), site(LoraModule::K, 16), site(LoraModule::V, 16)];
+        let sites = [
+            site(LoraModule::Q, 64),
+            site(LoraModule::K, 16),
+            site(LoraModule::V, 16),
+        ];
         assert_eq!(q_kv(&sites), (64, 16));
         // 4 heads of 16: served; 64 heads of 1 (odd): not.
         assert!(!attn16_facts(3, &sites, (4, 1), false, false).rope_unserved);

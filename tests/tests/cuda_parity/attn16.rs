@@ -132,13 +132,20 @@ fn engines_agree(tm: &TestModel, dt: DType) -> f64 {
         runs.push(all);
     }
     let mut worst_on = 0.0f64;
-    for (r, m, name) in [(0, 1, "eager on vs off"), (0, 2, "graphs on vs off"), (1, 2, "graphs vs eager, on")] {
+    for (r, m, name) in [
+        (0, 1, "eager on vs off"),
+        (0, 2, "graphs on vs off"),
+        (1, 2, "graphs vs eager, on"),
+    ] {
         let (mut parted, mut worst) = (0, 0.0f64);
         for (i, (a, b)) in runs[r].iter().zip(&runs[m]).enumerate() {
             for s in 0..a.0.len() {
                 let e = rel_err(&b.1[s], &a.1[s]);
                 worst = worst.max(e);
-                assert!(e <= 1e-2, "{dt:?} attn16 {name} seq {i} step {s}: rel err {e:e}");
+                assert!(
+                    e <= 1e-2,
+                    "{dt:?} attn16 {name} seq {i} step {s}: rel err {e:e}"
+                );
                 if a.0[s] != b.0[s] {
                     assert!(
                         near_tie(&a.1[s]),
@@ -198,7 +205,11 @@ fn steady_decode_with_16_bit_qkv_allocates_nothing() {
                 g.set_act16(on).unwrap();
             });
             for c in &counts {
-                assert_eq!((c.allocs, c.alloc_bytes), (0, 0), "{dt:?} on {on}: allocated");
+                assert_eq!(
+                    (c.allocs, c.alloc_bytes),
+                    (0, 0),
+                    "{dt:?} on {on}: allocated"
+                );
                 assert_eq!(c, &counts[0], "{dt:?} on {on}: steps differ");
             }
             eager.push(counts[0]);
@@ -212,7 +223,11 @@ fn steady_decode_with_16_bit_qkv_allocates_nothing() {
             g.set_act16(true).unwrap();
         });
         for (k, c) in counts.iter().enumerate() {
-            assert_eq!((c.allocs, c.alloc_bytes), (0, 0), "{dt:?}: replay {k} allocated");
+            assert_eq!(
+                (c.allocs, c.alloc_bytes),
+                (0, 0),
+                "{dt:?}: replay {k} allocated"
+            );
             assert_eq!((c.graph_launches, c.gemms), (1, 0), "{dt:?}: replay {k}");
             assert_eq!(c, &counts[0], "{dt:?}: replay {k} differs");
         }

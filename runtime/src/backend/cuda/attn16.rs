@@ -316,7 +316,10 @@ impl CudaBackend {
         positions: &[usize],
     ) -> Result<[Vec<f32>; 3]> {
         let rows = positions.len();
-        let (q_len, token_len) = (self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim);
+        let (q_len, token_len) = (
+            self.n_heads * self.head_dim,
+            self.n_kv_heads * self.head_dim,
+        );
         assert!(
             q.len() == rows * q_len && k.len() == rows * token_len && v.len() == rows * token_len,
             "qkv_rope16_host: q/k/v are not rows × heads × head_dim"
@@ -342,7 +345,10 @@ impl CudaBackend {
         let pos: Vec<u32> = positions.iter().map(|&p| p as u32).collect();
         let (slots, pos) = (dev32(&slots)?, dev32(&pos)?);
         let kv_bytes = (rows * token_len).max(1) * g.kv_dtype.size();
-        let (mut kc, mut vc) = (g.alloc_zeros::<u8>(kv_bytes)?, g.alloc_zeros::<u8>(kv_bytes)?);
+        let (mut kc, mut vc) = (
+            g.alloc_zeros::<u8>(kv_bytes)?,
+            g.alloc_zeros::<u8>(kv_bytes)?,
+        );
         let mut qd = g.alloc_zeros::<f32>((rows * q_len).max(1))?;
         let r = Rope16 {
             qkv16: [&q16, &k16, &v16],
@@ -360,7 +366,10 @@ impl CudaBackend {
             let mut h = vec![0u8; kv_bytes];
             g.dtoh(c, &mut h[..])?;
             g.sync()?;
-            Ok(widen_kv(g.kv_dtype, &h[..rows * token_len * g.kv_dtype.size()]))
+            Ok(widen_kv(
+                g.kv_dtype,
+                &h[..rows * token_len * g.kv_dtype.size()],
+            ))
         };
         let (kh, vh) = (widen(&kc)?, widen(&vc)?);
         Ok([self.download_f32(&qd, rows * q_len)?, kh, vh])

@@ -1222,7 +1222,9 @@ impl Backend for CudaBackend {
             return;
         }
         let qkv = [q, k, v];
-        crate::backend::qkv_then_rope_attention(self, x, ws, qkv, sites, batch, heads, kv, step, out);
+        crate::backend::qkv_then_rope_attention(
+            self, x, ws, qkv, sites, batch, heads, kv, step, out,
+        );
     }
 
     fn fuses_qkv_attention(&self) -> bool {
