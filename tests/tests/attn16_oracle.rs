@@ -221,7 +221,14 @@ fn smollm2_bf16_greedy_tokens_with_bf16_qkv_equal_transformers() {
     let steps = want.new_tokens - 1;
     let mut runs = Vec::new();
     for act16 in [None, Some(Act16Type::Bf16)] {
-        let got = decode(&model, act16, &[adapter.clone()], &who, &p, (false, steps));
+        let got = decode(
+            &model,
+            act16,
+            std::slice::from_ref(&adapter),
+            &who,
+            &p,
+            (false, steps),
+        );
         for (c, g) in want.cases.iter().zip(&got) {
             // transformers stops after the end-of-turn token; Thaw ran on (ignore_eos).
             let g = &g.tokens[..c.tokens.len()];
