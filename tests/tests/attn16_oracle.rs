@@ -32,9 +32,9 @@ use thaw_tests::{chat_prompt, rel_err, test_preset, TestModel};
 const TINY_TOL: f64 = 1e-2;
 
 /// Normwise relative error allowed between SmolLM2's logits with bf16 q/k/v and f32's: 30
-/// layers of three roundings each (2⁻⁹ relative), the same count as the MLP half's, whose
-/// bound (`act16_oracle.rs`) is 5e-2 for a measured 2.5e-2; the measured figure here is printed
-/// and the same 5e-2 bounds it. The tokens are the stronger check.
+/// layers of three roundings each (2⁻⁹ relative), the same count as the MLP half's (measured
+/// 2.5e-2 there); measured 1.4e-2 here (this VM, CPU backend, the steps whose contexts agree).
+/// 5e-2 bounds it with three times that room; the tokens are the stronger check.
 const SMOLLM2_TOL: f64 = 5e-2;
 
 /// Greedy decode of `who.len()` sequences (row `i` on adapter `who[i]`) for `steps` steps.
