@@ -49,14 +49,16 @@ __device__ void qkv_rope16(const A* __restrict__ q16, const A* __restrict__ k16,
 }
 
 // Every entry point may launch 1024 threads a block (the host sizes it as write_kv_rope's).
-#define THAW_QKV_ROPE16(A, SA, T, ST)                                                         \
-    extern "C" __global__ void __launch_bounds__(1024) qkv_rope16_##SA##_##ST(                \
+#define THAW_QKV_ROPE16(NAME, A, T)                                                           \
+    extern "C" __global__ void __launch_bounds__(1024) NAME(                                  \
         const A* q16, const A* k16, const A* v16, float* q, T* kc, T* vc, const u32* slots,   \
         const u32* positions, const float* inv_freq, int rows, int n_heads, int n_kv_heads,   \
         int head_dim) {                                                                       \
         qkv_rope16<A, T>(q16, k16, v16, q, kc, vc, slots, positions, inv_freq, rows, n_heads, \
                          n_kv_heads, head_dim);                                               \
     }
-#define THAW_QKV_ROPE16_KV(T, ST) \
-    THAW_QKV_ROPE16(bf16_t, bf16, T, ST) THAW_QKV_ROPE16(f16_t, f16, T, ST)
+// qkv_rope16_<weight dtype>_<KV dtype>.
+#define THAW_QKV_ROPE16_KV(T, ST)                                                             \
+    THAW_QKV_ROPE16(qkv_rope16_bf16_##ST, bf16_t, T)                                          \
+    THAW_QKV_ROPE16(qkv_rope16_f16_##ST, f16_t, T)
 THAW_FOR_EACH_DTYPE(THAW_QKV_ROPE16_KV)
