@@ -33,6 +33,7 @@ use cudarc::driver::{CudaFunction, CudaSlice};
 use thaw_kernels::cuda::registry::{shape, DType};
 use thaw_kernels::cuda::KernelCache;
 
+use super::act16::grown;
 use super::launch::{int, launch, Gpu};
 use super::weights::{CudaLinear, CudaLora};
 use super::wide::FoldShape;
@@ -51,20 +52,6 @@ pub(super) struct Attn16 {
     q: Option<CudaSlice<u16>>,
     k: Option<CudaSlice<u16>>,
     v: Option<CudaSlice<u16>>,
-}
-
-/// `buf` grown to at least `n` 16-bit elements (contents unset when grown).
-///
-/// # Safety
-/// The caller writes the first `n` elements before anything reads them.
-unsafe fn grown<'a>(
-    gpu: &Gpu,
-    buf: &'a mut Option<CudaSlice<u16>>,
-    n: usize,
-) -> Result<&'a mut CudaSlice<u16>, CudaError> {
-    // SAFETY: written before it is read (this function's contract).
-    unsafe { gpu.x16_ptr(buf, n) }?;
-    Ok(buf.as_mut().expect("grown above"))
 }
 
 /// The 16-bit q/k/v buffers `qkv_rope16` reads, and where it writes.
@@ -243,16 +230,9 @@ impl CudaBackend {
         );
         let n_in = rows * d_in;
         assert!(x.len() >= n_in, "qkv_attention: x too small");
-        // The input's 16-bit copy: the norm's where its tag serves and `x16` needs no growth
-        // (growing drops what it holds), else a cast.
-        let tag = self.x16_tag.take();
-        let fits = self.x16.as_ref().is_some_and(|b| b.len() >= n_in);
-        let served = fits && tag.is_some_and(|t| t.serves(self.gpu.p(x), n_in, at));
-        // SAFETY: the cast below writes the first n_in elements unless they hold x's copy.
-        let x16 = unsafe { grown(&self.gpu, &mut self.x16, n_in) }?;
-        if !served {
-            self.gpu.cast16(x, x16, n_in)?;
-        }
+        // SAFETY: only the first n_in elements are asked for, and x16_input writes them.
+        unsafe { self.x16_input(x, n_in, n_in, at) }?;
+        let x16 = self.x16.as_ref().expect("grown by x16_input");
         let a16 = &mut self.attn16;
         for (w, buf) in ws.iter().zip([&mut a16.q, &mut a16.k, &mut a16.v]) {
             // SAFETY: the GEMM below writes all rows × d_out elements before qkv_rope16 reads.
