@@ -22,10 +22,11 @@
 //! gate/up and SwiGLU run 16-bit inside a graph whose key has no LoRA rank class (`act16_plan`
 //! reads only the key there; a key with one keeps f32: its gate/up deltas on the 16-bit path
 //! would move more bytes than f32); so do the attention's q/k/v products and RoPE
-//! (`attn16_plan`, the same rule). Scratch buffers the graph writes (the 16-bit
-//! activation copy, the 16-bit gate/up and q/k/v products, the LoRA intermediate, the logits) are
-//! reserved at their largest before the first capture; a captured graph records their addresses and those of the KV cache, and is
-//! dropped (recaptured on its next use) if any of them moved since.
+//! (`attn16_plan`, the same rule). Scratch buffers the graph writes (the 16-bit activation
+//! copy, the 16-bit gate/up and q/k/v products, the LoRA intermediate, the logits) are
+//! reserved at their largest before the first capture; a captured graph records their
+//! addresses and those of the KV cache, and is dropped (recaptured on its next use) if any of
+//! them moved since.
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 
