@@ -7,9 +7,10 @@
 //! Tolerances (normwise relative, `rel_err`):
 //! - the kernel's rotated q (f32) against the CPU's `rope` over the same widened 16-bit q:
 //!   1e-6 (the same f32 angle and f64 sincos; only FMA contraction may differ, an f32 ulp);
-//! - its K and V cache rows against the CPU's rotated k and widened v (f32, unrounded): the KV
-//!   dtype's unit roundoff (2⁻⁸ bf16, 2⁻¹¹ f16: one rounding on the store) plus the 1e-6, and
-//!   1e-6 for an f32 cache;
+//! - its K and V cache rows against the CPU's rotated k and widened v (f32, unrounded): twice
+//!   the KV dtype's unit roundoff (2⁻⁸ bf16, 2⁻¹⁰ f16: one rounding on the store, which an
+//!   ulp of the rotation may move across a rounding boundary) plus the 1e-6, and 1e-6 for an
+//!   f32 cache;
 //! - engines: logits within the suite's 16-bit 1e-2 and identical greedy tokens at every step
 //!   but at a near tie of the reference run (`gemv.rs`' rule), as `act16.rs`'s engines test.
 use rand::SeedableRng;
@@ -47,12 +48,12 @@ fn round16(v: &[f32], dt: DType) -> (Vec<u16>, Vec<f32>) {
     (bits, vals)
 }
 
-/// One rounding into `kv` (the store), relative, plus the f32 rotation's 1e-6.
+/// One rounding into `kv` (the store; twice the unit roundoff), plus the f32 rotation's 1e-6.
 fn kv_tol(kv: DType) -> f64 {
     1e-6 + match kv {
         DType::F32 => 0.0,
         DType::Bf16 => 1.0 / 256.0,
-        DType::F16 => 1.0 / 2048.0,
+        DType::F16 => 1.0 / 1024.0,
     }
 }
 
