@@ -19,7 +19,8 @@
 //!   tokens of three chat prompts (16, or up to the end-of-turn token) equal HF transformers'
 //!   (`tests/fixtures/smollm2-reference`, bf16 weights computed in f32) with the rounding as
 //!   without, batched beside a row whose generated adapter targets down (so every step takes
-//!   the 16-bit path with SwiGLU's f32 copy for down's LoRA).
+//!   the 16-bit path with SwiGLU's f32 copy for down's LoRA); no adapter targets q/k/v, so the
+//!   switch's attention half rounds q, k and v too (`attn16_oracle.rs` measures it alone).
 use std::sync::Arc;
 
 use thaw_runtime::adapter::LoraAdapter;
@@ -38,11 +39,14 @@ use thaw_tests::{chat_prompt, fixture_dir, rel_err};
 /// rounding step's absence or an f32 path's (the test also asserts the error is not 0).
 const TINY_TOL: f64 = 1e-2;
 
-/// Normwise relative error allowed between SmolLM2's logits with bf16 MLP activations and
-/// f32's: 30 layers of three roundings each (2⁻⁹ relative) on a trained model whose residual
-/// stream is dominated by a few large channels; measured 2.5e-2 (this VM, CPU backend). 5e-2
-/// bounds it with twice that room; the tokens above are the stronger check.
-const SMOLLM2_TOL: f64 = 5e-2;
+/// Normwise relative error allowed between SmolLM2's logits with the switch's 16-bit
+/// activations and f32's, over the reference's steps: 30 layers of six roundings each (q, k, v
+/// by the attention half, gate, up and SwiGLU's output by the MLP's; 2⁻⁹ relative) on a trained
+/// model whose residual stream is dominated by a few large channels; measured 4.5e-2 (this VM,
+/// CPU backend; 2.5e-2 with the MLP half alone, 1.4e-2 with the attention half alone,
+/// `attn16_oracle.rs`). 1e-1 bounds it with twice that room; the tokens above are the stronger
+/// check.
+const SMOLLM2_TOL: f64 = 1e-1;
 
 /// Logits and greedy tokens of each sequence over `steps` steps (a prefill, then decodes).
 struct Run {
@@ -367,6 +371,14 @@ fn smollm2_bf16_greedy_tokens_with_bf16_mlp_activations_equal_transformers() {
     );
     for r in &mut runs {
         r.logits.truncate(want.cases.len());
+    }
+    // Each row is compared over the reference's steps (the tokens transformers pinned, so the
+    // contexts agree): past its end-of-turn token the model runs on off-distribution contexts
+    // (ignore_eos) whose flat logits magnify the rounding (measured 7.4e-2 there).
+    for r in &mut runs {
+        for (l, c) in r.logits.iter_mut().zip(&want.cases) {
+            l.truncate(c.tokens.len());
+        }
     }
     let err = worst(&runs[1], &runs[0]);
     eprintln!("SmolLM2 bf16, bf16 MLP activations: worst normwise logits error {err:e}");

@@ -27,6 +27,8 @@ use thaw_tests::{cpu_engine, rel_err, TestModel};
 mod act16;
 #[path = "cuda_parity/argmax.rs"]
 mod argmax;
+#[path = "cuda_parity/attn16.rs"]
+mod attn16;
 #[path = "cuda_parity/attn29.rs"]
 mod attn29;
 #[path = "cuda_parity/attn_occupancy.rs"]

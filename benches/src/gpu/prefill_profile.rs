@@ -70,6 +70,11 @@ pub fn prefill_work(c: &ModelConfig, t: usize, act: f64, class: OpClass) -> Opti
             let (i, o) = c.module_shape(thaw_runtime::adapter::LoraModule::Gate);
             Work::Flops(2.0 * 2.0 * t_f * (i * o) as f64)
         }
+        // The q/k/v products and attention (their FLOPs dominate the fused op's time).
+        OpClass::QkvAttention => {
+            let (i, o) = (c.hidden_size, c.q_dim() + 2 * c.kv_dim());
+            Work::Flops(2.0 * t_f * (i * o) as f64 + prefill_attention_flops(c, t))
+        }
         // The last row read and written.
         OpClass::Gather => Work::Bytes(2.0 * h * act),
         OpClass::LinearOther | OpClass::Lora | OpClass::Assist => return None,

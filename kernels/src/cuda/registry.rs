@@ -183,7 +183,11 @@ pub const EXCHANGE: KernelSource = KernelSource {
 /// (KV dtype suffix), and the split of a grouped product's output.
 pub const WIDE: KernelSource = KernelSource {
     name: "wide",
-    source: include_str!("wide.cu"),
+    source: concat!(
+        include_str!("rope_fold.cuh"),
+        "\n#line 1 \"wide.cu\"\n",
+        include_str!("wide.cu")
+    ),
     entry_points: &[
         "rms_norm_wide_f32",
         "rms_norm_wide_bf16",
@@ -271,6 +275,27 @@ pub const RESIDUAL16: KernelSource = KernelSource {
     ],
 };
 
+/// Issue 29's opt-in 16-bit attention input (off unless `THAW_CUDA_BF16_ACT` is 1): RoPE of the
+/// 16-bit q/k/v products, the rotated q in f32 and K/V into the paged cache; suffixed by the
+/// weight dtype, then the KV dtype (`qkv_rope16_bf16_f16`). Compiled after `rope_fold.cuh`, the
+/// RoPE helpers it shares with `wide.cu`.
+pub const ATTN16: KernelSource = KernelSource {
+    name: "attn16",
+    source: concat!(
+        include_str!("rope_fold.cuh"),
+        "\n#line 1 \"attn16.cu\"\n",
+        include_str!("attn16.cu")
+    ),
+    entry_points: &[
+        "qkv_rope16_bf16_f32",
+        "qkv_rope16_f16_f32",
+        "qkv_rope16_bf16_bf16",
+        "qkv_rope16_f16_bf16",
+        "qkv_rope16_bf16_f16",
+        "qkv_rope16_f16_f16",
+    ],
+};
+
 /// Every kernel source Thaw compiles.
 pub const KERNELS: &[KernelSource] = &[
     ELEMENTWISE,
@@ -289,6 +314,7 @@ pub const KERNELS: &[KernelSource] = &[
     ATTENTION_SPLIT_ILP,
     ACT16,
     RESIDUAL16,
+    ATTN16,
 ];
 
 /// Launch-shape constants the sources `#define`; the host launches with these.
@@ -467,6 +493,13 @@ mod tests {
         assert_eq!(define(w, "THAW_WIDE_VPT"), shape::WIDE_VPT as u64);
         assert_eq!(define(w, "THAW_ROPE_MAX_HALF"), shape::ROPE_MAX_HALF as u64);
         assert_eq!(shape::ROPE_MAX_HALF * 2, shape::MAX_HEAD_DIM);
+        // attn16.cu stages the same table, from the same header.
+        let a16 = ATTN16.source;
+        assert_eq!(
+            define(a16, "THAW_ROPE_MAX_HALF"),
+            shape::ROPE_MAX_HALF as u64
+        );
+        assert!(a16.contains("__launch_bounds__(1024)") && w.contains("__launch_bounds__(1024)"));
         let g = GEMV.source;
         assert_eq!(define(g, "GEMV_MAX_ROWS"), shape::GEMV_MAX_ROWS as u64);
         assert_eq!(define(g, "GEMV_WARPS"), shape::GEMV_WARPS as u64);

@@ -28,8 +28,7 @@
 // Every entry point below may launch 1024 threads a block: the compiler must fit them (at most
 // 64 registers a thread), or the launch fails with "too many resources requested".
 #define THAW_WIDE_BOUNDS __launch_bounds__(1024)
-// Pairs per head staged in shared memory: THAW_MAX_HEAD_DIM / 2.
-#define THAW_ROPE_MAX_HALF 128
+// THAW_ROPE_MAX_HALF, rope_angles and rope_pair: rope_fold.cuh, compiled before this file.
 
 // One block per row. ADD: residual[r] += x[r] first and normalise the sum; otherwise normalise
 // x[r] (`residual` unused). blockDim.x a multiple of 32, d % 4 == 0, d / 4 <= blockDim.x * VPT.
@@ -102,30 +101,6 @@ __device__ void rms_norm_wide(float* __restrict__ residual, const float* __restr
         rms_norm_wide<T, true>(residual, x, w, out, out16, rows, d, eps);                    \
     }
 THAW_FOR_EACH_DTYPE(THAW_WIDE_NORM)
-
-// cos / sin of position `position` for pairs 0..half into shared memory, as rope_f32 computes
-// them: the angle in f32 (like HF), its sincos in f64, rounded once. The caller syncs.
-__device__ __forceinline__ void rope_angles(u32 position, const float* __restrict__ inv_freq,
-                                            int half, float* c, float* s) {
-    const float pos = (float)position;
-    for (int i = threadIdx.x; i < half; i += blockDim.x) {
-        const float angle = pos * inv_freq[i];
-        double sd, cd;
-        sincos((double)angle, &sd, &cd);
-        s[i] = (float)sd;
-        c[i] = (float)cd;
-    }
-}
-
-// Rotates pair (i, i + half) of one head in place; returns the two new values.
-__device__ __forceinline__ float2 rope_pair(float* head, int i, int half, float c, float s) {
-    const float a = head[i], b = head[i + half];
-    const float x0 = a * c - b * s;
-    const float x1 = b * c + a * s;
-    head[i] = x0;
-    head[i + half] = x1;
-    return make_float2(x0, x1);
-}
 
 // x is [tokens, n_heads, head_dim]; one block per token, one thread per (head, pair).
 extern "C" __global__ void THAW_WIDE_BOUNDS rope_wide_f32(float* __restrict__ x,

@@ -27,9 +27,10 @@
 //! products (bias in the epilogue) at rows 1, 8, 32, 128 and 2048 on Llama-7B's shapes.
 //!
 //! `--act16`: only the opt-in 16-bit activations' tables (`THAW_CUDA_BF16_ACT=1`) at rows 1,
-//! 32, 128 and 2048: the MLP block (`act16.rs`) and the residual add + RMSNorm
-//! (`residual16.rs`), each against f32.
+//! 32, 128 and 2048: the MLP block (`act16.rs`), the attention input (`attn16.rs`) and the
+//! residual add + RMSNorm (`residual16.rs`), each against f32.
 mod act16;
+mod attn16;
 mod decode_attn;
 mod gemv;
 mod lt;
@@ -333,7 +334,8 @@ fn main() -> Res<()> {
         return lt::lt_table(smoke);
     }
     if std::env::args().any(|a| a == "--act16") {
-        return act16::act16_table(smoke);
+        act16::act16_table(smoke)?;
+        return attn16::attn16_table(smoke);
     }
     if std::env::args().any(|a| a == "--gemv") {
         let mut g = CudaBackend::new(&model_config(1)?, &CudaConfig::default())?;
@@ -356,6 +358,7 @@ fn main() -> Res<()> {
             gemv::gemv_table(smoke, peak)?;
             lt::lt_table(smoke)?;
             act16::act16_table(smoke)?;
+            attn16::attn16_table(smoke)?;
         }
     }
     prefill_attn::prefill_attn_table(smoke && !attn_only)?;

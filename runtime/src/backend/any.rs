@@ -777,6 +777,43 @@ impl Backend for AnyBackend {
         }
     }
 
+    fn qkv_attention(
+        &mut self,
+        x: &AnyBuf,
+        ws: [&AnyLinear; 3],
+        qkv: [&mut AnyBuf; 3],
+        sites: [LoraSite; 3],
+        batch: &LoraBatch<'_, AnyLora>,
+        heads: (usize, usize),
+        kv: &mut AnyKvLayer,
+        step: &StepLayout,
+        out: &mut AnyBuf,
+    ) {
+        match self {
+            Self::Cpu(b) => {
+                let adapters = cpu_loras(batch);
+                let inner = batch.with_adapters(&adapters);
+                let (ws, qkv) = (ws.map(|w| w.cpu()), qkv.map(|o| o.cpu_mut()));
+                let (kv, out) = (kv.cpu_mut(), out.cpu_mut());
+                b.qkv_attention(x.cpu(), ws, qkv, sites, &inner, heads, kv, step, out);
+            }
+            Self::Cuda(g) => {
+                let adapters = gpu_loras(batch);
+                let inner = batch.with_adapters(&adapters);
+                let (ws, qkv) = (ws.map(|w| w.gpu()), qkv.map(|o| o.gpu_mut()));
+                let (kv, out) = (kv.gpu_mut(), out.gpu_mut());
+                g.qkv_attention(x.gpu(), ws, qkv, sites, &inner, heads, kv, step, out);
+            }
+        }
+    }
+
+    fn fuses_qkv_attention(&self) -> bool {
+        match self {
+            Self::Cpu(b) => b.fuses_qkv_attention(),
+            Self::Cuda(g) => g.fuses_qkv_attention(),
+        }
+    }
+
     fn attention(
         &mut self,
         q: &AnyBuf,

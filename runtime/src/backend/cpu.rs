@@ -171,10 +171,11 @@ impl CpuBackend {
         self
     }
 
-    /// Rounds the MLP's gate, up and SwiGLU activations (`cpu_act16.rs`) and the residual
-    /// stream (`cpu_residual16.rs`) to `ty` exactly where CUDA's `THAW_CUDA_BF16_ACT=1` stores
-    /// them in 16 bits: the test oracle of that switch's numerics. `None` (the default): f32.
-    /// Switch it between forward passes only (each pass's `embed` rewrites the stream).
+    /// Rounds the MLP's gate, up and SwiGLU activations (`cpu_act16.rs`), the attention's q, k
+    /// and v (`cpu_attn16.rs`) and the residual stream (`cpu_residual16.rs`) to `ty` exactly
+    /// where CUDA's `THAW_CUDA_BF16_ACT=1` stores them in 16 bits: the test oracle of that
+    /// switch's numerics. `None` (the default): f32. Switch it between forward passes only
+    /// (each pass's `embed` rewrites the stream).
     pub fn set_act16(&mut self, ty: Option<super::Act16Type>) {
         self.act16 = ty;
         self.residual16 = ty;
@@ -752,6 +753,27 @@ impl Backend for CpuBackend {
                 }
             },
         );
+    }
+
+    fn qkv_attention(
+        &mut self,
+        x: &Vec<f32>,
+        ws: [&CpuLinear; 3],
+        qkv: [&mut Vec<f32>; 3],
+        sites: [LoraSite; 3],
+        batch: &LoraBatch<'_, Arc<LoraSlot>>,
+        heads: (usize, usize),
+        kv: &mut Self::KvLayer,
+        step: &StepLayout,
+        out: &mut Vec<f32>,
+    ) {
+        use super::cpu_attn16::qkv_attention;
+        match self.act16 {
+            Some(ty) => qkv_attention(self, ty, x, ws, qkv, sites, batch, heads, kv, step, out),
+            None => {
+                super::qkv_then_rope_attention(self, x, ws, qkv, sites, batch, heads, kv, step, out)
+            }
+        }
     }
 
     fn gated_mlp_in(

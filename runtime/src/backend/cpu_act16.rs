@@ -60,7 +60,7 @@ pub(crate) fn lora_facts<L>(
     )
 }
 
-fn slot_rank(s: &std::sync::Arc<LoraSlot>, layer: usize, m: LoraModule) -> usize {
+pub(super) fn slot_rank(s: &std::sync::Arc<LoraSlot>, layer: usize, m: LoraModule) -> usize {
     s.adapter().get(layer, m).map_or(0, |w| w.rank)
 }
 

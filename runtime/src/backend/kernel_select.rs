@@ -30,7 +30,7 @@
 //! | q/k/v (and gate/up) LoRA as one shrink + one expand launch over slices | [`LORA_SLICES_ENV`] | `1` |
 //! | decode attention split to fill the GPU, 4 keys' loads in flight a warp (`attention_split_ilp.cu`) | [`ATTN_OCCUPANCY_ENV`] | `1` |
 //! | products through cuBLASLt, the bias in its epilogue (`lt_plan`) | [`CUBLASLT_ENV`] | `1` |
-//! | gate/up outputs and SwiGLU in 16 bits, f32 accumulation (`act16.cu`, [`super::act16_plan`]); the residual stream between layers in 16 bits (`residual16.cu`, [`super::residual16_plan`]) | [`ACT16_ENV`] | `1` |
+//! | q/k/v and gate/up outputs and SwiGLU in 16 bits, f32 accumulation (`act16.cu`, `attn16.cu`; [`super::act16_plan`], [`super::attn16_plan`]); the residual stream between layers in 16 bits (`residual16.cu`, [`super::residual16_plan`]) | [`ACT16_ENV`] | `1` |
 use std::fmt;
 
 use thaw_kernels::cuda::decode_plan::{MIN_CHUNK, OCC_MIN_CHUNK};
@@ -111,9 +111,11 @@ pub const CUBLASLT_ENV: &str = "THAW_CUDA_CUBLASLT";
 
 /// The MLP's gate and up products stored in the weights' 16-bit type (cuBLAS, f32
 /// accumulation) and SwiGLU over them writing down's 16-bit input (`act16.cu`), where
-/// [`act16_plan`](super::act16_plan::act16_plan) serves the step, and the residual stream
-/// between layers stored in that type ([`residual16_plan`](super::residual16_plan)): `1` or
-/// `0` (the default until a GPU parity run proves it).
+/// [`act16_plan`](super::act16_plan::act16_plan) serves the step; the attention's q/k/v
+/// products likewise, RoPE'd from 16 bits into the KV cache (`attn16.cu`), where
+/// [`attn16_plan`](super::attn16_plan::attn16_plan) serves it; and the residual stream
+/// between layers stored in that type ([`residual16_plan`](super::residual16_plan)): `1`
+/// or `0` (the default until a GPU parity run proves it).
 pub const ACT16_ENV: &str = "THAW_CUDA_BF16_ACT";
 
 /// The occupancy plan's shortest chunk from [`SPLIT_MIN_CHUNK_ENV`]'s value: unset, empty or
@@ -303,12 +305,12 @@ pub const ATTN_OCCUPANCY: Switch = Switch {
     default_new: false,
 };
 
-/// 16-bit MLP activations.
+/// 16-bit activations (q/k/v, gate/up, SwiGLU).
 pub const ACT16: Switch = Switch {
     env: ACT16_ENV,
     on: "1",
     off: "0",
-    new: "gate/up and SwiGLU in 16 bits",
+    new: "q/k/v, gate/up and SwiGLU in 16 bits",
     classic: "f32",
     default_new: false,
 };
@@ -626,7 +628,7 @@ impl OptInPlan {
             ("LoRA of q/k/v and gate/up", LORA_SLICES, &self.lora_slices),
             ("decode attention", ATTN_OCCUPANCY, &self.attn_occupancy),
             ("products", CUBLASLT, &self.cublaslt),
-            ("MLP activations", ACT16, &self.act16),
+            ("activations", ACT16, &self.act16),
         ]
     }
 }

@@ -353,12 +353,12 @@ fn the_opt_in_log_line_names_each_switch() {
          products of few rows: cast + cuBLAS (THAW_CUDA_GEMV=0); LoRA of q/k/v and gate/up: \
          a launch pair per module (THAW_CUDA_LORA_SLICES=0); decode attention: as \
          THAW_CUDA_ATTN_IMPL picks (THAW_CUDA_ATTN_OCCUPANCY=0); products: cublasGemmEx + \
-         add_bias (THAW_CUDA_CUBLASLT=0); MLP activations: f32 (THAW_CUDA_BF16_ACT=0)"
+         add_bias (THAW_CUDA_CUBLASLT=0); activations: f32 (THAW_CUDA_BF16_ACT=0)"
     );
     let p = opt_in(&[(ACT16_ENV, "1")], 128).unwrap();
     assert!(
         p.to_string()
-            .ends_with("MLP activations: gate/up and SwiGLU in 16 bits"),
+            .ends_with("activations: q/k/v, gate/up and SwiGLU in 16 bits"),
         "{p}"
     );
     let p = opt_in(&[(GEMV_ENV, "1")], 128).unwrap();

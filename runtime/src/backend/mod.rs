@@ -14,9 +14,11 @@ use crate::ids::LayerIdx;
 
 pub mod act16_plan;
 pub mod any;
+pub mod attn16_plan;
 pub mod cpu;
 mod cpu_act16;
 pub use cpu_act16::Act16Type;
+mod cpu_attn16;
 mod cpu_fused;
 pub mod cpu_kv;
 mod cpu_lora_rows;
@@ -424,6 +426,31 @@ pub trait Backend {
     /// Whether [`Backend::rope_attention`] runs as one op rather than the three (a profile
     /// then times it as one).
     fn folds_rope(&self) -> bool {
+        false
+    }
+    /// The attention block's input half as one op: `[q, k, v] = x · [W_q, W_k, W_v]ᵀ` plus
+    /// every adapter's delta ([`Backend::linear_group_lora`] over `sites`, `step.rows()` rows),
+    /// then [`Backend::rope_attention`] into `out`. `q`, `k`, `v` are scratch: only `out` is
+    /// read afterwards (by o_proj). A backend may keep q, k and v in 16 bits (CUDA with
+    /// `THAW_CUDA_BF16_ACT=1`, [`attn16_plan::attn16_plan`]); the default runs the two ops.
+    #[allow(clippy::too_many_arguments)]
+    fn qkv_attention(
+        &mut self,
+        x: &Self::Buf,
+        ws: [&Self::Linear; 3],
+        qkv: [&mut Self::Buf; 3],
+        sites: [LoraSite; 3],
+        batch: &LoraBatch<'_, Self::Lora>,
+        heads: (usize, usize),
+        kv: &mut Self::KvLayer,
+        step: &StepLayout,
+        out: &mut Self::Buf,
+    ) {
+        qkv_then_rope_attention(self, x, ws, qkv, sites, batch, heads, kv, step, out);
+    }
+    /// Whether [`Backend::qkv_attention`] may run as one op rather than the products and
+    /// [`Backend::rope_attention`] (a profile then times it as one).
+    fn fuses_qkv_attention(&self) -> bool {
         false
     }
     /// `residual += x`, then `out = rms_norm(residual)` with `w`, over `rows` rows of `width`:
@@ -837,4 +864,24 @@ pub(crate) fn rope_then_attention<B: Backend + ?Sized>(
     b.rope(q, &step.positions, heads.0);
     b.rope(k, &step.positions, heads.1);
     b.attention(q, k, v, kv, step, out);
+}
+
+/// [`Backend::qkv_attention`]'s default: [`Backend::linear_group_lora`], then
+/// [`Backend::rope_attention`] (also the CUDA backend's f32 path).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn qkv_then_rope_attention<B: Backend + ?Sized>(
+    b: &mut B,
+    x: &B::Buf,
+    ws: [&B::Linear; 3],
+    [q, k, v]: [&mut B::Buf; 3],
+    sites: [LoraSite; 3],
+    batch: &LoraBatch<'_, B::Lora>,
+    heads: (usize, usize),
+    kv: &mut B::KvLayer,
+    step: &StepLayout,
+    out: &mut B::Buf,
+) {
+    let rows = step.rows();
+    b.linear_group_lora(x, ws, rows, [&mut *q, &mut *k, &mut *v], sites, batch);
+    b.rope_attention((q, k, v), heads, kv, step, out);
 }

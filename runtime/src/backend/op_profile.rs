@@ -26,6 +26,10 @@ pub enum OpClass {
     /// ([`super::Backend::gated_mlp_in`] where the backend fuses it: CUDA with
     /// `THAW_CUDA_BF16_ACT=1`).
     GatedMlp,
+    /// q/k/v products, their LoRA, RoPE, the K/V write and attention as one op
+    /// ([`super::Backend::qkv_attention`] where the backend fuses it: CUDA with
+    /// `THAW_CUDA_BF16_ACT=1`).
+    QkvAttention,
     ResidualAdd,
     /// Gathering the sample rows before the final norm.
     Gather,
@@ -53,6 +57,7 @@ impl OpClass {
             OpClass::Attention => "attention (KV write + paged)".into(),
             OpClass::Swiglu => "swiglu".into(),
             OpClass::GatedMlp => "linear gate_proj + up_proj + lora + swiglu".into(),
+            OpClass::QkvAttention => "linear q/k/v_proj + lora + rope + attention".into(),
             OpClass::ResidualAdd => "residual add".into(),
             OpClass::Gather => "gather sample rows".into(),
             OpClass::LmHeadLogits => "linear lm_head + logits copy".into(),

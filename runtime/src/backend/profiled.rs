@@ -365,6 +365,35 @@ impl<B: Backend + OpClock> Backend for Profiled<B> {
     fn folds_rope(&self) -> bool {
         self.inner.folds_rope()
     }
+    /// Timed as one op where the backend runs it as one (CUDA with `THAW_CUDA_BF16_ACT=1`);
+    /// as the products and `rope_attention`, each timed, where it does not.
+    fn qkv_attention(
+        &mut self,
+        x: &Self::Buf,
+        ws: [&Self::Linear; 3],
+        qkv: [&mut Self::Buf; 3],
+        sites: [LoraSite; 3],
+        batch: &LoraBatch<'_, Self::Lora>,
+        heads: (usize, usize),
+        kv: &mut Self::KvLayer,
+        step: &StepLayout,
+        out: &mut Self::Buf,
+    ) {
+        if !self.recording() {
+            return (self.inner).qkv_attention(x, ws, qkv, sites, batch, heads, kv, step, out);
+        }
+        if !self.inner.fuses_qkv_attention() {
+            return super::qkv_then_rope_attention(
+                self, x, ws, qkv, sites, batch, heads, kv, step, out,
+            );
+        }
+        self.timed(OpClass::QkvAttention, |b| {
+            b.qkv_attention(x, ws, qkv, sites, batch, heads, kv, step, out)
+        })
+    }
+    fn fuses_qkv_attention(&self) -> bool {
+        self.inner.fuses_qkv_attention()
+    }
     fn attention(
         &mut self,
         q: &Self::Buf,

@@ -254,17 +254,27 @@ pub(crate) fn run<B: Backend>(
         // Attention block; `ws.x` holds its normed input (the previous layer's last op, or the
         // norm above). One normed input feeds q, k and v: one export on the assist path.
         let g = [Q, K, V];
-        let cpu = begin_assist(b, c, &ws.x, i, &g, lora, &mut assist, &mut cold)?;
-        let qkv = [&mut ws.q, &mut ws.k, &mut ws.v];
-        project(b, c, [&p[0], &p[1], &p[2]], &ws.x, qkv, rows, (l, g), lora);
-        if let Some(t) = cpu {
-            let outs = &mut [&mut ws.q, &mut ws.k, &mut ws.v];
-            end_assist(b, c, i, &g, outs, &mut assist, &cold, t)?;
-        }
-        // RoPE on q and k, the K/V write and attention: one op a backend may fuse.
-        let qkv = (&mut ws.q, &mut ws.k, &ws.v);
         let heads = (c.num_heads, c.num_kv_heads);
-        b.rope_attention(qkv, heads, kv, step, &mut ws.attn);
+        let w = [&p[0], &p[1], &p[2]];
+        match begin_assist(b, c, &ws.x, i, &g, lora, &mut assist, &mut cold)? {
+            Some(t) => {
+                // The assist path merges host deltas into f32 q/k/v: the products, then RoPE,
+                // the K/V write and attention (one op a backend may fuse), in f32.
+                let qkv = [&mut ws.q, &mut ws.k, &mut ws.v];
+                project(b, c, w, &ws.x, qkv, rows, (l, g), lora);
+                let outs = &mut [&mut ws.q, &mut ws.k, &mut ws.v];
+                end_assist(b, c, i, &g, outs, &mut assist, &cold, t)?;
+                let qkv = (&mut ws.q, &mut ws.k, &ws.v);
+                b.rope_attention(qkv, heads, kv, step, &mut ws.attn);
+            }
+            None => {
+                // q/k/v, their LoRA, RoPE, the K/V write and attention: one op a backend may
+                // keep in 16 bits up to the attention kernels.
+                let qkv = [&mut ws.q, &mut ws.k, &mut ws.v];
+                let sites = sites(c, (l, g));
+                b.qkv_attention(&ws.x, w, qkv, sites, lora, heads, kv, step, &mut ws.attn);
+            }
+        }
         let cpu = begin_assist(b, c, &ws.attn, i, &[O], lora, &mut assist, &mut cold)?;
         project(b, c, [&p[3]], &ws.attn, [&mut ws.o], rows, (l, [O]), lora);
         if let Some(t) = cpu {

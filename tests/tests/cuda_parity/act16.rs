@@ -315,7 +315,7 @@ fn subset_layout(rng: &mut ChaCha8Rng, rows: usize, pick: &[u32]) -> LoraLayout 
 
 /// Greedy tokens and every step's logits (the prefill's first) of sequences `first..` with
 /// `prompts` on adapters `who`: one prefill step of them all, then `steps` decode steps.
-fn decode_logged(
+pub(super) fn decode_logged(
     e: &mut Engine<CudaBackend>,
     first: u64,
     who: &[Option<u32>],

@@ -186,7 +186,7 @@ impl Gpu {
 ///
 /// # Safety
 /// The caller writes the first `n` elements before anything reads them.
-unsafe fn grown<'a>(
+pub(super) unsafe fn grown<'a>(
     gpu: &Gpu,
     buf: &'a mut Option<CudaSlice<u16>>,
     n: usize,
@@ -242,6 +242,32 @@ impl CudaBackend {
         self.try_act16_swiglu(f32_copy, act, rows * ws[0].d_out, at)
     }
 
+    /// `x16` grown to `need` elements (at least `n_in`) holding the first `n_in` values of `x`
+    /// in the weight dtype, for the 16-bit products of op `at`: the fused norm's copy where its
+    /// [`X16Tag`](super::fused::X16Tag) serves and `x16` needs no growth (growing drops what it
+    /// holds), else a cast.
+    ///
+    /// # Safety
+    /// The caller writes elements `n_in..need` before anything reads them.
+    pub(super) unsafe fn x16_input(
+        &mut self,
+        x: &CudaSlice<f32>,
+        n_in: usize,
+        need: usize,
+        at: u64,
+    ) -> Result<(), CudaError> {
+        let tag = self.x16_tag.take();
+        let fits = self.x16.as_ref().is_some_and(|b| b.len() >= need);
+        let served = fits && tag.is_some_and(|t| t.serves(self.gpu.p(x), n_in, at));
+        // SAFETY: the cast below writes the first n_in elements unless they hold x's copy
+        // (served); the rest is the caller's to write (this function's contract).
+        let x16 = unsafe { grown(&self.gpu, &mut self.x16, need.max(n_in)) }?;
+        if !served {
+            self.gpu.cast16(x, x16, n_in)?;
+        }
+        Ok(())
+    }
+
     /// Steps 1–2: `x`'s 16-bit copy and the two 16-bit products into the scratch; op `at`.
     fn try_act16_gate_up(
         &mut self,
@@ -257,18 +283,10 @@ impl CudaBackend {
         );
         let (n_in, n) = (rows * d_in, rows * inter);
         assert!(x.len() >= n_in, "gated_mlp_in: x too small");
-        // The input's 16-bit copy: the norm's where its tag serves and `x16` needs no growth
-        // (growing drops what it holds), else a cast; `x16` then takes SwiGLU's output.
-        let tag = self.x16_tag.take();
-        let need = n_in.max(n);
-        let fits = self.x16.as_ref().is_some_and(|b| b.len() >= need);
-        let served = fits && tag.is_some_and(|t| t.serves(self.gpu.p(x), n_in, at));
-        // SAFETY: the cast below writes the first n_in elements unless they hold x's copy
-        // (served), and swiglu16 writes the first n before down reads them.
-        let x16 = unsafe { grown(&self.gpu, &mut self.x16, need) }?;
-        if !served {
-            self.gpu.cast16(x, x16, n_in)?;
-        }
+        // SAFETY: `x16` then takes SwiGLU's output (n elements): swiglu16 writes them before
+        // down reads them.
+        unsafe { self.x16_input(x, n_in, n_in.max(n), at) }?;
+        let x16 = self.x16.as_ref().expect("grown by x16_input");
         let s = &mut self.act16_scratch;
         // SAFETY: the GEMMs below write all n elements of each before SwiGLU reads them.
         let gate = unsafe { grown(&self.gpu, &mut s.gate, n) }?;

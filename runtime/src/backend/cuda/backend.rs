@@ -84,8 +84,8 @@ struct Fresh {
 pub struct CudaBackend {
     pub(super) gpu: Gpu,
     pub(super) inv_freq: CudaSlice<f32>,
-    n_heads: usize,
-    n_kv_heads: usize,
+    pub(super) n_heads: usize,
+    pub(super) n_kv_heads: usize,
     pub(super) head_dim: usize,
     window: usize,
     fresh: Fresh,
@@ -101,6 +101,8 @@ pub struct CudaBackend {
     pub(super) x16_tag: Option<super::fused::X16Tag>,
     /// The 16-bit gate and up outputs of the act16 path (`act16.rs`).
     pub(super) act16_scratch: super::act16::Act16Scratch,
+    /// The 16-bit q/k/v products and their RoPE kernel (`attn16.rs`).
+    pub(super) attn16: super::attn16::Attn16,
     /// Ops run so far (every trait op counts one): an [`X16Tag`](super::fused::X16Tag) serves
     /// only the op right after it.
     ops: u64,
@@ -164,6 +166,7 @@ impl CudaBackend {
             group_out: None,
             x16_tag: None,
             act16_scratch: Default::default(),
+            attn16: Default::default(),
             ops: 0,
             lora_v: None,
             logits_dev: None,
@@ -1198,6 +1201,39 @@ impl Backend for CudaBackend {
         out: &mut CudaSlice<f32>,
     ) {
         op!(self, self.try_attention(q, k, v, kv, step, out));
+    }
+
+    /// With `THAW_CUDA_BF16_ACT=1`, q/k/v stored 16-bit and RoPE'd into the KV cache and the
+    /// f32 q where the step's plan serves (`attn16.rs`; CUDA graphs without a LoRA rank class
+    /// included); the products and `rope_attention` in f32 otherwise (`attn16_plan`).
+    fn qkv_attention(
+        &mut self,
+        x: &CudaSlice<f32>,
+        ws: [&CudaLinear; 3],
+        [q, k, v]: [&mut CudaSlice<f32>; 3],
+        sites: [LoraSite; 3],
+        batch: &LoraBatch<'_, CudaLora>,
+        heads: (usize, usize),
+        kv: &mut CudaKvLayer,
+        step: &StepLayout,
+        out: &mut CudaSlice<f32>,
+    ) {
+        let plan = self.attn16_plan_for(ws, step.rows(), &sites, heads, batch);
+        if plan.rounds_qkv() {
+            op!(self, {
+                let at = self.ops;
+                self.try_qkv_attention16(x, ws, heads, kv, step, (q, out), at)
+            });
+            return;
+        }
+        let qkv = [q, k, v];
+        crate::backend::qkv_then_rope_attention(
+            self, x, ws, qkv, sites, batch, heads, kv, step, out,
+        );
+    }
+
+    fn fuses_qkv_attention(&self) -> bool {
+        self.gpu.act16.is_some()
     }
 
     /// With `THAW_CUDA_BF16_ACT=1`, gate/up and SwiGLU in 16 bits where the step's plan

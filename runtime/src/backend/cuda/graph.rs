@@ -21,10 +21,12 @@
 //! row's rank and descriptor from device memory). With `THAW_CUDA_BF16_ACT=1` the MLP's
 //! gate/up and SwiGLU run 16-bit inside a graph whose key has no LoRA rank class (`act16_plan`
 //! reads only the key there; a key with one keeps f32: its gate/up deltas on the 16-bit path
-//! would move more bytes than f32). Scratch buffers the graph writes (the 16-bit
-//! activation copy, the 16-bit gate/up products, the LoRA intermediate, the logits) are
-//! reserved at their largest before the first capture; a captured graph records their addresses and those of the KV cache, and is
-//! dropped (recaptured on its next use) if any of them moved since.
+//! would move more bytes than f32); so do the attention's q/k/v products and RoPE
+//! (`attn16_plan`, the same rule). Scratch buffers the graph writes (the 16-bit activation
+//! copy, the 16-bit gate/up and q/k/v products, the LoRA intermediate, the logits) are
+//! reserved at their largest before the first capture; a captured graph records their
+//! addresses and those of the KV cache, and is dropped (recaptured on its next use) if any of
+//! them moved since.
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 
@@ -54,9 +56,10 @@ unsafe impl Send for SendGraph {}
 /// Addresses a captured graph baked in that the backend may reallocate: the 16-bit activation
 /// copy, the LoRA intermediate, the logits buffer, the KV allocation count, and the grouped
 /// product's scratch (`group.rs`), the occupancy decode's scratch (`attn_occupancy.rs`), the
-/// 16-bit gate and up products (`act16.rs`, 0 with its switch off).
+/// 16-bit gate and up products (`act16.rs`) and q/k/v products (`attn16.rs`), 0 with their
+/// switch off.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
-struct Fingerprint([u64; 8]);
+struct Fingerprint([u64; 11]);
 
 /// The step being run as a graph.
 #[derive(Copy, Clone, Debug)]
@@ -88,7 +91,7 @@ impl Graphs {
     }
 
     /// The persistent metadata buffer (allocated by the first graph step).
-    fn meta(&self) -> Result<&CudaSlice<u32>, CudaError> {
+    pub(super) fn meta(&self) -> Result<&CudaSlice<u32>, CudaError> {
         self.meta_dev
             .as_ref()
             .ok_or_else(|| CudaError::Unsupported("graph metadata used before it was set".into()))
@@ -111,6 +114,9 @@ impl CudaBackend {
                 .map(|o| o.scratch_addr(&self.gpu))),
             self.act16_addrs()[0],
             self.act16_addrs()[1],
+            self.attn16_addrs()[0],
+            self.attn16_addrs()[1],
+            self.attn16_addrs()[2],
         ])
     }
 
@@ -170,6 +176,8 @@ impl CudaBackend {
         // With THAW_CUDA_BF16_ACT=1 the MLP runs 16-bit in graphs too: its products' scratch
         // at the largest step before any capture (switched on after `graph_prepare` included).
         self.act16_reserve(sizing.x_elems)?;
+        // And the attention's 16-bit q/k/v (`attn16.rs`; x_elems covers rows × q_dim).
+        self.attn16_reserve(sizing.x_elems)?;
         if self.graphs.states.get(&key) == Some(&KeyState::Captured) {
             let fp = self.fingerprint();
             if self.graphs.captured.get(&key).is_none_or(|(_, f)| *f != fp) {
@@ -352,7 +360,7 @@ impl CudaBackend {
 
     /// A graph's decode attention: the occupancy kernels if switched on (splits fixed for the
     /// bucket), else `attention.cu`'s (one launch shape for any context length).
-    fn graph_decode(
+    pub(super) fn graph_decode(
         &self,
         q: &CudaSlice<f32>,
         kv: &CudaKvLayer,

@@ -97,7 +97,7 @@ impl CudaBackend {
         if opt_in.act16.is_new() {
             self.gpu.act16 = super::act16::Act16::load(ctx, w)?;
             if self.gpu.act16.is_none() {
-                tracing::info!("CUDA MLP activations: f32 (the weights are f32, not bf16/f16)");
+                tracing::info!("CUDA activations: f32 (the weights are f32, not bf16/f16)");
             }
             self.gpu.load_residual16()?;
         }
