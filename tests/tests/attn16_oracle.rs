@@ -3,7 +3,8 @@
 //! stores them in 16 bits (the same `attn16_plan`), beside the MLP's rounding (`act16_oracle.rs`).
 //! To measure the attention half alone, batches here carry a row whose adapter targets gate
 //! and up: the MLP plan then keeps the whole step f32 (`act16_plan`), while the attention plan
-//! still rounds q, k and v (no LoRA on them). `cuda_parity/attn16.rs` checks the kernel against
+//! still rounds q, k and v (no LoRA on them), and the residual stream's half is off
+//! (`set_residual16(None)`). `cuda_parity/attn16.rs` checks the kernel against
 //! this on a GPU.
 //!
 //! - The generated Llama (`TestModel::llama`): logits with bf16 q/k/v stay within
@@ -48,6 +49,8 @@ fn decode(
 ) -> Vec<Decoded> {
     let mut b = CpuBackend::new(&model.config);
     b.set_act16(act16);
+    // The residual stream's half of the switch is `residual16_oracle.rs`'s to measure.
+    b.set_residual16(None);
     let mut e = emulated_engine_on(b, model, adapters, graphs);
     decode_batch(&mut e, 0, who, prompts, steps)
 }

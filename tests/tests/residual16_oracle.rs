@@ -16,9 +16,13 @@
 //! - Emulated CUDA-graph decode steps (padded to their bucket) with the whole switch equal
 //!   the eager steps.
 //! - SmolLM2-135M-Instruct in bf16 (`THAW_SMOLLM2_BF16`, skipped when unset): with the whole
-//!   switch the greedy tokens of three chat prompts equal HF transformers'
-//!   (`tests/fixtures/smollm2-reference`, whose bf16 model keeps the residual in bf16), the
-//!   logits within [`SMOLLM2_TOL`] of f32's and different from the MLP half's alone.
+//!   switch (MLP, attention and residual halves) the greedy tokens of three chat prompts
+//!   equal HF transformers' (`tests/fixtures/smollm2-reference`, whose bf16 model keeps the
+//!   residual in bf16) up to any step where f32's top two logits are a near tie, where one
+//!   may part (measured: one prompt parts at such a tie, step 8 of "Write one sentence about
+//!   the sea."; at least one prompt must follow transformers to the end); the logits within
+//!   [`SMOLLM2_TOL`] of f32's over the steps whose contexts agree and different from the
+//!   MLP and attention halves' alone.
 use thaw_runtime::backend::cpu::CpuBackend;
 use thaw_runtime::backend::Act16Type;
 use thaw_runtime::engine::{Engine, EngineConfig, HostModel, PlanItem, SequenceParams, StepPlan};
@@ -41,8 +45,9 @@ const TINY_TOL: f64 = 2e-2;
 /// Normwise relative error allowed between SmolLM2's logits with the whole switch in bf16 and
 /// f32's: `act16_oracle.rs` measured 2.5e-2 for the MLP half alone (30 layers, a residual
 /// stream dominated by a few large channels, whose bf16 rounding moves every norm's output);
-/// the residual's 61 roundings of the stream bring the whole switch to 7.2e-2 (measured, this
-/// VM, CPU backend). 1.5e-1 bounds it with twice that room; the greedy tokens equal to
+/// the residual's 61 roundings of the stream bring the MLP and residual halves to 7.2e-2, and
+/// with the attention half too 6.7e-2 over the steps whose contexts agree (measured, this VM,
+/// CPU backend). 1.5e-1 bounds it with twice that room; the greedy tokens equal to
 /// transformers' (whose bf16 model rounds the residual the same way) are the stronger check.
 const SMOLLM2_TOL: f64 = 1.5e-1;
 
@@ -50,7 +55,7 @@ const SMOLLM2_TOL: f64 = 1.5e-1;
 #[derive(Copy, Clone, Debug, PartialEq)]
 enum Emu {
     F32,
-    /// The MLP half alone (`set_residual16(None)`).
+    /// The MLP and attention halves without the residual's (`set_residual16(None)`).
     Mlp(Act16Type),
     /// The residual half alone.
     Residual(Act16Type),
@@ -346,7 +351,7 @@ struct Case {
 }
 
 #[test]
-fn smollm2_bf16_greedy_tokens_with_the_whole_switch_equal_transformers() {
+fn smollm2_bf16_greedy_tokens_with_the_whole_switch_follow_transformers() {
     let Some(path) = std::env::var_os("THAW_SMOLLM2_BF16") else {
         eprintln!("skipping: set THAW_SMOLLM2_BF16 to SmolLM2-135M-Instruct in bf16");
         return;
@@ -368,25 +373,55 @@ fn smollm2_bf16_greedy_tokens_with_the_whole_switch_equal_transformers() {
         .collect();
     let bf = Act16Type::Bf16;
     let mut runs = Vec::new();
+    let mut parted = 0;
     for emu in [Emu::F32, Emu::Whole(bf), Emu::Mlp(bf)] {
         let got = run(&model, emu, &[], &prompts, want.new_tokens);
-        for (c, g) in want.cases.iter().zip(&got.tokens) {
+        for (i, (c, g)) in want.cases.iter().zip(&got.tokens).enumerate() {
             // transformers stops after the end-of-turn token; Thaw ran on (ignore_eos).
-            let g = &g[..c.tokens.len()];
+            let mut g = &g[..c.tokens.len()];
             eprintln!("{emu:?} {:?}: {:?}", c.prompt, tok.decode(g, true).unwrap());
+            // The whole switch rounds at other points than transformers' bf16 does (its
+            // norm output before the weight, its o/down products' outputs): where f32's
+            // (and the reference's) top two logits are a near tie the token may part, and
+            // the sequence is compared no further. Not a near tie: a failure.
+            if let (Emu::Whole(_), Some(s)) =
+                (emu, g.iter().zip(&c.tokens).position(|(a, b)| a != b))
+            {
+                let f32_logits = &runs
+                    .first()
+                    .map(|r: &Run| &r.logits[i][s])
+                    .expect("f32 ran first");
+                assert!(
+                    near_tie(f32_logits),
+                    "{emu:?}: {:?} parts from {} at step {s}, where f32's top two logits are \
+                     not a near tie",
+                    c.prompt,
+                    want.generator
+                );
+                parted += 1;
+                g = &g[..s];
+            }
             assert_eq!(
-                g, c.tokens,
+                g,
+                &c.tokens[..g.len()],
                 "{emu:?}: {:?} differs from {}",
-                c.prompt, want.generator
+                c.prompt,
+                want.generator
             );
         }
         runs.push(got);
     }
-    let err = worst(&runs[1], &runs[0]);
-    let err_mlp = worst(&runs[2], &runs[0]);
+    let (err, _) = compare("SmolLM2 whole switch", &runs[1], &runs[0], true);
+    let (err_mlp, _) = compare("SmolLM2 MLP + attention", &runs[2], &runs[0], false);
     eprintln!(
-        "SmolLM2 bf16: worst normwise logits error vs f32: whole switch {err:e}, MLP half \
-         {err_mlp:e}"
+        "SmolLM2 bf16: worst normwise logits error vs f32 (steps with the same context): whole \
+         switch {err:e} ({parted} of {} parted from transformers at a near tie), MLP and \
+         attention halves {err_mlp:e}",
+        want.cases.len()
+    );
+    assert!(
+        parted < want.cases.len(),
+        "every prompt parted from transformers"
     );
     assert!(
         worst(&runs[1], &runs[2]) > 0.0,
