@@ -193,6 +193,7 @@ pub mod graphs;
 pub mod greedy;
 pub mod http;
 pub mod prom;
+pub mod smollm2;
 
 /// Whether the GPU tests can run here: true with a usable NVIDIA GPU; otherwise prints a skip
 /// and returns false, unless `THAW_REQUIRE_GPU=1`, which turns a missing GPU into a failure.

@@ -23,7 +23,8 @@ use thaw_runtime::backend::Act16Type;
 use thaw_runtime::engine::HostModel;
 use thaw_server::gen::{ArchOptions, GenArch};
 use thaw_tests::graphs::{decode_batch, emulated_engine_on, prompts, Decoded};
-use thaw_tests::{chat_prompt, rel_err, test_preset, TestModel};
+use thaw_tests::smollm2::SmolLm2;
+use thaw_tests::{rel_err, test_preset, TestModel};
 
 /// Normwise relative error allowed between the logits with bf16 q/k/v and f32's on the
 /// generated models: bf16 keeps 8 significant bits (unit roundoff 2⁻⁹ ≈ 2e-3); q, k and v
@@ -168,42 +169,19 @@ fn graph_decode_steps_round_as_eager_steps_do() {
     );
 }
 
-/// The transformers reference (`make_reference.py`).
-#[derive(serde::Deserialize)]
-struct Reference {
-    generator: String,
-    new_tokens: usize,
-    cases: Vec<Case>,
-}
-
-#[derive(serde::Deserialize)]
-struct Case {
-    prompt: String,
-    prompt_ids: Vec<u32>,
-    tokens: Vec<u32>,
-}
-
 #[test]
 fn smollm2_bf16_greedy_tokens_with_bf16_qkv_equal_transformers() {
-    let Some(path) = std::env::var_os("THAW_SMOLLM2_BF16") else {
-        eprintln!("skipping: set THAW_SMOLLM2_BF16 to SmolLM2-135M-Instruct in bf16");
+    let Some(SmolLm2 {
+        dir: path,
+        model,
+        tok,
+        want,
+        prompts,
+    }) = SmolLm2::load()
+    else {
         return;
     };
-    let file = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("fixtures/smollm2-reference/greedy.json");
-    let want: Reference = serde_json::from_slice(&std::fs::read(&file).unwrap()).unwrap();
-    let (model, tok) =
-        HostModel::load_with_tokenizer(std::path::Path::new(&path)).expect("the model loads");
-    assert_eq!(model.format_mix(), "BF16", "{path:?} is not a bf16 model");
-    let mut p: Vec<Vec<u32>> = want
-        .cases
-        .iter()
-        .map(|c| {
-            let ids = chat_prompt(&tok, &c.prompt);
-            assert_eq!(ids, c.prompt_ids, "{:?}: the chat prompt differs", c.prompt);
-            ids
-        })
-        .collect();
+    let mut p: Vec<Vec<u32>> = prompts;
     // One more row, on a generated adapter of gate and up: every step keeps the MLP f32, so
     // the rounding measured is the attention's alone.
     let dir = tempfile::tempdir().unwrap();

@@ -28,7 +28,8 @@ use thaw_runtime::backend::Act16Type;
 use thaw_runtime::engine::{Engine, EngineConfig, HostModel, PlanItem, SequenceParams, StepPlan};
 use thaw_runtime::ids::SeqId;
 use thaw_runtime::model::Tokenizer;
-use thaw_tests::{chat_prompt, fixture_dir, rel_err};
+use thaw_tests::smollm2::SmolLm2;
+use thaw_tests::{fixture_dir, rel_err};
 
 /// Normwise relative error allowed between the logits with the whole switch in bf16 and f32's
 /// on the small models. bf16 keeps 8 significant bits (unit roundoff u = 2⁻⁹ ≈ 2e-3): the
@@ -335,42 +336,19 @@ fn emulated_graph_steps_with_the_16_bit_residual_equal_eager_ones() {
     }
 }
 
-/// The transformers reference (`make_reference.py`).
-#[derive(serde::Deserialize)]
-struct Reference {
-    generator: String,
-    new_tokens: usize,
-    cases: Vec<Case>,
-}
-
-#[derive(serde::Deserialize)]
-struct Case {
-    prompt: String,
-    prompt_ids: Vec<u32>,
-    tokens: Vec<u32>,
-}
-
 #[test]
 fn smollm2_bf16_greedy_tokens_with_the_whole_switch_follow_transformers() {
-    let Some(path) = std::env::var_os("THAW_SMOLLM2_BF16") else {
-        eprintln!("skipping: set THAW_SMOLLM2_BF16 to SmolLM2-135M-Instruct in bf16");
+    let Some(SmolLm2 {
+        model,
+        tok,
+        want,
+        prompts,
+        ..
+    }) = SmolLm2::load()
+    else {
         return;
     };
-    let file = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("fixtures/smollm2-reference/greedy.json");
-    let want: Reference = serde_json::from_slice(&std::fs::read(&file).unwrap()).unwrap();
-    let (model, tok) =
-        HostModel::load_with_tokenizer(std::path::Path::new(&path)).expect("the model loads");
-    assert_eq!(model.format_mix(), "BF16", "{path:?} is not a bf16 model");
-    let prompts: Vec<(Vec<u32>, Option<u32>)> = want
-        .cases
-        .iter()
-        .map(|c| {
-            let ids = chat_prompt(&tok, &c.prompt);
-            assert_eq!(ids, c.prompt_ids, "{:?}: the chat prompt differs", c.prompt);
-            (ids, None)
-        })
-        .collect();
+    let prompts: Vec<(Vec<u32>, Option<u32>)> = prompts.into_iter().map(|p| (p, None)).collect();
     let bf = Act16Type::Bf16;
     let mut runs = Vec::new();
     let mut parted = 0;
