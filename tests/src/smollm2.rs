@@ -3,8 +3,12 @@
 //! the 16-bit activation oracles (`act16_oracle.rs`, `attn16_oracle.rs`,
 //! `residual16_oracle.rs`) load before comparing their emulation's tokens with it.
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
-use thaw_runtime::engine::HostModel;
+use thaw_runtime::adapter::LoraAdapter;
+use thaw_runtime::backend::cpu::CpuBackend;
+use thaw_runtime::engine::{Engine, EngineConfig, HostModel, PlanItem, SequenceParams, StepPlan};
+use thaw_runtime::ids::{AdapterId, SeqId};
 use thaw_runtime::model::Tokenizer;
 
 /// The transformers reference.
@@ -65,4 +69,78 @@ impl SmolLm2 {
             prompts,
         })
     }
+}
+
+/// Logits and greedy tokens of each sequence over the steps of [`run_logged`] (a prefill,
+/// then decodes).
+pub struct Run {
+    pub logits: Vec<Vec<Vec<f32>>>,
+    pub tokens: Vec<Vec<u32>>,
+}
+
+impl Run {
+    /// The largest normwise error between `self`'s and `other`'s logits over every step of
+    /// every sequence.
+    pub fn worst(&self, other: &Run) -> f64 {
+        self.logits
+            .iter()
+            .zip(&other.logits)
+            .flat_map(|(x, y)| x.iter().zip(y).map(|(p, q)| crate::rel_err(p, q)))
+            .fold(0.0, f64::max)
+    }
+}
+
+/// `prompts` (sequence `i` on adapter `prompts[i].1`, an index into `adapters`) greedily on an
+/// engine over `backend`, every sequence in every step, EOS ignored, for `steps` steps, each
+/// step's logits kept: what the 16-bit activation oracles compare between emulations.
+pub fn run_logged(
+    backend: CpuBackend,
+    model: &HostModel,
+    adapters: &[Arc<LoraAdapter>],
+    prompts: &[(Vec<u32>, Option<u32>)],
+    steps: usize,
+) -> Run {
+    let cfg = EngineConfig {
+        max_batch_tokens: 1024,
+        max_batch_seqs: 8,
+        num_kv_blocks: 64,
+        ..Default::default()
+    };
+    let mut e = Engine::new(backend, model.clone(), cfg).expect("engine");
+    for (i, a) in adapters.iter().enumerate() {
+        e.register_adapter(AdapterId(i as u32), a.clone()).unwrap();
+    }
+    for (i, (p, a)) in prompts.iter().enumerate() {
+        let params = SequenceParams {
+            prompt: p.clone(),
+            adapter: a.map(AdapterId),
+            max_new_tokens: steps,
+            ignore_eos: true,
+            ..Default::default()
+        };
+        e.add_sequence(SeqId(i as u64), params).unwrap();
+    }
+    let n = prompts.len();
+    let mut out = Run {
+        logits: vec![Vec::new(); n],
+        tokens: vec![Vec::new(); n],
+    };
+    for _ in 0..steps {
+        let items = (0..n)
+            .map(|i| PlanItem {
+                seq: SeqId(i as u64),
+                num_tokens: e.pending_tokens(SeqId(i as u64)).unwrap(),
+            })
+            .collect();
+        let plan = StepPlan {
+            items,
+            return_logits: true,
+        };
+        for o in e.step(&plan).unwrap() {
+            let i = o.seq.0 as usize;
+            out.tokens[i].push(o.token.id);
+            out.logits[i].push(o.logits.expect("asked for logits"));
+        }
+    }
+    out
 }

@@ -26,10 +26,9 @@ use std::sync::Arc;
 use thaw_runtime::adapter::LoraAdapter;
 use thaw_runtime::backend::cpu::CpuBackend;
 use thaw_runtime::backend::Act16Type;
-use thaw_runtime::engine::{Engine, EngineConfig, HostModel, PlanItem, SequenceParams, StepPlan};
-use thaw_runtime::ids::{AdapterId, SeqId};
+use thaw_runtime::engine::HostModel;
 use thaw_runtime::model::Tokenizer;
-use thaw_tests::smollm2::SmolLm2;
+use thaw_tests::smollm2::{run_logged, Run, SmolLm2};
 use thaw_tests::{fixture_dir, rel_err};
 
 /// Normwise relative error allowed between the logits with bf16 MLP activations and f32's on
@@ -49,12 +48,6 @@ const TINY_TOL: f64 = 1e-2;
 /// check.
 const SMOLLM2_TOL: f64 = 1e-1;
 
-/// Logits and greedy tokens of each sequence over `steps` steps (a prefill, then decodes).
-struct Run {
-    logits: Vec<Vec<Vec<f32>>>,
-    tokens: Vec<Vec<u32>>,
-}
-
 fn run(
     model: &HostModel,
     act16: Option<Act16Type>,
@@ -66,52 +59,7 @@ fn run(
     backend.set_act16(act16);
     // The MLP half alone: the residual stream's rounding is `residual16_oracle.rs`'s.
     backend.set_residual16(None);
-    let cfg = EngineConfig {
-        max_batch_tokens: 1024,
-        max_batch_seqs: 8,
-        num_kv_blocks: 64,
-        ..Default::default()
-    };
-    let mut e = Engine::new(backend, model.clone(), cfg).expect("engine");
-    for (i, a) in adapters.iter().enumerate() {
-        e.register_adapter(AdapterId(i as u32), a.clone()).unwrap();
-    }
-    for (i, (p, a)) in prompts.iter().enumerate() {
-        e.add_sequence(
-            SeqId(i as u64),
-            SequenceParams {
-                prompt: p.clone(),
-                adapter: a.map(AdapterId),
-                max_new_tokens: steps,
-                ignore_eos: true,
-                ..Default::default()
-            },
-        )
-        .unwrap();
-    }
-    let n = prompts.len();
-    let mut out = Run {
-        logits: vec![Vec::new(); n],
-        tokens: vec![Vec::new(); n],
-    };
-    for _ in 0..steps {
-        let items = (0..n)
-            .map(|i| PlanItem {
-                seq: SeqId(i as u64),
-                num_tokens: e.pending_tokens(SeqId(i as u64)).unwrap(),
-            })
-            .collect();
-        let plan = StepPlan {
-            items,
-            return_logits: true,
-        };
-        for o in e.step(&plan).unwrap() {
-            let i = o.seq.0 as usize;
-            out.tokens[i].push(o.token.id);
-            out.logits[i].push(o.logits.expect("asked for logits"));
-        }
-    }
-    out
+    run_logged(backend, model, adapters, prompts, steps)
 }
 
 fn tiny() -> (HostModel, Tokenizer, Vec<Arc<LoraAdapter>>) {
@@ -123,15 +71,6 @@ fn tiny() -> (HostModel, Tokenizer, Vec<Arc<LoraAdapter>>) {
         .map(|n| Arc::new(LoraAdapter::load(&dir.join("adapters").join(n), &model.config).unwrap()))
         .collect();
     (model, tok, adapters)
-}
-
-/// The largest normwise error over every step of every sequence.
-fn worst(a: &Run, b: &Run) -> f64 {
-    a.logits
-        .iter()
-        .zip(&b.logits)
-        .flat_map(|(x, y)| x.iter().zip(y).map(|(p, q)| rel_err(p, q)))
-        .fold(0.0, f64::max)
 }
 
 #[test]
@@ -146,7 +85,7 @@ fn tiny_model_bf16_mlp_activations_stay_within_their_bound_and_keep_greedy_token
         .collect();
     let f32s = run(&model, None, &adapters, &prompts, 8);
     let b16 = run(&model, Some(Act16Type::Bf16), &adapters, &prompts, 8);
-    let err = worst(&b16, &f32s);
+    let err = b16.worst(&f32s);
     eprintln!("tiny model, bf16 MLP activations: worst normwise logits error {err:e}");
     assert!(err <= TINY_TOL, "bf16 MLP activations: rel err {err:e}");
     assert!(err > 0.0, "the emulation rounded nothing");
@@ -156,7 +95,7 @@ fn tiny_model_bf16_mlp_activations_stay_within_their_bound_and_keep_greedy_token
     );
     // f16 (11 significant bits) is closer still.
     let f16s = run(&model, Some(Act16Type::F16), &adapters, &prompts, 8);
-    let err16 = worst(&f16s, &f32s);
+    let err16 = f16s.worst(&f32s);
     assert!(err16 <= err, "f16 {err16:e} vs bf16 {err:e}");
     assert_eq!(f16s.tokens, f32s.tokens);
 }
@@ -194,7 +133,7 @@ fn tiny_model_steps_with_lora_on_gate_up_stay_f32_bit_for_bit() {
     let base: Vec<_> = prompts.iter().map(|(p, _)| (p.clone(), None)).collect();
     let b16 = run(&model, Some(Act16Type::Bf16), &adapters, &base, 4);
     let f32s = run(&model, None, &adapters, &base, 4);
-    assert!(worst(&b16, &f32s) > 0.0, "the emulation rounded nothing");
+    assert!(b16.worst(&f32s) > 0.0, "the emulation rounded nothing");
 }
 
 /// Emulated CUDA-graph decode steps, the switch on and off: batches of base rows (graph keys
@@ -359,7 +298,7 @@ fn smollm2_bf16_greedy_tokens_with_bf16_mlp_activations_equal_transformers() {
             l.truncate(c.tokens.len());
         }
     }
-    let err = worst(&runs[1], &runs[0]);
+    let err = runs[1].worst(&runs[0]);
     eprintln!("SmolLM2 bf16, bf16 MLP activations: worst normwise logits error {err:e}");
     assert!(err > 0.0, "the emulation rounded nothing");
     assert!(err <= SMOLLM2_TOL, "bf16 MLP activations: rel err {err:e}");

@@ -25,10 +25,9 @@
 //!   MLP and attention halves' alone.
 use thaw_runtime::backend::cpu::CpuBackend;
 use thaw_runtime::backend::Act16Type;
-use thaw_runtime::engine::{Engine, EngineConfig, HostModel, PlanItem, SequenceParams, StepPlan};
-use thaw_runtime::ids::SeqId;
+use thaw_runtime::engine::HostModel;
 use thaw_runtime::model::Tokenizer;
-use thaw_tests::smollm2::SmolLm2;
+use thaw_tests::smollm2::{run_logged, Run, SmolLm2};
 use thaw_tests::{fixture_dir, rel_err};
 
 /// Normwise relative error allowed between the logits with the whole switch in bf16 and f32's
@@ -81,12 +80,6 @@ impl Emu {
     }
 }
 
-/// Logits and greedy tokens of each sequence over `steps` steps (a prefill, then decodes).
-struct Run {
-    logits: Vec<Vec<Vec<f32>>>,
-    tokens: Vec<Vec<u32>>,
-}
-
 fn run(
     model: &HostModel,
     emu: Emu,
@@ -96,61 +89,10 @@ fn run(
 ) -> Run {
     let mut backend = CpuBackend::new(&model.config);
     emu.apply(&mut backend);
-    let cfg = EngineConfig {
-        max_batch_tokens: 1024,
-        max_batch_seqs: 8,
-        num_kv_blocks: 64,
-        ..Default::default()
-    };
-    let mut e = Engine::new(backend, model.clone(), cfg).expect("engine");
-    for (i, a) in adapters.iter().enumerate() {
-        let id = thaw_runtime::ids::AdapterId(i as u32);
-        e.register_adapter(id, a.clone()).unwrap();
-    }
-    for (i, (p, a)) in prompts.iter().enumerate() {
-        let params = SequenceParams {
-            prompt: p.clone(),
-            adapter: a.map(thaw_runtime::ids::AdapterId),
-            max_new_tokens: steps,
-            ignore_eos: true,
-            ..Default::default()
-        };
-        e.add_sequence(SeqId(i as u64), params).unwrap();
-    }
-    let n = prompts.len();
-    let mut out = Run {
-        logits: vec![Vec::new(); n],
-        tokens: vec![Vec::new(); n],
-    };
-    for _ in 0..steps {
-        let items = (0..n)
-            .map(|i| PlanItem {
-                seq: SeqId(i as u64),
-                num_tokens: e.pending_tokens(SeqId(i as u64)).unwrap(),
-            })
-            .collect();
-        let plan = StepPlan {
-            items,
-            return_logits: true,
-        };
-        for o in e.step(&plan).unwrap() {
-            let i = o.seq.0 as usize;
-            out.tokens[i].push(o.token.id);
-            out.logits[i].push(o.logits.expect("asked for logits"));
-        }
-    }
-    out
+    run_logged(backend, model, adapters, prompts, steps)
 }
 
 /// The largest normwise error over every step of every sequence.
-fn worst(a: &Run, b: &Run) -> f64 {
-    a.logits
-        .iter()
-        .zip(&b.logits)
-        .flat_map(|(x, y)| x.iter().zip(y).map(|(p, q)| rel_err(p, q)))
-        .fold(0.0, f64::max)
-}
-
 /// A step whose top two logits are closer than this (relative to its largest |logit|) may
 /// pick either token under the rounding (bf16: 2⁻⁹ relative per rounding, ~1e-3 on a logit;
 /// `cuda_parity`'s `gemv.rs` uses the same bound).
@@ -235,7 +177,7 @@ fn check_model(
     );
     assert!(err_res <= tol, "{name}: residual half rel err {err_res:e}");
     assert!(
-        worst(&whole, &mlp) > 0.0,
+        whole.worst(&mlp) > 0.0,
         "{name}: the whole switch equals its MLP half: the residual was not rounded"
     );
     // f16 (11 significant bits) is closer still.
@@ -402,7 +344,7 @@ fn smollm2_bf16_greedy_tokens_with_the_whole_switch_follow_transformers() {
         "every prompt parted from transformers"
     );
     assert!(
-        worst(&runs[1], &runs[2]) > 0.0,
+        runs[1].worst(&runs[2]) > 0.0,
         "the whole switch equals its MLP half: the residual was not rounded"
     );
     assert!(err <= SMOLLM2_TOL, "whole switch: rel err {err:e}");
