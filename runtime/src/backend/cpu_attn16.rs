@@ -9,7 +9,7 @@
 //! here. The attention output stays f32 on both paths (o_proj casts it on CUDA either way).
 use std::sync::Arc;
 
-use super::attn16_plan::{attn16_plan, Attn16Facts, Attn16Plan};
+use super::attn16_plan::{attn16_plan, Attn16Facts};
 use super::cpu::{CpuBackend, CpuKvLayer, CpuLinear};
 use super::cpu_act16::{slot_rank, targets, Act16Type};
 use super::kernel_select::rope_fold_unserved;
@@ -29,6 +29,17 @@ pub(crate) fn lora_on_qkv<L>(
     [Q, K, V]
         .into_iter()
         .any(|m| targets(batch, layer, m, rank))
+}
+
+/// Whether a row of the step has an adapter that targets o of `layer`, whether or not that
+/// layer has landed on the device (its LoRA, or the CPU-assist export of o's input, reads the
+/// f32 attention output): the plan fact of an eager step, shared with the CUDA backend.
+pub(crate) fn lora_on_o<L>(
+    batch: &LoraBatch<'_, L>,
+    layer: LayerIdx,
+    rank: impl Fn(&L, usize, LoraModule) -> usize,
+) -> bool {
+    targets(batch, layer, LoraModule::O, rank)
 }
 
 /// The plan facts every backend derives the same way from the op's arguments: the switch and
@@ -83,7 +94,7 @@ pub(super) fn qkv_attention(
         graph_lora: graph.unwrap_or(false),
         ..attn16_facts(rows, &sites, heads, bias, lora)
     };
-    if attn16_plan(&facts, q_kv(&sites)) != Attn16Plan::Attn16 {
+    if !attn16_plan(&facts, q_kv(&sites)).rounds_qkv() {
         let qkv = [q, k, v];
         return qkv_then_rope_attention(b, x, ws, qkv, sites, batch, heads, kv, step, out);
     }

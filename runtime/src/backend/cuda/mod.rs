@@ -49,6 +49,7 @@
 mod act16;
 mod argmax;
 mod attn16;
+mod attn_out;
 mod attn_occupancy;
 mod attn_prefill_tc;
 mod backend;
