@@ -6,7 +6,15 @@
 //! run in f32 over the rounded values, as CUDA's `qkv_rope16` kernel does. CUDA rounds K and V
 //! into the KV cache dtype on both paths, which the CPU's own cache dtype
 //! ([`CpuBackend::with_kv_cache_dtype`]) emulates, so only what the 16-bit path adds is rounded
-//! here. The attention output stays f32 on both paths (o_proj casts it on CUDA either way).
+//! here.
+//!
+//! The attention output: where CUDA stores it 16-bit (`stores_out16`) its kernels round the
+//! f32 value they computed once on the store, and o_proj's GEMM reads that; on the f32 path
+//! they store the same f32 value and o_proj's cast rounds it the same way (round to nearest
+//! even both), so o's product reads the same bits on both paths and the emulation has nothing
+//! to add: it keeps `out` in f32, as before, on both paths (o's LoRA, the one reader of the
+//! unrounded values, only runs where the plan keeps the f32 store). The GPU parity test
+//! `attention_16_bit_outputs_are_the_f32_outputs_rounded` checks the bit-for-bit premise.
 use std::sync::Arc;
 
 use super::attn16_plan::{attn16_plan, Attn16Facts};

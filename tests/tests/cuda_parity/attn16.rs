@@ -170,7 +170,8 @@ fn attention_16_bit_outputs_are_the_f32_outputs_rounded() {
                             let mut o16 = g.alloc_x16(n * qw).unwrap();
                             g.begin_step();
                             g.attention(&q, &k, &v, &mut kvg, st, &mut o32);
-                            g.attention_x16((&q, &k, &v), &mut kvg, st, &mut o16).unwrap();
+                            g.attention_x16((&q, &k, &v), &mut kvg, st, &mut o16)
+                                .unwrap();
                             outs = (
                                 g.download_f32(&o32, n * qw).unwrap(),
                                 g.download_x16(&o16, n * qw).unwrap(),

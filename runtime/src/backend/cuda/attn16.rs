@@ -11,18 +11,20 @@
 //!    kernel reads, K and V into the paged cache in the KV dtype — RoPE folded into the KV
 //!    write whether or not `THAW_CUDA_ROPE_FOLD` is on;
 //! 4. the attention kernels the f32 path runs (eager: [`CudaBackend::attend`]; graph: the
-//!    graph's decode), unchanged: their f32 output is o_proj's input, which o_proj casts.
+//!    graph's decode). Where the plan `stores_out16` (no LoRA on o may read the output, the
+//!    family launched has the store) their 16-bit-output entries write it in the weight dtype
+//!    into the 16-bit GEMM input scratch, tagged as `ws.attn`'s cast, so o_proj's product reads
+//!    it with no cast and `ws.attn`'s f32 values are not written (`attn_out.rs`); else their
+//!    f32 output is o_proj's input, which o_proj casts.
 //!
-//! Against the f32 path (q, k, v written and read in f32, q and k written back by RoPE) this
-//! moves 8q + 8kv bytes a row against 12q + 20kv, 59 % for Llama-3-8B
-//! ([`attn16_traffic_bytes`](crate::backend::attn16_plan::attn16_traffic_bytes)). The attention
-//! output is not stored 16-bit: five kernel families write it (classic decode and prefill,
-//! flash-decoding's split pass and its reduce, the occupancy decode, the tensor-core prefill),
-//! each instantiated per KV dtype, so a 16-bit store is a second instantiation of each per
-//! weight dtype and a change at each launch site, for 8 B an element of `rows × q` (module docs
-//! of [`attn16_plan`]); the cast o_proj runs today stays. CUDA-graph steps whose key has no
-//! LoRA rank class take this path too; the three 16-bit buffers are reserved at the graphs'
-//! largest before a capture and are part of the graph fingerprint. LoRA on q/k/v (a graph: a
+//! Against the f32 path (q, k, v written and read in f32, q and k written back by RoPE; the
+//! output written in f32, cast and read) this moves 12q + 8kv bytes a row against 24q + 20kv,
+//! 48 % for Llama-3-8B, or 20q + 8kv with the output in f32
+//! ([`attn16_traffic_bytes`](crate::backend::attn16_plan::attn16_traffic_bytes)), and launches
+//! three kernels fewer a layer (RoPE of q, of k and the KV write as one; no cast). CUDA-graph
+//! steps whose key has no LoRA rank class take this path too; the three 16-bit q/k/v buffers
+//! and the shared 16-bit GEMM input scratch are reserved at the graphs' largest before a
+//! capture and are part of the graph fingerprint. LoRA on q/k/v (a graph: a
 //! key with a rank class), GEMV-sized products, biased q/k/v (Qwen2) and f32 weights keep the
 //! f32 path. CPU twin of the rounding: `cpu_attn16.rs`.
 //!
@@ -34,12 +36,12 @@ use thaw_kernels::cuda::registry::{shape, DType};
 use thaw_kernels::cuda::KernelCache;
 
 use super::act16::grown;
+use super::attn_out::AttnOut;
 use super::launch::{int, launch, Gpu};
 use super::weights::{CudaLinear, CudaLora};
 use super::wide::FoldShape;
 use super::{CudaBackend, CudaError, CudaKvLayer};
 use crate::backend::attn16_plan::{attn16_plan, Attn16Facts, Attn16Plan};
-use super::attn_out::AttnOut;
 use crate::backend::cpu_attn16::{attn16_facts, lora_on_o, lora_on_qkv, q_kv};
 use crate::backend::kernel_select::wide_rope_block;
 use crate::backend::{LoraBatch, LoraSite, StepLayout};

@@ -14,8 +14,8 @@ use thaw_kernels::cuda::decode_plan::{occupancy_max_partials, occupancy_splits};
 use thaw_kernels::cuda::registry::{shape, DType};
 use thaw_kernels::cuda::KernelCache;
 
-use super::flash::max_decode_ctx;
 use super::attn_out::AttnOut;
+use super::flash::max_decode_ctx;
 use super::launch::{int, launch, AttnShape, Gpu};
 use super::step::AttnMeta;
 use super::{CudaBackend, CudaError};

@@ -434,8 +434,7 @@ impl CudaBackend {
         let a = &mut self.attn;
         let o = out.reborrow();
         if self.gpu.occupancy.is_some() {
-            self.gpu
-                .attn_decode_occupancy(q, (&kv.k, &kv.v), o, a, s)?;
+            self.gpu.attn_decode_occupancy(q, (&kv.k, &kv.v), o, a, s)?;
         } else if self.gpu.flash.is_some() {
             self.gpu.attn_decode_split(q, (&kv.k, &kv.v), o, a, s)?;
         } else {
