@@ -100,6 +100,8 @@ pub(super) fn qkv_attention(
         weights_16bit: true,
         graph: graph.is_some(),
         graph_lora: graph.unwrap_or(false),
+        // The same plan as CUDA's (its output store has no numeric effect here: module docs).
+        lora_on_o: graph.is_none() && lora_on_o(batch, sites[0].layer, slot_rank),
         ..attn16_facts(rows, &sites, heads, bias, lora)
     };
     if !attn16_plan(&facts, q_kv(&sites)).rounds_qkv() {
