@@ -61,7 +61,8 @@ __device__ void attn_decode(const float* __restrict__ q, const T* __restrict__ k
     O* orow = out + (r * n_heads + h) * head_dim;
     float mx, denom;
     attn_merge_warps<THAW_ATTN_WARPS, THAW_HD_PER_LANE>(
-        m, l, acc, head_dim, mx, denom, [&](int j, float s) { orow[j] = from_f32<O>(s / denom); });
+        m, l, acc, head_dim, mx, denom,
+        [&](int j, float s) { orow[j] = from_f32<O>(s / denom); });
 }
 
 // Prefill: one block per (tile of up to THAW_PREFILL_Q consecutive query rows of one sequence,
@@ -167,16 +168,16 @@ __device__ void attn_prefill(const float* __restrict__ q, const T* __restrict__ 
                         const u32* block_tables, const u32* row_meta, int rows, int n_heads, \
                         int n_kv_heads, int head_dim, int block_size, int window,            \
                         float scale) {                                                       \
-        attn_decode<T, float>(q, kc, vc, out, block_tables, row_meta, rows, n_heads, n_kv_heads,    \
-                       head_dim, block_size, window, scale);                                 \
+        attn_decode<T, float>(q, kc, vc, out, block_tables, row_meta, rows, n_heads,         \
+                              n_kv_heads, head_dim, block_size, window, scale);              \
     }                                                                                        \
     extern "C" __global__ void __launch_bounds__(32 * THAW_ATTN_WARPS)                       \
         attn_prefill_##S(const float* q, const T* kc, const T* vc, float* out,               \
                          const u32* block_tables, const u32* tiles, int n_tiles,             \
                          int n_heads, int n_kv_heads, int head_dim, int block_size,          \
                          int window, float scale) {                                          \
-        attn_prefill<T, float>(q, kc, vc, out, block_tables, tiles, n_tiles, n_heads, n_kv_heads,   \
-                        head_dim, block_size, window, scale);                                \
+        attn_prefill<T, float>(q, kc, vc, out, block_tables, tiles, n_tiles, n_heads,        \
+                               n_kv_heads, head_dim, block_size, window, scale);             \
     }
 THAW_FOR_EACH_DTYPE(THAW_ATTENTION)
 

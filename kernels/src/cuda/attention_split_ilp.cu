@@ -134,16 +134,15 @@ __device__ void attn_decode_split_ilp(const float* __restrict__ q, const T* __re
     }
 }
 
-#define THAW_ATTN_SPLIT_ILP_OUT(T, O, NAME)                                                    \
-    extern "C" __global__ void __launch_bounds__(32 * THAW_ILP_WARPS)                         \
-        NAME(const float* q, const T* kc, const T* vc, float* part_acc,                       \
-                                  float* part_ml, O* out, const u32* block_tables,            \
-                                  const u32* row_meta, int rows, int n_heads, int n_kv_heads, \
-                                  int head_dim, int block_size, int window, float scale,      \
-                                  int splits, int min_chunk) {                                    \
-        attn_decode_split_ilp<T, O>(q, kc, vc, part_acc, part_ml, out, block_tables, row_meta,   \
-                                 rows, n_heads, n_kv_heads, head_dim, block_size, window,     \
-                                 scale, splits, min_chunk);                                       \
+#define THAW_ATTN_SPLIT_ILP_OUT(T, O, NAME)                                                     \
+    extern "C" __global__ void __launch_bounds__(32 * THAW_ILP_WARPS)                           \
+        NAME(const float* q, const T* kc, const T* vc, float* part_acc, float* part_ml, O* out, \
+             const u32* block_tables, const u32* row_meta, int rows, int n_heads,               \
+             int n_kv_heads, int head_dim, int block_size, int window, float scale,             \
+             int splits, int min_chunk) {                                                       \
+        attn_decode_split_ilp<T, O>(q, kc, vc, part_acc, part_ml, out, block_tables, row_meta,  \
+                                    rows, n_heads, n_kv_heads, head_dim, block_size, window,    \
+                                    scale, splits, min_chunk);                                  \
     }
 #define THAW_ATTN_SPLIT_ILP(T, S) THAW_ATTN_SPLIT_ILP_OUT(T, float, attn_decode_split_ilp_##S)
 THAW_FOR_EACH_DTYPE(THAW_ATTN_SPLIT_ILP)
