@@ -402,6 +402,17 @@ mod tests {
             prop_assert!(!p.stores_out16() || p.rounds_qkv());
         }
 
+        /// The output's facts never move the q/k/v rounding, the one decision the CPU
+        /// emulation reads (`cpu_attn16.rs`: storing the output 16-bit changes no value o's
+        /// product reads), so the emulation is the same with or without the 16-bit output.
+        #[test]
+        fn the_output_facts_never_change_the_qkv_rounding(
+            f in facts(), w in widths(), o: bool, u: bool,
+        ) {
+            let g = Attn16Facts { lora_on_o: o, out16_unserved: u, ..f };
+            prop_assert_eq!(attn16_plan(&f, w).rounds_qkv(), attn16_plan(&g, w).rounds_qkv());
+        }
+
         /// o's LoRA (and the CPU-assist export of o's input) never reads a rounded value:
         /// wherever one may run, the attention output stays f32.
         #[test]
