@@ -5,6 +5,9 @@
 // the cache dtype T. Query head h reads kv head h / (n_heads / n_kv_heads). A query at position
 // `pos` attends to [lo, pos] with lo = 0, or pos + 1 - window when window > 0 (Mistral).
 // Softmax is online (running max and sum) in f32; head_dim <= 256 (THAW_MAX_HEAD_DIM).
+// The output is stored as O: f32 (attn_decode_T, attn_prefill_T), or with THAW_CUDA_BF16_ACT
+// the weight dtype o_proj's GEMM reads (issue 29; attn_decode_T_out_O, attn_prefill_T_out_O):
+// the same f32 value, rounded once by from_f32<O> on the store.
 
 #define THAW_MAX_HEAD_DIM 256
 #define THAW_HD_PER_LANE (THAW_MAX_HEAD_DIM / 32)
@@ -33,9 +36,9 @@ __device__ void write_kv(const float* __restrict__ k, const float* __restrict__ 
 // round-robin with their own online softmax, then merge through shared memory.
 // row_meta[3i..3i+3] = (offset of the row's block table in `block_tables`, position, row of q /
 // out).
-template <typename T>
+template <typename T, typename O>
 __device__ void attn_decode(const float* __restrict__ q, const T* __restrict__ kc,
-                            const T* __restrict__ vc, float* __restrict__ out,
+                            const T* __restrict__ vc, O* __restrict__ out,
                             const u32* __restrict__ block_tables, const u32* __restrict__ row_meta,
                             int rows, int n_heads, int n_kv_heads, int head_dim, int block_size,
                             int window, float scale) {
@@ -55,19 +58,20 @@ __device__ void attn_decode(const float* __restrict__ q, const T* __restrict__ k
     attn_warp_keys<THAW_HD_PER_LANE, T>(qv, kc, vc, table, block_size, token_len,
                                         (long)kvh * head_dim, head_dim, lo + warp, pos + 1,
                                         THAW_ATTN_WARPS, m, l, acc);
-    float* orow = out + (r * n_heads + h) * head_dim;
+    O* orow = out + (r * n_heads + h) * head_dim;
     float mx, denom;
     attn_merge_warps<THAW_ATTN_WARPS, THAW_HD_PER_LANE>(
-        m, l, acc, head_dim, mx, denom, [&](int j, float s) { orow[j] = s / denom; });
+        m, l, acc, head_dim, mx, denom,
+        [&](int j, float s) { orow[j] = from_f32<O>(s / denom); });
 }
 
 // Prefill: one block per (tile of up to THAW_PREFILL_Q consecutive query rows of one sequence,
 // query head). K/V rows are staged through shared memory THAW_PREFILL_KC at a time and reused
 // by all the tile's queries; each warp owns THAW_PREFILL_QPW queries.
 // tiles[4t..4t+4] = (block table offset, position of the tile's first row, first row, rows).
-template <typename T>
+template <typename T, typename O>
 __device__ void attn_prefill(const float* __restrict__ q, const T* __restrict__ kc,
-                             const T* __restrict__ vc, float* __restrict__ out,
+                             const T* __restrict__ vc, O* __restrict__ out,
                              const u32* __restrict__ block_tables, const u32* __restrict__ tiles,
                              int n_tiles, int n_heads, int n_kv_heads, int head_dim,
                              int block_size, int window, float scale) {
@@ -144,12 +148,12 @@ __device__ void attn_prefill(const float* __restrict__ q, const T* __restrict__ 
     for (int i = 0; i < THAW_PREFILL_QPW; ++i) {
         const int qi = warp * THAW_PREFILL_QPW + i;
         if (qi >= nq) continue;
-        float* orow = out + ((long)(row0 + qi) * n_heads + h) * head_dim;
+        O* orow = out + ((long)(row0 + qi) * n_heads + h) * head_dim;
         const float inv = 1.0f / l[i];
 #pragma unroll
         for (int e = 0; e < THAW_HD_PER_LANE; ++e) {
             const int j = lane + 32 * e;
-            if (j < head_dim) orow[j] = acc[i][e] * inv;
+            if (j < head_dim) orow[j] = from_f32<O>(acc[i][e] * inv);
         }
     }
 }
@@ -164,15 +168,39 @@ __device__ void attn_prefill(const float* __restrict__ q, const T* __restrict__ 
                         const u32* block_tables, const u32* row_meta, int rows, int n_heads, \
                         int n_kv_heads, int head_dim, int block_size, int window,            \
                         float scale) {                                                       \
-        attn_decode<T>(q, kc, vc, out, block_tables, row_meta, rows, n_heads, n_kv_heads,    \
-                       head_dim, block_size, window, scale);                                 \
+        attn_decode<T, float>(q, kc, vc, out, block_tables, row_meta, rows, n_heads,         \
+                              n_kv_heads, head_dim, block_size, window, scale);              \
     }                                                                                        \
     extern "C" __global__ void __launch_bounds__(32 * THAW_ATTN_WARPS)                       \
         attn_prefill_##S(const float* q, const T* kc, const T* vc, float* out,               \
                          const u32* block_tables, const u32* tiles, int n_tiles,             \
                          int n_heads, int n_kv_heads, int head_dim, int block_size,          \
                          int window, float scale) {                                          \
-        attn_prefill<T>(q, kc, vc, out, block_tables, tiles, n_tiles, n_heads, n_kv_heads,   \
-                        head_dim, block_size, window, scale);                                \
+        attn_prefill<T, float>(q, kc, vc, out, block_tables, tiles, n_tiles, n_heads,        \
+                               n_kv_heads, head_dim, block_size, window, scale);             \
     }
 THAW_FOR_EACH_DTYPE(THAW_ATTENTION)
+
+// The 16-bit-output entries: KV dtype T, output dtype O (the weight dtype), the f32 entries'
+// signatures but for `out`. The full names are spelled here so a search finds them.
+#define THAW_ATTENTION_OUT(T, O, DECODE, PREFILL)                                             \
+    extern "C" __global__ void __launch_bounds__(32 * THAW_ATTN_WARPS)                       \
+        DECODE(const float* q, const T* kc, const T* vc, O* out, const u32* block_tables,    \
+               const u32* row_meta, int rows, int n_heads, int n_kv_heads, int head_dim,     \
+               int block_size, int window, float scale) {                                    \
+        attn_decode<T, O>(q, kc, vc, out, block_tables, row_meta, rows, n_heads, n_kv_heads, \
+                          head_dim, block_size, window, scale);                              \
+    }                                                                                        \
+    extern "C" __global__ void __launch_bounds__(32 * THAW_ATTN_WARPS)                       \
+        PREFILL(const float* q, const T* kc, const T* vc, O* out, const u32* block_tables,   \
+                const u32* tiles, int n_tiles, int n_heads, int n_kv_heads, int head_dim,    \
+                int block_size, int window, float scale) {                                   \
+        attn_prefill<T, O>(q, kc, vc, out, block_tables, tiles, n_tiles, n_heads,            \
+                           n_kv_heads, head_dim, block_size, window, scale);                 \
+    }
+THAW_ATTENTION_OUT(float, bf16_t, attn_decode_f32_out_bf16, attn_prefill_f32_out_bf16)
+THAW_ATTENTION_OUT(float, f16_t, attn_decode_f32_out_f16, attn_prefill_f32_out_f16)
+THAW_ATTENTION_OUT(bf16_t, bf16_t, attn_decode_bf16_out_bf16, attn_prefill_bf16_out_bf16)
+THAW_ATTENTION_OUT(bf16_t, f16_t, attn_decode_bf16_out_f16, attn_prefill_bf16_out_f16)
+THAW_ATTENTION_OUT(f16_t, bf16_t, attn_decode_f16_out_bf16, attn_prefill_f16_out_bf16)
+THAW_ATTENTION_OUT(f16_t, f16_t, attn_decode_f16_out_f16, attn_prefill_f16_out_f16)

@@ -15,7 +15,10 @@
 //
 // T is bf16_t or f16_t (an f32 cache keeps attention.cu's kernel); HD (head_dim) is 32, 64 or
 // 128: entry points attn_prefill_tc32_bf16, attn_prefill_tc64_bf16, attn_prefill_tc128_bf16 and
-// the same with _f16, with attn_prefill_T's signature (head_dim must equal HD).
+// the same with _f16, with attn_prefill_T's signature (head_dim must equal HD). With
+// THAW_CUDA_BF16_ACT the output is stored in the weight dtype O where O is the cache's dtype
+// (attn_prefill_tcHD_T_out_T, issue 29; rounded once on the store); a cache and weights of
+// different 16-bit types keep the f32 entry and o_proj's cast (six entries, not twelve).
 // Fragment layouts (PTX ISA, mma.m16n8k16, g = lane / 4, c = lane % 4):
 //   A (16 × 16, row): reg0 (g, 2c..2c+1), reg1 (g+8, 2c..), reg2 (g, 2c+8..), reg3 (g+8, 2c+8..)
 //   B (16 × 8, col):  reg0 (k 2c..2c+1, n g), reg1 (k 2c+8..2c+9, n g)
@@ -57,9 +60,9 @@ __device__ __forceinline__ u32 tc_pack(float lo, float hi) {
 // Two adjacent 16-bit values of a shared-memory row as one register.
 __device__ __forceinline__ u32 tc_ld2(const u16* p) { return *reinterpret_cast<const u32*>(p); }
 
-template <typename T, int HD>
+template <typename T, int HD, typename O>
 __device__ void attn_prefill_tc(const float* __restrict__ q, const T* __restrict__ kc,
-                                const T* __restrict__ vc, float* __restrict__ out,
+                                const T* __restrict__ vc, O* __restrict__ out,
                                 const u32* __restrict__ block_tables, const u32* __restrict__ tiles,
                                 int n_tiles, int n_heads, int n_kv_heads, int block_size,
                                 int window, float scale) {
@@ -226,28 +229,35 @@ __device__ void attn_prefill_tc(const float* __restrict__ q, const T* __restrict
     for (int i = 0; i < 2; ++i) {
         if (!rok[i]) continue;
         const float inv = 1.0f / l[i];
-        float* orow = out + ((long)(row0 + r0 + g + 8 * i) * n_heads + h) * HD;
+        O* orow = out + ((long)(row0 + r0 + g + 8 * i) * n_heads + h) * HD;
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
-            orow[n * 8 + 2 * c] = o[n][2 * i] * inv;
-            orow[n * 8 + 2 * c + 1] = o[n][2 * i + 1] * inv;
+            orow[n * 8 + 2 * c] = from_f32<O>(o[n][2 * i] * inv);
+            orow[n * 8 + 2 * c + 1] = from_f32<O>(o[n][2 * i + 1] * inv);
         }
     }
 }
 
-#define THAW_ATTN_PREFILL_TC(T, S, HD)                                                         \
-    extern "C" __global__ void __launch_bounds__(32 * THAW_TC_WARPS)                           \
-        attn_prefill_tc##HD##_##S(const float* q, const T* kc, const T* vc, float* out,        \
-                                  const u32* block_tables, const u32* tiles, int n_tiles,      \
-                                  int n_heads, int n_kv_heads, int head_dim, int block_size,   \
-                                  int window, float scale) {                                   \
-        if (head_dim != HD) __trap();                                                          \
-        attn_prefill_tc<T, HD>(q, kc, vc, out, block_tables, tiles, n_tiles, n_heads,          \
-                               n_kv_heads, block_size, window, scale);                         \
+#define THAW_ATTN_PREFILL_TC_OUT(T, O, HD, NAME)                                                \
+    extern "C" __global__ void __launch_bounds__(32 * THAW_TC_WARPS)                            \
+        NAME(const float* q, const T* kc, const T* vc, O* out, const u32* block_tables,         \
+             const u32* tiles, int n_tiles, int n_heads, int n_kv_heads, int head_dim,          \
+             int block_size, int window, float scale) {                                         \
+        if (head_dim != HD) __trap();                                                           \
+        attn_prefill_tc<T, HD, O>(q, kc, vc, out, block_tables, tiles, n_tiles, n_heads,        \
+                                  n_kv_heads, block_size, window, scale);                       \
     }
+#define THAW_ATTN_PREFILL_TC(T, S, HD) \
+    THAW_ATTN_PREFILL_TC_OUT(T, float, HD, attn_prefill_tc##HD##_##S)
 THAW_ATTN_PREFILL_TC(bf16_t, bf16, 32)
 THAW_ATTN_PREFILL_TC(bf16_t, bf16, 64)
 THAW_ATTN_PREFILL_TC(bf16_t, bf16, 128)
 THAW_ATTN_PREFILL_TC(f16_t, f16, 32)
 THAW_ATTN_PREFILL_TC(f16_t, f16, 64)
 THAW_ATTN_PREFILL_TC(f16_t, f16, 128)
+THAW_ATTN_PREFILL_TC_OUT(bf16_t, bf16_t, 32, attn_prefill_tc32_bf16_out_bf16)
+THAW_ATTN_PREFILL_TC_OUT(bf16_t, bf16_t, 64, attn_prefill_tc64_bf16_out_bf16)
+THAW_ATTN_PREFILL_TC_OUT(bf16_t, bf16_t, 128, attn_prefill_tc128_bf16_out_bf16)
+THAW_ATTN_PREFILL_TC_OUT(f16_t, f16_t, 32, attn_prefill_tc32_f16_out_f16)
+THAW_ATTN_PREFILL_TC_OUT(f16_t, f16_t, 64, attn_prefill_tc64_f16_out_f16)
+THAW_ATTN_PREFILL_TC_OUT(f16_t, f16_t, 128, attn_prefill_tc128_f16_out_f16)

@@ -53,12 +53,15 @@ __device__ void attn_decode_split(const float* __restrict__ q, const T* __restri
     }
 }
 
-// Pass 2: grid (rows, n_heads), any multiple of 32 threads.
-extern "C" __global__ void attn_decode_reduce(const float* __restrict__ part_acc,
-                                              const float* __restrict__ part_ml,
-                                              float* __restrict__ out,
-                                              const u32* __restrict__ row_meta, int rows,
-                                              int n_heads, int head_dim, int splits) {
+// Pass 2: grid (rows, n_heads), any multiple of 32 threads. The output is stored as O: f32
+// (attn_decode_reduce), or with THAW_CUDA_BF16_ACT the weight dtype o_proj's GEMM reads
+// (attn_decode_reduce_out_bf16 / _f16, issue 29): the same f32 value, rounded once on the
+// store. Pass 1 writes only the f32 partials, so it has no 16-bit-output entry.
+template <typename O>
+__device__ void attn_decode_reduce_t(const float* __restrict__ part_acc,
+                                     const float* __restrict__ part_ml, O* __restrict__ out,
+                                     const u32* __restrict__ row_meta, int rows, int n_heads,
+                                     int head_dim, int splits) {
     const int i = blockIdx.x, h = blockIdx.y;
     if (i >= rows) return;
     const long r = row_meta[3 * i + 2];
@@ -70,16 +73,27 @@ extern "C" __global__ void attn_decode_reduce(const float* __restrict__ part_acc
         const float ms = part_ml[2 * (base + s)];
         if (ms > -THAW_INF) denom += part_ml[2 * (base + s) + 1] * expf(ms - mx);
     }
-    float* orow = out + (r * n_heads + h) * head_dim;
+    O* orow = out + (r * n_heads + h) * head_dim;
     for (int j = threadIdx.x; j < head_dim; j += blockDim.x) {
         float t = 0.0f;
         for (int s = 0; s < splits; ++s) {
             const float ms = part_ml[2 * (base + s)];
             if (ms > -THAW_INF) t += part_acc[(base + s) * head_dim + j] * expf(ms - mx);
         }
-        orow[j] = t / denom;
+        orow[j] = from_f32<O>(t / denom);
     }
 }
+
+#define THAW_ATTN_REDUCE(O, NAME)                                                              \
+    extern "C" __global__ void NAME(const float* part_acc, const float* part_ml, O* out,       \
+                                    const u32* row_meta, int rows, int n_heads, int head_dim, \
+                                    int splits) {                                             \
+        attn_decode_reduce_t<O>(part_acc, part_ml, out, row_meta, rows, n_heads, head_dim,    \
+                                splits);                                                      \
+    }
+THAW_ATTN_REDUCE(float, attn_decode_reduce)
+THAW_ATTN_REDUCE(bf16_t, attn_decode_reduce_out_bf16)
+THAW_ATTN_REDUCE(f16_t, attn_decode_reduce_out_f16)
 
 #define THAW_ATTN_SPLIT(T, S)                                                                  \
     extern "C" __global__ void __launch_bounds__(32 * THAW_SPLIT_WARPS) attn_decode_split_##S( \

@@ -16,6 +16,9 @@
 //   (m, l, acc) over the same keys is the same (bit for bit unless the compiler contracts a
 //   multiply-add into an FMA differently); only the split boundaries (hence the merge's
 //   summation order) differ from attention_split.cu.
+// The one-split output is stored as O: f32 (attn_decode_split_ilp_T), or with
+// THAW_CUDA_BF16_ACT the weight dtype (attn_decode_split_ilp_T_out_O, issue 29; the reduce's
+// attn_decode_reduce_out_O then stores the merged splits in it): rounded once on the store.
 
 #define THAW_ILP_WARPS 4
 #define THAW_ILP_MAX_HEAD_DIM 256
@@ -80,10 +83,10 @@ __device__ __forceinline__ void attn_warp_keys_ilp(const float (&qv)[HPL],
 }
 
 // Grid (rows, n_heads, splits), THAW_ILP_WARPS warps.
-template <typename T>
+template <typename T, typename O>
 __device__ void attn_decode_split_ilp(const float* __restrict__ q, const T* __restrict__ kc,
                                       const T* __restrict__ vc, float* __restrict__ part_acc,
-                                      float* __restrict__ part_ml, float* __restrict__ out,
+                                      float* __restrict__ part_ml, O* __restrict__ out,
                                       const u32* __restrict__ block_tables,
                                       const u32* __restrict__ row_meta, int rows, int n_heads,
                                       int n_kv_heads, int head_dim, int block_size, int window,
@@ -116,9 +119,10 @@ __device__ void attn_decode_split_ilp(const float* __restrict__ q, const T* __re
         // One split: attention.cu's attn_decode over the same keys in the same warps (same
         // THAW_ATTN_WARPS, same per-lane layout), so its output up to FMA contraction.
         // Position pos is always attended, so denom > 0.
-        float* orow = out + (d.r * n_heads + h) * head_dim;
+        O* orow = out + (d.r * n_heads + h) * head_dim;
         attn_merge_warps<THAW_ILP_WARPS, THAW_ILP_HPL>(
-            m, l, acc, head_dim, mx, denom, [&](int j, float s) { orow[j] = s / denom; });
+            m, l, acc, head_dim, mx, denom,
+            [&](int j, float s) { orow[j] = from_f32<O>(s / denom); });
         return;
     }
     float* pa = part_acc + part * head_dim;
@@ -130,15 +134,21 @@ __device__ void attn_decode_split_ilp(const float* __restrict__ q, const T* __re
     }
 }
 
-#define THAW_ATTN_SPLIT_ILP(T, S)                                                              \
-    extern "C" __global__ void __launch_bounds__(32 * THAW_ILP_WARPS)                         \
-        attn_decode_split_ilp_##S(const float* q, const T* kc, const T* vc, float* part_acc,  \
-                                  float* part_ml, float* out, const u32* block_tables,        \
-                                  const u32* row_meta, int rows, int n_heads, int n_kv_heads, \
-                                  int head_dim, int block_size, int window, float scale,      \
-                                  int splits, int min_chunk) {                                    \
-        attn_decode_split_ilp<T>(q, kc, vc, part_acc, part_ml, out, block_tables, row_meta,   \
-                                 rows, n_heads, n_kv_heads, head_dim, block_size, window,     \
-                                 scale, splits, min_chunk);                                       \
+#define THAW_ATTN_SPLIT_ILP_OUT(T, O, NAME)                                                     \
+    extern "C" __global__ void __launch_bounds__(32 * THAW_ILP_WARPS)                           \
+        NAME(const float* q, const T* kc, const T* vc, float* part_acc, float* part_ml, O* out, \
+             const u32* block_tables, const u32* row_meta, int rows, int n_heads,               \
+             int n_kv_heads, int head_dim, int block_size, int window, float scale,             \
+             int splits, int min_chunk) {                                                       \
+        attn_decode_split_ilp<T, O>(q, kc, vc, part_acc, part_ml, out, block_tables, row_meta,  \
+                                    rows, n_heads, n_kv_heads, head_dim, block_size, window,    \
+                                    scale, splits, min_chunk);                                  \
     }
+#define THAW_ATTN_SPLIT_ILP(T, S) THAW_ATTN_SPLIT_ILP_OUT(T, float, attn_decode_split_ilp_##S)
 THAW_FOR_EACH_DTYPE(THAW_ATTN_SPLIT_ILP)
+THAW_ATTN_SPLIT_ILP_OUT(float, bf16_t, attn_decode_split_ilp_f32_out_bf16)
+THAW_ATTN_SPLIT_ILP_OUT(float, f16_t, attn_decode_split_ilp_f32_out_f16)
+THAW_ATTN_SPLIT_ILP_OUT(bf16_t, bf16_t, attn_decode_split_ilp_bf16_out_bf16)
+THAW_ATTN_SPLIT_ILP_OUT(bf16_t, f16_t, attn_decode_split_ilp_bf16_out_f16)
+THAW_ATTN_SPLIT_ILP_OUT(f16_t, bf16_t, attn_decode_split_ilp_f16_out_bf16)
+THAW_ATTN_SPLIT_ILP_OUT(f16_t, f16_t, attn_decode_split_ilp_f16_out_f16)

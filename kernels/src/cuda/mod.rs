@@ -8,10 +8,10 @@
 //! | `elementwise.cu` | embedding gather, bias, residual add, SwiGLU (and SwiGLU + 16-bit cast, fused by default; `THAW_CUDA_FUSED=0` off), row gather, f32→16-bit cast | `cpu::{swiglu, swiglu_x16, add_in_place, add_bias}` |
 //! | `norm.cu` | RMSNorm, residual add + RMSNorm (fused by default, with the next GEMM's 16-bit input beside its f32 output; `THAW_CUDA_FUSED=0` off) | `cpu::{rms_norm, add_rms_norm}` |
 //! | `rope.cu` | RoPE (rotate-half, host `inv_freq` table) | `cpu::RopeTable::apply` |
-//! | `attention.cu` | paged KV write, decode and tiled prefill attention (GQA, sliding window) | `cpu::{write_kv, paged_attention}` |
-//! | `attention_split.cu` | flash-decoding: decode attention split across blocks ([`decode_plan`]) + reduce | `cpu::paged_attention` |
+//! | `attention.cu` | paged KV write, decode and tiled prefill attention (GQA, sliding window); `_out_bf16`/`_out_f16` entries store the output in the weight dtype (`THAW_CUDA_BF16_ACT`) | `cpu::{write_kv, paged_attention}` |
+//! | `attention_split.cu` | flash-decoding: decode attention split across blocks ([`decode_plan`]) + reduce (its `_out_bf16`/`_out_f16` twins store 16 bits) | `cpu::paged_attention` |
 //! | `wide.cu` | opt-in (issue 29, off unless `1`): RMSNorm and add + RMSNorm with a wide block per row (`THAW_CUDA_WIDE_NORM`), RoPE a thread per (head, pair), RoPE folded into the KV write (`THAW_CUDA_ROPE_FOLD`), a grouped product's split (`THAW_CUDA_GROUP_GEMM`) | `cpu::{rms_norm, add_rms_norm, RopeTable::apply, write_kv}` |
-//! | `attention_prefill_tc.cu` | prefill attention on the tensor cores (mma.sync, bf16/f16 cache, head_dim 32/64/128; [`prefill_tc_plan`]) | `cpu::paged_attention` |
+//! | `attention_prefill_tc.cu` | prefill attention on the tensor cores (mma.sync, bf16/f16 cache, head_dim 32/64/128; [`prefill_tc_plan`]); `_out_T` entries store the output in the cache's dtype | `cpu::paged_attention` |
 //! | `gemv.cu` | opt-in (issue 29, `THAW_CUDA_GEMV=1`): y = x · Wᵀ for at most 8 rows, f32 x read directly, 16-byte loads of bf16/f16 W | `cpu::linear` |
 //! | `lora.cu` | SGMV / BGMV shrink and expand | `cpu::{sgmv_*, bgmv_*}` |
 //! | `lora_punica.cu` | SGMV / BGMV in Punica's shape: split-K shrink ([`punica_plan`]), vector loads | `cpu::{sgmv_*, bgmv_*}` |

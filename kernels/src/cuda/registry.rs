@@ -103,7 +103,30 @@ pub const ROPE: KernelSource = KernelSource {
 pub const ATTENTION: KernelSource = KernelSource {
     name: "attention",
     source: include_str!("attention.cu"),
-    entry_points: dtypes!("write_kv", "attn_decode", "attn_prefill"),
+    entry_points: &[
+        "write_kv_f32",
+        "write_kv_bf16",
+        "write_kv_f16",
+        "attn_decode_f32",
+        "attn_decode_bf16",
+        "attn_decode_f16",
+        "attn_prefill_f32",
+        "attn_prefill_bf16",
+        "attn_prefill_f16",
+        // THAW_CUDA_BF16_ACT: the output in the weight dtype, per (KV dtype, weight dtype).
+        "attn_decode_f32_out_bf16",
+        "attn_decode_f32_out_f16",
+        "attn_decode_bf16_out_bf16",
+        "attn_decode_bf16_out_f16",
+        "attn_decode_f16_out_bf16",
+        "attn_decode_f16_out_f16",
+        "attn_prefill_f32_out_bf16",
+        "attn_prefill_f32_out_f16",
+        "attn_prefill_bf16_out_bf16",
+        "attn_prefill_bf16_out_f16",
+        "attn_prefill_f16_out_bf16",
+        "attn_prefill_f16_out_f16",
+    ],
 };
 
 /// Flash-decoding: paged decode attention split across blocks, then a reduce (issue 29).
@@ -117,6 +140,9 @@ pub const ATTENTION_SPLIT: KernelSource = KernelSource {
         "attn_decode_split_bf16",
         "attn_decode_split_f16",
         "attn_decode_reduce",
+        // THAW_CUDA_BF16_ACT: the merged output in the weight dtype (the split pass is f32).
+        "attn_decode_reduce_out_bf16",
+        "attn_decode_reduce_out_f16",
     ],
 };
 
@@ -129,6 +155,13 @@ pub const ATTENTION_SPLIT_ILP: KernelSource = KernelSource {
         "attn_decode_split_ilp_f32",
         "attn_decode_split_ilp_bf16",
         "attn_decode_split_ilp_f16",
+        // THAW_CUDA_BF16_ACT: a one-split row's output in the weight dtype.
+        "attn_decode_split_ilp_f32_out_bf16",
+        "attn_decode_split_ilp_f32_out_f16",
+        "attn_decode_split_ilp_bf16_out_bf16",
+        "attn_decode_split_ilp_bf16_out_f16",
+        "attn_decode_split_ilp_f16_out_bf16",
+        "attn_decode_split_ilp_f16_out_f16",
     ],
 };
 
@@ -146,6 +179,13 @@ pub const ATTENTION_PREFILL_TC: KernelSource = KernelSource {
         "attn_prefill_tc32_f16",
         "attn_prefill_tc64_f16",
         "attn_prefill_tc128_f16",
+        // THAW_CUDA_BF16_ACT: the output in the weight dtype where it is the cache's.
+        "attn_prefill_tc32_bf16_out_bf16",
+        "attn_prefill_tc64_bf16_out_bf16",
+        "attn_prefill_tc128_bf16_out_bf16",
+        "attn_prefill_tc32_f16_out_f16",
+        "attn_prefill_tc64_f16_out_f16",
+        "attn_prefill_tc128_f16_out_f16",
     ],
 };
 

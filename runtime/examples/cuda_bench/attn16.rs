@@ -2,11 +2,13 @@
 //! one) of Llama-3-8B's shape (4096 → 32 q / 8 kv heads of 128, bf16 weights and KV, no LoRA)
 //! with f32 activations (the default: q, k, v written in f32, RoPE of q and of k, the KV write)
 //! against the opt-in 16-bit ones (`THAW_CUDA_BF16_ACT=1`, `attn16.rs`: q, k, v stored in bf16
-//! by cuBLAS, one `qkv_rope16`), at rows 1, 32, 128 and 2048 (one row a sequence, so the
-//! attention kernels, the same on both paths, do little), each timed through the backend's one
-//! op (`qkv_attention`), so the columns include the input's cast. "act GB/s" counts the q/k/v
-//! bytes each path moves ([`attn16_traffic_bytes`]: the f32 path priced with RoPE folded, the
-//! fewest it moves) over the op's time. No LoRA row: with LoRA on q/k/v the plan keeps f32
+//! by cuBLAS, one `qkv_rope16`, the attention output stored in bf16 as o_proj's GEMM input), at
+//! rows 1, 32, 128 and 2048 (one row a sequence, so the attention kernels' own work is small),
+//! each timed through the backend's op (`qkv_attention`) and o_proj's product over its output
+//! (`linear`: the f32 path casts the output first, the 16-bit one reads it), so the columns
+//! include the input's cast. "act GB/s" counts the q/k/v and attention-output bytes each path
+//! moves ([`attn16_traffic_bytes`]: the f32 path priced with RoPE folded, the fewest it moves)
+//! over the time. No LoRA row: with LoRA on q/k/v the plan keeps f32
 //! (`AttnF32Why::LoraOnQkv`), so both columns would time the same path.
 use thaw_kernels::cpu::KvLayout;
 use thaw_runtime::adapter::LoraModule;
@@ -30,6 +32,7 @@ pub fn attn16_table(smoke: bool) -> Res<()> {
     let wq = g.upload_linear(fill(qd * h, 80), qd, h, None)?;
     let wk = g.upload_linear(fill(kvd * h, 81), kvd, h, None)?;
     let wv = g.upload_linear(fill(kvd * h, 82), kvd, h, None)?;
+    let wo = g.upload_linear(fill(h * qd, 84), h, qd, None)?;
     let x = g.upload_f32(&fill(max_rows * h, 83))?;
     let (mut q, mut k, mut v) = (
         g.alloc(max_rows * qd)?,
@@ -37,6 +40,7 @@ pub fn attn16_table(smoke: bool) -> Res<()> {
         g.alloc(max_rows * kvd)?,
     );
     let mut out = g.alloc(max_rows * qd)?;
+    let mut o = g.alloc(max_rows * h)?;
     let layout = KvLayout {
         block_size: 16,
         num_kv_heads: c.num_kv_heads,
@@ -62,7 +66,7 @@ pub fn attn16_table(smoke: bool) -> Res<()> {
         landed: &[],
     };
     println!(
-        "\n## Attention input {h} → q {qd} / kv {kvd}, RoPE, KV write, decode attention (context 1), bf16 weights and KV: f32 activations (the default) vs 16-bit (THAW_CUDA_BF16_ACT=1); median of 20"
+        "\n## Attention {h} → q {qd} / kv {kvd}, RoPE, KV write, decode attention (context 1), o_proj, bf16 weights and KV: f32 activations (the default) vs 16-bit (THAW_CUDA_BF16_ACT=1); median of 20"
     );
     println!("| rows | f32 µs | act GB/s | 16-bit µs | act GB/s | 16-bit plan | speed-up |\n|---|---|---|---|---|---|---|");
     for &rows in rows_list {
@@ -91,6 +95,7 @@ pub fn attn16_table(smoke: bool) -> Res<()> {
                 let qkv = [&mut q, &mut k, &mut v];
                 let w = [&wq, &wk, &wv];
                 g.qkv_attention(&x, w, qkv, sites, &batch, heads, &mut kv, &step, &mut out);
+                g.linear(&out, &wo, rows, &mut o);
             })?;
         }
         let f32_bytes = attn16_traffic_bytes(Attn16Plan::F32(AttnF32Why::Off), rows, qd, kvd);

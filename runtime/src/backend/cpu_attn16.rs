@@ -6,10 +6,18 @@
 //! run in f32 over the rounded values, as CUDA's `qkv_rope16` kernel does. CUDA rounds K and V
 //! into the KV cache dtype on both paths, which the CPU's own cache dtype
 //! ([`CpuBackend::with_kv_cache_dtype`]) emulates, so only what the 16-bit path adds is rounded
-//! here. The attention output stays f32 on both paths (o_proj casts it on CUDA either way).
+//! here.
+//!
+//! The attention output: where CUDA stores it 16-bit (`stores_out16`) its kernels round the
+//! f32 value they computed once on the store, and o_proj's GEMM reads that; on the f32 path
+//! they store the same f32 value and o_proj's cast rounds it the same way (round to nearest
+//! even both), so o's product reads the same bits on both paths and the emulation has nothing
+//! to add: it keeps `out` in f32, as before, on both paths (o's LoRA, the one reader of the
+//! unrounded values, only runs where the plan keeps the f32 store). The GPU parity test
+//! `attention_16_bit_outputs_are_the_f32_outputs_rounded` checks the bit-for-bit premise.
 use std::sync::Arc;
 
-use super::attn16_plan::{attn16_plan, Attn16Facts, Attn16Plan};
+use super::attn16_plan::{attn16_plan, Attn16Facts};
 use super::cpu::{CpuBackend, CpuKvLayer, CpuLinear};
 use super::cpu_act16::{slot_rank, targets, Act16Type};
 use super::kernel_select::rope_fold_unserved;
@@ -29,6 +37,17 @@ pub(crate) fn lora_on_qkv<L>(
     [Q, K, V]
         .into_iter()
         .any(|m| targets(batch, layer, m, rank))
+}
+
+/// Whether a row of the step has an adapter that targets o of `layer`, whether or not that
+/// layer has landed on the device (its LoRA, or the CPU-assist export of o's input, reads the
+/// f32 attention output): the plan fact of an eager step, shared with the CUDA backend.
+pub(crate) fn lora_on_o<L>(
+    batch: &LoraBatch<'_, L>,
+    layer: LayerIdx,
+    rank: impl Fn(&L, usize, LoraModule) -> usize,
+) -> bool {
+    targets(batch, layer, LoraModule::O, rank)
 }
 
 /// The plan facts every backend derives the same way from the op's arguments: the switch and
@@ -81,9 +100,11 @@ pub(super) fn qkv_attention(
         weights_16bit: true,
         graph: graph.is_some(),
         graph_lora: graph.unwrap_or(false),
+        // The same plan as CUDA's (its output store has no numeric effect here: module docs).
+        lora_on_o: graph.is_none() && lora_on_o(batch, sites[0].layer, slot_rank),
         ..attn16_facts(rows, &sites, heads, bias, lora)
     };
-    if attn16_plan(&facts, q_kv(&sites)) != Attn16Plan::Attn16 {
+    if !attn16_plan(&facts, q_kv(&sites)).rounds_qkv() {
         let qkv = [q, k, v];
         return qkv_then_rope_attention(b, x, ws, qkv, sites, batch, heads, kv, step, out);
     }

@@ -433,6 +433,10 @@ pub trait Backend {
     /// then [`Backend::rope_attention`] into `out`. `q`, `k`, `v` are scratch: only `out` is
     /// read afterwards (by o_proj). A backend may keep q, k and v in 16 bits (CUDA with
     /// `THAW_CUDA_BF16_ACT=1`, [`attn16_plan::attn16_plan`]); the default runs the two ops.
+    /// Where no adapter of the step targets o at this layer, a backend may also keep `out`
+    /// only as o_proj's 16-bit GEMM input (CUDA: `stores_out16`, `cuda/attn_out.rs`), leaving
+    /// its f32 values unwritten: the caller's next op must then be o_proj's product over `out`
+    /// (`forward.rs` does exactly that).
     #[allow(clippy::too_many_arguments)]
     fn qkv_attention(
         &mut self,

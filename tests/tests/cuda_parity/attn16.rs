@@ -2,7 +2,9 @@
 //! against the CPU oracle and the f32 path they replace: the `qkv_rope16` kernel alone (every
 //! weight × KV dtype, GQA heads, 1 to 128 rows), whole engines (Llama, and Qwen2 whose q/k/v
 //! biases keep the attention f32) eager and graph-captured, and steady decode steps' device
-//! counts (eager and replayed). Part of `cuda_parity` (its helpers, its GPU skip rules).
+//! counts (eager and replayed); the attention output stored 16-bit (`attn_out.rs`): each
+//! kernel family's 16-bit-output entries against its f32 entries. Part of `cuda_parity` (its
+//! helpers, its GPU skip rules).
 //!
 //! Tolerances (normwise relative, `rel_err`):
 //! - the kernel's rotated q (f32) against the CPU's `rope` over the same widened 16-bit q:
@@ -11,12 +13,15 @@
 //!   the KV dtype's unit roundoff (2⁻⁸ bf16, 2⁻¹⁰ f16: one rounding on the store, which an
 //!   ulp of the rotation may move across a rounding boundary) plus the 1e-6, and 1e-6 for an
 //!   f32 cache;
+//! - the 16-bit-output entries: bit for bit `from_f32` of the f32 entries' output (they compute
+//!   in f32 the same way and differ only in the store's rounding);
 //! - engines: logits within the suite's 16-bit 1e-2 and identical greedy tokens at every step
 //!   but at a near tie of the reference run (`gemv.rs`' rule), as `act16.rs`'s engines test.
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
+use thaw_kernels::cpu::KvLayout;
 use thaw_runtime::backend::cpu::CpuBackend;
-use thaw_runtime::backend::cuda::{CudaBackend, CudaConfig, DType};
+use thaw_runtime::backend::cuda::{AttnImpl, CudaBackend, CudaConfig, DType};
 use thaw_runtime::backend::Backend;
 use thaw_server::gen::{ArchOptions, GenArch};
 use thaw_tests::graphs::prompts;
@@ -26,7 +31,7 @@ use super::act16::decode_logged;
 use super::gemv::near_tie;
 use super::graphs::engine_with;
 use super::host_overhead::decode_counts_on;
-use super::{check, rand_vec};
+use super::{check, classic_kernels, prefix_step, rand_vec, step_of};
 
 /// The 16-bit bits of `v` in `dt`, and their f32 value.
 fn round16(v: &[f32], dt: DType) -> (Vec<u16>, Vec<f32>) {
@@ -97,19 +102,121 @@ fn qkv_rope16_matches_the_cpu_rope_and_kv_write() {
     }
 }
 
+/// The attention families `attention_x16` may launch, switched on `g` by name.
+fn family(g: &mut CudaBackend, name: &str) -> bool {
+    classic_kernels(g);
+    match name {
+        "classic" => true,
+        "split" => {
+            g.set_attn_impl(AttnImpl::Split { min_chunk: 4 }).unwrap();
+            true
+        }
+        "occupancy" => {
+            g.set_attn_occupancy(Some(4)).unwrap();
+            true
+        }
+        // Served only with a cache of the weight dtype on an sm_80+ device.
+        "tensor-core" => g.set_tc_prefill(true).unwrap(),
+        _ => unreachable!("{name}"),
+    }
+}
+
+/// Each attention family's 16-bit-output entries (`attn_decode_K_out_W`, the split reduce's,
+/// the occupancy decode's, `attn_prefill_K_out_W`, the tensor-core prefill's) against its f32
+/// entries over the same cache and queries: every output value bit for bit the f32 one rounded
+/// to the weight dtype. Decode (contexts of 300: several splits) and prefill (a prompt that
+/// continues a 40-position prefix) at 1, 3, 17 and 128 rows, bf16 and f16 weights, every KV
+/// dtype the family takes.
+#[test]
+fn attention_16_bit_outputs_are_the_f32_outputs_rounded() {
+    if !thaw_tests::gpu_or_skip() {
+        return;
+    }
+    let c = super::shape().config;
+    let qw = c.q_dim();
+    let mut rng = ChaCha8Rng::seed_from_u64(2962);
+    let layout = KvLayout {
+        block_size: 16,
+        num_kv_heads: c.num_kv_heads,
+        head_dim: c.head_dim,
+    };
+    for w in [DType::Bf16, DType::F16] {
+        for kv in [DType::F32, DType::Bf16, DType::F16] {
+            for name in ["classic", "split", "occupancy", "tensor-core"] {
+                let cfg = CudaConfig {
+                    weight_dtype: w,
+                    kv_dtype: kv,
+                    ..Default::default()
+                };
+                let mut g = CudaBackend::new(&c, &cfg).expect("CUDA backend");
+                if !family(&mut g, name) || (name == "tensor-core" && kv != w) {
+                    continue;
+                }
+                g.set_act16(true).unwrap();
+                for rows in [1usize, 3, 17, 128] {
+                    let decode = vec![(299, 1); rows];
+                    let prefill = [(40, rows)];
+                    for (kind, lens) in [("decode", &decode[..]), ("prefill", &prefill[..])] {
+                        let (step, nb) = step_of(lens, 16);
+                        let mut kvg = g.alloc_kv_layer(layout, nb).unwrap();
+                        let mut outs = (Vec::new(), Vec::new());
+                        for st in [&prefix_step(&step), &step] {
+                            let n = st.rows();
+                            let up = |g: &CudaBackend, v: Vec<f32>| g.upload_f32(&v).unwrap();
+                            let q = up(&g, rand_vec(&mut rng, n * qw, 1.0));
+                            let k = up(&g, rand_vec(&mut rng, n * c.kv_dim(), 1.0));
+                            let v = up(&g, rand_vec(&mut rng, n * c.kv_dim(), 1.0));
+                            let mut o32 = g.alloc(n * qw).unwrap();
+                            let mut o16 = g.alloc_x16(n * qw).unwrap();
+                            g.begin_step();
+                            g.attention(&q, &k, &v, &mut kvg, st, &mut o32);
+                            g.attention_x16((&q, &k, &v), &mut kvg, st, &mut o16)
+                                .unwrap();
+                            outs = (
+                                g.download_f32(&o32, n * qw).unwrap(),
+                                g.download_x16(&o16, n * qw).unwrap(),
+                            );
+                        }
+                        let (f32s, got) = outs;
+                        let (_, want) = round16(&f32s, w);
+                        let differ = got
+                            .iter()
+                            .zip(&want)
+                            .filter(|(a, b)| a.to_bits() != b.to_bits())
+                            .count();
+                        assert_eq!(
+                            differ, 0,
+                            "{name} {kind} {w:?}/{kv:?} {rows} rows: values not from_f32 of f32's"
+                        );
+                    }
+                }
+                g.check().unwrap();
+                println!("{name} {w:?}/{kv:?}: 16-bit outputs bit for bit");
+            }
+        }
+    }
+}
+
 /// Greedy decode runs of `tm` with the switch off, on (eager) and on with CUDA graphs (decode
 /// steps of up to 16 rows), batches of 1, 3, 8 and 20 without an adapter and with rows on a
-/// gate/up adapter (the MLP then stays f32: the attention's rounding alone) and on a q/v one
-/// (the attention stays f32): each sequence's tokens identical and every step's logits within
+/// gate/up adapter (the MLP then stays f32: the attention's rounding alone, its output 16-bit),
+/// on a q/v one (the attention stays f32) and on an o one (q/k/v 16-bit, the attention output
+/// f32 for o's LoRA): each sequence's tokens identical and every step's logits within
 /// 1e-2 of the reference run up to a near tie (see the module docs). Returns the worst logits
 /// error of the on runs against off.
 fn engines_agree(tm: &TestModel, dt: DType) -> f64 {
     let adapters = [
         tm.adapter(8, &["gate", "up"], 97),
         tm.adapter(8, &["q", "v"], 98),
+        tm.adapter(8, &["o"], 99),
     ];
     let vocab = tm.model.config.vocab_size;
-    let cases: [&[Option<u32>]; 3] = [&[None], &[None, Some(0)], &[None, Some(0), Some(1)]];
+    let cases: [&[Option<u32>]; 4] = [
+        &[None],
+        &[None, Some(0)],
+        &[None, Some(0), Some(1)],
+        &[Some(2), None],
+    ];
     let mut runs = Vec::new();
     for (on, graphs) in [(false, false), (true, false), (true, true)] {
         let mut e = engine_with(&tm.model, dt, &adapters, graphs, |g| {
@@ -188,8 +295,9 @@ fn engines_with_16_bit_qkv_give_the_same_tokens() {
 
 /// A steady decode step with the switch on, three base rows (the attention's 16-bit path every
 /// step), eager and graph-replayed: no allocation, every step alike. Eager, against the switch
-/// off (classic RoPE, not folded): the same products, two launches fewer a layer (RoPE of q,
-/// RoPE of k and the KV write become one `qkv_rope16`). Replayed: one graph launch, no product
+/// off (classic RoPE, not folded): the same products, three launches fewer a layer (RoPE of q,
+/// RoPE of k and the KV write become one `qkv_rope16`; the attention kernels store o_proj's
+/// 16-bit input, so its cast goes). Replayed: one graph launch, no product
 /// from the host (the 16-bit q/k/v scratch was reserved before the capture).
 #[test]
 fn steady_decode_with_16_bit_qkv_allocates_nothing() {
@@ -218,7 +326,7 @@ fn steady_decode_with_16_bit_qkv_allocates_nothing() {
         let (off, on) = (&eager[0], &eager[1]);
         println!("{dt:?} attn16 eager: off {off:?}, on {on:?}");
         assert_eq!(on.gemms, off.gemms, "{dt:?}: another number of products");
-        assert_eq!(on.launches + 2 * layers, off.launches, "{dt:?}: launches");
+        assert_eq!(on.launches + 3 * layers, off.launches, "{dt:?}: launches");
         let counts = decode_counts_on(&tm, dt, 4, (None, true), |g| {
             g.set_gemv(false).unwrap();
             g.set_act16(true).unwrap();

@@ -368,6 +368,7 @@ impl CudaBackend {
         };
         // The residual stream follows the switch (`residual16.rs`).
         self.gpu.load_residual16()?;
+        self.load_attn_out16()?;
         self.x16_tag = None;
         Ok(())
     }

@@ -11,18 +11,20 @@
 //!    kernel reads, K and V into the paged cache in the KV dtype — RoPE folded into the KV
 //!    write whether or not `THAW_CUDA_ROPE_FOLD` is on;
 //! 4. the attention kernels the f32 path runs (eager: [`CudaBackend::attend`]; graph: the
-//!    graph's decode), unchanged: their f32 output is o_proj's input, which o_proj casts.
+//!    graph's decode). Where the plan `stores_out16` (no LoRA on o may read the output, the
+//!    family launched has the store) their 16-bit-output entries write it in the weight dtype
+//!    into the 16-bit GEMM input scratch, tagged as `ws.attn`'s cast, so o_proj's product reads
+//!    it with no cast and `ws.attn`'s f32 values are not written (`attn_out.rs`); else their
+//!    f32 output is o_proj's input, which o_proj casts.
 //!
-//! Against the f32 path (q, k, v written and read in f32, q and k written back by RoPE) this
-//! moves 8q + 8kv bytes a row against 12q + 20kv, 59 % for Llama-3-8B
-//! ([`attn16_traffic_bytes`](crate::backend::attn16_plan::attn16_traffic_bytes)). The attention
-//! output is not stored 16-bit: five kernel families write it (classic decode and prefill,
-//! flash-decoding's split pass and its reduce, the occupancy decode, the tensor-core prefill),
-//! each instantiated per KV dtype, so a 16-bit store is a second instantiation of each per
-//! weight dtype and a change at each launch site, for 8 B an element of `rows × q` (module docs
-//! of [`attn16_plan`]); the cast o_proj runs today stays. CUDA-graph steps whose key has no
-//! LoRA rank class take this path too; the three 16-bit buffers are reserved at the graphs'
-//! largest before a capture and are part of the graph fingerprint. LoRA on q/k/v (a graph: a
+//! Against the f32 path (q, k, v written and read in f32, q and k written back by RoPE; the
+//! output written in f32, cast and read) this moves 12q + 8kv bytes a row against 24q + 20kv,
+//! 48 % for Llama-3-8B, or 20q + 8kv with the output in f32
+//! ([`attn16_traffic_bytes`](crate::backend::attn16_plan::attn16_traffic_bytes)), and launches
+//! three kernels fewer a layer (RoPE of q, of k and the KV write as one; no cast). CUDA-graph
+//! steps whose key has no LoRA rank class take this path too; the three 16-bit q/k/v buffers
+//! and the shared 16-bit GEMM input scratch are reserved at the graphs' largest before a
+//! capture and are part of the graph fingerprint. LoRA on q/k/v (a graph: a
 //! key with a rank class), GEMV-sized products, biased q/k/v (Qwen2) and f32 weights keep the
 //! f32 path. CPU twin of the rounding: `cpu_attn16.rs`.
 //!
@@ -34,12 +36,13 @@ use thaw_kernels::cuda::registry::{shape, DType};
 use thaw_kernels::cuda::KernelCache;
 
 use super::act16::grown;
+use super::attn_out::AttnOut;
 use super::launch::{int, launch, Gpu};
 use super::weights::{CudaLinear, CudaLora};
 use super::wide::FoldShape;
 use super::{CudaBackend, CudaError, CudaKvLayer};
 use crate::backend::attn16_plan::{attn16_plan, Attn16Facts, Attn16Plan};
-use crate::backend::cpu_attn16::{attn16_facts, lora_on_qkv, q_kv};
+use crate::backend::cpu_attn16::{attn16_facts, lora_on_o, lora_on_qkv, q_kv};
 use crate::backend::kernel_select::wide_rope_block;
 use crate::backend::{LoraBatch, LoraSite, StepLayout};
 use crate::error::Result;
@@ -136,8 +139,8 @@ impl CudaBackend {
         batch: &LoraBatch<'_, CudaLora>,
     ) -> Attn16Plan {
         let graph = self.graphs.active();
-        let lora = graph.is_none()
-            && lora_on_qkv(batch, sites[0].layer, |a: &CudaLora, l, m| a.rank(l, m));
+        let rank = |a: &CudaLora, l, m| a.rank(l, m);
+        let lora = graph.is_none() && lora_on_qkv(batch, sites[0].layer, rank);
         let bias = ws.iter().any(|w| w.bias.is_some());
         let facts = Attn16Facts {
             switch_on: self.gpu.act16.is_some(),
@@ -147,6 +150,10 @@ impl CudaBackend {
             // The GEMV serves products of at most GEMV_MAX_ROWS rows (it reads and writes
             // f32); counted whether or not it serves each shape, which only keeps f32.
             gemv: self.gpu.gemv.is_some() && rows <= shape::GEMV_MAX_ROWS,
+            lora_on_o: graph.is_none() && lora_on_o(batch, sites[0].layer, rank),
+            // Counted whether or not the step has prefill rows (the tensor-core prefill is the
+            // one family without a store for every dtype pair), which only keeps f32.
+            out16_unserved: !(self.gpu.attn_out16.as_ref()).is_some_and(|k| k.serves(&self.gpu)),
             ..attn16_facts(rows, sites, heads, bias, lora)
         };
         attn16_plan(&facts, q_kv(sites))
@@ -154,7 +161,9 @@ impl CudaBackend {
 
     /// The 16-bit path of [`Backend::qkv_attention`](crate::backend::Backend::qkv_attention)
     /// (the plan served it): the steps of the module docs as one op, `at` (the norm's tag
-    /// serves the products).
+    /// serves the products). With `out16` the attention output goes into the 16-bit GEMM
+    /// input scratch (`attn_out.rs`) and `out` is not written: the caller tags the scratch as
+    /// `out`'s cast.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn try_qkv_attention16(
         &mut self,
@@ -164,7 +173,7 @@ impl CudaBackend {
         kv: &mut CudaKvLayer,
         step: &StepLayout,
         (q, out): (&mut CudaSlice<f32>, &mut CudaSlice<f32>),
-        at: u64,
+        (at, out16): (u64, bool),
     ) -> Result<(), CudaError> {
         let rows = step.rows();
         self.attn16_products(x, ws, rows, at)?;
@@ -200,7 +209,15 @@ impl CudaBackend {
         let Some(a) = graph else {
             let (slots, pos) = (self.attn.slots(), self.positions.get());
             (self.gpu).qkv_rope16(&kernel, r, &slots, pos, &self.inv_freq, fold)?;
-            return self.attend(q, kv, out, s);
+            if !out16 {
+                return self.attend(q, kv, out.into(), s);
+            }
+            // The q/k/v GEMMs above were the scratch's last readers (stream order).
+            let mut x16 = self.x16.take();
+            let r = self.x16_out(&mut x16, rows * n_heads * self.head_dim);
+            let r = r.and_then(|o| self.attend(q, kv, AttnOut::X16(o), s));
+            self.x16 = x16;
+            return r;
         };
         // A graph step: positions, slots, block tables and decode rows from the persistent
         // buffer, the graph's decode kernels.
@@ -212,7 +229,28 @@ impl CudaBackend {
         (self.gpu).qkv_rope16(&kernel, r, &slots, &pos, &self.inv_freq, fold)?;
         let tables = meta.slice(l.tables..l.len);
         let decode = meta.slice(l.decode..l.decode + 3 * n);
-        self.graph_decode(q, kv, out, (&tables, &decode), n, s)
+        if !out16 {
+            return self.graph_decode(q, kv, out.into(), (&tables, &decode), n, s);
+        }
+        // Reserved at the graphs' largest before the capture (`graph_prepare`): no growth.
+        let mut x16 = self.x16.take();
+        let r = self.x16_out(&mut x16, n.max(rows) * n_heads * self.head_dim);
+        let r = r.and_then(|o| self.graph_decode(q, kv, AttnOut::X16(o), (&tables, &decode), n, s));
+        self.x16 = x16;
+        r
+    }
+
+    /// The 16-bit GEMM input scratch as the attention output of `n` elements, grown to it
+    /// first (the largest step; steady steps find it large enough).
+    fn x16_out<'a>(
+        &self,
+        x16: &'a mut Option<CudaSlice<u16>>,
+        n: usize,
+    ) -> Result<&'a mut CudaSlice<u16>, CudaError> {
+        // SAFETY: the attention kernels write every element of the step's rows × q_dim before
+        // o_proj's GEMM reads them (the tag covers exactly those).
+        unsafe { self.gpu.x16_ptr(x16, n) }?;
+        Ok(x16.as_mut().expect("grown by x16_ptr"))
     }
 
     /// Steps 1–2: `x`'s 16-bit copy and the three 16-bit products into the scratch; op `at`.

@@ -14,6 +14,7 @@ use thaw_kernels::cuda::decode_plan::{occupancy_max_partials, occupancy_splits};
 use thaw_kernels::cuda::registry::{shape, DType};
 use thaw_kernels::cuda::KernelCache;
 
+use super::attn_out::AttnOut;
 use super::flash::max_decode_ctx;
 use super::launch::{int, launch, AttnShape, Gpu};
 use super::step::AttnMeta;
@@ -69,7 +70,7 @@ impl Gpu {
         &self,
         q: &CudaSlice<f32>,
         (kc, vc): (&CudaSlice<u8>, &CudaSlice<u8>),
-        out: &mut CudaSlice<f32>,
+        out: AttnOut<'_>,
         a: &AttnMeta,
         s: AttnShape,
     ) -> Result<(), CudaError> {
@@ -88,7 +89,7 @@ impl Gpu {
         &self,
         q: &CudaSlice<f32>,
         (kc, vc): (&CudaSlice<u8>, &CudaSlice<u8>),
-        out: &mut CudaSlice<f32>,
+        out: AttnOut<'_>,
         meta: (&impl DevicePtr<u32>, &impl DevicePtr<u32>),
         n: usize,
         s: AttnShape,
@@ -105,13 +106,15 @@ impl Gpu {
         &self,
         q: &CudaSlice<f32>,
         (kc, vc): (&CudaSlice<u8>, &CudaSlice<u8>),
-        out: &mut CudaSlice<f32>,
+        out: AttnOut<'_>,
         (tables, row_meta): (&impl DevicePtr<u32>, &impl DevicePtr<u32>),
         n: usize,
         s: AttnShape,
         splits: usize,
     ) -> Result<(), CudaError> {
         let od = self.occupancy();
+        let split = self.attn_kernel(&out, &od.split, |k| Some(&k.ilp))?;
+        let reduce = self.attn_kernel(&out, &od.reduce, |k| Some(&k.reduce))?;
         assert!(
             s.head_dim <= shape::SPLIT_MAX_HEAD_DIM,
             "head_dim {} > {}",
@@ -137,11 +140,12 @@ impl Gpu {
         // splits tile its own attended context (row_splits, split_range), so any splits ≥ 1 is
         // in range; with splits > 1 the scratch holds rows · n_heads · splits partials of up
         // to SPLIT_MAX_HEAD_DIM and 2 f32 (asserted above against its fixed size), with one
-        // split it is not accessed; blockDim = 32 · SPLIT_ILP_WARPS as compiled.
+        // split it is not accessed; blockDim = 32 · SPLIT_ILP_WARPS as compiled; `out` is of
+        // both entries' output type (attn_kernel picks the _out_W twins for 16 bits).
         unsafe {
             launch!(
                 self,
-                &od.split,
+                split,
                 (n as u32, s.n_heads as u32, splits as u32),
                 32 * shape::SPLIT_ILP_WARPS,
                 [
@@ -150,7 +154,7 @@ impl Gpu {
                     self.p(vc),
                     self.p(&od.acc),
                     self.p(&od.ml),
-                    self.p(&*out),
+                    out.ptr(self),
                     self.p(tables),
                     self.p(row_meta),
                     int(n, "rows"),
@@ -169,13 +173,13 @@ impl Gpu {
             }
             launch!(
                 self,
-                &od.reduce,
+                reduce,
                 (n as u32, s.n_heads as u32, 1),
                 128,
                 [
                     self.p(&od.acc),
                     self.p(&od.ml),
-                    self.p(&*out),
+                    out.ptr(self),
                     self.p(row_meta),
                     int(n, "rows"),
                     int(s.n_heads, "n_heads"),

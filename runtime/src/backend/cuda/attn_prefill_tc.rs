@@ -13,6 +13,7 @@ use thaw_kernels::cuda::prefill_tc_plan::{self, WARPS};
 use thaw_kernels::cuda::registry::DType;
 use thaw_kernels::cuda::KernelCache;
 
+use super::attn_out::AttnOut;
 use super::launch::{AttnShape, Gpu, PrefillKernel};
 use super::{CudaBackend, CudaError};
 use crate::backend::kernel_select::tc_prefill_unserved;
@@ -59,7 +60,7 @@ impl Gpu {
         &self,
         q: &CudaSlice<f32>,
         (kc, vc): (&CudaSlice<u8>, &CudaSlice<u8>),
-        out: &mut CudaSlice<f32>,
+        out: AttnOut<'_>,
         tables: &impl DevicePtr<u32>,
         tiles: &impl DevicePtr<u32>,
         n_tiles: usize,
@@ -80,10 +81,11 @@ impl Gpu {
             "KV cache not 16-byte aligned"
         );
         let k = PrefillKernel {
-            func: &tc.func,
+            func: self.attn_kernel(&out, &tc.func, |k| k.tc.as_ref())?,
             block: 32 * WARPS as u32,
         };
-        // SAFETY: attn_prefill_tcHD_T has attn_prefill_T's signature (attention_prefill_tc.cu)
+        // SAFETY: attn_prefill_tcHD_T (or its _out_T twin, loaded for the same head_dim, for a
+        // 16-bit `out`) has attn_prefill_T's signature (attention_prefill_tc.cu)
         // and is compiled for blockDim 32 · WARPS with a static shared-memory tile of Q_TILE
         // query rows, the tile size step.rs cuts with while this kernel is loaded
         // (prefill_tile_rows); head_dim equals its HD (asserted above; the kernel traps
@@ -102,6 +104,8 @@ impl CudaBackend {
         } else {
             None
         };
+        // The 16-bit-output twin follows (`attn_out.rs`).
+        self.load_attn_out16()?;
         // The next step rebuilds its metadata with the new tile size.
         self.begin_step();
         Ok(self.tc_prefill())

@@ -418,30 +418,31 @@ impl CudaBackend {
         let tl = kv.layout.token_len();
         self.gpu
             .write_kv(k, v, &mut kv.k, &mut kv.v, &self.attn.slots(), rows, tl)?;
-        self.attend(q, kv, out, s)
+        self.attend(q, kv, out.into(), s)
     }
 
     /// Paged decode and prefill attention over the step's rows, whose K/V are in the cache
-    /// (eager steps; metadata from [`CudaBackend::attn_prepare`]).
+    /// (eager steps; metadata from [`CudaBackend::attn_prepare`]), into `out` (f32, or the
+    /// 16-bit GEMM input: `attn_out.rs`).
     pub(super) fn attend(
         &mut self,
         q: &CudaSlice<f32>,
         kv: &CudaKvLayer,
-        out: &mut CudaSlice<f32>,
+        mut out: super::attn_out::AttnOut<'_>,
         s: AttnShape,
     ) -> Result<(), CudaError> {
         let a = &mut self.attn;
+        let o = out.reborrow();
         if self.gpu.occupancy.is_some() {
-            self.gpu
-                .attn_decode_occupancy(q, (&kv.k, &kv.v), out, a, s)?;
+            self.gpu.attn_decode_occupancy(q, (&kv.k, &kv.v), o, a, s)?;
         } else if self.gpu.flash.is_some() {
-            self.gpu.attn_decode_split(q, (&kv.k, &kv.v), out, a, s)?;
+            self.gpu.attn_decode_split(q, (&kv.k, &kv.v), o, a, s)?;
         } else {
             self.gpu.attn_decode(
                 q,
                 &kv.k,
                 &kv.v,
-                out,
+                o,
                 &a.tables(),
                 &a.decode(),
                 a.n_decode(),
@@ -1220,9 +1221,21 @@ impl Backend for CudaBackend {
     ) {
         let plan = self.attn16_plan_for(ws, step.rows(), &sites, heads, batch);
         if plan.rounds_qkv() {
+            let out16 = plan.stores_out16();
             op!(self, {
                 let at = self.ops;
-                self.try_qkv_attention16(x, ws, heads, kv, step, (q, out), at)
+                let len = step.rows() * heads.0 * self.head_dim;
+                let r = self.try_qkv_attention16(x, ws, heads, kv, step, (q, out), (at, out16));
+                if r.is_ok() && out16 {
+                    // `x16` holds the attention output in the weight dtype and `out` was not
+                    // written: the next op, o_proj over `out`, reads the scratch (`attn_out.rs`).
+                    self.x16_tag = Some(super::fused::X16Tag {
+                        ptr: self.gpu.p(out),
+                        len,
+                        at,
+                    });
+                }
+                r
             });
             return;
         }

@@ -13,6 +13,7 @@ use thaw_kernels::cuda::decode_plan::DecodeSplit;
 use thaw_kernels::cuda::registry::{shape, DType};
 use thaw_kernels::cuda::KernelCache;
 
+use super::attn_out::AttnOut;
 use super::launch::{int, launch, AttnShape, Gpu};
 use super::step::AttnMeta;
 use super::{CudaBackend, CudaError};
@@ -75,7 +76,7 @@ impl Gpu {
         &self,
         q: &CudaSlice<f32>,
         (kc, vc): (&CudaSlice<u8>, &CudaSlice<u8>),
-        out: &mut CudaSlice<f32>,
+        out: AttnOut<'_>,
         a: &mut AttnMeta,
         s: AttnShape,
     ) -> Result<(), CudaError> {
@@ -115,10 +116,12 @@ impl Gpu {
         );
         let (tables, row_meta) = (a.tables(), a.decode());
         assert!(row_meta.len() >= 3 * n);
+        let reduce = self.attn_kernel(&out, &fd.reduce, |k| Some(&k.reduce))?;
         // SAFETY: attn_decode_split_T(q, kc, vc, float* part_acc, float* part_ml, block_tables,
         // row_meta, int rows, int n_heads, int n_kv_heads, int head_dim, int block_size, int
         // window, float scale, int splits, int chunk) then attn_decode_reduce(part_acc,
-        // part_ml, out, row_meta, int rows, int n_heads, int head_dim, int splits). The
+        // part_ml, out, row_meta, int rows, int n_heads, int head_dim, int splits), `out` of
+        // the reduce entry's output type (attn_kernel picks its _out_W twin for 16 bits). The
         // metadata was built by step.rs from the StepLayout whose K/V were written (table
         // entries and rows in range, as for attn_decode); splits · chunk covers every row's
         // attended context (DecodeSplit::plan over max_decode_ctx); the scratch holds
@@ -151,13 +154,13 @@ impl Gpu {
             )?;
             launch!(
                 self,
-                &fd.reduce,
+                reduce,
                 (n as u32, s.n_heads as u32, 1),
                 128,
                 [
                     self.p(acc),
                     self.p(ml),
-                    self.p(out),
+                    out.ptr(self),
                     self.p(&row_meta),
                     int(n, "rows"),
                     int(s.n_heads, "n_heads"),

@@ -355,7 +355,7 @@ impl CudaBackend {
             &self.inv_freq,
             fold,
         )?;
-        self.graph_decode(q, kv, out, (&tables, &decode), n, s)
+        self.graph_decode(q, kv, out.into(), (&tables, &decode), n, s)
     }
 
     /// A graph's decode attention: the occupancy kernels if switched on (splits fixed for the
@@ -364,7 +364,7 @@ impl CudaBackend {
         &self,
         q: &CudaSlice<f32>,
         kv: &CudaKvLayer,
-        out: &mut CudaSlice<f32>,
+        out: super::attn_out::AttnOut<'_>,
         meta: (&CudaView<'_, u32>, &CudaView<'_, u32>),
         n: usize,
         s: AttnShape,
@@ -393,7 +393,7 @@ impl CudaBackend {
         let decode = meta.slice(l.decode..l.decode + 3 * n);
         let tl = kv.layout.token_len();
         (self.gpu).write_kv(k, v, &mut kv.k, &mut kv.v, &slots, n, tl)?;
-        self.graph_decode(q, kv, out, (&tables, &decode), n, s)
+        self.graph_decode(q, kv, out.into(), (&tables, &decode), n, s)
     }
 
     /// Graph-mode LoRA: BGMV over every row with the key's rank class; rows without an

@@ -14,6 +14,7 @@ use cudarc::driver::{sys, CudaContext, CudaFunction, CudaSlice, CudaStream, Devi
 use thaw_kernels::cuda::registry::{shape, DType};
 use thaw_kernels::cuda::KernelCache;
 
+use super::attn_out::AttnOut;
 use super::CudaError;
 
 /// Device address of a slice's first element.
@@ -170,6 +171,8 @@ pub(super) struct Gpu {
     pub act16: Option<super::act16::Act16>,
     /// The residual stream in 16 bits (`residual16.rs`, with `act16`); `None` = f32.
     pub residual16: Option<super::residual16::Residual16>,
+    /// The attention kernels' 16-bit-output entries (`attn_out.rs`, with `act16`).
+    pub attn_out16: Option<super::attn_out::AttnOut16>,
 }
 
 impl Gpu {
@@ -204,6 +207,7 @@ impl Gpu {
             lt: None,
             act16: None,
             residual16: None,
+            attn_out16: None,
             ctx,
             stream,
             blas,
@@ -686,7 +690,7 @@ impl Gpu {
         q: &CudaSlice<f32>,
         kc: &CudaSlice<u8>,
         vc: &CudaSlice<u8>,
-        out: &mut CudaSlice<f32>,
+        out: AttnOut<'_>,
         tables: &impl DevicePtr<u32>,
         row_meta: &impl DevicePtr<u32>,
         n: usize,
@@ -702,21 +706,24 @@ impl Gpu {
         if n == 0 {
             return Ok(());
         }
+        let func = self.attn_kernel(&out, &self.k.attn_decode, |k| Some(&k.decode))?;
         // SAFETY: attn_decode_T(q, kc, vc, out, block_tables, row_meta, int rows, int n_heads,
-        // int n_kv_heads, int head_dim, int block_size, int window, float scale); the metadata
-        // was built by step.rs from the same StepLayout whose K/V were written, so every block
-        // table entry and row index is in range; blockDim = 32 · ATTN_WARPS as compiled.
+        // int n_kv_heads, int head_dim, int block_size, int window, float scale), `out` of the
+        // entry's output type (attn_kernel picks attn_decode_T_out_W for a 16-bit `out`); the
+        // metadata was built by step.rs from the same StepLayout whose K/V were written, so
+        // every block table entry and row index is in range; blockDim = 32 · ATTN_WARPS as
+        // compiled.
         unsafe {
             launch!(
                 self,
-                &self.k.attn_decode,
+                func,
                 (n as u32, s.n_heads as u32, 1),
                 32 * shape::ATTN_WARPS,
                 [
                     self.p(q),
                     self.p(kc),
                     self.p(vc),
-                    self.p(out),
+                    out.ptr(self),
                     self.p(tables),
                     self.p(row_meta),
                     int(n, "rows"),
@@ -738,7 +745,7 @@ impl Gpu {
         q: &CudaSlice<f32>,
         kc: &CudaSlice<u8>,
         vc: &CudaSlice<u8>,
-        out: &mut CudaSlice<f32>,
+        out: AttnOut<'_>,
         tables: &impl DevicePtr<u32>,
         tiles: &impl DevicePtr<u32>,
         n_tiles: usize,
@@ -751,10 +758,10 @@ impl Gpu {
             shape::MAX_HEAD_DIM
         );
         let k = PrefillKernel {
-            func: &self.k.attn_prefill,
+            func: self.attn_kernel(&out, &self.k.attn_prefill, |k| Some(&k.prefill))?,
             block: 32 * shape::ATTN_WARPS,
         };
-        // SAFETY: attn_prefill_T is compiled for blockDim 32 · ATTN_WARPS and tiles of at most
+        // SAFETY: attn_prefill_T (or its 16-bit-output twin for a 16-bit `out`) is compiled for blockDim 32 · ATTN_WARPS and tiles of at most
         // PREFILL_Q rows, the tile size step.rs cuts with when the tensor-core kernel is off.
         unsafe { self.launch_prefill(k, q, (kc, vc), out, (tables, tiles, n_tiles), s) }
     }
@@ -763,14 +770,15 @@ impl Gpu {
     /// or the tensor-core one, which shares it).
     ///
     /// # Safety
-    /// `k.func` has that signature, runs with `k.block` threads, serves tiles as long as the
-    /// metadata's (step.rs cuts them to the loaded kernel's tile) and serves `s.head_dim`.
+    /// `k.func` has that signature with `out` of `out`'s element type, runs with `k.block`
+    /// threads, serves tiles as long as the metadata's (step.rs cuts them to the loaded
+    /// kernel's tile) and serves `s.head_dim`.
     pub(super) unsafe fn launch_prefill(
         &self,
         k: PrefillKernel<'_>,
         q: &CudaSlice<f32>,
         (kc, vc): (&CudaSlice<u8>, &CudaSlice<u8>),
-        out: &mut CudaSlice<f32>,
+        out: AttnOut<'_>,
         (tables, tiles, n_tiles): (&impl DevicePtr<u32>, &impl DevicePtr<u32>, usize),
         s: AttnShape,
     ) -> Result<(), CudaError> {
@@ -791,7 +799,7 @@ impl Gpu {
                     self.p(q),
                     self.p(kc),
                     self.p(vc),
-                    self.p(out),
+                    out.ptr(self),
                     self.p(tables),
                     self.p(tiles),
                     int(n_tiles, "n_tiles"),

@@ -11,6 +11,7 @@
 //! | --- | --- |
 //! | `act16.rs` | gate/up outputs and SwiGLU in 16 bits, f32 accumulation, down reading the 16-bit SwiGLU output (opt-in: `THAW_CUDA_BF16_ACT=1`; per step: [`act16_plan`](crate::backend::act16_plan::act16_plan)) |
 //! | `attn16.rs` | q/k/v outputs in 16 bits, f32 accumulation, RoPE from them into the KV cache and the f32 q the attention kernels read (opt-in: the same `THAW_CUDA_BF16_ACT=1`; per step: [`attn16_plan`](crate::backend::attn16_plan::attn16_plan)) |
+//! | `attn_out.rs` | the attention kernels' output stored in 16 bits as o_proj's GEMM input, tagged as `ws.attn`'s cast (with `attn16.rs`; per step: `stores_out16` of [`attn16_plan`](crate::backend::attn16_plan::attn16_plan)) |
 //! | `argmax.rs` | greedy token ids on the device, the ids' copy instead of the logits' (opt-in: `THAW_CUDA_DEVICE_ARGMAX=1`) |
 //! | `attn_occupancy.rs` | decode attention split for occupancy, 4 keys' loads in flight a warp (opt-in: `THAW_CUDA_ATTN_OCCUPANCY=1`; floor chunk `THAW_CUDA_SPLIT_MIN_CHUNK`, default 32) |
 //! | `attn_prefill_tc.rs` | prefill attention on the tensor cores (default where served; off: `THAW_CUDA_TC_PREFILL=0`) |
@@ -50,6 +51,7 @@ mod act16;
 mod argmax;
 mod attn16;
 mod attn_occupancy;
+mod attn_out;
 mod attn_prefill_tc;
 mod backend;
 mod counters;

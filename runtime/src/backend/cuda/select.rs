@@ -100,6 +100,7 @@ impl CudaBackend {
                 tracing::info!("CUDA activations: f32 (the weights are f32, not bf16/f16)");
             }
             self.gpu.load_residual16()?;
+            self.load_attn_out16()?;
         }
         Ok(())
     }

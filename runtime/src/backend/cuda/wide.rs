@@ -367,7 +367,7 @@ impl CudaBackend {
             &self.inv_freq,
             fold,
         )?;
-        self.attend(q, kv, out, s)
+        self.attend(q, kv, out.into(), s)
     }
 
     /// Switches the wide norm and RoPE kernels on or off (tests, benchmarks).
