@@ -14,14 +14,11 @@ use thaw_kernels::cpu::{KvLayout, RopeTable};
 
 use super::encode::encode;
 use super::gemv::GemvTake;
-use super::launch::dptr;
 use super::launch::{AttnShape, EpilogueBias, Gpu};
 use super::step::{AttnMeta, DevVec, LoraMeta};
-use super::upload::CudaDst;
-use super::upload::{CudaCopy, LayerLanding};
+use super::upload::CudaCopy;
 use super::weights::{
-    finish_lora, plan_lora, upload_bytes, weight_dtype, CudaLinear, CudaLora, CudaVector, LoraPlan,
-    WeightBytes,
+    upload_bytes, weight_dtype, CudaLinear, CudaLora, CudaVector, LoraPlan, WeightBytes,
 };
 use super::{CudaError, DType};
 use crate::adapter::{LoraAdapter, LoraModule};
@@ -34,7 +31,7 @@ use crate::error::Result;
 use crate::ids::LayerIdx;
 use crate::model::ModelConfig;
 use crate::residency::LoadPriority;
-use crate::upload::{Upload, UploadPipeline};
+use crate::upload::UploadPipeline;
 
 /// Device, dtypes.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -111,13 +108,13 @@ pub struct CudaBackend {
     pub(super) export_idx: DevVec<u32>,
     pub(super) merge_idx: DevVec<u32>,
     /// Host rows staged for the trait's synchronous export / merge.
-    host_rows: DevVec<f32>,
+    pub(super) host_rows: DevVec<f32>,
     /// Which step adapters the current LoRA metadata treats as on the device.
     lora_on_device: Vec<bool>,
     on_device_scratch: Vec<bool>,
     /// The upload pipeline every adapter goes through, `cached` ones included (see
     /// [`CudaBackend::start_upload`]); set once, on first use if not at start-up.
-    upload: OnceLock<UploadPipeline<CudaCopy>>,
+    pub(super) upload: OnceLock<UploadPipeline<CudaCopy>>,
     pub(super) export_counter: CudaSlice<u32>,
     /// The worker pool's exchange, registered for the engine's assist path.
     pub(super) assist_ex: Option<super::exchange::EngineExchange>,
@@ -583,265 +580,6 @@ impl CudaBackend {
         r
     }
 }
-
-impl CudaBackend {
-    /// Row indices of `rows` into `idx` (staged on the device).
-    fn stage_rows(
-        gpu: &super::launch::Gpu,
-        idx: &mut DevVec<u32>,
-        rows: &[Range<usize>],
-    ) -> Result<usize, CudaError> {
-        idx.host.clear();
-        idx.host
-            .extend(rows.iter().flat_map(|r| r.clone().map(|i| i as u32)));
-        idx.upload(gpu)?;
-        Ok(idx.host.len())
-    }
-
-    fn try_export_host(
-        &mut self,
-        x: &CudaSlice<f32>,
-        width: usize,
-        rows: &[Range<usize>],
-        dst: &mut [f32],
-        stride: usize,
-    ) -> Result<(), CudaError> {
-        let n = Self::stage_rows(&self.gpu, &mut self.export_idx, rows)?;
-        assert!(
-            stride >= width && dst.len() >= n.saturating_sub(1) * stride + width,
-            "export_rows: dst holds {} < {n} rows of stride {stride}",
-            dst.len()
-        );
-        if n == 0 {
-            return Ok(());
-        }
-        if self
-            .host_rows
-            .dev
-            .as_ref()
-            .is_none_or(|d| d.len() < n * width)
-        {
-            self.host_rows.dev = Some(
-                self.gpu
-                    .alloc_zeros::<f32>((n * width).next_power_of_two())?,
-            );
-        }
-        let mut staged = self.host_rows.dev.take().expect("sized above");
-        let r = self
-            .gpu
-            .gather_rows(x, self.export_idx.get(), n, width, &mut staged)
-            .and_then(|()| {
-                let packed = &staged.slice(..n * width);
-                if stride == width {
-                    self.gpu.dtoh(packed, &mut dst[..n * width])?;
-                } else {
-                    // One copy into the host staging vector, then rows spread to the stride.
-                    let host = &mut self.host_rows.host;
-                    host.resize(n * width, 0.0);
-                    self.gpu.dtoh(packed, &mut host[..])?;
-                }
-                self.gpu.sync()
-            });
-        self.host_rows.dev = Some(staged);
-        if stride != width && r.is_ok() {
-            for (d, s) in dst
-                .chunks_mut(stride)
-                .zip(self.host_rows.host.chunks_exact(width))
-            {
-                d[..width].copy_from_slice(s);
-            }
-        }
-        r
-    }
-
-    fn try_merge_host(
-        &mut self,
-        y: &mut CudaSlice<f32>,
-        width: usize,
-        rows: &[Range<usize>],
-        src: &[f32],
-        stride: usize,
-    ) -> Result<(), CudaError> {
-        let n = Self::stage_rows(&self.gpu, &mut self.merge_idx, rows)?;
-        assert!(
-            stride >= width && src.len() >= n.saturating_sub(1) * stride + width,
-            "merge_rows: src holds {} < {n} rows of stride {stride}",
-            src.len()
-        );
-        if n == 0 {
-            return Ok(());
-        }
-        self.host_rows.host.clear();
-        self.host_rows
-            .host
-            .extend(src.chunks(stride).take(n).flat_map(|row| &row[..width]));
-        self.host_rows.upload(&self.gpu)?;
-        let delta = self.gpu.p(self.host_rows.get());
-        // SAFETY: `delta` is device memory holding n × width f32 (just uploaded on this
-        // stream, so complete before the kernel runs) that stays allocated: `host_rows` is only
-        // reallocated by a later call, after this launch is queued on the same stream.
-        unsafe {
-            self.gpu
-                .merge_deltas(y, width, self.merge_idx.get(), n, (delta, width))
-        }
-    }
-
-    /// The upload pipeline, started (arena allocated and registered) on first use unless
-    /// [`CudaBackend::start_upload`] did it at start-up.
-    fn upload(&self) -> Result<&UploadPipeline<CudaCopy>> {
-        if let Some(p) = self.upload.get() {
-            return Ok(p);
-        }
-        let copy = CudaCopy::new(&self.gpu.ctx)?;
-        let started = UploadPipeline::start(copy, DEFAULT_UPLOAD_ARENA, UPLOAD_LOADERS)?;
-        // The backend is used from one thread (`&self` here only because `upload_lora` takes
-        // it), so nobody set it meanwhile; if someone had, theirs is kept and ours dropped.
-        Ok(self.upload.get_or_init(|| started))
-    }
-
-    /// Allocates the pinned upload arena (`bytes`, `--max-cpu-lora-bytes`), registers it with
-    /// the driver once, and starts the pipeline's threads (replacing one started on first use).
-    pub fn start_upload(&mut self, bytes: usize) -> Result<()> {
-        let copy = CudaCopy::new(&self.gpu.ctx)?;
-        self.upload = OnceLock::from(UploadPipeline::start(copy, bytes, UPLOAD_LOADERS)?);
-        Ok(())
-    }
-
-    /// Queues `adapter` on the upload pipeline at `class`, into the run of KV blocks `place`
-    /// holds or, without one, into an allocation of its own. Here, on the engine thread: its
-    /// layout (O(layers)), the destination and the descriptor table; loader threads write its
-    /// bytes into the pinned arena (in the weight dtype, converted there if the loader did
-    /// not), the copy thread copies each layer on the copy stream and publishes it after the
-    /// layer's event. Nothing proportional to the adapter's bytes runs here.
-    fn try_stream_lora(
-        &self,
-        adapter: &Arc<LoraAdapter>,
-        class: LoadPriority,
-        place: Option<PagePlace<'_, CudaKvLayer>>,
-    ) -> Result<CudaLora> {
-        let max = thaw_kernels::cuda::registry::shape::MAX_LORA_RANK;
-        if adapter.max_rank() > max {
-            return Err(CudaError::Unsupported(format!(
-                "adapter rank {} is above the CUDA LoRA kernels' limit of {max}; use an adapter \
-                 of rank {max} or less",
-                adapter.max_rank()
-            ))
-            .into());
-        }
-        let dt = self.gpu.weight_dtype;
-        let pipeline = self.upload()?;
-        let (plan, weights) = match place {
-            None => {
-                let plan = plan_lora(adapter, dt);
-                let w = pipeline.device().alloc(plan.total)?;
-                (plan, w)
-            }
-            Some(p) => self.paged_dst(adapter, p, pipeline.device().stream())?,
-        };
-        let weights = Arc::new(weights);
-        let landing = Arc::new(LayerLanding::default());
-        let lora = finish_lora(
-            &plan,
-            &self.gpu.stream,
-            weights.clone(),
-            Some(landing.clone()),
-        )?;
-        pipeline.submit(
-            Upload {
-                adapter: adapter.clone(),
-                layout: plan,
-                dtype: Some(weight_dtype(dt)),
-                dst: weights,
-                landing,
-            },
-            class,
-        )?;
-        Ok(lora)
-    }
-
-    /// KV-block chunk bytes (one layer's K or V block) of `layout` in this backend's KV dtype.
-    fn kv_chunk(&self, layout: KvLayout) -> usize {
-        layout.block_len() * self.gpu.kv_dtype.size()
-    }
-
-    /// The paged image of `adapter` and its destination: in each layer's K and V buffers, the
-    /// blocks of `place`'s run.
-    fn paged_dst(
-        &self,
-        adapter: &LoraAdapter,
-        place: PagePlace<'_, CudaKvLayer>,
-        stream: &CudaStream,
-    ) -> Result<(LoraPlan, CudaDst)> {
-        let PagePlace { kv, lease } = place;
-        let bad = |what: String| -> crate::error::RuntimeError {
-            CudaError::Unsupported(format!("placing an adapter in KV blocks: {what}")).into()
-        };
-        let first = kv.first().ok_or_else(|| bad("no KV cache".into()))?;
-        let chunk = self.kv_chunk(first.layout);
-        let dt = weight_dtype(self.gpu.weight_dtype);
-        let (n, plan) = LoraPlan::of_paged(adapter, Some(dt), chunk)
-            .ok_or_else(|| bad(format!("blocks of {chunk} bytes hold no paged image")))?;
-        let run = lease.run();
-        if run.len() != n || kv.len() != plan.n_layers || kv.iter().any(|l| run.end > l.num_blocks)
-        {
-            return Err(bad(format!(
-                "{} blocks at {run:?} of {} layers for an image of {n} pages and {} layers",
-                run.len(),
-                kv.len(),
-                plan.n_layers
-            )));
-        }
-        let start = (run.start * chunk) as u64;
-        let regions = kv
-            .iter()
-            .flat_map(|l| [dptr(&l.k, stream) + start, dptr(&l.v, stream) + start])
-            .collect();
-        Ok((
-            plan,
-            CudaDst::Paged {
-                regions,
-                region_len: n * chunk,
-                _lease: lease,
-            },
-        ))
-    }
-
-    /// Bytes a demand load queued now waits behind on the copy stream (0 before any upload).
-    pub fn link_backlog(&self) -> u64 {
-        self.upload.get().map_or(0, UploadPipeline::demand_backlog)
-    }
-
-    /// Blocks until every layer of `lora` is on the device, or `timeout` passes (tests and
-    /// benchmarks that time resident adapters; the serving loop never waits).
-    pub fn wait_landed(&self, lora: &CudaLora, timeout: std::time::Duration) -> Result<()> {
-        let t0 = std::time::Instant::now();
-        loop {
-            if lora.landed_layers() >= lora.num_layers() {
-                return Ok(());
-            }
-            if let Some(why) = lora.landing.as_ref().and_then(|l| l.failure()) {
-                return Err(
-                    CudaError::Unsupported(format!("uploading the adapter failed: {why}")).into(),
-                );
-            }
-            if t0.elapsed() > timeout {
-                return Err(CudaError::Unsupported(format!(
-                    "the adapter's layers did not land within {timeout:?} ({} of {})",
-                    lora.landed_layers(),
-                    lora.num_layers()
-                ))
-                .into());
-            }
-            std::thread::sleep(std::time::Duration::from_micros(200));
-        }
-    }
-}
-
-/// Arena of a pipeline started on first use: the default `--max-cpu-lora-bytes`.
-const DEFAULT_UPLOAD_ARENA: usize = 4 << 30;
-
-/// Loader threads of the CUDA backend's upload pipeline.
-const UPLOAD_LOADERS: usize = 4;
 
 /// Runs `$body` (a `Result<(), CudaError>`) unless an earlier op failed; keeps its error.
 macro_rules! op {

@@ -26,6 +26,8 @@
 //! | `lt.rs` | products through cuBLASLt with a cached heuristic algorithm per shape bucket, the bias in its epilogue (opt-in: `THAW_CUDA_CUBLASLT=1`); its raw cuBLASLt calls |
 //! | `op_clock.rs` | events on the compute stream that time each op of a profiled step (`thaw-bench gpu --op-profile`) |
 //! | `backend.rs` | [`CudaBackend`]: the trait ops |
+//! | `host_rows.rs` | the CPU-assist exchange's host path: rows exported to the host and deltas merged back through a device row index |
+//! | `lora_stream.rs` | adapters queued on the upload pipeline (own allocation or paged into KV blocks), the pipeline's start, waits on layers landing |
 //! | `counters.rs` | running counts of launches, allocations, copies and synchronisations ([`CudaBackend::device_counts`]) |
 //! | `select.rs` | resolves and loads the issue-29 kernels a new backend runs, logs the choice |
 //! | `sgmv.rs` | the Punica-shaped SGMV / BGMV launches (default where served; off: `THAW_CUDA_LORA_IMPL=classic`) |
@@ -62,9 +64,11 @@ mod fused;
 mod gemv;
 mod graph;
 mod group;
+mod host_rows;
 mod launch;
 mod link;
 mod lora_slices;
+mod lora_stream;
 mod lt;
 mod op_clock;
 mod residual16;
