@@ -183,7 +183,7 @@ impl Drop for HugeMapping {
     }
 }
 
-/// `len` values of `T` inside a [`HugeMapping`], owned exclusively (no two slices of a mapping
+/// `len` values of `T` inside a `HugeMapping`, owned exclusively (no two slices of a mapping
 /// overlap); the mapping lives as long as any slice into it.
 pub struct HugeSlice<T> {
     map: Arc<HugeMapping>,

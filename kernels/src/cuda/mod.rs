@@ -1,6 +1,6 @@
 //! Thaw's CUDA kernels: CUDA C sources embedded with `include_str!` and listed once in
 //! [`registry`], compiled by NVRTC on first use. The registry is always built (the NVRTC CI test
-//! reads it without the `cuda` feature); the compile cache ([`KernelCache`]) needs the `cuda`
+//! reads it without the `cuda` feature); the compile cache (`KernelCache`) needs the `cuda`
 //! feature (cudarc, dynamically loaded: it builds with no CUDA installed).
 //!
 //! | source | kernels | CPU twin |

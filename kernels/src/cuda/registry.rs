@@ -1,6 +1,6 @@
 //! The one list of Thaw's CUDA kernels: each source file, embedded with `include_str!`, and the
 //! `extern "C"` entry points it defines. The CUDA backend compiles from here (through
-//! [`super::KernelCache`] with the `cuda` feature) and the NVRTC CI test
+//! `KernelCache` with the `cuda` feature) and the NVRTC CI test
 //! (`kernels/tests/nvrtc_compile.rs`) compiles every entry of [`KERNELS`] for sm_80 and sm_90 and
 //! checks that each listed entry point exists — a name here that a source does not define, or a
 //! source that does not compile, fails CI.

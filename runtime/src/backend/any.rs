@@ -4,7 +4,7 @@
 //! backends' own; one engine only ever hands a backend values it made, so a value of the
 //! other variant is a bug in the caller and panics.
 //!
-//! Without the `cuda` feature the CUDA variants hold [`NoCuda`], which has no values: every
+//! Without the `cuda` feature the CUDA variants hold `NoCuda`, which has no values: every
 //! match arm on them is statically unreachable, nothing panics at run time for lack of CUDA.
 use std::ops::Range;
 use std::sync::Arc;

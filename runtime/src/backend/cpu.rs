@@ -64,7 +64,7 @@ pub struct CpuBackend {
     par: ComputePool,
     /// Column-split products with several rows land here before they are scattered.
     par_scratch: Vec<f32>,
-    /// The shrink the threads of a decode group share (see [`cpu_fused`]).
+    /// The shrink the threads of a decode group share (see `cpu_fused`).
     fused_shrink: cpu_fused::Shared,
     /// One LoRA kernel scratch per compute thread (prompt steps split the deltas by rows,
     /// see [`cpu_lora_rows`]; the first is the engine thread's).
@@ -508,7 +508,7 @@ impl Backend for CpuBackend {
         }
     }
 
-    /// Decode-sized groups (≤ [`GROUP_MAX_ROWS`] rows) split the concatenated output columns
+    /// Decode-sized groups (≤ `GROUP_MAX_ROWS` rows) split the concatenated output columns
     /// of all the weights over the pool at once (one fork/join instead of one per weight,
     /// equal bytes per thread), through a packed scratch then scattered; every column is
     /// computed by the same `matmul_range` arithmetic as [`Backend::linear`], so outputs are
@@ -532,9 +532,9 @@ impl Backend for CpuBackend {
         self.group_split(x, ws, rows, outs, || {}, |_, _, _| {});
     }
 
-    /// Steps of at most [`cpu_fused::FUSED_MAX_ROWS`] rows split over several threads add
+    /// Steps of at most `cpu_fused::FUSED_MAX_ROWS` rows split over several threads add
     /// their adapters' deltas inside the group's column split: the threads share one shrink
-    /// and each expands the columns it just computed (see [`cpu_fused`]), bit for bit what
+    /// and each expands the columns it just computed (see `cpu_fused`), bit for bit what
     /// the base products followed by [`Backend::lora`] give. Other steps take that sequence.
     fn linear_group_lora<const N: usize>(
         &mut self,

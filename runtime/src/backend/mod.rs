@@ -316,7 +316,7 @@ pub trait Backend {
     fn kv_elem_bytes(&self) -> usize;
     fn alloc_kv_layer(&self, layout: KvLayout, num_blocks: usize) -> Result<Self::KvLayer>;
 
-    /// out[r] = table[ids[r]]: the residual stream `out` in the backend's representation.
+    /// `out[r] = table[ids[r]]`: the residual stream `out` in the backend's representation.
     fn embed(&mut self, table: &Self::Linear, ids: &[u32], out: &mut Self::Buf);
     /// [`Backend::rms_norm`] of the residual stream `h` (layer 0's input norm) into the f32
     /// `out`. The default reads `h` as f32.
@@ -335,7 +335,7 @@ pub trait Backend {
     fn residual_add(&mut self, h: &mut Self::Buf, x: &Self::Buf, len: usize) {
         self.add(h, x, len);
     }
-    /// out[i] = h[rows[i]] in f32, rows of `width` elements of the residual stream (before
+    /// `out[i] = h[rows[i]]` in f32, rows of `width` elements of the residual stream (before
     /// the final norm). The default is [`Backend::gather_rows`].
     fn gather_residual(
         &mut self,
@@ -504,7 +504,7 @@ pub trait Backend {
     fn swiglu(&mut self, gate: &Self::Buf, up: &Self::Buf, len: usize, out: &mut Self::Buf);
     /// y += x over `len` elements.
     fn add(&mut self, y: &mut Self::Buf, x: &Self::Buf, len: usize);
-    /// out[i] = x[rows[i]] for rows of `width` elements.
+    /// `out[i] = x[rows[i]]` for rows of `width` elements.
     fn gather_rows(&mut self, x: &Self::Buf, width: usize, rows: &[usize], out: &mut Self::Buf);
     /// Copies rows `rows` (each of `width` elements) of `x`, in order, into the host exchange
     /// buffer `dst`, whose rows are `stride ≥ width` apart — the CPU-assist export (on CUDA:
@@ -691,7 +691,7 @@ impl std::fmt::Display for DeviceKind {
     }
 }
 
-/// Stands in for [`cuda::CudaDevice`] when the `cuda` feature is off: it has no values, so
+/// Stands in for `cuda::CudaDevice` when the `cuda` feature is off: it has no values, so
 /// [`Device::Cuda`] cannot be constructed and matching it is statically unreachable.
 #[cfg(not(feature = "cuda"))]
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -106,7 +106,7 @@ impl Pace {
         free_at.max(now) + work.mul_f64((1.0 - self.share) / self.share)
     }
 
-    /// How long to wait at `now` before the next chunk: `None` to go on. At most [`MAX_WAIT`],
+    /// How long to wait at `now` before the next chunk: `None` to go on. At most `MAX_WAIT`,
     /// so a step that ends meanwhile releases the thread within that.
     pub fn wait(self, free_at: Duration, now: Duration, running: bool) -> Option<Duration> {
         (running && free_at > now).then(|| (free_at - now).min(MAX_WAIT))

@@ -374,7 +374,7 @@ impl UploadPlan {
     }
 
     /// The next layer a loader thread encodes: the next layer not yet handed out of the first
-    /// image in [`Self::encode_order`] that has one, given arena space for the whole image first
+    /// image in `encode_order` that has one, given arena space for the whole image first
     /// (an image that does not fit now waits; later ones that fit go ahead). Layers are handed
     /// out in order; loader threads may finish them out of order.
     pub fn next_encode(&mut self) -> Option<EncodeTask> {

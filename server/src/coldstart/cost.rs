@@ -205,7 +205,7 @@ impl PerfModel {
     /// overhead, the CPU work the device does not hide, the device's slowdown, the workers'
     /// first read of the file), and its decode steps too while its adapter still loads.
     ///
-    /// For each chunk it weighs ([`Self::assist_chunks`]) two tests, both CaraServe's: the
+    /// For each chunk it weighs (`assist_chunks`) two tests, both CaraServe's: the
     /// running requests' time per token over the tokens they have left rises by at most
     /// [`MAX_TPOT_SLOWDOWN`] ([`Stretch::worst_rise`]; the SLO), and the wait it hides (the
     /// predicted TTFT saved, less what its own decode loses while its adapter loads) exceeds

@@ -60,7 +60,7 @@ pub fn layer_stall(perf: &PerfModel, a: InFlight, tokens: usize) -> f64 {
 }
 
 /// What the engine's steps do by default with layers not landed under `policy`: `on-demand`
-/// never computes one on the CPU, so it waits for them (when [`on_demand`] lets a request run
+/// never computes one on the CPU, so it waits for them (when `on_demand` lets a request run
 /// before its adapter landed); every other policy assists (`cached` never runs such a
 /// request). `auto` marks each adapter whose request it starts waiting for its layers
 /// ([`ColdGate`]); the step (the server's, the driver's) applies the marks ([`carry_out`]).

@@ -47,7 +47,7 @@ impl ColdStartPolicy {
     ///   [`crate::perf::LayerLanding`], the copy path `auto` models);
     /// - `cpu-assist`, and `auto` where it assists: the workers compute from the same file.
     ///
-    /// The server's memory step and the engine-level driver ([`super::driver`]) both ask it, so
+    /// The server's memory step and the engine-level driver (`driver.rs`) both ask it, so
     /// they choose alike; the match is exhaustive so a new policy decides.
     pub fn serves_disk_miss_from_file(self) -> bool {
         match self {

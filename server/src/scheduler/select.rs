@@ -131,7 +131,7 @@ impl Scheduler {
     }
 
     /// Under `mlq` (with [`MlqConfig::protect`]), picks the request to protect this step
-    /// (see [`super::mlq::protect`]): the oldest waiting request, when it is in a queue above
+    /// (see `mlq/protect.rs`): the oldest waiting request, when it is in a queue above
     /// the fast lane and has waited the time the running batch is predicted to need to free
     /// its KV reservation out of `kv_capacity` blocks (running requests finish after their
     /// predicted output, one step per token, each step the perf model's time for the running

@@ -200,7 +200,7 @@ impl SchedState {
         true
     }
 
-    /// Moves the first `n` waiting requests to running (as a [`Decision`] said).
+    /// Moves the first `n` waiting requests to running (as a `Decision` said).
     pub fn admit(&mut self, n: usize, cfg: &SchedConfig) -> Vec<SeqId> {
         let mut ids = Vec::with_capacity(n);
         for s in self.waiting.drain(..n.min(self.waiting.len())) {

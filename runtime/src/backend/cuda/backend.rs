@@ -828,7 +828,7 @@ impl Backend for CudaBackend {
 
     /// With 16-bit weights the input's cast stays in `x16` after the product; the next op, if
     /// it is a linear over the same input (k and v after q, up after gate), reads it instead
-    /// of casting again ([`X16Tag`](super::fused::X16Tag)): the same bits, one launch fewer.
+    /// of casting again (`X16Tag`, `fused.rs`): the same bits, one launch fewer.
     fn linear(
         &mut self,
         x: &CudaSlice<f32>,

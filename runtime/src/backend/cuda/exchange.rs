@@ -133,7 +133,7 @@ impl CudaBackend {
     }
 
     /// Queues the fused export: `rows` of `x` (`[*, d_in]`) to exchange input buffer `input`
-    /// (row i ← rows[i]), then `seq` in the step sequence word. Returns immediately.
+    /// (row `i` ← `rows[i]`), then `seq` in the step sequence word. Returns immediately.
     pub fn export_rows_fused(
         &mut self,
         ex: &ExchangeAddr,
@@ -179,7 +179,7 @@ impl CudaBackend {
 
     /// Queues: the stream waits until every worker in `workers` has stored a result ≥ `seq`
     /// (`cuStreamWaitValue32` GEQ on its mapped result word), then adds module `module`'s
-    /// deltas (row i → y row rows[i]). Returns immediately; the host never waits.
+    /// deltas (row `i` → `y` row `rows[i]`). Returns immediately; the host never waits.
     #[allow(clippy::too_many_arguments)]
     pub fn merge_deltas_waited(
         &mut self,
@@ -218,7 +218,7 @@ impl CudaBackend {
     }
 
     /// Queues: adds module `module`'s delta rows `first..first + rows.len()` of the exchange
-    /// into rows `rows` of `y` (delta row first + i → y row rows[i]). Only after
+    /// into rows `rows` of `y` (delta row `first + i` → `y` row `rows[i]`). Only after
     /// [`Self::wait_workers`] for the step that wrote them.
     pub fn merge_deltas_at(
         &mut self,

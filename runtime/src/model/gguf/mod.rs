@@ -1,7 +1,7 @@
 //! GGUF models (llama.cpp's format) served as they are: the container
-//! ([`reader`]), and a Llama-family model from it — config from `llama.*` metadata, tensors
+//! (`reader`), and a Llama-family model from it — config from `llama.*` metadata, tensors
 //! renamed to the HF names the engine uses (quantised matrices kept quantised), and the
-//! tokenizer and chat template from `tokenizer.*` ([`llama`], [`tokenizer`]).
+//! tokenizer and chat template from `tokenizer.*` (`llama`, `tokenizer`).
 
 mod llama;
 mod reader;

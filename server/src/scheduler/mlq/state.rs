@@ -20,7 +20,7 @@ pub struct MlqConfig {
     pub warmup: usize,
     /// Recent arrivals the fit looks at.
     pub window: usize,
-    /// Elbow of the queue-count rule (see [`super::kmeans`]).
+    /// Elbow of the queue-count rule (see `kmeans.rs`).
     pub elbow: f64,
     /// The TTFT SLO the quotas are sized for, seconds.
     pub slo_s: f64,
@@ -30,10 +30,10 @@ pub struct MlqConfig {
     /// Most younger requests that may bypass one adapter-blocked head.
     pub max_bypass: usize,
     /// An idle queue lends only its quota above its queueing-model minimum (see
-    /// [`super::plan`]).
+    /// `plan.rs`).
     pub keep_min: bool,
     /// Protect the oldest large request once it has waited its predicted drain time (see
-    /// [`super::protect`]).
+    /// `protect.rs`).
     pub protect: bool,
 }
 
@@ -162,7 +162,7 @@ impl Mlq {
         );
     }
 
-    /// New scales from the window's means (see [`super::wrs`]), K-means over the recent
+    /// New scales from the window's means (see `wrs.rs`), K-means over the recent
     /// sizes, cut-offs at the midpoints, quotas from the queueing model; every known request
     /// is re-sized with the new scales and moves to the queue its size now falls in (a
     /// running one's quota is then charged to its new queue).
@@ -267,7 +267,7 @@ impl Mlq {
         &self.scales
     }
 
-    /// Sets the request protected this step (see [`super::protect`]).
+    /// Sets the request protected this step (see `protect.rs`).
     pub fn set_protected(&mut self, id: Option<SeqId>) {
         self.protected = id;
     }
