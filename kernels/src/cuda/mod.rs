@@ -20,6 +20,7 @@
 //! | `residual16.cu` | opt-in (issue 29, `THAW_CUDA_BF16_ACT=1`): the residual stream between layers in the weight dtype: embed copy, add + RMSNorm of the rounded sum, the last add, the widening final gather | runtime `cpu_residual16` (add, round, `cpu::rms_norm`) |
 //! | `exchange.cu` | fused export (copy + fence + sequence word), merge of CPU deltas | CPU backend copy + `Exchange::post_step` |
 
+pub mod attn_out_names;
 pub mod decode_plan;
 pub mod prefill_tc_plan;
 pub mod punica_plan;

@@ -16,8 +16,7 @@
 //! written: the plan keeps f32 wherever anything would read them (a LoRA on o, the CPU-assist
 //! export of o's input).
 use cudarc::driver::{CudaFunction, CudaSlice};
-use thaw_kernels::cuda::prefill_tc_plan;
-use thaw_kernels::cuda::registry::DType;
+use thaw_kernels::cuda::attn_out_names::attn_out16_names;
 use thaw_kernels::cuda::KernelCache;
 
 use super::launch::Gpu;
@@ -106,26 +105,24 @@ impl CudaBackend {
     /// tensor-core prefill was resolved), drops them otherwise.
     pub(super) fn load_attn_out16(&mut self) -> Result<(), CudaError> {
         let g = &self.gpu;
-        let w = g.weight_dtype;
-        if g.act16.is_none() || w == DType::F32 {
+        // f32 weights: no 16-bit type to store in (no names).
+        let names = attn_out16_names(g.kv_dtype, g.weight_dtype, self.head_dim);
+        let Some(n) = names.filter(|_| g.act16.is_some()) else {
             self.gpu.attn_out16 = None;
             return Ok(());
-        }
-        let (kv, o) = (g.kv_dtype.suffix(), w.suffix());
+        };
         let cache = KernelCache::global();
-        let f = |name: String| cache.function(&g.ctx, &name).map_err(CudaError::from);
-        // Only where the tensor-core prefill runs (it was resolved as served on this device).
-        let tc_name = prefill_tc_plan::entry_point(g.kv_dtype, self.head_dim)
-            .filter(|_| g.tc_prefill.is_some() && g.kv_dtype == w);
-        let tc = match tc_name {
-            Some(name) => Some(f(format!("{name}_out_{o}"))?),
+        let f = |name: &str| cache.function(&g.ctx, name).map_err(CudaError::from);
+        // The tensor-core prefill's only where it runs (resolved as served on this device).
+        let tc = match n.tc.as_deref().filter(|_| g.tc_prefill.is_some()) {
+            Some(name) => Some(f(name)?),
             None => None,
         };
         let k = AttnOut16 {
-            decode: f(format!("attn_decode_{kv}_out_{o}"))?,
-            prefill: f(format!("attn_prefill_{kv}_out_{o}"))?,
-            reduce: f(format!("attn_decode_reduce_out_{o}"))?,
-            ilp: f(format!("attn_decode_split_ilp_{kv}_out_{o}"))?,
+            decode: f(&n.decode)?,
+            prefill: f(&n.prefill)?,
+            reduce: f(&n.reduce)?,
+            ilp: f(&n.ilp)?,
             tc,
         };
         self.gpu.attn_out16 = Some(k);
