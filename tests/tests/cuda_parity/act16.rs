@@ -43,10 +43,11 @@ use super::host_overhead::{decode_counts_on, decode_counts_with};
 use super::opt_in::bitwise;
 use super::{cfg, check, mixed_lora_layout, rand_vec};
 
-const X16: [(DType, Act16Type); 2] = [(DType::Bf16, Act16Type::Bf16), (DType::F16, Act16Type::F16)];
+pub(super) const X16: [(DType, Act16Type); 2] =
+    [(DType::Bf16, Act16Type::Bf16), (DType::F16, Act16Type::F16)];
 
 /// The 16-bit bits of `v` in `dt`, and their f32 value.
-fn bits(v: f32, dt: DType) -> u16 {
+pub(super) fn bits(v: f32, dt: DType) -> u16 {
     match dt {
         DType::Bf16 => half::bf16::from_f32(v).to_bits(),
         DType::F16 => half::f16::from_f32(v).to_bits(),
@@ -54,7 +55,7 @@ fn bits(v: f32, dt: DType) -> u16 {
     }
 }
 
-fn value(b: u16, dt: DType) -> f32 {
+pub(super) fn value(b: u16, dt: DType) -> f32 {
     match dt {
         DType::Bf16 => half::bf16::from_bits(b).to_f32(),
         DType::F16 => half::f16::from_bits(b).to_f32(),

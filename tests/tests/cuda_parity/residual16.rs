@@ -17,32 +17,15 @@
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use thaw_runtime::backend::cpu::CpuBackend;
-use thaw_runtime::backend::cuda::{CudaBackend, DType};
-use thaw_runtime::backend::{Act16Type, Backend};
+use thaw_runtime::backend::cuda::CudaBackend;
+use thaw_runtime::backend::Backend;
 use thaw_server::gen::{ArchOptions, GenArch};
 use thaw_tests::{rel_err, test_preset, TestModel};
 
+use super::act16::{bits, value, X16};
 use super::gemv::{check_off_on, off_on_runs, rounded, same_greedy_tokens};
 use super::host_overhead::{decode_counts_on, decode_counts_with};
 use super::{cfg, rand_vec};
-
-const X16: [(DType, Act16Type); 2] = [(DType::Bf16, Act16Type::Bf16), (DType::F16, Act16Type::F16)];
-
-fn bits(v: f32, dt: DType) -> u16 {
-    match dt {
-        DType::Bf16 => half::bf16::from_f32(v).to_bits(),
-        DType::F16 => half::f16::from_f32(v).to_bits(),
-        DType::F32 => unreachable!("16-bit types only"),
-    }
-}
-
-fn value(b: u16, dt: DType) -> f32 {
-    match dt {
-        DType::Bf16 => half::bf16::from_bits(b).to_f32(),
-        DType::F16 => half::f16::from_bits(b).to_f32(),
-        DType::F32 => unreachable!("16-bit types only"),
-    }
-}
 
 /// `residual16.cu`'s kernels against the CPU backend's emulation of the switch
 /// (`CpuBackend::set_act16`: the same add, rounding and norm), bf16 and f16, rows 1, 3, 17 and
