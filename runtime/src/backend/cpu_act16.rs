@@ -110,32 +110,42 @@ pub(super) fn gated_mlp_in(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
+
+    /// `f` over a batch of `segments` whose adapters are `ranks` (rank per module index, the
+    /// same at every layer), with the rank function the plan facts read.
+    pub(crate) fn with_rank_batch<R>(
+        ranks: &[[usize; 7]],
+        segments: Vec<(std::ops::Range<usize>, u32)>,
+        f: impl FnOnce(&LoraBatch<'_, [usize; 7]>, fn(&[usize; 7], usize, LoraModule) -> usize) -> R,
+    ) -> R {
+        use crate::backend::{LoraKernel, LoraLayout};
+        let adapters: Vec<&[usize; 7]> = ranks.iter().collect();
+        let layout = LoraLayout {
+            segments,
+            row_adapter: Vec::new(),
+        };
+        let landed = vec![9; ranks.len()];
+        let batch = LoraBatch {
+            kernel: LoraKernel::Sgmv,
+            layout: &layout,
+            adapters: &adapters,
+            landed: &landed,
+        };
+        f(&batch, |a, _layer, m| a[m.index()])
+    }
 
     #[test]
     fn only_adapters_with_rows_decide_the_lora_facts() {
-        use crate::backend::{LoraKernel, LoraLayout};
         // Ranks per module index: adapter 0 on gate and up, 1 on down, 2 on q only.
         let mut ranks = [[0usize; 7]; 3];
         ranks[0][LoraModule::Gate.index()] = 8;
         ranks[0][LoraModule::Up.index()] = 8;
         ranks[1][LoraModule::Down.index()] = 4;
         ranks[2][LoraModule::Q.index()] = 16;
-        let adapters: Vec<&[usize; 7]> = ranks.iter().collect();
-        let rank = |a: &[usize; 7], _layer: usize, m: LoraModule| a[m.index()];
         let facts = |segments: Vec<(std::ops::Range<usize>, u32)>| {
-            let layout = LoraLayout {
-                segments,
-                row_adapter: Vec::new(),
-            };
-            let batch = LoraBatch {
-                kernel: LoraKernel::Sgmv,
-                layout: &layout,
-                adapters: &adapters,
-                landed: &[9, 9, 9],
-            };
-            lora_facts(&batch, LayerIdx(0), rank)
+            with_rank_batch(&ranks, segments, |b, rank| lora_facts(b, LayerIdx(0), rank))
         };
         assert_eq!(facts(vec![]), (false, false), "base rows only");
         assert_eq!(facts(vec![(0..2, 2)]), (false, false), "q only");

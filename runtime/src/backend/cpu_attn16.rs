@@ -119,7 +119,8 @@ pub(super) fn qkv_attention(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::{LinearDims, LoraKernel, LoraLayout};
+    use crate::backend::cpu_act16::tests::with_rank_batch;
+    use crate::backend::LinearDims;
 
     #[test]
     fn only_adapters_with_rows_on_q_k_or_v_decide() {
@@ -129,20 +130,10 @@ mod tests {
         ranks[1][LoraModule::V.index()] = 4;
         ranks[2][LoraModule::O.index()] = 16;
         ranks[2][LoraModule::Gate.index()] = 16;
-        let adapters: Vec<&[usize; 7]> = ranks.iter().collect();
-        let rank = |a: &[usize; 7], _layer: usize, m: LoraModule| a[m.index()];
         let on = |segments: Vec<(std::ops::Range<usize>, u32)>| {
-            let layout = LoraLayout {
-                segments,
-                row_adapter: Vec::new(),
-            };
-            let batch = LoraBatch {
-                kernel: LoraKernel::Sgmv,
-                layout: &layout,
-                adapters: &adapters,
-                landed: &[9, 9, 9],
-            };
-            lora_on_qkv(&batch, LayerIdx(0), rank)
+            with_rank_batch(&ranks, segments, |b, rank| {
+                lora_on_qkv(b, LayerIdx(0), rank)
+            })
         };
         assert!(!on(vec![]), "base rows only");
         assert!(!on(vec![(0..2, 2)]), "o and gate only");
