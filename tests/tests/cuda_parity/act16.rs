@@ -448,8 +448,8 @@ fn engines_with_16_bit_mlp_activations_give_the_same_tokens() {
     }
 }
 
-/// A steady eager decode step with the switch on allocates nothing and launches the products
-/// of the switch off and its kernels but for the attention half's three fewer a layer: the
+/// A steady eager decode step (two rows on a q/v adapter: the attention half keeps f32) with
+/// the switch on allocates nothing and launches the kernels and products of the switch off: the
 /// fused norm's 16-bit copy serves gate and up (no cast), `swiglu16` replaces `swiglu_x16`,
 /// down reads its output without a cast.
 #[test]
@@ -476,13 +476,12 @@ fn steady_decode_with_16_bit_mlp_activations_allocates_nothing() {
         per_switch.push(counts[0]);
     }
     let (off, on) = (&per_switch[0], &per_switch[1]);
-    // The switch's attention half (`attn16.rs`) runs one `qkv_rope16` for RoPE of q, RoPE of k
-    // and the KV write, and its kernels store o_proj's 16-bit input (no cast, `attn_out.rs`):
-    // three launches fewer a layer; the MLP and residual halves launch one kernel for each
-    // they replace.
-    let layers = tm.model.config.num_layers as u64;
+    // Two of the three rows are on a q/v adapter (`decode_counts_with`): the attention half
+    // keeps f32 (`attn16_plan`: LoRA on q/k/v), and the MLP and residual halves launch one
+    // kernel for each they replace. (Without LoRA the attention half launches three fewer a
+    // layer: `attn16.rs`' steady test.) Seen on an H200: 30 and 30.
     assert_eq!(
-        (on.launches + 3 * layers, on.gemms),
+        (on.launches, on.gemms),
         (off.launches, off.gemms),
         "the 16-bit path launched another number of kernels or products"
     );
