@@ -20,10 +20,12 @@ use thaw_runtime::backend::cpu::CpuBackend;
 use thaw_runtime::backend::cuda::CudaBackend;
 use thaw_runtime::backend::Backend;
 use thaw_server::gen::{ArchOptions, GenArch};
+use thaw_tests::graphs::prompts;
 use thaw_tests::{rel_err, test_preset, TestModel};
 
-use super::act16::{bits, value, X16};
-use super::gemv::{check_off_on, off_on_runs, rounded, same_greedy_tokens};
+use super::act16::{bits, compare_logged, decode_logged, value, X16};
+use super::gemv::rounded;
+use super::graphs::engine_with;
 use super::host_overhead::{decode_counts_on, decode_counts_with};
 use super::{cfg, rand_vec};
 
@@ -112,7 +114,9 @@ fn qwen2(seed: u64) -> TestModel {
 
 /// Whole engines, the switch off against on (eager, and with CUDA graphs: every decode batch
 /// captured then replayed), on Llama and Qwen2 test models, base rows and rows on a q/v
-/// adapter: batches of 1, 3 and 8 (module docs for the bounds).
+/// adapter: batches of 1, 3 and 8, 6 decode steps, each compared as `act16.rs`' engines
+/// (`compare_logged`): the prefill's token too may part at a near tie (seen on an H200: Qwen2,
+/// bf16, one sequence's prefill token 226 vs 312 with the switch on), logits within 2e-2.
 #[test]
 fn engines_with_the_16_bit_residual_give_the_same_tokens() {
     if !thaw_tests::gpu_or_skip() {
@@ -123,32 +127,23 @@ fn engines_with_the_16_bit_residual_give_the_same_tokens() {
         let adapters = [tm.adapter(8, &["q", "v"], 2929)];
         let vocab = tm.model.config.vocab_size;
         for (dt, _) in X16 {
-            let who = |b: usize| (0..b).map(|i| (i % 2 == 1).then_some(0)).collect();
-            let runs = off_on_runs(
-                &tm.model,
-                dt,
-                &adapters,
-                &[1, 3, 8],
-                who,
-                6,
-                290,
-                |g, on| {
+            let mut runs = Vec::new();
+            for (on, graphs) in [(false, false), (true, false), (true, true)] {
+                let mut e = engine_with(&tm.model, dt, &adapters, graphs, |g| {
                     g.set_gemv(false).unwrap();
                     g.set_act16(on).unwrap();
                     assert_eq!(g.residual16(), on);
-                },
-            );
-            check_off_on(&format!("residual16 {name}"), dt, 2e-2, &runs, vocab);
-            // Graph steps against eager ones, the switch on in both: the captured embed and
-            // gather read the residual as the eager ones do (the graphs' decode attention is
-            // another kernel than eager flash-decoding, so the logits are compared within
-            // the 16-bit bound, not bit for bit).
-            for (k, (eager, graph)) in runs[1].iter().zip(&runs[2]).enumerate() {
-                for (i, (a, b)) in eager.iter().zip(graph).enumerate() {
-                    let label = format!("residual16 {name} graph vs eager b{k} s{i}");
-                    same_greedy_tokens(&label, dt, 1e-2, a, b, vocab);
+                });
+                let (mut first, mut all) = (0, Vec::new());
+                for b in [1usize, 3, 8] {
+                    let who: Vec<Option<u32>> = (0..b).map(|i| (i % 2 == 1).then_some(0)).collect();
+                    let p = prompts(b, vocab, 290 + b as u64);
+                    all.extend(decode_logged(&mut e, first, &who, &p, 6));
+                    first += b as u64;
                 }
+                runs.push(all);
             }
+            compare_logged(&format!("{dt:?} residual16 {name}"), &runs, 2e-2);
         }
     }
 }
