@@ -2,8 +2,12 @@
 //! issue 29) against the default cast + cuBLAS `gemm_ex`, each timed through the backend's
 //! `linear` op (so the cuBLAS column includes its activation cast kernel), bf16 weights. GB/s
 //! counts the weight bytes plus the f32 activations read and the f32 outputs written, over the
-//! time; "% of peak" is against the device-to-device copy peak measured in the same run.
+//! time; "% of peak" is against the device-to-device copy peak measured in the same run. The
+//! GEMV column runs the kernel at every row count it takes (`set_gemv_every_row`); "served"
+//! says whether the backend runs it there with the switch on (`gemv_pays`, the crossover this
+//! table measured on an H200).
 use thaw_runtime::backend::cuda::{CudaBackend, CudaConfig};
+use thaw_runtime::backend::kernel_select::gemv_pays;
 use thaw_runtime::backend::Backend;
 
 use super::{fill, model_config, time_us, Res};
@@ -24,7 +28,7 @@ pub fn gemv_table(smoke: bool, peak: f64) -> Res<()> {
     let rows_list: &[usize] = if smoke { &[1, 8] } else { &[1, 2, 4, 8] };
     let shapes = if smoke { &SHAPES[..1] } else { &SHAPES[..] };
     println!("\n## Products of few rows, bf16 weights: cast + cuBLAS (the default) vs the small-batch GEMV (THAW_CUDA_GEMV=1); median of 50");
-    println!("| product | d_in → d_out | rows | cuBLAS µs | GB/s | % of peak | GEMV µs | GB/s | % of peak | GEMV speed-up |\n|---|---|---|---|---|---|---|---|---|---|");
+    println!("| product | d_in → d_out | rows | cuBLAS µs | GB/s | % of peak | GEMV µs | GB/s | % of peak | GEMV speed-up | served |\n|---|---|---|---|---|---|---|---|---|---|---|");
     let max_rows = rows_list.iter().copied().max().unwrap_or(1);
     for &(d_in, d_out, what) in shapes {
         let w = g.upload_linear(fill(d_out * d_in, 80), d_out, d_in, None)?;
@@ -35,18 +39,20 @@ pub fn gemv_table(smoke: bool, peak: f64) -> Res<()> {
             let mut us = [0.0; 2];
             for (i, on) in [false, true].into_iter().enumerate() {
                 g.set_gemv(on)?;
+                g.set_gemv_every_row(true);
                 us[i] = time_us(&mut g, 50, |g| g.linear(&x, &w, rows, &mut y))?;
             }
             let gbs = |t: f64| bytes as f64 / t / 1e3;
             println!(
-                "| {what} | {d_in} → {d_out} | {rows} | {:.1} | {:.0} | {:.0}% | {:.1} | {:.0} | {:.0}% | {:.2}× |",
+                "| {what} | {d_in} → {d_out} | {rows} | {:.1} | {:.0} | {:.0}% | {:.1} | {:.0} | {:.0}% | {:.2}× | {} |",
                 us[0],
                 gbs(us[0]),
                 gbs(us[0]) / peak * 100.0,
                 us[1],
                 gbs(us[1]),
                 gbs(us[1]) / peak * 100.0,
-                us[0] / us[1]
+                us[0] / us[1],
+                if gemv_pays(rows, d_in, d_out) { "GEMV" } else { "cuBLAS" }
             );
         }
     }

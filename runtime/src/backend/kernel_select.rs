@@ -26,7 +26,7 @@
 //! | RoPE of q and k inside the paged-cache KV write | [`ROPE_FOLD_ENV`] | `1` |
 //! | RMSNorm, add + RMSNorm, RoPE with one wide block per row | [`WIDE_ENV`] | `1` |
 //! | greedy token ids on the device, copied instead of the logits | [`DEVICE_ARGMAX_ENV`] | `1` |
-//! | products of at most 8 rows as a GEMV over f32 activations (no cast, no cuBLAS) | [`GEMV_ENV`] | `1` |
+//! | products of few rows as a GEMV over f32 activations (no cast, no cuBLAS): every product at 1–2 rows, q/k/v/o-sized ones at 3–4 | [`GEMV_ENV`] | `1` |
 //! | q/k/v (and gate/up) LoRA as one shrink + one expand launch over slices | [`LORA_SLICES_ENV`] | `1` |
 //! | decode attention split to fill the GPU, 4 keys' loads in flight a warp (`attention_split_ilp.cu`) | [`ATTN_OCCUPANCY_ENV`] | `1` |
 //! | products through cuBLASLt, the bias in its epilogue (`lt_plan`) | [`CUBLASLT_ENV`] | `1` |
@@ -85,8 +85,8 @@ pub fn split_min_chunk(value: Option<&str>) -> Result<usize, String> {
     }
 }
 
-/// Products of at most [`shape::GEMV_MAX_ROWS`] rows against 16-bit weights through
-/// `gemv.cu` (f32 activations read directly) instead of a cast and cuBLAS: `1` or `0` (the
+/// Products of few rows against 16-bit weights through `gemv.cu` (f32 activations read
+/// directly) instead of a cast and cuBLAS, where it pays ([`gemv_pays`]): `1` or `0` (the
 /// default until a GPU parity run proves it).
 pub const GEMV_ENV: &str = "THAW_CUDA_GEMV";
 
@@ -529,12 +529,40 @@ pub fn group_as_one_product(rows: usize) -> bool {
     rows <= GROUP_GEMM_MAX_ROWS
 }
 
+/// Rows at which the GEMV beats cast + cuBLAS on every product: on an H200 (`cuda-h100.md` §9,
+/// `cuda_bench --gemv`) it ran 1.07–1.94× at 1 and 2 rows over every shape of Llama-7B and a
+/// small model, the LM head included.
+pub const GEMV_ROWS_ANY: usize = 2;
+
+/// Rows up to which the GEMV still beats cuBLAS on products of at most
+/// [`GEMV_SMALL_WEIGHTS`] weights. The same table at 4 rows: 1.36× on 4096 → 4096 and 1.6× on
+/// 576 ↔ 1536, where cuBLAS's tiles under-fill the SMs (39% and 3% of the copy peak), but 0.89×
+/// on gate/up, 0.81× on down and 0.95× on the LM head, where cuBLAS streams at 57–86%; the GEMV
+/// holds about 2.2 TB/s at 4 rows on every shape. At 8 rows it lost on every Llama-7B product
+/// (0.32–0.69×), so past 4 rows cuBLAS serves all of them.
+pub const GEMV_ROWS_SMALL: usize = 4;
+
+/// The most weights (`d_in · d_out`) of a product the GEMV takes at 3 to [`GEMV_ROWS_SMALL`]
+/// rows: Llama-7B's q/k/v/o (4096 × 4096), not its gate/up, down or LM head.
+pub const GEMV_SMALL_WEIGHTS: usize = 4096 * 4096;
+
+/// Whether the GEMV pays for a product of `rows` rows of `[d_out, d_in]` weights against the
+/// cast and cuBLAS, by the measured crossover ([`GEMV_ROWS_ANY`], [`GEMV_ROWS_SMALL`]). Symmetric in
+/// `d_in` and `d_out`: it counts the weights streamed, so gate/up and down agree.
+pub fn gemv_pays(rows: usize, d_in: usize, d_out: usize) -> bool {
+    (1..=GEMV_ROWS_ANY).contains(&rows)
+        || ((1..=GEMV_ROWS_SMALL).contains(&rows)
+            && d_in.saturating_mul(d_out) <= GEMV_SMALL_WEIGHTS)
+}
+
 /// Whether a product of `rows` rows, `[rows, d_in] · [d_out, d_in]ᵀ` over weights of `dtype`
 /// at device address `w_addr` with its f32 input at `x_addr`, runs through `gemv.cu` with the
 /// switch (`gemv_on`) on. The kernel takes 1 to [`shape::GEMV_MAX_ROWS`] rows of 16-bit
 /// weights; it loads 8 weights (16 bytes) and 8 activations (two float4) at a time, so
-/// `d_in % 8 == 0` and both buffers 16-byte aligned (every row then is). Anything else, f32
-/// weights included, takes the cast + cuBLAS path, which serves every shape.
+/// `d_in % 8 == 0` and both buffers 16-byte aligned (every row then is). Of those, the backend
+/// runs the products where it pays ([`gemv_pays`]), all of them only where benchmarks and
+/// tests ask for every row count. Anything else, f32 weights included, takes the cast + cuBLAS
+/// path, which serves every shape.
 pub fn gemv_serves(
     gemv_on: bool,
     dtype: DType,

@@ -514,6 +514,81 @@ fn the_gemv_serves_decode_shapes_of_16_bit_weights_with_the_switch_on() {
     assert!(gemv_serves(true, DType::Bf16, 3, 1000, 77, 0, 0));
 }
 
+/// The crossover measured on an H200 (`cuda-h100.md` §9, `cuda_bench --gemv`): the GEMV's
+/// speed-up over cast + cuBLAS by (d_in, d_out, rows). It must serve every entry above 1.0 at
+/// up to 4 rows and none below it.
+const GEMV_MEASURED: [(usize, usize, usize, f64); 24] = [
+    (4096, 4096, 1, 1.76),
+    (4096, 4096, 2, 1.52),
+    (4096, 4096, 4, 1.36),
+    (4096, 4096, 8, 0.69),
+    (4096, 11008, 1, 1.17),
+    (4096, 11008, 2, 1.11),
+    (4096, 11008, 4, 0.89),
+    (4096, 11008, 8, 0.45),
+    (11008, 4096, 1, 1.15),
+    (11008, 4096, 2, 1.07),
+    (11008, 4096, 4, 0.81),
+    (11008, 4096, 8, 0.32),
+    (4096, 32000, 1, 1.11),
+    (4096, 32000, 2, 1.07),
+    (4096, 32000, 4, 0.95),
+    (4096, 32000, 8, 0.40),
+    (576, 1536, 1, 1.83),
+    (576, 1536, 2, 1.79),
+    (576, 1536, 4, 1.60),
+    (576, 1536, 8, 1.27),
+    (1536, 576, 1, 1.94),
+    (1536, 576, 2, 1.81),
+    (1536, 576, 4, 1.59),
+    (1536, 576, 8, 1.02),
+];
+
+#[test]
+fn the_gemv_pays_where_it_beat_cublas_on_the_h200() {
+    for (d_in, d_out, rows, speed_up) in GEMV_MEASURED {
+        let pays = gemv_pays(rows, d_in, d_out);
+        if rows <= GEMV_ROWS_SMALL {
+            assert_eq!(
+                pays,
+                speed_up > 1.0,
+                "{d_in}->{d_out} at {rows} rows: {speed_up}x"
+            );
+        } else {
+            // Past 4 rows only the small model's products won, by 1.02–1.27×: cuBLAS serves
+            // them all rather than tune a third limit on two shapes.
+            assert!(!pays, "{d_in}->{d_out} at {rows} rows");
+        }
+    }
+    // Llama-7B at batch 8: every product back on cuBLAS, the regression of cuda-h100.md §9
+    // (13.08 ms a step with the GEMV against 8.46 ms without).
+    for (d_in, d_out) in GEMV_SHAPES {
+        assert!(!gemv_pays(8, d_in, d_out));
+        assert!(gemv_pays(1, d_in, d_out) && gemv_pays(2, d_in, d_out));
+    }
+}
+
+proptest! {
+    /// `gemv_pays` counts weights, so it is symmetric; it never takes more rows than the
+    /// kernel, nor zero; and fewer rows or fewer weights never turn it off.
+    #[test]
+    fn gemv_pays_is_monotone_and_within_the_kernel(
+        rows in 0usize..20,
+        d_in in 0usize..40_000,
+        d_out in 0usize..40_000,
+    ) {
+        let pays = gemv_pays(rows, d_in, d_out);
+        prop_assert_eq!(pays, gemv_pays(rows, d_out, d_in));
+        if pays {
+            prop_assert!((1..=shape::GEMV_MAX_ROWS).contains(&rows));
+            if rows > 1 {
+                prop_assert!(gemv_pays(rows - 1, d_in, d_out));
+            }
+            prop_assert!(gemv_pays(rows, d_in / 2, d_out));
+        }
+    }
+}
+
 #[test]
 fn the_gemv_refuses_what_its_16_byte_loads_cannot_read() {
     // d_in not a multiple of 8: rows after the first start off 16-byte alignment.

@@ -13,7 +13,7 @@
 //! call).
 //!
 //! Which path a product takes, in one place ([`product_path`]): the small-batch GEMV where it
-//! is on and serves the product (`THAW_CUDA_GEMV=1`, at most 8 rows: it reads the f32
+//! is on and serves the product (`THAW_CUDA_GEMV=1`, few rows: it reads the f32
 //! activations, no cast), else cuBLASLt where it is on, else `cublasGemmEx` (+ `add_bias`).
 //!
 //! The bias's element type: cuBLASLt reads the bias in the D type when

@@ -23,7 +23,7 @@ use rand_chacha::ChaCha8Rng;
 use thaw_runtime::adapter::LoraAdapter;
 use thaw_runtime::backend::cpu::CpuBackend;
 use thaw_runtime::backend::cuda::{CudaBackend, DType};
-use thaw_runtime::backend::kernel_select::gemv_serves;
+use thaw_runtime::backend::kernel_select::{gemv_pays, gemv_serves};
 use thaw_runtime::backend::Backend;
 use thaw_runtime::engine::HostModel;
 use thaw_tests::graphs::{decode_batch, prompts, Decoded};
@@ -144,6 +144,8 @@ fn gemv_matches_the_cpu_oracle_and_cublas_for_1_to_8_rows() {
                 let mut runs = Vec::new();
                 for on in [false, true] {
                     g.set_gemv(on).unwrap();
+                    // The kernel at every row count it takes, where it pays or not.
+                    g.set_gemv_every_row(true);
                     let mut y = g.alloc(rows * d_out).unwrap();
                     g.linear(&xg, &lg, rows, &mut y);
                     runs.push(g.download_f32(&y, rows * d_out).unwrap());
@@ -173,7 +175,9 @@ fn gemv_matches_the_cpu_oracle_and_cublas_for_1_to_8_rows() {
     }
 }
 
-/// Rows above the GEMV's limit, and f32 weights, run cuBLAS bit for bit with the switch on.
+/// Rows above the GEMV's limit, rows where it does not pay (`gemv_pays`: 3–8 rows of a
+/// product larger than 4096 × 4096, 5–8 of any), and f32 weights run cuBLAS bit for bit with
+/// the switch on.
 #[test]
 fn gemv_leaves_what_it_does_not_take_to_cublas() {
     if !thaw_tests::gpu_or_skip() {
@@ -182,8 +186,17 @@ fn gemv_leaves_what_it_does_not_take_to_cublas() {
     let m = shape();
     let c = &m.config;
     let mut rng = ChaCha8Rng::seed_from_u64(2902);
-    let (d_in, d_out) = (512, 256);
-    for (dt, rows) in [(DType::Bf16, 9), (DType::F16, 37), (DType::F32, 1)] {
+    let cases = [
+        (DType::Bf16, 9, (512, 256)),
+        (DType::F16, 37, (512, 256)),
+        (DType::F32, 1, (512, 256)),
+        (DType::Bf16, 3, (4096, 11008)),
+        (DType::F16, 4, (11008, 4096)),
+        (DType::Bf16, 5, (4096, 4096)),
+        (DType::Bf16, 8, (576, 1536)),
+    ];
+    for (dt, rows, (d_in, d_out)) in cases {
+        assert!(!gemv_pays(rows, d_in, d_out) || rows > 8 || dt == DType::F32);
         let mut g = CudaBackend::new(c, &cfg(dt)).expect("CUDA backend");
         let w = rand_vec(&mut rng, d_out * d_in, 0.1);
         let x = rand_vec(&mut rng, rows * d_in, 1.0);

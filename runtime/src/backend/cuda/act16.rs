@@ -30,7 +30,7 @@ use std::sync::Arc;
 
 use cudarc::cublas::sys as blas_sys;
 use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, DevicePtr};
-use thaw_kernels::cuda::registry::{shape, DType};
+use thaw_kernels::cuda::registry::DType;
 use thaw_kernels::cuda::KernelCache;
 
 use super::launch::{blocks, launch, Gpu};
@@ -219,9 +219,10 @@ impl CudaBackend {
             lora_on_down,
             graph: graph.is_some(),
             graph_lora: graph.is_some_and(|a| a.key.lora_rank > 0),
-            // The GEMV serves products of at most GEMV_MAX_ROWS rows (it reads and writes
-            // f32); counted whether or not it serves each shape, which only keeps f32.
-            gemv: self.gpu.gemv.is_some() && rows <= shape::GEMV_MAX_ROWS,
+            // gate/up's and down's products stream the same weights (gemv_pays is symmetric).
+            gemv: self
+                .gpu
+                .gemv_may_take(rows, ws.iter().map(|w| (w.d_in, w.d_out))),
             bias: ws.iter().any(|w| w.bias.is_some()),
         })
     }

@@ -147,9 +147,10 @@ impl CudaBackend {
             weights_16bit: self.gpu.weight_dtype != DType::F32,
             graph: graph.is_some(),
             graph_lora: graph.is_some_and(|a| a.key.lora_rank > 0),
-            // The GEMV serves products of at most GEMV_MAX_ROWS rows (it reads and writes
-            // f32); counted whether or not it serves each shape, which only keeps f32.
-            gemv: self.gpu.gemv.is_some() && rows <= shape::GEMV_MAX_ROWS,
+            // o_proj's product has q's shape, so q/k/v's shapes decide for the block.
+            gemv: self
+                .gpu
+                .gemv_may_take(rows, ws.iter().map(|w| (w.d_in, w.d_out))),
             lora_on_o: graph.is_none() && lora_on_o(batch, sites[0].layer, rank),
             // Counted whether or not the step has prefill rows (the tensor-core prefill is the
             // one family without a store for every dtype pair), which only keeps f32.

@@ -1,15 +1,18 @@
 //! Products of few rows as a GEMV (issue 29, `THAW_CUDA_GEMV=1`; off by default until a GPU
 //! parity run proves it): `thaw_kernels`' `gemv.cu`.
 //!
-//! With the switch on, every `linear` of at most [`shape::GEMV_MAX_ROWS`] rows over 16-bit
-//! weights whose shape the kernel takes ([`gemv_serves`]: `d_in % 8 == 0`, 16-byte aligned
-//! buffers) runs as one launch that reads the f32 activations directly: no cast kernel, no
-//! cuBLAS. That is every decode product of a Llama-shaped model at batch ≤ 8: q/k/v/o,
-//! gate/up/down, the LM head ([`CudaBackend::try_logits`] goes through the same `linear`), and a
-//! q/k/v or gate/up group run as one product (`group.rs`, `THAW_CUDA_GROUP_GEMM=1`), whose one
-//! `[Σ d_out, d_in]` matrix is simply a wider GEMV. Everything else (prefill, batches above 8,
-//! f32 weights, odd widths) takes the cast + cuBLAS path as before. LoRA deltas are separate
-//! kernels (`sgmv.rs`) added after the product, unchanged.
+//! With the switch on, a `linear` over 16-bit weights whose shape the kernel takes
+//! ([`gemv_serves`]: 1 to [`shape::GEMV_MAX_ROWS`] rows, `d_in % 8 == 0`, 16-byte aligned
+//! buffers) and where it beats cuBLAS ([`gemv_pays`]: every product at 1–2 rows, products of at
+//! most 4096 × 4096 weights at 3–4) runs as one launch that reads the f32 activations
+//! directly: no cast kernel, no cuBLAS. At batch 1–2 that is every decode product of a
+//! Llama-shaped model: q/k/v/o, gate/up/down, the LM head ([`CudaBackend::try_logits`] goes
+//! through the same `linear`), and a q/k/v or gate/up group run as one product (`group.rs`,
+//! `THAW_CUDA_GROUP_GEMM=1`), whose one `[Σ d_out, d_in]` matrix is simply a wider GEMV.
+//! Everything else (prefill, larger batches, f32 weights, odd widths) takes the cast + cuBLAS
+//! path as before. LoRA deltas are separate kernels (`sgmv.rs`) added after the product,
+//! unchanged. [`CudaBackend::set_gemv_every_row`] lifts the crossover for benchmarks and tests
+//! that time or check the kernel at every row count it takes.
 //!
 //! Why: on an H200 at batch 1 the 4096×4096 products ran at 59–63% of the copy roofline through
 //! cast + `gemm_ex` (`cuda-h100.md` §8), and the cast is a launch of its own before each
@@ -28,7 +31,7 @@ use thaw_kernels::cuda::KernelCache;
 
 use super::launch::{int, launch, Gpu};
 use super::{CudaBackend, CudaError};
-use crate::backend::kernel_select::{gemv_grid, gemv_serves};
+use crate::backend::kernel_select::{gemv_grid, gemv_pays, gemv_serves};
 use crate::error::Result;
 
 /// The GEMV kernels for one weight dtype: rows up to [`shape::GEMV_FEW_ROWS`], and more.
@@ -41,6 +44,8 @@ struct Kernels {
 /// switch on, every product of an f32 model still takes cuBLAS).
 pub(crate) struct Gemv {
     func: Option<Kernels>,
+    /// Every row count the kernel takes, not only where it pays ([`gemv_pays`]).
+    every_row: bool,
 }
 
 impl Gemv {
@@ -56,7 +61,10 @@ impl Gemv {
                 })
             }
         };
-        Ok(Self { func })
+        Ok(Self {
+            func,
+            every_row: false,
+        })
     }
 }
 
@@ -131,8 +139,24 @@ impl Gpu {
         }
     }
 
+    /// Whether the GEMV may serve a product of `rows` rows of any of `shapes` (`(d_in, d_out)`)
+    /// by row count and size alone, before addresses and widths are known: what the 16-bit
+    /// activation plans count (the GEMV reads and writes f32, so where it may run they keep
+    /// f32; counting a product it then does not take only keeps f32).
+    pub(super) fn gemv_may_take(
+        &self,
+        rows: usize,
+        shapes: impl IntoIterator<Item = (usize, usize)>,
+    ) -> bool {
+        self.gemv.as_ref().is_some_and(|g| {
+            (1..=shape::GEMV_MAX_ROWS).contains(&rows)
+                && (g.every_row || shapes.into_iter().any(|(i, o)| gemv_pays(rows, i, o)))
+        })
+    }
+
     /// Whether a product of `rows` rows of `x` through `w` runs as a GEMV (switch on, kernels
-    /// loaded, [`gemv_serves`]): the decision [`Gpu::gemv_linear`] runs, None for cuBLAS.
+    /// loaded, [`gemv_serves`], [`gemv_pays`] unless every row count is asked for): the decision
+    /// [`Gpu::gemv_linear`] runs, None for cuBLAS.
     pub(super) fn gemv_takes(
         &self,
         x: &CudaSlice<f32>,
@@ -141,9 +165,11 @@ impl Gpu {
         d_in: usize,
         d_out: usize,
     ) -> Option<GemvTake> {
-        let on = self.gemv.as_ref().is_some_and(|g| g.func.is_some());
+        let g = self.gemv.as_ref().filter(|g| g.func.is_some())?;
         let (xp, wp) = (self.p(x), self.p(w));
-        gemv_serves(on, self.weight_dtype, rows, d_in, d_out, wp, xp).then_some(GemvTake {
+        let runs = gemv_serves(true, self.weight_dtype, rows, d_in, d_out, wp, xp)
+            && (g.every_row || gemv_pays(rows, d_in, d_out));
+        runs.then_some(GemvTake {
             x: xp,
             w: wp,
             rows,
@@ -164,8 +190,19 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// Whether the small-batch GEMV is switched on (it runs where [`gemv_serves`] says).
+    /// Whether the small-batch GEMV is switched on (it runs where [`gemv_serves`] and
+    /// [`gemv_pays`] say).
     pub fn gemv(&self) -> bool {
         self.gpu.gemv.is_some()
+    }
+
+    /// With the GEMV on, runs it at every row count its kernel takes ([`gemv_serves`]), not
+    /// only where it beats cuBLAS ([`gemv_pays`]): for the benchmark that measures the
+    /// crossover (`cuda_bench --gemv`) and the parity tests. No effect with the GEMV off; a
+    /// later [`set_gemv`](Self::set_gemv) resets it.
+    pub fn set_gemv_every_row(&mut self, every_row: bool) {
+        if let Some(g) = self.gpu.gemv.as_mut() {
+            g.every_row = every_row;
+        }
     }
 }

@@ -17,7 +17,7 @@
 //! | `attn_prefill_tc.rs` | prefill attention on the tensor cores (default where served; off: `THAW_CUDA_TC_PREFILL=0`) |
 //! | `flash.rs` | flash-decoding launches (default; off: `THAW_CUDA_ATTN_IMPL=classic`; shortest chunk: `THAW_CUDA_SPLIT_MIN_CHUNK`, default 256) |
 //! | `fused.rs` | fused add + RMSNorm and SwiGLU + cast (default; off: `THAW_CUDA_FUSED=0`) |
-//! | `gemv.rs` | products of at most 8 rows over 16-bit weights as a GEMV over f32 activations, no cast, no cuBLAS (opt-in: `THAW_CUDA_GEMV=1`) |
+//! | `gemv.rs` | products of few rows (1–2, or 3–4 of q/k/v/o's size: `gemv_pays`) over 16-bit weights as a GEMV over f32 activations, no cast, no cuBLAS (opt-in: `THAW_CUDA_GEMV=1`) |
 //! | `graph.rs` | CUDA graphs of decode steps: capture, replay, the persistent metadata buffer |
 //! | `group.rs` | q/k/v and gate/up placed as one matrix at load and run as one product (opt-in: `THAW_CUDA_GROUP_GEMM=1`) |
 //! | `wide.rs` | wide RMSNorm / add + RMSNorm / RoPE (opt-in: `THAW_CUDA_WIDE_NORM=1`), RoPE folded into the KV write (opt-in: `THAW_CUDA_ROPE_FOLD=1`) |
