@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# One short GPU lease (15 minutes of device time, a machine start included): what the open GPU
-# issues (27, 29) still need measured, in two calls of one budget each (--budget), so both fit:
-#   --part a (default budget 360 s): steps 1 and 2;   --part b (default 400 s): step 3;
-#   --part all (540 s): the three in one call, step 3 then gets what is left.
+# One short GPU lease (15 minutes of device time, a machine start included): what the GPU
+# issues (29 open, 27 blocked on a GPU) still need measured, in calls of one budget each
+# (--budget), so a and b fit one lease with its start (1-2 minutes) and c where time is left:
+#   --part a (default budget 350 s): step 1;   --part b (default 400 s): step 3;
+#   --part c (default 300 s): step 2;   --part all (540 s): the three, 2 only where 150 s
+#   are left for 3 after it.
 # Executables from benches/gpu/build.sh (gpu-bin/, carried as `carry: ["gpu-bin"]`); logs and
 # tables under --out ($OUT).
-#   1. the CUDA parity suite, whole, with the defaults, then its opt-in tests with every opt-in
-#      switch on (issue 29's kernels that are not defaults yet: THAW_CUDA_GROUP_GEMM,
+#   1. the CUDA parity suite, whole, with the defaults (about 250 s on an H200, session 24),
+#      then its opt-in tests with every opt-in switch on (issue 29's kernels that are not defaults yet: THAW_CUDA_GROUP_GEMM,
 #      THAW_CUDA_ROPE_FOLD, THAW_CUDA_WIDE_NORM, THAW_CUDA_DEVICE_ARGMAX, THAW_CUDA_GEMV,
 #      THAW_CUDA_LORA_SLICES, THAW_CUDA_ATTN_OCCUPANCY, THAW_CUDA_CUBLASLT, THAW_CUDA_BF16_ACT);
 #   2. issue 27's cold-start tables (run.sh, cached / auto / on-demand, host tier then disk
@@ -16,7 +18,7 @@
 #      switch ("opt-in") at a 128-token context, the op profile of decode and prefill, and the
 #      transformers peer side by side (with 300 s or more for the step).
 # Steps with too little time left say "skipped". Every figure printed names its step's log.
-#   benches/gpu/lease.sh --bin gpu-bin --out "$OUT" --part a    then    ... --part b
+#   benches/gpu/lease.sh --bin gpu-bin --out "$OUT" --part a    then    ... --part b   (then c)
 # Before the lease, on the build machine (no GPU, seconds): the same with --dry-run (or
 # THAW_GPU_DRY_RUN=1) runs benches/gpu/dryrun.py: every step with its executables, flags, test
 # filters, THAW_CUDA_ switches and Python scripts checked, and its timeouts summed at worst.
@@ -44,10 +46,11 @@ if [ "$DRY" = 1 ]; then
   exec python3 "$here/dryrun.py" --bin "$BIN" --out "$O" --part "$PART" ${BUDGET_S:+--budget "$BUDGET_S"}
 fi
 case "$PART" in
-  a) : "${BUDGET_S:=360}" ;;
+  a) : "${BUDGET_S:=350}" ;;
   b) : "${BUDGET_S:=400}" ;;
+  c) : "${BUDGET_S:=300}" ;;
   all) : "${BUDGET_S:=540}" ;;
-  *) echo "--part: a, b or all, not $PART" >&2; exit 2 ;;
+  *) echo "--part: a, b, c or all, not $PART" >&2; exit 2 ;;
 esac
 mkdir -p "$O"
 export LD_LIBRARY_PATH=/usr/local/cuda/targets/x86_64-linux/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
@@ -61,9 +64,9 @@ OPT_ON=(THAW_CUDA_GROUP_GEMM=1 THAW_CUDA_ROPE_FOLD=1 THAW_CUDA_WIDE_NORM=1 THAW_
   THAW_CUDA_GEMV=1 THAW_CUDA_LORA_SLICES=1 THAW_CUDA_ATTN_OCCUPANCY=1
   THAW_CUDA_CUBLASLT=1 THAW_CUDA_BF16_ACT=1)
 
-if [ "$PART" != b ]; then
+if [ "$PART" = a ] || [ "$PART" = all ]; then
 # --- 1. parity ---------------------------------------------------------------------------------
-lim=$(($(left) < 120 ? $(left) : 120))
+lim=$(($(left) - 65 < 280 ? $(left) - 65 : 280))
 el "cuda_parity, defaults (limit ${lim}s)"
 THAW_REQUIRE_GPU=1 timeout "$lim" "$BIN/cuda_parity" --test-threads=1 --nocapture \
   >"$O/lease-parity.log" 2>&1
@@ -76,11 +79,13 @@ env "${OPT_ON[@]}" THAW_REQUIRE_GPU=1 timeout "$lim" "$BIN/cuda_parity" --test-t
 echo "cuda_parity opt_in (opt-in switches on): rc=$?"
 grep -E "^test .*(ok|FAILED|ignored)$|test result" "$O/lease-parity-opt-in.log" | tail -20
 
+fi
+if [ "$PART" = c ] || [ "$PART" = all ]; then
 # --- 2. issue 27 ----------------------------------------------------------------------------------
 b=$(($(left) - 5))
 [ "$PART" = all ] && b=$((b - 150))
 if [ "$b" -ge 150 ]; then
-  b=$((b < 260 ? b : 260))
+  b=$((b < 295 ? b : 295))
   el "issue 27: run.sh cached,auto,on-demand (budget ${b}s)"
   THAW_GPU_BUDGET_S=$b THAW_GPU_REQS=16 THAW_GPU_SKIP_29=1 THAW_GPU_SKIP_PARITY=1 \
     THAW_GPU_POLICIES=cached,auto,on-demand THAW_GPU_POLICY_MIN_S=50 \
@@ -94,7 +99,7 @@ else
 fi
 
 fi
-[ "$PART" = a ] && { el "done (part a)"; exit 0; }
+if [ "$PART" = b ] || [ "$PART" = all ]; then
 # --- 3. issue 29 ----------------------------------------------------------------------------------
 b=$(($(left) - 5))
 if [ "$b" -ge 90 ]; then
@@ -107,5 +112,6 @@ if [ "$b" -ge 90 ]; then
   grep -E "^\||^#" "$O/lease-attn29.log" | tail -60
 else
   echo "issue 29's attn29.sh: skipped, $(left) s left"
+fi
 fi
 el "done"

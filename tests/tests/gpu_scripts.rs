@@ -87,13 +87,13 @@ fn text(o: &Output) -> String {
 }
 
 #[test]
-fn lease_parts_a_and_b_pass_the_dry_run() {
+fn lease_parts_a_b_and_c_pass_the_dry_run() {
     let tmp = tempfile::tempdir().unwrap();
     let bin = tmp.path().join("gpu-bin");
     std::fs::create_dir(&bin).unwrap();
     cpu_gpu_bin(&bin);
-    // Both parts at once: each is a few seconds of shims and --help parses.
-    let children: Vec<_> = ["a", "b"]
+    // The parts at once: each is a few seconds of shims and --help parses.
+    let children: Vec<_> = ["a", "b", "c"]
         .iter()
         .map(|part| {
             let child = Command::new("bash")
@@ -119,10 +119,10 @@ fn lease_parts_a_and_b_pass_the_dry_run() {
         );
         // Both passes ran, and the worst case was summed within the part's limit.
         assert!(t.contains("fast: ") && t.contains("worst: "), "{t}");
-        let exes = if *part == "a" {
-            "cuda_parity thaw thaw-bench"
-        } else {
-            "cuda_bench thaw thaw-bench"
+        let exes = match *part {
+            "a" => "cuda_parity",
+            "b" => "cuda_bench thaw thaw-bench",
+            _ => "thaw thaw-bench",
         };
         assert!(t.contains(&format!("executables called: {exes}")), "{t}");
     }
