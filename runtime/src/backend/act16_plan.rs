@@ -1,5 +1,5 @@
 //! Whether a step's MLP input half — gate and up products, their LoRA, SwiGLU — runs with
-//! 16-bit activations (issue 29, `THAW_CUDA_BF16_ACT=1`, opt-in), as one pure function of the
+//! 16-bit activations (issue 29, `THAW_CUDA_BF16_ACT`, on by default, `0` off), as one pure function of the
 //! step's facts, so the rule is property-tested on the CPU and the CPU emulation
 //! ([`CpuBackend::set_act16`](super::cpu::CpuBackend::set_act16)) rounds exactly where the
 //! CUDA path does.

@@ -1,5 +1,5 @@
 //! Whether a step's attention half — the q/k/v products, RoPE and the K/V write, and the
-//! attention output o_proj reads — runs with 16-bit activations (issue 29, `THAW_CUDA_BF16_ACT=1`, opt-in, the same switch as the
+//! attention output o_proj reads — runs with 16-bit activations (issue 29, `THAW_CUDA_BF16_ACT`, on by default, the same switch as the
 //! MLP's [`act16_plan`](super::act16_plan)), as one pure function of the step's facts, so the
 //! rule is property-tested on the CPU and the CPU emulation
 //! ([`CpuBackend::set_act16`](super::cpu::CpuBackend::set_act16)) rounds exactly where the CUDA

@@ -9,8 +9,8 @@
 //! logprobs (`engine::greedy` decides). The defaults here compute the logits with
 //! [`Backend::logits`] (or take them from [`Backend::graph_end`]) and scan them on the host:
 //! every backend has the op, and the CPU backend runs the engine's ids path with them. The
-//! CUDA backend overrides both with `argmax.cu` (`cuda/argmax.rs`, opt-in:
-//! `THAW_CUDA_DEVICE_ARGMAX=1`).
+//! CUDA backend overrides both with `argmax.cu` (`cuda/argmax.rs`, on by default, off:
+//! `THAW_CUDA_DEVICE_ARGMAX=0`).
 use super::Backend;
 use crate::error::Result;
 use crate::sampling::argmax;

@@ -1,9 +1,11 @@
 //! Which of the CUDA backend's issue-29 kernels run, as pure functions of the environment
 //! variables' values and of the shape the backend serves, so the rules are unit-tested on the
-//! CPU (the `cuda` module only loads what [`KernelPlan::resolve`] picked).
+//! CPU (the `cuda` module only loads what [`KernelPlan::resolve`] and [`OptInPlan::resolve`]
+//! picked).
 //!
-//! All four are on by default (verified on an H200: the whole parity suite with them on, and
-//! `thaw-bench gpu` on llama-7b-shape), each with the variable that turns it off:
+//! All thirteen are on by default, each with the variable that turns it off. The first four
+//! ([`KernelPlan`]) were verified on an H200 (the whole parity suite with them on, and
+//! `thaw-bench gpu` on llama-7b-shape):
 //!
 //! | kernel | variable | off |
 //! | --- | --- | --- |
@@ -12,25 +14,35 @@
 //! | Punica-shaped SGMV / BGMV (`lora_punica.cu`) | [`LORA_IMPL_ENV`] | `classic` |
 //! | fused add + RMSNorm and SwiGLU + cast | [`FUSED_ENV`] | `0` |
 //!
+//! The other nine ([`OptInPlan`], named for when they were opt-in) became defaults once a GPU
+//! parity run proved them (session 24, H200: `cuda_parity`'s `opt_in` tests with all nine on,
+//! engines on against off with identical greedy tokens but at near ties, each kernel's own
+//! tests; the whole model decoded at 5.04 ms a token at batch 1 against 7.91 ms without them,
+//! `benches/results/cuda-h100.md` §9). `0` turns each back to the kernel it replaced, which
+//! `benches/gpu/lease.sh` keeps proving (`cuda_parity opt_in` with all nine `0`):
+//!
+//! | kernel | variable | off |
+//! | --- | --- | --- |
+//! | q/k/v (and gate/up) as one product over one weight matrix | [`GROUP_GEMM_ENV`] | `0` |
+//! | RoPE of q and k inside the paged-cache KV write | [`ROPE_FOLD_ENV`] | `0` |
+//! | RMSNorm, add + RMSNorm, RoPE with one wide block per row | [`WIDE_ENV`] | `0` |
+//! | greedy token ids on the device, copied instead of the logits | [`DEVICE_ARGMAX_ENV`] | `0` |
+//! | products of few rows as a GEMV over f32 activations (no cast, no cuBLAS): every product at 1–2 rows, q/k/v/o-sized ones at 3–4 ([`gemv_pays`]) | [`GEMV_ENV`] | `0` |
+//! | q/k/v (and gate/up) LoRA as one shrink + one expand launch over slices | [`LORA_SLICES_ENV`] | `0` |
+//! | decode attention split to fill the GPU, 4 keys' loads in flight a warp (`attention_split_ilp.cu`) | [`ATTN_OCCUPANCY_ENV`] | `0` |
+//! | products through cuBLASLt, the bias in its epilogue (`lt_plan`) | [`CUBLASLT_ENV`] | `0` |
+//! | q/k/v and gate/up outputs and SwiGLU in 16 bits, f32 accumulation (`act16.cu`, `attn16.cu`; [`super::act16_plan`], [`super::attn16_plan`]); the residual stream between layers in 16 bits (`residual16.cu`, [`super::residual16_plan`]) | [`ACT16_ENV`] | `0` |
+//!
 //! Unset, empty or `auto`: the new kernel where it serves the backend's shape, the classic one
 //! (with the reason, logged once) where it does not — e.g. the tensor-core prefill with an f32
-//! KV cache, a head_dim other than 32/64/128, or a device below compute capability 8.0. An
-//! explicit `split` / `1` / `punica` that cannot be served is an error that says what to set.
-//!
-//! Nine more are opt-in ([`OptInPlan`]): off unless set to `1`, until a GPU parity run
-//! (`cuda_parity`'s `opt_in` tests) proves them, then to become defaults like the four above.
-//!
-//! | kernel | variable | on |
-//! | --- | --- | --- |
-//! | q/k/v (and gate/up) as one product over one weight matrix | [`GROUP_GEMM_ENV`] | `1` |
-//! | RoPE of q and k inside the paged-cache KV write | [`ROPE_FOLD_ENV`] | `1` |
-//! | RMSNorm, add + RMSNorm, RoPE with one wide block per row | [`WIDE_ENV`] | `1` |
-//! | greedy token ids on the device, copied instead of the logits | [`DEVICE_ARGMAX_ENV`] | `1` |
-//! | products of few rows as a GEMV over f32 activations (no cast, no cuBLAS): every product at 1–2 rows, q/k/v/o-sized ones at 3–4 | [`GEMV_ENV`] | `1` |
-//! | q/k/v (and gate/up) LoRA as one shrink + one expand launch over slices | [`LORA_SLICES_ENV`] | `1` |
-//! | decode attention split to fill the GPU, 4 keys' loads in flight a warp (`attention_split_ilp.cu`) | [`ATTN_OCCUPANCY_ENV`] | `1` |
-//! | products through cuBLASLt, the bias in its epilogue (`lt_plan`) | [`CUBLASLT_ENV`] | `1` |
-//! | q/k/v and gate/up outputs and SwiGLU in 16 bits, f32 accumulation (`act16.cu`, `attn16.cu`; [`super::act16_plan`], [`super::attn16_plan`]); the residual stream between layers in 16 bits (`residual16.cu`, [`super::residual16_plan`]) | [`ACT16_ENV`] | `1` |
+//! KV cache, a head_dim other than 32/64/128, or a device below compute capability 8.0; RoPE
+//! folding with an odd head_dim; the occupancy decode with heads past flash-decoding's 256.
+//! Several of the nine also decide per product or per step (the GEMV where it pays and its
+//! kernel takes the shape, 16-bit activations where [`super::act16_plan`] says so, 16-bit
+//! weights for both): the switch only loads them. An explicit `split` / `1` / `punica` that
+//! cannot be served is an error that says what to set. The CPU backend, the numeric oracle,
+//! keeps f32 throughout: it emulates the 16-bit activations only when a test asks
+//! ([`CpuBackend::set_act16`](super::cpu::CpuBackend::set_act16)).
 use std::fmt;
 
 use thaw_kernels::cuda::decode_plan::{MIN_CHUNK, OCC_MIN_CHUNK};
@@ -45,18 +57,17 @@ pub const TC_PREFILL_ENV: &str = "THAW_CUDA_TC_PREFILL";
 pub const LORA_IMPL_ENV: &str = "THAW_CUDA_LORA_IMPL";
 /// Fused add + RMSNorm and SwiGLU + cast: `1` (the default) or `0`.
 pub const FUSED_ENV: &str = "THAW_CUDA_FUSED";
-/// q/k/v (and gate/up) as one product over weights placed as one matrix at load: `1` or `0`
-/// (the default until a GPU parity run proves it).
+/// q/k/v (and gate/up) as one product over weights placed as one matrix at load: `1` (the
+/// default) or `0`.
 pub const GROUP_GEMM_ENV: &str = "THAW_CUDA_GROUP_GEMM";
-/// RoPE of q and k inside the kernel that writes K/V to the paged cache: `1` or `0` (the
-/// default until a GPU parity run proves it).
+/// RoPE of q and k inside the kernel that writes K/V to the paged cache: `1` (the default where
+/// served: [`rope_fold_unserved`]) or `0`.
 pub const ROPE_FOLD_ENV: &str = "THAW_CUDA_ROPE_FOLD";
 /// RMSNorm, add + RMSNorm and RoPE with a wide block per row (float4 loads, one pass in
-/// registers): `1` or `0` (the default until a GPU parity run proves it).
+/// registers): `1` (the default) or `0`.
 pub const WIDE_ENV: &str = "THAW_CUDA_WIDE_NORM";
 /// Greedy sampling on the device: a step whose rows are all greedy copies one token id per
-/// row instead of its logits (`argmax.cu`): `1` or `0` (the default until a GPU parity run
-/// proves it).
+/// row instead of its logits (`argmax.cu`): `1` (the default) or `0`.
 pub const DEVICE_ARGMAX_ENV: &str = "THAW_CUDA_DEVICE_ARGMAX";
 
 /// The shortest context chunk flash-decoding makes, in positions (default [`MIN_CHUNK`]): see
@@ -86,27 +97,26 @@ pub fn split_min_chunk(value: Option<&str>) -> Result<usize, String> {
 }
 
 /// Products of few rows against 16-bit weights through `gemv.cu` (f32 activations read
-/// directly) instead of a cast and cuBLAS, where it pays ([`gemv_pays`]): `1` or `0` (the
-/// default until a GPU parity run proves it).
+/// directly) instead of a cast and cuBLAS, where it pays ([`gemv_pays`]): `1` (the default)
+/// or `0`.
 pub const GEMV_ENV: &str = "THAW_CUDA_GEMV";
 
 /// The LoRA of modules sharing one input (q/k/v, gate/up) as one shrink and one expand launch
-/// over slices (`lora_slices.cu`; with Punica's kernels only): `1` or `0` (the default until a
-/// GPU parity run proves it).
+/// over slices (`lora_slices.cu`; with Punica's kernels only): `1` (the default) or `0`.
 pub const LORA_SLICES_ENV: &str = "THAW_CUDA_LORA_SLICES";
 
 /// Decode attention through `attention_split_ilp.cu`: the split count planned to give the
 /// GPU about two blocks per SM ([`occupancy_splits`](thaw_kernels::cuda::decode_plan::occupancy_splits),
 /// chunks of at least [`occupancy_floor`] positions), each warp with 4 keys' K/V loads in
-/// flight: `1` or `0` (the default until a GPU parity run proves it). On, it replaces both
+/// flight: `1` (the default where served: [`split_unserved`]) or `0`. On, it replaces both
 /// flash-decoding and `attention.cu`'s decode, in eager steps and in CUDA graphs (a split count
 /// fixed per captured bucket, each row using the splits its context allows).
 pub const ATTN_OCCUPANCY_ENV: &str = "THAW_CUDA_ATTN_OCCUPANCY";
 
 /// Products through cuBLASLt (`cublasLtMatmul`, bf16/f16 in, f32 compute) with a cached
 /// heuristic algorithm per shape bucket and the bias added by its epilogue instead of a separate
-/// `add_bias` launch ([`lt_plan`](super::lt_plan)): `1` or `0` (the default until a GPU parity
-/// run proves it). The small-batch GEMV ([`GEMV_ENV`]) keeps the products it serves.
+/// `add_bias` launch ([`lt_plan`](super::lt_plan)): `1` (the default) or `0`. The small-batch
+/// GEMV ([`GEMV_ENV`]) keeps the products it serves.
 pub const CUBLASLT_ENV: &str = "THAW_CUDA_CUBLASLT";
 
 /// The MLP's gate and up products stored in the weights' 16-bit type (cuBLAS, f32
@@ -115,7 +125,8 @@ pub const CUBLASLT_ENV: &str = "THAW_CUDA_CUBLASLT";
 /// products likewise, RoPE'd from 16 bits into the KV cache (`attn16.cu`), where
 /// [`attn16_plan`](super::attn16_plan::attn16_plan) serves it; and the residual stream
 /// between layers stored in that type ([`residual16_plan`](super::residual16_plan)): `1`
-/// or `0` (the default until a GPU parity run proves it).
+/// (the default; it acts only on 16-bit weights) or `0`. The CPU backend keeps f32 whatever
+/// this says.
 pub const ACT16_ENV: &str = "THAW_CUDA_BF16_ACT";
 
 /// The occupancy plan's shortest chunk from [`SPLIT_MIN_CHUNK_ENV`]'s value: unset, empty or
@@ -186,8 +197,9 @@ pub struct Switch {
     pub new: &'static str,
     /// The classic kernel, in words.
     pub classic: &'static str,
-    /// Whether unset (or `auto`) picks the new kernel: true for the four defaults above, false
-    /// for the opt-in switches of [`OptInPlan`] until a GPU parity run has proven them.
+    /// Whether unset (or `auto`) picks the new kernel: true for every switch since the nine of
+    /// [`OptInPlan`] were proven (a new kernel may start false until a GPU parity run proves
+    /// it, as they did).
     pub default_new: bool,
 }
 
@@ -235,7 +247,7 @@ pub const GROUP_GEMM: Switch = Switch {
     off: "0",
     new: "grouped",
     classic: "per-module",
-    default_new: false,
+    default_new: true,
 };
 /// RoPE folded into the KV write.
 pub const ROPE_FOLD: Switch = Switch {
@@ -244,7 +256,7 @@ pub const ROPE_FOLD: Switch = Switch {
     off: "0",
     new: "folded into the KV write",
     classic: "separate",
-    default_new: false,
+    default_new: true,
 };
 /// The wide norm and RoPE kernels.
 pub const WIDE: Switch = Switch {
@@ -253,7 +265,7 @@ pub const WIDE: Switch = Switch {
     off: "0",
     new: "wide",
     classic: "one block of 256 per row",
-    default_new: false,
+    default_new: true,
 };
 /// Greedy token ids on the device.
 pub const DEVICE_ARGMAX: Switch = Switch {
@@ -262,7 +274,7 @@ pub const DEVICE_ARGMAX: Switch = Switch {
     off: "0",
     new: "device argmax",
     classic: "logits copied, argmax on the host",
-    default_new: false,
+    default_new: true,
 };
 
 /// The small-batch GEMV.
@@ -272,7 +284,7 @@ pub const GEMV: Switch = Switch {
     off: "0",
     new: "small-batch GEMV",
     classic: "cast + cuBLAS",
-    default_new: false,
+    default_new: true,
 };
 
 /// The multi-slice LoRA launches.
@@ -282,7 +294,7 @@ pub const LORA_SLICES: Switch = Switch {
     off: "0",
     new: "one launch pair over slices",
     classic: "a launch pair per module",
-    default_new: false,
+    default_new: true,
 };
 
 /// Products through cuBLASLt with its bias epilogue.
@@ -292,7 +304,7 @@ pub const CUBLASLT: Switch = Switch {
     off: "0",
     new: "cuBLASLt, bias in its epilogue",
     classic: "cublasGemmEx + add_bias",
-    default_new: false,
+    default_new: true,
 };
 
 /// The occupancy-planned decode attention with keys in flight.
@@ -302,7 +314,7 @@ pub const ATTN_OCCUPANCY: Switch = Switch {
     off: "0",
     new: "occupancy split, keys in flight",
     classic: "as THAW_CUDA_ATTN_IMPL picks",
-    default_new: false,
+    default_new: true,
 };
 
 /// 16-bit activations (q/k/v, gate/up, SwiGLU).
@@ -312,7 +324,7 @@ pub const ACT16: Switch = Switch {
     off: "0",
     new: "q/k/v, gate/up and SwiGLU in 16 bits",
     classic: "f32",
-    default_new: false,
+    default_new: true,
 };
 
 const ON_OFF: [&str; 2] = ["1", "0"];
@@ -517,7 +529,7 @@ pub fn wide_rope_block(pairs: usize) -> u32 {
 }
 
 /// Most rows a group of projections (q/k/v, gate/up) runs as one product with
-/// `THAW_CUDA_GROUP_GEMM=1`. The product writes `[rows, Σ d_out]` that a kernel then splits into
+/// `THAW_CUDA_GROUP_GEMM` on (the default). The product writes `[rows, Σ d_out]` that a kernel then splits into
 /// the modules' buffers: at decode's few rows that copy is small against the weights it saves
 /// re-reading launches and tails for, but it grows with the rows while a many-row product is
 /// compute-bound already (a 2048-row q/k/v of Llama-7B would copy 200 MB for no gain). Past
@@ -609,8 +621,9 @@ pub fn gemv_grid(d_out: usize, rows: usize) -> u32 {
     d_out.div_ceil(per_block).clamp(1, i32::MAX as usize) as u32
 }
 
-/// The opt-in switches (off unless set to `1`): resolved once when a backend is created,
-/// logged beside [`KernelPlan`].
+/// The nine switches that were opt-in until session 24's H200 parity run proved them, now on by
+/// default like [`KernelPlan`]'s (`0` turns each off; the name is their history): resolved once
+/// when a backend is created, logged beside [`KernelPlan`].
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct OptInPlan {
     pub group_gemm: Choice,
@@ -625,7 +638,8 @@ pub struct OptInPlan {
 }
 
 impl OptInPlan {
-    /// Resolves the opt-in switches from `var` for heads of `head_dim`.
+    /// Resolves the nine switches from `var` for heads of `head_dim`: unset, each is new where
+    /// served (RoPE folding and the occupancy decode fall back where the head_dim is not).
     pub fn resolve(var: impl Fn(&str) -> Option<String>, head_dim: usize) -> Result<Self, String> {
         let value = |env: &str| var(env).unwrap_or_default();
         Ok(Self {
@@ -668,7 +682,7 @@ fn plan_line(f: &mut fmt::Formatter<'_>, rows: &[(&str, Switch, &Choice)]) -> fm
             f.write_str("; ")?;
         }
         match c {
-            Choice::New => write!(f, "{what}: {}", sw.new)?,
+            Choice::New => write!(f, "{what}: {} (off: {}={})", sw.new, sw.env, sw.off)?,
             Choice::Classic => write!(f, "{what}: {} ({}={})", sw.classic, sw.env, sw.off)?,
             Choice::Fallback(why) => write!(
                 f,
@@ -680,14 +694,15 @@ fn plan_line(f: &mut fmt::Formatter<'_>, rows: &[(&str, Switch, &Choice)]) -> fm
     Ok(())
 }
 
-/// One line for the log: which opt-in kernels run.
+/// One line for the log: which of the nine kernels run, how to turn each off, and why one fell
+/// back.
 impl fmt::Display for OptInPlan {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         plan_line(f, &self.rows())
     }
 }
 
-/// One line for the log: which kernels run, and why a default fell back.
+/// One line for the log: which kernels run, how to turn each off, and why a default fell back.
 impl fmt::Display for KernelPlan {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         plan_line(

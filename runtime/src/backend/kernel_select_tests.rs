@@ -196,7 +196,8 @@ fn the_log_line_names_every_kernel() {
     assert_eq!(
         p.to_string(),
         "decode attention: classic (THAW_CUDA_ATTN_IMPL=classic); prefill attention: \
-         tensor-core prefill; LoRA: punica; elementwise: fused"
+         tensor-core prefill (off: THAW_CUDA_TC_PREFILL=0); LoRA: punica (off: \
+         THAW_CUDA_LORA_IMPL=classic); elementwise: fused (off: THAW_CUDA_FUSED=0)"
     );
 }
 
@@ -241,7 +242,7 @@ proptest! {
     }
 }
 
-const OPT_IN: [Switch; 9] = [
+const NINE: [Switch; 9] = [
     GROUP_GEMM,
     ROPE_FOLD,
     WIDE,
@@ -253,13 +254,43 @@ const OPT_IN: [Switch; 9] = [
     ACT16,
 ];
 
-fn opt_in(vars: &[(&str, &str)], head_dim: usize) -> Result<OptInPlan, String> {
+fn nine(vars: &[(&str, &str)], head_dim: usize) -> Result<OptInPlan, String> {
     OptInPlan::resolve(env(vars), head_dim)
 }
 
+/// Every one of the nine switches at its new kernel.
+fn nine_new() -> OptInPlan {
+    OptInPlan {
+        group_gemm: Choice::New,
+        rope_fold: Choice::New,
+        wide: Choice::New,
+        device_argmax: Choice::New,
+        gemv: Choice::New,
+        lora_slices: Choice::New,
+        attn_occupancy: Choice::New,
+        cublaslt: Choice::New,
+        act16: Choice::New,
+    }
+}
+
+/// The nine plan's choices in [`NINE`]'s order.
+fn nine_choices(p: &OptInPlan) -> [&Choice; 9] {
+    [
+        &p.group_gemm,
+        &p.rope_fold,
+        &p.wide,
+        &p.device_argmax,
+        &p.gemv,
+        &p.lora_slices,
+        &p.attn_occupancy,
+        &p.cublaslt,
+        &p.act16,
+    ]
+}
+
 #[test]
-fn the_opt_in_switches_are_off_unless_set_to_1() {
-    let off = OptInPlan {
+fn the_nine_switches_are_on_unless_set_to_0() {
+    let classic = OptInPlan {
         group_gemm: Choice::Classic,
         rope_fold: Choice::Classic,
         wide: Choice::Classic,
@@ -270,133 +301,169 @@ fn the_opt_in_switches_are_off_unless_set_to_1() {
         cublaslt: Choice::Classic,
         act16: Choice::Classic,
     };
-    assert_eq!(opt_in(&[], 128), Ok(off.clone()));
-    let auto: Vec<(&str, &str)> = OPT_IN.iter().map(|s| (s.env, "auto")).collect();
-    assert_eq!(opt_in(&auto, 128), Ok(off.clone()));
-    let zero: Vec<(&str, &str)> = OPT_IN.iter().map(|s| (s.env, "0")).collect();
-    assert_eq!(opt_in(&zero, 128), Ok(off));
-    let on: Vec<(&str, &str)> = OPT_IN.iter().map(|s| (s.env, " ON ")).collect();
-    assert_eq!(
-        opt_in(&on, 128),
-        Ok(OptInPlan {
-            group_gemm: Choice::New,
-            rope_fold: Choice::New,
-            wide: Choice::New,
-            device_argmax: Choice::New,
-            gemv: Choice::New,
-            lora_slices: Choice::New,
-            attn_occupancy: Choice::New,
-            cublaslt: Choice::New,
-            act16: Choice::New,
-        })
-    );
+    assert_eq!(nine(&[], 128), Ok(nine_new()));
+    let auto: Vec<(&str, &str)> = NINE.iter().map(|s| (s.env, "auto")).collect();
+    assert_eq!(nine(&auto, 128), Ok(nine_new()));
+    let on: Vec<(&str, &str)> = NINE.iter().map(|s| (s.env, " ON ")).collect();
+    assert_eq!(nine(&on, 128), Ok(nine_new()));
+    let zero: Vec<(&str, &str)> = NINE.iter().map(|s| (s.env, "0")).collect();
+    assert_eq!(nine(&zero, 128), Ok(classic.clone()));
+    let off: Vec<(&str, &str)> = NINE.iter().map(|s| (s.env, " Off ")).collect();
+    assert_eq!(nine(&off, 128), Ok(classic));
     // One at a time: each variable moves its own choice only.
-    for (i, sw) in OPT_IN.iter().enumerate() {
-        let p = opt_in(&[(sw.env, "1")], 64).unwrap();
-        let got = [
-            &p.group_gemm,
-            &p.rope_fold,
-            &p.wide,
-            &p.device_argmax,
-            &p.gemv,
-            &p.lora_slices,
-            &p.attn_occupancy,
-            &p.cublaslt,
-            &p.act16,
-        ]
-        .map(Choice::is_new);
-        let want: [bool; 9] = std::array::from_fn(|j| j == i);
+    for (i, sw) in NINE.iter().enumerate() {
+        let p = nine(&[(sw.env, "0")], 64).unwrap();
+        let got = nine_choices(&p).map(Choice::is_new);
+        let want: [bool; 9] = std::array::from_fn(|j| j != i);
         assert_eq!(got, want, "{}", sw.env);
     }
-    // The four defaults stay on whatever the opt-in switches say.
-    for sw in OPT_IN {
-        assert!(!sw.default_new, "{}", sw.env);
-        assert_eq!(sw.resolve(Ask::Default, None), Ok(Choice::Classic));
-        assert_eq!(
-            sw.resolve(Ask::Default, Some("x".into())),
-            Ok(Choice::Classic)
+    // The nine do not move the four, nor the four the nine.
+    assert_eq!(
+        plan(&zero, &llama7b()),
+        plan(&[], &llama7b()),
+        "the nine at 0 moved a default of the four"
+    );
+    let four_off: Vec<(&str, &str)> = SWITCHES.iter().map(|s| (s.env, s.off)).collect();
+    assert_eq!(nine(&four_off, 128), Ok(nine_new()));
+}
+
+/// Every one of the thirteen switches: unset (or empty, or `auto`) resolves to the new kernel
+/// where served and its off value to the classic one, served or not; where the new kernel
+/// does not serve the shape, unset still falls back (with the reason) and an explicit on
+/// still errs.
+#[test]
+fn every_switch_is_new_when_unset_and_classic_when_off() {
+    let why = || Some("no reason".to_string());
+    for sw in SWITCHES.iter().chain(&NINE) {
+        assert!(sw.default_new, "{} is not a default", sw.env);
+        for unset in ["", " ", "auto"] {
+            assert_eq!(
+                sw.choose(unset, None),
+                Ok(Choice::New),
+                "{} {unset:?}",
+                sw.env
+            );
+            assert_eq!(
+                sw.choose(unset, why()),
+                Ok(Choice::Fallback("no reason".into())),
+                "{} {unset:?}",
+                sw.env
+            );
+        }
+        assert_eq!(sw.choose(sw.off, None), Ok(Choice::Classic), "{}", sw.env);
+        assert_eq!(sw.choose(sw.off, why()), Ok(Choice::Classic), "{}", sw.env);
+        assert_eq!(sw.choose(sw.on, None), Ok(Choice::New), "{}", sw.env);
+        let e = sw.choose(sw.on, why()).unwrap_err();
+        assert!(e.contains(&format!("{}={}", sw.env, sw.off)), "{e}");
+    }
+    // The fallbacks the plans compute from the shape, unset: RoPE folding on an odd head_dim
+    // and the occupancy decode past flash-decoding's heads fall back; the rest stay new.
+    let odd = nine(&[], 65).unwrap();
+    assert!(
+        matches!(&odd.rope_fold, Choice::Fallback(w) if w.contains("65")),
+        "{odd:?}"
+    );
+    assert!(odd.attn_occupancy.is_new(), "{odd:?}");
+    let big = shape::SPLIT_MAX_HEAD_DIM * 2;
+    let wide_heads = nine(&[], big).unwrap();
+    assert!(
+        matches!(&wide_heads.attn_occupancy, Choice::Fallback(w) if w.contains(&big.to_string())),
+        "{wide_heads:?}"
+    );
+    // The same shapes at 0: classic, no fallback, no error.
+    let zero: Vec<(&str, &str)> = NINE.iter().map(|s| (s.env, "0")).collect();
+    for hd in [65, big] {
+        let p = nine(&zero, hd).unwrap();
+        assert!(
+            nine_choices(&p).iter().all(|c| **c == Choice::Classic),
+            "{p:?}"
         );
     }
-    for sw in SWITCHES {
-        assert!(sw.default_new, "{}", sw.env);
-    }
+    // flash-decoding's own fallback, unset, beside the occupancy decode's.
+    let s = ServedShape {
+        head_dim: big,
+        ..llama7b()
+    };
+    assert!(matches!(plan(&[], &s).unwrap().attn, Choice::Fallback(_)));
 }
 
 #[test]
-fn an_opt_in_switch_names_itself_when_its_value_or_shape_is_bad() {
-    let e = opt_in(&[(GROUP_GEMM_ENV, "fast")], 128).unwrap_err();
+fn one_of_the_nine_names_itself_when_its_value_or_shape_is_bad() {
+    let e = nine(&[(GROUP_GEMM_ENV, "fast")], 128).unwrap_err();
     assert!(e.contains(GROUP_GEMM_ENV) && e.contains("\"1\""), "{e}");
-    let e = opt_in(&[(WIDE_ENV, "classic")], 128).unwrap_err();
+    let e = nine(&[(WIDE_ENV, "classic")], 128).unwrap_err();
     assert!(e.contains(WIDE_ENV), "{e}");
     // RoPE folding needs an even head_dim the attention kernels take.
     assert_eq!(rope_fold_unserved(128), None);
     assert_eq!(rope_fold_unserved(shape::MAX_HEAD_DIM), None);
     assert!(rope_fold_unserved(shape::MAX_HEAD_DIM + 2).is_some());
     assert!(rope_fold_unserved(65).is_some());
-    let e = opt_in(&[(ROPE_FOLD_ENV, "1")], 65).unwrap_err();
+    let e = nine(&[(ROPE_FOLD_ENV, "1")], 65).unwrap_err();
     assert!(
         e.contains("THAW_CUDA_ROPE_FOLD=0") && e.contains("65"),
         "{e}"
     );
-    // Unset, an odd head_dim is no error: the separate RoPE runs.
-    assert_eq!(opt_in(&[], 65).unwrap().rope_fold, Choice::Classic);
+    // Unset, an odd head_dim is no error: the separate RoPE runs, and the log says why.
+    let p = nine(&[], 65).unwrap();
+    assert!(matches!(p.rope_fold, Choice::Fallback(_)), "{p:?}");
+    assert!(
+        p.to_string()
+            .contains("RoPE: separate (the folded into the KV write kernels do not serve"),
+        "{p}"
+    );
 }
 
 #[test]
-fn the_opt_in_log_line_names_each_switch() {
-    let p = opt_in(&[(ROPE_FOLD_ENV, "1")], 128).unwrap();
+fn the_log_line_names_each_of_the_nine_and_how_to_turn_it_off() {
+    let p = nine(&[], 128).unwrap();
     assert_eq!(
         p.to_string(),
-        "q/k/v and gate/up products: per-module (THAW_CUDA_GROUP_GEMM=0); RoPE: folded into \
-         the KV write; norm and RoPE blocks: one block of 256 per row (THAW_CUDA_WIDE_NORM=0); \
-         greedy sampling: logits copied, argmax on the host (THAW_CUDA_DEVICE_ARGMAX=0); \
-         products of few rows: cast + cuBLAS (THAW_CUDA_GEMV=0); LoRA of q/k/v and gate/up: \
-         a launch pair per module (THAW_CUDA_LORA_SLICES=0); decode attention: as \
-         THAW_CUDA_ATTN_IMPL picks (THAW_CUDA_ATTN_OCCUPANCY=0); products: cublasGemmEx + \
-         add_bias (THAW_CUDA_CUBLASLT=0); activations: f32 (THAW_CUDA_BF16_ACT=0)"
+        "q/k/v and gate/up products: grouped (off: THAW_CUDA_GROUP_GEMM=0); RoPE: folded into \
+         the KV write (off: THAW_CUDA_ROPE_FOLD=0); norm and RoPE blocks: wide (off: \
+         THAW_CUDA_WIDE_NORM=0); greedy sampling: device argmax (off: \
+         THAW_CUDA_DEVICE_ARGMAX=0); products of few rows: small-batch GEMV (off: \
+         THAW_CUDA_GEMV=0); LoRA of q/k/v and gate/up: one launch pair over slices (off: \
+         THAW_CUDA_LORA_SLICES=0); decode attention: occupancy split, keys in flight (off: \
+         THAW_CUDA_ATTN_OCCUPANCY=0); products: cuBLASLt, bias in its epilogue (off: \
+         THAW_CUDA_CUBLASLT=0); activations: q/k/v, gate/up and SwiGLU in 16 bits (off: \
+         THAW_CUDA_BF16_ACT=0)"
     );
-    let p = opt_in(&[(ACT16_ENV, "1")], 128).unwrap();
-    assert!(
-        p.to_string()
-            .ends_with("activations: q/k/v, gate/up and SwiGLU in 16 bits"),
-        "{p}"
+    let zero: Vec<(&str, &str)> = NINE.iter().map(|s| (s.env, "0")).collect();
+    assert_eq!(
+        nine(&zero, 128).unwrap().to_string(),
+        "q/k/v and gate/up products: per-module (THAW_CUDA_GROUP_GEMM=0); RoPE: separate \
+         (THAW_CUDA_ROPE_FOLD=0); norm and RoPE blocks: one block of 256 per row \
+         (THAW_CUDA_WIDE_NORM=0); greedy sampling: logits copied, argmax on the host \
+         (THAW_CUDA_DEVICE_ARGMAX=0); products of few rows: cast + cuBLAS (THAW_CUDA_GEMV=0); \
+         LoRA of q/k/v and gate/up: a launch pair per module (THAW_CUDA_LORA_SLICES=0); \
+         decode attention: as THAW_CUDA_ATTN_IMPL picks (THAW_CUDA_ATTN_OCCUPANCY=0); \
+         products: cublasGemmEx + add_bias (THAW_CUDA_CUBLASLT=0); activations: f32 \
+         (THAW_CUDA_BF16_ACT=0)"
     );
-    let p = opt_in(&[(GEMV_ENV, "1")], 128).unwrap();
+    // One off, the rest on: only its entry names the classic kernel.
+    let p = nine(&[(GEMV_ENV, "0")], 128).unwrap();
+    let line = p.to_string();
     assert!(
-        p.to_string()
-            .contains("products of few rows: small-batch GEMV;"),
-        "{p}"
-    );
-    let p = opt_in(&[(LORA_SLICES_ENV, "1")], 128).unwrap();
-    assert!(
-        p.to_string()
-            .contains("LoRA of q/k/v and gate/up: one launch pair over slices;"),
-        "{p}"
-    );
-    let p = opt_in(&[(ATTN_OCCUPANCY_ENV, "1")], 128).unwrap();
-    assert!(
-        p.to_string()
-            .contains("decode attention: occupancy split, keys in flight;"),
-        "{p}"
-    );
-    let p = opt_in(&[(CUBLASLT_ENV, "1")], 128).unwrap();
-    assert!(
-        p.to_string()
-            .contains("products: cuBLASLt, bias in its epilogue;"),
-        "{p}"
+        line.contains("products of few rows: cast + cuBLAS (THAW_CUDA_GEMV=0);")
+            && line.contains("products: cuBLASLt, bias in its epilogue (off:"),
+        "{line}"
     );
 }
 
 #[test]
 fn the_occupancy_decode_takes_the_split_kernels_head_dims_and_a_floor() {
-    // Heads past flash-decoding's 256: unset is no error, asked for is one that says what to set.
-    assert_eq!(opt_in(&[], 512).unwrap().attn_occupancy, Choice::Classic);
-    let e = opt_in(&[(ATTN_OCCUPANCY_ENV, "1")], 512).unwrap_err();
+    // Heads past flash-decoding's 256: unset falls back, asked for is an error that says what
+    // to set.
+    assert!(matches!(
+        nine(&[], 512).unwrap().attn_occupancy,
+        Choice::Fallback(_)
+    ));
+    let e = nine(&[(ATTN_OCCUPANCY_ENV, "1")], 512).unwrap_err();
     assert!(
         e.contains("THAW_CUDA_ATTN_OCCUPANCY=0") && e.contains("512"),
         "{e}"
     );
-    assert!(opt_in(&[(ATTN_OCCUPANCY_ENV, "1")], 256)
+    assert!(nine(&[(ATTN_OCCUPANCY_ENV, "1")], 256)
         .unwrap()
         .attn_occupancy
         .is_new());
@@ -410,18 +477,30 @@ fn the_occupancy_decode_takes_the_split_kernels_head_dims_and_a_floor() {
 }
 
 proptest! {
-    /// Whatever the value, an opt-in switch is new only for an on value, and every value it
-    /// does not take is an error that names it.
+    /// Whatever the value, one of the nine is new unless turned off or unserved (then unset
+    /// falls back and an explicit on errs), and every value it does not take is an error that
+    /// names it.
     #[test]
-    fn an_opt_in_switch_is_new_only_when_asked(v in "[a-zA-Z0-9 ]{0,6}", hd in 1usize..=300) {
-        for sw in OPT_IN {
-            let why = if sw.env == ROPE_FOLD_ENV { rope_fold_unserved(hd) } else { None };
+    fn one_of_the_nine_is_new_unless_off_or_unserved(v in "[a-zA-Z0-9 ]{0,6}", hd in 1usize..=300) {
+        for sw in NINE {
+            let why = match sw.env {
+                ROPE_FOLD_ENV => rope_fold_unserved(hd),
+                ATTN_OCCUPANCY_ENV => split_unserved(hd),
+                _ => None,
+            };
             match sw.choose(&v, why.clone()) {
-                Ok(c) => prop_assert_eq!(
-                    c.is_new(),
-                    sw.parse(&v) == Ok(Ask::On) && why.is_none()
-                ),
-                Err(e) => prop_assert!(e.contains(sw.env)),
+                Ok(c) => {
+                    let ask = sw.parse(&v).unwrap();
+                    prop_assert_eq!(c.is_new(), ask != Ask::Off && why.is_none());
+                    prop_assert_eq!(
+                        matches!(c, Choice::Fallback(_)),
+                        ask == Ask::Default && why.is_some()
+                    );
+                }
+                Err(e) => {
+                    prop_assert!(e.contains(sw.env));
+                    prop_assert!(sw.parse(&v).is_err() || why.is_some());
+                }
             }
         }
     }

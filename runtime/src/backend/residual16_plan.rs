@@ -1,6 +1,6 @@
 //! Whether a backend keeps the residual stream — the hidden state `h` that every layer adds
 //! its attention and MLP outputs to — in 16 bits between layers (issue 29,
-//! `THAW_CUDA_BF16_ACT=1`, opt-in), as one pure function of facts fixed for the backend's
+//! `THAW_CUDA_BF16_ACT`, on by default, `0` off), as one pure function of facts fixed for the backend's
 //! lifetime, so the rule is property-tested on the CPU and the CPU emulation
 //! ([`CpuBackend::set_act16`](super::cpu::CpuBackend::set_act16)) rounds exactly where CUDA
 //! stores.

@@ -1,5 +1,5 @@
-//! 16-bit MLP activations (issue 29, `THAW_CUDA_BF16_ACT=1`; off by default until a GPU parity
-//! run proves it): `thaw_kernels`' `act16.cu`.
+//! 16-bit MLP activations (issue 29, `THAW_CUDA_BF16_ACT`; on by default, `0` for f32
+//! activations): `thaw_kernels`' `act16.cu`.
 //!
 //! Where [`act16_plan`] serves a step's layer, [`Backend::gated_mlp_in`] runs
 //! 1. the input's 16-bit copy: the fused add + RMSNorm's where its [`X16Tag`] serves, else a
@@ -358,7 +358,8 @@ impl CudaBackend {
             let a = Act16::load(&self.gpu.ctx, self.gpu.weight_dtype)?;
             if a.is_none() {
                 return Err(CudaError::Unsupported(
-                    "THAW_CUDA_BF16_ACT=1 needs bf16 or f16 weights; unset it for f32 weights"
+                    "16-bit activations (THAW_CUDA_BF16_ACT, on by default) need bf16 or f16 \
+                     weights; with f32 weights they stay off (or set THAW_CUDA_BF16_ACT=0)"
                         .into(),
                 )
                 .into());

@@ -1,7 +1,6 @@
-//! Greedy sampling on the device (issue 29; `thaw_kernels`' `argmax.cu`), opt-in: off unless
-//! `THAW_CUDA_DEVICE_ARGMAX=1` (read when the backend is created, see
-//! [`kernel_select::OptInPlan`](crate::backend::kernel_select::OptInPlan)) until a GPU parity
-//! run proves it; tests and benchmarks switch it with [`CudaBackend::set_device_argmax`].
+//! Greedy sampling on the device (issue 29; `thaw_kernels`' `argmax.cu`), on by default: off with
+//! `THAW_CUDA_DEVICE_ARGMAX=0` (read when the backend is created, see
+//! [`kernel_select::OptInPlan`](crate::backend::kernel_select::OptInPlan)); tests and benchmarks switch it with [`CudaBackend::set_device_argmax`].
 //!
 //! On, [`Backend::greedy_ids`] runs the LM head into the device logits buffer, then one block
 //! per row finds its argmax, and only the rows' u32 ids are copied to the host. A profile of

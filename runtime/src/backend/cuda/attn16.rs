@@ -1,5 +1,5 @@
-//! 16-bit attention inputs (issue 29, `THAW_CUDA_BF16_ACT=1`, the MLP's switch; off by default
-//! until a GPU parity run proves it): `thaw_kernels`' `attn16.cu`.
+//! 16-bit attention inputs (issue 29, `THAW_CUDA_BF16_ACT`, the MLP's switch; on by default,
+//! `0` off): `thaw_kernels`' `attn16.cu`.
 //!
 //! Where [`attn16_plan`] serves a step's layer, [`Backend::qkv_attention`] runs
 //! 1. the input's 16-bit copy: the fused add + RMSNorm's where its [`X16Tag`] serves, else a

@@ -1,5 +1,5 @@
 //! Decode attention planned for occupancy, with keys in flight (`attention_split_ilp.cu`,
-//! issue 29; opt-in: `THAW_CUDA_ATTN_OCCUPANCY=1`, see
+//! issue 29; on by default where served, off: `THAW_CUDA_ATTN_OCCUPANCY=0`, see
 //! [`kernel_select`](crate::backend::kernel_select)). Flash-decoding's fixed plan never splits
 //! a context under 2 · 256 positions, so a batch-1 decode of a few hundred tokens runs
 //! `n_heads` blocks on a GPU of 132 SMs. Here the split count is

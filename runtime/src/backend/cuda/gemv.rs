@@ -1,5 +1,5 @@
-//! Products of few rows as a GEMV (issue 29, `THAW_CUDA_GEMV=1`; off by default until a GPU
-//! parity run proves it): `thaw_kernels`' `gemv.cu`.
+//! Products of few rows as a GEMV (issue 29, `THAW_CUDA_GEMV`; on by default where it pays,
+//! `0` for cast + cuBLAS): `thaw_kernels`' `gemv.cu`.
 //!
 //! With the switch on, a `linear` over 16-bit weights whose shape the kernel takes
 //! ([`gemv_serves`]: 1 to [`shape::GEMV_MAX_ROWS`] rows, `d_in % 8 == 0`, 16-byte aligned

@@ -1,5 +1,5 @@
-//! q/k/v (and gate/up) as one product (issue 29, `THAW_CUDA_GROUP_GEMM=1`; off by default
-//! until a GPU parity run proves it).
+//! q/k/v (and gate/up) as one product (issue 29, `THAW_CUDA_GROUP_GEMM`; on by default, `0`
+//! for one product per module).
 //!
 //! At load ([`Backend::upload_weight_group`]) the matrices of a group that share their input
 //! are placed back to back in one allocation, so the group is one `[Σ d_out, d_in]` matrix

@@ -1,5 +1,5 @@
 //! Every raw CUDA call of the backend: kernel launches, cuBLAS, stream memory operations, host
-//! memory registration (cuBLASLt's, opt-in, are in `lt.rs`). Everything above this module uses
+//! memory registration (cuBLASLt's are in `lt.rs`). Everything above this module uses
 //! the safe methods of [`Gpu`], which check buffer sizes against the shapes they are given
 //! before launching.
 //!
@@ -146,28 +146,28 @@ pub(super) struct Gpu {
     /// Prefill attention on the tensor cores (`attn_prefill_tc.rs`, the default where
     /// served); `None` = `attention.cu`'s prefill.
     pub tc_prefill: Option<super::attn_prefill_tc::TcPrefill>,
-    /// Wide RMSNorm / add + RMSNorm / RoPE (`wide.rs`, opt-in); `None` = the classic kernels.
+    /// Wide RMSNorm / add + RMSNorm / RoPE (`wide.rs`, default); `None` = the classic kernels.
     pub wide: Option<super::wide::Wide>,
-    /// RoPE folded into the KV write (`wide.rs`, opt-in); `None` = separate RoPE launches.
+    /// RoPE folded into the KV write (`wide.rs`, default); `None` = separate RoPE launches.
     pub rope_fold: Option<super::wide::RopeFold>,
-    /// q/k/v and gate/up as one product (`group.rs`, opt-in); `None` = one per module.
+    /// q/k/v and gate/up as one product (`group.rs`, default); `None` = one per module.
     pub group: Option<super::group::Group>,
-    /// Greedy token ids on the device (`argmax.rs`, opt-in); `None` = the logits' copy and
+    /// Greedy token ids on the device (`argmax.rs`, default); `None` = the logits' copy and
     /// the host's argmax.
     pub argmax: Option<super::argmax::DeviceArgmax>,
     /// What this backend asked of the driver (`counters.rs`).
     pub counters: super::counters::Counters,
-    /// Products of few rows as a GEMV (`gemv.rs`, opt-in); `None` = cast + cuBLAS.
+    /// Products of few rows as a GEMV (`gemv.rs`, default); `None` = cast + cuBLAS.
     pub gemv: Option<super::gemv::Gemv>,
     /// The LoRA of q/k/v and gate/up as one launch pair over slices (`lora_slices.rs`,
-    /// opt-in); `None` = a pair per module.
+    /// default); `None` = a pair per module.
     pub slices: Option<super::lora_slices::Slices>,
-    /// The occupancy-planned decode attention (`attn_occupancy.rs`, opt-in); when loaded it
+    /// The occupancy-planned decode attention (`attn_occupancy.rs`, default); when loaded it
     /// runs eager steps' decode instead of `flash` or `attention.cu`.
     pub occupancy: Option<super::attn_occupancy::OccupancyDecode>,
-    /// Products through cuBLASLt, bias in its epilogue (`lt.rs`, opt-in); `None` = GemmEx.
+    /// Products through cuBLASLt, bias in its epilogue (`lt.rs`, default); `None` = GemmEx.
     pub lt: Option<super::lt::Lt>,
-    /// 16-bit gate/up outputs and SwiGLU (`act16.rs`, opt-in); `None` = f32.
+    /// 16-bit gate/up outputs and SwiGLU (`act16.rs`, default); `None` = f32.
     pub act16: Option<super::act16::Act16>,
     /// The residual stream in 16 bits (`residual16.rs`, with `act16`); `None` = f32.
     pub residual16: Option<super::residual16::Residual16>,

@@ -1,5 +1,5 @@
-//! Multi-slice LoRA launches (issue 29, `THAW_CUDA_LORA_SLICES=1`; off by default until a GPU
-//! parity run proves it): `thaw_kernels`' `lora_slices.cu`.
+//! Multi-slice LoRA launches (issue 29, `THAW_CUDA_LORA_SLICES`; on by default, `0` for a
+//! launch pair per module): `thaw_kernels`' `lora_slices.cu`.
 //!
 //! With the switch on and Punica's kernels in use, [`Backend::linear_group_lora`] adds the LoRA
 //! deltas of the modules sharing one input — q/k/v, gate/up — with ONE shrink launch and ONE

@@ -1,5 +1,5 @@
-//! Products through cuBLASLt (issue 29, `THAW_CUDA_CUBLASLT=1`; off by default until a GPU
-//! parity run proves it): `cublasLtMatmul` with bf16 / f16 (or f32) operands, f32 compute and
+//! Products through cuBLASLt (issue 29, `THAW_CUDA_CUBLASLT`; on by default, `0` for
+//! `cublasGemmEx`): `cublasLtMatmul` with bf16 / f16 (or f32) operands, f32 compute and
 //! scale, and the bias added by `CUBLASLT_EPILOGUE_BIAS` instead of a separate `add_bias`
 //! launch. Every raw cuBLASLt call of the backend is in this file.
 //!

@@ -9,21 +9,21 @@
 //!
 //! | file | job |
 //! | --- | --- |
-//! | `act16.rs` | gate/up outputs and SwiGLU in 16 bits, f32 accumulation, down reading the 16-bit SwiGLU output (opt-in: `THAW_CUDA_BF16_ACT=1`; per step: [`act16_plan`](crate::backend::act16_plan::act16_plan)) |
-//! | `attn16.rs` | q/k/v outputs in 16 bits, f32 accumulation, RoPE from them into the KV cache and the f32 q the attention kernels read (opt-in: the same `THAW_CUDA_BF16_ACT=1`; per step: [`attn16_plan`](crate::backend::attn16_plan::attn16_plan)) |
+//! | `act16.rs` | gate/up outputs and SwiGLU in 16 bits, f32 accumulation, down reading the 16-bit SwiGLU output (default; off: `THAW_CUDA_BF16_ACT=0`; per step: [`act16_plan`](crate::backend::act16_plan::act16_plan)) |
+//! | `attn16.rs` | q/k/v outputs in 16 bits, f32 accumulation, RoPE from them into the KV cache and the f32 q the attention kernels read (default; off: the same `THAW_CUDA_BF16_ACT=0`; per step: [`attn16_plan`](crate::backend::attn16_plan::attn16_plan)) |
 //! | `attn_out.rs` | the attention kernels' output stored in 16 bits as o_proj's GEMM input, tagged as `ws.attn`'s cast (with `attn16.rs`; per step: `stores_out16` of [`attn16_plan`](crate::backend::attn16_plan::attn16_plan)) |
-//! | `argmax.rs` | greedy token ids on the device, the ids' copy instead of the logits' (opt-in: `THAW_CUDA_DEVICE_ARGMAX=1`) |
-//! | `attn_occupancy.rs` | decode attention split for occupancy, 4 keys' loads in flight a warp (opt-in: `THAW_CUDA_ATTN_OCCUPANCY=1`; floor chunk `THAW_CUDA_SPLIT_MIN_CHUNK`, default 32) |
+//! | `argmax.rs` | greedy token ids on the device, the ids' copy instead of the logits' (default; off: `THAW_CUDA_DEVICE_ARGMAX=0`) |
+//! | `attn_occupancy.rs` | decode attention split for occupancy, 4 keys' loads in flight a warp (default; off: `THAW_CUDA_ATTN_OCCUPANCY=0`; floor chunk `THAW_CUDA_SPLIT_MIN_CHUNK`, default 32) |
 //! | `attn_prefill_tc.rs` | prefill attention on the tensor cores (default where served; off: `THAW_CUDA_TC_PREFILL=0`) |
 //! | `flash.rs` | flash-decoding launches (default; off: `THAW_CUDA_ATTN_IMPL=classic`; shortest chunk: `THAW_CUDA_SPLIT_MIN_CHUNK`, default 256) |
 //! | `fused.rs` | fused add + RMSNorm and SwiGLU + cast (default; off: `THAW_CUDA_FUSED=0`) |
-//! | `gemv.rs` | products of few rows (1–2, or 3–4 of q/k/v/o's size: `gemv_pays`) over 16-bit weights as a GEMV over f32 activations, no cast, no cuBLAS (opt-in: `THAW_CUDA_GEMV=1`) |
+//! | `gemv.rs` | products of few rows (1–2, or 3–4 of q/k/v/o's size: `gemv_pays`) over 16-bit weights as a GEMV over f32 activations, no cast, no cuBLAS (default; off: `THAW_CUDA_GEMV=0`) |
 //! | `graph.rs` | CUDA graphs of decode steps: capture, replay, the persistent metadata buffer |
-//! | `group.rs` | q/k/v and gate/up placed as one matrix at load and run as one product (opt-in: `THAW_CUDA_GROUP_GEMM=1`) |
-//! | `wide.rs` | wide RMSNorm / add + RMSNorm / RoPE (opt-in: `THAW_CUDA_WIDE_NORM=1`), RoPE folded into the KV write (opt-in: `THAW_CUDA_ROPE_FOLD=1`) |
-//! | `residual16.rs` | the residual stream between layers in the weight dtype: 16-bit embed copy, add + RMSNorm of the rounded sum, last add, widening final gather (with `THAW_CUDA_BF16_ACT=1`; [`residual16_plan`](crate::backend::residual16_plan::residual16_plan)) |
+//! | `group.rs` | q/k/v and gate/up placed as one matrix at load and run as one product (default; off: `THAW_CUDA_GROUP_GEMM=0`) |
+//! | `wide.rs` | wide RMSNorm / add + RMSNorm / RoPE (default; off: `THAW_CUDA_WIDE_NORM=0`), RoPE folded into the KV write (default; off: `THAW_CUDA_ROPE_FOLD=0`) |
+//! | `residual16.rs` | the residual stream between layers in the weight dtype: 16-bit embed copy, add + RMSNorm of the rounded sum, last add, widening final gather (with 16-bit weights by default; off with `THAW_CUDA_BF16_ACT=0`; [`residual16_plan`](crate::backend::residual16_plan::residual16_plan)) |
 //! | `launch.rs` | every raw CUDA call: launches, cuBLAS, stream waits, host registration |
-//! | `lt.rs` | products through cuBLASLt with a cached heuristic algorithm per shape bucket, the bias in its epilogue (opt-in: `THAW_CUDA_CUBLASLT=1`); its raw cuBLASLt calls |
+//! | `lt.rs` | products through cuBLASLt with a cached heuristic algorithm per shape bucket, the bias in its epilogue (default; off: `THAW_CUDA_CUBLASLT=0`); its raw cuBLASLt calls |
 //! | `op_clock.rs` | events on the compute stream that time each op of a profiled step (`thaw-bench gpu --op-profile`) |
 //! | `backend.rs` | [`CudaBackend`]: the trait ops |
 //! | `host_rows.rs` | the CPU-assist exchange's host path: rows exported to the host and deltas merged back through a device row index |
@@ -31,24 +31,25 @@
 //! | `counters.rs` | running counts of launches, allocations, copies and synchronisations ([`CudaBackend::device_counts`]) |
 //! | `select.rs` | resolves and loads the issue-29 kernels a new backend runs, logs the choice |
 //! | `sgmv.rs` | the Punica-shaped SGMV / BGMV launches (default where served; off: `THAW_CUDA_LORA_IMPL=classic`) |
-//! | `lora_slices.rs` | the LoRA of q/k/v and of gate/up as one shrink + expand launch pair over slices, bit-identical to per module (opt-in: `THAW_CUDA_LORA_SLICES=1`) |
+//! | `lora_slices.rs` | the LoRA of q/k/v and of gate/up as one shrink + expand launch pair over slices, bit-identical to per module (default; off: `THAW_CUDA_LORA_SLICES=0`) |
 //! | `step.rs` | per-step device metadata (slots, block tables, segments), uploaded once per step |
 //! | `weights.rs` | weights, norms and LoRA descriptor tables on the device |
 //! | `exchange.rs` | fused export and stream-waited merge (CPU assist) |
 //! | `upload.rs` | the upload pipeline's copy device: registered arena, copy stream, events |
 //!
-//! Issue 29's four kernels are the defaults; which run is resolved once, when a backend is
+//! Issue 29's thirteen kernels are the defaults; which run is resolved once, when a backend is
 //! created, by [`KernelPlan::resolve`](crate::backend::kernel_select::KernelPlan::resolve) (pure,
 //! unit-tested on the CPU) and logged at info level. Unset (or empty, or `auto`), a variable
 //! picks the new kernel where it serves the backend and the classic one where it does not (an
 //! f32 KV cache, a head_dim other than 32/64/128 or a device below compute capability 8.0 for
 //! the tensor-core prefill); its off value always picks the classic one; an explicit on value
 //! the backend cannot serve is an error that says what to set. Tests and benchmarks switch at
-//! run time with `set_attn_impl`, `set_tc_prefill`, `set_lora_impl` and `set_fused`. Nine more
-//! are opt-in (off unless `1`) until a GPU parity run proves them:
-//! [`OptInPlan`], switched with `set_group_gemm`, `set_rope_fold`, `set_wide`, `set_gemv`,
-//! `set_device_argmax`, `set_lora_slices`, `set_attn_occupancy`, `set_cublaslt` and
-//! `set_act16`.
+//! run time with `set_attn_impl`, `set_tc_prefill`, `set_lora_impl` and `set_fused`, and the
+//! nine of [`OptInPlan`] (opt-in until session 24's H200 parity run proved them; `0` turns each
+//! off) with `set_group_gemm`, `set_rope_fold`, `set_wide`, `set_gemv`, `set_device_argmax`,
+//! `set_lora_slices`, `set_attn_occupancy`, `set_cublaslt` and `set_act16`. A test of a classic
+//! kernel, or of one kernel against the path it replaces, sets the switches it depends on
+//! explicitly rather than trusting the defaults.
 mod act16;
 mod argmax;
 mod attn16;

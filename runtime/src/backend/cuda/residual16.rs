@@ -1,5 +1,5 @@
-//! The residual stream in 16 bits (issue 29, `THAW_CUDA_BF16_ACT=1`; off by default until a GPU
-//! parity run proves it): `thaw_kernels`' `residual16.cu`.
+//! The residual stream in 16 bits (issue 29, `THAW_CUDA_BF16_ACT`; on by default with 16-bit
+//! weights, `0` for f32): `thaw_kernels`' `residual16.cu`.
 //!
 //! Where [`residual16_plan`] says so (the switch on, 16-bit weights: facts fixed while the
 //! switch is), the hidden state `h` is stored in the weight dtype in the first half of the f32

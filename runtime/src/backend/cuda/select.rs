@@ -1,6 +1,7 @@
-//! Loads the issue-29 kernels a new backend runs: resolved by
-//! [`KernelPlan::resolve`] (pure, in [`kernel_select`](crate::backend::kernel_select)) from the
-//! four environment variables and the backend's shape, logged once at info level.
+//! Loads the issue-29 kernels a new backend runs: resolved by [`KernelPlan::resolve`] and
+//! [`OptInPlan::resolve`] (pure, in [`kernel_select`](crate::backend::kernel_select)) from the
+//! thirteen environment variables and the backend's shape, all on by default, logged once at
+//! info level with the value that turns each off.
 use thaw_kernels::cuda::decode_plan::MIN_CHUNK;
 use thaw_kernels::cuda::registry::shape;
 use thaw_kernels::cuda::KernelCache;
@@ -61,7 +62,7 @@ impl CudaBackend {
             self.gpu.fused = Some(Fused::load(ctx, w)?);
         }
         let opt_in = OptInPlan::resolve(env, c.head_dim).map_err(CudaError::Unsupported)?;
-        tracing::info!("CUDA opt-in kernels: {opt_in}");
+        tracing::info!("CUDA kernels, issue 29's nine: {opt_in}");
         if opt_in.group_gemm.is_new() {
             self.gpu.group = Some(Group::load(ctx)?);
         }
@@ -105,7 +106,8 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// Which of the opt-in kernels run now (after any `set_*` call).
+    /// Which of the nine kernels of [`OptInPlan`] (on by default) run now (after any `set_*`
+    /// call).
     pub fn opt_in_plan(&self) -> OptInPlan {
         let pick = |new: bool| if new { Choice::New } else { Choice::Classic };
         OptInPlan {

@@ -1,5 +1,5 @@
-//! Issue 29's opt-in elementwise kernels (`thaw_kernels`' `wide.cu`), each off unless its
-//! variable is `1` (read when the backend is created, see
+//! Issue 29's wide elementwise kernels (`thaw_kernels`' `wide.cu`), each on by default and off
+//! where its variable is `0` (read when the backend is created, see
 //! [`kernel_select::OptInPlan`](crate::backend::kernel_select::OptInPlan)); tests and
 //! benchmarks switch them with [`CudaBackend::set_wide`], [`CudaBackend::set_rope_fold`] and
 //! [`CudaBackend::set_group_gemm`].
