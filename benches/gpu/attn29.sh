@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
 # Issue 29's kernels on the GPU machine, within one budget (--budget, default 300 s), each
-# step's timeout taken from what is left of it. Flash-decoding, the tensor-core prefill, Punica's
-# SGMV / BGMV and the fused kernels are the CUDA backend's defaults; OFF below turns all four off.
-#   1. the CUDA parity suite with the defaults (the four variables set empty, whatever the
+# step's timeout taken from what is left of it. All thirteen of issue 29's kernels are the CUDA
+# backend's defaults: flash-decoding, the tensor-core prefill, Punica's SGMV / BGMV and the fused
+# kernels, and since session 24's H200 run the nine that were opt-in (grouped products, RoPE
+# folded into the KV write, wide norms, device argmax, the small-batch GEMV, sliced LoRA, the
+# occupancy decode, cuBLASLt, 16-bit activations); OFF below turns all thirteen off, OFF9 the
+# nine only (the defaults before session 24).
+#   1. the CUDA parity suite with the defaults (the thirteen variables set empty, whatever the
 #      caller's environment: the new kernels wherever they serve a backend, the classic ones
 #      where not, e.g. the tensor-core prefill for an f32 cache), against the CPU oracle; its
 #      tests of the classic kernels set them explicitly, and its attn29 tests compare engine
@@ -10,22 +14,23 @@
 #   2. cuda_bench --attn: one layer's decode attention (classic vs flash-decoding, context
 #      512/2048/8192, batch 1/8/32) and prefill attention TFLOP/s (classic vs tensor cores, 128,
 #      512 and 2048 tokens, and 2048 after a 2048 prefix); then cuda_bench --gemv: products of
-#      1-8 rows, cast + cuBLAS vs the opt-in small-batch GEMV (THAW_CUDA_GEMV); then
+#      1-8 rows, cast + cuBLAS vs the small-batch GEMV (THAW_CUDA_GEMV); then
 #      cuda_bench --lora-slices: q/k/v and gate/up LoRA per module vs one launch pair per
 #      group (THAW_CUDA_LORA_SLICES); then cuda_bench --lt: cublasGemmEx vs cuBLASLt products
 #      (THAW_CUDA_CUBLASLT, bias epilogue) at rows 1/8/32/128/2048 on Llama-7B's shapes; then
 #      cuda_bench --act16: the MLP block (gate/up, SwiGLU, down) with f32 against 16-bit
 #      activations (THAW_CUDA_BF16_ACT);
-#   3. thaw-bench gpu on the whole model, off (OFF: all four classic) then on (ON: all four
-#      asked for explicitly, so a shape they cannot serve is an error, not a silent fallback)
-#      then opt-in (ON plus every opt-in switch, OPT_ON below; "on" has them 0, so on vs opt-in
-#      measures exactly them): decode tokens/s at a long context (--prompt-len, default 2048) at batch 1
-#      and 8, and prefill TFLOP/s at 128 and 2048 tokens. THAW_GPU_29_MODES picks the runs
-#      (default "off on opt-in"; e.g. "on opt-in" on a short lease); they share what is left.
-#      The parity suite of step 1 runs the opt-in kernels' own tests (cuda_parity's opt_in::*,
-#      which switch them on explicitly) whatever the variables say.
+#   3. thaw-bench gpu on the whole model, off (OFF: all thirteen classic) then off9 (OFF9: the
+#      four on, the nine off, OPT_OFF below: the defaults before session 24) then on (ON: all
+#      thirteen asked for explicitly, so a shape they cannot serve is an error, not a silent
+#      fallback; off9 vs on measures exactly the nine): decode tokens/s at a long context
+#      (--prompt-len, default 2048) at batch 1 and 8, and prefill TFLOP/s at 128 and 2048
+#      tokens. THAW_GPU_29_MODES picks the runs (default "off off9 on"; e.g. "off9 on" on a
+#      short lease); they share what is left. The parity suite of step 1 runs the nine's own
+#      tests (cuda_parity's opt_in::*, which switch them on and off explicitly) whatever the
+#      variables say.
 #   4. where each op's time goes at batch 1 (thaw-bench gpu --op-profile, 0 and 1 rank-16
-#      adapters), "on" then "opt-in": add + RMSNorm and RoPE µs a call, the RoPE launches gone
+#      adapters), "off9" then "on": add + RMSNorm and RoPE µs a call, the RoPE launches gone
 #      into attention. THAW_GPU_29_OP_S seconds are kept for it out of step 3's share (default
 #      60; 0 skips it). The profile times a q/k/v or gate/up group module by module, so step 3's
 #      decode tok/s, not this table, measures the grouped products.
@@ -75,9 +80,9 @@ cap() {
   local l=$((BUDGET_S - ($(date +%s) - t0)))
   if [ "$l" -lt "$1" ]; then echo $((l > 0 ? l : 0)); else echo "$1"; fi
 }
-# The four switches: empty = the defaults, OFF = the classic kernels, ON = the new ones asked
-# for explicitly. Set on every run, so the caller's environment cannot leak into one.
-# The opt-in switches are off in every run but "opt-in" (unset means off for them).
+# The thirteen switches: empty = the defaults (every new kernel where it serves), OFF = the
+# classic kernels, ON = the new ones asked for explicitly, OFF9 = the four on and the nine off.
+# Set on every run, so the caller's environment cannot leak into one.
 OPT_OFF=(THAW_CUDA_GROUP_GEMM=0 THAW_CUDA_ROPE_FOLD=0 THAW_CUDA_WIDE_NORM=0 THAW_CUDA_GEMV=0
   THAW_CUDA_DEVICE_ARGMAX=0 THAW_CUDA_LORA_SLICES=0 THAW_CUDA_ATTN_OCCUPANCY=0
   THAW_CUDA_CUBLASLT=0 THAW_CUDA_BF16_ACT=0)
@@ -85,16 +90,18 @@ OPT_ON=(THAW_CUDA_GROUP_GEMM=1 THAW_CUDA_ROPE_FOLD=1 THAW_CUDA_WIDE_NORM=1 THAW_
   THAW_CUDA_DEVICE_ARGMAX=1 THAW_CUDA_LORA_SLICES=1 THAW_CUDA_ATTN_OCCUPANCY=1
   THAW_CUDA_CUBLASLT=1 THAW_CUDA_BF16_ACT=1)
 DEFAULTS=(THAW_CUDA_ATTN_IMPL= THAW_CUDA_TC_PREFILL= THAW_CUDA_LORA_IMPL= THAW_CUDA_FUSED=
-  "${OPT_OFF[@]}")
+  THAW_CUDA_GROUP_GEMM= THAW_CUDA_ROPE_FOLD= THAW_CUDA_WIDE_NORM= THAW_CUDA_GEMV=
+  THAW_CUDA_DEVICE_ARGMAX= THAW_CUDA_LORA_SLICES= THAW_CUDA_ATTN_OCCUPANCY=
+  THAW_CUDA_CUBLASLT= THAW_CUDA_BF16_ACT=)
 OFF=(THAW_CUDA_ATTN_IMPL=classic THAW_CUDA_TC_PREFILL=0 THAW_CUDA_LORA_IMPL=classic THAW_CUDA_FUSED=0
   "${OPT_OFF[@]}")
-ON=(THAW_CUDA_ATTN_IMPL=split THAW_CUDA_TC_PREFILL=1 THAW_CUDA_LORA_IMPL=punica THAW_CUDA_FUSED=1
-  "${OPT_OFF[@]}")
-read -r -a MODES <<<"${THAW_GPU_29_MODES:-off on opt-in}"
-# Overrides for the "on" run, later words win, e.g. THAW_GPU_ON_EXTRA="THAW_CUDA_FUSED=0".
+FOUR_ON=(THAW_CUDA_ATTN_IMPL=split THAW_CUDA_TC_PREFILL=1 THAW_CUDA_LORA_IMPL=punica THAW_CUDA_FUSED=1)
+OFF9=("${FOUR_ON[@]}" "${OPT_OFF[@]}")
+ON=("${FOUR_ON[@]}" "${OPT_ON[@]}")
+read -r -a MODES <<<"${THAW_GPU_29_MODES:-off off9 on}"
+# Overrides for the "on" run, later words win, e.g. THAW_GPU_ON_EXTRA="THAW_CUDA_GEMV=0".
 # shellcheck disable=SC2206  # VAR=value words, split on purpose
 [ -n "${THAW_GPU_ON_EXTRA:-}" ] && ON+=(${THAW_GPU_ON_EXTRA})
-OPT=("${ON[@]}" "${OPT_ON[@]}")
 
 # --- 1. parity with the defaults --------------------------------------------------------------
 lim=$(cap 120)
@@ -160,9 +167,9 @@ else
   for mode in "${MODES[@]}"; do
     case "$mode" in
       off) envs=("${OFF[@]}") ;;
+      off9) envs=("${OFF9[@]}") ;;
       on) envs=("${ON[@]}") ;;
-      opt-in) envs=("${OPT[@]}") ;;
-      *) echo "THAW_GPU_29_MODES: unknown run $mode (off, on, opt-in)"; continue ;;
+      *) echo "THAW_GPU_29_MODES: unknown run $mode (off, off9, on)"; continue ;;
     esac
     el "thaw-bench gpu, issue 29's kernels $mode: ${envs[*]} (limit ${each}s)"
     # shellcheck disable=SC2086
@@ -176,15 +183,15 @@ else
   done
 fi
 
-# --- 4. per-op profile at batch 1, on then opt-in ----------------------------------------------
+# --- 4. per-op profile at batch 1, off9 then on -------------------------------------------------
 op_each=$(( (BUDGET_S - ($(date +%s) - t0) - PEER_S) / 2 ))
 if [ "$OP_S" -le 0 ] || [ ! -x "$BIN/thaw-bench" ]; then
-  echo "op profile on/opt-in: skipped (THAW_GPU_29_OP_S=$OP_S, or thaw-bench missing)"
+  echo "op profile off9/on: skipped (THAW_GPU_29_OP_S=$OP_S, or thaw-bench missing)"
 elif [ "$op_each" -lt 20 ]; then
-  echo "op profile on/opt-in: skipped, under 2 × 20 s left (budget ${BUDGET_S}s)"
+  echo "op profile off9/on: skipped, under 2 × 20 s left (budget ${BUDGET_S}s)"
 else
-  for mode in on opt-in; do
-    if [ "$mode" = on ]; then envs=("${ON[@]}"); else envs=("${OPT[@]}"); fi
+  for mode in off9 on; do
+    if [ "$mode" = on ]; then envs=("${ON[@]}"); else envs=("${OFF9[@]}"); fi
     el "thaw-bench gpu --op-profile, $mode (limit ${op_each}s)"
     # shellcheck disable=SC2086
     env "${envs[@]}" timeout "$op_each" "$BIN/thaw-bench" gpu --model "$MD" --workdir "$WORK" \

@@ -7,15 +7,18 @@
 #   are left for 3 after it.
 # Executables from benches/gpu/build.sh (gpu-bin/, carried as `carry: ["gpu-bin"]`); logs and
 # tables under --out ($OUT).
-#   1. the CUDA parity suite, whole, with the defaults (about 250 s on an H200, session 24),
-#      then its opt-in tests with every opt-in switch on (issue 29's kernels that are not defaults yet: THAW_CUDA_GROUP_GEMM,
+#   1. the CUDA parity suite, whole, with the defaults (all thirteen of issue 29's kernels; about
+#      250 s on an H200 in session 24, with the nine below then off), then its opt_in tests with
+#      the nine that became defaults after session 24 all off (OPT_OFF: THAW_CUDA_GROUP_GEMM,
 #      THAW_CUDA_ROPE_FOLD, THAW_CUDA_WIDE_NORM, THAW_CUDA_DEVICE_ARGMAX, THAW_CUDA_GEMV,
-#      THAW_CUDA_LORA_SLICES, THAW_CUDA_ATTN_OCCUPANCY, THAW_CUDA_CUBLASLT, THAW_CUDA_BF16_ACT);
+#      THAW_CUDA_LORA_SLICES, THAW_CUDA_ATTN_OCCUPANCY, THAW_CUDA_CUBLASLT, THAW_CUDA_BF16_ACT
+#      `=0`), so the paths they replace, which `0` still selects, keep being proven;
 #   2. issue 27's cold-start tables (run.sh, cached / auto / on-demand, host tier then disk
 #      tier, 16 requests a pass) and decode tok/s with default flags;
 #   3. issue 29 (attn29.sh, its parity step skipped): the kernel tables (cuda_bench --attn,
-#      --gemv, --lora-slices, --lt), the whole model with the defaults ("on") against every opt-in
-#      switch ("opt-in") at a 128-token context, the op profile of decode and prefill, and the
+#      --gemv, --lora-slices, --lt), the whole model with the nine off ("off9": the defaults
+#      before session 24) against the defaults ("on") at a 128-token context, the op profile of
+#      decode and prefill, and the
 #      transformers peer side by side (with 300 s or more for the step).
 # Steps with too little time left say "skipped". Every figure printed names its step's log.
 #   benches/gpu/lease.sh --bin gpu-bin --out "$OUT" --part a    then    ... --part b   (then c)
@@ -60,9 +63,9 @@ el() { echo "[lease +$(($(date +%s) - t0))s] $*"; }
 cat "$BIN/BUILD" 2>/dev/null
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null
 
-OPT_ON=(THAW_CUDA_GROUP_GEMM=1 THAW_CUDA_ROPE_FOLD=1 THAW_CUDA_WIDE_NORM=1 THAW_CUDA_DEVICE_ARGMAX=1
-  THAW_CUDA_GEMV=1 THAW_CUDA_LORA_SLICES=1 THAW_CUDA_ATTN_OCCUPANCY=1
-  THAW_CUDA_CUBLASLT=1 THAW_CUDA_BF16_ACT=1)
+OPT_OFF=(THAW_CUDA_GROUP_GEMM=0 THAW_CUDA_ROPE_FOLD=0 THAW_CUDA_WIDE_NORM=0 THAW_CUDA_DEVICE_ARGMAX=0
+  THAW_CUDA_GEMV=0 THAW_CUDA_LORA_SLICES=0 THAW_CUDA_ATTN_OCCUPANCY=0
+  THAW_CUDA_CUBLASLT=0 THAW_CUDA_BF16_ACT=0)
 
 if [ "$PART" = a ] || [ "$PART" = all ]; then
 # --- 1. parity ---------------------------------------------------------------------------------
@@ -73,10 +76,10 @@ THAW_REQUIRE_GPU=1 timeout "$lim" "$BIN/cuda_parity" --test-threads=1 --nocaptur
 echo "cuda_parity (defaults): rc=$?"
 grep -E "^test .*(ok|FAILED|ignored)$|test result" "$O/lease-parity.log" | tail -40
 lim=$(($(left) < 60 ? $(left) : 60))
-el "cuda_parity opt_in, every opt-in switch on: ${OPT_ON[*]} (limit ${lim}s)"
-env "${OPT_ON[@]}" THAW_REQUIRE_GPU=1 timeout "$lim" "$BIN/cuda_parity" --test-threads=1 \
+el "cuda_parity opt_in, the nine off: ${OPT_OFF[*]} (limit ${lim}s)"
+env "${OPT_OFF[@]}" THAW_REQUIRE_GPU=1 timeout "$lim" "$BIN/cuda_parity" --test-threads=1 \
   --nocapture opt_in >"$O/lease-parity-opt-in.log" 2>&1
-echo "cuda_parity opt_in (opt-in switches on): rc=$?"
+echo "cuda_parity opt_in (the nine off): rc=$?"
 grep -E "^test .*(ok|FAILED|ignored)$|test result" "$O/lease-parity-opt-in.log" | tail -20
 
 fi
@@ -103,8 +106,8 @@ if [ "$PART" = b ] || [ "$PART" = all ]; then
 # --- 3. issue 29 ----------------------------------------------------------------------------------
 b=$(($(left) - 5))
 if [ "$b" -ge 90 ]; then
-  el "issue 29: attn29.sh on vs opt-in, op profile (budget ${b}s)"
-  THAW_GPU_29_MODES="on opt-in" THAW_GPU_29_OP_S=60 THAW_GPU_29_SKIP_PARITY=1 \
+  el "issue 29: attn29.sh off9 vs on, op profile (budget ${b}s)"
+  THAW_GPU_29_MODES="off9 on" THAW_GPU_29_OP_S=60 THAW_GPU_29_SKIP_PARITY=1 \
     THAW_GPU_29_PEER_S=$((b >= 300 ? 100 : 0)) \
     "$here/attn29.sh" --bin "$BIN" --out "$O/attn29" --budget "$b" --prompt-len 128 \
     >"$O/lease-attn29.log" 2>&1

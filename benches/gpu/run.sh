@@ -399,11 +399,12 @@ else
   echo "transformers peer skipped: $PEER_PY cannot import torch and transformers" \
     "(pip install torch transformers safetensors, or set THAW_PEER_PYTHON)" | tee "$O/gpu-peer.md"
 fi
-# Issue 29's kernels (flash-decoding, tensor-core prefill, Punica, fused; the defaults, and the
-# opt-in grouped q/k/v + gate/up products, RoPE folded into the KV write, wide norms): parity
+# Issue 29's kernels (flash-decoding, tensor-core prefill, Punica, fused, and the nine that
+# became defaults after session 24: grouped products, RoPE folded into the KV write, wide norms,
+# device argmax, GEMV, sliced LoRA, occupancy decode, cuBLASLt, 16-bit activations): parity
 # with the defaults, the kernel tables, decode tok/s at a 2048-token context and prefill
-# TFLOP/s with all four off, then on, then on plus the opt-in three (benches/gpu/attn29.sh,
-# which runs alone on a short lease).
+# TFLOP/s with all thirteen off, then the nine off, then all on (benches/gpu/attn29.sh, which
+# runs alone on a short lease).
 A29_T=$(cap 300 0)
 if [ "$DEV" = cuda ] && [ "$A29_T" -ge 30 ]; then
   el "issue 29: attention kernels (attn29.sh, budget ${A29_T}s)"

@@ -1,6 +1,6 @@
 //! The MLP block (gate/up products, SwiGLU, down) of Llama-3-8B's shape (4096 → 14336 → 4096,
-//! bf16 weights, no LoRA) with f32 activations (the default: gate and up written and read in
-//! f32, the fused SwiGLU + cast) against the opt-in 16-bit activations (`THAW_CUDA_BF16_ACT=1`,
+//! bf16 weights, no LoRA) with f32 activations (`THAW_CUDA_BF16_ACT=0`: gate and up written and
+//! read in f32, the fused SwiGLU + cast) against the 16-bit activations (the default,
 //! `act16.rs`: gate and up stored in bf16 by cuBLAS, `swiglu16`, down reading its output), at
 //! rows 1, 32, 128 and 2048, side by side; each timed through the backend's ops
 //! (`gated_mlp_in` then `linear`), so the columns include the input's cast. "act GB/s" counts
@@ -49,7 +49,7 @@ pub fn act16_table(smoke: bool) -> Res<()> {
         landed: &[],
     };
     println!(
-        "\n## MLP block {h} → {inter} → {h}, bf16 weights: f32 activations (the default) vs 16-bit (THAW_CUDA_BF16_ACT=1); median of 20"
+        "\n## MLP block {h} → {inter} → {h}, bf16 weights: f32 activations (THAW_CUDA_BF16_ACT=0) vs 16-bit (the default); median of 20"
     );
     println!("| rows | f32 µs | act GB/s | 16-bit µs | act GB/s | 16-bit plan | speed-up |\n|---|---|---|---|---|---|---|");
     for &rows in rows_list {

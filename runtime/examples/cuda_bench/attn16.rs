@@ -1,7 +1,7 @@
 //! The attention input (q/k/v products, RoPE, the K/V write, decode attention over a context of
 //! one) of Llama-3-8B's shape (4096 → 32 q / 8 kv heads of 128, bf16 weights and KV, no LoRA)
-//! with f32 activations (the default: q, k, v written in f32, RoPE of q and of k, the KV write)
-//! against the opt-in 16-bit ones (`THAW_CUDA_BF16_ACT=1`, `attn16.rs`: q, k, v stored in bf16
+//! with f32 activations (`THAW_CUDA_BF16_ACT=0`: q, k, v written in f32, RoPE of q and of k, the
+//! KV write) against the 16-bit ones (the default, `attn16.rs`: q, k, v stored in bf16
 //! by cuBLAS, one `qkv_rope16`, the attention output stored in bf16 as o_proj's GEMM input), at
 //! rows 1, 32, 128 and 2048 (one row a sequence, so the attention kernels' own work is small),
 //! each timed through the backend's op (`qkv_attention`) and o_proj's product over its output
@@ -66,7 +66,7 @@ pub fn attn16_table(smoke: bool) -> Res<()> {
         landed: &[],
     };
     println!(
-        "\n## Attention {h} → q {qd} / kv {kvd}, RoPE, KV write, decode attention (context 1), o_proj, bf16 weights and KV: f32 activations (the default) vs 16-bit (THAW_CUDA_BF16_ACT=1); median of 20"
+        "\n## Attention {h} → q {qd} / kv {kvd}, RoPE, KV write, decode attention (context 1), o_proj, bf16 weights and KV: f32 activations (THAW_CUDA_BF16_ACT=0) vs 16-bit (the default); median of 20"
     );
     println!("| rows | f32 µs | act GB/s | 16-bit µs | act GB/s | 16-bit plan | speed-up |\n|---|---|---|---|---|---|---|");
     for &rows in rows_list {

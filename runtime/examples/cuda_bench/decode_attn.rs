@@ -2,7 +2,7 @@
 //! cache, 16-position blocks): `attention.cu`'s one block per (row, head) against
 //! flash-decoding (`attention_split.cu`, issue 29; default chunks and 32-position chunks) and
 //! the occupancy-planned decode with keys in flight (`attention_split_ilp.cu`,
-//! `THAW_CUDA_ATTN_OCCUPANCY=1`), over context lengths and batch sizes.
+//! the default; `THAW_CUDA_ATTN_OCCUPANCY=0` for flash-decoding), over context lengths and batch sizes.
 //! GB/s counts the K and V bytes the rows attend to (each KV head's once) over the kernel time.
 use thaw_kernels::cpu::KvLayout;
 use thaw_kernels::cuda::decode_plan::OCC_MIN_CHUNK;
@@ -26,7 +26,7 @@ pub fn decode_attn_table(smoke: bool, peak: f64) -> Res<()> {
     };
     let batches: &[usize] = if smoke { &[1] } else { &[1, 8, 32] };
     println!("\n## Decode attention, one layer (32 q / 8 kv heads of 128, bf16 KV; median of 20)");
-    println!("(impl: Classic = attention.cu, THAW_CUDA_ATTN_IMPL=classic; Split = flash-decoding, the default, which runs Classic's kernel where its plan makes one split; Split/32 = THAW_CUDA_SPLIT_MIN_CHUNK=32; Occupancy = THAW_CUDA_ATTN_OCCUPANCY=1, floor 32)");
+    println!("(impl: Classic = attention.cu, THAW_CUDA_ATTN_IMPL=classic; Split = flash-decoding, THAW_CUDA_ATTN_OCCUPANCY=0, which runs Classic's kernel where its plan makes one split; Split/32 = THAW_CUDA_SPLIT_MIN_CHUNK=32; Occupancy = the default, floor 32)");
     println!("| impl | batch | context | µs | GB/s | % of copy peak |\n|---|---|---|---|---|---|");
     let (qw, kw) = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim);
     for &ctx in ctxs {

@@ -1,5 +1,6 @@
-//! Products of few rows (decode): the opt-in small-batch GEMV (`gemv.cu`, `THAW_CUDA_GEMV=1`,
-//! issue 29) against the default cast + cuBLAS `gemm_ex`, each timed through the backend's
+//! Products of few rows (decode): the small-batch GEMV (`gemv.cu`, the default, issue 29)
+//! against cast + cuBLAS `gemm_ex` (`THAW_CUDA_GEMV=0` with `THAW_CUDA_CUBLASLT=0`, set here:
+//! the path `gemv_pays`' crossover was measured against; `--lt` times cuBLASLt's), each timed through the backend's
 //! `linear` op (so the cuBLAS column includes its activation cast kernel), bf16 weights. GB/s
 //! counts the weight bytes plus the f32 activations read and the f32 outputs written, over the
 //! time; "% of peak" is against the device-to-device copy peak measured in the same run. The
@@ -25,9 +26,11 @@ const SHAPES: [(usize, usize, &str); 6] = [
 pub fn gemv_table(smoke: bool, peak: f64) -> Res<()> {
     let c = model_config(1)?;
     let mut g = CudaBackend::new(&c, &CudaConfig::default())?;
+    // cublasGemmEx, as the table says (cuBLASLt, also a default, has `--lt`'s table).
+    g.set_cublaslt(false)?;
     let rows_list: &[usize] = if smoke { &[1, 8] } else { &[1, 2, 4, 8] };
     let shapes = if smoke { &SHAPES[..1] } else { &SHAPES[..] };
-    println!("\n## Products of few rows, bf16 weights: cast + cuBLAS (the default) vs the small-batch GEMV (THAW_CUDA_GEMV=1); median of 50");
+    println!("\n## Products of few rows, bf16 weights: cast + cuBLAS (THAW_CUDA_GEMV=0 THAW_CUDA_CUBLASLT=0) vs the small-batch GEMV (the default); median of 50");
     println!("| product | d_in → d_out | rows | cuBLAS µs | GB/s | % of peak | GEMV µs | GB/s | % of peak | GEMV speed-up | served |\n|---|---|---|---|---|---|---|---|---|---|---|");
     let max_rows = rows_list.iter().copied().max().unwrap_or(1);
     for &(d_in, d_out, what) in shapes {

@@ -1,5 +1,5 @@
-//! Products through cuBLASLt (`THAW_CUDA_CUBLASLT=1`, `lt.rs`, issue 29) against the default
-//! `cublasGemmEx`, each timed through the backend's `linear` op (so both columns include the
+//! Products through cuBLASLt (the default, `lt.rs`, issue 29) against `cublasGemmEx`
+//! (`THAW_CUDA_CUBLASLT=0`), each timed through the backend's `linear` op (so both columns include the
 //! activations' cast kernel, and a biased product's GemmEx column its `add_bias` launch, which
 //! cuBLASLt's epilogue replaces), bf16 weights, Llama-7B's shapes at decode and prefill rows.
 //! TFLOP/s counts 2 · rows · d_in · d_out; GB/s the weight bytes plus the f32 activations read
@@ -26,7 +26,7 @@ pub fn lt_table(smoke: bool) -> Res<()> {
     // On at upload, so the biased weight gets the f32 bias the epilogue reads.
     g.set_cublaslt(true)?;
     println!(
-        "\n## Products, bf16 weights: cublasGemmEx (the default) vs cuBLASLt (THAW_CUDA_CUBLASLT=1, {} MiB workspace); median of {}",
+        "\n## Products, bf16 weights: cublasGemmEx (THAW_CUDA_CUBLASLT=0) vs cuBLASLt (the default, {} MiB workspace); median of {}",
         g.cublaslt_workspace() >> 20,
         if smoke { 5 } else { 30 }
     );

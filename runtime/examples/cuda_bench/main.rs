@@ -15,18 +15,18 @@
 //! ```
 //!
 //! `--attn`: only issue 29's attention tables, full size: decode attention (classic vs
-//! flash-decoding vs the opt-in occupancy decode, `decode_attn.rs`) and prefill attention (classic vs tensor cores, `prefill_attn.rs`).
+//! flash-decoding vs the occupancy decode, the default, `decode_attn.rs`) and prefill attention (classic vs tensor cores, `prefill_attn.rs`).
 //!
 //! `--gemv`: only the products-of-few-rows table (`gemv.rs`): cast + cuBLAS against the
-//! opt-in small-batch GEMV at rows 1, 2, 4 and 8 on Llama-7B's decode shapes.
+//! small-batch GEMV (the default) at rows 1, 2, 4 and 8 on Llama-7B's decode shapes.
 //!
 //! `--lora-slices`: only the q/k/v and gate/up LoRA table (`slices.rs`): a launch pair per
-//! module against the opt-in one pair per group at rows 1, 16 and 64, ranks 16 and 64.
+//! module against one pair per group (the default) at rows 1, 16 and 64, ranks 16 and 64.
 //!
-//! `--lt`: only the products table (`lt.rs`): `cublasGemmEx` against the opt-in cuBLASLt
+//! `--lt`: only the products table (`lt.rs`): `cublasGemmEx` against cuBLASLt (the default)
 //! products (bias in the epilogue) at rows 1, 8, 32, 128 and 2048 on Llama-7B's shapes.
 //!
-//! `--act16`: only the opt-in 16-bit activations' tables (`THAW_CUDA_BF16_ACT=1`) at rows 1,
+//! `--act16`: only the 16-bit activations' tables (the default; `THAW_CUDA_BF16_ACT=0` off) at rows 1,
 //! 32, 128 and 2048: the MLP block (`act16.rs`), the attention input (`attn16.rs`) and the
 //! residual add + RMSNorm (`residual16.rs`), each against f32.
 mod act16;

@@ -1,6 +1,6 @@
 //! The LoRA of q/k/v and gate/up per module (a shrink + expand launch pair each, Punica's
-//! kernels, the default) against the opt-in multi-slice launches (`lora_slices.cu`,
-//! `THAW_CUDA_LORA_SLICES=1`, issue 29: one pair per group), timed through
+//! kernels, `THAW_CUDA_LORA_SLICES=0`) against the multi-slice launches (`lora_slices.cu`,
+//! the default, issue 29: one pair per group), timed through
 //! `CudaBackend::lora_group` (kernels only: the step's segment metadata is uploaded by the
 //! warm-up call), bf16 adapters, one layer of this bench's Llama shape (GQA k/v 1024 wide).
 //! "shared": every row on one adapter; "distinct": every row its own adapter.
@@ -32,7 +32,7 @@ fn layout(rows: usize, distinct: bool) -> LoraLayout {
 pub fn slices_table(smoke: bool) -> Res<()> {
     let c = model_config(1)?;
     let mut g = CudaBackend::new(&c, &CudaConfig::default())?;
-    println!("\n## LoRA of q/k/v and gate/up: a launch pair per module (Punica, the default) vs one pair per group (THAW_CUDA_LORA_SLICES=1); one layer, median of 50");
+    println!("\n## LoRA of q/k/v and gate/up: a launch pair per module (Punica, THAW_CUDA_LORA_SLICES=0) vs one pair per group (the default); one layer, median of 50");
     println!("| group | rank | rows | adapters | kernel | per-module µs | sliced µs | speed-up |\n|---|---|---|---|---|---|---|---|");
     let ranks: &[usize] = if smoke { &[16] } else { &[16, 64] };
     let rows_list: &[usize] = if smoke { &[1, 16] } else { &[1, 16, 64] };

@@ -1,4 +1,4 @@
-//! The opt-in 16-bit MLP activations (`THAW_CUDA_BF16_ACT=1`, `act16.cu` + `act16.rs`) against
+//! The 16-bit MLP activations (a default, off: `THAW_CUDA_BF16_ACT=0`; `act16.cu` + `act16.rs`) against
 //! the CPU oracle and the f32 path they replace: the SwiGLU kernel alone (with and without its
 //! f32 copy), the gate/up → SwiGLU → down block with LoRA rows on down mixed with base rows
 //! (16-bit) and with LoRA on gate/up (f32: `act16_plan` keeps it, the 16-bit path with the

@@ -1,4 +1,4 @@
-//! The opt-in 16-bit attention inputs (`THAW_CUDA_BF16_ACT=1`, `attn16.cu` + `attn16.rs`)
+//! The 16-bit attention inputs (a default, off: `THAW_CUDA_BF16_ACT=0`; `attn16.cu` + `attn16.rs`)
 //! against the CPU oracle and the f32 path they replace: the `qkv_rope16` kernel alone (every
 //! weight × KV dtype, GQA heads, 1 to 128 rows), whole engines (Llama, and Qwen2 whose q/k/v
 //! biases keep the attention f32) eager and graph-captured, and steady decode steps' device

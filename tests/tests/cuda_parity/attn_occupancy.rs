@@ -1,5 +1,5 @@
 //! The occupancy-planned decode attention with keys in flight (`attention_split_ilp.cu`,
-//! issue 29; opt-in: `THAW_CUDA_ATTN_OCCUPANCY=1`, [`CudaBackend::set_attn_occupancy`]) against
+//! issue 29; a default, off: `THAW_CUDA_ATTN_OCCUPANCY=0`, [`CudaBackend::set_attn_occupancy`]) against
 //! the CPU oracle and against `attention.cu`'s decode, and whole engines (eager and CUDA graphs)
 //! with it on against it off. Part of `cuda_parity` (its helpers, its GPU skip rules).
 //!

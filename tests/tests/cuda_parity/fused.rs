@@ -1,4 +1,5 @@
-//! The fused CUDA kernels (issue 29, `THAW_CUDA_FUSED=1`) against their CPU twins and against
+//! The fused CUDA kernels (issue 29, `THAW_CUDA_FUSED=1`, a default) against their CPU twins
+//! and, with the wide norms and the 16-bit activations that would replace them off, against
 //! the unfused kernels: residual add + RMSNorm, SwiGLU with the down projection's 16-bit input
 //! written beside it, and whole engine steps (same greedy tokens, same logits). Part of
 //! `cuda_parity` (its helpers, its GPU skip rules).
@@ -25,6 +26,11 @@ fn fused_add_rms_norm_and_swiglu_match_cpu_and_unfused() {
     let mut rng = ChaCha8Rng::seed_from_u64(29);
     for (dt, tol) in CONFIGS {
         let mut g = CudaBackend::new(c, &cfg(dt)).expect("CUDA backend");
+        // The wide norms (a default) would run in place of the fused add + RMSNorm, and the
+        // residual below is read back as f32 (the 16-bit residual, a default with bf16 weights,
+        // is private to the backend): both off, so the fused kernels are what runs.
+        g.set_wide(false).unwrap();
+        g.set_act16(false).unwrap();
         let rows = 37;
         let d = c.hidden_size;
         let h = rand_vec(&mut rng, rows * d, 2.0);
@@ -113,6 +119,9 @@ fn fused_engine_steps_equal_unfused() {
         let mut results = Vec::new();
         for fused in [false, true] {
             let mut b = CudaBackend::new(&tm.model.config, &cfg(dt)).unwrap();
+            // The nine of `OptInPlan` off: the wide norms and the 16-bit activations (defaults)
+            // would run in place of most fused kernels, leaving little of them to compare.
+            super::defaults::nine_off(&mut b);
             b.set_fused(fused).unwrap();
             let mut e = Engine::new(b, tm.model.clone(), EngineConfig::default()).unwrap();
             // Prefill, then decodes: step 0 and 1 logits, 4 greedy tokens per sequence.

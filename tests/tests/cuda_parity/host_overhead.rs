@@ -62,17 +62,15 @@ pub(super) fn decode_counts_on(
     extra: impl FnOnce(&mut CudaBackend),
 ) -> Vec<DeviceCounts> {
     assert!(3 + 2 + steps < 16, "contexts stay inside one KV block");
-    // The kernels the counts below are derived for, whatever the environment asks: the
-    // defaults (fused on, flash-decoding's default chunks), the opt-in ones off.
+    // The kernels the counts below are derived for, whatever the environment asks: fused on,
+    // flash-decoding's default chunks, and the nine of `OptInPlan` off (defaults since session
+    // 24: the GEMV would take the 3-row products from cuBLAS and their casts, the occupancy
+    // decode flash-decoding's launches, the device argmax the logits' copy back); `extra` turns on
+    // what a test counts against this.
     let mut e = engine_with(&tm.model, dt, adapter.as_slice(), graphs, |b| {
         b.set_fused(true).unwrap();
         b.set_attn_impl(AttnImpl::SPLIT).unwrap();
-        b.set_wide(false).unwrap();
-        b.set_rope_fold(false).unwrap();
-        b.set_group_gemm(false).unwrap();
-        b.set_lora_slices(false).unwrap();
-        b.set_cublaslt(false).unwrap();
-        b.set_act16(false).unwrap();
+        super::defaults::nine_off(b);
         extra(b);
     });
     let mut p = prompts(3, tm.model.config.vocab_size, 7);

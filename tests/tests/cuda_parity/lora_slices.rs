@@ -1,4 +1,4 @@
-//! The opt-in multi-slice LoRA launches (`THAW_CUDA_LORA_SLICES=1`, `lora_slices.cu`) against
+//! The multi-slice LoRA launches (a default, off: `THAW_CUDA_LORA_SLICES=0`; `lora_slices.cu`) against
 //! the per-module Punica launches they replace: q/k/v (GQA: k and v narrower) and gate/up of
 //! one Llama-7B-shaped layer, ranks 8/16/64/128, batches 1/4/16/64, SGMV and BGMV, distinct
 //! adapters with rows without one between them and one adapter shared by every row; and whole

@@ -1,4 +1,4 @@
-//! The opt-in cuBLASLt products (`THAW_CUDA_CUBLASLT=1`, `lt.rs`) against `cublasGemmEx` and
+//! The cuBLASLt products (a default, off: `THAW_CUDA_CUBLASLT=0`; `lt.rs`) against `cublasGemmEx` and
 //! the CPU oracle, op by op for bf16 and f16 weights, rows {1, 3, 8, 17, 128, 300}, with and
 //! without a bias, f32 and 16-bit outputs; whole engines with it on against off (Llama, and
 //! Qwen2 whose q/k/v biases take the bias epilogue); and a steady decode step with it on

@@ -1,4 +1,4 @@
-//! The 16-bit residual stream (`THAW_CUDA_BF16_ACT=1`, `residual16.cu` + `residual16.rs`)
+//! The 16-bit residual stream (a default, off: `THAW_CUDA_BF16_ACT=0`; `residual16.cu` + `residual16.rs`)
 //! against the CPU oracle (`CpuBackend::set_act16`, `cpu_residual16.rs`: f32 add, the dtype's
 //! round to nearest even, `cpu::rms_norm`) and against the switch off. Tolerances:
 //! - `add_rms_norm_h16_T`'s stored residual: bit for bit the CPU's (one f32 add of the same
