@@ -176,6 +176,9 @@ pub struct GpuReport {
     pub lora_impl: String,
     /// Which of the CUDA backend's issue-29 kernels ran (None on the CPU backend).
     pub kernels: Option<thaw_runtime::backend::kernel_select::KernelPlan>,
+    /// Which of the nine that became defaults after session 24 ran (None on the CPU backend):
+    /// what tells `attn29.sh`'s "off9" and "on" tables apart.
+    pub nine: Option<thaw_runtime::backend::kernel_select::OptInPlan>,
     pub lora: Vec<LoraCaseResult>,
     pub decode: Vec<DecodeRow>,
     /// The decode rows again with CUDA graphs on (`--cuda-graphs`; empty otherwise, or where
@@ -210,7 +213,8 @@ pub fn run(args: &GpuArgs) -> anyhow::Result<GpuReport> {
         .unwrap_or_else(|| tmp.path().to_path_buf());
     let model_dir = cases::model_dir(&args, &root)?;
     let config = thaw_runtime::model::ModelConfig::from_dir(&model_dir)?;
-    let (peaks, lora, kernels, device_name) = peaks::measure(&args, &device, &config)?;
+    let (peaks, lora, plans, device_name) = peaks::measure(&args, &device, &config)?;
+    let (kernels, nine) = plans.map_or((None, None), |(k, n)| (Some(k), Some(n)));
     let lora_impl = match &kernels {
         Some(k) if k.lora.is_new() => "punica",
         Some(_) => "classic",
@@ -228,6 +232,7 @@ pub fn run(args: &GpuArgs) -> anyhow::Result<GpuReport> {
         peaks,
         lora_impl: lora_impl.into(),
         kernels,
+        nine,
         lora,
         decode: m.decode,
         graph_decode: m.graph_decode,
@@ -246,6 +251,9 @@ pub fn table(args: &GpuArgs, r: &GpuReport) -> String {
     let _ = writeln!(s, "model: {}", r.model);
     if let Some(k) = &r.kernels {
         let _ = writeln!(s, "CUDA kernels: {k}");
+    }
+    if let Some(n) = &r.nine {
+        let _ = writeln!(s, "CUDA kernels, issue 29's nine: {n}");
     }
     let p = &r.peaks;
     let _ = writeln!(
@@ -376,7 +384,7 @@ mod tests {
         let pos = |v: f64| v.is_finite() && v > 0.0;
         assert!(pos(r.peaks.gbs) && pos(r.peaks.tflops));
         // No CUDA kernels to name: the LoRA table ran the CPU backend's.
-        assert!(r.kernels.is_none());
+        assert!(r.kernels.is_none() && r.nine.is_none());
         assert_eq!(r.lora_impl, "cpu");
         assert!(!table(&args, &r).contains("CUDA kernels:"));
         // Table rows: 1 rank × 2 batches × 2 kernels × 4 popularities.

@@ -4,7 +4,7 @@ use std::time::Instant;
 
 use thaw_runtime::adapter::LoraModule;
 use thaw_runtime::backend::any::AnyBackend;
-use thaw_runtime::backend::kernel_select::KernelPlan;
+use thaw_runtime::backend::kernel_select::{KernelPlan, OptInPlan};
 use thaw_runtime::backend::{Backend, Device, LinearDims, LoraKernel};
 use thaw_runtime::microbench::{
     fill, run_lora_case, synthetic_adapter, ElemSizes, LoraCase, LoraCaseResult, Popularity,
@@ -45,13 +45,17 @@ pub fn wall_us(
     Ok(t[t.len() / 2])
 }
 
+/// The CUDA backend's issue-29 kernels that ran: the four and the nine.
+pub type CudaPlans = (KernelPlan, OptInPlan);
+
 /// Measures (or takes) the roofline and runs the SGMV / BGMV table; returns them with the
-/// CUDA kernels that ran (None on the CPU backend) and the device's name.
+/// CUDA kernels that ran, the four and the nine (None on the CPU backend), and the device's
+/// name.
 pub fn measure(
     args: &GpuArgs,
     device: &Device,
     model: &ModelConfig,
-) -> anyhow::Result<(Peaks, Vec<LoraCaseResult>, Option<KernelPlan>, String)> {
+) -> anyhow::Result<(Peaks, Vec<LoraCaseResult>, Option<CudaPlans>, String)> {
     let mut c = model.clone();
     c.num_layers = 1;
     let mut b = AnyBackend::new(device, &c, LinkModel::default())?;

@@ -1,4 +1,4 @@
-// SwiGLU over 16-bit activations (issue 29, opt-in THAW_CUDA_BF16_ACT=1): the gate and up
+// SwiGLU over 16-bit activations (issue 29, default, THAW_CUDA_BF16_ACT=0 off): the gate and up
 // GEMMs store their outputs in the weight dtype T (cuBLAS accumulates in f32 and rounds once
 // on the store); this kernel reads the two T buffers, computes silu(g) * u in f32 exactly as
 // swiglu_f32 does (IEEE expf), and stores the result in T (the down GEMM's input, read without

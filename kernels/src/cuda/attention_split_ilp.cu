@@ -1,4 +1,4 @@
-// Flash-decoding with keys in flight (issue 29, opt-in: THAW_CUDA_SPLIT_PLAN=occupancy). Same
+// Flash-decoding with keys in flight (issue 29, a default: THAW_CUDA_ATTN_OCCUPANCY=0 off). Same
 // cache layout, GQA mapping, sliding window, row metadata and scratch as attention_split.cu,
 // whose attn_decode_reduce merges the splits; two differences:
 // - the split count is planned, not the chunk (kernels/src/cuda/decode_plan.rs,

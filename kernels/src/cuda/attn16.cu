@@ -1,4 +1,4 @@
-// The attention's input half over 16-bit activations (issue 29, opt-in THAW_CUDA_BF16_ACT=1):
+// The attention's input half over 16-bit activations (issue 29, default, THAW_CUDA_BF16_ACT=0 off):
 // the q, k and v GEMMs store their outputs in the weight dtype A (cuBLAS accumulates in f32 and
 // rounds once on the store); qkv_rope16_A_T reads the three A buffers, rotates q and k in f32
 // with write_kv_rope_T's angles and arithmetic (rope_fold.cuh, compiled before this file),

@@ -1,5 +1,5 @@
 // Small-batch products y[rows, d_out] = x[rows, d_in] · Wᵀ for rows <= GEMV_MAX_ROWS (issue 29,
-// opt-in: THAW_CUDA_GEMV=1; runtime/src/backend/cuda/gemv.rs launches it, kernel_select's
+// a default, THAW_CUDA_GEMV=0 off; runtime/src/backend/cuda/gemv.rs launches it, kernel_select's
 // `gemv_serves` decides where it runs).
 //
 // Why: at batch 1 the cuBLAS path first casts the f32 activations to the weight dtype (a kernel

@@ -1,4 +1,4 @@
-// Multi-slice Punica LoRA (issue 29, opt-in `THAW_CUDA_LORA_SLICES=1`): the modules of a layer
+// Multi-slice Punica LoRA (issue 29, a default; `THAW_CUDA_LORA_SLICES=0` off): the modules of a layer
 // that share one input (q/k/v, gate/up) as ONE shrink launch and ONE expand launch instead of
 // two launches per module, as vLLM's Triton `lora_shrink` / `lora_expand` do with "slices".
 //

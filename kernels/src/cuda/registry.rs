@@ -147,7 +147,7 @@ pub const ATTENTION_SPLIT: KernelSource = KernelSource {
 };
 
 /// Flash-decoding with 4 keys' loads in flight a warp and the occupancy split plan (issue 29;
-/// opt-in, off unless `THAW_CUDA_SPLIT_PLAN=occupancy`); [`ATTENTION_SPLIT`]'s reduce merges it.
+/// a default, off with `THAW_CUDA_ATTN_OCCUPANCY=0`); [`ATTENTION_SPLIT`]'s reduce merges it.
 pub const ATTENTION_SPLIT_ILP: KernelSource = KernelSource {
     name: "attention_split_ilp",
     source: include_str!("attention_split_ilp.cu"),
@@ -217,8 +217,8 @@ pub const EXCHANGE: KernelSource = KernelSource {
     entry_points: &["export_rows", "merge_deltas"],
 };
 
-/// Issue 29's opt-in elementwise kernels (off unless `THAW_CUDA_WIDE_NORM`,
-/// `THAW_CUDA_ROPE_FOLD` or `THAW_CUDA_GROUP_GEMM` is 1): RMSNorm and add + RMSNorm with a wide
+/// Issue 29's wide elementwise kernels (defaults, each off where `THAW_CUDA_WIDE_NORM`,
+/// `THAW_CUDA_ROPE_FOLD` or `THAW_CUDA_GROUP_GEMM` is 0): RMSNorm and add + RMSNorm with a wide
 /// block per row, RoPE with a thread per (head, pair), RoPE folded into the paged-cache KV write
 /// (KV dtype suffix), and the split of a grouped product's output.
 pub const WIDE: KernelSource = KernelSource {
@@ -243,7 +243,7 @@ pub const WIDE: KernelSource = KernelSource {
     ],
 };
 
-/// Greedy sampling on the device (issue 29; opt-in, off unless `THAW_CUDA_DEVICE_ARGMAX=1`):
+/// Greedy sampling on the device (issue 29; a default, off with `THAW_CUDA_DEVICE_ARGMAX=0`):
 /// the index of each row's largest logit by the host's rule (`sampling::argmax`), so a step
 /// whose rows are all greedy copies token ids to the host instead of logits.
 pub const ARGMAX: KernelSource = KernelSource {
@@ -252,7 +252,7 @@ pub const ARGMAX: KernelSource = KernelSource {
     entry_points: &["argmax_rows_f32"],
 };
 
-/// Issue 29's opt-in small-batch GEMV (off unless `THAW_CUDA_GEMV` is 1): y = x · Wᵀ for at
+/// Issue 29's small-batch GEMV (a default, off with `THAW_CUDA_GEMV=0`): y = x · Wᵀ for at
 /// most [`shape::GEMV_MAX_ROWS`] rows of f32 activations read directly (no cast kernel) against
 /// 16-bit weights, 16-byte weight loads, f32 accumulation.
 pub const GEMV: KernelSource = KernelSource {
@@ -266,7 +266,7 @@ pub const GEMV: KernelSource = KernelSource {
     ],
 };
 
-/// Issue 29's opt-in multi-slice SGMV / BGMV (off unless `THAW_CUDA_LORA_SLICES` is 1): the
+/// Issue 29's multi-slice SGMV / BGMV (a default, off with `THAW_CUDA_LORA_SLICES=0`): the
 /// modules sharing one input (q/k/v, gate/up) as one shrink and one expand launch, a grid factor
 /// over the slices. Compiled after `lora_punica.cu`'s device functions (its entry points left
 /// out), whose block code every slice runs.
@@ -286,7 +286,7 @@ pub const LORA_SLICES: KernelSource = KernelSource {
     ),
 };
 
-/// Issue 29's opt-in 16-bit MLP activations (off unless `THAW_CUDA_BF16_ACT` is 1): SwiGLU
+/// Issue 29's 16-bit MLP activations (a default, off with `THAW_CUDA_BF16_ACT=0`): SwiGLU
 /// over the 16-bit gate and up outputs of the GEMMs, writing down's 16-bit input (and, where
 /// asked, an f32 copy for down's LoRA).
 pub const ACT16: KernelSource = KernelSource {
@@ -295,7 +295,7 @@ pub const ACT16: KernelSource = KernelSource {
     entry_points: &["swiglu16_bf16", "swiglu16_f16"],
 };
 
-/// Issue 29's opt-in 16-bit residual stream (with `THAW_CUDA_BF16_ACT=1`, runtime
+/// Issue 29's 16-bit residual stream (a default with `THAW_CUDA_BF16_ACT`, runtime
 /// `residual16_plan`): embed, add + RMSNorm, the last add and the final gather over the
 /// hidden state stored in the weight dtype.
 pub const RESIDUAL16: KernelSource = KernelSource {
@@ -315,7 +315,7 @@ pub const RESIDUAL16: KernelSource = KernelSource {
     ],
 };
 
-/// Issue 29's opt-in 16-bit attention input (off unless `THAW_CUDA_BF16_ACT` is 1): RoPE of the
+/// Issue 29's 16-bit attention input (a default, off with `THAW_CUDA_BF16_ACT=0`): RoPE of the
 /// 16-bit q/k/v products, the rotated q in f32 and K/V into the paged cache; suffixed by the
 /// weight dtype, then the KV dtype (`qkv_rope16_bf16_f16`). Compiled after `rope_fold.cuh`, the
 /// RoPE helpers it shares with `wide.cu`.

@@ -1,4 +1,4 @@
-// The residual stream in 16 bits (issue 29, opt-in THAW_CUDA_BF16_ACT=1; runtime
+// The residual stream in 16 bits (issue 29, default, THAW_CUDA_BF16_ACT=0 off; runtime
 // residual16_plan): the hidden state h between layers is stored in the weight dtype T, as
 // transformers' bf16 Llama keeps it, instead of f32. Every kernel that touches h is here; the
 // f32 kernels they stand in for are norm.cu's, wide.cu's and elementwise.cu's. Sums and sums of

@@ -1,4 +1,4 @@
-//! Launch geometry of `lora_slices.cu` (issue 29, opt-in `THAW_CUDA_LORA_SLICES=1`): the LoRA
+//! Launch geometry of `lora_slices.cu` (issue 29, a default; off: `THAW_CUDA_LORA_SLICES=0`): the LoRA
 //! of up to [`shape::PUNICA_MAX_SLICES`] modules sharing one input (q/k/v, gate/up) as one
 //! shrink launch and one expand launch, as pure functions the CUDA backend calls and the tests
 //! check without a GPU. The block decoders mirror the kernels' index math line for line.

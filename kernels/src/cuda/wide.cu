@@ -1,5 +1,5 @@
-// Issue 29's opt-in elementwise kernels (runtime kernel_select: THAW_CUDA_WIDE_NORM,
-// THAW_CUDA_ROPE_FOLD, THAW_CUDA_GROUP_GEMM; off unless set to 1).
+// Issue 29's wide elementwise kernels (runtime kernel_select: THAW_CUDA_WIDE_NORM,
+// THAW_CUDA_ROPE_FOLD, THAW_CUDA_GROUP_GEMM; defaults, off where set to 0).
 //
 // Why: at batch 1 the classic rms_norm / add_rms_norm (one block of 256 threads per row) and
 // rope_f32 (one block of 64 threads per token) are chains of dependent global loads: a 4096-wide

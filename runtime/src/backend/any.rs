@@ -269,12 +269,18 @@ impl AnyBackend {
         }
     }
 
-    /// Which of the CUDA backend's issue-29 kernels run (None on the CPU backend).
-    pub fn cuda_kernels(&self) -> Option<super::kernel_select::KernelPlan> {
+    /// Which of the CUDA backend's issue-29 kernels run, the four and the nine (None on the CPU
+    /// backend).
+    pub fn cuda_kernels(
+        &self,
+    ) -> Option<(
+        super::kernel_select::KernelPlan,
+        super::kernel_select::OptInPlan,
+    )> {
         match self {
             Self::Cpu(_) => None,
             #[cfg(feature = "cuda")]
-            Self::Cuda(g) => Some(g.kernel_plan()),
+            Self::Cuda(g) => Some((g.kernel_plan(), g.opt_in_plan())),
             #[cfg(not(feature = "cuda"))]
             Self::Cuda(g) => match **g {},
         }
