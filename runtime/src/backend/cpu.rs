@@ -174,8 +174,9 @@ impl CpuBackend {
     /// Rounds the MLP's gate, up and SwiGLU activations (`cpu_act16.rs`), the attention's q, k
     /// and v (`cpu_attn16.rs`) and the residual stream (`cpu_residual16.rs`) to `ty` exactly
     /// where CUDA's `THAW_CUDA_BF16_ACT=1` stores them in 16 bits: the test oracle of that
-    /// switch's numerics. `None` (the default): f32. Switch it between forward passes only
-    /// (each pass's `embed` rewrites the stream).
+    /// switch's numerics. `None` (the default, although CUDA's switch is on by default: the CPU
+    /// backend is the f32 oracle, and only tests of the 16-bit numerics ask for them): f32.
+    /// Switch it between forward passes only (each pass's `embed` rewrites the stream).
     pub fn set_act16(&mut self, ty: Option<super::Act16Type>) {
         self.act16 = ty;
         self.residual16 = ty;
