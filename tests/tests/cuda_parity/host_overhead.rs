@@ -11,7 +11,11 @@
 //! down's, and k, v and up read q's and gate's; only the first layer's q/k/v input (after the
 //! plain RMSNorm), every o_proj input and the LM head's are cast. So bf16 launches exactly
 //! `layers + 2` kernels more than f32 (it was `6 · layers + 1`: a cast per product but down).
-//! Part of `cuda_parity` (its helpers, its GPU skip rules).
+//! Those counts are derived for the four defaults of `KernelPlan` with the nine of `OptInPlan`
+//! off, which the helpers set explicitly (their own steady tests turn one on: `lt.rs`,
+//! `act16.rs`, `attn16.rs`, `residual16.rs`); with all thirteen on, as a backend starts by
+//! default, the step still allocates nothing, uploads its metadata once and repeats its counts,
+//! eager and replayed. Part of `cuda_parity` (its helpers, its GPU skip rules).
 use std::sync::Arc;
 
 use thaw_runtime::adapter::LoraAdapter;
@@ -166,4 +170,57 @@ fn steady_eager_decode_allocates_nothing_and_uploads_metadata_once() {
         "bf16 over f32 launches ({launches:?}): casts only for layer 0's q/k/v input, every \
          o_proj input and the LM head's"
     );
+}
+
+/// The defaults, all thirteen on (the nine set explicitly, whatever the environment says): a
+/// steady decode step, eager and graph-replayed, allocates nothing (every scratch of the GEMV,
+/// the 16-bit activations, the occupancy decode's splits, the device argmax's ids and
+/// cuBLASLt's descriptors grew in the warm-up steps), uploads at most [`MAX_UPLOADS`] copies of
+/// metadata, repeats the same counts every step, and a replay is one graph launch with no
+/// product from the host. The launch and product counts themselves are not derived here (the
+/// GEMV, grouped products and sliced LoRA each change them); the tests above pin those for the
+/// paths whose counts they derive.
+#[test]
+fn steady_decode_on_the_defaults_allocates_nothing() {
+    if !thaw_tests::gpu_or_skip() {
+        return;
+    }
+    let tm = TestModel::llama(6);
+    for dt in [DType::F32, DType::Bf16] {
+        for graphs in [false, true] {
+            let adapter = tm.adapter(8, &["q", "v"], 90);
+            let counts = decode_counts_on(&tm, dt, 4, (Some(adapter), graphs), |b| {
+                super::defaults::set_nine(b, true, dt != DType::F32)
+            });
+            let what = format!("{dt:?} graphs {graphs}");
+            println!("{what}, the defaults: {:?}", counts[0]);
+            for (i, c) in counts.iter().enumerate() {
+                assert_eq!(
+                    c, &counts[0],
+                    "{what}: decode step {i} differs from the first"
+                );
+            }
+            let c = counts[0];
+            assert_eq!(
+                (c.allocs, c.alloc_bytes),
+                (0, 0),
+                "{what}: a steady decode step on the defaults allocated device memory"
+            );
+            assert!(
+                c.htod <= MAX_UPLOADS && c.htod_bytes <= MAX_UPLOAD_BYTES,
+                "{what}: {} host → device copies of {} bytes a step",
+                c.htod,
+                c.htod_bytes
+            );
+            if graphs {
+                assert_eq!(
+                    (c.graph_launches, c.gemms),
+                    (1, 0),
+                    "{what}: a replay is one graph launch, no product from the host"
+                );
+            } else {
+                assert_eq!(c.graph_launches, 0, "{what}");
+            }
+        }
+    }
 }
