@@ -112,8 +112,12 @@ impl Gpu {
                 ptr: self.p(out),
                 dtype: self.weight_dtype,
             };
-            self.lt_product(lt, self.p(x16), w, rows, d_in, d_out, o, None)?;
-            return Ok(());
+            match self.lt_product(lt, self.p(x16), w, rows, d_in, d_out, o, None) {
+                Ok(_) => return Ok(()),
+                // No cuBLASLt algorithm for this product (nothing enqueued): cublasGemmEx.
+                Err(CudaError::LtNoAlgorithm) => {}
+                Err(e) => return Err(e),
+            }
         }
         // SAFETY: x16 holds rows × d_in and out rows × d_out elements of the weight dtype
         // (checked above); (16BF|16F, same, same) with COMPUTE_32F is a supported GemmEx

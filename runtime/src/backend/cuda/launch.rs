@@ -456,15 +456,21 @@ impl Gpu {
                 ptr: self.p(out),
                 dtype: DType::F32,
             };
-            let added = self.lt_product(lt, b_ptr, w, rows, d_in, d_out, o, bias.map(|b| b.f32))?;
-            if let (Some(b), false) = (bias, added) {
-                // SAFETY: `stored` is the product's bias as uploaded (d_out weight-dtype values),
-                // owned by the weight the caller holds.
-                unsafe { self.add_bias_at(out, b.stored, rows, d_out) }?;
+            match self.lt_product(lt, b_ptr, w, rows, d_in, d_out, o, bias.map(|b| b.f32)) {
+                Ok(added) => {
+                    if let (Some(b), false) = (bias, added) {
+                        // SAFETY: `stored` is the product's bias as uploaded (d_out
+                        // weight-dtype values), owned by the weight the caller holds.
+                        unsafe { self.add_bias_at(out, b.stored, rows, d_out) }?;
+                    }
+                    return Ok(());
+                }
+                // No cuBLASLt algorithm for this product (nothing enqueued): cublasGemmEx
+                // below, and the bias added after it.
+                Err(CudaError::LtNoAlgorithm) => {}
+                Err(e) => return Err(e),
             }
-            return Ok(());
-        }
-        if bias.is_some() {
+        } else if bias.is_some() {
             return Err(CudaError::Unsupported(
                 "a bias epilogue without cuBLASLt (set THAW_CUDA_CUBLASLT=1)".into(),
             ));
@@ -481,7 +487,12 @@ impl Gpu {
                 self.p(out),
                 blas_sys::cudaDataType::CUDA_R_32F,
             )
+        }?;
+        if let Some(b) = bias {
+            // SAFETY: as above: `stored` holds the product's d_out bias values.
+            unsafe { self.add_bias_at(out, b.stored, rows, d_out) }?;
         }
+        Ok(())
     }
 
     /// `cublasGemmEx` of row-major C[rows, d_out] = B[rows, d_in] · Wᵀ, f32 accumulation

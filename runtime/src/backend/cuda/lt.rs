@@ -296,6 +296,8 @@ impl Gpu {
     /// epilogue. The callers checked the buffers against the shape; `lt` is this Gpu's. Whether
     /// the bias was added: false where cuBLASLt has no algorithm with the bias epilogue for the
     /// shape (the product then ran with the default one; the caller adds the bias).
+    /// [`CudaError::LtNoAlgorithm`] where it has none for the product at all, before enqueueing
+    /// anything: the caller runs it through `cublasGemmEx` instead.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn lt_product(
         &self,
@@ -347,10 +349,27 @@ impl Gpu {
                 p = plan(&shape(false)).map_err(why)?;
             }
         }
+        // A shape cuBLASLt has no algorithm for at all: the caller runs `cublasGemmEx`
+        // (`Gpu::gemm`, `Gpu::gemm16`); asked once, remembered.
+        if cache.refused.contains(&p.key) {
+            return Err(CudaError::LtNoAlgorithm);
+        }
         let entry = match cache.entries.entry(p.key) {
             std::collections::hash_map::Entry::Occupied(o) => o.into_mut(),
             std::collections::hash_map::Entry::Vacant(v) => {
-                v.insert(lt.build(&p.key, bias.unwrap_or(0))?)
+                match lt.build(&p.key, bias.unwrap_or(0)) {
+                    Ok(e) => v.insert(e),
+                    Err(CudaError::LtNoAlgorithm) => {
+                        tracing::warn!(
+                            "cuBLASLt has no algorithm for {:?}; its products run through \
+                             cublasGemmEx",
+                            p.key
+                        );
+                        cache.refused.insert(p.key);
+                        return Err(CudaError::LtNoAlgorithm);
+                    }
+                    Err(e) => return Err(e),
+                }
             }
         };
         let (alpha, beta) = (1.0f32, 0.0f32);
