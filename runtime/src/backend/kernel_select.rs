@@ -17,7 +17,7 @@
 //! KV cache, a head_dim other than 32/64/128, or a device below compute capability 8.0. An
 //! explicit `split` / `1` / `punica` that cannot be served is an error that says what to set.
 //!
-//! Nine more are opt-in ([`OptInPlan`]): off unless set to `1`, until a GPU parity run
+//! Ten more are opt-in ([`OptInPlan`]): off unless set to `1`, until a GPU parity run
 //! (`cuda_parity`'s `opt_in` tests) proves them, then to become defaults like the four above.
 //!
 //! | kernel | variable | on |
@@ -31,11 +31,12 @@
 //! | decode attention split to fill the GPU, 4 keys' loads in flight a warp (`attention_split_ilp.cu`) | [`ATTN_OCCUPANCY_ENV`] | `1` |
 //! | products through cuBLASLt, the bias in its epilogue (`lt_plan`) | [`CUBLASLT_ENV`] | `1` |
 //! | q/k/v and gate/up outputs and SwiGLU in 16 bits, f32 accumulation (`act16.cu`, `attn16.cu`; [`super::act16_plan`], [`super::attn16_plan`]); the residual stream between layers in 16 bits (`residual16.cu`, [`super::residual16_plan`]) | [`ACT16_ENV`] | `1` |
+//! | prefill attention FlashAttention-2 style where the tensor-core prefill runs (`attention_prefill_fa.cu`, [`prefill_fa_plan`]) | [`PREFILL_FA_ENV`] | `1` |
 use std::fmt;
 
 use thaw_kernels::cuda::decode_plan::{MIN_CHUNK, OCC_MIN_CHUNK};
 use thaw_kernels::cuda::registry::{shape, DType, GpuArch};
-use thaw_kernels::cuda::{prefill_tc_plan, punica_plan};
+use thaw_kernels::cuda::{prefill_fa_plan, prefill_tc_plan, punica_plan};
 
 /// Picks the decode attention: `split` (flash-decoding, the default) or `classic`.
 pub const ATTN_IMPL_ENV: &str = "THAW_CUDA_ATTN_IMPL";
@@ -117,6 +118,12 @@ pub const CUBLASLT_ENV: &str = "THAW_CUDA_CUBLASLT";
 /// between layers stored in that type ([`residual16_plan`](super::residual16_plan)): `1`
 /// or `0` (the default until a GPU parity run proves it).
 pub const ACT16_ENV: &str = "THAW_CUDA_BF16_ACT";
+
+/// Prefill attention through `attention_prefill_fa.cu` wherever the tensor-core prefill runs:
+/// GQA heads sharing K/V tiles, cp.async double buffering, ldmatrix fragments
+/// ([`prefill_fa_plan`]; a shape its plan declines keeps the tensor-core kernel): `1` or `0`
+/// (the default until a GPU parity run proves it).
+pub const PREFILL_FA_ENV: &str = "THAW_CUDA_PREFILL_FA";
 
 /// The occupancy plan's shortest chunk from [`SPLIT_MIN_CHUNK_ENV`]'s value: unset, empty or
 /// `auto`: [`OCC_MIN_CHUNK`] (32 positions); a positive integer sets it (as for the fixed plan,
@@ -315,6 +322,16 @@ pub const ACT16: Switch = Switch {
     default_new: false,
 };
 
+/// The FlashAttention-2-style prefill in place of the tensor-core one.
+pub const PREFILL_FA: Switch = Switch {
+    env: PREFILL_FA_ENV,
+    on: "1",
+    off: "0",
+    new: "FlashAttention-2-style prefill",
+    classic: "tensor-core prefill",
+    default_new: false,
+};
+
 const ON_OFF: [&str; 2] = ["1", "0"];
 
 impl Switch {
@@ -481,6 +498,18 @@ impl KernelPlan {
     }
 }
 
+/// Why the FlashAttention-2-style prefill cannot serve heads of `head_dim`, if it cannot (it
+/// also runs only where the tensor-core prefill does: a 16-bit cache on sm_80+, resolved when
+/// the backend loads it).
+pub fn prefill_fa_unserved(head_dim: usize) -> Option<String> {
+    (!prefill_fa_plan::HEAD_DIMS.contains(&head_dim)).then(|| {
+        format!(
+            "it serves head_dim {:?} and this model's is {head_dim}",
+            prefill_fa_plan::HEAD_DIMS
+        )
+    })
+}
+
 /// Why RoPE cannot be folded into the KV write for heads of `head_dim`, if it cannot: the
 /// kernel stages one head's angles (`head_dim / 2`) in shared memory sized for the attention
 /// kernels' largest head, and rotates pairs (an even `head_dim`).
@@ -594,6 +623,7 @@ pub struct OptInPlan {
     pub attn_occupancy: Choice,
     pub cublaslt: Choice,
     pub act16: Choice,
+    pub prefill_fa: Choice,
 }
 
 impl OptInPlan {
@@ -615,10 +645,11 @@ impl OptInPlan {
             cublaslt: CUBLASLT.choose(&value(CUBLASLT.env), None)?,
             // Served or not per step and layer (`act16_plan`): the rest run f32.
             act16: ACT16.choose(&value(ACT16.env), None)?,
+            prefill_fa: PREFILL_FA.choose(&value(PREFILL_FA.env), prefill_fa_unserved(head_dim))?,
         })
     }
 
-    fn rows(&self) -> [(&'static str, Switch, &Choice); 9] {
+    fn rows(&self) -> [(&'static str, Switch, &Choice); 10] {
         [
             ("q/k/v and gate/up products", GROUP_GEMM, &self.group_gemm),
             ("RoPE", ROPE_FOLD, &self.rope_fold),
@@ -629,6 +660,7 @@ impl OptInPlan {
             ("decode attention", ATTN_OCCUPANCY, &self.attn_occupancy),
             ("products", CUBLASLT, &self.cublaslt),
             ("activations", ACT16, &self.act16),
+            ("prefill attention", PREFILL_FA, &self.prefill_fa),
         ]
     }
 }

@@ -241,7 +241,7 @@ proptest! {
     }
 }
 
-const OPT_IN: [Switch; 9] = [
+const OPT_IN: [Switch; 10] = [
     GROUP_GEMM,
     ROPE_FOLD,
     WIDE,
@@ -251,6 +251,7 @@ const OPT_IN: [Switch; 9] = [
     ATTN_OCCUPANCY,
     CUBLASLT,
     ACT16,
+    PREFILL_FA,
 ];
 
 fn opt_in(vars: &[(&str, &str)], head_dim: usize) -> Result<OptInPlan, String> {
@@ -269,6 +270,7 @@ fn the_opt_in_switches_are_off_unless_set_to_1() {
         attn_occupancy: Choice::Classic,
         cublaslt: Choice::Classic,
         act16: Choice::Classic,
+        prefill_fa: Choice::Classic,
     };
     assert_eq!(opt_in(&[], 128), Ok(off.clone()));
     let auto: Vec<(&str, &str)> = OPT_IN.iter().map(|s| (s.env, "auto")).collect();
@@ -288,6 +290,7 @@ fn the_opt_in_switches_are_off_unless_set_to_1() {
             attn_occupancy: Choice::New,
             cublaslt: Choice::New,
             act16: Choice::New,
+            prefill_fa: Choice::New,
         })
     );
     // One at a time: each variable moves its own choice only.
@@ -303,9 +306,10 @@ fn the_opt_in_switches_are_off_unless_set_to_1() {
             &p.attn_occupancy,
             &p.cublaslt,
             &p.act16,
+            &p.prefill_fa,
         ]
         .map(Choice::is_new);
-        let want: [bool; 9] = std::array::from_fn(|j| j == i);
+        let want: [bool; 10] = std::array::from_fn(|j| j == i);
         assert_eq!(got, want, "{}", sw.env);
     }
     // The four defaults stay on whatever the opt-in switches say.
@@ -340,6 +344,16 @@ fn an_opt_in_switch_names_itself_when_its_value_or_shape_is_bad() {
     );
     // Unset, an odd head_dim is no error: the separate RoPE runs.
     assert_eq!(opt_in(&[], 65).unwrap().rope_fold, Choice::Classic);
+    // The FA prefill serves the tensor-core prefill's head dims.
+    for hd in [32, 64, 128] {
+        assert_eq!(prefill_fa_unserved(hd), None);
+    }
+    let e = opt_in(&[(PREFILL_FA_ENV, "1")], 96).unwrap_err();
+    assert!(
+        e.contains("THAW_CUDA_PREFILL_FA=0") && e.contains("96"),
+        "{e}"
+    );
+    assert_eq!(opt_in(&[], 96).unwrap().prefill_fa, Choice::Classic);
 }
 
 #[test]
@@ -353,12 +367,19 @@ fn the_opt_in_log_line_names_each_switch() {
          products of few rows: cast + cuBLAS (THAW_CUDA_GEMV=0); LoRA of q/k/v and gate/up: \
          a launch pair per module (THAW_CUDA_LORA_SLICES=0); decode attention: as \
          THAW_CUDA_ATTN_IMPL picks (THAW_CUDA_ATTN_OCCUPANCY=0); products: cublasGemmEx + \
-         add_bias (THAW_CUDA_CUBLASLT=0); activations: f32 (THAW_CUDA_BF16_ACT=0)"
+         add_bias (THAW_CUDA_CUBLASLT=0); activations: f32 (THAW_CUDA_BF16_ACT=0); prefill \
+         attention: tensor-core prefill (THAW_CUDA_PREFILL_FA=0)"
     );
     let p = opt_in(&[(ACT16_ENV, "1")], 128).unwrap();
     assert!(
         p.to_string()
-            .ends_with("activations: q/k/v, gate/up and SwiGLU in 16 bits"),
+            .contains("; activations: q/k/v, gate/up and SwiGLU in 16 bits;"),
+        "{p}"
+    );
+    let p = opt_in(&[(PREFILL_FA_ENV, "1")], 128).unwrap();
+    assert!(
+        p.to_string()
+            .ends_with("; prefill attention: FlashAttention-2-style prefill"),
         "{p}"
     );
     let p = opt_in(&[(GEMV_ENV, "1")], 128).unwrap();

@@ -60,12 +60,16 @@ impl Gpu {
         &self,
         q: &CudaSlice<f32>,
         (kc, vc): (&CudaSlice<u8>, &CudaSlice<u8>),
-        out: AttnOut<'_>,
+        mut out: AttnOut<'_>,
         tables: &impl DevicePtr<u32>,
         tiles: &impl DevicePtr<u32>,
         n_tiles: usize,
         s: AttnShape,
     ) -> Result<(), CudaError> {
+        // THAW_CUDA_PREFILL_FA: the FA kernel in this one's place where it takes the launch.
+        if self.attn_prefill_fa(q, (kc, vc), &mut out, tables, tiles, n_tiles, s)? {
+            return Ok(());
+        }
         let tc = self
             .tc_prefill
             .as_ref()
@@ -83,6 +87,8 @@ impl Gpu {
         let k = PrefillKernel {
             func: self.attn_kernel(&out, &tc.func, |k| k.tc.as_ref())?,
             block: 32 * WARPS as u32,
+            grid_y: s.n_heads as u32,
+            smem: 0,
         };
         // SAFETY: attn_prefill_tcHD_T (or its _out_T twin, loaded for the same head_dim, for a
         // 16-bit `out`) has attn_prefill_T's signature (attention_prefill_tc.cu)
