@@ -115,7 +115,8 @@ __device__ __forceinline__ void fa_tile(const u32 (&qf)[HD / 16][4], float (&o)[
     constexpr int NK = THAW_FA_KC / 8;  // n8 tiles of scores
     constexpr float L2E = 1.4426950408889634f;
     const int c = lane & 3;
-    // ldmatrix row addresses: lane l gives row l % 8 of matrix l / 8.
+    // ldmatrix row addresses: lane l gives row l % 8 of matrix l / 8 (prefill_fa_plan's k_ldsm
+    // and v_ldsm, whose test checks them against the mma fragment layouts).
     const int mi = lane >> 3, mr = lane & 7;
     float s[NK][4];
 #pragma unroll
@@ -212,8 +213,10 @@ __device__ void attn_prefill_fa(const float* __restrict__ q, const T* __restrict
     constexpr int STAGE = 2 * THAW_FA_KC * KS;  // one stage: K then V
     extern __shared__ __align__(16) u16 fa_smem[];
 
-    const int t = blockIdx.x;
-    if (t >= n_tiles) return;
+    // Tiles in reverse: blocks start in blockIdx.x order, and a prompt's later tiles walk more
+    // keys (causal), so the longest blocks start first and the short ones fill the tail.
+    if ((int)blockIdx.x >= n_tiles) return;
+    const int t = n_tiles - 1 - (int)blockIdx.x;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, c = lane & 3;
     // Heads: the block serves hpb consecutive q heads of KV head kvh (blockIdx.y = kvh · chunks

@@ -128,6 +128,24 @@ pub fn warp_masks(pos0: usize, nq: usize, window: usize, r0: usize, c0: usize) -
     c0 + KEY_TILE - 1 > pos0 + r0 || c0 < first_key(pos0 + rl, window) || r0 + 16 > nq
 }
 
+/// The (key row, head_dim column) of the shared K tile that lane `lane` addresses in the
+/// kernel's `ldmatrix.x4` for keys `16 np ..` and head_dim values `16 kk ..` (`krow`): lanes
+/// `8i .. 8i + 7` give the rows of matrix i, (keys +0 | +8) × (values +0 | +8) as i / 2, i % 2,
+/// so registers 0, 1 are the mma B fragment of score tile 2np and 2, 3 that of 2np + 1.
+pub fn k_ldsm(lane: usize, np: usize, kk: usize) -> (usize, usize) {
+    let (mi, mr) = (lane >> 3, lane & 7);
+    (np * 16 + ((mi >> 1) << 3) + mr, kk * 16 + ((mi & 1) << 3))
+}
+
+/// The (key row, head_dim column) of the shared V tile that lane `lane` addresses in the
+/// kernel's `ldmatrix.x4.trans` for keys `16 kk ..` and head_dim values `16 dp ..` (`vrow`):
+/// (keys +0 | +8) × (values +0 | +8) as i % 2, i / 2, so registers 0, 1 are the B fragment of
+/// output tile 2dp and 2, 3 that of 2dp + 1.
+pub fn v_ldsm(lane: usize, kk: usize, dp: usize) -> (usize, usize) {
+    let (mi, mr) = (lane >> 3, lane & 7);
+    (kk * 16 + ((mi & 1) << 3) + mr, dp * 16 + ((mi >> 1) << 3))
+}
+
 /// The first key a query at `pos` attends to.
 fn first_key(pos: usize, window: usize) -> usize {
     if window > 0 {

@@ -76,6 +76,87 @@ fn ldmatrix_phases_are_bank_conflict_free() {
     }
 }
 
+/// PTX's `ldmatrix.sync.aligned.m8n8.x4{.trans}.b16` on a tile: lanes 8i .. 8i + 7 give the
+/// (row, column) where row r of matrix i starts (8 values along the row); register i of lane
+/// 4g + c holds that matrix's elements (g, 2c), (g, 2c + 1), or with `.trans` (2c, g),
+/// (2c + 1, g), the first in the low half. `addr` is the lane's address, `at` reads the tile.
+fn ldmatrix(
+    addr: impl Fn(usize) -> (usize, usize),
+    at: impl Fn(usize, usize) -> u32,
+    trans: bool,
+) -> Vec<[(u32, u32); 4]> {
+    (0..32)
+        .map(|lane| {
+            let (g, c) = (lane / 4, lane % 4);
+            std::array::from_fn(|i| {
+                let elem = |r: usize, j: usize| {
+                    let (row, col) = addr(8 * i + r);
+                    at(row, col + j)
+                };
+                if trans {
+                    (elem(2 * c, g), elem(2 * c + 1, g))
+                } else {
+                    (elem(g, 2 * c), elem(g, 2 * c + 1))
+                }
+            })
+        })
+        .collect()
+}
+
+/// The kernel's ldmatrix addressing gives exactly the mma.m16n8k16 B fragments (lane 4g + c:
+/// reg 0 = B[k 2c, 2c + 1][n g], reg 1 = B[k 2c + 8, 2c + 9][n g]) of Kᵀ for S = Q·Kᵀ
+/// (B[k = value][n = key] = K[key][value]) and of V for P·V (B[k = key][n = value]), with K and
+/// V both stored [key][value]: no transpose in shared memory.
+#[test]
+fn ldmatrix_addresses_give_the_mma_b_fragments() {
+    // A tile whose every element names its own (row, column).
+    let at = |row: usize, col: usize| (row * 1000 + col) as u32;
+    for hd in HEAD_DIMS {
+        for np in 0..KEY_TILE / 16 {
+            for kk in 0..hd / 16 {
+                let regs = ldmatrix(|l| k_ldsm(l, np, kk), at, false);
+                for (lane, r) in regs.iter().enumerate() {
+                    let (g, c) = (lane / 4, lane % 4);
+                    // Score tile 2np + t: keys 16np + 8t + g; values 16kk + 2c (+8).
+                    for t in 0..2 {
+                        let key = np * 16 + 8 * t + g;
+                        for h in 0..2 {
+                            let d = kk * 16 + 8 * h + 2 * c;
+                            assert_eq!(r[2 * t + h], (at(key, d), at(key, d + 1)), "K lane {lane}");
+                        }
+                    }
+                }
+            }
+        }
+        for kk in 0..KEY_TILE / 16 {
+            for dp in 0..hd / 16 {
+                let regs = ldmatrix(|l| v_ldsm(l, kk, dp), at, true);
+                for (lane, r) in regs.iter().enumerate() {
+                    let (g, c) = (lane / 4, lane % 4);
+                    // Output tile 2dp + t: value 16dp + 8t + g; keys 16kk + 2c (+8).
+                    for t in 0..2 {
+                        let d = dp * 16 + 8 * t + g;
+                        for h in 0..2 {
+                            let key = kk * 16 + 8 * h + 2 * c;
+                            assert_eq!(r[2 * t + h], (at(key, d), at(key + 1, d)), "V lane {lane}");
+                        }
+                    }
+                }
+            }
+        }
+        // Every address stays in the tile and is 16-byte aligned in the padded row.
+        for lane in 0..32 {
+            for (row, col) in [
+                k_ldsm(lane, KEY_TILE / 16 - 1, hd / 16 - 1),
+                v_ldsm(lane, KEY_TILE / 16 - 1, hd / 16 - 1),
+            ] {
+                assert!(row < KEY_TILE && col + 8 <= hd);
+                assert_eq!((row * (hd + PAD) + col) * 2 % 16, 0);
+            }
+        }
+    }
+}
+
 #[test]
 fn plans_for_llama_shapes() {
     // Llama-7B-shape (32 / 8 heads of 128), 2048 tokens = 32 tiles: two heads a block.
