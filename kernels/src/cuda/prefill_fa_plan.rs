@@ -7,7 +7,9 @@
 //! It serves what [`prefill_tc_plan`] serves (a bf16 or f16 cache, head_dim 32, 64 or 128) and
 //! reads the same step metadata: tiles of [`Q_TILE`] query rows, the tensor-core kernel's.
 //! A block serves one tile for [`FaPlan::heads_per_block`] query heads of one KV head, so each
-//! K/V tile it stages serves all of them; [`ROW_WARPS`] warps per head, 16 rows each.
+//! K/V tile it stages serves all of them; [`ROW_WARPS`] warps per head, 16 rows each
+//! ([`HeadSharing`] says how many: the backend's [`HeadSharing::Auto`], or one / the most for
+//! benchmarks and tests).
 use super::prefill_tc_plan;
 use super::registry::DType;
 
@@ -66,33 +68,63 @@ pub struct FaPlan {
     pub smem: u32,
 }
 
-/// The launch for `n_tiles` metadata tiles of `n_heads` query heads over `n_kv_heads` KV heads
-/// of `head_dim`, or `None` where the kernel declines (a head_dim without an instantiation, a
-/// head count the KV heads do not divide, nothing to do): the tensor-core kernel then runs.
-///
-/// A block serves the largest divisor of the group that fits [`MAX_WARPS`] while the grid
-/// keeps [`MIN_SHARED_BLOCKS`] blocks; any group size works (7 and 5 run one head a block).
-pub fn plan(head_dim: usize, n_heads: usize, n_kv_heads: usize, n_tiles: usize) -> Option<FaPlan> {
-    if !HEAD_DIMS.contains(&head_dim)
-        || n_kv_heads == 0
-        || n_tiles == 0
-        || !n_heads.is_multiple_of(n_kv_heads)
+/// How many query heads of a GQA group one block serves.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub enum HeadSharing {
+    /// The most that divide the group and fit [`MAX_WARPS`], while the grid keeps
+    /// [`MIN_SHARED_BLOCKS`] blocks (else one): what the backend runs.
+    #[default]
+    Auto,
+    /// One head a block: no K/V tile shared between heads (benchmarks compare against it).
+    One,
+    /// The most that divide the group and fit [`MAX_WARPS`], however small the grid (tests:
+    /// the shared path at any prompt length).
+    Most,
+}
+
+/// What one prefill attention launch must serve.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct FaLaunch {
+    pub head_dim: usize,
+    /// Query heads.
+    pub n_heads: usize,
+    /// KV heads (GQA: `n_heads` is a multiple).
+    pub n_kv_heads: usize,
+    /// Metadata tiles of at most [`Q_TILE`] query rows.
+    pub n_tiles: usize,
+    pub sharing: HeadSharing,
+}
+
+/// The shape of launch `l`, or `None` where the kernel declines (a head_dim without an
+/// instantiation, a head count the KV heads do not divide, nothing to do): the tensor-core
+/// kernel then runs. Any group size works: one that only 1 divides (7, 5) runs one head a
+/// block.
+pub fn plan(l: &FaLaunch) -> Option<FaPlan> {
+    if !HEAD_DIMS.contains(&l.head_dim)
+        || l.n_kv_heads == 0
+        || l.n_tiles == 0
+        || !l.n_heads.is_multiple_of(l.n_kv_heads)
     {
         return None;
     }
-    let group = n_heads / n_kv_heads;
+    let group = l.n_heads / l.n_kv_heads;
+    let wide = |d: usize| l.n_tiles * l.n_heads / d >= MIN_SHARED_BLOCKS;
     let hpb = (1..=MAX_WARPS / ROW_WARPS)
         .rev()
         .find(|&d| {
             group.is_multiple_of(d)
-                && (d == 1 || n_tiles * n_kv_heads * (group / d) >= MIN_SHARED_BLOCKS)
+                && match l.sharing {
+                    HeadSharing::Auto => d == 1 || wide(d),
+                    HeadSharing::One => d == 1,
+                    HeadSharing::Most => true,
+                }
         })
         .unwrap_or(1);
     Some(FaPlan {
         heads_per_block: hpb,
         threads: (32 * ROW_WARPS * hpb) as u32,
-        grid: (n_tiles as u32, (n_kv_heads * group / hpb) as u32, 1),
-        smem: smem_bytes(head_dim) as u32,
+        grid: (l.n_tiles as u32, (l.n_heads / hpb) as u32, 1),
+        smem: smem_bytes(l.head_dim) as u32,
     })
 }
 

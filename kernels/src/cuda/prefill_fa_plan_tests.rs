@@ -157,21 +157,42 @@ fn ldmatrix_addresses_give_the_mma_b_fragments() {
     }
 }
 
+/// A launch of `n_tiles` tiles over `n_heads` / `n_kv` heads of `head_dim`, sharing `sharing`.
+fn launch(head_dim: usize, (n_heads, n_kv): (usize, usize), n_tiles: usize) -> FaLaunch {
+    FaLaunch {
+        head_dim,
+        n_heads,
+        n_kv_heads: n_kv,
+        n_tiles,
+        sharing: HeadSharing::Auto,
+    }
+}
+
 #[test]
 fn plans_for_llama_shapes() {
     // Llama-7B-shape (32 / 8 heads of 128), 2048 tokens = 32 tiles: two heads a block.
-    let p = plan(128, 32, 8, 32).unwrap();
+    let p = plan(&launch(128, (32, 8), 32)).unwrap();
     assert_eq!(p.heads_per_block, 2);
     assert_eq!((p.threads, p.grid, p.smem), (256, (32, 16, 1), 69_632));
-    // A short prompt (2 tiles): one head a block, twice the blocks.
-    assert_eq!(plan(128, 32, 8, 2).unwrap().heads_per_block, 1);
+    // A short prompt (2 tiles): one head a block, twice the blocks, unless forced.
+    assert_eq!(plan(&launch(128, (32, 8), 2)).unwrap().heads_per_block, 1);
+    let most = FaLaunch {
+        sharing: HeadSharing::Most,
+        ..launch(128, (32, 8), 2)
+    };
+    assert_eq!(plan(&most).unwrap().heads_per_block, 2);
+    let one = FaLaunch {
+        sharing: HeadSharing::One,
+        ..launch(128, (32, 8), 32)
+    };
+    assert_eq!(plan(&one).unwrap().heads_per_block, 1);
     // Groups of 1 and 7: one head a block.
-    assert_eq!(plan(64, 32, 32, 100).unwrap().heads_per_block, 1);
-    assert_eq!(plan(64, 28, 4, 100).unwrap().heads_per_block, 1);
+    assert_eq!(plan(&launch(64, (32, 32), 100)).unwrap().heads_per_block, 1);
+    assert_eq!(plan(&launch(64, (28, 4), 100)).unwrap().heads_per_block, 1);
     // Declined: no instantiation, heads the KV heads do not divide, no tile.
-    assert_eq!(plan(96, 32, 8, 32), None);
-    assert_eq!(plan(128, 30, 8, 32), None);
-    assert_eq!(plan(128, 32, 8, 0), None);
+    assert_eq!(plan(&launch(96, (32, 8), 32)), None);
+    assert_eq!(plan(&launch(128, (30, 8), 32)), None);
+    assert_eq!(plan(&launch(128, (32, 8), 0)), None);
 }
 
 /// The kernel's key walk on the CPU for one query head, as the block runs it: the tiles of
@@ -251,17 +272,27 @@ proptest! {
         group in prop::sample::select(vec![1usize, 2, 3, 4, 5, 6, 7, 8]),
         n_tiles in 1usize..80,
         hd in prop::sample::select(HEAD_DIMS.to_vec()),
+        sharing in prop::sample::select(vec![HeadSharing::Auto, HeadSharing::One, HeadSharing::Most]),
     ) {
+        prop_assert_eq!(MAX_WARPS / ROW_WARPS, 2, "the most heads a block serves");
         let n_heads = n_kv * group;
-        let p = plan(hd, n_heads, n_kv, n_tiles).expect("served");
+        let l = FaLaunch { sharing, ..launch(hd, (n_heads, n_kv), n_tiles) };
+        let p = plan(&l).expect("served");
         let hpb = p.heads_per_block;
         prop_assert!(group.is_multiple_of(hpb));
         prop_assert_eq!(p.threads as usize, 32 * ROW_WARPS * hpb);
         prop_assert!(p.threads as usize <= 32 * MAX_WARPS);
         prop_assert_eq!(p.grid.0 as usize, n_tiles);
-        // Sharing only where the grid stays wide enough.
-        if hpb > 1 {
-            prop_assert!(n_tiles * n_heads / hpb >= MIN_SHARED_BLOCKS);
+        // Sharing as asked: never with One, whenever the group allows with Most, and with Auto
+        // only where the grid stays wide enough.
+        let most = if group.is_multiple_of(2) { 2 } else { 1 };
+        match sharing {
+            HeadSharing::One => prop_assert_eq!(hpb, 1),
+            HeadSharing::Most => prop_assert_eq!(hpb, most),
+            HeadSharing::Auto => {
+                let wide = n_tiles * n_heads / most >= MIN_SHARED_BLOCKS;
+                prop_assert_eq!(hpb, if wide { most } else { 1 });
+            }
         }
         let mut served = vec![0u32; n_heads * Q_TILE];
         for by in 0..p.grid.1 as usize {

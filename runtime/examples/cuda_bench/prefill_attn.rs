@@ -2,10 +2,12 @@
 //! 16-position blocks), one sequence: `attention.cu`'s f32 tiled prefill
 //! (`THAW_CUDA_TC_PREFILL=0`) against the tensor-core kernel (`attention_prefill_tc.cu`, issue
 //! 29, the default) and its FlashAttention-2-style replacement (`attention_prefill_fa.cu`,
-//! `THAW_CUDA_PREFILL_FA=1`; its speed-up also against the tensor-core kernel), for fresh prompts of 128 and 2048 tokens and a 2048-token chunk after a
+//! `THAW_CUDA_PREFILL_FA=1`, and with one query head a block for what its GQA sharing gives; its
+//! speed-up also against the tensor-core kernel), for fresh prompts of 128 and 2048 tokens and a 2048-token chunk after a
 //! 2048-token prefix. The op timed is the backend's `attention` (K/V write + attention). TFLOP/s counts the causal
 //! multiply-adds, Q·Kᵀ and P·V ([`prefill_tc_plan::causal_flops`]), over the op's time.
 use thaw_kernels::cpu::KvLayout;
+use thaw_kernels::cuda::prefill_fa_plan::HeadSharing;
 use thaw_kernels::cuda::prefill_tc_plan;
 use thaw_runtime::backend::cuda::{CudaBackend, CudaConfig};
 use thaw_runtime::backend::{Backend, SeqSlice, StepLayout};
@@ -55,13 +57,25 @@ pub fn prefill_attn_table(smoke: bool) -> Res<()> {
         let mut out = g.alloc(n * qw)?;
         let flops = prefill_tc_plan::causal_flops(start, n, c.num_heads, c.head_dim);
         let (mut base_us, mut tc_us) = (None, None);
-        for (tc, fa) in [(false, false), (true, false), (true, true)] {
+        // The FA kernel with the backend's head sharing (two heads a block at these grids),
+        // then with one head a block (no K/V tile shared), to show what the sharing gives.
+        let kernels = [
+            (false, None),
+            (true, None),
+            (true, Some(HeadSharing::Auto)),
+            (true, Some(HeadSharing::One)),
+        ];
+        for (tc, fa) in kernels {
             let on = g.set_tc_prefill(tc)?;
-            let fa_on = g.set_prefill_fa(fa)?;
-            let name = match (on, fa_on) {
-                (_, true) => "tensor cores, FA (THAW_CUDA_PREFILL_FA=1)",
-                (true, false) => "tensor cores",
-                (false, _) => "classic",
+            let fa_on = g.set_prefill_fa(fa.is_some())?;
+            if let Some(sharing) = fa {
+                g.set_prefill_fa_sharing(sharing);
+            }
+            let name = match (on, fa_on, fa) {
+                (_, true, Some(HeadSharing::One)) => "tensor cores, FA, one head a block",
+                (_, true, _) => "tensor cores, FA (THAW_CUDA_PREFILL_FA=1)",
+                (true, false, _) => "tensor cores",
+                (false, _, _) => "classic",
             };
             // set_tc_prefill starts a new step: the warm-up call uploads the metadata (cut to
             // the kernel's tile), the timed calls reuse it.

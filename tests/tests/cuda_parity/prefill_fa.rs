@@ -9,8 +9,10 @@
 //! in the step metadata, so 65's last tile, and 1030's of 6 rows, give the FA kernel its
 //! shortest tiles), a 150-token chunk continuing a paged 70-position prefix, and a decode row
 //! beside them; head dims 32, 64 and 128; GQA groups
-//! 1, 4 (two heads a block once the grid is wide enough: the 1030-token prompt's tiles) and 7
-//! (one head a block); no window, a window shorter than a key tile (7) and one longer (100);
+//! 1, 4 and 7, the FA kernel run with one head a block (the backend's choice at these grid
+//! sizes) and with the most heads a block (two of group 4 share each K/V tile; 1 and 7 stay
+//! one), whose outputs must be bit for bit the same (each head's arithmetic does not depend on
+//! its block's other heads); no window, a window shorter than a key tile (7) and one longer (100);
 //! bf16 and f16 caches (weights of the same type); f32 outputs and the 16-bit outputs
 //! (`THAW_CUDA_BF16_ACT=1`'s `_out_T` entries).
 //!
@@ -34,6 +36,7 @@
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use thaw_kernels::cpu::KvLayout;
+use thaw_kernels::cuda::prefill_fa_plan::HeadSharing;
 use thaw_runtime::backend::cpu::CpuBackend;
 use thaw_runtime::backend::cuda::{CudaBackend, DType};
 use thaw_runtime::backend::{Backend, StepLayout};
@@ -101,21 +104,23 @@ fn cpu_out(c: &ModelConfig, layout: KvLayout, nb: usize, inp: &Inputs) -> Vec<f3
 }
 
 /// The second step's outputs on a CUDA backend with 16-bit outputs on: the tensor-core
-/// kernel's f32, the FA kernel's f32 and the FA kernel's 16-bit (as f32 values).
+/// kernel's f32; the FA kernel's f32 with the backend's head sharing (one head a block at these
+/// grid sizes) and with the most heads a block ([`HeadSharing::Most`]: two for groups 2 and 4,
+/// the K/V tiles shared); and the latter's 16-bit outputs (as f32 values).
 fn gpu_outs(
     c: &ModelConfig,
     dt: DType,
     layout: KvLayout,
     nb: usize,
     inp: &Inputs,
-) -> [Vec<f32>; 3] {
+) -> [Vec<f32>; 4] {
     let mut g = CudaBackend::new(c, &cfg(dt)).unwrap();
     g.set_act16(true).unwrap();
     assert!(g.set_tc_prefill(true).unwrap(), "{dt:?} {}", c.head_dim);
     assert!(!g.set_prefill_fa(false).unwrap());
     let mut kv = g.alloc_kv_layer(layout, nb).unwrap();
     let qw = c.num_heads * c.head_dim;
-    let mut outs: [Vec<f32>; 3] = Default::default();
+    let mut outs: [Vec<f32>; 4] = Default::default();
     for (st, [q, k, v]) in &inp.steps {
         let n = st.rows();
         let up = |x: &Vec<f32>| g.upload_f32(x).unwrap();
@@ -130,10 +135,14 @@ fn gpu_outs(
         g.begin_step();
         g.attention(&qg, &kg, &vg, &mut kv, st, &mut o32);
         outs[1] = g.download_f32(&o32, n * qw).unwrap();
+        assert!(g.set_prefill_fa_sharing(HeadSharing::Most));
+        g.begin_step();
+        g.attention(&qg, &kg, &vg, &mut kv, st, &mut o32);
+        outs[2] = g.download_f32(&o32, n * qw).unwrap();
         g.begin_step();
         g.attention_x16((&qg, &kg, &vg), &mut kv, st, &mut o16)
             .unwrap();
-        outs[2] = g.download_x16(&o16, n * qw).unwrap();
+        outs[3] = g.download_x16(&o16, n * qw).unwrap();
         assert!(!g.set_prefill_fa(false).unwrap());
     }
     g.check().unwrap();
@@ -175,10 +184,19 @@ fn fa_prefill_matches_cpu_and_the_tensor_core_kernel() {
                 let want = cpu_out(&c, layout, nb, &inp);
                 for dt in [DType::Bf16, DType::F16] {
                     let what = format!("fa hd={head_dim} group={group} window={window:?}");
-                    let [tc, fa, fa16] = gpu_outs(&c, dt, layout, nb, &inp);
-                    check(&format!("{what} vs cpu"), dt, 1e-2, &fa, &want);
+                    let [tc, fa1, fa, fa16] = gpu_outs(&c, dt, layout, nb, &inp);
                     let u = unit_roundoff(dt);
-                    check(&format!("{what} vs tc"), dt, 2.0 * u, &fa, &tc);
+                    for (x, out) in [("one head a block", &fa1), ("most heads a block", &fa)] {
+                        check(&format!("{what} {x} vs cpu"), dt, 1e-2, out, &want);
+                        check(&format!("{what} {x} vs tc"), dt, 2.0 * u, out, &tc);
+                        worst.0 = worst.0.max(rel_err(out, &want));
+                        worst.1 = worst.1.max(rel_err(out, &tc) / u);
+                    }
+                    // The same f32 arithmetic whichever heads share a block.
+                    assert!(
+                        fa1.iter().zip(&fa).all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "{what} {dt:?}: outputs depend on the head sharing"
+                    );
                     let differ = fa16
                         .iter()
                         .zip(round_to(&fa, dt))
@@ -186,8 +204,6 @@ fn fa_prefill_matches_cpu_and_the_tensor_core_kernel() {
                         .count();
                     assert_eq!(differ, 0, "{what} {dt:?}: 16-bit outputs not f32's rounded");
                     check(&format!("{what} 16-bit vs cpu"), dt, 1e-2 + u, &fa16, &want);
-                    worst.0 = worst.0.max(rel_err(&fa, &want));
-                    worst.1 = worst.1.max(rel_err(&fa, &tc) / u);
                 }
             }
         }

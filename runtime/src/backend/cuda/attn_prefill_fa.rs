@@ -5,12 +5,13 @@
 //! (`attn_prefill_tc.rs`) wherever that one runs, over the same step metadata (tiles of
 //! [`prefill_fa_plan::Q_TILE`] rows); a launch its plan ([`prefill_fa_plan::plan`]) declines
 //! keeps the tensor-core kernel. Each launch's shape is a pure function of the head counts and
-//! the tile count; nothing is allocated per step.
+//! the tile count (and [`HeadSharing`], `Auto` but in benchmarks and tests); nothing is
+//! allocated per step.
 use std::sync::Arc;
 
 use cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
 use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, DevicePtr};
-use thaw_kernels::cuda::prefill_fa_plan;
+use thaw_kernels::cuda::prefill_fa_plan::{self, FaLaunch, HeadSharing};
 use thaw_kernels::cuda::registry::DType;
 use thaw_kernels::cuda::KernelCache;
 
@@ -24,6 +25,8 @@ use crate::error::Result;
 pub(crate) struct FaPrefill {
     func: CudaFunction,
     head_dim: usize,
+    /// How many query heads a block serves ([`HeadSharing::Auto`] but in benchmarks and tests).
+    sharing: HeadSharing,
 }
 
 impl FaPrefill {
@@ -43,7 +46,11 @@ impl FaPrefill {
             return Ok(None);
         };
         let func = load_fa_function(ctx, &name, head_dim)?;
-        Ok(Some(Self { func, head_dim }))
+        Ok(Some(Self {
+            func,
+            head_dim,
+            sharing: HeadSharing::Auto,
+        }))
     }
 }
 
@@ -86,7 +93,14 @@ impl Gpu {
         let Some(fa) = self.fa_prefill.as_ref() else {
             return Ok(false);
         };
-        let Some(plan) = prefill_fa_plan::plan(s.head_dim, s.n_heads, s.n_kv_heads, n_tiles) else {
+        let launch = FaLaunch {
+            head_dim: s.head_dim,
+            n_heads: s.n_heads,
+            n_kv_heads: s.n_kv_heads,
+            n_tiles,
+            sharing: fa.sharing,
+        };
+        let Some(plan) = prefill_fa_plan::plan(&launch) else {
             return Ok(false);
         };
         assert_eq!(
@@ -138,6 +152,19 @@ impl CudaBackend {
         // The 16-bit-output twin follows (`attn_out.rs`).
         self.load_attn_out16()?;
         Ok(self.prefill_fa())
+    }
+
+    /// How many query heads one FA block serves from now on ([`HeadSharing::Auto`] when it
+    /// is switched on): benchmarks compare one head a block against the plan's choice, tests
+    /// force the shared path at short prompts. Returns whether the FA kernel is loaded.
+    pub fn set_prefill_fa_sharing(&mut self, sharing: HeadSharing) -> bool {
+        match self.gpu.fa_prefill.as_mut() {
+            Some(fa) => {
+                fa.sharing = sharing;
+                true
+            }
+            None => false,
+        }
     }
 
     /// Whether prefill attention runs on the FA kernel (where its plan takes the launch).
