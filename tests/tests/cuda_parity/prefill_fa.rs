@@ -13,7 +13,8 @@
 //! sizes) and with the most heads a block (two of group 4 share each K/V tile; 1 and 7 stay
 //! one), whose outputs must be bit for bit the same (each head's arithmetic does not depend on
 //! its block's other heads); no window, a window shorter than a key tile (7) and one longer (100);
-//! bf16 and f16 caches (weights of the same type); f32 outputs and the 16-bit outputs
+//! pages of 16 positions (and of 4 and 8 on two shapes); bf16 and f16 caches (weights of the
+//! same type); f32 outputs and the 16-bit outputs
 //! (`THAW_CUDA_BF16_ACT=1`'s `_out_T` entries).
 //!
 //! Tolerances (normwise relative, `rel_err`):
@@ -165,47 +166,55 @@ fn fa_prefill_matches_cpu_and_the_tensor_core_kernel() {
         (70, 150),
         (40, 1),
     ];
-    let (step, nb) = step_of(&lens, 16);
-    let mut worst = (0.0f64, 0.0f64);
+    // (head_dim, group, window, block_size): every head_dim × group × window on 16-position
+    // pages (the engine's), and pages of 4 and 8 positions on two shapes (a 64-key tile then
+    // gathers 16 or 8 pages).
+    let mut cases = Vec::new();
     for head_dim in [32, 64, 128] {
         for group in [1, 4, 7] {
             for window in [None, Some(7), Some(100)] {
-                let mut c = base.clone();
-                c.head_dim = head_dim;
-                c.num_kv_heads = 2;
-                c.num_heads = 2 * group;
-                c.sliding_window = window;
-                let layout = KvLayout {
-                    block_size: 16,
-                    num_kv_heads: c.num_kv_heads,
-                    head_dim,
-                };
-                let inp = Inputs::new(&c, &step, 2900 + head_dim as u64 + group as u64);
-                let want = cpu_out(&c, layout, nb, &inp);
-                for dt in [DType::Bf16, DType::F16] {
-                    let what = format!("fa hd={head_dim} group={group} window={window:?}");
-                    let [tc, fa1, fa, fa16] = gpu_outs(&c, dt, layout, nb, &inp);
-                    let u = unit_roundoff(dt);
-                    for (x, out) in [("one head a block", &fa1), ("most heads a block", &fa)] {
-                        check(&format!("{what} {x} vs cpu"), dt, 1e-2, out, &want);
-                        check(&format!("{what} {x} vs tc"), dt, 2.0 * u, out, &tc);
-                        worst.0 = worst.0.max(rel_err(out, &want));
-                        worst.1 = worst.1.max(rel_err(out, &tc) / u);
-                    }
-                    // The same f32 arithmetic whichever heads share a block.
-                    assert!(
-                        fa1.iter().zip(&fa).all(|(a, b)| a.to_bits() == b.to_bits()),
-                        "{what} {dt:?}: outputs depend on the head sharing"
-                    );
-                    let differ = fa16
-                        .iter()
-                        .zip(round_to(&fa, dt))
-                        .filter(|(a, b)| a.to_bits() != b.to_bits())
-                        .count();
-                    assert_eq!(differ, 0, "{what} {dt:?}: 16-bit outputs not f32's rounded");
-                    check(&format!("{what} 16-bit vs cpu"), dt, 1e-2 + u, &fa16, &want);
-                }
+                cases.push((head_dim, group, window, 16));
             }
+        }
+    }
+    cases.extend([(64, 4, None, 4), (128, 4, Some(100), 8)]);
+    let mut worst = (0.0f64, 0.0f64);
+    for (head_dim, group, window, block_size) in cases {
+        let (step, nb) = step_of(&lens, block_size);
+        let mut c = base.clone();
+        c.head_dim = head_dim;
+        c.num_kv_heads = 2;
+        c.num_heads = 2 * group;
+        c.sliding_window = window;
+        let layout = KvLayout {
+            block_size,
+            num_kv_heads: c.num_kv_heads,
+            head_dim,
+        };
+        let inp = Inputs::new(&c, &step, 2900 + head_dim as u64 + group as u64);
+        let want = cpu_out(&c, layout, nb, &inp);
+        for dt in [DType::Bf16, DType::F16] {
+            let what = format!("fa hd={head_dim} group={group} window={window:?} bs={block_size}");
+            let [tc, fa1, fa, fa16] = gpu_outs(&c, dt, layout, nb, &inp);
+            let u = unit_roundoff(dt);
+            for (x, out) in [("one head a block", &fa1), ("most heads a block", &fa)] {
+                check(&format!("{what} {x} vs cpu"), dt, 1e-2, out, &want);
+                check(&format!("{what} {x} vs tc"), dt, 2.0 * u, out, &tc);
+                worst.0 = worst.0.max(rel_err(out, &want));
+                worst.1 = worst.1.max(rel_err(out, &tc) / u);
+            }
+            // The same f32 arithmetic whichever heads share a block.
+            assert!(
+                fa1.iter().zip(&fa).all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{what} {dt:?}: outputs depend on the head sharing"
+            );
+            let differ = fa16
+                .iter()
+                .zip(round_to(&fa, dt))
+                .filter(|(a, b)| a.to_bits() != b.to_bits())
+                .count();
+            assert_eq!(differ, 0, "{what} {dt:?}: 16-bit outputs not f32's rounded");
+            check(&format!("{what} 16-bit vs cpu"), dt, 1e-2 + u, &fa16, &want);
         }
     }
     println!(
