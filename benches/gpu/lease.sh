@@ -8,7 +8,8 @@
 #   1. the CUDA parity suite, whole, with the defaults, then its opt-in tests with every opt-in
 #      switch on (issue 29's kernels that are not defaults yet: THAW_CUDA_GROUP_GEMM,
 #      THAW_CUDA_ROPE_FOLD, THAW_CUDA_WIDE_NORM, THAW_CUDA_DEVICE_ARGMAX, THAW_CUDA_GEMV,
-#      THAW_CUDA_LORA_SLICES, THAW_CUDA_ATTN_OCCUPANCY, THAW_CUDA_CUBLASLT, THAW_CUDA_BF16_ACT);
+#      THAW_CUDA_LORA_SLICES, THAW_CUDA_ATTN_OCCUPANCY, THAW_CUDA_CUBLASLT, THAW_CUDA_BF16_ACT,
+#      THAW_CUDA_PREFILL_FA);
 #   2. issue 27's cold-start tables (run.sh, cached / auto / on-demand, host tier then disk
 #      tier, 16 requests a pass) and decode tok/s with default flags;
 #   3. issue 29 (attn29.sh, its parity step skipped): the kernel tables (cuda_bench --attn,
@@ -59,7 +60,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>
 
 OPT_ON=(THAW_CUDA_GROUP_GEMM=1 THAW_CUDA_ROPE_FOLD=1 THAW_CUDA_WIDE_NORM=1 THAW_CUDA_DEVICE_ARGMAX=1
   THAW_CUDA_GEMV=1 THAW_CUDA_LORA_SLICES=1 THAW_CUDA_ATTN_OCCUPANCY=1
-  THAW_CUDA_CUBLASLT=1 THAW_CUDA_BF16_ACT=1)
+  THAW_CUDA_CUBLASLT=1 THAW_CUDA_BF16_ACT=1 THAW_CUDA_PREFILL_FA=1)
 
 if [ "$PART" != b ]; then
 # --- 1. parity ---------------------------------------------------------------------------------
