@@ -8,7 +8,8 @@
 #      tests of the classic kernels set them explicitly, and its attn29 tests compare engine
 #      steps with greedy tokens identical to the classic kernels';
 #   2. cuda_bench --attn: one layer's decode attention (classic vs flash-decoding, context
-#      512/2048/8192, batch 1/8/32) and prefill attention TFLOP/s (classic vs tensor cores, 128,
+#      512/2048/8192, batch 1/8/32) and prefill attention TFLOP/s (classic vs tensor cores vs
+#      the opt-in FA kernel, THAW_CUDA_PREFILL_FA, with two and with one query head a block; 128,
 #      512 and 2048 tokens, and 2048 after a 2048 prefix); then cuda_bench --gemv: products of
 #      1-8 rows, cast + cuBLAS vs the opt-in small-batch GEMV (THAW_CUDA_GEMV); then
 #      cuda_bench --lora-slices: q/k/v and gate/up LoRA per module vs one launch pair per
