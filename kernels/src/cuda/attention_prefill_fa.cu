@@ -24,6 +24,8 @@
 //   row's window start to its last row's position; a warp skips a tile none of its rows
 //   attends), and only tiles that cross a row's causal or window edge (or hold keys past the
 //   tile's last position, zero-filled) are masked (fa_tile<true>); the rest run unmasked.
+// - Tiles are walked last first (blockIdx.x 0 takes the last tile): blocks start in blockIdx.x
+//   order, and a prompt's later tiles walk more keys, so the longest blocks start first.
 // - A 16-byte cp.async chunk is 8 consecutive head_dim values of one key: a key's row of one KV
 //   head lies inside one cache page (kv_offset), so a chunk never straddles a page, whatever the
 //   block_size; zero-filled (src-size 0) for keys past the tile's last position.
@@ -57,16 +59,20 @@ __device__ __forceinline__ void fa_wait() {
 }
 
 // Four 8×8 16-bit matrices from shared memory; lanes 8i .. 8i+7 give matrix i's row addresses.
+// The "memory" clobber keeps the compiler from moving the read across the barrier that follows
+// the cp.async wait (ptxas still schedules the instruction by its register dependencies).
 __device__ __forceinline__ void fa_ldsm4(u32 (&r)[4], const u16* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(fa_smem_addr(p)));
+                 : "r"(fa_smem_addr(p))
+                 : "memory");
 }
 // The same, each matrix transposed (lane 4g + c gets rows 2c, 2c + 1 of column g).
 __device__ __forceinline__ void fa_ldsm4_t(u32 (&r)[4], const u16* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(fa_smem_addr(p)));
+                 : "r"(fa_smem_addr(p))
+                 : "memory");
 }
 
 // Two values as one mma register, `lo` in the low half, rounded to nearest even by one sm_80
