@@ -5,7 +5,9 @@
 //! which [`CudaBackend::tc_prefill`] reports. `THAW_CUDA_TC_PREFILL=0` (read when the backend
 //! is created, see [`kernel_select`](crate::backend::kernel_select)) or
 //! [`CudaBackend::set_tc_prefill`] turns it off. The step metadata's prefill tiles are cut to
-//! the kernel's query tile ([`prefill_tc_plan::tile_rows`]); decode rows are unaffected.
+//! the kernel's query tile ([`prefill_tc_plan::tile_rows`]); decode rows are unaffected. With
+//! `THAW_CUDA_PREFILL_FA=1` the FlashAttention-2-style kernel (`attn_prefill_fa.rs`) runs in
+//! this one's place over the same metadata, where its plan takes the launch.
 use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, DevicePtr};
