@@ -12,7 +12,8 @@
 #      tests of the classic kernels set them explicitly, and its attn29 tests compare engine
 #      steps with greedy tokens identical to the classic kernels';
 #   2. cuda_bench --attn: one layer's decode attention (classic vs flash-decoding, context
-#      512/2048/8192, batch 1/8/32) and prefill attention TFLOP/s (classic vs tensor cores, 128,
+#      512/2048/8192, batch 1/8/32) and prefill attention TFLOP/s (classic vs tensor cores vs
+#      the opt-in FA kernel, THAW_CUDA_PREFILL_FA, with two and with one query head a block; 128,
 #      512 and 2048 tokens, and 2048 after a 2048 prefix); then cuda_bench --gemv: products of
 #      1-8 rows, cast + cuBLAS vs the small-batch GEMV (THAW_CUDA_GEMV); then
 #      cuda_bench --lora-slices: q/k/v and gate/up LoRA per module vs one launch pair per
@@ -85,10 +86,10 @@ cap() {
 # Set on every run, so the caller's environment cannot leak into one.
 OPT_OFF=(THAW_CUDA_GROUP_GEMM=0 THAW_CUDA_ROPE_FOLD=0 THAW_CUDA_WIDE_NORM=0 THAW_CUDA_GEMV=0
   THAW_CUDA_DEVICE_ARGMAX=0 THAW_CUDA_LORA_SLICES=0 THAW_CUDA_ATTN_OCCUPANCY=0
-  THAW_CUDA_CUBLASLT=0 THAW_CUDA_BF16_ACT=0)
+  THAW_CUDA_CUBLASLT=0 THAW_CUDA_BF16_ACT=0 THAW_CUDA_PREFILL_FA=0)
 OPT_ON=(THAW_CUDA_GROUP_GEMM=1 THAW_CUDA_ROPE_FOLD=1 THAW_CUDA_WIDE_NORM=1 THAW_CUDA_GEMV=1
   THAW_CUDA_DEVICE_ARGMAX=1 THAW_CUDA_LORA_SLICES=1 THAW_CUDA_ATTN_OCCUPANCY=1
-  THAW_CUDA_CUBLASLT=1 THAW_CUDA_BF16_ACT=1)
+  THAW_CUDA_CUBLASLT=1 THAW_CUDA_BF16_ACT=1 THAW_CUDA_PREFILL_FA=1)
 DEFAULTS=(THAW_CUDA_ATTN_IMPL= THAW_CUDA_TC_PREFILL= THAW_CUDA_LORA_IMPL= THAW_CUDA_FUSED=
   THAW_CUDA_GROUP_GEMM= THAW_CUDA_ROPE_FOLD= THAW_CUDA_WIDE_NORM= THAW_CUDA_GEMV=
   THAW_CUDA_DEVICE_ARGMAX= THAW_CUDA_LORA_SLICES= THAW_CUDA_ATTN_OCCUPANCY=

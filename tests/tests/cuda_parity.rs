@@ -49,6 +49,8 @@ mod lora_slices;
 mod lt;
 #[path = "cuda_parity/opt_in.rs"]
 mod opt_in;
+#[path = "cuda_parity/prefill_fa.rs"]
+mod prefill_fa;
 #[path = "cuda_parity/residual16.rs"]
 mod residual16;
 

@@ -253,7 +253,10 @@ pub fn table(args: &GpuArgs, r: &GpuReport) -> String {
         let _ = writeln!(s, "CUDA kernels: {k}");
     }
     if let Some(n) = &r.nine {
-        let _ = writeln!(s, "CUDA kernels, issue 29's nine: {n}");
+        let _ = writeln!(
+            s,
+            "CUDA kernels, issue 29's nine and the opt-in FA prefill: {n}"
+        );
     }
     let p = &r.peaks;
     let _ = writeln!(

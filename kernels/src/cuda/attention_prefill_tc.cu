@@ -29,33 +29,7 @@
 #define THAW_TC_KC 32
 #define THAW_TC_PAD 8
 
-typedef unsigned short u16;
-
-// d += a · b on one m16n8k16 tile, f32 accumulators.
-template <typename T>
-__device__ __forceinline__ void tc_mma(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1);
-template <>
-__device__ __forceinline__ void tc_mma<bf16_t>(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-template <>
-__device__ __forceinline__ void tc_mma<f16_t>(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// Two values as one mma register: `lo` in the low half (the smaller column / k index).
-template <typename T>
-__device__ __forceinline__ u32 tc_pack(float lo, float hi) {
-    return (u32)from_f32<T>(lo).bits | ((u32)from_f32<T>(hi).bits << 16);
-}
+// tc_mma, tc_pack and u16: mma16.cuh (compiled before this file, registry.rs).
 
 // Two adjacent 16-bit values of a shared-memory row as one register.
 __device__ __forceinline__ u32 tc_ld2(const u16* p) { return *reinterpret_cast<const u32*>(p); }

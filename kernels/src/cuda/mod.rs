@@ -12,6 +12,7 @@
 //! | `attention_split.cu` | flash-decoding: decode attention split across blocks ([`decode_plan`]) + reduce (its `_out_bf16`/`_out_f16` twins store 16 bits) | `cpu::paged_attention` |
 //! | `wide.cu` | issue 29, defaults (`0` turns each off): RMSNorm and add + RMSNorm with a wide block per row (`THAW_CUDA_WIDE_NORM`), RoPE a thread per (head, pair), RoPE folded into the KV write (`THAW_CUDA_ROPE_FOLD`), a grouped product's split (`THAW_CUDA_GROUP_GEMM`) | `cpu::{rms_norm, add_rms_norm, RopeTable::apply, write_kv}` |
 //! | `attention_prefill_tc.cu` | prefill attention on the tensor cores (mma.sync, bf16/f16 cache, head_dim 32/64/128; [`prefill_tc_plan`]); `_out_T` entries store the output in the cache's dtype | `cpu::paged_attention` |
+//! | `attention_prefill_fa.cu` | opt-in (issue 29, `THAW_CUDA_PREFILL_FA=1`): the same prefill FlashAttention-2 style: GQA heads share cp.async double-buffered K/V tiles read with ldmatrix ([`prefill_fa_plan`]); `_out_T` entries as the TC kernel's | `cpu::paged_attention` |
 //! | `gemv.cu` | issue 29, a default (`THAW_CUDA_GEMV=0` off): y = x · Wᵀ for at most 8 rows (the runtime sends it 1–4: `gemv_pays`), f32 x read directly, 16-byte loads of bf16/f16 W | `cpu::linear` |
 //! | `lora.cu` | SGMV / BGMV shrink and expand | `cpu::{sgmv_*, bgmv_*}` |
 //! | `lora_punica.cu` | SGMV / BGMV in Punica's shape: split-K shrink ([`punica_plan`]), vector loads | `cpu::{sgmv_*, bgmv_*}` |
@@ -22,6 +23,7 @@
 
 pub mod attn_out_names;
 pub mod decode_plan;
+pub mod prefill_fa_plan;
 pub mod prefill_tc_plan;
 pub mod punica_plan;
 pub mod registry;

@@ -171,7 +171,11 @@ pub const ATTENTION_SPLIT_ILP: KernelSource = KernelSource {
 /// `THAW_CUDA_TC_PREFILL=0` turns it off.
 pub const ATTENTION_PREFILL_TC: KernelSource = KernelSource {
     name: "attention_prefill_tc",
-    source: include_str!("attention_prefill_tc.cu"),
+    source: concat!(
+        include_str!("mma16.cuh"),
+        "\n",
+        include_str!("attention_prefill_tc.cu")
+    ),
     entry_points: &[
         "attn_prefill_tc32_bf16",
         "attn_prefill_tc64_bf16",
@@ -186,6 +190,34 @@ pub const ATTENTION_PREFILL_TC: KernelSource = KernelSource {
         "attn_prefill_tc32_f16_out_f16",
         "attn_prefill_tc64_f16_out_f16",
         "attn_prefill_tc128_f16_out_f16",
+    ],
+};
+
+/// Prefill attention on the tensor cores, FlashAttention-2 style (issue 29, opt-in with
+/// `THAW_CUDA_PREFILL_FA=1`): what [`ATTENTION_PREFILL_TC`] computes, with GQA heads sharing
+/// K/V tiles, cp.async double buffering and ldmatrix fragments ([`super::prefill_fa_plan`]);
+/// compute capability 8.0 and up. Runs wherever the tensor-core prefill runs.
+pub const ATTENTION_PREFILL_FA: KernelSource = KernelSource {
+    name: "attention_prefill_fa",
+    source: concat!(
+        include_str!("mma16.cuh"),
+        "\n",
+        include_str!("attention_prefill_fa.cu")
+    ),
+    entry_points: &[
+        "attn_prefill_fa32_bf16",
+        "attn_prefill_fa64_bf16",
+        "attn_prefill_fa128_bf16",
+        "attn_prefill_fa32_f16",
+        "attn_prefill_fa64_f16",
+        "attn_prefill_fa128_f16",
+        // THAW_CUDA_BF16_ACT: the output in the weight dtype where it is the cache's.
+        "attn_prefill_fa32_bf16_out_bf16",
+        "attn_prefill_fa64_bf16_out_bf16",
+        "attn_prefill_fa128_bf16_out_bf16",
+        "attn_prefill_fa32_f16_out_f16",
+        "attn_prefill_fa64_f16_out_f16",
+        "attn_prefill_fa128_f16_out_f16",
     ],
 };
 
@@ -344,6 +376,7 @@ pub const KERNELS: &[KernelSource] = &[
     ATTENTION,
     ATTENTION_SPLIT,
     ATTENTION_PREFILL_TC,
+    ATTENTION_PREFILL_FA,
     LORA,
     LORA_PUNICA,
     EXCHANGE,

@@ -43,11 +43,18 @@
 //! cannot be served is an error that says what to set. The CPU backend, the numeric oracle,
 //! keeps f32 throughout: it emulates the 16-bit activations only when a test asks
 //! ([`CpuBackend::set_act16`](super::cpu::CpuBackend::set_act16)).
+//!
+//! One more is opt-in, off unless `1`, until a GPU parity run proves it (it sits in
+//! [`OptInPlan`] beside the nine):
+//!
+//! | kernel | variable | on |
+//! | --- | --- | --- |
+//! | prefill attention FlashAttention-2 style where the tensor-core prefill runs (`attention_prefill_fa.cu`, [`prefill_fa_plan`]) | [`PREFILL_FA_ENV`] | `1` |
 use std::fmt;
 
 use thaw_kernels::cuda::decode_plan::{MIN_CHUNK, OCC_MIN_CHUNK};
 use thaw_kernels::cuda::registry::{shape, DType, GpuArch};
-use thaw_kernels::cuda::{prefill_tc_plan, punica_plan};
+use thaw_kernels::cuda::{prefill_fa_plan, prefill_tc_plan, punica_plan};
 
 /// Picks the decode attention: `split` (flash-decoding, the default) or `classic`.
 pub const ATTN_IMPL_ENV: &str = "THAW_CUDA_ATTN_IMPL";
@@ -128,6 +135,12 @@ pub const CUBLASLT_ENV: &str = "THAW_CUDA_CUBLASLT";
 /// (the default; it acts only on 16-bit weights) or `0`. The CPU backend keeps f32 whatever
 /// this says.
 pub const ACT16_ENV: &str = "THAW_CUDA_BF16_ACT";
+
+/// Prefill attention through `attention_prefill_fa.cu` wherever the tensor-core prefill runs:
+/// GQA heads sharing K/V tiles, cp.async double buffering, ldmatrix fragments
+/// ([`prefill_fa_plan`]; a shape its plan declines keeps the tensor-core kernel): `1` or `0`
+/// (the default until a GPU parity run proves it).
+pub const PREFILL_FA_ENV: &str = "THAW_CUDA_PREFILL_FA";
 
 /// The occupancy plan's shortest chunk from [`SPLIT_MIN_CHUNK_ENV`]'s value: unset, empty or
 /// `auto`: [`OCC_MIN_CHUNK`] (32 positions); a positive integer sets it (as for the fixed plan,
@@ -327,6 +340,16 @@ pub const ACT16: Switch = Switch {
     default_new: true,
 };
 
+/// The FlashAttention-2-style prefill in place of the tensor-core one.
+pub const PREFILL_FA: Switch = Switch {
+    env: PREFILL_FA_ENV,
+    on: "1",
+    off: "0",
+    new: "FlashAttention-2-style prefill",
+    classic: "tensor-core prefill",
+    default_new: false,
+};
+
 const ON_OFF: [&str; 2] = ["1", "0"];
 
 impl Switch {
@@ -493,6 +516,18 @@ impl KernelPlan {
     }
 }
 
+/// Why the FlashAttention-2-style prefill cannot serve heads of `head_dim`, if it cannot (it
+/// also runs only where the tensor-core prefill does: a 16-bit cache on sm_80+, resolved when
+/// the backend loads it).
+pub fn prefill_fa_unserved(head_dim: usize) -> Option<String> {
+    (!prefill_fa_plan::HEAD_DIMS.contains(&head_dim)).then(|| {
+        format!(
+            "it serves head_dim {:?} and this model's is {head_dim}",
+            prefill_fa_plan::HEAD_DIMS
+        )
+    })
+}
+
 /// Why RoPE cannot be folded into the KV write for heads of `head_dim`, if it cannot: the
 /// kernel stages one head's angles (`head_dim / 2`) in shared memory sized for the attention
 /// kernels' largest head, and rotates pairs (an even `head_dim`).
@@ -635,6 +670,7 @@ pub struct OptInPlan {
     pub attn_occupancy: Choice,
     pub cublaslt: Choice,
     pub act16: Choice,
+    pub prefill_fa: Choice,
 }
 
 impl OptInPlan {
@@ -657,10 +693,11 @@ impl OptInPlan {
             cublaslt: CUBLASLT.choose(&value(CUBLASLT.env), None)?,
             // Served or not per step and layer (`act16_plan`): the rest run f32.
             act16: ACT16.choose(&value(ACT16.env), None)?,
+            prefill_fa: PREFILL_FA.choose(&value(PREFILL_FA.env), prefill_fa_unserved(head_dim))?,
         })
     }
 
-    fn rows(&self) -> [(&'static str, Switch, &Choice); 9] {
+    fn rows(&self) -> [(&'static str, Switch, &Choice); 10] {
         [
             ("q/k/v and gate/up products", GROUP_GEMM, &self.group_gemm),
             ("RoPE", ROPE_FOLD, &self.rope_fold),
@@ -671,6 +708,7 @@ impl OptInPlan {
             ("decode attention", ATTN_OCCUPANCY, &self.attn_occupancy),
             ("products", CUBLASLT, &self.cublaslt),
             ("activations", ACT16, &self.act16),
+            ("prefill attention", PREFILL_FA, &self.prefill_fa),
         ]
     }
 }

@@ -270,6 +270,8 @@ fn nine_new() -> OptInPlan {
         attn_occupancy: Choice::New,
         cublaslt: Choice::New,
         act16: Choice::New,
+        // Opt-in still: off unless `1`.
+        prefill_fa: Choice::Classic,
     }
 }
 
@@ -300,6 +302,7 @@ fn the_nine_switches_are_on_unless_set_to_0() {
         attn_occupancy: Choice::Classic,
         cublaslt: Choice::Classic,
         act16: Choice::Classic,
+        prefill_fa: Choice::Classic,
     };
     assert_eq!(nine(&[], 128), Ok(nine_new()));
     let auto: Vec<(&str, &str)> = NINE.iter().map(|s| (s.env, "auto")).collect();
@@ -426,7 +429,7 @@ fn the_log_line_names_each_of_the_nine_and_how_to_turn_it_off() {
          THAW_CUDA_LORA_SLICES=0); decode attention: occupancy split, keys in flight (off: \
          THAW_CUDA_ATTN_OCCUPANCY=0); products: cuBLASLt, bias in its epilogue (off: \
          THAW_CUDA_CUBLASLT=0); activations: q/k/v, gate/up and SwiGLU in 16 bits (off: \
-         THAW_CUDA_BF16_ACT=0)"
+         THAW_CUDA_BF16_ACT=0); prefill attention: tensor-core prefill (THAW_CUDA_PREFILL_FA=0)"
     );
     let zero: Vec<(&str, &str)> = NINE.iter().map(|s| (s.env, "0")).collect();
     assert_eq!(
@@ -438,7 +441,7 @@ fn the_log_line_names_each_of_the_nine_and_how_to_turn_it_off() {
          LoRA of q/k/v and gate/up: a launch pair per module (THAW_CUDA_LORA_SLICES=0); \
          decode attention: as THAW_CUDA_ATTN_IMPL picks (THAW_CUDA_ATTN_OCCUPANCY=0); \
          products: cublasGemmEx + add_bias (THAW_CUDA_CUBLASLT=0); activations: f32 \
-         (THAW_CUDA_BF16_ACT=0)"
+         (THAW_CUDA_BF16_ACT=0); prefill attention: tensor-core prefill (THAW_CUDA_PREFILL_FA=0)"
     );
     // One off, the rest on: only its entry names the classic kernel.
     let p = nine(&[(GEMV_ENV, "0")], 128).unwrap();
@@ -731,4 +734,38 @@ proptest! {
         let per_block = (shape::GEMV_WARPS * gemv_outs_per_warp(rows)) as usize;
         prop_assert!(g >= 1 && g * per_block >= d_out);
     }
+}
+
+/// The FlashAttention-2-style prefill: opt-in (classic unless `1`), served at the tensor-core
+/// prefill's head dims, an error that says what to set where asked for and not served.
+#[test]
+fn the_fa_prefill_is_opt_in_and_serves_the_tensor_core_head_dims() {
+    for hd in [32, 64, 128] {
+        assert_eq!(prefill_fa_unserved(hd), None);
+        assert_eq!(nine(&[], hd).unwrap().prefill_fa, Choice::Classic);
+        assert_eq!(
+            nine(&[(PREFILL_FA_ENV, "1")], hd).unwrap().prefill_fa,
+            Choice::New
+        );
+    }
+    let e = nine(&[(PREFILL_FA_ENV, "1")], 96).unwrap_err();
+    assert!(
+        e.contains("THAW_CUDA_PREFILL_FA=0") && e.contains("96"),
+        "{e}"
+    );
+    assert_eq!(nine(&[], 96).unwrap().prefill_fa, Choice::Classic);
+    let p = nine(&[(PREFILL_FA_ENV, "1")], 128).unwrap();
+    assert!(
+        p.to_string()
+            .contains("; prefill attention: FlashAttention-2-style prefill"),
+        "{p}"
+    );
+    // It moves only its own choice: the nine stay at their defaults.
+    assert_eq!(
+        OptInPlan {
+            prefill_fa: Choice::Classic,
+            ..p
+        },
+        nine_new()
+    );
 }

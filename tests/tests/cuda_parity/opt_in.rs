@@ -7,7 +7,8 @@
 //! `act16.rs`, `attn16.rs` and `residual16.rs`) against the paths they replace: the wide
 //! RMSNorm / add + RMSNorm / RoPE blocks, q/k/v and gate/up as one product over weights placed
 //! as one matrix, RoPE folded into the KV write, and whole engines (eager and CUDA graphs)
-//! with all nine on against all nine off, each set explicitly (`defaults::set_nine`), so the
+//! with all nine (and the opt-in FA prefill, `THAW_CUDA_PREFILL_FA`, whose own tests are in
+//! `prefill_fa.rs`) on against all off, each set explicitly (`defaults::set_nine`), so the
 //! comparison holds whatever the environment says (`benches/gpu/lease.sh` runs this module
 //! with all nine `0`). Part of `cuda_parity` (its helpers, its GPU skip rules).
 //!
@@ -343,9 +344,14 @@ fn engines_with_every_opt_in_switch_give_the_same_tokens() {
         // the 16-bit activations round them: tokens may part at a near tie (`gemv.rs`),
         // nowhere else.
         let x16 = dt != DType::F32;
-        let nine = |g: &mut CudaBackend, on: bool| set_nine(g, on, x16);
-        let runs = off_on_runs(&tm.model, dt, &adapters, &batches, who, steps, 200, nine);
+        // The opt-in FA prefill switched with them (`prefill_fa.rs` has its own tests; with an
+        // f32 cache it is not loaded and the classic prefill runs).
+        let all = |g: &mut CudaBackend, on: bool| {
+            set_nine(g, on, x16);
+            g.set_prefill_fa(on).unwrap();
+        };
+        let runs = off_on_runs(&tm.model, dt, &adapters, &batches, who, steps, 200, all);
         let tol = if x16 { 2e-2 } else { tol };
-        check_off_on("all nine", dt, tol, &runs, vocab);
+        check_off_on("all nine and the FA prefill", dt, tol, &runs, vocab);
     }
 }

@@ -6,7 +6,8 @@
 //! `attn_decode_reduce_out_W` (flash-decoding's reduce; its split pass writes f32 partials),
 //! `attn_decode_split_ilp_K_out_W` (the occupancy decode) and, where the cache's dtype is the
 //! weight dtype, `attn_prefill_tcHD_K_out_K` (tensor-core prefill; other pairs keep the f32
-//! store and o_proj's cast: [`AttnOut16::serves`]). They compute in f32 as before and only
+//! store and o_proj's cast: [`AttnOut16::serves`]) and, under the same rule, the FA prefill's
+//! `attn_prefill_faHD_K_out_K` (`THAW_CUDA_PREFILL_FA=1`). They compute in f32 as before and only
 //! round on the store, so each entry's output is `from_f32` of its f32 twin's, bit for bit.
 //!
 //! The 16-bit output goes into the backend's one 16-bit GEMM input scratch (`x16`, reserved at
@@ -67,12 +68,16 @@ pub(crate) struct AttnOut16 {
     /// The tensor-core prefill's, for the loaded head_dim: only where the cache's dtype is the
     /// weight dtype (six entries, not twelve).
     pub tc: Option<CudaFunction>,
+    /// The FA prefill's, for the loaded head_dim, under the same rule, where it is loaded.
+    pub fa: Option<CudaFunction>,
 }
 
 impl AttnOut16 {
     /// Whether every attention family the backend launches now has a 16-bit store.
     pub fn serves(&self, gpu: &Gpu) -> bool {
-        gpu.tc_prefill.is_none() || self.tc.is_some()
+        // The FA prefill runs only in the tensor-core prefill's place.
+        gpu.tc_prefill.is_none()
+            || (self.tc.is_some() && (gpu.fa_prefill.is_none() || self.fa.is_some()))
     }
 }
 
@@ -118,12 +123,22 @@ impl CudaBackend {
             Some(name) => Some(f(name)?),
             None => None,
         };
+        // The FA prefill's likewise, its shared-memory limit raised as its f32 entry's.
+        let fa = match n.fa.as_deref().filter(|_| g.fa_prefill.is_some()) {
+            Some(name) => Some(super::attn_prefill_fa::load_fa_function(
+                &g.ctx,
+                name,
+                self.head_dim,
+            )?),
+            None => None,
+        };
         let k = AttnOut16 {
             decode: f(&n.decode)?,
             prefill: f(&n.prefill)?,
             reduce: f(&n.reduce)?,
             ilp: f(&n.ilp)?,
             tc,
+            fa,
         };
         self.gpu.attn_out16 = Some(k);
         Ok(())

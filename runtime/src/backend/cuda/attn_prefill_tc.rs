@@ -5,7 +5,9 @@
 //! which [`CudaBackend::tc_prefill`] reports. `THAW_CUDA_TC_PREFILL=0` (read when the backend
 //! is created, see [`kernel_select`](crate::backend::kernel_select)) or
 //! [`CudaBackend::set_tc_prefill`] turns it off. The step metadata's prefill tiles are cut to
-//! the kernel's query tile ([`prefill_tc_plan::tile_rows`]); decode rows are unaffected.
+//! the kernel's query tile ([`prefill_tc_plan::tile_rows`]); decode rows are unaffected. With
+//! `THAW_CUDA_PREFILL_FA=1` the FlashAttention-2-style kernel (`attn_prefill_fa.rs`) runs in
+//! this one's place over the same metadata, where its plan takes the launch.
 use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, DevicePtr};
@@ -60,12 +62,16 @@ impl Gpu {
         &self,
         q: &CudaSlice<f32>,
         (kc, vc): (&CudaSlice<u8>, &CudaSlice<u8>),
-        out: AttnOut<'_>,
+        mut out: AttnOut<'_>,
         tables: &impl DevicePtr<u32>,
         tiles: &impl DevicePtr<u32>,
         n_tiles: usize,
         s: AttnShape,
     ) -> Result<(), CudaError> {
+        // THAW_CUDA_PREFILL_FA: the FA kernel in this one's place where it takes the launch.
+        if self.attn_prefill_fa(q, (kc, vc), &mut out, tables, tiles, n_tiles, s)? {
+            return Ok(());
+        }
         let tc = self
             .tc_prefill
             .as_ref()
@@ -83,6 +89,8 @@ impl Gpu {
         let k = PrefillKernel {
             func: self.attn_kernel(&out, &tc.func, |k| k.tc.as_ref())?,
             block: 32 * WARPS as u32,
+            grid_y: s.n_heads as u32,
+            smem: 0,
         };
         // SAFETY: attn_prefill_tcHD_T (or its _out_T twin, loaded for the same head_dim, for a
         // 16-bit `out`) has attn_prefill_T's signature (attention_prefill_tc.cu)

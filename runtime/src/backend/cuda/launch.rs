@@ -98,11 +98,21 @@ impl Kernels {
 /// Launches `func` with arguments given as values; each becomes a temporary that lives until
 /// the launch call returns (cuLaunchKernel copies the parameters before returning).
 macro_rules! launch {
-    ($gpu:expr, $func:expr, $grid:expr, $block:expr, [$($arg:expr),* $(,)?]) => {
-        $gpu.launch_raw(
+    ($gpu:expr, $func:expr, $grid:expr, $block:expr, smem $smem:expr, [$($arg:expr),* $(,)?]) => {
+        $gpu.launch_raw_smem(
             $func,
             $grid,
             $block,
+            $smem,
+            &mut [$(&mut { $arg } as *mut _ as *mut std::ffi::c_void),*],
+        )
+    };
+    ($gpu:expr, $func:expr, $grid:expr, $block:expr, [$($arg:expr),* $(,)?]) => {
+        $gpu.launch_raw_smem(
+            $func,
+            $grid,
+            $block,
+            0,
             &mut [$(&mut { $arg } as *mut _ as *mut std::ffi::c_void),*],
         )
     };
@@ -127,6 +137,10 @@ pub(super) struct PrefillKernel<'a> {
     pub func: &'a CudaFunction,
     /// Threads per block.
     pub block: u32,
+    /// Blocks along y: the query heads (the FA kernel: query heads / heads per block).
+    pub grid_y: u32,
+    /// Dynamic shared memory, bytes (0 but for the FA kernel).
+    pub smem: u32,
 }
 
 /// The context, the compute stream, cuBLAS and the resolved kernels.
@@ -146,6 +160,9 @@ pub(super) struct Gpu {
     /// Prefill attention on the tensor cores (`attn_prefill_tc.rs`, the default where
     /// served); `None` = `attention.cu`'s prefill.
     pub tc_prefill: Option<super::attn_prefill_tc::TcPrefill>,
+    /// The FlashAttention-2-style prefill (`attn_prefill_fa.rs`, opt-in), run in place of
+    /// `tc_prefill` where that is loaded; `None` = `tc_prefill`.
+    pub fa_prefill: Option<super::attn_prefill_fa::FaPrefill>,
     /// Wide RMSNorm / add + RMSNorm / RoPE (`wide.rs`, default); `None` = the classic kernels.
     pub wide: Option<super::wide::Wide>,
     /// RoPE folded into the KV write (`wide.rs`, default); `None` = separate RoPE launches.
@@ -196,6 +213,7 @@ impl Gpu {
             flash: None,
             fused: None,
             tc_prefill: None,
+            fa_prefill: None,
             wide: None,
             rope_fold: None,
             group: None,
@@ -223,14 +241,18 @@ impl Gpu {
         dptr(s, &self.stream)
     }
 
+    /// Launches `func` with `smem` bytes of dynamic shared memory (0 for static-only kernels).
+    ///
     /// # Safety
     /// `params` must match `func`'s C signature in count, order and size, and every pointer
-    /// among them must be valid for the accesses the kernel makes given the other arguments.
-    pub(super) unsafe fn launch_raw(
+    /// among them must be valid for the accesses the kernel makes given the other arguments;
+    /// `smem` is what the kernel expects and within the function's dynamic shared-memory limit.
+    pub(super) unsafe fn launch_raw_smem(
         &self,
         func: &CudaFunction,
         grid: (u32, u32, u32),
         block: u32,
+        smem: u32,
         params: &mut [*mut c_void],
     ) -> Result<(), CudaError> {
         self.counters.launch();
@@ -240,7 +262,7 @@ impl Gpu {
                 func.cu_function(),
                 grid,
                 (block, 1, 1),
-                0,
+                smem,
                 self.stream.cu_stream(),
                 params,
             )
@@ -771,6 +793,8 @@ impl Gpu {
         let k = PrefillKernel {
             func: self.attn_kernel(&out, &self.k.attn_prefill, |k| Some(&k.prefill))?,
             block: 32 * shape::ATTN_WARPS,
+            grid_y: s.n_heads as u32,
+            smem: 0,
         };
         // SAFETY: attn_prefill_T (or its 16-bit-output twin for a 16-bit `out`) is compiled for blockDim 32 · ATTN_WARPS and tiles of at most
         // PREFILL_Q rows, the tile size step.rs cuts with when the tensor-core kernel is off.
@@ -804,8 +828,9 @@ impl Gpu {
             launch!(
                 self,
                 k.func,
-                (n_tiles as u32, s.n_heads as u32, 1),
+                (n_tiles as u32, k.grid_y, 1),
                 k.block,
+                smem k.smem,
                 [
                     self.p(q),
                     self.p(kc),

@@ -15,6 +15,7 @@
 //! | `argmax.rs` | greedy token ids on the device, the ids' copy instead of the logits' (default; off: `THAW_CUDA_DEVICE_ARGMAX=0`) |
 //! | `attn_occupancy.rs` | decode attention split for occupancy, 4 keys' loads in flight a warp (default; off: `THAW_CUDA_ATTN_OCCUPANCY=0`; floor chunk `THAW_CUDA_SPLIT_MIN_CHUNK`, default 32) |
 //! | `attn_prefill_tc.rs` | prefill attention on the tensor cores (default where served; off: `THAW_CUDA_TC_PREFILL=0`) |
+//! | `attn_prefill_fa.rs` | the same FlashAttention-2 style, in its place (opt-in: `THAW_CUDA_PREFILL_FA=1`) |
 //! | `flash.rs` | flash-decoding launches (default; off: `THAW_CUDA_ATTN_IMPL=classic`; shortest chunk: `THAW_CUDA_SPLIT_MIN_CHUNK`, default 256) |
 //! | `fused.rs` | fused add + RMSNorm and SwiGLU + cast (default; off: `THAW_CUDA_FUSED=0`) |
 //! | `gemv.rs` | products of few rows (1–2, or 3–4 of q/k/v/o's size: `gemv_pays`) over 16-bit weights as a GEMV over f32 activations, no cast, no cuBLAS (default; off: `THAW_CUDA_GEMV=0`) |
@@ -47,14 +48,16 @@
 //! run time with `set_attn_impl`, `set_tc_prefill`, `set_lora_impl` and `set_fused`, and the
 //! nine of [`OptInPlan`] (opt-in until session 24's H200 parity run proved them; `0` turns each
 //! off) with `set_group_gemm`, `set_rope_fold`, `set_wide`, `set_gemv`, `set_device_argmax`,
-//! `set_lora_slices`, `set_attn_occupancy`, `set_cublaslt` and `set_act16`. A test of a classic
-//! kernel, or of one kernel against the path it replaces, sets the switches it depends on
-//! explicitly rather than trusting the defaults.
+//! `set_lora_slices`, `set_attn_occupancy`, `set_cublaslt` and `set_act16`. One more is opt-in
+//! (off unless `1`) until a GPU parity run proves it: the FlashAttention-2-style prefill,
+//! `set_prefill_fa`. A test of a classic kernel, or of one kernel against the path it replaces,
+//! sets the switches it depends on explicitly rather than trusting the defaults.
 mod act16;
 mod argmax;
 mod attn16;
 mod attn_occupancy;
 mod attn_out;
+mod attn_prefill_fa;
 mod attn_prefill_tc;
 mod backend;
 mod counters;
@@ -83,7 +86,7 @@ mod wide;
 pub use super::kernel_select::{
     AttnImpl, KernelPlan, LoraImpl, OptInPlan, ACT16_ENV, ATTN_IMPL_ENV, ATTN_OCCUPANCY_ENV,
     CUBLASLT_ENV, DEVICE_ARGMAX_ENV, FUSED_ENV, GEMV_ENV, GROUP_GEMM_ENV, LORA_IMPL_ENV,
-    LORA_SLICES_ENV, ROPE_FOLD_ENV, SPLIT_MIN_CHUNK_ENV, TC_PREFILL_ENV, WIDE_ENV,
+    LORA_SLICES_ENV, PREFILL_FA_ENV, ROPE_FOLD_ENV, SPLIT_MIN_CHUNK_ENV, TC_PREFILL_ENV, WIDE_ENV,
 };
 pub use backend::{CudaBackend, CudaConfig, CudaKvLayer};
 pub use exchange::MappedExchange;

@@ -8,6 +8,7 @@ use thaw_kernels::cuda::KernelCache;
 
 use super::argmax::DeviceArgmax;
 use super::attn_occupancy::OccupancyDecode;
+use super::attn_prefill_fa::FaPrefill;
 use super::attn_prefill_tc::TcPrefill;
 use super::flash::FlashDecode;
 use super::fused::Fused;
@@ -62,7 +63,18 @@ impl CudaBackend {
             self.gpu.fused = Some(Fused::load(ctx, w)?);
         }
         let opt_in = OptInPlan::resolve(env, c.head_dim).map_err(CudaError::Unsupported)?;
-        tracing::info!("CUDA kernels, issue 29's nine: {opt_in}");
+        tracing::info!("CUDA kernels, issue 29's nine and the opt-in FA prefill: {opt_in}");
+        if opt_in.prefill_fa.is_new() {
+            // Before the 16-bit outputs (act16 below): they load its twin where it is loaded.
+            self.gpu.fa_prefill = FaPrefill::load(ctx, kv, c.head_dim)?;
+            if self.gpu.fa_prefill.is_none() || self.gpu.tc_prefill.is_none() {
+                tracing::info!(
+                    "CUDA FA prefill: not run (it runs where the tensor-core prefill does: a \
+                     bf16/f16 KV cache on compute capability 8.0+, {}=1)",
+                    crate::backend::kernel_select::TC_PREFILL_ENV
+                );
+            }
+        }
         if opt_in.group_gemm.is_new() {
             self.gpu.group = Some(Group::load(ctx)?);
         }
@@ -120,6 +132,7 @@ impl CudaBackend {
             attn_occupancy: pick(self.gpu.occupancy.is_some()),
             cublaslt: pick(self.gpu.lt.is_some()),
             act16: pick(self.gpu.act16.is_some()),
+            prefill_fa: pick(self.prefill_fa()),
         }
     }
 
