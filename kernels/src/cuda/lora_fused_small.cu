@@ -1,0 +1,100 @@
+// Small-batch LoRA in ONE launch (issue 29, opt-in `THAW_CUDA_LORA_SMALL=1`): y += scale ·
+// (x Aᵀ) Bᵀ for SGMV (an adapter per segment) and BGMV (an adapter per row), shrink and expand
+// fused. CPU twins: kernels/src/cpu/lora.rs (sgmv_shrink + sgmv_expand, bgmv_shrink +
+// bgmv_expand); the plan that picks it and its grid: lora_small_plan.rs.
+//
+// Why: at a decode step's few rows a call of lora_punica.cu's two kernels is launch-bound (rank
+// 16 on a 4096 → 4096 projection reads 128 KiB of A and 128 KiB of B), and each launch costs the
+// host a few µs and the GPU a launch gap. One launch halves both.
+//
+// Design: every block recomputes the shrink v = x · Aᵀ for its rows (A and its rows of x come
+// from L2 after the first block's read: cheap at small rank and few rows), keeps v in shared
+// memory in f32, then computes its tile of output columns of the expand. No block waits on
+// another, so the kernel is correct whatever the grid and whichever blocks the GPU keeps
+// resident. The alternative — split-K shrink blocks and expand blocks in one grid, the expand
+// blocks spinning on a device counter — needs the whole grid co-resident (a cooperative
+// launch) to be free of deadlock, and a counter reset without another launch; its saving is
+// the shrink's redundant L2 reads, which the plan bounds instead (at most a few tiles per
+// adapter, and a per-block byte budget, lora_small_plan.rs).
+//
+// Numerics match the two-launch path: f32 accumulation, v kept in f32 (never rounded to the
+// weight dtype), the same per-K-chunk warp sums (lora_punica.cu's `punica_rank_dots`) and the
+// same expand (`punica_expand_cols`); only the order of the f32 sums over K differs (the chunks
+// here are PUNICA_K_CHUNK long, the split-K plan's may be shorter), so the two agree to f32
+// summation-order differences.
+//
+// The registry compiles this file after lora_punica.cu (with PUNICA_DEVICE_ONLY, so only its
+// device functions come along). A block takes at most PUNICA_ROWS rows (a longer SGMV segment
+// spreads over blockIdx.z) and ranks up to PUNICA_MAX_RANK (the host checks): shared memory
+// holds one K chunk of its rows of x and their v, 20 KiB.
+
+// One block: rows start .. start + n (n ≤ PUNICA_ROWS) of adapter `ls`, output columns c0 ..
+// c0 + cols. Must be called by the whole block (it synchronises).
+template <typename W>
+__device__ void small_lora_block(const float* __restrict__ x, float* __restrict__ y,
+                                 const LoraSlot* ls, u32 start, int n, int c0, int cols,
+                                 int d_in, int d_out) {
+    __shared__ __align__(16) float xs[PUNICA_ROWS][PUNICA_K_CHUNK];
+    __shared__ __align__(16) float vs[PUNICA_ROWS][PUNICA_MAX_RANK];
+    const int rank = (int)ls->rank;
+    const W* a = reinterpret_cast<const W*>(ls->a);
+    for (int k0 = 0; k0 < d_in; k0 += PUNICA_K_CHUNK) {
+        const int len = min(PUNICA_K_CHUNK, d_in - k0);
+        // Every warp is done with the previous chunk before it is overwritten.
+        __syncthreads();
+        for (int i = threadIdx.x; i < n * len; i += blockDim.x) {
+            const int k = i / len, j = i % len;
+            xs[k][j] = x[(long)(start + k) * d_in + k0 + j];
+        }
+        __syncthreads();
+        // The first chunk stores v, the later ones add to it (each warp its own ranks).
+        punica_rank_dots<W>(xs, a, k0, len, d_in, n, 0, rank, rank, &vs[0][0], PUNICA_MAX_RANK,
+                            k0 > 0);
+    }
+    // v complete (d_in ≥ 1: the host never launches an empty shrink) and visible to every warp.
+    __syncthreads();
+    punica_expand_cols<W>(vs, y, ls, start, n, c0, cols, d_out);
+}
+
+// SGMV: grid (n_segs, column tiles, ceil(longest segment / PUNICA_ROWS)); a block past its
+// segment's rows, past d_out, or of a segment without this module returns (block-uniform).
+template <typename W>
+__device__ void small_sgmv(const float* x, float* y, const u64* seg_tables, const u32* seg_rows,
+                           int n_segs, int slot, int d_in, int d_out, int cols) {
+    const int s = blockIdx.x;
+    if (s >= n_segs) return;
+    const LoraSlot* ls = punica_slot(seg_tables[s], slot);
+    if (!ls || ls->rank == 0) return;
+    const int c0 = blockIdx.y * cols;
+    if (c0 >= d_out) return;
+    const u32 start = seg_rows[2 * s] + blockIdx.z * PUNICA_ROWS, end = seg_rows[2 * s + 1];
+    if (start >= end) return;
+    const int n = min((int)(end - start), PUNICA_ROWS);
+    small_lora_block<W>(x, y, ls, start, n, c0, cols, d_in, d_out);
+}
+
+// BGMV: grid (rows, column tiles); a row without an adapter for this module gets nothing.
+template <typename W>
+__device__ void small_bgmv(const float* x, float* y, const u64* row_tables, int rows, int slot,
+                           int d_in, int d_out, int cols) {
+    const int row = blockIdx.x;
+    if (row >= rows) return;
+    const LoraSlot* ls = punica_slot(row_tables[row], slot);
+    if (!ls || ls->rank == 0) return;
+    const int c0 = blockIdx.y * cols;
+    if (c0 >= d_out) return;
+    small_lora_block<W>(x, y, ls, (u32)row, 1, c0, cols, d_in, d_out);
+}
+
+#define THAW_LORA_SMALL(W, S)                                                                 \
+    extern "C" __global__ void __launch_bounds__(PUNICA_THREADS) lora_small_sgmv_##S(        \
+        const float* x, float* y, const u64* seg_tables, const u32* seg_rows, int n_segs,    \
+        int slot, int d_in, int d_out, int cols) {                                            \
+        small_sgmv<W>(x, y, seg_tables, seg_rows, n_segs, slot, d_in, d_out, cols);          \
+    }                                                                                         \
+    extern "C" __global__ void __launch_bounds__(PUNICA_THREADS) lora_small_bgmv_##S(        \
+        const float* x, float* y, const u64* row_tables, int rows, int slot, int d_in,       \
+        int d_out, int cols) {                                                                \
+        small_bgmv<W>(x, y, row_tables, rows, slot, d_in, d_out, cols);                      \
+    }
+THAW_FOR_EACH_DTYPE(THAW_LORA_SMALL)
