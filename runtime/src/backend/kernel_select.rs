@@ -17,7 +17,7 @@
 //! KV cache, a head_dim other than 32/64/128, or a device below compute capability 8.0. An
 //! explicit `split` / `1` / `punica` that cannot be served is an error that says what to set.
 //!
-//! Nine more are opt-in ([`OptInPlan`]): off unless set to `1`, until a GPU parity run
+//! Ten more are opt-in ([`OptInPlan`]): off unless set to `1`, until a GPU parity run
 //! (`cuda_parity`'s `opt_in` tests) proves them, then to become defaults like the four above.
 //!
 //! | kernel | variable | on |
@@ -28,6 +28,7 @@
 //! | greedy token ids on the device, copied instead of the logits | [`DEVICE_ARGMAX_ENV`] | `1` |
 //! | products of at most 8 rows as a GEMV over f32 activations (no cast, no cuBLAS) | [`GEMV_ENV`] | `1` |
 //! | q/k/v (and gate/up) LoRA as one shrink + one expand launch over slices | [`LORA_SLICES_ENV`] | `1` |
+//! | LoRA of few rows and small rank as ONE launch, shrink and expand fused (`lora_fused_small.cu`, [`lora_small_plan`](thaw_kernels::cuda::lora_small_plan)) | [`LORA_SMALL_ENV`] | `1` |
 //! | decode attention split to fill the GPU, 4 keys' loads in flight a warp (`attention_split_ilp.cu`) | [`ATTN_OCCUPANCY_ENV`] | `1` |
 //! | products through cuBLASLt, the bias in its epilogue (`lt_plan`) | [`CUBLASLT_ENV`] | `1` |
 //! | q/k/v and gate/up outputs and SwiGLU in 16 bits, f32 accumulation (`act16.cu`, `attn16.cu`; [`super::act16_plan`], [`super::attn16_plan`]); the residual stream between layers in 16 bits (`residual16.cu`, [`super::residual16_plan`]) | [`ACT16_ENV`] | `1` |
@@ -94,6 +95,13 @@ pub const GEMV_ENV: &str = "THAW_CUDA_GEMV";
 /// over slices (`lora_slices.cu`; with Punica's kernels only): `1` or `0` (the default until a
 /// GPU parity run proves it).
 pub const LORA_SLICES_ENV: &str = "THAW_CUDA_LORA_SLICES";
+
+/// SGMV / BGMV calls of few rows and small rank (where
+/// [`lora_small_plan::plan`](thaw_kernels::cuda::lora_small_plan::plan) serves them; with
+/// Punica's kernels only) as one launch of `lora_fused_small.cu`, each block recomputing the
+/// shrink for its rows, instead of a shrink and an expand launch: `1` or `0` (the default until
+/// a GPU parity run proves it).
+pub const LORA_SMALL_ENV: &str = "THAW_CUDA_LORA_SMALL";
 
 /// Decode attention through `attention_split_ilp.cu`: the split count planned to give the
 /// GPU about two blocks per SM ([`occupancy_splits`](thaw_kernels::cuda::decode_plan::occupancy_splits),
@@ -282,6 +290,16 @@ pub const LORA_SLICES: Switch = Switch {
     off: "0",
     new: "one launch pair over slices",
     classic: "a launch pair per module",
+    default_new: false,
+};
+
+/// The one-launch small-batch LoRA.
+pub const LORA_SMALL: Switch = Switch {
+    env: LORA_SMALL_ENV,
+    on: "1",
+    off: "0",
+    new: "shrink and expand in one launch",
+    classic: "a shrink and an expand launch",
     default_new: false,
 };
 
@@ -594,6 +612,7 @@ pub struct OptInPlan {
     pub attn_occupancy: Choice,
     pub cublaslt: Choice,
     pub act16: Choice,
+    pub lora_small: Choice,
 }
 
 impl OptInPlan {
@@ -615,10 +634,12 @@ impl OptInPlan {
             cublaslt: CUBLASLT.choose(&value(CUBLASLT.env), None)?,
             // Served or not per step and layer (`act16_plan`): the rest run f32.
             act16: ACT16.choose(&value(ACT16.env), None)?,
+            // Served or not per call (`lora_small_plan`), with Punica's kernels only.
+            lora_small: LORA_SMALL.choose(&value(LORA_SMALL.env), None)?,
         })
     }
 
-    fn rows(&self) -> [(&'static str, Switch, &Choice); 9] {
+    fn rows(&self) -> [(&'static str, Switch, &Choice); 10] {
         [
             ("q/k/v and gate/up products", GROUP_GEMM, &self.group_gemm),
             ("RoPE", ROPE_FOLD, &self.rope_fold),
@@ -629,6 +650,7 @@ impl OptInPlan {
             ("decode attention", ATTN_OCCUPANCY, &self.attn_occupancy),
             ("products", CUBLASLT, &self.cublaslt),
             ("activations", ACT16, &self.act16),
+            ("LoRA of few rows", LORA_SMALL, &self.lora_small),
         ]
     }
 }

@@ -241,7 +241,7 @@ proptest! {
     }
 }
 
-const OPT_IN: [Switch; 9] = [
+const OPT_IN: [Switch; 10] = [
     GROUP_GEMM,
     ROPE_FOLD,
     WIDE,
@@ -251,6 +251,7 @@ const OPT_IN: [Switch; 9] = [
     ATTN_OCCUPANCY,
     CUBLASLT,
     ACT16,
+    LORA_SMALL,
 ];
 
 fn opt_in(vars: &[(&str, &str)], head_dim: usize) -> Result<OptInPlan, String> {
@@ -269,6 +270,7 @@ fn the_opt_in_switches_are_off_unless_set_to_1() {
         attn_occupancy: Choice::Classic,
         cublaslt: Choice::Classic,
         act16: Choice::Classic,
+        lora_small: Choice::Classic,
     };
     assert_eq!(opt_in(&[], 128), Ok(off.clone()));
     let auto: Vec<(&str, &str)> = OPT_IN.iter().map(|s| (s.env, "auto")).collect();
@@ -288,6 +290,7 @@ fn the_opt_in_switches_are_off_unless_set_to_1() {
             attn_occupancy: Choice::New,
             cublaslt: Choice::New,
             act16: Choice::New,
+            lora_small: Choice::New,
         })
     );
     // One at a time: each variable moves its own choice only.
@@ -303,9 +306,10 @@ fn the_opt_in_switches_are_off_unless_set_to_1() {
             &p.attn_occupancy,
             &p.cublaslt,
             &p.act16,
+            &p.lora_small,
         ]
         .map(Choice::is_new);
-        let want: [bool; 9] = std::array::from_fn(|j| j == i);
+        let want: [bool; 10] = std::array::from_fn(|j| j == i);
         assert_eq!(got, want, "{}", sw.env);
     }
     // The four defaults stay on whatever the opt-in switches say.
@@ -353,12 +357,19 @@ fn the_opt_in_log_line_names_each_switch() {
          products of few rows: cast + cuBLAS (THAW_CUDA_GEMV=0); LoRA of q/k/v and gate/up: \
          a launch pair per module (THAW_CUDA_LORA_SLICES=0); decode attention: as \
          THAW_CUDA_ATTN_IMPL picks (THAW_CUDA_ATTN_OCCUPANCY=0); products: cublasGemmEx + \
-         add_bias (THAW_CUDA_CUBLASLT=0); activations: f32 (THAW_CUDA_BF16_ACT=0)"
+         add_bias (THAW_CUDA_CUBLASLT=0); activations: f32 (THAW_CUDA_BF16_ACT=0); LoRA of few \
+         rows: a shrink and an expand launch (THAW_CUDA_LORA_SMALL=0)"
+    );
+    let p = opt_in(&[(LORA_SMALL_ENV, "1")], 128).unwrap();
+    assert!(
+        p.to_string()
+            .ends_with("LoRA of few rows: shrink and expand in one launch"),
+        "{p}"
     );
     let p = opt_in(&[(ACT16_ENV, "1")], 128).unwrap();
     assert!(
         p.to_string()
-            .ends_with("activations: q/k/v, gate/up and SwiGLU in 16 bits"),
+            .contains("activations: q/k/v, gate/up and SwiGLU in 16 bits;"),
         "{p}"
     );
     let p = opt_in(&[(GEMV_ENV, "1")], 128).unwrap();

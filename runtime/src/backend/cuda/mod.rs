@@ -32,6 +32,7 @@
 //! | `select.rs` | resolves and loads the issue-29 kernels a new backend runs, logs the choice |
 //! | `sgmv.rs` | the Punica-shaped SGMV / BGMV launches (default where served; off: `THAW_CUDA_LORA_IMPL=classic`) |
 //! | `lora_slices.rs` | the LoRA of q/k/v and of gate/up as one shrink + expand launch pair over slices, bit-identical to per module (opt-in: `THAW_CUDA_LORA_SLICES=1`) |
+//! | `lora_small.rs` | SGMV / BGMV of few rows as one fused launch, every block recomputing the shrink for its rows (opt-in: `THAW_CUDA_LORA_SMALL=1`) |
 //! | `step.rs` | per-step device metadata (slots, block tables, segments), uploaded once per step |
 //! | `weights.rs` | weights, norms and LoRA descriptor tables on the device |
 //! | `exchange.rs` | fused export and stream-waited merge (CPU assist) |
@@ -44,11 +45,11 @@
 //! f32 KV cache, a head_dim other than 32/64/128 or a device below compute capability 8.0 for
 //! the tensor-core prefill); its off value always picks the classic one; an explicit on value
 //! the backend cannot serve is an error that says what to set. Tests and benchmarks switch at
-//! run time with `set_attn_impl`, `set_tc_prefill`, `set_lora_impl` and `set_fused`. Nine more
+//! run time with `set_attn_impl`, `set_tc_prefill`, `set_lora_impl` and `set_fused`. Ten more
 //! are opt-in (off unless `1`) until a GPU parity run proves them:
 //! [`OptInPlan`], switched with `set_group_gemm`, `set_rope_fold`, `set_wide`, `set_gemv`,
-//! `set_device_argmax`, `set_lora_slices`, `set_attn_occupancy`, `set_cublaslt` and
-//! `set_act16`.
+//! `set_device_argmax`, `set_lora_slices`, `set_attn_occupancy`, `set_cublaslt`, `set_act16`
+//! and `set_lora_small`.
 mod act16;
 mod argmax;
 mod attn16;
@@ -68,6 +69,7 @@ mod host_rows;
 mod launch;
 mod link;
 mod lora_slices;
+mod lora_small;
 mod lora_stream;
 mod lt;
 mod op_clock;
@@ -82,7 +84,7 @@ mod wide;
 pub use super::kernel_select::{
     AttnImpl, KernelPlan, LoraImpl, OptInPlan, ACT16_ENV, ATTN_IMPL_ENV, ATTN_OCCUPANCY_ENV,
     CUBLASLT_ENV, DEVICE_ARGMAX_ENV, FUSED_ENV, GEMV_ENV, GROUP_GEMM_ENV, LORA_IMPL_ENV,
-    LORA_SLICES_ENV, ROPE_FOLD_ENV, SPLIT_MIN_CHUNK_ENV, TC_PREFILL_ENV, WIDE_ENV,
+    LORA_SLICES_ENV, LORA_SMALL_ENV, ROPE_FOLD_ENV, SPLIT_MIN_CHUNK_ENV, TC_PREFILL_ENV, WIDE_ENV,
 };
 pub use backend::{CudaBackend, CudaConfig, CudaKvLayer};
 pub use exchange::MappedExchange;
