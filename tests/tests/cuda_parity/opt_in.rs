@@ -1,5 +1,5 @@
 //! Issue 29's opt-in kernels (off unless `THAW_CUDA_WIDE_NORM`, `THAW_CUDA_ROPE_FOLD`,
-//! `THAW_CUDA_GROUP_GEMM` or `THAW_CUDA_GEMV` is 1; the GEMV's own tests are in `gemv.rs`, the occupancy decode's (`THAW_CUDA_ATTN_OCCUPANCY`, also switched by the engine test here) in `attn_occupancy.rs`, cuBLASLt's (`THAW_CUDA_CUBLASLT`, also switched here) in `lt.rs`) against the paths they replace: the wide RMSNorm / add +
+//! `THAW_CUDA_GROUP_GEMM` or `THAW_CUDA_GEMV` is 1; the GEMV's own tests are in `gemv.rs`, the occupancy decode's (`THAW_CUDA_ATTN_OCCUPANCY`, also switched by the engine test here) in `attn_occupancy.rs`, cuBLASLt's (`THAW_CUDA_CUBLASLT`, also switched here) in `lt.rs`, the one-launch small-batch LoRA's (`THAW_CUDA_LORA_SMALL`, also switched here) in `lora_small.rs`) against the paths they replace: the wide RMSNorm / add +
 //! RMSNorm / RoPE blocks, q/k/v and gate/up as one product over weights placed as one matrix,
 //! RoPE folded into the KV write, and whole engines (eager and CUDA graphs) with every switch
 //! on against every switch off. Part of `cuda_parity` (its helpers, its GPU skip rules).
@@ -39,6 +39,7 @@ fn opt_in(g: &mut CudaBackend, on: bool) {
     g.set_lora_slices(on).unwrap();
     g.set_attn_occupancy(on.then_some(OCC_MIN_CHUNK)).unwrap();
     g.set_cublaslt(on).unwrap();
+    g.set_lora_small(on).unwrap();
     let p = g.opt_in_plan();
     assert!(
         [
@@ -48,7 +49,8 @@ fn opt_in(g: &mut CudaBackend, on: bool) {
             &p.gemv,
             &p.lora_slices,
             &p.attn_occupancy,
-            &p.cublaslt
+            &p.cublaslt,
+            &p.lora_small
         ]
         .iter()
         .all(|c| c.is_new() == on),
