@@ -20,7 +20,8 @@
 #      asked for explicitly, so a shape they cannot serve is an error, not a silent fallback)
 #      then opt-in (ON plus every opt-in switch, OPT_ON below; "on" has them 0, so on vs opt-in
 #      measures exactly them): decode tokens/s at a long context (--prompt-len, default 2048) at batch 1
-#      and 8, and prefill TFLOP/s at 128 and 2048 tokens. THAW_GPU_29_MODES picks the runs
+#      and 8, and prefill TFLOP/s at 128 and 2048 tokens; the SGMV / BGMV table at batch 1, rank 16
+#      ("off"), and at batches 1/16/64, ranks 16/64 ("on", "opt-in"; see LORA_ON below). THAW_GPU_29_MODES picks the runs
 #      (default "off on opt-in"; e.g. "on opt-in" on a short lease); they share what is left.
 #      The parity suite of step 1 runs the opt-in kernels' own tests (cuda_parity's opt_in::*,
 #      which switch them on explicitly) whatever the variables say.
@@ -80,10 +81,15 @@ cap() {
 # The opt-in switches are off in every run but "opt-in" (unset means off for them).
 OPT_OFF=(THAW_CUDA_GROUP_GEMM=0 THAW_CUDA_ROPE_FOLD=0 THAW_CUDA_WIDE_NORM=0 THAW_CUDA_GEMV=0
   THAW_CUDA_DEVICE_ARGMAX=0 THAW_CUDA_LORA_SLICES=0 THAW_CUDA_ATTN_OCCUPANCY=0
-  THAW_CUDA_CUBLASLT=0 THAW_CUDA_BF16_ACT=0)
+  THAW_CUDA_CUBLASLT=0 THAW_CUDA_BF16_ACT=0 THAW_CUDA_LORA_SMALL=0)
 OPT_ON=(THAW_CUDA_GROUP_GEMM=1 THAW_CUDA_ROPE_FOLD=1 THAW_CUDA_WIDE_NORM=1 THAW_CUDA_GEMV=1
   THAW_CUDA_DEVICE_ARGMAX=1 THAW_CUDA_LORA_SLICES=1 THAW_CUDA_ATTN_OCCUPANCY=1
-  THAW_CUDA_CUBLASLT=1 THAW_CUDA_BF16_ACT=1)
+  THAW_CUDA_CUBLASLT=1 THAW_CUDA_BF16_ACT=1 THAW_CUDA_LORA_SMALL=1)
+# The SGMV / BGMV table of step 3: batch 1 and rank 16 in the "off" run; in "on" and "opt-in"
+# also the batches and ranks issue 29's bandwidth goal is about (batch >= 16), each row with its
+# wall clock and its device time ("opt-in" adds THAW_CUDA_LORA_SMALL's one-launch rows).
+LORA_OFF=(--lora-batches 1 --lora-ranks 16)
+LORA_ON=(--lora-batches 1,16,64 --lora-ranks 16,64)
 DEFAULTS=(THAW_CUDA_ATTN_IMPL= THAW_CUDA_TC_PREFILL= THAW_CUDA_LORA_IMPL= THAW_CUDA_FUSED=
   "${OPT_OFF[@]}")
 OFF=(THAW_CUDA_ATTN_IMPL=classic THAW_CUDA_TC_PREFILL=0 THAW_CUDA_LORA_IMPL=classic THAW_CUDA_FUSED=0
@@ -159,16 +165,16 @@ elif [ "$each" -lt 30 ]; then
 else
   for mode in "${MODES[@]}"; do
     case "$mode" in
-      off) envs=("${OFF[@]}") ;;
-      on) envs=("${ON[@]}") ;;
-      opt-in) envs=("${OPT[@]}") ;;
+      off) envs=("${OFF[@]}"); lora=("${LORA_OFF[@]}") ;;
+      on) envs=("${ON[@]}"); lora=("${LORA_ON[@]}") ;;
+      opt-in) envs=("${OPT[@]}"); lora=("${LORA_ON[@]}") ;;
       *) echo "THAW_GPU_29_MODES: unknown run $mode (off, on, opt-in)"; continue ;;
     esac
     el "thaw-bench gpu, issue 29's kernels $mode: ${envs[*]} (limit ${each}s)"
     # shellcheck disable=SC2086
     env "${envs[@]}" timeout "$each" "$BIN/thaw-bench" gpu --model "$MD" --workdir "$WORK" \
       --device cuda --batches 1,8 --ranks 16 --prompt-len "$PROMPT" --decode-steps 16 \
-      --prefill-tokens 128,2048 --reps 2 --lora-batches 1 --lora-ranks 16 \
+      --prefill-tokens 128,2048 --reps 2 "${lora[@]}" \
       ${THAW_GPU_BENCH_ARGS:-} >"$O/attn29-gpu-$mode.md" 2>"$O/attn29-gpu-$mode.log"
     echo "thaw-bench gpu ($mode): rc=$?"
     echo "### Issue 29's kernels $mode (${envs[*]}), decode after a $PROMPT-token prompt"
