@@ -18,15 +18,113 @@
 // adapter, and a per-block byte budget, lora_small_plan.rs).
 //
 // Numerics match the two-launch path: f32 accumulation, v kept in f32 (never rounded to the
-// weight dtype), the same per-K-chunk warp sums (lora_punica.cu's `punica_rank_dots`) and the
-// same expand (`punica_expand_cols`); only the order of the f32 sums over K differs (the chunks
-// here are PUNICA_K_CHUNK long, the split-K plan's may be shorter), so the two agree to f32
-// summation-order differences.
+// weight dtype), the same per-K-chunk warp sums as lora_punica.cu's shrink (`small_rank_dots`,
+// with more loads in flight, which changes no sum) and the same expand (`punica_expand_cols`);
+// only the grouping of the f32 sums over K differs (the chunks here are PUNICA_K_CHUNK long, the
+// split-K plan's may be shorter), so the two agree to f32 summation-order differences.
 //
 // The registry compiles this file after lora_punica.cu (with PUNICA_DEVICE_ONLY, so only its
 // device functions come along). A block takes at most PUNICA_ROWS rows (a longer SGMV segment
 // spreads over blockIdx.z) and ranks up to PUNICA_MAX_RANK (the host checks): shared memory
 // holds one K chunk of its rows of x and their v, 20 KiB.
+
+// Ranks a warp's shrink takes at once, and 16-byte loads of each it issues before using them
+// (`small_rank_dots`): 8 loads (4 KiB a warp) in flight; rank 16 is then one round per K chunk
+// for each of the 8 warps.
+#define SMALL_RANKS_IN_FLIGHT 2
+#define SMALL_LOADS_IN_FLIGHT 4
+
+// The shrink's dot products over one staged K chunk (`len` elements from k0): for rows k < n
+// (≤ PUNICA_ROWS) and every rank r < rank, Σ_j xs[k][j] · A[r][k0 + j], which lane 0 of the
+// rank's warp stores to vs[k][r] (the first chunk) or adds to it (the later ones: the same warp
+// owns the same ranks in every chunk, so no other thread touches that element). The loop is
+// lora_punica.cu's shrink loop (16-byte loads of A, float4 reads of the staged x, the scalar
+// path for rows that are not 16-byte multiples), except that a warp takes
+// SMALL_RANKS_IN_FLIGHT of its ranks (r = warp, warp + PUNICA_WARPS, ...) at once and issues
+// SMALL_LOADS_IN_FLIGHT loads of each before it uses them: the split-K kernel's block sees one
+// short chunk, this block walks all of K, and one load at a time a warp would wait out an L2
+// round trip per 512 bytes. Each (rank, row) sum still adds its terms in increasing j. Must be
+// called by whole warps.
+template <typename W>
+__device__ void small_rank_dots(const float (*xs)[PUNICA_K_CHUNK], const W* a, int k0, int len,
+                                int d_in, int n, int rank, float (*vs)[PUNICA_MAX_RANK]) {
+    constexpr int RU = SMALL_RANKS_IN_FLIGHT, U = SMALL_LOADS_IN_FLIGHT;
+    const bool add = k0 > 0;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    constexpr int V = Vec16<W>::N;
+    constexpr int STEP = 32 * V;
+    const bool vec = aligned16(a, (long)d_in * sizeof(W)) && (k0 % V) == 0;
+    for (int r0 = warp; r0 < rank; r0 += RU * PUNICA_WARPS) {
+        // This warp's ranks of the round: r0 + q * PUNICA_WARPS (warp-uniform, so the whole
+        // warp takes the same branches below and the shuffles see every lane).
+        float acc[RU][PUNICA_ROWS] = {};
+        if (vec) {
+            int j = lane * V;
+            for (; j + (U - 1) * STEP + V <= len; j += U * STEP) {
+                float w[RU][U][V];
+#pragma unroll
+                for (int q = 0; q < RU; ++q) {
+                    const int r = r0 + q * PUNICA_WARPS;
+                    if (r < rank) {
+#pragma unroll
+                        for (int u = 0; u < U; ++u)
+                            load16(a + (long)r * d_in + k0 + j + u * STEP, w[q][u]);
+                    }
+                }
+#pragma unroll
+                for (int q = 0; q < RU; ++q) {
+                    const int r = r0 + q * PUNICA_WARPS;
+                    if (r < rank) {
+#pragma unroll
+                        for (int u = 0; u < U; ++u)
+#pragma unroll
+                            for (int k = 0; k < PUNICA_ROWS; ++k)
+                                if (k < n)
+                                    acc[q][k] += dot_shared<V>(&xs[k][j + u * STEP], w[q][u]);
+                    }
+                }
+            }
+            // Whole vectors left over from the U-groups, one at a time.
+            for (; j + V <= len; j += STEP) {
+#pragma unroll
+                for (int q = 0; q < RU; ++q) {
+                    const int r = r0 + q * PUNICA_WARPS;
+                    if (r < rank) {
+                        float w[V];
+                        load16(a + (long)r * d_in + k0 + j, w);
+#pragma unroll
+                        for (int k = 0; k < PUNICA_ROWS; ++k)
+                            if (k < n) acc[q][k] += dot_shared<V>(&xs[k][j], w);
+                    }
+                }
+            }
+        }
+        // The scalar path, or the tail past the last whole vector (d_in % V ≠ 0 only in the
+        // last chunk).
+#pragma unroll
+        for (int q = 0; q < RU; ++q) {
+            const int r = r0 + q * PUNICA_WARPS;
+            if (r < rank) {
+                const W* ar = a + (long)r * d_in;
+                for (int j = vec ? (len / V) * V + lane : lane; j < len; j += 32) {
+                    const float w = to_f32(ar[k0 + j]);
+#pragma unroll
+                    for (int k = 0; k < PUNICA_ROWS; ++k)
+                        if (k < n) acc[q][k] += xs[k][j] * w;
+                }
+            }
+        }
+#pragma unroll
+        for (int q = 0; q < RU; ++q) {
+            const int r = r0 + q * PUNICA_WARPS;
+#pragma unroll
+            for (int k = 0; k < PUNICA_ROWS; ++k) {
+                const float t = warp_sum(acc[q][k]);
+                if (lane == 0 && k < n && r < rank) vs[k][r] = add ? vs[k][r] + t : t;
+            }
+        }
+    }
+}
 
 // One block: rows start .. start + n (n ≤ PUNICA_ROWS) of adapter `ls`, output columns c0 ..
 // c0 + cols. Must be called by the whole block (it synchronises).
@@ -47,9 +145,8 @@ __device__ void small_lora_block(const float* __restrict__ x, float* __restrict_
             xs[k][j] = x[(long)(start + k) * d_in + k0 + j];
         }
         __syncthreads();
-        // The first chunk stores v, the later ones add to it (each warp its own ranks).
-        punica_rank_dots<W>(xs, a, k0, len, d_in, n, 0, rank, rank, &vs[0][0], PUNICA_MAX_RANK,
-                            k0 > 0);
+        // The first chunk stores v, the later ones add to it.
+        small_rank_dots<W>(xs, a, k0, len, d_in, n, rank, vs);
     }
     // v complete (d_in ≥ 1: the host never launches an empty shrink) and visible to every warp.
     __syncthreads();

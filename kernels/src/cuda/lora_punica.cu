@@ -70,20 +70,37 @@ __device__ __forceinline__ const LoraSlot* punica_slot(u64 table, int slot) {
     return table ? reinterpret_cast<const LoraSlot*>(table) + slot : nullptr;
 }
 
-// The shrink's dot products over one staged K chunk: for rows k < n (≤ PUNICA_ROWS) and ranks
-// r = r_begin + warp, r_begin + warp + PUNICA_WARPS, ... below r_end, Σ_j xs[k][j] · A[r][k0 + j]
-// over the chunk's `len` elements; ranks from `rank` on (BGMV padding) give 0. Lane 0 of the
-// rank's warp stores the sum to out[k * stride + r], or adds it to what is there when `add` (the
-// fused small-batch kernel sums its K chunks in place: the same warp owns the same ranks in
-// every chunk, so no other thread touches that element). Must be called by whole warps.
+// One shrink block: rows start .. start+n (n ≤ PUNICA_ROWS) of one adapter, ranks
+// r0 .. r0+PUNICA_RANK_TILE, K chunk `split`. Ranks in [rank, pad_to) are written as 0 (BGMV
+// padding; SGMV passes pad_to = rank). Must be called by the whole block.
 template <typename W>
-__device__ void punica_rank_dots(const float (*xs)[PUNICA_K_CHUNK], const W* a, int k0, int len,
-                                 int d_in, int n, int r_begin, int r_end, int rank,
-                                 float* out, long stride, bool add) {
+__device__ void punica_shrink_block(const float* __restrict__ x, float* __restrict__ v_parts,
+                                    const LoraSlot* ls, u32 start, int n, int r0, int split,
+                                    int d_in, int k_chunk, int rows_total, int v_stride,
+                                    int pad_to) {
+    __shared__ __align__(16) float xs[PUNICA_ROWS][PUNICA_K_CHUNK];
+    const int k0 = split * k_chunk, k1 = min(d_in, k0 + k_chunk);
+    const int rank = ls ? (int)ls->rank : 0;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    float* vp = v_parts + ((long)split * rows_total + start) * v_stride;
+    if (r0 >= rank) {
+        // Padding only (BGMV): no A to read, no x to stage.
+        for (int i = threadIdx.x; i < n * PUNICA_RANK_TILE; i += blockDim.x) {
+            const int k = i / PUNICA_RANK_TILE, r = r0 + i % PUNICA_RANK_TILE;
+            if (r < pad_to) vp[(long)k * v_stride + r] = 0.0f;
+        }
+        return;
+    }
+    const int len = k1 - k0;
+    for (int i = threadIdx.x; i < n * len; i += blockDim.x) {
+        const int k = i / len, j = i % len;
+        xs[k][j] = x[(long)(start + k) * d_in + k0 + j];
+    }
+    __syncthreads();
     constexpr int V = Vec16<W>::N;
+    const W* a = reinterpret_cast<const W*>(ls->a);
     const bool vec = aligned16(a, (long)d_in * sizeof(W)) && (k0 % V) == 0;
-    for (int r = r_begin + warp; r < r_end; r += PUNICA_WARPS) {
+    for (int r = r0 + warp; r < min(r0 + PUNICA_RANK_TILE, pad_to); r += PUNICA_WARPS) {
         float acc[PUNICA_ROWS] = {};
         if (r < rank) {
             const W* ar = a + (long)r * d_in;
@@ -111,42 +128,9 @@ __device__ void punica_rank_dots(const float (*xs)[PUNICA_K_CHUNK], const W* a, 
 #pragma unroll
         for (int k = 0; k < PUNICA_ROWS; ++k) {
             const float t = warp_sum(acc[k]);
-            if (lane == 0 && k < n) {
-                float* o = out + (long)k * stride + r;
-                *o = add ? *o + t : t;
-            }
+            if (lane == 0 && k < n) vp[(long)k * v_stride + r] = t;
         }
     }
-}
-
-// One shrink block: rows start .. start+n (n ≤ PUNICA_ROWS) of one adapter, ranks
-// r0 .. r0+PUNICA_RANK_TILE, K chunk `split`. Ranks in [rank, pad_to) are written as 0 (BGMV
-// padding; SGMV passes pad_to = rank). Must be called by the whole block.
-template <typename W>
-__device__ void punica_shrink_block(const float* __restrict__ x, float* __restrict__ v_parts,
-                                    const LoraSlot* ls, u32 start, int n, int r0, int split,
-                                    int d_in, int k_chunk, int rows_total, int v_stride,
-                                    int pad_to) {
-    __shared__ __align__(16) float xs[PUNICA_ROWS][PUNICA_K_CHUNK];
-    const int k0 = split * k_chunk, k1 = min(d_in, k0 + k_chunk);
-    const int rank = ls ? (int)ls->rank : 0;
-    float* vp = v_parts + ((long)split * rows_total + start) * v_stride;
-    if (r0 >= rank) {
-        // Padding only (BGMV): no A to read, no x to stage.
-        for (int i = threadIdx.x; i < n * PUNICA_RANK_TILE; i += blockDim.x) {
-            const int k = i / PUNICA_RANK_TILE, r = r0 + i % PUNICA_RANK_TILE;
-            if (r < pad_to) vp[(long)k * v_stride + r] = 0.0f;
-        }
-        return;
-    }
-    const int len = k1 - k0;
-    for (int i = threadIdx.x; i < n * len; i += blockDim.x) {
-        const int k = i / len, j = i % len;
-        xs[k][j] = x[(long)(start + k) * d_in + k0 + j];
-    }
-    __syncthreads();
-    punica_rank_dots<W>(xs, reinterpret_cast<const W*>(ls->a), k0, len, d_in, n, r0,
-                        min(r0 + PUNICA_RANK_TILE, pad_to), rank, vp, v_stride, false);
 }
 
 // The expand of one block's columns c0 .. c0 + cols (clipped to d_out) for rows start ..

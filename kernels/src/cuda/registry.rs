@@ -289,7 +289,7 @@ pub const LORA_SLICES: KernelSource = KernelSource {
 /// Issue 29's opt-in small-batch LoRA in one launch (off unless `THAW_CUDA_LORA_SMALL` is 1;
 /// where [`lora_small_plan`](super::lora_small_plan) serves the call): every block recomputes
 /// the shrink for its rows, then expands its tile of columns. Compiled after `lora_punica.cu`'s
-/// device functions (its entry points left out), whose dot products and expand it runs.
+/// device functions (its entry points left out), whose loads and expand it runs.
 pub const LORA_SMALL: KernelSource = KernelSource {
     name: "lora_fused_small",
     source: concat!(
