@@ -26,7 +26,9 @@
 // The registry compiles this file after lora_punica.cu (with PUNICA_DEVICE_ONLY, so only its
 // device functions come along). A block takes at most PUNICA_ROWS rows (a longer SGMV segment
 // spreads over blockIdx.z) and ranks up to PUNICA_MAX_RANK (the host checks): shared memory
-// holds one K chunk of its rows of x and their v, 20 KiB.
+// holds one K chunk of its rows of x and their v, 20 KiB. Latency, not bandwidth, bounds a block
+// that walks all of K alone, so it keeps loads in flight: the next chunk of x while the current
+// one's dot products run, and several ranks' loads of A at once (`small_rank_dots`).
 
 // Ranks a warp's shrink takes at once, and 16-byte loads of each it issues before using them
 // (`small_rank_dots`): 8 loads (4 KiB a warp) in flight; rank 16 is then one round per K chunk
@@ -126,8 +128,22 @@ __device__ void small_rank_dots(const float (*xs)[PUNICA_K_CHUNK], const W* a, i
     }
 }
 
+// A block stages x one PUNICA_K_CHUNK at a time, one float4 per row per thread.
+static_assert(PUNICA_K_CHUNK == 4 * PUNICA_THREADS, "one float4 of a chunk per thread and row");
+
+// This thread's float4 of chunk k0 of each of rows start .. start + n (none past d_in): the
+// loads of every row issued before any is used. x's rows must be 16-byte multiples.
+__device__ __forceinline__ void small_fetch_x(const float* __restrict__ x, u32 start, int n,
+                                              int d_in, int k0, float4 (&nx)[PUNICA_ROWS]) {
+    const int j = k0 + 4 * (int)threadIdx.x;
+#pragma unroll
+    for (int k = 0; k < PUNICA_ROWS; ++k)
+        if (k < n && j < d_in)
+            nx[k] = __ldg(reinterpret_cast<const float4*>(x + (long)(start + k) * d_in + j));
+}
+
 // One block: rows start .. start + n (n ≤ PUNICA_ROWS) of adapter `ls`, output columns c0 ..
-// c0 + cols. Must be called by the whole block (it synchronises).
+// c0 + cols. Must be called by the whole block (it synchronises), of PUNICA_THREADS threads.
 template <typename W>
 __device__ void small_lora_block(const float* __restrict__ x, float* __restrict__ y,
                                  const LoraSlot* ls, u32 start, int n, int c0, int cols,
@@ -136,15 +152,30 @@ __device__ void small_lora_block(const float* __restrict__ x, float* __restrict_
     __shared__ __align__(16) float vs[PUNICA_ROWS][PUNICA_MAX_RANK];
     const int rank = (int)ls->rank;
     const W* a = reinterpret_cast<const W*>(ls->a);
+    // Rows of x that are 16-byte multiples (d_in % 4 == 0, so is every chunk's length) are
+    // staged from registers, the next chunk's loads in flight while this one's dot products
+    // run; other widths element by element.
+    const bool x4 = aligned16(x, (long)d_in * sizeof(float));
+    const int t4 = 4 * (int)threadIdx.x;
+    float4 nx[PUNICA_ROWS];
+    if (x4) small_fetch_x(x, start, n, d_in, 0, nx);
     for (int k0 = 0; k0 < d_in; k0 += PUNICA_K_CHUNK) {
         const int len = min(PUNICA_K_CHUNK, d_in - k0);
         // Every warp is done with the previous chunk before it is overwritten.
         __syncthreads();
-        for (int i = threadIdx.x; i < n * len; i += blockDim.x) {
-            const int k = i / len, j = i % len;
-            xs[k][j] = x[(long)(start + k) * d_in + k0 + j];
+        if (x4) {
+#pragma unroll
+            for (int k = 0; k < PUNICA_ROWS; ++k)
+                if (k < n && t4 < len) *reinterpret_cast<float4*>(&xs[k][t4]) = nx[k];
+        } else {
+            for (int i = threadIdx.x; i < n * len; i += blockDim.x) {
+                const int k = i / len, j = i % len;
+                xs[k][j] = x[(long)(start + k) * d_in + k0 + j];
+            }
         }
         __syncthreads();
+        if (x4 && k0 + PUNICA_K_CHUNK < d_in)
+            small_fetch_x(x, start, n, d_in, k0 + PUNICA_K_CHUNK, nx);
         // The first chunk stores v, the later ones add to it.
         small_rank_dots<W>(xs, a, k0, len, d_in, n, rank, vs);
     }
