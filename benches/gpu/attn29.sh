@@ -24,15 +24,19 @@
 #   3. thaw-bench gpu on the whole model, off (OFF: all thirteen classic) then off9 (OFF9: the
 #      four on, the nine off, OPT_OFF below: the defaults before session 24) then on (ON: all
 #      thirteen asked for explicitly, so a shape they cannot serve is an error, not a silent
-#      fallback; off9 vs on measures exactly the nine): decode tokens/s at a long context
-#      (--prompt-len, default 2048) at batch 1 and 8, and prefill TFLOP/s at 128 and 2048
-#      tokens. THAW_GPU_29_MODES picks the runs (default "off off9 on"; e.g. "off9 on" on a
-#      short lease); they share what is left. The parity suite of step 1 runs the nine's own
-#      tests (cuda_parity's opt_in::*, which switch them on and off explicitly) whatever the
-#      variables say.
+#      fallback; off9 vs on measures exactly the nine) then new (ON plus the two kernels still
+#      opt-in, THAW_CUDA_PREFILL_FA and THAW_CUDA_LORA_SMALL: on vs new measures exactly them):
+#      decode tokens/s at a long context (--prompt-len, default 2048) at batch 1 and 8, prefill
+#      TFLOP/s at 128 and 2048 tokens, and the SGMV / BGMV table: batch 1, rank 16 in "off" and
+#      "off9"; batches 1/16/64, ranks 16/64 in "on" and "new" (LORA_ON below: issue 29's
+#      bandwidth goal is about batch >= 16; each row has its wall clock and its device time;
+#      "new" adds the one-launch rows). THAW_GPU_29_MODES picks the runs (default
+#      "off off9 on new"; e.g. "on new" on a short lease); they share what is left. The parity
+#      suite of step 1 runs these kernels' own tests (cuda_parity's opt_in::*, prefill_fa::*,
+#      lora_small::*, which switch them on and off explicitly) whatever the variables say.
 #   4. where each op's time goes at batch 1 (thaw-bench gpu --op-profile, 0 and 1 rank-16
-#      adapters), "off9" then "on": add + RMSNorm and RoPE µs a call, the RoPE launches gone
-#      into attention. THAW_GPU_29_OP_S seconds are kept for it out of step 3's share (default
+#      adapters, and prefill of 128 and 2048 tokens), "on" then "new": where the FA prefill
+#      and the one-launch LoRA move the step's time. THAW_GPU_29_OP_S seconds are kept for it out of step 3's share (default
 #      60; 0 skips it). The profile times a q/k/v or gate/up group module by module, so step 3's
 #      decode tok/s, not this table, measures the grouped products.
 #   5. the transformers + PyTorch peer on the same model (benches/peers/transformers_gpu.py,
@@ -81,25 +85,34 @@ cap() {
   local l=$((BUDGET_S - ($(date +%s) - t0)))
   if [ "$l" -lt "$1" ]; then echo $((l > 0 ? l : 0)); else echo "$1"; fi
 }
-# The thirteen switches: empty = the defaults (every new kernel where it serves), OFF = the
-# classic kernels, ON = the new ones asked for explicitly, OFF9 = the four on and the nine off.
+# The fifteen switches: empty = the defaults (every new kernel where it serves, the two opt-in
+# ones off), OFF = the classic kernels, ON = the thirteen defaults asked for explicitly and the
+# two opt-in off, OFF9 = the four on and the nine off, NEW = all fifteen on.
 # Set on every run, so the caller's environment cannot leak into one.
 OPT_OFF=(THAW_CUDA_GROUP_GEMM=0 THAW_CUDA_ROPE_FOLD=0 THAW_CUDA_WIDE_NORM=0 THAW_CUDA_GEMV=0
   THAW_CUDA_DEVICE_ARGMAX=0 THAW_CUDA_LORA_SLICES=0 THAW_CUDA_ATTN_OCCUPANCY=0
-  THAW_CUDA_CUBLASLT=0 THAW_CUDA_BF16_ACT=0 THAW_CUDA_PREFILL_FA=0)
+  THAW_CUDA_CUBLASLT=0 THAW_CUDA_BF16_ACT=0)
 OPT_ON=(THAW_CUDA_GROUP_GEMM=1 THAW_CUDA_ROPE_FOLD=1 THAW_CUDA_WIDE_NORM=1 THAW_CUDA_GEMV=1
   THAW_CUDA_DEVICE_ARGMAX=1 THAW_CUDA_LORA_SLICES=1 THAW_CUDA_ATTN_OCCUPANCY=1
-  THAW_CUDA_CUBLASLT=1 THAW_CUDA_BF16_ACT=1 THAW_CUDA_PREFILL_FA=1)
+  THAW_CUDA_CUBLASLT=1 THAW_CUDA_BF16_ACT=1)
+# The two kernels still opt-in (off unless 1): off in every run but "new".
+NEW_OFF=(THAW_CUDA_PREFILL_FA=0 THAW_CUDA_LORA_SMALL=0)
+NEW_ON=(THAW_CUDA_PREFILL_FA=1 THAW_CUDA_LORA_SMALL=1)
+# The SGMV / BGMV table of step 3: batch 1 and rank 16 in "off" and "off9"; in "on" and "new"
+# also the batches and ranks issue 29's bandwidth goal is about (batch >= 16).
+LORA_OFF=(--lora-batches 1 --lora-ranks 16)
+LORA_ON=(--lora-batches 1,16,64 --lora-ranks 16,64)
 DEFAULTS=(THAW_CUDA_ATTN_IMPL= THAW_CUDA_TC_PREFILL= THAW_CUDA_LORA_IMPL= THAW_CUDA_FUSED=
   THAW_CUDA_GROUP_GEMM= THAW_CUDA_ROPE_FOLD= THAW_CUDA_WIDE_NORM= THAW_CUDA_GEMV=
   THAW_CUDA_DEVICE_ARGMAX= THAW_CUDA_LORA_SLICES= THAW_CUDA_ATTN_OCCUPANCY=
-  THAW_CUDA_CUBLASLT= THAW_CUDA_BF16_ACT=)
+  THAW_CUDA_CUBLASLT= THAW_CUDA_BF16_ACT= THAW_CUDA_PREFILL_FA= THAW_CUDA_LORA_SMALL=)
 OFF=(THAW_CUDA_ATTN_IMPL=classic THAW_CUDA_TC_PREFILL=0 THAW_CUDA_LORA_IMPL=classic THAW_CUDA_FUSED=0
-  "${OPT_OFF[@]}")
+  "${OPT_OFF[@]}" "${NEW_OFF[@]}")
 FOUR_ON=(THAW_CUDA_ATTN_IMPL=split THAW_CUDA_TC_PREFILL=1 THAW_CUDA_LORA_IMPL=punica THAW_CUDA_FUSED=1)
-OFF9=("${FOUR_ON[@]}" "${OPT_OFF[@]}")
-ON=("${FOUR_ON[@]}" "${OPT_ON[@]}")
-read -r -a MODES <<<"${THAW_GPU_29_MODES:-off off9 on}"
+OFF9=("${FOUR_ON[@]}" "${OPT_OFF[@]}" "${NEW_OFF[@]}")
+ON=("${FOUR_ON[@]}" "${OPT_ON[@]}" "${NEW_OFF[@]}")
+NEW=("${FOUR_ON[@]}" "${OPT_ON[@]}" "${NEW_ON[@]}")
+read -r -a MODES <<<"${THAW_GPU_29_MODES:-off off9 on new}"
 # Overrides for the "on" run, later words win, e.g. THAW_GPU_ON_EXTRA="THAW_CUDA_GEMV=0".
 # shellcheck disable=SC2206  # VAR=value words, split on purpose
 [ -n "${THAW_GPU_ON_EXTRA:-}" ] && ON+=(${THAW_GPU_ON_EXTRA})
@@ -167,16 +180,17 @@ elif [ "$each" -lt 30 ]; then
 else
   for mode in "${MODES[@]}"; do
     case "$mode" in
-      off) envs=("${OFF[@]}") ;;
-      off9) envs=("${OFF9[@]}") ;;
-      on) envs=("${ON[@]}") ;;
-      *) echo "THAW_GPU_29_MODES: unknown run $mode (off, off9, on)"; continue ;;
+      off) envs=("${OFF[@]}"); lora=("${LORA_OFF[@]}") ;;
+      off9) envs=("${OFF9[@]}"); lora=("${LORA_OFF[@]}") ;;
+      on) envs=("${ON[@]}"); lora=("${LORA_ON[@]}") ;;
+      new) envs=("${NEW[@]}"); lora=("${LORA_ON[@]}") ;;
+      *) echo "THAW_GPU_29_MODES: unknown run $mode (off, off9, on, new)"; continue ;;
     esac
     el "thaw-bench gpu, issue 29's kernels $mode: ${envs[*]} (limit ${each}s)"
     # shellcheck disable=SC2086
     env "${envs[@]}" timeout "$each" "$BIN/thaw-bench" gpu --model "$MD" --workdir "$WORK" \
       --device cuda --batches 1,8 --ranks 16 --prompt-len "$PROMPT" --decode-steps 16 \
-      --prefill-tokens 128,2048 --reps 2 --lora-batches 1 --lora-ranks 16 \
+      --prefill-tokens 128,2048 --reps 2 "${lora[@]}" \
       ${THAW_GPU_BENCH_ARGS:-} >"$O/attn29-gpu-$mode.md" 2>"$O/attn29-gpu-$mode.log"
     echo "thaw-bench gpu ($mode): rc=$?"
     echo "### Issue 29's kernels $mode (${envs[*]}), decode after a $PROMPT-token prompt"
@@ -184,15 +198,15 @@ else
   done
 fi
 
-# --- 4. per-op profile at batch 1, off9 then on -------------------------------------------------
+# --- 4. per-op profile at batch 1, on then new (the FA prefill's share of a prefill step) ------
 op_each=$(( (BUDGET_S - ($(date +%s) - t0) - PEER_S) / 2 ))
 if [ "$OP_S" -le 0 ] || [ ! -x "$BIN/thaw-bench" ]; then
-  echo "op profile off9/on: skipped (THAW_GPU_29_OP_S=$OP_S, or thaw-bench missing)"
+  echo "op profile on/new: skipped (THAW_GPU_29_OP_S=$OP_S, or thaw-bench missing)"
 elif [ "$op_each" -lt 20 ]; then
-  echo "op profile off9/on: skipped, under 2 × 20 s left (budget ${BUDGET_S}s)"
+  echo "op profile on/new: skipped, under 2 × 20 s left (budget ${BUDGET_S}s)"
 else
-  for mode in off9 on; do
-    if [ "$mode" = on ]; then envs=("${ON[@]}"); else envs=("${OFF9[@]}"); fi
+  for mode in on new; do
+    if [ "$mode" = new ]; then envs=("${NEW[@]}"); else envs=("${ON[@]}"); fi
     el "thaw-bench gpu --op-profile, $mode (limit ${op_each}s)"
     # shellcheck disable=SC2086
     env "${envs[@]}" timeout "$op_each" "$BIN/thaw-bench" gpu --model "$MD" --workdir "$WORK" \

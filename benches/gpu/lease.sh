@@ -17,9 +17,11 @@
 #      tier, 16 requests a pass) and decode tok/s with default flags;
 #   3. issue 29 (attn29.sh, its parity step skipped): the kernel tables (cuda_bench --attn,
 #      --gemv, --lora-slices, --lt), the whole model with the nine off ("off9": the defaults
-#      before session 24) against the defaults ("on") at a 128-token context, the op profile of
-#      decode and prefill, and the
-#      transformers peer side by side (with 300 s or more for the step).
+#      before session 24) against the defaults ("on") and against the defaults with the two
+#      opt-in kernels on ("new": THAW_CUDA_PREFILL_FA, THAW_CUDA_LORA_SMALL) at a 128-token
+#      context, the SGMV / BGMV table at batches 1/16/64 and ranks 16/64 with device times, the
+#      op profile of decode and prefill ("on", "new"), and the transformers peer side by side
+#      (with 300 s or more for the step).
 # Steps with too little time left say "skipped". Every figure printed names its step's log.
 #   benches/gpu/lease.sh --bin gpu-bin --out "$OUT" --part a    then    ... --part b   (then c)
 # Before the lease, on the build machine (no GPU, seconds): the same with --dry-run (or
@@ -106,8 +108,8 @@ if [ "$PART" = b ] || [ "$PART" = all ]; then
 # --- 3. issue 29 ----------------------------------------------------------------------------------
 b=$(($(left) - 5))
 if [ "$b" -ge 90 ]; then
-  el "issue 29: attn29.sh off9 vs on, op profile (budget ${b}s)"
-  THAW_GPU_29_MODES="off9 on" THAW_GPU_29_OP_S=60 THAW_GPU_29_SKIP_PARITY=1 \
+  el "issue 29: attn29.sh off9 vs on vs new, op profile (budget ${b}s)"
+  THAW_GPU_29_MODES="off9 on new" THAW_GPU_29_OP_S=60 THAW_GPU_29_SKIP_PARITY=1 \
     THAW_GPU_29_PEER_S=$((b >= 300 ? 100 : 0)) \
     "$here/attn29.sh" --bin "$BIN" --out "$O/attn29" --budget "$b" --prompt-len 128 \
     >"$O/lease-attn29.log" 2>&1

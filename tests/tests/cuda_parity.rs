@@ -45,6 +45,8 @@ mod graphs;
 mod host_overhead;
 #[path = "cuda_parity/lora_slices.rs"]
 mod lora_slices;
+#[path = "cuda_parity/lora_small.rs"]
+mod lora_small;
 #[path = "cuda_parity/lt.rs"]
 mod lt;
 #[path = "cuda_parity/opt_in.rs"]

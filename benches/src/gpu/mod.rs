@@ -19,6 +19,7 @@
 //! nothing asserts a time.
 mod cases;
 mod counts;
+mod lora_rows;
 pub mod op_profile;
 mod peaks;
 pub mod prefill_profile;
@@ -28,7 +29,6 @@ use std::fmt::Write;
 use std::path::PathBuf;
 
 use thaw_runtime::backend::DeviceKind;
-use thaw_runtime::microbench::LoraCaseResult;
 use thaw_server::gen::Projection;
 
 pub use cases::{DecodeRow, Mix, PrefillRow};
@@ -179,7 +179,7 @@ pub struct GpuReport {
     /// Which of the nine that became defaults after session 24 ran (None on the CPU backend):
     /// what tells `attn29.sh`'s "off9" and "on" tables apart.
     pub nine: Option<thaw_runtime::backend::kernel_select::OptInPlan>,
-    pub lora: Vec<LoraCaseResult>,
+    pub lora: Vec<lora_rows::LoraRow>,
     pub decode: Vec<DecodeRow>,
     /// The decode rows again with CUDA graphs on (`--cuda-graphs`; empty otherwise, or where
     /// the backend has no graphs).
@@ -215,11 +215,7 @@ pub fn run(args: &GpuArgs) -> anyhow::Result<GpuReport> {
     let config = thaw_runtime::model::ModelConfig::from_dir(&model_dir)?;
     let (peaks, lora, plans, device_name) = peaks::measure(&args, &device, &config)?;
     let (kernels, nine) = plans.map_or((None, None), |(k, n)| (Some(k), Some(n)));
-    let lora_impl = match &kernels {
-        Some(k) if k.lora.is_new() => "punica",
-        Some(_) => "classic",
-        None => "cpu",
-    };
+    let lora_impl = peaks::lora_impl(&kernels);
     let m = cases::run(&args, &device, &model_dir, &root)?;
     Ok(GpuReport {
         device: device_name,
@@ -267,12 +263,12 @@ pub fn table(args: &GpuArgs, r: &GpuReport) -> String {
     if !r.lora.is_empty() {
         let _ = writeln!(
             s,
-            "\n### SGMV / BGMV, q_proj {}→{}, one layer (wall clock over back-to-back calls; GB/s = distinct adapter bytes + x/y over time; impl {})",
-            r.lora[0].case.dims.d_in, r.lora[0].case.dims.d_out, r.lora_impl
+            "\n### SGMV / BGMV, q_proj {}→{}, one layer (wall clock over back-to-back calls; device time of the same calls queued ahead of the GPU, host-bound where they could not be; GB/s = distinct adapter bytes + x/y over time; impl {}, +small: THAW_CUDA_LORA_SMALL's one launch)",
+            r.lora[0].res.case.dims.d_in, r.lora[0].res.case.dims.d_out, r.lora_impl
         );
-        let _ = writeln!(s, "{}", thaw_runtime::microbench::LORA_TABLE_HEADER);
+        let _ = writeln!(s, "{}", lora_rows::HEADER);
         for l in &r.lora {
-            let _ = writeln!(s, "{}", l.markdown_row(&r.lora_impl, p.gbs));
+            let _ = writeln!(s, "{}", l.markdown(p.gbs));
         }
     }
     let _ = writeln!(
@@ -392,7 +388,14 @@ mod tests {
         assert!(!table(&args, &r).contains("CUDA kernels:"));
         // Table rows: 1 rank × 2 batches × 2 kernels × 4 popularities.
         assert_eq!(r.lora.len(), 16);
-        assert!(r.lora.iter().all(|l| pos(l.us) && pos(l.gbs())));
+        assert!(r.lora.iter().all(|l| pos(l.res.us) && pos(l.res.gbs())));
+        // The CPU backend's calls run as they are made: its device time is theirs, always
+        // there, and no one-launch rows (a CUDA kernel).
+        assert!(r
+            .lora
+            .iter()
+            .all(|l| l.device_us.is_some_and(pos) && l.device_gbs().is_some_and(pos)));
+        assert!(r.lora.iter().all(|l| l.imp == "cpu"));
         // Batch 1: base, one adapter; batch 4: base, one, four distinct (one rank).
         let mixes: Vec<(usize, Mix)> = r.decode.iter().map(|d| (d.batch, d.mix)).collect();
         assert_eq!(

@@ -1,17 +1,15 @@
 //! The roofline inputs (the backend's copy bandwidth and GEMM rate, unless given) and the
-//! SGMV / BGMV table, on a one-layer backend of the model's shape.
+//! SGMV / BGMV table (`lora_rows.rs`), on a one-layer backend of the model's shape.
 use std::time::Instant;
 
-use thaw_runtime::adapter::LoraModule;
 use thaw_runtime::backend::any::AnyBackend;
 use thaw_runtime::backend::kernel_select::{KernelPlan, OptInPlan};
-use thaw_runtime::backend::{Backend, Device, LinearDims, LoraKernel};
-use thaw_runtime::microbench::{
-    fill, run_lora_case, synthetic_adapter, ElemSizes, LoraCase, LoraCaseResult, Popularity,
-};
+use thaw_runtime::backend::{Backend, Device};
+use thaw_runtime::microbench::fill;
 use thaw_runtime::model::ModelConfig;
 use thaw_runtime::residency::LinkModel;
 
+use super::lora_rows::{lora_table, LoraRow};
 use super::GpuArgs;
 
 /// The roofline the report's ratios divide by, and where each figure came from.
@@ -48,6 +46,16 @@ pub fn wall_us(
 /// The CUDA backend's issue-29 kernels that ran: the four and the nine.
 pub type CudaPlans = (KernelPlan, OptInPlan);
 
+/// The LoRA kernels' implementation the table runs: `punica` (the default on CUDA),
+/// `classic` (`THAW_CUDA_LORA_IMPL=classic`) or `cpu`.
+pub fn lora_impl(kernels: &Option<KernelPlan>) -> &'static str {
+    match kernels {
+        Some(k) if k.lora.is_new() => "punica",
+        Some(_) => "classic",
+        None => "cpu",
+    }
+}
+
 /// Measures (or takes) the roofline and runs the SGMV / BGMV table; returns them with the
 /// CUDA kernels that ran, the four and the nine (None on the CPU backend), and the device's
 /// name.
@@ -55,7 +63,7 @@ pub fn measure(
     args: &GpuArgs,
     device: &Device,
     model: &ModelConfig,
-) -> anyhow::Result<(Peaks, Vec<LoraCaseResult>, Option<CudaPlans>, String)> {
+) -> anyhow::Result<(Peaks, Vec<LoraRow>, Option<CudaPlans>, String)> {
     let mut c = model.clone();
     c.num_layers = 1;
     let mut b = AnyBackend::new(device, &c, LinkModel::default())?;
@@ -94,9 +102,10 @@ pub fn measure(
         tflops,
         tflops_source,
     };
-    let kernels = b.cuda_kernels();
-    let lora = lora_table(args, &mut b, &c, on_gpu)?;
-    Ok((peaks, lora, kernels, name))
+    let plans = b.cuda_kernels();
+    let kernels = plans.as_ref().map(|(k, _)| k.clone());
+    let lora = lora_table(args, &mut b, &c, (on_gpu, lora_impl(&kernels)))?;
+    Ok((peaks, lora, plans, name))
 }
 
 /// GB/s of the backend's row copy (`gather_rows` of every row), counting bytes read and
@@ -118,62 +127,4 @@ fn gemm_tflops(b: &mut AnyBackend, d: usize) -> anyhow::Result<f64> {
     let mut out = b.alloc(d * d)?;
     let us = wall_us(b, 3, &mut |b| b.linear(&x, &w, d, &mut out))?;
     Ok(2.0 * (d as f64).powi(3) / us / 1e6)
-}
-
-/// The SGMV / BGMV table: q_proj of the model's shape, a pool of adapters per rank.
-fn lora_table(
-    args: &GpuArgs,
-    b: &mut AnyBackend,
-    c: &ModelConfig,
-    on_gpu: bool,
-) -> anyhow::Result<Vec<LoraCaseResult>> {
-    let Some(&max_batch) = args.lora_batches.iter().max() else {
-        return Ok(Vec::new());
-    };
-    let (d_in, d_out) = c.module_shape(LoraModule::Q);
-    let pool = max_batch.max(1);
-    // Activations: rows of `fill`, gathered from a table (the trait uploads no activations).
-    let table = b.upload_linear(fill(max_batch * d_in, 1), max_batch, d_in, None)?;
-    let mut xs = b.alloc(max_batch * d_in)?;
-    let ids: Vec<u32> = (0..max_batch as u32).collect();
-    b.embed(&table, &ids, &mut xs);
-    let mut y = b.alloc(max_batch * d_out)?;
-    // Adapters are built in f32: the CPU backend keeps them so, CUDA converts them.
-    let e = ElemSizes {
-        adapter: b.element_bytes().0.unwrap_or(4),
-        act: 4,
-    };
-    let mut out = Vec::new();
-    for &rank in &args.lora_ranks {
-        let adapters = (0..pool)
-            .map(|i| b.upload_lora(synthetic_adapter(c, rank, &[LoraModule::Q], 10 + i as u64)?))
-            .collect::<thaw_runtime::Result<Vec<_>>>()?;
-        for kernel in [LoraKernel::Sgmv, LoraKernel::Bgmv] {
-            for &batch in &args.lora_batches {
-                for popularity in Popularity::ALL {
-                    let case = LoraCase {
-                        kernel,
-                        rank,
-                        batch,
-                        popularity,
-                        dims: LinearDims { d_in, d_out },
-                    };
-                    let iters = if on_gpu { 20 } else { 2 };
-                    out.push(run_lora_case(
-                        b,
-                        &xs,
-                        &mut y,
-                        &adapters,
-                        case,
-                        e,
-                        &mut |b, f| {
-                            b.begin_step();
-                            wall_us(b, iters, f)
-                        },
-                    )?);
-                }
-            }
-        }
-    }
-    Ok(out)
 }

@@ -133,22 +133,15 @@ __device__ void punica_shrink_block(const float* __restrict__ x, float* __restri
     }
 }
 
-// One expand block: rows start .. start+n of one adapter, output columns
-// c0 .. c0+PUNICA_EXPAND_COLS. Sums the split-K partials of v while staging them.
+// The expand of one block's columns c0 .. c0 + cols (clipped to d_out) for rows start ..
+// start + n, from v in shared memory (`vs[k][c]`, c < rank): a group of G lanes per column (see
+// the file header), y[row][j] += scale · Σ_c vs[k][c] · B[j][c]. Must be called by the whole
+// block (the shuffles need every lane).
 template <typename W>
-__device__ void punica_expand_block(const float* __restrict__ v_parts, float* __restrict__ y,
-                                    const LoraSlot* ls, u32 start, int n, int c0, int splits,
-                                    int d_out, int rows_total, int v_stride) {
-    __shared__ __align__(16) float vs[PUNICA_ROWS][PUNICA_MAX_RANK];
+__device__ void punica_expand_cols(const float (*vs)[PUNICA_MAX_RANK], float* __restrict__ y,
+                                   const LoraSlot* ls, u32 start, int n, int c0, int cols,
+                                   int d_out) {
     const int rank = (int)ls->rank;
-    for (int i = threadIdx.x; i < n * rank; i += blockDim.x) {
-        const int k = i / rank, c = i % rank;
-        float t = 0.0f;
-        for (int sp = 0; sp < splits; ++sp)
-            t += v_parts[((long)sp * rows_total + start + k) * v_stride + c];
-        vs[k][c] = t;
-    }
-    __syncthreads();
     constexpr int V = Vec16<W>::N;
     const W* b = reinterpret_cast<const W*>(ls->b);
     const bool vec = aligned16(b, (long)rank * sizeof(W));
@@ -159,9 +152,9 @@ __device__ void punica_expand_block(const float* __restrict__ v_parts, float* __
     const int lane_g = threadIdx.x & (g - 1), group = threadIdx.x / g, groups = blockDim.x / g;
     const float scale = ls->scale;
     // Every lane runs the same number of iterations: the shuffles below need the whole warp.
-    for (int i = 0; i < (PUNICA_EXPAND_COLS + groups - 1) / groups; ++i) {
+    for (int i = 0; i < (cols + groups - 1) / groups; ++i) {
         const int j = c0 + group + i * groups;
-        const bool valid = j < d_out && group + i * groups < PUNICA_EXPAND_COLS;
+        const bool valid = j < d_out && group + i * groups < cols;
         float acc[PUNICA_ROWS] = {};
         if (valid) {
             const W* br = b + (long)j * rank;
@@ -186,6 +179,25 @@ __device__ void punica_expand_block(const float* __restrict__ v_parts, float* __
         if (valid && lane_g == 0)
             for (int k = 0; k < n; ++k) y[(long)(start + k) * d_out + j] += scale * acc[k];
     }
+}
+
+// One expand block: rows start .. start+n of one adapter, output columns
+// c0 .. c0+PUNICA_EXPAND_COLS. Sums the split-K partials of v while staging them.
+template <typename W>
+__device__ void punica_expand_block(const float* __restrict__ v_parts, float* __restrict__ y,
+                                    const LoraSlot* ls, u32 start, int n, int c0, int splits,
+                                    int d_out, int rows_total, int v_stride) {
+    __shared__ __align__(16) float vs[PUNICA_ROWS][PUNICA_MAX_RANK];
+    const int rank = (int)ls->rank;
+    for (int i = threadIdx.x; i < n * rank; i += blockDim.x) {
+        const int k = i / rank, c = i % rank;
+        float t = 0.0f;
+        for (int sp = 0; sp < splits; ++sp)
+            t += v_parts[((long)sp * rows_total + start + k) * v_stride + c];
+        vs[k][c] = t;
+    }
+    __syncthreads();
+    punica_expand_cols<W>(vs, y, ls, start, n, c0, PUNICA_EXPAND_COLS, d_out);
 }
 
 // SGMV shrink: grid (n_segs, rank_tiles * splits, ceil(longest segment / PUNICA_ROWS)).
@@ -272,7 +284,8 @@ __device__ void punica_bgmv_expand(const float* v_parts, float* y, const u64* ro
         int d_out, int splits, int max_rank) {                                                \
         punica_bgmv_expand<W>(v_parts, y, row_tables, rows, slot, d_out, splits, max_rank);  \
     }
-// lora_slices.cu compiles this file's device functions with its own entry points.
+// lora_slices.cu and lora_fused_small.cu compile this file's device functions with their own
+// entry points.
 #ifndef PUNICA_DEVICE_ONLY
 THAW_FOR_EACH_DTYPE(THAW_PUNICA)
 #endif

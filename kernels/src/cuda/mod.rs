@@ -17,12 +17,14 @@
 //! | `lora.cu` | SGMV / BGMV shrink and expand | `cpu::{sgmv_*, bgmv_*}` |
 //! | `lora_punica.cu` | SGMV / BGMV in Punica's shape: split-K shrink ([`punica_plan`]), vector loads | `cpu::{sgmv_*, bgmv_*}` |
 //! | `lora_slices.cu` | issue 29, a default (`THAW_CUDA_LORA_SLICES=0` off): q/k/v (gate/up) LoRA as one shrink + one expand launch, a grid factor over the slices ([`slices_plan`]) | `cpu::{sgmv_*, bgmv_*}` per module |
+//! | `lora_fused_small.cu` | opt-in (issue 29, `THAW_CUDA_LORA_SMALL=1`): SGMV / BGMV of few rows as ONE launch, every block recomputing the shrink for its rows then expanding its column tile ([`lora_small_plan`]) | `cpu::{sgmv_*, bgmv_*}` |
 //! | `argmax.cu` | issue 29, a default (`THAW_CUDA_DEVICE_ARGMAX=0` off): greedy token ids, one block per row, a (value, index) tree reduction | `thaw_runtime::sampling::argmax` |
 //! | `residual16.cu` | issue 29, a default with 16-bit weights (`THAW_CUDA_BF16_ACT=0` off): the residual stream between layers in the weight dtype: embed copy, add + RMSNorm of the rounded sum, the last add, the widening final gather | runtime `cpu_residual16` (add, round, `cpu::rms_norm`) |
 //! | `exchange.cu` | fused export (copy + fence + sequence word), merge of CPU deltas | CPU backend copy + `Exchange::post_step` |
 
 pub mod attn_out_names;
 pub mod decode_plan;
+pub mod lora_small_plan;
 pub mod prefill_fa_plan;
 pub mod prefill_tc_plan;
 pub mod punica_plan;

@@ -318,6 +318,21 @@ pub const LORA_SLICES: KernelSource = KernelSource {
     ),
 };
 
+/// Issue 29's opt-in small-batch LoRA in one launch (off unless `THAW_CUDA_LORA_SMALL` is 1;
+/// where [`lora_small_plan`](super::lora_small_plan) serves the call): every block recomputes
+/// the shrink for its rows, then expands its tile of columns. Compiled after `lora_punica.cu`'s
+/// device functions (its entry points left out), whose loads and expand it runs.
+pub const LORA_SMALL: KernelSource = KernelSource {
+    name: "lora_fused_small",
+    source: concat!(
+        "#define PUNICA_DEVICE_ONLY\n",
+        include_str!("lora_punica.cu"),
+        "\n",
+        include_str!("lora_fused_small.cu")
+    ),
+    entry_points: dtypes!("lora_small_sgmv", "lora_small_bgmv"),
+};
+
 /// Issue 29's 16-bit MLP activations (a default, off with `THAW_CUDA_BF16_ACT=0`): SwiGLU
 /// over the 16-bit gate and up outputs of the GEMMs, writing down's 16-bit input (and, where
 /// asked, an f32 copy for down's LoRA).
@@ -384,6 +399,7 @@ pub const KERNELS: &[KernelSource] = &[
     ARGMAX,
     GEMV,
     LORA_SLICES,
+    LORA_SMALL,
     ATTENTION_SPLIT_ILP,
     ACT16,
     RESIDUAL16,
@@ -549,6 +565,8 @@ mod tests {
             shape::PUNICA_MAX_SLICES as u64
         );
         assert!(s.starts_with("#define PUNICA_DEVICE_ONLY\n") && s.contains(p));
+        let f = LORA_SMALL.source;
+        assert!(f.starts_with("#define PUNICA_DEVICE_ONLY\n") && f.contains(p));
         let a = ATTENTION_SPLIT.source;
         assert_eq!(define(a, "THAW_SPLIT_WARPS"), shape::SPLIT_WARPS as u64);
         assert_eq!(

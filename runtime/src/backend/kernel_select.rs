@@ -44,12 +44,13 @@
 //! keeps f32 throughout: it emulates the 16-bit activations only when a test asks
 //! ([`CpuBackend::set_act16`](super::cpu::CpuBackend::set_act16)).
 //!
-//! One more is opt-in, off unless `1`, until a GPU parity run proves it (it sits in
+//! Two more are opt-in, off unless `1`, until a GPU parity run proves them (they sit in
 //! [`OptInPlan`] beside the nine):
 //!
 //! | kernel | variable | on |
 //! | --- | --- | --- |
 //! | prefill attention FlashAttention-2 style where the tensor-core prefill runs (`attention_prefill_fa.cu`, [`prefill_fa_plan`]) | [`PREFILL_FA_ENV`] | `1` |
+//! | LoRA of few rows and small rank as ONE launch, shrink and expand fused (`lora_fused_small.cu`, [`lora_small_plan`](thaw_kernels::cuda::lora_small_plan)) | [`LORA_SMALL_ENV`] | `1` |
 use std::fmt;
 
 use thaw_kernels::cuda::decode_plan::{MIN_CHUNK, OCC_MIN_CHUNK};
@@ -111,6 +112,13 @@ pub const GEMV_ENV: &str = "THAW_CUDA_GEMV";
 /// The LoRA of modules sharing one input (q/k/v, gate/up) as one shrink and one expand launch
 /// over slices (`lora_slices.cu`; with Punica's kernels only): `1` (the default) or `0`.
 pub const LORA_SLICES_ENV: &str = "THAW_CUDA_LORA_SLICES";
+
+/// SGMV / BGMV calls of few rows and small rank (where
+/// [`lora_small_plan::plan`](thaw_kernels::cuda::lora_small_plan::plan) serves them; with
+/// Punica's kernels only) as one launch of `lora_fused_small.cu`, each block recomputing the
+/// shrink for its rows, instead of a shrink and an expand launch: `1` or `0` (the default until
+/// a GPU parity run proves it).
+pub const LORA_SMALL_ENV: &str = "THAW_CUDA_LORA_SMALL";
 
 /// Decode attention through `attention_split_ilp.cu`: the split count planned to give the
 /// GPU about two blocks per SM ([`occupancy_splits`](thaw_kernels::cuda::decode_plan::occupancy_splits),
@@ -308,6 +316,16 @@ pub const LORA_SLICES: Switch = Switch {
     new: "one launch pair over slices",
     classic: "a launch pair per module",
     default_new: true,
+};
+
+/// The one-launch small-batch LoRA.
+pub const LORA_SMALL: Switch = Switch {
+    env: LORA_SMALL_ENV,
+    on: "1",
+    off: "0",
+    new: "shrink and expand in one launch",
+    classic: "a shrink and an expand launch",
+    default_new: false,
 };
 
 /// Products through cuBLASLt with its bias epilogue.
@@ -671,6 +689,7 @@ pub struct OptInPlan {
     pub cublaslt: Choice,
     pub act16: Choice,
     pub prefill_fa: Choice,
+    pub lora_small: Choice,
 }
 
 impl OptInPlan {
@@ -694,10 +713,12 @@ impl OptInPlan {
             // Served or not per step and layer (`act16_plan`): the rest run f32.
             act16: ACT16.choose(&value(ACT16.env), None)?,
             prefill_fa: PREFILL_FA.choose(&value(PREFILL_FA.env), prefill_fa_unserved(head_dim))?,
+            // Served or not per call (`lora_small_plan`), with Punica's kernels only.
+            lora_small: LORA_SMALL.choose(&value(LORA_SMALL.env), None)?,
         })
     }
 
-    fn rows(&self) -> [(&'static str, Switch, &Choice); 10] {
+    fn rows(&self) -> [(&'static str, Switch, &Choice); 11] {
         [
             ("q/k/v and gate/up products", GROUP_GEMM, &self.group_gemm),
             ("RoPE", ROPE_FOLD, &self.rope_fold),
@@ -709,6 +730,7 @@ impl OptInPlan {
             ("products", CUBLASLT, &self.cublaslt),
             ("activations", ACT16, &self.act16),
             ("prefill attention", PREFILL_FA, &self.prefill_fa),
+            ("LoRA of few rows", LORA_SMALL, &self.lora_small),
         ]
     }
 }

@@ -272,6 +272,7 @@ fn nine_new() -> OptInPlan {
         act16: Choice::New,
         // Opt-in still: off unless `1`.
         prefill_fa: Choice::Classic,
+        lora_small: Choice::Classic,
     }
 }
 
@@ -303,6 +304,7 @@ fn the_nine_switches_are_on_unless_set_to_0() {
         cublaslt: Choice::Classic,
         act16: Choice::Classic,
         prefill_fa: Choice::Classic,
+        lora_small: Choice::Classic,
     };
     assert_eq!(nine(&[], 128), Ok(nine_new()));
     let auto: Vec<(&str, &str)> = NINE.iter().map(|s| (s.env, "auto")).collect();
@@ -429,7 +431,8 @@ fn the_log_line_names_each_of_the_nine_and_how_to_turn_it_off() {
          THAW_CUDA_LORA_SLICES=0); decode attention: occupancy split, keys in flight (off: \
          THAW_CUDA_ATTN_OCCUPANCY=0); products: cuBLASLt, bias in its epilogue (off: \
          THAW_CUDA_CUBLASLT=0); activations: q/k/v, gate/up and SwiGLU in 16 bits (off: \
-         THAW_CUDA_BF16_ACT=0); prefill attention: tensor-core prefill (THAW_CUDA_PREFILL_FA=0)"
+         THAW_CUDA_BF16_ACT=0); prefill attention: tensor-core prefill (THAW_CUDA_PREFILL_FA=0); \
+         LoRA of few rows: a shrink and an expand launch (THAW_CUDA_LORA_SMALL=0)"
     );
     let zero: Vec<(&str, &str)> = NINE.iter().map(|s| (s.env, "0")).collect();
     assert_eq!(
@@ -441,7 +444,8 @@ fn the_log_line_names_each_of_the_nine_and_how_to_turn_it_off() {
          LoRA of q/k/v and gate/up: a launch pair per module (THAW_CUDA_LORA_SLICES=0); \
          decode attention: as THAW_CUDA_ATTN_IMPL picks (THAW_CUDA_ATTN_OCCUPANCY=0); \
          products: cublasGemmEx + add_bias (THAW_CUDA_CUBLASLT=0); activations: f32 \
-         (THAW_CUDA_BF16_ACT=0); prefill attention: tensor-core prefill (THAW_CUDA_PREFILL_FA=0)"
+         (THAW_CUDA_BF16_ACT=0); prefill attention: tensor-core prefill (THAW_CUDA_PREFILL_FA=0); \
+         LoRA of few rows: a shrink and an expand launch (THAW_CUDA_LORA_SMALL=0)"
     );
     // One off, the rest on: only its entry names the classic kernel.
     let p = nine(&[(GEMV_ENV, "0")], 128).unwrap();
@@ -768,4 +772,26 @@ fn the_fa_prefill_is_opt_in_and_serves_the_tensor_core_head_dims() {
         },
         nine_new()
     );
+}
+
+/// The one-launch small-batch LoRA: opt-in (classic unless `1`), moving only its own choice.
+#[test]
+fn the_one_launch_small_lora_is_opt_in() {
+    assert_eq!(nine(&[], 128).unwrap().lora_small, Choice::Classic);
+    let p = nine(&[(LORA_SMALL_ENV, "1")], 128).unwrap();
+    assert_eq!(p.lora_small, Choice::New);
+    assert!(
+        p.to_string()
+            .contains("; LoRA of few rows: shrink and expand in one launch"),
+        "{p}"
+    );
+    assert_eq!(
+        OptInPlan {
+            lora_small: Choice::Classic,
+            ..p
+        },
+        nine_new()
+    );
+    let e = nine(&[(LORA_SMALL_ENV, "fast")], 128).unwrap_err();
+    assert!(e.contains(LORA_SMALL_ENV), "{e}");
 }

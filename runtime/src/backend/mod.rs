@@ -14,6 +14,7 @@ use crate::ids::LayerIdx;
 
 pub mod act16_plan;
 pub mod any;
+mod any_lora_small;
 pub mod attn16_plan;
 pub mod cpu;
 mod cpu_act16;

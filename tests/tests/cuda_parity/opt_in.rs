@@ -7,8 +7,9 @@
 //! `act16.rs`, `attn16.rs` and `residual16.rs`) against the paths they replace: the wide
 //! RMSNorm / add + RMSNorm / RoPE blocks, q/k/v and gate/up as one product over weights placed
 //! as one matrix, RoPE folded into the KV write, and whole engines (eager and CUDA graphs)
-//! with all nine (and the opt-in FA prefill, `THAW_CUDA_PREFILL_FA`, whose own tests are in
-//! `prefill_fa.rs`) on against all off, each set explicitly (`defaults::set_nine`), so the
+//! with all nine (and the opt-in FA prefill, `THAW_CUDA_PREFILL_FA`, and one-launch small-batch
+//! LoRA, `THAW_CUDA_LORA_SMALL`, whose own tests are in `prefill_fa.rs` and `lora_small.rs`)
+//! on against all off, each set explicitly (`defaults::set_nine`), so the
 //! comparison holds whatever the environment says (`benches/gpu/lease.sh` runs this module
 //! with all nine `0`). Part of `cuda_parity` (its helpers, its GPU skip rules).
 //!
@@ -349,9 +350,16 @@ fn engines_with_every_opt_in_switch_give_the_same_tokens() {
         let all = |g: &mut CudaBackend, on: bool| {
             set_nine(g, on, x16);
             g.set_prefill_fa(on).unwrap();
+            g.set_lora_small(on).unwrap();
         };
         let runs = off_on_runs(&tm.model, dt, &adapters, &batches, who, steps, 200, all);
         let tol = if x16 { 2e-2 } else { tol };
-        check_off_on("all nine and the FA prefill", dt, tol, &runs, vocab);
+        check_off_on(
+            "all nine, the FA prefill and the small LoRA",
+            dt,
+            tol,
+            &runs,
+            vocab,
+        );
     }
 }

@@ -179,6 +179,9 @@ pub(super) struct Gpu {
     /// The LoRA of q/k/v and gate/up as one launch pair over slices (`lora_slices.rs`,
     /// default); `None` = a pair per module.
     pub slices: Option<super::lora_slices::Slices>,
+    /// SGMV / BGMV of few rows as one fused launch (`lora_small.rs`, opt-in); `None` = the
+    /// two Punica launches.
+    pub small: Option<super::lora_small::LoraSmall>,
     /// The occupancy-planned decode attention (`attn_occupancy.rs`, default); when loaded it
     /// runs eager steps' decode instead of `flash` or `attention.cu`.
     pub occupancy: Option<super::attn_occupancy::OccupancyDecode>,
@@ -221,6 +224,7 @@ impl Gpu {
             counters: Default::default(),
             gemv: None,
             slices: None,
+            small: None,
             occupancy: None,
             lt: None,
             act16: None,

@@ -33,6 +33,7 @@
 //! | `select.rs` | resolves and loads the issue-29 kernels a new backend runs, logs the choice |
 //! | `sgmv.rs` | the Punica-shaped SGMV / BGMV launches (default where served; off: `THAW_CUDA_LORA_IMPL=classic`) |
 //! | `lora_slices.rs` | the LoRA of q/k/v and of gate/up as one shrink + expand launch pair over slices, bit-identical to per module (default; off: `THAW_CUDA_LORA_SLICES=0`) |
+//! | `lora_small.rs` | SGMV / BGMV of few rows as one fused launch, every block recomputing the shrink for its rows (opt-in: `THAW_CUDA_LORA_SMALL=1`) |
 //! | `step.rs` | per-step device metadata (slots, block tables, segments), uploaded once per step |
 //! | `weights.rs` | weights, norms and LoRA descriptor tables on the device |
 //! | `exchange.rs` | fused export and stream-waited merge (CPU assist) |
@@ -48,9 +49,9 @@
 //! run time with `set_attn_impl`, `set_tc_prefill`, `set_lora_impl` and `set_fused`, and the
 //! nine of [`OptInPlan`] (opt-in until session 24's H200 parity run proved them; `0` turns each
 //! off) with `set_group_gemm`, `set_rope_fold`, `set_wide`, `set_gemv`, `set_device_argmax`,
-//! `set_lora_slices`, `set_attn_occupancy`, `set_cublaslt` and `set_act16`. One more is opt-in
-//! (off unless `1`) until a GPU parity run proves it: the FlashAttention-2-style prefill,
-//! `set_prefill_fa`. A test of a classic kernel, or of one kernel against the path it replaces,
+//! `set_lora_slices`, `set_attn_occupancy`, `set_cublaslt` and `set_act16`. Two more are opt-in
+//! (off unless `1`) until a GPU parity run proves them: the FlashAttention-2-style prefill,
+//! `set_prefill_fa`, and the one-launch small-batch LoRA, `set_lora_small`. A test of a classic kernel, or of one kernel against the path it replaces,
 //! sets the switches it depends on explicitly rather than trusting the defaults.
 mod act16;
 mod argmax;
@@ -72,6 +73,7 @@ mod host_rows;
 mod launch;
 mod link;
 mod lora_slices;
+mod lora_small;
 mod lora_stream;
 mod lt;
 mod op_clock;
@@ -86,7 +88,8 @@ mod wide;
 pub use super::kernel_select::{
     AttnImpl, KernelPlan, LoraImpl, OptInPlan, ACT16_ENV, ATTN_IMPL_ENV, ATTN_OCCUPANCY_ENV,
     CUBLASLT_ENV, DEVICE_ARGMAX_ENV, FUSED_ENV, GEMV_ENV, GROUP_GEMM_ENV, LORA_IMPL_ENV,
-    LORA_SLICES_ENV, PREFILL_FA_ENV, ROPE_FOLD_ENV, SPLIT_MIN_CHUNK_ENV, TC_PREFILL_ENV, WIDE_ENV,
+    LORA_SLICES_ENV, LORA_SMALL_ENV, PREFILL_FA_ENV, ROPE_FOLD_ENV, SPLIT_MIN_CHUNK_ENV,
+    TC_PREFILL_ENV, WIDE_ENV,
 };
 pub use backend::{CudaBackend, CudaConfig, CudaKvLayer};
 pub use exchange::MappedExchange;

@@ -93,6 +93,9 @@ impl CudaBackend {
         if opt_in.lora_slices.is_new() {
             self.gpu.slices = Some(super::lora_slices::Slices::load(ctx, w)?);
         }
+        if opt_in.lora_small.is_new() {
+            self.gpu.small = Some(super::lora_small::LoraSmall::load(ctx, w)?);
+        }
         if opt_in.attn_occupancy.is_new() {
             let var = env(SPLIT_MIN_CHUNK_ENV);
             let floor = occupancy_floor(var.as_deref()).map_err(CudaError::Unsupported)?;
@@ -133,6 +136,7 @@ impl CudaBackend {
             cublaslt: pick(self.gpu.lt.is_some()),
             act16: pick(self.gpu.act16.is_some()),
             prefill_fa: pick(self.prefill_fa()),
+            lora_small: pick(self.gpu.small.is_some()),
         }
     }
 

@@ -138,6 +138,10 @@ impl Gpu {
         if rows == 0 || max_rank == 0 {
             return Ok(());
         }
+        // THAW_CUDA_LORA_SMALL: one fused launch where its plan serves the call.
+        if self.try_lora_small(kernel, x, y, meta, rows, slot, dims, max_rank)? {
+            return Ok(());
+        }
         let sk = p.split(d_in, shrink_blocks(kernel, meta, rows, max_rank))?;
         assert!(
             v.len() >= sk.v_len(rows, max_rank),
