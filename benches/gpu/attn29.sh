@@ -26,8 +26,9 @@
 #      thirteen asked for explicitly, so a shape they cannot serve is an error, not a silent
 #      fallback; off9 vs on measures exactly the nine) then new (ON plus the two kernels still
 #      opt-in, THAW_CUDA_PREFILL_FA and THAW_CUDA_LORA_SMALL: on vs new measures exactly them):
-#      decode tokens/s at a long context (--prompt-len, default 2048) at batch 1 and 8, prefill
-#      TFLOP/s at 128 and 2048 tokens, and the SGMV / BGMV table: batch 1, rank 16 in "off" and
+#      decode tokens/s at a long context (--prompt-len, default 2048) at batch 1 and 8 (and
+#      32, eager and CUDA graphs, in "on" and "new": ROWS_ON below), prefill TFLOP/s at 128
+#      and 2048 tokens, and the SGMV / BGMV table: batch 1, rank 16 in "off" and
 #      "off9"; batches 1/16/64, ranks 16/64 in "on" and "new" (LORA_ON below: issue 29's
 #      bandwidth goal is about batch >= 16; each row has its wall clock and its device time;
 #      "new" adds the one-launch rows). THAW_GPU_29_MODES picks the runs (default
@@ -102,6 +103,11 @@ NEW_ON=(THAW_CUDA_PREFILL_FA=1 THAW_CUDA_LORA_SMALL=1)
 # also the batches and ranks issue 29's bandwidth goal is about (batch >= 16).
 LORA_OFF=(--lora-batches 1 --lora-ranks 16)
 LORA_ON=(--lora-batches 1,16,64 --lora-ranks 16,64)
+# The decode rows: batches 1 and 8, eager, in "off" and "off9"; in "on" and "new" also batch 32
+# (issue 29's goal: 32 distinct rank-16 adapters at >= 90% of the base model's tokens/s) and
+# every row again as CUDA graphs (`thaw serve --cuda-graphs`), where the host's launches leave.
+ROWS_OFF=(--batches 1,8)
+ROWS_ON=(--batches 1,8,32 --cuda-graphs)
 DEFAULTS=(THAW_CUDA_ATTN_IMPL= THAW_CUDA_TC_PREFILL= THAW_CUDA_LORA_IMPL= THAW_CUDA_FUSED=
   THAW_CUDA_GROUP_GEMM= THAW_CUDA_ROPE_FOLD= THAW_CUDA_WIDE_NORM= THAW_CUDA_GEMV=
   THAW_CUDA_DEVICE_ARGMAX= THAW_CUDA_LORA_SLICES= THAW_CUDA_ATTN_OCCUPANCY=
@@ -180,16 +186,16 @@ elif [ "$each" -lt 30 ]; then
 else
   for mode in "${MODES[@]}"; do
     case "$mode" in
-      off) envs=("${OFF[@]}"); lora=("${LORA_OFF[@]}") ;;
-      off9) envs=("${OFF9[@]}"); lora=("${LORA_OFF[@]}") ;;
-      on) envs=("${ON[@]}"); lora=("${LORA_ON[@]}") ;;
-      new) envs=("${NEW[@]}"); lora=("${LORA_ON[@]}") ;;
+      off) envs=("${OFF[@]}"); lora=("${LORA_OFF[@]}"); rows=("${ROWS_OFF[@]}") ;;
+      off9) envs=("${OFF9[@]}"); lora=("${LORA_OFF[@]}"); rows=("${ROWS_OFF[@]}") ;;
+      on) envs=("${ON[@]}"); lora=("${LORA_ON[@]}"); rows=("${ROWS_ON[@]}") ;;
+      new) envs=("${NEW[@]}"); lora=("${LORA_ON[@]}"); rows=("${ROWS_ON[@]}") ;;
       *) echo "THAW_GPU_29_MODES: unknown run $mode (off, off9, on, new)"; continue ;;
     esac
     el "thaw-bench gpu, issue 29's kernels $mode: ${envs[*]} (limit ${each}s)"
     # shellcheck disable=SC2086
     env "${envs[@]}" timeout "$each" "$BIN/thaw-bench" gpu --model "$MD" --workdir "$WORK" \
-      --device cuda --batches 1,8 --ranks 16 --prompt-len "$PROMPT" --decode-steps 16 \
+      --device cuda "${rows[@]}" --ranks 16 --prompt-len "$PROMPT" --decode-steps 16 \
       --prefill-tokens 128,2048 --reps 2 "${lora[@]}" \
       ${THAW_GPU_BENCH_ARGS:-} >"$O/attn29-gpu-$mode.md" 2>"$O/attn29-gpu-$mode.log"
     echo "thaw-bench gpu ($mode): rc=$?"

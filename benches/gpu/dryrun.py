@@ -12,7 +12,7 @@ executables, and with `date`, `sleep`, `timeout`, `curl`, `nvidia-smi` and `pyth
   * "fast": every step returns at once, so every step runs and is checked;
   * "worst": every `timeout` runs out (the clock of `date +%s` moves on by its limit, and
     `sleep` moves it on too), so the steps' limits must add up within the part's limit
-    (--limit; a 350 s, b 400 s, c 300 s, all 540 s: the device calls' own limits).
+    (--limit; a 380 s, b 370 s, c 300 s, all 540 s: the device calls' own limits).
 What each shim checks, against the real executables of --bin (build.sh's gpu-bin/, loose or
 packed in bin.tar.gz):
   * thaw, thaw-bench: the subcommand and flags, by their own parser (clap) with `--help`
@@ -51,7 +51,7 @@ from dryrun_shims import (CUDA_ONLY_EXES, CUDA_TEST_EXES, PEER_SCRIPT, build_nam
                           first_error, run_quiet, switches)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-PART_LIMIT_S = {"a": 350, "b": 400, "c": 300, "all": 540}
+PART_LIMIT_S = {"a": 380, "b": 370, "c": 300, "all": 540}
 
 
 # ------------------------------------------------------------------------------------------
@@ -249,7 +249,7 @@ def main(argv):
     p.add_argument("--part", default="all", choices=sorted(PART_LIMIT_S))
     p.add_argument("--budget", type=int, help="lease.sh --budget (default: lease.sh's)")
     p.add_argument("--limit", type=int,
-                   help="seconds the part may take at worst (a 350, b 400, c 300, all 540)")
+                   help="seconds the part may take at worst (a 380, b 370, c 300, all 540)")
     p.add_argument("--scripts", default=HERE, help="where lease.sh and its scripts are")
     p.add_argument("--root", default=os.path.dirname(os.path.dirname(HERE)),
                    help="the checkout whose sources name the switches and tests")
