@@ -180,3 +180,7 @@ mod tests {
         }
     }
 }
+
+#[cfg(test)]
+#[path = "lora_small_emu_tests.rs"]
+mod emu_tests;

@@ -190,3 +190,7 @@ fn first_key(pos: usize, window: usize) -> usize {
 #[cfg(test)]
 #[path = "prefill_fa_plan_tests.rs"]
 mod tests;
+
+#[cfg(test)]
+#[path = "prefill_fa_emu_tests.rs"]
+mod emu_tests;
