@@ -35,7 +35,7 @@ fn shrink_chunk(
 ) {
     let v = vec16(dt);
     let step = 32 * v;
-    let vec = a_aligned && (d_in * dt.size()) % 16 == 0 && k0 % v == 0;
+    let vec = a_aligned && (d_in * dt.size()).is_multiple_of(16) && k0.is_multiple_of(v);
     let mut take = |r: usize, j: usize, width: usize| {
         // A row r, chunk offset j: `width` consecutive elements, all inside A and the chunk.
         assert!(j + width <= len && k0 + j + width <= d_in && r < rank);
@@ -87,7 +87,7 @@ fn shrink_chunk(
 fn stage_x(x_aligned: bool, (start, n, rows): (usize, usize, usize), d_in: usize, k0: usize) {
     let len = PUNICA_K_CHUNK.min(d_in - k0);
     let mut xs = vec![0u8; ROWS * PUNICA_K_CHUNK];
-    if x_aligned && d_in % 4 == 0 {
+    if x_aligned && d_in.is_multiple_of(4) {
         for tid in 0..THREADS {
             let t4 = 4 * tid;
             for k in 0..n {
@@ -127,7 +127,7 @@ fn expand_block(
     y: &mut [u8],
 ) {
     let v = vec16(dt);
-    let vec = b_aligned && (rank * dt.size()) % 16 == 0;
+    let vec = b_aligned && (rank * dt.size()).is_multiple_of(16);
     let width = if vec { v } else { 1 };
     let chunks = rank.div_ceil(width);
     let mut g = 1;
@@ -210,8 +210,8 @@ proptest! {
         // Segments: `rows` cut where `cuts` says; segment s's (or, BGMV, row s's) rank
         // adapters[s], 0 = no adapter for this module.
         let mut segs = vec![(0usize, 1usize)];
-        for r in 1..rows {
-            if cuts[r] || bgmv {
+        for (r, &cut) in cuts.iter().enumerate().take(rows).skip(1) {
+            if cut || bgmv {
                 segs.push((r, r + 1));
             } else {
                 segs.last_mut().unwrap().1 = r + 1;
