@@ -194,3 +194,7 @@ mod tests;
 #[cfg(test)]
 #[path = "prefill_fa_emu_tests.rs"]
 mod emu_tests;
+
+#[cfg(test)]
+#[path = "prefill_fa_lane_tests.rs"]
+mod lane_tests;
