@@ -30,6 +30,8 @@ pub mod prefill_tc_plan;
 pub mod punica_plan;
 pub mod registry;
 pub mod slices_plan;
+#[cfg(test)]
+mod tile_oracle;
 
 #[cfg(feature = "cuda")]
 mod cache;

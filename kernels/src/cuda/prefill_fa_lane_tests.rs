@@ -11,10 +11,8 @@
 use super::*;
 use proptest::prelude::*;
 
-/// bf16 round to nearest even, as `fa_pack` / `cvt.rn.bf16x2.f32`.
-fn r16(x: f32) -> f32 {
-    half::bf16::from_f32(x).to_f32()
-}
+// bf16 round to nearest even, as `fa_pack` / `cvt.rn.bf16x2.f32`.
+use crate::cuda::tile_oracle::bf16_round as r16;
 
 /// One mma register: two 16-bit values, low half first.
 type Reg = [f32; 2];
@@ -263,31 +261,10 @@ proptest! {
         d in prop::sample::select(HEAD_DIMS.to_vec()),
         seed in 0u64..1_000,
     ) {
-        use rand::{Rng, SeedableRng};
-        let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
-        let n = pos0 + nq;
-        let mut rv = |len: usize, amp: f32, round: bool| -> Vec<f32> {
-            (0..len)
-                .map(|_| {
-                    let x = r.random_range(-amp..amp);
-                    if round { r16(x) } else { x }
-                })
-                .collect()
-        };
-        let q = rv(nq * d, 1.5, false);
-        let k = rv(n * d, 1.5, true);
-        let v = rv(n * d, 1.0, true);
-        let scale = 1.0 / (d as f32).sqrt();
-        let got = kernel_tile(&q, (&k, &v), d, pos0, window, scale);
+        let t = crate::cuda::tile_oracle::Tile::random(seed, pos0, nq, d);
+        let got = kernel_tile(&t.q, (&t.k, &t.v), d, pos0, window, t.scale);
         prop_assert!(got.iter().all(|x| x.is_finite()), "every row stored, no NaN");
-        let layout = crate::cpu::KvLayout { block_size: n, num_kv_heads: 1, head_dim: d };
-        let mut want = vec![0.0; nq * d];
-        crate::cpu::paged_attention(
-            &q, &k, &v, layout, &[0], pos0, 1, scale,
-            (window > 0).then_some(window), &mut want, &mut Vec::new(),
-        );
-        let num: f32 = got.iter().zip(&want).map(|(a, b)| (a - b) * (a - b)).sum();
-        let den: f32 = want.iter().map(|b| b * b).sum();
-        prop_assert!((num / den).sqrt() <= 1e-2, "rel err {}", (num / den).sqrt());
+        let e = t.error(&got, window);
+        prop_assert!(e <= 1e-2, "rel err {}", e);
     }
 }

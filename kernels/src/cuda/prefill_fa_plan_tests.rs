@@ -206,7 +206,7 @@ fn emulate(
     (pos0, window): (usize, usize),
     scale: f32,
 ) -> Vec<f32> {
-    let r16 = |x: f32| half::bf16::from_f32(x).to_f32();
+    let r16 = crate::cuda::tile_oracle::bf16_round;
     let nq = q.len() / d;
     let n = k.len() / d;
     let qs: Vec<f32> = q.iter().map(|x| r16(x * scale)).collect();
@@ -352,31 +352,9 @@ proptest! {
         d in prop::sample::select(HEAD_DIMS.to_vec()),
         seed in 0u64..1_000,
     ) {
-        use rand::{Rng, SeedableRng};
-        let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
-        let n = pos0 + nq;
-        let mut rv = |len: usize, amp: f32, round: bool| -> Vec<f32> {
-            (0..len)
-                .map(|_| {
-                    let x = r.random_range(-amp..amp);
-                    if round { half::bf16::from_f32(x).to_f32() } else { x }
-                })
-                .collect()
-        };
-        let q = rv(nq * d, 1.5, false);
-        let k = rv(n * d, 1.5, true);
-        let v = rv(n * d, 1.0, true);
-        let scale = 1.0 / (d as f32).sqrt();
-        let got = emulate(&q, (&k, &v), d, (pos0, window), scale);
-        let layout = crate::cpu::KvLayout { block_size: n, num_kv_heads: 1, head_dim: d };
-        let mut want = vec![0.0; nq * d];
-        crate::cpu::paged_attention(
-            &q, &k, &v, layout, &[0], pos0, 1, scale,
-            (window > 0).then_some(window), &mut want, &mut Vec::new(),
-        );
-        let num: f32 = got.iter().zip(&want).map(|(a, b)| (a - b) * (a - b)).sum();
-        let den: f32 = want.iter().map(|b| b * b).sum();
-        let e = (num / den).sqrt();
+        let t = crate::cuda::tile_oracle::Tile::random(seed, pos0, nq, d);
+        let got = emulate(&t.q, (&t.k, &t.v), d, (pos0, window), t.scale);
+        let e = t.error(&got, window);
         prop_assert!(e <= 1e-2, "rel err {}", e);
     }
 }

@@ -213,9 +213,7 @@ mod tests {
         assert_eq!(causal_flops(10, 2, 2, 8), 23.0 * 4.0 * 8.0 * 2.0);
     }
 
-    fn bf16_round(x: f32) -> f32 {
-        half::bf16::from_f32(x).to_f32()
-    }
+    use crate::cuda::tile_oracle::bf16_round;
 
     /// The kernel's arithmetic on the CPU for one query head: the tile's queries scaled and
     /// rounded to bf16, the key loop of [`key_tiles`] with [`warp_skips`], S in f32, the online
@@ -291,31 +289,9 @@ mod tests {
             d in prop::sample::select(HEAD_DIMS.to_vec()),
             seed in 0u64..1_000,
         ) {
-            use rand::{Rng, SeedableRng};
-            let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
-            let n = pos0 + nq;
-            let mut rv = |len: usize, amp: f32, round: bool| -> Vec<f32> {
-                (0..len)
-                    .map(|_| {
-                        let x = r.random_range(-amp..amp);
-                        if round { bf16_round(x) } else { x }
-                    })
-                    .collect()
-            };
-            let q = rv(nq * d, 1.5, false);
-            let k = rv(n * d, 1.5, true);
-            let v = rv(n * d, 1.0, true);
-            let scale = 1.0 / (d as f32).sqrt();
-            let got = emulate(&q, (&k, &v), d, (pos0, window), scale);
-            let layout = crate::cpu::KvLayout { block_size: n, num_kv_heads: 1, head_dim: d };
-            let mut want = vec![0.0; nq * d];
-            crate::cpu::paged_attention(
-                &q, &k, &v, layout, &[0], pos0, 1, scale,
-                (window > 0).then_some(window), &mut want, &mut Vec::new(),
-            );
-            let num: f32 = got.iter().zip(&want).map(|(a, b)| (a - b) * (a - b)).sum();
-            let den: f32 = want.iter().map(|b| b * b).sum();
-            let e = (num / den).sqrt();
+            let t = crate::cuda::tile_oracle::Tile::random(seed, pos0, nq, d);
+            let got = emulate(&t.q, (&t.k, &t.v), d, (pos0, window), t.scale);
+            let e = t.error(&got, window);
             prop_assert!(e <= 1e-2, "rel err {}", e);
         }
 
