@@ -338,26 +338,4 @@ __device__ void attn_prefill_fa(const float* __restrict__ q, const T* __restrict
     }
 }
 
-#define THAW_ATTN_PREFILL_FA_OUT(T, O, HD, NAME)                                                \
-    extern "C" __global__ void __launch_bounds__(32 * THAW_FA_MAX_WARPS)                        \
-        NAME(const float* q, const T* kc, const T* vc, O* out, const u32* block_tables,         \
-             const u32* tiles, int n_tiles, int n_heads, int n_kv_heads, int head_dim,          \
-             int block_size, int window, float scale) {                                         \
-        if (head_dim != HD) __trap();                                                           \
-        attn_prefill_fa<T, HD, O>(q, kc, vc, out, block_tables, tiles, n_tiles, n_heads,        \
-                                  n_kv_heads, block_size, window, scale);                       \
-    }
-#define THAW_ATTN_PREFILL_FA(T, S, HD) \
-    THAW_ATTN_PREFILL_FA_OUT(T, float, HD, attn_prefill_fa##HD##_##S)
-THAW_ATTN_PREFILL_FA(bf16_t, bf16, 32)
-THAW_ATTN_PREFILL_FA(bf16_t, bf16, 64)
-THAW_ATTN_PREFILL_FA(bf16_t, bf16, 128)
-THAW_ATTN_PREFILL_FA(f16_t, f16, 32)
-THAW_ATTN_PREFILL_FA(f16_t, f16, 64)
-THAW_ATTN_PREFILL_FA(f16_t, f16, 128)
-THAW_ATTN_PREFILL_FA_OUT(bf16_t, bf16_t, 32, attn_prefill_fa32_bf16_out_bf16)
-THAW_ATTN_PREFILL_FA_OUT(bf16_t, bf16_t, 64, attn_prefill_fa64_bf16_out_bf16)
-THAW_ATTN_PREFILL_FA_OUT(bf16_t, bf16_t, 128, attn_prefill_fa128_bf16_out_bf16)
-THAW_ATTN_PREFILL_FA_OUT(f16_t, f16_t, 32, attn_prefill_fa32_f16_out_f16)
-THAW_ATTN_PREFILL_FA_OUT(f16_t, f16_t, 64, attn_prefill_fa64_f16_out_f16)
-THAW_ATTN_PREFILL_FA_OUT(f16_t, f16_t, 128, attn_prefill_fa128_f16_out_f16)
+THAW_PREFILL_ENTRIES(attn_prefill_fa, 32 * THAW_FA_MAX_WARPS, attn_prefill_fa)

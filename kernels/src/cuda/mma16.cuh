@@ -33,3 +33,31 @@ __device__ __forceinline__ u32 tc_pack(float lo, float hi) {
     return (u32)from_f32<T>(lo).bits | ((u32)from_f32<T>(hi).bits << 16);
 }
 
+
+// The twelve entry points of a prefill attention family IMPL<T, HD, O> (attn_prefill_tc,
+// attn_prefill_fa): PREFIX<HD>_<T> for head dims 32/64/128 and a bf16 or f16 cache, with an f32
+// output, and PREFIX<HD>_<T>_out_<T> storing the output in the cache's type (THAW_CUDA_BF16_ACT).
+// Each has attention.cu's attn_prefill_T signature; head_dim must equal HD. BOUND: the most
+// threads a block of the family has (__launch_bounds__).
+#define THAW_PREFILL_ENTRY(IMPL, BOUND, T, O, HD, NAME)                                         \
+    extern "C" __global__ void __launch_bounds__(BOUND)                                         \
+        NAME(const float* q, const T* kc, const T* vc, O* out, const u32* block_tables,         \
+             const u32* tiles, int n_tiles, int n_heads, int n_kv_heads, int head_dim,          \
+             int block_size, int window, float scale) {                                         \
+        if (head_dim != HD) __trap();                                                           \
+        IMPL<T, HD, O>(q, kc, vc, out, block_tables, tiles, n_tiles, n_heads, n_kv_heads,       \
+                       block_size, window, scale);                                              \
+    }
+#define THAW_PREFILL_ENTRIES(IMPL, BOUND, PREFIX)                                              \
+    THAW_PREFILL_ENTRY(IMPL, BOUND, bf16_t, float, 32, PREFIX##32_bf16)                         \
+    THAW_PREFILL_ENTRY(IMPL, BOUND, bf16_t, float, 64, PREFIX##64_bf16)                         \
+    THAW_PREFILL_ENTRY(IMPL, BOUND, bf16_t, float, 128, PREFIX##128_bf16)                       \
+    THAW_PREFILL_ENTRY(IMPL, BOUND, f16_t, float, 32, PREFIX##32_f16)                           \
+    THAW_PREFILL_ENTRY(IMPL, BOUND, f16_t, float, 64, PREFIX##64_f16)                           \
+    THAW_PREFILL_ENTRY(IMPL, BOUND, f16_t, float, 128, PREFIX##128_f16)                         \
+    THAW_PREFILL_ENTRY(IMPL, BOUND, bf16_t, bf16_t, 32, PREFIX##32_bf16_out_bf16)               \
+    THAW_PREFILL_ENTRY(IMPL, BOUND, bf16_t, bf16_t, 64, PREFIX##64_bf16_out_bf16)               \
+    THAW_PREFILL_ENTRY(IMPL, BOUND, bf16_t, bf16_t, 128, PREFIX##128_bf16_out_bf16)             \
+    THAW_PREFILL_ENTRY(IMPL, BOUND, f16_t, f16_t, 32, PREFIX##32_f16_out_f16)                   \
+    THAW_PREFILL_ENTRY(IMPL, BOUND, f16_t, f16_t, 64, PREFIX##64_f16_out_f16)                   \
+    THAW_PREFILL_ENTRY(IMPL, BOUND, f16_t, f16_t, 128, PREFIX##128_f16_out_f16)
