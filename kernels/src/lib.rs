@@ -19,7 +19,8 @@
 //! | `cuda::registry` | every CUDA kernel source (NVRTC), its entry points, compile options |
 //!
 //! With the `cuda` feature, `cuda::KernelCache` compiles the registry's sources with NVRTC on
-//! first use and keeps one module per (device ordinal, arch); see `kernels/README.md` for CUDA 12.
+//! first use and keeps one module per (device ordinal, arch), its CUBIN stored on disk for the
+//! next process (`cuda::cubin_store`); see `kernels/README.md` for CUDA 12.
 //!
 //! ```
 //! use thaw_kernels::cpu::{linear, sgmv, GemmShape, LoraRef, LoraSegment};

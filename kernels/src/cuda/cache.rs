@@ -1,4 +1,5 @@
-//! NVRTC compilation on first use, one module per (device ordinal, arch, source).
+//! NVRTC compilation on first use, one module per (device ordinal, arch, source); the CUBINs
+//! are kept on disk for the next process ([`cubin_store`]).
 //!
 //! Sources compile to a CUBIN for the device's real architecture (`sm_XX`), not PTX: a CUBIN
 //! loads without the driver's JIT, so an NVRTC newer than the driver (a pip wheel, say) still
@@ -10,6 +11,7 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, DriverError};
 use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys, Ptx};
 
+use super::cubin_store;
 use super::registry::{nvrtc_options, source_of, GpuArch, KernelSource, Target};
 
 /// Why a kernel could not be made ready to launch.
@@ -84,14 +86,59 @@ impl KernelCache {
         let module = match modules.get(&key) {
             Some(m) => m.clone(),
             None => {
-                let cubin = compile_cubin(src, arch)?;
-                let m = ctx.load_module(Ptx::from_binary(cubin))?;
+                let m = load_or_compile(ctx, src, arch)?;
                 modules.insert(key, m.clone());
                 m
             }
         };
         Ok(module.load_function(entry)?)
     }
+}
+
+/// `src`'s module on `ctx`'s device: its CUBIN from the on-disk store ([`cubin_store`]) when
+/// a whole entry for this very source, options and arch is there and the driver loads it,
+/// else compiled with NVRTC (and stored for the next process; a store that cannot be written
+/// only costs the next process a compile).
+fn load_or_compile(
+    ctx: &Arc<CudaContext>,
+    src: &KernelSource,
+    arch: GpuArch,
+) -> Result<Arc<CudaModule>, CompileError> {
+    let dir = cubin_store::store_dir(|k| std::env::var(k).ok());
+    let sm = arch.number();
+    let key = dir.as_ref().map(|_| {
+        cubin_store::key_text(&src.full_source(), &nvrtc_options(arch, Target::Cubin), sm)
+    });
+    if let (Some(d), Some(k)) = (&dir, &key) {
+        if let Some(cubin) = cubin_store::load(d, src.name, sm, k) {
+            match ctx.load_module(Ptx::from_binary(cubin)) {
+                Ok(m) => return Ok(m),
+                // Written by an NVRTC newer than this driver, say: compile it afresh.
+                Err(_) => cubin_store::forget(d, src.name, sm, k),
+            }
+        }
+    }
+    let cubin = compile_cubin(src, arch)?;
+    if let (Some(d), Some(k)) = (&dir, &key) {
+        if let Err(e) = cubin_store::store(d, src.name, sm, k, &cubin) {
+            warn_store_unwritable(d, &e);
+        }
+    }
+    Ok(ctx.load_module(Ptx::from_binary(cubin))?)
+}
+
+/// The store could not be written: said once on stderr (thaw-kernels logs nothing else), the
+/// compile goes on.
+fn warn_store_unwritable(dir: &std::path::Path, e: &std::io::Error) {
+    static SAID: std::sync::Once = std::sync::Once::new();
+    SAID.call_once(|| {
+        eprintln!(
+            "thaw-kernels: cannot store compiled kernels in {} ({e}); each process compiles \
+             them again (set {} to a writable directory, or to off)",
+            dir.display(),
+            cubin_store::CACHE_DIR_ENV
+        )
+    });
 }
 
 /// Compiles `src` (with the prelude) to a CUBIN for `arch` with the registry's options.

@@ -23,6 +23,7 @@
 //! | `exchange.cu` | fused export (copy + fence + sequence word), merge of CPU deltas | CPU backend copy + `Exchange::post_step` |
 
 pub mod attn_out_names;
+pub mod cubin_store;
 pub mod decode_plan;
 pub mod lora_small_plan;
 pub mod prefill_fa_plan;
