@@ -534,13 +534,44 @@ mod tests {
                 assert!(seen.insert(*e), "entry point {e} listed twice");
                 let (base, _) = e.rsplit_once('_').unwrap_or((e, ""));
                 assert!(
-                    k.source.contains(e) || k.source.contains(base),
+                    k.source.contains(e) || k.source.contains(base) || prefill_entry(k, e),
                     "{e} not found in {}.cu",
                     k.name
                 );
             }
         }
         assert_eq!(source_of("sgmv_shrink_bf16").map(|k| k.name), Some("lora"));
+    }
+
+    /// Whether `e` is one of the names `mma16.cuh`'s `THAW_PREFILL_ENTRIES(IMPL, BOUND, PREFIX)`
+    /// pastes, invoked in `k`'s source: PREFIX followed by a suffix the macro pastes to it.
+    fn prefill_entry(k: &KernelSource, e: &str) -> bool {
+        const MACRO: &str = include_str!("mma16.cuh");
+        k.source.lines().any(|l| {
+            let Some(args) = l.strip_prefix("THAW_PREFILL_ENTRIES(") else {
+                return false;
+            };
+            let prefix = args
+                .trim_end_matches(')')
+                .rsplit(',')
+                .next()
+                .unwrap_or("")
+                .trim();
+            e.strip_prefix(prefix).is_some_and(|suffix| {
+                !suffix.is_empty() && MACRO.contains(&format!("PREFIX##{suffix})"))
+            })
+        })
+    }
+
+    #[test]
+    fn the_prefill_families_list_each_name_their_macro_pastes() {
+        for k in [ATTENTION_PREFILL_TC, ATTENTION_PREFILL_FA] {
+            assert_eq!(k.entry_points.len(), 12, "{}", k.name);
+            for e in k.entry_points {
+                assert!(prefill_entry(&k, e), "{e} in {}", k.name);
+            }
+            assert!(!prefill_entry(&k, "attn_prefill_tc48_bf16"));
+        }
     }
 
     /// The host launches with `shape`'s constants: each must equal the source's `#define`.
