@@ -234,32 +234,11 @@ fn emulate(
                     qs[qi * d..][..d].iter().zip(kr).map(|(a, b)| a * b).sum()
                 })
                 .collect();
-            let mn = s.iter().copied().fold(m[qi], f32::max);
-            let corr = if mn == f32::NEG_INFINITY {
-                1.0
-            } else {
-                (m[qi] - mn).exp()
-            };
-            m[qi] = mn;
-            l[qi] *= corr;
             let o = &mut out[qi * d..][..d];
-            o.iter_mut().for_each(|x| *x *= corr);
-            for (j, &sj) in s.iter().enumerate() {
-                if sj == f32::NEG_INFINITY || c0 + j >= n {
-                    continue;
-                }
-                let p = (sj - mn).exp();
-                l[qi] += p;
-                let pb = r16(p);
-                o.iter_mut()
-                    .zip(&v[(c0 + j) * d..][..d])
-                    .for_each(|(x, &y)| *x += pb * y);
-            }
+            crate::cuda::tile_oracle::online_step(&s, (&mut m[qi], &mut l[qi]), o, v, c0);
         }
     }
-    for (qi, o) in out.chunks_exact_mut(d).enumerate() {
-        o.iter_mut().for_each(|x| *x /= l[qi]);
-    }
+    crate::cuda::tile_oracle::normalise(&mut out, &l, d);
     out
 }
 

@@ -213,7 +213,7 @@ mod tests {
         assert_eq!(causal_flops(10, 2, 2, 8), 23.0 * 4.0 * 8.0 * 2.0);
     }
 
-    use crate::cuda::tile_oracle::bf16_round;
+    use crate::cuda::tile_oracle::{bf16_round, normalise, online_step};
 
     /// The kernel's arithmetic on the CPU for one query head: the tile's queries scaled and
     /// rounded to bf16, the key loop of [`key_tiles`] with [`warp_skips`], S in f32, the online
@@ -250,31 +250,11 @@ mod tests {
                             .sum()
                     })
                     .collect();
-                let mn = s.iter().copied().fold(m[qi], f32::max);
-                let corr = if mn == f32::NEG_INFINITY {
-                    1.0
-                } else {
-                    (m[qi] - mn).exp()
-                };
-                m[qi] = mn;
-                l[qi] *= corr;
                 let o = &mut out[qi * d..(qi + 1) * d];
-                o.iter_mut().for_each(|x| *x *= corr);
-                for (j, &sj) in s.iter().enumerate() {
-                    if sj == f32::NEG_INFINITY {
-                        continue;
-                    }
-                    let p = (sj - mn).exp();
-                    l[qi] += p;
-                    let vr = &v[(c0 + j) * d..(c0 + j + 1) * d];
-                    let pb = bf16_round(p);
-                    o.iter_mut().zip(vr).for_each(|(x, &y)| *x += pb * y);
-                }
+                online_step(&s, (&mut m[qi], &mut l[qi]), o, v, c0);
             }
         }
-        for (qi, o) in out.chunks_exact_mut(d).enumerate() {
-            o.iter_mut().for_each(|x| *x /= l[qi]);
-        }
+        normalise(&mut out, &l, d);
         out
     }
 

@@ -1,7 +1,8 @@
 //! Test fixture shared by the tensor-core prefill plans' emulations (`prefill_tc_plan`,
 //! `prefill_fa_plan` and its lane-level replay): one query tile of one head against a cache of
 //! bf16 values, the CPU oracle's answer (`cpu::paged_attention`) and the normwise error DESIGN §9
-//! bounds. Each emulation computes its own output from [`Tile`]; this holds what they compare.
+//! bounds, and the online-softmax step both kernels take per key tile ([`online_step`]). Each
+//! emulation computes its own scores (its key tiles, masks and skips); this holds the rest.
 use rand::{Rng, SeedableRng};
 
 /// bf16 round to nearest even (the kernels' `from_f32` / `cvt.rn.bf16x2.f32` on finite values).
@@ -83,5 +84,48 @@ impl Tile {
         let num: f32 = got.iter().zip(&want).map(|(a, b)| (a - b) * (a - b)).sum();
         let den: f32 = want.iter().map(|b| b * b).sum();
         (num / den).sqrt()
+    }
+}
+
+/// One key tile's online-softmax step for one query row, as both tensor-core kernels take it:
+/// `s` the row's scores for keys `c0 ..` (−∞ where masked), `m` and `l` its running max and
+/// sum, `o` its unnormalised output; P rounded to bf16 before P·V (the mma's operand), the sum
+/// and the rescale in f32. Keys past `v`'s rows (zero-filled in the kernel) add nothing.
+pub(crate) fn online_step(
+    s: &[f32],
+    (m, l): (&mut f32, &mut f32),
+    o: &mut [f32],
+    v: &[f32],
+    c0: usize,
+) {
+    let d = o.len();
+    let n = v.len() / d;
+    let mn = s.iter().copied().fold(*m, f32::max);
+    // A row that has seen no key yet keeps its zeros (−∞ − −∞ would be NaN).
+    let corr = if mn == f32::NEG_INFINITY {
+        1.0
+    } else {
+        (*m - mn).exp()
+    };
+    *m = mn;
+    *l *= corr;
+    o.iter_mut().for_each(|x| *x *= corr);
+    for (j, &sj) in s.iter().enumerate() {
+        if sj == f32::NEG_INFINITY || c0 + j >= n {
+            continue;
+        }
+        let p = (sj - mn).exp();
+        *l += p;
+        let pb = bf16_round(p);
+        o.iter_mut()
+            .zip(&v[(c0 + j) * d..][..d])
+            .for_each(|(x, &y)| *x += pb * y);
+    }
+}
+
+/// Each row of `out` (`d` values) divided by its row sum `l`: the kernels' final store.
+pub(crate) fn normalise(out: &mut [f32], l: &[f32], d: usize) {
+    for (o, &li) in out.chunks_exact_mut(d).zip(l) {
+        o.iter_mut().for_each(|x| *x /= li);
     }
 }
