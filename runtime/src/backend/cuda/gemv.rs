@@ -155,7 +155,8 @@ impl Gpu {
     }
 
     /// Whether a product of `rows` rows of `x` through `w` runs as a GEMV (switch on, kernels
-    /// loaded, [`gemv_serves`], [`gemv_pays`] unless every row count is asked for): the decision
+    /// loaded, [`Gpu::gemv_may_take`] by rows and size, [`gemv_serves`] by width and
+    /// alignment): the decision
     /// [`Gpu::gemv_linear`] runs, None for cuBLAS.
     pub(super) fn gemv_takes(
         &self,
@@ -165,10 +166,11 @@ impl Gpu {
         d_in: usize,
         d_out: usize,
     ) -> Option<GemvTake> {
-        let g = self.gemv.as_ref().filter(|g| g.func.is_some())?;
+        let loaded = self.gemv.as_ref().is_some_and(|g| g.func.is_some());
         let (xp, wp) = (self.p(x), self.p(w));
-        let runs = gemv_serves(true, self.weight_dtype, rows, d_in, d_out, wp, xp)
-            && (g.every_row || gemv_pays(rows, d_in, d_out));
+        let runs = loaded
+            && self.gemv_may_take(rows, [(d_in, d_out)])
+            && gemv_serves(true, self.weight_dtype, rows, d_in, d_out, wp, xp);
         runs.then_some(GemvTake {
             x: xp,
             w: wp,

@@ -349,13 +349,14 @@ impl Gpu {
                 p = plan(&shape(false)).map_err(why)?;
             }
         }
-        // A shape cuBLASLt has no algorithm for at all: the caller runs `cublasGemmEx`
-        // (`Gpu::gemm`, `Gpu::gemm16`); asked once, remembered.
-        if cache.refused.contains(&p.key) {
-            return Err(CudaError::LtNoAlgorithm);
-        }
         let entry = match cache.entries.entry(p.key) {
             std::collections::hash_map::Entry::Occupied(o) => o.into_mut(),
+            // A shape cuBLASLt has no algorithm for at all: the caller runs `cublasGemmEx`
+            // (`Gpu::gemm`, `Gpu::gemm16`); asked once, remembered (never an entry, so the
+            // steady path above does not look).
+            std::collections::hash_map::Entry::Vacant(_) if cache.refused.contains(&p.key) => {
+                return Err(CudaError::LtNoAlgorithm);
+            }
             std::collections::hash_map::Entry::Vacant(v) => {
                 match lt.build(&p.key, bias.unwrap_or(0)) {
                     Ok(e) => v.insert(e),
